@@ -1,0 +1,22 @@
+"""Packaging for tangram-launch.  Install:  pip install -e ".[test]" -c constraints.txt"""
+from setuptools import find_packages, setup
+
+setup(
+    name="tangram-launch",
+    version="0.1.0",
+    description="Plan and launch LLM training on heterogeneous GPU clusters (Tangram)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tangram_launch*", "profiler*", "runtime_adapters*"]),
+    package_data={"tangram_launch": ["specs/*.yaml", "*.json", "models/*.yaml"]},
+    install_requires=["torch==2.13.0", "pyyaml>=6", "nvidia-ml-py>=12"],
+    extras_require={
+        "deepspeed": ["deepspeed==0.19.8"],
+        "megatron": ["megatron-core==0.16.1"],
+        "draw": [],
+        "test": ["pytest>=8", "deepspeed==0.19.8", "megatron-core==0.16.1"],
+    },
+    entry_points={
+        "console_scripts": ["tangram-launch=tangram_launch.cli:main"],
+        "tangram_launch.parallelizers": [],
+    },
+)

@@ -1,0 +1,135 @@
+"""What a runtime can execute, as data the planner reads so it never proposes a plan the runtime cannot run.
+
+Each runtime adapter declares one ``RuntimeCapabilities``; the planner imports only this module, never a runtime.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.plan import Plan
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """The parallel configuration of one stage, as capabilities see it."""
+
+    tp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class RuntimeCapabilities:
+    name: str
+    uniform_grid: bool = False  # every stage has the same (tp, dp, cp): one process grid for all stages
+    uniform_tp: bool = False  # every stage has the same TP size
+    uniform_dp: bool = False  # every stage has the same DP x CP size (micro-batches pass whole between stages)
+    max_zero_stage: int = 3
+    max_zero_stage_with_pp: int = 3  # DeepSpeed's pipeline engine rejects ZeRO 2/3
+    tensor_parallel: bool = True
+    context_parallel: bool = True
+    expert_parallel: bool = True
+    offload: bool = True
+    recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+    max_stages: int | None = None
+
+    def stage_problems(self, shape: StageShape, *, pipelined: bool) -> list[str]:
+        """Why this runtime cannot run one stage of this shape (empty when it can)."""
+        out = []
+        if shape.tp > 1 and not self.tensor_parallel:
+            out.append(f"{self.name} has no tensor parallelism (tp={shape.tp})")
+        if shape.cp > 1 and not self.context_parallel:
+            out.append(f"{self.name} has no context parallelism (cp={shape.cp})")
+        if shape.ep > 1 and not self.expert_parallel:
+            out.append(f"{self.name} has no expert parallelism (ep={shape.ep})")
+        if shape.offload and not self.offload:
+            out.append(f"{self.name} cannot offload optimizer state")
+        limit = self.max_zero_stage_with_pp if pipelined else self.max_zero_stage
+        if shape.zero_stage > limit:
+            what = "with pipeline parallelism" if pipelined else ""
+            out.append(f"{self.name} runs ZeRO stage <= {limit} {what}".rstrip() + f" (zero_stage={shape.zero_stage})")
+        if shape.recompute not in self.recompute_modes:
+            out.append(f"{self.name} has no '{shape.recompute}' recompute (has: {', '.join(self.recompute_modes)})")
+        return out
+
+    def allows_stage(self, shape: StageShape, *, pipelined: bool) -> bool:
+        return not self.stage_problems(shape, pipelined=pipelined)
+
+    def pipeline_problems(self, shapes: Iterable[StageShape]) -> list[str]:
+        """Cross-stage constraints (one grid / one TP size) for a whole pipeline."""
+        shapes = list(shapes)
+        out = []
+        if self.max_stages is not None and len(shapes) > self.max_stages:
+            out.append(f"{self.name} runs at most {self.max_stages} pipeline stages (plan has {len(shapes)})")
+        if self.uniform_grid and len({(s.tp, s.dp, s.cp) for s in shapes}) > 1:
+            grids = sorted({(s.tp, s.dp, s.cp) for s in shapes})
+            out.append(f"{self.name} needs one (tp, dp, cp) grid for all stages; plan has {grids}")
+        else:
+            if self.uniform_tp and len({s.tp for s in shapes}) > 1:
+                out.append(f"{self.name} needs one TP size for all stages; plan has {sorted({s.tp for s in shapes})}")
+            if self.uniform_dp and len({s.dp * s.cp for s in shapes}) > 1:
+                out.append(f"{self.name} needs one DP size for all stages; plan has "
+                           f"{sorted({s.dp * s.cp for s in shapes})}")
+        return out
+
+    def plan_problems(self, plan: "Plan") -> list[str]:
+        """Everything that stops this runtime from executing the plan (checked before any process group exists)."""
+        shapes = [StageShape(s.tp, s.dp, s.cp, s.ep, s.zero_stage, s.recompute, s.offload) for s in plan.stages]
+        pipelined = len(shapes) > 1
+        out = []
+        for i, sh in enumerate(shapes):
+            out.extend(f"stage {i}: {p}" for p in self.stage_problems(sh, pipelined=pipelined))
+        out.extend(self.pipeline_problems(shapes))
+        return out
+
+
+# The built-in runtimes' capabilities live here as data so the planner can read them without importing a runtime;
+# each adapter in runtime_adapters/ re-exports its own entry and is tested against what the runtime really accepts.
+TORCH = RuntimeCapabilities(
+    name="torch",
+    # torch.distributed.pipelining stages exchange whole micro-batches; per-stage DP degrees need re-sharding
+    # between stages, which the torch adapter does not do yet: one DP size for all stages, TP free per stage.
+    uniform_dp=True,
+    context_parallel=False,
+    expert_parallel=False,
+    offload=False,
+    max_zero_stage=3,
+    max_zero_stage_with_pp=3,
+)
+DEEPSPEED = RuntimeCapabilities(
+    name="deepspeed",
+    uniform_grid=True,
+    max_zero_stage=3,
+    max_zero_stage_with_pp=1,  # PipelineEngine asserts zero stage < 2
+    context_parallel=False,
+    expert_parallel=False,
+    offload=False,
+    recompute_modes=("none", "full"),
+)
+MEGATRON = RuntimeCapabilities(
+    name="megatron",
+    uniform_grid=True,  # one parallel_state per job: one (tp, dp, cp) for every pipeline rank
+    max_zero_stage=1,  # the distributed optimizer shards optimizer state (ZeRO-1)
+    max_zero_stage_with_pp=1,
+    offload=False,
+)
+
+BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}
+
+
+def capabilities_for(runtime: str) -> RuntimeCapabilities:
+    from tangram_launch.errors import SpecError
+    from tangram_launch.specs.yamlio import closest
+
+    try:
+        return BUILTIN[runtime]
+    except KeyError:
+        hint = closest(runtime, BUILTIN)
+        raise SpecError("unknown runtime", field="runtime", value=runtime,
+                        valid=(f"did you mean '{hint}'? " if hint else "") + ", ".join(BUILTIN)) from None

@@ -1,0 +1,56 @@
+"""The ``tangram-launch`` console script.
+
+    tangram-launch islands  --cluster FILE                     # GPU islands and why GPUs were split apart
+    tangram-launch estimate --cluster FILE --model NAME ...    # cost breakdown of one configuration on one island
+    tangram-launch plan     --cluster FILE --model NAME ...    # the heterogeneous plan (table, JSON or YAML)
+    tangram-launch profile  [torchrun args] -o cluster.yaml    # measure a live cluster, write its ClusterSpec
+    tangram-launch [torchrun args] [tangram args] script.py    # launch, exactly like torchrun (plus planning)
+
+User errors exit with status 2, infeasible requests with 3, both without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from tangram_launch.errors import TangramError
+
+SUBCOMMANDS = {
+    "islands": "tangram_launch.commands.islands",
+    "estimate": "tangram_launch.commands.estimate",
+    "plan": "tangram_launch.commands.plan",
+    "profile": "tangram_launch.commands.profile",
+}
+
+
+def _run_subcommand(name: str, argv: list[str]) -> int:
+    """Each command module provides ``add_arguments(parser)`` and ``run(args) -> int``."""
+    module = importlib.import_module(SUBCOMMANDS[name])
+    parser = argparse.ArgumentParser(prog=f"tangram-launch {name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    return int(module.run(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="[tangram] %(message)s")
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            return _run_subcommand(argv[0], argv[1:])
+        if argv and argv[0] in ("-h", "--help"):
+            print(__doc__.strip())
+            print()
+        from tangram_launch import launch
+
+        return int(launch.run(argv) or 0)
+    except TangramError as exc:
+        print(f"tangram-launch: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

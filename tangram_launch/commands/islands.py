@@ -1,0 +1,37 @@
+"""Print a cluster's GPU islands (paper §4) and, for GPUs split apart, the constraint that separated them.
+
+    tangram-launch islands --cluster examples/clusters/c3-full-het-iii.yaml [--format table|json] [--draw FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from tangram_launch.islands import IslandTolerances, build_islands, format_islands_table
+from tangram_launch.specs.cluster import ClusterSpec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", required=True, help="ClusterSpec YAML file")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                        help="dtype whose throughput defines compute similarity (falls back to fp16/fp32)")
+    parser.add_argument("--eps-compute", type=float, default=IslandTolerances.compute)
+    parser.add_argument("--eps-memory", type=float, default=IslandTolerances.memory)
+    parser.add_argument("--eps-interconnect", type=float, default=IslandTolerances.interconnect)
+    parser.add_argument("--draw", metavar="FILE", help="draw nodes grouped into islands with their links (.svg/.png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = ClusterSpec.load(args.cluster)
+    tol = IslandTolerances(args.eps_compute, args.eps_memory, args.eps_interconnect)
+    iset = build_islands(cluster, tol, dtype=args.dtype)
+    if args.format == "json":
+        print(json.dumps(iset.to_dict(args.dtype), indent=2))
+    else:
+        print(format_islands_table(iset, args.dtype))
+    if args.draw:
+        from tangram_launch.draw import draw_islands
+
+        draw_islands(cluster, iset, args.draw)
+    return 0

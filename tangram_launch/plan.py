@@ -1,0 +1,404 @@
+"""The Plan: one frozen, versioned artifact that everything after planning reads.
+
+Field names are the JSON contract (``plan.schema.json`` beside this file). Ranks are numbered stage by stage
+(pipeline outermost), and inside a stage with TP fastest, then CP, then DP (Megatron's default "tp-cp-ep-dp-pp"
+order), so TP groups are consecutive GPUs of one node.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from tangram_launch.errors import SpecError
+from tangram_launch.specs.yamlio import check_keys, dump_yaml_file, load_yaml_file, to_plain
+
+PLAN_VERSION = 1
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    layers: tuple[int, int]  # [start, stop) over transformer layers
+    island: str
+    gpus: tuple[tuple[str, int], ...]  # (node, local GPU index), in rank order
+    tp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    micro_batch_size: int = 1  # sequences per micro-batch per DP replica
+    offload: bool = False
+    has_embedding: bool = False
+    has_head: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"stages[{self.index}]"
+        start, stop = self.layers
+        if not (0 <= start < stop):
+            raise SpecError("layer range must be [start, stop) with 0 <= start < stop", field=f"{where}.layers",
+                            value=list(self.layers))
+        for name in ("tp", "dp", "cp", "ep", "micro_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError("must be a positive integer", field=f"{where}.{name}", value=v)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise SpecError("unknown ZeRO stage", field=f"{where}.zero_stage", value=self.zero_stage,
+                            valid="0, 1, 2, 3")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise SpecError("unknown recompute mode", field=f"{where}.recompute", value=self.recompute,
+                            valid=", ".join(RECOMPUTE_MODES))
+        if len(self.gpus) != self.tp * self.dp * self.cp:
+            raise SpecError(f"a stage needs tp*dp*cp = {self.tp * self.dp * self.cp} GPUs",
+                            field=f"{where}.gpus", value=len(self.gpus))
+        if (self.dp * self.cp) % self.ep:
+            raise SpecError("expert parallel size must divide dp*cp", field=f"{where}.ep", value=self.ep,
+                            valid=f"a divisor of {self.dp * self.cp}")
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "layers": list(self.layers),
+            "island": self.island,
+            "num_gpus": self.num_gpus,
+            "gpus": [{"node": n, "local_gpu": g} for n, g in self.gpus],
+            "tp": self.tp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
+            "zero_stage": self.zero_stage,
+            "recompute": self.recompute,
+            "micro_batch_size": self.micro_batch_size,
+            "offload": self.offload,
+            "has_embedding": self.has_embedding,
+            "has_head": self.has_head,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping, *, source: str | None = None) -> "Stage":
+        idx = d.get("index", "?")
+        where = f"stages[{idx}]"
+        check_keys(d, ("index", "layers", "island", "num_gpus", "gpus", "tp", "dp", "cp", "ep", "zero_stage",
+                       "recompute", "micro_batch_size", "offload", "has_embedding", "has_head"),
+                   where=where, source=source)
+        try:
+            gpus = tuple((str(g["node"]), int(g["local_gpu"])) for g in d["gpus"])
+            layers = tuple(int(x) for x in d["layers"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError(f"malformed stage ({exc})", source=source, field=where) from None
+        if len(layers) != 2:
+            raise SpecError("layers must be [start, stop)", source=source, field=f"{where}.layers", value=d["layers"])
+        kw = {k: d[k] for k in ("tp", "dp", "cp", "ep", "zero_stage", "recompute", "micro_batch_size", "offload",
+                                "has_embedding", "has_head") if k in d}
+        stage = cls(index=int(d["index"]), layers=layers, island=str(d["island"]), gpus=gpus, **kw)
+        if "num_gpus" in d and int(d["num_gpus"]) != stage.num_gpus:
+            raise SpecError("num_gpus differs from the gpus list", source=source, field=f"{where}.num_gpus",
+                            value=d["num_gpus"], valid=str(stage.num_gpus))
+        return stage
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    node: str
+    local_gpu: int
+    stage: int
+    tp: int  # coordinates inside the stage
+    cp: int
+    dp: int
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "node": self.node, "local_gpu": self.local_gpu, "stage": self.stage,
+                "coords": {"pp": self.stage, "dp": self.dp, "cp": self.cp, "tp": self.tp}}
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    forward_s: float  # per micro-batch
+    backward_s: float  # per micro-batch (incl. recompute)
+    peak_memory_gib: float
+    capacity_gib: float
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def to_dict(self) -> dict:
+        return {"time_s": self.time_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "peak_memory_gib": self.peak_memory_gib, "capacity_gib": self.capacity_gib}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    iteration_time_s: float
+    tokens_per_s: float
+    mfu: float  # model FLOPs (causal attention, no recompute) / peak of the GPUs used
+    stages: tuple[StagePrediction, ...]
+    breakdown: Mapping[str, float] = field(default_factory=dict)  # e.g. pipeline, p2p, dp_sync, optimizer
+
+    def to_dict(self) -> dict:
+        return {"iteration_time_s": self.iteration_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "stages": [s.to_dict() for s in self.stages], "breakdown": dict(self.breakdown)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Prediction":
+        return cls(
+            iteration_time_s=float(d["iteration_time_s"]), tokens_per_s=float(d["tokens_per_s"]),
+            mfu=float(d["mfu"]),
+            stages=tuple(StagePrediction(float(s["forward_s"]), float(s["backward_s"]), float(s["peak_memory_gib"]),
+                                         float(s["capacity_gib"])) for s in d["stages"]),
+            breakdown={k: float(v) for k, v in (d.get("breakdown") or {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class Place:
+    """A worker's place in the plan: everything an adapter needs to build its groups and its model part."""
+
+    rank: int
+    world_size: int
+    stage: Stage
+    num_stages: int
+    node: str
+    local_gpu: int
+    coords: Mapping[str, int]  # pp, dp, cp, tp
+    tp_group: tuple[int, ...]
+    cp_group: tuple[int, ...]
+    dp_group: tuple[int, ...]
+    pp_group: tuple[int, ...] | None  # same coordinates in every stage; None when stages have different grids
+    prev_stage_ranks: tuple[int, ...]
+    next_stage_ranks: tuple[int, ...]
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.stage.layers
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage.index == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage.index == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: Mapping[str, Any]  # ModelSpec.to_dict()
+    training: Mapping[str, Any]  # TrainingSpec.to_dict()
+    stages: tuple[Stage, ...]
+    num_microbatches: int
+    predicted: Prediction
+    runtime: str = "torch"
+    schedule: str = "1F1B"
+    islands_used: tuple[str, ...] = ()
+    islands_dropped: tuple[Mapping[str, str], ...] = ()  # {"island": name, "reason": text}
+    cluster: Mapping[str, Any] = field(default_factory=dict)  # {"name", "hash", "nodes": [{"name", "num_gpus"}]}
+    planner: Mapping[str, Any] = field(default_factory=dict)  # parallelizer, planning_time_s, pruning stats, ...
+    version: int = PLAN_VERSION
+    rank_layout: tuple[RankEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rank_layout:
+            object.__setattr__(self, "rank_layout", _derive_rank_layout(self.stages))
+        self.validate()
+
+    # --- invariants ------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Contiguous layer cover, no GPU twice, batch arithmetic, rank layout consistent with stages."""
+        if not self.stages:
+            raise SpecError("a plan needs at least one stage", field="stages")
+        if self.version != PLAN_VERSION:
+            raise SpecError("unsupported plan version", field="version", value=self.version,
+                            valid=str(PLAN_VERSION))
+        expect = 0
+        for i, s in enumerate(self.stages):
+            if s.index != i:
+                raise SpecError("stage indices must be 0..S-1 in order", field=f"stages[{i}].index", value=s.index)
+            if s.layers[0] != expect:
+                raise SpecError(f"layers must be covered contiguously; stage {i} should start at {expect}",
+                                field=f"stages[{i}].layers", value=list(s.layers))
+            expect = s.layers[1]
+        num_layers = int(self.model.get("num_layers", expect))
+        if expect != num_layers:
+            raise SpecError(f"stages cover layers [0, {expect}) but the model has {num_layers}",
+                            field="stages", value=expect, valid=str(num_layers))
+        seen: dict[tuple[str, int], int] = {}
+        for s in self.stages:
+            for g in s.gpus:
+                if g in seen:
+                    raise SpecError(f"GPU {g[0]}:{g[1]} is used by stages {seen[g]} and {s.index}",
+                                    field=f"stages[{s.index}].gpus", value=f"{g[0]}:{g[1]}")
+                seen[g] = s.index
+        gb = int(self.training.get("global_batch", 0))
+        if self.num_microbatches < 1:
+            raise SpecError("must be >= 1", field="num_microbatches", value=self.num_microbatches)
+        for s in self.stages:
+            if gb and s.micro_batch_size * s.dp * self.num_microbatches != gb:
+                raise SpecError(
+                    f"micro_batch_size*dp*num_microbatches = {s.micro_batch_size}*{s.dp}*{self.num_microbatches}"
+                    f" must equal the global batch {gb}", field=f"stages[{s.index}].micro_batch_size",
+                    value=s.micro_batch_size)
+        if not (self.stages[0].has_embedding and self.stages[-1].has_head):
+            raise SpecError("the first stage holds the embedding and the last the head",
+                            field="stages.has_embedding/has_head")
+        derived = _derive_rank_layout(self.stages)
+        if tuple(self.rank_layout) != derived:
+            raise SpecError("rank_layout is not consistent with the stages (ranks are numbered stage by stage, "
+                            "tp fastest, then cp, then dp)", field="rank_layout")
+        if len(self.predicted.stages) != len(self.stages):
+            raise SpecError("one prediction per stage", field="predicted.stages", value=len(self.predicted.stages),
+                            valid=str(len(self.stages)))
+
+    # --- derived views ------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.rank_layout)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def node_gpu_counts(self) -> dict[str, int]:
+        """GPUs the plan uses per node, in order of first use."""
+        counts: dict[str, int] = {}
+        for r in self.rank_layout:
+            counts[r.node] = counts.get(r.node, 0) + 1
+        return counts
+
+    def place(self, rank: int) -> Place:
+        if not 0 <= rank < self.world_size:
+            raise SpecError("rank outside the plan", field="rank", value=rank, valid=f"0..{self.world_size - 1}")
+        me = self.rank_layout[rank]
+        stage = self.stages[me.stage]
+        mine = [r for r in self.rank_layout if r.stage == me.stage]
+        tp_group = tuple(r.rank for r in mine if r.dp == me.dp and r.cp == me.cp)
+        cp_group = tuple(r.rank for r in mine if r.dp == me.dp and r.tp == me.tp)
+        dp_group = tuple(r.rank for r in mine if r.cp == me.cp and r.tp == me.tp)
+        uniform = len({(s.tp, s.cp, s.dp) for s in self.stages}) == 1
+        pp_group = (tuple(r.rank for r in self.rank_layout if (r.tp, r.cp, r.dp) == (me.tp, me.cp, me.dp))
+                    if uniform else None)
+
+        def adjacent(k: int) -> tuple[int, ...]:
+            if not 0 <= k < self.num_stages:
+                return ()
+            other = [r for r in self.rank_layout if r.stage == k]
+            if uniform:
+                return tuple(r.rank for r in other if (r.tp, r.cp, r.dp) == (me.tp, me.cp, me.dp))
+            return tuple(r.rank for r in other)
+
+        return Place(rank=rank, world_size=self.world_size, stage=stage, num_stages=self.num_stages, node=me.node,
+                     local_gpu=me.local_gpu, coords={"pp": me.stage, "dp": me.dp, "cp": me.cp, "tp": me.tp},
+                     tp_group=tp_group, cp_group=cp_group, dp_group=dp_group, pp_group=pp_group,
+                     prev_stage_ranks=adjacent(me.stage - 1), next_stage_ranks=adjacent(me.stage + 1))
+
+    # --- serialisation ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "runtime": self.runtime,
+            "schedule": self.schedule,
+            "model": dict(self.model),
+            "training": dict(self.training),
+            "cluster": to_plain(self.cluster),
+            "num_microbatches": self.num_microbatches,
+            "stages": [s.to_dict() for s in self.stages],
+            "rank_layout": [r.to_dict() for r in self.rank_layout],
+            "islands_used": list(self.islands_used),
+            "islands_dropped": [dict(d) for d in self.islands_dropped],
+            "predicted": self.predicted.to_dict(),
+            "planner": to_plain(self.planner),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping, *, source: str | None = None) -> "Plan":
+        if not isinstance(d, Mapping):
+            raise SpecError("a plan is a mapping", source=source, value=type(d).__name__)
+        check_keys(d, ("version", "runtime", "schedule", "model", "training", "cluster", "num_microbatches", "stages",
+                       "rank_layout", "islands_used", "islands_dropped", "predicted", "planner"),
+                   where="", source=source)
+        for key in ("model", "training", "stages", "num_microbatches", "predicted"):
+            if key not in d:
+                raise SpecError("missing required field", source=source, field=key)
+        try:
+            layout = tuple(
+                RankEntry(rank=int(r["rank"]), node=str(r["node"]), local_gpu=int(r["local_gpu"]),
+                          stage=int(r["stage"]), tp=int(r["coords"]["tp"]), cp=int(r["coords"]["cp"]),
+                          dp=int(r["coords"]["dp"]))
+                for r in d.get("rank_layout") or ()
+            )
+            predicted = Prediction.from_dict(d["predicted"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError(f"malformed plan ({exc!r})", source=source) from None
+        try:
+            return cls(
+                version=int(d.get("version", PLAN_VERSION)),
+                runtime=str(d.get("runtime", "torch")),
+                schedule=str(d.get("schedule", "1F1B")),
+                model=dict(d["model"]),
+                training=dict(d["training"]),
+                cluster=dict(d.get("cluster") or {}),
+                num_microbatches=int(d["num_microbatches"]),
+                stages=tuple(Stage.from_dict(s, source=source) for s in d["stages"]),
+                rank_layout=layout,
+                islands_used=tuple(d.get("islands_used") or ()),
+                islands_dropped=tuple(dict(x) for x in d.get("islands_dropped") or ()),
+                predicted=predicted,
+                planner=dict(d.get("planner") or {}),
+            )
+        except SpecError as exc:
+            if source and not exc.source:
+                raise SpecError(str(exc), source=source) from None
+            raise
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def dump(self, path: str | os.PathLike) -> None:
+        """JSON for .json, YAML otherwise; written atomically."""
+        path = os.fspath(path)
+        if path.endswith(".json"):
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            dump_yaml_file(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        path = os.fspath(path)
+        return cls.from_dict(load_yaml_file(path), source=path)  # YAML is a superset of JSON
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON: agents compare it to agree on one plan."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _derive_rank_layout(stages: tuple[Stage, ...]) -> tuple[RankEntry, ...]:
+    out = []
+    rank = 0
+    for s in stages:
+        for i, (node, gpu) in enumerate(s.gpus):
+            tp = i % s.tp
+            cp = (i // s.tp) % s.cp
+            dp = i // (s.tp * s.cp)
+            out.append(RankEntry(rank, node, gpu, s.index, tp=tp, cp=cp, dp=dp))
+            rank += 1
+    return tuple(out)

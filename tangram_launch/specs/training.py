@@ -1,0 +1,63 @@
+"""TrainingSpec: the shape of one training iteration (batch, sequence, precision, optimizer)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from tangram_launch.errors import SpecError
+from tangram_launch.specs.yamlio import check_keys
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Optimizer state bytes per parameter with mixed precision (fp32 master copy + moments), Rajbhandari et al. 2020
+# (ZeRO, sec. 3.1: "K = 12" for Adam: 4 master + 4 momentum + 4 variance). SGD with momentum: master + momentum.
+OPTIMIZER_STATE_BYTES = {"adam": 12, "adamw": 12, "sgd": 8}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    global_batch: int = 8  # sequences per iteration
+    seq_len: int = 2048
+    dtype: str = "bf16"  # compute and parameter dtype
+    optimizer: str = "adam"
+    grad_dtype: str = "fp32"  # gradient accumulation/reduction precision (Megatron's default: fp32 main grads)
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError("must be a positive integer", field=name, value=v, valid="an integer >= 1")
+        if self.dtype not in DTYPE_BYTES:
+            raise SpecError("unknown dtype", field="dtype", value=self.dtype, valid=", ".join(DTYPE_BYTES))
+        if self.grad_dtype not in DTYPE_BYTES:
+            raise SpecError("unknown gradient dtype", field="grad_dtype", value=self.grad_dtype,
+                            valid=", ".join(DTYPE_BYTES))
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise SpecError("unknown optimizer", field="optimizer", value=self.optimizer,
+                            valid=", ".join(OPTIMIZER_STATE_BYTES))
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPE_BYTES[self.grad_dtype]
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes per parameter of optimizer state (incl. the fp32 master copy when training in 16 bits)."""
+        k = OPTIMIZER_STATE_BYTES[self.optimizer]
+        return k if self.dtype != "fp32" else k - 4  # fp32 training needs no separate master copy
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingSpec":
+        check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype"), where="training",
+                   source=source)
+        return cls(**dict(d))

@@ -1,0 +1,94 @@
+"""YAML in and out with errors that name the file and the field."""
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from tangram_launch.errors import SpecError
+
+
+def closest(name: str, choices: Iterable[str]) -> str | None:
+    """The most similar valid name, for 'did you mean' hints."""
+    matches = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def load_yaml_file(path: str | os.PathLike) -> dict:
+    """Read a YAML mapping; a missing file or malformed YAML is a SpecError naming the file."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise SpecError("file not found", source=path) from None
+    except OSError as exc:
+        raise SpecError(f"cannot read file: {exc.strerror}", source=path) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(f"malformed YAML{where}: {problem}", source=path) from None
+    if not isinstance(data, dict):
+        raise SpecError(
+            "expected a mapping at the top level", source=path, value=type(data).__name__, valid="a YAML mapping"
+        )
+    return data
+
+
+def dump_yaml_file(data: Any, path: str | os.PathLike) -> None:
+    """Write YAML atomically (temporary name, fsync, rename) so a crash never leaves half a file."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(data, f, sort_keys=False, default_flow_style=None)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_keys(mapping: Mapping, allowed: Iterable[str], *, where: str, source: str | None = None) -> None:
+    """Refuse unknown keys (typos silently ignored are the worst kind of bug)."""
+    allowed = list(allowed)
+    for key in mapping:
+        if key not in allowed:
+            hint = closest(str(key), allowed)
+            valid = f"did you mean '{hint}'? known keys: {', '.join(allowed)}" if hint else ", ".join(allowed)
+            raise SpecError("unknown key", source=source, field=f"{where}.{key}" if where else str(key), valid=valid)
+
+
+def require(mapping: Mapping, key: str, *, where: str, source: str | None = None) -> Any:
+    """A required field, or a SpecError naming it."""
+    if key not in mapping:
+        raise SpecError("missing required field", source=source, field=f"{where}.{key}" if where else key)
+    return mapping[key]
+
+
+def positive_number(value: Any, *, field: str, source: str | None = None, allow_zero: bool = False) -> float:
+    """A number > 0 (or >= 0), else a SpecError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError("expected a number", source=source, field=field, value=value)
+    if value < 0 or (value == 0 and not allow_zero):
+        raise SpecError("must be positive" if not allow_zero else "must not be negative", source=source,
+                        field=field, value=value, valid="a number > 0" if not allow_zero else "a number >= 0")
+    return float(value)
+
+
+def positive_int(value: Any, *, field: str, source: str | None = None) -> int:
+    """An integer >= 1, else a SpecError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError("expected a positive integer", source=source, field=field, value=value, valid="an integer >= 1")
+    return int(value)
+
+
+def to_plain(obj: Any) -> Any:
+    """Mappings/tuples to plain dicts/lists so YAML and JSON write them without Python tags."""
+    if isinstance(obj, Mapping):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj
