@@ -30,6 +30,8 @@ class RuntimeCapabilities:
     uniform_grid: bool = False  # every stage has the same (tp, dp, cp): one process grid for all stages
     uniform_tp: bool = False  # every stage has the same TP size
     uniform_dp: bool = False  # every stage has the same DP x CP size (micro-batches pass whole between stages)
+    uniform_ep: bool = False  # one expert-parallel size for all stages
+    uniform_zero: bool = False  # one optimizer (ZeRO stage) for the whole job
     max_zero_stage: int = 3
     max_zero_stage_with_pp: int = 3  # DeepSpeed's pipeline engine rejects ZeRO 2/3
     tensor_parallel: bool = True
@@ -76,6 +78,12 @@ class RuntimeCapabilities:
             if self.uniform_dp and len({s.dp * s.cp for s in shapes}) > 1:
                 out.append(f"{self.name} needs one DP size for all stages; plan has "
                            f"{sorted({s.dp * s.cp for s in shapes})}")
+        if self.uniform_ep and len({s.ep for s in shapes}) > 1:
+            out.append(f"{self.name} needs one expert-parallel size for all stages; plan has "
+                       f"{sorted({s.ep for s in shapes})}")
+        if self.uniform_zero and len({s.zero_stage for s in shapes}) > 1:
+            out.append(f"{self.name} builds one optimizer for all stages; plan has ZeRO stages "
+                       f"{sorted({s.zero_stage for s in shapes})}")
         return out
 
     def plan_problems(self, plan: "Plan") -> list[str]:
@@ -105,6 +113,7 @@ TORCH = RuntimeCapabilities(
 DEEPSPEED = RuntimeCapabilities(
     name="deepspeed",
     uniform_grid=True,
+    uniform_zero=True,  # one DeepSpeed config per engine
     max_zero_stage=3,
     max_zero_stage_with_pp=1,  # PipelineEngine asserts zero stage < 2
     context_parallel=False,
@@ -115,6 +124,8 @@ DEEPSPEED = RuntimeCapabilities(
 MEGATRON = RuntimeCapabilities(
     name="megatron",
     uniform_grid=True,  # one parallel_state per job: one (tp, dp, cp) for every pipeline rank
+    uniform_ep=True,
+    uniform_zero=True,  # one (distributed) optimizer for the job
     max_zero_stage=1,  # the distributed optimizer shards optimizer state (ZeRO-1)
     max_zero_stage_with_pp=1,
     offload=False,
