@@ -230,6 +230,23 @@ def _split_slow_pairs(grp: list[_Part], cluster: ClusterSpec, final: list[list[_
         _split_slow_pairs(rest, cluster, final)
 
 
+def _min_measured(all_measured: list) -> dict:
+    """Conservative measured figures of a group: the minimum of every number every GPU has (also inside nested
+    mappings such as gemm_tflops per dtype); figures some GPUs lack are dropped rather than guessed."""
+    if not all_measured or not all(all_measured):
+        return {}
+    out: dict = {}
+    for key in all_measured[0]:
+        vals = [m.get(key) for m in all_measured]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[key] = min(vals)
+        elif all(isinstance(v, dict) for v in vals):
+            nested = _min_measured(vals)
+            if nested:
+                out[key] = nested
+    return out
+
+
 def _min_gpu(gpus: list[GPUSpec]) -> GPUSpec:
     types = Counter(g.type for g in gpus)
     dtypes = {d for g in gpus for d in g.tflops}
@@ -237,18 +254,14 @@ def _min_gpu(gpus: list[GPUSpec]) -> GPUSpec:
     for d in sorted(dtypes):
         vals = [g.tflops.get(d) for g in gpus]
         tflops[d] = None if any(v is None for v in vals) else min(vals)
-    gemm: dict[str, float] = {}
-    for d in sorted(dtypes):
-        vals = [g.measured.get("gemm_tflops", {}).get(d) for g in gpus if g.measured]
-        if vals and len(vals) == len(gpus) and all(vals):
-            gemm[d] = min(vals)
+    measured = _min_measured([g.measured for g in gpus])
     return GPUSpec(
         type=types.most_common(1)[0][0],
         tflops=tflops,
         memory_gib=min(g.memory_gib for g in gpus),
         memory_bandwidth_gbps=min(g.memory_bandwidth_gbps for g in gpus),
         intra_node_bandwidth_gbps=min(g.intra_node_bandwidth_gbps for g in gpus),
-        measured={"gemm_tflops": gemm} if gemm else {},
+        measured=measured,
     )
 
 

@@ -138,3 +138,11 @@ def test_cli_islands_json_and_errors(cluster_path, tmp_path):
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "h100-sxm" in out.stderr and str(bad) in out.stderr
+
+
+def test_island_carries_minimum_of_measured_figures():
+    g = lambda t, bw, extra: dict({"type": "cpu", "measured": dict({"gemm_tflops": {"bf16": t, "fp32": t / 2},
+                                                                     "memory_bandwidth_gbps": bw}, **extra)})
+    c = cluster([{"name": "x", "gpus": [g(0.10, 12.0, {"layer_s": 0.5}), g(0.095, 10.0, {})]}])
+    (isl,) = build_islands(c).islands
+    assert isl.gpu.measured == {"gemm_tflops": {"bf16": 0.095, "fp32": 0.0475}, "memory_bandwidth_gbps": 10.0}

@@ -1,0 +1,160 @@
+"""Cost of one parallel configuration of a model (slice) on one island: where the time and the memory go.
+
+    tangram-launch estimate --cluster examples/clusters/c3-full-het-ii.yaml --model gpt3-13b --island v100-32gb \\
+        --tp 2 --pp 2 --dp 2 --zero 1 --recompute selective --mbs 1 --global-batch 64 --dtype fp16
+
+Prints one column per pipeline stage: compute, recompute and each communication per micro-batch, the per-iteration
+gradient sync and optimizer step, and memory per GPU (parameters, gradients, optimizer states, activations times the
+micro-batches in flight under 1F1B) against the GPU's capacity; then the 1F1B iteration estimate and MFU. Unset
+options default to: all layers, all of the island's GPUs as data parallelism, mbs 1, 4 x pp micro-batches, the
+model's sequence length, bf16 (fp16 on GPUs without bf16). Exit status 3 when the configuration does not fit
+(or, with --runtime, when that runtime cannot run it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster, format_breakdown, iteration_time_s
+from tangram_launch.costmodel.compute import RECOMPUTE_MODES
+from tangram_launch.costmodel.efficiency import GIB
+from tangram_launch.errors import SpecError
+from tangram_launch.islands import build_islands
+from tangram_launch.parallelizers.base import SliceQuery, capacity_bytes
+from tangram_launch.specs.cluster import ClusterSpec
+from tangram_launch.specs.model import load_model
+from tangram_launch.specs.training import TrainingSpec
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", required=True, help="ClusterSpec YAML file")
+    parser.add_argument("--model", required=True, help="preset name, model YAML or Hugging Face config.json")
+    parser.add_argument("--island", help="island name (see `tangram-launch islands`); optional with one island")
+    parser.add_argument("--layers", help="slice of transformer layers START:STOP (default: all)")
+    for name, helptext in (("tp", "tensor parallel size"), ("pp", "pipeline stages inside the slice"),
+                           ("dp", "data parallel size per stage (default: fill the island)"),
+                           ("cp", "context parallel size"), ("ep", "expert parallel size (MoE)")):
+        parser.add_argument(f"--{name}", type=int, default=None if name == "dp" else 1, help=helptext)
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
+    parser.add_argument("--offload", action="store_true", help="offload optimizer state (ZeRO-Offload/Infinity)")
+    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences per DP replica)")
+    parser.add_argument("--global-batch", type=int, help="sequences per iteration (default: 4 x pp micro-batches)")
+    parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's max_seq_len)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                        help="training dtype (default: bf16, or fp16 on GPUs without bf16)")
+    parser.add_argument("--stages-after", type=int, default=0,
+                        help="pipeline stages that follow this slice in the global plan (memory position)")
+    parser.add_argument("--runtime", help="also check the configuration against a runtime's capabilities")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def _parse_layers(text: str | None, num_layers: int) -> tuple[int, int]:
+    if not text:
+        return 0, num_layers
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SpecError("expected START:STOP", field="--layers", value=text, valid=f"e.g. 0:{num_layers}") from None
+    if not 0 <= a < b <= num_layers:
+        raise SpecError("layer range out of bounds", field="--layers", value=text,
+                        valid=f"0 <= START < STOP <= {num_layers}")
+    return a, b
+
+
+def _positive(value, name: str) -> None:
+    if value is not None and value < 1:
+        raise SpecError("must be a positive integer", field=f"--{name}", value=value)
+
+
+def build(args: argparse.Namespace):
+    """(coster, config, query) for the command line (shared with tests)."""
+    cluster = ClusterSpec.load(args.cluster)
+    model = load_model(args.model)
+    iset = build_islands(cluster, dtype=args.dtype or "bf16")
+    if args.island:
+        island = iset.by_name(args.island)
+    elif len(iset.islands) == 1:
+        island = iset.islands[0]
+    else:
+        raise SpecError("the cluster has several islands: choose one", field="--island",
+                        valid=", ".join(i.name for i in iset.islands))
+    dtype = args.dtype or ("bf16" if island.gpu.tflops.get("bf16") else "fp16")
+    for name in ("tp", "pp", "dp", "cp", "ep", "mbs", "global_batch", "seq_len"):
+        _positive(getattr(args, name), name.replace("_", "-"))
+    layers = _parse_layers(args.layers, model.num_layers)
+    tp, pp, cp = args.tp, args.pp, args.cp
+    dp = args.dp
+    if dp is None:
+        dp = max(1, island.num_gpus // (tp * pp * cp))
+    b = args.mbs * dp
+    global_batch = args.global_batch or b * 4 * pp
+    seq_len = args.seq_len or model.max_seq_len
+    training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype=dtype)
+    if global_batch % b:
+        raise SpecError(f"global batch must be a multiple of mbs x dp = {b}", field="--global-batch",
+                        value=global_batch)
+    caps = capabilities_for(args.runtime) if args.runtime else RuntimeCapabilities(name="any")
+    q = SliceQuery(model=model, training=training, layers=layers, island=island, microbatch_sequences=b,
+                   capabilities=caps, pipelined=pp > 1 or args.stages_after > 0 or layers != (0, model.num_layers))
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=args.ep, zero_stage=args.zero, recompute=args.recompute,
+                         offload=args.offload)
+    coster = SliceCoster(q)
+    if coster.device_error:
+        raise SpecError(coster.device_error, field="--dtype", value=dtype)
+    return coster, cfg, q
+
+
+def run(args: argparse.Namespace) -> int:
+    coster, cfg, q = build(args)
+    plan = coster.plan(cfg, parallelizer="estimate")
+    m = q.num_microbatches
+    cap = capacity_bytes(q.island)
+    after = args.stages_after
+    n = len(plan.stages)
+    est = iteration_time_s(plan.stages, m)
+    flops = sum(3.0 * s.breakdown["forward_flops"] * s.num_gpus for s in plan.stages) * m
+    mfu = flops / (est["iteration_s"] * plan.num_gpus * coster.dev.peak_flops)
+    fits = plan.fits(after, m, cap)
+    problems: list[str] = []
+    if args.runtime:  # every stage has the same shape: check one, then the cross-stage rules
+        problems = q.capabilities.stage_problems(plan.stages[0].shape, pipelined=q.pipelined)
+        problems += q.capabilities.pipeline_problems([s.shape for s in plan.stages])
+    if args.format == "json":
+        out = {
+            "island": q.island.name, "model": q.model.name, "layers": list(q.layers), "config": cfg.describe(),
+            "micro_batch_size": plan.stages[0].micro_batch_size, "num_microbatches": m,
+            "global_batch": q.training.global_batch, "seq_len": q.training.seq_len, "dtype": q.training.dtype,
+            "num_gpus": plan.num_gpus, "capacity_gib": cap / GIB, "fits": fits, "mfu": mfu,
+            "runtime_problems": problems,
+            **est,
+            "stages": [{"layers": list(s.layers), "forward_s": s.forward_s, "backward_s": s.backward_s,
+                        "dp_sync_s": s.dp_sync_s, "optimizer_s": s.optimizer_s,
+                        "static_bytes": s.static_bytes, "activation_bytes": s.activation_bytes,
+                        "peak_memory_gib": s.memory_bytes(after + n - 1 - j, m) / GIB,
+                        "breakdown": s.breakdown} for j, s in enumerate(plan.stages)],
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        isl = q.island
+        print(f"{q.model.name} layers {q.layers[0]}:{q.layers[1]} on island {isl.name} "
+              f"({isl.num_gpus} x {isl.gpu.type}, {isl.gpu.memory_gib:g} GiB; using {plan.num_gpus} GPUs)")
+        print(f"{cfg.describe()}  mbs={plan.stages[0].micro_batch_size}")
+        print(f"global batch {q.training.global_batch} = {m} micro-batches x {q.microbatch_sequences} sequences; "
+              f"seq {q.training.seq_len}; {q.training.dtype}; {after} stages after this slice")
+        print()
+        print(format_breakdown(plan, num_microbatches=m, capacity_bytes=cap, stages_after=after))
+        print()
+        print(f"iteration estimate (1F1B, this slice alone): {est['iteration_s']:.3f} s = pipeline "
+              f"{est['pipeline_s']:.3f} s (bubble {est['bubble_s']:.3f} s) + sync/optimizer {est['sync_s']:.3f} s")
+        print(f"tokens/s {q.training.tokens_per_iteration / est['iteration_s']:.0f}; MFU {100 * mfu:.1f} % "
+              f"(model FLOPs, causal attention, no recompute, of {coster.dev.peak_flops / 1e12:g} TFLOP/s peak)")
+        for p in problems:
+            print(f"runtime '{args.runtime}' cannot run this: {p}")
+        if not fits:
+            print("does NOT fit: peak memory exceeds the GPU's capacity (see 'fits' above)")
+    return 0 if fits and not problems else 3

@@ -1,0 +1,719 @@
+"""Cost of a model slice on an island under one parallel configuration: per-stage time and memory, explained.
+
+``SliceCoster`` is built once per ``SliceQuery`` and caches everything that depends only on a layer and a process
+grid (per-layer compute, communication and activation terms, the balanced split of the slice's layers into
+pipeline stages), so that a parallelizer evaluating thousands of configurations only adds up a few numbers per
+stage. ``SliceCoster.plan(config)`` returns a ``SlicePlan`` whose ``StageCost.breakdown`` says where every second
+and byte goes; ``format_breakdown`` prints it (``tangram-launch estimate``).
+
+Per stage and micro-batch (forward_s / backward_s include what runs on the critical path of a micro-batch)::
+
+    forward  = max(compute_fwd, ZeRO-3 all-gather) + TP + exposed CP + EP + p2p send
+    backward = max(compute_bwd + recompute, ZeRO-2/3 reduce-scatter (+ ZeRO-3 all-gather)) + TP + exposed CP + EP
+               (+ the forward's TP/CP/EP again under full recompute) + p2p send of the input gradient
+
+ZeRO-2/3 traffic overlaps the computation of the same micro-batch (DeepSpeed ``overlap_comm``, FSDP prefetch); TP
+communication is on the critical path (Megatron's default); ring attention overlaps K/V exchange with the attention
+core (Liu et al. 2023, "Ring attention"). Per iteration: the data-parallel gradient synchronisation (ZeRO 0/1:
+all-reduce or reduce-scatter + all-gather, not overlapped) and the optimizer step (memory-bound on the GPU; PCIe
+copies + CPU Adam with offload).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tangram_launch.capabilities import StageShape
+from tangram_launch.costmodel import communication as comm
+from tangram_launch.costmodel.compute import RECOMPUTE_MODES, embedding_compute, head_compute, layer_compute
+from tangram_launch.costmodel.efficiency import (
+    CPU_ADAM_PARAMS_PER_S_PER_NODE,
+    GIB,
+    DeviceModel,
+)
+from tangram_launch.costmodel.memory import (
+    FRAGMENTATION_FRACTION,
+    RUNTIME_OVERHEAD_BYTES,
+    embedding_activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+    layer_param_split,
+    model_state_bytes,
+)
+from tangram_launch.errors import SpecError
+from tangram_launch.parallelizers.base import SliceQuery, SlicePlan, StageCost, capacity_bytes
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One configuration of a slice: a (tp, cp, dp) grid per stage, pp stages, and the memory savers."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "ep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError("must be a positive integer", field=name, value=v, valid="an integer >= 1")
+        if self.zero_stage not in ZERO_STAGES:
+            raise SpecError("unknown ZeRO stage", field="zero_stage", value=self.zero_stage, valid="0, 1, 2, 3")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise SpecError("unknown recompute mode", field="recompute", value=self.recompute,
+                            valid=", ".join(RECOMPUTE_MODES))
+        if (self.dp * self.cp) % self.ep:
+            raise SpecError("expert parallel size must divide dp*cp", field="ep", value=self.ep,
+                            valid=f"a divisor of {self.dp * self.cp}")
+
+    @property
+    def stage_gpus(self) -> int:
+        return self.tp * self.cp * self.dp
+
+    @property
+    def num_gpus(self) -> int:
+        return self.stage_gpus * self.pp
+
+    def shape(self) -> StageShape:
+        return StageShape(self.tp, self.dp, self.cp, self.ep, self.zero_stage, self.recompute, self.offload)
+
+    def describe(self) -> str:
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero_stage} "
+                f"recompute={self.recompute} offload={'yes' if self.offload else 'no'}")
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """Everything about one layer under one grid (tp, cp, ep, mbs) that does not depend on the memory savers."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: tuple[float, float, float]  # by RECOMPUTE_MODES
+    fwd_flops: float
+    recompute_flops: tuple[float, float, float]
+    tp_fwd_s: float  # TP all-gather/reduce-scatter in the forward (same again in the backward)
+    cp_fwd_s: float  # exposed ring-attention K/V exchange, forward
+    cp_bwd_s: float
+    ep_fwd_s: float  # MoE all-to-all dispatch + combine, forward (same again in the backward)
+    act_bytes: tuple[float, float, float]  # by RECOMPUTE_MODES, one micro-batch
+    dense_params: float  # per GPU (after TP)
+    expert_params: float  # per GPU (after TP and EP)
+
+
+@dataclass
+class StageSums:
+    """A stage's layer terms added up, plus its embedding/head and p2p terms (one grid, one stage)."""
+
+    layers: tuple[int, int]
+    has_embedding: bool
+    has_head: bool
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    recompute_s: tuple = (0.0, 0.0, 0.0)
+    fwd_flops: float = 0.0
+    recompute_flops: tuple = (0.0, 0.0, 0.0)
+    tp_fwd_s: float = 0.0
+    tp_bwd_s: float = 0.0
+    cp_fwd_s: float = 0.0
+    cp_bwd_s: float = 0.0
+    ep_fwd_s: float = 0.0
+    act_bytes: tuple = (0.0, 0.0, 0.0)
+    max_layer_act_none: float = 0.0  # one layer's full activations: recomputed during backward under full recompute
+    dense_params: float = 0.0
+    expert_params: float = 0.0
+    max_layer_params: float = 0.0  # ZeRO-3 gathers one layer at a time (+ a prefetched one)
+    p2p_fwd_s: float = 0.0  # send activations to the next stage of this slice
+    p2p_bwd_s: float = 0.0  # send input gradients to the previous stage of this slice
+    p2p_bytes: float = 0.0  # activations handed to the next stage (whole micro-batch, all replicas)
+    tied_sync_s: float = 0.0  # tied-embedding gradient all-reduce between first and last stage
+    dp_link: comm.GroupLink | None = None
+    edp_link: comm.GroupLink | None = None
+    shard: int = 1  # data-parallel shard group of dense parameters (dp x cp)
+    eshard: int = 1  # ... of expert parameters (dp x cp / ep)
+    fixed_fwd_s: float = 0.0  # TP + exposed CP + EP + p2p in the forward (independent of the memory savers)
+    fixed_bwd_s: float = 0.0
+    collectives: dict = field(default_factory=dict)  # SliceCoster._collectives
+    zero_parts: dict = field(default_factory=dict)  # (zero, offload) -> SliceCoster._zero_part
+    rec_parts: list = field(default_factory=lambda: [None, None, None])  # recompute index -> _rec_part
+
+
+def _rec_index(mode: str) -> int:
+    return RECOMPUTE_MODES.index(mode)
+
+
+def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float = 0.0,
+                   last_extra: float = 0.0) -> tuple[int, ...]:
+    """Split ``weights`` into ``parts`` contiguous non-empty groups minimising the heaviest group, where the first
+    group also carries ``first_extra`` (embedding) and the last ``last_extra`` (head). Returns the group sizes.
+
+    Bisection on the bottleneck with a greedy feasibility check (exact for contiguous partitions with non-negative
+    weights), then groups are split further, largest first, when the greedy used fewer than ``parts``.
+    """
+    n = len(weights)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} layers into {parts} stages")
+    if parts == 1:
+        return (n,)
+    w = [float(x) for x in weights]
+    w_first = w[0] + first_extra
+
+    def greedy(bound: float) -> list[int] | None:
+        """Fill groups from the back (the last one starts with the head); None if more than ``parts`` needed."""
+        sizes: list[int] = []
+        cur, count = last_extra, 0
+        for i in range(n - 1, -1, -1):
+            x = w_first if i == 0 else w[i]
+            if cur + x <= bound:
+                cur += x
+                count += 1
+                continue
+            if count == 0 or x > bound:
+                return None
+            sizes.append(count)
+            if len(sizes) >= parts:
+                return None
+            cur, count = x, 1
+        sizes.append(count)
+        return sizes[::-1]
+
+    lo = max(max(w[1:-1], default=0.0), w_first, w[-1] + last_extra, (sum(w) + first_extra + last_extra) / parts)
+    hi = sum(w) + first_extra + last_extra
+    best = greedy(hi)
+    if greedy(lo) is not None:
+        best = greedy(lo)
+    else:
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            got = greedy(mid)
+            if got is None:
+                lo = mid
+            else:
+                hi, best = mid, got
+            if hi - lo <= 1e-6 * hi:
+                break
+    assert best is not None
+    sizes = list(best)
+    while len(sizes) < parts:  # split the largest group (sums only shrink, so the bottleneck does not grow)
+        j = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
+        first = sizes[j] // 2
+        sizes[j: j + 1] = [first, sizes[j] - first]
+    return _smooth(w, sizes, first_extra, last_extra)
+
+
+def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float) -> tuple[int, ...]:
+    """Even out neighbouring groups without raising the bottleneck: move a boundary layer from the heavier to the
+    lighter group while that narrows their gap (greedy fills leave the front groups light)."""
+    parts = len(sizes)
+    for _ in range(4 * len(w)):
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        sums = [sum(w[bounds[k]:bounds[k + 1]]) for k in range(parts)]
+        sums[0] += first_extra
+        sums[-1] += last_extra
+        moved = False
+        for k in range(parts - 1):
+            a, b = sums[k], sums[k + 1]
+            if a > b and sizes[k] > 1:
+                x = w[bounds[k + 1] - 1] + (first_extra if bounds[k + 1] - 1 == 0 else 0.0)
+                if b + x < a - 1e-12:
+                    sizes[k] -= 1
+                    sizes[k + 1] += 1
+                    moved = True
+                    break
+            elif b > a and sizes[k + 1] > 1:
+                x = w[bounds[k + 1]]
+                if a + x < b - 1e-12:
+                    sizes[k] += 1
+                    sizes[k + 1] -= 1
+                    moved = True
+                    break
+        if not moved:
+            break
+    return tuple(sizes)
+
+
+class SliceCoster:
+    """Costs configurations of one slice query; per-layer and per-grid terms are computed once and cached."""
+
+    def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None) -> None:
+        self.q = q
+        self.model = q.model
+        self.training = q.training
+        self.island = q.island
+        self.seq_len = q.training.seq_len
+        self.capacity_bytes = capacity_bytes(q.island)
+        self.num_microbatches = max(1, q.num_microbatches)
+        self.device_error: str | None = None
+        try:
+            self.dev: DeviceModel | None = DeviceModel.from_gpu(q.island.gpu, q.training.dtype,
+                                                                flash_attention=flash_attention)
+        except SpecError as exc:
+            self.dev = None
+            self.device_error = f"island {q.island.name}: {exc}"
+        link = q.island.inter_node_link
+        self.inter_gbps = link.bandwidth_gbps if link is not None else None
+        self.inter_latency_us = link.latency_us if link is not None else 0.0
+        start, stop = q.layers
+        self.layer_ids = list(range(start, stop))
+        # layers of one kind are interchangeable: compute terms for one representative per kind
+        self.kinds = [self.model.layer_kind(i) for i in self.layer_ids]
+        self.rep = {}
+        for i, k in zip(self.layer_ids, self.kinds):
+            self.rep.setdefault(k, i)
+        # prefix[k][i]: layers of kind k among the slice's first i layers
+        self.prefix = {k: [0] for k in self.rep}
+        for k in self.kinds:
+            for kk, arr in self.prefix.items():
+                arr.append(arr[-1] + (kk == k))
+        self._layer_cache: dict = {}
+        self._grid_cache: dict = {}
+        self._split_cache: dict = {}
+        self._edge_cache: dict = {}
+        self._frag = 1.0 + FRAGMENTATION_FRACTION
+        self._overhead = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
+
+    # ------------------------------------------------------------------------------------------ per layer
+    def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:
+        return comm.group_link(stride, size, stage_gpus=stage_gpus, gpus_per_node=self.island.gpus_per_node,
+                               dev=self.dev, inter_bandwidth_gbps=self.inter_gbps,
+                               inter_latency_us=self.inter_latency_us)
+
+    def layer_terms(self, kind: str, tp: int, cp: int, ep: int, dp: int, mbs: int) -> LayerTerms:
+        key = (kind, tp, cp, ep, dp, mbs)
+        hit = self._layer_cache.get(key)
+        if hit is not None:
+            return hit
+        dev, model, s = self.dev, self.model, self.seq_len
+        i = self.rep[kind]
+        p = dev.dtype_bytes
+        stage_gpus = tp * cp * dp
+        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev)
+        tokens = mbs * s / cp
+        act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
+        # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
+        # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward.
+        tp_link = self._link(1, tp, stage_gpus)
+        tp_fwd = 2 * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
+                      + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
+        # Ring attention: cp - 1 steps, each passing this GPU's K and V chunk (2 x M x kv_dim/t); the backward
+        # passes K, V and their gradients (2x). Overlapped with the attention core; only the excess is exposed.
+        cp_fwd = cp_bwd = 0.0
+        if cp > 1:
+            cp_link = self._link(tp, cp, stage_gpus)
+            kv = 2 * tokens * model.kv_dim / tp * p
+            step = comm.collective_s(comm.SEND_RECV, kv, 2, cp_link)
+            cp_fwd = max(0.0, (cp - 1) * step - lc.attention_core_s)
+            cp_bwd = max(0.0, 2 * (cp - 1) * step - 2 * lc.attention_core_s)
+        # MoE all-to-all (Lepikhin et al. 2021, GShard): dispatch and combine, each moving a GPU's top-k token copies
+        ep_fwd = 0.0
+        if kind == "moe" and ep > 1:
+            ep_link = self._link(tp, ep, stage_gpus)
+            per_gpu = tokens * model.top_k * model.hidden_size * p / tp
+            ep_fwd = 2 * comm.collective_s(comm.ALL_TO_ALL, per_gpu, ep, ep_link)
+        flash = dev.flash_attention
+        acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
+                                            dtype_bytes=p) for m in RECOMPUTE_MODES)
+        dense, experts = layer_param_split(model, i)
+        terms = LayerTerms(
+            fwd_s=lc.forward_s, bwd_s=lc.backward_s,
+            recompute_s=tuple(lc.recompute_s(m) for m in RECOMPUTE_MODES),
+            fwd_flops=lc.forward_flops,
+            recompute_flops=tuple(lc.recompute_flops(m) for m in RECOMPUTE_MODES),
+            tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd,
+            act_bytes=acts, dense_params=dense / tp, expert_params=experts / (tp * ep),
+        )
+        self._layer_cache[key] = terms
+        return terms
+
+    def _edges(self, tp: int, cp: int, dp: int, mbs: int) -> dict:
+        key = (tp, cp, dp, mbs)
+        hit = self._edge_cache.get(key)
+        if hit is not None:
+            return hit
+        dev, model, s = self.dev, self.model, self.seq_len
+        p = dev.dtype_bytes
+        stage_gpus = tp * cp * dp
+        tp_link = self._link(1, tp, stage_gpus)
+        act_full = mbs * s / cp * model.hidden_size * p
+        emb = embedding_compute(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dev=dev)
+        head = head_compute(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dev=dev)
+        out = {
+            "emb_fwd_s": emb.forward_s, "emb_bwd_s": emb.backward_s, "emb_flops": emb.forward_flops,
+            # vocab-parallel embedding: reduce-scatter of the looked-up rows (forward only)
+            "emb_tp_s": comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link),
+            "emb_act": embedding_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp),
+            "head_fwd_s": head.forward_s, "head_bwd_s": head.backward_s, "head_flops": head.forward_flops,
+            # SP all-gather of the head input (forward), reduce-scatter of its gradient (backward)
+            "head_tp_s": comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link),
+            "head_act": head_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p),
+        }
+        self._edge_cache[key] = out
+        return out
+
+    # ------------------------------------------------------------------------------------------ per grid
+    def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:
+        """Absolute layer ranges of the ``pp`` stages, balanced by time (no recompute) with embedding/head."""
+        n = len(self.layer_ids)
+        if pp == 1:
+            return ((self.layer_ids[0], self.layer_ids[-1] + 1),)
+        per_kind = {}
+        for k in self.rep:
+            t = self.layer_terms(k, tp, cp, ep, dp, mbs)
+            per_kind[k] = t.fwd_s + t.bwd_s + 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + 2 * t.ep_fwd_s
+        e = self._edges(tp, cp, dp, mbs)
+        unit = max(per_kind.values()) or 1.0
+        first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.q.has_embedding else 0.0
+        last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.q.has_head else 0.0
+        weights = tuple(round(per_kind[k] / unit, 4) for k in self.kinds)
+        key = (pp, weights, round(first / unit, 3), round(last / unit, 3))
+        sizes = self._split_cache.get(key)
+        if sizes is None:
+            sizes = balanced_split(weights, pp, first_extra=key[2], last_extra=key[3])
+            self._split_cache[key] = sizes
+        out, start = [], self.layer_ids[0]
+        for size in sizes:
+            out.append((start, start + size))
+            start += size
+        assert start == self.layer_ids[-1] + 1 and len(out) == pp and n >= pp
+        return tuple(out)
+
+    def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int) -> list[StageSums]:
+        """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links."""
+        key = (tp, pp, dp, cp, ep)
+        hit = self._grid_cache.get(key)
+        if hit is not None:
+            return hit
+        b = self.q.microbatch_sequences
+        mbs = b // dp
+        dev, model = self.dev, self.model
+        p = dev.dtype_bytes
+        g = self.island.gpus_per_node
+        stage_gpus = tp * cp * dp
+        ranges = self.split(pp, tp, cp, ep, dp, mbs)
+        edges = self._edges(tp, cp, dp, mbs)
+        dp_link = self._link(tp, dp * cp, stage_gpus)
+        edp = dp * cp // ep
+        edp_link = self._link(tp * ep, edp, stage_gpus)
+        first_layer, last_layer = self.q.layers
+        act_bytes_mb = b * self.seq_len * model.hidden_size * p  # a whole micro-batch's hidden states
+        sums = []
+        for j, (a, z) in enumerate(ranges):
+            has_emb = self.q.has_embedding and a == first_layer
+            has_head = self.q.has_head and z == last_layer
+            st = StageSums(layers=(a, z), has_embedding=has_emb, has_head=has_head, dp_link=dp_link,
+                           edp_link=edp_link)
+            rec = [0.0, 0.0, 0.0]
+            rec_f = [0.0, 0.0, 0.0]
+            acts = [0.0, 0.0, 0.0]
+            for k, pre in self.prefix.items():
+                c = pre[z - first_layer] - pre[a - first_layer]
+                if not c:
+                    continue
+                t = self.layer_terms(k, tp, cp, ep, dp, mbs)
+                st.fwd_s += c * t.fwd_s
+                st.bwd_s += c * t.bwd_s
+                st.fwd_flops += c * t.fwd_flops
+                st.tp_fwd_s += c * t.tp_fwd_s
+                st.cp_fwd_s += c * t.cp_fwd_s
+                st.cp_bwd_s += c * t.cp_bwd_s
+                st.ep_fwd_s += c * t.ep_fwd_s
+                for m in range(3):
+                    rec[m] += c * t.recompute_s[m]
+                    rec_f[m] += c * t.recompute_flops[m]
+                    acts[m] += c * t.act_bytes[m]
+                st.max_layer_act_none = max(st.max_layer_act_none, t.act_bytes[0])
+                st.dense_params += c * t.dense_params
+                st.expert_params += c * t.expert_params
+                st.max_layer_params = max(st.max_layer_params, t.dense_params + t.expert_params)
+            st.tp_bwd_s = st.tp_fwd_s
+            emb_act = head_act = 0.0
+            if has_emb:
+                st.fwd_s += edges["emb_fwd_s"]
+                st.bwd_s += edges["emb_bwd_s"]
+                st.fwd_flops += edges["emb_flops"]
+                st.tp_fwd_s += edges["emb_tp_s"]
+                emb_act = edges["emb_act"]
+                st.dense_params += model.embedding_params() / tp
+            if has_head:
+                st.fwd_s += edges["head_fwd_s"]
+                st.bwd_s += edges["head_bwd_s"]
+                st.fwd_flops += edges["head_flops"]
+                st.tp_fwd_s += edges["head_tp_s"]
+                st.tp_bwd_s += edges["head_tp_s"]
+                head_act = edges["head_act"]
+                st.dense_params += model.head_params() / tp
+                if model.tied_embeddings and not has_emb:
+                    # the last stage keeps its own copy of the tied output weights (Megatron's embedding group);
+                    # their gradients are all-reduced with the first stage's every iteration, over the link
+                    # between stage 0 and this one inside the slice, else (first stage elsewhere) the network
+                    out_w = model.output_embedding_params() / tp
+                    st.dense_params += out_w
+                    if self.q.has_embedding:  # stage 0 of this slice, j * stage_gpus ranks away
+                        link = self._link(j * stage_gpus, 2, stage_gpus)
+                    elif self.inter_gbps is not None:
+                        link = self._link(g, 2, stage_gpus)
+                    else:
+                        link = self._link(1, 2, stage_gpus)
+                    st.tied_sync_s = comm.collective_s(comm.ALL_REDUCE, out_w * self.training.grad_bytes, 2, link)
+            st.recompute_s = tuple(rec)
+            st.recompute_flops = tuple(rec_f)
+            st.act_bytes = tuple(x + emb_act + head_act for x in acts)
+            st.p2p_bytes = 0.0 if has_head else act_bytes_mb
+            if j < pp - 1:
+                boundary = (j + 1) * stage_gpus
+                same = (boundary - 1) // g == boundary // g
+                st.p2p_fwd_s = comm.p2p_stage_s(act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g,
+                                                same_node=same, dev=dev, inter_bandwidth_gbps=self.inter_gbps,
+                                                inter_latency_us=self.inter_latency_us)
+            sums.append(st)
+        for j in range(1, pp):
+            sums[j].p2p_bwd_s = sums[j - 1].p2p_fwd_s  # the input gradient goes back over the same link
+        for st in sums:
+            st.shard, st.eshard = dp * cp, dp * cp // ep
+            st.fixed_fwd_s = st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s + st.p2p_fwd_s
+            st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_fwd_s + st.p2p_bwd_s
+        self._grid_cache[key] = sums
+        return sums
+
+    # ------------------------------------------------------------------------------------------ per config
+    # A configuration's stage cost is assembled from two cached parts: what depends on (ZeRO stage, offload) and
+    # what depends on the recompute mode. The parallelizers' inner loop and the explained path share them.
+    def _zero_part(self, st: StageSums, zero: int, off: bool) -> tuple:
+        """(model-state bytes on the GPU, ZeRO fwd comm, ZeRO bwd comm, per-iteration sync, optimizer step,
+        ZeRO-3 working bytes, dense ModelStateBytes, expert ModelStateBytes)."""
+        key = (zero, off)
+        hit = st.zero_parts.get(key)
+        if hit is not None:
+            return hit
+        tr, dev = self.training, self.dev
+        pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes
+        shard, eshard = st.shard, st.eshard
+        dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=zero, offload=off, param_bytes=pb,
+                                  grad_bytes=gb, optimizer_bytes=ob)
+        expert = model_state_bytes(st.expert_params, shard=eshard, zero_stage=zero, offload=off, param_bytes=pb,
+                                   grad_bytes=gb, optimizer_bytes=ob)
+        c = st.collectives or self._collectives(st)
+        # per micro-batch ZeRO-2/3 traffic, overlapped with the same pass's compute
+        z_fwd = z_bwd = 0.0
+        if zero >= 2:
+            z_bwd += c["rs_grads"]
+        if zero >= 3:
+            gather = c["ag_params"]
+            if off:  # ZeRO-Infinity: parameters come from host memory first
+                gather += (st.dense_params / shard + st.expert_params / eshard) * pb / dev.host_link_bandwidth
+            z_fwd += gather
+            z_bwd += gather
+        # per iteration: gradient synchronisation (ZeRO 0/1; ZeRO-2 re-gathers parameters) and optimizer step
+        sync = st.tied_sync_s
+        if zero == 0:
+            sync += c["ar_grads"]
+        elif zero == 1:
+            sync += c["rs_grads"] + c["ag_params"]
+        elif zero == 2:
+            sync += c["ag_params"]
+        local = (st.dense_params / (shard if zero >= 1 else 1)
+                 + st.expert_params / (eshard if zero >= 1 else 1))  # parameters this GPU updates
+        if off:  # copy gradients down and parameters up over PCIe, update on the host (CPU Adam)
+            per_gpu_rate = CPU_ADAM_PARAMS_PER_S_PER_NODE / self.island.gpus_per_node
+            opt_s = local * (gb + pb) / dev.host_link_bandwidth + local / per_gpu_rate
+        else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
+            opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
+        working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
+        out = (dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert)
+        st.zero_parts[key] = out
+        return out
+
+    def _collectives(self, st: StageSums) -> dict:
+        """The stage's data-parallel collectives (dense over dp x cp, experts over dp x cp / ep), computed once."""
+        gb, pb = self.training.grad_bytes, self.training.param_bytes
+        out = {}
+        for name, op, nbytes in (("ar_grads", comm.ALL_REDUCE, gb), ("rs_grads", comm.REDUCE_SCATTER, gb),
+                                 ("ag_params", comm.ALL_GATHER, pb)):
+            out[name] = (comm.collective_s(op, st.dense_params * nbytes, st.shard, st.dp_link)
+                         + comm.collective_s(op, st.expert_params * nbytes, st.eshard, st.edp_link))
+        st.collectives = out
+        return out
+
+    def _rec_part(self, st: StageSums, r: int) -> tuple:
+        """(recompute seconds, recomputed forward communication, activation bytes per micro-batch, working bytes)."""
+        hit = st.rec_parts[r]
+        if hit is not None:
+            return hit
+        full = RECOMPUTE_MODES[r] == "full"
+        rec_comm = (st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s) if full else 0.0
+        working = st.max_layer_act_none if full else 0.0  # one layer's activations, rebuilt during its backward
+        out = (st.recompute_s[r], rec_comm, st.act_bytes[r] * self._frag, working)
+        st.rec_parts[r] = out
+        return out
+
+    def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> tuple:
+        """(forward_s, backward_s, static_bytes, activation_bytes, dp_sync_s, optimizer_s) of one stage."""
+        zp = st.zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
+        rp = st.rec_parts[r] or self._rec_part(st, r)
+        fwd = (st.fwd_s if st.fwd_s > zp[1] else zp[1]) + st.fixed_fwd_s
+        b = st.bwd_s + rp[0]
+        bwd = (b if b > zp[2] else zp[2]) + st.fixed_bwd_s + rp[1]
+        static = zp[0] + (zp[5] + rp[3]) * self._frag + self._overhead
+        return fwd, bwd, static, rp[2], zp[3], zp[4]
+
+    def stage_numbers(self, st: StageSums, cfg: ParallelConfig, *, explain: bool = False):
+        """(forward_s, backward_s, static_bytes, activation_bytes, dp_sync_s, optimizer_s, breakdown | None)."""
+        r = _rec_index(cfg.recompute)
+        numbers = self.fast_stage(st, cfg.zero_stage, r, cfg.offload)
+        if not explain:
+            return (*numbers, None)
+        _static, z_fwd, z_bwd, sync, opt_s, zworking, dense, expert = self._zero_part(st, cfg.zero_stage, cfg.offload)
+        rec_s, rec_comm, act, rworking = self._rec_part(st, r)
+        full = cfg.recompute == "full"
+        bd = {
+            "compute_forward_s": st.fwd_s,
+            "compute_backward_s": st.bwd_s,
+            "recompute_s": rec_s,
+            "tp_comm_s": st.tp_fwd_s + st.tp_bwd_s + (st.tp_fwd_s if full else 0.0),
+            "cp_comm_s": st.cp_fwd_s + st.cp_bwd_s + (st.cp_fwd_s if full else 0.0),
+            "ep_comm_s": 2 * st.ep_fwd_s + (st.ep_fwd_s if full else 0.0),
+            "zero_comm_exposed_s": max(0.0, z_fwd - st.fwd_s) + max(0.0, z_bwd - st.bwd_s - rec_s),
+            "p2p_s": st.p2p_fwd_s + st.p2p_bwd_s,
+            "dp_sync_s": sync,
+            "optimizer_s": opt_s,
+            "parameters_bytes": dense.parameters + expert.parameters,
+            "gradients_bytes": dense.gradients + expert.gradients,
+            "optimizer_bytes": dense.optimizer + expert.optimizer,
+            "working_bytes": (zworking + rworking) * self._frag,
+            "overhead_bytes": self._overhead,
+            "activations_bytes": act,
+            "host_offload_bytes": dense.host + expert.host,
+            "forward_flops": st.fwd_flops,
+            "backward_flops": 2.0 * st.fwd_flops,
+            "recompute_flops": st.recompute_flops[r],
+            "params_per_gpu": st.dense_params + st.expert_params,
+            "dp_link": st.dp_link.describe() if st.dp_link else "",
+        }
+        return (*numbers, bd)
+
+    def check(self, cfg: ParallelConfig) -> list[str]:
+        """Why ``cfg`` cannot run this slice on this island (shape problems; memory is judged separately)."""
+        out = []
+        if self.device_error:
+            return [self.device_error]
+        isl, model = self.island, self.model
+        g = isl.gpus_per_node
+        b = self.q.microbatch_sequences
+        if cfg.num_gpus > isl.num_gpus:
+            out.append(f"tp*cp*dp*pp = {cfg.num_gpus} GPUs > {isl.num_gpus} on island {isl.name}")
+        if g % cfg.tp:
+            out.append(f"tp={cfg.tp} must divide the {g} GPUs per node (TP stays inside a node)")
+        sg = cfg.stage_gpus
+        if sg % g and g % sg:
+            out.append(f"a stage of {sg} GPUs must divide or be a multiple of the {g} GPUs per node")
+        if b % cfg.dp:
+            out.append(f"dp={cfg.dp} must divide the {b} sequences of a micro-batch")
+        if model.num_heads % cfg.tp or model.num_kv_heads % cfg.tp and cfg.tp % model.num_kv_heads:
+            out.append(f"tp={cfg.tp} must divide the {model.num_heads} attention heads "
+                       f"({model.num_kv_heads} KV heads)")
+        if cfg.cp > 1 and self.seq_len % (2 * cfg.cp):
+            out.append(f"cp={cfg.cp}: seq_len {self.seq_len} must be divisible by 2*cp (load-balanced causal CP)")
+        if cfg.ep > 1 and (not model.is_moe or model.num_experts % cfg.ep):
+            out.append(f"ep={cfg.ep} needs an MoE model whose experts it divides")
+        if cfg.pp > self.q.num_layers:
+            out.append(f"pp={cfg.pp} exceeds the slice's {self.q.num_layers} layers")
+        if self.training.global_batch % b:
+            out.append(f"global batch {self.training.global_batch} is not a multiple of the micro-batch {b}")
+        return out
+
+    def plan(self, cfg: ParallelConfig, *, parallelizer: str = "") -> SlicePlan:
+        """The full, explained slice plan of one configuration (SpecError if the shape is impossible)."""
+        problems = self.check(cfg)
+        if problems:
+            raise SpecError("; ".join(problems), field="configuration", value=cfg.describe())
+        sums = self.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
+        return self.materialize(cfg, sums, parallelizer=parallelizer)
+
+    def materialize(self, cfg: ParallelConfig, sums: list[StageSums], *, parallelizer: str = "") -> SlicePlan:
+        mbs = self.q.microbatch_sequences // cfg.dp
+        stages = []
+        for st in sums:
+            fwd, bwd, static, act, sync, opt_s, bd = self.stage_numbers(st, cfg, explain=True)
+            bd["has_embedding"] = st.has_embedding
+            bd["has_head"] = st.has_head
+            stages.append(StageCost(layers=st.layers, shape=cfg.shape(), micro_batch_size=mbs, forward_s=fwd,
+                                    backward_s=bwd, static_bytes=static, activation_bytes=act, dp_sync_s=sync,
+                                    optimizer_s=opt_s, p2p_bytes=st.p2p_bytes, breakdown=bd))
+        return SlicePlan(island=self.island.name, layers=tuple(self.q.layers), stages=tuple(stages),
+                         parallelizer=parallelizer)
+
+
+# ---------------------------------------------------------------------------------------------- whole pipeline
+def iteration_time_s(stages: Sequence[StageCost], num_microbatches: int) -> dict:
+    """1F1B iteration estimate for a pipeline of ``stages`` (Narayanan et al. 2021, sec. 2.2: (m + p - 1) slots
+    for equal stages): the sum of all stage times (fill and drain) + (m - 1) x the bottleneck, then the slowest
+    stage's data-parallel sync and optimizer step."""
+    m = max(1, num_microbatches)
+    bottleneck = max(s.time_s for s in stages)
+    pipeline = sum(s.time_s for s in stages) + (m - 1) * bottleneck
+    tail = max(s.dp_sync_s + s.optimizer_s for s in stages)
+    return {"iteration_s": pipeline + tail, "pipeline_s": pipeline, "bubble_s": pipeline - m * bottleneck,
+            "sync_s": tail, "bottleneck_s": bottleneck}
+
+
+def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: float, stages_after: int = 0) -> str:
+    """A table, one column per stage: where time (ms per micro-batch) and memory (GiB per GPU) go."""
+    cols = [f"stage {j}" for j in range(len(plan.stages))]
+    n = len(plan.stages)
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(label: str, values: list[str]) -> None:
+        rows.append((label, values))
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.2f}"
+
+    def gib(x: float) -> str:
+        return f"{x / GIB:.2f}"
+
+    st = plan.stages
+    add("layers", [f"{s.layers[0]}:{s.layers[1]}" + ("+emb" if s.breakdown.get("has_embedding") else "")
+                   + ("+head" if s.breakdown.get("has_head") else "") for s in st])
+    add("GPUs (tp x cp x dp)", [f"{s.num_gpus} ({s.shape.tp}x{s.shape.cp}x{s.shape.dp})" for s in st])
+    add("micro-batch size", [str(s.micro_batch_size) for s in st])
+    add("-- time per micro-batch (ms)", ["" for _ in st])
+    for key, label in (("compute_forward_s", "compute forward"), ("compute_backward_s", "compute backward"),
+                       ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"), ("cp_comm_s", "CP comm (exposed)"),
+                       ("ep_comm_s", "EP all-to-all"), ("zero_comm_exposed_s", "ZeRO comm (exposed)"),
+                       ("p2p_s", "pipeline p2p")):
+        add("  " + label, [ms(s.breakdown.get(key, 0.0)) for s in st])
+    add("  forward", [ms(s.forward_s) for s in st])
+    add("  backward", [ms(s.backward_s) for s in st])
+    add("  stage total", [ms(s.time_s) for s in st])
+    add("-- per iteration (ms)", ["" for _ in st])
+    add("  DP gradient sync", [ms(s.dp_sync_s) for s in st])
+    add("  optimizer step", [ms(s.optimizer_s) for s in st])
+    add("-- memory per GPU (GiB)", ["" for _ in st])
+    for key, label in (("parameters_bytes", "parameters"), ("gradients_bytes", "gradients"),
+                       ("optimizer_bytes", "optimizer states"), ("working_bytes", "working set"),
+                       ("overhead_bytes", "runtime overhead")):
+        add("  " + label, [gib(s.breakdown.get(key, 0.0)) for s in st])
+    inflight = [min(stages_after + n - j, num_microbatches) for j in range(n)]
+    add("  activations / micro-batch", [gib(s.activation_bytes) for s in st])
+    add("  micro-batches in flight", [str(k) for k in inflight])
+    peaks = [s.memory_bytes(stages_after + n - 1 - j, num_microbatches) for j, s in enumerate(st)]
+    add("  peak", [gib(x) for x in peaks])
+    add("  capacity", [gib(capacity_bytes) for _ in st])
+    add("  fits", ["yes" if x <= capacity_bytes else "NO" for x in peaks])
+    host = [s.breakdown.get("host_offload_bytes", 0.0) for s in st]
+    if any(host):
+        add("  offloaded to host", [gib(x) for x in host])
+    width0 = max(len(r[0]) for r in rows)
+    widths = [max(len(cols[c]), *(len(r[1][c]) for r in rows)) for c in range(n)]
+    lines = ["".ljust(width0) + "  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    for label, values in rows:
+        lines.append(label.ljust(width0) + "  " + "  ".join(v.rjust(w) for v, w in zip(values, widths)))
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""Collective and point-to-point communication times with the nccl-tests bus-bandwidth conventions.
+
+nccl-tests (NVIDIA, doc/PERFORMANCE.md) defines, for a buffer of S bytes over n ranks, the algorithm bandwidth
+algbw = S / t and the bus bandwidth busbw = algbw x factor, where factor is what a ring moves over the slowest link:
+
+    all-reduce                 2 (n - 1) / n      (reduce-scatter then all-gather)
+    reduce-scatter, all-gather (n - 1) / n        (S = the whole gathered buffer)
+    all-to-all                 (n - 1) / n        (S = one rank's send buffer)
+    send/recv, broadcast       1
+
+busbw is then independent of n and equals the link bandwidth a perfect ring achieves, so the time of a collective
+is t = S x factor / busbw (+ a latency term alpha per ring step). ``busbw`` comes from the profiler when measured
+(``allreduce_busbw_gbps``), otherwise from the link's nominal bandwidth x an efficiency (efficiency.py).
+
+Which link a group uses follows the plan's rank order inside a stage (plan.py: TP fastest, then CP, then DP, whole
+stages tiling the island's GPUs node by node). A group whose ranks sit on one node uses the intra-node link; a group
+spanning nodes uses the island's inter-node link, whose bandwidth is shared by all groups of the stage that cross
+the node's network interface at the same time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tangram_launch.costmodel.efficiency import GBPS, INTRA_NODE_LATENCY_S, NET_EFFICIENCY, DeviceModel
+
+ALL_REDUCE = "all_reduce"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_GATHER = "all_gather"
+ALL_TO_ALL = "all_to_all"
+SEND_RECV = "send_recv"
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor of a collective over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    if op == ALL_REDUCE:
+        return 2.0 * (n - 1) / n
+    if op in (REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL):
+        return (n - 1) / n
+    if op == SEND_RECV:
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def ring_steps(op: str, n: int) -> int:
+    if n <= 1:
+        return 0
+    if op == ALL_REDUCE:
+        return 2 * (n - 1)
+    if op == SEND_RECV:
+        return 1
+    return n - 1
+
+
+@dataclass(frozen=True)
+class GroupLink:
+    """The link a communication group sees: bus bandwidth (bytes/s), per-step latency, whether it leaves the node."""
+
+    busbw: float
+    latency_s: float
+    inter_node: bool = False
+    nodes: int = 1
+
+    def describe(self) -> str:
+        where = f"{self.nodes} nodes" if self.inter_node else "intra-node"
+        return f"{where}, {self.busbw / GBPS:.1f} GB/s bus bandwidth"
+
+
+def collective_s(op: str, nbytes: float, n: int, link: GroupLink) -> float:
+    """Time of one collective on ``nbytes`` (nccl-tests buffer size) over ``n`` ranks: S x factor / busbw + alpha."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return nbytes * bus_factor(op, n) / link.busbw + ring_steps(op, n) * link.latency_s
+
+
+@lru_cache(maxsize=4096)
+def group_span(stride: int, size: int, stage_gpus: int, gpus_per_node: int) -> tuple[int, int, int]:
+    """(nodes spanned, members per node, groups sharing a node's NIC) of a group of ``size`` ranks ``stride``
+    apart, inside a stage of ``stage_gpus`` ranks laid node by node over ``gpus_per_node``-GPU nodes."""
+    nodes: dict[int, int] = {}
+    for k in range(size):
+        node = (k * stride) // gpus_per_node
+        nodes[node] = nodes.get(node, 0) + 1
+    members = max(nodes.values())
+    on_node = min(stage_gpus, gpus_per_node)  # ranks of this stage on one node
+    return len(nodes), members, max(1, on_node // members)
+
+
+def group_link(stride: int, size: int, *, stage_gpus: int, gpus_per_node: int, dev: DeviceModel,
+               inter_bandwidth_gbps: float | None, inter_latency_us: float = 0.0) -> GroupLink:
+    """The link of a TP/CP/DP/EP group (see the module docstring)."""
+    nodes, _members, sharing = group_span(stride, size, stage_gpus, gpus_per_node)
+    if nodes <= 1 or inter_bandwidth_gbps is None:
+        return GroupLink(dev.intra_busbw, INTRA_NODE_LATENCY_S)
+    net = inter_bandwidth_gbps * GBPS * NET_EFFICIENCY / sharing
+    return GroupLink(min(dev.intra_busbw, net), inter_latency_us * 1e-6, True, nodes)
+
+
+def p2p_stage_s(nbytes: float, *, stage_gpus: int, gpus_per_node: int, same_node: bool, dev: DeviceModel,
+                inter_bandwidth_gbps: float | None, inter_latency_us: float = 0.0) -> float:
+    """Send one micro-batch's activations (``nbytes`` in all) from one stage to the next inside an island.
+
+    Every GPU of the stage sends its shard (SP/CP/DP shards; Megatron's scatter-gather optimisation for TP), so
+    inside a node the shards travel in parallel over each GPU's link; across nodes the node's network interface
+    carries them all (one interface per node, as the cluster spec describes links between nodes).
+    """
+    if nbytes <= 0:
+        return 0.0
+    per_gpu = nbytes / stage_gpus
+    if same_node or inter_bandwidth_gbps is None:
+        return per_gpu / dev.intra_busbw + INTRA_NODE_LATENCY_S
+    nodes = max(1, stage_gpus // gpus_per_node)
+    net = inter_bandwidth_gbps * GBPS * NET_EFFICIENCY * nodes
+    return max(nbytes / net, per_gpu / dev.intra_busbw) + inter_latency_us * 1e-6

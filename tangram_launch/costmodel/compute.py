@@ -1,0 +1,178 @@
+"""Compute time of one transformer layer (and of the embedding and head) on one GPU, per micro-batch.
+
+FLOPs come from ``ModelSpec.layer_flops_breakdown`` (matmuls only, 2 FLOPs per multiply-accumulate; attention
+causal, GQA-aware; MoE counts top-k experts). Times come from the kernels that execute them, per GPU:
+
+    tokens per GPU   M = mbs * s / cp                        (CP shards the sequence)
+    QKV projection   GEMM (M x h) @ (h x (q_dim + 2 kv_dim)/t)  (Megatron column-parallel)
+    output proj.     GEMM (M x q_dim/t) @ (q_dim/t x h)          (row-parallel)
+    dense FFN        (m-1) up/gate GEMMs (M x h)@(h x f/t) + down GEMM (M x f/t)@(f/t x h); m = 2 (GeLU), 3 (SwiGLU)
+    MoE FFN          E/ep local experts, each M_e = M k ep / E routed tokens on average (balanced routing),
+                     the same GEMMs with the expert width; router GEMM (M/t x h)@(h x E); shared experts like dense
+    attention core   Q K^T and P V: fused (FlashAttention-2) or unfused with the s x s scores through HBM
+    element-wise     norms, residual adds, dropout, activation: bytes moved / memory bandwidth (memory-bound)
+
+Backward = 2 x forward (Narayanan et al. 2021, sec. 3.5: each forward GEMM has two backward GEMMs, for the input
+and the weight gradient). Recompute adds forward work (Korthikanti et al. 2022, "Reducing activation recomputation
+in large transformer models", sec. 5): full = one extra forward of the layer; selective = the attention core only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tangram_launch.costmodel.efficiency import DeviceModel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.specs.model import ModelSpec
+
+BACKWARD_FACTOR = 2.0  # backward / forward work (Narayanan et al. 2021, sec. 3.5)
+RECOMPUTE_MODES = ("none", "selective", "full")
+# Bytes moved per attention-score element by unfused attention, in units of the dtype size p, plus a 1-byte
+# dropout mask: QK^T writes (p), fused scale-mask-softmax reads and writes (2p), dropout reads and writes (2p) and
+# stores the mask (1), P V reads (p): 6p + 1 (Megatron-LM's unfused path; the 5 bytes Korthikanti et al. 2022 store
+# per element are a subset).
+SCORE_TRAFFIC_P = 6
+# Element-wise traffic per token in units of h (dtype elements), besides the FFN activation: two norms (read+write:
+# 4h), two bias-dropout-residual adds (read 2h + write h each: 6h), dropout masks (~1h).
+ELEMENTWISE_TRAFFIC_H = 11
+
+
+def activation_traffic_f(ffn_type_matrices: int) -> int:
+    """Element-wise traffic of the FFN activation per unit of FFN width: GeLU reads f, writes f (2); SwiGLU reads
+    gate and up, writes their product (3)."""
+    return 2 if ffn_type_matrices == 2 else 3
+
+
+@dataclass(frozen=True)
+class LayerCompute:
+    """Forward compute of one layer on one GPU for one micro-batch (no communication)."""
+
+    kind: str
+    forward_flops: float  # model FLOPs (causal attention) on this GPU
+    forward_s: float  # gemm_s + attention_core_s + elementwise_s (or a measured layer time)
+    gemm_s: float
+    attention_core_s: float  # what selective recompute repeats
+    attention_core_flops: float  # executed (unfused attention computes the full s x s product)
+    elementwise_s: float
+    measured: bool = False
+
+    @property
+    def backward_s(self) -> float:
+        return BACKWARD_FACTOR * self.forward_s
+
+    @property
+    def backward_flops(self) -> float:
+        return BACKWARD_FACTOR * self.forward_flops
+
+    def recompute_s(self, mode: str) -> float:
+        """Extra forward work in the backward pass (Korthikanti et al. 2022, sec. 5)."""
+        if mode == "full":
+            return self.forward_s
+        if mode == "selective":
+            return self.attention_core_s
+        return 0.0
+
+    def recompute_flops(self, mode: str) -> float:
+        if mode == "full":
+            return self.forward_flops
+        if mode == "selective":
+            return self.attention_core_flops
+        return 0.0
+
+
+def measured_layer_key(model_name: str, kind: str, seq_len: int, mbs: int, tp: int) -> str:
+    """Key of a measured forward time in ``GPUSpec.measured['layer_forward_s']`` (written by the profiler's
+    optional model-layer profile): e.g. ``"llama3-8b|dense|seq=4096|mbs=1|tp=2"``."""
+    return f"{model_name}|{kind}|seq={seq_len}|mbs={mbs}|tp={tp}"
+
+
+def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int, cp: int, ep: int,
+                  dev: DeviceModel) -> LayerCompute:
+    """Forward compute of transformer layer ``layer`` per GPU and micro-batch (see the module docstring)."""
+    h = model.hidden_size
+    t = tp
+    p = dev.dtype_bytes
+    m_tok = mbs * seq_len / cp  # M: tokens on this GPU
+    mats = model.ffn_matrices
+    moe = model.is_moe_layer(layer)
+
+    gemm = dev.gemm_s(m_tok, (model.q_dim + 2 * model.kv_dim) / t, h)  # QKV
+    gemm += dev.gemm_s(m_tok, h, model.q_dim / t)  # output projection
+    act_f = activation_traffic_f(mats)
+    if moe:
+        e, k, fe = model.num_experts, model.top_k, model.expert_ffn_hidden_size
+        local_experts = e / ep
+        m_e = m_tok * k * ep / e  # tokens per local expert (balanced routing)
+        gemm += dev.gemm_s(m_e, (mats - 1) * fe / t, h, count=local_experts)
+        gemm += dev.gemm_s(m_e, h, fe / t, count=local_experts)
+        gemm += dev.gemm_s(m_tok / t, e, h)  # router on the SP-sharded tokens
+        ffn_traffic = k * act_f * fe + 4 * k * h  # activations + token permutation (dispatch and combine)
+        if model.num_shared_experts:
+            fs = model.num_shared_experts * model.shared_expert_ffn_hidden_size
+            gemm += dev.gemm_s(m_tok, (mats - 1) * fs / t, h) + dev.gemm_s(m_tok, h, fs / t)
+            ffn_traffic += act_f * fs
+    else:
+        f = model.ffn_hidden_size
+        gemm += dev.gemm_s(m_tok, (mats - 1) * f / t, h) + dev.gemm_s(m_tok, h, f / t)
+        ffn_traffic = act_f * f
+
+    # Attention core per GPU: heads are split by TP, queries by CP (each query chunk meets all keys in the ring).
+    if dev.flash_attention:
+        core_flops = model.layer_flops_breakdown(layer, seq_len, causal=True)["attention"] * m_tok / t
+        core_s = core_flops / dev.attention_flops
+    else:  # unfused: the full s x s product is computed, then masked
+        core_flops = model.layer_flops_breakdown(layer, seq_len, causal=False)["attention"] * m_tok / t
+        scores = mbs * (model.num_heads / t) * (seq_len / cp) * seq_len
+        core_s = core_flops / dev.gemm_flops + dev.memory_s(scores * (SCORE_TRAFFIC_P * p + 1))
+
+    elementwise_s = dev.memory_s(p * (ELEMENTWISE_TRAFFIC_H * h + ffn_traffic) * m_tok / t)
+    model_flops = model.layer_forward_flops_per_token(layer, seq_len, causal=True) * m_tok / t
+    forward_s = gemm + core_s + elementwise_s
+
+    measured = False
+    if dev.measured_layer_forward_s and cp == 1:
+        value = dev.measured_layer_forward_s.get(
+            measured_layer_key(model.name, model.layer_kind(layer), seq_len, mbs, tp))
+        if isinstance(value, (int, float)) and value > 0:
+            forward_s, measured = float(value), True
+    return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, forward_s=forward_s, gemm_s=gemm,
+                        attention_core_s=core_s, attention_core_flops=core_flops, elementwise_s=elementwise_s,
+                        measured=measured)
+
+
+@dataclass(frozen=True)
+class EdgeCompute:
+    """Embedding (first stage) or head (last stage) forward compute per GPU and micro-batch."""
+
+    forward_flops: float
+    forward_s: float
+
+    @property
+    def backward_s(self) -> float:
+        return BACKWARD_FACTOR * self.forward_s
+
+
+def embedding_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int,
+                      dev: DeviceModel) -> EdgeCompute:
+    """Lookup (writes M x h) plus OPT's project_in GEMM; vocab-parallel lookups all-reduce (see communication)."""
+    m_tok = mbs * seq_len / cp
+    t = dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / tp)  # read rows, write output (+ positions)
+    if model.embedding_dim != model.hidden_size:
+        t += dev.gemm_s(m_tok, model.hidden_size / tp, model.embedding_dim)
+    flops = model.embedding_forward_flops_per_token() * m_tok / tp
+    return EdgeCompute(flops, t)
+
+
+def head_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int, dev: DeviceModel) -> EdgeCompute:
+    """Final norm, logits GEMM (vocab-parallel: (M x e) @ (e x V/t)) and fp32 cross-entropy (memory-bound: read the
+    logits, write fp32 softmax, read it back: ~3 x 4 bytes per logit)."""
+    m_tok = mbs * seq_len / cp
+    e = model.embedding_dim
+    t = dev.gemm_s(m_tok, model.vocab_size / tp, e)
+    t += dev.memory_s(12.0 * model.vocab_size / tp * m_tok)
+    t += dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / tp)  # final norm
+    if e != model.hidden_size:
+        t += dev.gemm_s(m_tok, e / tp, model.hidden_size)
+    flops = model.head_forward_flops_per_token() * m_tok / tp
+    return EdgeCompute(flops, t)

@@ -1,0 +1,185 @@
+"""What a GPU sustains, as opposed to what its spec sheet promises: the cost model's only tuning knobs.
+
+Every time in the cost model is work divided by one of the rates of a ``DeviceModel``:
+
+* **GEMMs** follow an additive roofline (Williams et al. 2009, "Roofline: an insightful visual performance model",
+  CACM 52(4), with compute and memory time summed rather than maxed because real kernels overlap them imperfectly)::
+
+      t(M, N, K) = 2 M N K / F_gemm + p (M K + K N + M N) / B_mem
+
+  so the achieved fraction of peak is a saturating curve in the arithmetic intensity I = M N K / (M K + K N + M N):
+  ``eff(I) = e_gemm / (1 + F_gemm / (B_mem I))``. Few tokens per micro-batch (small M) and a high TP degree
+  (small N or K = h / t) lower I, hence the efficiency; big GEMMs approach ``e_gemm``.
+* **Attention core** (Q K^T and P V): FlashAttention-2 on Ampere and newer (bf16-capable GPUs) at a fixed fraction
+  of peak; unfused on Volta/Turing, where the s x s score matrix is written and read through HBM.
+* **Element-wise work** (norms, activations, dropout, residual adds) is memory-bound: bytes / B_mem.
+
+Calibration (``GEMM_EFFICIENCY``): with e_gemm = 0.70 the full cost model (TP communication, bubbles, DP sync,
+element-wise work) predicts 43-50 % of peak for the GPT configurations of Narayanan et al. 2021 ("Efficient
+large-scale language model training on GPU clusters using Megatron-LM", SC'21, Table 1: 135-163 TFLOP/s per A100
+= 43-52 % of peak, hardware FLOPs incl. recompute), and about 40 % MFU for Llama 3 405B on H100 (Grattafiori et
+al. 2024, "The Llama 3 herd of models", Table 4: 38-43 % BF16 MFU). On one H200 (device check, 2026-11-29:
+eager PyTorch layers with SDPA flash attention, bf16) the predicted forward+backward time of one GPT-3 13B / Llama 3
+8B layer was within -1 % ... +8 % of the measured one at mbs 1-4, s 2048-8192, while single mid-size GEMMs ran up to
+25 % faster than the additive roofline says (real kernels overlap memory and compute better), compensated at the
+layer level by the element-wise and attention terms. tests/test_costmodel_calibration.py checks all three.
+Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_tflops`` (the profiler's large-GEMM
+throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_gbps`` and ``allreduce_busbw_gbps``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from tangram_launch.errors import SpecError
+from tangram_launch.specs.cluster import GPUSpec
+
+TFLOPS = 1e12
+GBPS = 1e9  # _gbps = GB/s = 1e9 bytes per second
+GIB = 1024**3
+
+# Large bf16/fp16 GEMMs reach 60-80 % of the dense peak (cuBLAS on A100/H100; GPU-FACTS.md); 0.70 reproduces the
+# published end-to-end figures above once the other overheads are added.
+GEMM_EFFICIENCY = 0.70
+# Streaming kernels reach ~85 % of the HBM peak (STREAM-style copy/triad on A100/H100 sustain 1.7/2.9 TB/s of
+# 2.0/3.35 TB/s).
+MEMORY_EFFICIENCY = 0.85
+# FlashAttention-2 forward+backward reaches 50-73 % of the A100 peak (Dao 2023, "FlashAttention-2: faster attention
+# with better parallelism and work partitioning", sec. 4.1); the low end covers short sequences and GQA.
+FLASH_ATTENTION_EFFICIENCY = 0.50
+# NCCL ring all-reduce bus bandwidth inside a node, as a fraction of the per-direction link bandwidth (half the
+# bidirectional NVLink/PCIe figure of the catalog): nccl-tests on DGX A100 report ~230-240 GB/s of 300 GB/s
+# per direction (~0.8); PCIe Gen3 x16 rings reach ~12 of 16 GB/s. Replaced by measured allreduce_busbw_gbps.
+NCCL_INTRA_EFFICIENCY = 0.80
+# Fraction of a node-to-node link's nominal bandwidth that NCCL achieves (InfiniBand/RoCE ~90 %+ of line rate).
+NET_EFFICIENCY = 0.90
+# Per-step latency of an intra-node collective (NVLink/PCIe, NCCL LL protocol: a few microseconds per hop).
+INTRA_NODE_LATENCY_S = 2e-6
+# Host <-> GPU copies (offload): achievable per-direction PCIe bandwidth by generation (x16 theoretical 16/32/64 GB/s;
+# pinned-memory copies reach ~75 %).
+HOST_LINK_GBPS = {3: 12.0, 4: 24.0, 5: 48.0}
+# CPU Adam (ZeRO-Offload, Ren et al. 2021, sec. 4.2; DeepSpeedCPUAdam is 5-7x torch's CPU Adam): the update is
+# memory-bound on the host, ~32 bytes of traffic per parameter at ~50-100 GB/s of host memory bandwidth -> 1.5-3e9
+# parameters/s per node. Consistent with DeepSpeed PR #7474: a whole Qwen2.5-3B fine-tuning step with CPU Adam over
+# all 3B parameters takes 2.4 s on 2 A100-40GB and a 128-core host (>= 1.25e9 parameters/s incl. forward/backward).
+CPU_ADAM_PARAMS_PER_S_PER_NODE = 2.0e9
+
+
+def peak_tflops_for(gpu: GPUSpec, dtype: str) -> float:
+    """Dense peak for the training dtype (SpecError names the supported dtypes, e.g. V100 has no bf16)."""
+    return gpu.peak_tflops(dtype)
+
+
+def supports_flash_attention(gpu: GPUSpec) -> bool:
+    """FlashAttention-2 needs Ampere or newer; among NVIDIA GPUs exactly those have bf16 tensor cores."""
+    return bool(gpu.tflops.get("bf16"))
+
+
+def _measured(gpu: GPUSpec, key: str, dtype: str | None = None) -> float | None:
+    value = gpu.measured.get(key) if gpu.measured else None
+    if isinstance(value, Mapping):
+        value = value.get(dtype) if dtype else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
+
+
+def _host_pcie_gen(gpu: GPUSpec) -> int:
+    try:  # the catalog knows the host interface; custom GPUs are assumed Gen3 (the slowest in use)
+        from tangram_launch.specs.catalog import default_catalog
+
+        gen = default_catalog().lookup(gpu.type).pcie_gen
+    except SpecError:
+        gen = None
+    return gen if gen in HOST_LINK_GBPS else 3
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """Sustained rates of one GPU type for one training dtype (all in base units: FLOP/s, bytes/s, s)."""
+
+    gpu_type: str
+    dtype: str
+    dtype_bytes: int
+    peak_flops: float
+    gemm_flops: float  # F_gemm: large-GEMM throughput (measured, or peak x GEMM_EFFICIENCY)
+    memory_bandwidth: float  # B_mem, bytes/s sustained
+    attention_flops: float  # fused-attention throughput (FlashAttention-2 GPUs)
+    flash_attention: bool
+    intra_busbw: float  # NCCL all-reduce bus bandwidth inside a node, bytes/s
+    host_link_bandwidth: float  # GPU <-> host copies, bytes/s
+    is_cpu: bool = False  # the `cpu` placeholder device has no CUDA context
+    measured_layer_forward_s: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
+    sources: tuple[str, ...] = ()  # which figures were measured (for explanations)
+
+    @classmethod
+    def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None) -> "DeviceModel":
+        from tangram_launch.specs.training import DTYPE_BYTES
+
+        peak = peak_tflops_for(gpu, dtype) * TFLOPS
+        sources = []
+        gemm = _measured(gpu, "gemm_tflops", dtype)
+        if gemm is not None:
+            sources.append("gemm_tflops")
+            gemm_flops = gemm * TFLOPS
+        else:
+            gemm_flops = peak * GEMM_EFFICIENCY
+        mem = _measured(gpu, "memory_bandwidth_gbps")
+        if mem is not None:
+            sources.append("memory_bandwidth_gbps")
+            memory_bandwidth = mem * GBPS
+        else:
+            memory_bandwidth = gpu.memory_bandwidth_gbps * GBPS * MEMORY_EFFICIENCY
+        busbw = _measured(gpu, "allreduce_busbw_gbps")
+        if busbw is not None:
+            sources.append("allreduce_busbw_gbps")
+            intra = busbw * GBPS
+        else:
+            intra = gpu.intra_node_bandwidth_gbps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
+        flash = supports_flash_attention(gpu) if flash_attention is None else bool(flash_attention)
+        layer_times = gpu.measured.get("layer_forward_s", {}) if gpu.measured else {}
+        return cls(
+            gpu_type=gpu.type,
+            dtype=dtype,
+            dtype_bytes=DTYPE_BYTES[dtype],
+            peak_flops=peak,
+            gemm_flops=gemm_flops,
+            memory_bandwidth=memory_bandwidth,
+            # measured GEMM throughput scales the fused-attention estimate by the same achieved/peak ratio
+            attention_flops=peak * FLASH_ATTENTION_EFFICIENCY * (gemm_flops / (peak * GEMM_EFFICIENCY)),
+            flash_attention=flash,
+            intra_busbw=intra,
+            host_link_bandwidth=HOST_LINK_GBPS[_host_pcie_gen(gpu)] * GBPS,
+            is_cpu=gpu.type == "cpu",
+            measured_layer_forward_s=dict(layer_times) if isinstance(layer_times, Mapping) else {},
+            sources=tuple(sources),
+        )
+
+    # ------------------------------------------------------------------ kernels
+    def gemm_s(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        """Additive roofline time of ``count`` GEMMs of shape (M x K) @ (K x N)."""
+        if m <= 0 or n <= 0 or k <= 0 or count <= 0:
+            return 0.0
+        flops = 2.0 * m * n * k
+        traffic = self.dtype_bytes * (m * k + k * n + m * n)
+        return count * (flops / self.gemm_flops + traffic / self.memory_bandwidth)
+
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """Achieved fraction of the dense peak for one GEMM (for explanations and tests)."""
+        t = self.gemm_s(m, n, k)
+        return 0.0 if t == 0 else 2.0 * m * n * k / t / self.peak_flops
+
+    def memory_s(self, nbytes: float) -> float:
+        return nbytes / self.memory_bandwidth
+
+
+def ridge_intensity(dev: DeviceModel) -> float:
+    """Arithmetic intensity (FLOP/byte) at which a GEMM's memory time equals its compute time."""
+    return dev.gemm_flops / dev.memory_bandwidth
+
+
+def saturating_efficiency(intensity_flop_per_byte: float, dev: DeviceModel) -> float:
+    """eff(I) = (F_gemm / peak) / (1 + ridge / I): the saturating curve the additive roofline implies."""
+    if intensity_flop_per_byte <= 0:
+        return 0.0
+    return (dev.gemm_flops / dev.peak_flops) / (1.0 + ridge_intensity(dev) / intensity_flop_per_byte)

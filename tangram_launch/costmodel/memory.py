@@ -1,0 +1,166 @@
+"""Memory per GPU: model states by ZeRO stage, activations by recompute mode and sharding, fixed overheads.
+
+Model states (Rajbhandari et al. 2020, "ZeRO: memory optimizations toward training trillion parameter models",
+sec. 3.1 and 5): per parameter 2 bytes (fp16/bf16 weights) + 2 bytes (gradients) + K = 12 bytes (fp32 master
+weights, Adam momentum and variance); TrainingSpec carries the three sizes (Megatron's default keeps fp32 main
+gradients: 4 bytes). ZeRO stage 1 shards the optimizer state over the data-parallel group, stage 2 also the
+gradients, stage 3 also the parameters: (2 + 2 + K) Psi -> 2 Psi + 2 Psi + K Psi / N_d -> 2 Psi + (2 + K) Psi / N_d
+-> (2 + 2 + K) Psi / N_d. Offload (Ren et al. 2021, "ZeRO-Offload"; Rajbhandari et al. 2021, "ZeRO-Infinity") moves
+the optimizer state to host memory, with ZeRO >= 2 the gradients as well, and with ZeRO-3 the parameters too.
+
+Activations (Korthikanti et al. 2022, "Reducing activation recomputation in large transformer models", sec. 4,
+Table 2), per layer and micro-batch, 16-bit activations and 1-byte dropout masks::
+
+    no recompute, no parallelism       s b h (34 + 5 a s / h)
+    tensor + sequence parallel (t)     s b h (34 + 5 a s / h) / t
+    selective recompute, TP + SP       34 s b h / t        (the attention core, 5 a s^2 b, is recomputed)
+    full recompute                     2 s b h (/ t with SP): only the layer input is kept
+
+The 34 is a sum over tensors, which this module keeps term by term so that it adapts to other layers:
+attention 11 (QKV input 2, Q and K 4, V 2, output-projection input 2, dropout mask 1) -> with GQA, Q is q_dim and
+K, V are kv_dim wide; MLP 19 (input 2, first GEMM output 8, GeLU output 8, mask 1) -> SwiGLU stores gate, up and
+their product (3 x 2 f); MoE stores the router probabilities (fp32) and, for each of the top-k copies of a token,
+the permuted input and the expert's intermediates; norms 4 (two inputs). FlashAttention (Ampere and newer) never
+materialises the s x s scores: it keeps only the log-sum-exp (fp32 per head and token), so selective recompute
+saves nothing there. Sequence parallelism is assumed whenever t > 1 (Megatron's recommended setting); context
+parallelism shards the tokens (s / cp per GPU), while each query chunk still meets all s keys.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from tangram_launch.costmodel.efficiency import GIB
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.specs.model import ModelSpec
+
+MASK_BYTES = 1  # dropout masks are stored as bytes (Korthikanti et al. 2022, sec. 4.1)
+# Fixed per-GPU overhead outside the allocator's view of tensors: the CUDA context with cuBLAS/cuDNN handles and
+# workspaces (~0.4-0.6 GiB under CUDA 12 with lazy module loading) plus NCCL communicator buffers (NCCL_BUFFSIZE
+# 4 MiB x channels x peers, for each of the tp/dp/pp/cp/ep communicators: ~0.2-0.5 GiB).
+RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
+# PyTorch's caching allocator rounds and splits blocks; activations, allocated and freed every micro-batch, fragment
+# (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
+FRAGMENTATION_FRACTION = 0.05
+
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none",
+                                 sequence_parallel: bool = True) -> float:
+    """Korthikanti et al. 2022, Table 2 (GPT layer, 4h GeLU MLP, 16-bit activations): the reference formulas."""
+    if recompute == "full":
+        return 2.0 * s * b * h / (t if sequence_parallel else 1)
+    scores = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    if sequence_parallel or t == 1:
+        return s * b * h * (34.0 + scores) / t
+    return s * b * h * (10.0 + 24.0 / t + scores / t)
+
+
+def _ffn_activation_bytes(model: "ModelSpec", width: int, p: int) -> float:
+    """Per token: the outputs of the (m-1) up/gate GEMMs and the activation output (the down GEMM's input)."""
+    return p * model.ffn_matrices * width
+
+
+def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len: int, recompute: str, flash: bool,
+                                     dtype_bytes: int = 2) -> tuple[float, float]:
+    """Bytes per token of layer ``layer`` kept for backward, split as (token-local, score) parts before sharding.
+
+    The score part (unfused attention only) is (2p + 1) bytes per head and key: softmax output, dropout mask and
+    dropout output (Korthikanti's 5 a s with p = 2).
+    """
+    p = dtype_bytes
+    h = model.hidden_size
+    if recompute == "full":
+        return p * h, 0.0
+    attn = p * h + p * (model.q_dim + 2 * model.kv_dim) + p * model.q_dim + MASK_BYTES * h
+    norms = 2 * p * h
+    if model.is_moe_layer(layer):
+        k = model.top_k
+        mlp = p * h + MASK_BYTES * h + 4 * model.num_experts  # input, mask, router probabilities (fp32)
+        mlp += k * (p * h + _ffn_activation_bytes(model, model.expert_ffn_hidden_size, p))
+        if model.num_shared_experts:
+            mlp += _ffn_activation_bytes(model, model.num_shared_experts * model.shared_expert_ffn_hidden_size, p)
+    else:
+        mlp = p * h + _ffn_activation_bytes(model, model.ffn_hidden_size, p) + MASK_BYTES * h
+    if flash:
+        attn += 4 * model.num_heads  # log-sum-exp statistics, fp32
+        scores = 0.0
+    else:
+        scores = 0.0 if recompute == "selective" else (2 * p + MASK_BYTES) * model.num_heads * seq_len
+    return attn + mlp + norms, scores
+
+
+def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
+                           recompute: str = "none", flash: bool = False, dtype_bytes: int = 2) -> float:
+    """Activation bytes of one layer for one in-flight micro-batch on one GPU (TP with SP, CP-sharded tokens)."""
+    local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
+                                                     dtype_bytes=dtype_bytes)
+    tokens = mbs * seq_len / cp
+    return tokens * (local + scores) / tp
+
+
+def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1) -> float:
+    """First stage: the embedding-dropout mask, s b h bytes (Korthikanti et al. 2022, sec. 4.3), sharded by SP."""
+    return MASK_BYTES * model.hidden_size * mbs * seq_len / cp / tp
+
+
+def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
+                          dtype_bytes: int = 2) -> float:
+    """Last stage: final norm and output-layer inputs (4 s b h) and fp32 logits for the loss (4 s b v), vocab-
+    parallel (Korthikanti et al. 2022, sec. 4.3). Large for big vocabularies: Llama 3 (v = 128256) at s = 8192 keeps
+    4.2 GB per sequence before TP."""
+    tokens = mbs * seq_len / cp
+    return tokens * (2 * dtype_bytes * model.hidden_size + 4.0 * model.vocab_size) / tp
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+def layer_param_split(model: "ModelSpec", layer: int) -> tuple[float, float]:
+    """(non-expert, routed-expert) parameters of a layer: experts shard by EP and replicate over dp*cp/ep."""
+    total = float(model.layer_params(layer))
+    if not model.is_moe_layer(layer):
+        return total, 0.0
+    e, k = model.num_experts, model.top_k
+    if e == k:  # every expert active: active == total, so derive one expert from the FFN shape instead
+        per_expert = model.ffn_matrices * model.hidden_size * model.expert_ffn_hidden_size
+    else:
+        per_expert = (total - model.layer_active_params(layer)) / (e - k)
+    experts = per_expert * e
+    return total - experts, experts
+
+
+class ModelStateBytes(NamedTuple):
+    """Model-state bytes per GPU (on the GPU) and what offload moved to host memory (a NamedTuple: cheap to build
+    in the parallelizers' inner loop)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    host: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def model_state_bytes(num_params: float, *, shard: int, zero_stage: int, offload: bool = False,
+                      param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
+    """ZeRO stages 0-3 over a data-parallel shard group of ``shard`` GPUs (Rajbhandari et al. 2020, Fig. 1).
+
+    ``num_params`` is what this GPU holds before ZeRO (already divided by TP/EP). With offload the optimizer state
+    lives on the host; ZeRO >= 2 also streams gradients there, ZeRO-3 also keeps parameters there (the GPU then
+    holds only the gathered working set, which the stage accounts for).
+    """
+    n = max(1, shard)
+    params = num_params * param_bytes / (n if zero_stage >= 3 else 1)
+    grads = num_params * grad_bytes / (n if zero_stage >= 2 else 1)
+    opt = num_params * optimizer_bytes / (n if zero_stage >= 1 else 1)
+    host = 0.0
+    if offload:
+        host += opt
+        opt = 0.0
+        if zero_stage >= 2:
+            host += grads
+            grads = 0.0
+        if zero_stage >= 3:
+            host += params
+            params = 0.0
+    return ModelStateBytes(params, grads, opt, host)

@@ -1,0 +1,268 @@
+"""``megatron``: the exhaustive analytical parallelizer (the default).
+
+For a slice/island query it enumerates every configuration Megatron-style 3D/5D parallelism allows on the island:
+
+    GPUs used   n: powers of two and whole nodes up to the island (the plan's num_gpus says how many)
+    pp          stages inside the slice (n % pp == 0, pp <= layers, <= q.max_stages / the runtime's max_stages);
+                a stage's GPUs divide a node or are whole nodes, so stages tile the island's nodes
+    tp          divides the GPUs per node (TP stays on NVLink/PCIe inside a node) and the attention heads
+    cp          context parallel (seq_len divisible by 2 cp), dp = n / (pp tp cp), mbs = b / dp must be whole
+    ep          MoE only: divides dp x cp and the number of experts
+    memory      ZeRO 0-3 x recompute none/selective/full x offload on/off
+
+Stages of a slice share one grid and the same memory savers; layers are split over them balanced by time
+(costmodel.breakdown.balanced_split), the first/last stage lighter when they carry the embedding/head. Only what
+``q.capabilities`` can run is costed. What is kept is the Pareto front over
+
+    (bottleneck stage time, sum of stage times, DP sync + optimizer step, how many later pipeline stages it still
+     fits with, stages, GPUs used)
+
+-- the terms of any 1F1B pipeline's iteration time, and the memory criteria the composer needs: a plan holding fewer
+activations per in-flight micro-batch fits deeper in the pipeline (``SlicePlan.max_stages_after``) and a plan with
+fewer stages makes the slices before it hold fewer micro-batches -- kept separately per class of the runtime's
+cross-stage constraints (one (tp, dp, cp) grid / one TP size / one DP size), so that the planner can still find
+plans that agree across islands. Nothing fits: an ``InfeasibleSlice`` with the smallest peak memory any
+configuration needs and where it goes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterator
+
+from tangram_launch.capabilities import StageShape
+from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
+from tangram_launch.costmodel.compute import RECOMPUTE_MODES
+from tangram_launch.costmodel.efficiency import GIB
+from tangram_launch.parallelizers.base import InfeasibleSlice, SlicePlan, SliceQuery, SliceResult
+
+logger = logging.getLogger(__name__)
+
+SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
+MAX_CP = 16
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_gpu_counts(num_gpus: int, gpus_per_node: int) -> list[int]:
+    """Powers of two that divide a node, and whole nodes: subsets whose stages tile the island's nodes."""
+    out = {k * gpus_per_node for k in range(1, num_gpus // gpus_per_node + 1)}
+    p = 1
+    while p <= gpus_per_node:
+        if gpus_per_node % p == 0:
+            out.add(p)
+        p *= 2
+    return sorted(x for x in out if x <= num_gpus)
+
+
+def query_key(q: SliceQuery) -> tuple:
+    kinds = tuple(q.model.layer_kind(i) for i in range(*q.layers))
+    return (q.island.name, q.num_layers, kinds, q.has_embedding, q.has_head, q.microbatch_sequences)
+
+
+def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
+    """Plans in different classes are never compared: the runtime needs one grid / TP / DP size across stages."""
+    caps = q.capabilities
+    if caps.uniform_grid:
+        return ("grid", cfg.tp, cfg.dp, cfg.cp)
+    key: tuple = ()
+    if caps.uniform_tp:
+        key += ("tp", cfg.tp)
+    if caps.uniform_dp:
+        key += ("dp", cfg.dp * cfg.cp)
+    return key
+
+
+def fit_depth(numbers: list[tuple], m: int, cap: float) -> tuple[int, float]:
+    """(largest number of following global stages at which every stage fits, -1 if none; peak memory with none).
+
+    Stage j of n holds min(n - j + D, m) micro-batches with D stages after the slice (base.StageCost.memory_bytes);
+    this is SlicePlan.max_stages_after in closed form."""
+    n = len(numbers)
+    depth = SATURATED
+    peak0 = 0.0
+    for j, x in enumerate(numbers):
+        static, act = x[2], x[3]
+        inflight = n - j if n - j < m else m
+        mem = static + act * inflight
+        if mem > peak0:
+            peak0 = mem
+        if mem > cap:
+            depth = -1
+        elif depth >= 0 and static + act * m > cap:
+            d = int((cap - static) // act) - (n - j)
+            if d < depth:
+                depth = d
+    return depth, peak0
+
+
+def pareto_front(points: list[tuple]) -> list[tuple]:
+    """Points not dominated in (bottleneck min, fill min, tail min, depth max, stages min, gpus min).
+
+    A point is (bottleneck_s, fill_s, tail_s, depth, num_stages, num_gpus, payload...). The criteria are the terms
+    of the 1F1B iteration time of any pipeline the slice ends up in, (m - 1) x max bottleneck + sum of stage times
+    + max(DP sync + optimizer), plus what the composer needs for memory: how many later stages the plan tolerates,
+    and how many stages it adds in front of them (each makes the earlier slices hold one more micro-batch).
+    """
+    # lexicographic order with every criterion as 'smaller is better' extends dominance: dominators come first
+    pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3], p[4], p[5]))
+    kept: list[tuple] = []
+    for p in pts:
+        if any(k[1] <= p[1] and k[2] <= p[2] and k[3] >= p[3] and k[4] <= p[4] and k[5] <= p[5] for k in kept):
+            continue  # an earlier point (bottleneck <=) is at least as good on every other criterion
+        kept.append(p)
+    return kept
+
+
+class MegatronParallelizer:
+    """Exhaustive analytical parallelizer over DP x TP x PP x CP x EP, ZeRO, recompute, offload."""
+
+    name = "megatron"
+
+    def __init__(self, *, flash_attention: bool | None = None, gpu_subsets: bool = True) -> None:
+        self.flash_attention = flash_attention
+        self.gpu_subsets = gpu_subsets
+
+    # ------------------------------------------------------------------------------------------ enumeration
+    def grids(self, q: SliceQuery, coster: SliceCoster) -> Iterator[ParallelConfig]:
+        """Every (tp, pp, dp, cp, ep) grid the island, the slice and the runtime allow (memory savers unset)."""
+        isl, model, caps = q.island, q.model, q.capabilities
+        g = isl.gpus_per_node
+        b = q.microbatch_sequences
+        max_pp = q.num_layers
+        for limit in (q.max_stages, caps.max_stages):
+            if limit is not None:
+                max_pp = min(max_pp, limit)
+        counts = candidate_gpu_counts(isl.num_gpus, g) if self.gpu_subsets else [isl.num_gpus]
+        for n in counts:
+            for pp in divisors(n):
+                if pp > max_pp:
+                    continue
+                sg = n // pp
+                if sg % g and g % sg:
+                    continue
+                for tp in divisors(math.gcd(sg, g)):
+                    if tp > 1 and not caps.tensor_parallel:
+                        continue
+                    if model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
+                        continue
+                    for cp in divisors(sg // tp):
+                        if cp > 1 and (not caps.context_parallel or cp > MAX_CP
+                                       or coster.seq_len % (2 * cp)):
+                            continue
+                        dp = sg // (tp * cp)
+                        if b % dp:
+                            continue
+                        eps = [1]
+                        if model.is_moe and caps.expert_parallel:
+                            eps = [e for e in divisors(dp * cp) if model.num_experts % e == 0]
+                        for ep in eps:
+                            yield ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+
+    def savers(self, q: SliceQuery, grid: ParallelConfig) -> list[tuple[int, int, bool]]:
+        """(zero stage, recompute index, offload) combinations for a grid that the runtime can run. Duplicates are
+        skipped: without a data-parallel group ZeRO 1/2 change nothing, and ZeRO-3 only matters with offload."""
+        caps = q.capabilities
+        pipelined = q.pipelined or grid.pp > 1
+        shard = grid.dp * grid.cp
+        offloads = (False, True) if caps.offload else (False,)
+        out = []
+        for r, recompute in enumerate(RECOMPUTE_MODES):
+            for zero in ZERO_STAGES:
+                for offload in offloads:
+                    if shard == 1 and (zero in (1, 2) or (zero == 3 and not offload)):
+                        continue
+                    shape = StageShape(grid.tp, grid.dp, grid.cp, grid.ep, zero, recompute, offload)
+                    if caps.allows_stage(shape, pipelined=pipelined):
+                        out.append((zero, r, offload))
+        return out
+
+    # ------------------------------------------------------------------------------------------ query
+    def query(self, q: SliceQuery) -> SliceResult:
+        return self._search(q, self.grids, self.savers)
+
+    def _search(self, q: SliceQuery, grids, savers) -> SliceResult:
+        key = query_key(q)
+        coster = SliceCoster(q, flash_attention=self.flash_attention)
+        if coster.device_error:
+            return SliceResult(key, (), InfeasibleSlice((coster.device_error,)))
+        b = q.microbatch_sequences
+        if b < 1 or q.training.global_batch % b:
+            return SliceResult(key, (), InfeasibleSlice(
+                (f"global batch {q.training.global_batch} is not a multiple of the micro-batch of {b} sequences",)))
+        m = max(1, q.num_microbatches)
+        cap = coster.capacity_bytes
+        fast = coster.fast_stage
+        points: dict[tuple, list[tuple]] = {}
+        evaluated = 0
+        best_mem: tuple | None = None
+        shape_reasons: set[str] = set()
+        saver_cache: dict[tuple, list] = {}
+        for grid in grids(q, coster):
+            problems = coster.check(grid)
+            if problems:
+                shape_reasons.update(problems)
+                continue
+            sums = coster.stage_sums(grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+            skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
+            allowed = saver_cache.get(skey)
+            if allowed is None:
+                allowed = saver_cache[skey] = savers(q, grid)
+            cls = cross_stage_class(q, grid)
+            bucket = points.setdefault(cls, [])
+            n_gpus = grid.num_gpus
+            for zero, r, off in allowed:
+                evaluated += 1
+                numbers = [fast(st, zero, r, off) for st in sums]
+                depth, peak0 = fit_depth(numbers, m, cap)
+                if depth < 0:
+                    if best_mem is None or peak0 < best_mem[0]:
+                        best_mem = (peak0, grid, zero, r, off, sums)
+                    continue
+                times = [x[0] + x[1] for x in numbers]
+                tail = max(x[4] + x[5] for x in numbers)
+                bucket.append((max(times), sum(times), tail, depth, grid.pp, n_gpus, grid, zero, r, off, sums))
+        points = {k: v for k, v in points.items() if v}
+        if not points:
+            return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
+        plans: list[SlicePlan] = []
+        for bucket in points.values():
+            for *_objectives, grid, zero, r, off, sums in pareto_front(bucket):
+                plans.append(coster.materialize(_config(grid, zero, r, off), sums, parallelizer=self.name))
+        plans.sort(key=lambda p: (p.bottleneck_s, p.num_gpus))
+        logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
+                     q.island.name, evaluated, len(plans))
+        return SliceResult(key, tuple(plans), None, evaluated)
+
+    def _infeasible(self, q: SliceQuery, coster: SliceCoster, best, shape_reasons: set[str], m: int,
+                    cap: float) -> InfeasibleSlice:
+        where = f"{q.model.name} layers {q.layers[0]}:{q.layers[1]} on island {q.island.name}"
+        if best is None:
+            reasons = sorted(shape_reasons) or [f"{self.name}: no configuration the runtime "
+                                                f"'{q.capabilities.name}' can run"]
+            return InfeasibleSlice(tuple(f"{where}: {r}" for r in reasons[:8]))
+        peak, grid, zero, r, off, sums = best
+        cfg = _config(grid, zero, r, off)
+        plan = coster.materialize(cfg, sums, parallelizer=self.name)
+        n = len(plan.stages)
+        j = max(range(n), key=lambda k: plan.stages[k].memory_bytes(n - 1 - k, m))
+        st = plan.stages[j]
+        inflight = min(n - j, m)
+        bd = {k: st.breakdown[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                                             "working_bytes", "overhead_bytes")}
+        bd["activations_bytes"] = st.activation_bytes * inflight
+        bd["micro_batches_in_flight"] = inflight
+        bd["config"] = cfg.describe()
+        bd["stage"] = j
+        parts = ", ".join(f"{k.replace('_bytes', '')} {v / GIB:.1f} GiB" for k, v in bd.items()
+                          if k.endswith("_bytes") and v)
+        reason = (f"{where} needs at least {peak / GIB:.1f} GiB per GPU (capacity {cap / GIB:.1f} GiB) even with "
+                  f"{cfg.describe()}: {parts}")
+        return InfeasibleSlice((reason,), peak, bd)
+
+
+def _config(grid: ParallelConfig, zero: int, r: int, offload: bool) -> ParallelConfig:
+    return ParallelConfig(tp=grid.tp, pp=grid.pp, dp=grid.dp, cp=grid.cp, ep=grid.ep, zero_stage=zero,
+                          recompute=RECOMPUTE_MODES[r], offload=offload)
