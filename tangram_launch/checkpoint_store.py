@@ -1,0 +1,367 @@
+"""The checkpoint directory on disk: atomic commits, manifests with checksums, finding the newest complete one.
+
+Layout of a checkpoint directory (one training run)::
+
+    ckpt/
+      step_200/                 complete: renamed into place only after every rank finished and the manifest exists
+        manifest.json           written last: step, model keys, optimizer keys, sha256 + size of every other file
+        plan.json               the plan the checkpoint was written under
+        position.json           step, consumed samples, data-loader position, extra (JSON)
+        optimizer.json          per-parameter optimizer hyperparameters and non-tensor state
+        rng/rank_<r>.json       RNG states (torch, numpy, python[, cuda]) of rank r; rng/global.json = rank 0's
+        state/                  torch.distributed.checkpoint shards (.metadata + __<rank>_<i>.distcp)
+      step_300.tmp-1a2b3c4d/    a save in progress, or torn by a crash: never loaded, removed by the next save
+
+A directory is *complete* when its manifest is present and every file it lists exists with the recorded size and
+sha256. The loader takes the newest complete one and names every newer one it skipped, with the reason. Standard
+library only, so the launcher (``--resume``) can look at a checkpoint without importing torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from tangram_launch.errors import SpecError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "tangram-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PLAN_FILE = "plan.json"
+POSITION_FILE = "position.json"
+OPTIMIZER_FILE = "optimizer.json"
+RNG_DIR = "rng"
+STATE_DIR = "state"
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^step_(\d+)\.tmp-([0-9a-f]+)$")
+_HASH_CHUNK_BYTES = 1 << 20
+
+
+def step_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step}")
+
+
+def tmp_dir_name(step: int) -> str:
+    return f"step_{step}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A directory that looks like a checkpoint: ``step_<N>`` (committed) or ``step_<N>.tmp-<id>`` (in progress)."""
+
+    path: str
+    step: int
+    committed: bool
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint the loader passed over, and why (what the warning says)."""
+
+    path: str
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} (step {self.step}): {self.reason}"
+
+
+def list_candidates(directory: str) -> list[Candidate]:
+    """Checkpoint-like entries of ``directory``, newest step first (committed before tmp at equal steps)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise SpecError("checkpoint path is not a directory", field="checkpoint directory", value=directory) from None
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if not os.path.isdir(path):
+            continue
+        m = _STEP_DIR.match(name)
+        if m:
+            out.append(Candidate(path, int(m.group(1)), True))
+            continue
+        m = _TMP_DIR.match(name)
+        if m:
+            out.append(Candidate(path, int(m.group(1)), False))
+    return sorted(out, key=lambda c: (-c.step, not c.committed, c.path))
+
+
+# --- durable writes ------------------------------------------------------------------------------------------
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write JSON and fsync it (the directory entry is fsynced by ``commit``)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise SpecError("checkpoint file is missing", source=path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecError(f"checkpoint file is not valid JSON ({exc})", source=path) from None
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_files(root: str) -> list[str]:
+    """Every regular file under ``root`` as a '/'-separated relative path, sorted; the manifest excluded."""
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def hash_files(root: str, rel_paths: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """{relative path: {"sha256", "bytes"}} for the given files (one rank's share of a checkpoint)."""
+    out = {}
+    for rel in rel_paths:
+        path = os.path.join(root, rel)
+        out[rel] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
+    return out
+
+
+def share(items: list[str], rank: int, world_size: int) -> list[str]:
+    """Rank ``rank``'s share of a sorted list (round robin), for hashing or verifying in parallel."""
+    return items[rank::world_size]
+
+
+def write_manifest(root: str, manifest: Mapping[str, Any]) -> None:
+    """The manifest goes last: its presence is what makes a directory a checkpoint."""
+    write_json(os.path.join(root, MANIFEST), dict(manifest))
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every directory under ``root`` (files are fsynced as they are written)."""
+    for dirpath, dirnames, _ in os.walk(root, topdown=False):
+        fsync_dir(dirpath)
+
+
+def commit(tmp_path: str, final_path: str) -> None:
+    """Make a finished checkpoint visible: fsync the tree, rename atomically, fsync the parent directory."""
+    if os.path.exists(final_path):
+        raise SpecError("a checkpoint already exists under that name; complete checkpoints are never overwritten",
+                        field="step", value=final_path)
+    fsync_tree(tmp_path)
+    os.rename(tmp_path, final_path)
+    fsync_dir(os.path.dirname(final_path) or ".")
+
+
+# --- reading and verifying ---------------------------------------------------------------------------------------
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of a checkpoint directory; SpecError if absent, unreadable or not ours."""
+    m = read_json(os.path.join(path, MANIFEST))
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise SpecError("not a tangram checkpoint manifest", source=os.path.join(path, MANIFEST),
+                        field="format", value=m.get("format") if isinstance(m, dict) else type(m).__name__,
+                        valid=FORMAT)
+    if m.get("version") != FORMAT_VERSION:
+        raise SpecError("unsupported checkpoint format version", source=os.path.join(path, MANIFEST),
+                        field="version", value=m.get("version"), valid=str(FORMAT_VERSION))
+    if not isinstance(m.get("files"), dict):
+        raise SpecError("manifest lists no files", source=os.path.join(path, MANIFEST), field="files")
+    return m
+
+
+def manifest_problem(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) or (None, why this directory is not a checkpoint)."""
+    if not os.path.exists(os.path.join(path, MANIFEST)):
+        return None, "no manifest (an interrupted save)"
+    try:
+        return read_manifest(path), None
+    except SpecError as exc:
+        return None, f"unreadable manifest ({exc})"
+
+
+def check_files(path: str, manifest: Mapping[str, Any], rel_paths: Iterable[str] | None = None,
+                *, checksums: bool = True) -> list[str]:
+    """Problems with the listed files (default: all in the manifest): missing, wrong size, wrong sha256."""
+    files: Mapping[str, Mapping[str, Any]] = manifest["files"]
+    problems = []
+    for rel in (sorted(files) if rel_paths is None else rel_paths):
+        entry = files[rel]
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            problems.append(f"missing file {rel}")
+            continue
+        size = os.path.getsize(full)
+        if size != entry.get("bytes"):
+            problems.append(f"{rel} has {size} bytes, the manifest says {entry.get('bytes')}")
+            continue
+        if checksums and sha256_file(full) != entry.get("sha256"):
+            problems.append(f"checksum mismatch in {rel}")
+    return problems
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    step: int
+    manifest: Mapping[str, Any]
+    skipped: tuple[Skipped, ...]
+
+
+def find_latest(directory: str, *, step: int | None = None, checksums: bool = True) -> Found:
+    """The newest complete checkpoint under ``directory`` (or the one of ``step``), verified on one process.
+
+    Newer torn or corrupt ones are skipped and logged. SpecError when there is none, naming where it looked and
+    what it skipped. (``tangram_launch.checkpoint.load_checkpoint`` does the same with the verification spread over
+    ranks.)
+    """
+    skipped: list[Skipped] = []
+    for cand in list_candidates(directory):
+        if step is not None and cand.step != step:
+            continue
+        manifest, problem = (None, "a save in progress or torn (temporary name)") if not cand.committed \
+            else manifest_problem(cand.path)
+        if manifest is not None:
+            problems = check_files(cand.path, manifest, checksums=checksums)
+            if not problems:
+                log_skipped(skipped, cand.path)
+                return Found(cand.path, cand.step, manifest, tuple(skipped))
+            problem = "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "")
+        skipped.append(Skipped(cand.path, cand.step, problem or "incomplete"))
+    raise no_checkpoint_error(directory, skipped, step)
+
+
+def log_skipped(skipped: list[Skipped], chosen: str) -> None:
+    for s in skipped:
+        logger.warning("skipping checkpoint %s; using the previous complete one, %s", s, chosen)
+
+
+def no_checkpoint_error(directory: str, skipped: list[Skipped], step: int | None) -> SpecError:
+    what = f"step_{step}" if step is not None else "step_<N>"
+    msg = f"no complete checkpoint in {os.path.abspath(directory)} (looked for {what}/{MANIFEST})"
+    if skipped:
+        msg += "; skipped: " + "; ".join(str(s) for s in skipped)
+    elif not os.path.isdir(directory):
+        msg += "; the directory does not exist"
+    return SpecError(msg, field="checkpoint directory", value=directory)
+
+
+# --- retention ------------------------------------------------------------------------------------------------------
+
+def prune(directory: str, keep_last: int, *, keep: str) -> list[str]:
+    """Remove committed checkpoints older than the newest ``keep_last`` ones, and stale temporary directories.
+
+    Called only after a successful commit of ``keep``, which is never removed. Only directories with a manifest
+    count as checkpoints; a committed directory without one is left alone (not ours to judge), and so is anything
+    that is not named like a checkpoint.
+    """
+    removed = []
+    complete = [c for c in list_candidates(directory)
+                if c.committed and os.path.exists(os.path.join(c.path, MANIFEST))]
+    for c in complete[keep_last:]:
+        if os.path.abspath(c.path) == os.path.abspath(keep):
+            continue
+        shutil.rmtree(c.path)
+        removed.append(c.path)
+    for c in list_candidates(directory):
+        if not c.committed:
+            shutil.rmtree(c.path, ignore_errors=True)
+            removed.append(c.path)
+    if removed:
+        fsync_dir(directory)
+        logger.info("removed old checkpoints: %s", ", ".join(removed))
+    return removed
+
+
+# --- the training position ------------------------------------------------------------------------------------------
+
+def _check_jsonable(value: Any, where: str) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"must be JSON-serialisable ({exc})", field=where, value=type(value).__name__) from None
+
+
+@dataclass(frozen=True)
+class TrainingPosition:
+    """Where training stands, independent of the layout: what a resumed run needs to continue the same data stream.
+
+    ``step``: optimizer steps completed. ``consumed_samples``: sequences consumed so far (the layout-agnostic data
+    position: with a changed global batch the next sample is still exact). ``data``: the data loader's own position
+    (epoch, index, shuffling seed, ...), ``extra``: anything else (an LR scheduler's state_dict()); both JSON.
+    """
+
+    step: int
+    consumed_samples: int
+    data: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("step", "consumed_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SpecError("must be an integer >= 0", field=f"position.{name}", value=v)
+        for name in ("data", "extra"):
+            v = dict(getattr(self, name))
+            _check_jsonable(v, f"position.{name}")
+            object.__setattr__(self, name, v)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "data": dict(self.data),
+                "extra": dict(self.extra)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingPosition":
+        try:
+            return cls(step=d["step"], consumed_samples=d["consumed_samples"], data=d.get("data") or {},
+                       extra=d.get("extra") or {})
+        except (KeyError, TypeError) as exc:
+            raise SpecError(f"malformed training position ({exc!r})", source=source) from None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the launcher needs to show before resuming: where, which step, the old plan (as a dict), the position."""
+
+    path: str
+    step: int
+    plan: Mapping[str, Any]
+    position: TrainingPosition
+    skipped: tuple[Skipped, ...]
+
+
+def describe(directory: str, *, step: int | None = None, checksums: bool = False) -> CheckpointInfo:
+    """The newest complete checkpoint's summary without torch (``checksums=True`` to verify every byte as well)."""
+    found = find_latest(directory, step=step, checksums=checksums)
+    plan = read_json(os.path.join(found.path, PLAN_FILE))
+    position = TrainingPosition.from_dict(read_json(os.path.join(found.path, POSITION_FILE)),
+                                          source=os.path.join(found.path, POSITION_FILE))
+    return CheckpointInfo(found.path, found.step, plan, position, found.skipped)
