@@ -1,0 +1,381 @@
+"""Gathered measurements -> one ClusterSpec (YAML mapping), its hardware fingerprint and a summary table.
+
+Pure functions over the records the workers gather (no process group here), so the assembly is tested without
+launching anything. Conventions of the written file:
+
+* nodes are named by host, or ``host-<k>`` when several agents share a host (k in node-rank order);
+* a GPU the catalog knows keeps its catalog type and figures, with the measurements in ``measured``
+  (islands and the cost model prefer ``measured.gemm_tflops`` over the spec-sheet peak);
+* a GPU the catalog does not know is ``custom`` with measured figures;
+* a CPU device (one gloo process) is type ``cpu`` with the *measured* figures in ``tflops``,
+  ``memory_bandwidth_gbps`` and ``intra_node_bandwidth_gbps`` (the catalog's placeholders are kept in
+  ``measured.catalog``), so islands and the planner see what the host really does;
+* intra-node bandwidth written from a measurement is 2 x all-reduce bus bandwidth: the catalog's figures are
+  bidirectional per GPU (NVLink 900 GB/s on H100) while nccl-tests' busbw counts one direction;
+* the network lists every measured node pair; ``default`` is the slowest of them (conservative for pairs a later
+  edit adds);
+* ``fingerprint`` hashes the hardware identity (hosts, device names, UUIDs, counts, NICs), not the measurements,
+  so a later launch can reuse a profile while the hardware is unchanged.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from profiler.bench import Measured, Timing, round_sig
+from profiler.inventory import NodeInventory, inventory_identity
+from tangram_launch.specs.yamlio import to_plain
+
+FINGERPRINT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceRecord:
+    """One rank's device and what it measured on it."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    device: str  # "cpu" | "cuda:<i>"
+    torch_uuid: str | None = None
+    torch_name: str | None = None
+    total_memory_bytes: int | None = None
+    gemm: Mapping[str, Measured] = field(default_factory=dict)  # dtype -> TFLOP/s
+    memory_bandwidth: Measured | None = None  # GB/s
+    layer: Mapping[str, Mapping[str, Measured]] = field(default_factory=dict)  # kind -> forward/forward_backward
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_rank: int
+    host: str
+    inventory: NodeInventory
+    ranks: tuple[int, ...]  # global ranks in local-rank order
+    allreduce: Measured | None = None  # bus bandwidth over the node's ranks, GB/s
+    p2p: tuple[tuple[int, int, Measured], ...] = ()  # (local a, local b, GB/s one direction at a time)
+
+
+@dataclass(frozen=True)
+class LinkRecord:
+    """Measured link between two nodes (node ranks)."""
+
+    node_a: int
+    node_b: int
+    latency_rtt: Timing  # leaders' round trip of a tiny message
+    bandwidth: tuple[Measured, ...]  # one per concurrent rank pair (local rank i <-> i); the link is their sum
+    round_index: int = 0
+
+
+@dataclass(frozen=True)
+class ProfileRecord:
+    devices: tuple[DeviceRecord, ...]
+    nodes: tuple[NodeRecord, ...]
+    links: tuple[LinkRecord, ...]
+    backend: str
+    quick: bool
+    bench: Mapping[str, Any]
+    started_at: str
+    finished_at: str
+    wall_s: float
+    torch_version: str = ""
+    model: Mapping[str, Any] | None = None
+    schedule: tuple[tuple[tuple[int, int], ...], ...] = ()  # inter-node rounds of node-rank pairs
+
+
+def name_nodes(hosts: Sequence[str]) -> list[str]:
+    """Node names in node-rank order: the host, or host-<k> when several nodes share a host."""
+    counts: dict[str, int] = {}
+    for h in hosts:
+        counts[h] = counts.get(h, 0) + 1
+    seen: dict[str, int] = {}
+    names: list[str] = []
+    for h in hosts:
+        if counts[h] == 1:
+            name = h
+        else:
+            name = f"{h}-{seen.get(h, 0)}"
+            seen[h] = seen.get(h, 0) + 1
+        while name in names:  # a host literally called "a-0" beside two agents on "a"
+            name += "x"
+        names.append(name)
+    return names
+
+
+def hardware_identity(record: ProfileRecord) -> list:
+    """What the fingerprint covers: per node its host, inventory identity and devices (kind, name, UUID)."""
+    names = name_nodes([n.host for n in sorted(record.nodes, key=lambda n: n.node_rank)])
+    out = []
+    for name, node in zip(names, sorted(record.nodes, key=lambda n: n.node_rank)):
+        devs = sorted((d for d in record.devices if d.node_rank == node.node_rank), key=lambda d: d.local_rank)
+        out.append({
+            "name": name,
+            "inventory": inventory_identity(node.inventory),
+            "devices": [[d.device.split(":")[0], d.torch_name or "cpu", d.torch_uuid or ""] for d in devs],
+        })
+    return out
+
+
+def fingerprint(identity: Any) -> str:
+    blob = json.dumps({"v": FINGERPRINT_VERSION, "hardware": identity}, sort_keys=True).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]
+
+
+def _catalog_figures(gpu_type) -> dict:
+    return {"tflops": dict(gpu_type.tflops), "memory_gib": gpu_type.memory_gib,
+            "memory_bandwidth_gbps": gpu_type.memory_bandwidth_gbps,
+            "intra_node_bandwidth_gbps": gpu_type.intra_node_bandwidth_gbps}
+
+
+def _p2p_row(node: NodeRecord, local: int) -> list[float | None]:
+    row: list[float | None] = [None] * len(node.ranks)
+    for a, b, m in node.p2p:
+        if a == local:
+            row[b] = round_sig(m.value)
+        elif b == local:
+            row[a] = round_sig(m.value)
+    return row
+
+
+def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | None = None) -> dict:
+    from tangram_launch.specs.catalog import normalize_gpu_name
+
+    inv = node.inventory
+    measured: dict[str, Any] = {"device": dev.device}
+    gemm = {d: round_sig(m.value) for d, m in dev.gemm.items()}
+    if gemm:
+        measured["gemm_tflops"] = gemm
+    if dev.memory_bandwidth is not None:
+        measured["memory_bandwidth_gbps"] = round_sig(dev.memory_bandwidth.value)
+    if node.allreduce is not None:
+        measured["allreduce_busbw_gbps"] = round_sig(node.allreduce.value)
+        measured["allreduce_group_size"] = len(node.ranks)
+    if node.p2p:
+        measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
+    if dev.layer and model_name:
+        # Keyed as the cost model looks them up (model, layer kind and shape; measured on one GPU, so tp=1).
+        from tangram_launch.costmodel.compute import measured_layer_key
+
+        def key(kind: str, m: Measured) -> str:
+            detail = dict(m.detail)
+            return measured_layer_key(model_name, kind, int(detail["seq_len"]), int(detail["micro_batch"]), 1)
+
+        measured["layer_forward_s"] = {key(k, v["forward"]): round_sig(v["forward"].timing.median_s)
+                                       for k, v in dev.layer.items()}
+        measured["layer_forward_backward_s"] = {key(k, v["forward_backward"]):
+                                                round_sig(v["forward_backward"].timing.median_s)
+                                                for k, v in dev.layer.items()}
+    intra_measured = 2 * node.allreduce.value if node.allreduce is not None else None
+
+    if dev.is_cpu:
+        base = catalog.lookup("cpu")
+        measured["catalog"] = _catalog_figures(base)
+        tflops = {d: gemm.get(d) for d in ("bf16", "fp16", "fp32")}
+        if not any(tflops.values()):
+            tflops = dict(base.tflops)
+        entry: dict[str, Any] = {
+            "type": "cpu",
+            "tflops": tflops,
+            # one CPU device is one process: it gets its share of the host's memory
+            "memory_gib": round_sig(inv.memory_total_bytes / 2**30 / max(1, len(node.ranks))),
+            "memory_bandwidth_gbps": measured.get("memory_bandwidth_gbps", base.memory_bandwidth_gbps),
+            "intra_node_bandwidth_gbps": (round_sig(intra_measured) if intra_measured
+                                          else base.intra_node_bandwidth_gbps),
+        }
+        measured["intra_node_bandwidth_source"] = ("2 x measured all-reduce busbw" if intra_measured
+                                                   else "catalog (one device on the node)")
+        entry["measured"] = measured
+        return entry
+
+    nvml_gpu = inv.gpu_by_uuid(dev.torch_uuid)
+    name = nvml_gpu.name if nvml_gpu is not None else (dev.torch_name or "unknown GPU")
+    measured["name"] = name
+    if nvml_gpu is not None:
+        measured["nvml"] = {
+            "index": nvml_gpu.index, "bus_id": nvml_gpu.bus_id, "memory_total_gib": round(nvml_gpu.memory_total_gib, 2),
+            "pcie_gen": nvml_gpu.pcie_gen, "pcie_width": nvml_gpu.pcie_width,
+            "nvlink_active_links": nvml_gpu.nvlink_active_links,
+        }
+    uuid = nvml_gpu.uuid if nvml_gpu is not None else dev.torch_uuid
+    canonical = normalize_gpu_name(name)
+    if canonical in catalog:
+        entry = {"type": canonical}
+    else:
+        memory_bytes = nvml_gpu.memory_total_bytes if nvml_gpu is not None else (dev.total_memory_bytes or 0)
+        if intra_measured:
+            intra, source = intra_measured, "2 x measured all-reduce busbw"
+        elif nvml_gpu is not None and nvml_gpu.pcie_bandwidth_gbps():
+            intra, source = nvml_gpu.pcie_bandwidth_gbps(), f"PCIe Gen{nvml_gpu.pcie_gen} x{nvml_gpu.pcie_width} (NVML)"
+        else:
+            intra, source = 32.0, "assumed PCIe Gen3 x16 (no measurement, no NVML)"
+        measured["intra_node_bandwidth_source"] = source
+        entry = {
+            "type": "custom",
+            "tflops": {d: gemm.get(d) for d in ("bf16", "fp16", "fp32")},
+            "memory_gib": round_sig(memory_bytes / 2**30) if memory_bytes else 1.0,
+            "memory_bandwidth_gbps": measured.get("memory_bandwidth_gbps", 1.0),
+            "intra_node_bandwidth_gbps": round_sig(intra),
+        }
+    if uuid:
+        entry["uuid"] = str(uuid)
+    entry["measured"] = measured
+    return entry
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=None) -> dict:
+    """The ClusterSpec mapping (validate with ``ClusterSpec.from_dict``) for a gathered profile."""
+    if catalog is None:
+        from tangram_launch.specs.catalog import default_catalog
+
+        catalog = default_catalog()
+    nodes = sorted(record.nodes, key=lambda n: n.node_rank)
+    names = name_nodes([n.host for n in nodes])
+    name_of = {n.node_rank: nm for n, nm in zip(nodes, names)}
+    by_node: dict[int, list[DeviceRecord]] = {}
+    for d in record.devices:
+        by_node.setdefault(d.node_rank, []).append(d)
+
+    node_entries = []
+    node_profiles: dict[str, Any] = {}
+    for node, nm in zip(nodes, names):
+        devs = sorted(by_node.get(node.node_rank, []), key=lambda d: d.local_rank)
+        node_entries.append({"name": nm, "host": node.host, "gpus": [_gpu_entry(d, node, catalog, (record.model or {}).get("name")) for d in devs]})
+        node_profiles[nm] = {
+            "node_rank": node.node_rank,
+            "ranks": list(node.ranks),
+            "inventory": node.inventory.to_dict(),
+            "allreduce": node.allreduce.to_dict() if node.allreduce else None,
+            "p2p_gbps": [_p2p_row(node, i) for i in range(len(node.ranks))] if node.p2p else None,
+            "p2p": [{"local_ranks": [a, b], **m.to_dict()} for a, b, m in node.p2p],
+        }
+
+    spec: dict[str, Any] = {
+        "name": name or (f"profiled-{names[0]}" if len(names) == 1 else f"profiled-{len(names)}-nodes"),
+        "description": (f"measured by tangram-launch profile at {record.started_at} ({_count(len(names), 'node')}, "
+                        f"{_count(len(record.devices), 'device')}, {record.backend}"
+                        f"{', quick' if record.quick else ''})"),
+    }
+    inter: dict[str, Any] = {}
+    if len(names) > 1:
+        order = [name_of[n.node_rank] for n in nodes]
+        bw = [[None] * len(order) for _ in order]
+        lat = [[None] * len(order) for _ in order]
+        pairs = []
+        details = []
+        for link in record.links:
+            a, b = name_of[link.node_a], name_of[link.node_b]
+            gbps = round_sig(sum(m.value for m in link.bandwidth))
+            lat_us = round_sig(link.latency_rtt.median_s / 2 * 1e6)
+            ia, ib = order.index(a), order.index(b)
+            bw[ia][ib] = bw[ib][ia] = gbps
+            lat[ia][ib] = lat[ib][ia] = lat_us
+            pairs.append({"nodes": [a, b], "bandwidth_gbps": gbps, "latency_us": lat_us})
+            details.append({"nodes": [a, b], "round": link.round_index, "rank_pairs": len(link.bandwidth),
+                            "bandwidth": [m.to_dict() for m in link.bandwidth],
+                            "latency_rtt": link.latency_rtt.to_dict()})
+        missing = [(x, y) for i, x in enumerate(order) for j, y in enumerate(order) if i < j and bw[i][j] is None]
+        if missing:
+            raise ValueError(f"inter-node links not measured for {missing}")
+        spec["network"] = {
+            "default": {"bandwidth_gbps": min(p["bandwidth_gbps"] for p in pairs),
+                        "latency_us": max(p["latency_us"] for p in pairs)},
+            "pairs": pairs,
+        }
+        inter = {"nodes": order, "bandwidth_gbps": bw, "latency_us": lat, "pairs": details,
+                 "method": "point-to-point ping-pong between same-local-rank pairs of two nodes (bandwidth summed "
+                           "over the pairs), latency between node leaders; rounds of a round-robin tournament",
+                 "schedule": [[[name_of[a], name_of[b]] for a, b in rnd] for rnd in record.schedule]}
+    spec["nodes"] = node_entries
+    spec["fingerprint"] = fingerprint(hardware_identity(record))
+    profile: dict[str, Any] = {
+        "tool": "tangram-launch profile",
+        "started_at": record.started_at,
+        "finished_at": record.finished_at,
+        "wall_s": round(record.wall_s, 2),
+        "quick": record.quick,
+        "backend": record.backend,
+        "torch_version": record.torch_version,
+        "world_size": len(record.devices),
+        "bench": dict(record.bench),
+        "nodes": node_profiles,
+        "devices": [
+            {"node": name_of[d.node_rank], "local_index": d.local_rank, "rank": d.rank, "device": d.device,
+             "gemm": {k: m.to_dict() for k, m in d.gemm.items()},
+             "memory_bandwidth": d.memory_bandwidth.to_dict() if d.memory_bandwidth else None,
+             **({"layer": {k: {p: m.to_dict() for p, m in v.items()} for k, v in d.layer.items()}} if d.layer else {})}
+            for d in sorted(record.devices, key=lambda d: d.rank)
+        ],
+    }
+    if inter:
+        profile["inter_node"] = inter
+    if record.model:
+        profile["model"] = dict(record.model)
+    spec["profile"] = profile
+    return to_plain(spec)
+
+
+# --------------------------------------------------------------------------------------------- summary
+
+def _range(values: Sequence[float]) -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "-"
+    lo, hi = min(vals), max(vals)
+    return f"{lo:.3g}" if abs(hi - lo) <= 0.005 * hi else f"{lo:.3g}-{hi:.3g}"
+
+
+def format_summary(spec) -> str:
+    """Terminal table of a profiled ClusterSpec: per node its devices and measured figures, then the
+    node-to-node bandwidth (latency) matrix."""
+    profile = spec.profile or {}
+    head = (f"profile of {_count(len(spec.nodes), 'node')}, {_count(spec.num_gpus, 'device')}: backend "
+            f"{profile.get('backend', '?')}, {profile.get('wall_s', '?')} s"
+            f"{' (quick)' if profile.get('quick') else ''}; fingerprint {spec.fingerprint or '-'}")
+    rows = [("node", "host", "devices", "bf16 TFLOP/s", "fp32 TFLOP/s", "mem GiB", "mem GB/s", "allreduce GB/s",
+             "p2p GB/s", "layer f+b ms")]
+    for node in spec.nodes:
+        types: dict[str, int] = {}
+        for g in node.gpus:
+            types[g.type] = types.get(g.type, 0) + 1
+        devices = ", ".join(f"{n}x {t}" for t, n in types.items())
+        ms = [g.measured or {} for g in node.gpus]
+        gemm = [m.get("gemm_tflops") or {} for m in ms]
+        p2p = [v for m in ms for v in (m.get("p2p_gbps") or []) if v is not None]
+        layer = [v * 1e3 for m in ms for v in (m.get("layer_forward_backward_s") or {}).values()]
+        rows.append((
+            node.name, node.host or "-", devices,
+            _range([x.get("bf16") for x in gemm]), _range([x.get("fp32") for x in gemm]),
+            _range([g.memory_gib for g in node.gpus]),
+            _range([m.get("memory_bandwidth_gbps") for m in ms]),
+            _range([m.get("allreduce_busbw_gbps") for m in ms]),
+            _range(p2p), _range(layer),
+        ))
+    lines = [head, ""] + _table(rows)
+    inter = profile.get("inter_node")
+    if inter:
+        order = inter["nodes"]
+        lines += ["", "node-to-node bandwidth GB/s (latency us):"]
+        mrows = [("",) + tuple(order)]
+        for i, a in enumerate(order):
+            cells = []
+            for j, _ in enumerate(order):
+                bw, lat = inter["bandwidth_gbps"][i][j], inter["latency_us"][i][j]
+                cells.append("-" if bw is None else f"{bw:.3g} ({lat:.3g})")
+            mrows.append((a,) + tuple(cells))
+        lines += _table(mrows)
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    return ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]

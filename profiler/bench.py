@@ -1,0 +1,309 @@
+"""Micro-benchmarks with torch: GEMM throughput, memory bandwidth, collectives and point-to-point links.
+
+Every figure comes from warm-up runs followed by several timed repetitions; the median is the figure and the
+spread ((max - min) / median of the repetition times) says how much to trust it. Collective figures follow the
+nccl-tests conventions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+algbw = bytes / time, and for all-reduce busbw = algbw * 2(n-1)/n, the per-link bandwidth a ring achieves,
+comparable across group sizes. Bandwidths are GB/s (1e9 bytes per second) like every ``_gbps`` figure here.
+
+Timed repetitions of local work last at least ``min_rep_s`` (on CPUs: of CPU time): a CFS quota (cgroups) or a
+time-sliced neighbour only shows over whole scheduler periods (100 ms), so a 2 ms repetition would read full speed
+on a core that delivers a third of it. Collectives and point-to-point tests run fixed counts (every rank must issue
+the same number of calls) on messages large enough to reach the link's bandwidth.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per operation for each timed repetition."""
+
+    samples_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.samples_s or any(not (s > 0) for s in self.samples_s):
+            raise ValueError(f"timing needs positive samples, got {self.samples_s!r}")
+
+    @property
+    def median_s(self) -> float:
+        return float(statistics.median(self.samples_s))
+
+    @property
+    def min_s(self) -> float:
+        return min(self.samples_s)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.samples_s)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: 0.05 means the repetitions agree within 5 %."""
+        return (self.max_s - self.min_s) / self.median_s
+
+    def to_dict(self) -> dict:
+        return {"median_s": round_sig(self.median_s), "min_s": round_sig(self.min_s), "max_s": round_sig(self.max_s),
+                "spread": round(self.spread, 4), "reps": len(self.samples_s)}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A rate derived from a timing: ``value = work / median time`` (e.g. TFLOP/s or GB/s)."""
+
+    value: float
+    unit: str
+    timing: Timing
+    detail: tuple[tuple[str, Any], ...] = ()  # shape, bytes, group size: what was measured
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {"value": round_sig(self.value), "unit": self.unit}
+        d.update(self.timing.to_dict())
+        d.update({k: v for k, v in self.detail})
+        return d
+
+
+def round_sig(x: float, digits: int = 4) -> float:
+    """Round to significant digits (figures in YAML stay readable)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Sizes and repetition counts for one device kind; ``quick`` keeps a profile under a minute."""
+
+    device_type: str  # "cuda" | "cpu"
+    quick: bool
+    gemm_shape: tuple[int, int, int]  # (m, k, n): tokens x hidden times hidden x out, as in a transformer layer
+    gemm_dtypes: tuple[str, ...]
+    copy_bytes: int
+    allreduce_bytes: int
+    p2p_bytes: int
+    warmup: int
+    reps: int
+    comm_reps: int
+    latency_reps: int
+    min_rep_s: float
+
+    def __post_init__(self) -> None:
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        for name in ("warmup", "reps", "comm_reps", "latency_reps"):
+            if getattr(self, name) < (0 if name == "warmup" else 1):
+                raise ValueError(f"{name} out of range: {getattr(self, name)}")
+        unknown = [d for d in self.gemm_dtypes if d not in DTYPES]
+        if unknown:
+            raise ValueError(f"unknown GEMM dtypes {unknown}; valid: {', '.join(DTYPES)}")
+
+    @classmethod
+    def for_device(cls, device_type: str, *, quick: bool) -> "BenchConfig":
+        if device_type == "cuda":
+            # 8192^3: 1.1 TFLOP per bf16 GEMM, ~1.4 ms on an H100; a training layer's FFN GEMM at 8k tokens x 8k hidden.
+            return cls(device_type, quick, gemm_shape=(8192, 8192, 8192), gemm_dtypes=("bf16", "fp16", "fp32"),
+                       copy_bytes=(512 if quick else 2048) * MiB, allreduce_bytes=(128 if quick else 512) * MiB,
+                       p2p_bytes=(64 if quick else 256) * MiB, warmup=2 if quick else 5, reps=5 if quick else 20,
+                       comm_reps=5 if quick else 20, latency_reps=20 if quick else 100,
+                       min_rep_s=0.02 if quick else 0.1)
+        # One CPU "device" is one process; torchrun gives each OMP_NUM_THREADS=1 when it starts several.
+        return cls(device_type, quick, gemm_shape=(1024, 1024, 1024), gemm_dtypes=("fp32", "bf16"),
+                   copy_bytes=(64 if quick else 256) * MiB, allreduce_bytes=(8 if quick else 32) * MiB,
+                   p2p_bytes=(8 if quick else 32) * MiB, warmup=1 if quick else 2, reps=5 if quick else 11,
+                   comm_reps=5 if quick else 11, latency_reps=20 if quick else 50,
+                   min_rep_s=0.05 if quick else 0.25)
+
+    def to_dict(self) -> dict:
+        return {"gemm_shape_mkn": list(self.gemm_shape), "gemm_dtypes": list(self.gemm_dtypes),
+                "copy_bytes": self.copy_bytes, "allreduce_bytes": self.allreduce_bytes, "p2p_bytes": self.p2p_bytes,
+                "warmup": self.warmup, "reps": self.reps, "comm_reps": self.comm_reps,
+                "latency_reps": self.latency_reps, "min_rep_s": self.min_rep_s}
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def time_repeated(fn: Callable[[], Any], *, warmup: int, reps: int, inner: int = 1,
+                  sync: Callable[[], None] = lambda: None) -> Timing:
+    """Seconds per call of ``fn``: ``warmup`` untimed repetitions, then ``reps`` timed ones of ``inner`` calls."""
+    for _ in range(warmup * inner):
+        fn()
+    sync()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return Timing(tuple(samples))
+
+
+def calibrate_inner(fn: Callable[[], Any], *, min_rep_s: float, sync: Callable[[], None] = lambda: None,
+                    clock: Callable[[], float] = time.perf_counter, max_inner: int = 10_000) -> int:
+    """Calls per repetition so that one repetition lasts at least ``min_rep_s`` on ``clock`` (the first call
+    also warms up). CPU devices calibrate on process CPU time: a call that happened to run inside its quota would
+    otherwise look cheap, and a repetition that fits one quota period reads full speed on a throttled core."""
+    fn()
+    sync()
+    t0 = clock()
+    fn()
+    sync()
+    once = max(clock() - t0, 1e-7)
+    return max(1, min(max_inner, math.ceil(min_rep_s / once)))
+
+
+def calibration_clock(device: torch.device) -> Callable[[], float]:
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
+# --------------------------------------------------------------------------------------------- local work
+
+def dtype_supported(device: torch.device, dtype: str) -> bool:
+    """Whether a matrix product in ``dtype`` runs on this device (CPUs without fp16 kernels say no)."""
+    try:
+        a = torch.ones(8, 8, dtype=DTYPES[dtype], device=device)
+        torch.mm(a, a)
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig) -> Measured:
+    """Dense GEMM throughput: C(m,n) = A(m,k) @ B(k,n), 2mkn FLOPs per product."""
+    m, k, n = cfg.gemm_shape
+    t = DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(0)
+    # Random data: zeros or constants let some GPUs skip work (and read ~10 % faster than real training).
+    a = torch.randn(m, k, device=device, dtype=torch.float32, generator=gen).to(t)  # (m, k)
+    b = torch.randn(k, n, device=device, dtype=torch.float32, generator=gen).to(t)  # (k, n)
+    out = torch.empty(m, n, device=device, dtype=t)  # (m, n)
+
+    def step() -> None:
+        torch.mm(a, b, out=out)
+
+    sync = device_sync(device)
+    inner = calibrate_inner(step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
+    timing = time_repeated(step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+    flops = 2.0 * m * k * n
+    return Measured(flops / timing.median_s / 1e12, "TFLOP/s", timing,
+                    (("shape_mkn", [m, k, n]), ("dtype", dtype)))
+
+
+def copy_bandwidth_gbps(device: torch.device, cfg: BenchConfig) -> Measured:
+    """Device memory bandwidth from a large copy: each byte copied is read once and written once."""
+    numel = cfg.copy_bytes // 4
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+
+    def step() -> None:
+        dst.copy_(src)
+
+    sync = device_sync(device)
+    inner = calibrate_inner(step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
+    timing = time_repeated(step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+    moved = 2.0 * numel * 4
+    return Measured(moved / timing.median_s / 1e9, "GB/s", timing, (("bytes", numel * 4), ("counted", "read+write")))
+
+
+# --------------------------------------------------------------------------------------------- communication
+
+def allreduce_busbw_factor(n: int) -> float:
+    """nccl-tests: all-reduce busbw = algbw * 2(n-1)/n (a ring moves 2(n-1)/n of the buffer over each link)."""
+    if n < 1:
+        raise ValueError(f"group size must be >= 1, got {n}")
+    return 2.0 * (n - 1) / n
+
+
+def allreduce_busbw_gbps(group: Any, group_size: int, device: torch.device, cfg: BenchConfig) -> Measured:
+    """All-reduce over ``group``; every member calls it with the same config. Returns bus bandwidth."""
+    numel = cfg.allreduce_bytes // 4
+    buf = torch.ones(numel, dtype=torch.float32, device=device)
+    sync = device_sync(device)
+    for _ in range(max(1, cfg.warmup)):
+        dist.all_reduce(buf, group=group)
+    sync()
+    samples = []
+    for _ in range(cfg.comm_reps):
+        dist.barrier(group=group, **_barrier_kwargs(device))
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        sync()
+        samples.append(time.perf_counter() - t0)
+    timing = Timing(tuple(samples))
+    algbw = numel * 4 / timing.median_s / 1e9
+    return Measured(algbw * allreduce_busbw_factor(group_size), "GB/s", timing,
+                    (("bytes", numel * 4), ("group_size", group_size), ("algbw_gbps", round_sig(algbw))))
+
+
+def _barrier_kwargs(device: torch.device) -> dict:
+    return {"device_ids": [device.index]} if device.type == "cuda" and device.index is not None else {}
+
+
+def ping_pong(peer: int, *, initiator: bool, nbytes: int, reps: int, warmup: int,
+              device: torch.device) -> Timing | None:
+    """Round trips of an ``nbytes`` message with ``peer`` (global rank); the initiator returns round-trip times.
+
+    One direction at a time, as nccl-tests' sendrecv measures a single link: bandwidth = 2 * bytes / round trip,
+    latency = round trip / 2 for a tiny message.
+    """
+    numel = max(1, nbytes // 4)
+    buf = torch.zeros(numel, dtype=torch.float32, device=device)
+    sync = device_sync(device)
+    samples = []
+    for i in range(warmup + reps):
+        sync()
+        t0 = time.perf_counter()
+        if initiator:
+            dist.send(buf, dst=peer)
+            dist.recv(buf, src=peer)
+        else:
+            dist.recv(buf, src=peer)
+            dist.send(buf, dst=peer)
+        sync()
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    return Timing(tuple(samples)) if initiator else None
+
+
+def round_robin(players: Sequence[Any]) -> list[list[tuple[Any, Any]]]:
+    """Round-robin tournament (circle method): every pair meets exactly once, nobody plays twice in a round.
+
+    n players give n-1 rounds of n/2 pairs (n odd: n rounds, one player sits each round out). Pairs are
+    (first, second) with the first the lower-position player, so the initiator is deterministic.
+    """
+    items = list(players)
+    if len(items) < 2:
+        return []
+    bye = object()
+    if len(items) % 2:
+        items.append(bye)
+    n = len(items)
+    order = list(range(n))
+    rounds = []
+    for _ in range(n - 1):
+        pairs = []
+        for i in range(n // 2):
+            a, b = order[i], order[n - 1 - i]
+            if items[a] is bye or items[b] is bye:
+                continue
+            lo, hi = min(a, b), max(a, b)
+            pairs.append((items[lo], items[hi]))
+        rounds.append(pairs)
+        order = [order[0]] + [order[-1]] + order[1:-1]  # keep the first fixed, rotate the rest
+    return rounds

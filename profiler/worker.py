@@ -1,0 +1,467 @@
+"""The per-rank profiling worker: one per GPU (or CPU process) of every node, started by torchrun machinery.
+
+``tangram-launch profile [torchrun args] -o cluster.yaml`` starts it; by hand it is
+
+    torchrun --standalone --nproc-per-node 2 -m profiler.worker --output cluster.yaml --quick
+
+Phases (each rank logs and records its phase, so a failure names where it stopped):
+  inventory -> GEMM -> memory copy -> [model layer] -> intra-node all-reduce -> intra-node p2p (round-robin)
+  -> inter-node p2p (round-robin over nodes) -> gather; global rank 0 assembles and writes the ClusterSpec atomically.
+
+Test hooks (environment, for the profiler's own tests): ``TANGRAM_PROFILE_TEST_EXIT_RANK=<global rank>`` makes that
+rank exit with status 1 when the benchmarks start (a killed worker); ``TANGRAM_PROFILE_TEST_CGROUP=<cgroup dir>``
+with ``TANGRAM_PROFILE_TEST_CGROUP_LOCAL_RANK=<local rank>`` moves that rank into a cgroup (v1 ``cpu``) before it
+measures anything, to emulate a slower device.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from profiler import bench
+from profiler.assemble import DeviceRecord, LinkRecord, NodeRecord, ProfileRecord, assemble_cluster, name_nodes
+from profiler.inventory import describe, read_node_inventory
+
+log = logging.getLogger("profiler.worker")
+
+EXIT_RANK_ENV = "TANGRAM_PROFILE_TEST_EXIT_RANK"
+CGROUP_ENV = "TANGRAM_PROFILE_TEST_CGROUP"
+CGROUP_RANK_ENV = "TANGRAM_PROFILE_TEST_CGROUP_LOCAL_RANK"
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This worker's place, from the variables torchrun's agent sets."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> "RankEnv":
+        env = os.environ if env is None else env
+        missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k not in env]
+        if missing:
+            raise RuntimeError(f"profiler.worker runs under torchrun / tangram-launch profile; {missing} not set")
+        return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                   node_rank=int(env.get("GROUP_RANK", 0)))
+
+
+class Progress:
+    """Phase tracking: a log line per phase on the reporting ranks and a status file the parent command reads
+    to say which node and rank failed where (``<run_dir>/rank-<local rank>.json``)."""
+
+    def __init__(self, run_dir: str | None, env: RankEnv, host: str, *, verbose: bool):
+        self.run_dir = run_dir
+        self.env = env
+        self.host = host
+        self.verbose = verbose
+        self.node_name: str | None = None
+        self.phase_name = "startup"
+        self.started = time.perf_counter()
+        self._write(state="running")
+
+    def phase(self, name: str) -> None:
+        self.phase_name = name
+        if self.verbose:
+            log.info("[%5.1fs] %s", time.perf_counter() - self.started, name)
+        self._write(state="running")
+
+    def done(self, **extra) -> None:
+        self._write(state="done", **extra)
+
+    def failed(self, error: str) -> None:
+        self._write(state="failed", error=error)
+
+    def _write(self, **fields) -> None:
+        if not self.run_dir:
+            return
+        data = {"rank": self.env.rank, "local_rank": self.env.local_rank, "node_rank": self.env.node_rank,
+                "host": self.host, "node": self.node_name, "phase": self.phase_name, "pid": os.getpid(), **fields}
+        path = os.path.join(self.run_dir, f"rank-{self.env.local_rank}.json")
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+
+def _join_test_cgroup(env: RankEnv) -> None:
+    group = os.environ.get(CGROUP_ENV)
+    if not group or os.environ.get(CGROUP_RANK_ENV) != str(env.local_rank):
+        return
+    with open(os.path.join(group, "cgroup.procs"), "w", encoding="utf-8") as f:
+        f.write(str(os.getpid()))
+    log.warning("test hook: local rank %d joined cgroup %s", env.local_rank, group)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m profiler.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", required=True, help="ClusterSpec YAML to write (global rank 0, atomically)")
+    p.add_argument("--run-dir", help="folder for per-rank status files (the parent command reads them)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
+    p.add_argument("--name", help="cluster name in the written file")
+    p.add_argument("--model", help="time one transformer layer of this model (preset, YAML or config.json)")
+    p.add_argument("--seq-len", type=int, help="sequence length for --model (default: the model's, capped)")
+    p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for --model")
+    p.add_argument("--layer-dtype", default=None, choices=sorted(bench.DTYPES),
+                   help="dtype for --model (default bf16)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    env = RankEnv.from_env()
+    host = socket.gethostname()
+    verbose = env.rank == 0
+    logging.basicConfig(
+        level=logging.INFO if (verbose or env.local_rank == 0) else logging.WARNING,
+        format=f"[profile rank {env.rank}/{env.world_size} node {env.node_rank}] %(message)s",
+    )
+    progress = Progress(args.run_dir, env, host, verbose=verbose)
+    try:
+        _join_test_cgroup(env)
+        writer = _profile(args, env, host, progress)
+    except Exception as exc:  # every failure is reported with its phase; the traceback goes to the log
+        text = f"{type(exc).__name__}: {exc}".strip()
+        progress.failed(text)
+        log.error("failed during %s on %s: %s", progress.phase_name, progress.node_name or host, text)
+        log.debug("%s", traceback.format_exc())
+        return 1
+    progress.done(writer=writer)
+    return 0
+
+
+def _pick_device(env: RankEnv) -> tuple[torch.device, str]:
+    """One GPU per rank (nccl); CPU processes over gloo where torch sees no GPU."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if env.local_world_size > count:
+            raise RuntimeError(f"{env.local_world_size} workers on this node but {count} visible GPU(s): give "
+                               f"--nproc-per-node {count} (or gpu); two workers on one GPU would each measure "
+                               f"half a GPU")
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every phase needs: this rank, its device and the benchmark sizes (no module-level state)."""
+
+    args: argparse.Namespace
+    env: RankEnv
+    host: str
+    progress: Progress
+    device: torch.device
+    backend: str
+    cfg: bench.BenchConfig
+
+    def barrier(self) -> None:
+        dist.barrier(**({"device_ids": [self.device.index]} if self.device.type == "cuda" else {}))
+
+
+def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progress) -> dict:
+    started_at, t_start = _now(), time.perf_counter()
+    device, backend = _pick_device(env)
+    run = _Run(args, env, host, progress, device, backend, bench.BenchConfig.for_device(device.type, quick=args.quick))
+    progress.phase(f"rendezvous ({backend}, {env.world_size} ranks)")
+    init_kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **init_kwargs)
+    try:
+        layout = _inventory(run)
+        local = _local_benchmarks(run)
+        allreduce, p2p = _intra_node(run, layout)
+        links, schedule = _inter_node(run, layout)
+        return _gather_and_write(run, layout, local, allreduce, p2p, links, schedule, started_at, t_start)
+    finally:
+        dist.destroy_process_group()
+
+
+def _inventory(run: _Run) -> "_Layout":
+    """Local rank 0 reads the node (NVML, sysfs); every rank says who it is and which device it holds."""
+    env, device = run.env, run.device
+    run.progress.phase("inventory")
+    inventory = read_node_inventory() if env.local_rank == 0 else None
+    if inventory is not None:
+        if not inventory.nvml_available:
+            log.info("NVML not used on %s (%s); profiling %s devices", run.host, inventory.nvml_status, device.type)
+        log.info("%s", describe(inventory))
+    me = {"rank": env.rank, "local_rank": env.local_rank, "node_rank": env.node_rank, "host": run.host,
+          "device": str(device) if device.type == "cuda" else "cpu"}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        me.update(uuid=str(getattr(props, "uuid", "")) or None, name=props.name, total_memory=props.total_memory)
+    everyone: list = [None] * env.world_size
+    dist.all_gather_object(everyone, (me, inventory))
+    layout = _Layout.from_gathered(everyone)
+    run.progress.node_name = layout.name_of[env.node_rank]
+    if env.rank == 0:
+        log.info("%d node(s): %s", len(layout.node_ranks),
+                 ", ".join(f"{layout.name_of[n]} ({len(layout.ranks_of[n])} {device.type})" for n in layout.node_ranks))
+    return layout
+
+
+@dataclass(frozen=True)
+class _Local:
+    gemm: dict  # dtype -> Measured TFLOP/s
+    copy: bench.Measured
+    layer: dict  # kind -> {"forward", "forward_backward"} -> Measured
+    model_info: dict | None
+
+
+def _local_benchmarks(run: _Run) -> _Local:
+    """GEMM per dtype, memory copy and (with --model) one layer, on every device at once.
+
+    A barrier before each benchmark: every device of a node measures the same thing at the same time, so shared
+    resources (host cores and their matrix units, power, PCIe) are loaded alike for all of them.
+    """
+    cfg, device = run.cfg, run.device
+    run.progress.phase(f"GEMM {'/'.join(cfg.gemm_dtypes)} {cfg.gemm_shape}")
+    if os.environ.get(EXIT_RANK_ENV) == str(run.env.rank):
+        log.error("test hook: rank %d exits now", run.env.rank)
+        logging.shutdown()
+        os._exit(1)
+    gemm = {}
+    for dtype in cfg.gemm_dtypes:
+        run.barrier()
+        if bench.dtype_supported(device, dtype):
+            gemm[dtype] = bench.gemm_tflops(device, dtype, cfg)
+    if run.env.rank == 0:
+        log.info("GEMM TFLOP/s on rank 0: %s", ", ".join(f"{d} {m.value:.3g}" for d, m in gemm.items()))
+    run.progress.phase(f"memory copy {cfg.copy_bytes // bench.MiB} MiB")
+    run.barrier()
+    copy = bench.copy_bandwidth_gbps(device, cfg)
+    if run.env.rank == 0:
+        log.info("memory copy on rank 0: %.4g GB/s", copy.value)
+    run.barrier()
+    layer, model_info = _profile_layer(run.args, device, cfg, run.progress)
+    run.barrier()
+    return _Local(gemm, copy, layer, model_info)
+
+
+def _intra_node(run: _Run, layout: "_Layout") -> tuple[bench.Measured | None, list]:
+    """All-reduce over each node's ranks, then point-to-point between every pair of them (round-robin rounds);
+    every node at once, since nodes do not share these links."""
+    env = run.env
+    run.progress.phase("intra-node all-reduce")
+    # new_group is collective over the whole world: every rank creates every node's group, in the same order
+    groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
+    allreduce = None
+    if env.node_rank in groups:
+        allreduce = bench.allreduce_busbw_gbps(groups[env.node_rank], len(layout.ranks_of[env.node_rank]),
+                                               run.device, run.cfg)
+        if env.local_rank == 0:
+            log.info("all-reduce busbw on %s: %.4g GB/s", layout.name_of[env.node_rank], allreduce.value)
+    run.barrier()
+
+    p2p: list[tuple[int, int, int, bench.Measured]] = []  # (node rank, local a, local b, GB/s)
+    node_rounds = {n: bench.round_robin(layout.ranks_of[n]) for n in layout.node_ranks}
+    local = layout.ranks_of[env.node_rank]
+    for r in range(max((len(v) for v in node_rounds.values()), default=0)):
+        rounds = node_rounds[env.node_rank]
+        pair = next(((a, b) for a, b in rounds[r] if env.rank in (a, b)), None) if r < len(rounds) else None
+        if pair is not None:
+            a, b = pair
+            peer = b if env.rank == a else a
+            run.progress.phase(f"intra-node p2p round {r + 1} with rank {peer}")
+            t = bench.ping_pong(peer, initiator=env.rank == a, nbytes=run.cfg.p2p_bytes, reps=run.cfg.comm_reps,
+                                warmup=run.cfg.warmup, device=run.device)
+            if t is not None:
+                p2p.append((env.node_rank, local.index(a), local.index(b), _pingpong_bw(t, run.cfg.p2p_bytes)))
+        run.barrier()
+    return allreduce, p2p
+
+
+def _inter_node(run: _Run, layout: "_Layout") -> tuple[list, list]:
+    """Rounds of node pairs (round-robin: each node talks to one peer at a time). In a pair, the leaders measure
+    latency; then local rank i of one node and local rank i of the other measure bandwidth at the same time
+    (on multi-NIC nodes each GPU uses its own NIC, so the node-to-node figure is their sum)."""
+    env, cfg = run.env, run.cfg
+    schedule = bench.round_robin(layout.node_ranks)
+    links: list[tuple] = []  # (round, (node a, node b), leaders' latency RTT or None, [bandwidth per rank pair])
+    for r, pairs in enumerate(schedule):
+        mine = next(((a, b) for a, b in pairs if env.node_rank in (a, b)), None)
+        lat = None
+        bws: list[bench.Measured] = []
+        if mine is not None:
+            a, b = mine
+            peer_node = b if env.node_rank == a else a
+            where = f"inter-node round {r + 1}/{len(schedule)}"
+            run.progress.phase(f"{where}: latency with node {layout.name_of[peer_node]}")
+            if env.local_rank == 0:
+                lat = bench.ping_pong(layout.ranks_of[peer_node][0], initiator=env.node_rank == a, nbytes=4,
+                                      reps=cfg.latency_reps, warmup=cfg.warmup, device=run.device)
+        run.barrier()
+        if mine is not None and env.local_rank < min(len(layout.ranks_of[a]), len(layout.ranks_of[b])):
+            run.progress.phase(f"{where}: bandwidth with node {layout.name_of[peer_node]}")
+            t = bench.ping_pong(layout.ranks_of[peer_node][env.local_rank], initiator=env.node_rank == a,
+                                nbytes=cfg.p2p_bytes, reps=cfg.comm_reps, warmup=cfg.warmup, device=run.device)
+            if t is not None:
+                bws.append(_pingpong_bw(t, cfg.p2p_bytes))
+        run.barrier()
+        if mine is not None and (lat is not None or bws):
+            links.append((r, mine, lat, bws))  # merged per node pair on rank 0
+        if env.rank == 0 and pairs:
+            log.info("inter-node round %d/%d done: %s", r + 1, len(schedule),
+                     ", ".join(f"{layout.name_of[x]}<->{layout.name_of[y]}" for x, y in pairs))
+    return links, schedule
+
+
+def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, allreduce, p2p, links, schedule,
+                      started_at: str, t_start: float) -> dict:
+    """Everything to rank 0, which assembles and writes; every rank learns whether that worked."""
+    env, args = run.env, run.args
+    run.progress.phase("gather")
+    me = layout.device_of[env.rank]
+    record = DeviceRecord(
+        rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank, host=run.host, device=me["device"],
+        torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
+        gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer,
+    )
+    node_part = (allreduce if env.local_rank == 0 else None, p2p)
+    gathered: list | None = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object((record, node_part, links), gathered, dst=0)
+    outcome: list = [None]
+    if env.rank == 0:
+        run.progress.phase(f"assemble and write {args.output}")
+        try:
+            profile = _build_record(gathered, layout, run.backend, run.cfg, args, started_at, t_start,
+                                    local.model_info, schedule)
+            _write_spec(assemble_cluster(profile, name=args.name), args.output)
+            outcome = [{"ok": True}]
+        except Exception as exc:  # reported to every rank so all exit non-zero together
+            outcome = [{"ok": False, "error": f"{type(exc).__name__}: {exc}"}]
+    dist.broadcast_object_list(outcome, src=0)
+    if not outcome[0]["ok"]:
+        raise RuntimeError(f"global rank 0 could not write the ClusterSpec: {outcome[0]['error']}")
+    run.barrier()
+    writer_node = layout.node_of_rank[0]
+    if env.rank == 0:
+        log.info("wrote %s in %.1f s", args.output, time.perf_counter() - t_start)
+    return {"node": layout.name_of[writer_node], "host": layout.host_of[writer_node], "output": args.output}
+
+
+def _pingpong_bw(rtt: bench.Timing, nbytes: int) -> bench.Measured:
+    """Ping-pong round trips -> one-direction bandwidth: 2 * bytes per round trip."""
+    per_transfer = bench.Timing(tuple(s / 2 for s in rtt.samples_s))
+    return bench.Measured(nbytes / per_transfer.median_s / 1e9, "GB/s", per_transfer,
+                          (("bytes", nbytes), ("method", "ping-pong, one direction at a time")))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    node_ranks: list[int]
+    ranks_of: dict[int, list[int]]  # node rank -> global ranks in local-rank order
+    host_of: dict[int, str]
+    name_of: dict[int, str]
+    node_of_rank: dict[int, int]
+    inventory_of: dict[int, object]
+    device_of: dict[int, dict]
+
+    @classmethod
+    def from_gathered(cls, everyone: list) -> "_Layout":
+        ranks_of: dict[int, list[tuple[int, int]]] = {}
+        host_of: dict[int, str] = {}
+        inventory_of: dict[int, object] = {}
+        device_of: dict[int, dict] = {}
+        for me, inv in everyone:
+            ranks_of.setdefault(me["node_rank"], []).append((me["local_rank"], me["rank"]))
+            host_of[me["node_rank"]] = me["host"]
+            device_of[me["rank"]] = me
+            if inv is not None:
+                inventory_of[me["node_rank"]] = inv
+        node_ranks = sorted(ranks_of)
+        names = name_nodes([host_of[n] for n in node_ranks])
+        ordered = {n: [r for _, r in sorted(v)] for n, v in ranks_of.items()}
+        return cls(node_ranks=node_ranks, ranks_of=ordered, host_of=host_of,
+                   name_of=dict(zip(node_ranks, names)),
+                   node_of_rank={r: n for n, rs in ordered.items() for r in rs},
+                   inventory_of=inventory_of, device_of=device_of)
+
+
+def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.BenchConfig, args, started_at: str,
+                  t_start: float, model_info, schedule) -> ProfileRecord:
+    devices = []
+    allreduce_of: dict[int, bench.Measured | None] = {}
+    p2p_of: dict[int, list] = {n: [] for n in layout.node_ranks}
+    link_parts: dict[tuple[int, int], dict] = {}
+    for record, (allreduce, p2p), links in gathered:
+        devices.append(record)
+        if record.local_rank == 0:
+            allreduce_of[record.node_rank] = allreduce
+        for node_rank, a, b, m in p2p:
+            p2p_of[node_rank].append((a, b, m))
+        for r, pair, lat, bws in links:
+            part = link_parts.setdefault(pair, {"round": r, "lat": None, "bws": []})
+            if lat is not None:
+                part["lat"] = lat
+            part["bws"].extend(bws)
+    nodes = tuple(
+        NodeRecord(node_rank=n, host=layout.host_of[n], inventory=layout.inventory_of[n],
+                   ranks=tuple(layout.ranks_of[n]), allreduce=allreduce_of.get(n),
+                   p2p=tuple(sorted(p2p_of[n], key=lambda t: (t[0], t[1]))))
+        for n in layout.node_ranks
+    )
+    links = tuple(LinkRecord(node_a=a, node_b=b, latency_rtt=p["lat"], bandwidth=tuple(p["bws"]),
+                             round_index=p["round"]) for (a, b), p in sorted(link_parts.items()))
+    return ProfileRecord(
+        devices=tuple(sorted(devices, key=lambda d: d.rank)), nodes=nodes, links=links, backend=backend,
+        quick=args.quick, bench=cfg.to_dict(), started_at=started_at, finished_at=_now(),
+        wall_s=time.perf_counter() - t_start, torch_version=str(torch.__version__), model=model_info,
+        schedule=tuple(tuple(rnd) for rnd in schedule),
+    )
+
+
+def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress):
+    if not args.model:
+        return {}, None
+    from profiler.layer import LayerShape, layer_kinds, time_layer
+    from tangram_launch.specs.model import load_model
+
+    model = load_model(args.model)
+    seq_len = args.seq_len or min(model.max_seq_len, 512 if args.quick or device.type == "cpu" else 4096)
+    shape = LayerShape(micro_batch=args.micro_batch, seq_len=seq_len, dtype=args.layer_dtype or "bf16")
+    out = {}
+    for kind in layer_kinds(model):
+        progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
+        out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s)
+    info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
+            "layer_kinds": list(out), "note": "one transformer layer's forward and forward+backward, per device; "
+                                              "MoE layers as a dense FFN of their active width"}
+    return out, info
+
+
+def _write_spec(spec: dict, path: str) -> None:
+    """Validate (the file must load as a ClusterSpec) and write atomically (temporary file, fsync, rename)."""
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.yamlio import dump_yaml_file
+
+    ClusterSpec.from_dict(spec, source="profiled cluster")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    dump_yaml_file(spec, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Profiler pieces without launching: benchmark helpers, the round-robin schedule, assembling gathered records
+into a ClusterSpec (GPU records use inventories replayed from recorded NVML answers), the fingerprint, the
+summary table, and the profile command's torchrun argv and failure report."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import pytest
+import torch
+
+from profiler import bench
+from profiler.assemble import (
+    DeviceRecord,
+    LinkRecord,
+    NodeRecord,
+    ProfileRecord,
+    assemble_cluster,
+    fingerprint,
+    format_summary,
+    hardware_identity,
+    name_nodes,
+)
+from profiler.inventory import read_node_inventory
+from profiler.layer import LayerShape, active_ffn_width, layer_kinds, time_layer
+from tangram_launch.commands import profile as profile_cmd
+from tangram_launch.islands import build_islands
+from tangram_launch.specs.cluster import ClusterSpec
+from tangram_launch.specs.model import load_model
+from test_profiler_inventory import fake
+
+
+# --------------------------------------------------------------------------------------------- bench helpers
+
+def test_round_robin_meets_every_pair_once_one_peer_per_round():
+    for n in range(0, 9):
+        players = list(range(n))
+        rounds = bench.round_robin(players)
+        if n < 2:
+            assert rounds == []
+            continue
+        assert len(rounds) == (n - 1 if n % 2 == 0 else n)
+        seen = [p for rnd in rounds for p in rnd]
+        assert sorted(seen) == sorted(itertools.combinations(players, 2))  # each pair once, (low, high)
+        for rnd in rounds:
+            flat = [x for p in rnd for x in p]
+            assert len(flat) == len(set(flat))  # nobody talks to two peers at once
+            assert len(rnd) == n // 2
+
+
+def test_busbw_factor_follows_nccl_tests():
+    assert bench.allreduce_busbw_factor(1) == 0.0
+    assert bench.allreduce_busbw_factor(2) == 1.0
+    assert bench.allreduce_busbw_factor(8) == pytest.approx(1.75)
+    with pytest.raises(ValueError):
+        bench.allreduce_busbw_factor(0)
+
+
+def test_timing_median_and_spread():
+    t = bench.Timing((0.2, 0.1, 0.4))
+    assert t.median_s == 0.2 and t.min_s == 0.1 and t.max_s == 0.4
+    assert t.spread == pytest.approx(1.5)
+    assert t.to_dict()["reps"] == 3
+    with pytest.raises(ValueError):
+        bench.Timing(())
+    with pytest.raises(ValueError):
+        bench.Timing((0.1, 0.0))
+
+
+def test_calibration_and_repetitions():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.01)
+
+    inner = bench.calibrate_inner(fn, min_rep_s=0.05)
+    assert 3 <= inner <= 6
+    t = bench.time_repeated(fn, warmup=1, reps=3, inner=2)
+    assert len(t.samples_s) == 3 and 0.009 < t.median_s < 0.05
+    assert len(calls) == 2 + 2 + 6
+    # CPU devices calibrate on CPU time: sleeping costs none, so the repetition count hits the cap
+    assert bench.calibrate_inner(fn, min_rep_s=0.05, clock=time.process_time, max_inner=7) == 7
+
+
+def test_gemm_and_copy_on_cpu():
+    cfg = bench.BenchConfig("cpu", True, gemm_shape=(64, 32, 48), gemm_dtypes=("fp32",), copy_bytes=2**20,
+                            allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
+                            latency_reps=3, min_rep_s=0.005)
+    dev = torch.device("cpu")
+    g = bench.gemm_tflops(dev, "fp32", cfg)
+    assert g.value > 0 and g.unit == "TFLOP/s"
+    assert g.value == pytest.approx(2 * 64 * 32 * 48 / g.timing.median_s / 1e12)
+    assert dict(g.detail)["shape_mkn"] == [64, 32, 48]
+    c = bench.copy_bandwidth_gbps(dev, cfg)
+    assert c.value == pytest.approx(2 * 2**20 / c.timing.median_s / 1e9)
+    assert bench.dtype_supported(dev, "fp32")
+    with pytest.raises(ValueError):
+        bench.BenchConfig("tpu", True, (1, 1, 1), ("fp32",), 1, 1, 1, 0, 1, 1, 1, 0.1)
+    assert bench.BenchConfig.for_device("cuda", quick=True).gemm_dtypes == ("bf16", "fp16", "fp32")
+
+
+def test_model_layer_times_dense_and_moe():
+    tiny = load_model("tiny-moe")
+    assert layer_kinds(tiny) == ["dense", "moe"]
+    assert active_ffn_width(tiny, "moe") == tiny.top_k * tiny.expert_ffn_hidden_size
+    for kind in ("dense", "moe"):
+        out = time_layer(tiny, kind, LayerShape(micro_batch=2, seq_len=16, dtype="fp32"), torch.device("cpu"),
+                         warmup=1, reps=3, min_rep_s=0.002)
+        assert out["forward_backward"].timing.median_s > out["forward"].timing.median_s > 0
+        assert dict(out["forward"].detail)["layer_kind"] == kind
+    with pytest.raises(ValueError):
+        LayerShape(micro_batch=0, seq_len=1, dtype="fp32")
+
+
+# --------------------------------------------------------------------------------------------- assembly
+
+def _m(value: float, unit: str = "GB/s") -> bench.Measured:
+    return bench.Measured(value, unit, bench.Timing((1.0, 1.02, 0.98)))
+
+
+def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileRecord:
+    """One CPU node of len(speeds) devices (or one device per host when hosts are given)."""
+    hosts = hosts or ["box"]
+    per_node = len(speeds) // len(hosts)
+    devices, nodes = [], []
+    for n, host in enumerate(hosts):
+        inv = read_node_inventory(fake.FakeNvml(None), infiniband_root="/nonexistent", host=host)
+        ranks = tuple(range(n * per_node, (n + 1) * per_node))
+        for local, rank in enumerate(ranks):
+            devices.append(DeviceRecord(rank=rank, local_rank=local, node_rank=n, host=host, device="cpu",
+                                        gemm={"fp32": _m(speeds[rank] / 4, "TFLOP/s"),
+                                              "bf16": _m(speeds[rank], "TFLOP/s")},
+                                        memory_bandwidth=_m(10.0)))
+        p2p = tuple((a, b, _m(2.0)) for a, b in itertools.combinations(range(per_node), 2))
+        nodes.append(NodeRecord(node_rank=n, host=host, inventory=inv, ranks=ranks,
+                                allreduce=_m(1.5) if per_node > 1 else None, p2p=p2p))
+    links = tuple(LinkRecord(a, b, bench.Timing((1e-4, 1.1e-4)), (_m(3.0),), r)
+                  for r, (a, b) in enumerate(itertools.combinations(range(len(hosts)), 2)))
+    return ProfileRecord(devices=tuple(devices), nodes=tuple(nodes), links=links, backend="gloo", quick=True,
+                         bench={"reps": 3}, started_at="2026-01-01T00:00:00+00:00",
+                         finished_at="2026-01-01T00:00:09+00:00", wall_s=9.0, torch_version="2.13.0",
+                         schedule=tuple(((a, b),) for a, b in itertools.combinations(range(len(hosts)), 2)))
+
+
+def test_cpu_devices_carry_measured_figures():
+    spec_dict = assemble_cluster(_cpu_record([0.4, 0.41]))
+    spec = ClusterSpec.from_dict(spec_dict)
+    assert "network" not in spec_dict  # one node: no links to describe
+    a, b = spec.nodes[0].gpus
+    assert a.type == "cpu" and a.tflops == {"bf16": 0.4, "fp16": None, "fp32": 0.1}
+    assert a.memory_bandwidth_gbps == 10.0 and a.intra_node_bandwidth_gbps == 3.0  # 2 x busbw 1.5
+    assert a.measured["catalog"]["tflops"]["fp32"] == 1.0
+    assert a.measured["p2p_gbps"] == [None, 2.0] and b.measured["p2p_gbps"] == [2.0, None]
+    assert len(build_islands(spec).islands) == 1  # within tolerance: one island
+    slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
+    iset = build_islands(slow)
+    assert len(iset.islands) == 2 and iset.separations[0].constraint == "(1) compute"
+
+
+def test_gpu_nodes_from_recorded_nvml():
+    """An H100 NVLink node and an L4 PCIe node; torch sees the H100s in reverse NVML order."""
+    h100 = read_node_inventory(fake.FakeNvml.from_file("h100-sxm-8.json"), infiniband_root="/x", host="hgx-01")
+    l4 = read_node_inventory(fake.FakeNvml.from_file("l4-pcie-4.json"), infiniband_root="/x", host="l4-box")
+    devices = []
+    for i in range(8):
+        g = h100.gpus[7 - i]
+        devices.append(DeviceRecord(rank=i, local_rank=i, node_rank=0, host="hgx-01", device=f"cuda:{i}",
+                                    torch_uuid=g.uuid[4:], torch_name=g.name, total_memory_bytes=g.memory_total_bytes,
+                                    gemm={"bf16": _m(650.0 + i, "TFLOP/s"), "fp32": _m(50.0, "TFLOP/s")},
+                                    memory_bandwidth=_m(2900.0)))
+    for i in range(4):
+        g = l4.gpus[i]
+        devices.append(DeviceRecord(rank=8 + i, local_rank=i, node_rank=1, host="l4-box", device=f"cuda:{i}",
+                                    torch_uuid=g.uuid, torch_name=g.name, gemm={"bf16": _m(90.0, "TFLOP/s")},
+                                    memory_bandwidth=_m(250.0)))
+    record = ProfileRecord(
+        devices=tuple(devices),
+        nodes=(NodeRecord(0, "hgx-01", h100, tuple(range(8)), allreduce=_m(360.0)),
+               NodeRecord(1, "l4-box", l4, tuple(range(8, 12)), allreduce=_m(18.0))),
+        links=(LinkRecord(0, 1, bench.Timing((8e-6, 9e-6)), tuple(_m(11.0) for _ in range(4))),),
+        backend="nccl", quick=False, bench={}, started_at="t0", finished_at="t1", wall_s=40.0,
+        schedule=(((0, 1),),))
+    spec_dict = assemble_cluster(record, name="lab")
+    spec = ClusterSpec.from_dict(spec_dict)
+    assert spec.name == "lab" and spec.node_names == ("hgx-01", "l4-box")
+    hgx, box = spec.nodes
+    assert {g.type for g in hgx.gpus} == {"h100-sxm"} and {g.type for g in box.gpus} == {"l4"}
+    g0 = hgx.gpus[0]
+    assert g0.uuid == h100.gpus[7].uuid and g0.measured["nvml"]["index"] == 7  # matched by UUID
+    assert g0.measured["nvml"]["nvlink_active_links"] == 18 and box.gpus[0].measured["nvml"]["nvlink_active_links"] == 0
+    assert g0.tflops["bf16"] == 989  # catalog peak kept; the measurement beside it
+    assert g0.measured["gemm_tflops"]["bf16"] == 650.0 and g0.measured["allreduce_busbw_gbps"] == 360.0
+    link = spec.link("hgx-01", "l4-box")
+    assert link.bandwidth_gbps == 44.0 and link.latency_us == 4.25  # 4 rank pairs summed; half the median RTT
+    assert spec_dict["profile"]["inter_node"]["schedule"] == [[["hgx-01", "l4-box"]]]
+    inv = spec_dict["profile"]["nodes"]["hgx-01"]["inventory"]
+    assert inv["gpus"][0]["nvlinks"]["active"] == 18 and len(inv["pairs"]) == 28
+    names = [i.gpu.type for i in build_islands(spec).islands]
+    assert names == ["h100-sxm", "l4"]
+    text = format_summary(spec)
+    assert "8x h100-sxm" in text and "4x l4" in text and "650-657" in text
+    assert "node-to-node bandwidth GB/s (latency us):" in text and "44 (4.25)" in text
+
+
+def test_unknown_gpu_is_custom_with_measured_figures():
+    inv = read_node_inventory(fake.FakeNvml(None), infiniband_root="/x", host="lab")
+    devs = tuple(DeviceRecord(rank=i, local_rank=i, node_rank=0, host="lab", device=f"cuda:{i}",
+                              torch_uuid=f"uuid-{i}", torch_name="Contoso Accelerator X", total_memory_bytes=48 * 2**30,
+                              gemm={"bf16": _m(200.0, "TFLOP/s"), "fp16": _m(210.0, "TFLOP/s")},
+                              memory_bandwidth=_m(1200.0)) for i in range(2))
+    record = ProfileRecord(devices=devs, nodes=(NodeRecord(0, "lab", inv, (0, 1), allreduce=_m(20.0)),), links=(),
+                           backend="nccl", quick=True, bench={}, started_at="t", finished_at="t", wall_s=1.0)
+    spec = ClusterSpec.from_dict(assemble_cluster(record))
+    g = spec.nodes[0].gpus[0]
+    assert g.type == "custom" and g.uuid == "uuid-0"
+    assert g.tflops == {"bf16": 200.0, "fp16": 210.0, "fp32": None}
+    assert g.memory_gib == 48.0 and g.memory_bandwidth_gbps == 1200.0 and g.intra_node_bandwidth_gbps == 40.0
+    assert g.measured["name"] == "Contoso Accelerator X"
+
+
+def test_two_agents_on_one_host_are_named_apart():
+    assert name_nodes(["a", "b"]) == ["a", "b"]
+    assert name_nodes(["a", "b", "a"]) == ["a-0", "b", "a-1"]
+    assert len(set(name_nodes(["a", "a", "a-0"]))) == 3
+    spec = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.4], hosts=["box", "box"])))
+    assert spec.node_names == ("box-0", "box-1")
+    assert spec.link("box-0", "box-1").bandwidth_gbps == 3.0
+    assert spec.default_link.bandwidth_gbps == 3.0
+
+
+def test_missing_inter_node_link_is_an_error():
+    record = _cpu_record([0.4, 0.4, 0.4], hosts=["a", "b", "c"])
+    broken = ProfileRecord(**{**record.__dict__, "links": record.links[:2]})
+    with pytest.raises(ValueError, match="not measured"):
+        assemble_cluster(broken)
+
+
+def test_fingerprint_covers_hardware_not_measurements():
+    a = _cpu_record([0.4, 0.41])
+    b = _cpu_record([0.1, 0.9])
+    assert fingerprint(hardware_identity(a)) == fingerprint(hardware_identity(b))
+    assert assemble_cluster(a)["fingerprint"] == assemble_cluster(b)["fingerprint"]
+    c = _cpu_record([0.4, 0.4, 0.4])
+    assert fingerprint(hardware_identity(a)) != fingerprint(hardware_identity(c))
+    d = _cpu_record([0.4, 0.41], hosts=["other"])
+    assert fingerprint(hardware_identity(a)) != fingerprint(hardware_identity(d))
+
+
+@pytest.mark.parametrize("name", ["profiled-h200", "profiled-cpu-2"])
+def test_profiled_examples_load(cluster_path, name):
+    """Files the profiler wrote (an H200 of the device machine, this CPU machine) load and form islands."""
+    spec = ClusterSpec.load(cluster_path(name))
+    assert spec.fingerprint.startswith("sha256:") and spec.profile["tool"] == "tangram-launch profile"
+    for _, g in spec.iter_gpus():
+        assert g.measured["gemm_tflops"]
+    assert build_islands(spec).islands
+    assert spec.node_names[0] in format_summary(spec)
+
+
+# --------------------------------------------------------------------------------------------- the command
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    profile_cmd.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_torchrun_argv_round_trips_through_torchs_parser(monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith("PET_")]:
+        monkeypatch.delenv(key)
+    args = _parse(["--nnodes", "2", "--nproc_per_node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   "head:29500", "--rdzv-conf", "join_timeout=5", "-o", "c.yaml", "--quick", "--model", "tiny"])
+    argv = profile_cmd.torchrun_argv(args)
+    assert argv == ["--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    "head:29500", "--rdzv-conf", "join_timeout=5"]
+    assert args.output == "c.yaml" and args.quick and args.model == "tiny"
+    from torch.distributed.run import get_args_parser
+
+    back = get_args_parser().parse_args(argv + ["x.py"])
+    assert (back.nnodes, back.nproc_per_node, back.rdzv_endpoint) == ("2", "4", "head:29500")
+    standalone = profile_cmd.torchrun_argv(_parse(["--standalone", "--nproc-per-node", "2"]))
+    assert standalone == ["--nproc-per-node", "2", "--standalone"]
+
+
+def test_bad_options_are_spec_errors(tmp_path):
+    from tangram_launch.errors import SpecError
+
+    with pytest.raises(SpecError, match="--micro-batch"):
+        profile_cmd.run(_parse(["--micro-batch", "0", "-o", str(tmp_path / "c.yaml")]))
+    with pytest.raises(SpecError, match="model"):
+        profile_cmd.run(_parse(["--model", "no-such-model", "-o", str(tmp_path / "c.yaml")]))
+    with pytest.raises(SpecError, match="--output"):
+        profile_cmd.run(_parse(["-o", str(tmp_path / "missing" / "c.yaml")]))
+
+
+def test_failure_message_names_node_rank_and_phase(tmp_path):
+    def status(local, **kw):
+        d = {"rank": 4 + local, "local_rank": local, "node_rank": 1, "host": "box", "node": "box-1", **kw}
+        (tmp_path / f"rank-{local}.json").write_text(json.dumps(d))
+
+    status(0, phase="intra-node all-reduce", state="failed", error="RuntimeError: Connection reset by peer")
+    status(1, phase="GEMM fp32/bf16", state="running")
+    msg = profile_cmd.failure_message(str(tmp_path), 1, None)
+    lines = msg.splitlines()
+    assert lines[0].startswith("profiling failed on node 'box-1' (host box, node rank 1)")
+    assert "local rank 1 (global rank 5) stopped during 'GEMM fp32/bf16'" in lines[1]  # the root cause first
+    assert "local rank 0 (global rank 4) failed during 'intra-node all-reduce': RuntimeError" in lines[2]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "before any worker started" in profile_cmd.failure_message(str(empty), 1, None)
+    assert profile_cmd.failure_message(str(empty), 1, "rendezvous of 2 node(s)") == "rendezvous of 2 node(s)"
