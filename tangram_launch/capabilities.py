@@ -101,8 +101,9 @@ class RuntimeCapabilities:
 # each adapter in runtime_adapters/ re-exports its own entry and is tested against what the runtime really accepts.
 TORCH = RuntimeCapabilities(
     name="torch",
-    # torch.distributed.pipelining stages exchange whole micro-batches; per-stage DP degrees need re-sharding
-    # between stages, which the torch adapter does not do yet: one DP size for all stages, TP free per stage.
+    # torch.distributed.pipelining passes each micro-batch from one rank to its peer in the next stage: stages must
+    # share the TP and DP sizes (re-sharding between grids is not implemented). ZeRO maps to FSDP2 per stage.
+    uniform_tp=True,
     uniform_dp=True,
     context_parallel=False,
     expert_parallel=False,
@@ -114,6 +115,7 @@ DEEPSPEED = RuntimeCapabilities(
     name="deepspeed",
     uniform_grid=True,
     uniform_zero=True,  # one DeepSpeed config per engine
+    tensor_parallel=False,  # DeepSpeed's pipeline has no tensor-parallel layers of its own
     max_zero_stage=3,
     max_zero_stage_with_pp=1,  # PipelineEngine asserts zero stage < 2
     context_parallel=False,

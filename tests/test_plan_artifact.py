@@ -89,7 +89,7 @@ def test_tampered_rank_layout_refused(tmp_path):
 def test_capabilities():
     p = two_by_two()
     assert any("one (tp, dp, cp) grid" in x for x in DEEPSPEED.plan_problems(p))
-    assert TORCH.plan_problems(p) == []  # same dp size, different tp: torch runs it
+    assert any("one TP size" in x for x in TORCH.plan_problems(p))  # pipelining passes whole micro-batches
     q = make([((0, 2), [("n", 0), ("n", 1)], dict(dp=2, zero_stage=2)), ((2, 4), [("n", 2), ("n", 3)], dict(dp=2))])
     assert any("ZeRO stage <= 1" in x for x in DEEPSPEED.plan_problems(q))
     assert MEGATRON.plan_problems(make([((0, 4), [("n", 0)], {})], global_batch=4)) == []

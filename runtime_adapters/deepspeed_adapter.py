@@ -1,0 +1,312 @@
+"""The ``deepspeed`` runtime: a PipelineModule with the plan's exact layer split, a topology whose rank mapping is
+the plan's rank layout, and a DeepSpeed config generated from the plan and merged with the user's.
+
+* Partition: DeepSpeed's ``partition_method`` values (uniform, parameters, type:regex) cannot express an arbitrary
+  split, so ``PlanPipelineModule`` (a subclass) overrides ``_partition_layers`` for ``partition_method="plan:b0,b1,.."``
+  with the boundaries over DeepSpeed's layer list [embedding, layer 0, ..., layer L-1, head].
+* Topology: ``PlanTopology`` (a ProcessTopology subclass) sets ``mapping`` from ``plan.rank_layout``; DeepSpeed builds
+  its data, pipe and p2p groups from that mapping.
+* Config: the plan owns train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps (= micro-batches),
+  zero_optimization.stage and bf16/fp16.enabled; every other user key wins. A user value that contradicts the plan is
+  logged as a warning and the plan's value is kept. Recompute "full" becomes activation_checkpoint_interval=1 over the
+  transformer layers.
+* A torch optimizer is passed to ``deepspeed.initialize`` (a config optimizer such as AdamW JIT-builds fused_adam,
+  +73 s on CPU).
+
+DeepSpeed is imported inside functions only, so this module imports where DeepSpeed is absent. On CPU its comm
+backend JIT-compiles the ``deepspeed_shm_comm`` op on first use (every path to ``deepspeed.comm`` constructs a
+``TorchBackend``, which builds it when the op is "compatible", i.e. on any Linux host; neither gloo, an existing torch
+process group nor DS_ACCELERATOR=cpu avoids it). It is cached under TORCH_EXTENSIONS_DIR; ``prebuild_comm_op()``
+warms that cache ahead of time (CI setup), or install DeepSpeed with ``DS_BUILD_SHM_COMM=1`` to build it at install.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import lru_cache
+from typing import Any, ClassVar, Iterator, Mapping
+
+import torch
+
+from runtime_adapters.base import RuntimeAdapter
+from runtime_adapters.gpt import Embedding, Head, TransformerLayer, as_model_spec, lm_loss
+from tangram_launch.capabilities import DEEPSPEED, RuntimeCapabilities
+from tangram_launch.errors import InfeasibleError, SpecError
+from tangram_launch.plan import Place, Plan
+from tangram_launch.specs.yamlio import load_yaml_file
+
+logger = logging.getLogger(__name__)
+
+# Config keys (dotted paths) whose value the plan decides; see planned_config.
+PLAN_OWNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                   "zero_optimization.stage", "bf16.enabled", "fp16.enabled")
+
+
+def plan_partition(plan: Plan) -> list[int]:
+    """Boundaries over [embedding, layer 0..L-1, head]: stage s holds entries [b[s], b[s+1])."""
+    bounds = [0] + [s.layers[1] + 1 for s in plan.stages]
+    bounds[-1] += 1  # the head belongs to the last stage
+    return bounds
+
+
+def planned_config(plan: Plan) -> dict:
+    """The DeepSpeed config keys the plan decides."""
+    s = plan.stages[0]
+    dtype = str(plan.training.get("dtype", "fp32"))
+    return {
+        "train_batch_size": s.micro_batch_size * s.dp * plan.num_microbatches,
+        "train_micro_batch_size_per_gpu": s.micro_batch_size,
+        "gradient_accumulation_steps": plan.num_microbatches,
+        "zero_optimization": {"stage": s.zero_stage},
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16"},
+    }
+
+
+_MISSING = object()
+
+
+def _get(d: Mapping, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(d, Mapping) or key not in d:
+            return _MISSING
+        d = d[key]
+    return d
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def load_user_config(user_config: Mapping | str | os.PathLike | None) -> dict:
+    if user_config is None:
+        return {}
+    if isinstance(user_config, Mapping):
+        return copy.deepcopy(dict(user_config))
+    path = os.fspath(user_config)
+    if path.endswith(".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SpecError(f"cannot read the DeepSpeed config ({exc})", source=path) from None
+    else:
+        data = load_yaml_file(path)
+    if not isinstance(data, dict):
+        raise SpecError("a DeepSpeed config is a mapping", source=path, value=type(data).__name__)
+    return data
+
+
+def build_config(plan: Plan, user_config: Mapping | str | os.PathLike | None = None) -> dict:
+    """The plan's DeepSpeed config merged with the user's: user keys win unless they contradict the plan (then a
+    warning, and the plan's value is kept)."""
+    user = load_user_config(user_config)
+    planned = planned_config(plan)
+    defaults = {"steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}  # the caller logs per step
+    merged = _merge(_merge(defaults, user), planned)
+    for path in PLAN_OWNED_KEYS:
+        mine, theirs = _get(planned, path), _get(user, path)
+        if theirs is not _MISSING and theirs != mine:
+            logger.warning("DeepSpeed config: %s=%r contradicts the plan; keeping the plan's %r", path, theirs, mine)
+    return merged
+
+
+class DeepSpeedAdapter(RuntimeAdapter):
+    """DeepSpeed's pipeline engine (1F1B, one grid for all stages, ZeRO <= 1) running a plan."""
+
+    name: ClassVar[str] = "deepspeed"
+    capabilities: ClassVar[RuntimeCapabilities] = DEEPSPEED
+
+    def plan_problems(self, plan: Plan) -> list[str]:
+        problems = list(self.capabilities.plan_problems(plan))
+        if plan.schedule != "1F1B":
+            problems.append(f"deepspeed's pipeline runs 1F1B only (plan has '{plan.schedule}')")
+        if any(s.tp > 1 for s in plan.stages):
+            # DeepSpeed's pipeline only makes the 'model' groups; the layers must split themselves (Megatron mpu).
+            problems.append("the deepspeed adapter has no tensor-parallel layers (tp > 1 needs a Megatron-style mpu)")
+        if len({s.zero_stage for s in plan.stages}) > 1:
+            problems.append("deepspeed runs one ZeRO stage for all stages "
+                            f"(plan has {sorted({s.zero_stage for s in plan.stages})})")
+        try:
+            spec = as_model_spec(plan.model)
+        except SpecError as exc:
+            return problems + [f"model: {exc}"]
+        if spec.tied_embeddings and plan.num_stages > 1:
+            problems.append("tied embeddings need the embedding and the head in one stage")
+        seq_len = int(plan.training.get("seq_len", 0))
+        if spec.position_embedding == "learned" and seq_len > spec.num_position_embeddings:
+            problems.append(f"seq_len {seq_len} exceeds the model's {spec.num_position_embeddings} positions")
+        return problems
+
+    def check_plan(self, plan: Plan) -> None:
+        problems = self.plan_problems(plan)
+        if problems:
+            raise InfeasibleError(f"the {self.name} runtime cannot execute this plan", problems)
+
+    def setup(self, plan: Plan, place: Place | None = None, *, user_config: Mapping | str | None = None,
+              optimizer_factory=None, seed: int = 0, timeout_s: float = 600.0) -> "DeepSpeedTrainingContext":
+        """Build this rank's part of the plan under DeepSpeed. Collective over every rank of the plan."""
+        self.check_plan(plan)  # before DeepSpeed or any process group is touched
+        config = build_config(plan, user_config)
+        spec = as_model_spec(plan.model)
+
+        import deepspeed
+        import torch.distributed as dist
+        from deepspeed.pipe import LayerSpec
+
+        use_cuda = torch.cuda.is_available()
+        # DeepSpeed's engine and PipelineModule read LOCAL_RANK (torchrun and tangram-launch set it)
+        os.environ.setdefault("LOCAL_RANK", str(place.local_gpu if (place is not None and use_cuda) else 0))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s))
+        if dist.get_world_size() != plan.world_size:
+            raise SpecError("the job's world size differs from the plan's", field="world_size",
+                            value=dist.get_world_size(), valid=str(plan.world_size))
+        rank = dist.get_rank()
+        place = place or plan.place(rank)
+        if place.rank != rank:
+            raise SpecError("place.rank differs from this process's rank", field="place.rank", value=place.rank,
+                            valid=str(rank))
+
+        specs = ([LayerSpec(Embedding, spec, seed=seed)]
+                 + [LayerSpec(TransformerLayer, spec, i, seed=seed) for i in range(spec.num_layers)]
+                 + [LayerSpec(Head, spec, seed=seed)])
+        bounds = plan_partition(plan)
+        module = _pipeline_module_class()(
+            layers=specs, topology=_topology_class()(plan), loss_fn=lm_loss,
+            partition_method="plan:" + ",".join(map(str, bounds)),
+            activation_checkpoint_interval=1 if place.stage.recompute == "full" else 0,
+            checkpointable_layers=["TransformerLayer"])  # never the embedding (int inputs carry no grad)
+        if list(module.parts) != bounds:
+            raise AssertionError(f"DeepSpeed partition {module.parts} differs from the plan's {bounds}")
+
+        client_optimizer = None
+        if optimizer_factory is not None or "optimizer" not in config:
+            if "optimizer" in config:
+                logger.warning("DeepSpeed config: 'optimizer' ignored, the given optimizer_factory is used")
+                config.pop("optimizer")
+            from runtime_adapters.torch_native import default_optimizer_factory
+
+            client_optimizer = (optimizer_factory or default_optimizer_factory)(
+                [p for p in module.parameters() if p.requires_grad])
+            # ZeRO-1 shards any torch optimizer's state elementwise; DeepSpeed asks for an explicit opt-in for
+            # optimizers outside its tested list (e.g. SGD)
+            config.setdefault("zero_allow_untested_optimizer", True)
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client_optimizer, config=config,
+                                               model_parameters=[p for p in module.parameters() if p.requires_grad])
+        logger.info("rank %d |PP=%d|DP=%d| entries [%d, %d) of %s zero=%d recompute=%s", rank, place.coords["pp"],
+                    place.coords["dp"], bounds[place.stage.index], bounds[place.stage.index + 1], bounds,
+                    place.stage.zero_stage, place.stage.recompute)
+        return DeepSpeedTrainingContext(plan=plan, place=place, engine=engine, config=config,
+                                        num_layers=spec.num_layers)
+
+
+@lru_cache(maxsize=None)
+def _pipeline_module_class() -> type:
+    from deepspeed.pipe import PipelineModule
+
+    class PlanPipelineModule(PipelineModule):
+        """PipelineModule whose ``partition_method="plan:b0,b1,...,bS"`` sets the stage boundaries exactly."""
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            if not method.startswith("plan:"):
+                return super()._partition_layers(method)
+            parts = [int(x) for x in method[len("plan:"):].split(",")]
+            if len(parts) != self.num_stages + 1 or parts[0] != 0 or parts[-1] != len(self._layer_specs) \
+                    or any(b <= a for a, b in zip(parts, parts[1:])):
+                raise SpecError("a partition is S+1 increasing boundaries from 0 to the number of entries",
+                                field="partition_method", value=method,
+                                valid=f"{self.num_stages + 1} boundaries ending at {len(self._layer_specs)}")
+            self.parts = parts
+            stage_id = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=parts[stage_id], stop=parts[stage_id + 1])
+
+    return PlanPipelineModule
+
+
+@lru_cache(maxsize=None)
+def _topology_class() -> type:
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    class PlanTopology(ProcessTopology):
+        """DeepSpeed's (pipe, data, model) grid with the plan's rank for every coordinate."""
+
+        def __init__(self, plan: Plan) -> None:
+            s0 = plan.stages[0]
+            super().__init__(axes=["pipe", "data", "model"], dims=[plan.num_stages, s0.dp, s0.tp])
+            self.mapping = {self.ProcessCoord(pipe=r.stage, data=r.dp, model=r.tp): r.rank
+                            for r in plan.rank_layout}
+
+    return PlanTopology
+
+
+def plan_topology(plan: Plan) -> Any:
+    """The DeepSpeed ProcessTopology of a plan (imports DeepSpeed)."""
+    return _topology_class()(plan)
+
+
+def prebuild_comm_op() -> float:
+    """JIT-build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's CPU shm comm op; returns seconds spent."""
+    import time
+
+    from deepspeed.accelerator import get_accelerator
+
+    t0 = time.perf_counter()
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        builder.load(verbose=False)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class DeepSpeedTrainingContext:
+    plan: Plan
+    place: Place
+    engine: Any  # deepspeed.runtime.pipe.engine.PipelineEngine
+    config: dict
+    num_layers: int
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.place.is_last_stage
+
+    def _micro_batches(self, batch: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        stage = self.place.stage
+        mbs, m = stage.micro_batch_size, self.plan.num_microbatches
+        if batch.shape[0] != mbs * m * stage.dp:
+            raise SpecError("a batch has global_batch rows", field="batch.shape[0]", value=batch.shape[0],
+                            valid=str(mbs * m * stage.dp))
+        d = self.place.coords["dp"]
+        rows = batch[d * mbs * m:(d + 1) * mbs * m].to(self.engine.device)
+        for i in range(m):
+            mb = rows[i * mbs:(i + 1) * mbs]
+            yield mb[:, :-1], mb[:, 1:]
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        """One iteration on a global batch (global_batch, seq_len + 1) of tokens; the mean loss, on every rank."""
+        return float(self.engine.train_batch(data_iter=self._micro_batches(batch)))
+
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters named like ``runtime_adapters.gpt.StageModule`` (global layer indices)."""
+        out = {}
+        last = self.num_layers + 1
+        for name, p in self.engine.module.named_parameters():
+            idx, _, rest = name.partition(".")
+            i = int(idx)
+            prefix = "embedding" if i == 0 else "head" if i == last else f"layers.{i - 1}"
+            out[f"{prefix}.{rest}"] = p.detach().cpu().clone()
+        return out
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
