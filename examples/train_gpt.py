@@ -1,15 +1,26 @@
-"""Train a small GPT with the torch runtime adapter, laid out by a Tangram plan.
+"""Train a small GPT with the torch runtime adapter, laid out by a Tangram plan; save and resume under any layout.
 
     tangram-launch --standalone --nproc-per-node 2 --plan examples/data/plan-tiny-2cpu.json \\
         examples/train_gpt.py --steps 20
+    tangram-launch --standalone --nproc-per-node 2 --profile --model tiny --global-batch 8 --seq-len 64 \\
+        examples/train_gpt.py --steps 20 --save-dir ckpt --save-every 10
+    tangram-launch --standalone --nproc-per-node 3 --cluster cluster.yaml --resume ckpt \\
+        examples/train_gpt.py --steps 40 --save-dir ckpt --save-every 10          # another layout, same run
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --plan examples/data/plan-tiny-2cpu.json
 
 The plan decides every parallel choice (stages and their layer ranges, dp/tp per stage, ZeRO via DDP-style all-reduce
-or FSDP2, recompute, micro-batches); this script only feeds data and reports. Data: ``--data FILE`` (default
-examples/data/corpus.txt) read as bytes, one token per byte, random windows of seq_len + 1 bytes; or ``--data
-synthetic``: sequences counting up modulo the vocabulary from a random start. Batches are drawn from a generator
-seeded by (seed, step), so every rank builds the same global batch without communication and each replica takes its
-own rows. The last stage prints loss, tokens/s and iteration time per step.
+or FSDP2, recompute, micro-batches); this script only feeds data, reports and checkpoints. Data: ``--data FILE``
+(default examples/data/corpus.txt) read as bytes, one token per byte, random windows of seq_len + 1 bytes; or
+``--data synthetic``: sequences counting up modulo the vocabulary from a random start. Sample i of the stream is a
+pure function of (seed, i), and a step takes the next global_batch samples, so every rank builds the same global
+batch without communication, each replica takes its own rows, and a resumed run continues the stream at the
+checkpoint's consumed-sample count: the next batch is the one an uninterrupted run would draw, even under another
+global batch. ``--steps`` is the step to train up to (a resumed run continues from the checkpoint's step).
+
+Checkpoints (``tangram_launch.checkpoint``: layout-agnostic, atomic, verified): ``--save-dir DIR --save-every N``
+saves every N steps (keeping ``--keep-last`` of them); a run resumes from ``--resume DIR`` or from the directory
+``tangram-launch --resume DIR`` hands its workers (TANGRAM_RESUME_DIR). The last stage prints loss, tokens/s and
+iteration time per step.
 """
 from __future__ import annotations
 
@@ -35,14 +46,29 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     p.add_argument("--plan", help="plan file; default: the plan tangram-launch started this worker with")
-    p.add_argument("--steps", type=int, default=20, help="training iterations")
+    p.add_argument("--steps", type=int, default=20, help="train up to this step (a resumed run continues to it)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234, help="model init and data seed (the same on every rank)")
     p.add_argument("--data", default=DEFAULT_DATA, help="a text file read as bytes, or 'synthetic'")
     p.add_argument("--out", help="JSON file for losses and iteration times (written by the reporting rank)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="process-group timeout")
     p.add_argument("--quiet", action="store_true", help="no per-step lines (the summary still prints)")
+    p.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (every --save-every steps)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="save every N steps (0: never)")
+    p.add_argument("--keep-last", type=int, default=3, metavar="K", help="checkpoints to keep (default 3)")
+    p.add_argument("--resume", metavar="DIR", help="resume from the newest complete checkpoint in DIR (default: "
+                                                    "the one tangram-launch --resume hands over, if any)")
     return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "save_every"):
+        if getattr(args, name) < 0:
+            raise SpecError("must be >= 0", field="--" + name.replace("_", "-"), value=getattr(args, name))
+    if args.keep_last < 1:
+        raise SpecError("must be >= 1", field="--keep-last", value=args.keep_last)
+    if args.save_every and not args.save_dir:
+        raise SpecError("--save-every needs --save-dir", field="--save-dir")
 
 
 def plan_and_place(plan_path: str | None):
@@ -63,7 +89,12 @@ def plan_and_place(plan_path: str | None):
 
 
 class TokenBatches:
-    """Global batches (global_batch, seq_len + 1) of int64 tokens, a pure function of (seed, step)."""
+    """A stream of samples (seq_len + 1 int64 tokens each); sample i is a pure function of (seed, i).
+
+    A step takes the next ``global_batch`` samples: ``batch(consumed)`` is samples [consumed, consumed + global
+    batch), shape (global_batch, seq_len + 1). The data position is therefore one number (samples consumed) that
+    does not depend on the layout or the batch size.
+    """
 
     def __init__(self, source: str, *, global_batch: int, seq_len: int, vocab_size: int, seed: int) -> None:
         self.global_batch, self.seq_len, self.vocab_size, self.seed = global_batch, seq_len, vocab_size, seed
@@ -78,36 +109,95 @@ class TokenBatches:
                 raise SpecError(f"the text is shorter than one sequence ({seq_len + 1} bytes)", source=source)
             self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)  # (N,)
 
-    def batch(self, step: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+    def sample(self, index: int) -> torch.Tensor:
+        """Sample ``index`` of the stream: (seq_len + 1,) tokens."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         if self.tokens is None:  # counting sequences: token[t+1] = token[t] + 1 (mod V), learnable in a few steps
-            start = torch.randint(0, self.vocab_size, (self.global_batch, 1), generator=g)
+            start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
             return (start + torch.arange(self.seq_len + 1)) % self.vocab_size
-        starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.global_batch,), generator=g)
-        return torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()])  # (B, T+1)
+        start = int(torch.randint(0, self.tokens.numel() - self.seq_len - 1, (1,), generator=g))
+        return self.tokens[start:start + self.seq_len + 1].clone()
+
+    def batch(self, consumed: int) -> torch.Tensor:
+        """The global batch after ``consumed`` samples: (global_batch, seq_len + 1)."""
+        return torch.stack([self.sample(consumed + i) for i in range(self.global_batch)])
 
 
-def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bool,
-          tokens_per_step: int) -> dict:
-    """Run ``steps`` iterations of ``ctx.train_step``; returns losses and per-step wall times."""
-    losses, times = [], []
-    for step in range(steps):
-        batch = data.batch(step)
+def torch_stage_state(ctx: Any):
+    """The torch adapter's state under global names (its StageModule names layers globally)."""
+    from tangram_launch.checkpoint import LayerKeyMap, StageState
+
+    return StageState.from_module(ctx.module, LayerKeyMap.for_stage(ctx.place.stage, local_numbering="global"),
+                                  ctx.optimizer)
+
+
+class Checkpointing:
+    """Resume at start-up and save every N steps through tangram_launch.checkpoint (collective calls)."""
+
+    def __init__(self, args: argparse.Namespace, plan: Any, state: Any, data: TokenBatches) -> None:
+        from tangram_launch.checkpoint import resume_directory
+
+        self.args, self.plan, self.state, self.data = args, plan, state, data
+        self.resume_dir = args.resume or resume_directory()
+
+    def resume(self) -> tuple[int, int, dict]:
+        """(steps done, samples consumed, what was loaded) from the resume directory; (0, 0, {}) without one."""
+        if not self.resume_dir:
+            return 0, 0, {}
+        from tangram_launch.checkpoint import load_checkpoint
+
+        loaded = load_checkpoint(self.resume_dir, plan=self.plan, state=self.state)
+        pos = loaded.position
+        info = {"path": loaded.path, "step": loaded.step, "consumed_samples": pos.consumed_samples,
+                "saved_global_batch": int(loaded.saved_plan.training["global_batch"]),
+                "layout_changed": loaded.layout_changed, "skipped": [str(s) for s in loaded.skipped]}
+        return pos.step, pos.consumed_samples, info
+
+    def after_step(self, step: int, consumed: int) -> str | None:
+        """Save when ``step`` (steps done) is a multiple of --save-every; returns the checkpoint path."""
+        if not (self.args.save_dir and self.args.save_every) or step % self.args.save_every:
+            return None
+        from tangram_launch.checkpoint import TrainingPosition, save_checkpoint
+
+        position = TrainingPosition(step=step, consumed_samples=consumed,
+                                    data={"seed": self.args.seed, "source": os.path.basename(self.args.data)})
+        return save_checkpoint(self.args.save_dir, plan=self.plan, state=self.state, position=position,
+                               keep_last=self.args.keep_last)
+
+
+def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bool, tokens_per_step: int,
+          first_step: int = 0, consumed: int = 0, checkpointing: Checkpointing | None = None) -> dict:
+    """Run steps ``first_step+1 .. steps`` of ``ctx.train_step``; returns losses, per-step wall times, position."""
+    losses, times, step_ids, saved = [], [], [], []
+    for step in range(first_step + 1, steps + 1):  # step k consumes samples [(k-1) * B, k * B) when B is fixed
+        batch = data.batch(consumed)
         t0 = time.perf_counter()
         loss = ctx.train_step(batch)  # ends with a collective: the time is the iteration's, on every rank
         dt = time.perf_counter() - t0
+        consumed += batch.shape[0]
         losses.append(loss)
         times.append(dt)
+        step_ids.append(step)
         if reporter and not quiet:
             print(f"step {step:4d}  loss {loss:.4f}  {tokens_per_step / dt:9.0f} tokens/s  {dt * 1e3:8.1f} ms",
                   flush=True)
-    steady = times[1:] or times  # the first step includes pipeline shape inference and allocator warm-up
-    return {"losses": losses, "iteration_s": times, "median_iteration_s": statistics.median(steady),
-            "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / statistics.median(steady)}
+        if checkpointing is not None:
+            path = checkpointing.after_step(step, consumed)
+            if path:
+                saved.append(path)
+                if reporter:
+                    print(f"saved {path} (step {step}, {consumed} samples)", flush=True)
+    steady = times[1:] or times or [float("nan")]  # the first step includes shape inference and warm-up
+    median = statistics.median(steady)
+    return {"steps": step_ids, "losses": losses, "iteration_s": times, "median_iteration_s": median,
+            "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / median,
+            "consumed_samples": consumed, "saved": saved}
 
 
-def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str) -> int:
+def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str,
+        stage_state: Callable[[Any], Any] = torch_stage_state) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    check_args(args)
     torch.manual_seed(args.seed)
     plan, place = plan_and_place(args.plan)
     if plan.runtime != runtime:
@@ -118,20 +208,33 @@ def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str
                         seed=args.seed)
     ctx = setup(plan, place)
     reporter = place.is_last_stage and place.coords["dp"] == 0 and place.coords["tp"] == 0
+    ckpt = None
+    if args.save_dir or args.resume or os.environ.get("TANGRAM_RESUME_DIR"):
+        ckpt = Checkpointing(args, plan, stage_state(ctx), data)
+    first_step, consumed, loaded = ckpt.resume() if ckpt is not None else (0, 0, {})
     if reporter:
         print(f"[{runtime}] plan: {plan.num_stages} stage(s) "
               + " | ".join(f"layers {s.layers[0]}-{s.layers[1] - 1} tp{s.tp} dp{s.dp} zero{s.zero_stage} "
                            f"{s.recompute}" for s in plan.stages)
               + f"; global batch {gb} x {seq_len} tokens, {plan.num_microbatches} micro-batches", flush=True)
-    result = train(ctx, data, steps=args.steps, reporter=reporter, quiet=args.quiet, tokens_per_step=gb * seq_len)
+        if loaded:
+            print(f"[{runtime}] resumed from {loaded['path']}: step {first_step}, {consumed} samples consumed"
+                  + (f" (global batch {loaded['saved_global_batch']} -> {gb})"
+                     if loaded["saved_global_batch"] != gb else "")
+                  + ("; layout changed" if loaded["layout_changed"] else ""), flush=True)
+    result = train(ctx, data, steps=args.steps, reporter=reporter, quiet=args.quiet, tokens_per_step=gb * seq_len,
+                   first_step=first_step, consumed=consumed, checkpointing=ckpt)
     if reporter:
-        print(f"[{runtime}] {args.steps} steps: loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}, "
-              f"median iteration {result['median_iteration_s'] * 1e3:.1f} ms, "
-              f"{result['tokens_per_s']:.0f} tokens/s", flush=True)
+        if result["losses"]:
+            print(f"[{runtime}] steps {first_step + 1}-{args.steps}: loss {result['losses'][0]:.4f} -> "
+                  f"{result['losses'][-1]:.4f}, median iteration {result['median_iteration_s'] * 1e3:.1f} ms, "
+                  f"{result['tokens_per_s']:.0f} tokens/s", flush=True)
+        else:
+            print(f"[{runtime}] nothing to train: the run is at step {first_step} of {args.steps}", flush=True)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
-                json.dump({"runtime": runtime, "plan_stages": [list(s.layers) for s in plan.stages], **result}, f,
-                          indent=1)
+                json.dump({"runtime": runtime, "plan_stages": [list(s.layers) for s in plan.stages],
+                           "resumed": loaded or None, **result}, f, indent=1)
     ctx.close()
     return 0
 

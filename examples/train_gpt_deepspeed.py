@@ -10,6 +10,14 @@ The plan sets DeepSpeed's layer partition, its (pipe, data) topology, micro-batc
 the plan are warned about and the plan's value is kept). Data handling and reporting are shared with train_gpt.py.
 On CPU the first DeepSpeed start JIT-compiles its shm comm op once (about a minute; cached under
 TORCH_EXTENSIONS_DIR).
+
+Checkpoints (``--save-dir``, ``--save-every``, ``--resume`` / ``tangram-launch --resume``) go through
+tangram_launch.checkpoint like train_gpt.py's: DeepSpeed's PipelineModule names its entries ``<i>.<param>`` over
+[embedding, layer 0, ..., layer L-1, head] with global indices, which :func:`deepspeed_stage_state` renames to the
+global convention (``embedding.*``, ``layers.<i>.*``, ``head.*``), with the optimizer's state keyed by the same
+names, so a checkpoint written by either example (any layout) resumes in the other. Supported when DeepSpeed runs
+the given torch optimizer itself (ZeRO 0, fp32); a ZeRO-1 or bf16/fp16 engine wraps it in its own flat-buffer
+optimizer, which is refused with a clear error.
 """
 from __future__ import annotations
 
@@ -23,8 +31,34 @@ if __package__ in (None, ""):
 
 import torch
 
-from tangram_launch.errors import TangramError
+from tangram_launch.errors import SpecError, TangramError
 from train_gpt import build_parser, run
+
+
+def deepspeed_stage_state(ctx):
+    """The DeepSpeed context's state under global names: PipelineModule entry i is the embedding (0), layer i-1, or
+    the head (L+1); the optimizer must be the torch one the engine steps directly (ZeRO 0, fp32)."""
+    from tangram_launch.checkpoint import StageState
+
+    engine = ctx.engine
+    optimizer = getattr(engine, "optimizer", None)
+    basic = getattr(engine, "basic_optimizer", None)
+    if optimizer is None or optimizer is not basic:
+        raise SpecError(f"checkpoints of this example need DeepSpeed to step the torch optimizer itself; the engine "
+                        f"wraps it in {type(optimizer).__name__} (ZeRO stage {ctx.place.stage.zero_stage}, "
+                        f"{ctx.plan.training.get('dtype')})", field="deepspeed optimizer",
+                        value=type(optimizer).__name__, valid="ZeRO 0 with fp32 (the plan's zero_stage and dtype)")
+    last = ctx.num_layers + 1
+
+    def to_global(local: str) -> str:
+        idx, _, rest = local.partition(".")
+        if not idx.isdigit() or not rest:
+            raise SpecError("not a PipelineModule entry name", field="state key", value=local,
+                            valid="<entry index>.<param>")
+        i = int(idx)
+        return f"embedding.{rest}" if i == 0 else f"head.{rest}" if i == last else f"layers.{i - 1}.{rest}"
+
+    return StageState.from_module(engine.module, to_global, optimizer)
 
 
 def main(argv=None) -> int:
@@ -39,7 +73,7 @@ def main(argv=None) -> int:
                                         optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, foreach=False))
 
     try:
-        return run(args, setup, "deepspeed")
+        return run(args, setup, "deepspeed", stage_state=deepspeed_stage_state)
     except TangramError as exc:
         print(f"train_gpt_deepspeed: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -277,20 +277,37 @@ def no_checkpoint_error(directory: str, skipped: list[Skipped], step: int | None
 # --- retention ------------------------------------------------------------------------------------------------------
 
 def prune(directory: str, keep_last: int, *, keep: str) -> list[str]:
-    """Remove committed checkpoints older than the newest ``keep_last`` ones, and stale temporary directories.
+    """Remove committed checkpoints older than the newest ``keep_last`` *verified* ones, and stale temporary ones.
 
-    Called only after a successful commit of ``keep``, which is never removed. Only directories with a manifest
-    count as checkpoints; a committed directory without one is left alone (not ours to judge), and so is anything
-    that is not named like a checkpoint.
+    Called only after a successful commit of ``keep``, which is never removed. Walking from the newest step down,
+    a checkpoint counts toward ``keep_last`` only if it verifies (every file of its manifest present with the
+    recorded size and sha256; ``keep`` was hashed by the ranks that just wrote it, so its sizes are checked, not its
+    bytes again); one that does not verify is kept (the loader skips it, naming it) and does not count, so an older
+    complete checkpoint is removed only once ``keep_last`` newer ones verify, and nothing at or after the newest
+    verified one is ever removed. Only directories with a manifest count as checkpoints; a committed directory
+    without one is left alone (not ours to judge), and so is anything that is not named like a checkpoint. Cost:
+    rank 0 re-reads up to ``keep_last - 1`` older checkpoints, and only when there is something to remove.
     """
     removed = []
     complete = [c for c in list_candidates(directory)
                 if c.committed and os.path.exists(os.path.join(c.path, MANIFEST))]
-    for c in complete[keep_last:]:
-        if os.path.abspath(c.path) == os.path.abspath(keep):
-            continue
-        shutil.rmtree(c.path)
-        removed.append(c.path)
+    keep_abs = os.path.abspath(keep)
+    if len(complete) > keep_last:  # something may go: count verified checkpoints from the newest down
+        verified = 0
+        for c in complete:
+            if verified >= keep_last:
+                if os.path.abspath(c.path) != keep_abs:
+                    shutil.rmtree(c.path)
+                    removed.append(c.path)
+                continue
+            manifest, problem = manifest_problem(c.path)
+            problems = [problem] if problem else check_files(
+                c.path, manifest, checksums=os.path.abspath(c.path) != keep_abs)
+            if problems:
+                logger.warning("keeping checkpoint %s, which does not verify (%s), and not counting it toward "
+                               "keep_last=%d", c.path, "; ".join(problems[:3]), keep_last)
+                continue
+            verified += 1
     for c in list_candidates(directory):
         if not c.committed:
             shutil.rmtree(c.path, ignore_errors=True)

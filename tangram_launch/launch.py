@@ -18,8 +18,25 @@ would; workers read their place with :func:`tangram_launch.worker.current_plan`:
         --plan plan.json --node-name a100-0 train.py
 
 A plan that does not fit the world (node count, this node's GPU count, unknown node) is refused before any worker
-starts (SpecError, exit 2).  Planning at launch time (``--cluster``, ``--model``, ``--global-batch`` ...) is done
-by a ``plan_provider`` given to :func:`run` that writes a plan file; the launch itself is then the same.
+starts (SpecError, exit 2).
+
+Planning at launch time: with ``--cluster FILE`` or ``--profile`` (measure this node first; the ClusterSpec is
+cached by hardware fingerprint and reused while the hardware is unchanged), ``--model``, ``--global-batch``,
+``--seq-len``, ``--dtype``, ``--runtime`` and ``--parallelizer``, every agent plans (deterministically; the file
+is canonical JSON), logs the plan table, writes the plan into ``<log dir>/tangram/`` (else the cache's ``plans/``)
+and launches by it as with ``--plan`` (:mod:`tangram_launch.planned`)::
+
+    tangram-launch --standalone --nproc-per-node 2 --profile --model tiny --global-batch 8 --seq-len 64 \\
+        examples/train_gpt.py --steps 2
+
+Resuming: ``--resume DIR`` describes the newest complete checkpoint in DIR (none: exit 2 naming DIR), re-plans for
+the cluster as it is now (``--cluster``, ``--plan``, else ``--profile``) with the checkpoint's model and global
+batch unless given again, logs what changed between the two plans, and starts the workers with
+``TANGRAM_RESUME_DIR`` set (the examples load from it)::
+
+    tangram-launch --standalone --nproc-per-node 3 --cluster cluster.yaml --resume ckpt/ examples/train_gpt.py \\
+        --steps 100 --save-dir ckpt/ --save-every 10
+
 Tangram options come before the script, like torchrun's; everything after the script belongs to the script.
 """
 from __future__ import annotations
@@ -46,7 +63,8 @@ logger = logging.getLogger(__name__)
 DTYPES = ("bf16", "fp16", "fp32")
 RUNTIMES = ("torch", "deepspeed", "megatron")
 # Options that ask for planning at launch time (they need a plan provider, or are ignored next to --plan).
-PLANNING_OPTIONS = ("cluster", "profile", "model", "global_batch", "seq_len", "dtype", "runtime", "parallelizer")
+PLANNING_OPTIONS = ("cluster", "profile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
+                    "parallelizer")
 EXIT_WORKER_FAILED = 1  # what torchrun exits with when a worker fails (an uncaught ChildFailedError)
 
 
@@ -70,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("tangram", "Planning and planned launch (before the training script, like "
                                              "torchrun's options; without them, tangram-launch is torchrun).")
     g.add_argument("--cluster", metavar="FILE", default=None, help="Cluster spec YAML (plan at launch time).")
-    g.add_argument("--profile", action="store_true", help="Profile the cluster before planning.")
+    g.add_argument("--profile", action="store_true",
+                   help="Profile this node before planning (cached by hardware fingerprint, reused while unchanged).")
+    g.add_argument("--profile-quick", "--profile_quick", action="store_true",
+                   help="With --profile: small sizes and few repetitions (a quick profile).")
     g.add_argument("--model", metavar="NAME|FILE", default=None, help="Model preset, YAML or HF config.json.")
     g.add_argument("--global-batch", "--global_batch", metavar="N", type=_positive_int, default=None,
                    help="Global batch size in sequences.")
@@ -92,6 +113,7 @@ class TangramOptions:
 
     cluster: str | None = None
     profile: bool = False
+    profile_quick: bool = False
     model: str | None = None
     global_batch: int | None = None
     seq_len: int | None = None
@@ -114,9 +136,27 @@ class TangramOptions:
         return [name for name in PLANNING_OPTIONS if getattr(self, name) not in (None, False)]
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan provider plans from: the tangram options, torchrun's (for --profile), the checkpoint being
+    resumed (``tangram_launch.checkpoint_store.CheckpointInfo``) and the directory to write the plan file into."""
+
+    opts: TangramOptions
+    args: argparse.Namespace
+    out_dir: str
+    resume: Any = None
+
+
 # A plan provider turns the planning options into a plan file (the planned launch's seam): it runs on every agent,
 # so it must be deterministic (same cluster, model and options -> same bytes), or agents will refuse to start.
-PlanProvider = Callable[[TangramOptions], "str | os.PathLike"]
+PlanProvider = Callable[[PlanRequest], "str | os.PathLike"]
+
+
+def plan_at_launch(request: PlanRequest) -> "str | os.PathLike":
+    """The default provider: :func:`tangram_launch.planned.provide_plan` (imported only when planning)."""
+    from tangram_launch.planned import provide_plan
+
+    return provide_plan(request)
 
 
 @dataclass(frozen=True)
@@ -309,29 +349,27 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
     return 0
 
 
-def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = None) -> int:
+def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_launch) -> int:
     """Launch like torchrun; by a plan when ``--plan`` is given or ``plan_provider`` plans from the options.
 
-    Returns 0, or 1 when a worker failed (as torchrun exits).  User errors raise SpecError (exit 2) before any
-    worker starts; argparse errors exit 2 as torchrun's do.
+    ``plan_provider=None`` turns planning at launch off (``--cluster`` ... is then refused).  Returns 0, or 1 when
+    a worker failed (as torchrun exits).  User errors raise SpecError (exit 2) before any worker starts; argparse
+    errors exit 2 as torchrun's do.
     """
     args = build_parser().parse_args(list(argv))
     opts = TangramOptions.from_args(args)
     planning = opts.planning_given()
-    plan_file = opts.plan
-    if plan_file is None and planning:
-        if plan_provider is None:
-            raise SpecError("planning at launch time is not available in this launcher; write a plan with "
-                            "`tangram-launch plan ... -o plan.json` and launch with --plan plan.json",
-                            field="--" + planning[0].replace("_", "-"))
-        plan_file = plan_provider(opts)
-    elif plan_file is not None and planning:
+    if opts.node_name and opts.plan is None and not planning and not opts.resume:
+        raise SpecError("needs a plan (--plan FILE or --cluster FILE ...)", field="--node-name")
+    resume_info = None
+    if opts.resume:
+        from tangram_launch.planned import describe_resume
+
+        resume_info = describe_resume(opts.resume)  # missing or empty: SpecError naming the directory
+    if opts.plan is not None and planning:
         logger.warning("ignoring %s: the plan %s fixes them",
-                       ", ".join("--" + p.replace("_", "-") for p in planning), plan_file)
-    if plan_file is None:
-        if opts.node_name or opts.resume:
-            raise SpecError("needs a plan (--plan FILE or --cluster FILE ...)",
-                            field="--node-name" if opts.node_name else "--resume")
+                       ", ".join("--" + p.replace("_", "-") for p in planning), opts.plan)
+    if opts.plan is None and not planning and resume_info is None:
         return _launch(args, None)
     with contextlib.ExitStack() as stack:
         if args.log_dir:  # kept with the job's logs: a record of what ran
@@ -340,12 +378,29 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = None) -> in
         else:
             staging = tempfile.mkdtemp(prefix="tangram-plan-")
             stack.callback(shutil.rmtree, staging, ignore_errors=True)
+        plan_file = opts.plan
+        if plan_file is None:
+            if plan_provider is None:
+                raise SpecError("planning at launch time is not available in this launcher; write a plan with "
+                                "`tangram-launch plan ... -o plan.json` and launch with --plan plan.json",
+                                field="--" + (planning[0].replace("_", "-") if planning else "resume"))
+            out_dir = staging
+            if not args.log_dir:
+                from tangram_launch.planned import default_plan_dir
+
+                out_dir = default_plan_dir()
+            plan_file = plan_provider(PlanRequest(opts=opts, args=args, out_dir=out_dir, resume=resume_info))
         planned = prepare_planned_launch(args, plan_file, node_name=opts.node_name, staging_dir=staging)
+        if resume_info is not None:
+            from tangram_launch.planned import report_resume
+
+            report_resume(resume_info, planned.plan_dict, source=planned.source)
         return _launch(route_through_boot(args, planned, opts.resume), planned)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m tangram_launch.launch [torchrun args] [tangram args] script [script args]``."""
+    logging.basicConfig(level=logging.INFO, format="[tangram] %(message)s")
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except TangramError as exc:

@@ -201,8 +201,10 @@ def test_plan_world_mismatch_is_refused_before_any_worker(tmp_path):
     bad = _write(tmp_path / "bad.json", {**_full_plan(), "num_microbatches": 3})  # a Plan must validate as one
     with pytest.raises(SpecError, match="must equal the global batch 2"):
         launch.run(["--nnodes", "2", "--node-name", "n0", "--plan", bad, *tail])
-    with pytest.raises(SpecError, match="planning at launch time"):
-        launch.run(["--cluster", "c.yaml", "--model", "m", *tail])
+    with pytest.raises(SpecError, match="planning at launch time"):  # the seam without a plan provider
+        launch.run(["--cluster", "c.yaml", "--model", "m", *tail], plan_provider=None)
+    with pytest.raises(SpecError, match="c.yaml"):  # with the default provider: the missing file is named
+        launch.run(["--cluster", "c.yaml", "--model", "tiny", *tail])
     # Through the command line: exit status 2, the difference named, and no worker ever started.
     solo = _write(tmp_path / "solo.json", _layout_plan([(0, "solo", 1, 0), (1, "solo", 0, 1)]))
     proc = _tangram("--standalone", "--nproc-per-node", "3", "--plan", solo, *tail)

@@ -1,0 +1,447 @@
+"""Planning at launch time: ``tangram-launch --cluster FILE | --profile --model NAME ... script.py``.
+
+The launcher's plan provider (see :func:`tangram_launch.launch.run`).  It runs on every agent and must give every
+agent the same plan bytes (the workers' boot compares sha256 across agents), so:
+
+* planning is deterministic for the same cluster, model and options (the planner is), and the file is canonical
+  JSON (sorted keys, fixed indentation) without the planner's wall-clock figures (``planning_time_s``, query and
+  compose times, pool size), which are logged instead.  Every agent plans for itself; no agent waits for another,
+  and agents that were given different cluster files fail the boot-time hash check, naming both.
+* ``--profile`` measures this node first through ``tangram-launch profile`` (the same torchrun options) and caches
+  the ClusterSpec under ``$TANGRAM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tangram-launch`` or
+  ``~/.cache/tangram-launch``), keyed by the hardware fingerprint of the live node (host, CPUs, memory, GPU names and
+  UUIDs, NICs, worker count), read without any benchmark.  A later launch on the same hardware reuses it; a changed
+  fingerprint profiles again.  A multi-node ``--profile`` is refused: the profiler writes the ClusterSpec on global
+  rank 0's node only, so the other agents could not plan; profile once and launch with ``--cluster``.
+* a plan that leaves GPUs out (the planner dropped an island that only adds a bottleneck) is refused with the
+  reason and the ``--nproc-per-node`` that launches the GPUs it uses: the launcher starts one worker per GPU
+  (torchrun's contract), so it never starts workers the plan has no rank for.
+
+Resuming (``--resume DIR``): the newest complete checkpoint in DIR is described (missing: exit 2 naming DIR); the
+run is re-planned for the cluster as it is now (``--cluster``, else ``--profile`` implied) with the checkpoint's
+model, global batch, sequence length, dtype and runtime unless given again, and what changed between the
+checkpoint's plan and the new one is logged before any worker starts.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from tangram_launch.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.checkpoint_store import CheckpointInfo
+    from tangram_launch.launch import TangramOptions
+    from tangram_launch.plan import Plan
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+ENV_CACHE_DIR = "TANGRAM_CACHE_DIR"
+DEFAULT_RUNTIME = "torch"
+DEFAULT_PARALLELIZER = "megatron"
+# Planner statistics that differ from run to run (wall-clock times, pool size): logged, never in the plan's bytes.
+VOLATILE_PLANNER_KEYS = ("planning_time_s", "query_time_s", "compose_time_s", "workers")
+IDENTITY_VERSION = 1
+
+
+# --- canonical plan bytes ------------------------------------------------------------------------------------------
+
+def canonical_plan_bytes(plan: "Plan") -> bytes:
+    """The plan as canonical JSON: sorted keys, one-space indent, no volatile planner figures."""
+    d = plan.to_dict()
+    d["planner"] = {k: v for k, v in d.get("planner", {}).items() if k not in VOLATILE_PLANNER_KEYS}
+    return (json.dumps(d, indent=1, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
+
+
+def write_plan(plan: "Plan", directory: str) -> str:
+    """Write the canonical plan as ``plan-<sha256[:16]>.json`` in ``directory`` (atomic); returns its path."""
+    data = canonical_plan_bytes(plan)
+    digest = hashlib.sha256(data).hexdigest()
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(os.path.abspath(directory), f"plan-{digest[:16]}.json")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+# --- the profile cache -----------------------------------------------------------------------------------------------
+
+def cache_dir(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    if env.get(ENV_CACHE_DIR):
+        return os.path.abspath(env[ENV_CACHE_DIR])
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tangram-launch")
+
+
+def live_identity(nproc_per_node: int, *, inventory: Any = None, host: str | None = None) -> list:
+    """This node's hardware identity, without a benchmark: NVML/sysfs inventory and the worker devices.
+
+    Same shape as ``profiler.assemble.hardware_identity`` (one entry per node: name, inventory identity, devices),
+    so on CPU nodes its fingerprint equals the one the profiler writes.  GPU devices are NVML's (name, UUID), the
+    first ``nproc_per_node`` of them in ``CUDA_VISIBLE_DEVICES`` order when that is set.
+    """
+    from profiler.inventory import inventory_identity, read_node_inventory
+
+    inv = inventory if inventory is not None else read_node_inventory()
+    name = host or socket.gethostname()
+    if inv.gpus:
+        gpus = list(inv.gpus)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            picked = []
+            for item in (v.strip() for v in visible.split(",") if v.strip()):
+                match = [g for g in gpus if (item.isdigit() and g.index == int(item)) or g.uuid.startswith(item)]
+                picked += match[:1]
+            gpus = picked
+        devices = [["cuda", g.name, g.uuid] for g in gpus[:nproc_per_node]]
+        if len(devices) < nproc_per_node:
+            devices += [["cuda", "?", ""]] * (nproc_per_node - len(devices))
+    else:
+        devices = [["cpu", "cpu", ""]] * nproc_per_node
+    return [{"name": name, "inventory": inventory_identity(inv), "devices": devices}]
+
+
+def live_fingerprint(nproc_per_node: int, **kw: Any) -> str:
+    from profiler.assemble import fingerprint
+
+    return fingerprint(live_identity(nproc_per_node, **kw))
+
+
+def _profile_path(directory: str, fingerprint: str) -> str:
+    return os.path.join(directory, "profiles", fingerprint.split(":", 1)[-1] + ".yaml")
+
+
+def cached_profile(directory: str, fingerprint: str, *, nproc_per_node: int,
+                   need_full: bool) -> "ClusterSpec | None":
+    """The cached ClusterSpec of this hardware, or None (absent, unreadable, quick when a full one is asked, or
+    not this launch's shape)."""
+    from tangram_launch.specs.cluster import ClusterSpec
+
+    path = _profile_path(directory, fingerprint)
+    if not os.path.exists(path):
+        return None
+    try:
+        spec = ClusterSpec.load(path)
+    except SpecError as exc:
+        logger.warning("ignoring the cached profile %s: %s", path, exc)
+        return None
+    if need_full and spec.profile.get("quick"):
+        logger.info("the cached profile %s is a quick one; profiling again in full", path)
+        return None
+    if len(spec.nodes) != 1 or spec.nodes[0].num_gpus != nproc_per_node:
+        logger.warning("ignoring the cached profile %s: it describes %d node(s) and %d device(s), this launch has 1 "
+                       "node and %d", path, len(spec.nodes), spec.num_gpus, nproc_per_node)
+        return None
+    return spec
+
+
+def _single_node(args: argparse.Namespace) -> bool:
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if getattr(args, "standalone", False):
+        return True
+    return parse_min_max_nnodes(args.nnodes) == (1, 1)
+
+
+def profile_cluster(args: argparse.Namespace, *, quick: bool = False, directory: str | None = None,
+                    nproc_per_node: int | None = None) -> tuple["ClusterSpec", str, bool]:
+    """(ClusterSpec, its cache path, whether it was reused): the cached profile of this hardware, or a new one.
+
+    ``args`` are the launch's torchrun options (the profile runs with the same ones).
+    """
+    from torch.distributed.run import determine_local_world_size
+
+    if not _single_node(args):
+        raise SpecError("--profile measures the nodes at launch on a single node only (the profiler writes the "
+                        "ClusterSpec on global rank 0's node); run `tangram-launch profile [the same torchrun "
+                        "options] -o cluster.yaml` once, copy cluster.yaml to every node and launch with --cluster "
+                        "cluster.yaml", field="--profile", value=f"--nnodes {args.nnodes}", valid="--nnodes 1")
+    directory = directory or cache_dir()
+    nproc = nproc_per_node or determine_local_world_size(args.nproc_per_node)
+    fp = live_fingerprint(nproc)
+    spec = cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
+    path = _profile_path(directory, fp)
+    if spec is not None:
+        logger.info("reusing the cached profile %s (hardware fingerprint %s unchanged; measured %s)", path, fp,
+                    spec.profile.get("finished_at", "?"))
+        return spec, path, True
+    logger.info("no cached profile for hardware fingerprint %s; profiling this node with %d worker(s)%s", fp, nproc,
+                " (quick)" if quick else "")
+    from tangram_launch.commands import profile as profile_command
+    from tangram_launch.specs.cluster import ClusterSpec
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    parser = argparse.ArgumentParser(prog="tangram-launch profile")
+    profile_command.add_arguments(parser)
+    staged = f"{path}.new-{os.getpid()}"
+    pargs = parser.parse_args(profile_command.torchrun_argv(args) + ["-o", staged] + (["--quick"] if quick else []))
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the profile's summary table: stdout is the training's
+            profile_command.run(pargs)
+        spec = ClusterSpec.load(staged)
+        os.replace(staged, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+    if spec.fingerprint and spec.fingerprint != fp:
+        logger.info("the profile's own fingerprint is %s (the cache key is this node's %s)", spec.fingerprint, fp)
+    logger.info("cached the profile as %s", path)
+    return spec, path, False
+
+
+# --- what to plan ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Model, training shape and runtime of a launch-time plan (the command line's, else the checkpoint's)."""
+
+    model: "ModelSpec"
+    global_batch: int
+    seq_len: int
+    dtype: str
+    optimizer: str
+    runtime: str
+    parallelizer: str
+
+    def __post_init__(self) -> None:
+        from tangram_launch.launch import RUNTIMES
+
+        if self.runtime not in RUNTIMES:
+            raise SpecError("unknown runtime", field="--runtime", value=self.runtime, valid=", ".join(RUNTIMES))
+        self.training()  # TrainingSpec validates batch, sequence length and dtype
+
+    def training(self):
+        from tangram_launch.specs.training import TrainingSpec
+
+        return TrainingSpec(global_batch=self.global_batch, seq_len=self.seq_len, dtype=self.dtype,
+                            optimizer=self.optimizer)
+
+
+def plan_inputs(opts: "TangramOptions", resume: "CheckpointInfo | None" = None) -> PlanInputs:
+    """The command line's values; when resuming, the checkpoint's plan fills what was not given again."""
+    from tangram_launch.specs.model import ModelSpec, load_model
+    from tangram_launch.specs.training import TrainingSpec
+
+    old = dict(resume.plan) if resume is not None else {}
+    old_training = dict(old.get("training") or {})
+    if opts.model is not None:
+        model = load_model(opts.model)
+    elif old.get("model"):
+        model = ModelSpec.from_dict(old["model"], source=f"{resume.path}/plan.json")
+    else:
+        raise SpecError("planning at launch needs a model", field="--model",
+                        valid="a preset name, a model YAML or a Hugging Face config.json")
+    default = TrainingSpec()
+    seq_len = opts.seq_len or old_training.get("seq_len") or min(model.max_seq_len, default.seq_len)
+    return PlanInputs(
+        model=model,
+        global_batch=int(opts.global_batch or old_training.get("global_batch") or default.global_batch),
+        seq_len=int(seq_len),
+        dtype=str(opts.dtype or old_training.get("dtype") or default.dtype),
+        optimizer=str(old_training.get("optimizer") or default.optimizer),
+        runtime=str(opts.runtime or old.get("runtime") or DEFAULT_RUNTIME),
+        parallelizer=str(opts.parallelizer or _registered((old.get("planner") or {}).get("parallelizer"))
+                         or DEFAULT_PARALLELIZER),
+    )
+
+
+def _registered(name: Any) -> str | None:
+    """The checkpoint plan's parallelizer when it is one this install has (a hand-written plan names none)."""
+    from tangram_launch.parallelizers.registry import registered_names
+
+    return name if isinstance(name, str) and name in registered_names() else None
+
+
+def make_launch_plan(cluster: "ClusterSpec", inputs: PlanInputs) -> "Plan":
+    """make_plan with the runtime's capabilities (the planner proposes only what that runtime executes)."""
+    from tangram_launch.capabilities import capabilities_for
+    from tangram_launch.planner.api import PlannerOptions, make_plan
+
+    return make_plan(cluster, inputs.model, inputs.training(), runtime=capabilities_for(inputs.runtime),
+                     parallelizer=inputs.parallelizer, options=PlannerOptions(progress=False))
+
+
+def check_plan_fits_launch(plan: "Plan", cluster: "ClusterSpec", *, nproc_per_node: int, node: str | None = None,
+                           source: str | None = None) -> None:
+    """Refuse a plan that leaves out GPUs this launch would start workers on, saying what to launch instead."""
+    used = plan.node_gpu_counts()
+    if sum(used.values()) == cluster.num_gpus:
+        return
+    dropped = "; ".join(d.get("reason", d.get("island", "?")) for d in plan.islands_dropped) or "no island dropped"
+    per_node = ", ".join(
+        f"{n.name}: {used.get(n.name, 0)} of {n.num_gpus} (local GPUs "
+        f"{','.join(str(g) for nn, g in sorted((r.node, r.local_gpu) for r in plan.rank_layout) if nn == n.name) or 'none'})"
+        for n in cluster.nodes)
+    mine = used.get(node, 0) if node is not None else None
+    if mine is not None and mine == nproc_per_node and len(used) == len(cluster.nodes):
+        return  # the user already launches exactly the GPUs the plan uses
+    hint = (f"launch --nproc-per-node {mine} on node {node}" if mine else
+            f"leave node {node} out of the launch" if node is not None else "launch only the GPUs the plan uses")
+    raise SpecError(f"the plan uses {sum(used.values())} of the cluster's {cluster.num_gpus} GPUs ({per_node}) "
+                    f"because the planner left islands out ({dropped}); tangram-launch starts one worker per GPU, "
+                    f"so {hint} (with CUDA_VISIBLE_DEVICES selecting the GPUs used), or give a cluster file without "
+                    "the left-out GPUs", source=source, field="--nproc-per-node", value=nproc_per_node,
+                    valid=str(mine) if mine else None)
+
+
+def _this_node(cluster: "ClusterSpec", requested: str | None) -> str | None:
+    if requested is not None:
+        return requested
+    if len(cluster.nodes) == 1:
+        return cluster.nodes[0].name
+    hosts = {socket.gethostname(), socket.getfqdn()}
+    hosts |= {h.split(".", 1)[0] for h in hosts}
+    matches = [n.name for n in cluster.nodes if n.name in hosts or (n.host and n.host in hosts)]
+    return matches[0] if len(matches) == 1 else None
+
+
+# --- the provider ----------------------------------------------------------------------------------------------------
+
+def provide_plan(request: Any) -> str:
+    """The launcher's plan provider: cluster (file or profile) -> plan -> canonical file in the request's dir.
+
+    ``request`` is a :class:`tangram_launch.launch.PlanRequest` (options, torchrun args, resume info, out dir).
+    """
+    from torch.distributed.run import determine_local_world_size
+
+    from tangram_launch.specs.cluster import ClusterSpec
+
+    opts, args = request.opts, request.args
+    if opts.cluster and opts.profile:
+        raise SpecError("give either --cluster FILE or --profile", field="--profile")
+    nproc = determine_local_world_size(args.nproc_per_node)
+    inputs = plan_inputs(opts, request.resume)  # a bad model name fails before any profiling
+    if opts.cluster:
+        cluster = ClusterSpec.load(opts.cluster)
+        source = opts.cluster
+    else:
+        if not opts.profile:
+            logger.info("no --cluster given: profiling this node (--profile)")
+        cluster, source, _ = profile_cluster(args, quick=opts.profile_quick, nproc_per_node=nproc)
+    logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
+                inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
+                inputs.runtime, inputs.parallelizer)
+    plan = make_launch_plan(cluster, inputs)
+    from tangram_launch.commands.plan import format_plan_table
+
+    for line in format_plan_table(plan, cluster_name=cluster.name).splitlines():
+        logger.info("%s", line)
+    check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=_this_node(cluster, opts.node_name),
+                           source=source)
+    path = write_plan(plan, request.out_dir)
+    logger.info("plan written to %s (sha256 of its bytes is what every agent compares; relaunch with --plan %s to "
+                "skip planning)", path, path)
+    return path
+
+
+# --- resume ------------------------------------------------------------------------------------------------------------
+
+def describe_resume(directory: str) -> "CheckpointInfo":
+    """The newest complete checkpoint in ``directory`` (sizes checked; workers verify checksums on load)."""
+    from tangram_launch.checkpoint_store import describe
+
+    if not os.path.isdir(directory):
+        raise SpecError(f"checkpoint directory {os.path.abspath(directory)} does not exist", field="--resume",
+                        value=directory, valid="a directory holding step_<N>/ checkpoints")
+    info = describe(directory)
+    pos = info.position
+    logger.info("resuming from %s: step %d, %d samples consumed", info.path, info.step, pos.consumed_samples)
+    for s in info.skipped:
+        logger.warning("skipped a newer checkpoint: %s", s)
+    return info
+
+
+def _stage_rows(plan: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for s in plan.get("stages") or ():
+        gpus = s.get("gpus") or ()
+        nodes = sorted({g["node"] for g in gpus if isinstance(g, Mapping)})
+        layers = s.get("layers") or [0, 0]
+        rows.append(f"layers {layers[0]}-{layers[1] - 1} on {s.get('island')} ({len(gpus)} GPU(s) on "
+                    f"{','.join(nodes)}; tp{s.get('tp', 1)} dp{s.get('dp', 1)} zero{s.get('zero_stage', 0)})")
+    return rows
+
+
+def plan_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Lines saying what differs between two plan dicts: world size, stages, layer ranges, islands, batch."""
+    out = []
+
+    def world(p: Mapping) -> int:
+        return len(p.get("rank_layout") or ())
+
+    if world(old) != world(new):
+        out.append(f"world size {world(old)} -> {world(new)}")
+    old_rows, new_rows = _stage_rows(old), _stage_rows(new)
+    if len(old_rows) != len(new_rows):
+        out.append(f"stages {len(old_rows)} -> {len(new_rows)}")
+    for i in range(max(len(old_rows), len(new_rows))):
+        a = old_rows[i] if i < len(old_rows) else "-"
+        b = new_rows[i] if i < len(new_rows) else "-"
+        if a != b:
+            out.append(f"stage {i}: {a} -> {b}")
+    islands_old, islands_new = list(old.get("islands_used") or ()), list(new.get("islands_used") or ())
+    if islands_old != islands_new:
+        out.append(f"islands {', '.join(islands_old) or '-'} -> {', '.join(islands_new) or '-'}")
+    to, tn = dict(old.get("training") or {}), dict(new.get("training") or {})
+    for key in ("global_batch", "seq_len", "dtype"):
+        if to.get(key) != tn.get(key):
+            out.append(f"{key} {to.get(key)} -> {tn.get(key)}")
+    if old.get("num_microbatches") != new.get("num_microbatches"):
+        out.append(f"micro-batches {old.get('num_microbatches')} -> {new.get('num_microbatches')}")
+    if old.get("runtime") != new.get("runtime"):
+        out.append(f"runtime {old.get('runtime')} -> {new.get('runtime')}")
+    oc, nc = dict(old.get("cluster") or {}), dict(new.get("cluster") or {})
+    if oc.get("hash") != nc.get("hash") and (oc or nc):
+        out.append(f"cluster {oc.get('name', '?')} ({oc.get('hash', '?')}) -> {nc.get('name', '?')} "
+                   f"({nc.get('hash', '?')})")
+    return out
+
+
+def report_resume(info: "CheckpointInfo", new_plan: Mapping[str, Any], *, source: str | None = None) -> list[str]:
+    """Refuse a plan for another model than the checkpoint's; log what changed; returns the change lines."""
+    from tangram_launch.checkpoint import model_differences
+
+    old = dict(info.plan)
+    diffs = model_differences(dict(old.get("model") or {}), dict(new_plan.get("model") or {}))
+    if diffs:
+        detail = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} in the plan" for k, a, b in diffs)
+        raise SpecError(f"the plan is for another model than the checkpoint {info.path}: {detail}", source=source,
+                        field=f"model.{diffs[0][0]}", value=diffs[0][2], valid=repr(diffs[0][1]))
+    changes = plan_changes(old, new_plan)
+    if changes:
+        logger.info("the plan changed since the checkpoint (step %d):", info.step)
+        for line in changes:
+            logger.info("  %s", line)
+    else:
+        logger.info("same layout as when the checkpoint (step %d) was written", info.step)
+    old_gb = (old.get("training") or {}).get("global_batch")
+    new_gb = (new_plan.get("training") or {}).get("global_batch")
+    if old_gb is not None and new_gb is not None and old_gb != new_gb:
+        logger.info("global batch %s -> %s: the data position continues from sample %d", old_gb, new_gb,
+                    info.position.consumed_samples)
+    return changes
+
+
+def default_plan_dir() -> str:
+    """Where launch-time plans are kept when there is no --log-dir."""
+    return os.path.join(cache_dir(), "plans")
+
+
+__all__ = ["canonical_plan_bytes", "write_plan", "cache_dir", "live_identity", "live_fingerprint", "cached_profile",
+           "profile_cluster", "PlanInputs", "plan_inputs", "make_launch_plan", "check_plan_fits_launch",
+           "provide_plan", "describe_resume", "plan_changes", "report_resume", "default_plan_dir"]

@@ -1,0 +1,144 @@
+"""Planned launch: ``tangram-launch --cluster FILE | --profile --model ... script`` plans, then launches by the plan.
+
+Real launches on CPU (gloo): workers check their place against the plan file the launcher left in the log dir, and
+the README's --profile command trains the tiny model twice, the second time from the cached profile. The rest runs
+in-process: the profile cache, and the refusals (plan leaving GPUs out, multi-node --profile, missing model).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tangram_launch import launch, planned
+from tangram_launch.errors import SpecError
+from tangram_launch.plan import Plan
+from tangram_launch.specs.cluster import ClusterSpec
+
+REPO = Path(__file__).resolve().parent.parent
+PLAN_WORKER = str(Path(__file__).parent / "scripts" / "plan_worker.py")
+HETERO_CPU = """\
+name: cpu-het-3
+nodes:
+  - name: local
+    host: localhost
+    gpus:
+      - {type: cpu, tflops: {bf16: 0.4, fp16: 0.4, fp32: 0.2}}
+      - {type: cpu, tflops: {bf16: 0.2, fp16: 0.2, fp32: 0.1}}
+      - {type: cpu, tflops: {bf16: 0.2, fp16: 0.2, fp32: 0.1}}
+"""
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TANGRAM_"))}
+    env.update(OMP_NUM_THREADS="1", TANGRAM_CACHE_DIR=str(cache))
+    return env
+
+
+def _cli(*args: str, cache: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tangram_launch.cli", *args], cwd=REPO, env=_env(cache),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_planned_launch_from_a_cluster_file_places_workers_by_the_plan(tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(HETERO_CPU)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    proc = _cli("--standalone", "--nproc-per-node", "3", "--log-dir", str(logs), "--cluster", str(cluster),
+                "--model", "tiny", "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", PLAN_WORKER,
+                str(out), cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted((logs / "tangram").glob("plan-*.json"))
+    assert len(files) == 1, files
+    plan = Plan.load(files[0])
+    assert plan.num_stages > 1 and plan.world_size == 3  # the fast device and the slow ones form a pipeline
+    assert "stage  layers  island" in proc.stderr and "plan written to" in proc.stderr  # the summary, on stderr
+    records = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(records) == [0, 1, 2]
+    for rank, rec in records.items():
+        row = plan.rank_layout[rank]
+        stage = plan.stages[row.stage]
+        assert (rec["stage"], rec["layers"]) == (row.stage, list(stage.layers)), rank
+        assert (rec["place_stage"], rec["place_layers"]) == (row.stage, list(stage.layers)), rank
+        assert rec["env"]["TANGRAM_PLAN_FILE"].startswith(str(logs))
+        assert rec["all_reduce"] == 7.0  # 2**0 + 2**1 + 2**2: three distinct ranks
+    # Deterministic and canonical: planning again in this process gives the same bytes, without wall-clock figures.
+    inputs = planned.plan_inputs(launch.TangramOptions(model="tiny", global_batch=8, seq_len=64, dtype="fp32"))
+    again = planned.canonical_plan_bytes(planned.make_launch_plan(ClusterSpec.load(cluster), inputs))
+    assert files[0].read_bytes() == again
+    assert "planning_time_s" not in json.loads(again)["planner"]
+
+
+def test_profile_plan_and_train_then_reuse_the_cached_profile(tmp_path):
+    """The README's command: profile this node, plan, train 2 steps; the second launch reuses the profile."""
+    cache = tmp_path / "cache"
+    cmd = ["--standalone", "--nproc-per-node", "2", "--profile", "--model", "tiny", "--global-batch", "8",
+           "--seq-len", "64", "examples/train_gpt.py", "--steps", "2"]
+    first = _cli(*cmd, cache=cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "no cached profile for hardware fingerprint" in first.stderr
+    assert "step    2  loss" in first.stdout
+    profiles = list((cache / "profiles").glob("*.yaml"))
+    assert len(profiles) == 1
+    spec = ClusterSpec.load(profiles[0])
+    assert spec.num_gpus == 2 and spec.profile.get("tool") == "tangram-launch profile"
+    live = planned.live_fingerprint(2)
+    assert profiles[0].stem == live.split(":", 1)[1]
+    assert spec.fingerprint == live  # on a CPU node the cheap fingerprint is the profiler's own
+    plans = list((cache / "plans").glob("plan-*.json"))
+    assert len(plans) == 1
+
+    second = _cli(*cmd, cache=cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "reusing the cached profile" in second.stderr
+    assert "profiling: tangram-launch" not in second.stderr and "no cached profile" not in second.stderr
+    assert "step    2  loss" in second.stdout
+    assert list((cache / "plans").glob("plan-*.json")) == plans  # the same plan, byte for byte
+
+
+def test_profile_cache_is_keyed_by_the_hardware_fingerprint(tmp_path):
+    src = REPO / "examples" / "clusters" / "profiled-cpu-2.yaml"  # a quick profile of 2 CPU devices
+    key = "sha256:" + "ab" * 16
+    path = tmp_path / "profiles" / ("ab" * 16 + ".yaml")
+    path.parent.mkdir()
+    path.write_text(src.read_text())
+    assert planned.cached_profile(str(tmp_path), key, nproc_per_node=2, need_full=False).num_gpus == 2
+    assert planned.cached_profile(str(tmp_path), "sha256:" + "cd" * 16, nproc_per_node=2, need_full=False) is None
+    assert planned.cached_profile(str(tmp_path), key, nproc_per_node=2, need_full=True) is None  # quick != full
+    assert planned.cached_profile(str(tmp_path), key, nproc_per_node=3, need_full=False) is None
+    # the identity changes with the hardware: one more worker device, another host
+    assert planned.live_fingerprint(2) != planned.live_fingerprint(3)
+    assert planned.live_fingerprint(2) != planned.live_fingerprint(2, host="another-host")
+
+
+def test_a_plan_that_leaves_gpus_out_is_refused_with_what_to_launch(tmp_path):
+    from helpers_plans import make_plan
+
+    cluster = ClusterSpec.from_dict({"name": "c", "nodes": [{"name": "local", "gpu": "cpu", "count": 2}]})
+    plan = make_plan("tiny", [(4, "local")], global_batch=8, num_microbatches=1)  # uses local:0 only
+    with pytest.raises(SpecError, match=r"uses 1 of the cluster's 2 GPUs .*launch --nproc-per-node 1 on node "
+                                        r"local") as info:
+        planned.check_plan_fits_launch(plan, cluster, nproc_per_node=2, node="local")
+    assert info.value.field == "--nproc-per-node" and info.value.exit_code == 2
+    planned.check_plan_fits_launch(plan, cluster, nproc_per_node=1, node="local")  # what the message suggests
+
+
+def test_planning_refusals(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path))
+    tail = ["--nproc-per-node", "2", "script.py"]
+    with pytest.raises(SpecError, match="single node only") as info:
+        launch.run(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--profile", "--model", "tiny", *tail])
+    assert info.value.field == "--profile"
+    with pytest.raises(SpecError, match="either --cluster FILE or --profile"):
+        launch.run(["--standalone", "--cluster", "c.yaml", "--profile", "--model", "tiny", *tail])
+    with pytest.raises(SpecError, match="needs a model") as info:
+        launch.run(["--standalone", "--cluster", str(REPO / "examples" / "clusters" / "cpu-2.yaml"), *tail])
+    assert info.value.field == "--model"
+    with pytest.raises(SpecError, match="planning at launch time is not available"):
+        launch.run(["--standalone", "--cluster", "c.yaml", "--model", "tiny", *tail], plan_provider=None)
+    assert not list(tmp_path.rglob("*.yaml"))  # nothing was profiled
