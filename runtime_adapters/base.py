@@ -19,8 +19,13 @@ class RuntimeAdapter(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[RuntimeCapabilities]
 
+    def plan_problems(self, plan: Plan) -> list[str]:
+        """Why this adapter cannot run the plan (pure; no process group). Subclasses add what their construction
+        needs beyond the declared capabilities (schedules, model shapes)."""
+        return list(self.capabilities.plan_problems(plan))
+
     def check_plan(self, plan: Plan) -> None:
         """Refuse a plan this runtime cannot run, naming the missing capability, before any process group exists."""
-        problems = self.capabilities.plan_problems(plan)
+        problems = self.plan_problems(plan)
         if problems:
             raise InfeasibleError(f"the {self.name} runtime cannot execute this plan", problems)

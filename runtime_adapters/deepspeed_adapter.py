@@ -33,9 +33,9 @@ from typing import Any, ClassVar, Iterator, Mapping
 import torch
 
 from runtime_adapters.base import RuntimeAdapter
-from runtime_adapters.gpt import Embedding, Head, TransformerLayer, as_model_spec, lm_loss
+from runtime_adapters.gpt import Embedding, Head, TransformerLayer, as_model_spec, gpt_plan_problems, lm_loss
 from tangram_launch.capabilities import DEEPSPEED, RuntimeCapabilities
-from tangram_launch.errors import InfeasibleError, SpecError
+from tangram_launch.errors import SpecError
 from tangram_launch.plan import Place, Plan
 from tangram_launch.specs.yamlio import load_yaml_file
 
@@ -125,30 +125,10 @@ class DeepSpeedAdapter(RuntimeAdapter):
     capabilities: ClassVar[RuntimeCapabilities] = DEEPSPEED
 
     def plan_problems(self, plan: Plan) -> list[str]:
-        problems = list(self.capabilities.plan_problems(plan))
+        problems = super().plan_problems(plan)
         if plan.schedule != "1F1B":
             problems.append(f"deepspeed's pipeline runs 1F1B only (plan has '{plan.schedule}')")
-        if any(s.tp > 1 for s in plan.stages):
-            # DeepSpeed's pipeline only makes the 'model' groups; the layers must split themselves (Megatron mpu).
-            problems.append("the deepspeed adapter has no tensor-parallel layers (tp > 1 needs a Megatron-style mpu)")
-        if len({s.zero_stage for s in plan.stages}) > 1:
-            problems.append("deepspeed runs one ZeRO stage for all stages "
-                            f"(plan has {sorted({s.zero_stage for s in plan.stages})})")
-        try:
-            spec = as_model_spec(plan.model)
-        except SpecError as exc:
-            return problems + [f"model: {exc}"]
-        if spec.tied_embeddings and plan.num_stages > 1:
-            problems.append("tied embeddings need the embedding and the head in one stage")
-        seq_len = int(plan.training.get("seq_len", 0))
-        if spec.position_embedding == "learned" and seq_len > spec.num_position_embeddings:
-            problems.append(f"seq_len {seq_len} exceeds the model's {spec.num_position_embeddings} positions")
-        return problems
-
-    def check_plan(self, plan: Plan) -> None:
-        problems = self.plan_problems(plan)
-        if problems:
-            raise InfeasibleError(f"the {self.name} runtime cannot execute this plan", problems)
+        return problems + gpt_plan_problems(plan)
 
     def setup(self, plan: Plan, place: Place | None = None, *, user_config: Mapping | str | None = None,
               optimizer_factory=None, seed: int = 0, timeout_s: float = 600.0) -> "DeepSpeedTrainingContext":

@@ -40,6 +40,26 @@ def as_model_spec(model: ModelSpec | Mapping[str, Any]) -> ModelSpec:
     return spec
 
 
+def gpt_plan_problems(plan) -> list[str]:
+    """What this GPT needs of a plan, whichever runtime runs it (pure; no process group)."""
+    try:
+        spec = as_model_spec(plan.model)
+    except SpecError as exc:
+        return [f"model: {exc}"]
+    problems = []
+    for s in plan.stages:
+        for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                        ("ffn_hidden_size", spec.ffn_hidden_size)):
+            if n % s.tp:
+                problems.append(f"stage {s.index}: tp={s.tp} does not divide {what}={n}")
+    if spec.tied_embeddings and plan.num_stages > 1:
+        problems.append("tied embeddings need the embedding and the head in one stage")
+    seq_len = int(plan.training.get("seq_len", 0))
+    if spec.position_embedding == "learned" and seq_len > spec.num_position_embeddings:
+        problems.append(f"seq_len {seq_len} exceeds the model's {spec.num_position_embeddings} positions")
+    return problems
+
+
 def part_seed(seed: int, part: int) -> int:
     """Seed of one part: 0 = embedding, i + 1 = layer i, num_layers + 1 = head."""
     return (seed * 1_000_003 + part * 7919) % (2**63 - 1)

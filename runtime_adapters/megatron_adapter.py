@@ -80,11 +80,6 @@ def megatron_plan_problems(plan: Plan) -> list[str]:
     """
     out: list[str] = []
     stages = plan.stages
-    if len({s.ep for s in stages}) > 1:
-        out.append(f"megatron needs one expert-parallel size for all stages; plan has {sorted({s.ep for s in stages})}")
-    if len({s.zero_stage for s in stages}) > 1:
-        out.append("megatron builds one optimizer (distributed or not) for all stages; plan has ZeRO stages "
-                   f"{sorted({s.zero_stage for s in stages})}")
     if len({s.micro_batch_size for s in stages}) > 1:
         out.append("megatron's schedule passes one micro-batch shape between stages; plan has micro_batch_size "
                    f"{sorted({s.micro_batch_size for s in stages})}")
@@ -352,14 +347,9 @@ class MegatronAdapter(RuntimeAdapter):
 
     # --- checks (no process group) ---------------------------------------------------------------------------
     def plan_problems(self, plan: Plan) -> list[str]:
-        problems = list(self.capabilities.plan_problems(plan))
+        problems = super().plan_problems(plan)
         problems.extend(megatron_plan_problems(plan))
         return problems
-
-    def check_plan(self, plan: Plan) -> None:
-        problems = self.plan_problems(plan)
-        if problems:
-            raise InfeasibleError(f"the {self.name} runtime cannot execute this plan", problems)
 
     # --- parallel state ------------------------------------------------------------------------------------
     def initialize(self, plan: Plan, place: Place, *, timeout: timedelta = timedelta(minutes=30),

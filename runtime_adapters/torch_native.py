@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 from runtime_adapters.base import RuntimeAdapter
-from runtime_adapters.gpt import StageModule, as_model_spec, lm_loss
+from runtime_adapters.gpt import StageModule, as_model_spec, gpt_plan_problems, lm_loss
 from runtime_adapters.groups import StageGroups, build_stage_groups
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
-from tangram_launch.errors import InfeasibleError, SpecError
+from tangram_launch.errors import SpecError
 from tangram_launch.plan import Place, Plan, Stage
 from tangram_launch.specs.model import ModelSpec
 
@@ -73,37 +73,13 @@ class TorchAdapter(RuntimeAdapter):
 
     def plan_problems(self, plan: Plan) -> list[str]:
         """The capability problems plus what this adapter's construction needs (pure; no process group)."""
-        problems = list(self.capabilities.plan_problems(plan))
+        problems = super().plan_problems(plan)
         if plan.schedule not in SCHEDULES:
             problems.append(f"torch runs schedules {', '.join(SCHEDULES)} (plan has '{plan.schedule}')")
         if plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B":
             problems.append(f"torch's Schedule1F1B needs num_microbatches >= stages "
                             f"({plan.num_microbatches} < {plan.num_stages})")
-        if plan.num_stages > 1 and len({s.tp for s in plan.stages}) > 1:
-            # pipelining sends each activation from one rank to one rank: a stage of tp=2 next to a stage of tp=1
-            # would need a one-to-many hand-off that torch.distributed.pipelining does not have.
-            problems.append("torch pipelines rank to rank: it needs one TP size for all stages "
-                            f"(plan has {sorted({s.tp for s in plan.stages})})")
-        try:
-            spec = as_model_spec(plan.model)
-        except SpecError as exc:
-            return problems + [f"model: {exc}"]
-        for s in plan.stages:
-            for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
-                            ("ffn_hidden_size", spec.ffn_hidden_size)):
-                if n % s.tp:
-                    problems.append(f"stage {s.index}: tp={s.tp} does not divide {what}={n}")
-        if spec.tied_embeddings and plan.num_stages > 1:
-            problems.append("tied embeddings need the embedding and the head in one stage")
-        seq_len = int(plan.training.get("seq_len", 0))
-        if spec.position_embedding == "learned" and seq_len > spec.num_position_embeddings:
-            problems.append(f"seq_len {seq_len} exceeds the model's {spec.num_position_embeddings} positions")
-        return problems
-
-    def check_plan(self, plan: Plan) -> None:
-        problems = self.plan_problems(plan)
-        if problems:
-            raise InfeasibleError(f"the {self.name} runtime cannot execute this plan", problems)
+        return problems + gpt_plan_problems(plan)
 
     def setup(self, plan: Plan, place: Place | None = None, *, model_factory: ModelFactory | None = None,
               optimizer_factory: OptimizerFactory | None = None, seed: int = 0, device: torch.device | None = None,

@@ -250,7 +250,6 @@ def _parse_gpu(d: Mapping, *, where: str, source: str | None, catalog) -> GPUSpe
                         valid="a catalog name (e.g. a100-80gb) or 'custom' with explicit figures")
     type_name = str(type_name)
     if type_name.lower() == "custom":
-        figures: dict[str, Any] = {}
         for key in ("tflops", "memory_gib", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps"):
             if key not in d:
                 raise SpecError("a custom GPU needs every figure", source=source, field=f"{where}.{key}",
