@@ -1,0 +1,428 @@
+"""Pictures of a plan and of a cluster's islands, as SVG written by hand (no dependency), or PNG with matplotlib.
+
+    draw_timeline(plan, "plan.svg")                 # the predicted 1F1B schedule: a row per stage
+    draw_islands(cluster, island_set, "c3.svg")     # nodes grouped into islands, with their links
+
+Both build a list of primitives (rectangles, lines, text) once and hand it to a writer: ``.svg`` needs nothing,
+``.png`` needs matplotlib (``pip install matplotlib``).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+from xml.sax.saxutils import escape
+
+from tangram_launch.errors import SpecError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.islands import IslandSet
+    from tangram_launch.plan import Plan
+    from tangram_launch.specs.cluster import ClusterSpec
+
+# colour-blind-safe palette (Okabe & Ito 2008), one colour per island
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
+FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
+
+
+@dataclass(frozen=True)
+class Rect:
+    x: float
+    y: float
+    w: float
+    h: float
+    fill: str
+    stroke: str = "none"
+    opacity: float = 1.0
+    rx: float = 0.0
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class Line:
+    x1: float
+    y1: float
+    x2: float
+    y2: float
+    stroke: str = "#333"
+    width: float = 1.0
+    dash: str = ""
+
+
+@dataclass(frozen=True)
+class Text:
+    x: float
+    y: float
+    text: str
+    size: float = 12.0
+    anchor: str = "start"  # start | middle | end
+    fill: str = "#222"
+    bold: bool = False
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A quadratic curve from (x1, y1) to (x2, y2) pulled towards (cx, cy)."""
+
+    x1: float
+    y1: float
+    cx: float
+    cy: float
+    x2: float
+    y2: float
+    stroke: str = "#555"
+    width: float = 1.5
+    dash: str = ""
+
+
+def _shade(hex_colour: str, factor: float) -> str:
+    """Lighter (factor > 0, towards white) or darker (factor < 0, towards black) version of a colour."""
+    r, g, b = (int(hex_colour[i:i + 2], 16) for i in (1, 3, 5))
+    if factor >= 0:
+        r, g, b = (int(c + (255 - c) * factor) for c in (r, g, b))
+    else:
+        r, g, b = (int(c * (1 + factor)) for c in (r, g, b))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+# --- writers -------------------------------------------------------------------------------------------------------
+
+def _write_svg(items: Sequence, width: float, height: float, path: str) -> None:
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+           f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="{FONT}">',
+           f'<rect x="0" y="0" width="{width:.0f}" height="{height:.0f}" fill="white"/>']
+    for it in items:
+        if isinstance(it, Rect):
+            attrs = (f'x="{it.x:.2f}" y="{it.y:.2f}" width="{max(it.w, 0):.2f}" height="{it.h:.2f}" '
+                     f'fill="{it.fill}"')
+            if it.stroke != "none":
+                attrs += f' stroke="{it.stroke}" stroke-width="1"'
+            if it.opacity < 1:
+                attrs += f' fill-opacity="{it.opacity:.2f}"'
+            if it.rx:
+                attrs += f' rx="{it.rx:.1f}"'
+            if it.title:
+                out.append(f"<rect {attrs}><title>{escape(it.title)}</title></rect>")
+            else:
+                out.append(f"<rect {attrs}/>")
+        elif isinstance(it, Line):
+            dash = f' stroke-dasharray="{it.dash}"' if it.dash else ""
+            out.append(f'<line x1="{it.x1:.2f}" y1="{it.y1:.2f}" x2="{it.x2:.2f}" y2="{it.y2:.2f}" '
+                       f'stroke="{it.stroke}" stroke-width="{it.width}"{dash}/>')
+        elif isinstance(it, Curve):
+            dash = f' stroke-dasharray="{it.dash}"' if it.dash else ""
+            out.append(f'<path d="M {it.x1:.1f} {it.y1:.1f} Q {it.cx:.1f} {it.cy:.1f} {it.x2:.1f} {it.y2:.1f}" '
+                       f'fill="none" stroke="{it.stroke}" stroke-width="{it.width}"{dash}/>')
+        elif isinstance(it, Text):
+            weight = ' font-weight="bold"' if it.bold else ""
+            out.append(f'<text x="{it.x:.1f}" y="{it.y:.1f}" font-size="{it.size:.1f}" text-anchor="{it.anchor}" '
+                       f'fill="{it.fill}"{weight}>{escape(it.text)}</text>')
+    out.append("</svg>")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(out) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_png(items: Sequence, width: float, height: float, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import FancyBboxPatch, PathPatch
+        from matplotlib.path import Path
+    except ImportError:
+        raise SpecError("drawing PNG needs matplotlib (pip install matplotlib)", field="output", value=path,
+                        valid="a .svg file name, or install matplotlib") from None
+    dpi = 100
+    fig = plt.figure(figsize=(width / dpi, height / dpi), dpi=dpi)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(height, 0)
+    ax.axis("off")
+    anchors = {"start": "left", "middle": "center", "end": "right"}
+    for it in items:
+        if isinstance(it, Rect):
+            ax.add_patch(FancyBboxPatch((it.x, it.y), max(it.w, 0), it.h, boxstyle=f"round,pad=0,rounding_size={it.rx}",
+                                        facecolor=it.fill, edgecolor=None if it.stroke == "none" else it.stroke,
+                                        linewidth=0 if it.stroke == "none" else 1, alpha=it.opacity))
+        elif isinstance(it, Line):
+            ax.plot([it.x1, it.x2], [it.y1, it.y2], color=it.stroke, linewidth=it.width * 0.75,
+                    linestyle="--" if it.dash else "-")
+        elif isinstance(it, Curve):
+            p = Path([(it.x1, it.y1), (it.cx, it.cy), (it.x2, it.y2)], [Path.MOVETO, Path.CURVE3, Path.CURVE3])
+            ax.add_patch(PathPatch(p, fill=False, edgecolor=it.stroke, linewidth=it.width * 0.75,
+                                   linestyle="--" if it.dash else "-"))
+        elif isinstance(it, Text):
+            ax.text(it.x, it.y, it.text, fontsize=it.size * 0.75, ha=anchors[it.anchor], va="baseline",
+                    color=it.fill, fontweight="bold" if it.bold else "normal")
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def _write(items: Sequence, width: float, height: float, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".svg":
+        _write_svg(items, width, height, path)
+    elif ext == ".png":
+        _write_png(items, width, height, path)
+    else:
+        raise SpecError("unknown picture format", field="output", value=path, valid=".svg or .png")
+
+
+# --- the 1F1B timeline ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Block:
+    stage: int
+    kind: str  # "F" | "B"
+    micro: int
+    start_s: float
+    end_s: float
+
+
+def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> list[Block]:
+    """Start and end of every forward and backward of a non-interleaved 1F1B schedule (Narayanan et al. 2021).
+
+    Stage k runs min(S - k - 1, m) warm-up forwards, then alternates one forward and one backward, then drains
+    its backwards. A forward needs the previous stage's forward of that micro-batch plus the p2p time of the link
+    between them; a backward needs the next stage's backward (the last stage: its own forward).
+    """
+    S = len(fwd_s)
+    order: list[list[tuple[str, int]]] = []
+    for k in range(S):
+        warm = min(S - k - 1, m)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i), ("B", i)]
+        ops += [("B", i) for i in range(m - warm, m)]
+        order.append(ops)
+    done: dict[tuple[str, int, int], float] = {}
+    pos = [0] * S
+    free = [0.0] * S
+    blocks: list[Block] = []
+    remaining = sum(len(o) for o in order)
+    while remaining:
+        progressed = False
+        for k in range(S):
+            while pos[k] < len(order[k]):
+                kind, i = order[k][pos[k]]
+                if kind == "F":
+                    dep = 0.0 if k == 0 else done.get(("F", k - 1, i))
+                    if dep is not None and k > 0:
+                        dep += p2p_s[k - 1]
+                else:
+                    dep = done.get(("F", k, i)) if k == S - 1 else done.get(("B", k + 1, i))
+                    if dep is not None and k < S - 1:
+                        dep += p2p_s[k]
+                if dep is None:
+                    break
+                start = max(free[k], dep)
+                end = start + (fwd_s[k] if kind == "F" else bwd_s[k])
+                done[(kind, k, i)] = end
+                free[k] = end
+                blocks.append(Block(k, kind, i, start, end))
+                pos[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - 1F1B has no deadlock; guard against a bad input
+            raise RuntimeError("1F1B simulation stalled")
+    return blocks
+
+
+def _nice_step(span: float, target: int = 8) -> float:
+    raw = span / target
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    for f in (1, 2, 2.5, 5, 10):
+        if raw <= f * mag:
+            return f * mag
+    return 10 * mag
+
+
+def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float, float]:
+    S = plan.num_stages
+    m = plan.num_microbatches
+    fwd = [p.forward_s for p in plan.predicted.stages]
+    bwd = [p.backward_s for p in plan.predicted.stages]
+    p2p = list(plan.planner.get("p2p_s") or [0.0] * (S - 1))
+    if len(p2p) != S - 1:
+        p2p = [0.0] * (S - 1)
+    blocks = simulate_1f1b(fwd, bwd, p2p, m)
+    tail = float(plan.predicted.breakdown.get("tail_s", 0.0))
+    pipe_end = max(b.end_s for b in blocks)
+    total = max(pipe_end + tail, plan.predicted.iteration_time_s)
+    islands = list(dict.fromkeys(s.island for s in plan.stages))
+    colour = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(islands)}
+
+    left, right, top, row_h, gap = 230.0, 30.0, 78.0, 30.0, 12.0
+    plot_w = width - left - right
+    scale = plot_w / total
+    height = top + S * (row_h + gap) + 120.0
+    items: list = []
+    tr = plan.training
+    pr = plan.predicted
+    items.append(Text(left, 24, f"{plan.model.get('name')}: predicted 1F1B iteration {pr.iteration_time_s:.3f} s "
+                                f"({m} micro-batches, {S} stages, {plan.world_size} GPUs, {tr.get('dtype')})",
+                      15, bold=True))
+    items.append(Text(left, 44, f"tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} %   "
+                                f"bubble and p2p are the gaps; DP sync + optimizer at the end", 12, fill="#555"))
+    # time axis
+    step = _nice_step(total)
+    axis_y = top - 10
+    t = 0.0
+    while t <= total + 1e-12:
+        x = left + t * scale
+        items.append(Line(x, axis_y, x, top + S * (row_h + gap) - gap, stroke="#e3e3e3", width=1))
+        items.append(Text(x, axis_y - 4, f"{t:g} s" if step >= 0.01 else f"{t * 1e3:g} ms", 10, "middle", "#666"))
+        t += step
+    for k, s in enumerate(plan.stages):
+        y = top + k * (row_h + gap)
+        c = colour[s.island]
+        items.append(Rect(left, y, plot_w, row_h, "#f4f4f4"))  # idle (bubble) background
+        items.append(Text(left - 10, y + 13, f"stage {k}: {s.island}", 12, "end", c, bold=True))
+        items.append(Text(left - 10, y + 26, f"layers {s.layers[0]}-{s.layers[1] - 1}, {s.num_gpus} GPUs "
+                                             f"(tp{s.tp} dp{s.dp})", 10, "end", "#555"))
+    show_numbers = min(fwd) * scale > 14
+    for bl in blocks:
+        y = top + bl.stage * (row_h + gap)
+        c = colour[plan.stages[bl.stage].island]
+        fill = _shade(c, 0.45) if bl.kind == "F" else c
+        x = left + bl.start_s * scale
+        w = (bl.end_s - bl.start_s) * scale
+        items.append(Rect(x, y, w, row_h, fill, stroke="white" if w > 3 else "none",
+                          title=f"stage {bl.stage} {'forward' if bl.kind == 'F' else 'backward'} "
+                                f"micro-batch {bl.micro}: {bl.start_s:.4f}-{bl.end_s:.4f} s"))
+        if show_numbers:
+            items.append(Text(x + w / 2, y + row_h / 2 + 4, str(bl.micro), 9, "middle",
+                              "#222" if bl.kind == "F" else "white"))
+    # p2p transfers: a dark band in the gap under the sending stage, for each forward and backward transfer
+    for k in range(S - 1):
+        if p2p[k] <= 0:
+            continue
+        y = top + k * (row_h + gap) + row_h + 2
+        for bl in blocks:
+            if bl.kind == "F" and bl.stage == k:
+                items.append(Rect(left + bl.end_s * scale, y, max(p2p[k] * scale, 1.0), gap - 4, "#444",
+                                  title=f"p2p stage {k}->{k + 1}: {p2p[k] * 1e3:.2f} ms"))
+            elif bl.kind == "B" and bl.stage == k + 1:
+                items.append(Rect(left + bl.end_s * scale, y, max(p2p[k] * scale, 1.0), gap - 4, "#999",
+                                  title=f"p2p stage {k + 1}->{k}: {p2p[k] * 1e3:.2f} ms"))
+    if tail > 0:
+        for k in range(S):
+            y = top + k * (row_h + gap)
+            items.append(Rect(left + pipe_end * scale, y, tail * scale, row_h, "#bbbbbb",
+                              title=f"DP sync + optimizer {tail:.4f} s"))
+    # legend
+    ly = top + S * (row_h + gap) + 24
+    x = left
+    for name in islands:
+        items.append(Rect(x, ly - 11, 14, 14, _shade(colour[name], 0.45)))
+        items.append(Rect(x + 14, ly - 11, 14, 14, colour[name]))
+        items.append(Text(x + 34, ly, f"{name} (forward | backward)", 12))
+        x += 40 + 7.2 * len(name) + 150
+    ly += 24
+    x = left
+    for fill, label in (("#f4f4f4", "idle (pipeline bubble)"), ("#444", "p2p activations ->"),
+                        ("#999", "p2p gradients <-"), ("#bbbbbb", "DP sync + optimizer step")):
+        items.append(Rect(x, ly - 11, 28, 14, fill, stroke="#999"))
+        items.append(Text(x + 34, ly, label, 12))
+        x += 34 + 7.0 * len(label) + 30
+    ly += 24
+    bd = pr.breakdown
+    items.append(Text(left, ly, f"(m-1) x period {bd.get('steady_s', 0):.3f} s + fill/drain "
+                                f"{bd.get('fill_s', 0):.3f} s + DP sync/optimizer {tail:.3f} s = "
+                                f"{pr.iteration_time_s:.3f} s", 11, fill="#555"))
+    return items, width, height
+
+
+def draw_timeline(plan: "Plan", path: str | os.PathLike, *, width: float = 1400.0) -> None:
+    """Draw the plan's predicted 1F1B schedule (.svg, or .png with matplotlib)."""
+    items, w, h = timeline_items(plan, width=width)
+    _write(items, w, h, path)
+
+
+# --- islands ----------------------------------------------------------------------------------------------------------
+
+def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list, float, float]:
+    isls = list(island_set.islands)
+    node_w, gpu_s, pad = 190.0, 18.0, 14.0
+    col_w = node_w + 2 * pad + 40
+    per_row_gpus = 8
+
+    def node_h(n_gpus: int) -> float:
+        rows = math.ceil(n_gpus / per_row_gpus)
+        return 34 + rows * (gpu_s + 4)
+
+    heights = []
+    for isl in isls:
+        heights.append(sum(node_h(cluster.node(n).num_gpus) + 10 for n in isl.nodes) + 64)
+    arc_room = 40 + 34 * max(0, len(isls) - 1)
+    top = 60 + arc_room
+    width = 40 + col_w * len(isls)
+    box_h = max(heights)
+    height = top + box_h + 70 + 18 * min(len(island_set.separations), 12)
+    items: list = [Text(20, 28, f"{cluster.name}: {cluster.num_gpus} GPUs in {len(isls)} island(s)", 15, bold=True)]
+    for k, isl in enumerate(isls):
+        c = PALETTE[k % len(PALETTE)]
+        x0 = 20 + k * col_w
+        items.append(Rect(x0, top, col_w - 40, heights[k], _shade(c, 0.85), stroke=c, rx=10))
+        items.append(Text(x0 + 12, top + 22, isl.name, 14, fill=_shade(c, -0.3), bold=True))
+        inter = isl.inter_node_link
+        sub = (f"{isl.num_gpus} GPUs, {isl.gpu.memory_gib:g} GiB each"
+               + (f", nodes linked at {inter.bandwidth_gbps:g} GB/s" if inter else ""))
+        items.append(Text(x0 + 12, top + 40, sub, 10, fill="#444"))
+        y = top + 52
+        for n in isl.nodes:
+            node = cluster.node(n)
+            h = node_h(node.num_gpus)
+            items.append(Rect(x0 + pad, y, node_w + 12, h, "white", stroke="#888", rx=5))
+            items.append(Text(x0 + pad + 8, y + 16, f"{n}  ({node.gpus[0].intra_node_bandwidth_gbps:g} GB/s "
+                                                      f"intra-node)", 10, fill="#333"))
+            mine = {g.local_index for g in isl.gpus if g.node == n}
+            for i in range(node.num_gpus):
+                gx = x0 + pad + 8 + (i % per_row_gpus) * (gpu_s + 4)
+                gy = y + 24 + (i // per_row_gpus) * (gpu_s + 4)
+                items.append(Rect(gx, gy, gpu_s, gpu_s, c if i in mine else "#dddddd", rx=3,
+                                  title=f"{n}:{i} {node.gpus[i].type}"))
+            y += h + 10
+    # links between islands: arcs above the boxes, labelled with the slowest link between their nodes; an arc
+    # leaves each box at a spot that points towards its partner, and wider arcs fly higher
+    K = len(isls)
+    box_w = col_w - 40
+    for a in range(K):
+        for b in range(a + 1, K):
+            bw, lat = None, 0.0
+            for x in isls[a].nodes:
+                for y2 in isls[b].nodes:
+                    if x == y2:
+                        continue
+                    lk = cluster.link(x, y2)
+                    if bw is None or lk.bandwidth_gbps < bw:
+                        bw, lat = lk.bandwidth_gbps, lk.latency_us
+            xa = 20 + a * col_w + box_w * (b + 0.5) / K
+            xb = 20 + b * col_w + box_w * (a + 0.5) / K
+            span = b - a
+            lift = 26 + 34 * (span - 1) + (14 if span > 1 and a % 2 else 0)
+            slow = bw is not None and bw < 10
+            items.append(Curve(xa, top, (xa + xb) / 2, top - 2 * lift, xb, top, stroke="#c0392b" if slow else "#555",
+                               width=2.0, dash="6,4" if slow else ""))
+            label = f"{bw:g} GB/s, {lat:g} us" if bw is not None else "same node"
+            items.append(Rect((xa + xb) / 2 - 58, top - lift - 12, 116, 16, "white", opacity=0.9))
+            items.append(Text((xa + xb) / 2, top - lift, label, 11, "middle", "#c0392b" if slow else "#333"))
+    y = top + box_h + 30
+    if island_set.separations:
+        items.append(Text(20, y, "why apart:", 12, bold=True))
+        for s in island_set.separations[:12]:
+            y += 18
+            items.append(Text(30, y, f"{s.island_a} / {s.island_b}: {s.constraint}: {s.detail}", 11, fill="#444"))
+    width = max(width, 40 + 7.0 * max((len(s.detail) + 40 for s in island_set.separations), default=0))
+    return items, width, height
+
+
+def draw_islands(cluster: "ClusterSpec", island_set: "IslandSet", path: str | os.PathLike) -> None:
+    """Draw the cluster's nodes grouped into islands, with the links between islands (.svg, or .png)."""
+    items, w, h = islands_items(cluster, island_set)
+    _write(items, w, h, path)

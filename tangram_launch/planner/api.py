@@ -1,0 +1,362 @@
+"""The Tangram planner's entry point: cluster + model + training -> the frozen Plan.
+
+    from tangram_launch.planner.api import make_plan
+    plan = make_plan(cluster, model, training, runtime="megatron", parallelizer="megatron")
+
+Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
+candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
+(compose.py) -> the best over b -> islands left out, with reasons -> Plan (build.py). Nothing fits: InfeasibleError
+with the reasons (exit status 3 on the command line).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
+from tangram_launch.errors import InfeasibleError, SpecError
+from tangram_launch.islands import IslandSet, build_islands
+from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, SliceResult
+from tangram_launch.plan import Plan
+from tangram_launch.planner.build import Candidates, build_plan, make_candidates
+from tangram_launch.planner.compose import Composition, ComposeStats, compose, lower_bound
+from tangram_launch.planner.enumerate import default_workers, run_queries
+from tangram_launch.planner.layout import LinkModel, activation_bytes
+from tangram_launch.planner.slices import (
+    ModelAtoms,
+    Pair,
+    PairSet,
+    PruningPolicy,
+    auto_atom_layers,
+    build_pairs,
+    dtype_problem,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.islands import Island
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import ModelSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MICROBATCH_OPTIONS = 4
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    pruning: PruningPolicy = field(default_factory=PruningPolicy)
+    microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: spread divisors of the batch
+    max_microbatch_options: int = DEFAULT_MAX_MICROBATCH_OPTIONS
+    max_workers: int | None = None  # process pool size; default min(2, cpu count)
+    progress: bool | None = None  # None: progress on stderr only when it is a terminal
+    bound_step: float = 0.0  # > 0: skip bottleneck bounds within this relative step (faster, not exact)
+    atom_layers: int | None = None  # layers per model atom; None: slices.auto_atom_layers (1 up to 64 layers)
+    exact_islands: int = 5  # up to this many islands the composer searches every island subset and order
+
+    def __post_init__(self) -> None:
+        if self.microbatch_sequences is not None:
+            for b in self.microbatch_sequences:
+                if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                    raise SpecError("must be positive integers", field="microbatch_sequences", value=b)
+        if isinstance(self.max_microbatch_options, bool) or self.max_microbatch_options < 1:
+            raise SpecError("must be >= 1", field="max_microbatch_options", value=self.max_microbatch_options)
+        if self.atom_layers is not None and (isinstance(self.atom_layers, bool) or not isinstance(
+                self.atom_layers, int) or self.atom_layers < 1):
+            raise SpecError("must be a positive integer", field="atom_layers", value=self.atom_layers)
+        if isinstance(self.exact_islands, bool) or not isinstance(self.exact_islands, int) or self.exact_islands < 1:
+            raise SpecError("must be a positive integer", field="exact_islands", value=self.exact_islands)
+        if self.bound_step < 0:
+            raise SpecError("must be >= 0", field="bound_step", value=self.bound_step)
+
+
+@dataclass
+class SearchResult:
+    """A planning run: the plan, and what produced it (reused by --compare and the benchmarks)."""
+
+    plan: Plan
+    composition: Composition
+    candidates: Candidates  # of the chosen b
+    all_candidates: dict[int, Candidates]
+    results: dict[int, dict[tuple, SliceResult]]  # b -> redundancy key -> answer
+    pairs: PairSet
+    islands: IslandSet
+    usable: tuple["Island", ...]
+    capabilities: RuntimeCapabilities
+    parallelizer: Parallelizer
+    atoms: ModelAtoms
+    stats: dict
+
+
+def resolve_parallelizer(parallelizer: str | Parallelizer) -> Parallelizer:
+    if isinstance(parallelizer, str):
+        from tangram_launch.parallelizers.registry import get_parallelizer  # floor 3, loaded on demand
+
+        return get_parallelizer(parallelizer)
+    if not hasattr(parallelizer, "query"):
+        raise SpecError("not a parallelizer (needs .name and .query(SliceQuery))", field="parallelizer",
+                        value=type(parallelizer).__name__)
+    return parallelizer
+
+
+def resolve_capabilities(runtime: str | RuntimeCapabilities) -> RuntimeCapabilities:
+    return runtime if isinstance(runtime, RuntimeCapabilities) else capabilities_for(runtime)
+
+
+def microbatch_choices(global_batch: int, limit: int) -> tuple[int, ...]:
+    """Divisors of the global batch; when more than ``limit``, a spread from smallest to largest (log-spaced)."""
+    divs = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    if len(divs) <= limit:
+        return tuple(divs)
+    if limit == 1:
+        return (divs[0],)
+    picks = sorted({divs[round(i * (len(divs) - 1) / (limit - 1))] for i in range(limit)})
+    return tuple(picks)
+
+
+def _memory_reasons(atoms: ModelAtoms, usable: Sequence["Island"], caps: RuntimeCapabilities) -> list[str]:
+    need = atoms.min_static_bytes(0, atoms.num_layers, offload=caps.offload)
+    have = sum(i.gpu.memory_gib * GIB * i.num_gpus for i in usable)
+    if need <= have:
+        return []
+    what = "parameters" if caps.offload else "parameters, gradients and optimizer state"
+    return [f"the model needs {need / GIB:.0f} GiB of {what} ({atoms.model.total_params() / 1e9:.2f} B parameters); "
+            f"the cluster's usable GPUs have {have / GIB:.0f} GiB"]
+
+
+def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
+           runtime: str | RuntimeCapabilities = "torch", parallelizer: str | Parallelizer = "megatron",
+           islands: IslandSet | None = None, options: PlannerOptions | None = None) -> SearchResult:
+    """Plan, and keep everything that went into the plan."""
+    t0 = time.perf_counter()
+    opts = options or PlannerOptions()
+    caps = resolve_capabilities(runtime)
+    par = resolve_parallelizer(parallelizer)
+    iset = islands or build_islands(cluster, dtype=training.dtype)
+    all_islands = tuple(iset.islands)
+    atoms = ModelAtoms(model, training)
+    L = model.num_layers
+    G = training.global_batch
+
+    usable = tuple(i for i in all_islands if dtype_problem(i, training.dtype) is None)
+    reasons = [p for i in all_islands if (p := dtype_problem(i, training.dtype))]
+    if not usable:
+        raise InfeasibleError("no island can train in " + training.dtype, reasons)
+    mem = _memory_reasons(atoms, usable, caps)
+    if mem:
+        raise InfeasibleError("no plan fits in memory", mem + reasons)
+
+    atom_layers = opts.atom_layers or auto_atom_layers(L)
+    pairset = build_pairs(atoms, all_islands, caps, opts.pruning, atom_layers=atom_layers)
+    if not pairset.pairs:
+        raise InfeasibleError("every slice/island pair was pruned", list(pairset.island_notes.values()) or reasons)
+
+    bs = opts.microbatch_sequences or microbatch_choices(G, opts.max_microbatch_options)
+    bad = [b for b in bs if G % b]
+    if bad:
+        raise SpecError(f"must divide the global batch {G}", field="microbatch_sequences", value=bad[0],
+                        valid=", ".join(str(d) for d in microbatch_choices(G, 64)))
+
+    # --- queries: every (b, representative pair), in one pool ---------------------------------------------------
+    queries: list[SliceQuery] = []
+    where: list[tuple[int, Pair]] = []
+    for b in bs:
+        for p in pairset.queries:
+            full = p.layers == (0, L)
+            queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=all_islands[p.island],
+                                      microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
+                                      pipelined=not full))
+            where.append((b, p))
+    t_q = time.perf_counter()
+    answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress,
+                          label=f"planning {model.name}")
+    query_s = time.perf_counter() - t_q
+    results: dict[int, dict[tuple, SliceResult]] = {b: {} for b in bs}
+    for (b, p), r in zip(where, answers):
+        results[b][p.key] = _merge(results[b].get(p.key), r)
+    configs = sum(r.configs_evaluated for r in answers)
+
+    # --- composition: per b, per runtime compatibility class -----------------------------------------------------
+    t_c = time.perf_counter()
+    cstats = ComposeStats()
+    best: tuple[float, int, Hashable, Composition] | None = None
+    all_cands: dict[int, Candidates] = {}
+    work = []  # (lower bound, b, group, option indices): the most promising first, hopeless ones skipped
+    for b in bs:
+        m = G // b
+        links = LinkModel(cluster, all_islands,
+                          activation_bytes(b, training.seq_len, model.hidden_size, training.param_bytes))
+        cand = make_candidates(b, L, pairset.pairs, results[b], all_islands, caps, links, m, dtype=training.dtype)
+        all_cands[b] = cand
+        for group, idx in _groups(cand).items():
+            lb = lower_bound([cand.options[i] for i in idx], L, m)
+            work.append((lb, b, group, idx))
+    work.sort(key=lambda w: w[0])
+    for lb, b, group, idx in work:
+        if best is not None and lb >= best[0]:
+            break
+        cand = all_cands[b]
+        comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats,
+                              incumbent_s=best[0] if best else float("inf"))
+        if comp is not None and (best is None or comp.latency_s < best[0]):
+            best = (comp.latency_s, b, group, comp)
+    if best is None:
+        raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
+    _, b_best, group_best, comp_best = best
+    cand = all_cands[b_best]
+    group_idx = _groups(cand)[group_best]
+    dropped = _dropped_islands(cand, group_idx, comp_best, all_islands, pairset, L, caps, opts)
+    compose_s = time.perf_counter() - t_c
+
+    stats = {
+        "parallelizer": getattr(par, "name", type(par).__name__),
+        "planning_time_s": round(time.perf_counter() - t0, 4),
+        "pairs": pairset.counts["total"],
+        "queries": len(queries),
+        "pruned": {k: pairset.counts[k] for k in ("incompatible", "infeasible", "unbalanced", "redundant")},
+        "b": b_best,
+        "atom_layers": atom_layers,
+        "microbatch_sequences_tried": list(bs),
+        "configs_evaluated": configs,
+        "query_time_s": round(query_s, 4),
+        "compose_time_s": round(compose_s, 4),
+        "workers": opts.max_workers or default_workers(),
+        "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options)},
+        "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
+                    "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
+    }
+    plan = build_plan(cand, comp_best, cluster=cluster, model=model, training=training, runtime=caps.name,
+                      islands_dropped=dropped, planner=stats)
+    stats["planning_time_s"] = round(time.perf_counter() - t0, 4)
+    plan = _with_planner(plan, stats)
+    return SearchResult(plan=plan, composition=comp_best, candidates=cand, all_candidates=all_cands,
+                        results=results, pairs=pairset, islands=iset, usable=usable, capabilities=caps,
+                        parallelizer=par, atoms=atoms, stats=stats)
+
+
+def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
+              runtime: str | RuntimeCapabilities = "torch", parallelizer: str | Parallelizer = "megatron",
+              islands: IslandSet | None = None, options: PlannerOptions | None = None) -> Plan:
+    """The best heterogeneous plan; raises InfeasibleError (with reasons) when nothing fits."""
+    return search(cluster, model, training, runtime=runtime, parallelizer=parallelizer, islands=islands,
+                  options=options).plan
+
+
+# --- helpers -------------------------------------------------------------------------------------------------------
+
+def _with_planner(plan: Plan, stats: dict) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, planner={**dict(plan.planner), **stats})
+
+
+def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
+    """Without redundancy pruning several pairs share a key; their plans are the same up to a shift, keep one."""
+    return new if old is None or (not old.plans and new.plans) else old
+
+
+def _groups(cand: Candidates) -> dict[Hashable, list[int]]:
+    out: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(cand.groups):
+        out.setdefault(g, []).append(i)
+    return out
+
+
+def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,
+                   opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
+                   required_mask: int = 0, incumbent_s: float = float("inf")) -> Composition | None:
+    """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
+    beyond that over a few island orders (polynomial; see island_orders)."""
+    sub = [cand.options[i] for i in idx]
+    present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
+    orders = [None] if len(present) <= opts.exact_islands else island_orders(cand.islands, present,
+                                                                              cand.training_dtype)
+    best = None
+    for order in orders:
+        comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
+                       max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
+                       incumbent_s=min(incumbent_s, best.latency_s if best else float("inf")), stats=stats)
+        if comp is not None:
+            best = comp
+    if best is None:
+        return None
+    return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s)
+
+
+def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
+    """Pipeline orders tried when there are too many islands for the exact search: most memory per GPU first
+    (early stages hold the most in-flight activations under 1F1B), fastest first, slowest first, and least
+    memory first; each is searched exactly."""
+    from tangram_launch.islands import compute_tflops
+
+    def mem(k: int) -> float:
+        return islands[k].gpu.memory_gib
+
+    def speed(k: int) -> float:
+        return compute_tflops(islands[k].gpu, dtype)
+
+    candidates = [sorted(present, key=lambda k: (-mem(k), -speed(k), k)),
+                  sorted(present, key=lambda k: (-speed(k), -mem(k), k)),
+                  sorted(present, key=lambda k: (speed(k), -mem(k), k)),
+                  sorted(present, key=lambda k: (mem(k), -speed(k), k))]
+    out: list[list[int]] = []
+    for o in candidates:
+        if o not in out:
+            out.append(o)
+    return out
+
+
+def _dropped_islands(cand: Candidates, idx: Sequence[int], best: Composition, islands: Sequence["Island"],
+                     pairset: PairSet, L: int, caps: RuntimeCapabilities, opts: PlannerOptions) -> list[dict]:
+    """Each island the plan leaves out, with the reason (pruned, never fits, or only adds a bottleneck)."""
+    used = {cand.options[i].island for i in best.options}
+    present = {cand.options[i].island for i in idx}
+    out = []
+    for k, isl in enumerate(islands):
+        if k in used:
+            continue
+        if isl.name in pairset.island_notes:
+            reason = pairset.island_notes[isl.name]
+        elif k not in present:
+            why = cand.infeasible.get(isl.name)
+            reason = (f"{isl.name}: no slice plan fits on it ({why[0]})" if why else
+                      f"{isl.name}: none of its slice plans can run with the other stages under {caps.name}")
+        else:
+            comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, ComposeStats(),
+                                  required_mask=1 << k)
+            if comp is None:
+                reason = (f"{isl.name}: no feasible plan uses it (its slices do not fit in memory at any pipeline "
+                          f"position that leaves room for the rest of the model)")
+            else:
+                reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.latency_s:.3g} s "
+                          f"per iteration (slowest stage or link {comp.metrics.period_s:.3g} s per micro-batch), "
+                          f"the best plan without it takes {best.latency_s:.3g} s (slowest stage or link "
+                          f"{best.metrics.period_s:.3g} s)")
+        out.append({"island": isl.name, "reason": reason})
+    return out
+
+
+def _infeasible_reasons(cands: dict[int, Candidates], pairset: PairSet, reasons: list[str],
+                        caps: RuntimeCapabilities) -> list[str]:
+    out = list(reasons) + [n for n in pairset.island_notes.values() if n not in reasons]
+    seen = set(out)
+    for cand in cands.values():
+        for isl, msgs in cand.infeasible.items():
+            for msg in msgs[:1]:
+                text = msg if msg.startswith(isl) else f"{isl}: {msg}"
+                if text not in seen:
+                    out.append(text)
+                    seen.add(text)
+        for why, n in cand.dropped.items():
+            text = f"{n} slice plan(s) dropped at b={cand.b}: {why} ({caps.name})"
+            if text not in seen:
+                out.append(text)
+                seen.add(text)
+    if not any(c.options for c in cands.values()):
+        out.append("no slice plan of any pair fits in GPU memory")
+    else:
+        out.append("slice plans exist, but no sequence of them covers the model with each stage fitting in memory "
+                   "at its pipeline position" + (" under one process grid" if caps.uniform_grid else ""))
+    return out

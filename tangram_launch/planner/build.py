@@ -1,0 +1,210 @@
+"""From parallelizer answers to composer options, and from a composition to the frozen Plan.
+
+``make_candidates`` turns every surviving pair's slice plans (reused across a redundancy class by shifting layer
+indices) into ``compose.Option`` tuples, dropping plans the runtime cannot run, plans whose micro-batch arithmetic
+is inconsistent, and plans whose stages do not fit the island's nodes. ``build_plan`` turns the chosen options back
+into stages with GPUs (layout.allocate_gpus), the rank layout (plan.py derives it), and predictions computed by the
+same formula the composer minimised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
+
+from tangram_launch.islands import compute_tflops
+from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
+from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
+from tangram_launch.planner.compose import Composition, Option, evaluate
+from tangram_launch.planner.layout import LinkModel, allocate_gpus
+from tangram_launch.planner.slices import Pair
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.capabilities import RuntimeCapabilities
+    from tangram_launch.islands import Island
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import ModelSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Candidates:
+    """The composer's input for one micro-batch size b, and the way back from an option to its slice plan."""
+
+    b: int  # sequences per micro-batch (micro_batch_size * dp of every stage)
+    num_microbatches: int
+    islands: tuple["Island", ...]
+    links: LinkModel
+    link_matrix: tuple[tuple[float, ...], ...]  # [a][b]: one-way p2p seconds per micro-batch, island a -> b
+    options: list[Option] = field(default_factory=list)
+    sources: list[tuple[Pair, SlicePlan]] = field(default_factory=list)  # option -> (pair, unshifted slice plan)
+    groups: list[Hashable] = field(default_factory=list)  # option -> compatibility class (uniform-grid runtimes)
+    training_dtype: str = "bf16"
+    infeasible: dict[str, list[str]] = field(default_factory=dict)  # island -> parallelizer's reasons
+    dropped: dict[str, int] = field(default_factory=dict)  # why slice plans were not offered: reason -> count
+
+    def slice_plan(self, option_index: int) -> SlicePlan:
+        """The slice plan behind an option, shifted to the option's layers."""
+        pair, plan = self.sources[option_index]
+        return shift_plan(plan, pair.layers[0] - plan.layers[0])
+
+
+def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
+    """A redundant pair's plan: the representative's plan with layer indices moved by ``offset``."""
+    if offset == 0:
+        return plan
+    stages = tuple(dataclasses.replace(s, layers=(s.layers[0] + offset, s.layers[1] + offset)) for s in plan.stages)
+    return dataclasses.replace(plan, layers=(plan.layers[0] + offset, plan.layers[1] + offset), stages=stages)
+
+
+def compatibility_group(stages: Sequence[StageCost], caps: "RuntimeCapabilities") -> Hashable | None:
+    """The class of slice plans that may share one pipeline under ``caps``; None if the plan itself mixes grids.
+
+    uniform_grid: one (tp, dp, cp) for all stages; uniform_tp: one tp; uniform_dp: one dp*cp. A free runtime puts
+    everything in one class.
+    """
+    if caps.uniform_grid:
+        keys = {(s.shape.tp, s.shape.dp, s.shape.cp) for s in stages}
+    else:
+        keys = {(s.shape.tp if caps.uniform_tp else None, s.shape.dp * s.shape.cp if caps.uniform_dp else None)
+                for s in stages}
+    return next(iter(keys)) if len(keys) == 1 else None
+
+
+def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Mapping[tuple, SliceResult],
+                    islands: Sequence["Island"], caps: "RuntimeCapabilities", links: LinkModel,
+                    num_microbatches: int, *, dtype: str = "bf16") -> Candidates:
+    """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key)."""
+    cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
+                      link_matrix=links.island_matrix(), training_dtype=dtype)
+    templates: dict[tuple, list] = {}
+    for key, res in results.items():
+        isl = next(i for i in islands if i.name == key[0])
+        if not res.plans:
+            if res.infeasible is not None:
+                cand.infeasible.setdefault(isl.name, []).append(res.infeasible.message())
+            continue
+        cap = capacity_bytes(isl)
+        full = key[3] and key[4]
+        temps = []
+        for plan in res.plans:
+            why = _unusable(plan, b, caps, full)
+            gpus = allocate_gpus(isl, [s.shape for s in plan.stages]) if why is None else None
+            if why is None and gpus is None:
+                why = "stages do not fit the island's nodes"
+            group = compatibility_group(plan.stages, caps) if why is None else None
+            if why is None and group is None:
+                why = f"{caps.name} needs one grid for all stages"
+            max_after = plan.max_stages_after(num_microbatches, cap) if why is None else -1
+            if why is None and max_after < 0:
+                why = "does not fit in memory"
+            if why is not None:
+                cand.dropped[why] = cand.dropped.get(why, 0) + 1
+                continue
+            times = [s.time_s for s in plan.stages]  # p2p inside a slice plan is in its stage times
+            temps.append((plan, len(plan.stages), max_after, sum(times), max(times),
+                          max(s.dp_sync_s + s.optimizer_s for s in plan.stages), group))
+        templates[key] = _undominated_templates(temps, num_microbatches)
+    for pair in pairs:
+        for plan, ns, max_after, time_s, bn, tail, group in templates.get(pair.key, ()):
+            cand.options.append(Option(pair.layers[0], pair.layers[1], pair.island, ns, max_after, time_s, bn, tail))
+            cand.sources.append((pair, plan))
+            cand.groups.append(group)
+    return cand
+
+
+def _undominated_templates(temps: list, m: int) -> list:
+    """Drop slice plans another plan of the same class beats in every respect the composer sees (stages, room for
+    following stages, time, bottleneck, tail): done once per redundancy class, before copying to every pair."""
+    temps = sorted(temps, key=lambda t: (t[4], t[3], t[5]))
+    kept: list = []
+    for t in temps:
+        room = min(t[2], m - 1)
+        if any(k[6] == t[6] and k[1] <= t[1] and min(k[2], m - 1) >= room and k[3] <= t[3] and k[4] <= t[4]
+               and k[5] <= t[5] for k in kept):
+            continue
+        kept.append(t)
+    return kept
+
+
+def _unusable(plan: SlicePlan, b: int, caps: "RuntimeCapabilities", full_model: bool) -> str | None:
+    """Why the runtime cannot run this slice plan in a pipeline (a full-model single stage may skip pipelining)."""
+    pipelined = not (full_model and len(plan.stages) == 1)
+    for s in plan.stages:
+        if s.micro_batch_size * s.shape.dp != b:
+            return "micro_batch_size * dp differs from the micro-batch"
+        if caps.stage_problems(s.shape, pipelined=pipelined):
+            return "runtime cannot run a stage"
+    if caps.max_stages is not None and len(plan.stages) > caps.max_stages:
+        return "more stages than the runtime runs"
+    return None
+
+
+def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", model: "ModelSpec",
+               training: "TrainingSpec", runtime: str, islands_dropped: Sequence[Mapping[str, str]] = (),
+               planner: Mapping | None = None) -> Plan:
+    """The frozen Plan for a composition: stages in pipeline order with GPUs, and the predicted iteration."""
+    m = cand.num_microbatches
+    L = model.num_layers
+    slice_plans = [(cand.options[oi], cand.slice_plan(oi)) for oi in comp.options]
+    stage_costs: list[tuple[StageCost, "Island"]] = []
+    stage_gpus = []
+    p2p: list[float] = []  # one-way seconds per boundary; inside a slice plan the parallelizer's stage times hold it
+    taken: dict[str, set] = {}
+    for n, (opt, sp) in enumerate(slice_plans):
+        isl = cand.islands[opt.island]
+        gpus = allocate_gpus(isl, [s.shape for s in sp.stages], taken=taken.setdefault(isl.name, set()))
+        assert gpus is not None, "options are only made for slice plans whose stages fit the island"
+        if n:
+            p2p.append(cand.link_matrix[slice_plans[n - 1][0].island][opt.island])
+        p2p.extend([0.0] * (len(sp.stages) - 1))
+        stage_gpus.extend(gpus)
+        stage_costs.extend((s, isl) for s in sp.stages)
+    S = len(stage_costs)
+    stages = []
+    preds = []
+    for k, ((st, isl), gpus) in enumerate(zip(stage_costs, stage_gpus)):
+        sh = st.shape
+        stages.append(Stage(index=k, layers=st.layers, island=isl.name,
+                            gpus=tuple((g.node, g.local_index) for g in gpus),
+                            tp=sh.tp, dp=sh.dp, cp=sh.cp, ep=sh.ep, zero_stage=sh.zero_stage, recompute=sh.recompute,
+                            micro_batch_size=st.micro_batch_size, offload=sh.offload,
+                            has_embedding=st.layers[0] == 0, has_head=st.layers[1] == L))
+        preds.append(StagePrediction(forward_s=st.forward_s, backward_s=st.backward_s,
+                                     peak_memory_gib=st.memory_bytes(S - 1 - k, m) / GIB,
+                                     capacity_gib=capacity_bytes(isl) / GIB))
+    metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
+    assert metrics is not None
+    peak = sum(gpu_peak_flops(cluster, node, idx, training.dtype) for st in stages for node, idx in st.gpus)
+    tokens = training.global_batch * training.seq_len
+    flops = 3.0 * model.forward_flops_per_token(training.seq_len, causal=True) * tokens
+    t = metrics.latency_s
+    prediction = Prediction(
+        iteration_time_s=t, tokens_per_s=tokens / t, mfu=flops / (t * peak) if peak > 0 else 0.0,
+        stages=tuple(preds),
+        breakdown={"period_s": metrics.period_s, "steady_s": (m - 1) * metrics.period_s,
+                   "fill_s": metrics.fill_s, "p2p_s": 2.0 * sum(p2p), "tail_s": metrics.tail_s,
+                   "bubble_fraction": 1.0 - (m * sum(p.time_s for p in preds) / S) / t if S else 0.0})
+    used = []
+    for s in stages:
+        if s.island not in used:
+            used.append(s.island)
+    return Plan(
+        model=model.to_dict(), training=training.to_dict(), stages=tuple(stages), num_microbatches=m,
+        predicted=prediction, runtime=runtime, schedule="1F1B", islands_used=tuple(used),
+        islands_dropped=tuple(dict(d) for d in islands_dropped),
+        cluster={"name": cluster.name, "hash": cluster.content_hash(),
+                 "nodes": [{"name": n.name, "num_gpus": n.num_gpus} for n in cluster.nodes]},
+        planner={**dict(planner or {}), "p2p_s": p2p})
+
+
+def gpu_peak_flops(cluster: "ClusterSpec", node: str, local: int, dtype: str) -> float:
+    """Peak FLOP/s of one GPU in the training dtype (falls back like island compute when unsupported)."""
+    from tangram_launch.specs.cluster import GpuRef
+
+    g = cluster.gpu(GpuRef(node, local))
+    v = g.tflops.get(dtype)
+    return float(v if v else compute_tflops(g, dtype)) * 1e12

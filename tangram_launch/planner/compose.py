@@ -1,0 +1,431 @@
+"""Pipeline composition (paper §5.2): the dynamic-programming kernel, pure (tuples in, tables out).
+
+The kernel knows nothing of models or GPUs. Its input is a list of ``Option`` (one slice plan each: the layers it
+covers, its island, how many pipeline stages it holds, its cost per micro-batch, and the number of following
+stages at which it still fits in memory), a matrix of one-way p2p times between islands, the layer count L and the
+number of micro-batches m. Its output is the sequence of options (front to back) with the lowest 1F1B latency
+
+    latency = (m - 1) * period + fill + tail                      (Narayanan et al. 2021, §2.2, 1F1B)
+    period  = max(slowest stage, slowest inter-stage link)        per micro-batch in the steady state
+    fill    = sum(stage fwd+bwd) + 2 * sum(inter-stage links)     one micro-batch through the pipeline and back
+    tail    = max over stages of (DP gradient sync + optimizer step)
+
+subject to: the options cover [0, L) contiguously, each island is used at most once, and every option fits in
+memory at its pipeline position (``stages_after <= max_after``).
+
+The algorithm follows the paper: (1) take a bound B on the slowest stage from the ranked bottlenecks of all slice
+plans; (2) build sequences from the BACK of the pipeline, adding options in front, memoising per state the best
+(fill, tail) of the sequences that reach it, and discarding a sequence when it becomes infeasible (an option no
+longer fits with the stages behind it) or unbalanced (an option or link slower than B); (3) compare the best full
+sequence with the best global plan; (4) relax B until the latency cannot improve any more. At B = the optimum's
+period the DP finds a plan with fill + tail no larger than the optimum's, so trying every candidate bound is exact
+(``reference.py`` checks it by brute force). Three things make it fast without losing exactness: the bounds are
+visited by interval bisection, skipping every interval whose latency floor ((m - 1) x its smallest bound + the
+least fill + tail at its largest) cannot beat the best plan; inside a DP run, a partial sequence is dropped as soon
+as its cheapest completion cannot beat the best plan; and the best single-island plan seeds the search.
+``bound_step`` > 0 trades exactness for fewer DP runs by merging bounds within a relative step.
+
+The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
+2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
+the state and the cost becomes polynomial in K; the planner tries a few orders when K is large.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+NEVER_FITS = -1
+_COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
+
+
+class Option(NamedTuple):
+    """One slice plan as the kernel sees it (seconds per micro-batch unless said otherwise)."""
+
+    start: int  # first layer covered
+    stop: int  # one past the last layer covered
+    island: int  # island index; bit ``1 << island`` in used-island masks
+    num_stages: int  # pipeline stages inside the slice plan
+    # fits iff min(stages after its last stage, m - 1) <= max_after; -1: never. Memory saturates once m micro-batches
+    # are in flight (1F1B: the stage at position p of S holds min(S - p, m)), so m - 1 or more following stages all
+    # cost the same; SlicePlan.max_stages_after gives exactly this number.
+    max_after: int
+    time_s: float  # sum of its stages' forward+backward + 2 x its internal p2p
+    bottleneck_s: float  # its slowest stage or internal p2p link
+    tail_s: float  # max over its stages of dp_sync_s + optimizer_s (per iteration)
+
+
+class Metrics(NamedTuple):
+    latency_s: float
+    period_s: float
+    fill_s: float
+    tail_s: float
+    links_s: tuple[float, ...]  # one-way p2p between consecutive options, front to back
+
+
+@dataclass(frozen=True)
+class Composition:
+    options: tuple[int, ...]  # indices into the option list, front (layer 0) to back
+    metrics: Metrics
+    bound_s: float  # the bottleneck bound at which the DP found it
+
+    @property
+    def latency_s(self) -> float:
+        return self.metrics.latency_s
+
+
+@dataclass
+class ComposeStats:
+    dp_runs: int = 0
+    states: int = 0
+    candidates: int = 0
+    trace: list = field(default_factory=list)  # (bound_s, best latency_s at that bound or None)
+
+
+def pipeline_latency(num_microbatches: int, period_s: float, fill_s: float, tail_s: float) -> float:
+    return (num_microbatches - 1) * period_s + fill_s + tail_s
+
+
+def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
+             num_microbatches: int) -> Metrics | None:
+    """Latency of a front-to-back sequence of options; None if some option does not fit at its position."""
+    after = 0
+    for oi in reversed(seq):
+        if options[oi].max_after < min(after, num_microbatches - 1):
+            return None
+        after += options[oi].num_stages
+    links = tuple(link_s[options[a].island][options[b].island] for a, b in zip(seq, seq[1:]))
+    period = max([options[oi].bottleneck_s for oi in seq] + list(links))
+    fill = sum(options[oi].time_s for oi in seq) + 2.0 * sum(links)
+    tail = max(options[oi].tail_s for oi in seq)
+    return Metrics(pipeline_latency(num_microbatches, period, fill, tail), period, fill, tail, links)
+
+
+def _pareto(entries: list) -> list:
+    """Entries not dominated in (fill_s, tail_s, after): lower is better in each (fewer stages behind leave more
+    memory for the options in front). Returned sorted by ``after`` so that the entries an option fits in front of
+    form a prefix.
+
+    Entries are visited by increasing fill; a staircase of the kept (after, tail) points, after ascending and tail
+    strictly descending, answers "is there a kept entry with after <= and tail <=" by one bisection.
+    """
+    if len(entries) == 1:
+        return entries
+    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+    kept: list = []
+    stair_after: list[int] = []
+    stair_tail: list[float] = []
+    for e in entries:
+        after, tail = e[2], e[1]
+        i = bisect.bisect_right(stair_after, after)
+        if i and stair_tail[i - 1] <= tail:
+            continue
+        kept.append(e)
+        # drop staircase points that e dominates (after >= e's, tail >= e's), then insert e
+        k = i
+        while k < len(stair_after) and stair_tail[k] >= tail:
+            k += 1
+        stair_after[i:k] = [after]
+        stair_tail[i:k] = [tail]
+    kept.sort(key=lambda e: e[2])
+    return kept
+
+
+def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], link_s: Sequence[Sequence[float]],
+                 num_layers: int, n_cap: int, saturated: int, bound: float, required: int,
+                 max_stages: int | None, stats: ComposeStats, prune: tuple | None = None,
+                 rank: Sequence[int] | None = None) -> tuple[tuple[int, ...], float] | None:
+    """Best (fill + tail) sequence whose every option and link is <= ``bound``, with its fill + tail; None if no
+    sequence covers [0, L) -- or none that can beat ``prune``'s latency.
+
+    prune = (m - 1, period_lb, pre_fill, pre_period, beat): a sequence built so far is dropped when even the
+    cheapest completion cannot beat ``beat``: (m - 1) x max(period_lb, pre_period[start], its new option's
+    bottleneck and link) + its fill + pre_fill[start] + its tail, where pre_fill[j] / pre_period[j] are the least
+    fill / period of any cover of [0, j) (ignoring islands and memory).
+
+    rank: islands must appear front to back in increasing rank (polynomial mode): an island in front of island f
+    needs rank < rank[f], which already keeps islands distinct, so the key keeps only the required islands' bits.
+
+    by_stop[j] = [(island, island bit, option indices ending at j on that island sorted by bottleneck, their
+    bottlenecks)]. tables[j] maps the sequences covering layers [j, L) by
+      key   = (used: bitmask of islands in the sequence,
+               front: island of the sequence's first option, -1 for the empty sequence at j = L)
+    to the Pareto front (see _pareto) of
+      entry = (fill_s, tail_s,
+               after: stages in the sequence, capped at n_cap (beyond it no option's memory check changes),
+               option index added in front, parent key in tables[option.stop], parent position in that front)
+    """
+    tables: list[dict] = [dict() for _ in range(num_layers + 1)]
+    tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, -1, None, -1)]
+    stats.dp_runs += 1
+    keep = -1 if rank is None else required  # bits of "used" that the key remembers
+    for j in range(num_layers, 0, -1):
+        layer = tables[j]
+        if not layer:
+            continue
+        groups = []
+        for island, bit, idx, bns in by_stop[j]:
+            n = bisect.bisect_right(bns, bound)
+            if n:
+                groups.append((island, bit, idx[:n]))
+        if not groups:
+            continue
+        for key in list(layer):
+            front = _pareto(layer[key])
+            layer[key] = front
+            stats.states += len(front)
+            afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
+            used, f = key
+            for island, bit, idx in groups:
+                if used & bit:
+                    continue
+                link = 0.0
+                if f >= 0:
+                    if rank is not None and rank[island] >= rank[f]:
+                        continue
+                    link = link_s[island][f]
+                    if link > bound:
+                        continue
+                tkey = ((used | bit) & keep, island)
+                for oi in idx:
+                    o = options[oi]
+                    fits = bisect.bisect_right(afters, o.max_after)  # entries it fits in front of: a prefix
+                    if not fits:
+                        continue
+                    tgt = tables[o.start].get(tkey)
+                    if tgt is None:
+                        tgt = tables[o.start][tkey] = []
+                    elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not yet expanded, so nothing points here
+                        tgt[:] = _pareto(tgt)
+                    add = o.time_s + 2.0 * link
+                    tail = o.tail_s
+                    ns = o.num_stages
+                    if prune is not None:
+                        m1, period_lb, pre_fill, pre_period, beat = prune
+                        floor = (m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, link)
+                                 + pre_fill[o.start] + add)
+                    for pos in range(fits):
+                        e = front[pos]
+                        n2 = e[2] + ns
+                        if max_stages is not None and n2 > max_stages:
+                            continue
+                        if prune is not None and floor + e[0] + (e[1] if e[1] > tail else tail) >= beat:
+                            continue
+                        tgt.append((e[0] + add, e[1] if e[1] > tail else tail, n2 if n2 < n_cap else n_cap,
+                                    oi, key, pos))
+    best = None
+    for key, entries in tables[0].items():
+        if key[0] & required != required:
+            continue
+        for e in entries:
+            if best is None or e[0] + e[1] < best[0] + best[1]:
+                best = e
+    if best is None:
+        return None
+    value = best[0] + best[1]
+    seq = []
+    e = best
+    while e[3] >= 0:
+        seq.append(e[3])
+        e = tables[options[e[3]].stop][e[4]][e[5]]
+    return tuple(seq), value
+
+
+def _fill_lower_bound(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> float:
+    """Least fill of any cover of [0, L), ignoring islands, memory and links: a lower bound for every plan."""
+    best = [float("inf")] * (num_layers + 1)
+    best[num_layers] = 0.0
+    by_start: dict[int, list[int]] = {}
+    for oi in idx:
+        by_start.setdefault(options[oi].start, []).append(oi)
+    for i in range(num_layers - 1, -1, -1):
+        for oi in by_start.get(i, ()):
+            o = options[oi]
+            v = o.time_s + best[o.stop]
+            if v < best[i]:
+                best[i] = v
+    return best[0]
+
+
+def _minmax_bottleneck(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> float:
+    """Least possible period of any cover of [0, L) (ignoring islands, memory and links): no bound below it can
+    be feasible."""
+    best = [float("inf")] * (num_layers + 1)
+    best[num_layers] = 0.0
+    by_start: dict[int, list[int]] = {}
+    for oi in idx:
+        by_start.setdefault(options[oi].start, []).append(oi)
+    for i in range(num_layers - 1, -1, -1):
+        for oi in by_start.get(i, ()):
+            o = options[oi]
+            v = max(o.bottleneck_s, best[o.stop])
+            if v < best[i]:
+                best[i] = v
+    return best[0]
+
+
+def _prefix_bounds(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> tuple[list, list]:
+    """pre_fill[j], pre_period[j]: least fill and least period of any cover of [0, j) (ignoring islands/memory)."""
+    fill = [float("inf")] * (num_layers + 1)
+    period = [float("inf")] * (num_layers + 1)
+    fill[0] = period[0] = 0.0
+    by_stop: dict[int, list[int]] = {}
+    for oi in idx:
+        by_stop.setdefault(options[oi].stop, []).append(oi)
+    for j in range(1, num_layers + 1):
+        for oi in by_stop.get(j, ()):
+            o = options[oi]
+            fill[j] = min(fill[j], fill[o.start] + o.time_s)
+            period[j] = min(period[j], max(period[o.start], o.bottleneck_s))
+    return fill, period
+
+
+def lower_bound(options: Sequence[Option], num_layers: int, num_microbatches: int,
+                allowed_mask: int | None = None) -> float:
+    """A cheap lower bound on the latency of any plan from these options: (m - 1) x the least period of any cover
+    + the least fill of any cover (both ignoring islands and memory). Lets a driver try the most promising option
+    sets first and skip those that cannot beat a plan already found."""
+    idx = [i for i, o in enumerate(options)
+           if (allowed_mask is None or allowed_mask >> o.island & 1) and o.max_after >= 0
+           and 0 <= o.start < o.stop <= num_layers]
+    if not idx:
+        return float("inf")
+    return ((num_microbatches - 1) * _minmax_bottleneck(options, idx, num_layers)
+            + _fill_lower_bound(options, idx, num_layers))
+
+
+def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) -> list[int]:
+    """Drop options that another option on the same layers and island beats in every respect: bottleneck, time,
+    tail, stages and room for following stages. Such an option is never needed at any bound."""
+    by_pair: dict[tuple[int, int, int], list[int]] = {}
+    for oi in idx:
+        o = options[oi]
+        by_pair.setdefault((o.start, o.stop, o.island), []).append(oi)
+    out = []
+    for lst in by_pair.values():
+        lst.sort(key=lambda i: (options[i].bottleneck_s, options[i].time_s, options[i].tail_s))
+        kept: list[Option] = []
+        for oi in lst:
+            o = options[oi]
+            room = min(o.max_after, saturated)
+            if any(k.time_s <= o.time_s and k.tail_s <= o.tail_s and k.num_stages <= o.num_stages
+                   and min(k.max_after, saturated) >= room for k in kept):
+                continue
+            kept.append(o)
+            out.append(oi)
+    return out
+
+
+def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
+            *, allowed_mask: int | None = None, required_mask: int = 0, max_stages: int | None = None,
+            bound_step: float = 0.0, incumbent_s: float = float("inf"), island_order: Sequence[int] | None = None,
+            stats: ComposeStats | None = None) -> Composition | None:
+    """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
+
+    ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
+    (to price an island the best plan leaves out); ``max_stages``: the runtime's cap on pipeline stages;
+    ``incumbent_s``: a latency already achieved elsewhere (another micro-batch size): the search stops as soon
+    as it cannot beat it, and returns None if it never does; ``island_order``: only pipelines whose islands
+    appear in this order (front to back, islands may be skipped) -- the state then drops the set of used islands,
+    so the cost grows polynomially with the number of islands (exact among such pipelines).
+    """
+    stats = stats if stats is not None else ComposeStats()
+    m = num_microbatches
+    saturated = m - 1
+    if allowed_mask is None:
+        allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
+    idx = [i for i, o in enumerate(options)
+           if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
+    idx = _undominated(options, idx, saturated)
+    if not idx:
+        return None
+    grouped: dict[tuple[int, int], list[int]] = {}
+    for oi in sorted(idx, key=lambda i: options[i].bottleneck_s):
+        grouped.setdefault((options[oi].stop, options[oi].island), []).append(oi)
+    by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
+    for (stop, island), lst in sorted(grouped.items()):
+        by_stop[stop].append((island, 1 << island, lst, [options[oi].bottleneck_s for oi in lst]))
+    islands = sorted({options[oi].island for oi in idx})
+    cands = sorted({options[oi].bottleneck_s for oi in idx}
+                   | {link_s[a][b] for a in islands for b in islands if a != b})
+    if bound_step > 0:  # keep the top of each group of bounds within a relative step: fewer DP runs, not exact
+        tops = []
+        for c in cands:
+            if tops and c <= tops[-1][0] * (1.0 + bound_step):
+                tops[-1][1] = c
+            else:
+                tops.append([c, c])
+        cands = [t[1] for t in tops]
+    stats.candidates += len(cands)
+    if max_stages is None:
+        # "after" matters only through the memory checks: beyond the largest finite threshold nothing changes
+        finite = [options[oi].max_after for oi in idx if options[oi].max_after < saturated]
+        n_cap = min(saturated, 1 + max(finite, default=-1))
+    else:
+        n_cap = max(saturated, max_stages)
+    fill_lb = _fill_lower_bound(options, idx, num_layers)
+    period_lb = _minmax_bottleneck(options, idx, num_layers)
+    if period_lb == float("inf"):
+        return None  # no cover of [0, L) at all
+    if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s:
+        return None  # cannot beat the incumbent: not even one DP run
+    cands = cands[bisect.bisect_left(cands, period_lb):]  # smaller bounds admit no cover at all
+    pre_fill, pre_period = _prefix_bounds(options, idx, num_layers)
+    rank = None
+    if island_order is not None:
+        rank = [len(island_order)] * (1 + max(max(island_order), max(options[oi].island for oi in idx)))
+        for r, k in enumerate(island_order):
+            rank[k] = r
+
+    best: Composition | None = None
+    memo: dict[float, tuple[tuple[int, ...], float] | None] = {}
+
+    def run(bound: float) -> tuple[tuple[int, ...], float] | None:
+        """The DP at one bound (once per bound); its plan is compared with the best global plan (3)."""
+        nonlocal best
+        if bound in memo:
+            return memo[bound]
+        beat = min(incumbent_s, best.latency_s if best else float("inf"))
+        prune = (m - 1, period_lb, pre_fill, pre_period, beat) if beat < float("inf") else None
+        found = memo[bound] = _dp_at_bound(options, by_stop, link_s, num_layers, n_cap, saturated, bound,
+                                           required_mask, max_stages, stats, prune, rank)
+        metrics = evaluate(found[0], options, link_s, m) if found else None
+        stats.trace.append((bound, metrics.latency_s if metrics else None))
+        if metrics is not None and (best is None or metrics.latency_s < best.latency_s):
+            best = Composition(found[0], metrics, bound)
+        return found
+
+    # a plan of one option (a whole-model slice plan on one island) needs no DP; it seeds the best plan so that
+    # the DP runs can prune against it from the start
+    for oi in idx:
+        o = options[oi]
+        if o.start == 0 and o.stop == num_layers and required_mask & ~(1 << o.island) == 0 \
+                and (max_stages is None or o.num_stages <= max_stages):
+            metrics = evaluate((oi,), options, link_s, m)
+            if metrics is not None and metrics.latency_s < incumbent_s and (
+                    best is None or metrics.latency_s < best.latency_s):
+                best = Composition((oi,), metrics, o.bottleneck_s)
+    # (1) the loosest bound gives a first plan and F(max) = the least fill + tail of any plan
+    loosest = run(cands[-1])
+    if loosest is None:
+        return best
+    # (2)-(4) relax the bound from the smallest candidate up. F(B), the least fill + tail with every stage and link
+    # <= B, falls as B grows, so every plan whose period lies in (cands[lo - 1], cands[hi]] takes at least
+    # (m - 1) * cands[lo] + max(cands[lo], F(cands[hi])): an interval of bounds whose floor cannot beat the best
+    # plan (or the incumbent) is skipped whole; otherwise its middle bound is tried and both halves follow, the
+    # lower first. An infeasible middle bound makes every smaller one infeasible. This tries the bounds the
+    # paper's one-by-one relaxation would, minus those that provably cannot improve the latency.
+    stack = [(0, len(cands) - 1, loosest[1])]  # (lo, hi, F(cands[hi])); cands[hi] has been tried
+    while stack:
+        lo, hi, f_hi = stack.pop()
+        beat = min(incumbent_s, best.latency_s if best else float("inf"))
+        if lo == hi or (m - 1) * cands[lo] + max(cands[lo], f_hi, fill_lb) >= beat:
+            continue
+        mid = (lo + hi) // 2
+        found = run(cands[mid])
+        stack.append((mid + 1, hi, f_hi))
+        if found is not None:
+            stack.append((lo, mid, found[1]))
+    if best is not None and best.latency_s >= incumbent_s:
+        return None
+    return best

@@ -1,0 +1,90 @@
+"""Where a slice plan's stages sit on its island, and what moving activations between stages costs.
+
+GPU assignment is deterministic: an island is used by at most one slice plan, whose stages take the island's GPUs
+in node order; each TP group (``tp`` consecutive ranks, plan.py's rank order) is placed inside one node, on the
+first node with ``tp`` free GPUs. Because the assignment depends on the slice plan alone, the composer can cost the
+p2p transfers inside a slice plan exactly before it knows the rest of the pipeline.
+
+p2p between slice plans, per micro-batch and direction (activations forward, their gradients backward; links are
+full duplex): ``bytes / bandwidth + latency`` with bytes = b x s x h x dtype bytes. Across nodes the bandwidth is
+the cluster's node-to-node link (GB/s per direction); inside a node it is half the catalog's per-GPU bidirectional
+NVLink/PCIe figure. Between two islands the slowest link between their nodes is used: conservative, and the same
+number in the composer, the reference and the Plan. p2p between the stages *inside* a slice plan is the
+parallelizer's to cost (it knows how its stages tile the island) and is part of its stage times.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from tangram_launch.specs.cluster import ClusterSpec, GpuRef
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.capabilities import StageShape
+    from tangram_launch.islands import Island
+
+
+def allocate_gpus(island: "Island", shapes: Sequence["StageShape"],
+                  taken: set | None = None) -> list[tuple[GpuRef, ...]] | None:
+    """GPUs for each stage (in rank order: tp fastest, then cp, then dp), or None if they do not fit the island.
+
+    ``taken``: GPUs already given to earlier stages (updated), for an island holding several slice plans' stages.
+    """
+    free: dict[str, list[GpuRef]] = {}
+    for g in island.gpus:
+        if taken is None or g not in taken:
+            free.setdefault(g.node, []).append(g)
+    order = list(free)
+    out: list[tuple[GpuRef, ...]] = []
+    for sh in shapes:
+        stage: list[GpuRef] = []
+        for _ in range(sh.dp * sh.cp):
+            node = next((n for n in order if len(free[n]) >= sh.tp), None)
+            if node is None:
+                return None
+            stage.extend(free[node][:sh.tp])
+            del free[node][:sh.tp]
+        out.append(tuple(stage))
+    if taken is not None:
+        taken.update(g for stage in out for g in stage)
+    return out
+
+
+def activation_bytes(micro_batch_sequences: int, seq_len: int, hidden_size: int, dtype_bytes: int) -> float:
+    """One micro-batch's hidden states between two stages: b x s x h values."""
+    return float(micro_batch_sequences) * seq_len * hidden_size * dtype_bytes
+
+
+class LinkModel:
+    """One-way p2p time of one micro-batch's activations between stages, islands or node sets."""
+
+    def __init__(self, cluster: ClusterSpec, islands: Sequence["Island"], act_bytes: float) -> None:
+        self.cluster = cluster
+        self.islands = list(islands)
+        self.act_bytes = act_bytes
+        self._node_intra = {n.name: min(g.intra_node_bandwidth_gbps for g in n.gpus) / 2.0 for n in cluster.nodes}
+        self._cache: dict[tuple[frozenset, frozenset], float] = {}
+
+    def _pair_s(self, a: str, b: str) -> float:
+        if a == b:
+            return self.act_bytes / (self._node_intra[a] * 1e9)
+        link = self.cluster.link(a, b)
+        return self.act_bytes / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6
+
+    def nodes_s(self, nodes_a: Iterable[str], nodes_b: Iterable[str]) -> float:
+        """Slowest transfer between any node of ``nodes_a`` and any node of ``nodes_b``."""
+        key = (frozenset(nodes_a), frozenset(nodes_b))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = max(self._pair_s(a, b) for a in key[0] for b in key[1])
+            self._cache[key] = hit
+        return hit
+
+    def island_s(self, a: int, b: int) -> float:
+        return self.nodes_s(self.islands[a].nodes, self.islands[b].nodes)
+
+    def island_matrix(self) -> tuple[tuple[float, ...], ...]:
+        k = len(self.islands)
+        return tuple(tuple(self.island_s(a, b) if a != b else 0.0 for b in range(k)) for a in range(k))
+
+    def stage_s(self, gpus_a: Iterable[GpuRef], gpus_b: Iterable[GpuRef]) -> float:
+        return self.nodes_s({g.node for g in gpus_a}, {g.node for g in gpus_b})

@@ -1,0 +1,300 @@
+"""User-written plans, validated and costed by the planner's own code path (``tangram-launch plan --plan FILE``).
+
+A manual plan names the stages; everything it leaves out is filled in by the parallelizer (the fastest
+configuration of that stage's layers on that island that fits at the stage's pipeline position)::
+
+    # my-plan.yaml
+    microbatch_sequences: 4          # optional: sequences per micro-batch (b); default: the best the planner tries
+    stages:
+      - layers: [0, 24]              # [start, stop) over transformer layers, contiguous from 0 to the last layer
+        island: a100-80gb            # an island name from `tangram-launch islands`
+        tp: 4                        # optional: tp, dp, cp, ep, zero_stage, recompute, offload, micro_batch_size,
+      - layers: [24, 40]             #           num_gpus
+        island: v100-32gb
+
+Several stages may share an island if they are consecutive and its GPUs suffice. Each stage is costed as a
+one-stage slice plan (the parallelizer's answer filtered by the fields given; if the exact configuration is not
+among its answers, the cost model prices it directly), then stages, GPUs, p2p and the iteration time go through
+the same ``build_plan`` and latency formula as Tangram's plans, so the two compare like for like.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from tangram_launch.errors import InfeasibleError, SpecError
+from tangram_launch.islands import IslandSet, build_islands
+from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceQuery, StageCost, capacity_bytes
+from tangram_launch.plan import RECOMPUTE_MODES, Plan
+from tangram_launch.planner.api import PlannerOptions, microbatch_choices, resolve_capabilities, resolve_parallelizer
+from tangram_launch.planner.build import Candidates, build_plan, compatibility_group
+from tangram_launch.planner.compose import Composition, Option, evaluate
+from tangram_launch.planner.enumerate import run_queries
+from tangram_launch.planner.layout import LinkModel, activation_bytes, allocate_gpus
+from tangram_launch.planner.slices import Pair
+from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.capabilities import RuntimeCapabilities
+    from tangram_launch.parallelizers.base import Parallelizer
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import ModelSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_KEYS = ("tp", "dp", "cp", "ep", "zero_stage", "recompute", "offload", "micro_batch_size", "num_gpus")
+_STAGE_KEYS = ("layers", "island") + _CONFIG_KEYS
+
+
+@dataclass(frozen=True)
+class ManualStage:
+    layers: tuple[int, int]
+    island: str
+    fixed: Mapping[str, Any]  # the configuration fields the user gave
+
+
+@dataclass(frozen=True)
+class ManualPlan:
+    stages: tuple[ManualStage, ...]
+    microbatch_sequences: int | None = None
+    source: str | None = None
+
+
+def parse_manual_plan(data: Mapping, *, num_layers: int, island_names: Sequence[str],
+                      source: str | None = None) -> ManualPlan:
+    """Validate a manual plan's structure; errors name the field (``stages[1].layers``) and what is valid."""
+    check_keys(data, ("stages", "microbatch_sequences"), where="", source=source)
+    raw = data.get("stages")
+    if not isinstance(raw, list) or not raw:
+        raise SpecError("a manual plan needs a non-empty list of stages", source=source, field="stages", value=raw)
+    b = data.get("microbatch_sequences")
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        raise SpecError("must be a positive integer", source=source, field="microbatch_sequences", value=b)
+    stages = []
+    expect = 0
+    last_island = None
+    used: set[str] = set()
+    for i, st in enumerate(raw):
+        where = f"stages[{i}]"
+        if not isinstance(st, Mapping):
+            raise SpecError("expected a mapping", source=source, field=where, value=st)
+        check_keys(st, _STAGE_KEYS, where=where, source=source)
+        for key in ("layers", "island"):
+            if key not in st:
+                raise SpecError("missing required field", source=source, field=f"{where}.{key}")
+        layers = st["layers"]
+        if (not isinstance(layers, (list, tuple)) or len(layers) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+            raise SpecError("expected [start, stop)", source=source, field=f"{where}.layers", value=layers,
+                            valid=f"two integers, e.g. [{expect}, {num_layers}]")
+        start, stop = int(layers[0]), int(layers[1])
+        if start != expect:
+            raise SpecError(f"stages must cover the layers contiguously: this stage should start at {expect}",
+                            source=source, field=f"{where}.layers", value=list(layers))
+        if not start < stop <= num_layers:
+            raise SpecError(f"stop must be in ({start}, {num_layers}]", source=source, field=f"{where}.layers",
+                            value=list(layers))
+        expect = stop
+        island = str(st["island"])
+        if island not in island_names:
+            hint = closest(island, island_names)
+            raise SpecError("unknown island", source=source, field=f"{where}.island", value=island,
+                            valid=(f"did you mean '{hint}'? " if hint else "") + ", ".join(island_names))
+        if island in used and island != last_island:
+            raise SpecError(f"island {island} already holds an earlier, non-adjacent stage; stages sharing an island "
+                            f"must be consecutive", source=source, field=f"{where}.island", value=island)
+        used.add(island)
+        last_island = island
+        fixed = {k: st[k] for k in _CONFIG_KEYS if k in st}
+        for k, v in fixed.items():
+            if k == "recompute":
+                if v not in RECOMPUTE_MODES:
+                    raise SpecError("unknown recompute mode", source=source, field=f"{where}.recompute", value=v,
+                                    valid=", ".join(RECOMPUTE_MODES))
+            elif k == "offload":
+                if not isinstance(v, bool):
+                    raise SpecError("expected true or false", source=source, field=f"{where}.offload", value=v)
+            elif k == "zero_stage":
+                if v not in (0, 1, 2, 3) or isinstance(v, bool):
+                    raise SpecError("unknown ZeRO stage", source=source, field=f"{where}.zero_stage", value=v,
+                                    valid="0, 1, 2, 3")
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError("must be a positive integer", source=source, field=f"{where}.{k}", value=v)
+        stages.append(ManualStage((start, stop), island, fixed))
+    if expect != num_layers:
+        raise SpecError(f"stages cover layers [0, {expect}) but the model has {num_layers}", source=source,
+                        field=f"stages[{len(raw) - 1}].layers", value=expect, valid=str(num_layers))
+    return ManualPlan(tuple(stages), b, source)
+
+
+def load_manual_plan(path: str | os.PathLike, *, num_layers: int, island_names: Sequence[str]) -> ManualPlan:
+    path = os.fspath(path)
+    return parse_manual_plan(load_yaml_file(path), num_layers=num_layers, island_names=island_names, source=path)
+
+
+def _matches(st: StageCost, fixed: Mapping[str, Any]) -> bool:
+    sh = st.shape
+    have = {"tp": sh.tp, "dp": sh.dp, "cp": sh.cp, "ep": sh.ep, "zero_stage": sh.zero_stage,
+            "recompute": sh.recompute, "offload": sh.offload, "micro_batch_size": st.micro_batch_size,
+            "num_gpus": st.num_gpus}
+    return all(have[k] == v for k, v in fixed.items())
+
+
+def _describe(st: StageCost) -> str:
+    sh = st.shape
+    return (f"tp={sh.tp} dp={sh.dp} cp={sh.cp} ep={sh.ep} zero_stage={sh.zero_stage} recompute={sh.recompute} "
+            f"micro_batch_size={st.micro_batch_size}")
+
+
+def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer") -> SlicePlan | None:
+    """Price the user's exact configuration with the cost model when the parallelizer's answer lacks it (needs at
+    least tp and dp, or dp derivable from micro_batch_size)."""
+    dp = fixed.get("dp")
+    if dp is None and "micro_batch_size" in fixed and q.microbatch_sequences % fixed["micro_batch_size"] == 0:
+        dp = q.microbatch_sequences // fixed["micro_batch_size"]
+    if dp is None or "tp" not in fixed or q.microbatch_sequences % dp:
+        return None
+    from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # floor 2: the shared cost model
+
+    cfg = ParallelConfig(tp=fixed["tp"], pp=1, dp=dp, cp=fixed.get("cp", 1), ep=fixed.get("ep", 1),
+                         zero_stage=fixed.get("zero_stage", 0), recompute=fixed.get("recompute", "none"),
+                         offload=fixed.get("offload", False))
+    coster = SliceCoster(q, flash_attention=getattr(parallelizer, "flash_attention", None))
+    if coster.check(cfg):
+        return None
+    plan = coster.plan(cfg, parallelizer=getattr(parallelizer, "name", ""))
+    return plan if all(_matches(s, fixed) for s in plan.stages) else None
+
+
+def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
+                     runtime: "str | RuntimeCapabilities" = "torch", parallelizer: "str | Parallelizer" = "megatron",
+                     islands: IslandSet | None = None, options: PlannerOptions | None = None) -> Plan:
+    """The Plan for a manual layout, costed like Tangram's; InfeasibleError names the stage that does not fit."""
+    opts = options or PlannerOptions()
+    caps = resolve_capabilities(runtime)
+    par = resolve_parallelizer(parallelizer)
+    iset = islands or build_islands(cluster, dtype=training.dtype)
+    G = training.global_batch
+    src = manual.source
+    if manual.microbatch_sequences is not None:
+        if G % manual.microbatch_sequences:
+            raise SpecError(f"must divide the global batch {G}", source=src, field="microbatch_sequences",
+                            value=manual.microbatch_sequences)
+        bs: tuple[int, ...] = (manual.microbatch_sequences,)
+    else:
+        bs = opts.microbatch_sequences or microbatch_choices(G, opts.max_microbatch_options)
+    S = len(manual.stages)
+    isl_of = [iset.by_name(st.island) for st in manual.stages]
+    queries = []
+    for b in bs:
+        for st, isl in zip(manual.stages, isl_of):
+            queries.append(SliceQuery(model=model, training=training, layers=st.layers, island=isl,
+                                      microbatch_sequences=b, capabilities=caps, max_stages=1, pipelined=S > 1))
+    answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress, label="manual plan")
+    best: tuple[float, Candidates, Composition] | None = None
+    problems: list[str] = []
+    share = {st.island: sum(1 for x in manual.stages if x.island == st.island) for st in manual.stages}
+    for bi, b in enumerate(bs):
+        m = G // b
+        per_stage: list[list[StageCost]] = []
+        for k, (st, isl) in enumerate(zip(manual.stages, isl_of)):
+            q = queries[bi * S + k]
+            res = answers[bi * S + k]
+            cap = capacity_bytes(isl)
+            # stages sharing an island without saying how many GPUs each takes split it evenly
+            budget = st.fixed.get("num_gpus", isl.num_gpus // share[st.island])
+            cands = [p.stages[0] for p in res.plans if len(p.stages) == 1
+                     and p.stages[0].micro_batch_size * p.stages[0].shape.dp == b and _matches(p.stages[0], st.fixed)
+                     and p.stages[0].num_gpus <= budget
+                     and not caps.stage_problems(p.stages[0].shape, pipelined=S > 1)]
+            if not cands and st.fixed:
+                exact = _exact(q, st.fixed, par)
+                if exact is not None:
+                    cands = [exact.stages[0]]
+            where = f"stages[{k}] (layers {st.layers[0]}-{st.layers[1]} on {st.island}, b={b})"
+            if not cands:
+                offered = sorted({_describe(p.stages[0]) for p in res.plans if len(p.stages) == 1})
+                if res.infeasible is not None and not res.plans:
+                    problems.append(f"{where}: {res.infeasible.message()}")
+                else:
+                    problems.append(f"{where}: no configuration with {dict(st.fixed)} on at most {budget} GPUs "
+                                    f"that {caps.name} can run"
+                                    + (f"; the parallelizer offers: {'; '.join(offered[:4])}" if offered else ""))
+                break
+            fits = [c for c in cands if c.memory_bytes(S - 1 - k, m) <= cap]
+            if not fits:
+                c = min(cands, key=lambda c: c.memory_bytes(S - 1 - k, m))
+                problems.append(f"{where}: needs {c.memory_bytes(S - 1 - k, m) / GIB:.1f} GiB per GPU at pipeline "
+                                f"position {k} of {S} ({_describe(c)}) > {cap / GIB:.1f} GiB")
+                break
+            per_stage.append(fits)
+        if len(per_stage) < S:
+            continue
+        # the runtime's cross-stage constraints: pick every stage's fastest configuration within one class
+        classes = {compatibility_group((c,), caps) for fits in per_stage for c in fits}
+        for cls in classes:
+            chosen = []
+            for fits in per_stage:
+                mine = [c for c in fits if compatibility_group((c,), caps) == cls]
+                if not mine:
+                    break
+                chosen.append(min(mine, key=lambda c: (c.time_s, c.dp_sync_s + c.optimizer_s)))
+            if len(chosen) < S:
+                continue
+            cand = _manual_candidates(b, m, manual, isl_of, chosen, cluster, model, training, caps)
+            if isinstance(cand, str):
+                problems.append(cand)
+                continue
+            seq = tuple(range(S))
+            metrics = evaluate(seq, cand.options, cand.link_matrix, m)
+            assert metrics is not None  # every stage was chosen to fit at its position
+            if best is None or metrics.latency_s < best[0]:
+                best = (metrics.latency_s, cand, Composition(seq, metrics, metrics.period_s))
+        if best is None and len(classes) > 1 and not any(p.startswith(f"b={b}") for p in problems):
+            problems.append(f"b={b}: the stages' configurations cannot share one {caps.name} pipeline "
+                            f"(cross-stage constraints: one grid/TP/DP size)")
+    if best is None:
+        raise InfeasibleError(f"the manual plan {src or ''} cannot run".replace("  ", " "), problems)
+    _, cand, comp = best
+    return build_plan(cand, comp, cluster=cluster, model=model, training=training, runtime=caps.name,
+                      planner={"parallelizer": getattr(par, "name", ""), "manual": src or True, "b": cand.b,
+                               "microbatch_sequences_tried": list(bs)})
+
+
+def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, chosen: Sequence[StageCost],
+                       cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
+                       caps: "RuntimeCapabilities") -> Candidates | str:
+    """One option per stage; each stage has its own slot in the link matrix (stages may share an island), with
+    the p2p between consecutive stages priced from the GPUs they get."""
+    S = len(chosen)
+    shapes = [c.shape for c in chosen]
+    problems = caps.pipeline_problems(shapes)
+    if problems:
+        return f"b={b}: " + "; ".join(problems)
+    links = LinkModel(cluster, list(isl_of), activation_bytes(b, training.seq_len, model.hidden_size,
+                                                               training.param_bytes))
+    taken: dict[str, set] = {}
+    gpus = []
+    for k, (isl, c) in enumerate(zip(isl_of, chosen)):
+        g = allocate_gpus(isl, [c.shape], taken=taken.setdefault(isl.name, set()))
+        if g is None:
+            used = sum(chosen[j].num_gpus for j in range(k + 1) if isl_of[j].name == isl.name)
+            return (f"stages[{k}]: island {isl.name} has {isl.num_gpus} GPUs ({isl.gpus_per_node} per node); its "
+                    f"stages up to here need {used} (tp={c.shape.tp} groups must fit inside a node)")
+        gpus.append(g[0])
+    matrix = [[0.0] * S for _ in range(S)]
+    for k in range(S - 1):
+        matrix[k][k + 1] = matrix[k + 1][k] = links.stage_s(gpus[k], gpus[k + 1])
+    cand = Candidates(b=b, num_microbatches=m, islands=tuple(isl_of), links=links,
+                      link_matrix=tuple(tuple(r) for r in matrix))
+    for k, (st, isl, c) in enumerate(zip(manual.stages, isl_of, chosen)):
+        plan = SlicePlan(isl.name, st.layers, (c,))
+        cap = capacity_bytes(isl)
+        cand.options.append(Option(st.layers[0], st.layers[1], k, 1, plan.max_stages_after(m, cap), c.time_s,
+                                   c.time_s, c.dp_sync_s + c.optimizer_s))
+        cand.sources.append((Pair(st.layers, k, (isl.name,)), plan))
+        cand.groups.append(None)
+    return cand

@@ -1,0 +1,336 @@
+"""The planner end to end (pruning, queries, composition, Plan) against a synthetic parallelizer whose per-layer
+time and memory per island are set by the test, so every expectation is computable by hand."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
+from tangram_launch.errors import InfeasibleError, SpecError
+from tangram_launch.islands import build_islands
+from tangram_launch.parallelizers.base import GIB, SliceQuery, capacity_bytes
+from tangram_launch.planner.api import PlannerOptions, make_plan, microbatch_choices, search
+from tangram_launch.planner.compose import pipeline_latency
+from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
+from tangram_launch.planner.slices import ModelAtoms, PruningPolicy, build_pairs, island_shares
+from tangram_launch.planner.synthetic import SyntheticParallelizer
+from tangram_launch.specs.cluster import ClusterSpec, GpuRef
+from tangram_launch.specs.model import ModelSpec
+from tangram_launch.specs.training import TrainingSpec
+
+MODEL = ModelSpec(name="t8", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=4, ffn_hidden_size=1024,
+                  vocab_size=1000, max_seq_len=128)
+TRAIN = TrainingSpec(global_batch=16, seq_len=128, dtype="fp16")
+SERIAL = PlannerOptions(max_workers=1)
+
+
+def cluster(*nodes, name="test", slow_link=None) -> ClusterSpec:
+    """nodes: (name, gpu type, count); all on one 25 GB/s fabric unless slow_link names a node on 3 GB/s only."""
+    fast = [n for n, _, _ in nodes if n != slow_link]
+    net = {"default": {"bandwidth_gbps": 3.125, "latency_us": 30}}
+    if len(fast) > 1:
+        net["fabrics"] = [{"name": "ib", "nodes": fast, "bandwidth_gbps": 25, "latency_us": 2}]
+    return ClusterSpec.from_dict({"name": name, "network": net,
+                                  "nodes": [{"name": n, "gpu": g, "count": c} for n, g, c in nodes]})
+
+
+HET = cluster(("a100-0", "a100-80gb", 4), ("v100-0", "v100-32gb", 8), ("v100-1", "v100-16gb", 4))
+PAR = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.004, "v100-32gb": 0.01, "v100-16gb": 0.01},
+                            layer_static_bytes=1.5 * GIB, layer_activation_bytes=0.3 * GIB)
+
+
+def check_invariants(plan, cluster_spec, runtime_caps):
+    """What every plan must satisfy, whatever the instance."""
+    L = plan.model["num_layers"]
+    # contiguous cover of [0, L), exactly once
+    assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == L
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        assert a.layers[1] == b.layers[0]
+    # no GPU twice; every GPU exists in the cluster and belongs to the stage's island
+    islands = {i.name: i for i in build_islands(cluster_spec, dtype=plan.training["dtype"]).islands}
+    seen = set()
+    for s in plan.stages:
+        island_gpus = set(islands[s.island].gpus)
+        for node, idx in s.gpus:
+            assert (node, idx) not in seen
+            seen.add((node, idx))
+            assert GpuRef(node, idx) in island_gpus
+        # TP groups sit inside one node
+        for g in range(0, len(s.gpus), s.tp):
+            assert len({n for n, _ in s.gpus[g:g + s.tp]}) == 1
+    # GPU count conserved: the rank layout has exactly the stages' GPUs, at most the cluster's
+    assert plan.world_size == sum(s.num_gpus for s in plan.stages) == len(seen) <= cluster_spec.num_gpus
+    assert {(r.node, r.local_gpu) for r in plan.rank_layout} == seen
+    for r in plan.rank_layout:
+        place = plan.place(r.rank)
+        assert place.stage.index == r.stage and place.node == r.node
+        assert len(place.tp_group) == place.stage.tp
+    # memory within capacity at every pipeline position; batch arithmetic
+    for s, p in zip(plan.stages, plan.predicted.stages):
+        assert p.peak_memory_gib <= p.capacity_gib + 1e-9
+        assert s.micro_batch_size * s.dp * plan.num_microbatches == plan.training["global_batch"]
+    # the runtime can execute it
+    assert runtime_caps.plan_problems(plan) == []
+    # the prediction adds up
+    bd = plan.predicted.breakdown
+    assert plan.predicted.iteration_time_s == pytest.approx(bd["steady_s"] + bd["fill_s"] + bd["tail_s"])
+    assert plan.predicted.iteration_time_s > 0 and plan.predicted.mfu > 0  # synthetic times need not be physical
+
+
+@pytest.mark.parametrize("caps", [TORCH, DEEPSPEED, MEGATRON], ids=lambda c: c.name)
+def test_invariants_on_a_heterogeneous_cluster(caps):
+    result = search(HET, MODEL, TRAIN, runtime=caps, parallelizer=PAR, options=SERIAL)
+    plan = result.plan
+    check_invariants(plan, HET, caps)
+    assert plan.runtime == caps.name
+    assert plan.planner["parallelizer"] == "synthetic"
+    assert set(plan.planner["pruned"]) == {"incompatible", "infeasible", "unbalanced", "redundant"}
+    assert plan.planner["b"] in plan.planner["microbatch_sequences_tried"]
+    # round trip through JSON keeps everything
+    again = type(plan).from_dict(plan.to_dict())
+    assert again.to_dict() == plan.to_dict()
+
+
+def test_uniform_grid_runtime_only_combines_compatible_slice_plans():
+    free = make_plan(HET, MODEL, TRAIN, runtime=dataclasses.replace(TORCH, uniform_dp=False), parallelizer=PAR,
+                     options=SERIAL)
+    grids_free = {(s.tp, s.dp, s.cp) for s in free.stages}
+    assert len(grids_free) > 1  # with no constraint the best plan mixes grids (more TP on the 8-GPU island)
+    ds = make_plan(HET, MODEL, TRAIN, runtime="deepspeed", parallelizer=PAR, options=SERIAL)
+    assert len({(s.tp, s.dp, s.cp) for s in ds.stages}) == 1
+    assert ds.predicted.iteration_time_s >= free.predicted.iteration_time_s - 1e-12
+    torch_plan = make_plan(HET, MODEL, TRAIN, runtime="torch", parallelizer=PAR, options=SERIAL)
+    assert len({s.dp * s.cp for s in torch_plan.stages}) == 1
+
+
+def _own_best(par, island, model, training, caps, bs):
+    """The parallelizer's own best full-model plan on one island, by the 1F1B formula (no planner code)."""
+    best = None
+    for b in bs:
+        m = training.global_batch // b
+        q = SliceQuery(model, training, (0, model.num_layers), island, b, caps, max_stages=caps.max_stages,
+                       pipelined=False)
+        for p in par.query(q).plans:
+            if not p.fits(0, m, capacity_bytes(island)):
+                continue
+            if any(caps.stage_problems(s.shape, pipelined=len(p.stages) > 1) for s in p.stages):
+                continue
+            if caps.pipeline_problems([s.shape for s in p.stages]):
+                continue
+            t = pipeline_latency(m, p.bottleneck_s, sum(s.time_s for s in p.stages),
+                                 max(s.dp_sync_s + s.optimizer_s for s in p.stages))
+            if best is None or t < best[0]:
+                best = (t, b, p)
+    return best
+
+
+@pytest.mark.parametrize("caps", [TORCH, DEEPSPEED], ids=lambda c: c.name)
+def test_one_island_plan_is_the_parallelizers_own_best(caps):
+    homo = cluster(("n0", "a100-80gb", 4), ("n1", "a100-80gb", 4), name="homo")
+    par = SyntheticParallelizer(layer_static_bytes=6 * GIB, layer_activation_bytes=1.0 * GIB)
+    result = search(homo, MODEL, TRAIN, runtime=caps, parallelizer=par, options=SERIAL)
+    plan = result.plan
+    (island,) = result.islands.islands
+    t, b, best = _own_best(par, island, MODEL, TRAIN, caps, plan.planner["microbatch_sequences_tried"])
+    assert plan.predicted.iteration_time_s == pytest.approx(t)
+    assert plan.planner["b"] == b
+    assert [(s.layers, s.tp, s.dp, s.recompute) for s in plan.stages] == \
+        [(s.layers, s.shape.tp, s.shape.dp, s.shape.recompute) for s in best.stages]
+    assert plan.predicted.breakdown["p2p_s"] == 0.0  # one island: no inter-island transfer
+    check_invariants(plan, homo, caps)
+
+
+def test_one_island_with_the_real_parallelizer():
+    from tangram_launch.parallelizers.megatron import MegatronParallelizer
+
+    homo = cluster(("n0", "a100-80gb", 4), ("n1", "a100-80gb", 4), name="homo")
+    tiny = ModelSpec(name="t4", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=4, ffn_hidden_size=1024,
+                     vocab_size=1000, max_seq_len=128)
+    training = TrainingSpec(global_batch=8, seq_len=128, dtype="bf16")
+    par = MegatronParallelizer()
+    result = search(homo, tiny, training, runtime=TORCH, parallelizer=par, options=SERIAL)
+    (island,) = result.islands.islands
+    t, b, best = _own_best(par, island, tiny, training, TORCH, result.plan.planner["microbatch_sequences_tried"])
+    assert result.plan.predicted.iteration_time_s == pytest.approx(t)
+    check_invariants(result.plan, homo, TORCH)
+
+
+def test_slow_island_is_left_out_with_a_reason():
+    par = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.004, "v100-32gb": 0.006, "v100-16gb": 0.5},
+                                layer_static_bytes=1.5 * GIB, layer_activation_bytes=0.3 * GIB)
+    plan = make_plan(HET, MODEL, TRAIN, parallelizer=par, options=SERIAL)
+    assert "v100-16gb" not in plan.islands_used
+    (dropped,) = [d for d in plan.islands_dropped if d["island"] == "v100-16gb"]
+    assert "slower" in dropped["reason"] and " s " in dropped["reason"]
+    assert set(plan.islands_used) == {"a100-80gb", "v100-32gb"}
+
+
+def test_island_behind_a_slow_link_is_left_out():
+    # same GPUs everywhere except the link: moving b*s*h activations over 3 GB/s costs more than it saves
+    slow = cluster(("a", "a100-80gb", 4), ("b", "v100-32gb", 4), ("c", "v100-32gb", 4), slow_link="c")
+    par = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.0002, "v100-32gb": 0.0003},
+                                layer_static_bytes=0.5 * GIB, layer_activation_bytes=0.05 * GIB)
+    big_act = ModelSpec(name="wide", num_layers=8, hidden_size=8192, num_heads=64, num_kv_heads=64,
+                        ffn_hidden_size=32768, vocab_size=1000, max_seq_len=128)
+    result = search(slow, big_act, TRAIN, parallelizer=par, options=SERIAL)
+    plan = result.plan
+    assert "c" not in {n for s in plan.stages for n, _ in s.gpus}
+    assert any("link" in d["reason"] or "slower" in d["reason"] for d in plan.islands_dropped)
+    check_invariants(plan, slow, TORCH)
+
+
+def test_dtype_incompatible_island_is_pruned_and_explained():
+    bf16 = dataclasses.replace(TRAIN, dtype="bf16")
+    plan = make_plan(HET, MODEL, bf16, parallelizer=PAR, options=SERIAL)
+    assert plan.islands_used == ("a100-80gb",)
+    reasons = {d["island"]: d["reason"] for d in plan.islands_dropped}
+    assert set(reasons) == {"v100-32gb", "v100-16gb"}
+    assert all("no bf16" in r and "fp16" in r for r in reasons.values())
+    assert plan.planner["pruned"]["incompatible"] == 2 * 36  # 36 slices of 8 layers on each V100 island
+
+
+def test_infeasible_request_raises_with_the_memory_reason():
+    huge = ModelSpec(name="huge", num_layers=16, hidden_size=16384, num_heads=128, num_kv_heads=8,
+                     ffn_hidden_size=53248, vocab_size=128256, max_seq_len=2048, ffn_type="swiglu")
+    with pytest.raises(InfeasibleError) as err:
+        make_plan(HET, huge, TRAIN, parallelizer=PAR, options=SERIAL)
+    assert err.value.exit_code == 3
+    text = str(err.value)
+    assert "GiB of parameters, gradients and optimizer state" in text and "the cluster" in text
+    needed = float(err.value.reasons[0].split("needs ")[1].split(" GiB")[0])
+    assert needed == pytest.approx(huge.total_params() * 18 / GIB, rel=0.02)  # 2 + 4 + 12 bytes per parameter
+
+
+def test_nothing_fits_anywhere_is_infeasible_with_reasons():
+    par = SyntheticParallelizer(layer_static_bytes=100 * GIB)  # no layer fits on any GPU, whatever the sharding
+    with pytest.raises(InfeasibleError) as err:
+        make_plan(HET, MODEL, TRAIN, parallelizer=par, options=SERIAL)
+    assert err.value.reasons and any("fit" in r for r in err.value.reasons)
+
+
+def test_pruning_counts_and_ablation_never_worsen_the_plan():
+    atoms = ModelAtoms(MODEL, TRAIN)
+    islands = build_islands(HET, dtype="fp16").islands
+    full = build_pairs(atoms, islands, TORCH, PruningPolicy())
+    none = build_pairs(atoms, islands, TORCH, PruningPolicy(redundant=False, unbalanced=False, infeasible=False))
+    c = full.counts
+    assert c["total"] == none.counts["total"] == 36 * 3
+    assert c["total"] - c["incompatible"] - c["infeasible"] - c["unbalanced"] == len(full.pairs)
+    assert len(full.pairs) - c["redundant"] == c["queries"] == len(full.queries)
+    assert len(none.queries) == 36 * 3
+    assert c["queries"] < 36 * 3
+    # every single-island (full-model) pair survives pruning
+    assert {p.island for p in full.pairs if p.layers == (0, 8)} == {0, 1, 2}
+    base = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=SERIAL).predicted.iteration_time_s
+    for policy in (PruningPolicy(redundant=False), PruningPolicy(unbalanced=False), PruningPolicy(infeasible=False),
+                   PruningPolicy(False, False, False)):
+        t = make_plan(HET, MODEL, TRAIN, parallelizer=PAR,
+                      options=PlannerOptions(pruning=policy, max_workers=1)).predicted.iteration_time_s
+        assert t == pytest.approx(base)
+
+
+def test_island_shares_cover_single_and_all_island_plans():
+    shares = island_shares([4.0, 2.0, 2.0])
+    assert shares[0][-1] == 1.0 and shares[0][0] == pytest.approx(0.5)
+    assert shares[1] == pytest.approx(sorted({2 / 8, 2 / 6, 2 / 4, 1.0}))
+
+
+def test_process_pool_gives_the_same_plan_as_one_process():
+    one = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=SERIAL).to_dict()
+    two = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=PlannerOptions(max_workers=2)).to_dict()
+    for d in (one, two):
+        d.pop("planner")
+    assert one == two
+
+
+def test_microbatch_choices():
+    assert microbatch_choices(16, 8) == (1, 2, 4, 8, 16)
+    picks = microbatch_choices(512, 4)
+    assert len(picks) == 4 and picks[0] == 1 and picks[-1] == 512 and all(512 % b == 0 for b in picks)
+    with pytest.raises(SpecError, match="microbatch_sequences"):
+        make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=PlannerOptions(microbatch_sequences=(3,)))
+
+
+# --- manual plans ---------------------------------------------------------------------------------------------
+
+ISLANDS = ["a100-80gb", "v100-32gb", "v100-16gb"]
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"stages": [{"layers": [0, 4], "island": "a100-80gb"}, {"layers": [5, 8], "island": "v100-32gb"}]},
+     "stages[1].layers"),
+    ({"stages": [{"layers": [0, 8], "island": "a100-80"}]}, "stages[0].island"),
+    ({"stages": [{"layers": [0, 6], "island": "a100-80gb"}]}, "stages[0].layers"),
+    ({"stages": [{"layers": [0, 8], "island": "a100-80gb", "tpp": 2}]}, "stages[0].tpp"),
+    ({"stages": [{"layers": [0, 8], "island": "a100-80gb", "recompute": "most"}]}, "stages[0].recompute"),
+    ({"stages": [{"layers": [0, 2], "island": "a100-80gb"}, {"layers": [2, 4], "island": "v100-32gb"},
+                 {"layers": [4, 8], "island": "a100-80gb"}]}, "stages[2].island"),
+    ({"stages": []}, "stages"),
+])
+def test_manual_plan_errors_name_the_field(data, field):
+    with pytest.raises(SpecError) as err:
+        parse_manual_plan(data, num_layers=8, island_names=ISLANDS, source="my-plan.yaml")
+    assert err.value.field == field
+    assert "my-plan.yaml" in str(err.value)
+
+
+def test_manual_plan_is_costed_like_tangrams():
+    manual = parse_manual_plan({"microbatch_sequences": 2, "stages": [
+        {"layers": [0, 5], "island": "a100-80gb", "tp": 4, "dp": 1},
+        {"layers": [5, 8], "island": "v100-32gb"}]}, num_layers=8, island_names=ISLANDS)
+    plan = cost_manual_plan(manual, HET, MODEL, TRAIN, parallelizer=PAR, runtime=dataclasses.replace(
+        TORCH, uniform_dp=False), options=SERIAL)
+    check_invariants(plan, HET, dataclasses.replace(TORCH, uniform_dp=False))
+    assert [s.layers for s in plan.stages] == [(0, 5), (5, 8)]
+    assert (plan.stages[0].tp, plan.stages[0].dp) == (4, 1)
+    assert plan.planner["b"] == 2
+    # Tangram's own plan is at least as fast as any hand-made one under the same cost model
+    best = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, runtime=dataclasses.replace(TORCH, uniform_dp=False),
+                     options=PlannerOptions(max_workers=1, microbatch_sequences=(2,)))
+    assert best.predicted.iteration_time_s <= plan.predicted.iteration_time_s + 1e-12
+
+
+def test_manual_plan_two_stages_on_one_island_get_disjoint_gpus():
+    manual = parse_manual_plan({"stages": [
+        {"layers": [0, 4], "island": "v100-32gb"}, {"layers": [4, 8], "island": "v100-32gb"}]},
+        num_layers=8, island_names=ISLANDS)
+    plan = cost_manual_plan(manual, HET, MODEL, TRAIN, parallelizer=PAR, options=SERIAL)
+    check_invariants(plan, HET, TORCH)
+    assert all(s.num_gpus <= 4 for s in plan.stages)
+
+
+def test_manual_plan_that_does_not_fit_names_the_stage():
+    par = SyntheticParallelizer(layer_static_bytes=5 * GIB, layer_activation_bytes=0.1 * GIB)
+    manual = parse_manual_plan({"stages": [{"layers": [0, 7], "island": "v100-16gb", "tp": 1},
+                                           {"layers": [7, 8], "island": "a100-80gb"}]},
+                               num_layers=8, island_names=ISLANDS)
+    with pytest.raises(InfeasibleError) as err:
+        cost_manual_plan(manual, HET, MODEL, TRAIN, parallelizer=par, options=SERIAL)
+    assert any(r.startswith("stages[0]") and "v100-16gb" in r for r in err.value.reasons)
+
+
+def test_coarse_atoms_cut_slices_at_atom_boundaries():
+    atoms = ModelAtoms(MODEL, TRAIN)
+    islands = build_islands(HET, dtype="fp16").islands
+    pairs = build_pairs(atoms, islands, TORCH, PruningPolicy(False, False, False), atom_layers=3)
+    cuts = {0, 3, 6, 8}
+    assert all(p.layers[0] in cuts and p.layers[1] in cuts for p in pairs.pairs)
+    assert pairs.counts["total"] == 6 * 3  # 3 atoms (3, 3, 2 layers): 6 slices per island
+    plan = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=PlannerOptions(max_workers=1, atom_layers=2))
+    assert all(s.layers[0] % 2 == 0 for s in plan.stages) and plan.planner["atom_layers"] == 2
+    check_invariants(plan, HET, TORCH)
+
+
+def test_many_islands_use_ordered_composition_and_stay_valid():
+    types = ("b200", "h200", "h100-sxm", "a100-80gb", "a100-40gb", "l40s")
+    many = cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")
+    par = SyntheticParallelizer(layer_time_s={"b200": 0.002, "h200": 0.004, "h100-sxm": 0.004, "a100-80gb": 0.01,
+                                              "a100-40gb": 0.01, "l40s": 0.012},
+                                layer_static_bytes=2 * GIB, layer_activation_bytes=0.2 * GIB)
+    fast = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=5))
+    exact = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=6))
+    check_invariants(fast.plan, many, TORCH)
+    check_invariants(exact.plan, many, TORCH)
+    assert exact.plan.predicted.iteration_time_s <= fast.plan.predicted.iteration_time_s + 1e-12
+    assert len(fast.plan.islands_used) > 1

@@ -1,0 +1,153 @@
+"""The composition DP (planner/compose.py) against the brute-force reference on seeded random instances."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate, pipeline_latency
+from tangram_launch.planner.reference import brute_force
+
+SENTINEL = 1 << 30
+
+
+def random_instance(rng: random.Random, *, max_layers: int = 8, max_islands: int = 3):
+    L = rng.randint(1, max_layers)
+    K = rng.randint(1, max_islands)
+    m = rng.choice([1, 2, 3, 4, 8, 32])
+    options = []
+    for a in range(L):
+        for b in range(a + 1, L + 1):
+            for k in range(K):
+                for _ in range(rng.choice([0, 1, 1, 2, 3])):
+                    ns = rng.choice([1, 1, 2, 3])
+                    bn = rng.uniform(0.1, 2.0) * (b - a) / ns
+                    t = bn * rng.uniform(1.0, ns)
+                    max_after = rng.choice([-1, 0, 1, 2, 3, 5, SENTINEL])
+                    tail = rng.choice([0.0, rng.uniform(0, 3)])
+                    options.append(Option(a, b, k, ns, max_after, t, bn, tail))
+    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.5)]) for j in range(K)] for i in range(K)]
+    return options, link, L, m, K
+
+
+def _check_plan(result, options, link, L, m, *, required=0, max_stages=None):
+    """A composition is a contiguous cover of [0, L) with distinct islands that fits, and its latency is right."""
+    seq = result.options
+    assert options[seq[0]].start == 0 and options[seq[-1]].stop == L
+    for a, b in zip(seq, seq[1:]):
+        assert options[a].stop == options[b].start
+    islands = [options[i].island for i in seq]
+    assert len(set(islands)) == len(islands)
+    assert all(required >> k & 1 == 0 or k in islands for k in range(8))
+    if max_stages is not None:
+        assert sum(options[i].num_stages for i in seq) <= max_stages
+    metrics = evaluate(seq, options, link, m)
+    assert metrics is not None
+    assert result.latency_s == pytest.approx(metrics.latency_s)
+    assert metrics.latency_s == pytest.approx(pipeline_latency(m, metrics.period_s, metrics.fill_s, metrics.tail_s))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_matches_brute_force_on_random_instances(seed):
+    rng = random.Random(1000 + seed)
+    checked = feasible = 0
+    for _ in range(150):
+        options, link, L, m, K = random_instance(rng)
+        required = rng.choice([0, 0, 0, 1 << rng.randrange(K)])
+        max_stages = rng.choice([None, None, 2, 4])
+        dp = compose(options, link, L, m, required_mask=required, max_stages=max_stages)
+        ref = brute_force(options, link, L, m, required_mask=required, max_stages=max_stages)
+        checked += 1
+        assert (dp is None) == (ref is None), (seed, L, m, K)
+        if ref is not None:
+            feasible += 1
+            assert dp.latency_s == pytest.approx(ref.latency_s, rel=1e-12, abs=1e-12)
+            _check_plan(dp, options, link, L, m, required=required, max_stages=max_stages)
+    assert feasible > checked // 4  # the instances are not trivially infeasible
+
+
+def test_incumbent_prunes_without_changing_the_optimum():
+    rng = random.Random(7)
+    for _ in range(200):
+        options, link, L, m, K = random_instance(rng)
+        ref = brute_force(options, link, L, m)
+        if ref is None:
+            continue
+        # an incumbent slower than the optimum: the optimum is still found
+        above = compose(options, link, L, m, incumbent_s=ref.latency_s * 1.5 + 1)
+        assert above is not None and above.latency_s == pytest.approx(ref.latency_s)
+        # an incumbent at least as fast: nothing beats it, so None
+        assert compose(options, link, L, m, incumbent_s=ref.latency_s) is None
+
+
+def test_bound_step_is_never_better_than_exact_and_close():
+    rng = random.Random(11)
+    for _ in range(200):
+        options, link, L, m, K = random_instance(rng)
+        exact = compose(options, link, L, m)
+        if exact is None:
+            continue
+        approx = compose(options, link, L, m, bound_step=0.05)
+        assert approx is not None
+        assert approx.latency_s >= exact.latency_s - 1e-12
+        # skipping bounds within 5 % costs at most (m - 1) x 5 % of the period
+        assert approx.latency_s <= exact.latency_s + (m - 1) * 0.05 * approx.metrics.period_s + 1e-9
+
+
+def test_memory_position_makes_a_deep_pipeline_infeasible():
+    # island 0's option fits only with at most 1 following stage; island 1's slices would add 2
+    opts = [Option(0, 1, 0, 1, 1, 1.0, 1.0, 0.0), Option(1, 3, 1, 2, SENTINEL, 1.0, 0.5, 0.0)]
+    assert compose(opts, [[0, 0], [0, 0]], 3, 8) is None
+    assert brute_force(opts, [[0, 0], [0, 0]], 3, 8) is None
+    # ... unless memory saturates earlier: with m = 2 micro-batches, 1 following stage already holds the most
+    ok = compose(opts, [[0, 0], [0, 0]], 3, 2)
+    assert ok is not None and ok.options == (0, 1)
+
+
+def test_relaxation_picks_a_slower_bottleneck_when_the_fill_pays_for_it():
+    # A: one stage of 1.0 s on island 0 (fill 1.0). B: two slices on two islands with bottleneck 0.6 but a slow
+    # link (0.5 s each way). With m = 1 the fill decides (A); with m = 64 the period decides (B).
+    opts = [Option(0, 2, 0, 1, SENTINEL, 1.0, 1.0, 0.0),
+            Option(0, 1, 0, 1, SENTINEL, 0.6, 0.6, 0.0), Option(1, 2, 1, 1, SENTINEL, 0.6, 0.6, 0.0)]
+    link = [[0.0, 0.5], [0.5, 0.0]]
+    one = compose(opts, link, 2, 1)
+    assert one.options == (0,) and one.latency_s == pytest.approx(1.0)
+    many = compose(opts, link, 2, 64)
+    assert many.options == (1, 2)
+    assert many.latency_s == pytest.approx(63 * 0.6 + 1.2 + 2 * 0.5)
+    stats = ComposeStats()
+    compose(opts, link, 2, 64, stats=stats)
+    assert stats.trace and all(b >= 0.6 for b, _ in stats.trace)  # no bound below the least period was tried
+
+
+def test_link_slower_than_every_stage_is_the_period():
+    opts = [Option(0, 1, 0, 1, SENTINEL, 0.1, 0.1, 0.0), Option(1, 2, 1, 1, SENTINEL, 0.1, 0.1, 0.0)]
+    link = [[0.0, 0.3], [0.3, 0.0]]
+    r = compose(opts, link, 2, 10)
+    assert r.metrics.period_s == pytest.approx(0.3)
+    assert r.latency_s == pytest.approx(9 * 0.3 + 0.2 + 0.6)
+
+
+def test_each_island_at_most_once():
+    # the only cover of 2 layers uses island 0 twice: infeasible
+    opts = [Option(0, 1, 0, 1, SENTINEL, 1.0, 1.0, 0.0), Option(1, 2, 0, 1, SENTINEL, 1.0, 1.0, 0.0)]
+    assert compose(opts, [[0.0]], 2, 4) is None
+    assert brute_force(opts, [[0.0]], 2, 4) is None
+
+
+def test_ordered_mode_matches_brute_force_over_that_order():
+    rng = random.Random(23)
+    for _ in range(400):
+        options, link, L, m, K = random_instance(rng)
+        order = list(range(K))
+        rng.shuffle(order)
+        required = rng.choice([0, 0, 1 << rng.randrange(K)])
+        dp = compose(options, link, L, m, island_order=order, required_mask=required)
+        ref = brute_force(options, link, L, m, island_order=order, required_mask=required)
+        assert (dp is None) == (ref is None)
+        if ref is not None:
+            assert dp.latency_s == pytest.approx(ref.latency_s)
+            islands = [options[i].island for i in dp.options]
+            assert islands == sorted(islands, key=order.index)
+            # an order restricts the search: never better than the exact search over all orders
+            assert dp.latency_s >= compose(options, link, L, m, required_mask=required).latency_s - 1e-12
