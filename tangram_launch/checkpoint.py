@@ -54,6 +54,8 @@ __all__ = ["LayerKeyMap", "StageState", "TrainingPosition", "LoadedCheckpoint", 
            "save_checkpoint", "load_checkpoint", "describe", "resume_directory", "capture_rng_state",
            "restore_rng_state", "model_differences"]
 
+STATE_FORMAT = "tangram-dcp"  # manifest "state_format" of checkpoints this module writes
+
 logger = logging.getLogger(__name__)
 
 RNG_MODES = ("auto", "per_rank", "global", "none")
@@ -101,6 +103,8 @@ class StageState:
         rename = key_map.to_global if isinstance(key_map, LayerKeyMap) else key_map
         model: dict[str, torch.Tensor] = {}
         for key, value in module.state_dict().items():
+            if not isinstance(value, torch.Tensor):  # e.g. Megatron/TE '_extra_state' entries that are None
+                continue
             name = rename(key)
             if name in model:
                 raise SpecError("two local state names map to one global name", field="state key", value=[key, name])
@@ -374,8 +378,8 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     if comm.rank == 0:
         layers = sorted({layer_of(k) for k in model_meta} - {None})
         manifest = {
-            "format": store.FORMAT, "version": store.FORMAT_VERSION, "step": step, "created_unix_s": time.time(),
-            "world_size": comm.world_size, "num_stages": plan.num_stages, "plan_hash": plan.content_hash(),
+            "format": store.FORMAT, "version": store.FORMAT_VERSION, "state_format": STATE_FORMAT, "step": step,
+            "created_unix_s": time.time(), "world_size": comm.world_size, "num_stages": plan.num_stages, "plan_hash": plan.content_hash(),
             "model_name": plan.model.get("name"), "num_layers": num_layers, "layers": layers,
             "model": model_meta, "optimizer": optim_meta, "files": hashes,
         }
@@ -461,6 +465,11 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     _check_world(comm, plan)
     t0 = time.perf_counter()
     path, found_step, manifest, skipped = _find(directory, comm, step)
+    fmt = manifest.get("state_format", STATE_FORMAT)
+    if fmt != STATE_FORMAT:
+        raise SpecError(f"checkpoint {path} holds '{fmt}' state, which this loader does not read (Megatron-core "
+                        "checkpoints load with runtime_adapters.megatron_checkpoint)", field="state_format",
+                        value=fmt, valid=STATE_FORMAT)
 
     saved_plan = Plan.from_dict(store.read_json(os.path.join(path, store.PLAN_FILE)),
                                 source=os.path.join(path, store.PLAN_FILE))
