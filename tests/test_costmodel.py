@@ -332,3 +332,24 @@ def test_bad_configuration_is_a_spec_error():
         c.plan(ParallelConfig(tp=8, pp=2))
     with pytest.raises(SpecError, match="recompute"):
         ParallelConfig(recompute="some")
+
+
+def test_measured_forward_backward_replaces_the_2x_rule():
+    """A profile with forward and forward+backward times per layer gives the measured backward (CPUs run it at
+    3-3.5x the forward, not 2x); with only the forward measured the 2x rule stands."""
+    from tangram_launch.costmodel.compute import layer_compute, measured_layer_key
+    from tangram_launch.costmodel.efficiency import DeviceModel
+    from tangram_launch.specs.cluster import GPUSpec
+    from tangram_launch.specs.model import load_model
+
+    model = load_model("tiny")
+    key = measured_layer_key(model.name, "dense", 64, 2, 1)
+    base = dict(type="cpu", tflops={"fp32": 0.1}, memory_gib=16, memory_bandwidth_gbps=10,
+                intra_node_bandwidth_gbps=10)
+    both = GPUSpec(**base, measured={"layer_forward_s": {key: 0.010}, "layer_forward_backward_s": {key: 0.043}})
+    fwd_only = GPUSpec(**base, measured={"layer_forward_s": {key: 0.010}})
+    kw = dict(seq_len=64, mbs=2, tp=1, cp=1, ep=1)
+    lc = layer_compute(model, 0, dev=DeviceModel.from_gpu(both, "fp32"), **kw)
+    assert lc.measured and lc.forward_s == pytest.approx(0.010) and lc.backward_s == pytest.approx(0.033)
+    lc = layer_compute(model, 0, dev=DeviceModel.from_gpu(fwd_only, "fp32"), **kw)
+    assert lc.backward_s == pytest.approx(0.020)

@@ -56,9 +56,12 @@ class LayerCompute:
     attention_core_flops: float  # executed (unfused attention computes the full s x s product)
     elementwise_s: float
     measured: bool = False
+    measured_backward_s: float | None = None  # profiled forward+backward minus forward, when the profile has it
 
     @property
     def backward_s(self) -> float:
+        if self.measured_backward_s is not None:
+            return self.measured_backward_s
         return BACKWARD_FACTOR * self.forward_s
 
     @property
@@ -131,14 +134,20 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     forward_s = gemm + core_s + elementwise_s
 
     measured = False
+    measured_backward_s = None
     if dev.measured_layer_forward_s and cp == 1:
-        value = dev.measured_layer_forward_s.get(
-            measured_layer_key(model.name, model.layer_kind(layer), seq_len, mbs, tp))
+        key = measured_layer_key(model.name, model.layer_kind(layer), seq_len, mbs, tp)
+        value = dev.measured_layer_forward_s.get(key)
         if isinstance(value, (int, float)) and value > 0:
             forward_s, measured = float(value), True
+            # The measured backward replaces the 2x rule where the profile has it: on CPUs and small shapes the
+            # backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x.
+            both = dev.measured_layer_forward_backward_s.get(key)
+            if isinstance(both, (int, float)) and both > forward_s:
+                measured_backward_s = float(both) - forward_s
     return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, forward_s=forward_s, gemm_s=gemm,
                         attention_core_s=core_s, attention_core_flops=core_flops, elementwise_s=elementwise_s,
-                        measured=measured)
+                        measured=measured, measured_backward_s=measured_backward_s)
 
 
 @dataclass(frozen=True)

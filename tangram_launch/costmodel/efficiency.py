@@ -110,6 +110,7 @@ class DeviceModel:
     host_link_bandwidth: float  # GPU <-> host copies, bytes/s
     is_cpu: bool = False  # the `cpu` placeholder device has no CUDA context
     measured_layer_forward_s: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
+    measured_layer_forward_backward_s: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     sources: tuple[str, ...] = ()  # which figures were measured (for explanations)
 
     @classmethod
@@ -138,6 +139,7 @@ class DeviceModel:
             intra = gpu.intra_node_bandwidth_gbps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
         flash = supports_flash_attention(gpu) if flash_attention is None else bool(flash_attention)
         layer_times = gpu.measured.get("layer_forward_s", {}) if gpu.measured else {}
+        layer_fb_times = gpu.measured.get("layer_forward_backward_s", {}) if gpu.measured else {}
         return cls(
             gpu_type=gpu.type,
             dtype=dtype,
@@ -152,6 +154,7 @@ class DeviceModel:
             host_link_bandwidth=HOST_LINK_GBPS[_host_pcie_gen(gpu)] * GBPS,
             is_cpu=gpu.type == "cpu",
             measured_layer_forward_s=dict(layer_times) if isinstance(layer_times, Mapping) else {},
+            measured_layer_forward_backward_s=dict(layer_fb_times) if isinstance(layer_fb_times, Mapping) else {},
             sources=tuple(sources),
         )
 
