@@ -12,8 +12,8 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
         "megatron": ["megatron-core==0.16.1"],
-        "draw": [],
-        "test": ["pytest>=8", "deepspeed==0.19.8", "megatron-core==0.16.1"],
+        "draw": ["matplotlib"],  # PNG timelines; SVG needs nothing
+        "test": ["pytest>=8", "jsonschema>=4", "deepspeed==0.19.8", "megatron-core==0.16.1"],
     },
     entry_points={
         "console_scripts": ["tangram-launch=tangram_launch.cli:main"],

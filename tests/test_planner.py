@@ -334,3 +334,26 @@ def test_many_islands_use_ordered_composition_and_stay_valid():
     check_invariants(exact.plan, many, TORCH)
     assert exact.plan.predicted.iteration_time_s <= fast.plan.predicted.iteration_time_s + 1e-12
     assert len(fast.plan.islands_used) > 1
+
+
+def test_fits_island_agrees_with_the_allocator():
+    from tangram_launch.capabilities import StageShape
+    from tangram_launch.planner.layout import allocate_gpus, fits_island
+
+    isl = build_islands(cluster(("a", "a100-80gb", 8), ("b", "a100-80gb", 8)), dtype="fp16").islands[0]
+    cases = [[StageShape(tp=8, dp=2)], [StageShape(tp=4, dp=3), StageShape(tp=2, dp=2)],
+             [StageShape(tp=4, dp=5)], [StageShape(tp=3, dp=5)], [StageShape(tp=6, dp=2)],
+             [StageShape(tp=2, dp=1), StageShape(tp=8, dp=1)], [StageShape(tp=8, dp=1), StageShape(tp=8, dp=1)]]
+    for shapes in cases:
+        got = allocate_gpus(isl, shapes)
+        assert fits_island(isl, shapes) == (got is not None), shapes
+        if got is not None:  # TP groups never straddle nodes
+            for st, sh in zip(got, shapes):
+                for g in range(0, len(st), sh.tp):
+                    assert len({r.node for r in st[g:g + sh.tp]}) == 1
+    import random
+
+    rng = random.Random(3)
+    for _ in range(2000):  # the fast path (TP sizes dividing the node) against the allocator itself
+        shapes = [StageShape(tp=rng.choice((1, 2, 4, 8)), dp=rng.randint(1, 4)) for _ in range(rng.randint(1, 4))]
+        assert fits_island(isl, shapes) == (allocate_gpus(isl, shapes) is not None), shapes

@@ -229,6 +229,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     }
     plan = build_plan(cand, comp_best, cluster=cluster, model=model, training=training, runtime=caps.name,
                       islands_dropped=dropped, planner=stats)
+    problems = caps.plan_problems(plan)
+    assert not problems, f"the composer produced a plan {caps.name} cannot run: {problems}"
     stats["planning_time_s"] = round(time.perf_counter() - t0, 4)
     plan = _with_planner(plan, stats)
     return SearchResult(plan=plan, composition=comp_best, candidates=cand, all_candidates=all_cands,

@@ -17,7 +17,7 @@ from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
 from tangram_launch.planner.compose import Composition, Option, evaluate
-from tangram_launch.planner.layout import LinkModel, allocate_gpus
+from tangram_launch.planner.layout import LinkModel, allocate_gpus, fits_island, node_sizes
 from tangram_launch.planner.slices import Pair
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,12 +88,12 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
                 cand.infeasible.setdefault(isl.name, []).append(res.infeasible.message())
             continue
         cap = capacity_bytes(isl)
+        sizes = node_sizes(isl)
         full = key[3] and key[4]
         temps = []
         for plan in res.plans:
             why = _unusable(plan, b, caps, full)
-            gpus = allocate_gpus(isl, [s.shape for s in plan.stages]) if why is None else None
-            if why is None and gpus is None:
+            if why is None and not fits_island(isl, [s.shape for s in plan.stages], sizes):
                 why = "stages do not fit the island's nodes"
             group = compatibility_group(plan.stages, caps) if why is None else None
             if why is None and group is None:

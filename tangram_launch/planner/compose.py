@@ -35,7 +35,6 @@ import bisect
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-NEVER_FITS = -1
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 

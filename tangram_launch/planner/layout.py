@@ -34,11 +34,14 @@ def allocate_gpus(island: "Island", shapes: Sequence["StageShape"],
         if taken is None or g not in taken:
             free.setdefault(g.node, []).append(g)
     order = list(free)
+    first = 0  # nodes before this one are full
     out: list[tuple[GpuRef, ...]] = []
     for sh in shapes:
         stage: list[GpuRef] = []
         for _ in range(sh.dp * sh.cp):
-            node = next((n for n in order if len(free[n]) >= sh.tp), None)
+            while first < len(order) and not free[order[first]]:
+                first += 1
+            node = next((order[i] for i in range(first, len(order)) if len(free[order[i]]) >= sh.tp), None)
             if node is None:
                 return None
             stage.extend(free[node][:sh.tp])
@@ -47,6 +50,26 @@ def allocate_gpus(island: "Island", shapes: Sequence["StageShape"],
     if taken is not None:
         taken.update(g for stage in out for g in stage)
     return out
+
+
+def node_sizes(island: "Island") -> tuple[int, ...]:
+    """The island's GPUs per node (node order)."""
+    counts: dict[str, int] = {}
+    for g in island.gpus:
+        counts[g.node] = counts.get(g.node, 0) + 1
+    return tuple(counts.values())
+
+
+def fits_island(island: "Island", shapes: Sequence["StageShape"], sizes: Sequence[int] | None = None) -> bool:
+    """Whether ``allocate_gpus`` would place these stages on an empty island. Fast when every TP size divides
+    every node's GPU count (``sizes``, from node_sizes): TP groups then tile the nodes and only the count matters."""
+    need = sum(sh.tp * sh.dp * sh.cp for sh in shapes)
+    if need > island.num_gpus:
+        return False
+    sizes = node_sizes(island) if sizes is None else sizes
+    if all(n % sh.tp == 0 for sh in shapes for n in sizes):
+        return True
+    return allocate_gpus(island, shapes) is not None
 
 
 def activation_bytes(micro_batch_sequences: int, seq_len: int, hidden_size: int, dtype_bytes: int) -> float:

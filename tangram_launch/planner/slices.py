@@ -1,8 +1,10 @@
 """Model slices, model-slice/island pairs, and the three pruning policies of paper §5.1.
 
-Model atoms are transformer layers (the embedding rides with the first layer, the head with the last). A slice is a
-contiguous range ``[start, stop)`` of atoms; a pair is a slice on an island. There are L(L+1)/2 slices per island,
-so before asking the parallelizer anything, pairs are pruned:
+Model atoms are transformer layers (the embedding rides with the first layer, the head with the last); for models
+deeper than 64 layers, atoms group consecutive layers (``auto_atom_layers``; paper §5: coarser atoms plan faster
+and balance a little worse). A slice is a contiguous range ``[start, stop)`` of atoms; a pair is a slice on an
+island. There are A(A+1)/2 slices of A atoms per island, so before asking the parallelizer anything, pairs are
+pruned:
 
 * **incompatible / infeasible**: the island cannot run the training dtype (T4/V100 have no bf16), or the slice's
   parameters, gradients and optimizer state alone exceed the island's total memory (a lower bound on what any

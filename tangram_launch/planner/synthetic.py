@@ -35,6 +35,7 @@ class SyntheticParallelizer:
     tp_overhead: float = 0.08  # relative slowdown per doubling of TP
     dp_sync_s_per_layer: float = 0.001  # per layer when dp > 1
     max_stages_per_slice: int = 2
+    shard_static_over_dp: bool = False  # static memory divided by dp too (as a ZeRO-3-like sharding would)
     name: str = "synthetic"
 
     def _per_layer_s(self, q: SliceQuery) -> float:
@@ -55,6 +56,8 @@ class SyntheticParallelizer:
             static += self.embedding_static_bytes
         if stop == q.model.num_layers:
             static += self.embedding_static_bytes
+        if self.shard_static_over_dp:
+            static /= dp
         act = n * self.layer_activation_bytes * mbs / tp * (0.1 if recompute == "full" else 1.0)
         return StageCost(
             layers=(start, stop), shape=StageShape(tp=tp, dp=dp, recompute=recompute), micro_batch_size=mbs,
@@ -102,16 +105,14 @@ class SyntheticParallelizer:
 
 
 def _pareto(plans: list[SlicePlan], m: int) -> tuple[SlicePlan, ...]:
-    def mem(p: SlicePlan) -> float:
-        return max(s.memory_bytes(len(p.stages) - 1 - j, m) for j, s in enumerate(p.stages))
-
-    def time(p: SlicePlan) -> float:
-        return sum(s.time_s for s in p.stages)
-
-    keyed = sorted(plans, key=lambda p: (p.bottleneck_s, mem(p), time(p)))
-    out: list[SlicePlan] = []
-    for p in keyed:
-        if not any(q.bottleneck_s <= p.bottleneck_s and mem(q) <= mem(p) and time(q) <= time(p)
-                   and q.num_gpus <= p.num_gpus for q in out):
-            out.append(p)
-    return tuple(out)
+    """Plans not dominated in (slowest stage, peak memory, total time, GPUs)."""
+    keyed = []
+    for p in plans:
+        mem = max(s.memory_bytes(len(p.stages) - 1 - j, m) for j, s in enumerate(p.stages))
+        keyed.append((p.bottleneck_s, mem, sum(s.time_s for s in p.stages), p.num_gpus, p))
+    keyed.sort(key=lambda k: k[:4])
+    out: list[tuple] = []
+    for k in keyed:
+        if not any(o[1] <= k[1] and o[2] <= k[2] and o[3] <= k[3] for o in out):
+            out.append(k)
+    return tuple(k[4] for k in out)
