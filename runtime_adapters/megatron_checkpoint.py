@@ -341,16 +341,7 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
             "model": {}, "optimizer": {},  # tensor lists live in megatron/.metadata
             "files": hashes,
         }
-        try:
-            store.write_manifest(tmp, manifest)
-            store.commit(tmp, final)
-        except (OSError, SpecError) as exc:
-            error = f"{exc} (the files stay in {tmp})"
-        if error is None and keep_last is not None:
-            try:
-                store.prune(directory, keep_last, keep=final)
-            except OSError as exc:
-                logger.warning("could not remove old checkpoints in %s: %s", directory, exc)
+        error = store.finish(tmp, final, manifest, directory=directory, keep_last=keep_last)
     error = _broadcast(dist, error)
     if error:
         raise SpecError(f"checkpoint step {step} not committed: {error}", field="checkpoint directory",

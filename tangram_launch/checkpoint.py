@@ -379,20 +379,12 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
         layers = sorted({layer_of(k) for k in model_meta} - {None})
         manifest = {
             "format": store.FORMAT, "version": store.FORMAT_VERSION, "state_format": STATE_FORMAT, "step": step,
-            "created_unix_s": time.time(), "world_size": comm.world_size, "num_stages": plan.num_stages, "plan_hash": plan.content_hash(),
+            "created_unix_s": time.time(), "world_size": comm.world_size, "num_stages": plan.num_stages,
+            "plan_hash": plan.content_hash(),
             "model_name": plan.model.get("name"), "num_layers": num_layers, "layers": layers,
             "model": model_meta, "optimizer": optim_meta, "files": hashes,
         }
-        try:
-            store.write_manifest(tmp, manifest)
-            store.commit(tmp, final)
-        except (OSError, SpecError) as exc:
-            error = f"{exc} (the files stay in {tmp})"
-        if error is None and keep_last is not None:
-            try:
-                store.prune(directory, keep_last, keep=final)
-            except OSError as exc:  # the new checkpoint is complete; an old one that stays is no loss
-                logger.warning("could not remove old checkpoints in %s: %s", directory, exc)
+        error = store.finish(tmp, final, manifest, directory=directory, keep_last=keep_last)
     error = comm.broadcast(error)
     if error:
         raise SpecError(f"checkpoint step {step} not committed: {error}", field="checkpoint directory",

@@ -382,3 +382,22 @@ def describe(directory: str, *, step: int | None = None, checksums: bool = False
     position = TrainingPosition.from_dict(read_json(os.path.join(found.path, POSITION_FILE)),
                                           source=os.path.join(found.path, POSITION_FILE))
     return CheckpointInfo(found.path, found.step, plan, position, found.skipped)
+
+
+def finish(tmp_path: str, final_path: str, manifest: Mapping[str, Any], *, directory: str,
+           keep_last: int | None) -> str | None:
+    """Manifest last, then the rename that makes the checkpoint visible; older ones are pruned only after that.
+
+    Returns an error text (the files stay in ``tmp_path``) or None; run on one rank after every rank wrote.
+    """
+    try:
+        write_manifest(tmp_path, manifest)
+        commit(tmp_path, final_path)
+    except (OSError, SpecError) as exc:
+        return f"{exc} (the files stay in {tmp_path})"
+    if keep_last is not None:
+        try:
+            prune(directory, keep_last, keep=final_path)
+        except OSError as exc:  # the new checkpoint is complete; an old one that stays is no loss
+            logger.warning("could not remove old checkpoints in %s: %s", directory, exc)
+    return None
