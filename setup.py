@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["tangram_launch*", "profiler*", "runtime_adapters*"]),
     package_data={"tangram_launch": ["specs/*.yaml", "*.json", "models/*.yaml"]},
-    install_requires=["torch==2.13.0", "pyyaml>=6", "nvidia-ml-py>=12"],
+    install_requires=["torch==2.13.0", "numpy", "pyyaml>=6", "nvidia-ml-py>=12"],  # numpy: torch <-> numpy in the profiler
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
         "megatron": ["megatron-core==0.16.1"],
