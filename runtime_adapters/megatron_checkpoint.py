@@ -224,6 +224,15 @@ def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict, restor
 
 # --- collectives ------------------------------------------------------------------------------------------------
 
+def _checked_rank(dist, plan: Plan) -> int:
+    """This rank, after checking the job runs the plan's world size."""
+    world = dist.get_world_size()
+    if world != plan.world_size:
+        raise SpecError("the job's world size differs from the plan's", field="world_size", value=world,
+                        valid=str(plan.world_size))
+    return dist.get_rank()
+
+
 def _dist() -> Any:
     import torch.distributed as dist
 
@@ -284,10 +293,7 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise SpecError("must be a positive integer or None (keep all)", field="keep_last", value=keep_last)
     dist = _dist()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != plan.world_size:
-        raise SpecError("the job's world size differs from the plan's", field="world_size", value=world,
-                        valid=str(plan.world_size))
+    rank = _checked_rank(dist, plan)
     t0 = time.perf_counter()
     step = position.step
     _raise_any(dist, _stage_problem(model, plan, rank), f"checkpoint step {step} not saved")
@@ -326,7 +332,7 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
 
     files = _broadcast(dist, store.list_files(tmp) if rank == 0 else None)
     hashes: dict[str, Any] = {}
-    for part in _all_gather(dist, store.hash_files(tmp, store.share(files, rank, world))):
+    for part in _all_gather(dist, store.hash_files(tmp, store.share(files, rank, plan.world_size))):
         hashes.update(part)
     error = None
     if rank == 0:
@@ -335,7 +341,7 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
         num_layers = int(plan.model.get("num_layers", 0))
         manifest = {
             "format": store.FORMAT, "version": store.FORMAT_VERSION, "state_format": STATE_FORMAT,
-            "megatron_version": MEGATRON_VERSION, "step": step, "created_unix_s": time.time(), "world_size": world,
+            "megatron_version": MEGATRON_VERSION, "step": step, "created_unix_s": time.time(), "world_size": plan.world_size,
             "num_stages": plan.num_stages, "plan_hash": plan.content_hash(), "model_name": plan.model.get("name"),
             "num_layers": num_layers, "layers": list(range(num_layers)), "has_optimizer": optimizer is not None,
             "model": {}, "optimizer": {},  # tensor lists live in megatron/.metadata
@@ -347,7 +353,7 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
         raise SpecError(f"checkpoint step {step} not committed: {error}", field="checkpoint directory",
                         value=directory)
     if rank == 0:
-        logger.info("saved megatron checkpoint %s (%d files, %d ranks) in %.2f s", final, len(hashes), world,
+        logger.info("saved megatron checkpoint %s (%d files, %d ranks) in %.2f s", final, len(hashes), plan.world_size,
                     time.perf_counter() - t0)
     return final
 
@@ -367,10 +373,7 @@ def load_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     if rng not in RNG_MODES:
         raise SpecError("unknown RNG restore mode", field="rng", value=rng, valid=", ".join(RNG_MODES))
     dist = _dist()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != plan.world_size:
-        raise SpecError("the job's world size differs from the plan's", field="world_size", value=world,
-                        valid=str(plan.world_size))
+    rank = _checked_rank(dist, plan)
     t0 = time.perf_counter()
     found, error = None, None
     if rank == 0:

@@ -230,8 +230,9 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
     return tuple(seq), value
 
 
-def _fill_lower_bound(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> float:
-    """Least fill of any cover of [0, L), ignoring islands, memory and links: a lower bound for every plan."""
+def _best_cover(options: Sequence[Option], idx: Sequence[int], num_layers: int, combine) -> float:
+    """Best value over covers of [0, L) by options (ignoring islands, memory and links), built from the back:
+    best[i] = min over options starting at i of combine(option, best[option.stop])."""
     best = [float("inf")] * (num_layers + 1)
     best[num_layers] = 0.0
     by_start: dict[int, list[int]] = {}
@@ -240,27 +241,21 @@ def _fill_lower_bound(options: Sequence[Option], idx: Sequence[int], num_layers:
     for i in range(num_layers - 1, -1, -1):
         for oi in by_start.get(i, ()):
             o = options[oi]
-            v = o.time_s + best[o.stop]
+            v = combine(o, best[o.stop])
             if v < best[i]:
                 best[i] = v
     return best[0]
+
+
+def _fill_lower_bound(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> float:
+    """Least fill of any cover of [0, L), ignoring islands, memory and links: a lower bound for every plan."""
+    return _best_cover(options, idx, num_layers, lambda o, rest: o.time_s + rest)
 
 
 def _minmax_bottleneck(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> float:
     """Least possible period of any cover of [0, L) (ignoring islands, memory and links): no bound below it can
     be feasible."""
-    best = [float("inf")] * (num_layers + 1)
-    best[num_layers] = 0.0
-    by_start: dict[int, list[int]] = {}
-    for oi in idx:
-        by_start.setdefault(options[oi].start, []).append(oi)
-    for i in range(num_layers - 1, -1, -1):
-        for oi in by_start.get(i, ()):
-            o = options[oi]
-            v = max(o.bottleneck_s, best[o.stop])
-            if v < best[i]:
-                best[i] = v
-    return best[0]
+    return _best_cover(options, idx, num_layers, lambda o, rest: max(o.bottleneck_s, rest))
 
 
 def _prefix_bounds(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> tuple[list, list]:
