@@ -76,11 +76,16 @@ def test_slow_link_split_by_3():
     assert sep.constraint == "(3) inter-node"
 
 
-def test_mixed_link_island_without_outsiders_is_allowed():
-    # Constraint (3) compares with links leaving the island; with nothing outside it holds trivially.
+def test_mixed_link_island_without_outsiders_splits_by_parity():
+    # Nothing is outside the three nodes, so (3) holds vacuously for all three; (4) parity splits the slow node off.
     c = cluster([{"name": n, "gpu": "a100-80gb", "count": 4} for n in ("a0", "a1", "a2")],
                 fabrics=[{"name": "ib", "nodes": ["a0", "a1"], "bandwidth_gbps": 25}])
-    assert len(build_islands(c).islands) == 1
+    iset = build_islands(c)
+    assert summary(iset) == [("a100-80gb", ("a0", "a1"), 8), ("a100-80gb", ("a2",), 4)]
+    assert iset.islands[0].inter_node_link.bandwidth_gbps == 25
+    (sep,) = iset.separations
+    assert sep.constraint == "(4) inter-node parity"
+    assert "3.125 GB/s" in sep.detail and "25 GB/s" in sep.detail and "ratio 8.00 > 1.25" in sep.detail
 
 
 @pytest.mark.parametrize("ratio, together", [(1.15, True), (1.1501, False)])
