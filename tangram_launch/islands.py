@@ -208,12 +208,17 @@ class _Part:
 
 def _node_parts(gpus: tuple[GPUSpec, ...], tol: IslandTolerances, dtype: str, cache: dict) -> list[_Part]:
     """First fit in index order: a GPU joins the first part of its node it is within tolerance of."""
+    def spans_of(g: GPUSpec) -> tuple[_Span, ...]:
+        hit = cache.get(id(g))
+        if hit is None:
+            hit = cache[id(g)] = (g, _gpu_spans(g, dtype))  # keep g alive so its id stays unique
+        return hit[1]
+
+    if all(g is gpus[0] for g in gpus):  # 'gpu: x, count: n' nodes share one GPUSpec: one part, no comparisons
+        return [_Part(list(range(len(gpus))), spans_of(gpus[0]))]
     parts: list[_Part] = []
     for li, g in enumerate(gpus):
-        spans = cache.get(id(g))
-        if spans is None:
-            spans = cache[id(g)] = (g, _gpu_spans(g, dtype))  # keep g alive so its id stays unique
-        spans = spans[1]
+        spans = spans_of(g)
         for p in parts:
             if _figure_failure(p.spans, spans, tol) is None:
                 p.local.append(li)
@@ -263,8 +268,6 @@ class _Links:
         self.bw = bw
         self.inner_bw = bw.copy()  # for minima over an island's own links: no diagonal on one-node units
         self.inner_bw[one, one] = np.inf
-        self.inner_bw_max = bw.copy()
-        self.inner_bw_max[one, one] = -np.inf
         self.inner_lat = lat.copy()
         self.inner_lat[one, one] = -np.inf
 
@@ -275,75 +278,105 @@ class _Links:
         """Slowest bandwidth and greatest latency over the links between the nodes of these units."""
         if self.size[units].sum() < 2:
             return None
-        idx = np.ix_(units, units)
-        return LinkSpec(float(self.inner_bw[idx].min()), float(self.inner_lat[idx].max()))
+        return LinkSpec(float(self.inner_bw[units[:, None], units].min()),
+                        float(self.inner_lat[units[:, None], units].max()))
 
-    def failure(self, units: np.ndarray, inside: np.ndarray, tol: IslandTolerances) -> tuple[str, str] | None:
-        """(3) or (4) for the island on these units (``inside``: their mask); None when both hold."""
+    def own_span(self, g: int) -> tuple[tuple[float, int, int], tuple[float, int, int]]:
+        """(slowest, fastest) link among unit g's own nodes, each with the unit pair it lies on; for one node the
+        empty span (inf, -inf)."""
+        if self.size[g] < 2:
+            return (np.inf, g, g), (-np.inf, g, g)
+        v = float(self.bw[g, g])
+        return (v, g, g), (v, g, g)
+
+    def cross_span(self, a: np.ndarray, b: np.ndarray) -> tuple[tuple[float, int, int], tuple[float, int, int]]:
+        """(slowest, fastest) link between a node of units a and a node of units b, with the unit pair."""
+        if a.size == 1 and b.size == 1:  # the common case while merging: one value, no array
+            v = float(self.bw[a[0], b[0]])
+            return (v, int(a[0]), int(b[0])), (v, int(a[0]), int(b[0]))
+        sub = self.bw[a[:, None], b]
+        i, j = np.unravel_index(int(np.argmin(sub)), sub.shape)
+        k, m = np.unravel_index(int(np.argmax(sub)), sub.shape)
+        return (float(sub[i, j]), int(a[i]), int(b[j])), (float(sub[k, m]), int(a[k]), int(b[m]))
+
+    def pair_name(self, g: int, h: int) -> str:
+        return f"{self.node(g)}<->{self.node(h, 1 if g == h else 0)}"
+
+    def proximity_failure(self, units: np.ndarray, inside: np.ndarray, tol: IslandTolerances) -> tuple[str, str] | None:
+        """(3) for the island on these units (``inside``: their mask): no node's link to a node outside is more
+        than 1 + eps_n times faster than its slowest link inside. None when it holds."""
         if self.size[units].sum() < 2:
-            return None  # one node: (3) and (4) quantify over pairs of its nodes
-        limit = 1 + tol.network
-        own = self.inner_bw[np.ix_(units, units)]
-        own_min = own.min(axis=1)  # each unit's slowest link inside
+            return None  # one node: (3) quantifies over pairs of its nodes
         outside = np.flatnonzero(~inside)
-        if outside.size:
-            leaving = self.bw[np.ix_(units, outside)]
-            out_max = leaving.max(axis=1)
-            ratio = out_max / own_min
-            k = int(np.argmax(ratio))
-            if ratio[k] > limit:
-                g = int(units[k])
-                w = int(outside[int(np.argmax(leaving[k]))])
-                h = int(units[int(np.argmin(own[k]))])
-                u, v, w_name = self.node(g), self.node(h, 1 if h == g else 0), self.node(w)
-                return "(3) inter-node", (f"{u}<->{w_name} leaves the island at {out_max[k]:g} GB/s, faster than "
-                                          f"{u}<->{v} inside at {own_min[k]:g} GB/s: ratio {ratio[k]:.2f} > "
-                                          f"{limit:g}")
-        lo = float(own_min.min())
-        own_max = self.inner_bw_max[np.ix_(units, units)]
-        hi = float(own_max.max())
-        if hi / lo > limit:
-            a = int(np.argmin(own_min))
-            b = int(np.argmin(own[a]))
-            c, d = np.unravel_index(int(np.argmax(own_max)), own_max.shape)
-            ga, gb, gc, gd = (int(units[x]) for x in (a, b, c, d))
-            slow = f"{self.node(ga)}<->{self.node(gb, 1 if ga == gb else 0)}"
-            fast = f"{self.node(gc)}<->{self.node(gd, 1 if gc == gd else 0)}"
-            return "(4) inter-node parity", (f"its links would range from {lo:g} GB/s ({slow}) to {hi:g} GB/s "
-                                              f"({fast}): ratio {hi / lo:.2f} > {limit:g}")
-        return None
+        if not outside.size:
+            return None
+        limit = 1 + tol.network
+        own = self.inner_bw[units[:, None], units]
+        own_min = own.min(axis=1)  # each unit's slowest link inside
+        leaving = self.bw[units[:, None], outside]
+        out_max = leaving.max(axis=1)
+        ratio = out_max / own_min
+        k = int(np.argmax(ratio))
+        if ratio[k] <= limit:
+            return None
+        g = int(units[k])
+        w = int(outside[int(np.argmax(leaving[k]))])
+        h = int(units[int(np.argmin(own[k]))])
+        return "(3) inter-node", (f"{self.pair_name(g, w)} leaves the island at {out_max[k]:g} GB/s, faster than "
+                                  f"{self.pair_name(g, h)} inside at {own_min[k]:g} GB/s: ratio {ratio[k]:.2f} > "
+                                  f"{limit:g}")
 
 
 # --- construction ------------------------------------------------------------------------------------------------
 @dataclass
 class _Group:
-    """An island under construction: its blocks, units (as a mask too), GPU spans and GPUs per node."""
+    """An island under construction: its blocks, units (as a mask too), GPU spans, GPUs per node, and the span
+    of its own links (slowest, fastest; each with a unit pair that carries it)."""
 
     blocks: list[int]
     units: np.ndarray
     inside: np.ndarray
     spans: tuple[_Span, ...]
     per_node: int
+    link_lo: tuple[float, int, int]
+    link_hi: tuple[float, int, int]
     name: str = ""
+
+    unit_set: frozenset = frozenset()
+
+    def __post_init__(self) -> None:
+        self.unit_set = frozenset(self.units.tolist())
+
+
+def _union_links(a: _Group, b: _Group, links: _Links) -> tuple[tuple[float, int, int], tuple[float, int, int]]:
+    lo, hi = links.cross_span(a.units, b.units)
+    return min(a.link_lo, b.link_lo, lo, key=lambda t: t[0]), max(a.link_hi, b.link_hi, hi, key=lambda t: t[0])
 
 
 def _union_failure(a: _Group, b: _Group, links: _Links, tol: IslandTolerances) -> tuple[str, str] | None:
-    """The first constraint the union of two islands violates, in the order (1), (2), R1, (3), (4)."""
+    """The first constraint the union of two islands violates, in the order (1), (2), R1, (4), (3): parity is
+    cheap from the two islands' link spans and the links between them, proximity needs every link leaving."""
     fail = _figure_failure(a.spans, b.spans, tol)
     if fail is not None:
         return fail
     if a.per_node != b.per_node:
         return "(1) GPUs per node", (f"{a.name} has {a.per_node} GPUs per node, {b.name} has {b.per_node} "
                                      f"(R1: an island's nodes hold equally many GPUs)")
-    if np.any(a.inside & b.inside):
+    if not a.unit_set.isdisjoint(b.unit_set):
         return "(1) GPUs per node", "parts of the same node cannot join one island twice"
-    units = np.concatenate([a.units, b.units])
-    return links.failure(units, a.inside | b.inside, tol)
+    lo, hi = _union_links(a, b, links)
+    limit = 1 + tol.network
+    if hi[0] / lo[0] > limit:
+        return "(4) inter-node parity", (f"its links would range from {lo[0]:g} GB/s ({links.pair_name(*lo[1:])}) "
+                                          f"to {hi[0]:g} GB/s ({links.pair_name(*hi[1:])}): ratio "
+                                          f"{hi[0] / lo[0]:.2f} > {limit:g}")
+    return links.proximity_failure(np.concatenate([a.units, b.units]), a.inside | b.inside, tol)
 
 
-def _merge(a: _Group, b: _Group) -> _Group:
+def _merge(a: _Group, b: _Group, links: _Links) -> _Group:
+    lo, hi = _union_links(a, b, links)
     return _Group(a.blocks + b.blocks, np.concatenate([a.units, b.units]), a.inside | b.inside,
-                  _join(a.spans, b.spans), a.per_node)
+                  _join(a.spans, b.spans), a.per_node, lo, hi)
 
 
 def _min_measured(all_measured: list) -> dict:
@@ -365,6 +398,7 @@ def _min_measured(all_measured: list) -> dict:
 
 def _min_gpu(gpus: list[GPUSpec]) -> GPUSpec:
     types = Counter(g.type for g in gpus)
+    gpus = list({id(g): g for g in gpus}.values())  # nodes given as 'gpu: x, count: n' share one GPUSpec
     dtypes = {d for g in gpus for d in g.tflops}
     tflops = {}
     for d in sorted(dtypes):
@@ -399,9 +433,11 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
     def unit_key(i: int, alone: bool) -> tuple:
         if alone or i in overridden:
             return ("node", i)
-        gpus = tuple((g.type, s[0].lo, s[1].lo, s[2].lo) for g in cluster.nodes[i].gpus
-                     for s in (cache[id(g)][1],))
-        return ("kind", tuple(sorted(node_fabrics[i])), gpus)
+        node_gpus = cluster.nodes[i].gpus
+        if all(g is node_gpus[0] for g in node_gpus):
+            node_gpus = node_gpus[:1]
+        figures = tuple((g.type, len(cluster.nodes[i].gpus)) + tuple(s.lo for s in cache[id(g)][1]) for g in node_gpus)
+        return ("kind", tuple(sorted(node_fabrics[i])), figures)
 
     def make_links(alone: set[int]) -> tuple[_Links, list[int]]:
         keys: dict[tuple, int] = {}
@@ -419,7 +455,7 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
         if len(nodes) > 1:
             inside = np.zeros(len(links.unit_nodes), dtype=bool)
             inside[g] = True
-            if links.failure(np.array([g]), inside, tol) is not None:
+            if links.proximity_failure(np.array([g]), inside, tol) is not None:
                 alone.update(nodes)
     if alone:
         links, node_unit = make_links(alone)
@@ -439,13 +475,21 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
         inside = np.zeros(n_units, dtype=bool)
         inside[g] = True
         part = node_parts[links.unit_nodes[g][0]][p]
-        groups.append(_Group([k], np.array([g]), inside, part.spans, len(part.local)))
+        groups.append(_Group([k], np.array([g]), inside, part.spans, len(part.local), *links.own_span(g)))
     owner = list(range(len(blocks)))
 
     # step b: merge along block pairs, fastest link first, until a pass merges nothing
     block_unit = np.array([g for g, _ in blocks], dtype=np.int64)
     first, second = np.triu_indices(len(blocks), 1)
+    # Only pairs that could ever share an island: different nodes, equally many GPUs per node, figures within
+    # tolerance (an island holding both blocks would hold their GPUs). Islands of the other pairs are apart anyway.
     keep = block_unit[first] != block_unit[second]
+    per_node = np.array([g.per_node for g in groups])
+    keep &= per_node[first] == per_node[second]
+    for k, (_, _, name) in enumerate(_FIGURES):
+        lo = np.array([g.spans[k].lo for g in groups])
+        hi = np.array([g.spans[k].hi for g in groups])
+        keep &= np.maximum(hi[first], hi[second]) / np.minimum(lo[first], lo[second]) <= 1 + getattr(tol, name)
     first, second = first[keep], second[keep]
     order = np.lexsort((second, first, -links.bw[block_unit[first], block_unit[second]]))
     pairs = list(zip(first[order].tolist(), second[order].tolist()))
@@ -460,7 +504,7 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
             seen.add((a, b))
             seen.add((b, a))
             if _union_failure(groups[a], groups[b], links, tol) is None:
-                groups.append(_merge(groups[a], groups[b]))
+                groups.append(_merge(groups[a], groups[b], links))
                 for blk in groups[-1].blocks:
                     owner[blk] = len(groups) - 1
                 merged = True
