@@ -15,13 +15,14 @@ quantifies over nodes without GPUs of I.
 Construction. Each node's GPUs are split into parts of alike GPUs (first fit, in index order). Nodes with the
 same fabrics, the same GPUs and no pair override are interchangeable for every constraint above, so they are
 grouped into *units*; a *block* is one part position across a unit's nodes. Links are tabulated once between
-units (U x U arrays), which makes the work near-linear in nodes for fabric-described clusters (U counts fabrics
-x node kinds, not nodes). Then:
+units (U x U arrays): U counts distinct (fabric memberships, node kind) plus nodes with pair overrides, not
+nodes, so fabric-described clusters cost near-linear time in nodes (benchmarks/bench_islands.py). Then:
   a. every block whose unit is valid alone is an island; a unit that is not (a link leaving it is faster than
      its own) is cut into one-node units, and one node's part is always valid;
-  b. block pairs are visited by bandwidth between them, fastest first (ties: strongest GPUs, then file order);
-     the islands holding the two blocks are merged when their union satisfies (1)-(4) and R1; passes repeat
-     until one pass merges nothing.
+  b. block pairs are visited by bandwidth between them, fastest first (ties: strongest GPUs, then file order),
+     leaving out pairs no island could hold (same node, other GPU count, figures out of tolerance); the islands
+     holding the two blocks are merged when their union satisfies (1)-(4) and R1; passes repeat until one pass
+     merges nothing.
 Why it terminates: every merge removes one island, so there are at most B - 1 merges over B blocks, and a pass
 without a merge ends the loop (at most B passes of finitely many pairs).
 Why (1)-(4) hold: every island of step a is valid, and a merge happens only after the union is checked against
@@ -29,10 +30,11 @@ Why (1)-(4) hold: every island of step a is valid, and a merge happens only afte
 is every node not in the island, whatever islands those nodes end in -- so later merges of other islands cannot
 invalidate an island that was checked. (The earlier construction checked split-off pieces against a stale
 outside and so returned islands violating (3).)
-Which maximality: pairwise. The last pass visited, for every two islands on different nodes, a pair of their
-blocks and found the union invalid; two islands sharing a node cannot be one island. So no union of two returned
-islands is an island, and ``separations`` names, for every pair, the first constraint their union violates --
-the explanation is the proof. It is not a minimum number of islands (a larger set could still be valid).
+Which maximality: pairwise. The last pass visited, for every two islands, a pair of their blocks and found the
+union invalid -- or left the pair out because the two blocks alone already violate (1), (2) or R1 or share a node,
+and so does any union holding them. So no union of two returned islands is an island, and ``separations`` names,
+for every pair, the first constraint their union violates (in the order (1), (2), R1, (4), (3)): the explanation
+is the proof, and ``build_islands`` asserts it. It is not a minimum number of islands (a larger set could still be valid).
 Deterministic: nodes in file order, GPUs in index order, no iteration over hashed sets.
 """
 from __future__ import annotations
@@ -81,10 +83,6 @@ def compute_tflops(gpu: GPUSpec, dtype: str = "bf16") -> float:
         if gpu.tflops.get(d):
             return float(gpu.tflops[d])
     raise SpecError("GPU has no throughput figure", field="tflops", value=dict(gpu.tflops))
-
-
-def _ratio(a: float, b: float) -> float:
-    return max(a, b) / min(a, b)
 
 
 @dataclass(frozen=True)
@@ -415,14 +413,9 @@ def _min_gpu(gpus: list[GPUSpec]) -> GPUSpec:
     )
 
 
-def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = None, *,
-                  dtype: str = "bf16") -> IslandSet:
-    """Group the cluster's GPUs into islands satisfying (1)-(4); see the module docstring for the proofs."""
-    tol = tolerances or IslandTolerances()
-    cache: dict = {}
-    node_parts = [_node_parts(node.gpus, tol, dtype, cache) for node in cluster.nodes]
-
-    # units: nodes with the same fabrics and the same GPUs, and no pair override, are interchangeable
+def _make_units(cluster: ClusterSpec, node_parts: list[list[_Part]], cache: dict, tol: IslandTolerances) -> _Links:
+    """Group interchangeable nodes (same fabrics, same GPUs, no pair override) into units and tabulate their
+    links; a unit that is not an island by itself (a link leaving it is faster than its own) is cut into nodes."""
     node_fabrics: list[list[int]] = [[] for _ in cluster.nodes]
     index = {name: i for i, name in enumerate(cluster.node_names)}
     for f, fabric in enumerate(cluster.fabrics):
@@ -430,26 +423,23 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
             node_fabrics[index[name]].append(f)
     overridden = {index[x] for pair in cluster.pair_links for x in pair}
 
-    def unit_key(i: int, alone: bool) -> tuple:
-        if alone or i in overridden:
+    def key(i: int, alone: set[int]) -> tuple:
+        if i in alone or i in overridden:
             return ("node", i)
-        node_gpus = cluster.nodes[i].gpus
-        if all(g is node_gpus[0] for g in node_gpus):
-            node_gpus = node_gpus[:1]
-        figures = tuple((g.type, len(cluster.nodes[i].gpus)) + tuple(s.lo for s in cache[id(g)][1]) for g in node_gpus)
-        return ("kind", tuple(sorted(node_fabrics[i])), figures)
+        gpus = cluster.nodes[i].gpus
+        distinct = gpus[:1] if all(g is gpus[0] for g in gpus) else gpus
+        figures = tuple((g.type,) + tuple(s.lo for s in cache[id(g)][1]) for g in distinct)
+        return ("kind", tuple(node_fabrics[i]), len(gpus), figures)
 
-    def make_links(alone: set[int]) -> tuple[_Links, list[int]]:
+    def tabulate(alone: set[int]) -> _Links:
         keys: dict[tuple, int] = {}
-        node_unit = [keys.setdefault(unit_key(i, i in alone), len(keys)) for i in range(len(cluster.nodes))]
+        node_unit = [keys.setdefault(key(i, alone), len(keys)) for i in range(len(cluster.nodes))]
         unit_nodes: list[list[int]] = [[] for _ in keys]
         for i, g in enumerate(node_unit):
             unit_nodes[g].append(i)
-        fabrics = [tuple(node_fabrics[nodes[0]]) for nodes in unit_nodes]
-        return _Links(cluster, unit_nodes, fabrics, node_unit), node_unit
+        return _Links(cluster, unit_nodes, [tuple(node_fabrics[nodes[0]]) for nodes in unit_nodes], node_unit)
 
-    links, node_unit = make_links(set())
-    # step a: a unit whose own links are slower than one leaving it is cut into one-node units
+    links = tabulate(set())
     alone: set[int] = set()
     for g, nodes in enumerate(links.unit_nodes):
         if len(nodes) > 1:
@@ -457,32 +447,15 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
             inside[g] = True
             if links.proximity_failure(np.array([g]), inside, tol) is not None:
                 alone.update(nodes)
-    if alone:
-        links, node_unit = make_links(alone)
-    n_units = len(links.unit_nodes)
+    return tabulate(alone) if alone else links
 
-    # blocks: part position p across a unit's nodes, strongest first (ties: file order)
-    blocks = [(g, p) for g, nodes in enumerate(links.unit_nodes) for p in range(len(node_parts[nodes[0]]))]
 
-    def strength(block: tuple[int, int]) -> tuple:
-        g, p = block
-        first = cluster.nodes[links.unit_nodes[g][0]].gpus[node_parts[links.unit_nodes[g][0]][p].local[0]]
-        return (-compute_tflops(first, dtype), -first.memory_gib, links.unit_nodes[g][0], p)
-
-    blocks.sort(key=strength)
-    groups: list[_Group] = []
-    for k, (g, p) in enumerate(blocks):
-        inside = np.zeros(n_units, dtype=bool)
-        inside[g] = True
-        part = node_parts[links.unit_nodes[g][0]][p]
-        groups.append(_Group([k], np.array([g]), inside, part.spans, len(part.local), *links.own_span(g)))
-    owner = list(range(len(blocks)))
-
-    # step b: merge along block pairs, fastest link first, until a pass merges nothing
-    block_unit = np.array([g for g, _ in blocks], dtype=np.int64)
-    first, second = np.triu_indices(len(blocks), 1)
-    # Only pairs that could ever share an island: different nodes, equally many GPUs per node, figures within
-    # tolerance (an island holding both blocks would hold their GPUs). Islands of the other pairs are apart anyway.
+def _candidate_pairs(groups: list[_Group], links: _Links, tol: IslandTolerances) -> list[tuple[int, int]]:
+    """Block pairs (indices into the one-block ``groups``) by bandwidth between them, fastest first, then by
+    block order. Left out: pairs no island can hold -- same node, other GPUs per node, or figures out of
+    tolerance (any island holding both blocks holds their GPUs); islands holding them are apart anyway."""
+    block_unit = np.array([int(g.units[0]) for g in groups], dtype=np.int64)
+    first, second = np.triu_indices(len(groups), 1)
     keep = block_unit[first] != block_unit[second]
     per_node = np.array([g.per_node for g in groups])
     keep &= per_node[first] == per_node[second]
@@ -492,11 +465,19 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
         keep &= np.maximum(hi[first], hi[second]) / np.minimum(lo[first], lo[second]) <= 1 + getattr(tol, name)
     first, second = first[keep], second[keep]
     order = np.lexsort((second, first, -links.bw[block_unit[first], block_unit[second]]))
-    pairs = list(zip(first[order].tolist(), second[order].tolist()))
+    return list(zip(first[order].tolist(), second[order].tolist()))
+
+
+def _merge_until_stable(groups: list[_Group], pairs: list[tuple[int, int]], links: _Links,
+                        tol: IslandTolerances) -> list[_Group]:
+    """Step b: merge the islands holding each pair's blocks when their union is an island; repeat until a pass
+    merges nothing. Returns the final islands in block order (block k starts as ``groups[k]``)."""
+    groups = list(groups)
+    owner = list(range(len(groups)))  # block -> index of the island holding it (indices are never reused)
     merged = True
     while merged:
         merged = False
-        seen: set[tuple[int, int]] = set()  # group ids already compared in this pass (ids are never reused)
+        seen: set[tuple[int, int]] = set()  # island pairs already compared in this pass
         for x, y in pairs:
             a, b = owner[x], owner[y]
             if a == b or (a, b) in seen:
@@ -508,17 +489,41 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
                 for blk in groups[-1].blocks:
                     owner[blk] = len(groups) - 1
                 merged = True
-    final = sorted({owner[k] for k in range(len(blocks))}, key=lambda gid: min(groups[gid].blocks))
-    kept = [groups[gid] for gid in final]
+    final = sorted(set(owner), key=lambda gid: min(groups[gid].blocks))
+    return [groups[gid] for gid in final]
 
-    islands: list[Island] = []
-    members_of: list[list[tuple[int, int]]] = []
-    for grp in kept:
-        members = sorted((node, blocks[k][1]) for k in grp.blocks for node in links.unit_nodes[blocks[k][0]])
-        members_of.append(members)
+
+def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = None, *,
+                  dtype: str = "bf16") -> IslandSet:
+    """Group the cluster's GPUs into islands satisfying (1)-(4); see the module docstring for the proofs."""
+    tol = tolerances or IslandTolerances()
+    cache: dict = {}
+    node_parts = [_node_parts(node.gpus, tol, dtype, cache) for node in cluster.nodes]
+    links = _make_units(cluster, node_parts, cache, tol)
+
+    # blocks: part position p across a unit's nodes, strongest first (ties: file order); step a
+    blocks = [(g, p) for g, nodes in enumerate(links.unit_nodes) for p in range(len(node_parts[nodes[0]]))]
+
+    def strength(block: tuple[int, int]) -> tuple:
+        node = links.unit_nodes[block[0]][0]
+        first = cluster.nodes[node].gpus[node_parts[node][block[1]].local[0]]
+        return (-compute_tflops(first, dtype), -first.memory_gib, node, block[1])
+
+    blocks.sort(key=strength)
+    groups: list[_Group] = []
+    for k, (g, p) in enumerate(blocks):
+        inside = np.zeros(len(links.unit_nodes), dtype=bool)
+        inside[g] = True
+        part = node_parts[links.unit_nodes[g][0]][p]
+        groups.append(_Group([k], np.array([g]), inside, part.spans, len(part.local), *links.own_span(g)))
+    kept = _merge_until_stable(groups, _candidate_pairs(groups, links, tol), links, tol)
+
+    members_of = [sorted((node, blocks[k][1]) for k in grp.blocks for node in links.unit_nodes[blocks[k][0]])
+                  for grp in kept]
     reps = [_min_gpu([cluster.nodes[i].gpus[li] for i, p in m for li in node_parts[i][p].local]) for m in members_of]
     base_count = Counter(rep.type for rep in reps)
     seen_type: Counter = Counter()
+    islands: list[Island] = []
     for grp, members, rep in zip(kept, members_of, reps):
         seen_type[rep.type] += 1
         grp.name = rep.type if base_count[rep.type] == 1 else f"{rep.type}-{seen_type[rep.type]}"
