@@ -126,6 +126,20 @@ def test_issue_14_two_pods_joined_by_a_slow_link_are_two_islands(cluster_path):
     assert len(build_islands(c, IslandTolerances(network=200)).islands) == 1
 
 
+def test_cli_eps_network_and_drawing(cluster_path, capsys, tmp_path):
+    assert main(["islands", "--cluster", cluster_path("two-pods-slow-link")]) == 0
+    table = capsys.readouterr().out
+    assert "eps_n=0.25" in table and "a[0-1]" in table and "b[0-1]" in table and "(4) inter-node parity" in table
+    svg = tmp_path / "islands.svg"
+    assert main(["islands", "--cluster", cluster_path("two-pods-slow-link"), "--eps-network", "200",
+                 "--format", "json", "--draw", str(svg)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tolerances"]["network"] == 200
+    assert [i["nodes"] for i in data["islands"]] == [["a0", "a1", "b0", "b1"]]
+    assert data["islands"][0]["inter_node_bandwidth_gbps"] == 0.125  # the slowest of its links, as before
+    assert svg.read_text().startswith("<svg")
+
+
 def test_two_pod_plan_uses_a_whole_pod(cluster_path, tmp_path):
     out = tmp_path / "plan.json"
     rc = main(["plan", "--cluster", cluster_path("two-pods-slow-link"), "--model", "llama3-8b", "--global-batch",
