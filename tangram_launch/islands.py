@@ -339,8 +339,7 @@ class _Group:
     link_lo: tuple[float, int, int]
     link_hi: tuple[float, int, int]
     name: str = ""
-
-    unit_set: frozenset = frozenset()
+    unit_set: frozenset = frozenset()  # the units again, for disjointness; derived in __post_init__
 
     def __post_init__(self) -> None:
         self.unit_set = frozenset(self.units.tolist())

@@ -283,3 +283,18 @@ def test_island_carries_minimum_of_measured_figures():
     c = cluster([{"name": "x", "gpus": [g(0.10, 12.0, {"layer_s": 0.5}), g(0.095, 10.0, {})]}])
     (isl,) = build_islands(c).islands
     assert isl.gpu.measured == {"gemm_tflops": {"bf16": 0.095, "fp32": 0.0475}, "memory_bandwidth_gbps": 10.0}
+
+
+def test_benchmark_runs_and_splits_along_pods(capsys):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_islands.py")
+    spec = importlib.util.spec_from_file_location("bench_islands", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--sizes", "64", "--repeat", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[2], r[3]) for r in rows] == [("64", "fabrics", "2"), ("64", "8-pods", "8"), ("64", "pairs", "3")]
+    # the pod with the 20 GB/s link loses a node to parity (20 vs ~50 GB/s); the other pod stays whole
+    iset = build_islands(bench.make_cluster(64, overrides=True))
+    assert sorted(i.num_nodes for i in iset.islands) == [1, 31, 32]
