@@ -1,4 +1,5 @@
 """Print a cluster's GPU islands (paper §4) and, for GPUs split apart, the constraint that separated them.
+Node lists print as ranges (``h100-[0-63]``); past 40 island pairs the reasons are counted by constraint.
 
     tangram-launch islands --cluster examples/clusters/c3-full-het-iii.yaml [--format table|json] [--draw FILE]
 """
@@ -19,12 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eps-compute", type=float, default=IslandTolerances.compute)
     parser.add_argument("--eps-memory", type=float, default=IslandTolerances.memory)
     parser.add_argument("--eps-interconnect", type=float, default=IslandTolerances.interconnect)
+    parser.add_argument("--eps-network", type=float, default=IslandTolerances.network,
+                        help="inter-node tolerance: links leaving an island and its own links' spread (3), (4)")
     parser.add_argument("--draw", metavar="FILE", help="draw nodes grouped into islands with their links (.svg/.png)")
 
 
 def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec.load(args.cluster)
-    tol = IslandTolerances(args.eps_compute, args.eps_memory, args.eps_interconnect)
+    tol = IslandTolerances(args.eps_compute, args.eps_memory, args.eps_interconnect, args.eps_network)
     iset = build_islands(cluster, tol, dtype=args.dtype)
     if args.format == "json":
         print(json.dumps(iset.to_dict(args.dtype), indent=2))
