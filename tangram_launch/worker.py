@@ -1,6 +1,6 @@
 """A worker's place in the plan it was launched with.
 
-``tangram-launch --plan FILE`` starts every worker through :mod:`tangram_launch.boot`, which checks the plan
+``tangram-launch --plan FILE`` starts every worker through :mod:`tangram_launch.launch.boot`, which checks the plan
 and exports where the worker sits.  A training script (or a runtime adapter) asks::
 
     from tangram_launch.worker import current_plan
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
 
-# Environment a planned worker sees (set by tangram_launch.boot; torchrun's own variables stay as torchrun sets them,
+# Environment a planned worker sees (set by tangram_launch.launch.boot; torchrun's own variables stay as torchrun sets them,
 # except RANK and ROLE_RANK, which take the plan's rank).
 ENV_PLAN_FILE = "TANGRAM_PLAN_FILE"  # absolute path of the launcher's copy of the plan
 ENV_PLAN_HASH = "TANGRAM_PLAN_HASH"  # sha256 of that file's bytes
@@ -245,7 +245,7 @@ def current_plan() -> WorkerPlan:
     node = env.get(ENV_NODE, "")
     if not 0 <= rank < layout.world_size or layout.slots[rank].node != node:
         raise RuntimeError(f"RANK={rank} on plan node {node!r} does not match the plan's rank layout ({path}); "
-                           "was RANK changed after tangram_launch.boot set it?")
+                           "was RANK changed after tangram_launch.launch.boot set it?")
     slot = layout.slots[rank]
     info = stage_info(plan, slot)
     layers = info["layers"]

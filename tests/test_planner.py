@@ -338,7 +338,7 @@ def test_many_islands_use_ordered_composition_and_stay_valid():
 
 def test_fits_island_agrees_with_the_allocator():
     from tangram_launch.capabilities import StageShape
-    from tangram_launch.planner.layout import allocate_gpus, fits_island
+    from tangram_launch.planner.allocation import allocate_gpus, fits_island
 
     isl = build_islands(cluster(("a", "a100-80gb", 8), ("b", "a100-80gb", 8)), dtype="fp16").islands[0]
     cases = [[StageShape(tp=8, dp=2)], [StageShape(tp=4, dp=3), StageShape(tp=2, dp=2)],

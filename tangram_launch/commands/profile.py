@@ -134,7 +134,7 @@ def _launch(argv: list[str], args: argparse.Namespace) -> tuple[int, str | None]
     """Start the workers through the launcher (torchrun machinery); rendezvous failures become a message."""
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    from tangram_launch import launch
+    from tangram_launch.launch import torchrun as launch
 
     try:
         return int(launch.run(argv) or 0), None

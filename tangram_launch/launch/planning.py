@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 from tangram_launch.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tangram_launch.checkpoint_store import CheckpointInfo
-    from tangram_launch.launch import TangramOptions
+    from tangram_launch.checkpoint.store import CheckpointInfo
+    from tangram_launch.launch.torchrun import TangramOptions
     from tangram_launch.plan import Plan
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import ModelSpec
@@ -219,7 +219,7 @@ class PlanInputs:
     parallelizer: str
 
     def __post_init__(self) -> None:
-        from tangram_launch.launch import RUNTIMES
+        from tangram_launch.launch.torchrun import RUNTIMES
 
         if self.runtime not in RUNTIMES:
             raise SpecError("unknown runtime", field="--runtime", value=self.runtime, valid=", ".join(RUNTIMES))
@@ -353,7 +353,7 @@ def provide_plan(request: Any) -> str:
 
 def describe_resume(directory: str) -> "CheckpointInfo":
     """The newest complete checkpoint in ``directory`` (sizes checked; workers verify checksums on load)."""
-    from tangram_launch.checkpoint_store import describe
+    from tangram_launch.checkpoint.store import describe
 
     if not os.path.isdir(directory):
         raise SpecError(f"checkpoint directory {os.path.abspath(directory)} does not exist", field="--resume",
