@@ -11,7 +11,7 @@ from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import GIB, SliceQuery, capacity_bytes
 from tangram_launch.planner.api import PlannerOptions, make_plan, microbatch_choices, search
-from tangram_launch.planner.compose import pipeline_latency
+from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_latency
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
 from tangram_launch.planner.slices import ModelAtoms, PruningPolicy, build_pairs, island_shares
 from tangram_launch.planner.synthetic import SyntheticParallelizer
