@@ -57,11 +57,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tangram_launch import worker as W
 from tangram_launch.errors import SpecError, TangramError
+from tangram_launch.specs.constants import DTYPES, RUNTIMES
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("bf16", "fp16", "fp32")
-RUNTIMES = ("torch", "deepspeed", "megatron")
 # Options that ask for planning at launch time (they need a plan provider, or are ignored next to --plan).
 PLANNING_OPTIONS = ("cluster", "profile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
                     "parallelizer")
@@ -137,14 +136,53 @@ class TangramOptions:
 
 
 @dataclass(frozen=True)
-class PlanRequest:
-    """What a plan provider plans from: the tangram options, torchrun's (for --profile), the checkpoint being
-    resumed (``tangram_launch.checkpoint.store.CheckpointInfo``) and the directory to write the plan file into."""
+class LaunchOptions:
+    """The command line, converted once at the boundary (as torch.distributed.run turns its arguments into a
+    ``LaunchConfig``): torchrun's options, kept as torch's own namespace because torch's ``run`` takes exactly that,
+    and Tangram's, typed. Nothing after this re-parses argv."""
 
-    opts: TangramOptions
-    args: argparse.Namespace
+    torchrun: argparse.Namespace
+    tangram: TangramOptions
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "LaunchOptions":
+        args = build_parser().parse_args(list(argv))
+        return cls(torchrun=args, tangram=TangramOptions.from_args(args))
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Workers on this node (torchrun's ``--nproc-per-node``: a number, or gpu/cpu/auto resolved here)."""
+        from torch.distributed.run import determine_local_world_size
+
+        return determine_local_world_size(self.torchrun.nproc_per_node)
+
+    @property
+    def single_node(self) -> bool:
+        from torch.distributed.run import parse_min_max_nnodes
+
+        return bool(getattr(self.torchrun, "standalone", False)) or parse_min_max_nnodes(
+            self.torchrun.nnodes) == (1, 1)
+
+    def torchrun_argv(self) -> list[str]:
+        """torchrun's options back as a command line (to start other workers, e.g. the profiler's, with them)."""
+        from tangram_launch.launch.profiling import torchrun_argv
+
+        return torchrun_argv(self.torchrun)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan provider plans from: the launch's options (Tangram's, and torchrun's for --profile), the
+    checkpoint being resumed (``tangram_launch.checkpoint.store.CheckpointInfo``) and the directory to write the
+    plan file into."""
+
+    options: LaunchOptions
     out_dir: str
     resume: Any = None
+
+    @property
+    def opts(self) -> TangramOptions:
+        return self.options.tangram
 
 
 # A plan provider turns the planning options into a plan file (the planned launch's seam): it runs on every agent,
@@ -356,8 +394,8 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     a worker failed (as torchrun exits).  User errors raise SpecError (exit 2) before any worker starts; argparse
     errors exit 2 as torchrun's do.
     """
-    args = build_parser().parse_args(list(argv))
-    opts = TangramOptions.from_args(args)
+    options = LaunchOptions.from_argv(argv)
+    args, opts = options.torchrun, options.tangram
     planning = opts.planning_given()
     if opts.node_name and opts.plan is None and not planning and not opts.resume:
         raise SpecError("needs a plan (--plan FILE or --cluster FILE ...)", field="--node-name")
@@ -389,7 +427,7 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
                 from tangram_launch.launch.planning import default_plan_dir
 
                 out_dir = default_plan_dir()
-            plan_file = plan_provider(PlanRequest(opts=opts, args=args, out_dir=out_dir, resume=resume_info))
+            plan_file = plan_provider(PlanRequest(options=options, out_dir=out_dir, resume=resume_info))
         planned = prepare_planned_launch(args, plan_file, node_name=opts.node_name, staging_dir=staging)
         if resume_info is not None:
             from tangram_launch.launch.planning import report_resume
