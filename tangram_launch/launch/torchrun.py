@@ -184,6 +184,11 @@ class PlanRequest:
     def opts(self) -> TangramOptions:
         return self.options.tangram
 
+    @property
+    def args(self) -> argparse.Namespace:
+        """torchrun's options (as providers written against the earlier PlanRequest read them)."""
+        return self.options.torchrun
+
 
 # A plan provider turns the planning options into a plan file (the planned launch's seam): it runs on every agent,
 # so it must be deterministic (same cluster, model and options -> same bytes), or agents will refuse to start.
