@@ -8,10 +8,10 @@ Wall time from starting the launcher to its exit, for a payload that does nothin
 Variants: ``torchrun`` (python -m torch.distributed.run), ``tangram`` (python -m tangram_launch.launch, no
 Tangram option: torchrun's code path plus our parser and failure summary), ``tangram+plan`` (the same with
 ``--plan`` of a cached plan file: plan read and checked, copy written, workers started through
-tangram_launch.boot).  Repetitions are interleaved (A B C A B C ...) so load drift on a shared machine hits all
+tangram_launch.launch.boot).  Repetitions are interleaved (A B C A B C ...) so load drift on a shared machine hits all
 variants alike; medians, minima and ratios against torchrun are printed (on a busy machine the minimum is the
-steadier figure).  A second table isolates the per-worker cost of tangram_launch.boot: ``python -u -m
-tangram_launch.boot ... -- payload.py`` against ``python -u payload.py``, with a worker's torchrun environment.  ``--payload torch`` makes the script import
+steadier figure).  A second table isolates the per-worker cost of tangram_launch.launch.boot: ``python -u -m
+tangram_launch.launch.boot ... -- payload.py`` against ``python -u payload.py``, with a worker's torchrun environment.  ``--payload torch`` makes the script import
 torch, as every real training script does (boot's own cost is then measured against a realistic start).
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _boot_variants(script: str, plan: str, nproc: int) -> tuple[dict[str, list[s
         digest = sha256_bytes(f.read())
     worker_env = {"RANK": "0", "ROLE_RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(nproc),
                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "GROUP_RANK": "0"}
-    boot = [sys.executable, "-u", "-m", "tangram_launch.boot", "--plan-file", plan, "--plan-hash", digest,
+    boot = [sys.executable, "-u", "-m", "tangram_launch.launch.boot", "--plan-file", plan, "--plan-hash", digest,
             "--node", "bench", "--agent-id", "bench:0", "--", script]
     return {"python": [sys.executable, "-u", script], "boot": boot}, worker_env
 
@@ -101,7 +101,7 @@ def main() -> None:
 
     _report(f"launch wall time, {args.nproc} ranks, payload={args.payload}, {args.reps} interleaved repetitions",
             times, "torchrun")
-    _report("one worker's start-up, direct vs through tangram_launch.boot", boot_times, "python")
+    _report("one worker's start-up, direct vs through tangram_launch.launch.boot", boot_times, "python")
 
 
 if __name__ == "__main__":

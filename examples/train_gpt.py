@@ -241,10 +241,10 @@ def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from runtime_adapters.torch_native import TorchAdapter
+    from runtime_adapters.registry import get_adapter
 
     def setup(plan, place):
-        return TorchAdapter().setup(plan, place, seed=args.seed, timeout_s=args.timeout_s,
+        return get_adapter("torch").setup(plan, place, seed=args.seed, timeout_s=args.timeout_s,
                                     optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, foreach=False))
 
     try:

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import sys
-from datetime import timedelta
 from functools import partial
 
 if __package__ in (None, ""):  # run as a file: make the repository importable when tangram-launch is not installed
@@ -27,7 +26,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable w
 
 import torch
 
-from runtime_adapters import megatron_adapter as MA
+from runtime_adapters import megatron_adapter as MA  # the plan -> Megatron config translations
+from runtime_adapters.registry import get_adapter
 from tangram_launch.errors import TangramError
 
 logger = logging.getLogger("train_gpt_megatron")
@@ -96,7 +96,7 @@ def forward_step(data_iterator, model):
 
 def train(args: argparse.Namespace) -> dict:
     plan, place = plan_and_place(args)
-    adapter = MA.MegatronAdapter()
+    adapter = get_adapter("megatron")
     adapter.check_plan(plan)  # refuse before any process group exists
     if not torch.cuda.is_available():
         raise TangramError("Megatron-core needs CUDA for forward/backward (its schedules, RNG tracker and "
@@ -115,10 +115,7 @@ def train(args: argparse.Namespace) -> dict:
     device_index = place.local_gpu if place.local_gpu < torch.cuda.device_count() else int(
         os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(device_index)
-    timeout = timedelta(seconds=args.timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=place.rank, world_size=plan.world_size, timeout=timeout)
-    adapter.initialize(plan, place, timeout=timeout)
+    ctx = adapter.setup(plan, place, timeout_s=args.timeout_s)  # nccl default group + Megatron's parallel state
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
 
     config = adapter.transformer_config(plan, place)
@@ -161,8 +158,7 @@ def train(args: argparse.Namespace) -> dict:
               "layout": MA.pipeline_layout(plan), "steps": args.steps,
               "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
     dist.barrier()
-    adapter.destroy()
-    dist.destroy_process_group()
+    ctx.close()
     return result
 
 

@@ -5,19 +5,36 @@ Megatron installed. Capabilities are data (tangram_launch.capabilities) so the p
 """
 from __future__ import annotations
 
-from abc import ABC
-from typing import ClassVar
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.errors import InfeasibleError
-from tangram_launch.plan import Plan
+from tangram_launch.plan import Place, Plan
+
+
+@runtime_checkable
+class TrainingContext(Protocol):
+    """What every adapter's ``setup`` returns: this rank's running part of the plan, closed when training ends."""
+
+    plan: Plan
+    place: Place
+
+    def close(self) -> None: ...
 
 
 class RuntimeAdapter(ABC):
-    """Base class: subclasses set ``name`` and ``capabilities`` and add their runtime-specific builders."""
+    """Base class: subclasses set ``name`` and ``capabilities`` and implement ``setup``; one protocol for every
+    runtime, so a script picks its adapter by name (``runtime_adapters.registry.get_adapter(plan.runtime)``)."""
 
     name: ClassVar[str]
     capabilities: ClassVar[RuntimeCapabilities]
+
+    @abstractmethod
+    def setup(self, plan: Plan, place: Place | None = None, **options: Any) -> TrainingContext:
+        """Build this rank's part of the plan in the runtime: process groups, model part, optimizer. Collective
+        over every rank of the plan; refuses a plan the runtime cannot run before any process group exists.
+        ``place`` defaults to ``plan.place(rank)`` of this process."""
 
     def plan_problems(self, plan: Plan) -> list[str]:
         """Why this adapter cannot run the plan (pure; no process group). Subclasses add what their construction

@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import RECOMPUTE_MODES
 from tangram_launch.specs.model import ModelSpec
 
-RECOMPUTE_MODES = ("none", "selective", "full")
 INIT_STD = 0.02
 
 

@@ -33,25 +33,12 @@ class GroupLayout:
 
 
 def group_layout(plan: Plan) -> GroupLayout:
-    tp, cp, dp, meshes = [], [], [], []
-    for stage in plan.stages:
-        mine = [r for r in plan.rank_layout if r.stage == stage.index]
-        tp.append(tuple(tuple(r.rank for r in mine if (r.dp, r.cp) == (d, c))
-                        for d in range(stage.dp) for c in range(stage.cp)))
-        cp.append(tuple(tuple(r.rank for r in mine if (r.dp, r.tp) == (d, t))
-                        for d in range(stage.dp) for t in range(stage.tp)))
-        dp.append(tuple(tuple(r.rank for r in mine if (r.cp, r.tp) == (c, t))
-                        for c in range(stage.cp) for t in range(stage.tp)))
-        meshes.append(tuple(tuple(r.rank for r in mine if (r.dp, r.cp) == (d, c))
-                            for d in range(stage.dp) for c in range(stage.cp)))
-    pp: list[tuple[int, ...]] = []
-    if len({(s.tp, s.cp, s.dp) for s in plan.stages}) == 1:
-        s0 = plan.stages[0]
-        for d in range(s0.dp):
-            for c in range(s0.cp):
-                for t in range(s0.tp):
-                    pp.append(tuple(r.rank for r in plan.rank_layout if (r.tp, r.cp, r.dp) == (t, c, d)))
-    return GroupLayout(tp=tuple(tp), cp=tuple(cp), dp=tuple(dp), pp=tuple(pp), stage_mesh=tuple(meshes))
+    """Every group of the plan, read off its topology (``tangram_launch.topology``)."""
+    topo = plan.topology
+    stages = range(topo.num_stages)
+    tp = tuple(topo.tp_groups(k) for k in stages)
+    return GroupLayout(tp=tp, cp=tuple(topo.cp_groups(k) for k in stages), dp=tuple(topo.dp_groups(k) for k in stages),
+                       pp=topo.pp_groups(), stage_mesh=tp)  # [dp x cp][tp] rows: the TP groups
 
 
 @dataclass(frozen=True)

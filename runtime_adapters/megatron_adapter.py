@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime_adapters.base import RuntimeAdapter
+from tangram_launch import worker as W
 from tangram_launch.capabilities import MEGATRON
 from tangram_launch.errors import InfeasibleError, SpecError, TangramError
 from tangram_launch.plan import Place, Plan, Stage
@@ -331,12 +332,26 @@ class MegatronGroups:
 
 def expert_group(plan: Plan, rank: int) -> tuple[int, ...]:
     """The expert-parallel group of ``rank`` under RANK_ORDER: ep consecutive (cp, dp) positions of one stage."""
-    me = plan.rank_layout[rank]
-    s = plan.stages[me.stage]
-    first = rank - (me.tp + s.tp * (me.cp + s.cp * me.dp))  # the stage's first rank
-    inner = me.cp + s.cp * me.dp  # Megatron's expert generator folds (cp, dp) into one axis, ep fastest
-    base = inner - inner % s.ep
-    return tuple(first + me.tp + s.tp * (base + k) for k in range(s.ep))
+    return plan.topology.ep_group(rank)
+
+
+@dataclass
+class MegatronTrainingContext:
+    """One rank's Megatron parallel state for a plan (what ``MegatronAdapter.setup`` returns)."""
+
+    plan: Plan
+    place: Place
+    groups: MegatronGroups
+    owns_default_group: bool = False
+
+    def close(self) -> None:
+        """Tear down Megatron's parallel state (and the default group when setup created it)."""
+        import torch.distributed as dist
+
+        MegatronAdapter.destroy()
+        if self.owns_default_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 class MegatronAdapter(RuntimeAdapter):
@@ -352,6 +367,28 @@ class MegatronAdapter(RuntimeAdapter):
         return problems
 
     # --- parallel state ------------------------------------------------------------------------------------
+    def setup(self, plan: Plan, place: Place | None = None, *, timeout_s: float = 1800.0,
+              create_gloo_process_groups: bool = True) -> "MegatronTrainingContext":
+        """The adapters' one protocol: check the plan, start the default process group when none exists (nccl on a
+        GPU, gloo otherwise; rank and world size from the plan), build Megatron's parallel state for the plan.
+
+        The model and optimizer are Megatron's own objects (``transformer_config``, ``build_gpt_model``,
+        ``ddp_config_kwargs``, ``optimizer_config_kwargs``): the context carries the groups they are built on.
+        """
+        self.check_plan(plan)
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        owns_default_group = False
+        if not dist.is_initialized():
+            rank = place.rank if place is not None else int(os.environ.get("RANK", "0"))
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank,
+                                    world_size=plan.world_size, timeout=timeout)
+            owns_default_group = True
+        place = place or plan.place(dist.get_rank())
+        groups = self.initialize(plan, place, timeout=timeout, create_gloo_process_groups=create_gloo_process_groups)
+        return MegatronTrainingContext(plan=plan, place=place, groups=groups, owns_default_group=owns_default_group)
+
     def initialize(self, plan: Plan, place: Place, *, timeout: timedelta = timedelta(minutes=30),
                    create_gloo_process_groups: bool = True) -> MegatronGroups:
         """Check the plan, then build Megatron's model-parallel state for it; returns the groups as built.
@@ -499,13 +536,16 @@ def held_layers(gpt_model) -> list[int]:
 
 
 def plan_and_place_from_env(env: Mapping[str, str] | None = None) -> tuple[Plan, Place]:
-    """The plan (TANGRAM_PLAN_FILE) and this worker's place (RANK) when tangram_launch.worker is not at hand."""
+    """The plan and this worker's place (RANK) from the environment: the launcher's plan copy, checked against the
+    sha256 the agents agreed on (as ``tangram_launch.worker.current_plan`` checks it), or a plan file given by hand
+    (``TANGRAM_PLAN_FILE`` without ``TANGRAM_PLAN_HASH``)."""
     env = os.environ if env is None else env
-    path = env.get("TANGRAM_PLAN_FILE")
+    path = env.get(W.ENV_PLAN_FILE)
     if not path:
-        raise SpecError("no plan: start the worker with tangram-launch --plan FILE (or set TANGRAM_PLAN_FILE)",
-                        field="TANGRAM_PLAN_FILE")
-    plan = Plan.load(path)
+        raise SpecError(f"no plan: start the worker with tangram-launch --plan FILE (or set {W.ENV_PLAN_FILE})",
+                        field=W.ENV_PLAN_FILE)
+    data, _ = W.read_launch_plan(path, env.get(W.ENV_PLAN_HASH))
+    plan = Plan.from_dict(W.read_plan_dict(path, data), source=path)
     try:
         rank = int(env.get("RANK", "0"))
     except ValueError:

@@ -34,11 +34,11 @@ from typing import Any, Mapping
 
 import torch
 
-from tangram_launch import checkpoint_store as store
+from tangram_launch.checkpoint import store
 from tangram_launch.checkpoint import (LoadedCheckpoint, StageState, capture_rng_state, model_differences,
                                        restore_rng_state)
-from tangram_launch.checkpoint_keys import LayerKeyMap
-from tangram_launch.checkpoint_store import TrainingPosition
+from tangram_launch.checkpoint.keys import LayerKeyMap
+from tangram_launch.checkpoint.store import TrainingPosition
 from tangram_launch.errors import SpecError, TangramError
 from tangram_launch.plan import Place, Plan, Stage
 

@@ -7,21 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
+from tangram_launch.specs.constants import RECOMPUTE_MODES
+from tangram_launch.specs.shape import StageShape
+
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.plan import Plan
-
-
-@dataclass(frozen=True)
-class StageShape:
-    """The parallel configuration of one stage, as capabilities see it."""
-
-    tp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero_stage: int = 0
-    recompute: str = "none"
-    offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,7 +28,7 @@ class RuntimeCapabilities:
     context_parallel: bool = True
     expert_parallel: bool = True
     offload: bool = True
-    recompute_modes: tuple[str, ...] = ("none", "selective", "full")
+    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
     max_stages: int | None = None
 
     def stage_problems(self, shape: StageShape, *, pipelined: bool) -> list[str]:
@@ -88,7 +78,7 @@ class RuntimeCapabilities:
 
     def plan_problems(self, plan: "Plan") -> list[str]:
         """Everything that stops this runtime from executing the plan (checked before any process group exists)."""
-        shapes = [StageShape(s.tp, s.dp, s.cp, s.ep, s.zero_stage, s.recompute, s.offload) for s in plan.stages]
+        shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
         out = []
         for i, sh in enumerate(shapes):

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in ("-h", "--help"):
             print(__doc__.strip())
             print()
-        from tangram_launch import launch
+        from tangram_launch.launch import torchrun as launch
 
         return int(launch.run(argv) or 0)
     except TangramError as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 from xml.sax.saxutils import escape
 
+from tangram_launch.costmodel.pipeline import Block, simulate_1f1b  # noqa: F401 (Block: the drawn blocks' type)
 from tangram_launch.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -175,64 +176,6 @@ def _write(items: Sequence, width: float, height: float, path: str | os.PathLike
 
 # --- the 1F1B timeline ------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Block:
-    stage: int
-    kind: str  # "F" | "B"
-    micro: int
-    start_s: float
-    end_s: float
-
-
-def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> list[Block]:
-    """Start and end of every forward and backward of a non-interleaved 1F1B schedule (Narayanan et al. 2021).
-
-    Stage k runs min(S - k - 1, m) warm-up forwards, then alternates one forward and one backward, then drains
-    its backwards. A forward needs the previous stage's forward of that micro-batch plus the p2p time of the link
-    between them; a backward needs the next stage's backward (the last stage: its own forward).
-    """
-    S = len(fwd_s)
-    order: list[list[tuple[str, int]]] = []
-    for k in range(S):
-        warm = min(S - k - 1, m)
-        ops = [("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            ops += [("F", warm + i), ("B", i)]
-        ops += [("B", i) for i in range(m - warm, m)]
-        order.append(ops)
-    done: dict[tuple[str, int, int], float] = {}
-    pos = [0] * S
-    free = [0.0] * S
-    blocks: list[Block] = []
-    remaining = sum(len(o) for o in order)
-    while remaining:
-        progressed = False
-        for k in range(S):
-            while pos[k] < len(order[k]):
-                kind, i = order[k][pos[k]]
-                if kind == "F":
-                    dep = 0.0 if k == 0 else done.get(("F", k - 1, i))
-                    if dep is not None and k > 0:
-                        dep += p2p_s[k - 1]
-                else:
-                    dep = done.get(("F", k, i)) if k == S - 1 else done.get(("B", k + 1, i))
-                    if dep is not None and k < S - 1:
-                        dep += p2p_s[k]
-                if dep is None:
-                    break
-                start = max(free[k], dep)
-                end = start + (fwd_s[k] if kind == "F" else bwd_s[k])
-                done[(kind, k, i)] = end
-                free[k] = end
-                blocks.append(Block(k, kind, i, start, end))
-                pos[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - 1F1B has no deadlock; guard against a bad input
-            raise RuntimeError("1F1B simulation stalled")
-    return blocks
-
-
 def _nice_step(span: float, target: int = 8) -> float:
     raw = span / target
     mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
@@ -240,6 +183,14 @@ def _nice_step(span: float, target: int = 8) -> float:
         if raw <= f * mag:
             return f * mag
     return 10 * mag
+
+
+def schedule_note(predicted_s: float, drawn_end_s: float) -> str:
+    """What the bars show next to the title's prediction. The prediction is the planner's 1F1B formula
+    (costmodel.pipeline.pipeline_latency_s: p2p counted in fill and drain only); the bars are the event simulation
+    of the same stage times (costmodel.pipeline.simulate_1f1b: p2p latency also on the steady state's path)."""
+    return (f"bars: simulated 1F1B schedule of these stage times, ends at {drawn_end_s:.3f} s "
+            f"({drawn_end_s - predicted_s:+.3f} s against the prediction: p2p latency in the steady state)")
 
 
 def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float, float]:
@@ -257,7 +208,7 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
     islands = list(dict.fromkeys(s.island for s in plan.stages))
     colour = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(islands)}
 
-    left, right, top, row_h, gap = 230.0, 30.0, 78.0, 30.0, 12.0
+    left, right, top, row_h, gap = 230.0, 30.0, 94.0, 30.0, 12.0
     plot_w = width - left - right
     scale = plot_w / total
     height = top + S * (row_h + gap) + 120.0
@@ -269,6 +220,7 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
                       15, bold=True))
     items.append(Text(left, 44, f"tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} %   "
                                 f"bubble and p2p are the gaps; DP sync + optimizer at the end", 12, fill="#555"))
+    items.append(Text(left, 60, schedule_note(pr.iteration_time_s, pipe_end + tail), 12, fill="#555"))
     # time axis
     step = _nice_step(total)
     axis_y = top - 10

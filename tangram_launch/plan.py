@@ -10,31 +10,30 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 import yaml
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported: the Plan's recompute modes)
+from tangram_launch.specs.shape import StageShape, check_shape
 from tangram_launch.specs.yamlio import check_keys, dump_yaml_file, load_yaml_file, to_plain
+from tangram_launch.topology import Topology
 
 PLAN_VERSION = 1
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
-class Stage:
+class Stage(StageShape):
+    """One pipeline stage of the Plan: a stage shape (tp, dp, cp, ep, zero_stage, recompute, offload; keyword-only)
+    placed on GPUs, with its layer range and micro-batch size. The JSON keeps the shape's fields flat."""
+
     index: int
     layers: tuple[int, int]  # [start, stop) over transformer layers
     island: str
     gpus: tuple[tuple[str, int], ...]  # (node, local GPU index), in rank order
-    tp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero_stage: int = 0
-    recompute: str = "none"
     micro_batch_size: int = 1  # sequences per micro-batch per DP replica
-    offload: bool = False
     has_embedding: bool = False
     has_head: bool = False
 
@@ -44,22 +43,19 @@ class Stage:
         if not (0 <= start < stop):
             raise SpecError("layer range must be [start, stop) with 0 <= start < stop", field=f"{where}.layers",
                             value=list(self.layers))
-        for name in ("tp", "dp", "cp", "ep", "micro_batch_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SpecError("must be a positive integer", field=f"{where}.{name}", value=v)
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise SpecError("unknown ZeRO stage", field=f"{where}.zero_stage", value=self.zero_stage,
-                            valid="0, 1, 2, 3")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise SpecError("unknown recompute mode", field=f"{where}.recompute", value=self.recompute,
-                            valid=", ".join(RECOMPUTE_MODES))
+        check_shape(tp=self.tp, dp=self.dp, cp=self.cp, ep=self.ep, zero_stage=self.zero_stage,
+                    recompute=self.recompute, where=f"{where}.")
+        v = self.micro_batch_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SpecError("must be a positive integer", field=f"{where}.micro_batch_size", value=v)
         if len(self.gpus) != self.tp * self.dp * self.cp:
             raise SpecError(f"a stage needs tp*dp*cp = {self.tp * self.dp * self.cp} GPUs",
                             field=f"{where}.gpus", value=len(self.gpus))
-        if (self.dp * self.cp) % self.ep:
-            raise SpecError("expert parallel size must divide dp*cp", field=f"{where}.ep", value=self.ep,
-                            valid=f"a divisor of {self.dp * self.cp}")
+
+    @property
+    def shape(self) -> StageShape:
+        """This stage's parallel configuration alone."""
+        return self.as_shape()
 
     @property
     def num_gpus(self) -> int:
@@ -281,27 +277,18 @@ class Plan:
         if not 0 <= rank < self.world_size:
             raise SpecError("rank outside the plan", field="rank", value=rank, valid=f"0..{self.world_size - 1}")
         me = self.rank_layout[rank]
-        stage = self.stages[me.stage]
-        mine = [r for r in self.rank_layout if r.stage == me.stage]
-        tp_group = tuple(r.rank for r in mine if r.dp == me.dp and r.cp == me.cp)
-        cp_group = tuple(r.rank for r in mine if r.dp == me.dp and r.tp == me.tp)
-        dp_group = tuple(r.rank for r in mine if r.cp == me.cp and r.tp == me.tp)
-        uniform = len({(s.tp, s.cp, s.dp) for s in self.stages}) == 1
-        pp_group = (tuple(r.rank for r in self.rank_layout if (r.tp, r.cp, r.dp) == (me.tp, me.cp, me.dp))
-                    if uniform else None)
+        topo = self.topology
+        c = topo.coords(rank)
+        return Place(rank=rank, world_size=self.world_size, stage=self.stages[c.pp], num_stages=self.num_stages,
+                     node=me.node, local_gpu=me.local_gpu, coords=c._asdict(),
+                     tp_group=topo.tp_group(rank), cp_group=topo.cp_group(rank), dp_group=topo.dp_group(rank),
+                     pp_group=topo.pp_group(rank), prev_stage_ranks=topo.stage_peers(rank, c.pp - 1),
+                     next_stage_ranks=topo.stage_peers(rank, c.pp + 1))
 
-        def adjacent(k: int) -> tuple[int, ...]:
-            if not 0 <= k < self.num_stages:
-                return ()
-            other = [r for r in self.rank_layout if r.stage == k]
-            if uniform:
-                return tuple(r.rank for r in other if (r.tp, r.cp, r.dp) == (me.tp, me.cp, me.dp))
-            return tuple(r.rank for r in other)
-
-        return Place(rank=rank, world_size=self.world_size, stage=stage, num_stages=self.num_stages, node=me.node,
-                     local_gpu=me.local_gpu, coords={"pp": me.stage, "dp": me.dp, "cp": me.cp, "tp": me.tp},
-                     tp_group=tp_group, cp_group=cp_group, dp_group=dp_group, pp_group=pp_group,
-                     prev_stage_ranks=adjacent(me.stage - 1), next_stage_ranks=adjacent(me.stage + 1))
+    @cached_property
+    def topology(self) -> Topology:
+        """The rank grid of every stage and every process group (computed once per Plan)."""
+        return Topology.from_shapes([s.shape for s in self.stages])
 
     # --- serialisation ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -1,6 +1,6 @@
 """A worker's place in the plan it was launched with.
 
-``tangram-launch --plan FILE`` starts every worker through :mod:`tangram_launch.boot`, which checks the plan
+``tangram-launch --plan FILE`` starts every worker through :mod:`tangram_launch.launch.boot`, which checks the plan
 and exports where the worker sits.  A training script (or a runtime adapter) asks::
 
     from tangram_launch.worker import current_plan
@@ -23,8 +23,8 @@ from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
 
-# Environment a planned worker sees (set by tangram_launch.boot; torchrun's own variables stay as torchrun sets them,
-# except RANK and ROLE_RANK, which take the plan's rank).
+# Environment a planned worker sees (set by tangram_launch.launch.boot; torchrun's own variables stay as torchrun sets
+# them, except RANK and ROLE_RANK, which take the plan's rank).
 ENV_PLAN_FILE = "TANGRAM_PLAN_FILE"  # absolute path of the launcher's copy of the plan
 ENV_PLAN_HASH = "TANGRAM_PLAN_HASH"  # sha256 of that file's bytes
 ENV_NODE = "TANGRAM_NODE"  # plan node name of this worker's agent
@@ -181,6 +181,21 @@ def stage_info(plan: Mapping, slot: RankSlot) -> dict[str, Any]:
     return info
 
 
+def read_launch_plan(path: str, expected_sha256: str | None) -> tuple[bytes, str]:
+    """The plan file's bytes and their sha256, refused (RuntimeError) when they are not what the launcher checked
+    across agents (``expected_sha256``; None only for a plan file given by hand, outside tangram-launch)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise RuntimeError(f"cannot read the launch plan {path}: {exc.strerror}") from None
+    digest = sha256_bytes(data)
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise RuntimeError(f"the launch plan {path} changed since launch (sha256 {digest[:12]}, launched with "
+                           f"{(expected_sha256 or '?')[:12]})")
+    return data, digest
+
+
 def in_tangram_launch() -> bool:
     """True in a worker started by ``tangram-launch --plan/--cluster`` (a plain torchrun-style launch is not)."""
     return bool(os.environ.get(ENV_PLAN_FILE))
@@ -230,22 +245,14 @@ def current_plan() -> WorkerPlan:
             "this process was not started by `tangram-launch --plan FILE` or `tangram-launch --cluster FILE ...`, "
             f"so it has no plan ({ENV_PLAN_FILE} is not set); launch it with tangram-launch and a plan, or check "
             "tangram_launch.worker.in_tangram_launch() first")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise RuntimeError(f"cannot read the launch plan {path}: {exc.strerror}") from None
-    digest = sha256_bytes(data)
-    if digest != env.get(ENV_PLAN_HASH):
-        raise RuntimeError(f"the launch plan {path} changed since launch (sha256 {digest[:12]}, launched with "
-                           f"{env.get(ENV_PLAN_HASH, '?')[:12]})")
+    data, digest = read_launch_plan(path, env.get(ENV_PLAN_HASH, ""))
     plan = read_plan_dict(path, data)
     layout = RankLayout.from_plan_dict(plan, source=path)
     rank = int(env["RANK"])
     node = env.get(ENV_NODE, "")
     if not 0 <= rank < layout.world_size or layout.slots[rank].node != node:
         raise RuntimeError(f"RANK={rank} on plan node {node!r} does not match the plan's rank layout ({path}); "
-                           "was RANK changed after tangram_launch.boot set it?")
+                           "was RANK changed after tangram_launch.launch.boot set it?")
     slot = layout.slots[rank]
     info = stage_info(plan, slot)
     layers = info["layers"]

@@ -26,10 +26,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from runtime_adapters.gpt import StageModule, build_model, lm_loss
-from tangram_launch import checkpoint_store as store
+from tangram_launch.checkpoint import store
 from tangram_launch.checkpoint import (LayerKeyMap, StageState, TrainingPosition, describe, load_checkpoint,
                                        save_checkpoint)
-from tangram_launch.checkpoint_keys import load_optimizer_state_by_name, optimizer_state_by_name
+from tangram_launch.checkpoint.keys import load_optimizer_state_by_name, optimizer_state_by_name
 from tangram_launch.errors import SpecError
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
 from tangram_launch.specs.model import ModelSpec

@@ -36,7 +36,7 @@ import torch
 
 from runtime_adapters.megatron_checkpoint import (MEGATRON_DIR, STATE_FORMAT, megatron_key_map,
                                                   megatron_stage_state)
-from tangram_launch import checkpoint_store as store
+from tangram_launch.checkpoint import store
 from tangram_launch.errors import SpecError
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
 from tangram_launch.specs.model import load_model

@@ -10,7 +10,8 @@ import pytest
 
 from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.costmodel import communication as comm
-from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster, balanced_split, iteration_time_s
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster, balanced_split
+from tangram_launch.costmodel.pipeline import iteration_time_s
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import GIB, DeviceModel, saturating_efficiency
 from tangram_launch.costmodel.memory import (

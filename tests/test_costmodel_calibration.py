@@ -14,7 +14,8 @@ One layer's forward + backward time measured on an H200 (this project's device c
 import pytest
 
 from tangram_launch.capabilities import RuntimeCapabilities
-from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster, iteration_time_s
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
+from tangram_launch.costmodel.pipeline import iteration_time_s
 from tangram_launch.islands import Island
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef, LinkSpec

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tangram_launch import launch, planned
+from tangram_launch.launch import planning as planned, torchrun as launch
 from tangram_launch.errors import SpecError
 from tangram_launch.plan import Plan
 from tangram_launch.specs.cluster import ClusterSpec

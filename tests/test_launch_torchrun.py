@@ -1,4 +1,4 @@
-"""tangram-launch as torchrun, and the planned launch mechanism (rank remapping through tangram_launch.boot).
+"""tangram-launch as torchrun, and the planned launch mechanism (rank remapping through tangram_launch.launch.boot).
 
 Real processes in the style of torch's test_run.py: each worker writes a file named by its rank.  The launcher is
 started as ``python -m tangram_launch.launch``; torchrun as ``python -m torch.distributed.run``.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tangram_launch import boot, launch
+from tangram_launch.launch import boot, torchrun as launch
 from tangram_launch import worker as W
 from tangram_launch.errors import SpecError
 

@@ -11,7 +11,7 @@ from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import GIB, SliceQuery, capacity_bytes
 from tangram_launch.planner.api import PlannerOptions, make_plan, microbatch_choices, search
-from tangram_launch.planner.compose import pipeline_latency
+from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_latency
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
 from tangram_launch.planner.slices import ModelAtoms, PruningPolicy, build_pairs, island_shares
 from tangram_launch.planner.synthetic import SyntheticParallelizer
@@ -338,7 +338,7 @@ def test_many_islands_use_ordered_composition_and_stay_valid():
 
 def test_fits_island_agrees_with_the_allocator():
     from tangram_launch.capabilities import StageShape
-    from tangram_launch.planner.layout import allocate_gpus, fits_island
+    from tangram_launch.planner.allocation import allocate_gpus, fits_island
 
     isl = build_islands(cluster(("a", "a100-80gb", 8), ("b", "a100-80gb", 8)), dtype="fp16").islands[0]
     cases = [[StageShape(tp=8, dp=2)], [StageShape(tp=4, dp=3), StageShape(tp=2, dp=2)],

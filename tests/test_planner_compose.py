@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate, pipeline_latency
+from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_latency
+from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate
 from tangram_launch.planner.reference import brute_force
 
 SENTINEL = 1 << 30

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tangram_launch import checkpoint_store as store
-from tangram_launch import launch, planned
+from tangram_launch.checkpoint import store
+from tangram_launch.launch import planning as planned, torchrun as launch
 from tangram_launch.errors import SpecError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def test_data_position_survives_a_changed_global_batch(data):
 
 
 def test_resume_plans_with_the_checkpoint_model_and_batch_unless_changed():
-    from tangram_launch.checkpoint_store import CheckpointInfo, TrainingPosition
+    from tangram_launch.checkpoint.store import CheckpointInfo, TrainingPosition
     from tangram_launch.specs.model import load_model
 
     old = {"model": load_model("tiny").to_dict(), "runtime": "deepspeed", "planner": {"parallelizer": "uniform"},

@@ -17,13 +17,13 @@ import json
 import logging
 
 from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
-from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster, format_breakdown, iteration_time_s
-from tangram_launch.costmodel.compute import RECOMPUTE_MODES
-from tangram_launch.costmodel.efficiency import GIB
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
+from tangram_launch.costmodel.pipeline import iteration_time_s
+from tangram_launch.costmodel.slice_plan import SlicePlan, SliceQuery, capacity_bytes
 from tangram_launch.errors import SpecError
 from tangram_launch.islands import build_islands
-from tangram_launch.parallelizers.base import SliceQuery, capacity_bytes
 from tangram_launch.specs.cluster import ClusterSpec
+from tangram_launch.specs.constants import DTYPES, GIB, RECOMPUTE_MODES
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
 
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences per DP replica)")
     parser.add_argument("--global-batch", type=int, help="sequences per iteration (default: 4 x pp micro-batches)")
     parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's max_seq_len)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+    parser.add_argument("--dtype", choices=DTYPES,
                         help="training dtype (default: bf16, or fp16 on GPUs without bf16)")
     parser.add_argument("--stages-after", type=int, default=0,
                         help="pipeline stages that follow this slice in the global plan (memory position)")
@@ -158,3 +158,58 @@ def run(args: argparse.Namespace) -> int:
         if not fits:
             print("does NOT fit: peak memory exceeds the GPU's capacity (see 'fits' above)")
     return 0 if fits and not problems else 3
+
+
+def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: float, stages_after: int = 0) -> str:
+    """A table, one column per stage: where time (ms per micro-batch) and memory (GiB per GPU) go."""
+    cols = [f"stage {j}" for j in range(len(plan.stages))]
+    n = len(plan.stages)
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(label: str, values: list[str]) -> None:
+        rows.append((label, values))
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.2f}"
+
+    def gib(x: float) -> str:
+        return f"{x / GIB:.2f}"
+
+    st = plan.stages
+    add("layers", [f"{s.layers[0]}:{s.layers[1]}" + ("+emb" if s.breakdown.get("has_embedding") else "")
+                   + ("+head" if s.breakdown.get("has_head") else "") for s in st])
+    add("GPUs (tp x cp x dp)", [f"{s.num_gpus} ({s.shape.tp}x{s.shape.cp}x{s.shape.dp})" for s in st])
+    add("micro-batch size", [str(s.micro_batch_size) for s in st])
+    add("-- time per micro-batch (ms)", ["" for _ in st])
+    for key, label in (("compute_forward_s", "compute forward"), ("compute_backward_s", "compute backward"),
+                       ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"), ("cp_comm_s", "CP comm (exposed)"),
+                       ("ep_comm_s", "EP all-to-all"), ("zero_comm_exposed_s", "ZeRO comm (exposed)"),
+                       ("p2p_s", "pipeline p2p")):
+        add("  " + label, [ms(s.breakdown.get(key, 0.0)) for s in st])
+    add("  forward", [ms(s.forward_s) for s in st])
+    add("  backward", [ms(s.backward_s) for s in st])
+    add("  stage total", [ms(s.time_s) for s in st])
+    add("-- per iteration (ms)", ["" for _ in st])
+    add("  DP gradient sync", [ms(s.dp_sync_s) for s in st])
+    add("  optimizer step", [ms(s.optimizer_s) for s in st])
+    add("-- memory per GPU (GiB)", ["" for _ in st])
+    for key, label in (("parameters_bytes", "parameters"), ("gradients_bytes", "gradients"),
+                       ("optimizer_bytes", "optimizer states"), ("working_bytes", "working set"),
+                       ("overhead_bytes", "runtime overhead")):
+        add("  " + label, [gib(s.breakdown.get(key, 0.0)) for s in st])
+    inflight = [min(stages_after + n - j, num_microbatches) for j in range(n)]
+    add("  activations / micro-batch", [gib(s.activation_bytes) for s in st])
+    add("  micro-batches in flight", [str(k) for k in inflight])
+    peaks = [s.memory_bytes(stages_after + n - 1 - j, num_microbatches) for j, s in enumerate(st)]
+    add("  peak", [gib(x) for x in peaks])
+    add("  capacity", [gib(capacity_bytes) for _ in st])
+    add("  fits", ["yes" if x <= capacity_bytes else "NO" for x in peaks])
+    host = [s.breakdown.get("host_offload_bytes", 0.0) for s in st]
+    if any(host):
+        add("  offloaded to host", [gib(x) for x in host])
+    width0 = max(len(r[0]) for r in rows)
+    widths = [max(len(cols[c]), *(len(r[1][c]) for r in rows)) for c in range(n)]
+    lines = ["".ljust(width0) + "  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    for label, values in rows:
+        lines.append(label.ljust(width0) + "  " + "  ".join(v.rjust(w) for v, w in zip(values, widths)))
+    return "\n".join(lines)

@@ -10,12 +10,13 @@ import json
 
 from tangram_launch.islands import IslandTolerances, build_islands, format_islands_table
 from tangram_launch.specs.cluster import ClusterSpec
+from tangram_launch.specs.constants import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", required=True, help="ClusterSpec YAML file")
     parser.add_argument("--format", choices=("table", "json"), default="table")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES,
                         help="dtype whose throughput defines compute similarity (falls back to fp16/fp32)")
     parser.add_argument("--eps-compute", type=float, default=IslandTolerances.compute)
     parser.add_argument("--eps-memory", type=float, default=IslandTolerances.memory)

@@ -15,6 +15,8 @@ import argparse
 import sys
 
 from tangram_launch.errors import SpecError
+from tangram_launch.planner.report import format_compare_table, format_plan_table
+from tangram_launch.specs.constants import DTYPES, RUNTIMES
 
 PRUNING_POLICIES = ("redundant", "unbalanced", "infeasible")
 
@@ -24,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset name, model YAML, or Hugging Face config.json")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per iteration (default 8)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
     parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
-    parser.add_argument("--runtime", default="torch", choices=("torch", "deepspeed", "megatron"),
+    parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="runtime that will execute the plan; the planner only proposes what it runs")
     parser.add_argument("--parallelizer", default="megatron", help="homogeneous parallelizer (megatron, uniform, "
                                                                     "or a registered plugin)")
@@ -124,84 +126,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"timeline drawn to {args.timeline}")
     sys.stdout.flush()
     return 0
-
-
-# --- tables ----------------------------------------------------------------------------------------------------
-
-def _grid(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        cells = [v.rjust(w) if c in right else v.ljust(w) for c, (v, w) in enumerate(zip(r, widths))]
-        out.append("  ".join(cells).rstrip())
-    return out
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None = None, manual: bool = False) -> str:
-    tr = plan.training
-    st0 = plan.stages
-    b = st0[0].micro_batch_size * st0[0].dp
-    where = cluster_name or plan.cluster.get("name")
-    head = (f"{'manual plan' if manual else 'plan'} for {plan.model.get('name')} on {where}"
-            f" ({plan.world_size} of {sum(n['num_gpus'] for n in plan.cluster.get('nodes', []))} GPUs"
-            + (f", {num_islands} islands" if num_islands is not None else "") + ")"
-            f", runtime {plan.runtime}, parallelizer {plan.planner.get('parallelizer', '?')}")
-    lines = [head,
-             f"global batch {tr['global_batch']} x {tr['seq_len']} tokens, {tr['dtype']}; {plan.num_microbatches} "
-             f"micro-batches of {b} sequences, {plan.schedule}", ""]
-    rows = [["stage", "layers", "island", "GPUs", "tp", "dp", "cp", "ep", "zero", "recompute", "mbs", "time/mb",
-             "memory GiB (of)"]]
-    for s, p in zip(plan.stages, plan.predicted.stages):
-        nodes = sorted({n for n, _ in s.gpus})
-        rows.append([str(s.index), f"{s.layers[0]}-{s.layers[1] - 1}", s.island,
-                     f"{s.num_gpus}" + (f" ({','.join(nodes)})" if len(nodes) <= 2 else f" ({len(nodes)} nodes)"),
-                     str(s.tp), str(s.dp), str(s.cp), str(s.ep), str(s.zero_stage), s.recompute,
-                     str(s.micro_batch_size), _ms(p.time_s),
-                     f"{p.peak_memory_gib:.1f} ({p.capacity_gib:.0f})"])
-    lines += _grid(rows, right={4, 5, 6, 7, 8, 10, 11})
-    if plan.islands_dropped:
-        lines += ["", "islands left out:"]
-        lines += [f"  {d['reason']}" for d in plan.islands_dropped]
-    pr = plan.predicted
-    bd = pr.breakdown
-    lines += ["",
-              f"iteration {pr.iteration_time_s:.3f} s   tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} % "
-              f"(model FLOPs, causal attention, over the peak of the GPUs used)"]
-    if bd:
-        lines.append(f"  = (m-1) x period {bd.get('steady_s', 0):.3f} s + fill/drain {bd.get('fill_s', 0):.3f} s "
-                     f"(incl. inter-island p2p {bd.get('p2p_s', 0):.3f} s) "
-                     f"+ DP sync/optimizer {bd.get('tail_s', 0):.3f} s")
-    pl = plan.planner
-    if "planning_time_s" in pl:
-        pruned = pl.get("pruned", {})
-        lines.append(f"planning {pl['planning_time_s']:.2f} s: {pl.get('pairs')} slice/island pairs, "
-                     f"{pl.get('queries')} queries (pruned: " + ", ".join(f"{k} {v}" for k, v in pruned.items())
-                     + f"), micro-batch sizes tried {pl.get('microbatch_sequences_tried')}")
-    return "\n".join(lines)
-
-
-def format_compare_table(plan, baselines, *, tangram=None) -> str:
-    t = plan.predicted.iteration_time_s
-    rows = [["plan", "iteration", "tokens/s", "MFU", "speed-up of this plan"]]
-    tokens = plan.training["global_batch"] * plan.training["seq_len"]
-    rows.append(["this plan" if tangram is not None else "tangram", f"{t:.3f} s", f"{tokens / t:,.0f}",
-                 f"{plan.predicted.mfu * 100:.1f} %", "-"])
-    if tangram is not None:
-        tt = tangram.predicted.iteration_time_s
-        rows.append(["tangram (searched)", f"{tt:.3f} s", f"{tokens / tt:,.0f}", f"{tangram.predicted.mfu * 100:.1f} %",
-                     f"{tt / t:.2f}x"])
-    notes = []
-    for bl in baselines:
-        bt = bl.time_s
-        if bt is None:
-            rows.append([bl.name, "infeasible", "-", "-", "-"])
-            notes.append(f"  {bl.name}: {bl.reason}")
-            continue
-        mfu = f"{bl.plan.predicted.mfu * 100:.1f} %" if bl.plan is not None else "100 %"  # the ideal bound
-        rows.append([bl.name, f"{bt:.3f} s", f"{tokens / bt:,.0f}", mfu, f"{bt / t:.2f}x"])
-        notes.append(f"  {bl.name}: {bl.description}")
-    return "\n".join(["comparison under the same cost model:"] + _grid(rows, right={1, 2, 3, 4}) + notes)

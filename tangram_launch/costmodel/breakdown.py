@@ -21,72 +21,61 @@ copies + CPU Adam with offload).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple
 
-from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel import communication as comm
-from tangram_launch.costmodel.compute import RECOMPUTE_MODES, embedding_compute, head_compute, layer_compute
-from tangram_launch.costmodel.efficiency import (
-    CPU_ADAM_PARAMS_PER_S_PER_NODE,
-    GIB,
-    DeviceModel,
-)
+from tangram_launch.costmodel.compute import embedding_compute, head_compute, layer_compute
+from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, DeviceModel
 from tangram_launch.costmodel.memory import (
     FRAGMENTATION_FRACTION,
     RUNTIME_OVERHEAD_BYTES,
+    ModelStateBytes,
     embedding_activation_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     layer_param_split,
     model_state_bytes,
 )
+from tangram_launch.costmodel.partition import balanced_split
+from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.errors import SpecError
-from tangram_launch.parallelizers.base import SliceQuery, SlicePlan, StageCost, capacity_bytes
+from tangram_launch.specs.constants import RECOMPUTE_MODES, ZERO_STAGES
 
-ZERO_STAGES = (0, 1, 2, 3)
+__all__ = ["ZERO_STAGES", "LayerTerms", "ParallelConfig", "RecomputePart", "SliceCoster", "StageNumbers", "StageSums",
+           "ZeroPart", "balanced_split"]
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """One configuration of a slice: a (tp, cp, dp) grid per stage, pp stages, and the memory savers."""
+class ZeroPart(NamedTuple):
+    """What a stage's cost depends on through (ZeRO stage, offload), computed once per stage and pair."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero_stage: int = 0
-    recompute: str = "none"
-    offload: bool = False
+    state_bytes: float  # model states kept on the GPU
+    zero_fwd_s: float  # ZeRO-3 parameter all-gather per micro-batch, forward (overlapped with compute)
+    zero_bwd_s: float  # ZeRO-2/3 reduce-scatter (+ ZeRO-3 all-gather) per micro-batch, backward (overlapped)
+    sync_s: float  # per iteration: gradient synchronisation not overlapped (ZeRO 0/1), tied embeddings
+    optimizer_s: float  # per iteration: the optimizer step
+    working_bytes: float  # ZeRO-3: the gathered (and prefetched) layer's parameters and gradients
+    dense: ModelStateBytes
+    expert: ModelStateBytes
 
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ep"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SpecError("must be a positive integer", field=name, value=v, valid="an integer >= 1")
-        if self.zero_stage not in ZERO_STAGES:
-            raise SpecError("unknown ZeRO stage", field="zero_stage", value=self.zero_stage, valid="0, 1, 2, 3")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise SpecError("unknown recompute mode", field="recompute", value=self.recompute,
-                            valid=", ".join(RECOMPUTE_MODES))
-        if (self.dp * self.cp) % self.ep:
-            raise SpecError("expert parallel size must divide dp*cp", field="ep", value=self.ep,
-                            valid=f"a divisor of {self.dp * self.cp}")
 
-    @property
-    def stage_gpus(self) -> int:
-        return self.tp * self.cp * self.dp
+class RecomputePart(NamedTuple):
+    """What a stage's cost depends on through the recompute mode."""
 
-    @property
-    def num_gpus(self) -> int:
-        return self.stage_gpus * self.pp
+    recompute_s: float  # recomputed forward compute per micro-batch
+    comm_s: float  # the forward's TP/CP/EP communication again (full recompute)
+    activation_bytes: float  # per in-flight micro-batch, fragmentation included
+    working_bytes: float  # full recompute: one layer's activations rebuilt during its backward
 
-    def shape(self) -> StageShape:
-        return StageShape(self.tp, self.dp, self.cp, self.ep, self.zero_stage, self.recompute, self.offload)
 
-    def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero_stage} "
-                f"recompute={self.recompute} offload={'yes' if self.offload else 'no'}")
+class StageNumbers(NamedTuple):
+    """One stage of one configuration, per GPU: the numbers a ``StageCost`` holds."""
+
+    forward_s: float
+    backward_s: float
+    static_bytes: float
+    activation_bytes: float
+    dp_sync_s: float
+    optimizer_s: float
 
 
 @dataclass(frozen=True)
@@ -140,104 +129,12 @@ class StageSums:
     fixed_fwd_s: float = 0.0  # TP + exposed CP + EP + p2p in the forward (independent of the memory savers)
     fixed_bwd_s: float = 0.0
     collectives: dict = field(default_factory=dict)  # SliceCoster._collectives
-    zero_parts: dict = field(default_factory=dict)  # (zero, offload) -> SliceCoster._zero_part
-    rec_parts: list = field(default_factory=lambda: [None, None, None])  # recompute index -> _rec_part
+    zero_parts: dict = field(default_factory=dict)  # (zero, offload) -> ZeroPart
+    rec_parts: list = field(default_factory=lambda: [None, None, None])  # recompute index -> RecomputePart
 
 
 def _rec_index(mode: str) -> int:
     return RECOMPUTE_MODES.index(mode)
-
-
-def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float = 0.0,
-                   last_extra: float = 0.0) -> tuple[int, ...]:
-    """Split ``weights`` into ``parts`` contiguous non-empty groups minimising the heaviest group, where the first
-    group also carries ``first_extra`` (embedding) and the last ``last_extra`` (head). Returns the group sizes.
-
-    Bisection on the bottleneck with a greedy feasibility check (exact for contiguous partitions with non-negative
-    weights), then groups are split further, largest first, when the greedy used fewer than ``parts``.
-    """
-    n = len(weights)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot split {n} layers into {parts} stages")
-    if parts == 1:
-        return (n,)
-    w = [float(x) for x in weights]
-    w_first = w[0] + first_extra
-
-    def greedy(bound: float) -> list[int] | None:
-        """Fill groups from the back (the last one starts with the head); None if more than ``parts`` needed."""
-        sizes: list[int] = []
-        cur, count = last_extra, 0
-        for i in range(n - 1, -1, -1):
-            x = w_first if i == 0 else w[i]
-            if cur + x <= bound:
-                cur += x
-                count += 1
-                continue
-            if count == 0 or x > bound:
-                return None
-            sizes.append(count)
-            if len(sizes) >= parts:
-                return None
-            cur, count = x, 1
-        sizes.append(count)
-        return sizes[::-1]
-
-    lo = max(max(w[1:-1], default=0.0), w_first, w[-1] + last_extra, (sum(w) + first_extra + last_extra) / parts)
-    hi = sum(w) + first_extra + last_extra
-    best = greedy(hi)
-    if greedy(lo) is not None:
-        best = greedy(lo)
-    else:
-        for _ in range(40):
-            mid = 0.5 * (lo + hi)
-            got = greedy(mid)
-            if got is None:
-                lo = mid
-            else:
-                hi, best = mid, got
-            if hi - lo <= 1e-6 * hi:
-                break
-    assert best is not None
-    sizes = list(best)
-    while len(sizes) < parts:  # split the largest group (sums only shrink, so the bottleneck does not grow)
-        j = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
-        first = sizes[j] // 2
-        sizes[j: j + 1] = [first, sizes[j] - first]
-    return _smooth(w, sizes, first_extra, last_extra)
-
-
-def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float) -> tuple[int, ...]:
-    """Even out neighbouring groups without raising the bottleneck: move a boundary layer from the heavier to the
-    lighter group while that narrows their gap (greedy fills leave the front groups light)."""
-    parts = len(sizes)
-    for _ in range(4 * len(w)):
-        bounds = [0]
-        for size in sizes:
-            bounds.append(bounds[-1] + size)
-        sums = [sum(w[bounds[k]:bounds[k + 1]]) for k in range(parts)]
-        sums[0] += first_extra
-        sums[-1] += last_extra
-        moved = False
-        for k in range(parts - 1):
-            a, b = sums[k], sums[k + 1]
-            if a > b and sizes[k] > 1:
-                x = w[bounds[k + 1] - 1] + (first_extra if bounds[k + 1] - 1 == 0 else 0.0)
-                if b + x < a - 1e-12:
-                    sizes[k] -= 1
-                    sizes[k + 1] += 1
-                    moved = True
-                    break
-            elif b > a and sizes[k + 1] > 1:
-                x = w[bounds[k + 1]]
-                if a + x < b - 1e-12:
-                    sizes[k] += 1
-                    sizes[k + 1] -= 1
-                    moved = True
-                    break
-        if not moved:
-            break
-    return tuple(sizes)
 
 
 class SliceCoster:
@@ -486,9 +383,8 @@ class SliceCoster:
     # ------------------------------------------------------------------------------------------ per config
     # A configuration's stage cost is assembled from two cached parts: what depends on (ZeRO stage, offload) and
     # what depends on the recompute mode. The parallelizers' inner loop and the explained path share them.
-    def _zero_part(self, st: StageSums, zero: int, off: bool) -> tuple:
-        """(model-state bytes on the GPU, ZeRO fwd comm, ZeRO bwd comm, per-iteration sync, optimizer step,
-        ZeRO-3 working bytes, dense ModelStateBytes, expert ModelStateBytes)."""
+    def _zero_part(self, st: StageSums, zero: int, off: bool) -> ZeroPart:
+        """The stage's terms under (ZeRO stage, offload), cached on the stage."""
         key = (zero, off)
         hit = st.zero_parts.get(key)
         if hit is not None:
@@ -527,7 +423,7 @@ class SliceCoster:
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
-        out = (dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert)
+        out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert)
         st.zero_parts[key] = out
         return out
 
@@ -542,36 +438,37 @@ class SliceCoster:
         st.collectives = out
         return out
 
-    def _rec_part(self, st: StageSums, r: int) -> tuple:
-        """(recompute seconds, recomputed forward communication, activation bytes per micro-batch, working bytes)."""
+    def _rec_part(self, st: StageSums, r: int) -> RecomputePart:
+        """The stage's terms under recompute mode ``RECOMPUTE_MODES[r]``, cached on the stage."""
         hit = st.rec_parts[r]
         if hit is not None:
             return hit
         full = RECOMPUTE_MODES[r] == "full"
         rec_comm = (st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s) if full else 0.0
         working = st.max_layer_act_none if full else 0.0  # one layer's activations, rebuilt during its backward
-        out = (st.recompute_s[r], rec_comm, st.act_bytes[r] * self._frag, working)
+        out = RecomputePart(st.recompute_s[r], rec_comm, st.act_bytes[r] * self._frag, working)
         st.rec_parts[r] = out
         return out
 
-    def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> tuple:
-        """(forward_s, backward_s, static_bytes, activation_bytes, dp_sync_s, optimizer_s) of one stage."""
+    def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> StageNumbers:
+        """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
         zp = st.zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
         rp = st.rec_parts[r] or self._rec_part(st, r)
-        fwd = (st.fwd_s if st.fwd_s > zp[1] else zp[1]) + st.fixed_fwd_s
-        b = st.bwd_s + rp[0]
-        bwd = (b if b > zp[2] else zp[2]) + st.fixed_bwd_s + rp[1]
-        static = zp[0] + (zp[5] + rp[3]) * self._frag + self._overhead
-        return fwd, bwd, static, rp[2], zp[3], zp[4]
+        fwd = (st.fwd_s if st.fwd_s > zp.zero_fwd_s else zp.zero_fwd_s) + st.fixed_fwd_s
+        b = st.bwd_s + rp.recompute_s
+        bwd = (b if b > zp.zero_bwd_s else zp.zero_bwd_s) + st.fixed_bwd_s + rp.comm_s
+        static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * self._frag + self._overhead
+        return StageNumbers(fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s)
 
-    def stage_numbers(self, st: StageSums, cfg: ParallelConfig, *, explain: bool = False):
-        """(forward_s, backward_s, static_bytes, activation_bytes, dp_sync_s, optimizer_s, breakdown | None)."""
+    def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
+        """One stage of ``cfg`` and where its time and memory go (the breakdown ``tangram-launch estimate`` prints)."""
         r = _rec_index(cfg.recompute)
         numbers = self.fast_stage(st, cfg.zero_stage, r, cfg.offload)
-        if not explain:
-            return (*numbers, None)
-        _static, z_fwd, z_bwd, sync, opt_s, zworking, dense, expert = self._zero_part(st, cfg.zero_stage, cfg.offload)
-        rec_s, rec_comm, act, rworking = self._rec_part(st, r)
+        zp = self._zero_part(st, cfg.zero_stage, cfg.offload)
+        z_fwd, z_bwd, sync, opt_s, zworking, dense, expert = (zp.zero_fwd_s, zp.zero_bwd_s, zp.sync_s, zp.optimizer_s,
+                                                               zp.working_bytes, zp.dense, zp.expert)
+        rp = self._rec_part(st, r)
+        rec_s, act, rworking = rp.recompute_s, rp.activation_bytes, rp.working_bytes
         full = cfg.recompute == "full"
         bd = {
             "compute_forward_s": st.fwd_s,
@@ -597,7 +494,7 @@ class SliceCoster:
             "params_per_gpu": st.dense_params + st.expert_params,
             "dp_link": st.dp_link.describe() if st.dp_link else "",
         }
-        return (*numbers, bd)
+        return numbers, bd
 
     def check(self, cfg: ParallelConfig) -> list[str]:
         """Why ``cfg`` cannot run this slice on this island (shape problems; memory is judged separately)."""
@@ -641,79 +538,12 @@ class SliceCoster:
         mbs = self.q.microbatch_sequences // cfg.dp
         stages = []
         for st in sums:
-            fwd, bwd, static, act, sync, opt_s, bd = self.stage_numbers(st, cfg, explain=True)
+            n, bd = self.stage_numbers(st, cfg)
             bd["has_embedding"] = st.has_embedding
             bd["has_head"] = st.has_head
-            stages.append(StageCost(layers=st.layers, shape=cfg.shape(), micro_batch_size=mbs, forward_s=fwd,
-                                    backward_s=bwd, static_bytes=static, activation_bytes=act, dp_sync_s=sync,
-                                    optimizer_s=opt_s, p2p_bytes=st.p2p_bytes, breakdown=bd))
+            stages.append(StageCost(layers=st.layers, shape=cfg.shape(), micro_batch_size=mbs, forward_s=n.forward_s,
+                                    backward_s=n.backward_s, static_bytes=n.static_bytes,
+                                    activation_bytes=n.activation_bytes, dp_sync_s=n.dp_sync_s,
+                                    optimizer_s=n.optimizer_s, p2p_bytes=st.p2p_bytes, breakdown=bd))
         return SlicePlan(island=self.island.name, layers=tuple(self.q.layers), stages=tuple(stages),
                          parallelizer=parallelizer)
-
-
-# ---------------------------------------------------------------------------------------------- whole pipeline
-def iteration_time_s(stages: Sequence[StageCost], num_microbatches: int) -> dict:
-    """1F1B iteration estimate for a pipeline of ``stages`` (Narayanan et al. 2021, sec. 2.2: (m + p - 1) slots
-    for equal stages): the sum of all stage times (fill and drain) + (m - 1) x the bottleneck, then the slowest
-    stage's data-parallel sync and optimizer step."""
-    m = max(1, num_microbatches)
-    bottleneck = max(s.time_s for s in stages)
-    pipeline = sum(s.time_s for s in stages) + (m - 1) * bottleneck
-    tail = max(s.dp_sync_s + s.optimizer_s for s in stages)
-    return {"iteration_s": pipeline + tail, "pipeline_s": pipeline, "bubble_s": pipeline - m * bottleneck,
-            "sync_s": tail, "bottleneck_s": bottleneck}
-
-
-def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: float, stages_after: int = 0) -> str:
-    """A table, one column per stage: where time (ms per micro-batch) and memory (GiB per GPU) go."""
-    cols = [f"stage {j}" for j in range(len(plan.stages))]
-    n = len(plan.stages)
-    rows: list[tuple[str, list[str]]] = []
-
-    def add(label: str, values: list[str]) -> None:
-        rows.append((label, values))
-
-    def ms(x: float) -> str:
-        return f"{x * 1e3:.2f}"
-
-    def gib(x: float) -> str:
-        return f"{x / GIB:.2f}"
-
-    st = plan.stages
-    add("layers", [f"{s.layers[0]}:{s.layers[1]}" + ("+emb" if s.breakdown.get("has_embedding") else "")
-                   + ("+head" if s.breakdown.get("has_head") else "") for s in st])
-    add("GPUs (tp x cp x dp)", [f"{s.num_gpus} ({s.shape.tp}x{s.shape.cp}x{s.shape.dp})" for s in st])
-    add("micro-batch size", [str(s.micro_batch_size) for s in st])
-    add("-- time per micro-batch (ms)", ["" for _ in st])
-    for key, label in (("compute_forward_s", "compute forward"), ("compute_backward_s", "compute backward"),
-                       ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"), ("cp_comm_s", "CP comm (exposed)"),
-                       ("ep_comm_s", "EP all-to-all"), ("zero_comm_exposed_s", "ZeRO comm (exposed)"),
-                       ("p2p_s", "pipeline p2p")):
-        add("  " + label, [ms(s.breakdown.get(key, 0.0)) for s in st])
-    add("  forward", [ms(s.forward_s) for s in st])
-    add("  backward", [ms(s.backward_s) for s in st])
-    add("  stage total", [ms(s.time_s) for s in st])
-    add("-- per iteration (ms)", ["" for _ in st])
-    add("  DP gradient sync", [ms(s.dp_sync_s) for s in st])
-    add("  optimizer step", [ms(s.optimizer_s) for s in st])
-    add("-- memory per GPU (GiB)", ["" for _ in st])
-    for key, label in (("parameters_bytes", "parameters"), ("gradients_bytes", "gradients"),
-                       ("optimizer_bytes", "optimizer states"), ("working_bytes", "working set"),
-                       ("overhead_bytes", "runtime overhead")):
-        add("  " + label, [gib(s.breakdown.get(key, 0.0)) for s in st])
-    inflight = [min(stages_after + n - j, num_microbatches) for j in range(n)]
-    add("  activations / micro-batch", [gib(s.activation_bytes) for s in st])
-    add("  micro-batches in flight", [str(k) for k in inflight])
-    peaks = [s.memory_bytes(stages_after + n - 1 - j, num_microbatches) for j, s in enumerate(st)]
-    add("  peak", [gib(x) for x in peaks])
-    add("  capacity", [gib(capacity_bytes) for _ in st])
-    add("  fits", ["yes" if x <= capacity_bytes else "NO" for x in peaks])
-    host = [s.breakdown.get("host_offload_bytes", 0.0) for s in st]
-    if any(host):
-        add("  offloaded to host", [gib(x) for x in host])
-    width0 = max(len(r[0]) for r in rows)
-    widths = [max(len(cols[c]), *(len(r[1][c]) for r in rows)) for c in range(n)]
-    lines = ["".ljust(width0) + "  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-    for label, values in rows:
-        lines.append(label.ljust(width0) + "  " + "  ".join(v.rjust(w) for v, w in zip(values, widths)))
-    return "\n".join(lines)

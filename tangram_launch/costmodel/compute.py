@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel.efficiency import DeviceModel
+from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported for the cost model's users)
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0  # backward / forward work (Narayanan et al. 2021, sec. 3.5)
-RECOMPUTE_MODES = ("none", "selective", "full")
 # Bytes moved per attention-score element by unfused attention, in units of the dtype size p, plus a 1-byte
 # dropout mask: QK^T writes (p), fused scale-mask-softmax reads and writes (2p), dropout reads and writes (2p) and
 # stores the mask (1), P V reads (p): 6p + 1 (Megatron-LM's unfused path; the 5 bytes Korthikanti et al. 2022 store

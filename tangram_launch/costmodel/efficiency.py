@@ -33,10 +33,10 @@ from typing import Mapping
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import GPUSpec
+from tangram_launch.specs.constants import GIB  # noqa: F401 (re-exported for the cost model's users)
 
 TFLOPS = 1e12
 GBPS = 1e9  # _gbps = GB/s = 1e9 bytes per second
-GIB = 1024**3
 
 # Large bf16/fp16 GEMMs reach 60-80 % of the dense peak (cuBLAS on A100/H100; GPU-FACTS.md); 0.70 reproduces the
 # published end-to-end figures above once the other overheads are added.

@@ -174,7 +174,8 @@ class MegatronParallelizer:
                 for offload in offloads:
                     if shard == 1 and (zero in (1, 2) or (zero == 3 and not offload)):
                         continue
-                    shape = StageShape(grid.tp, grid.dp, grid.cp, grid.ep, zero, recompute, offload)
+                    shape = StageShape(tp=grid.tp, dp=grid.dp, cp=grid.cp, ep=grid.ep, zero_stage=zero,
+                                       recompute=recompute, offload=offload)
                     if caps.allows_stage(shape, pipelined=pipelined):
                         out.append((zero, r, offload))
         return out

@@ -43,6 +43,6 @@ class UniformParallelizer(MegatronParallelizer):
                 yield ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep)
 
     def savers(self, q: SliceQuery, grid: ParallelConfig) -> list[tuple[int, int, bool]]:
-        shape = StageShape(grid.tp, grid.dp, grid.cp, grid.ep, 0, "none", False)
+        shape = StageShape(tp=grid.tp, dp=grid.dp, cp=grid.cp, ep=grid.ep)
         ok = q.capabilities.allows_stage(shape, pipelined=q.pipelined or grid.pp > 1)
         return [(0, 0, False)] if ok else []

@@ -23,7 +23,7 @@ from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.compose import Composition, ComposeStats, compose, lower_bound
 from tangram_launch.planner.enumerate import default_workers, run_queries
-from tangram_launch.planner.layout import LinkModel, activation_bytes
+from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.slices import (
     ModelAtoms,
     Pair,

@@ -17,7 +17,7 @@ from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
 from tangram_launch.planner.compose import Composition, Option, evaluate
-from tangram_launch.planner.layout import LinkModel, allocate_gpus, fits_island, node_sizes
+from tangram_launch.planner.allocation import LinkModel, allocate_gpus, fits_island, node_sizes
 from tangram_launch.planner.slices import Pair
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -35,6 +35,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
+from tangram_launch.costmodel.pipeline import pipeline_latency_s
+
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
@@ -81,10 +83,6 @@ class ComposeStats:
     trace: list = field(default_factory=list)  # (bound_s, best latency_s at that bound or None)
 
 
-def pipeline_latency(num_microbatches: int, period_s: float, fill_s: float, tail_s: float) -> float:
-    return (num_microbatches - 1) * period_s + fill_s + tail_s
-
-
 def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
              num_microbatches: int) -> Metrics | None:
     """Latency of a front-to-back sequence of options; None if some option does not fit at its position."""
@@ -97,7 +95,7 @@ def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Seq
     period = max([options[oi].bottleneck_s for oi in seq] + list(links))
     fill = sum(options[oi].time_s for oi in seq) + 2.0 * sum(links)
     tail = max(options[oi].tail_s for oi in seq)
-    return Metrics(pipeline_latency(num_microbatches, period, fill, tail), period, fill, tail, links)
+    return Metrics(pipeline_latency_s(num_microbatches, period, fill, tail), period, fill, tail, links)
 
 
 def _pareto(entries: list) -> list:

@@ -32,7 +32,7 @@ from tangram_launch.planner.api import PlannerOptions, microbatch_choices, resol
 from tangram_launch.planner.build import Candidates, build_plan, compatibility_group
 from tangram_launch.planner.compose import Composition, Option, evaluate
 from tangram_launch.planner.enumerate import run_queries
-from tangram_launch.planner.layout import LinkModel, activation_bytes, allocate_gpus
+from tangram_launch.planner.allocation import LinkModel, activation_bytes, allocate_gpus
 from tangram_launch.planner.slices import Pair
 from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file
 

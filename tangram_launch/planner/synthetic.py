@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from tangram_launch.capabilities import StageShape
+from tangram_launch.specs.constants import GIB
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
     SlicePlan,
@@ -20,7 +21,6 @@ from tangram_launch.parallelizers.base import (
     capacity_bytes,
 )
 
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

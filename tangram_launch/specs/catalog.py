@@ -23,9 +23,9 @@ from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import DTYPES
 from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file, require
 
-DTYPES = ("bf16", "fp16", "fp32")
 INTERCONNECTS = ("nvlink", "pcie", "host")
 # Figures that need a citation; "pcie_gen" only when it is not null.
 FIGURES = (

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import DTYPES
 from tangram_launch.specs.yamlio import (
     check_keys,
     dump_yaml_file,
@@ -23,7 +24,6 @@ from tangram_launch.specs.yamlio import (
     to_plain,
 )
 
-DTYPES = ("bf16", "fp16", "fp32")
 
 _GPU_KEYS = ("type", "tflops", "memory_gib", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps", "uuid", "measured")
 _NODE_KEYS = ("name", "host", "gpu", "count", "gpus", "tflops", "memory_gib", "memory_bandwidth_gbps",

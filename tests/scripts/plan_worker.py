@@ -1,6 +1,6 @@
 """Planned-launch test worker: records its remapped place, then checks it with a real gloo all_reduce.
 
-Usage: plan_worker.py OUT_DIR   -> OUT_DIR/rank<RANK>.json (RANK as remapped by tangram_launch.boot)
+Usage: plan_worker.py OUT_DIR   -> OUT_DIR/rank<RANK>.json (RANK as remapped by tangram_launch.launch.boot)
 """
 import json
 import os

@@ -2,9 +2,9 @@
 
 ``tangram-launch --plan FILE`` has torch's elastic agent start, instead of ``python -u script.py args``::
 
-    python -u -m tangram_launch.boot --plan-file F --plan-hash H --node N --agent-id A -- script.py args
-    python -u -m tangram_launch.boot ... -- -m package.module args      # tangram-launch -m
-    python -u -m tangram_launch.boot ... -- --exec cmd args             # tangram-launch --no-python (exec's cmd)
+    python -u -m tangram_launch.launch.boot --plan-file F --plan-hash H --node N --agent-id A -- script.py args
+    python -u -m tangram_launch.launch.boot ... -- -m package.module args      # tangram-launch -m
+    python -u -m tangram_launch.launch.boot ... -- --exec cmd args             # tangram-launch --no-python (exec's cmd)
 
 Why a bootstrap: torch's agent numbers ranks agent by agent in rendezvous order, which on a heterogeneous cluster
 is not the plan's layout (a stage's ranks must sit on its island).  Boot remaps ``RANK``/``ROLE_RANK`` so the worker

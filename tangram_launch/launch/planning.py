@@ -24,22 +24,21 @@ checkpoint's plan and the new one is logged before any worker starts.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import RUNTIMES
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tangram_launch.checkpoint_store import CheckpointInfo
-    from tangram_launch.launch import TangramOptions
+    from tangram_launch.checkpoint.store import CheckpointInfo
+    from tangram_launch.launch.torchrun import LaunchOptions, TangramOptions
     from tangram_launch.plan import Plan
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import ModelSpec
@@ -150,29 +149,20 @@ def cached_profile(directory: str, fingerprint: str, *, nproc_per_node: int,
     return spec
 
 
-def _single_node(args: argparse.Namespace) -> bool:
-    from torch.distributed.run import parse_min_max_nnodes
-
-    if getattr(args, "standalone", False):
-        return True
-    return parse_min_max_nnodes(args.nnodes) == (1, 1)
-
-
-def profile_cluster(args: argparse.Namespace, *, quick: bool = False, directory: str | None = None,
+def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory: str | None = None,
                     nproc_per_node: int | None = None) -> tuple["ClusterSpec", str, bool]:
     """(ClusterSpec, its cache path, whether it was reused): the cached profile of this hardware, or a new one.
 
-    ``args`` are the launch's torchrun options (the profile runs with the same ones).
+    The profile runs with the launch's torchrun options (``options.torchrun``).
     """
-    from torch.distributed.run import determine_local_world_size
-
-    if not _single_node(args):
+    args = options.torchrun
+    if not options.single_node:
         raise SpecError("--profile measures the nodes at launch on a single node only (the profiler writes the "
                         "ClusterSpec on global rank 0's node); run `tangram-launch profile [the same torchrun "
                         "options] -o cluster.yaml` once, copy cluster.yaml to every node and launch with --cluster "
                         "cluster.yaml", field="--profile", value=f"--nnodes {args.nnodes}", valid="--nnodes 1")
     directory = directory or cache_dir()
-    nproc = nproc_per_node or determine_local_world_size(args.nproc_per_node)
+    nproc = nproc_per_node or options.nproc_per_node
     fp = live_fingerprint(nproc)
     spec = cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
     path = _profile_path(directory, fp)
@@ -182,17 +172,16 @@ def profile_cluster(args: argparse.Namespace, *, quick: bool = False, directory:
         return spec, path, True
     logger.info("no cached profile for hardware fingerprint %s; profiling this node with %d worker(s)%s", fp, nproc,
                 " (quick)" if quick else "")
-    from tangram_launch.commands import profile as profile_command
+    from tangram_launch.launch.profiling import ProfileRequest
+    from tangram_launch.launch.profiling import profile_cluster as run_profile
     from tangram_launch.specs.cluster import ClusterSpec
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    parser = argparse.ArgumentParser(prog="tangram-launch profile")
-    profile_command.add_arguments(parser)
     staged = f"{path}.new-{os.getpid()}"
-    pargs = parser.parse_args(profile_command.torchrun_argv(args) + ["-o", staged] + (["--quick"] if quick else []))
+    request = ProfileRequest(output=staged, torchrun_argv=tuple(options.torchrun_argv()), quick=quick,
+                             nnodes=str(args.nnodes), rdzv_endpoint=getattr(args, "rdzv_endpoint", "") or "")
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # the profile's summary table: stdout is the training's
-            profile_command.run(pargs)
+        run_profile(request)  # single node (checked above): this node writes the file
         spec = ClusterSpec.load(staged)
         os.replace(staged, path)
     finally:
@@ -219,8 +208,6 @@ class PlanInputs:
     parallelizer: str
 
     def __post_init__(self) -> None:
-        from tangram_launch.launch import RUNTIMES
-
         if self.runtime not in RUNTIMES:
             raise SpecError("unknown runtime", field="--runtime", value=self.runtime, valid=", ".join(RUNTIMES))
         self.training()  # TrainingSpec validates batch, sequence length and dtype
@@ -315,16 +302,14 @@ def _this_node(cluster: "ClusterSpec", requested: str | None) -> str | None:
 def provide_plan(request: Any) -> str:
     """The launcher's plan provider: cluster (file or profile) -> plan -> canonical file in the request's dir.
 
-    ``request`` is a :class:`tangram_launch.launch.PlanRequest` (options, torchrun args, resume info, out dir).
+    ``request`` is a :class:`tangram_launch.launch.torchrun.PlanRequest` (launch options, resume info, out dir).
     """
-    from torch.distributed.run import determine_local_world_size
-
     from tangram_launch.specs.cluster import ClusterSpec
 
-    opts, args = request.opts, request.args
+    opts = request.options.tangram
     if opts.cluster and opts.profile:
         raise SpecError("give either --cluster FILE or --profile", field="--profile")
-    nproc = determine_local_world_size(args.nproc_per_node)
+    nproc = request.options.nproc_per_node
     inputs = plan_inputs(opts, request.resume)  # a bad model name fails before any profiling
     if opts.cluster:
         cluster = ClusterSpec.load(opts.cluster)
@@ -332,12 +317,12 @@ def provide_plan(request: Any) -> str:
     else:
         if not opts.profile:
             logger.info("no --cluster given: profiling this node (--profile)")
-        cluster, source, _ = profile_cluster(args, quick=opts.profile_quick, nproc_per_node=nproc)
+        cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc)
     logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
     plan = make_launch_plan(cluster, inputs)
-    from tangram_launch.commands.plan import format_plan_table
+    from tangram_launch.planner.report import format_plan_table
 
     for line in format_plan_table(plan, cluster_name=cluster.name).splitlines():
         logger.info("%s", line)
@@ -353,7 +338,7 @@ def provide_plan(request: Any) -> str:
 
 def describe_resume(directory: str) -> "CheckpointInfo":
     """The newest complete checkpoint in ``directory`` (sizes checked; workers verify checksums on load)."""
-    from tangram_launch.checkpoint_store import describe
+    from tangram_launch.checkpoint.store import describe
 
     if not os.path.isdir(directory):
         raise SpecError(f"checkpoint directory {os.path.abspath(directory)} does not exist", field="--resume",

@@ -1,7 +1,7 @@
 """Layout-agnostic, atomic, verified checkpoints: save under one pipeline layout, resume under another.
 
 Every rank hands over its state under *global* names (``embedding.*``, ``layers.<global i>.*``, ``head.*``; see
-:mod:`tangram_launch.checkpoint_keys`) and the optimizer state keyed by the same names. Tensors go through
+:mod:`tangram_launch.checkpoint.keys`) and the optimizer state keyed by the same names. Tensors go through
 ``torch.distributed.checkpoint`` (DCP): each rank writes its own shard file, replicas of a tensor (data-parallel
 copies) are written once, and a rank of a new layout reads exactly the keys its new layer range needs, resharding
 DTensors (FSDP2/TP) on the way in. Around the shards this module adds what makes a resume safe and exact::
@@ -43,10 +43,10 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from tangram_launch import checkpoint_store as store
-from tangram_launch.checkpoint_keys import (LayerKeyMap, NamedOptimizerState, format_layers, layer_of,
+from tangram_launch.checkpoint import store
+from tangram_launch.checkpoint.keys import (LayerKeyMap, NamedOptimizerState, format_layers, layer_of,
                                             load_optimizer_state_by_name, optimizer_state_by_name, part_of)
-from tangram_launch.checkpoint_store import CheckpointInfo, Skipped, TrainingPosition, describe
+from tangram_launch.checkpoint.store import CheckpointInfo, Skipped, TrainingPosition, describe
 from tangram_launch.errors import SpecError
 from tangram_launch.plan import Plan
 

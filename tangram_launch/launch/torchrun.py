@@ -10,7 +10,7 @@ failure's host, rank and exit code::
     tangram-launch --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint head:29500 train.py
 
 With ``--plan FILE`` (JSON or YAML with a ``rank_layout``), each agent is one plan node (``--node-name``, default:
-matched by host name) and its workers start through :mod:`tangram_launch.boot`, which takes the plan's rank for
+matched by host name) and its workers start through :mod:`tangram_launch.launch.boot`, which takes the plan's rank for
 the worker's (node, local rank), checks that all agents brought the same plan, and runs the script as python
 would; workers read their place with :func:`tangram_launch.worker.current_plan`::
 
@@ -24,7 +24,7 @@ Planning at launch time: with ``--cluster FILE`` or ``--profile`` (measure this 
 cached by hardware fingerprint and reused while the hardware is unchanged), ``--model``, ``--global-batch``,
 ``--seq-len``, ``--dtype``, ``--runtime`` and ``--parallelizer``, every agent plans (deterministically; the file
 is canonical JSON), logs the plan table, writes the plan into ``<log dir>/tangram/`` (else the cache's ``plans/``)
-and launches by it as with ``--plan`` (:mod:`tangram_launch.planned`)::
+and launches by it as with ``--plan`` (:mod:`tangram_launch.launch.planning`)::
 
     tangram-launch --standalone --nproc-per-node 2 --profile --model tiny --global-batch 8 --seq-len 64 \\
         examples/train_gpt.py --steps 2
@@ -57,11 +57,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tangram_launch import worker as W
 from tangram_launch.errors import SpecError, TangramError
+from tangram_launch.specs.constants import DTYPES, RUNTIMES
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("bf16", "fp16", "fp32")
-RUNTIMES = ("torch", "deepspeed", "megatron")
 # Options that ask for planning at launch time (they need a plan provider, or are ignored next to --plan).
 PLANNING_OPTIONS = ("cluster", "profile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
                     "parallelizer")
@@ -137,14 +136,58 @@ class TangramOptions:
 
 
 @dataclass(frozen=True)
-class PlanRequest:
-    """What a plan provider plans from: the tangram options, torchrun's (for --profile), the checkpoint being
-    resumed (``tangram_launch.checkpoint_store.CheckpointInfo``) and the directory to write the plan file into."""
+class LaunchOptions:
+    """The command line, converted once at the boundary (as torch.distributed.run turns its arguments into a
+    ``LaunchConfig``): torchrun's options, kept as torch's own namespace because torch's ``run`` takes exactly that,
+    and Tangram's, typed. Nothing after this re-parses argv."""
 
-    opts: TangramOptions
-    args: argparse.Namespace
+    torchrun: argparse.Namespace
+    tangram: TangramOptions
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "LaunchOptions":
+        args = build_parser().parse_args(list(argv))
+        return cls(torchrun=args, tangram=TangramOptions.from_args(args))
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Workers on this node (torchrun's ``--nproc-per-node``: a number, or gpu/cpu/auto resolved here)."""
+        from torch.distributed.run import determine_local_world_size
+
+        return determine_local_world_size(self.torchrun.nproc_per_node)
+
+    @property
+    def single_node(self) -> bool:
+        from torch.distributed.run import parse_min_max_nnodes
+
+        return bool(getattr(self.torchrun, "standalone", False)) or parse_min_max_nnodes(
+            self.torchrun.nnodes) == (1, 1)
+
+    def torchrun_argv(self) -> list[str]:
+        """torchrun's options back as a command line (to start other workers, e.g. the profiler's, with them)."""
+        from tangram_launch.launch.profiling import torchrun_argv
+
+        return torchrun_argv(self.torchrun)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan provider plans from: the launch's options (Tangram's, and torchrun's for --profile), the
+    checkpoint being resumed (``tangram_launch.checkpoint.store.CheckpointInfo``) and the directory to write the
+    plan file into."""
+
+    options: LaunchOptions
     out_dir: str
     resume: Any = None
+
+    @property
+    def opts(self) -> TangramOptions:
+        return self.options.tangram
+
+    @property
+    def args(self) -> argparse.Namespace:
+        """torchrun's options (as providers written against the earlier PlanRequest read them)."""
+        return self.options.torchrun
 
 
 # A plan provider turns the planning options into a plan file (the planned launch's seam): it runs on every agent,
@@ -153,8 +196,8 @@ PlanProvider = Callable[[PlanRequest], "str | os.PathLike"]
 
 
 def plan_at_launch(request: PlanRequest) -> "str | os.PathLike":
-    """The default provider: :func:`tangram_launch.planned.provide_plan` (imported only when planning)."""
-    from tangram_launch.planned import provide_plan
+    """The default provider: :func:`tangram_launch.launch.planning.provide_plan` (imported only when planning)."""
+    from tangram_launch.launch.planning import provide_plan
 
     return provide_plan(request)
 
@@ -282,7 +325,7 @@ def prepare_planned_launch(args: argparse.Namespace, plan_file: str | os.PathLik
 
 def route_through_boot(args: argparse.Namespace, planned: PlannedLaunch,
                        resume_dir: str | None = None) -> argparse.Namespace:
-    """torchrun args that start ``python -u -m tangram_launch.boot <boot opts> -- <the user's target>`` instead.
+    """torchrun args that start ``python -u -m tangram_launch.launch.boot <boot opts> -- <the user's target>`` instead.
 
     torch still builds the command (PYTHON_EXEC, ``-u``, ``--run-path``), so nothing of torchrun's worker start is
     re-implemented; only the target changes.
@@ -295,7 +338,7 @@ def route_through_boot(args: argparse.Namespace, planned: PlannedLaunch,
     if args.no_python and args.module:
         raise SpecError("use either --no-python or -m/--module", field="--no-python")
     if args.run_path:  # in-process worker: torch's run_script_path runs boot.py, which runs the script
-        from tangram_launch import boot
+        from tangram_launch.launch import boot
 
         routed.training_script = os.path.abspath(boot.__file__)
         routed.training_script_args = [*boot_opts, "--", args.training_script, *args.training_script_args]
@@ -308,7 +351,7 @@ def route_through_boot(args: argparse.Namespace, planned: PlannedLaunch,
         target = [args.training_script]
     routed.no_python = False
     routed.module = True
-    routed.training_script = "tangram_launch.boot"
+    routed.training_script = "tangram_launch.launch.boot"
     routed.training_script_args = [*boot_opts, "--", *target, *args.training_script_args]
     return routed
 
@@ -356,14 +399,14 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     a worker failed (as torchrun exits).  User errors raise SpecError (exit 2) before any worker starts; argparse
     errors exit 2 as torchrun's do.
     """
-    args = build_parser().parse_args(list(argv))
-    opts = TangramOptions.from_args(args)
+    options = LaunchOptions.from_argv(argv)
+    args, opts = options.torchrun, options.tangram
     planning = opts.planning_given()
     if opts.node_name and opts.plan is None and not planning and not opts.resume:
         raise SpecError("needs a plan (--plan FILE or --cluster FILE ...)", field="--node-name")
     resume_info = None
     if opts.resume:
-        from tangram_launch.planned import describe_resume
+        from tangram_launch.launch.planning import describe_resume
 
         resume_info = describe_resume(opts.resume)  # missing or empty: SpecError naming the directory
     if opts.plan is not None and planning:
@@ -386,13 +429,13 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
                                 field="--" + (planning[0].replace("_", "-") if planning else "resume"))
             out_dir = staging
             if not args.log_dir:
-                from tangram_launch.planned import default_plan_dir
+                from tangram_launch.launch.planning import default_plan_dir
 
                 out_dir = default_plan_dir()
-            plan_file = plan_provider(PlanRequest(opts=opts, args=args, out_dir=out_dir, resume=resume_info))
+            plan_file = plan_provider(PlanRequest(options=options, out_dir=out_dir, resume=resume_info))
         planned = prepare_planned_launch(args, plan_file, node_name=opts.node_name, staging_dir=staging)
         if resume_info is not None:
-            from tangram_launch.planned import report_resume
+            from tangram_launch.launch.planning import report_resume
 
             report_resume(resume_info, planned.plan_dict, source=planned.source)
         return _launch(route_through_boot(args, planned, opts.resume), planned)

@@ -1,0 +1,152 @@
+"""What the cost model answers about one model slice on one island: the query (``SliceQuery``), and the costed
+pipeline it returns (``SlicePlan`` of ``StageCost``s), with per-stage forward/backward time per micro-batch and
+memory as a function of pipeline position. Under 1F1B the stage at global position p of S holds min(S - p, m)
+micro-batches of activations (Narayanan et al. 2021, §2.2), so memory is
+``static_bytes + activation_bytes * min(stages_after + 1, m)``.
+
+These are the cost model's types; ``parallelizers/base.py`` defines the protocol that answers with them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tangram_launch.capabilities import RuntimeCapabilities
+from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import GIB
+from tangram_launch.specs.shape import StageShape
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.islands import Island
+    from tangram_launch.specs.model import ModelSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig(StageShape):
+    """One configuration of a slice: a stage shape (the (tp, cp, dp) grid and memory savers of every stage) and
+    the number of pipeline stages ``pp`` inside the slice. Keyword-only, validated by the shape."""
+
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise SpecError("must be a positive integer", field="pp", value=self.pp, valid="an integer >= 1")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.stage_gpus * self.pp
+
+    def shape(self) -> StageShape:
+        """The shape every stage of this configuration has."""
+        return self.as_shape()
+
+    def describe(self) -> str:
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero_stage} "
+                f"recompute={self.recompute} offload={'yes' if self.offload else 'no'}")
+
+
+@dataclass(frozen=True)
+class SliceQuery:
+    model: "ModelSpec"
+    training: "TrainingSpec"
+    layers: tuple[int, int]  # [start, stop) over transformer layers
+    island: "Island"
+    microbatch_sequences: int  # b: sequences per pipeline micro-batch = micro_batch_size * dp of every stage
+    capabilities: RuntimeCapabilities
+    max_stages: int | None = None  # cap on pipeline stages inside this slice
+    pipelined: bool = True  # whether the global plan may have more than one stage (ZeRO limits with PP)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.training.global_batch // self.microbatch_sequences
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.layers[0] == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.layers[1] == self.model.num_layers
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One pipeline stage of a slice plan, costed per GPU."""
+
+    layers: tuple[int, int]
+    shape: StageShape  # tp, dp, cp, ep, zero_stage, recompute, offload
+    micro_batch_size: int  # per DP replica
+    forward_s: float  # per micro-batch, incl. TP/CP/EP communication
+    backward_s: float  # per micro-batch, incl. recompute and its communication
+    static_bytes: float  # parameters + gradients + optimizer state + runtime overhead, per GPU
+    activation_bytes: float  # per in-flight micro-batch, per GPU
+    dp_sync_s: float = 0.0  # gradient all-reduce / reduce-scatter (+ all-gather) per iteration
+    optimizer_s: float = 0.0  # optimizer step per iteration
+    p2p_bytes: float = 0.0  # activation bytes sent to the next stage per micro-batch (whole micro-batch)
+    breakdown: dict = field(default_factory=dict, compare=False, hash=False)  # name -> seconds or bytes
+
+    @property
+    def num_gpus(self) -> int:
+        return self.shape.stage_gpus
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def memory_bytes(self, stages_after: int, num_microbatches: int) -> float:
+        """Peak memory per GPU at a pipeline position with ``stages_after`` stages behind it (1F1B)."""
+        return self.static_bytes + self.activation_bytes * min(stages_after + 1, num_microbatches)
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    island: str
+    layers: tuple[int, int]
+    stages: tuple[StageCost, ...]
+    parallelizer: str = ""
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(s.num_gpus for s in self.stages)
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(s.time_s for s in self.stages)
+
+    def fits(self, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:
+        """Whether every stage fits when ``stages_after`` global stages follow this slice's last stage."""
+        n = len(self.stages)
+        return all(
+            st.memory_bytes(stages_after + (n - 1 - j), num_microbatches) <= capacity_bytes
+            for j, st in enumerate(self.stages)
+        )
+
+    def max_stages_after(self, num_microbatches: int, capacity_bytes: float) -> int:
+        """Largest number of following stages at which the slice still fits; -1 if it never fits.
+
+        Memory grows with stages_after only until min(., m) saturates, so beyond m - 1 more stages change nothing:
+        the answer is capped at a large sentinel when it fits at saturation.
+        """
+        if not self.fits(0, num_microbatches, capacity_bytes):
+            return -1
+        if self.fits(num_microbatches, num_microbatches, capacity_bytes):
+            return 1 << 30
+        lo, hi = 0, num_microbatches  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(mid, num_microbatches, capacity_bytes):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+def capacity_bytes(island: "Island", *, reserve_fraction: float = 0.0) -> float:
+    """Usable memory per GPU on an island."""
+    return island.gpu.memory_gib * GIB * (1.0 - reserve_fraction)

@@ -1,0 +1,11 @@
+"""The words every layer shares, defined once: dtypes, recompute modes, ZeRO stages, runtime names, GiB.
+
+On the ground floor so that specs, the cost model, the Plan, the planner, the launcher and the adapters all validate
+against the same tuples (a new recompute mode or runtime is added here, and every parser and check follows).
+"""
+GIB = 1024**3  # bytes per GiB (memory figures are GiB; link figures are GB/s, 10**9 bytes)
+
+DTYPES = ("bf16", "fp16", "fp32")  # training dtypes, in the order tables print them
+RECOMPUTE_MODES = ("none", "selective", "full")  # activation recomputation (Korthikanti et al. 2022)
+ZERO_STAGES = (0, 1, 2, 3)  # ZeRO optimizer/gradient/parameter sharding (Rajbhandari et al. 2020)
+RUNTIMES = ("torch", "deepspeed", "megatron")  # runtimes with an adapter and declared capabilities

@@ -1,0 +1,72 @@
+"""The 1F1B models in costmodel/pipeline.py: the planner's formula and the event simulation the timeline draws,
+how they relate, and a timeline whose title and bars say the same numbers."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+
+import pytest
+
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulate_1f1b
+from tangram_launch.draw import Text, timeline_items
+from tangram_launch.plan import Plan
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "plans")
+
+
+def _end(blocks) -> float:
+    return max(b.end_s for b in blocks)
+
+
+@pytest.mark.parametrize("stages,m", [(1, 1), (1, 5), (3, 1), (4, 8), (5, 3)])
+def test_equal_stages_without_links_take_m_plus_s_minus_1_slots_in_both_models(stages, m):
+    f, b = 0.3, 0.7
+    blocks = simulate_1f1b([f] * stages, [b] * stages, [0.0] * (stages - 1), m)
+    formula = pipeline_latency_s(m, f + b, stages * (f + b), 0.0)
+    assert _end(blocks) == pytest.approx(formula) == pytest.approx((m + stages - 1) * (f + b))
+
+
+def test_the_formula_bounds_the_simulated_schedule_when_links_are_free():
+    rng = random.Random(7)
+    for _ in range(200):
+        S, m = rng.randint(1, 5), rng.randint(1, 12)
+        f = [rng.uniform(0.1, 1.0) for _ in range(S)]
+        b = [x * rng.uniform(1.5, 2.5) for x in f]
+        period = max(x + y for x, y in zip(f, b))
+        formula = pipeline_latency_s(m, period, sum(f) + sum(b), 0.0)
+        assert _end(simulate_1f1b(f, b, [0.0] * (S - 1), m)) <= formula * (1 + 1e-12)
+
+
+def test_simulation_keeps_every_stage_busy_with_one_block_at_a_time_and_respects_dependencies():
+    f, b, p2p, m = [0.2, 0.5, 0.3], [0.4, 1.0, 0.6], [0.05, 0.02], 6
+    blocks = simulate_1f1b(f, b, p2p, m)
+    assert len(blocks) == 2 * 3 * m
+    for k in range(3):
+        mine = sorted((x for x in blocks if x.stage == k), key=lambda x: x.start_s)
+        assert all(a.end_s <= c.start_s + 1e-12 for a, c in zip(mine, mine[1:]))
+    at = {(x.kind, x.stage, x.micro): x for x in blocks}
+    for i in range(m):
+        for k in range(1, 3):
+            assert at[("F", k, i)].start_s >= at[("F", k - 1, i)].end_s + p2p[k - 1] - 1e-12
+            assert at[("B", k - 1, i)].start_s >= at[("B", k, i)].end_s + p2p[k - 1] - 1e-12
+
+
+def test_timeline_title_states_the_prediction_and_the_bars_end_where_the_note_says():
+    """The README's `plan` example (c3-full-het-iii, gpt3-13b): the title is the plan's predicted iteration time,
+    and the note under it gives the end of the drawn bars (last block + DP sync/optimizer), so the picture does not
+    contradict its own title."""
+    with open(os.path.join(FIXTURES, "c3-full-het-iii.json"), encoding="utf-8") as f:
+        plan = Plan.from_dict(json.load(f))
+    items, _, _ = timeline_items(plan)
+    texts = [it.text for it in items if isinstance(it, Text)]
+    title = next(t for t in texts if "predicted 1F1B iteration" in t)
+    assert f"{plan.predicted.iteration_time_s:.3f} s" in title
+    note = next(t for t in texts if t.startswith("bars: simulated 1F1B schedule"))
+    drawn = float(re.search(r"ends at ([0-9.]+) s", note).group(1))
+    fwd = [p.forward_s for p in plan.predicted.stages]
+    bwd = [p.backward_s for p in plan.predicted.stages]
+    end = _end(simulate_1f1b(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches))
+    assert drawn == pytest.approx(end + plan.predicted.breakdown["tail_s"], abs=5e-4)
+    assert drawn > plan.predicted.iteration_time_s  # p2p latency in the steady state, which the formula hides
