@@ -4,7 +4,7 @@ tests/fixtures/plans/ (written from the code before the issue 17 redesign). Refa
 Only the planner's wall-clock timings (``*_time_s`` under ``planner``) are zeroed before comparing; every other
 byte, predicted times included, must match. Regenerate only for an intended change of plans, and say why:
 
-    PYTHONPATH=. python tests/test_example_plans.py        # rewrites tests/fixtures/plans/*.json
+    PYTHONPATH=. python tests/test_example_plans.py [NAME ...]   # rewrites tests/fixtures/plans/*.json (or NAME's)
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ CASES = [
                                                                  "--dtype", "fp16", "--runtime", "deepspeed"]),
     ("cpu-2", "cpu-2", "tiny", ["--global-batch", "8", "--seq-len", "64", "--dtype", "fp32"]),
     ("profiled-cpu-2", "profiled-cpu-2", "tiny", ["--global-batch", "8", "--seq-len", "64", "--dtype", "fp32"]),
+    ("two-pods-slow-link", "two-pods-slow-link", "llama3-8b", ["--global-batch", "64", "--seq-len", "4096",
+                                                               "--dtype", "bf16"]),
     ("profiled-h200", "profiled-h200", os.path.join(REPO, "examples", "models", "llama3.2-1b.yaml"),
      ["--global-batch", "16", "--seq-len", "2048", "--dtype", "bf16"]),
 ]
@@ -84,7 +86,10 @@ def test_example_plan_is_byte_identical_to_the_stored_one(name, cluster, model, 
 if __name__ == "__main__":  # regenerate the fixtures (see the module docstring)
     sys.path.insert(0, REPO)
     os.makedirs(FIXTURES, exist_ok=True)
+    only = set(sys.argv[1:])
     for name, cluster, model, extra in CASES:
+        if only and name not in only:
+            continue
         text = plan_json(cluster, model, extra)
         with open(os.path.join(FIXTURES, f"{name}.json"), "w", encoding="utf-8") as f:
             f.write(text)
