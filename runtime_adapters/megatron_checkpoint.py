@@ -405,6 +405,9 @@ def load_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     if optimizer is not None and not with_optimizer and rank == 0:
         logger.warning("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
     request = sharded_state_dict(model, optimizer if with_optimizer else None, is_loading=True)
+    from tangram_launch.safe_load import check_dcp_directory
+
+    check_dcp_directory(os.path.join(path, MEGATRON_DIR), allow_bytes=True)  # Megatron unpickles: prove it is data
     try:
         loaded = dist_checkpointing.load(request, os.path.join(path, MEGATRON_DIR))
     except CheckpointingException as exc:

@@ -500,8 +500,11 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     for n, d in optim_templates.items():
         flat.update({f"{_OPTIM_PREFIX}{n}.{k}": t for k, t in d.items()})
     targets = dict(flat)
+    from tangram_launch.safe_load import check_dcp_directory, safe_planner, safe_reader
+
+    check_dcp_directory(os.path.join(path, store.STATE_DIR))  # every rank: nothing from the checkpoint runs code
     with _single_process_quiet(comm):
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(os.path.join(path, store.STATE_DIR)),
+        dcp.load(flat, storage_reader=safe_reader(os.path.join(path, store.STATE_DIR)), planner=safe_planner(),
                  process_group=group, no_dist=not comm.distributed)
     with torch.no_grad():
         for key, t in flat.items():  # DCP loads tensors in place; copy should it ever have replaced one

@@ -352,13 +352,19 @@ def provide_plan(request: Any) -> str:
 # --- resume ------------------------------------------------------------------------------------------------------------
 
 def describe_resume(directory: str) -> "CheckpointInfo":
-    """The newest complete checkpoint in ``directory`` (sizes checked; workers verify checksums on load)."""
-    from tangram_launch.checkpoint_store import describe
+    """The newest complete checkpoint in ``directory``: checksums verified as the workers will (so both pick the
+    same one), and what the workers will unpickle proven to be data (:mod:`tangram_launch.safe_load`)."""
+    from tangram_launch.checkpoint_store import describe, read_manifest
+    from tangram_launch.safe_load import check_checkpoint
 
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise SpecError(f"{os.path.abspath(directory)} is a file, not a checkpoint directory", field="--resume",
+                        value=directory, valid="a directory holding step_<N>/ checkpoints")
     if not os.path.isdir(directory):
         raise SpecError(f"checkpoint directory {os.path.abspath(directory)} does not exist", field="--resume",
                         value=directory, valid="a directory holding step_<N>/ checkpoints")
-    info = describe(directory)
+    info = describe(directory, checksums=True)
+    check_checkpoint(info.path, read_manifest(info.path))
     pos = info.position
     logger.info("resuming from %s: step %d, %d samples consumed", info.path, info.step, pos.consumed_samples)
     for s in info.skipped:
