@@ -336,11 +336,18 @@ def failure_summary(exc: Exception, planned: PlannedLaunch | None = None) -> str
 
 def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
     """torch's run(args) under torch's @record (the first failure's error file becomes the launcher's)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import run as torch_run
 
     try:
         record(torch_run)(args)
+    except SignalException as exc:  # SIGTERM/SIGINT/SIGHUP/SIGQUIT to the agent: its workers were stopped
+        from tangram_launch.launch_signals import stopped_line
+
+        sys.stderr.write(stopped_line(exc.sigval, args, planned) + "\n")
+        sys.stderr.flush()
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         sys.stderr.write(f"{exc}\n")  # torchrun's failure table
         sys.stderr.write(f"tangram-launch: {failure_summary(exc, planned)}\n")

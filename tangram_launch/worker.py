@@ -14,6 +14,7 @@ standard library: a worker's start-up does not pay for importing the planner or 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -206,10 +207,11 @@ class WorkerPlan:
 
     @cached_property
     def plan(self) -> Any:
-        """The full ``tangram_launch.plan.Plan`` (loaded on first use; the layout alone needs no planner)."""
+        """The full ``tangram_launch.plan.Plan`` (built on first use from the bytes ``current_plan`` read and
+        verified against the launch's sha256: the file is not read again, so every rank runs the same plan)."""
         from tangram_launch.plan import Plan
 
-        return Plan.load(self.plan_path)
+        return Plan.from_dict(copy.deepcopy(dict(self.plan_dict)), source=self.plan_path)
 
     @cached_property
     def place(self) -> Any:
