@@ -302,10 +302,9 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     tmp, error = None, None
     if rank == 0:
         try:
-            if os.path.exists(final):
-                raise SpecError(f"{final} already exists; a complete checkpoint is never overwritten",
-                                field="position.step", value=step)
-            os.makedirs(directory, exist_ok=True)
+            from tangram_launch import checkpoint_guard
+
+            checkpoint_guard.before_save(directory, final, checkpoint_guard.SMALL_FILES_MARGIN_BYTES)
             tmp = os.path.join(directory, store.tmp_dir_name(step))
             os.makedirs(os.path.join(tmp, MEGATRON_DIR))
             os.makedirs(os.path.join(tmp, store.RNG_DIR))

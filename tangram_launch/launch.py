@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--node-name", "--node_name", metavar="NAME", default=None,
                    help="Which plan node this agent is (default: matched by host name).")
     g.add_argument("--resume", metavar="DIR", default=None, help="Resume from this checkpoint directory.")
+    g.add_argument("--checkpoint-dir", "--checkpoint_dir", metavar="DIR", default=None,
+                   help="The run's checkpoint directory (default: the --resume one): locked against other runs, and "
+                        "a restart round (--max-restarts) resumes from its newest complete checkpoint.")
     return parser
 
 
@@ -123,6 +126,7 @@ class TangramOptions:
     parallelizer: str | None = None
     node_name: str | None = None
     resume: str | None = None
+    checkpoint_dir: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TangramOptions":
@@ -376,6 +380,11 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     if opts.plan is not None and planning:
         logger.warning("ignoring %s: the plan %s fixes them",
                        ", ".join("--" + p.replace("_", "-") for p in planning), opts.plan)
+    ckpt_dir = opts.checkpoint_dir or opts.resume
+    if ckpt_dir:  # one run per checkpoint directory; workers inherit the token and the directory
+        from tangram_launch.launch_checkpoint_dir import hold_checkpoint_dir
+
+        hold_checkpoint_dir(ckpt_dir)
     if opts.plan is None and not planning and resume_info is None:
         return _launch(args, None)
     with contextlib.ExitStack() as stack:
