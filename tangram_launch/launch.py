@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 DTYPES = ("bf16", "fp16", "fp32")
 RUNTIMES = ("torch", "deepspeed", "megatron")
 # Options that ask for planning at launch time (they need a plan provider, or are ignored next to --plan).
-PLANNING_OPTIONS = ("cluster", "profile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
+PLANNING_OPTIONS = ("cluster", "profile", "reprofile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
                     "parallelizer")
 EXIT_WORKER_FAILED = 1  # what torchrun exits with when a worker fails (an uncaught ChildFailedError)
 
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cluster", metavar="FILE", default=None, help="Cluster spec YAML (plan at launch time).")
     g.add_argument("--profile", action="store_true",
                    help="Profile this node before planning (cached by hardware fingerprint, reused while unchanged).")
+    g.add_argument("--reprofile", action="store_true",
+                   help="Profile this node again even if a cached profile matches (implies --profile).")
     g.add_argument("--profile-quick", "--profile_quick", action="store_true",
                    help="With --profile: small sizes and few repetitions (a quick profile).")
     g.add_argument("--model", metavar="NAME|FILE", default=None, help="Model preset, YAML or HF config.json.")
@@ -116,6 +118,7 @@ class TangramOptions:
 
     cluster: str | None = None
     profile: bool = False
+    reprofile: bool = False
     profile_quick: bool = False
     model: str | None = None
     global_batch: int | None = None

@@ -140,6 +140,12 @@ def cached_profile(directory: str, fingerprint: str, *, nproc_per_node: int,
     except SpecError as exc:
         logger.warning("ignoring the cached profile %s: %s", path, exc)
         return None
+    from tangram_launch.profile_cache import seal_problem
+
+    problem = seal_problem(path, fingerprint, spec.fingerprint)
+    if problem:
+        logger.warning("not reusing the cached profile %s: %s; profiling again", path, problem)
+        return None
     if need_full and spec.profile.get("quick"):
         logger.info("the cached profile %s is a quick one; profiling again in full", path)
         return None
@@ -159,7 +165,7 @@ def _single_node(args: argparse.Namespace) -> bool:
 
 
 def profile_cluster(args: argparse.Namespace, *, quick: bool = False, directory: str | None = None,
-                    nproc_per_node: int | None = None) -> tuple["ClusterSpec", str, bool]:
+                    nproc_per_node: int | None = None, reprofile: bool = False) -> tuple["ClusterSpec", str, bool]:
     """(ClusterSpec, its cache path, whether it was reused): the cached profile of this hardware, or a new one.
 
     ``args`` are the launch's torchrun options (the profile runs with the same ones).
@@ -174,7 +180,7 @@ def profile_cluster(args: argparse.Namespace, *, quick: bool = False, directory:
     directory = directory or cache_dir()
     nproc = nproc_per_node or determine_local_world_size(args.nproc_per_node)
     fp = live_fingerprint(nproc)
-    spec = cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
+    spec = None if reprofile else cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
     path = _profile_path(directory, fp)
     if spec is not None:
         logger.info("reusing the cached profile %s (hardware fingerprint %s unchanged; measured %s)", path, fp,
@@ -195,6 +201,9 @@ def profile_cluster(args: argparse.Namespace, *, quick: bool = False, directory:
             profile_command.run(pargs)
         spec = ClusterSpec.load(staged)
         os.replace(staged, path)
+        from tangram_launch.profile_cache import seal
+
+        seal(path, fp, spec.fingerprint)
     finally:
         with contextlib.suppress(OSError):
             os.remove(staged)
@@ -322,7 +331,7 @@ def provide_plan(request: Any) -> str:
     from tangram_launch.specs.cluster import ClusterSpec
 
     opts, args = request.opts, request.args
-    if opts.cluster and opts.profile:
+    if opts.cluster and (opts.profile or opts.reprofile):
         raise SpecError("give either --cluster FILE or --profile", field="--profile")
     nproc = determine_local_world_size(args.nproc_per_node)
     inputs = plan_inputs(opts, request.resume)  # a bad model name fails before any profiling
@@ -332,7 +341,8 @@ def provide_plan(request: Any) -> str:
     else:
         if not opts.profile:
             logger.info("no --cluster given: profiling this node (--profile)")
-        cluster, source, _ = profile_cluster(args, quick=opts.profile_quick, nproc_per_node=nproc)
+        cluster, source, _ = profile_cluster(args, quick=opts.profile_quick, nproc_per_node=nproc,
+                                             reprofile=opts.reprofile)
     logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
