@@ -258,13 +258,9 @@ def prepare_planned_launch(args: argparse.Namespace, plan_file: str | os.PathLik
                            staging_dir: str) -> PlannedLaunch:
     """Read and check the plan, pick this agent's node, check the world, and write the copy workers read."""
     source = os.fspath(plan_file)
-    try:
-        with open(source, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise SpecError("plan file not found", source=source, field="--plan") from None
-    except OSError as exc:
-        raise SpecError(f"cannot read plan file: {exc.strerror}", source=source, field="--plan") from None
+    from tangram_launch.specs.limits import read_bytes  # a FIFO, /dev/zero, a huge file: refused, not read
+
+    data = read_bytes(source, what="plan file")
     plan = W.read_plan_dict(source, data)
     layout = W.RankLayout.from_plan_dict(plan, source=source)
     _validate_full_plan(plan, layout, source)
