@@ -302,10 +302,9 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     tmp, error = None, None
     if rank == 0:
         try:
-            if os.path.exists(final):
-                raise SpecError(f"{final} already exists; a complete checkpoint is never overwritten",
-                                field="position.step", value=step)
-            os.makedirs(directory, exist_ok=True)
+            from tangram_launch.checkpoint import guard as checkpoint_guard
+
+            checkpoint_guard.before_save(directory, final, checkpoint_guard.SMALL_FILES_MARGIN_BYTES)
             tmp = os.path.join(directory, store.tmp_dir_name(step))
             os.makedirs(os.path.join(tmp, MEGATRON_DIR))
             os.makedirs(os.path.join(tmp, store.RNG_DIR))
@@ -405,6 +404,9 @@ def load_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     if optimizer is not None and not with_optimizer and rank == 0:
         logger.warning("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
     request = sharded_state_dict(model, optimizer if with_optimizer else None, is_loading=True)
+    from tangram_launch.checkpoint.safe_load import check_dcp_directory
+
+    check_dcp_directory(os.path.join(path, MEGATRON_DIR), allow_bytes=True)  # Megatron unpickles: prove it is data
     try:
         loaded = dist_checkpointing.load(request, os.path.join(path, MEGATRON_DIR))
     except CheckpointingException as exc:

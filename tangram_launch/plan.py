@@ -88,6 +88,9 @@ class Stage(StageShape):
         check_keys(d, ("index", "layers", "island", "num_gpus", "gpus", "tp", "dp", "cp", "ep", "zero_stage",
                        "recompute", "micro_batch_size", "offload", "has_embedding", "has_head"),
                    where=where, source=source)
+        from tangram_launch.specs.limits import check_plan_stage
+
+        check_plan_stage(d, where=where, source=source)  # types first: int() would truncate 1.5, accept "3"
         try:
             gpus = tuple((str(g["node"]), int(g["local_gpu"])) for g in d["gpus"])
             layers = tuple(int(x) for x in d["layers"])
@@ -318,6 +321,9 @@ class Plan:
         for key in ("model", "training", "stages", "num_microbatches", "predicted"):
             if key not in d:
                 raise SpecError("missing required field", source=source, field=key)
+        from tangram_launch.specs.limits import check_plan_shape
+
+        check_plan_shape(d, source=source)  # the type of every top-level field, before anything converts it
         try:
             layout = tuple(
                 RankEntry(rank=int(r["rank"]), node=str(r["node"]), local_gpu=int(r["local_gpu"]),
@@ -326,7 +332,7 @@ class Plan:
                 for r in d.get("rank_layout") or ()
             )
             predicted = Prediction.from_dict(d["predicted"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SpecError(f"malformed plan ({exc!r})", source=source) from None
         try:
             return cls(
@@ -348,6 +354,8 @@ class Plan:
             if source and not exc.source:
                 raise SpecError(str(exc), source=source) from None
             raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field of the wrong shape
+            raise SpecError(f"malformed plan ({exc!r})", source=source) from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)

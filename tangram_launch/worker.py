@@ -14,8 +14,8 @@ standard library: a worker's start-up does not pay for importing the planner or 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -134,27 +134,16 @@ def read_plan_dict(path: str | os.PathLike, data: bytes | None = None) -> dict:
     """A plan file as a dict: JSON for ``.json`` (no yaml import on the worker's start-up path), else YAML."""
     path = os.fspath(path)
     if data is None:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise SpecError("plan file not found", source=path) from None
-        except OSError as exc:
-            raise SpecError(f"cannot read plan file: {exc.strerror}", source=path) from None
-    text = data.decode("utf-8", errors="replace")
-    if path.endswith(".json"):
-        try:
-            plan = json.loads(text)
-        except json.JSONDecodeError as exc:
-            where = f"line {exc.lineno}, column {exc.colno}"
-            raise SpecError(f"malformed JSON at {where}: {exc.msg}", source=path) from None
-    else:
-        import yaml  # YAML is a superset of JSON; only YAML plans pay for the import
+        from tangram_launch.specs.limits import read_bytes
 
-        try:
-            plan = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise SpecError(f"malformed YAML: {exc}", source=path) from None
+        data = read_bytes(path, what="plan file")
+    from tangram_launch.specs import limits  # size, UTF-8, depth, aliases, integers: bounded in one place
+
+    text = limits.decode(data, source=path)
+    if path.endswith(".json"):
+        plan = limits.parse_json(text, source=path)
+    else:  # YAML is a superset of JSON; only YAML plans pay for the yaml import
+        plan = limits.parse_yaml(text, source=path)
     if not isinstance(plan, dict):
         raise SpecError("expected a mapping at the top level", source=path, value=type(plan).__name__)
     return plan
@@ -221,10 +210,11 @@ class WorkerPlan:
 
     @cached_property
     def plan(self) -> Any:
-        """The full ``tangram_launch.plan.Plan`` (loaded on first use; the layout alone needs no planner)."""
+        """The full ``tangram_launch.plan.Plan`` (built on first use from the bytes ``current_plan`` read and
+        verified against the launch's sha256: the file is not read again, so every rank runs the same plan)."""
         from tangram_launch.plan import Plan
 
-        return Plan.load(self.plan_path)
+        return Plan.from_dict(copy.deepcopy(dict(self.plan_dict)), source=self.plan_path)
 
     @cached_property
     def place(self) -> Any:

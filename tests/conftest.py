@@ -18,3 +18,7 @@ def cluster_path():
         return os.path.join(CLUSTERS, f"{name}.yaml")
 
     return get
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long runs (e.g. the long fuzz run of test_bad_inputs.py)")

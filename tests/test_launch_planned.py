@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tangram_launch.launch import profile_cache
 from tangram_launch.launch import planning as planned, torchrun as launch
 from tangram_launch.errors import SpecError
 from tangram_launch.plan import Plan
@@ -107,6 +108,7 @@ def test_profile_cache_is_keyed_by_the_hardware_fingerprint(tmp_path):
     path = tmp_path / "profiles" / ("ab" * 16 + ".yaml")
     path.parent.mkdir()
     path.write_text(src.read_text())
+    profile_cache.seal(str(path), key, ClusterSpec.load(path).fingerprint)  # as the profiler's caching does
     assert planned.cached_profile(str(tmp_path), key, nproc_per_node=2, need_full=False).num_gpus == 2
     assert planned.cached_profile(str(tmp_path), "sha256:" + "cd" * 16, nproc_per_node=2, need_full=False) is None
     assert planned.cached_profile(str(tmp_path), key, nproc_per_node=2, need_full=True) is None  # quick != full

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from tangram_launch.checkpoint import guard
 from tangram_launch.checkpoint import store
 from tangram_launch.checkpoint.keys import (LayerKeyMap, NamedOptimizerState, format_layers, layer_of,
                                             load_optimizer_state_by_name, optimizer_state_by_name, part_of)
@@ -130,10 +132,11 @@ def _layout(plan: Plan) -> tuple:
 
 
 def resume_directory() -> str | None:
-    """The directory ``tangram-launch --resume DIR`` hands its workers (env TANGRAM_RESUME_DIR), or None."""
-    from tangram_launch.worker import ENV_RESUME_DIR
+    """The directory ``tangram-launch --resume DIR`` hands its workers (env TANGRAM_RESUME_DIR), or None; in a
+    restart round (``--max-restarts``), the run's ``--checkpoint-dir`` once it holds a complete checkpoint."""
+    from tangram_launch.checkpoint.rounds import resume_dir_for_round
 
-    return os.environ.get(ENV_RESUME_DIR) or None
+    return resume_dir_for_round(os.environ)
 
 
 # --- RNG ------------------------------------------------------------------------------------------------------------
@@ -331,13 +334,12 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
 
     # 2. rank 0 makes the temporary directory
     final = store.step_dir(directory, step)
+    needed = guard.tensor_bytes([*model_meta.values(), *(m for d in optim_meta.values() for m in d.values())]) \
+        + guard.SMALL_FILES_MARGIN_BYTES
     tmp, error = None, None
     if comm.rank == 0:
         try:
-            if os.path.exists(final):
-                raise SpecError(f"{final} already exists; a complete checkpoint is never overwritten (resume from "
-                                "it, or save under another step)", field="position.step", value=step)
-            os.makedirs(directory, exist_ok=True)
+            guard.before_save(directory, final, needed)  # lock; a corrupt step_<N> moved aside; space; temporaries
             tmp = os.path.join(directory, store.tmp_dir_name(step))
             os.makedirs(os.path.join(tmp, store.STATE_DIR))
             os.makedirs(os.path.join(tmp, store.RNG_DIR))
@@ -353,11 +355,13 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     flat: dict[str, Any] = {_MODEL_PREFIX + k: t for k, t in state.model.items()}
     for n, d in named.tensors.items():
         flat.update({f"{_OPTIM_PREFIX}{n}.{k}": t for k, t in d.items()})
-    with _single_process_quiet(comm):
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, store.STATE_DIR), sync_files=True),
-                 process_group=group, no_dist=not comm.distributed)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     error = None
     try:
+        with _single_process_quiet(comm):
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, store.STATE_DIR), sync_files=True),
+                     process_group=group, no_dist=not comm.distributed)
         rng = capture_rng_state()
         store.write_json(os.path.join(tmp, store.RNG_DIR, f"rank_{comm.rank}.json"), rng)
         if comm.rank == 0:
@@ -365,9 +369,14 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
             store.write_json(os.path.join(tmp, store.PLAN_FILE), plan.to_dict())
             store.write_json(os.path.join(tmp, store.POSITION_FILE), gathered[0]["position"])
             store.write_json(os.path.join(tmp, store.OPTIMIZER_FILE), optim_json)
-    except OSError as exc:
-        error = str(exc)
-    comm.raise_any(error, f"checkpoint step {step} not saved (left in {tmp})")
+    except (OSError, CheckpointException) as exc:  # a full disk: a message, not a traceback; no temporary left
+        error = guard.failed_save(exc, directory=directory, tmp=None, needed_bytes=needed)
+    try:
+        comm.raise_any(error, f"checkpoint step {step} not saved")
+    except SpecError:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     # 4. checksums, each rank a share of the files; rank 0 writes the manifest last and commits
     files = comm.broadcast(store.list_files(tmp) if comm.rank == 0 else None)
@@ -500,8 +509,11 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     for n, d in optim_templates.items():
         flat.update({f"{_OPTIM_PREFIX}{n}.{k}": t for k, t in d.items()})
     targets = dict(flat)
+    from tangram_launch.checkpoint.safe_load import check_dcp_directory, safe_planner, safe_reader
+
+    check_dcp_directory(os.path.join(path, store.STATE_DIR))  # every rank: nothing from the checkpoint runs code
     with _single_process_quiet(comm):
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(os.path.join(path, store.STATE_DIR)),
+        dcp.load(flat, storage_reader=safe_reader(os.path.join(path, store.STATE_DIR)), planner=safe_planner(),
                  process_group=group, no_dist=not comm.distributed)
     with torch.no_grad():
         for key, t in flat.items():  # DCP loads tensors in place; copy should it ever have replaced one

@@ -110,6 +110,9 @@ def build(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from tangram_launch.specs.limits import check_cli_args
+
+    check_cli_args(args)  # bad numbers and output paths: exit 2 before any work
     coster, cfg, q = build(args)
     plan = coster.plan(cfg, parallelizer="estimate")
     m = q.num_microbatches

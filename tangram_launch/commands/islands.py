@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tangram_launch.specs.limits import check_cli_args
+
+    check_cli_args(args)  # bad numbers and output paths: exit 2 before any work
     cluster = ClusterSpec.load(args.cluster)
     tol = IslandTolerances(args.eps_compute, args.eps_memory, args.eps_interconnect, args.eps_network)
     iset = build_islands(cluster, tol, dtype=args.dtype)

@@ -58,6 +58,9 @@ def _training(args: argparse.Namespace, model):
 
 
 def run(args: argparse.Namespace) -> int:
+    from tangram_launch.specs.limits import check_cli_args
+
+    check_cli_args(args)  # bad numbers and output paths: exit 2 before any work
     from tangram_launch.islands import build_islands
     from tangram_launch.planner.api import PlannerOptions, search
     from tangram_launch.planner.slices import DEFAULT_BALANCE_TOLERANCE, PruningPolicy

@@ -219,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         boot = parse_boot_args(argv)
         os.environ.update(placement_env(os.environ, boot))
+        from tangram_launch.launch.restart import fresh_round_store  # restart rounds: a store of their own
+
+        os.environ.update(fresh_round_store(os.environ, torchrun_rank=int(os.environ.get(W.ENV_TORCHRUN_RANK) or 0)))
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
             _check_across_agents(os.environ, boot)
     except SpecError as exc:

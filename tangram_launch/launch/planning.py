@@ -139,6 +139,12 @@ def cached_profile(directory: str, fingerprint: str, *, nproc_per_node: int,
     except SpecError as exc:
         logger.warning("ignoring the cached profile %s: %s", path, exc)
         return None
+    from tangram_launch.launch.profile_cache import seal_problem
+
+    problem = seal_problem(path, fingerprint, spec.fingerprint)
+    if problem:
+        logger.warning("not reusing the cached profile %s: %s; profiling again", path, problem)
+        return None
     if need_full and spec.profile.get("quick"):
         logger.info("the cached profile %s is a quick one; profiling again in full", path)
         return None
@@ -150,7 +156,7 @@ def cached_profile(directory: str, fingerprint: str, *, nproc_per_node: int,
 
 
 def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory: str | None = None,
-                    nproc_per_node: int | None = None) -> tuple["ClusterSpec", str, bool]:
+                    nproc_per_node: int | None = None, reprofile: bool = False) -> tuple["ClusterSpec", str, bool]:
     """(ClusterSpec, its cache path, whether it was reused): the cached profile of this hardware, or a new one.
 
     The profile runs with the launch's torchrun options (``options.torchrun``).
@@ -164,7 +170,7 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     directory = directory or cache_dir()
     nproc = nproc_per_node or options.nproc_per_node
     fp = live_fingerprint(nproc)
-    spec = cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
+    spec = None if reprofile else cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
     path = _profile_path(directory, fp)
     if spec is not None:
         logger.info("reusing the cached profile %s (hardware fingerprint %s unchanged; measured %s)", path, fp,
@@ -184,6 +190,9 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
         run_profile(request)  # single node (checked above): this node writes the file
         spec = ClusterSpec.load(staged)
         os.replace(staged, path)
+        from tangram_launch.launch.profile_cache import seal
+
+        seal(path, fp, spec.fingerprint)
     finally:
         with contextlib.suppress(OSError):
             os.remove(staged)
@@ -307,7 +316,7 @@ def provide_plan(request: Any) -> str:
     from tangram_launch.specs.cluster import ClusterSpec
 
     opts = request.options.tangram
-    if opts.cluster and opts.profile:
+    if opts.cluster and (opts.profile or opts.reprofile):
         raise SpecError("give either --cluster FILE or --profile", field="--profile")
     nproc = request.options.nproc_per_node
     inputs = plan_inputs(opts, request.resume)  # a bad model name fails before any profiling
@@ -317,7 +326,8 @@ def provide_plan(request: Any) -> str:
     else:
         if not opts.profile:
             logger.info("no --cluster given: profiling this node (--profile)")
-        cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc)
+        cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc,
+                                             reprofile=opts.reprofile)
     logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
@@ -337,13 +347,19 @@ def provide_plan(request: Any) -> str:
 # --- resume ------------------------------------------------------------------------------------------------------------
 
 def describe_resume(directory: str) -> "CheckpointInfo":
-    """The newest complete checkpoint in ``directory`` (sizes checked; workers verify checksums on load)."""
-    from tangram_launch.checkpoint.store import describe
+    """The newest complete checkpoint in ``directory``: checksums verified as the workers will (so both pick the
+    same one), and what the workers will unpickle proven to be data (:mod:`tangram_launch.safe_load`)."""
+    from tangram_launch.checkpoint.store import describe, read_manifest
+    from tangram_launch.checkpoint.safe_load import check_checkpoint
 
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise SpecError(f"{os.path.abspath(directory)} is a file, not a checkpoint directory", field="--resume",
+                        value=directory, valid="a directory holding step_<N>/ checkpoints")
     if not os.path.isdir(directory):
         raise SpecError(f"checkpoint directory {os.path.abspath(directory)} does not exist", field="--resume",
                         value=directory, valid="a directory holding step_<N>/ checkpoints")
-    info = describe(directory)
+    info = describe(directory, checksums=True)
+    check_checkpoint(info.path, read_manifest(info.path))
     pos = info.position
     logger.info("resuming from %s: step %d, %d samples consumed", info.path, info.step, pos.consumed_samples)
     for s in info.skipped:

@@ -62,7 +62,7 @@ from tangram_launch.specs.constants import DTYPES, RUNTIMES
 logger = logging.getLogger(__name__)
 
 # Options that ask for planning at launch time (they need a plan provider, or are ignored next to --plan).
-PLANNING_OPTIONS = ("cluster", "profile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
+PLANNING_OPTIONS = ("cluster", "profile", "reprofile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
                     "parallelizer")
 EXIT_WORKER_FAILED = 1  # what torchrun exits with when a worker fails (an uncaught ChildFailedError)
 
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cluster", metavar="FILE", default=None, help="Cluster spec YAML (plan at launch time).")
     g.add_argument("--profile", action="store_true",
                    help="Profile this node before planning (cached by hardware fingerprint, reused while unchanged).")
+    g.add_argument("--reprofile", action="store_true",
+                   help="Profile this node again even if a cached profile matches (implies --profile).")
     g.add_argument("--profile-quick", "--profile_quick", action="store_true",
                    help="With --profile: small sizes and few repetitions (a quick profile).")
     g.add_argument("--model", metavar="NAME|FILE", default=None, help="Model preset, YAML or HF config.json.")
@@ -103,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--node-name", "--node_name", metavar="NAME", default=None,
                    help="Which plan node this agent is (default: matched by host name).")
     g.add_argument("--resume", metavar="DIR", default=None, help="Resume from this checkpoint directory.")
+    g.add_argument("--checkpoint-dir", "--checkpoint_dir", metavar="DIR", default=None,
+                   help="The run's checkpoint directory (default: the --resume one): locked against other runs, and "
+                        "a restart round (--max-restarts) resumes from its newest complete checkpoint.")
     return parser
 
 
@@ -112,6 +117,7 @@ class TangramOptions:
 
     cluster: str | None = None
     profile: bool = False
+    reprofile: bool = False
     profile_quick: bool = False
     model: str | None = None
     global_batch: int | None = None
@@ -122,6 +128,7 @@ class TangramOptions:
     parallelizer: str | None = None
     node_name: str | None = None
     resume: str | None = None
+    checkpoint_dir: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TangramOptions":
@@ -294,13 +301,9 @@ def prepare_planned_launch(args: argparse.Namespace, plan_file: str | os.PathLik
                            staging_dir: str) -> PlannedLaunch:
     """Read and check the plan, pick this agent's node, check the world, and write the copy workers read."""
     source = os.fspath(plan_file)
-    try:
-        with open(source, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise SpecError("plan file not found", source=source, field="--plan") from None
-    except OSError as exc:
-        raise SpecError(f"cannot read plan file: {exc.strerror}", source=source, field="--plan") from None
+    from tangram_launch.specs.limits import read_bytes  # a FIFO, /dev/zero, a huge file: refused, not read
+
+    data = read_bytes(source, what="plan file")
     plan = W.read_plan_dict(source, data)
     layout = W.RankLayout.from_plan_dict(plan, source=source)
     _validate_full_plan(plan, layout, source)
@@ -379,11 +382,18 @@ def failure_summary(exc: Exception, planned: PlannedLaunch | None = None) -> str
 
 def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
     """torch's run(args) under torch's @record (the first failure's error file becomes the launcher's)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import run as torch_run
 
     try:
         record(torch_run)(args)
+    except SignalException as exc:  # SIGTERM/SIGINT/SIGHUP/SIGQUIT to the agent: its workers were stopped
+        from tangram_launch.launch.signals import stopped_line
+
+        sys.stderr.write(stopped_line(exc.sigval, args, planned) + "\n")
+        sys.stderr.flush()
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         sys.stderr.write(f"{exc}\n")  # torchrun's failure table
         sys.stderr.write(f"tangram-launch: {failure_summary(exc, planned)}\n")
@@ -412,6 +422,11 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     if opts.plan is not None and planning:
         logger.warning("ignoring %s: the plan %s fixes them",
                        ", ".join("--" + p.replace("_", "-") for p in planning), opts.plan)
+    ckpt_dir = opts.checkpoint_dir or opts.resume
+    if ckpt_dir:  # one run per checkpoint directory; workers inherit the token and the directory
+        from tangram_launch.launch.checkpoint_dir import hold_checkpoint_dir
+
+        hold_checkpoint_dir(ckpt_dir)
     if opts.plan is None and not planning and resume_info is None:
         return _launch(args, None)
     with contextlib.ExitStack() as stack:

@@ -118,7 +118,7 @@ def parse_manual_plan(data: Mapping, *, num_layers: int, island_names: Sequence[
                 if not isinstance(v, bool):
                     raise SpecError("expected true or false", source=source, field=f"{where}.offload", value=v)
             elif k == "zero_stage":
-                if v not in (0, 1, 2, 3) or isinstance(v, bool):
+                if isinstance(v, bool) or not isinstance(v, int) or v not in (0, 1, 2, 3):  # 1.0 is not a stage
                     raise SpecError("unknown ZeRO stage", source=source, field=f"{where}.zero_stage", value=v,
                                     valid="0, 1, 2, 3")
             elif isinstance(v, bool) or not isinstance(v, int) or v < 1:

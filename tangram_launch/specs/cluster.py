@@ -320,6 +320,11 @@ def _parse_node(d: Any, idx: int, *, source: str | None, catalog) -> NodeSpec:
             raise SpecError("a node with zero GPUs", source=source, field=f"{where}.count", value=0,
                             valid="an integer >= 1 (leave the node out instead)")
         count = positive_int(count, field=f"{where}.count", source=source)
+        from tangram_launch.specs.limits import MAX_GPUS_PER_NODE
+
+        if count > MAX_GPUS_PER_NODE:
+            raise SpecError("more GPUs than a node holds", source=source, field=f"{where}.count", value=count,
+                            valid=f"an integer from 1 to {MAX_GPUS_PER_NODE}")
         one = _parse_gpu({k: v for k, v in d.items() if k in _GPU_KEYS or k == "gpu"}, where=where, source=source,
                          catalog=catalog)
         gpus = [one] * count
@@ -367,6 +372,9 @@ def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> Cluste
             raise SpecError("a node is listed twice", source=source, field=f"{where}.nodes", value=members)
         return [str(m) for m in members]
 
+    for key in ("fabrics", "pairs"):
+        if not isinstance(net.get(key) or [], list):
+            raise SpecError("expected a list", source=source, field=f"network.{key}", value=net.get(key))
     fabrics = []
     for i, f in enumerate(net.get("fabrics") or []):
         where = f"network.fabrics[{i}]"

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import yaml
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file
@@ -109,6 +107,9 @@ class ModelSpec:
             _check_int(getattr(self, name), name)
         for name in ("num_experts", "top_k", "num_shared_experts"):
             _check_int(getattr(self, name), name, minimum=0)
+        from tangram_launch.specs.limits import check_model_sizes
+
+        check_model_sizes(self)  # physically absurd sizes (10^9 layers) would exhaust memory or time later
         for name in ("router_bias", "tied_embeddings", "final_norm", "qk_norm", "linear_bias", "qkv_bias",
                      "shared_expert_gate"):
             _check_bool(getattr(self, name), name)
@@ -126,13 +127,13 @@ class ModelSpec:
             raise _bad(f"num_kv_heads must divide num_heads {self.num_heads} (grouped-query attention)",
                        "num_kv_heads", self.num_kv_heads, f"a divisor of {self.num_heads}")
 
-        if self.ffn_type not in FFN_TYPES:
+        if not isinstance(self.ffn_type, str) or self.ffn_type not in FFN_TYPES:
             hint = closest(str(self.ffn_type), FFN_TYPES)
             raise _bad("unknown FFN type" + (f" (did you mean '{hint}'?)" if hint else ""), "ffn_type",
                        self.ffn_type, " | ".join(FFN_TYPES))
-        if self.norm_type not in NORM_TYPES:
+        if not isinstance(self.norm_type, str) or self.norm_type not in NORM_TYPES:
             raise _bad("unknown norm type", "norm_type", self.norm_type, " | ".join(NORM_TYPES))
-        if self.position_embedding not in POSITION_TYPES:
+        if not isinstance(self.position_embedding, str) or self.position_embedding not in POSITION_TYPES:
             raise _bad("unknown position embedding", "position_embedding", self.position_embedding,
                        " | ".join(POSITION_TYPES))
 
@@ -553,6 +554,9 @@ def from_hf_config(cfg: Mapping, *, name: str | None = None, source: str | None 
             renamed["embedding_dim"] = "word_embed_proj_dim"
             kw["embedding_dim"] = proj
         pre_ln = cfg.get("do_layer_norm_before", True)
+        if not isinstance(pre_ln, bool):
+            raise SpecError("expected true or false", source=source, field="do_layer_norm_before", value=pre_ln,
+                            valid="true | false")
         kw["final_norm"] = bool(pre_ln) and not cfg.get("_remove_final_layer_norm", False)
 
     experts = pick("num_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0) or 0
@@ -565,7 +569,11 @@ def from_hf_config(cfg: Mapping, *, name: str | None = None, source: str | None 
         kw["moe_layer_frequency"] = pick("moe_layer_frequency", "decoder_sparse_step", default=1)
         if cfg.get("mlp_only_layers"):
             renamed["dense_layer_indices"] = "mlp_only_layers"
-            kw["dense_layer_indices"] = tuple(cfg["mlp_only_layers"])
+            dense = cfg["mlp_only_layers"]
+            if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+                raise SpecError("expected a list of layer indices", source=source, field="mlp_only_layers",
+                                value=dense, valid="e.g. [0, 1]")
+            kw["dense_layer_indices"] = tuple(dense)
         shared = cfg.get("shared_expert_intermediate_size")
         if shared:
             renamed["shared_expert_ffn_hidden_size"] = "shared_expert_intermediate_size"
@@ -608,21 +616,18 @@ def load_preset(name: str) -> ModelSpec:
 
 def _read_mapping(path: str) -> dict:
     """YAML or JSON, decided by content (a JSON document starts with '{')."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise SpecError(f"cannot read file: {exc.strerror}", source=path) from None
+    from tangram_launch.specs.limits import parse_json, parse_yaml, read_text  # bounded input cost
+
+    text = read_text(path)
     if text.lstrip().startswith("{"):
         # JSON, or YAML in flow style ({a: 1}); if neither parses, the JSON parser's message is the useful one.
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
+            data = parse_json(text, source=path)
+        except SpecError as exc:
             try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError:
-                raise SpecError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
-                                source=path) from None
+                data = parse_yaml(text, source=path)
+            except SpecError:
+                raise exc from None
         if not isinstance(data, dict):
             raise SpecError("expected a mapping at the top level", source=path, value=type(data).__name__)
         return data

@@ -18,7 +18,7 @@ def check_shape(*, tp: int, dp: int, cp: int, ep: int, zero_stage: int, recomput
     for name, v in (("tp", tp), ("dp", dp), ("cp", cp), ("ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise SpecError("must be a positive integer", field=f"{where}{name}", value=v, valid="an integer >= 1")
-    if zero_stage not in ZERO_STAGES:
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
         raise SpecError("unknown ZeRO stage", field=f"{where}zero_stage", value=zero_stage,
                         valid=", ".join(map(str, ZERO_STAGES)))
     if recompute not in RECOMPUTE_MODES:

@@ -26,6 +26,9 @@ class TrainingSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError("must be a positive integer", field=name, value=v, valid="an integer >= 1")
+        from tangram_launch.specs.limits import check_training_sizes
+
+        check_training_sizes(self.global_batch, self.seq_len)
         if self.dtype not in DTYPE_BYTES:
             raise SpecError("unknown dtype", field="dtype", value=self.dtype, valid=", ".join(DTYPE_BYTES))
         if self.grad_dtype not in DTYPE_BYTES:

@@ -18,21 +18,10 @@ def closest(name: str, choices: Iterable[str]) -> str | None:
 
 def load_yaml_file(path: str | os.PathLike) -> dict:
     """Read a YAML mapping; a missing file or malformed YAML is a SpecError naming the file."""
+    from tangram_launch.specs.limits import parse_yaml, read_text  # bounded: size, depth, aliases, integers
+
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise SpecError("file not found", source=path) from None
-    except OSError as exc:
-        raise SpecError(f"cannot read file: {exc.strerror}", source=path) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"malformed YAML{where}: {problem}", source=path) from None
+    data = parse_yaml(read_text(path), source=path)
     if not isinstance(data, dict):
         raise SpecError(
             "expected a mapping at the top level", source=path, value=type(data).__name__, valid="a YAML mapping"
@@ -72,6 +61,8 @@ def positive_number(value: Any, *, field: str, source: str | None = None, allow_
     """A number > 0 (or >= 0), else a SpecError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpecError("expected a number", source=source, field=field, value=value)
+    if value != value or value in (float("inf"), float("-inf")):  # NaN, inf: never a measurement
+        raise SpecError("must be a finite number", source=source, field=field, value=value)
     if value < 0 or (value == 0 and not allow_zero):
         raise SpecError("must be positive" if not allow_zero else "must not be negative", source=source,
                         field=field, value=value, valid="a number > 0" if not allow_zero else "a number >= 0")
