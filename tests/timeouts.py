@@ -1,9 +1,9 @@
 """Every timeout a test waits on, from one setting: ``TANGRAM_TEST_TIMEOUT_S`` (seconds, default 600).
 
-It bounds one wait: a CLI subprocess, a launch, a group of ranks joining, a process group's collectives. Alone on
-this project's machine kind (2 cores) the longest such wait is about 25 s (a 3-rank resume launch); on a cold cache
-with four other CPU-heavy jobs beside it (load average 10 on 2 cores) waits grew about 6x. The default leaves room
-for that again; a hung test fails after it, not after torch's 30-minute default. Raise it on slower machines:
+It bounds one wait: a CLI subprocess, a launch, a group of ranks joining, a process group's collectives. On this
+project's machine kind (2 cores) beside four other CPU-heavy jobs (load average 10), the longest single wait measured
+was under 100 s (the README's main job: profile, plan and train in one launch); the default leaves 6x that, and a
+hung test fails after it rather than after torch's 30-minute default. Raise it on slower machines:
 
     TANGRAM_TEST_TIMEOUT_S=1200 python -m pytest tests
 
