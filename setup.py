@@ -13,7 +13,8 @@ setup(
         "deepspeed": ["deepspeed==0.19.8"],
         "megatron": ["megatron-core==0.16.1"],
         "draw": ["matplotlib"],  # PNG timelines; SVG needs nothing
-        "test": ["pytest>=8", "jsonschema>=4", "import-linter>=2.17", "deepspeed==0.19.8", "megatron-core==0.16.1"],
+        "test": ["pytest>=8", "hypothesis>=6", "jsonschema>=4", "import-linter>=2.17", "deepspeed==0.19.8",
+                 "megatron-core==0.16.1"],
     },
     entry_points={
         "console_scripts": ["tangram-launch=tangram_launch.cli:main"],

@@ -237,13 +237,13 @@ def _local_benchmarks(run: _Run) -> _Local:
     resources (host cores and their matrix units, power, PCIe) are loaded alike for all of them.
     """
     cfg, device = run.cfg, run.device
-    run.progress.phase(f"GEMM {'/'.join(cfg.gemm_dtypes)} {cfg.gemm_shape}")
-    if os.environ.get(EXIT_RANK_ENV) == str(run.env.rank):
-        log.error("test hook: rank %d exits now", run.env.rank)
-        logging.shutdown()
-        os._exit(1)
     gemm = {}
-    for dtype in cfg.gemm_dtypes:
+    for i, dtype in enumerate(cfg.gemm_dtypes):  # a phase per dtype: each is tens of seconds on a busy CPU
+        run.progress.phase(f"GEMM {dtype} {cfg.gemm_shape} ({i + 1} of {len(cfg.gemm_dtypes)})")
+        if i == 0 and os.environ.get(EXIT_RANK_ENV) == str(run.env.rank):
+            log.error("test hook: rank %d exits now", run.env.rank)
+            logging.shutdown()
+            os._exit(1)
         run.barrier()
         if bench.dtype_supported(device, dtype):
             gemm[dtype] = bench.gemm_tflops(device, dtype, cfg)

@@ -14,10 +14,11 @@ the plan's rank layout, and a DeepSpeed config generated from the plan and merge
   +73 s on CPU).
 
 DeepSpeed is imported inside functions only, so this module imports where DeepSpeed is absent. On CPU its comm
-backend JIT-compiles the ``deepspeed_shm_comm`` op on first use (every path to ``deepspeed.comm`` constructs a
-``TorchBackend``, which builds it when the op is "compatible", i.e. on any Linux host; neither gloo, an existing torch
-process group nor DS_ACCELERATOR=cpu avoids it). It is cached under TORCH_EXTENSIONS_DIR; ``prebuild_comm_op()``
-warms that cache ahead of time (CI setup), or install DeepSpeed with ``DS_BUILD_SHM_COMM=1`` to build it at install.
+backend would JIT-compile the ``deepspeed_shm_comm`` op on first use (46-78 s, 160-270 s on a loaded machine): every
+path to ``deepspeed.comm`` constructs a ``TorchBackend``, which builds it when the op is "compatible", i.e. on any
+Linux host; neither gloo, an existing torch process group nor DS_ACCELERATOR=cpu avoids it. Training never uses it
+(only ``inference_all_reduce``, DeepSpeed's AutoTP inference path, does; training's collectives go through
+torch.distributed), so ``setup`` skips the build on CPU: see ``_skip_inference_shm_op``.
 """
 from __future__ import annotations
 
@@ -146,6 +147,8 @@ class DeepSpeedAdapter(RuntimeAdapter):
         os.environ.setdefault("LOCAL_RANK", str(place.local_gpu if (place is not None and use_cuda) else 0))
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        if not use_cuda:
+            _skip_inference_shm_op()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s))
         if dist.get_world_size() != plan.world_size:
             raise SpecError("the job's world size differs from the plan's", field="world_size",
@@ -233,17 +236,19 @@ def plan_topology(plan: Plan) -> Any:
     return _topology_class()(plan)
 
 
-def prebuild_comm_op() -> float:
-    """JIT-build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's CPU shm comm op; returns seconds spent."""
-    import time
+def _skip_inference_shm_op() -> None:
+    """Keep DeepSpeed (0.19.8) from JIT-compiling ``deepspeed_shm_comm`` on a CPU host: training has no use for it.
 
-    from deepspeed.accelerator import get_accelerator
+    ``deepspeed.comm.torch.build_shm_op`` builds the op only when ``deepspeed.ops.__compatible_ops__`` marks it
+    compatible; that table is computed once per process and kept in the module (DeepSpeed keeps one dict "so edits to
+    it persist"). Marking the op incompatible before ``init_distributed`` makes the backend skip the build, and
+    ``inference_all_reduce`` (the op's only user) falls back to torch.distributed's all_reduce. Version-specific:
+    ``test_adapter_deepspeed`` trains with an empty TORCH_EXTENSIONS_DIR and checks that nothing was built in it.
+    """
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-    t0 = time.perf_counter()
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        builder.load(verbose=False)
-    return time.perf_counter() - t0
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 @dataclass

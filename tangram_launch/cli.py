@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in SUBCOMMANDS:
             return _run_subcommand(argv[0], argv[1:])
+        if not argv:  # torchrun would only say "training_script is required": show the commands first
+            print("usage:" + __doc__.strip().split("\n", 1)[1], file=sys.stderr)
+            print("\nThe launcher's options (torchrun's and Tangram's): tangram-launch --help; a command's: "
+                  "tangram-launch COMMAND --help", file=sys.stderr)
+            return 2
         if argv and argv[0] in ("-h", "--help"):
             print(__doc__.strip())
             print()

@@ -126,17 +126,30 @@ def _write_svg(items: Sequence, width: float, height: float, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_png(items: Sequence, width: float, height: float, path: str) -> None:
-    try:
-        import matplotlib
+def check_picture_path(path: str | os.PathLike, field: str = "output") -> str:
+    """The picture's absolute path, or a SpecError naming ``field`` (the option that gave it): an unknown extension,
+    or .png without matplotlib. Commands call it before their work, so a bad name fails at once."""
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".svg", ".png"):
+        raise SpecError("unknown picture format", field=field, value=path, valid=".svg or .png")
+    if ext == ".png":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SpecError("drawing PNG needs matplotlib (pip install matplotlib)", field=field, value=path,
+                            valid="a .svg file name, or install matplotlib") from None
+    return os.path.abspath(path)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import FancyBboxPatch, PathPatch
-        from matplotlib.path import Path
-    except ImportError:
-        raise SpecError("drawing PNG needs matplotlib (pip install matplotlib)", field="output", value=path,
-                        valid="a .svg file name, or install matplotlib") from None
+
+def _write_png(items: Sequence, width: float, height: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, PathPatch
+    from matplotlib.path import Path
+
     dpi = 100
     fig = plt.figure(figsize=(width / dpi, height / dpi), dpi=dpi)
     ax = fig.add_axes((0, 0, 1, 1))
@@ -163,15 +176,14 @@ def _write_png(items: Sequence, width: float, height: float, path: str) -> None:
     plt.close(fig)
 
 
-def _write(items: Sequence, width: float, height: float, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".svg":
-        _write_svg(items, width, height, path)
-    elif ext == ".png":
-        _write_png(items, width, height, path)
+def _write(items: Sequence, width: float, height: float, path: str | os.PathLike, field: str) -> str:
+    """Write the picture; returns its absolute path (what the commands report)."""
+    where = check_picture_path(path, field)
+    if where.lower().endswith(".svg"):
+        _write_svg(items, width, height, where)
     else:
-        raise SpecError("unknown picture format", field="output", value=path, valid=".svg or .png")
+        _write_png(items, width, height, where)
+    return where
 
 
 # --- the 1F1B timeline ------------------------------------------------------------------------------------------------
@@ -218,8 +230,10 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
     items.append(Text(left, 24, f"{plan.model.get('name')}: predicted 1F1B iteration {pr.iteration_time_s:.3f} s "
                                 f"({m} micro-batches, {S} stages, {plan.world_size} GPUs, {tr.get('dtype')})",
                       15, bold=True))
-    items.append(Text(left, 44, f"tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} %   "
-                                f"bubble and p2p are the gaps; DP sync + optimizer at the end", 12, fill="#555"))
+    # one space between words: SVG collapses runs of spaces, so separators carry the spacing
+    items.append(Text(left, 44, f"tokens/s {pr.tokens_per_s:,.0f} · MFU {pr.mfu * 100:.1f} % · "
+                                f"gaps are the pipeline bubble and p2p · DP sync + optimizer at the end", 12,
+                      fill="#555"))
     items.append(Text(left, 60, schedule_note(pr.iteration_time_s, pipe_end + tail), 12, fill="#555"))
     # time axis
     step = _nice_step(total)
@@ -290,60 +304,90 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
     return items, width, height
 
 
-def draw_timeline(plan: "Plan", path: str | os.PathLike, *, width: float = 1400.0) -> None:
-    """Draw the plan's predicted 1F1B schedule (.svg, or .png with matplotlib)."""
+def draw_timeline(plan: "Plan", path: str | os.PathLike, *, width: float = 1400.0, field: str = "output") -> str:
+    """Draw the plan's predicted 1F1B schedule (.svg, or .png with matplotlib); returns the absolute path written.
+    ``field`` names the option that gave ``path`` in errors."""
     items, w, h = timeline_items(plan, width=width)
-    _write(items, w, h, path)
+    return _write(items, w, h, path, field)
 
 
 # --- islands ----------------------------------------------------------------------------------------------------------
+
+SLOW_LINK_GBPS = 10.0  # links between islands below this are drawn red and dashed
+SLOW_LINK_COLOUR = "#c0392b"
+LEGEND_Y = 52.0  # baseline of the islands picture's legend row
+LABEL_H = 16.0  # height of a link label's box
+
+
+def _label_width(label: str) -> float:
+    return 6.4 * len(label) + 12  # 11 px sans-serif
+
+
+def _curve_points(xa: float, xb: float, lift: float, n: int = 96) -> list[tuple[float, float]]:
+    """Points of the arc from (xa, 0) to (xb, 0) pulled up towards ((xa + xb) / 2, -2 lift); its apex is at -lift."""
+    cx, cy = (xa + xb) / 2, -2 * lift
+    return [((1 - t) ** 2 * xa + 2 * (1 - t) * t * cx + t * t * xb, 2 * (1 - t) * t * cy)
+            for t in (k / n for k in range(n + 1))]
+
+
+def _inside(pt: tuple[float, float], box: tuple[float, float, float, float], margin: float = 2.0) -> bool:
+    x, y = pt
+    x0, y0, x1, y1 = box
+    return x0 - margin <= x <= x1 + margin and y0 - margin <= y <= y1 + margin
+
+
+def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _place_arcs(arcs: Sequence[tuple[float, float, float]]) -> tuple[list[float], list[tuple]]:
+    """Lift of each arc (xa, xb, label width) and its label box (x0, y0, x1, y1), in coordinates where the island
+    boxes' top edge is y = 0 and up is negative: narrow arcs first, each raised in 6 px steps until its label (just
+    above its apex) is crossed by no arc placed so far, overlaps no label, and its own curve crosses no label."""
+    order = sorted(range(len(arcs)), key=lambda k: abs(arcs[k][1] - arcs[k][0]))
+    lifts: list[float] = [0.0] * len(arcs)
+    boxes: list[tuple] = [()] * len(arcs)
+    placed: list[int] = []
+    for k in order:
+        xa, xb, w = arcs[k]
+        lift = 26.0
+        while True:
+            mid = (xa + xb) / 2
+            box = (mid - w / 2, -lift - 2 - LABEL_H, mid + w / 2, -lift - 2)
+            curve = _curve_points(xa, xb, lift)
+            clear = all(not _overlap(box, boxes[o]) for o in placed)
+            clear = clear and not any(_inside(pt, box) for o in placed for pt in _curve_points(*arcs[o][:2],
+                                                                                                 lifts[o]))
+            clear = clear and not any(_inside(pt, boxes[o]) for o in placed for pt in curve)
+            if clear or lift > 2000:
+                break
+            lift += 6.0
+        lifts[k], boxes[k] = lift, box
+        placed.append(k)
+    return lifts, boxes
+
 
 def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list, float, float]:
     isls = list(island_set.islands)
     node_w, gpu_s, pad = 190.0, 18.0, 14.0
     col_w = node_w + 2 * pad + 40
+    box_w = col_w - 40
     per_row_gpus = 8
 
     def node_h(n_gpus: int) -> float:
         rows = math.ceil(n_gpus / per_row_gpus)
         return 34 + rows * (gpu_s + 4)
 
-    heights = []
-    for isl in isls:
-        heights.append(sum(node_h(cluster.node(n).num_gpus) + 10 for n in isl.nodes) + 64)
-    arc_room = 40 + 34 * max(0, len(isls) - 1)
-    top = 60 + arc_room
-    width = 40 + col_w * len(isls)
-    box_h = max(heights)
-    height = top + box_h + 70 + 18 * min(len(island_set.separations), 12)
-    items: list = [Text(20, 28, f"{cluster.name}: {cluster.num_gpus} GPUs in {len(isls)} island(s)", 15, bold=True)]
-    for k, isl in enumerate(isls):
-        c = PALETTE[k % len(PALETTE)]
-        x0 = 20 + k * col_w
-        items.append(Rect(x0, top, col_w - 40, heights[k], _shade(c, 0.85), stroke=c, rx=10))
-        items.append(Text(x0 + 12, top + 22, isl.name, 14, fill=_shade(c, -0.3), bold=True))
-        inter = isl.inter_node_link
-        sub = (f"{isl.num_gpus} GPUs, {isl.gpu.memory_gib:g} GiB each"
-               + (f", nodes linked at {inter.bandwidth_gbps:g} GB/s" if inter else ""))
-        items.append(Text(x0 + 12, top + 40, sub, 10, fill="#444"))
-        y = top + 52
-        for n in isl.nodes:
-            node = cluster.node(n)
-            h = node_h(node.num_gpus)
-            items.append(Rect(x0 + pad, y, node_w + 12, h, "white", stroke="#888", rx=5))
-            items.append(Text(x0 + pad + 8, y + 16, f"{n}  ({node.gpus[0].intra_node_bandwidth_gbps:g} GB/s "
-                                                      f"intra-node)", 10, fill="#333"))
-            mine = {g.local_index for g in isl.gpus if g.node == n}
-            for i in range(node.num_gpus):
-                gx = x0 + pad + 8 + (i % per_row_gpus) * (gpu_s + 4)
-                gy = y + 24 + (i // per_row_gpus) * (gpu_s + 4)
-                items.append(Rect(gx, gy, gpu_s, gpu_s, c if i in mine else "#dddddd", rx=3,
-                                  title=f"{n}:{i} {node.gpus[i].type}"))
-            y += h + 10
-    # links between islands: arcs above the boxes, labelled with the slowest link between their nodes; an arc
-    # leaves each box at a spot that points towards its partner, and wider arcs fly higher
+    # links between islands: arcs above the boxes, labelled with the slowest link between their nodes. Each box has
+    # one spot per partner, ordered so that arcs nest (left partners nearest first, then right partners farthest
+    # first): a wider arc's feet lie outside a narrower one's. Labels are never crossed by an arc (_place_arcs).
     K = len(isls)
-    box_w = col_w - 40
+
+    def foot(a: int, b: int) -> float:
+        spots = list(range(a - 1, -1, -1)) + list(range(K - 1, a, -1))
+        return 20 + a * col_w + box_w * (spots.index(b) + 0.5) / max(1, K - 1)
+
+    arcs = []
     for a in range(K):
         for b in range(a + 1, K):
             bw, lat = None, 0.0
@@ -354,16 +398,55 @@ def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list
                     lk = cluster.link(x, y2)
                     if bw is None or lk.bandwidth_gbps < bw:
                         bw, lat = lk.bandwidth_gbps, lk.latency_us
-            xa = 20 + a * col_w + box_w * (b + 0.5) / K
-            xb = 20 + b * col_w + box_w * (a + 0.5) / K
-            span = b - a
-            lift = 26 + 34 * (span - 1) + (14 if span > 1 and a % 2 else 0)
-            slow = bw is not None and bw < 10
-            items.append(Curve(xa, top, (xa + xb) / 2, top - 2 * lift, xb, top, stroke="#c0392b" if slow else "#555",
-                               width=2.0, dash="6,4" if slow else ""))
+            xa, xb = foot(a, b), foot(b, a)
             label = f"{bw:g} GB/s, {lat:g} us" if bw is not None else "same node"
-            items.append(Rect((xa + xb) / 2 - 58, top - lift - 12, 116, 16, "white", opacity=0.9))
-            items.append(Text((xa + xb) / 2, top - lift, label, 11, "middle", "#c0392b" if slow else "#333"))
+            arcs.append((xa, xb, label, bw is not None and bw < SLOW_LINK_GBPS))
+    lifts, label_boxes = _place_arcs([(xa, xb, _label_width(label)) for xa, xb, label, _ in arcs])
+    top = LEGEND_Y + 16 + max((-bx[1] for bx in label_boxes), default=0.0)
+
+    heights = [sum(node_h(cluster.node(n).num_gpus) + 10 for n in isl.nodes) + 64 for isl in isls]
+    width = 40 + col_w * len(isls)
+    box_h = max(heights)
+    height = top + box_h + 70 + 18 * min(len(island_set.separations), 12)
+    items: list = [Text(20, 28, f"{cluster.name}: {cluster.num_gpus} GPUs in {len(isls)} island(s)", 15, bold=True)]
+    if arcs:  # legend for the link styles
+        items.append(Line(20, LEGEND_Y - 4, 50, LEGEND_Y - 4, stroke="#555", width=2.0))
+        text = "link between two islands: their slowest node pair (bandwidth, latency)"
+        items.append(Text(56, LEGEND_Y, text, 11, fill="#333"))
+        x = 56 + _label_width(text) + 20
+        items.append(Line(x, LEGEND_Y - 4, x + 30, LEGEND_Y - 4, stroke=SLOW_LINK_COLOUR, width=2.0, dash="6,4"))
+        text = f"slow link (under {SLOW_LINK_GBPS:g} GB/s)"
+        items.append(Text(x + 36, LEGEND_Y, text, 11, fill=SLOW_LINK_COLOUR))
+        width = max(width, x + 36 + _label_width(text) + 20)
+    for k, isl in enumerate(isls):
+        c = PALETTE[k % len(PALETTE)]
+        x0 = 20 + k * col_w
+        items.append(Rect(x0, top, box_w, heights[k], _shade(c, 0.85), stroke=c, rx=10))
+        items.append(Text(x0 + 12, top + 22, isl.name, 14, fill=_shade(c, -0.3), bold=True))
+        inter = isl.inter_node_link
+        sub = (f"{isl.num_gpus} GPUs, {isl.gpu.memory_gib:g} GiB each"
+               + (f", nodes linked at {inter.bandwidth_gbps:g} GB/s" if inter else ""))
+        items.append(Text(x0 + 12, top + 40, sub, 10, fill="#444"))
+        y = top + 52
+        for n in isl.nodes:
+            node = cluster.node(n)
+            h = node_h(node.num_gpus)
+            items.append(Rect(x0 + pad, y, node_w + 12, h, "white", stroke="#888", rx=5))
+            items.append(Text(x0 + pad + 8, y + 16, f"{n} ({node.gpus[0].intra_node_bandwidth_gbps:g} GB/s "
+                                                      f"intra-node)", 10, fill="#333"))
+            mine = {g.local_index for g in isl.gpus if g.node == n}
+            for i in range(node.num_gpus):
+                gx = x0 + pad + 8 + (i % per_row_gpus) * (gpu_s + 4)
+                gy = y + 24 + (i // per_row_gpus) * (gpu_s + 4)
+                items.append(Rect(gx, gy, gpu_s, gpu_s, c if i in mine else "#dddddd", rx=3,
+                                  title=f"{n}:{i} {node.gpus[i].type}"))
+            y += h + 10
+    for (xa, xb, _, slow), lift in zip(arcs, lifts):
+        items.append(Curve(xa, top, (xa + xb) / 2, top - 2 * lift, xb, top,
+                           stroke=SLOW_LINK_COLOUR if slow else "#555", width=2.0, dash="6,4" if slow else ""))
+    for (_, _, label, slow), (x0, y0, x1, y1) in zip(arcs, label_boxes):
+        items.append(Rect(x0, top + y0, x1 - x0, y1 - y0, "white"))
+        items.append(Text((x0 + x1) / 2, top + y1 - 4, label, 11, "middle", SLOW_LINK_COLOUR if slow else "#333"))
     y = top + box_h + 30
     if island_set.separations:
         items.append(Text(20, y, "why apart:", 12, bold=True))
@@ -374,7 +457,9 @@ def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list
     return items, width, height
 
 
-def draw_islands(cluster: "ClusterSpec", island_set: "IslandSet", path: str | os.PathLike) -> None:
-    """Draw the cluster's nodes grouped into islands, with the links between islands (.svg, or .png)."""
+def draw_islands(cluster: "ClusterSpec", island_set: "IslandSet", path: str | os.PathLike, *,
+                 field: str = "output") -> str:
+    """Draw the cluster's nodes grouped into islands, with the links between islands (.svg, or .png); returns the
+    absolute path written. ``field`` names the option that gave ``path`` in errors."""
     items, w, h = islands_items(cluster, island_set)
-    _write(items, w, h, path)
+    return _write(items, w, h, path, field)

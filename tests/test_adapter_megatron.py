@@ -19,13 +19,13 @@ import socket
 import subprocess
 import sys
 import warnings
-from datetime import timedelta
 
 if __name__ == "__main__":  # worker mode: make the repository importable without pytest's rootdir handling
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
 import torch
+from timeouts import PROCESS_GROUP_TIMEOUT, SUBPROCESS_TIMEOUT_S
 
 from runtime_adapters import megatron_adapter as MA
 from runtime_adapters.megatron_adapter import MegatronAdapter
@@ -35,7 +35,6 @@ from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER_TIMEOUT_S = 120
 
 
 # ------------------------------------------------------------------------------------------------- plan builder
@@ -262,14 +261,14 @@ def _worker(out_dir: str) -> None:
 
     warnings.simplefilter("ignore")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     adapter = MegatronAdapter()
     report = {}
     try:
         for name, plan_fn in SCENARIOS.items():
             plan = plan_fn()
             place = plan.place(rank)
-            groups = adapter.initialize(plan, place, timeout=timedelta(seconds=60))
+            groups = adapter.initialize(plan, place, timeout=PROCESS_GROUP_TIMEOUT)
             entry = {"tp": list(groups.tp), "cp": list(groups.cp), "dp": list(groups.dp), "pp": list(groups.pp),
                      "ep": list(groups.ep), "coords": dict(groups.coords)}
             overrides = {"use_cpu_initialization": True}
@@ -320,7 +319,7 @@ def gloo_reports(tmp_path_factory):
     outputs = []
     for p in procs:
         try:
-            outputs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
+            outputs.append(p.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -330,6 +329,7 @@ def gloo_reports(tmp_path_factory):
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_megatron_groups_equal_the_plans(gloo_reports, name):
     """Plan rank r is Megatron rank r: tp/cp/dp/pp groups and coordinates match Plan.place on every rank."""
@@ -344,6 +344,7 @@ def test_megatron_groups_equal_the_plans(gloo_reports, name):
         assert got["ep"] == list(MA.expert_group(plan, rank)), (rank, got)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if not n.startswith("cp")])
 def test_each_stage_builds_its_layers(gloo_reports, name):
     """The GPTModel each rank builds holds exactly its stage's global layers, embedding first, head last."""
@@ -370,6 +371,7 @@ def test_each_stage_builds_its_layers(gloo_reports, name):
                                                     else "torch.bfloat16")
 
 
+@pytest.mark.distributed
 def test_context_parallel_needs_transformer_engine(gloo_reports):
     """cp>1: groups are built (above), but the local spec has no CP attention; the adapter says so plainly."""
     for rank in range(4):
@@ -381,6 +383,7 @@ def test_context_parallel_needs_transformer_engine(gloo_reports):
 
 
 # --------------------------------------------------------------------------------------------------- the example
+@pytest.mark.distributed
 def test_example_on_cpu_fails_with_a_clear_message(tmp_path):
     plan = make_plan("tiny", (4,))
     path = tmp_path / "plan.json"
@@ -388,7 +391,7 @@ def test_example_on_cpu_fails_with_a_clear_message(tmp_path):
     env = dict(os.environ, TANGRAM_PLAN_FILE=str(path), RANK="0", WORLD_SIZE="1", CUDA_VISIBLE_DEVICES="")
     env.pop("TANGRAM_PLAN_HASH", None)
     res = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_gpt_megatron.py"), "--plan",
-                          str(path)], env=env, capture_output=True, text=True, timeout=120)
+                          str(path)], env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert res.returncode != 0
     assert "needs CUDA" in res.stderr and "Traceback" not in res.stderr, res.stderr
 

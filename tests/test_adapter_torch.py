@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from timeouts import PROCESS_GROUP_TIMEOUT, PROCESS_GROUP_TIMEOUT_S
 from helpers_plans import make_plan
 from runtime_adapters.gpt import build_model, lm_loss
 from runtime_adapters.groups import group_layout
@@ -49,10 +49,11 @@ def _batches(plan: Plan, steps: int = STEPS) -> list[torch.Tensor]:
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     for name, plan_dict in cases:
         plan = Plan.from_dict(plan_dict)
-        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=60, optimizer_factory=_sgd)
+        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S,
+                                   optimizer_factory=_sgd)
         losses = [ctx.train_step(b) for b in _batches(plan)]
         state = ctx.global_state_dict()
         if ctx.place.coords["dp"] == 0 and ctx.place.coords["tp"] == 0:
@@ -97,6 +98,7 @@ def _run_and_compare(world: int, cases: dict[str, Plan], tmp_path) -> None:
         assert max((ref_state[k] - init[k]).abs().max().item() for k in ref_state) > 1e-2
 
 
+@pytest.mark.distributed
 def test_two_ranks_uneven_stages_noncontiguous_and_tp(tmp_path):
     cases = {
         # 3 + 1 layers, stage 0 on node n1 and stage 1 on n0 (rank 0 is not on the first node), recompute
@@ -115,6 +117,7 @@ def test_two_ranks_uneven_stages_noncontiguous_and_tp(tmp_path):
     _run_and_compare(2, cases, tmp_path)
 
 
+@pytest.mark.distributed
 def test_four_ranks_stages_times_dp_and_tp(tmp_path):
     cases = {
         "pp2_dp2_ddp": make_plan("tiny", [(2, "n0", 1, 2), (2, "n1", 1, 2)], global_batch=8, num_microbatches=2),

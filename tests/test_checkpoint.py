@@ -14,13 +14,13 @@ import os
 import random
 import shutil
 import socket
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from timeouts import PROCESS_GROUP_TIMEOUT, PROCESS_GROUP_TIMEOUT_S, SUBPROCESS_TIMEOUT_S
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -413,7 +413,7 @@ def _draws() -> list:
 def _worker(rank: int, world: int, port: int, plan_dict: dict, job: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     records = _Records()
     logging.getLogger("tangram_launch").addHandler(records)
     torch.manual_seed(100 + rank)
@@ -466,9 +466,10 @@ def _adapter_worker(rank: int, world: int, port: int, plan_dict: dict, job: dict
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     plan = Plan.from_dict(plan_dict)
-    ctx = TorchAdapter().setup(plan, plan.place(rank), seed=job["init_seed"], optimizer_factory=adamw, timeout_s=30)
+    ctx = TorchAdapter().setup(plan, plan.place(rank), seed=job["init_seed"], optimizer_factory=adamw,
+                               timeout_s=PROCESS_GROUP_TIMEOUT_S)
     state = StageState.from_module(ctx.module, LayerKeyMap.for_stage(ctx.place.stage, local_numbering="global"),
                                    ctx.optimizer)
     loaded = load_checkpoint(job["dir"], plan=plan, state=state)
@@ -495,7 +496,7 @@ def _spawn(world: int, plan: Plan, job: dict, out_dir: str, worker=_worker) -> l
         else:
             os.environ["OMP_NUM_THREADS"] = omp
     for p in ctx.processes:
-        p.join(180)
+        p.join(SUBPROCESS_TIMEOUT_S)
     codes = [p.exitcode for p in ctx.processes]
     for p in ctx.processes:
         if p.is_alive():
@@ -535,6 +536,7 @@ def _assert_state(got: dict[str, torch.Tensor], expect: dict[str, torch.Tensor])
         torch.testing.assert_close(got[k], expect[k], **TOL, msg=k)
 
 
+@pytest.mark.distributed
 def test_torn_save_leaves_only_a_temporary_directory(run_a, ref):
     codes, ckpt, a = run_a
     assert codes[1] == 17 and codes[0] != 0, codes  # rank 0 fails in the save's collective when its peer dies
@@ -546,6 +548,7 @@ def test_torn_save_leaves_only_a_temporary_directory(run_a, ref):
     assert os.path.exists(os.path.join(ckpt, "step_2", "manifest.json"))
 
 
+@pytest.mark.distributed
 def test_resume_under_a_new_layout_after_a_torn_save(run_a, ref, tmp_path):
     _, src, a = run_a
     ref_losses, ref_state = ref
@@ -586,6 +589,7 @@ def test_resume_under_a_new_layout_after_a_torn_save(run_a, ref, tmp_path):
     assert max((fresh_state[k] - ref_state[k]).abs().max().item() for k in ref_state) > 100 * TOL["atol"]
 
 
+@pytest.mark.distributed
 def test_torch_adapter_resumes_under_another_layout(run_a, ref, tmp_path):
     """runtime_adapters.torch_native (1F1B over 3 ranks, layers 1+2+1, 4 micro-batches) continues A's step 2."""
     ckpt = _resumable_copy(run_a[1], tmp_path)

@@ -26,13 +26,13 @@ import socket
 import subprocess
 import sys
 import warnings
-from datetime import timedelta
 
 if __name__ in ("__main__", "__mp_main__"):  # worker (and its spawned helpers): make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
 import torch
+from timeouts import PROCESS_GROUP_TIMEOUT, SUBPROCESS_TIMEOUT_S
 
 from runtime_adapters.megatron_checkpoint import (MEGATRON_DIR, STATE_FORMAT, megatron_key_map,
                                                   megatron_stage_state)
@@ -42,7 +42,6 @@ from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
 
-WORKER_TIMEOUT_S = 150
 STEP = 10  # the saved training step; Adam's per-parameter step is set to ADAM_STEP
 ADAM_STEP = 7.0
 LR, BETAS = 3e-4, (0.8, 0.95)  # saved hyperparameters; loaders start from FRESH ones
@@ -131,7 +130,7 @@ def _check(model, place, optimizer) -> tuple[int, list[str]]:
 # ------------------------------------------------------------------------------------------------ the worker
 def _build(adapter, plan: Plan, rank: int, lr: float, betas: tuple[float, float]):
     place = plan.place(rank)
-    adapter.initialize(plan, place, timeout=timedelta(seconds=60))
+    adapter.initialize(plan, place, timeout=PROCESS_GROUP_TIMEOUT)
     model = adapter.build_gpt_model(plan, place, use_cpu_initialization=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=betas)
     return place, model, optimizer
@@ -213,7 +212,7 @@ def _worker(job: str, out_dir: str, ckpt_dir: str) -> None:
 
     warnings.simplefilter("ignore")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     adapter = MegatronAdapter()
     report: dict = {}
     try:
@@ -258,7 +257,7 @@ def _run_job(job: str, world: int, out, ckpt) -> dict[int, dict]:
     outputs = []
     for p in procs:
         try:
-            outputs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
+            outputs.append(p.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -333,6 +332,7 @@ def test_tangram_route_refuses_tensor_parallel_stages():
         megatron_stage_state(None, plan.place(0))
 
 
+@pytest.mark.distributed
 def test_tangram_checkpoint_of_megatron_stages_reshards_the_pipeline(jobs):
     """Global names: pp2 x dp2 (3+1) -> pp4 (1+1+1+1) on 4 ranks and -> pp1 on 1 rank; parameters, Adam state
     and hyperparameters equal the expected values on every rank."""
@@ -341,11 +341,13 @@ def test_tangram_checkpoint_of_megatron_stages_reshards_the_pipeline(jobs):
     _assert_every_tensor_restored(jobs, "tangram")
 
 
+@pytest.mark.distributed
 def test_dist_checkpointing_reshards_tensor_and_pipeline_parallelism(jobs):
     """Megatron's format: tp2 x pp2 (3+1) -> tp1 x pp4, tp2 x pp2 (1+3) and tp1 x pp1 (a different world size)."""
     _assert_every_tensor_restored(jobs, "megatron")
 
 
+@pytest.mark.distributed
 def test_megatron_checkpoint_is_a_verified_tangram_directory(jobs):
     """Manifest with checksums, plan and position around Megatron's files (what --resume reads), and the shards
     describe their TP slicing: linear_qkv is one [layers, 3*hidden, hidden] tensor saved as [1, 96, 64] slices."""
@@ -370,12 +372,14 @@ def test_megatron_checkpoint_is_a_verified_tangram_directory(jobs):
         assert {tuple(c.sizes) for c in entry.chunks} == {(1, 96, 64)}
 
 
+@pytest.mark.distributed
 def test_resume_skips_a_corrupt_and_a_torn_newer_checkpoint(jobs):
     rep = jobs["one"][0]["load/megatron/tp1_pp1"]
     assert rep["step"] == STEP and rep["mismatches"] == []
     assert rep["skipped"] == jobs["planted"]  # newest first: the torn one, then the corrupt one
 
 
+@pytest.mark.distributed
 def test_mismatched_model_and_foreign_format_are_refused(jobs):
     refusals = jobs["one"][0]["refusals"]
     assert "different model" in refusals["other_model"] and "ffn_hidden_size: 256 in the checkpoint, 128" \
@@ -383,6 +387,7 @@ def test_mismatched_model_and_foreign_format_are_refused(jobs):
     assert refusals["tangram_format"] and "state_format" in refusals["tangram_format"]
 
 
+@pytest.mark.distributed
 def test_megatron_default_save_strategy_needs_cuda(jobs):
     """Why the sync strategy exists: megatron-core 0.16.1's torch_dist save calls torch.cuda.synchronize()."""
     result = jobs["one"][0]["refusals"]["default_save"]

@@ -10,7 +10,13 @@ Grattafiori et al. 2024, "The Llama 3 herd of models", Table 4: Llama 3 405B on 
 s = 8192, 16M tokens per batch: 430 TFLOP/s per GPU, 43 % BF16 MFU (38-43 % across their configurations).
 
 One layer's forward + backward time measured on an H200 (this project's device check, recorded below).
+
+Table 1 is split in two: the GEMM efficiency is fitted on the even rows and the odd rows test it, within 7 % (a
+20 % error in the efficiency puts 4-5 held-out rows 7-19 % off, checked below). The shipped constant is a compromise
+with the H200 layer times and sits below the Table 1 fit: its predictions are held to the README's band.
 """
+import math
+
 import pytest
 
 from tangram_launch.capabilities import RuntimeCapabilities
@@ -39,22 +45,30 @@ NARAYANAN_TABLE_1 = [
 ]
 
 
-def island(gpu_type, nodes, net_gbps):
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
-                                  "nodes": [{"name": "x", "gpu": gpu_type, "count": 1}]}).nodes[0].gpus[0]
+def island(gpu_type, nodes, net_gbps, *, gemm_efficiency: float | None = None):
+    """``nodes`` x 8 GPUs; ``gemm_efficiency`` replaces the shipped GEMM_EFFICIENCY (as a measured GEMM figure)."""
+    from tangram_launch.costmodel.efficiency import peak_tflops_for
+
+    gpu = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+                                 "nodes": [{"name": "x", "gpu": gpu_type, "count": 1}]}).nodes[0].gpus[0]
+    if gemm_efficiency is not None:
+        measured = {"gemm_tflops": {d: peak_tflops_for(gpu, d) * gemm_efficiency for d in ("fp16", "bf16")}}
+        gpu = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}}, "nodes": [
+            {"name": "x", "gpus": [{"type": gpu_type, "measured": measured}]}]}).nodes[0].gpus[0]
     names = tuple(f"n{i}" for i in range(nodes))
     return Island(name=gpu_type, nodes=names, gpus=tuple(GpuRef(n, k) for n in names for k in range(8)),
-                  gpus_per_node=8, gpu=spec, inter_node_link=LinkSpec(net_gbps, 2.0) if nodes > 1 else None)
+                  gpus_per_node=8, gpu=gpu, inter_node_link=LinkSpec(net_gbps, 2.0) if nodes > 1 else None)
 
 
-@pytest.mark.parametrize("row", NARAYANAN_TABLE_1, ids=lambda r: f"{r[0]}B")
-def test_megatron_lm_table_1_within_15_percent(row):
+def table_1_prediction(row, gemm_efficiency: float | None = None) -> tuple[float, bool]:
+    """(predicted / published TFLOP/s per GPU, whether the configuration fits the 80 GB GPUs it ran on)."""
     params, a, h, layers, tp, pp, n, batch, published = row
     model = ModelSpec(name=f"gpt-{params}b", num_layers=layers, hidden_size=h, num_heads=a, num_kv_heads=a,
                       ffn_hidden_size=4 * h, vocab_size=51200, max_seq_len=2048, tied_embeddings=True)
     dp = n // (tp * pp)
     tr = TrainingSpec(global_batch=batch, seq_len=2048, dtype="fp16")
-    q = SliceQuery(model=model, training=tr, layers=(0, layers), island=island("a100-80gb", n // 8, 200.0),
+    q = SliceQuery(model=model, training=tr, layers=(0, layers),
+                   island=island("a100-80gb", n // 8, 200.0, gemm_efficiency=gemm_efficiency),
                    microbatch_sequences=dp, capabilities=ANY)
     coster = SliceCoster(q, flash_attention=False)
     plan = coster.plan(ParallelConfig(tp=tp, pp=pp, dp=dp, recompute="full"))
@@ -62,9 +76,64 @@ def test_megatron_lm_table_1_within_15_percent(row):
     s, v = 2048, 51200
     hardware_flops = 96 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
     predicted = hardware_flops / est["iteration_s"] / n / 1e12
-    assert predicted == pytest.approx(published, rel=0.15)
-    # and the configuration fits the 80 GB GPUs it ran on
-    assert plan.fits(0, q.num_microbatches, 80 * 1024**3)
+    return predicted / published, plan.fits(0, q.num_microbatches, 80 * 1024**3)
+
+
+FIT_ROWS, HELD_OUT_ROWS = NARAYANAN_TABLE_1[0::2], NARAYANAN_TABLE_1[1::2]
+HELD_OUT_TOLERANCE = 0.07
+
+
+def fit_gemm_efficiency(rows) -> float:
+    """The efficiency minimising the squared log error of predicted against published throughput (golden section)."""
+    def loss(e):
+        return sum(math.log(table_1_prediction(r, e)[0]) ** 2 for r in rows)
+
+    lo, hi, g = 0.3, 1.0, (math.sqrt(5) - 1) / 2
+    for _ in range(30):
+        c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+        lo, hi = (lo, d) if loss(c) < loss(d) else (c, hi)
+    return (lo + hi) / 2
+
+
+@pytest.fixture(scope="module")
+def fitted_efficiency():
+    return fit_gemm_efficiency(FIT_ROWS)
+
+
+def held_out_errors(gemm_efficiency: float) -> list[float]:
+    return [table_1_prediction(r, gemm_efficiency)[0] - 1 for r in HELD_OUT_ROWS]
+
+
+def test_efficiency_fitted_on_half_of_table_1_predicts_the_other_half(fitted_efficiency):
+    assert 0.5 < fitted_efficiency < 0.95  # a plausible fraction of the A100's dense peak
+    errors = held_out_errors(fitted_efficiency)
+    assert max(abs(e) for e in errors) <= HELD_OUT_TOLERANCE, [f"{e:+.1%}" for e in errors]
+
+
+@pytest.mark.parametrize("factor", [0.8, 1.2])
+def test_held_out_check_fails_with_the_efficiency_20_percent_off(fitted_efficiency, factor):
+    errors = held_out_errors(fitted_efficiency * factor)
+    assert sum(abs(e) > HELD_OUT_TOLERANCE for e in errors) >= 4, [f"{e:+.1%}" for e in errors]
+
+
+# The README's figure: the shipped model predicts 0.89-0.99x the published throughput on every row of Table 1.
+SHIPPED_BAND = (0.87, 1.00)
+
+
+@pytest.mark.parametrize("row", NARAYANAN_TABLE_1, ids=lambda r: f"{r[0]}B")
+def test_shipped_model_against_table_1(row):
+    ratio, fits = table_1_prediction(row)
+    assert SHIPPED_BAND[0] <= ratio <= SHIPPED_BAND[1], f"{ratio:.3f}"
+    assert fits  # and the configuration fits the 80 GB GPUs it ran on
+
+
+def test_shipped_band_fails_with_the_shipped_efficiency_20_percent_off():
+    from tangram_launch.costmodel.efficiency import GEMM_EFFICIENCY
+
+    for factor in (0.8, 1.2):
+        ratios = [table_1_prediction(r, GEMM_EFFICIENCY * factor)[0] for r in NARAYANAN_TABLE_1]
+        outside = [r for r in ratios if not SHIPPED_BAND[0] <= r <= SHIPPED_BAND[1]]
+        assert len(outside) >= 5, (factor, [f"{r:.3f}" for r in ratios])
 
 
 def test_llama3_405b_h100_mfu():

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeouts import SUBPROCESS_TIMEOUT_S
 
 from tangram_launch.launch import profile_cache
 from tangram_launch.launch import planning as planned, torchrun as launch
@@ -40,11 +41,12 @@ def _env(cache: Path) -> dict[str, str]:
     return env
 
 
-def _cli(*args: str, cache: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def _cli(*args: str, cache: Path, timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tangram_launch.cli", *args], cwd=REPO, env=_env(cache),
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.distributed
 def test_planned_launch_from_a_cluster_file_places_workers_by_the_plan(tmp_path):
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(HETERO_CPU)
@@ -75,6 +77,7 @@ def test_planned_launch_from_a_cluster_file_places_workers_by_the_plan(tmp_path)
     assert "planning_time_s" not in json.loads(again)["planner"]
 
 
+@pytest.mark.distributed
 def test_profile_plan_and_train_then_reuse_the_cached_profile(tmp_path):
     """The README's command: profile this node, plan, train 2 steps; the second launch reuses the profile."""
     cache = tmp_path / "cache"

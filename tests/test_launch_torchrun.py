@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeouts import SUBPROCESS_TIMEOUT_S
 
 from tangram_launch.launch import boot, torchrun as launch
 from tangram_launch import worker as W
@@ -32,7 +33,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], *, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(args: list[str], *, cwd: Path | None = None,
+         timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -181,6 +183,7 @@ def test_node_name_from_host_name():
         launch.resolve_node_name(layout, plan, "yy", host_names=set())
 
 
+@pytest.mark.distributed
 def test_plan_world_mismatch_is_refused_before_any_worker(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -215,6 +218,7 @@ def test_plan_world_mismatch_is_refused_before_any_worker(tmp_path):
 
 # --- real launches -----------------------------------------------------------------------------------------------
 
+@pytest.mark.distributed
 def test_same_worker_environment_as_torchrun(tmp_path):
     a, b = tmp_path / "torchrun", tmp_path / "tangram"
     a.mkdir(), b.mkdir()
@@ -234,6 +238,7 @@ def test_same_worker_environment_as_torchrun(tmp_path):
         assert not any(k.startswith("TANGRAM_") for k in have["env"])
 
 
+@pytest.mark.distributed
 def test_planned_module_and_no_python_targets(tmp_path):
     """boot's -m and --exec paths run the target as python would, with the plan's ranks."""
     plan = _write(tmp_path / "plan.json", _layout_plan([(0, "solo", 1, 0), (1, "solo", 0, 1)]))
@@ -260,6 +265,7 @@ def test_planned_module_and_no_python_targets(tmp_path):
         assert (rec["argv"][0], rec["path0"]) == (DUMP_ENV, str(SCRIPTS))
 
 
+@pytest.mark.distributed
 def test_dying_worker_restarts_then_fails_like_torchrun(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
     ref.mkdir(), out.mkdir()
@@ -286,6 +292,7 @@ def test_dying_worker_restarts_then_fails_like_torchrun(tmp_path):
     assert (planned / "attempt0.rank1").read_text() == "0"  # plan rank 1 was torchrun rank 0
 
 
+@pytest.mark.distributed
 def test_two_agents_of_different_sizes_follow_the_plan(tmp_path):
     """Two agents on localhost (1 and 2 workers) as plan nodes n0 and n1; gloo works with the remapped ranks."""
     out = tmp_path / "out"
@@ -299,7 +306,7 @@ def test_two_agents_of_different_sizes_follow_the_plan(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for node, n in (("n0", "1"), ("n1", "2"))]
     try:
-        logs = [a.communicate(timeout=150)[0] for a in agents]
+        logs = [a.communicate(timeout=SUBPROCESS_TIMEOUT_S)[0] for a in agents]
     finally:
         for a in agents:
             a.kill()

@@ -236,6 +236,7 @@ def test_island_shares_cover_single_and_all_island_plans():
     assert shares[1] == pytest.approx(sorted({2 / 8, 2 / 6, 2 / 4, 1.0}))
 
 
+@pytest.mark.distributed
 def test_process_pool_gives_the_same_plan_as_one_process():
     one = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=SERIAL).to_dict()
     two = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=PlannerOptions(max_workers=2)).to_dict()

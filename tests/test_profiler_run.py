@@ -6,6 +6,7 @@ written ClusterSpec with ClusterSpec.load and build_islands.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from timeouts import PROCESS_GROUP_TIMEOUT_S, SUBPROCESS_TIMEOUT_S
 
 from tangram_launch.islands import build_islands
 from tangram_launch.specs.cluster import ClusterSpec
@@ -34,10 +36,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _profile_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tangram_launch.cli", "profile", "--quick", "--timeout-s", "60", *args]
+    return [sys.executable, "-m", "tangram_launch.cli", "profile", "--quick", "--timeout-s", str(PROCESS_GROUP_TIMEOUT_S),
+            *args]
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: Path, timeout: float = SUBPROCESS_TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -51,6 +54,7 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+@pytest.mark.distributed
 def test_standalone_two_workers_write_a_cluster_spec(tmp_path: Path, capsys) -> None:
     out = tmp_path / "cluster.yaml"
     r = _run(_profile_cmd("--standalone", "--nproc-per-node", "2", "-o", str(out)), tmp_path)
@@ -75,6 +79,9 @@ def test_standalone_two_workers_write_a_cluster_spec(tmp_path: Path, capsys) -> 
     assert sum(i.num_gpus for i in islands.islands) == 2
     # the summary table on stdout
     assert "bf16 TFLOP/s" in r.stdout and f"wrote {out}" in r.stdout
+    # each phase is announced as it starts, with the time since the worker started: one per GEMM dtype
+    for dtype in spec.nodes[0].gpus[0].measured["gemm_tflops"]:
+        assert re.search(rf"\[\s*\d+\.\ds\] GEMM {dtype} ", r.stderr), r.stderr[-3000:]
     # `tangram-launch islands` reads the file as written
     from tangram_launch.cli import main
 
@@ -82,6 +89,7 @@ def test_standalone_two_workers_write_a_cluster_spec(tmp_path: Path, capsys) -> 
     assert "cpu" in capsys.readouterr().out
 
 
+@pytest.mark.distributed
 def test_two_agents_as_two_nodes_fill_the_node_matrix(tmp_path: Path) -> None:
     out = tmp_path / "cluster.yaml"
     port = _free_port()
@@ -89,7 +97,7 @@ def test_two_agents_as_two_nodes_fill_the_node_matrix(tmp_path: Path) -> None:
                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex, "-o", str(out))
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
-    results = [p.communicate(timeout=180) for p in procs]
+    results = [p.communicate(timeout=SUBPROCESS_TIMEOUT_S) for p in procs]
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
     spec = ClusterSpec.load(out)
@@ -110,6 +118,7 @@ def test_two_agents_as_two_nodes_fill_the_node_matrix(tmp_path: Path) -> None:
     assert build_islands(spec).islands
 
 
+@pytest.mark.distributed
 def test_killed_worker_names_the_node_and_leaves_no_file(tmp_path: Path) -> None:
     out = tmp_path / "cluster.yaml"
     r = _run(_profile_cmd("--standalone", "--nproc-per-node", "2", "-o", str(out)), tmp_path,
@@ -122,6 +131,7 @@ def test_killed_worker_names_the_node_and_leaves_no_file(tmp_path: Path) -> None
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.distributed
 def test_unreachable_node_fails_the_rendezvous_clearly(tmp_path: Path) -> None:
     out = tmp_path / "cluster.yaml"
     port = _free_port()
@@ -148,11 +158,12 @@ def _cgroup_or_skip() -> Path:
     return group
 
 
+@pytest.mark.distributed
 def test_cgroup_throttled_worker_is_the_slower_device_and_its_own_island(tmp_path: Path) -> None:
     group = _cgroup_or_skip()
     out = tmp_path / "cluster.yaml"
     try:
-        r = _run(_profile_cmd("--standalone", "--nproc-per-node", "2", "-o", str(out)), tmp_path, timeout=240,
+        r = _run(_profile_cmd("--standalone", "--nproc-per-node", "2", "-o", str(out)), tmp_path,
                  TANGRAM_PROFILE_TEST_CGROUP=str(group), TANGRAM_PROFILE_TEST_CGROUP_LOCAL_RANK="1")
         stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
     finally:

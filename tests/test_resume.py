@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeouts import SUBPROCESS_TIMEOUT_S
 import torch
 
 from tangram_launch.checkpoint import store
@@ -34,7 +35,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _cli(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def _cli(tmp_path: Path, *args: str, timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tangram_launch.cli", "--standalone", *args], cwd=tmp_path,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
 
@@ -72,14 +73,17 @@ def _resume_under_a_new_layout(tmp_path: Path, runtime: str, script: str) -> Non
     assert f"skipping checkpoint {ckpt / 'step_4'} (step 4): no manifest" in b.stderr  # a worker's warning
 
 
+@pytest.mark.distributed
 def test_torch_example_resumes_under_a_new_layout(tmp_path):
     _resume_under_a_new_layout(tmp_path, "torch", "train_gpt.py")
 
 
+@pytest.mark.distributed
 def test_deepspeed_example_resumes_under_a_new_layout(tmp_path):
     _resume_under_a_new_layout(tmp_path, "deepspeed", "train_gpt_deepspeed.py")
 
 
+@pytest.mark.distributed
 def test_missing_or_empty_checkpoint_directory_exits_2_naming_it(tmp_path):
     plan = _plan_file(tmp_path, "R", [(4, "local")], "torch")
     marker = tmp_path / "started"

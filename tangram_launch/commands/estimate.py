@@ -26,6 +26,7 @@ from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.constants import DTYPES, GIB, RECOMPUTE_MODES
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
+from tangram_launch.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{q.model.name} layers {q.layers[0]}:{q.layers[1]} on island {isl.name} "
               f"({isl.num_gpus} x {isl.gpu.type}, {isl.gpu.memory_gib:g} GiB; using {plan.num_gpus} GPUs)")
         print(f"{cfg.describe()}  mbs={plan.stages[0].micro_batch_size}")
-        print(f"global batch {q.training.global_batch} = {m} micro-batches x {q.microbatch_sequences} sequences; "
+        print(f"global batch {q.training.global_batch} = {plural(m, 'micro-batch')} x "
+              f"{plural(q.microbatch_sequences, 'sequence')}; "
               f"seq {q.training.seq_len}; {q.training.dtype}; {after} stages after this slice")
         print()
         print(format_breakdown(plan, num_microbatches=m, capacity_bytes=cap, stages_after=after))

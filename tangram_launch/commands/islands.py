@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from tangram_launch.islands import IslandTolerances, build_islands, format_islands_table
 from tangram_launch.specs.cluster import ClusterSpec
@@ -30,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from tangram_launch.specs.limits import check_cli_args
 
     check_cli_args(args)  # bad numbers and output paths: exit 2 before any work
+    if args.draw:
+        from tangram_launch.draw import check_picture_path
+
+        check_picture_path(args.draw, "--draw")  # a bad name fails before any work
     cluster = ClusterSpec.load(args.cluster)
     tol = IslandTolerances(args.eps_compute, args.eps_memory, args.eps_interconnect, args.eps_network)
     iset = build_islands(cluster, tol, dtype=args.dtype)
@@ -40,5 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.draw:
         from tangram_launch.draw import draw_islands
 
-        draw_islands(cluster, iset, args.draw)
+        where = draw_islands(cluster, iset, args.draw, field="--draw")
+        # with --format json stdout is the data: the note goes to stderr
+        print(f"islands picture written to {where}", file=sys.stdout if args.format == "table" else sys.stderr)
     return 0

@@ -12,6 +12,7 @@ Exit status 3 when no plan fits, with the reasons.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tangram_launch.errors import SpecError
@@ -69,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise SpecError("must be >= 1", field="--workers", value=args.workers)
+    if args.timeline:
+        from tangram_launch.draw import check_picture_path
+
+        check_picture_path(args.timeline, "--timeline")  # before planning, not after it
     cluster = ClusterSpec.load(args.cluster)
     model = load_model(args.model)
     training = _training(args, model)
@@ -109,14 +114,18 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(plan, planner={**dict(plan.planner), "compare": rows})
     if args.output:
         plan.dump(args.output)
+    timeline = None
     if args.timeline:
         from tangram_launch.draw import draw_timeline
 
-        draw_timeline(plan, args.timeline)
-    if args.format == "json":
-        print(plan.to_json())
-    elif args.format == "yaml":
-        print(plan.to_yaml(), end="")
+        timeline = draw_timeline(plan, args.timeline, field="--timeline")
+    if args.format in ("json", "yaml"):
+        print(plan.to_json() if args.format == "json" else plan.to_yaml(), end="\n" if args.format == "json" else "")
+        # stdout is the plan: where the files went goes to stderr
+        if args.output:
+            print(f"plan written to {os.path.abspath(args.output)}", file=sys.stderr)
+        if timeline:
+            print(f"timeline drawn to {timeline}", file=sys.stderr)
     else:
         print(format_plan_table(plan, cluster_name=cluster.name, num_islands=len(iset.islands),
                                 manual=bool(args.manual)))
@@ -124,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
             print()
             print(format_compare_table(plan, baselines, tangram=result.plan if args.manual and result else None))
         if args.output:
-            print(f"\nplan written to {args.output}")
-        if args.timeline:
-            print(f"timeline drawn to {args.timeline}")
+            print(f"\nplan written to {os.path.abspath(args.output)}")
+        if timeline:
+            print(f"timeline drawn to {timeline}")
     sys.stdout.flush()
     return 0

@@ -25,6 +25,7 @@ checkpoint's plan and the new one is logged before any worker starts.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import hashlib
 import json
 import logging
@@ -155,6 +156,26 @@ def cached_profile(directory: str, fingerprint: str, *, nproc_per_node: int,
     return spec
 
 
+def profile_age(finished_at: str, now: "_dt.datetime | None" = None) -> str:
+    """How long ago an ISO-8601 time was, in words: "3 h 12 min ago", "2 days 4 h ago", "age unknown"."""
+    try:
+        then = _dt.datetime.fromisoformat(str(finished_at))
+    except ValueError:
+        return "age unknown"
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=_dt.timezone.utc)
+    seconds = ((now or _dt.datetime.now(_dt.timezone.utc)) - then).total_seconds()
+    if seconds < 0:
+        return "measured in the future: check this machine's clock"
+    minutes = int(seconds // 60)
+    days, hours, mins = minutes // 1440, minutes // 60 % 24, minutes % 60
+    if days:
+        return f"{days} day{'s' if days != 1 else ''} {hours} h ago"
+    if hours:
+        return f"{hours} h {mins} min ago"
+    return f"{mins} min ago"
+
+
 def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory: str | None = None,
                     nproc_per_node: int | None = None, reprofile: bool = False) -> tuple["ClusterSpec", str, bool]:
     """(ClusterSpec, its cache path, whether it was reused): the cached profile of this hardware, or a new one.
@@ -173,8 +194,10 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     spec = None if reprofile else cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
     path = _profile_path(directory, fp)
     if spec is not None:
-        logger.info("reusing the cached profile %s (hardware fingerprint %s unchanged; measured %s)", path, fp,
-                    spec.profile.get("finished_at", "?"))
+        measured = spec.profile.get("finished_at", "?")
+        logger.info("reusing the cached profile %s, measured %s (%s; hardware fingerprint %s unchanged). A profile "
+                    "taken while the machine was busy stays until removed: to measure again, pass --reprofile or "
+                    "delete that file", path, measured, profile_age(measured), fp)
         return spec, path, True
     logger.info("no cached profile for hardware fingerprint %s; profiling this node with %d worker(s)%s", fp, nproc,
                 " (quick)" if quick else "")

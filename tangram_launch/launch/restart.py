@@ -17,7 +17,6 @@ Resuming from the newest checkpoint in a restart round: :mod:`tangram_launch.che
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any, Mapping
 

@@ -2,6 +2,8 @@
 logged by the launcher when it plans at launch time)."""
 from __future__ import annotations
 
+from tangram_launch.text import plural
+
 
 def _grid(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -27,7 +29,7 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
             f", runtime {plan.runtime}, parallelizer {plan.planner.get('parallelizer', '?')}")
     lines = [head,
              f"global batch {tr['global_batch']} x {tr['seq_len']} tokens, {tr['dtype']}; {plan.num_microbatches} "
-             f"micro-batches of {b} sequences, {plan.schedule}", ""]
+             f"micro-batches of {plural(b, 'sequence')}, {plan.schedule}", ""]
     rows = [["stage", "layers", "island", "GPUs", "tp", "dp", "cp", "ep", "zero", "recompute", "mbs", "time/mb",
              "memory GiB (of)"]]
     for s, p in zip(plan.stages, plan.predicted.stages):
