@@ -23,15 +23,8 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 
 TIERS = ("unit", "distributed", "slow")
 
-# Tests in files owned elsewhere that start a subprocess: (file, test name) -> tier. Prefer marking in the file.
-MARKED_HERE = {("test_islands.py", "test_cli_islands_json_and_errors"): "distributed"}
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = MARKED_HERE.get((os.path.basename(str(item.fspath)), item.originalname))
-        if tier:
-            item.add_marker(getattr(pytest.mark, tier))
         if not any(item.get_closest_marker(t) for t in TIERS[1:]):
             item.add_marker(pytest.mark.unit)
 

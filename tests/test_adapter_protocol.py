@@ -45,6 +45,7 @@ def test_megatron_plan_from_env_refuses_a_plan_changed_since_launch(tmp_path):
         MA.plan_and_place_from_env({W.ENV_PLAN_FILE: str(path), W.ENV_PLAN_HASH: digest, "RANK": "1"})
 
 
+@pytest.mark.distributed
 def test_megatron_setup_builds_the_parallel_state_and_close_tears_it_down(tmp_path):
     """One gloo rank (in a child process: the default group and Megatron's state are per process)."""
     import json

@@ -82,6 +82,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.distributed
 def test_a_second_run_is_refused_naming_the_owner_and_a_stale_lock_is_taken_over(tmp_path):
     ckpt = tmp_path / "ckpt"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(ckpt)], stdout=subprocess.PIPE, text=True)
@@ -156,6 +157,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.distributed
 def test_a_small_filesystem_refuses_before_writing_or_cleans_up_after_enospc(tmp_path, monkeypatch):
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "256k"):

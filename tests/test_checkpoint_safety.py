@@ -76,6 +76,7 @@ def test_tampered_metadata_is_refused_in_process_without_running_it(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.distributed
 def test_tampered_checkpoint_exits_2_at_launch_and_no_worker_runs(tmp_path):
     plan, _ = _saved(tmp_path)
     plan_path = tmp_path / "plan.json"

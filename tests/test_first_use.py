@@ -177,7 +177,7 @@ def test_plan_table_says_1_sequence():
 # --- the profile cache -----------------------------------------------------------------------------------------------
 
 def test_profile_age_in_words():
-    from tangram_launch.planned import profile_age
+    from tangram_launch.launch.planning import profile_age
 
     now = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
     assert profile_age("2026-11-30T11:48:00+00:00", now) == "12 min ago"
@@ -189,15 +189,18 @@ def test_profile_age_in_words():
 
 
 def test_reusing_a_cached_profile_says_how_old_it_is_and_how_to_measure_again(tmp_path, caplog):
-    from tangram_launch import launch, planned
+    from tangram_launch.launch import planning as planned, profile_cache
+    from tangram_launch.launch.torchrun import LaunchOptions
+    from tangram_launch.specs.cluster import ClusterSpec
 
-    args = launch.build_parser().parse_args(["--standalone", "--nproc-per-node", "2", "train.py"])
+    options = LaunchOptions.from_argv(["--standalone", "--nproc-per-node", "2", "train.py"])
     fp = planned.live_fingerprint(2)
     path = tmp_path / "profiles" / (fp.split(":", 1)[-1] + ".yaml")
     path.parent.mkdir()
     path.write_text((CLUSTERS / "profiled-cpu-2.yaml").read_text())  # a quick profile, measured 2026-11-29
-    with caplog.at_level(logging.INFO, logger="tangram_launch.planned"):
-        spec, where, reused = planned.profile_cluster(args, quick=True, directory=str(tmp_path))
+    profile_cache.seal(str(path), fp, ClusterSpec.load(path).fingerprint)  # as the profiler's caching does
+    with caplog.at_level(logging.INFO, logger="tangram_launch.launch.planning"):
+        spec, where, reused = planned.profile_cluster(options, quick=True, directory=str(tmp_path))
     assert reused and where == str(path)
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "measured 2026-11-29T18:51:42+00:00" in text and " ago" in text

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from helpers_islands import check_island_set, violations
+from timeouts import SUBPROCESS_TIMEOUT_S
 from tangram_launch.cli import main
 from tangram_launch.errors import SpecError
 from tangram_launch.islands import IslandTolerances, _node_ranges, build_islands, format_islands_table
@@ -198,6 +199,7 @@ def test_mixed_gpus_inside_one_node_split_into_parts():
     assert summary(iset) == [("a100-80gb", ("m",), 2), ("t4", ("m",), 2)]
 
 
+@pytest.mark.distributed
 def test_same_islands_whatever_the_hash_seed(tmp_path):
     # Fabric members are frozensets and pair overrides are keyed by them: iterating either in hash order would
     # make islands, their names or their order depend on PYTHONHASHSEED. Ties everywhere: equal GPUs and links.
@@ -211,7 +213,7 @@ def test_same_islands_whatever_the_hash_seed(tmp_path):
     for seed in ("0", "1", "2"):
         out = subprocess.run([sys.executable, "-m", "tangram_launch.cli", "islands", "--cluster", str(path),
                               "--format", "json"], capture_output=True, text=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed})
+                             env={**os.environ, "PYTHONHASHSEED": seed}, timeout=SUBPROCESS_TIMEOUT_S)
         assert out.returncode == 0, out.stderr
         outputs.add(out.stdout)
     assert len(outputs) == 1
@@ -261,9 +263,11 @@ def test_large_cluster_table_stays_readable():
     assert len(format_islands_table(iset).splitlines()) == 2 + 8 + 2 + 28  # up to 40 pairs: one line each
 
 
+@pytest.mark.distributed
 def test_cli_islands_json_and_errors(cluster_path, tmp_path):
     out = subprocess.run([sys.executable, "-m", "tangram_launch.cli", "islands", "--cluster",
-                          cluster_path("c3-full-het-iii"), "--format", "json"], capture_output=True, text=True)
+                          cluster_path("c3-full-het-iii"), "--format", "json"], capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert [i["name"] for i in data["islands"]] == ["a100-80gb", "v100-32gb", "v100-16gb"]
@@ -271,7 +275,7 @@ def test_cli_islands_json_and_errors(cluster_path, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes:\n  - {name: a, gpu: h100-sxn, count: 8}\n")
     out = subprocess.run([sys.executable, "-m", "tangram_launch.cli", "islands", "--cluster", str(bad)],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "h100-sxm" in out.stderr and str(bad) in out.stderr

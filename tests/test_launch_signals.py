@@ -27,6 +27,7 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_launch_with_one_line_and_128_plus_signal(tmp_path: Path, sig):
     script = tmp_path / "worker.py"

@@ -22,6 +22,7 @@ def _cli(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.Complet
                            *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.distributed
 def test_a_killed_worker_restarts_from_the_newest_checkpoint_with_the_same_losses(tmp_path):
     from helpers_plans import make_plan
 
