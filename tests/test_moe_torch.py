@@ -155,6 +155,10 @@ def test_four_ranks_expert_parallel_with_pipeline_and_expert_data_parallel(tmp_p
         # EP=4: one expert per rank
         "dp4_ep4": _with_losses(make_plan("tiny-moe", [{"layers": 4, "gpus": "n0", "dp": 4, "ep": 4}],
                                           global_batch=8, num_microbatches=2)),
+        # TP=2 of the dense parts (and of a shared expert) x EP=2: each TP coordinate routes and dispatches alike
+        "tp2_ep2_shared": _with_losses(make_plan(_moe(name="moe-tp", num_shared_experts=1),
+                                                 [{"layers": 4, "gpus": "n0", "tp": 2, "dp": 2, "ep": 2}],
+                                                 global_batch=4, num_microbatches=2)),
     }
     drops = _run_and_compare(4, cases, tmp_path)
     assert drops["dp4_ep2_capacity"] > 0
@@ -279,3 +283,20 @@ def test_auxiliary_losses_reach_the_router_as_if_added_to_the_loss():
     attached, explicit = router_grad(0.5, 0.1, False), router_grad(0.5, 0.1, True)
     torch.testing.assert_close(attached, explicit)
     assert (attached - router_grad(0.0, 0.0, False)).abs().max() > 1e-4
+
+
+def test_planner_proposes_expert_parallel_plans_the_torch_runtime_runs(cluster_path):
+    from test_parallelizers import island, query, shapes_of
+
+    from tangram_launch.islands import build_islands
+    from tangram_launch.parallelizers.megatron import MegatronParallelizer
+    from tangram_launch.specs.cluster import ClusterSpec
+
+    cpu = build_islands(ClusterSpec.load(cluster_path("cpu-2"))).islands[0]
+    queries = {"tiny-moe on cpu-2": query("tiny-moe", cpu, b=2, gb=8, seq=64, dtype="fp32", caps=TORCH),
+               "mixtral-8x7b-16l on 8 H100": query("mixtral-8x7b-16l", island("h100-sxm"), b=8, gb=64, seq=4096,
+                                                   caps=TORCH)}
+    for what, q in queries.items():
+        shapes = shapes_of(MegatronParallelizer().query(q))
+        assert any(sh.ep > 1 for sh in shapes), what
+        assert all(sh.zero_stage == 0 for sh in shapes if sh.ep > 1), what  # what torch runs with EP
