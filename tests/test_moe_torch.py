@@ -135,6 +135,9 @@ def test_two_ranks_expert_parallel_top1_top2_shared_and_capacity(tmp_path):
                  num_shared_experts=1, shared_expert_ffn_hidden_size=64, shared_expert_gate=True,
                  capacity_factor=0.75, router_norm_topk=False),
             [{"layers": 4, "gpus": "n0", "dp": 2, "ep": 2}], global_batch=4, num_microbatches=1)),
+        # what the planner picks for tiny-moe on cpu-2: ep 1, experts sharded like any parameter by FSDP2 (ZeRO-3)
+        "fsdp_ep1": _with_losses(make_plan("tiny-moe", [{"layers": 4, "gpus": "n0", "dp": 2, "zero_stage": 3}],
+                                           global_batch=8, num_microbatches=2)),
         # MoE under pipelining without EP: the auxiliary losses' gradients cross the schedule
         "pp2": _with_losses(make_plan("tiny-moe", [(2, "n0"), (2, "n0")], global_batch=4, num_microbatches=2)),
     }
