@@ -63,9 +63,11 @@ class MoEStats:
     load_balancing_loss: float = 0.0  # of the last forward call
     z_loss: float = 0.0
     calls: int = 0
+    expert_load: torch.Tensor | None = None  # (E,) int64: kept assignments per global expert, routed on this rank
 
     def reset(self) -> None:
         self.routed = self.dropped = self.calls = 0
+        self.expert_load = None
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -239,6 +241,7 @@ class MoEFFN(nn.Module):
         s.dropped += r.dropped
         s.calls += 1
         s.load_balancing_loss, s.z_loss = float(r.load_balancing_loss), float(r.z_loss)
+        s.expert_load = r.counts.detach().cpu() + (0 if s.expert_load is None else s.expert_load)
         if torch.is_grad_enabled() and r.aux.requires_grad and (self.aux_loss_coeff or self.z_loss_coeff):
             out = _AttachAuxLoss.apply(out, r.aux, self.aux_grad_scale)
         return out

@@ -333,6 +333,37 @@ class TorchTrainingContext:
             _bucketed_all_reduce(grads, self.experts.edp if len(self.experts.edp_ranks) > 1 else None,
                                  self.experts.replicas)
 
+    def moe_stats(self, *, reset: bool = True) -> dict[str, float] | None:
+        """Routing figures of the whole model since the last reset (collective over the world; None for a dense
+        model): share of routed assignments dropped by capacity, and the busiest expert's load over the mean load
+        (max over MoE layers; 1.0 = balanced), counted once per token (tensor-parallel peers route alike).
+
+        The first step's figures include the pipeline's shape-inference pass; reset after it for clean ones."""
+        import torch.distributed as dist
+
+        spec = as_model_spec(self.plan.model, moe=True)
+        if not spec.is_moe:
+            return None
+        load = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64)  # (L, E) kept assignments
+        routed_dropped = torch.zeros(2, dtype=torch.float64)
+        layers = getattr(self.module, "moe_layers", list)()
+        if self.place.coords["tp"] == 0:
+            for key, layer in getattr(self.module, "layers", {}).items():
+                m = layer.mlp
+                if m in layers and m.stats.expert_load is not None:
+                    load[int(key)] += m.stats.expert_load.double()
+                    routed_dropped += torch.tensor([m.stats.routed, m.stats.dropped], dtype=torch.float64)
+        if reset:
+            for m in layers:
+                m.stats.reset()
+        dist.all_reduce(load)
+        dist.all_reduce(routed_dropped)
+        used = load[load.sum(dim=1) > 0]  # (moe layers, E)
+        imbalance = float((used.max(dim=1).values / used.mean(dim=1)).max()) if len(used) else 1.0
+        routed, dropped = routed_dropped.tolist()
+        return {"routed": routed, "dropped": dropped, "dropped_fraction": dropped / routed if routed else 0.0,
+                "expert_load_max_over_mean": imbalance}
+
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters, unsharded, named by global layer index (collective over the stage's ranks)."""
         from torch.distributed.tensor import DTensor

@@ -59,9 +59,14 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out
     for name, plan_dict in cases:
         plan = Plan.from_dict(plan_dict)
         ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=90, optimizer_factory=_sgd)
-        losses = [ctx.train_step(b) for b in _batches(plan)]
+        losses = []
+        for i, b in enumerate(_batches(plan)):
+            losses.append(ctx.train_step(b))
+            if i == 0:
+                ctx.moe_stats()  # reset: step 1 also ran the pipeline's shape inference
+        stats = ctx.moe_stats()  # of the last step (collective)
         experts = sorted({e for m in ctx.module.moe_layers() for e in m.local_experts})
-        torch.save({"losses": losses, "state": ctx.global_state_dict(), "experts": experts},
+        torch.save({"losses": losses, "state": ctx.global_state_dict(), "experts": experts, "stats": stats},
                    os.path.join(out_dir, f"{name}-rank{rank}.pt"))
         dist.barrier()
     dist.barrier()
@@ -69,7 +74,8 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out
 
 
 def _reference(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """The whole model, one routed group (micro-batch of a replica) at a time; returns losses, parameters, drops."""
+    """The whole model, one routed group (micro-batch of a replica) at a time; returns losses, parameters, and the
+    assignments dropped in the last step."""
     model = build_model(plan.model, seed=SEED)
     model.set_moe_losses(aux_loss_coeff=plan.training["moe_aux_loss_coeff"],
                          z_loss_coeff=plan.training["moe_z_loss_coeff"])
@@ -88,6 +94,9 @@ def _reference(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor], int]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(sum(step_losses) / len(step_losses))
+        if len(losses) < STEPS:
+            for m in model.moe_layers():
+                m.stats.reset()
     dropped = sum(m.stats.dropped for m in model.moe_layers())
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, dropped
 
@@ -103,6 +112,10 @@ def _run_and_compare(world: int, cases: dict[str, Plan], tmp_path) -> dict[str, 
         for r in range(world):
             rec = torch.load(tmp_path / f"{name}-rank{r}.pt")
             assert rec["losses"] == pytest.approx(ref_losses, abs=tol), name
+            spec = ModelSpec.from_dict(plan.model)  # the last step routed every token top_k times in every MoE layer
+            assert rec["stats"]["routed"] == (plan.training["global_batch"] * plan.training["seq_len"] * spec.top_k
+                                              * spec.num_moe_layers), name
+            assert rec["stats"]["dropped"] == drops[name], name  # the same tokens dropped as in the reference
             for k, v in rec["state"].items():  # replicas (dp, edp) must agree with each other as well
                 if k in got:
                     torch.testing.assert_close(v, got[k], atol=tol, rtol=5 * tol, msg=lambda m: f"{name} {k}: {m}")
