@@ -77,6 +77,7 @@ def _reference(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor], int]:
     """The whole model, one routed group (micro-batch of a replica) at a time; returns losses, parameters, and the
     assignments dropped in the last step."""
     model = build_model(plan.model, seed=SEED)
+    model.set_compute_dtype({"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.training["dtype"]))
     model.set_moe_losses(aux_loss_coeff=plan.training["moe_aux_loss_coeff"],
                          z_loss_coeff=plan.training["moe_z_loss_coeff"])
     opt = _sgd(list(model.parameters()))
@@ -107,7 +108,7 @@ def _run_and_compare(world: int, cases: dict[str, Plan], tmp_path) -> dict[str, 
     drops = {}
     for name, plan in cases.items():
         ref_losses, ref_state, drops[name] = _reference(plan)
-        tol = 2e-5
+        tol = 2e-5 if plan.training["dtype"] == "fp32" else 2e-3  # autocast: same ops, fp16 rounding
         got: dict[str, torch.Tensor] = {}
         for r in range(world):
             rec = torch.load(tmp_path / f"{name}-rank{r}.pt")
@@ -151,6 +152,9 @@ def test_two_ranks_expert_parallel_top1_top2_shared_and_capacity(tmp_path):
         # what the planner picks for tiny-moe on cpu-2: ep 1, experts sharded like any parameter by FSDP2 (ZeRO-3)
         "fsdp_ep1": _with_losses(make_plan("tiny-moe", [{"layers": 4, "gpus": "n0", "dp": 2, "zero_stage": 3}],
                                            global_batch=8, num_microbatches=2)),
+        # fp16 autocast with dynamic loss scaling: the auxiliary losses' gradients join at the loss scale
+        "fp16_ep2": _with_losses(make_plan("tiny-moe", [{"layers": 4, "gpus": "n0", "dp": 2, "ep": 2}],
+                                           global_batch=4, num_microbatches=2, dtype="fp16"), aux=1.0, z=0.1),
         # MoE under pipelining without EP: the auxiliary losses' gradients cross the schedule
         "pp2": _with_losses(make_plan("tiny-moe", [(2, "n0"), (2, "n0")], global_batch=4, num_microbatches=2)),
     }
