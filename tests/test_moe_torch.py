@@ -320,3 +320,19 @@ def test_planner_proposes_expert_parallel_plans_the_torch_runtime_runs(cluster_p
         shapes = shapes_of(MegatronParallelizer().query(q))
         assert any(sh.ep > 1 for sh in shapes), what
         assert all(sh.zero_stage == 0 for sh in shapes if sh.ep > 1), what  # what torch runs with EP
+
+
+def test_megatron_gets_the_router_settings_or_refuses_them():
+    from runtime_adapters.megatron_adapter import MegatronAdapter, transformer_config_kwargs
+
+    plan = make_plan(_moe(name="m", capacity_factor=1.25, router_norm_topk=False),
+                     [{"layers": 4, "gpus": "n0", "dp": 2, "ep": 2}], global_batch=4, num_microbatches=1,
+                     runtime="megatron")
+    kw = transformer_config_kwargs(plan, 0)
+    assert (kw["moe_expert_capacity_factor"], kw["moe_router_pre_softmax"]) == (1.25, True)
+    assert (kw["moe_aux_loss_coeff"], kw["moe_z_loss_coeff"]) == (0.01, 0.001)  # the training config's defaults
+    assert "moe_expert_capacity_factor" not in transformer_config_kwargs(
+        make_plan("tiny-moe", [(4, "n0")], global_batch=4, num_microbatches=1, runtime="megatron"), 0)
+    gshard = make_plan(_moe(name="g", router_type="gshard_top2"), [(4, "n0")], global_batch=4, num_microbatches=1,
+                       runtime="megatron")
+    assert any("gshard_top2" in p for p in MegatronAdapter().plan_problems(gshard))
