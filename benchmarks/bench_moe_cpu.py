@@ -14,7 +14,8 @@
    put in one island with a loose compute tolerance (50 %) rather than be split by that noise.
 3. Train the plan: ``tangram-launch --standalone --nproc-per-node 2 --plan PLAN examples/train_gpt.py --data
    synthetic`` (torch adapter, EP by all_to_all_single over gloo), median iteration after the first step.
-4. Print predicted and measured tokens/s, measured / predicted, the prediction's breakdown and the load average
+4. Print predicted and measured tokens/s, measured / predicted, the measured routing imbalance (busiest expert's
+   load over the mean; the cost model assumes balanced routing), the prediction's breakdown and the load average
    before and after (a shared host: the figures are only comparable at low load).
 
 Exits 1 when a step fails.
@@ -106,13 +107,18 @@ def main(argv=None) -> int:
                "measured_tokens_per_s": measured, "measured_over_predicted": measured / predicted,
                "predicted_iteration_s": plan.predicted.iteration_time_s,
                "measured_iteration_s": result["median_iteration_s"], "breakdown": dict(plan.predicted.breakdown),
-               "losses": [result["losses"][0], result["losses"][-1]], "load_before": load_before,
+               "losses": [result["losses"][0], result["losses"][-1]], "moe_routing": result.get("moe"),
+               "load_before": load_before,
                "load_after": load_avg(), "work": work}
     print(f"{args.model}: 1 stage, dp {s.dp}, ep {args.ep}, {plan.num_microbatches} micro-batches of "
           f"{s.micro_batch_size} x {args.seq_len} tokens per replica")
     print(f"predicted {predicted:,.0f} tokens/s ({plan.predicted.iteration_time_s * 1e3:.1f} ms/iteration); measured "
           f"{measured:,.0f} tokens/s ({result['median_iteration_s'] * 1e3:.1f} ms, median of steps 2-{args.steps}); "
           f"measured/predicted {measured / predicted:.2f}")
+    moe = result.get("moe") or {}
+    if moe:  # the cost model assumes balanced routing (factor 1.0) and no drops
+        print(f"routing measured: busiest expert {moe['expert_load_max_over_mean']:.2f}x the mean load (the cost "
+              f"model assumes 1.00), {moe['dropped_fraction']:.1%} dropped")
     print("prediction breakdown (s): " + ", ".join(f"{k} {v:.4f}" for k, v in plan.predicted.breakdown.items()))
     print(f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}; load average {load_before} -> "
           f"{figures['load_after']}; files in {work}")
