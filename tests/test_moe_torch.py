@@ -139,6 +139,10 @@ def test_two_ranks_expert_parallel_top1_top2_shared_and_capacity(tmp_path):
         # the tiny-moe preset as it is: top-2 softmax router, dropless, EP=2 over the stage's 2 replicas
         "ep2": _with_losses(make_plan("tiny-moe", [{"layers": 4, "gpus": "n0", "dp": 2, "ep": 2}],
                                       global_batch=8, num_microbatches=2)),
+        # full recompute: the all-to-alls run again inside backward, on both ranks alike
+        "ep2_recompute": _with_losses(make_plan("tiny-moe", [{"layers": 4, "gpus": "n0", "dp": 2, "ep": 2,
+                                                               "recompute": "full"}],
+                                                global_batch=4, num_microbatches=1)),
         # Switch-style top-1 with capacity 1.0: tokens beyond an expert's share are dropped
         "top1_capacity": _with_losses(make_plan(_moe(name="moe-top1", top_k=1, capacity_factor=1.0),
                                                 [{"layers": 4, "gpus": "n0", "dp": 2, "ep": 2}],
