@@ -3,8 +3,9 @@
 Real launches on CPU with the torch example: layout A (2 ranks, one stage, dp 2, ep 2: each rank holds 2 of the
 4 experts of every MoE layer) trains 4 steps without interruption, saving at steps 2 and 4; layout B (2 ranks, two
 pipeline stages, ep 1: stage 0 needs all experts of layer 1, which A's two ranks wrote) resumes from step 2 and trains
-steps 3-4, whose losses must equal A's; so does layout C (4 ranks, dp 4, ep 4: one expert per rank). All layouts route micro-batches of 2 sequences, so the token groups that
-share the auxiliary losses are the same (see tests/test_moe_torch.py).
+steps 3-4, whose losses must equal A's; so must those of layout C (4 ranks, dp 4, ep 4: one expert per rank). All
+layouts route micro-batches of 2 sequences, so the token groups that share the auxiliary losses are the same (see
+tests/test_moe_torch.py).
 """
 from __future__ import annotations
 
