@@ -356,8 +356,10 @@ class TorchTrainingContext:
         if reset:
             for m in layers:
                 m.stats.reset()
+        load, routed_dropped = load.to(self.device), routed_dropped.to(self.device)  # NCCL reduces no CPU tensor
         dist.all_reduce(load)
         dist.all_reduce(routed_dropped)
+        load = load.cpu()
         used = load[load.sum(dim=1) > 0]  # (moe layers, E)
         imbalance = float((used.max(dim=1).values / used.mean(dim=1)).max()) if len(used) else 1.0
         routed, dropped = routed_dropped.tolist()

@@ -192,7 +192,8 @@ def test_unsupported_model_is_a_spec_error():
     from tangram_launch.errors import SpecError
     from tangram_launch.specs.model import load_model
 
-    with pytest.raises(SpecError, match="MoE"):  # MoE layers only for runtimes that ask (torch does; tests/test_moe_torch.py)
+    # MoE layers only for runtimes that ask for them (torch does: tests/test_moe_torch.py)
+    with pytest.raises(SpecError, match="MoE"):
         as_model_spec(load_model("tiny-moe"))
     assert as_model_spec(load_model("tiny-moe"), moe=True).is_moe
     alibi = {**load_model("tiny").to_dict(), "position_embedding": "alibi", "num_position_embeddings": None}
