@@ -169,6 +169,7 @@ def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bo
           first_step: int = 0, consumed: int = 0, checkpointing: Checkpointing | None = None) -> dict:
     """Run steps ``first_step+1 .. steps`` of ``ctx.train_step``; returns losses, per-step wall times, position."""
     losses, times, step_ids, saved = [], [], [], []
+    moe_stats = getattr(ctx, "moe_stats", None)  # MoE routing figures (torch runtime), collective
     for step in range(first_step + 1, steps + 1):  # step k consumes samples [(k-1) * B, k * B) when B is fixed
         batch = data.batch(consumed)
         t0 = time.perf_counter()
@@ -181,6 +182,8 @@ def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bo
         if reporter and not quiet:
             print(f"step {step:4d}  loss {loss:.4f}  {tokens_per_step / dt:9.0f} tokens/s  {dt * 1e3:8.1f} ms",
                   flush=True)
+        if moe_stats is not None and step == first_step + 1 and steps > step:
+            moe_stats()  # reset: the first step also counts the pipeline's shape-inference pass
         if checkpointing is not None:
             path = checkpointing.after_step(step, consumed)
             if path:
@@ -189,9 +192,14 @@ def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bo
                     print(f"saved {path} (step {step}, {consumed} samples)", flush=True)
     steady = times[1:] or times or [float("nan")]  # the first step includes shape inference and warm-up
     median = statistics.median(steady)
+    moe = moe_stats() if moe_stats is not None and step_ids else None
+    if moe and reporter:
+        print(f"MoE routing, steps {step_ids[1] if len(step_ids) > 1 else step_ids[0]}-{step_ids[-1]}: "
+              f"{moe['dropped_fraction']:.1%} of {moe['routed']:.0f} assignments dropped by capacity, busiest expert "
+              f"{moe['expert_load_max_over_mean']:.2f}x the mean load", flush=True)
     return {"steps": step_ids, "losses": losses, "iteration_s": times, "median_iteration_s": median,
             "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / median,
-            "consumed_samples": consumed, "saved": saved}
+            "consumed_samples": consumed, "saved": saved, "moe": moe}
 
 
 def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str,

@@ -3,8 +3,10 @@
 The layer is a plain torch module built from the ModelSpec's widths (pre-norm attention with grouped-query heads,
 then a GELU or SwiGLU FFN). It stands for the compute of a real layer, not its exact kernels, so the timing is
 what a cost model can calibrate its efficiency against (as Metis and Sailor plan from measured layer times).
-An MoE layer is timed as a dense FFN of its active width (top_k experts plus shared experts per token): the
-compute a token sees, without routing and all-to-all, which the cost model adds separately.
+An MoE layer is timed with its routing on one device: router GEMM, softmax and top-k, tokens sorted by expert, one
+FFN per expert on its rows (balanced or not, as the router sends them), the weighted scatter back, plus the shared
+experts. The all-to-all of expert parallelism is the cost model's own term. (Timed as one dense FFN of the active
+width instead, tiny-moe's MoE FFN read 4.7x faster on a CPU than the torch runtime's routed one.)
 """
 from __future__ import annotations
 
@@ -30,9 +32,48 @@ class LayerShape:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
+def _ffn(up: nn.Linear, down: nn.Linear, swiglu: bool, x: torch.Tensor) -> torch.Tensor:
+    """down(act(up(x))) with SwiGLU's gate/up halves in one GEMM; x (..., H) -> (..., H)."""
+    h = up(x)
+    if swiglu:
+        gate, h = h.chunk(2, dim=-1)
+        return down(F.silu(gate) * h)
+    return down(F.gelu(h))
+
+
+class _RoutedFFN(nn.Module):
+    """Top-k routed experts (+ shared FFN) on one device; x (B, T, H) -> (B, T, H)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, width: int, shared: int, swiglu: bool, bias: bool):
+        super().__init__()
+        self.top_k, self.swiglu = top_k, swiglu
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.up = nn.ModuleList(nn.Linear(hidden, width * (2 if swiglu else 1), bias=bias) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(width, hidden, bias=bias) for _ in range(experts))
+        self.shared_up = nn.Linear(hidden, shared * (2 if swiglu else 1), bias=bias) if shared else None
+        self.shared_down = nn.Linear(shared, hidden, bias=bias) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        tokens = x.reshape(b * t, h)  # (N, H)
+        weight, expert = self.router(tokens).float().softmax(dim=-1).topk(self.top_k, dim=-1)  # (N, k) each
+        order = expert.reshape(-1).argsort(stable=True)  # (N k,) assignments grouped by expert
+        token = torch.arange(b * t, device=x.device).repeat_interleave(self.top_k)[order]
+        counts = torch.bincount(expert.reshape(-1), minlength=len(self.up)).tolist()
+        rows, outs, offset = tokens[token], [], 0
+        for up, down, n in zip(self.up, self.down, counts):
+            outs.append(_ffn(up, down, self.swiglu, rows[offset:offset + n]))
+            offset += n
+        y = torch.cat(outs) * weight.reshape(-1)[order, None].to(x.dtype)  # (N k, H)
+        out = torch.zeros_like(tokens).index_add(0, token, y)
+        if self.shared_up is not None:
+            out = out + _ffn(self.shared_up, self.shared_down, self.swiglu, tokens)
+        return out.view(b, t, h)
+
+
 class _Layer(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, swiglu: bool,
-                 rmsnorm: bool, bias: bool):
+                 rmsnorm: bool, bias: bool, routed: _RoutedFFN | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         norm = (lambda: nn.RMSNorm(hidden)) if rmsnorm else (lambda: nn.LayerNorm(hidden))
@@ -40,8 +81,10 @@ class _Layer(nn.Module):
         self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=bias)
         self.proj = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.swiglu = swiglu
-        self.up = nn.Linear(hidden, ffn * (2 if swiglu else 1), bias=bias)
-        self.down = nn.Linear(ffn, hidden, bias=bias)
+        self.routed = routed
+        if routed is None:
+            self.up = nn.Linear(hidden, ffn * (2 if swiglu else 1), bias=bias)
+            self.down = nn.Linear(ffn, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, H)
         b, t, _ = x.shape
@@ -52,13 +95,9 @@ class _Layer(nn.Module):
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-        h = self.up(self.norm2(x))
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return x + self.down(h)
+        if self.routed is not None:
+            return x + self.routed(self.norm2(x))
+        return x + _ffn(self.up, self.down, self.swiglu, self.norm2(x))
 
 
 def active_ffn_width(model, kind: str) -> int:
@@ -73,10 +112,17 @@ def active_ffn_width(model, kind: str) -> int:
 def build_layer(model, kind: str, device: torch.device, dtype: str) -> nn.Module:
     heads = model.num_heads
     head_dim = model.head_dim or model.hidden_size // heads
+    swiglu, bias = model.ffn_type in ("swiglu", "geglu"), bool(getattr(model, "linear_bias", True))
+    routed = None
+    if kind == "moe":
+        expert = model.expert_ffn_hidden_size or model.ffn_hidden_size
+        shared = getattr(model, "num_shared_experts", 0) * (getattr(model, "shared_expert_ffn_hidden_size", None)
+                                                             or expert)
+        routed = _RoutedFFN(model.hidden_size, model.num_experts, model.top_k, expert, shared, swiglu, bias)
     layer = _Layer(
         hidden=model.hidden_size, heads=heads, kv_heads=model.num_kv_heads or heads, head_dim=head_dim,
-        ffn=active_ffn_width(model, kind), swiglu=model.ffn_type in ("swiglu", "geglu"),
-        rmsnorm=model.norm_type == "rmsnorm", bias=bool(getattr(model, "linear_bias", True)),
+        ffn=active_ffn_width(model, kind), swiglu=swiglu, rmsnorm=model.norm_type == "rmsnorm", bias=bias,
+        routed=routed,
     )
     return layer.to(device=device, dtype=DTYPES[dtype])
 

@@ -9,7 +9,8 @@ merge and compare by name (and checkpoints stay layout-agnostic). Plain torch: n
 
 Supported: dense decoder-only models with pre-norm blocks (layernorm or rmsnorm), GQA, qk-norm, gelu/relu/swiglu/
 geglu FFNs, learned/rotary/no positions, a projected embedding (OPT's project_in/out) and tied embeddings when the
-embedding and head live in one module. MoE layers and ALiBi are refused with a SpecError.
+embedding and head live in one module. MoE layers (``runtime_adapters.moe``) where the spec puts them, for runtimes
+that ask for them (``as_model_spec(..., moe=True)``). ALiBi is refused with a SpecError.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime_adapters.moe import MoEFFN, expert_seed
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import RECOMPUTE_MODES
 from tangram_launch.specs.model import ModelSpec
@@ -28,10 +30,11 @@ from tangram_launch.specs.model import ModelSpec
 INIT_STD = 0.02
 
 
-def as_model_spec(model: ModelSpec | Mapping[str, Any]) -> ModelSpec:
-    """A ModelSpec from a spec or its dict form (``plan.model``), refusing what this GPT cannot build."""
+def as_model_spec(model: ModelSpec | Mapping[str, Any], *, moe: bool = False) -> ModelSpec:
+    """A ModelSpec from a spec or its dict form (``plan.model``), refusing what this GPT cannot build (and MoE
+    unless the caller runs MoE layers: ``moe=True``)."""
     spec = model if isinstance(model, ModelSpec) else ModelSpec.from_dict(model, source="plan.model")
-    if spec.num_experts:
+    if spec.num_experts and not moe:
         raise SpecError("the built-in GPT has no MoE layers", field="model.num_experts", value=spec.num_experts,
                         valid="0 (a dense model)")
     if spec.position_embedding == "alibi":
@@ -40,10 +43,10 @@ def as_model_spec(model: ModelSpec | Mapping[str, Any]) -> ModelSpec:
     return spec
 
 
-def gpt_plan_problems(plan) -> list[str]:
+def gpt_plan_problems(plan, *, moe: bool = False) -> list[str]:
     """What this GPT needs of a plan, whichever runtime runs it (pure; no process group)."""
     try:
-        spec = as_model_spec(plan.model)
+        spec = as_model_spec(plan.model, moe=moe)
     except SpecError as exc:
         return [f"model: {exc}"]
     problems = []
@@ -52,6 +55,9 @@ def gpt_plan_problems(plan) -> list[str]:
                         ("ffn_hidden_size", spec.ffn_hidden_size)):
             if n % s.tp:
                 problems.append(f"stage {s.index}: tp={s.tp} does not divide {what}={n}")
+        if spec.num_shared_experts and spec.shared_expert_ffn_hidden_size % s.tp:
+            problems.append(f"stage {s.index}: tp={s.tp} does not divide shared_expert_ffn_hidden_size="
+                            f"{spec.shared_expert_ffn_hidden_size}")
     if spec.tied_embeddings and plan.num_stages > 1:
         problems.append("tied embeddings need the embedding and the head in one stage")
     seq_len = int(plan.training.get("seq_len", 0))
@@ -71,12 +77,15 @@ def _norm(spec: ModelSpec, width: int) -> nn.Module:
     return nn.LayerNorm(width, eps=1e-5, bias=bool(spec.norm_bias))
 
 
-def _init_(module: nn.Module, generator: torch.Generator, *, residual_std: float) -> None:
-    """GPT-2 init: N(0, 0.02) weights, residual output projections N(0, 0.02/sqrt(2L)), zero biases, unit norms."""
+def _init_(module: nn.Module, generator: torch.Generator, *, residual_std: float, skip: tuple[str, ...] = ()) -> None:
+    """GPT-2 init: N(0, 0.02) weights, residual output projections N(0, 0.02/sqrt(2L)), zero biases, unit norms.
+    Parameters whose names start with one of ``skip`` are left alone (routed experts seed themselves)."""
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if name.startswith(skip):
+                continue
             if isinstance(p, nn.Parameter) and p.ndim >= 2:
-                std = residual_std if name.endswith(("attn.o.weight", "mlp.fc_out.weight")) else INIT_STD
+                std = residual_std if name.endswith(("attn.o.weight", "fc_out.weight")) else INIT_STD
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
             elif name.endswith("bias"):
                 p.zero_()
@@ -163,9 +172,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """One FFN (B, T, H) -> (B, T, H) of inner width ``width`` (default the dense ffn_hidden_size; MoE experts pass
+    theirs); also takes rows (M, H)."""
+
+    def __init__(self, spec: ModelSpec, width: int | None = None) -> None:
         super().__init__()
-        h, f = spec.hidden_size, spec.ffn_hidden_size
+        h, f = spec.hidden_size, width or spec.ffn_hidden_size
         self.gated = spec.ffn_type in ("swiglu", "geglu")
         self.act = F.silu if spec.ffn_type == "swiglu" else F.relu if spec.ffn_type == "relu" else F.gelu
         self.fc_in = nn.Linear(h, f, bias=spec.linear_bias)
@@ -181,7 +193,7 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); (B, T, H) -> (B, T, H)."""
 
-    def __init__(self, spec: ModelSpec, index: int, *, seed: int = 0) -> None:
+    def __init__(self, spec: ModelSpec, index: int, *, seed: int = 0, experts: range | None = None) -> None:
         super().__init__()
         if not 0 <= index < spec.num_layers:
             raise SpecError("layer index out of range", field="layer", value=index, valid=f"0..{spec.num_layers - 1}")
@@ -189,10 +201,17 @@ class TransformerLayer(nn.Module):
         self.norm1 = _norm(spec, spec.hidden_size)
         self.attn = Attention(spec)
         self.norm2 = _norm(spec, spec.hidden_size)
-        self.mlp = MLP(spec)
+        moe = spec.is_moe_layer(index)
+        # MoE: router, shared experts, and the routed experts in ``experts`` (global indices; default all)
+        self.mlp = MoEFFN(spec, lambda width: MLP(spec, width), experts=experts) if moe else MLP(spec)
         self.recompute = "none"
-        _init_(self, torch.Generator().manual_seed(part_seed(seed, index + 1)),
-               residual_std=INIT_STD / math.sqrt(2 * spec.num_layers))
+        residual_std = INIT_STD / math.sqrt(2 * spec.num_layers)
+        _init_(self, torch.Generator().manual_seed(part_seed(seed, index + 1)), residual_std=residual_std,
+               skip=("mlp.experts.",))
+        if moe:
+            for e, expert in self.mlp.experts.items():
+                _init_(expert, torch.Generator().manual_seed(expert_seed(seed, index, int(e))),
+                       residual_std=residual_std)
 
     def set_recompute(self, mode: str) -> None:
         """none | selective (attention core only) | full (whole layer, re-run in backward)."""
@@ -238,7 +257,7 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], *, has_embedding: bool, has_head: bool,
-                 seed: int = 0, recompute: str = "none") -> None:
+                 seed: int = 0, recompute: str = "none", experts: range | None = None) -> None:
         super().__init__()
         start, stop = layers
         if not 0 <= start < stop <= spec.num_layers:
@@ -250,7 +269,8 @@ class StageModule(nn.Module):
         self.spec = spec
         self.layer_range = (start, stop)
         self.embedding = Embedding(spec, seed=seed) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(spec, i, seed=seed) for i in range(start, stop)})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(spec, i, seed=seed, experts=experts)
+                                     for i in range(start, stop)})
         self.head = Head(spec, seed=seed) if has_head else None
         if spec.tied_embeddings and self.head is not None:
             self.head.proj.weight = self.embedding.tok.weight
@@ -260,6 +280,15 @@ class StageModule(nn.Module):
     def set_recompute(self, mode: str) -> None:
         for layer in self.layers.values():
             layer.set_recompute(mode)
+
+    def moe_layers(self) -> list[MoEFFN]:
+        """This stage's MoE FFNs, in layer order."""
+        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, MoEFFN)]
+
+    def set_moe_losses(self, *, aux_loss_coeff: float, z_loss_coeff: float) -> None:
+        """Coefficients of the load-balancing loss and the router z-loss (``training.moe_*_coeff``)."""
+        for m in self.moe_layers():
+            m.aux_loss_coeff, m.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
 
     def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
         """Mixed precision: matmuls under autocast in ``dtype`` (bf16/fp16), parameters and gradients stay fp32."""
@@ -284,15 +313,20 @@ class StageModule(nn.Module):
         for key, layer in self.layers.items():
             p = f"layers.{key}"
             out.update({f"{p}.attn.q": "colwise", f"{p}.attn.k": "colwise", f"{p}.attn.v": "colwise",
-                        f"{p}.attn.o": "rowwise", f"{p}.mlp.fc_in": "colwise", f"{p}.mlp.fc_out": "rowwise"})
-            if layer.mlp.gate is not None:
-                out[f"{p}.mlp.gate"] = "colwise"
+                        f"{p}.attn.o": "rowwise"})
+            # an MoE layer splits its shared experts; router and routed experts stay whole on every TP rank
+            ffns = ([(f"{p}.mlp.shared.{j}", m) for j, m in enumerate(layer.mlp.shared)]
+                    if isinstance(layer.mlp, MoEFFN) else [(f"{p}.mlp", layer.mlp)])
+            for q, ffn in ffns:
+                out.update({f"{q}.fc_in": "colwise", f"{q}.fc_out": "rowwise"})
+                if ffn.gate is not None:
+                    out[f"{q}.gate"] = "colwise"
         return out
 
 
 def build_model(model: ModelSpec | Mapping[str, Any], *, seed: int = 0, recompute: str = "none") -> StageModule:
     """The whole model in one module (the single-process reference)."""
-    spec = as_model_spec(model)
+    spec = as_model_spec(model, moe=True)
     return StageModule(spec, (0, spec.num_layers), has_embedding=True, has_head=True, seed=seed, recompute=recompute)
 
 

@@ -127,6 +127,9 @@ def megatron_plan_problems(plan: Plan) -> list[str]:
                        f"this plan has tp={tp} and a model with linear biases")
         if model.router_bias:
             out.append("megatron-core's router has no bias (model has router_bias=true)")
+        if model.router_type == "gshard_top2":
+            out.append("megatron-core's load-balancing loss counts every top-k choice, not GShard's first choices "
+                       "(model has router_type=gshard_top2; softmax_topk runs)")
     elif ep > 1:
         out.append(f"ep={ep} needs an MoE model (model '{model.name}' is dense)")
     return out
@@ -195,8 +198,12 @@ def moe_kwargs(model: ModelSpec, ep: int) -> dict[str, Any]:
         "moe_token_dispatcher_type": "alltoall" if ep > 1 else "allgather",
         "moe_router_load_balancing_type": "aux_loss",
     }
-    if model.top_k == 1:  # softmax over one expert has zero gradient: Megatron insists on pre-softmax routing
+    if model.top_k == 1 or not model.router_norm_topk:
+        # softmax over all experts, then the top k (not renormalised); Megatron's default softmax over the k chosen
+        # logits equals renormalised weights, and over one expert has zero gradient (Megatron insists on this for k=1)
         out["moe_router_pre_softmax"] = True
+    if model.capacity_factor is not None:  # per expert and routed token group; Megatron drops by probability
+        out["moe_expert_capacity_factor"] = model.capacity_factor
     if model.num_shared_experts:
         out["moe_shared_expert_intermediate_size"] = model.num_shared_experts * model.shared_expert_ffn_hidden_size
         out["moe_shared_expert_gate"] = model.shared_expert_gate
@@ -243,6 +250,8 @@ def transformer_config_kwargs(plan: Plan, stage_index: int, *, sequence_parallel
     kw.update(dtype_kwargs(training.dtype))
     kw.update(recompute_kwargs(stage.recompute))
     kw.update(moe_kwargs(model, g.ep))
+    if model.is_moe:
+        kw.update(moe_aux_loss_coeff=training.moe_aux_loss_coeff, moe_z_loss_coeff=training.moe_z_loss_coeff)
     return kw
 
 

@@ -18,6 +18,9 @@ Per rank (order as in torchtitan's parallelize step, and why):
    when micro-batches == stages, and with static_graph=True it returns wrong gradients; measured); 1/2 -> FSDP2
    ``fully_shard`` keeping parameters gathered between forward and backward (gradients and optimizer state sharded,
    ZeRO-2 memory, one all-gather per step); 3 -> FSDP2 resharding after forward (ZeRO-3).
+   MoE layers (``runtime_adapters.moe``): with stage.ep > 1 each rank holds E / ep routed experts and tokens travel
+   by all_to_all_single inside the stage's expert-parallel group; expert gradients are reduced over the
+   expert-data-parallel group only (``runtime_adapters.expert_parallel``). EP runs with zero_stage 0.
 7. ``Schedule1F1B`` (or GPipe where the plan asks) over the plan's micro-batches; gradients are averaged over
    micro-batches by the schedule and over replicas by the all-reduce/FSDP2, so one step equals one step of the
    whole model on the global batch.
@@ -39,6 +42,8 @@ import torch
 from torch import nn
 
 from runtime_adapters.base import RuntimeAdapter
+from runtime_adapters.expert_parallel import (ExpertGroups, bind_expert_parallel, build_expert_groups,
+                                              expert_parameters, local_experts)
 from runtime_adapters.gpt import StageModule, as_model_spec, gpt_plan_problems, lm_loss
 from runtime_adapters.groups import StageGroups, build_stage_groups
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
@@ -79,7 +84,7 @@ class TorchAdapter(RuntimeAdapter):
         if plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B":
             problems.append(f"torch's Schedule1F1B needs num_microbatches >= stages "
                             f"({plan.num_microbatches} < {plan.num_stages})")
-        return problems + gpt_plan_problems(plan)
+        return problems + gpt_plan_problems(plan, moe=True) + _expert_parallel_problems(plan)
 
     def setup(self, plan: Plan, place: Place | None = None, *, model_factory: ModelFactory | None = None,
               optimizer_factory: OptimizerFactory | None = None, seed: int = 0, device: torch.device | None = None,
@@ -92,7 +97,7 @@ class TorchAdapter(RuntimeAdapter):
         import torch.distributed as dist
 
         self.check_plan(plan)  # before any process group exists
-        spec = as_model_spec(plan.model)
+        spec = as_model_spec(plan.model, moe=True)
         owns_default_group = False
         if device is None:
             if torch.cuda.is_available():
@@ -114,8 +119,18 @@ class TorchAdapter(RuntimeAdapter):
             raise SpecError("place.rank differs from this process's rank", field="place.rank", value=place.rank,
                             valid=str(rank))
         groups = build_stage_groups(plan, rank, device_type=device.type, timeout_s=timeout_s)
+        experts = build_expert_groups(plan, rank, timeout_s=timeout_s)  # None unless this stage has ep > 1
         stage = place.stage
-        module = (model_factory or default_model_factory)(spec, stage, seed).to(device)
+        if model_factory is None and experts is not None:
+            module = StageModule(spec, stage.layers, has_embedding=stage.has_embedding, has_head=stage.has_head,
+                                 seed=seed, experts=local_experts(spec, experts.ep_size, experts.ep_rank))
+        else:
+            module = (model_factory or default_model_factory)(spec, stage, seed)
+        module = module.to(device)
+        bind_expert_parallel(module, spec, experts)
+        if spec.is_moe and hasattr(module, "set_moe_losses"):
+            module.set_moe_losses(aux_loss_coeff=float(plan.training.get("moe_aux_loss_coeff", 0.01)),
+                                  z_loss_coeff=float(plan.training.get("moe_z_loss_coeff", 0.001)))
         _apply_tensor_parallel(module, stage, groups)
         _apply_recompute(module, stage)
         dtype = COMPUTE_DTYPES[str(plan.training.get("dtype", "fp32"))]
@@ -134,7 +149,21 @@ class TorchAdapter(RuntimeAdapter):
                     stage.has_embedding, stage.has_head, stage.zero_stage, stage.recompute)
         return TorchTrainingContext(plan=plan, place=place, groups=groups, module=module, optimizer=optimizer,
                                     schedule=schedule, device=device, manual_dp=manual_dp, last_stage_src=last_src,
-                                    owns_default_group=owns_default_group, scaler=scaler)
+                                    owns_default_group=owns_default_group, scaler=scaler, experts=experts)
+
+
+def _expert_parallel_problems(plan: Plan) -> list[str]:
+    """What expert parallelism needs of the model (pure; the ZeRO limit is a declared capability)."""
+    out = []
+    experts = int(plan.model.get("num_experts", 0) or 0)
+    for s in plan.stages:
+        if s.ep == 1:
+            continue
+        if not experts:
+            out.append(f"stage {s.index}: ep={s.ep} needs an MoE model (model '{plan.model.get('name')}' is dense)")
+        elif experts % s.ep:
+            out.append(f"stage {s.index}: ep={s.ep} does not divide num_experts={experts}")
+    return out
 
 
 def _apply_tensor_parallel(module: nn.Module, stage: Stage, groups: StageGroups) -> None:
@@ -234,6 +263,7 @@ class TorchTrainingContext:
     last_stage_src: int
     owns_default_group: bool = False
     scaler: LossScaler | None = None  # fp16 plans only
+    experts: ExpertGroups | None = None  # this rank's expert-parallel groups (stage.ep > 1 only)
 
     @property
     def is_last_stage(self) -> bool:
@@ -260,6 +290,9 @@ class TorchTrainingContext:
         inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (B, T) each
         losses: list[torch.Tensor] = []
         first, last = self.place.is_first_stage, self.place.is_last_stage
+        if self.scaler is not None:  # MoE auxiliary losses join backward at the schedule's loss scale
+            for m in getattr(self.module, "moe_layers", list)():
+                m.aux_grad_scale = self.scaler.scale
         if first and last:
             self.schedule.step(inputs, target=targets, losses=losses)
         elif first:
@@ -283,31 +316,55 @@ class TorchTrainingContext:
         dist.broadcast(loss, src=self.last_stage_src)
         return float(loss.item())
 
-    def _all_reduce_grads(self, bucket_bytes: int = 25 * 2**20) -> None:
-        """Average gradients over the stage's replicas, a few flat buckets at a time (local shards under TP)."""
-        import torch.distributed as dist
+    def _all_reduce_grads(self) -> None:
+        """Average gradients over the stage's replicas (local shards under TP); under expert parallelism the routed
+        experts' gradients are summed over the expert-data-parallel group and divided by dp instead."""
         from torch.distributed.tensor import DTensor
 
+        sharded = {id(p) for p in expert_parameters(self.module)} if self.experts is not None else set()
         params = list(self.module.parameters())
         for p in params:  # every replica must send the same buckets, even for a parameter that got no gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        dp = self.place.stage.dp
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for i, g in enumerate(grads):
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-            if size >= bucket_bytes or i == len(grads) - 1:
-                flat = torch.cat([x.reshape(-1) for x in bucket])
-                dist.all_reduce(flat, group=self.groups.dp)
-                flat.div_(dp)
-                offset = 0
-                for x in bucket:
-                    x.copy_(flat[offset:offset + x.numel()].view_as(x))
-                    offset += x.numel()
-                bucket, size = [], 0
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if id(p) not in sharded]
+        _bucketed_all_reduce(grads, self.groups.dp, self.place.stage.dp)
+        if self.experts is not None:
+            grads = [p.grad for p in params if id(p) in sharded]
+            _bucketed_all_reduce(grads, self.experts.edp if len(self.experts.edp_ranks) > 1 else None,
+                                 self.experts.replicas)
+
+    def moe_stats(self, *, reset: bool = True) -> dict[str, float] | None:
+        """Routing figures of the whole model since the last reset (collective over the world; None for a dense
+        model): share of routed assignments dropped by capacity, and the busiest expert's load over the mean load
+        (max over MoE layers; 1.0 = balanced), counted once per token (tensor-parallel peers route alike).
+
+        The first step's figures include the pipeline's shape-inference pass; reset after it for clean ones."""
+        import torch.distributed as dist
+
+        spec = as_model_spec(self.plan.model, moe=True)
+        if not spec.is_moe:
+            return None
+        load = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64)  # (L, E) kept assignments
+        routed_dropped = torch.zeros(2, dtype=torch.float64)
+        layers = getattr(self.module, "moe_layers", list)()
+        if self.place.coords["tp"] == 0:
+            for key, layer in getattr(self.module, "layers", {}).items():
+                m = layer.mlp
+                if m in layers and m.stats.expert_load is not None:
+                    load[int(key)] += m.stats.expert_load.double()
+                    routed_dropped += torch.tensor([m.stats.routed, m.stats.dropped], dtype=torch.float64)
+        if reset:
+            for m in layers:
+                m.stats.reset()
+        load, routed_dropped = load.to(self.device), routed_dropped.to(self.device)  # NCCL reduces no CPU tensor
+        dist.all_reduce(load)
+        dist.all_reduce(routed_dropped)
+        load = load.cpu()
+        used = load[load.sum(dim=1) > 0]  # (moe layers, E)
+        imbalance = float((used.max(dim=1).values / used.mean(dim=1)).max()) if len(used) else 1.0
+        routed, dropped = routed_dropped.tolist()
+        return {"routed": routed, "dropped": dropped, "dropped_fraction": dropped / routed if routed else 0.0,
+                "expert_load_max_over_mean": imbalance}
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters, unsharded, named by global layer index (collective over the stage's ranks)."""
@@ -329,3 +386,24 @@ class TorchTrainingContext:
             dist.barrier()
             if self.owns_default_group:
                 dist.destroy_process_group()
+
+
+def _bucketed_all_reduce(grads: list[torch.Tensor], group: Any, divisor: int, bucket_bytes: int = 25 * 2**20) -> None:
+    """Sum ``grads`` over ``group`` (None: this rank alone) and divide by ``divisor``, a few flat buckets at a time."""
+    import torch.distributed as dist
+
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes or i == len(grads) - 1:
+            flat = torch.cat([x.reshape(-1) for x in bucket])
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+            flat.div_(divisor)
+            offset = 0
+            for x in bucket:
+                x.copy_(flat[offset:offset + x.numel()].view_as(x))
+                offset += x.numel()
+            bucket, size = [], 0

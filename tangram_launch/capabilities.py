@@ -27,6 +27,7 @@ class RuntimeCapabilities:
     tensor_parallel: bool = True
     context_parallel: bool = True
     expert_parallel: bool = True
+    max_zero_stage_with_ep: int = 3  # the torch runtime reduces expert gradients by all-reduce only (ZeRO 0)
     offload: bool = True
     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
     max_stages: int | None = None
@@ -40,6 +41,9 @@ class RuntimeCapabilities:
             out.append(f"{self.name} has no context parallelism (cp={shape.cp})")
         if shape.ep > 1 and not self.expert_parallel:
             out.append(f"{self.name} has no expert parallelism (ep={shape.ep})")
+        elif shape.ep > 1 and shape.zero_stage > self.max_zero_stage_with_ep:
+            out.append(f"{self.name} runs expert parallelism with ZeRO stage <= {self.max_zero_stage_with_ep} "
+                       f"(ep={shape.ep}, zero_stage={shape.zero_stage})")
         if shape.offload and not self.offload:
             out.append(f"{self.name} cannot offload optimizer state")
         limit = self.max_zero_stage_with_pp if pipelined else self.max_zero_stage
@@ -96,7 +100,10 @@ TORCH = RuntimeCapabilities(
     uniform_tp=True,
     uniform_dp=True,
     context_parallel=False,
-    expert_parallel=False,
+    # MoE layers of runtime_adapters.moe: experts sharded over an EP group carved from the stage's DP ranks, tokens
+    # by all_to_all_single; expert gradients reduced over the expert-data-parallel group by all-reduce (no FSDP2).
+    expert_parallel=True,
+    max_zero_stage_with_ep=0,
     offload=False,
     max_zero_stage=3,
     max_zero_stage_with_pp=3,

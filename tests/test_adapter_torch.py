@@ -195,7 +195,10 @@ def test_unsupported_model_is_a_spec_error():
     from tangram_launch.errors import SpecError
     from tangram_launch.specs.model import load_model
 
+    # MoE layers only for runtimes that ask for them (torch does: tests/test_moe_torch.py)
     with pytest.raises(SpecError, match="MoE"):
         as_model_spec(load_model("tiny-moe"))
-    plan = make_plan("tiny-moe", [(load_model("tiny-moe").num_layers, "n0")], global_batch=2, num_microbatches=1)
-    assert any("MoE" in p for p in TorchAdapter().plan_problems(plan))
+    assert as_model_spec(load_model("tiny-moe"), moe=True).is_moe
+    alibi = {**load_model("tiny").to_dict(), "position_embedding": "alibi", "num_position_embeddings": None}
+    plan = make_plan(alibi, [(4, "n0")], global_batch=2, num_microbatches=1)
+    assert any("ALiBi" in p for p in TorchAdapter().plan_problems(plan))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 FFN_TYPES = {"gelu": 2, "relu": 2, "swiglu": 3, "geglu": 3}   # name -> weight matrices per FFN
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITION_TYPES = ("learned", "rotary", "alibi", "none")      # only "learned" has parameters
+# softmax_topk: softmax over all experts, the k largest kept (Mixtral, Qwen-MoE; Switch with k = 1).
+# gshard_top2: GShard's top-2 gate (Lepikhin et al. 2021, Algorithm 1): weights renormalised over the two, the
+#              load-balancing loss counts each token's first choice only.
+ROUTER_TYPES = ("softmax_topk", "gshard_top2")
 
 
 def _bad(message: str, field_name: str, value: Any, valid: str) -> SpecError:
@@ -85,6 +90,11 @@ class ModelSpec:
     shared_expert_ffn_hidden_size: int | None = None  # default expert_ffn_hidden_size
     shared_expert_gate: bool = False  # a sigmoid gate (hidden -> 1) scaling the shared experts' output (Qwen2-MoE)
     router_bias: bool = False
+    router_type: str | None = None  # MoE: ROUTER_TYPES, default softmax_topk; None for a dense model
+    router_norm_topk: bool | None = None  # MoE: renormalise the top-k weights to sum 1 (HF norm_topk_prob); default
+                                          # true (Mixtral, Qwen3-MoE), false for Qwen2-MoE; ignored when top_k is 1
+    capacity_factor: float | None = None  # MoE: tokens an expert takes per routed token group = ceil(cf * tokens *
+                                          # top_k / num_experts), the rest dropped; None = dropless
     tied_embeddings: bool = False
     max_seq_len: int = 2048
     position_embedding: str = "learned"           # "learned" | "rotary" | "alibi" | "none"
@@ -177,6 +187,14 @@ class ModelSpec:
             if self.dense_layer_indices:
                 raise _bad("only MoE models have dense-layer overrides", "dense_layer_indices",
                            list(self.dense_layer_indices), "[] for a dense model")
+            # a dense copy of an MoE spec (dataclasses.replace(num_experts=0, ...)) carries the resolved router
+            # defaults: those mean nothing here and become None; anything else is a setting that would be ignored
+            for name, default in (("router_type", "softmax_topk"), ("router_norm_topk", True),
+                                  ("capacity_factor", None)):
+                value = getattr(self, name)
+                if value is not None and value != default:
+                    raise _bad("only MoE models have a router", name, value, "omit it, or set num_experts")
+                object.__setattr__(self, name, None)
             return
         if self.top_k == 0:
             raise _bad("an MoE model needs top_k (experts per token)", "top_k", self.top_k,
@@ -184,6 +202,7 @@ class ModelSpec:
         if self.top_k > self.num_experts:
             raise _bad(f"top_k exceeds num_experts {self.num_experts}", "top_k", self.top_k,
                        f"an integer in 1..{self.num_experts}")
+        self._validate_router()
         if self.expert_ffn_hidden_size is None:
             object.__setattr__(self, "expert_ffn_hidden_size", self.ffn_hidden_size)
         _check_int(self.expert_ffn_hidden_size, "expert_ffn_hidden_size")
@@ -209,6 +228,34 @@ class ModelSpec:
         if self.num_moe_layers == 0:
             raise _bad("every MoE layer is overridden to dense", "dense_layer_indices",
                        list(self.dense_layer_indices), "leave at least one MoE layer, or set num_experts: 0")
+
+    def _validate_router(self) -> None:
+        if self.router_type is None:
+            object.__setattr__(self, "router_type", "softmax_topk")
+        if self.router_type not in ROUTER_TYPES:
+            hint = closest(str(self.router_type), ROUTER_TYPES)
+            raise _bad("unknown router type" + (f" (did you mean '{hint}'?)" if hint else ""), "router_type",
+                       self.router_type, " | ".join(ROUTER_TYPES))
+        if self.router_type == "gshard_top2" and self.top_k != 2:
+            raise _bad("GShard's gate routes every token to two experts", "top_k", self.top_k,
+                       "2 with router_type gshard_top2, or router_type softmax_topk")
+        if self.router_norm_topk is None:
+            object.__setattr__(self, "router_norm_topk", True)
+        _check_bool(self.router_norm_topk, "router_norm_topk")
+        cf = self.capacity_factor
+        if cf is not None:
+            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
+                raise _bad("expected a positive number", "capacity_factor", cf,
+                           "a number > 0 (1.0: an even share per expert), or null for dropless routing")
+            object.__setattr__(self, "capacity_factor", float(cf))
+
+    def expert_capacity(self, tokens: int) -> int | None:
+        """Tokens one expert takes from a routed group of ``tokens`` tokens: ceil(capacity_factor * tokens * top_k
+        / num_experts); None when dropless. The group is one forward call of a layer on one rank (one micro-batch of
+        one data-parallel replica), so a layout with the same micro-batches drops the same tokens."""
+        if not self.is_moe or self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
     # ------------------------------------------------------------------ shape helpers
     @property
@@ -567,6 +614,9 @@ def from_hf_config(cfg: Mapping, *, name: str | None = None, source: str | None 
         if moe_ffn is not None:
             kw["expert_ffn_hidden_size"] = moe_ffn
         kw["moe_layer_frequency"] = pick("moe_layer_frequency", "decoder_sparse_step", default=1)
+        if cfg.get("norm_topk_prob") is not None:  # Qwen2/3-MoE; Mixtral always renormalises (no key)
+            renamed["router_norm_topk"] = "norm_topk_prob"
+            kw["router_norm_topk"] = bool(cfg["norm_topk_prob"])
         if cfg.get("mlp_only_layers"):
             renamed["dense_layer_indices"] = "mlp_only_layers"
             dense = cfg["mlp_only_layers"]

@@ -1,6 +1,7 @@
 """TrainingSpec: the shape of one training iteration (batch, sequence, precision, optimizer)."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -20,6 +21,10 @@ class TrainingSpec:
     dtype: str = "bf16"  # compute and parameter dtype
     optimizer: str = "adam"
     grad_dtype: str = "fp32"  # gradient accumulation/reduction precision (Megatron's default: fp32 main grads)
+    # MoE only: auxiliary losses added per MoE layer and routed token group (Switch Transformer's load-balancing loss,
+    # Fedus et al. 2022 eq. 4, coefficient 0.01 there; ST-MoE's router z-loss, Zoph et al. 2022 eq. 5, 0.001 there)
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
@@ -34,6 +39,10 @@ class TrainingSpec:
         if self.grad_dtype not in DTYPE_BYTES:
             raise SpecError("unknown gradient dtype", field="grad_dtype", value=self.grad_dtype,
                             valid=", ".join(DTYPE_BYTES))
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise SpecError("must be a number >= 0", field=name, value=v, valid="a number >= 0 (0: no such loss)")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise SpecError("unknown optimizer", field="optimizer", value=self.optimizer,
                             valid=", ".join(OPTIMIZER_STATE_BYTES))
@@ -61,6 +70,7 @@ class TrainingSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingSpec":
-        check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype"), where="training",
+        check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype", "moe_aux_loss_coeff",
+                       "moe_z_loss_coeff"), where="training",
                    source=source)
         return cls(**dict(d))

@@ -1,0 +1,132 @@
+"""Tokens/s of the MoE tiny model with expert parallelism on 2 CPU ranks, measured against the cost model.
+
+    python benchmarks/bench_moe_cpu.py [--ep 2] [--steps 20] [--global-batch 8] [--seq-len 64] [--micro-batch 1]
+        [--model tiny-moe] [--cluster FILE] [--keep DIR] [--json FILE]
+
+1. Profile, for real (unless ``--cluster``): ``tangram-launch profile --standalone --nproc-per-node 2 --quick
+   --model M --seq-len S --micro-batch B --layer-dtype fp32``: GEMM rate, memory bandwidth, gloo all-reduce and p2p
+   bandwidth, and one layer of each kind (dense, MoE) forward and forward+backward at the planned shape. The
+   profiler times an MoE layer as a dense FFN of its active width (top_k experts + shared); routing and the
+   all-to-all are the cost model's own terms.
+2. Cost one stage of all layers on the two processes, dp 2, ep ``--ep``, ZeRO 0, ``--micro-batch`` sequences per
+   replica and micro-batch, through the planner's manual-plan path (the same cost model as every plan). The two
+   processes share one host, so their figures differ only by what the host's other work took from each; they are
+   put in one island with a loose compute tolerance (50 %) rather than be split by that noise.
+3. Train the plan: ``tangram-launch --standalone --nproc-per-node 2 --plan PLAN examples/train_gpt.py --data
+   synthetic`` (torch adapter, EP by all_to_all_single over gloo), median iteration after the first step.
+4. Print predicted and measured tokens/s, measured / predicted, the measured routing imbalance (busiest expert's
+   load over the mean; the cost model assumes balanced routing), the prediction's breakdown and the load average
+   before and after (a shared host: the figures are only comparable at low load).
+
+Exits 1 when a step fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench_hetero_cpu import _env, load_avg  # noqa: E402  (benchmarks/ is the script's folder)
+
+
+def profile(args, out: str) -> None:
+    cmd = [sys.executable, "-m", "tangram_launch.cli", "profile", "--standalone", "--nproc-per-node", "2", "--quick",
+           "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+           "--layer-dtype", "fp32", "-o", out]
+    subprocess.run(cmd, check=True, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def cost(args, cluster_path: str):
+    from tangram_launch.islands import IslandTolerances, build_islands
+    from tangram_launch.planner.api import PlannerOptions
+    from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import load_model
+    from tangram_launch.specs.training import TrainingSpec
+
+    cluster = ClusterSpec.load(cluster_path)
+    model = load_model(args.model)
+    training = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq_len, dtype="fp32", optimizer="adamw",
+                            grad_dtype="fp32")
+    iset = build_islands(cluster, IslandTolerances(compute=0.5), dtype="fp32")
+    if len(iset.islands) != 1:
+        raise SystemExit(f"the two processes did not form one island: {[i.name for i in iset.islands]}")
+    b = 2 * args.micro_batch  # sequences per micro-batch over both replicas
+    opts = PlannerOptions(microbatch_sequences=(b,), max_workers=1, progress=False)
+    manual = parse_manual_plan({"stages": [{"layers": [0, model.num_layers], "island": iset.islands[0].name,
+                                            "tp": 1, "dp": 2, "ep": args.ep, "zero_stage": 0}],
+                                "microbatch_sequences": b},
+                               num_layers=model.num_layers, island_names=[iset.islands[0].name], source="bench")
+    return cost_manual_plan(manual, cluster, model, training, runtime="torch", islands=iset, options=opts)
+
+
+def train(args, plan_path: str, out: str) -> dict:
+    cmd = [sys.executable, "-m", "tangram_launch.cli", "--standalone", "--nproc-per-node", "2", "--plan", plan_path,
+           os.path.join(REPO, "examples", "train_gpt.py"), "--steps", str(args.steps), "--data", "synthetic",
+           "--quiet", "--out", out]
+    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-moe")
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per replica and micro-batch")
+    p.add_argument("--cluster", help="reuse this profile instead of profiling")
+    p.add_argument("--keep", help="keep the profile, plan and results in this folder")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    work = args.keep or tempfile.mkdtemp(prefix="bench-moe-")
+    os.makedirs(work, exist_ok=True)
+    load_before = load_avg()
+    cluster_path = args.cluster or os.path.join(work, "cluster.yaml")
+    if not args.cluster:
+        profile(args, cluster_path)
+    plan = cost(args, cluster_path)
+    plan_path = os.path.join(work, f"plan-ep{args.ep}.json")
+    plan.dump(plan_path)
+    result = train(args, plan_path, os.path.join(work, "train.json"))
+    predicted, measured = plan.predicted.tokens_per_s, result["tokens_per_s"]
+    s = plan.stages[0]
+    figures = {"model": args.model, "ep": args.ep, "dp": s.dp, "micro_batch": s.micro_batch_size,
+               "num_microbatches": plan.num_microbatches, "predicted_tokens_per_s": predicted,
+               "measured_tokens_per_s": measured, "measured_over_predicted": measured / predicted,
+               "predicted_iteration_s": plan.predicted.iteration_time_s,
+               "measured_iteration_s": result["median_iteration_s"], "breakdown": dict(plan.predicted.breakdown),
+               "losses": [result["losses"][0], result["losses"][-1]], "moe_routing": result.get("moe"),
+               "load_before": load_before,
+               "load_after": load_avg(), "work": work}
+    print(f"{args.model}: 1 stage, dp {s.dp}, ep {args.ep}, {plan.num_microbatches} micro-batches of "
+          f"{s.micro_batch_size} x {args.seq_len} tokens per replica")
+    print(f"predicted {predicted:,.0f} tokens/s ({plan.predicted.iteration_time_s * 1e3:.1f} ms/iteration); measured "
+          f"{measured:,.0f} tokens/s ({result['median_iteration_s'] * 1e3:.1f} ms, median of steps 2-{args.steps}); "
+          f"measured/predicted {measured / predicted:.2f}")
+    moe = result.get("moe") or {}
+    if moe:  # the cost model assumes balanced routing (factor 1.0) and no drops
+        print(f"routing measured: busiest expert {moe['expert_load_max_over_mean']:.2f}x the mean load (the cost "
+              f"model assumes 1.00), {moe['dropped_fraction']:.1%} dropped")
+    print("prediction breakdown (s): " + ", ".join(f"{k} {v:.4f}" for k, v in plan.predicted.breakdown.items()))
+    print(f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}; load average {load_before} -> "
+          f"{figures['load_after']}; files in {work}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(figures, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
