@@ -15,7 +15,7 @@ import os
 import pytest
 
 from helpers_plans import make_plan
-from tangram_launch import checkpoint_store as store
+from tangram_launch.checkpoint import store
 from test_resume import EXAMPLES, _cli
 
 LAYOUT_EP2 = [{"layers": 4, "gpus": "local", "dp": 2, "ep": 2}]  # micro-batches of 8 / (2 x 2) = 2 sequences

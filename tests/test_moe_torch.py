@@ -10,7 +10,6 @@ same load-balancing and z-losses as the distributed run. Every case: 2 steps, th
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from tangram_launch.plan import Plan
 from tangram_launch.specs.model import ModelSpec, load_model
 from tangram_launch.specs.training import TrainingSpec
 from test_adapter_torch import _free_port, _sgd
+from timeouts import PROCESS_GROUP_TIMEOUT, PROCESS_GROUP_TIMEOUT_S
 
 STEPS = 2
 SEED = 5
@@ -55,10 +55,10 @@ def _batches(plan: Plan) -> list[torch.Tensor]:
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     for name, plan_dict in cases:
         plan = Plan.from_dict(plan_dict)
-        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=90, optimizer_factory=_sgd)
+        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S, optimizer_factory=_sgd)
         losses = []
         for i, b in enumerate(_batches(plan)):
             losses.append(ctx.train_step(b))

@@ -193,7 +193,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
         if s.island not in used:
             used.append(s.island)
     return Plan(
-        model=model.to_dict(), training=training.to_dict(), stages=tuple(stages), num_microbatches=m,
+        model=model.to_dict(), training=training.to_dict(moe=model.num_experts > 0), stages=tuple(stages), num_microbatches=m,
         predicted=prediction, runtime=runtime, schedule="1F1B", islands_used=tuple(used),
         islands_dropped=tuple(dict(d) for d in islands_dropped),
         cluster={"name": cluster.name, "hash": cluster.content_hash(),

@@ -45,6 +45,7 @@ POSITION_TYPES = ("learned", "rotary", "alibi", "none")      # only "learned" ha
 # gshard_top2: GShard's top-2 gate (Lepikhin et al. 2021, Algorithm 1): weights renormalised over the two, the
 #              load-balancing loss counts each token's first choice only.
 ROUTER_TYPES = ("softmax_topk", "gshard_top2")
+_MOE_ROUTING_FIELDS = ("router_type", "router_norm_topk", "capacity_factor")  # None on a dense model
 
 
 def _bad(message: str, field_name: str, value: Any, valid: str) -> SpecError:
@@ -443,6 +444,8 @@ class ModelSpec:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name in _MOE_ROUTING_FIELDS:
+                continue  # a dense model's JSON (and so its plans' bytes) stays as before MoE routing existed
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 

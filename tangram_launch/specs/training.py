@@ -65,8 +65,12 @@ class TrainingSpec:
     def tokens_per_iteration(self) -> int:
         return self.global_batch * self.seq_len
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self, *, moe: bool = True) -> dict:
+        """``moe=False`` leaves out the MoE loss coefficients: a dense model's plan reads as it did before them."""
+        out = asdict(self)
+        if not moe:
+            del out["moe_aux_loss_coeff"], out["moe_z_loss_coeff"]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingSpec":
