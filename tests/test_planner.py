@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.errors import InfeasibleError, SpecError
@@ -357,3 +359,18 @@ def test_fits_island_agrees_with_the_allocator():
     for _ in range(2000):  # the fast path (TP sizes dividing the node) against the allocator itself
         shapes = [StageShape(tp=rng.choice((1, 2, 4, 8)), dp=rng.randint(1, 4)) for _ in range(rng.randint(1, 4))]
         assert fits_island(isl, shapes) == (allocate_gpus(isl, shapes) is not None), shapes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 30.0), st.floats(0.0, 4.0)), min_size=1, max_size=6),
+       st.integers(1, 40), st.floats(1.0, 40.0))
+def test_closed_form_depth_agrees_with_the_bisection(stages, m, cap_gib):
+    """build.max_stages_after (closed form) answers exactly what SlicePlan.max_stages_after (bisection) does."""
+    from tangram_launch.capabilities import StageShape
+    from tangram_launch.parallelizers.base import SlicePlan, StageCost
+    from tangram_launch.planner.build import max_stages_after
+
+    shape = StageShape(1, 1, 1, 1, 0, "none", False)
+    plan = SlicePlan("i", (0, len(stages)), tuple(
+        StageCost((k, k + 1), shape, 1, 1.0, 2.0, static * GIB, act * GIB) for k, (static, act) in enumerate(stages)))
+    assert max_stages_after(plan, m, cap_gib * GIB) == plan.max_stages_after(m, cap_gib * GIB)

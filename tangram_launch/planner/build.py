@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
+from tangram_launch.costmodel.grid import SATURATED, fit_depth
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
@@ -98,7 +99,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             group = compatibility_group(plan.stages, caps) if why is None else None
             if why is None and group is None:
                 why = f"{caps.name} needs one grid for all stages"
-            max_after = plan.max_stages_after(num_microbatches, cap) if why is None else -1
+            max_after = max_stages_after(plan, num_microbatches, cap) if why is None else -1
             if why is None and max_after < 0:
                 why = "does not fit in memory"
             if why is not None:
@@ -114,6 +115,25 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             cand.sources.append((pair, plan))
             cand.groups.append(group)
     return cand
+
+
+def max_stages_after(plan: SlicePlan, num_microbatches: int, capacity_bytes: float) -> int:
+    """SlicePlan.max_stages_after from grid.fit_depth's closed form, checked against ``fits`` at the answer and one
+    past it (so float rounding cannot move it): O(stages) instead of a bisection."""
+    m = num_microbatches
+    depth, _peak = fit_depth([(s.static_bytes, s.activation_bytes) for s in plan.stages], m, capacity_bytes)
+    if depth == SATURATED:
+        return depth
+    if depth < 0:
+        if not plan.fits(0, m, capacity_bytes):
+            return -1
+        depth = 0
+    depth = min(depth, m - 1)
+    while depth > 0 and not plan.fits(depth, m, capacity_bytes):
+        depth -= 1
+    while depth + 1 < m and plan.fits(depth + 1, m, capacity_bytes):
+        depth += 1
+    return depth
 
 
 def _undominated_templates(temps: list, m: int) -> list:
