@@ -24,6 +24,7 @@ from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.compose import Composition, ComposeStats, compose, lower_bound
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.layout import LinkModel, activation_bytes
+from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.slices import (
     ModelAtoms,
     Pair,
@@ -319,18 +320,25 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                    opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
                    required_mask: int = 0, incumbent_s: float = float("inf")) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
-    beyond that over a few island orders (polynomial; see island_orders)."""
+    beyond that over a bounded set of island orders (polynomial; see orders.search_orders)."""
     sub = [cand.options[i] for i in idx]
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
-    orders = [None] if len(present) <= opts.exact_islands else island_orders(cand.islands, present,
-                                                                              cand.training_dtype)
     best = None
-    for order in orders:
+
+    def run(order: list[int] | None) -> float | None:
+        nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
                        incumbent_s=min(incumbent_s, best.latency_s if best else float("inf")), stats=stats)
-        if comp is not None:
-            best = comp
+        if comp is None:
+            return None
+        best = comp
+        return comp.latency_s
+
+    if len(present) <= opts.exact_islands:
+        run(None)
+    else:
+        search_orders(run, present, cand.link_matrix, island_orders(cand.islands, present, cand.training_dtype))
     if best is None:
         return None
     return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s)
