@@ -7,7 +7,8 @@
 Each row runs in its own process (so its peak memory is its own): it builds the islands (timed apart: islands.py is
 not the planner), then plans with the megatron parallelizer and reports the planning CPU seconds of the process and
 its worker processes, the peak resident memory (the larger of the process's and its largest worker's), the
-predicted iteration time and the GPUs the plan uses. A row that runs past ``--timeout`` says so.
+predicted iteration time and the GPUs the plan uses. A row is stopped after ``--timeout`` CPU seconds (RLIMIT_CPU;
+with ``--workers 1`` that is all of its planning) and says so.
 """
 from __future__ import annotations
 
@@ -75,12 +76,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="cluster names to run (default: all)")
     ap.add_argument("--runtimes", nargs="*", default=list(RUNTIMES))
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per row")
+    ap.add_argument("--timeout", type=float, default=600.0, help="CPU seconds per row (its process is stopped then)")
     ap.add_argument("--workers", type=int, default=None, help="query worker processes (default: the planner's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         c, m, g, s, d, rt = json.loads(args.child)
+        limit = int(args.timeout)  # CPU seconds: a busy machine does not cut a row short
+        resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 5))
         print(json.dumps(one(c, m, g, s, d, rt, args.workers)))
         return
     print("| cluster | model | runtime | GPUs | islands | planning CPU s (target) | peak MiB | islands CPU s "
@@ -90,12 +93,13 @@ def main() -> None:
         if args.only and c not in args.only:
             continue
         for rt in args.runtimes:
-            child = [__file__, "--child", json.dumps([c, m, g, s, d, rt])]
+            child = [__file__, "--child", json.dumps([c, m, g, s, d, rt]), "--timeout", str(args.timeout)]
             if args.workers is not None:
                 child += ["--workers", str(args.workers)]
-            r = run_child(child, args.timeout)
+            r = run_child(child, 20 * args.timeout)
             if "error" in r:
-                print(f"| {c} | {m} | {rt} | | | {r['error']} (target {target:g}) | | | | | |")
+                print(f"| {c} | {m} | {rt} | | | stopped after {args.timeout:g} CPU-s: {r['error']} (target "
+                      f"{target:g}) | | | | | |")
             else:
                 pred = f"{r['predicted_s']:.3f}" if "predicted_s" in r else f"infeasible: {r['infeasible'][:60]}"
                 print(f"| {c} | {m} | {rt} | {r['gpus']} | {r['islands']} | {r['cpu_s']:.2f} ({target:g}) | "
