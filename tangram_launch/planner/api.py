@@ -5,10 +5,8 @@
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
-(compose.py; above five islands over a bounded set of island orders, orders.py) -> the best over b. The sizes b: a
-spread of the global batch's divisors first, then the best size's neighbouring divisors (on the slices near the best
-plan's stage boundaries) until the best size stops moving. -> islands left out, and GPUs left idle, with reasons ->
-Plan (build.py). Nothing fits: InfeasibleError with the reasons (exit status 3 on the command line).
+(compose.py) -> the best over b -> islands left out, with reasons -> Plan (build.py). Nothing fits: InfeasibleError
+with the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
 
@@ -46,7 +44,6 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MICROBATCH_OPTIONS = 4
-REFINE_WINDOW_ATOMS = 2  # micro-batch refinement: slice ends within this many atoms of the best plan's boundaries
 
 
 @dataclass(frozen=True)
@@ -54,9 +51,7 @@ class PlannerOptions:
     pruning: PruningPolicy = field(default_factory=PruningPolicy)
     microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: spread divisors, refined
     max_microbatch_options: int = DEFAULT_MAX_MICROBATCH_OPTIONS  # divisors in the first spread
-    # then the best size's neighbouring divisors, until the best stops moving, on the slices whose ends lie within
-    # REFINE_WINDOW_ATOMS atoms of the best plan's stage boundaries
-    refine_microbatches: bool = True
+    refine_microbatches: bool = True  # then the best size's neighbouring divisors, until the best stops moving
     max_workers: int | None = None  # process pool size; default min(2, cpu count)
     progress: bool | None = None  # None: progress on stderr only when it is a terminal
     bound_step: float = 0.0  # > 0: skip bottleneck bounds within this relative step (faster, not exact)
@@ -173,19 +168,16 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     best: tuple[float, int, Hashable, Composition] | None = None
     counters = {"queries": 0, "configs": 0, "query_s": 0.0, "compose_s": 0.0}
     tried: list[int] = []
-    pairs_now = pairset
     while bs:
         tried.extend(bs)
         best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                                 training=training, pairset=pairs_now, islands=all_islands, caps=caps, par=par,
+                                 training=training, pairset=pairset, islands=all_islands, caps=caps, par=par,
                                  opts=opts)
         if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
             break
-        # bounded search over the divisors: try the untried neighbours of the best size until it stops moving,
-        # on the slices whose ends lie near the best plan's stage boundaries
+        # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
         k = divs.index(best[1])
         bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
-        pairs_now = _near_pairs(pairset, all_cands[best[1]], best[3], REFINE_WINDOW_ATOMS * atom_layers)
     t_c = time.perf_counter()
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
@@ -291,20 +283,6 @@ def _with_planner(plan: Plan, stats: dict) -> Plan:
     import dataclasses
 
     return dataclasses.replace(plan, planner={**dict(plan.planner), **stats})
-
-
-def _near_pairs(pairset: PairSet, cand: Candidates, comp: Composition, window_layers: int) -> PairSet:
-    """The pairs whose slice starts and stops within ``window_layers`` of a stage boundary of ``comp`` (its
-    options' ends, 0 and L included): what the micro-batch refinement queries."""
-    ends = sorted({e for oi in comp.options for e in (cand.options[oi].start, cand.options[oi].stop)})
-
-    def near(x: int) -> bool:
-        return any(abs(x - e) <= window_layers for e in ends)
-
-    pairs = tuple(p for p in pairset.pairs if near(p.layers[0]) and near(p.layers[1]))
-    keys = {p.key for p in pairs}
-    queries = tuple(p for p in pairset.queries if p.key in keys)
-    return PairSet(pairs=pairs, queries=queries, counts=pairset.counts, island_notes=pairset.island_notes)
 
 
 def _idle_gpus(plan: Plan, islands: Sequence["Island"], b: int) -> dict:
