@@ -5,8 +5,10 @@
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
-(compose.py) -> the best over b -> islands left out, with reasons -> Plan (build.py). Nothing fits: InfeasibleError
-with the reasons (exit status 3 on the command line).
+(compose.py; above five islands over a bounded set of island orders, orders.py) -> the best over b. The sizes b: a
+spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
+moving. -> islands left out, and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with
+the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
 
