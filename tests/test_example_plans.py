@@ -71,8 +71,13 @@ def plan_json(cluster: str, model: str, extra: list[str]) -> str:
     return json.dumps(_zero_timings(json.loads(buf.getvalue())), indent=2) + "\n"
 
 
+# The planner-scale clusters (issue 12) take longer to plan than a test may: benchmarks/bench_planner_scale.py plans
+# them and prints the figures.
+SCALE_CLUSTERS = {"opt350m-128gpu", "opt350m-320gpu", "opt350m-512gpu", "llama3-405b-256gpu", "llama3-405b-4096gpu"}
+
+
 def test_every_example_cluster_has_a_case():
-    clusters = sorted(f[:-5] for f in os.listdir(CLUSTERS) if f.endswith(".yaml"))
+    clusters = sorted(f[:-5] for f in os.listdir(CLUSTERS) if f.endswith(".yaml") and f[:-5] not in SCALE_CLUSTERS)
     assert sorted({c[1] for c in CASES}) == clusters
 
 

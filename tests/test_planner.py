@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.errors import InfeasibleError, SpecError
@@ -358,3 +360,85 @@ def test_fits_island_agrees_with_the_allocator():
     for _ in range(2000):  # the fast path (TP sizes dividing the node) against the allocator itself
         shapes = [StageShape(tp=rng.choice((1, 2, 4, 8)), dp=rng.randint(1, 4)) for _ in range(rng.randint(1, 4))]
         assert fits_island(isl, shapes) == (allocate_gpus(isl, shapes) is not None), shapes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 30.0), st.floats(0.0, 4.0)), min_size=1, max_size=6),
+       st.integers(1, 40), st.floats(1.0, 40.0))
+def test_closed_form_depth_agrees_with_the_bisection(stages, m, cap_gib):
+    """build.max_stages_after (closed form) answers exactly what SlicePlan.max_stages_after (bisection) does."""
+    from tangram_launch.capabilities import StageShape
+    from tangram_launch.parallelizers.base import SlicePlan, StageCost
+    from tangram_launch.planner.build import max_stages_after
+
+    shape = StageShape()
+    plan = SlicePlan("i", (0, len(stages)), tuple(
+        StageCost(layers=(k, k + 1), shape=shape, micro_batch_size=1, forward_s=1.0, backward_s=2.0,
+                  static_bytes=static * GIB, activation_bytes=act * GIB) for k, (static, act) in enumerate(stages)))
+    assert max_stages_after(plan, m, cap_gib * GIB) == plan.max_stages_after(m, cap_gib * GIB)
+
+
+def _latency(cluster_spec, model, training, **opts):
+    return search(cluster_spec, model, training, runtime=TORCH, parallelizer="megatron",
+                  options=PlannerOptions(max_workers=1, **opts))
+
+
+def test_microbatch_search_goes_beyond_the_first_spread_and_stops_at_a_local_best():
+    """The first spread of micro-batch sizes is refined: the chosen size's neighbouring divisors are all tried, and
+    the plan is at least as fast as the best plan over the spread alone."""
+    training = TrainingSpec(global_batch=256, seq_len=128, dtype="fp16")
+    spread = microbatch_choices(256, 4)
+    wide = _latency(HET, MODEL, training)
+    narrow = _latency(HET, MODEL, training, microbatch_sequences=spread)
+    tried = wide.plan.planner["microbatch_sequences_tried"]
+    divs = list(microbatch_choices(256, 256))
+    assert set(spread) < set(tried)
+    k = divs.index(wide.plan.planner["b"])
+    assert set(divs[max(0, k - 1):k + 2]) <= set(tried)
+    assert wide.plan.predicted.iteration_time_s <= narrow.plan.predicted.iteration_time_s
+    assert narrow.plan.planner["microbatch_sequences_tried"] == list(spread)
+
+
+def test_a_microbatch_size_outside_the_old_four_can_win():
+    """OPT-350M on 4 A100 + 12 V100 (issue 12's cluster, scaled down): the best micro-batch (4 sequences) is none of
+    the old spread 1, 8, 128, 1024, and the plan beats the best plan over that spread."""
+    small = cluster(("a100-0", "a100-40gb", 4), ("v100-0", "v100-16gb", 4), ("v100-1", "v100-16gb", 4),
+                    ("v100-2", "v100-16gb", 4))
+    from tangram_launch.specs.model import load_model
+
+    training = TrainingSpec(global_batch=1024, seq_len=2048, dtype="fp32")
+    wide = _latency(small, load_model("opt-350m"), training)
+    old = _latency(small, load_model("opt-350m"), training, microbatch_sequences=microbatch_choices(1024, 4))
+    assert wide.plan.planner["b"] not in microbatch_choices(1024, 4)
+    assert wide.plan.predicted.iteration_time_s < old.plan.predicted.iteration_time_s
+    check_invariants(wide.plan, small, TORCH)
+
+
+def test_data_parallel_degree_need_not_be_a_power_of_two():
+    """Three nodes of four GPUs and a batch divisible by 12: the plan uses all 12 GPUs, with a DP degree that is a
+    multiple of 3."""
+    from tangram_launch.specs.model import load_model
+
+    three = cluster(("a-0", "a100-80gb", 4), ("a-1", "a100-80gb", 4), ("a-2", "a100-80gb", 4))
+    training = TrainingSpec(global_batch=96, seq_len=1024, dtype="fp16")
+    plan = _latency(three, load_model("gpt3-1.3b"), training, microbatch_sequences=(12, 24, 48, 96)).plan
+    check_invariants(plan, three, TORCH)
+    assert sum(s.num_gpus for s in plan.stages) == 12
+    assert any(s.dp % 3 == 0 for s in plan.stages)
+
+
+def test_a_plan_that_leaves_gpus_idle_says_how_many_and_why():
+    result = search(HET, MODEL, TRAIN, runtime=TORCH, parallelizer=PAR, options=SERIAL)
+    plan = result.plan
+    idle = plan.planner["gpus_idle"]
+    used = sum(s.num_gpus for s in plan.stages)
+    assert idle["total"] == HET.num_gpus - used
+    dropped = {d["island"] for d in plan.islands_dropped}
+    for isl in result.islands.islands:
+        n = sum(s.num_gpus for s in plan.stages if s.island == isl.name)
+        if 0 < n < isl.num_gpus:
+            assert idle["islands"][isl.name]["idle"] == isl.num_gpus - n
+            assert "GPUs used" in idle["islands"][isl.name]["reason"]
+        else:
+            assert isl.name not in idle["islands"]
+            assert n or isl.name in dropped

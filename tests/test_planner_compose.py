@@ -152,3 +152,47 @@ def test_ordered_mode_matches_brute_force_over_that_order():
             assert islands == sorted(islands, key=order.index)
             # an order restricts the search: never better than the exact search over all orders
             assert dp.latency_s >= compose(options, link, L, m, required_mask=required).latency_s - 1e-12
+
+
+def test_greedy_link_chains_find_a_single_fast_chain():
+    from tangram_launch.planner.orders import link_chains
+
+    perm = [3, 0, 5, 1, 4, 2]
+    link = [[0.0 if i == j else 5.0 for j in range(6)] for i in range(6)]
+    for x, y in zip(perm, perm[1:]):
+        link[x][y] = link[y][x] = 0.01
+    chains = link_chains(range(6), link)
+    assert perm in chains and perm[::-1] in chains
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_order_search_is_within_five_percent_of_the_exact_search(seed):
+    """Six islands, one fast chain or random links: the bounded order search (planner/orders.py) against the
+    exact composer."""
+    from tangram_launch.planner.orders import search_orders
+
+    rng = random.Random(seed)
+    K, L, m = 6, 6, 8
+    speed = [rng.uniform(0.3, 1.5) for _ in range(K)]
+    options = [Option(a, b, k, 1, rng.choice([1, 3, SENTINEL]), speed[k] * (b - a) * 1.05, speed[k] * (b - a),
+                      rng.uniform(0, 0.2)) for a in range(L) for b in range(a + 1, L + 1) for k in range(K)]
+    if seed % 2:
+        link = [[0.0 if i == j else rng.uniform(0, 1.0) for j in range(K)] for i in range(K)]
+    else:
+        perm = rng.sample(range(K), K)
+        link = [[0.0 if i == j else 3.0 for j in range(K)] for i in range(K)]
+        for x, y in zip(perm, perm[1:]):
+            link[x][y] = link[y][x] = 0.01
+    exact = compose(options, link, L, m)
+    best = [float("inf")]
+
+    def run(order):
+        comp = compose(options, link, L, m, island_order=order, incumbent_s=best[0])
+        if comp is not None:
+            best[0] = comp.latency_s
+            return comp.latency_s
+        return None
+
+    order, tried = search_orders(run, list(range(K)), link)
+    assert order is not None and tried >= K
+    assert exact.latency_s <= best[0] <= exact.latency_s * 1.05

@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import logging
 import math
+import pickle
 from typing import Iterator
 
 from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
-from tangram_launch.parallelizers.base import InfeasibleSlice, SlicePlan, SliceQuery, SliceResult
+from tangram_launch.costmodel.grid import StageTable, StageTables, judge_grid
+from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
+from tangram_launch.parallelizers.base import InfeasibleSlice, SlicePlan, SliceQuery, SliceResult, StageCost
 
 logger = logging.getLogger(__name__)
 
-SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
 MAX_CP = 16
 
 
@@ -76,26 +78,8 @@ def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
 
 
 def fit_depth(numbers: list[tuple], m: int, cap: float) -> tuple[int, float]:
-    """(largest number of following global stages at which every stage fits, -1 if none; peak memory with none).
-
-    Stage j of n holds min(n - j + D, m) micro-batches with D stages after the slice (base.StageCost.memory_bytes);
-    this is SlicePlan.max_stages_after in closed form."""
-    n = len(numbers)
-    depth = SATURATED
-    peak0 = 0.0
-    for j, x in enumerate(numbers):
-        static, act = x[2], x[3]
-        inflight = n - j if n - j < m else m
-        mem = static + act * inflight
-        if mem > peak0:
-            peak0 = mem
-        if mem > cap:
-            depth = -1
-        elif depth >= 0 and static + act * m > cap:
-            d = int((cap - static) // act) - (n - j)
-            if d < depth:
-                depth = d
-    return depth, peak0
+    """grid.fit_depth for SliceCoster.fast_stage tuples (static and activation bytes at positions 2 and 3)."""
+    return grid_fit_depth([(x[2], x[3]) for x in numbers], m, cap)
 
 
 def pareto_front(points: list[tuple]) -> list[tuple]:
@@ -195,47 +179,77 @@ class MegatronParallelizer:
                 (f"global batch {q.training.global_batch} is not a multiple of the micro-batch of {b} sequences",)))
         m = max(1, q.num_microbatches)
         cap = coster.capacity_bytes
-        fast = coster.fast_stage
+        table = self._table(q)
+        table.attach(coster)
         points: dict[tuple, list[tuple]] = {}
         evaluated = 0
         best_mem: tuple | None = None
         shape_reasons: set[str] = set()
-        saver_cache: dict[tuple, list] = {}
+        saver_cache: dict[tuple, tuple] = {}
         for grid in grids(q, coster):
             problems = coster.check(grid)
             if problems:
                 shape_reasons.update(problems)
                 continue
-            sums = coster.stage_sums(grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
             skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
             allowed = saver_cache.get(skey)
             if allowed is None:
-                allowed = saver_cache[skey] = savers(q, grid)
-            cls = cross_stage_class(q, grid)
-            bucket = points.setdefault(cls, [])
+                allowed = saver_cache[skey] = tuple(savers(q, grid))
+            if not allowed:
+                continue
+            dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+            ranges, sigs = table.signatures(coster, *dims)
+            rows = table.stage_rows(coster, dims, sigs, allowed)
+            bottleneck, fill, tail, depth, peak0 = judge_grid(rows, m, cap)
+            evaluated += len(allowed)
+            stage = (ranges, tuple(sigs))
+            bucket = points.setdefault(cross_stage_class(q, grid), [])
             n_gpus = grid.num_gpus
-            for zero, r, off in allowed:
-                evaluated += 1
-                numbers = [fast(st, zero, r, off) for st in sums]
-                depth, peak0 = fit_depth(numbers, m, cap)
-                if depth < 0:
-                    if best_mem is None or peak0 < best_mem[0]:
-                        best_mem = (peak0, grid, zero, r, off, sums)
+            for s, (zero, r, off) in enumerate(allowed):
+                if depth[s] < 0:
+                    if best_mem is None or peak0[s] < best_mem[0]:
+                        best_mem = (peak0[s], grid, zero, r, off)
                     continue
-                times = [x[0] + x[1] for x in numbers]
-                tail = max(x[4] + x[5] for x in numbers)
-                bucket.append((max(times), sum(times), tail, depth, grid.pp, n_gpus, grid, zero, r, off, sums))
+                bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage))
         points = {k: v for k, v in points.items() if v}
         if not points:
             return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
         plans: list[SlicePlan] = []
         for bucket in points.values():
-            for *_objectives, grid, zero, r, off, sums in pareto_front(bucket):
-                plans.append(coster.materialize(_config(grid, zero, r, off), sums, parallelizer=self.name))
+            for *_objectives, grid, zero, r, off, (ranges, sigs) in pareto_front(bucket):
+                plans.append(self._materialize(table, coster, _config(grid, zero, r, off), ranges, sigs))
         plans.sort(key=lambda p: (p.bottleneck_s, p.num_gpus))
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
                      q.island.name, evaluated, len(plans))
         return SliceResult(key, tuple(plans), None, evaluated)
+
+    def _table(self, q: SliceQuery) -> StageTable:
+        """The stage table of the query's context: island, model, training, runtime and cost-model options."""
+        tables = self.__dict__.get("_tables")
+        if tables is None:
+            tables = self._tables = StageTables()
+        ctx = pickle.dumps((q.island, q.model, q.training, q.capabilities, self.flash_attention), protocol=4)
+        return tables.get(ctx)
+
+    def _materialize(self, table: StageTable, coster: SliceCoster, cfg: ParallelConfig,
+                     ranges: tuple[tuple[int, int], ...], sigs: tuple) -> SlicePlan:
+        """The slice plan of one configuration from the context's costed stages (SliceCoster.materialize's
+        numbers, its stages' layer ranges)."""
+        mbs = coster.q.microbatch_sequences // cfg.dp
+        shape = cfg.shape()
+        stages = []
+        for layers, sig in zip(ranges, sigs):
+            fwd, bwd, static, act, sync, opt_s, bd, p2p_bytes = table.explained_stage(coster, sig, cfg)
+            stages.append(StageCost(layers=layers, shape=shape, micro_batch_size=mbs, forward_s=fwd,
+                                    backward_s=bwd, static_bytes=static, activation_bytes=act, dp_sync_s=sync,
+                                    optimizer_s=opt_s, p2p_bytes=p2p_bytes, breakdown=dict(bd)))
+        return SlicePlan(island=coster.island.name, layers=tuple(coster.q.layers), stages=tuple(stages),
+                         parallelizer=self.name)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_tables", None)  # caches stay in the process that built them
+        return state
 
     def _infeasible(self, q: SliceQuery, coster: SliceCoster, best, shape_reasons: set[str], m: int,
                     cap: float) -> InfeasibleSlice:
@@ -244,9 +258,9 @@ class MegatronParallelizer:
             reasons = sorted(shape_reasons) or [f"{self.name}: no configuration the runtime "
                                                 f"'{q.capabilities.name}' can run"]
             return InfeasibleSlice(tuple(f"{where}: {r}" for r in reasons[:8]))
-        peak, grid, zero, r, off, sums = best
+        peak, grid, zero, r, off = best
         cfg = _config(grid, zero, r, off)
-        plan = coster.materialize(cfg, sums, parallelizer=self.name)
+        plan = coster.plan(cfg, parallelizer=self.name)
         n = len(plan.stages)
         j = max(range(n), key=lambda k: plan.stages[k].memory_bytes(n - 1 - k, m))
         st = plan.stages[j]

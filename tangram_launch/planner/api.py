@@ -5,8 +5,10 @@
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
-(compose.py) -> the best over b -> islands left out, with reasons -> Plan (build.py). Nothing fits: InfeasibleError
-with the reasons (exit status 3 on the command line).
+(compose.py; above five islands over a bounded set of island orders, orders.py) -> the best over b. The sizes b: a
+spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
+moving. -> islands left out, and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with
+the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.compose import Composition, ComposeStats, compose, lower_bound
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
+from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.slices import (
     ModelAtoms,
     Pair,
@@ -48,8 +51,9 @@ DEFAULT_MAX_MICROBATCH_OPTIONS = 4
 @dataclass(frozen=True)
 class PlannerOptions:
     pruning: PruningPolicy = field(default_factory=PruningPolicy)
-    microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: spread divisors of the batch
-    max_microbatch_options: int = DEFAULT_MAX_MICROBATCH_OPTIONS
+    microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: spread divisors, refined
+    max_microbatch_options: int = DEFAULT_MAX_MICROBATCH_OPTIONS  # divisors in the first spread
+    refine_microbatches: bool = True  # then the best size's neighbouring divisors, until the best stops moving
     max_workers: int | None = None  # process pool size; default min(2, cpu count)
     progress: bool | None = None  # None: progress on stderr only when it is a terminal
     bound_step: float = 0.0  # > 0: skip bottleneck bounds within this relative step (faster, not exact)
@@ -153,74 +157,49 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     if not pairset.pairs:
         raise InfeasibleError("every slice/island pair was pruned", list(pairset.island_notes.values()) or reasons)
 
+    divs = microbatch_choices(G, G)  # every divisor of the global batch
     bs = opts.microbatch_sequences or microbatch_choices(G, opts.max_microbatch_options)
     bad = [b for b in bs if G % b]
     if bad:
         raise SpecError(f"must divide the global batch {G}", field="microbatch_sequences", value=bad[0],
                         valid=", ".join(str(d) for d in microbatch_choices(G, 64)))
 
-    # --- queries: every (b, representative pair), in one pool ---------------------------------------------------
-    queries: list[SliceQuery] = []
-    where: list[tuple[int, Pair]] = []
-    for b in bs:
-        for p in pairset.queries:
-            full = p.layers == (0, L)
-            queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=all_islands[p.island],
-                                      microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
-                                      pipelined=not full))
-            where.append((b, p))
-    t_q = time.perf_counter()
-    answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress,
-                          label=f"planning {model.name}")
-    query_s = time.perf_counter() - t_q
-    results: dict[int, dict[tuple, SliceResult]] = {b: {} for b in bs}
-    for (b, p), r in zip(where, answers):
-        results[b][p.key] = _merge(results[b].get(p.key), r)
-    configs = sum(r.configs_evaluated for r in answers)
-
-    # --- composition: per b, per runtime compatibility class -----------------------------------------------------
-    t_c = time.perf_counter()
+    results: dict[int, dict[tuple, SliceResult]] = {}
+    all_cands: dict[int, Candidates] = {}
     cstats = ComposeStats()
     best: tuple[float, int, Hashable, Composition] | None = None
-    all_cands: dict[int, Candidates] = {}
-    work = []  # (lower bound, b, group, option indices): the most promising first, hopeless ones skipped
-    for b in bs:
-        m = G // b
-        links = LinkModel(cluster, all_islands,
-                          activation_bytes(b, training.seq_len, model.hidden_size, training.param_bytes))
-        cand = make_candidates(b, L, pairset.pairs, results[b], all_islands, caps, links, m, dtype=training.dtype)
-        all_cands[b] = cand
-        for group, idx in _groups(cand).items():
-            lb = lower_bound([cand.options[i] for i in idx], L, m)
-            work.append((lb, b, group, idx))
-    work.sort(key=lambda w: w[0])
-    for lb, b, group, idx in work:
-        if best is not None and lb >= best[0]:
+    counters = {"queries": 0, "configs": 0, "query_s": 0.0, "compose_s": 0.0}
+    tried: list[int] = []
+    while bs:
+        tried.extend(bs)
+        best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                                 training=training, pairset=pairset, islands=all_islands, caps=caps, par=par,
+                                 opts=opts)
+        if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
             break
-        cand = all_cands[b]
-        comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats,
-                              incumbent_s=best[0] if best else float("inf"))
-        if comp is not None and (best is None or comp.latency_s < best[0]):
-            best = (comp.latency_s, b, group, comp)
+        # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
+        k = divs.index(best[1])
+        bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
+    t_c = time.perf_counter()
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
     _, b_best, group_best, comp_best = best
     cand = all_cands[b_best]
     group_idx = _groups(cand)[group_best]
     dropped = _dropped_islands(cand, group_idx, comp_best, all_islands, pairset, L, caps, opts)
-    compose_s = time.perf_counter() - t_c
+    compose_s = counters["compose_s"] + time.perf_counter() - t_c
 
     stats = {
         "parallelizer": getattr(par, "name", type(par).__name__),
         "planning_time_s": round(time.perf_counter() - t0, 4),
         "pairs": pairset.counts["total"],
-        "queries": len(queries),
+        "queries": counters["queries"],
         "pruned": {k: pairset.counts[k] for k in ("incompatible", "infeasible", "unbalanced", "redundant")},
         "b": b_best,
         "atom_layers": atom_layers,
-        "microbatch_sequences_tried": list(bs),
-        "configs_evaluated": configs,
-        "query_time_s": round(query_s, 4),
+        "microbatch_sequences_tried": sorted(tried),
+        "configs_evaluated": counters["configs"],
+        "query_time_s": round(counters["query_s"], 4),
         "compose_time_s": round(compose_s, 4),
         "workers": opts.max_workers or default_workers(),
         "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options)},
@@ -229,6 +208,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     }
     plan = build_plan(cand, comp_best, cluster=cluster, model=model, training=training, runtime=caps.name,
                       islands_dropped=dropped, planner=stats)
+    stats["gpus_idle"] = _idle_gpus(plan, all_islands, b_best)
+    plan = _with_planner(plan, stats)
     problems = caps.plan_problems(plan)
     assert not problems, f"the composer produced a plan {caps.name} cannot run: {problems}"
     stats["planning_time_s"] = round(time.perf_counter() - t0, 4)
@@ -248,10 +229,81 @@ def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpe
 
 # --- helpers -------------------------------------------------------------------------------------------------------
 
+def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, counters: dict,
+                      cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
+                      pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, par: Parallelizer,
+                      opts: PlannerOptions):
+    """Query every (b, representative pair) in one pool, build each b's options and compose them, the most
+    promising option sets first; returns the best (latency, b, group, composition) so far."""
+    L = model.num_layers
+    G = training.global_batch
+    queries: list[SliceQuery] = []
+    where: list[tuple[int, Pair]] = []
+    for b in bs:
+        for p in pairset.queries:
+            full = p.layers == (0, L)
+            queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
+                                      microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
+                                      pipelined=not full))
+            where.append((b, p))
+    t_q = time.perf_counter()
+    answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress,
+                          label=f"planning {model.name}")
+    counters["query_s"] += time.perf_counter() - t_q
+    counters["queries"] += len(queries)
+    for b in bs:
+        results[b] = {}
+    for (b, p), r in zip(where, answers):
+        results[b][p.key] = _merge(results[b].get(p.key), r)
+    counters["configs"] += sum(r.configs_evaluated for r in answers)
+
+    t_c = time.perf_counter()
+    work = []  # (lower bound, b, group, option indices): the most promising first, hopeless ones skipped
+    for b in bs:
+        m = G // b
+        links = LinkModel(cluster, islands,
+                          activation_bytes(b, training.seq_len, model.hidden_size, training.param_bytes))
+        cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype)
+        all_cands[b] = cand
+        for group, idx in _groups(cand).items():
+            lb = lower_bound([cand.options[i] for i in idx], L, m)
+            work.append((lb, b, group, idx))
+    work.sort(key=lambda w: w[0])
+    for lb, b, group, idx in work:
+        if best is not None and lb >= best[0]:
+            break
+        cand = all_cands[b]
+        comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats,
+                              incumbent_s=best[0] if best else float("inf"))
+        if comp is not None and (best is None or comp.latency_s < best[0]):
+            best = (comp.latency_s, b, group, comp)
+    counters["compose_s"] += time.perf_counter() - t_c
+    return best
+
+
 def _with_planner(plan: Plan, stats: dict) -> Plan:
     import dataclasses
 
     return dataclasses.replace(plan, planner={**dict(plan.planner), **stats})
+
+
+def _idle_gpus(plan: Plan, islands: Sequence["Island"], b: int) -> dict:
+    """How many GPUs the plan leaves idle, and why, per island it uses only in part (islands left out whole are
+    explained in islands_dropped)."""
+    used: dict[str, int] = {}
+    for s in plan.stages:
+        used[s.island] = used.get(s.island, 0) + s.num_gpus
+    out: dict = {"total": sum(i.num_gpus for i in islands) - sum(used.values()), "islands": {}}
+    for isl in islands:
+        n = used.get(isl.name)
+        if n is None or n == isl.num_gpus:
+            continue
+        out["islands"][isl.name] = {
+            "idle": isl.num_gpus - n,
+            "reason": (f"{isl.name}: {n} of {isl.num_gpus} GPUs used; a slice plan's GPUs are pp stages of "
+                       f"tp x dp x cp GPUs that divide a node or are whole nodes, with dp dividing the micro-batch "
+                       f"of {b} sequences, and no such plan using more of the island was faster")}
+    return out
 
 
 def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
@@ -270,18 +322,25 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                    opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
                    required_mask: int = 0, incumbent_s: float = float("inf")) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
-    beyond that over a few island orders (polynomial; see island_orders)."""
+    beyond that over a bounded set of island orders (polynomial; see orders.search_orders)."""
     sub = [cand.options[i] for i in idx]
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
-    orders = [None] if len(present) <= opts.exact_islands else island_orders(cand.islands, present,
-                                                                              cand.training_dtype)
     best = None
-    for order in orders:
+
+    def run(order: list[int] | None) -> float | None:
+        nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
                        incumbent_s=min(incumbent_s, best.latency_s if best else float("inf")), stats=stats)
-        if comp is not None:
-            best = comp
+        if comp is None:
+            return None
+        best = comp
+        return comp.latency_s
+
+    if len(present) <= opts.exact_islands:
+        run(None)
+    else:
+        search_orders(run, present, cand.link_matrix, island_orders(cand.islands, present, cand.training_dtype))
     if best is None:
         return None
     return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s)

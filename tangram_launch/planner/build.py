@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
+from tangram_launch.costmodel.grid import SATURATED, fit_depth
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
@@ -81,6 +82,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
                       link_matrix=links.island_matrix(), training_dtype=dtype)
     templates: dict[tuple, list] = {}
+    placeable: dict[tuple, bool] = {}  # (island, (tp, dp * cp) per stage) -> fits_island
     for key, res in results.items():
         isl = next(i for i in islands if i.name == key[0])
         if not res.plans:
@@ -93,12 +95,17 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         temps = []
         for plan in res.plans:
             why = _unusable(plan, b, caps, full)
-            if why is None and not fits_island(isl, [s.shape for s in plan.stages], sizes):
-                why = "stages do not fit the island's nodes"
+            if why is None:
+                shapes = tuple((s.shape.tp, s.shape.dp * s.shape.cp) for s in plan.stages)  # all placement needs
+                fit = placeable.get((isl.name, shapes))
+                if fit is None:
+                    fit = placeable[isl.name, shapes] = fits_island(isl, [s.shape for s in plan.stages], sizes)
+                if not fit:
+                    why = "stages do not fit the island's nodes"
             group = compatibility_group(plan.stages, caps) if why is None else None
             if why is None and group is None:
                 why = f"{caps.name} needs one grid for all stages"
-            max_after = plan.max_stages_after(num_microbatches, cap) if why is None else -1
+            max_after = max_stages_after(plan, num_microbatches, cap) if why is None else -1
             if why is None and max_after < 0:
                 why = "does not fit in memory"
             if why is not None:
@@ -116,16 +123,37 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
     return cand
 
 
+def max_stages_after(plan: SlicePlan, num_microbatches: int, capacity_bytes: float) -> int:
+    """SlicePlan.max_stages_after from grid.fit_depth's closed form, checked against ``fits`` at the answer and one
+    past it (so float rounding cannot move it): O(stages) instead of a bisection."""
+    m = num_microbatches
+    depth, _peak = fit_depth([(s.static_bytes, s.activation_bytes) for s in plan.stages], m, capacity_bytes)
+    if depth == SATURATED:
+        return depth
+    if depth < 0:
+        if not plan.fits(0, m, capacity_bytes):
+            return -1
+        depth = 0
+    depth = min(depth, m - 1)
+    while depth > 0 and not plan.fits(depth, m, capacity_bytes):
+        depth -= 1
+    while depth + 1 < m and plan.fits(depth + 1, m, capacity_bytes):
+        depth += 1
+    return depth
+
+
 def _undominated_templates(temps: list, m: int) -> list:
     """Drop slice plans another plan of the same class beats in every respect the composer sees (stages, room for
     following stages, time, bottleneck, tail): done once per redundancy class, before copying to every pair."""
     temps = sorted(temps, key=lambda t: (t[4], t[3], t[5]))
     kept: list = []
+    by_group: dict = {}  # class -> (stages, room, time, tail) of its kept plans; bottleneck is <= by the order
     for t in temps:
-        room = min(t[2], m - 1)
-        if any(k[6] == t[6] and k[1] <= t[1] and min(k[2], m - 1) >= room and k[3] <= t[3] and k[4] <= t[4]
-               and k[5] <= t[5] for k in kept):
+        ns, room, time_s, tail = t[1], min(t[2], m - 1), t[3], t[5]
+        others = by_group.setdefault(t[6], [])
+        if any(k[0] <= ns and k[1] >= room and k[2] <= time_s and k[3] <= tail for k in others):
             continue
+        others.append((ns, room, time_s, tail))
         kept.append(t)
     return kept
 

@@ -43,6 +43,10 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
     if plan.islands_dropped:
         lines += ["", "islands left out:"]
         lines += [f"  {d['reason']}" for d in plan.islands_dropped]
+    idle = plan.planner.get("gpus_idle") or {}
+    if idle.get("islands"):
+        lines += ["", f"GPUs idle: {idle['total']}"]
+        lines += [f"  {d['reason']}" for d in idle["islands"].values()]
     pr = plan.predicted
     bd = pr.breakdown
     lines += ["",

@@ -1,0 +1,165 @@
+"""Stage costs shared across slice queries, and a configuration grid's memory-saver combinations judged at once.
+
+A slice query costs every (grid, memory savers) configuration of one slice on one island; the stages those
+configurations cut the slice into recur across queries: a 12-layer slice in two stages has the same 6-layer stages
+as a 6-layer slice in one, and a stage without embedding or head costs the same wherever it sits. A stage's cost
+depends only on its **signature**
+
+    (b, tp, dp, cp, ep, layer count per kind, has embedding, has head, tied-embedding sync link class,
+     p2p link classes to the next and previous stage of the slice)
+
+within one *context* (island, model, training, runtime, cost-model options), so ``StageTable`` keeps, per context,
+the costed stage for each signature and the numbers of every memory-saver combination, so that a grid is judged
+from cached numbers without calling the cost model per configuration. The numbers are the cost model's own
+(``SliceCoster.fast_stage``) and the sums run in the same order as Python's ``sum``, so plans are bit-for-bit the
+ones the per-configuration loop found.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.costmodel.breakdown import SliceCoster, StageSums
+
+SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
+_MAX_CONTEXTS = 8  # contexts kept per table (a planning run has one per island and micro-batch size in flight)
+
+
+class StageTable:
+    """Costed stages by signature, for the slice queries of one context (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.layer_cache: dict = {}  # shared with every SliceCoster of the context (keys: kind, tp, cp, ep, dp, mbs)
+        self.edge_cache: dict = {}
+        self.split_cache: dict = {}
+        self.sums: dict[tuple, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
+        self.rows: dict[tuple, list] = {}  # (signature, savers) -> stage_rows' numbers
+        self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
+
+    def attach(self, coster: "SliceCoster") -> None:
+        """Let a query's coster share the context's per-layer, embedding/head and split caches."""
+        coster._layer_cache = self.layer_cache
+        coster._edge_cache = self.edge_cache
+        coster._split_cache = self.split_cache
+
+    def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int) -> tuple[
+            tuple[tuple[int, int], ...], list[tuple]]:
+        """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on)."""
+        q = coster.q
+        b = q.microbatch_sequences
+        ranges = coster.split(pp, tp, cp, ep, dp, b // dp)
+        first, last = q.layers
+        g = coster.island.gpus_per_node
+        stage_gpus = tp * cp * dp
+        tied = coster.model.tied_embeddings
+        sigs = []
+        for j, (a, z) in enumerate(ranges):
+            has_emb = q.has_embedding and a == first
+            has_head = q.has_head and z == last
+            counts = tuple(sorted((k, pre[z - first] - pre[a - first]) for k, pre in coster.prefix.items()
+                                  if pre[z - first] != pre[a - first]))
+            tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
+                tied and has_head and not has_emb) else None
+            nxt = None
+            if j < pp - 1:
+                boundary = (j + 1) * stage_gpus
+                nxt = (boundary - 1) // g == boundary // g
+            prev = None
+            if j > 0:
+                boundary = j * stage_gpus
+                prev = (boundary - 1) // g == boundary // g
+            sigs.append((b, tp, dp, cp, ep, counts, has_emb, has_head, tied_link, nxt, prev))
+        return ranges, sigs
+
+    def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sigs: Sequence[tuple],
+                   savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
+        """Per stage, for every saver combination: (time_s, static_bytes, activation_bytes, dp_sync_s +
+        optimizer_s) from SliceCoster.fast_stage."""
+        out = []
+        missing = False
+        for sig in sigs:
+            if sig not in self.sums:
+                missing = True
+                break
+        if missing:  # cost the grid's stages once; later queries reuse them by signature
+            tp, pp, dp, cp, ep = grid
+            for sig, st in zip(sigs, coster.stage_sums(tp, pp, dp, cp, ep)):
+                self.sums.setdefault(sig, st)
+        for sig in sigs:
+            key = (sig, savers)
+            rows = self.rows.get(key)
+            if rows is None:
+                st = self.sums[sig]
+                rows = self.rows[key] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
+                                         for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
+            out.append(rows)
+        return out
+
+    def explained_stage(self, coster: "SliceCoster", sig: tuple, cfg) -> tuple:
+        """stage_numbers of one costed stage (its breakdown notes embedding and head)."""
+        key = (sig, cfg.zero_stage, cfg.recompute, cfg.offload)
+        hit = self.explained.get(key)
+        if hit is None:
+            st = self.sums[sig]
+            numbers, bd = coster.stage_numbers(st, cfg)
+            bd["has_embedding"] = st.has_embedding
+            bd["has_head"] = st.has_head
+            hit = self.explained[key] = (*numbers, bd, st.p2p_bytes)
+        return hit
+
+
+class StageTables:
+    """A few StageTables by context key, oldest dropped first (bounded memory across planning runs)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[bytes, StageTable] = {}
+
+    def get(self, key: bytes) -> StageTable:
+        t = self._tables.get(key)
+        if t is None:
+            if len(self._tables) >= _MAX_CONTEXTS:
+                self._tables.pop(next(iter(self._tables)))
+            t = self._tables[key] = StageTable()
+        return t
+
+
+def fit_depth(memory: Sequence[tuple[float, float]], m: int, cap: float) -> tuple[int, float]:
+    """(largest number of following global stages at which every stage fits, negative if none; peak memory with
+    none) for stages given as (static_bytes, activation_bytes per micro-batch), front to back.
+
+    Stage j of n holds min(n - j + D, m) micro-batches with D stages after the slice (base.StageCost.memory_bytes);
+    this is SlicePlan.max_stages_after in closed form."""
+    n = len(memory)
+    depth = SATURATED
+    peak0 = 0.0
+    for j, (static, act) in enumerate(memory):
+        inflight = n - j if n - j < m else m
+        mem = static + act * inflight
+        if mem > peak0:
+            peak0 = mem
+        if mem > cap:
+            depth = -1
+        elif depth >= 0 and static + act * m > cap:
+            d = int((cap - static) // act) - (n - j)
+            if d < depth:
+                depth = d
+    return depth, peak0
+
+
+def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_bytes: float) -> tuple[
+        list[float], list[float], list[float], list[int], list[float]]:
+    """For each saver combination of a grid: (bottleneck_s, fill_s, tail_s, depth, peak0 bytes) lists.
+
+    rows[j][s] = (time_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s) of stage j under combination s
+    (StageTable.stage_rows); depth and peak0 as fit_depth.
+    """
+    bns, fills, tails, depths, peaks = [], [], [], [], []
+    for stages in zip(*rows):
+        times = [x[0] for x in stages]
+        bns.append(max(times))
+        fills.append(sum(times))
+        tails.append(max(x[3] for x in stages))
+        depth, peak0 = fit_depth([(x[1], x[2]) for x in stages], num_microbatches, capacity_bytes)
+        depths.append(depth)
+        peaks.append(peak0)
+    return bns, fills, tails, depths, peaks
