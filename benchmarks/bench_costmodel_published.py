@@ -1,0 +1,376 @@
+"""The cost model held against published training measurements (issue 13, item 4): predicted vs published
+iteration time and per-GPU peak memory, row by row, then the median absolute errors.
+
+    PYTHONPATH=. python benchmarks/bench_costmodel_published.py [--data benchmarks/data/published_runs.yaml]
+        [--only TEXT] [--json]
+
+Each row of the data file (see its header) is costed through the project's public API, as
+`tangram-launch estimate` does for one configuration: a ModelSpec (preset or the file's `models:`), one island
+of `num_gpus` catalog GPUs (`gpus_per_node` per node, the row's node-to-node bandwidth), a TrainingSpec, a
+SliceQuery over all layers and a ParallelConfig; SliceCoster.plan + iteration_time_s give the 1F1B iteration
+time, the largest StageCost.memory_bytes over the stages the peak memory per GPU.
+
+Both sides are compared as seconds per iteration: a published tokens/s per GPU becomes global_batch x seq_len /
+(tokens/s x GPUs); a published TFLOP/s per GPU (or aggregate PFLOP/s) becomes the FLOPs of one iteration counted
+*with the source's own convention* (flop_conventions in the data file: Narayanan's hardware count incl. recompute,
+6N + 12lhs, ...) divided by that rate. Error = (predicted - published) / published: positive = the model predicts
+slower (time) or more memory than measured.
+
+Rows today's cost model cannot express (FP8, interleaved 1F1B, per-layer selective checkpointing, ...) are listed
+as `not expressible: <reason>` and left out of the medians; where only the schedule or the FP8 GEMMs are missing,
+the row is also costed as plain 1F1B / bf16 and that error is shown in brackets, to size what the missing feature is
+worth. Medians are given overall, for the rows the constants were fitted on (subset: fit) and for the held-out rest,
+and per GPU type, framework family and dense/MoE.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Any
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tangram_launch.capabilities import RuntimeCapabilities  # noqa: E402
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster, iteration_time_s  # noqa: E402
+from tangram_launch.costmodel.compute import RECOMPUTE_MODES  # noqa: E402
+from tangram_launch.costmodel.efficiency import GIB  # noqa: E402
+from tangram_launch.errors import SpecError  # noqa: E402
+from tangram_launch.islands import Island  # noqa: E402
+from tangram_launch.parallelizers.base import SliceQuery, capacity_bytes  # noqa: E402
+from tangram_launch.specs.cluster import ClusterSpec, GpuRef, LinkSpec  # noqa: E402
+from tangram_launch.specs.model import ModelSpec, load_model  # noqa: E402
+from tangram_launch.specs.training import DTYPE_BYTES, TrainingSpec  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "published_runs.yaml")
+PUBLISHED_METRICS = ("iteration_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "pflops_total")
+FLOP_FORMULAS = ("megatron-hw", "megatron-model", "6n-12lhs", "model-causal", "model-noncausal")
+SCHEDULES = ("1F1B", "interleaved-1F1B")
+INTER_NODE_LATENCY_US = 2.0
+
+
+# ------------------------------------------------------------------------------------------------ data file
+def load_data(path: str = DATA) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def resolve_model(name: str, data: dict) -> ModelSpec:
+    """A key of the file's `models:` (ModelSpec keys) or a packaged preset name."""
+    spec = (data.get("models") or {}).get(name)
+    if spec is not None:
+        return ModelSpec.from_dict({"name": name, **spec}, source=f"published_runs.yaml models.{name}")
+    return load_model(name)
+
+
+def gpu_spec(gpu_type: str):
+    """The catalog's GPUSpec for a type name, through the ClusterSpec parser (as a cluster file would get it)."""
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+                                  "nodes": [{"name": "n0", "gpu": gpu_type, "count": 1}]})
+    return spec.nodes[0].gpus[0]
+
+
+def make_island(row: dict) -> Island:
+    """One homogeneous island of the row's GPUs (what build_islands gives for such a cluster), built directly so
+    that 16k-GPU rows stay cheap."""
+    n = int(row["num_gpus"])
+    per_node = min(int(row.get("gpus_per_node", 8)), n)
+    nodes = tuple(f"n{i}" for i in range(math.ceil(n / per_node)))
+    gpus = tuple(GpuRef(node, k) for node in nodes for k in range(per_node))[:n]
+    link = LinkSpec(float(row.get("inter_node_gbps", 25.0)), INTER_NODE_LATENCY_US) if len(nodes) > 1 else None
+    return Island(name=row["gpu"], nodes=nodes, gpus=gpus, gpus_per_node=per_node, gpu=gpu_spec(row["gpu"]),
+                  inter_node_link=link)
+
+
+# ------------------------------------------------------------------------------------------------ conventions
+def iteration_flops(formula: str, model: ModelSpec, global_batch: int, seq_len: int) -> float:
+    """FLOPs of one iteration as the source counts them (see flop_conventions in the data file)."""
+    b, s = global_batch, seq_len
+    l, h, v = model.num_layers, model.hidden_size, model.vocab_size
+    if formula == "megatron-hw":  # Narayanan et al. 2021 eq. (3): incl. the recompute forward, non-causal
+        return 96.0 * b * s * l * h * h * (1 + s / (6.0 * h) + v / (16.0 * l * h))
+    if formula == "megatron-model":  # Korthikanti et al. 2022: model FLOPs, no recompute
+        return 72.0 * b * s * l * h * h * (1 + s / (6.0 * h) + v / (12.0 * l * h))
+    if formula == "6n-12lhs":  # PaLM / torchtitan / llm-foundry: 6N + 12 l h s per token (non-causal)
+        n = model.active_params() if model.is_moe else model.total_params()
+        return (6.0 * n + 12.0 * l * h * s) * b * s
+    if formula in ("model-causal", "model-noncausal"):  # this project's matmul count (top-k experts), x3 for training
+        return 3.0 * model.forward_flops_per_token(s, causal=formula == "model-causal") * b * s
+    raise ValueError(f"unknown FLOP formula {formula!r} (known: {', '.join(FLOP_FORMULAS)})")
+
+
+def published_iteration_s(row: dict, data: dict, model: ModelSpec) -> float:
+    """The published figure as seconds per iteration (converted with the source's own FLOP convention)."""
+    pub, par = row["published"], row["parallel"]
+    metric, value = pub["metric"], float(pub["value"])
+    n, b, s = int(row["num_gpus"]), int(par["global_batch"]), int(par["seq_len"])
+    if metric == "iteration_s":
+        return value
+    if metric == "tokens_per_s_per_gpu":
+        return b * s / (value * n)
+    formula = data["flop_conventions"][row["flop_convention"]].get("formula")
+    if not formula:
+        raise ValueError(f"{row['id']}: convention {row['flop_convention']!r} has no formula for {metric}")
+    flops = iteration_flops(formula, model, b, s)
+    if metric == "tflops_per_gpu":
+        return flops / (value * 1e12 * n)
+    if metric == "pflops_total":
+        return flops / (value * 1e15)
+    raise ValueError(f"{row['id']}: unknown metric {metric!r}")
+
+
+# ------------------------------------------------------------------------------------------------ expressibility
+def not_expressible(row: dict) -> str | None:
+    """Why today's cost model cannot cost the row as it ran (None: it can)."""
+    reasons = []
+    if row.get("not_expressible"):
+        reasons.append(str(row["not_expressible"]))
+    par = row["parallel"]
+    if par.get("dtype") not in DTYPE_BYTES and not row.get("not_expressible"):
+        reasons.append(f"dtype {par.get('dtype')} (the cost model has {', '.join(DTYPE_BYTES)})")
+    if par.get("schedule", "1F1B") != "1F1B" and not row.get("not_expressible"):
+        reasons.append(f"schedule {par.get('schedule')}")
+    if par.get("recompute", "none") not in RECOMPUTE_MODES and not row.get("not_expressible"):
+        reasons.append(f"recompute {par.get('recompute')}")
+    return "; ".join(reasons) or None
+
+
+def approximation(row: dict) -> dict | None:
+    """The nearest expressible configuration when only the schedule or FP8 is missing (plain 1F1B, bf16), to size
+    what the missing feature is worth; None when something else is missing too."""
+    par = dict(row["parallel"])
+    if par.get("recompute", "none") not in RECOMPUTE_MODES:
+        return None
+    changed = []
+    if par.get("schedule", "1F1B") != "1F1B":
+        par["schedule"] = "1F1B"
+        changed.append("plain 1F1B")
+    if par.get("dtype") not in DTYPE_BYTES:
+        par["dtype"] = "bf16"
+        changed.append("bf16")
+    if not changed:
+        return None
+    return {**row, "parallel": par, "not_expressible": None, "_approx": " + ".join(changed)}
+
+
+# ------------------------------------------------------------------------------------------------ prediction
+def predict(row: dict, model: ModelSpec) -> dict:
+    """Predicted iteration time (s) and peak memory per GPU (GiB) through the public cost-model API."""
+    par = row["parallel"]
+    tp, pp, dp = int(par.get("tp", 1)), int(par.get("pp", 1)), int(par.get("dp", 1))
+    cp, ep = int(par.get("cp", 1)), int(par.get("ep", 1))
+    mbs, n = int(par.get("mbs", 1)), int(row["num_gpus"])
+    if tp * pp * dp * cp != n:
+        raise SpecError(f"tp*pp*dp*cp = {tp * pp * dp * cp} != num_gpus {n}", field="parallel")
+    training = TrainingSpec(global_batch=int(par["global_batch"]), seq_len=int(par["seq_len"]), dtype=par["dtype"])
+    island = make_island(row)
+    q = SliceQuery(model=model, training=training, layers=(0, model.num_layers), island=island,
+                   microbatch_sequences=mbs * dp, capabilities=RuntimeCapabilities(name="any"), pipelined=pp > 1)
+    if training.global_batch % (mbs * dp):
+        raise SpecError(f"global batch {training.global_batch} is not a multiple of mbs x dp = {mbs * dp}",
+                        field="parallel")
+    coster = SliceCoster(q, flash_attention=row.get("flash_attention"))
+    if coster.device_error:
+        raise SpecError(coster.device_error, field="dtype")
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),
+                         recompute=par.get("recompute", "none"))
+    plan = coster.plan(cfg, parallelizer="published-bench")
+    m = q.num_microbatches
+    est = iteration_time_s(plan.stages, m)
+    k = len(plan.stages)
+    peak = max(st.memory_bytes(k - 1 - j, m) for j, st in enumerate(plan.stages))
+    flops = sum(3.0 * st.breakdown["forward_flops"] * st.num_gpus for st in plan.stages) * m
+    return {"iteration_s": est["iteration_s"], "bubble_s": est["bubble_s"], "sync_s": est["sync_s"],
+            "peak_gib": peak / GIB, "capacity_gib": capacity_bytes(island) / GIB,
+            "mfu": flops / (est["iteration_s"] * n * coster.dev.peak_flops)}
+
+
+def pct(pred: float, pub: float) -> float:
+    return 100.0 * (pred - pub) / pub
+
+
+def evaluate(row: dict, data: dict) -> dict:
+    out: dict[str, Any] = {"id": row["id"], "subset": row.get("subset", "held-out"), "gpu": row["gpu"],
+                           "num_gpus": row["num_gpus"], "framework": row.get("framework", ""),
+                           "verified": row.get("verified"), "source": row["source"]["ref"]}
+    model = resolve_model(row["model"], data)
+    out["moe"] = model.is_moe
+    par = row["parallel"]
+    out["config"] = (f"{row['num_gpus']}x{row['gpu']} tp{par.get('tp', 1)} pp{par.get('pp', 1)} dp{par.get('dp', 1)}"
+                     + (f" cp{par['cp']}" if par.get("cp", 1) > 1 else "")
+                     + (f" ep{par['ep']}" if par.get("ep", 1) > 1 else "")
+                     + f" z{par.get('zero', 0)} rc:{par.get('recompute', 'none')} mbs{par.get('mbs', 1)}"
+                     f" gb{par['global_batch']} s{par['seq_len']} {par['dtype']}"
+                     + (f" {par['schedule']}" if par.get("schedule", "1F1B") != "1F1B" else ""))
+    pub_s = published_iteration_s(row, data, model)
+    out["published_s"] = pub_s
+    pub_mem = row["published"].get("memory_gib")
+    out["published_gib"] = pub_mem
+    reason = not_expressible(row)
+    if reason:
+        out["not_expressible"] = reason
+        approx = approximation(row)
+        if approx is not None:
+            try:
+                p = predict(approx, model)
+                out["approx"] = {"as": approx["_approx"], "predicted_s": p["iteration_s"],
+                                 "time_err": pct(p["iteration_s"], pub_s), "predicted_gib": p["peak_gib"],
+                                 "mem_err": pct(p["peak_gib"], pub_mem) if pub_mem else None}
+            except (SpecError, ValueError) as exc:
+                out["approx_error"] = str(exc)
+        return out
+    try:
+        p = predict(row, model)
+    except (SpecError, ValueError) as exc:
+        out["not_expressible"] = f"cost model refused: {exc}"
+        return out
+    out.update(predicted_s=p["iteration_s"], predicted_gib=p["peak_gib"], predicted_mfu=p["mfu"],
+               capacity_gib=p["capacity_gib"], fits=p["peak_gib"] <= p["capacity_gib"],
+               bubble_s=p["bubble_s"], time_err=pct(p["iteration_s"], pub_s),
+               mem_err=pct(p["peak_gib"], pub_mem) if pub_mem else None)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+def median_abs(values: list[float]) -> str:
+    vals = [abs(v) for v in values if v is not None]
+    return f"{statistics.median(vals):5.1f} % (n={len(vals)})" if vals else "   -    (n=0)"
+
+
+def median_signed(values: list[float]) -> str:
+    vals = [v for v in values if v is not None]
+    return f"{statistics.median(vals):+6.1f} %" if vals else "   -"
+
+
+def family(r: dict) -> str:
+    fw = r["framework"].lower()
+    if "fsdp" in fw or "metaseq" in fw:
+        return "FSDP/ZeRO-3"
+    return "Megatron/DeepSpeed" if ("megatron" in fw or "deepspeed" in fw) else "other"
+
+
+def coverage(rows: list[dict], results: list[dict]) -> str:
+    """Rows by GPU, dense/MoE, parallelism feature and verification (a row counts in every feature it uses)."""
+    moe = {r["id"]: r["moe"] for r in results}
+
+    def count(pred) -> int:
+        return sum(1 for r in rows if pred(r, r["parallel"]))
+
+    gpus: dict[str, int] = {}
+    for r in rows:
+        gpus[r["gpu"]] = gpus.get(r["gpu"], 0) + 1
+    feats = [("TP>1", lambda r, p: p.get("tp", 1) > 1), ("PP>1", lambda r, p: p.get("pp", 1) > 1),
+             ("DP>1", lambda r, p: p.get("dp", 1) > 1), ("CP>1", lambda r, p: p.get("cp", 1) > 1),
+             ("EP>1", lambda r, p: p.get("ep", 1) > 1), ("ZeRO-1", lambda r, p: p.get("zero", 0) == 1),
+             ("ZeRO-3/FSDP", lambda r, p: p.get("zero", 0) == 3),
+             ("recompute full", lambda r, p: p.get("recompute") == "full"),
+             ("recompute selective", lambda r, p: p.get("recompute") == "selective"),
+             ("interleaved", lambda r, p: p.get("schedule", "1F1B") != "1F1B"),
+             ("fp8", lambda r, p: p.get("dtype") == "fp8"),
+             ("memory published", lambda r, p: bool(r["published"].get("memory_gib")))]
+    ver = {v: count(lambda r, p, v=v: r.get("verified") == v) for v in (True, "partial", False)}
+    return ("coverage: " + ", ".join(f"{g} {c}" for g, c in sorted(gpus.items()))
+            + f"; dense {sum(1 for v in moe.values() if not v)}, MoE {sum(1 for v in moe.values() if v)}\n  "
+            + ", ".join(f"{name} {count(f)}" for name, f in feats)
+            + f"\n  verified through search: {ver[True]}, partially (some configuration from memory): "
+            f"{ver['partial']}, not verified (from memory): {ver[False]}")
+
+
+def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
+    costed = [r for r in results if "time_err" in r]
+    skipped = [r for r in results if "not_expressible" in r]
+    print("| id | source | config | published s | predicted s | time err | published GiB | predicted GiB | mem err |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        pub_mem = f"{r['published_gib']:.1f}" if r.get("published_gib") else ""
+        if "time_err" in r:
+            flag = "" if r["fits"] else " (> capacity)"
+            mem = (f"{r['predicted_gib']:.1f}{flag} | {r['mem_err']:+.0f} %" if r.get("mem_err") is not None
+                   else f"{r['predicted_gib']:.1f}{flag} | ")
+            print(f"| {r['id']} | {r['source']} | {r['config']} | {r['published_s']:.3f} | {r['predicted_s']:.3f} "
+                  f"| {r['time_err']:+.0f} % | {pub_mem} | {mem} |")
+        else:
+            extra = ""
+            if "approx" in r:
+                a = r["approx"]
+                extra = f" [as {a['as']}: {a['predicted_s']:.3f} s, {a['time_err']:+.0f} %"
+                if a.get("mem_err") is not None:
+                    extra += f"; memory {a['predicted_gib']:.1f} GiB, {a['mem_err']:+.0f} %"
+                extra += "]"
+            print(f"| {r['id']} | {r['source']} | {r['config']} | {r['published_s']:.3f} "
+                  f"| not expressible: {r['not_expressible']}{extra} | | {pub_mem} | | |")
+    print()
+    print(f"rows: {len(results)}; costed: {len(costed)}; not expressible: {len(skipped)}")
+    if rows is not None:
+        print(coverage(rows, results))
+    over = [r["id"] for r in costed if not r["fits"]]
+    if over:
+        print(f"  ran as published, but predicted peak memory exceeds the catalog GPU's capacity: {', '.join(over)}")
+    by_reason: dict[str, int] = {}
+    for r in skipped:
+        key = r["not_expressible"]
+        for tag, words in (("FP8", ("fp8", "float8")), ("interleaved 1F1B", ("interleaved",)),
+                           ("per-layer/module recompute", ("per-layer", "module-level")),
+                           ("cost model refused", ("refused",))):
+            if any(w in key.lower() for w in words):
+                by_reason[tag] = by_reason.get(tag, 0) + 1
+    print("  not expressible, by reason (a row may have several): "
+          + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())))
+    print()
+    print("median |error| (signed median: + = predicted slower / more memory)")
+    groups: list[tuple[str, list[dict]]] = [
+        ("all costed", costed),
+        ("fit (constants calibrated on these)", [r for r in costed if r["subset"] == "fit"]),
+        ("held-out", [r for r in costed if r["subset"] != "fit"])]
+    for g in sorted({r["gpu"] for r in costed}):
+        groups.append((f"gpu {g}", [r for r in costed if r["gpu"] == g]))
+    for f in ("Megatron/DeepSpeed", "FSDP/ZeRO-3", "other"):
+        rows = [r for r in costed if family(r) == f]
+        if rows:
+            groups.append((f"framework {f}", rows))
+    groups.append(("dense", [r for r in costed if not r["moe"]]))
+    groups.append(("MoE", [r for r in costed if r["moe"]]))
+    groups.append(("verified rows only", [r for r in costed if r["verified"] is True]))
+    w = max(len(g[0]) for g in groups)
+    print(f"  {'subset'.ljust(w)}  {'time |err|':>17}  {'time signed':>11}  {'memory |err|':>17}  "
+          f"{'memory signed':>13}")
+    for label, rows in groups:
+        t = [r["time_err"] for r in rows]
+        mm = [r["mem_err"] for r in rows if r.get("mem_err") is not None]
+        print(f"  {label.ljust(w)}  {median_abs(t):>17}  {median_signed(t):>11}  {median_abs(mm):>17}  "
+              f"{median_signed(mm):>13}")
+    approx = [r for r in skipped if "approx" in r]
+    if approx:
+        print()
+        print("not-expressible rows costed as the nearest expressible configuration (not in the medians above):")
+        for r in approx:
+            a = r["approx"]
+            mem = f", memory {a['mem_err']:+.0f} %" if a.get("mem_err") is not None else ""
+            print(f"  {r['id']}: as {a['as']}: time {a['time_err']:+.0f} %{mem}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=DATA, help="published runs YAML (default: benchmarks/data/published_runs.yaml)")
+    ap.add_argument("--only", default="", help="only rows whose id contains this text")
+    ap.add_argument("--json", action="store_true", help="print the per-row results as JSON instead of the table")
+    args = ap.parse_args(argv)
+    data = load_data(args.data)
+    rows = [r for r in data["runs"] if args.only in r["id"]]
+    results = [evaluate(r, data) for r in rows]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print_report(results, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
