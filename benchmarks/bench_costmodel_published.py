@@ -39,7 +39,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tangram_launch.capabilities import RuntimeCapabilities  # noqa: E402
-from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster, iteration_time_s  # noqa: E402
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # noqa: E402
+from tangram_launch.costmodel.pipeline import iteration_time_s  # noqa: E402
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES  # noqa: E402
 from tangram_launch.costmodel.efficiency import GIB  # noqa: E402
 from tangram_launch.errors import SpecError  # noqa: E402
