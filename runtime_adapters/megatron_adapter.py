@@ -49,7 +49,10 @@ RANK_ORDER = "tp-cp-ep-dp-pp"
 SCHEDULES = ("1F1B",)  # forward_backward_pipelining_without_interleaving; no GPipe in Megatron-core
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default (padded once more by tp)
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Storage dtype per training dtype: tf32 keeps fp32 parameters (TF32 is a matmul mode, switched on in
+# tf32_matmuls), fp8 keeps bf16 parameters and runs the GEMMs in FP8 through Transformer Engine (fp8="hybrid").
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32,
+           "fp8": torch.bfloat16}
 _ACTIVATIONS = {  # ffn_type -> (activation, gated linear unit)
     "gelu": (F.gelu, False),
     "relu": (F.relu, False),
@@ -177,8 +180,19 @@ def dtype_kwargs(dtype: str) -> dict[str, Any]:
     if dtype not in _DTYPES:
         raise SpecError("unknown dtype", field="training.dtype", value=dtype, valid=", ".join(_DTYPES))
     torch_dtype = _DTYPES[dtype]
-    return {"bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": torch_dtype,
-            "pipeline_dtype": torch_dtype}
+    out = {"bf16": dtype in ("bf16", "fp8"), "fp16": dtype == "fp16", "params_dtype": torch_dtype,
+           "pipeline_dtype": torch_dtype}
+    if dtype == "fp8":  # E4M3 forward, E5M2 gradients (Transformer Engine's hybrid format); needs TE layers
+        out["fp8"] = "hybrid"
+    return out
+
+
+def tf32_matmuls(dtype: str) -> None:
+    """tf32 plans: let fp32 matmuls and convolutions use TF32 tensor cores (a process-wide torch switch; Megatron-core
+    has no config field for it)."""
+    if dtype == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def moe_kwargs(model: ModelSpec, ep: int) -> dict[str, Any]:
@@ -474,6 +488,8 @@ class MegatronAdapter(RuntimeAdapter):
             # every MoE forward raises NameError without TE (measured on an H200, megatron-core 0.16.1)
             out.append(f"MoE layers in megatron-core {MEGATRON_VERSION} need Transformer Engine (the router's "
                        "gating GEMM refers to TE's general_gemm), which is not installed")
+        if _training(plan).dtype == "fp8":
+            out.append("fp8: Megatron-core runs FP8 GEMMs only in Transformer Engine's layers, which is not installed")
         return out
 
     def check_environment(self, plan: Plan) -> None:
@@ -499,6 +515,10 @@ class MegatronAdapter(RuntimeAdapter):
         if place.stage.cp > 1 and not te:  # the local attention asserts cp == 1 when built: say why instead
             raise InfeasibleError(f"the {self.name} runtime cannot execute this plan",
                                   [p for p in self.environment_problems(plan) if p.startswith("cp=")])
+        if _training(plan).dtype == "fp8" and not te:
+            raise InfeasibleError(f"the {self.name} runtime cannot execute this plan",
+                                  [p for p in self.environment_problems(plan) if p.startswith("fp8")])
+        tf32_matmuls(_training(plan).dtype)
         kwargs = transformer_config_kwargs(plan, place.stage.index, sequence_parallel=sequence_parallel)
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)

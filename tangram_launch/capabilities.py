@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from tangram_launch.specs.constants import RECOMPUTE_MODES
+from tangram_launch.specs.constants import DTYPES, RECOMPUTE_MODES
 from tangram_launch.specs.shape import StageShape
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,6 +30,15 @@ class RuntimeCapabilities:
     offload: bool = True
     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
     max_stages: int | None = None
+    dtypes: tuple[str, ...] = DTYPES  # training dtypes the runtime runs
+    dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
+
+    def dtype_problems(self, dtype: str) -> list[str]:
+        """Why this runtime cannot train in ``dtype`` (empty when it can)."""
+        if dtype in self.dtypes:
+            return []
+        why = dict(self.dtype_notes).get(dtype, "not among its dtypes")
+        return [f"{self.name} cannot train in {dtype}: {why} (it runs {', '.join(self.dtypes)})"]
 
     def stage_problems(self, shape: StageShape, *, pipelined: bool) -> list[str]:
         """Why this runtime cannot run one stage of this shape (empty when it can)."""
@@ -80,7 +89,7 @@ class RuntimeCapabilities:
         """Everything that stops this runtime from executing the plan (checked before any process group exists)."""
         shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
-        out = []
+        out = list(self.dtype_problems(str(plan.training.get("dtype", "fp32"))))
         for i, sh in enumerate(shapes):
             out.extend(f"stage {i}: {p}" for p in self.stage_problems(sh, pipelined=pipelined))
         out.extend(self.pipeline_problems(shapes))
@@ -100,6 +109,10 @@ TORCH = RuntimeCapabilities(
     offload=False,
     max_zero_stage=3,
     max_zero_stage_with_pp=3,
+    # tf32: fp32 parameters with torch.backends.cuda.matmul.allow_tf32 set by the adapter
+    dtypes=("bf16", "fp16", "fp32", "tf32"),
+    dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "
+                         "(Transformer Engine or torchao Float8)"),),
 )
 DEEPSPEED = RuntimeCapabilities(
     name="deepspeed",
@@ -112,6 +125,9 @@ DEEPSPEED = RuntimeCapabilities(
     expert_parallel=False,
     offload=False,
     recompute_modes=("none", "full"),
+    dtypes=("bf16", "fp16", "fp32"),
+    dtype_notes=(("fp8", "the DeepSpeed adapter has no FP8 GEMM path"),
+                 ("tf32", "the DeepSpeed adapter does not switch TF32 matmuls on (train fp32, or use torch/megatron)")),
 )
 MEGATRON = RuntimeCapabilities(
     name="megatron",
@@ -121,6 +137,8 @@ MEGATRON = RuntimeCapabilities(
     max_zero_stage=1,  # the distributed optimizer shards optimizer state (ZeRO-1)
     max_zero_stage_with_pp=1,
     offload=False,
+    # fp8: TransformerConfig(fp8="hybrid") with Transformer Engine layers (refused at setup where TE is missing)
+    dtypes=("bf16", "fp16", "fp32", "tf32", "fp8"),
 )
 
 BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}

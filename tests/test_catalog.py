@@ -149,8 +149,20 @@ def test_dtype_spellings(catalog):
     assert h100.peak_tflops("torch.bfloat16") == h100.peak_tflops("bf16") == 989
     assert h100.peak_tflops("float16") == 989
     assert h100.peak_tflops("float32") == 67
+    assert h100.peak_tflops("float8") == h100.peak_tflops("fp8") == 1979  # 3,958 sparse / 2
+    assert h100.peak_tflops("tf32") == 494.5
     with pytest.raises(SpecError, match="unknown dtype"):
-        h100.peak_tflops("fp8")
+        h100.peak_tflops("fp4")
+
+
+def test_fp8_only_on_hopper_ada_and_blackwell_and_tf32_from_ampere(catalog):
+    fp8 = sorted(g.name for g in catalog if g.tflops.get("fp8"))
+    assert fp8 == ["b200", "h100-nvl", "h100-pcie", "h100-sxm", "h200", "l4", "l40s"]
+    with pytest.raises(SpecError, match="no fp8 tensor support"):
+        catalog.lookup("a100-80gb").peak_tflops("fp8")
+    assert catalog.lookup("a100-80gb").peak_tflops("tf32") == 156  # vs 19.5 on the CUDA cores
+    for name in ("t4", "v100-16gb", "v100-32gb"):
+        assert catalog.lookup(name).tflops["tf32"] is None and catalog.lookup(name).tflops["fp8"] is None
 
 
 # --- figures and sources ----------------------------------------------------------------------------------------
@@ -316,7 +328,7 @@ def test_gpu_type_validates_when_built_in_code():
         with pytest.raises(SpecError):
             GpuType(**{**good, key: value})
     with pytest.raises(SpecError, match="unknown figure"):
-        GpuType(**good, sources={"tflops.fp8": "x"})
+        GpuType(**good, sources={"tflops.fp4": "x"})
 
 
 # --- example clusters -------------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset name, model YAML, or Hugging Face config.json")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per iteration (default 8)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES,
+                        help="training dtype: tf32 = fp32 storage with TF32 matmuls; fp8 = FP8 GEMMs, bf16 elsewhere "
+                             "(Transformer Engine; H100, H200, B200, L40S, L4)")
     parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
     parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="runtime that will execute the plan; the planner only proposes what it runs")

@@ -140,6 +140,9 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     L = model.num_layers
     G = training.global_batch
 
+    if caps.dtype_problems(training.dtype):
+        raise InfeasibleError(f"the {caps.name} runtime cannot train in {training.dtype}",
+                              caps.dtype_problems(training.dtype))
     usable = tuple(i for i in all_islands if dtype_problem(i, training.dtype) is None)
     reasons = [p for i in all_islands if (p := dtype_problem(i, training.dtype))]
     if not usable:

@@ -7,7 +7,10 @@ from typing import Any, Mapping
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.yamlio import check_keys
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Storage bytes per element: tf32 stores fp32 (only the matmuls round to TF32); fp8 stores bf16 parameters and
+# activations (Transformer Engine casts GEMM inputs to FP8 inside each layer and keeps bf16 master copies outside).
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp8": 2}
+FULL_PRECISION_DTYPES = ("fp32", "tf32")  # fp32 storage: the optimizer needs no separate master copy
 # Optimizer state bytes per parameter with mixed precision (fp32 master copy + moments), Rajbhandari et al. 2020
 # (ZeRO, sec. 3.1: "K = 12" for Adam: 4 master + 4 momentum + 4 variance). SGD with momentum: master + momentum.
 OPTIMIZER_STATE_BYTES = {"adam": 12, "adamw": 12, "sgd": 8}
@@ -28,9 +31,9 @@ class TrainingSpec:
                 raise SpecError("must be a positive integer", field=name, value=v, valid="an integer >= 1")
         if self.dtype not in DTYPE_BYTES:
             raise SpecError("unknown dtype", field="dtype", value=self.dtype, valid=", ".join(DTYPE_BYTES))
-        if self.grad_dtype not in DTYPE_BYTES:
+        if self.grad_dtype not in ("bf16", "fp16", "fp32"):
             raise SpecError("unknown gradient dtype", field="grad_dtype", value=self.grad_dtype,
-                            valid=", ".join(DTYPE_BYTES))
+                            valid="bf16, fp16, fp32")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise SpecError("unknown optimizer", field="optimizer", value=self.optimizer,
                             valid=", ".join(OPTIMIZER_STATE_BYTES))
@@ -47,7 +50,7 @@ class TrainingSpec:
     def optimizer_state_bytes(self) -> int:
         """Bytes per parameter of optimizer state (incl. the fp32 master copy when training in 16 bits)."""
         k = OPTIMIZER_STATE_BYTES[self.optimizer]
-        return k if self.dtype != "fp32" else k - 4  # fp32 training needs no separate master copy
+        return k if self.dtype not in FULL_PRECISION_DTYPES else k - 4  # fp32 storage: no separate master copy
 
     @property
     def tokens_per_iteration(self) -> int:
