@@ -113,3 +113,16 @@ def test_megatron_translates_fp8_and_tf32():
     assert fp8["fp8"] == "hybrid" and fp8["bf16"] and fp8["params_dtype"] == torch.bfloat16
     tf32 = dtype_kwargs("tf32")
     assert "fp8" not in tf32 and not tf32["bf16"] and tf32["params_dtype"] == torch.float32
+
+
+def test_an_fp8_plan_validates_against_the_plan_schema(files, capsys):
+    import os
+
+    import jsonschema
+
+    import tangram_launch
+
+    rc, out, err = _plan(files, capsys, "--dtype", "fp8", "--runtime", "megatron", "--format", "json")
+    assert rc == 0, err
+    with open(os.path.join(os.path.dirname(tangram_launch.__file__), "plan.schema.json"), encoding="utf-8") as f:
+        jsonschema.validate(json.loads(out), json.load(f))
