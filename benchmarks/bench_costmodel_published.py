@@ -189,7 +189,7 @@ def predict(row: dict, model: ModelSpec) -> dict:
     peak = max(st.memory_bytes(k - 1 - j, m) for j, st in enumerate(plan.stages))
     flops = sum(3.0 * st.breakdown["forward_flops"] * st.num_gpus for st in plan.stages) * m
     return {"iteration_s": est["iteration_s"], "bubble_s": est["bubble_s"], "sync_s": est["sync_s"],
-            "peak_gib": peak / GIB, "capacity_gib": capacity_bytes(island) / GIB,
+            "peak_gib": peak / GIB, "capacity_gib": capacity_bytes(island, reserve_fraction=0.0) / GIB,
             "mfu": flops / (est["iteration_s"] * n * coster.dev.peak_flops)}
 
 

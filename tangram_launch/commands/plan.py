@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training dtype: tf32 = fp32 storage with TF32 matmuls; fp8 = FP8 GEMMs, bf16 elsewhere "
                              "(Transformer Engine; H100, H200, B200, L40S, L4)")
     parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    parser.add_argument("--memory-headroom", type=float, default=None, metavar="FRACTION",
+                        help="fraction of each GPU's memory a plan leaves free (default 0.05: the memory model is an "
+                             "estimate and the allocator needs slack)")
     parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="runtime that will execute the plan; the planner only proposes what it runs")
     parser.add_argument("--parallelizer", default="megatron", help="homogeneous parallelizer (megatron, uniform, "
@@ -56,6 +59,8 @@ def _training(args: argparse.Namespace, model):
           "seq_len": args.seq_len if args.seq_len is not None else model.max_seq_len}
     if args.global_batch is not None:
         kw["global_batch"] = args.global_batch
+    if args.memory_headroom is not None:
+        kw["memory_headroom_fraction"] = args.memory_headroom
     return TrainingSpec(**kw)
 
 

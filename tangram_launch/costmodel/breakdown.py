@@ -146,7 +146,7 @@ class SliceCoster:
         self.training = q.training
         self.island = q.island
         self.seq_len = q.training.seq_len
-        self.capacity_bytes = capacity_bytes(q.island)
+        self.capacity_bytes = capacity_bytes(q.island, q.training)
         self.num_microbatches = max(1, q.num_microbatches)
         self.device_error: str | None = None
         try:

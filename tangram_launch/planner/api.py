@@ -191,7 +191,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         m = G // b
         links = LinkModel(cluster, all_islands,
                           activation_bytes(b, training.seq_len, model.hidden_size, training.param_bytes))
-        cand = make_candidates(b, L, pairset.pairs, results[b], all_islands, caps, links, m, dtype=training.dtype)
+        cand = make_candidates(b, L, pairset.pairs, results[b], all_islands, caps, links, m, dtype=training.dtype,
+                               training=training)
         all_cands[b] = cand
         for group, idx in _groups(cand).items():
             lb = lower_bound([cand.options[i] for i in idx], L, m)

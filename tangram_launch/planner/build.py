@@ -76,7 +76,8 @@ def compatibility_group(stages: Sequence[StageCost], caps: "RuntimeCapabilities"
 
 def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Mapping[tuple, SliceResult],
                     islands: Sequence["Island"], caps: "RuntimeCapabilities", links: LinkModel,
-                    num_microbatches: int, *, dtype: str = "bf16") -> Candidates:
+                    num_microbatches: int, *, dtype: str = "bf16",
+                    training: "TrainingSpec | None" = None) -> Candidates:
     """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key)."""
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
                       link_matrix=links.island_matrix(), training_dtype=dtype)
@@ -87,7 +88,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             if res.infeasible is not None:
                 cand.infeasible.setdefault(isl.name, []).append(res.infeasible.message())
             continue
-        cap = capacity_bytes(isl)
+        cap = capacity_bytes(isl, training)
         sizes = node_sizes(isl)
         full = key[3] and key[4]
         temps = []
@@ -175,7 +176,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
                             has_embedding=st.layers[0] == 0, has_head=st.layers[1] == L))
         preds.append(StagePrediction(forward_s=st.forward_s, backward_s=st.backward_s,
                                      peak_memory_gib=st.memory_bytes(S - 1 - k, m) / GIB,
-                                     capacity_gib=capacity_bytes(isl) / GIB))
+                                     capacity_gib=isl.gpu.memory_gib))
     metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
     assert metrics is not None
     peak = sum(gpu_peak_flops(cluster, node, idx, training.dtype) for st in stages for node, idx in st.gpus)

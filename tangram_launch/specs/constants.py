@@ -13,4 +13,7 @@ DTYPE_NEEDS = {"tf32": "TF32 tensor cores (Ampere or newer)",
                "bf16": "BF16 tensor cores (Ampere or newer)"}
 RECOMPUTE_MODES = ("none", "selective", "full")  # activation recomputation (Korthikanti et al. 2022)
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO optimizer/gradient/parameter sharding (Rajbhandari et al. 2020)
+# Memory a plan leaves free on every GPU, as a fraction of its capacity: the cost model's memory figures are
+# estimates (benchmarks/bench_costmodel_published.py reports their error), and the allocator needs slack.
+DEFAULT_MEMORY_HEADROOM_FRACTION = 0.05
 RUNTIMES = ("torch", "deepspeed", "megatron")  # runtimes with an adapter and declared capabilities

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import DEFAULT_MEMORY_HEADROOM_FRACTION
 from tangram_launch.specs.yamlio import check_keys
 
 # Storage bytes per element: tf32 stores fp32 (only the matmuls round to TF32); fp8 stores bf16 parameters and
@@ -23,6 +24,7 @@ class TrainingSpec:
     dtype: str = "bf16"  # compute and parameter dtype
     optimizer: str = "adam"
     grad_dtype: str = "fp32"  # gradient accumulation/reduction precision (Megatron's default: fp32 main grads)
+    memory_headroom_fraction: float = DEFAULT_MEMORY_HEADROOM_FRACTION  # of each GPU's memory a plan leaves free
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
@@ -34,6 +36,10 @@ class TrainingSpec:
         if self.grad_dtype not in ("bf16", "fp16", "fp32"):
             raise SpecError("unknown gradient dtype", field="grad_dtype", value=self.grad_dtype,
                             valid="bf16, fp16, fp32")
+        h = self.memory_headroom_fraction
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0.0 <= h < 1.0:
+            raise SpecError("must be a fraction of GPU memory in [0, 1)", field="memory_headroom_fraction", value=h,
+                            valid="e.g. 0.05 (5 %: 4 GiB of an 80 GB GPU)")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise SpecError("unknown optimizer", field="optimizer", value=self.optimizer,
                             valid=", ".join(OPTIMIZER_STATE_BYTES))
@@ -61,6 +67,7 @@ class TrainingSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingSpec":
-        check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype"), where="training",
+        check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype", "memory_headroom_fraction"),
+                   where="training",
                    source=source)
         return cls(**dict(d))
