@@ -46,7 +46,9 @@ logger = logging.getLogger(__name__)
 MEGATRON_VERSION = "0.16.1"  # the version these translations are written and tested against
 # Pipeline outermost, tp fastest: the plan's own rank numbering (see the module docstring).
 RANK_ORDER = "tp-cp-ep-dp-pp"
-SCHEDULES = ("1F1B",)  # forward_backward_pipelining_without_interleaving; no GPipe in Megatron-core
+# forward_backward_pipelining_without_interleaving / _with_interleaving (virtual_pipeline_model_parallel_size);
+# no GPipe in Megatron-core
+SCHEDULES = ("1F1B", "INTERLEAVED-1F1B")
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default (padded once more by tp)
 
 # Storage dtype per training dtype: tf32 keeps fp32 parameters (TF32 is a matmul mode, switched on in
@@ -142,6 +144,7 @@ def parallel_state_kwargs(plan: Plan, *, distributed_timeout_minutes: int = 30,
     return {
         "tensor_model_parallel_size": g.tp,
         "pipeline_model_parallel_size": plan.num_stages,
+        "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
         "context_parallel_size": g.cp,
         "expert_model_parallel_size": g.ep,
         "expert_tensor_parallel_size": g.tp,
@@ -154,10 +157,17 @@ def parallel_state_kwargs(plan: Plan, *, distributed_timeout_minutes: int = 30,
 def pipeline_layout(plan: Plan) -> str | None:
     """Megatron's ``pipeline_model_parallel_layout``: 'E' embedding, 't' one transformer layer, 'L' loss, '|' stage.
 
-    Any split is expressible (3+1 layers on two stages: ``"Ettt|tL"``); None without pipelining.
+    Any split is expressible (3+1 layers on two stages: ``"Ettt|tL"``); None without pipelining. Interleaved 1F1B:
+    one segment per model chunk, chunk-major ((stage 0, chunk 0), (stage 1, chunk 0), ..., (stage 0, chunk 1), ...),
+    which is the order Megatron-core reads virtual stages in (it derives v from the segment count).
     """
     if plan.num_stages == 1:
         return None
+    v = plan.virtual_stages
+    if v > 1:
+        return "|".join(("E" if s.has_embedding and j == 0 else "") + "t" * (s.chunks[j][1] - s.chunks[j][0])
+                        + ("L" if s.has_head and j == v - 1 else "")
+                        for j in range(v) for s in plan.stages)
     parts = []
     for s in plan.stages:
         parts.append(("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else ""))
@@ -251,6 +261,7 @@ def transformer_config_kwargs(plan: Plan, stage_index: int, *, sequence_parallel
         "expert_tensor_parallel_size": g.tp,
         "sequence_parallel": (g.tp > 1) if sequence_parallel is None else bool(sequence_parallel and g.tp > 1),
         "pipeline_model_parallel_layout": pipeline_layout(plan),
+        "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
         "deallocate_pipeline_outputs": plan.num_stages > 1,
         # gradients are accumulated in fp32 main grads by Megatron's DDP; see ddp_config_kwargs
     }
@@ -266,15 +277,21 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) 
     return -(-vocab_size // step) * step
 
 
-def gpt_model_kwargs(plan: Plan, place: Place) -> dict[str, Any]:
-    """``GPTModel`` arguments besides ``config`` and ``transformer_layer_spec`` for this worker's stage."""
+def gpt_model_kwargs(plan: Plan, place: Place, vp_stage: int | None = None) -> dict[str, Any]:
+    """``GPTModel`` arguments besides ``config`` and ``transformer_layer_spec`` for this worker's stage (interleaved
+    1F1B: for its model chunk ``vp_stage``; the embedding is on the first chunk, the loss on the last)."""
     model, training = _model(plan), _training(plan)
     max_len = max(model.max_seq_len, training.seq_len, model.num_position_embeddings or 0)
+    v = plan.virtual_stages
+    first = vp_stage is None or vp_stage == 0
+    last = vp_stage is None or vp_stage == v - 1
+    out = {"vp_stage": vp_stage} if vp_stage is not None else {}
     return {
+        **out,
         "vocab_size": padded_vocab_size(model.vocab_size, place.stage.tp),
         "max_sequence_length": max_len,
-        "pre_process": place.stage.has_embedding,
-        "post_process": place.stage.has_head,
+        "pre_process": place.stage.has_embedding and first,
+        "post_process": place.stage.has_head and last,
         "share_embeddings_and_output_weights": model.tied_embeddings,
         "position_embedding_type": _POSITIONS.get(model.position_embedding, "none"),
     }
@@ -524,7 +541,8 @@ class MegatronAdapter(RuntimeAdapter):
         return TransformerConfig(**kwargs)
 
     def build_gpt_model(self, plan: Plan, place: Place, config=None, **config_overrides: Any):
-        """This stage's ``GPTModel``: Transformer Engine layer spec when installed, else Megatron's local spec."""
+        """This stage's ``GPTModel`` (interleaved 1F1B: a list, one per model chunk): Transformer Engine layer spec
+        when installed, else Megatron's local spec."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -539,6 +557,9 @@ class MegatronAdapter(RuntimeAdapter):
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
         else:
             spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization=_NORMS[model.norm_type])
+        if plan.virtual_stages > 1:  # one GPTModel per model chunk, as Megatron's interleaved schedule wants a list
+            return [GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_kwargs(plan, place, j))
+                    for j in range(plan.virtual_stages)]
         return GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_kwargs(plan, place))
 
 

@@ -30,8 +30,21 @@ class RuntimeCapabilities:
     offload: bool = True
     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
     max_stages: int | None = None
+    schedules: tuple[str, ...] = ("1F1B",)  # pipeline schedules the runtime runs (interleaved-1F1B: virtual stages)
     dtypes: tuple[str, ...] = DTYPES  # training dtypes the runtime runs
     dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
+
+    def schedule_problems(self, schedule: str, *, virtual_stages: int = 1, num_stages: int = 1,
+                          num_microbatches: int = 1) -> list[str]:
+        """Why this runtime cannot run the pipeline schedule (empty when it can)."""
+        if schedule not in self.schedules:
+            return [f"{self.name} has no {schedule} schedule (has: {', '.join(self.schedules)})"]
+        if schedule == "interleaved-1F1B" and num_stages > 1 and num_microbatches % num_stages:
+            # Megatron-core groups micro-batches by pipeline size (microbatch_group_size_per_vp_stage = pp) and
+            # refuses a remainder smaller than pp
+            return [f"interleaved 1F1B needs the micro-batches ({num_microbatches}) to be a multiple of the "
+                    f"pipeline stages ({num_stages})"]
+        return []
 
     def dtype_problems(self, dtype: str) -> list[str]:
         """Why this runtime cannot train in ``dtype`` (empty when it can)."""
@@ -90,6 +103,8 @@ class RuntimeCapabilities:
         shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
         out = list(self.dtype_problems(str(plan.training.get("dtype", "fp32"))))
+        out.extend(self.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages, num_stages=len(shapes),
+                                          num_microbatches=plan.num_microbatches))
         for i, sh in enumerate(shapes):
             out.extend(f"stage {i}: {p}" for p in self.stage_problems(sh, pipelined=pipelined))
         out.extend(self.pipeline_problems(shapes))
@@ -139,6 +154,8 @@ MEGATRON = RuntimeCapabilities(
     offload=False,
     # fp8: TransformerConfig(fp8="hybrid") with Transformer Engine layers (refused at setup where TE is missing)
     dtypes=("bf16", "fp16", "fp32", "tf32", "fp8"),
+    # interleaved: virtual_pipeline_model_parallel_size with a pipeline_model_parallel_layout of p x v chunks
+    schedules=("1F1B", "interleaved-1F1B"),
 )
 
 BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}

@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "estimate and the allocator needs slack)")
     parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="runtime that will execute the plan; the planner only proposes what it runs")
+    parser.add_argument("--schedule", default="auto", choices=("auto", "1F1B", "interleaved-1F1B"),
+                        help="pipeline schedule: auto interleaves (virtual stages) where the runtime runs it and it "
+                             "is faster; interleaved-1F1B insists")
     parser.add_argument("--parallelizer", default="megatron", help="homogeneous parallelizer (megatron, uniform, "
                                                                     "or a registered plugin)")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the plan (.json: JSON, else YAML)")
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                             infeasible="infeasible" not in args.no_prune,
                             balance_tolerance=(DEFAULT_BALANCE_TOLERANCE if args.balance_tolerance is None
                                                else args.balance_tolerance))
-    opts = PlannerOptions(pruning=pruning, max_workers=args.workers,
+    opts = PlannerOptions(pruning=pruning, max_workers=args.workers, schedule=args.schedule,
                           microbatch_sequences=tuple(args.microbatch_sequences) if args.microbatch_sequences else None)
     result = None
     baselines = []

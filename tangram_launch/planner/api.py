@@ -55,6 +55,9 @@ class PlannerOptions:
     bound_step: float = 0.0  # > 0: skip bottleneck bounds within this relative step (faster, not exact)
     atom_layers: int | None = None  # layers per model atom; None: slices.auto_atom_layers (1 up to 64 layers)
     exact_islands: int = 5  # up to this many islands the composer searches every island subset and order
+    # pipeline schedule: "1F1B", "interleaved-1F1B" (virtual stages required) or "auto" (interleave where the runtime
+    # runs it and it is faster; planner/interleave.py)
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
         if self.microbatch_sequences is not None:
@@ -66,6 +69,9 @@ class PlannerOptions:
         if self.atom_layers is not None and (isinstance(self.atom_layers, bool) or not isinstance(
                 self.atom_layers, int) or self.atom_layers < 1):
             raise SpecError("must be a positive integer", field="atom_layers", value=self.atom_layers)
+        if self.schedule not in ("auto", "1F1B", "interleaved-1F1B"):
+            raise SpecError("unknown pipeline schedule", field="schedule", value=self.schedule,
+                            valid="auto, 1F1B, interleaved-1F1B")
         if isinstance(self.exact_islands, bool) or not isinstance(self.exact_islands, int) or self.exact_islands < 1:
             raise SpecError("must be a positive integer", field="exact_islands", value=self.exact_islands)
         if self.bound_step < 0:
@@ -231,8 +237,12 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
                     "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
     }
+    if opts.schedule == "interleaved-1F1B":
+        problems = caps.schedule_problems("interleaved-1F1B")
+        if problems:
+            raise InfeasibleError(f"the {caps.name} runtime cannot run interleaved 1F1B", problems)
     plan = build_plan(cand, comp_best, cluster=cluster, model=model, training=training, runtime=caps.name,
-                      islands_dropped=dropped, planner=stats)
+                      islands_dropped=dropped, planner=stats, schedule=opts.schedule, capabilities=caps)
     problems = caps.plan_problems(plan)
     assert not problems, f"the composer produced a plan {caps.name} cannot run: {problems}"
     stats["planning_time_s"] = round(time.perf_counter() - t0, 4)

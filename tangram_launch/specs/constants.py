@@ -16,4 +16,5 @@ ZERO_STAGES = (0, 1, 2, 3)  # ZeRO optimizer/gradient/parameter sharding (Rajbha
 # Memory a plan leaves free on every GPU, as a fraction of its capacity: the cost model's memory figures are
 # estimates (benchmarks/bench_costmodel_published.py reports their error), and the allocator needs slack.
 DEFAULT_MEMORY_HEADROOM_FRACTION = 0.05
+SCHEDULES = ("1F1B", "interleaved-1F1B")  # pipeline schedules (Narayanan et al. 2021, sec. 2.2)
 RUNTIMES = ("torch", "deepspeed", "megatron")  # runtimes with an adapter and declared capabilities
