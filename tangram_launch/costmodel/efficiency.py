@@ -41,10 +41,11 @@ GBPS = 1e9  # _gbps = GB/s = 1e9 bytes per second
 # Large bf16/fp16 GEMMs reach 60-80 % of the dense peak (cuBLAS on A100/H100; GPU-FACTS.md); 0.70 reproduces the
 # published end-to-end figures above once the other overheads are added.
 GEMM_EFFICIENCY = 0.70
-# FP8 GEMMs (Transformer Engine on H100) reach a smaller fraction of their doubled peak than bf16 GEMMs do of theirs:
-# fitted on the `fit` FP8 row of benchmarks/data/published_runs.yaml (bridge-h100-llama3-8b-fp8, Megatron-Bridge
-# Llama 3 8B FP8 vs its BF16 twin), see FP8_GEMM_EFFICIENCY below and the benchmark's held-out FP8 rows.
-FP8_GEMM_EFFICIENCY = 0.50
+# FP8 GEMMs (Transformer Engine on H100), as a fraction of the FP8 peak. Fit row: bridge-h100-llama3-8b-fp8 of
+# benchmarks/data/published_runs.yaml (Megatron-Bridge, TE current scaling): +6 % at 0.55, which runs large FP8
+# GEMMs at 1.57x the bf16 ones (the spec sheet's 2x is never reached in practice). Held-out FP8 rows (torchtitan
+# Float8, torch.compile) in the benchmark.
+FP8_GEMM_EFFICIENCY = 0.55
 # Bytes per GEMM input element with FP8: Transformer Engine reads the bf16 tensor and writes its FP8 copy (cast +
 # amax), then the GEMM reads the FP8 copy: 2 + 1 + 1.
 FP8_INPUT_BYTES = 4.0
