@@ -43,6 +43,10 @@ CASES = [
                                                                  "--dtype", "fp16", "--runtime", "deepspeed"]),
     ("cpu-2", "cpu-2", "tiny", ["--global-batch", "8", "--seq-len", "64", "--dtype", "fp32"]),
     ("profiled-cpu-2", "profiled-cpu-2", "tiny", ["--global-batch", "8", "--seq-len", "64", "--dtype", "fp32"]),
+    # issue 13's 256-GPU H200 + H100 cluster with the tiny model: planning Llama 3 405B on it takes minutes
+    ("llama405b-h200-h100-256", "llama405b-h200-h100-256", "tiny", ["--global-batch", "64", "--seq-len", "64",
+                                                                    "--dtype", "bf16", "--runtime", "megatron",
+                                                                    "--microbatch-sequences", "16"]),
     ("profiled-h200", "profiled-h200", os.path.join(REPO, "examples", "models", "llama3.2-1b.yaml"),
      ["--global-batch", "16", "--seq-len", "2048", "--dtype", "bf16"]),
 ]
