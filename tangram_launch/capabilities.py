@@ -103,8 +103,9 @@ class RuntimeCapabilities:
         shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
         out = list(self.dtype_problems(str(plan.training.get("dtype", "fp32"))))
-        out.extend(self.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages, num_stages=len(shapes),
-                                          num_microbatches=plan.num_microbatches))
+        if plan.schedule == "interleaved-1F1B":  # plain schedules (1F1B, GPipe) are each adapter's own check
+            out.extend(self.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages,
+                                              num_stages=len(shapes), num_microbatches=plan.num_microbatches))
         for i, sh in enumerate(shapes):
             out.extend(f"stage {i}: {p}" for p in self.stage_problems(sh, pipelined=pipelined))
         out.extend(self.pipeline_problems(shapes))
@@ -124,6 +125,9 @@ TORCH = RuntimeCapabilities(
     offload=False,
     max_zero_stage=3,
     max_zero_stage_with_pp=3,
+    # GPipe for hand-written plans (the planner costs 1F1B); no interleaved schedule: ScheduleInterleaved1F1B is
+    # not wired into runtime_adapters/torch_native.py
+    schedules=("1F1B", "GPipe"),
     # tf32: fp32 parameters with torch.backends.cuda.matmul.allow_tf32 set by the adapter
     dtypes=("bf16", "fp16", "fp32", "tf32"),
     dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "

@@ -23,6 +23,9 @@ from tangram_launch.specs.yamlio import check_keys, dump_yaml_file, load_yaml_fi
 from tangram_launch.topology import Topology
 
 PLAN_VERSION = 1
+# what a Plan may say: the planner's schedules (costed) and GPipe, which the torch runtime also runs for hand-written
+# plans (runtime_adapters/torch_native.py)
+PLAN_SCHEDULES = SCHEDULES + ("GPipe",)
 
 
 @dataclass(frozen=True)
@@ -268,14 +271,14 @@ class Plan:
 
     def _validate_schedule(self) -> None:
         v = self.virtual_stages
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in PLAN_SCHEDULES:
             raise SpecError("unknown pipeline schedule", field="schedule", value=self.schedule,
-                            valid=", ".join(SCHEDULES))
+                            valid=", ".join(PLAN_SCHEDULES))
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise SpecError("must be a positive integer", field="virtual_stages", value=v)
-        if self.schedule == "1F1B":
+        if self.schedule != "interleaved-1F1B":
             if v != 1 or any(s.chunks for s in self.stages):
-                raise SpecError("plain 1F1B has one model chunk per stage", field="virtual_stages", value=v,
+                raise SpecError(f"{self.schedule} has one model chunk per stage", field="virtual_stages", value=v,
                                 valid="1 (or schedule: interleaved-1F1B)")
             return
         if v < 2:
@@ -325,7 +328,7 @@ class Plan:
             "version": self.version,
             "runtime": self.runtime,
             "schedule": self.schedule,
-            **({"virtual_stages": self.virtual_stages} if self.schedule != "1F1B" else {}),
+            **({"virtual_stages": self.virtual_stages} if self.schedule == "interleaved-1F1B" else {}),
             "model": dict(self.model),
             "training": dict(self.training),
             "cluster": to_plain(self.cluster),
