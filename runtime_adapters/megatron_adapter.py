@@ -144,7 +144,8 @@ def parallel_state_kwargs(plan: Plan, *, distributed_timeout_minutes: int = 30,
     return {
         "tensor_model_parallel_size": g.tp,
         "pipeline_model_parallel_size": plan.num_stages,
-        "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
+        # interleaved 1F1B only (plain plans keep the call as it was)
+        **({"virtual_pipeline_model_parallel_size": plan.virtual_stages} if plan.virtual_stages > 1 else {}),
         "context_parallel_size": g.cp,
         "expert_model_parallel_size": g.ep,
         "expert_tensor_parallel_size": g.tp,

@@ -368,7 +368,7 @@ def test_megatron_groups_equal_the_plans(gloo_reports, name):
 def test_each_stage_builds_its_layers(gloo_reports, name):
     """The GPTModel each rank builds holds exactly its stage's global layers, embedding first, head last."""
     plan = SCENARIOS[name]()
-    model = load_model(plan.model["name"]) if not plan.model["name"].startswith("tiny-") else None
+    model = load_model(plan.model["name"]) if plan.model["name"] not in ("tiny-6l", "tiny-8l") else None
     for rank in range(plan.world_size):
         got, place = gloo_reports[rank][name], plan.place(rank)
         held = place.stage.chunks or (place.layers,)  # interleaved: the stage's model chunks, in order
