@@ -52,8 +52,8 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
     problems = capabilities.schedule_problems("interleaved-1F1B", num_stages=S, num_microbatches=m)
     if S < 2:
         problems = ["a single pipeline stage has nothing to interleave"]
-    if problems:
-        return ScheduleChoice(1, plain.latency_s, tuple(problems))
+    if problems:  # under auto a runtime without the schedule is no news; when insisted on, say why
+        return ScheduleChoice(1, plain.latency_s, tuple(problems) if schedule == "interleaved-1F1B" else ())
     best: ScheduleChoice | None = None
     fewest_layers = min(st.layers[1] - st.layers[0] for st, _ in stages)
     for v in range(2, min(MAX_VIRTUAL_STAGES, fewest_layers) + 1):
