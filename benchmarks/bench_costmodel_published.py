@@ -40,7 +40,7 @@ if REPO not in sys.path:
 
 from tangram_launch.capabilities import RuntimeCapabilities  # noqa: E402
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # noqa: E402
-from tangram_launch.costmodel.pipeline import iteration_time_s  # noqa: E402
+from tangram_launch.costmodel.pipeline import iteration_time_s, stage_memory_bytes  # noqa: E402
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES  # noqa: E402
 from tangram_launch.costmodel.efficiency import GIB  # noqa: E402
 from tangram_launch.errors import SpecError  # noqa: E402
@@ -136,8 +136,11 @@ def not_expressible(row: dict) -> str | None:
     par = row["parallel"]
     if par.get("dtype") not in DTYPE_BYTES and not row.get("not_expressible"):
         reasons.append(f"dtype {par.get('dtype')} (the cost model has {', '.join(DTYPE_BYTES)})")
-    if par.get("schedule", "1F1B") != "1F1B" and not row.get("not_expressible"):
+    if par.get("schedule", "1F1B") not in SCHEDULES and not row.get("not_expressible"):
         reasons.append(f"schedule {par.get('schedule')}")
+    if (par.get("schedule", "1F1B") == "interleaved-1F1B" and not par.get("virtual_stages")
+            and not row.get("not_expressible")):
+        reasons.append("interleaved 1F1B with an unpublished number of virtual stages")
     if par.get("recompute", "none") not in RECOMPUTE_MODES and not row.get("not_expressible"):
         reasons.append(f"recompute {par.get('recompute')}")
     return "; ".join(reasons) or None
@@ -152,6 +155,7 @@ def approximation(row: dict) -> dict | None:
     changed = []
     if par.get("schedule", "1F1B") != "1F1B":
         par["schedule"] = "1F1B"
+        par.pop("virtual_stages", None)
         changed.append("plain 1F1B")
     if par.get("dtype") not in DTYPE_BYTES:
         par["dtype"] = "bf16"
@@ -184,12 +188,15 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          recompute=par.get("recompute", "none"))
     plan = coster.plan(cfg, parallelizer="published-bench")
     m = q.num_microbatches
-    est = iteration_time_s(plan.stages, m)
+    v = int(par.get("virtual_stages", 1)) if par.get("schedule", "1F1B") == "interleaved-1F1B" else 1
+    if v > 1 and min(st.layers[1] - st.layers[0] for st in plan.stages) < v:
+        raise SpecError(f"{v} virtual stages need at least {v} layers per stage", field="virtual_stages")
+    est = iteration_time_s(plan.stages, m, v)
     k = len(plan.stages)
-    peak = max(st.memory_bytes(k - 1 - j, m) for j, st in enumerate(plan.stages))
+    peak = max(stage_memory_bytes(st, k - 1 - j, k, m, v) for j, st in enumerate(plan.stages))
     flops = sum(3.0 * st.breakdown["forward_flops"] * st.num_gpus for st in plan.stages) * m
     return {"iteration_s": est["iteration_s"], "bubble_s": est["bubble_s"], "sync_s": est["sync_s"],
-            "peak_gib": peak / GIB, "capacity_gib": capacity_bytes(island) / GIB,
+            "peak_gib": peak / GIB, "capacity_gib": capacity_bytes(island, reserve_fraction=0.0) / GIB,
             "mfu": flops / (est["iteration_s"] * n * coster.dev.peak_flops)}
 
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from profiler.bench import Measured, Timing, round_sig
 from profiler.inventory import NodeInventory, inventory_identity
-from tangram_launch.specs.constants import DTYPES
+from tangram_launch.specs.constants import STORAGE_DTYPES  # the dtypes the GEMM benchmark times
 from tangram_launch.specs.yamlio import to_plain
 
 FINGERPRINT_VERSION = 1
@@ -177,9 +177,11 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     if dev.is_cpu:
         base = catalog.lookup("cpu")
         measured["catalog"] = _catalog_figures(base)
-        tflops = {d: gemm.get(d) for d in DTYPES}
+        tflops = {d: gemm.get(d) for d in STORAGE_DTYPES}
         if not any(tflops.values()):
             tflops = dict(base.tflops)
+        elif tflops.get("fp32"):
+            tflops["tf32"] = tflops["fp32"]  # TF32 is a tensor-core mode: on the host a tf32 job runs fp32 GEMMs
         entry: dict[str, Any] = {
             "type": "cpu",
             "tflops": tflops,
@@ -218,7 +220,7 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         measured["intra_node_bandwidth_source"] = source
         entry = {
             "type": "custom",
-            "tflops": {d: gemm.get(d) for d in DTYPES},
+            "tflops": {d: gemm.get(d) for d in STORAGE_DTYPES},
             "memory_gib": round_sig(memory_bytes / 2**30) if memory_bytes else 1.0,
             "memory_bandwidth_gbps": measured.get("memory_bandwidth_gbps", 1.0),
             "intra_node_bandwidth_gbps": round_sig(intra),

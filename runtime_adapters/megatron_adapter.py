@@ -46,10 +46,15 @@ logger = logging.getLogger(__name__)
 MEGATRON_VERSION = "0.16.1"  # the version these translations are written and tested against
 # Pipeline outermost, tp fastest: the plan's own rank numbering (see the module docstring).
 RANK_ORDER = "tp-cp-ep-dp-pp"
-SCHEDULES = ("1F1B",)  # forward_backward_pipelining_without_interleaving; no GPipe in Megatron-core
+# forward_backward_pipelining_without_interleaving / _with_interleaving (virtual_pipeline_model_parallel_size);
+# no GPipe in Megatron-core
+SCHEDULES = ("1F1B", "INTERLEAVED-1F1B")
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default (padded once more by tp)
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Storage dtype per training dtype: tf32 keeps fp32 parameters (TF32 is a matmul mode, switched on in
+# tf32_matmuls), fp8 keeps bf16 parameters and runs the GEMMs in FP8 through Transformer Engine (fp8="hybrid").
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32,
+           "fp8": torch.bfloat16}
 _ACTIVATIONS = {  # ffn_type -> (activation, gated linear unit)
     "gelu": (F.gelu, False),
     "relu": (F.relu, False),
@@ -142,6 +147,8 @@ def parallel_state_kwargs(plan: Plan, *, distributed_timeout_minutes: int = 30,
     return {
         "tensor_model_parallel_size": g.tp,
         "pipeline_model_parallel_size": plan.num_stages,
+        # interleaved 1F1B only (plain plans keep the call as it was)
+        **({"virtual_pipeline_model_parallel_size": plan.virtual_stages} if plan.virtual_stages > 1 else {}),
         "context_parallel_size": g.cp,
         "expert_model_parallel_size": g.ep,
         "expert_tensor_parallel_size": g.tp,
@@ -154,10 +161,17 @@ def parallel_state_kwargs(plan: Plan, *, distributed_timeout_minutes: int = 30,
 def pipeline_layout(plan: Plan) -> str | None:
     """Megatron's ``pipeline_model_parallel_layout``: 'E' embedding, 't' one transformer layer, 'L' loss, '|' stage.
 
-    Any split is expressible (3+1 layers on two stages: ``"Ettt|tL"``); None without pipelining.
+    Any split is expressible (3+1 layers on two stages: ``"Ettt|tL"``); None without pipelining. Interleaved 1F1B:
+    one segment per model chunk, chunk-major ((stage 0, chunk 0), (stage 1, chunk 0), ..., (stage 0, chunk 1), ...),
+    which is the order Megatron-core reads virtual stages in (it derives v from the segment count).
     """
     if plan.num_stages == 1:
         return None
+    v = plan.virtual_stages
+    if v > 1:
+        return "|".join(("E" if s.has_embedding and j == 0 else "") + "t" * (s.chunks[j][1] - s.chunks[j][0])
+                        + ("L" if s.has_head and j == v - 1 else "")
+                        for j in range(v) for s in plan.stages)
     parts = []
     for s in plan.stages:
         parts.append(("E" if s.has_embedding else "") + "t" * s.num_layers + ("L" if s.has_head else ""))
@@ -180,8 +194,19 @@ def dtype_kwargs(dtype: str) -> dict[str, Any]:
     if dtype not in _DTYPES:
         raise SpecError("unknown dtype", field="training.dtype", value=dtype, valid=", ".join(_DTYPES))
     torch_dtype = _DTYPES[dtype]
-    return {"bf16": dtype == "bf16", "fp16": dtype == "fp16", "params_dtype": torch_dtype,
-            "pipeline_dtype": torch_dtype}
+    out = {"bf16": dtype in ("bf16", "fp8"), "fp16": dtype == "fp16", "params_dtype": torch_dtype,
+           "pipeline_dtype": torch_dtype}
+    if dtype == "fp8":  # E4M3 forward, E5M2 gradients (Transformer Engine's hybrid format); needs TE layers
+        out["fp8"] = "hybrid"
+    return out
+
+
+def tf32_matmuls(dtype: str) -> None:
+    """tf32 plans: let fp32 matmuls and convolutions use TF32 tensor cores (a process-wide torch switch; Megatron-core
+    has no config field for it)."""
+    if dtype == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def moe_kwargs(model: ModelSpec, ep: int) -> dict[str, Any]:
@@ -244,6 +269,7 @@ def transformer_config_kwargs(plan: Plan, stage_index: int, *, sequence_parallel
         "expert_tensor_parallel_size": g.tp,
         "sequence_parallel": (g.tp > 1) if sequence_parallel is None else bool(sequence_parallel and g.tp > 1),
         "pipeline_model_parallel_layout": pipeline_layout(plan),
+        "virtual_pipeline_model_parallel_size": plan.virtual_stages if plan.virtual_stages > 1 else None,
         "deallocate_pipeline_outputs": plan.num_stages > 1,
         # gradients are accumulated in fp32 main grads by Megatron's DDP; see ddp_config_kwargs
     }
@@ -261,15 +287,21 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) 
     return -(-vocab_size // step) * step
 
 
-def gpt_model_kwargs(plan: Plan, place: Place) -> dict[str, Any]:
-    """``GPTModel`` arguments besides ``config`` and ``transformer_layer_spec`` for this worker's stage."""
+def gpt_model_kwargs(plan: Plan, place: Place, vp_stage: int | None = None) -> dict[str, Any]:
+    """``GPTModel`` arguments besides ``config`` and ``transformer_layer_spec`` for this worker's stage (interleaved
+    1F1B: for its model chunk ``vp_stage``; the embedding is on the first chunk, the loss on the last)."""
     model, training = _model(plan), _training(plan)
     max_len = max(model.max_seq_len, training.seq_len, model.num_position_embeddings or 0)
+    v = plan.virtual_stages
+    first = vp_stage is None or vp_stage == 0
+    last = vp_stage is None or vp_stage == v - 1
+    out = {"vp_stage": vp_stage} if vp_stage is not None else {}
     return {
+        **out,
         "vocab_size": padded_vocab_size(model.vocab_size, place.stage.tp),
         "max_sequence_length": max_len,
-        "pre_process": place.stage.has_embedding,
-        "post_process": place.stage.has_head,
+        "pre_process": place.stage.has_embedding and first,
+        "post_process": place.stage.has_head and last,
         "share_embeddings_and_output_weights": model.tied_embeddings,
         "position_embedding_type": _POSITIONS.get(model.position_embedding, "none"),
     }
@@ -483,6 +515,8 @@ class MegatronAdapter(RuntimeAdapter):
             # every MoE forward raises NameError without TE (measured on an H200, megatron-core 0.16.1)
             out.append(f"MoE layers in megatron-core {MEGATRON_VERSION} need Transformer Engine (the router's "
                        "gating GEMM refers to TE's general_gemm), which is not installed")
+        if _training(plan).dtype == "fp8":
+            out.append("fp8: Megatron-core runs FP8 GEMMs only in Transformer Engine's layers, which is not installed")
         return out
 
     def check_environment(self, plan: Plan) -> None:
@@ -508,12 +542,17 @@ class MegatronAdapter(RuntimeAdapter):
         if place.stage.cp > 1 and not te:  # the local attention asserts cp == 1 when built: say why instead
             raise InfeasibleError(f"the {self.name} runtime cannot execute this plan",
                                   [p for p in self.environment_problems(plan) if p.startswith("cp=")])
+        if _training(plan).dtype == "fp8" and not te:
+            raise InfeasibleError(f"the {self.name} runtime cannot execute this plan",
+                                  [p for p in self.environment_problems(plan) if p.startswith("fp8")])
+        tf32_matmuls(_training(plan).dtype)
         kwargs = transformer_config_kwargs(plan, place.stage.index, sequence_parallel=sequence_parallel)
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)
 
     def build_gpt_model(self, plan: Plan, place: Place, config=None, **config_overrides: Any):
-        """This stage's ``GPTModel``: Transformer Engine layer spec when installed, else Megatron's local spec."""
+        """This stage's ``GPTModel`` (interleaved 1F1B: a list, one per model chunk): Transformer Engine layer spec
+        when installed, else Megatron's local spec."""
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -528,6 +567,9 @@ class MegatronAdapter(RuntimeAdapter):
             spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
         else:
             spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization=_NORMS[model.norm_type])
+        if plan.virtual_stages > 1:  # one GPTModel per model chunk, as Megatron's interleaved schedule wants a list
+            return [GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_kwargs(plan, place, j))
+                    for j in range(plan.virtual_stages)]
         return GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_kwargs(plan, place))
 
 

@@ -54,7 +54,7 @@ from tangram_launch.specs.model import ModelSpec
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("1F1B", "GPipe")
-COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # no fp8 path
 
 # model_factory(spec, stage, seed) -> the stage's nn.Module (input tokens or hidden, output hidden or logits)
 ModelFactory = Callable[[ModelSpec, Stage, int], nn.Module]
@@ -134,6 +134,9 @@ class TorchAdapter(RuntimeAdapter):
         _apply_tensor_parallel(module, stage, groups)
         _apply_recompute(module, stage)
         dtype = COMPUTE_DTYPES[str(plan.training.get("dtype", "fp32"))]
+        if plan.training.get("dtype") == "tf32":  # fp32 parameters, TF32 tensor-core matmuls (process-wide switch)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         if dtype is not None:
             if not hasattr(module, "set_compute_dtype"):
                 raise SpecError("a bf16/fp16 plan needs a module with set_compute_dtype(dtype)",

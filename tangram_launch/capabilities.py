@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from tangram_launch.specs.constants import RECOMPUTE_MODES
+from tangram_launch.specs.constants import DTYPES, RECOMPUTE_MODES
 from tangram_launch.specs.shape import StageShape
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,6 +31,28 @@ class RuntimeCapabilities:
     offload: bool = True
     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
     max_stages: int | None = None
+    schedules: tuple[str, ...] = ("1F1B",)  # pipeline schedules the runtime runs (interleaved-1F1B: virtual stages)
+    dtypes: tuple[str, ...] = DTYPES  # training dtypes the runtime runs
+    dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
+
+    def schedule_problems(self, schedule: str, *, virtual_stages: int = 1, num_stages: int = 1,
+                          num_microbatches: int = 1) -> list[str]:
+        """Why this runtime cannot run the pipeline schedule (empty when it can)."""
+        if schedule not in self.schedules:
+            return [f"{self.name} has no {schedule} schedule (has: {', '.join(self.schedules)})"]
+        if schedule == "interleaved-1F1B" and num_stages > 1 and num_microbatches % num_stages:
+            # Megatron-core groups micro-batches by pipeline size (microbatch_group_size_per_vp_stage = pp) and
+            # refuses a remainder smaller than pp
+            return [f"interleaved 1F1B needs the micro-batches ({num_microbatches}) to be a multiple of the "
+                    f"pipeline stages ({num_stages})"]
+        return []
+
+    def dtype_problems(self, dtype: str) -> list[str]:
+        """Why this runtime cannot train in ``dtype`` (empty when it can)."""
+        if dtype in self.dtypes:
+            return []
+        why = dict(self.dtype_notes).get(dtype, "not among its dtypes")
+        return [f"{self.name} cannot train in {dtype}: {why} (it runs {', '.join(self.dtypes)})"]
 
     def stage_problems(self, shape: StageShape, *, pipelined: bool) -> list[str]:
         """Why this runtime cannot run one stage of this shape (empty when it can)."""
@@ -84,7 +106,10 @@ class RuntimeCapabilities:
         """Everything that stops this runtime from executing the plan (checked before any process group exists)."""
         shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
-        out = []
+        out = list(self.dtype_problems(str(plan.training.get("dtype", "fp32"))))
+        if plan.schedule == "interleaved-1F1B":  # plain schedules (1F1B, GPipe) are each adapter's own check
+            out.extend(self.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages,
+                                              num_stages=len(shapes), num_microbatches=plan.num_microbatches))
         for i, sh in enumerate(shapes):
             out.extend(f"stage {i}: {p}" for p in self.stage_problems(sh, pipelined=pipelined))
         out.extend(self.pipeline_problems(shapes))
@@ -107,6 +132,13 @@ TORCH = RuntimeCapabilities(
     offload=False,
     max_zero_stage=3,
     max_zero_stage_with_pp=3,
+    # GPipe for hand-written plans (the planner costs 1F1B); no interleaved schedule: ScheduleInterleaved1F1B is
+    # not wired into runtime_adapters/torch_native.py
+    schedules=("1F1B", "GPipe"),
+    # tf32: fp32 parameters with torch.backends.cuda.matmul.allow_tf32 set by the adapter
+    dtypes=("bf16", "fp16", "fp32", "tf32"),
+    dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "
+                         "(Transformer Engine or torchao Float8)"),),
 )
 DEEPSPEED = RuntimeCapabilities(
     name="deepspeed",
@@ -119,6 +151,9 @@ DEEPSPEED = RuntimeCapabilities(
     expert_parallel=False,
     offload=False,
     recompute_modes=("none", "full"),
+    dtypes=("bf16", "fp16", "fp32"),
+    dtype_notes=(("fp8", "the DeepSpeed adapter has no FP8 GEMM path"),
+                 ("tf32", "the DeepSpeed adapter does not switch TF32 matmuls on (train fp32, or use torch/megatron)")),
 )
 MEGATRON = RuntimeCapabilities(
     name="megatron",
@@ -128,6 +163,10 @@ MEGATRON = RuntimeCapabilities(
     max_zero_stage=1,  # the distributed optimizer shards optimizer state (ZeRO-1)
     max_zero_stage_with_pp=1,
     offload=False,
+    # fp8: TransformerConfig(fp8="hybrid") with Transformer Engine layers (refused at setup where TE is missing)
+    dtypes=("bf16", "fp16", "fp32", "tf32", "fp8"),
+    # interleaved: virtual_pipeline_model_parallel_size with a pipeline_model_parallel_layout of p x v chunks
+    schedules=("1F1B", "interleaved-1F1B"),
 )
 
 BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}

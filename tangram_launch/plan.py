@@ -17,11 +17,15 @@ import yaml
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported: the Plan's recompute modes)
+from tangram_launch.specs.constants import SCHEDULES
 from tangram_launch.specs.shape import StageShape, check_shape
 from tangram_launch.specs.yamlio import check_keys, dump_yaml_file, load_yaml_file, to_plain
 from tangram_launch.topology import Topology
 
 PLAN_VERSION = 1
+# what a Plan may say: the planner's schedules (costed) and GPipe, which the torch runtime also runs for hand-written
+# plans (runtime_adapters/torch_native.py)
+PLAN_SCHEDULES = SCHEDULES + ("GPipe",)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class Stage(StageShape):
     micro_batch_size: int = 1  # sequences per micro-batch per DP replica
     has_embedding: bool = False
     has_head: bool = False
+    # interleaved 1F1B only: the layer ranges of this stage's model chunks, one per virtual stage, in schedule
+    # order (interleaved_chunks). ``layers`` then gives the stage's share of layers in the plain order (its count
+    # and what its time and memory were costed on); the chunks are what the stage holds.
+    chunks: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         where = f"stages[{self.index}]"
@@ -79,6 +87,7 @@ class Stage(StageShape):
             "offload": self.offload,
             "has_embedding": self.has_embedding,
             "has_head": self.has_head,
+            **({"chunks": [list(c) for c in self.chunks]} if self.chunks else {}),
         }
 
     @classmethod
@@ -86,7 +95,7 @@ class Stage(StageShape):
         idx = d.get("index", "?")
         where = f"stages[{idx}]"
         check_keys(d, ("index", "layers", "island", "num_gpus", "gpus", "tp", "dp", "cp", "ep", "zero_stage",
-                       "recompute", "micro_batch_size", "offload", "has_embedding", "has_head"),
+                       "recompute", "micro_batch_size", "offload", "has_embedding", "has_head", "chunks"),
                    where=where, source=source)
         from tangram_launch.specs.limits import check_plan_stage
 
@@ -94,13 +103,14 @@ class Stage(StageShape):
         try:
             gpus = tuple((str(g["node"]), int(g["local_gpu"])) for g in d["gpus"])
             layers = tuple(int(x) for x in d["layers"])
-        except (KeyError, TypeError, ValueError) as exc:
+            chunks = tuple((int(c[0]), int(c[1])) for c in d.get("chunks") or ())
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SpecError(f"malformed stage ({exc})", source=source, field=where) from None
         if len(layers) != 2:
             raise SpecError("layers must be [start, stop)", source=source, field=f"{where}.layers", value=d["layers"])
         kw = {k: d[k] for k in ("tp", "dp", "cp", "ep", "zero_stage", "recompute", "micro_batch_size", "offload",
                                 "has_embedding", "has_head") if k in d}
-        stage = cls(index=int(d["index"]), layers=layers, island=str(d["island"]), gpus=gpus, **kw)
+        stage = cls(index=int(d["index"]), layers=layers, island=str(d["island"]), gpus=gpus, chunks=chunks, **kw)
         if "num_gpus" in d and int(d["num_gpus"]) != stage.num_gpus:
             raise SpecError("num_gpus differs from the gpus list", source=source, field=f"{where}.num_gpus",
                             value=d["num_gpus"], valid=str(stage.num_gpus))
@@ -200,7 +210,8 @@ class Plan:
     num_microbatches: int
     predicted: Prediction
     runtime: str = "torch"
-    schedule: str = "1F1B"
+    schedule: str = "1F1B"  # or "interleaved-1F1B" (costmodel.pipeline.SCHEDULES)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B; 1 for plain 1F1B)
     islands_used: tuple[str, ...] = ()
     islands_dropped: tuple[Mapping[str, str], ...] = ()  # {"island": name, "reason": text}
     cluster: Mapping[str, Any] = field(default_factory=dict)  # {"name", "hash", "nodes": [{"name", "num_gpus"}]}
@@ -256,9 +267,29 @@ class Plan:
         if tuple(self.rank_layout) != derived:
             raise SpecError("rank_layout is not consistent with the stages (ranks are numbered stage by stage, "
                             "tp fastest, then cp, then dp)", field="rank_layout")
+        self._validate_schedule()
         if len(self.predicted.stages) != len(self.stages):
             raise SpecError("one prediction per stage", field="predicted.stages", value=len(self.predicted.stages),
                             valid=str(len(self.stages)))
+
+    def _validate_schedule(self) -> None:
+        # a schedule name is each runtime's to accept or refuse (adapters name what they run, PLAN_SCHEDULES lists
+        # the known ones); here only the virtual stages must agree with the schedule
+        v = self.virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SpecError("must be a positive integer", field="virtual_stages", value=v)
+        if self.schedule != "interleaved-1F1B":
+            if v != 1 or any(s.chunks for s in self.stages):
+                raise SpecError(f"{self.schedule} has one model chunk per stage", field="virtual_stages", value=v,
+                                valid="1 (or schedule: interleaved-1F1B)")
+            return
+        if v < 2:
+            raise SpecError("interleaved 1F1B needs at least 2 virtual stages", field="virtual_stages", value=v)
+        expect = interleaved_chunks([s.num_layers for s in self.stages], v)
+        got = tuple(s.chunks for s in self.stages)
+        if got != expect:
+            raise SpecError("stage chunks must be interleaved_chunks(layer counts, virtual_stages)",
+                            field="stages.chunks", value=[list(map(list, c)) for c in got][:2])
 
     # --- derived views ------------------------------------------------------------------------------------------
     @property
@@ -299,6 +330,7 @@ class Plan:
             "version": self.version,
             "runtime": self.runtime,
             "schedule": self.schedule,
+            **({"virtual_stages": self.virtual_stages} if self.schedule == "interleaved-1F1B" else {}),
             "model": dict(self.model),
             "training": dict(self.training),
             "cluster": to_plain(self.cluster),
@@ -315,8 +347,9 @@ class Plan:
     def from_dict(cls, d: Mapping, *, source: str | None = None) -> "Plan":
         if not isinstance(d, Mapping):
             raise SpecError("a plan is a mapping", source=source, value=type(d).__name__)
-        check_keys(d, ("version", "runtime", "schedule", "model", "training", "cluster", "num_microbatches", "stages",
-                       "rank_layout", "islands_used", "islands_dropped", "predicted", "planner"),
+        check_keys(d, ("version", "runtime", "schedule", "virtual_stages", "model", "training", "cluster",
+                       "num_microbatches", "stages", "rank_layout", "islands_used", "islands_dropped", "predicted",
+                       "planner"),
                    where="", source=source)
         for key in ("model", "training", "stages", "num_microbatches", "predicted"):
             if key not in d:
@@ -339,6 +372,7 @@ class Plan:
                 version=int(d.get("version", PLAN_VERSION)),
                 runtime=str(d.get("runtime", "torch")),
                 schedule=str(d.get("schedule", "1F1B")),
+                virtual_stages=int(d.get("virtual_stages", 1)),
                 model=dict(d["model"]),
                 training=dict(d["training"]),
                 cluster=dict(d.get("cluster") or {}),
@@ -384,6 +418,23 @@ class Plan:
     def content_hash(self) -> str:
         """sha256 of the canonical JSON: agents compare it to agree on one plan."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def interleaved_chunks(layer_counts: list[int] | tuple[int, ...], virtual_stages: int
+                       ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Layer ranges of every stage's model chunks under interleaved 1F1B: stage k's n_k layers split into v chunks
+    (the first n_k mod v one layer longer), laid along the model chunk-major, as Megatron-core orders virtual stages:
+    (stage 0, chunk 0), (stage 1, chunk 0), ..., (stage S-1, chunk 0), (stage 0, chunk 1), ...
+    The embedding stays on stage 0's first chunk, the head on the last stage's last chunk."""
+    v = virtual_stages
+    sizes = [[n // v + (1 if j < n % v else 0) for j in range(v)] for n in layer_counts]
+    out: list[list[tuple[int, int]]] = [[] for _ in layer_counts]
+    start = 0
+    for j in range(v):
+        for k, per in enumerate(sizes):
+            out[k].append((start, start + per[j]))
+            start += per[j]
+    return tuple(tuple(c) for c in out)
 
 
 def _derive_rank_layout(stages: tuple[Stage, ...]) -> tuple[RankEntry, ...]:

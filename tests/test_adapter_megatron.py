@@ -30,7 +30,7 @@ from timeouts import PROCESS_GROUP_TIMEOUT, SUBPROCESS_TIMEOUT_S
 from runtime_adapters import megatron_adapter as MA
 from runtime_adapters.megatron_adapter import MegatronAdapter
 from tangram_launch.errors import InfeasibleError, SpecError
-from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
+from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
 
@@ -39,7 +39,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ------------------------------------------------------------------------------------------------- plan builder
 def make_plan(model: str | dict = "tiny", splits=(2, 2), *, tp=1, dp=1, cp=1, ep=1, zero=0, recompute="none",
-              mbs=1, global_batch=None, seq_len=32, dtype="bf16", tps=None, schedule="1F1B") -> Plan:
+              mbs=1, global_batch=None, seq_len=32, dtype="bf16", tps=None, schedule="1F1B",
+              virtual_stages=1) -> Plan:
     """A valid Plan: ``splits`` layers per stage, one node per stage with the stage's GPUs in rank order."""
     model_dict = load_model(model).to_dict() if isinstance(model, str) else dict(model)
     assert sum(splits) == model_dict["num_layers"]
@@ -48,23 +49,24 @@ def make_plan(model: str | dict = "tiny", splits=(2, 2), *, tp=1, dp=1, cp=1, ep
     num_micro = 4
     global_batch = global_batch or mbs * dp * num_micro
     stages, start = [], 0
+    chunks = interleaved_chunks(splits, virtual_stages) if virtual_stages > 1 else [()] * len(splits)
     for i, n in enumerate(splits):
         size = tps[i] * dp * cp
         stages.append(Stage(index=i, layers=(start, start + n), island=f"isl{i}",
                             gpus=tuple((f"node{i}", g) for g in range(size)), tp=tps[i], dp=dp, cp=cp, ep=ep,
                             zero_stage=zero, recompute=recomputes[i], micro_batch_size=mbs,
-                            has_embedding=i == 0, has_head=i == len(splits) - 1))
+                            has_embedding=i == 0, has_head=i == len(splits) - 1, chunks=chunks[i]))
         start += n
     pred = Prediction(iteration_time_s=1.0, tokens_per_s=1.0, mfu=0.1,
                       stages=tuple(StagePrediction(0.1, 0.2, 1.0, 80.0) for _ in splits))
     training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype=dtype).to_dict()
     return Plan(model=model_dict, training=training, stages=tuple(stages), num_microbatches=num_micro,
-                predicted=pred, runtime="megatron", schedule=schedule)
+                predicted=pred, runtime="megatron", schedule=schedule, virtual_stages=virtual_stages)
 
 
-def six_layer_tiny() -> dict:
+def six_layer_tiny(num_layers: int = 6) -> dict:
     d = load_model("tiny").to_dict()
-    d.update(name="tiny-6l", num_layers=6)
+    d.update(name=f"tiny-{num_layers}l", num_layers=num_layers)
     return d
 
 
@@ -75,10 +77,24 @@ SCENARIOS = {
     "pp4_3+1+1+1": lambda: make_plan(six_layer_tiny(), (3, 1, 1, 1), dtype="fp32"),
     "cp2_pp2": lambda: make_plan("tiny", (2, 2), cp=2, seq_len=32),
     "moe_pp2_dp2_ep2": lambda: make_plan("tiny-moe", (1, 3), dp=2, ep=2),
+    "pp2_dp2_interleaved_v2": lambda: make_plan(six_layer_tiny(8), (5, 3), dp=2, schedule="interleaved-1F1B",
+                                                virtual_stages=2),
 }
 
 
 # ------------------------------------------------------------------------------------------- pure translation
+def test_interleaved_layout_lists_every_chunk_chunk_major():
+    plan = make_plan(six_layer_tiny(8), (5, 3), schedule="interleaved-1F1B", virtual_stages=2)
+    assert [s.chunks for s in plan.stages] == [((0, 3), (5, 7)), ((3, 5), (7, 8))]
+    assert MA.pipeline_layout(plan) == "Ettt|tt|tt|tL"
+    kw = MA.transformer_config_kwargs(plan, 0)
+    assert kw["virtual_pipeline_model_parallel_size"] == 2
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    TransformerConfig(**{**kw, "pipeline_model_parallel_size": 2})  # Megatron accepts layout and vpp together
+    assert not [p for p in MA.megatron_plan_problems(plan) if "schedule" in p]
+
+
 def test_layout_strings_follow_the_plans_split():
     assert MA.pipeline_layout(make_plan("tiny", (3, 1))) == "Ettt|tL"
     assert MA.pipeline_layout(make_plan("tiny", (1, 3))) == "Et|tttL"
@@ -280,9 +296,13 @@ def _worker(out_dir: str) -> None:
             except InfeasibleError as exc:
                 entry["build_error"] = str(exc)
             else:
-                entry["layers"] = MA.held_layers(model)
-                entry["has_embedding"] = hasattr(model, "embedding")
-                entry["has_output_layer"] = hasattr(model, "output_layer")
+                chunks = model if isinstance(model, list) else [model]  # interleaved 1F1B: one model per chunk
+                entry["chunks"] = len(chunks)
+                entry["layers"] = [i for c in chunks for i in MA.held_layers(c)]
+                entry["has_embedding"] = hasattr(chunks[0], "embedding")
+                entry["has_output_layer"] = hasattr(chunks[-1], "output_layer")
+                entry["vpp"] = chunks[0].config.virtual_pipeline_model_parallel_size
+                model = chunks[0]
                 entry["recompute"] = model.config.recompute_granularity
                 entry["sequence_parallel"] = model.config.sequence_parallel
                 entry["param_dtype"] = str(next(model.parameters()).dtype)
@@ -349,10 +369,13 @@ def test_megatron_groups_equal_the_plans(gloo_reports, name):
 def test_each_stage_builds_its_layers(gloo_reports, name):
     """The GPTModel each rank builds holds exactly its stage's global layers, embedding first, head last."""
     plan = SCENARIOS[name]()
-    model = load_model(plan.model["name"]) if plan.model["name"] != "tiny-6l" else None
+    model = load_model(plan.model["name"]) if plan.model["name"] not in ("tiny-6l", "tiny-8l") else None
     for rank in range(plan.world_size):
         got, place = gloo_reports[rank][name], plan.place(rank)
-        assert got["layers"] == list(range(*place.layers)), (rank, got["layers"], place.layers)
+        held = place.stage.chunks or (place.layers,)  # interleaved: the stage's model chunks, in order
+        assert got["layers"] == [i for a, b in held for i in range(a, b)], (rank, got["layers"], held)
+        assert got["chunks"] == plan.virtual_stages
+        assert got["vpp"] == (plan.virtual_stages if plan.virtual_stages > 1 else None)
         assert got["has_embedding"] == place.is_first_stage
         assert got["has_output_layer"] == place.is_last_stage
         assert got["recompute"] == MA.recompute_kwargs(place.stage.recompute)["recompute_granularity"]

@@ -149,8 +149,20 @@ def test_dtype_spellings(catalog):
     assert h100.peak_tflops("torch.bfloat16") == h100.peak_tflops("bf16") == 989
     assert h100.peak_tflops("float16") == 989
     assert h100.peak_tflops("float32") == 67
+    assert h100.peak_tflops("float8") == h100.peak_tflops("fp8") == 1979  # 3,958 sparse / 2
+    assert h100.peak_tflops("tf32") == 494.5
     with pytest.raises(SpecError, match="unknown dtype"):
-        h100.peak_tflops("fp8")
+        h100.peak_tflops("fp4")
+
+
+def test_fp8_only_on_hopper_ada_and_blackwell_and_tf32_from_ampere(catalog):
+    fp8 = sorted(g.name for g in catalog if g.tflops.get("fp8"))
+    assert fp8 == ["b200", "h100-nvl", "h100-pcie", "h100-sxm", "h200", "l4", "l40s"]
+    with pytest.raises(SpecError, match="no fp8 tensor support"):
+        catalog.lookup("a100-80gb").peak_tflops("fp8")
+    assert catalog.lookup("a100-80gb").peak_tflops("tf32") == 156  # vs 19.5 on the CUDA cores
+    for name in ("t4", "v100-16gb", "v100-32gb"):
+        assert catalog.lookup(name).tflops["tf32"] is None and catalog.lookup(name).tflops["fp8"] is None
 
 
 # --- figures and sources ----------------------------------------------------------------------------------------
@@ -316,7 +328,7 @@ def test_gpu_type_validates_when_built_in_code():
         with pytest.raises(SpecError):
             GpuType(**{**good, key: value})
     with pytest.raises(SpecError, match="unknown figure"):
-        GpuType(**good, sources={"tflops.fp8": "x"})
+        GpuType(**good, sources={"tflops.fp4": "x"})
 
 
 # --- example clusters -------------------------------------------------------------------------------------------
@@ -334,8 +346,16 @@ EXPECTED_CLUSTERS = {
     "c3-4-islands-20gpu.yaml": {"a100-80gb": 4, "v100-32gb": 8, "v100-16gb": 4, "t4": 4},
     "cpu-2.yaml": {"cpu": 2},
     "two-pods-slow-link.yaml": {"a100-80gb": 32},  # issue 14: two pods joined by 1 GbE, not from the paper
+    # issues 12 and 13: planning at cluster scale, interleaved 1F1B (not from the paper)
+    "opt350m-128gpu.yaml": {"a100-40gb": 32, "v100-16gb": 96},
+    "opt350m-320gpu.yaml": {"a100-40gb": 80, "v100-16gb": 240},
+    "opt350m-512gpu.yaml": {"a100-40gb": 128, "v100-16gb": 384},
+    "llama3-405b-256gpu.yaml": {"h200": 128, "h100-sxm": 128},
+    "llama3-405b-4096gpu.yaml": {gpu: 512 for gpu in ("b200", "h200", "h100-sxm", "a100-80gb", "a100-40gb", "l40s",
+                                                     "v100-32gb", "v100-16gb")},
 }
-NOT_FROM_THE_PAPER = ("cpu-2.yaml", "two-pods-slow-link.yaml")
+NOT_FROM_THE_PAPER = {"cpu-2.yaml", "two-pods-slow-link.yaml", "opt350m-128gpu.yaml", "opt350m-320gpu.yaml",
+                      "opt350m-512gpu.yaml", "llama3-405b-256gpu.yaml", "llama3-405b-4096gpu.yaml"}
 
 
 def test_all_example_clusters_are_expected():

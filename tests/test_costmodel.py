@@ -4,6 +4,7 @@ Sources: Kaplan et al. 2020 (C ~ 6N), Korthikanti et al. 2022 (activation memory
 (ZeRO model states, Fig. 1), Shoeybi et al. 2019 (Megatron-LM: 1.2B is the largest GPT that trains on one 32 GB
 V100, 2.5B needs 2-way model parallelism), nccl-tests (bus-bandwidth factors).
 """
+import dataclasses
 import math
 
 import pytest
@@ -142,9 +143,13 @@ def test_layer_activations_reproduce_korthikanti_for_gpt_layers(tp, recompute):
 def test_activations_adapt_to_gqa_swiglu_moe_and_cp():
     llama = load_model("llama3-8b")
     h, f, q, kv = 4096, 14336, 4096, 1024
-    per_token = (2 * h + 2 * (q + 2 * kv) + 2 * q + h) + (2 * h + 2 * 3 * f + h) + 4 * h  # attn, SwiGLU MLP, norms
+    # Llama trains without dropout: no masks (GPT-style models keep Korthikanti's 1-byte masks, below)
+    per_token = (2 * h + 2 * (q + 2 * kv) + 2 * q) + (2 * h + 2 * 3 * f) + 4 * h  # attn, SwiGLU MLP, norms
     got = layer_activation_bytes(llama, 0, seq_len=4096, mbs=1, recompute="selective", flash=False)
     assert got == pytest.approx(4096 * per_token)
+    with_dropout = dataclasses.replace(llama, dropout=True)
+    masks = layer_activation_bytes(with_dropout, 0, seq_len=4096, mbs=1, recompute="selective", flash=False)
+    assert masks == pytest.approx(4096 * (per_token + 2 * h))  # attention and MLP dropout masks, 1 byte each
     # CP shards tokens; each query chunk still meets all keys, so the s^2 term shrinks by cp too
     full = layer_activation_bytes(llama, 0, seq_len=4096, mbs=1, cp=1, flash=False)
     assert layer_activation_bytes(llama, 0, seq_len=4096, mbs=1, cp=4, flash=False) == pytest.approx(full / 4)
@@ -302,7 +307,8 @@ def test_head_stage_holds_logits_and_tied_embedding_copy():
     assert first.breakdown["has_embedding"] and last.breakdown["has_head"]
     per_layer = layer_activation_bytes(m, 0, seq_len=2048, mbs=1, tp=4, flash=True)
     head = head_activation_bytes(m, seq_len=2048, mbs=1, tp=4)
-    assert head == pytest.approx(2048 * (4 * 5120 + 4 * 51200) / 4)  # 4sbh + 4sbv (fp32 logits), / t
+    # 4sbh + (2 + 8)sbv: bf16 logits, their fp32 softmax and the fp32 gradient at the loss backward, / t
+    assert head == pytest.approx(2048 * (4 * 5120 + 10 * 51200) / 4)
     n_last = last.layers[1] - last.layers[0]
     assert last.activation_bytes == pytest.approx((n_last * per_layer + head) * (1 + FRAGMENTATION_FRACTION))
     n_first = first.layers[1] - first.layers[0]

@@ -23,6 +23,7 @@ LAYOUT_PP2_EP1 = [(2, "local"), (2, "local")]  # micro-batches of 8 / 4 = 2 sequ
 LAYOUT_EP4 = [{"layers": 4, "gpus": "local", "dp": 4, "ep": 4}]
 
 
+@pytest.mark.distributed
 def test_expert_parallel_checkpoint_resumes_without_expert_parallelism_and_with_more(tmp_path):
     plan_a, plan_b = tmp_path / "A.json", tmp_path / "B.json"
     make_plan("tiny-moe", LAYOUT_EP2, global_batch=8, num_microbatches=2, seq_len=32).dump(str(plan_a))

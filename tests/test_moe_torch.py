@@ -134,6 +134,7 @@ def _run_and_compare(world: int, cases: dict[str, Plan], tmp_path) -> dict[str, 
     return drops
 
 
+@pytest.mark.distributed
 def test_two_ranks_expert_parallel_top1_top2_shared_and_capacity(tmp_path):
     cases = {
         # the tiny-moe preset as it is: top-2 softmax router, dropless, EP=2 over the stage's 2 replicas
@@ -166,6 +167,7 @@ def test_two_ranks_expert_parallel_top1_top2_shared_and_capacity(tmp_path):
     assert drops["ep2"] == 0 and drops["top1_capacity"] > 0 and drops["gshard_shared"] > 0, drops
 
 
+@pytest.mark.distributed
 def test_four_ranks_expert_parallel_with_pipeline_and_expert_data_parallel(tmp_path):
     cases = {
         # EP=2 x PP=2: each stage's 2 replicas share its experts; 1F1B interleaves the stages' all-to-alls

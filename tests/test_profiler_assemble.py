@@ -150,7 +150,7 @@ def test_cpu_devices_carry_measured_figures():
     spec = ClusterSpec.from_dict(spec_dict)
     assert "network" not in spec_dict  # one node: no links to describe
     a, b = spec.nodes[0].gpus
-    assert a.type == "cpu" and a.tflops == {"bf16": 0.4, "fp16": None, "fp32": 0.1}
+    assert a.type == "cpu" and a.tflops == {"bf16": 0.4, "fp16": None, "fp32": 0.1, "tf32": 0.1, "fp8": None}
     assert a.memory_bandwidth_gbps == 10.0 and a.intra_node_bandwidth_gbps == 3.0  # 2 x busbw 1.5
     assert a.measured["catalog"]["tflops"]["fp32"] == 1.0
     assert a.measured["p2p_gbps"] == [None, 2.0] and b.measured["p2p_gbps"] == [2.0, None]

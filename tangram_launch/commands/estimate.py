@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences per DP replica)")
     parser.add_argument("--global-batch", type=int, help="sequences per iteration (default: 4 x pp micro-batches)")
     parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's max_seq_len)")
+    parser.add_argument("--memory-headroom", type=float, default=None, metavar="FRACTION",
+                        help="fraction of each GPU's memory the estimate leaves free (default 0.05: the memory model is "
+                             "an estimate and the allocator needs slack)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="training dtype (default: bf16, or fp16 on GPUs without bf16)")
     parser.add_argument("--stages-after", type=int, default=0,
@@ -95,7 +98,9 @@ def build(args: argparse.Namespace):
     b = args.mbs * dp
     global_batch = args.global_batch or b * 4 * pp
     seq_len = args.seq_len or model.max_seq_len
-    training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype=dtype)
+    training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                            **({} if args.memory_headroom is None else
+                               {"memory_headroom_fraction": args.memory_headroom}))
     if global_batch % b:
         raise SpecError(f"global batch must be a multiple of mbs x dp = {b}", field="--global-batch",
                         value=global_batch)
@@ -117,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     coster, cfg, q = build(args)
     plan = coster.plan(cfg, parallelizer="estimate")
     m = q.num_microbatches
-    cap = capacity_bytes(q.island)
+    cap = capacity_bytes(q.island, q.training)
     after = args.stages_after
     n = len(plan.stages)
     est = iteration_time_s(plan.stages, m)
@@ -207,7 +212,7 @@ def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: 
     add("  micro-batches in flight", [str(k) for k in inflight])
     peaks = [s.memory_bytes(stages_after + n - 1 - j, num_microbatches) for j, s in enumerate(st)]
     add("  peak", [gib(x) for x in peaks])
-    add("  capacity", [gib(capacity_bytes) for _ in st])
+    add("  capacity less headroom", [gib(capacity_bytes) for _ in st])
     add("  fits", ["yes" if x <= capacity_bytes else "NO" for x in peaks])
     host = [s.breakdown.get("host_offload_bytes", 0.0) for s in st]
     if any(host):

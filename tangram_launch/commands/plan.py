@@ -27,10 +27,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="preset name, model YAML, or Hugging Face config.json")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per iteration (default 8)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES,
+                        help="training dtype: tf32 = fp32 storage with TF32 matmuls; fp8 = FP8 GEMMs, bf16 elsewhere "
+                             "(Transformer Engine; H100, H200, B200, L40S, L4)")
     parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    parser.add_argument("--memory-headroom", type=float, default=None, metavar="FRACTION",
+                        help="fraction of each GPU's memory a plan leaves free (default 0.05: the memory model is an "
+                             "estimate and the allocator needs slack)")
     parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
                         help="runtime that will execute the plan; the planner only proposes what it runs")
+    parser.add_argument("--schedule", default="auto", choices=("auto", "1F1B", "interleaved-1F1B"),
+                        help="pipeline schedule: auto interleaves (virtual stages) where the runtime runs it and it "
+                             "is faster; interleaved-1F1B insists")
     parser.add_argument("--parallelizer", default="megatron", help="homogeneous parallelizer (megatron, uniform, "
                                                                     "or a registered plugin)")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the plan (.json: JSON, else YAML)")
@@ -55,6 +63,8 @@ def _training(args: argparse.Namespace, model):
           "seq_len": args.seq_len if args.seq_len is not None else model.max_seq_len}
     if args.global_batch is not None:
         kw["global_batch"] = args.global_batch
+    if args.memory_headroom is not None:
+        kw["memory_headroom_fraction"] = args.memory_headroom
     return TrainingSpec(**kw)
 
 
@@ -82,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                             infeasible="infeasible" not in args.no_prune,
                             balance_tolerance=(DEFAULT_BALANCE_TOLERANCE if args.balance_tolerance is None
                                                else args.balance_tolerance))
-    opts = PlannerOptions(pruning=pruning, max_workers=args.workers,
+    opts = PlannerOptions(pruning=pruning, max_workers=args.workers, schedule=args.schedule,
                           microbatch_sequences=tuple(args.microbatch_sequences) if args.microbatch_sequences else None)
     result = None
     baselines = []

@@ -16,7 +16,6 @@ import argparse
 import os
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.constants import DTYPES
 from tangram_launch.launch.profiling import (ProfileError, ProfileRequest, torchrun_actions, failure_message,
                                              profile_cluster, torchrun_argv)
 
@@ -36,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also time one transformer layer of this model (forward and backward) on every device")
     g.add_argument("--seq-len", type=int, help="sequence length for --model (default: the model's, capped)")
     g.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for --model (default 1)")
-    g.add_argument("--layer-dtype", choices=DTYPES, help="dtype for --model (default bf16)")
+    g.add_argument("--layer-dtype", choices=("bf16", "fp16", "fp32"), help="dtype for --model (default bf16)")
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="process-group timeout: a silent peer fails the profile after this long (default 300)")
 

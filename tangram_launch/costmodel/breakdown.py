@@ -8,11 +8,12 @@ and byte goes; ``format_breakdown`` prints it (``tangram-launch estimate``).
 
 Per stage and micro-batch (forward_s / backward_s include what runs on the critical path of a micro-batch)::
 
-    forward  = max(compute_fwd, ZeRO-3 all-gather) + TP + exposed CP + EP + p2p send
-    backward = max(compute_bwd + recompute, ZeRO-2/3 reduce-scatter (+ ZeRO-3 all-gather)) + TP + exposed CP + EP
+    forward  = compute_fwd + exposed ZeRO-3 all-gathers + TP + exposed CP + EP + p2p send
+    backward = compute_bwd + recompute + exposed ZeRO-2/3 reduce-scatters (+ ZeRO-3 all-gathers) + TP + exposed CP + EP
                (+ the forward's TP/CP/EP again under full recompute) + p2p send of the input gradient
 
-ZeRO-2/3 traffic overlaps the computation of the same micro-batch (DeepSpeed ``overlap_comm``, FSDP prefetch); TP
+ZeRO-2/3 traffic overlaps the computation of the same micro-batch layer by layer (DeepSpeed ``overlap_comm``, FSDP
+prefetch): a layer's collective hides under a layer's compute only when it is shorter (``zero_exposed_s``); TP
 communication is on the critical path (Megatron's default); ring attention overlaps K/V exchange with the attention
 core (Liu et al. 2023, "Ring attention"). Per iteration: the data-parallel gradient synchronisation (ZeRO 0/1:
 all-reduce or reduce-scatter + all-gather, not overlapped) and the optimizer step (memory-bound on the GPU; PCIe
@@ -49,13 +50,37 @@ class ZeroPart(NamedTuple):
     """What a stage's cost depends on through (ZeRO stage, offload), computed once per stage and pair."""
 
     state_bytes: float  # model states kept on the GPU
-    zero_fwd_s: float  # ZeRO-3 parameter all-gather per micro-batch, forward (overlapped with compute)
-    zero_bwd_s: float  # ZeRO-2/3 reduce-scatter (+ ZeRO-3 all-gather) per micro-batch, backward (overlapped)
+    zero_fwd_s: float  # ZeRO-3 parameter all-gathers per micro-batch, forward, all layers together
+    zero_bwd_s: float  # ZeRO-2/3 reduce-scatters (+ ZeRO-3 all-gathers) per micro-batch, backward, all layers
     sync_s: float  # per iteration: gradient synchronisation not overlapped (ZeRO 0/1), tied embeddings
     optimizer_s: float  # per iteration: the optimizer step
     working_bytes: float  # ZeRO-3: the gathered (and prefetched) layer's parameters and gradients
     dense: ModelStateBytes
     expert: ModelStateBytes
+    layer_fwd_s: float = 0.0  # one layer's forward all-gather (its own collective: bandwidth + ring latency)
+    layer_bwd_s: float = 0.0  # one layer's backward all-gather + reduce-scatter
+    num_layers: int = 1  # layers of the stage, each with its own collectives
+
+
+def zero_exposed_s(zp: ZeroPart, fwd_compute_s: float, bwd_compute_s: float) -> tuple[float, float]:
+    """ZeRO/FSDP communication left on the critical path of one micro-batch, (forward, backward).
+
+    FSDP and ZeRO-3 gather layer i+1's parameters while layer i computes (prefetch) and reduce-scatter layer i's
+    gradients while layer i-1's backward runs: per layer, the collective hides under the compute only when it is
+    shorter; the excess is exposed. The first layer's gather of each pass has nothing to hide under, nor has the
+    last reduce-scatter of the backward: one layer's collective is always exposed per pass::
+
+        exposed = g + (n - 1) x max(0, g - c)        g, c: one layer's collective and compute time, n layers
+    """
+    n = max(1, zp.num_layers)
+    fwd = bwd = 0.0
+    if zp.layer_fwd_s > 0.0:
+        c = fwd_compute_s / n
+        fwd = zp.layer_fwd_s + (n - 1) * max(0.0, zp.layer_fwd_s - c)
+    if zp.layer_bwd_s > 0.0:
+        c = bwd_compute_s / n
+        bwd = zp.layer_bwd_s + (n - 1) * max(0.0, zp.layer_bwd_s - c)
+    return fwd, bwd
 
 
 class RecomputePart(NamedTuple):
@@ -146,7 +171,7 @@ class SliceCoster:
         self.training = q.training
         self.island = q.island
         self.seq_len = q.training.seq_len
-        self.capacity_bytes = capacity_bytes(q.island)
+        self.capacity_bytes = capacity_bytes(q.island, q.training)
         self.num_microbatches = max(1, q.num_microbatches)
         self.device_error: str | None = None
         try:
@@ -397,16 +422,23 @@ class SliceCoster:
         expert = model_state_bytes(st.expert_params, shard=eshard, zero_stage=zero, offload=off, param_bytes=pb,
                                    grad_bytes=gb, optimizer_bytes=ob)
         c = st.collectives or self._collectives(st)
-        # per micro-batch ZeRO-2/3 traffic, overlapped with the same pass's compute
+        # per micro-batch ZeRO-2/3 traffic, layer by layer, overlapped with the same pass's compute (zero_exposed_s)
         z_fwd = z_bwd = 0.0
+        n_layers = max(1, st.layers[1] - st.layers[0])
+        l_fwd = l_bwd = 0.0
         if zero >= 2:
             z_bwd += c["rs_grads"]
+            l_bwd += c["rs_layer"]
         if zero >= 3:
-            gather = c["ag_params"]
+            gather, l_gather = c["ag_params"], c["ag_layer"]
             if off:  # ZeRO-Infinity: parameters come from host memory first
-                gather += (st.dense_params / shard + st.expert_params / eshard) * pb / dev.host_link_bandwidth
+                host = (st.dense_params / shard + st.expert_params / eshard) * pb / dev.host_link_bandwidth
+                gather += host
+                l_gather += host / n_layers
             z_fwd += gather
             z_bwd += gather
+            l_fwd += l_gather
+            l_bwd += l_gather
         # per iteration: gradient synchronisation (ZeRO 0/1; ZeRO-2 re-gathers parameters) and optimizer step
         sync = st.tied_sync_s
         if zero == 0:
@@ -423,7 +455,8 @@ class SliceCoster:
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
-        out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert)
+        out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd, l_bwd,
+                       n_layers)
         st.zero_parts[key] = out
         return out
 
@@ -431,10 +464,15 @@ class SliceCoster:
         """The stage's data-parallel collectives (dense over dp x cp, experts over dp x cp / ep), computed once."""
         gb, pb = self.training.grad_bytes, self.training.param_bytes
         out = {}
+        n = max(1, st.layers[1] - st.layers[0])
         for name, op, nbytes in (("ar_grads", comm.ALL_REDUCE, gb), ("rs_grads", comm.REDUCE_SCATTER, gb),
                                  ("ag_params", comm.ALL_GATHER, pb)):
             out[name] = (comm.collective_s(op, st.dense_params * nbytes, st.shard, st.dp_link)
                          + comm.collective_s(op, st.expert_params * nbytes, st.eshard, st.edp_link))
+        # ZeRO-3/FSDP: one collective per layer (its share of the stage's parameters, its own ring latency)
+        for name, op, nbytes in (("rs_layer", comm.REDUCE_SCATTER, gb), ("ag_layer", comm.ALL_GATHER, pb)):
+            out[name] = (comm.collective_s(op, st.dense_params * nbytes / n, st.shard, st.dp_link)
+                         + comm.collective_s(op, st.expert_params * nbytes / n, st.eshard, st.edp_link))
         st.collectives = out
         return out
 
@@ -454,9 +492,14 @@ class SliceCoster:
         """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
         zp = st.zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
         rp = st.rec_parts[r] or self._rec_part(st, r)
-        fwd = (st.fwd_s if st.fwd_s > zp.zero_fwd_s else zp.zero_fwd_s) + st.fixed_fwd_s
         b = st.bwd_s + rp.recompute_s
-        bwd = (b if b > zp.zero_bwd_s else zp.zero_bwd_s) + st.fixed_bwd_s + rp.comm_s
+        if zp.layer_bwd_s > 0.0:
+            z_fwd, z_bwd = zero_exposed_s(zp, st.fwd_s, b)
+            fwd = st.fwd_s + z_fwd + st.fixed_fwd_s
+            bwd = b + z_bwd + st.fixed_bwd_s + rp.comm_s
+        else:
+            fwd = st.fwd_s + st.fixed_fwd_s
+            bwd = b + st.fixed_bwd_s + rp.comm_s
         static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * self._frag + self._overhead
         return StageNumbers(fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s)
 
@@ -465,8 +508,7 @@ class SliceCoster:
         r = _rec_index(cfg.recompute)
         numbers = self.fast_stage(st, cfg.zero_stage, r, cfg.offload)
         zp = self._zero_part(st, cfg.zero_stage, cfg.offload)
-        z_fwd, z_bwd, sync, opt_s, zworking, dense, expert = (zp.zero_fwd_s, zp.zero_bwd_s, zp.sync_s, zp.optimizer_s,
-                                                               zp.working_bytes, zp.dense, zp.expert)
+        sync, opt_s, zworking, dense, expert = zp.sync_s, zp.optimizer_s, zp.working_bytes, zp.dense, zp.expert
         rp = self._rec_part(st, r)
         rec_s, act, rworking = rp.recompute_s, rp.activation_bytes, rp.working_bytes
         full = cfg.recompute == "full"
@@ -477,7 +519,7 @@ class SliceCoster:
             "tp_comm_s": st.tp_fwd_s + st.tp_bwd_s + (st.tp_fwd_s if full else 0.0),
             "cp_comm_s": st.cp_fwd_s + st.cp_bwd_s + (st.cp_fwd_s if full else 0.0),
             "ep_comm_s": 2 * st.ep_fwd_s + (st.ep_fwd_s if full else 0.0),
-            "zero_comm_exposed_s": max(0.0, z_fwd - st.fwd_s) + max(0.0, z_bwd - st.bwd_s - rec_s),
+            "zero_comm_exposed_s": sum(zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s)),
             "p2p_s": st.p2p_fwd_s + st.p2p_bwd_s,
             "dp_sync_s": sync,
             "optimizer_s": opt_s,

@@ -71,21 +71,23 @@ def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len:
     h = model.hidden_size
     if recompute == "full":
         return p * h, 0.0
-    attn = p * h + p * (model.q_dim + 2 * model.kv_dim) + p * model.q_dim + MASK_BYTES * h
+    mask = MASK_BYTES if model.dropout else 0  # no dropout, no masks (Llama-style models)
+    attn = p * h + p * (model.q_dim + 2 * model.kv_dim) + p * model.q_dim + mask * h
     norms = 2 * p * h
     if model.is_moe_layer(layer):
         k = model.top_k
-        mlp = p * h + MASK_BYTES * h + 4 * model.num_experts  # input, mask, router probabilities (fp32)
+        mlp = p * h + mask * h + 4 * model.num_experts  # input, mask, router probabilities (fp32)
         mlp += k * (p * h + _ffn_activation_bytes(model, model.expert_ffn_hidden_size, p))
         if model.num_shared_experts:
             mlp += _ffn_activation_bytes(model, model.num_shared_experts * model.shared_expert_ffn_hidden_size, p)
     else:
-        mlp = p * h + _ffn_activation_bytes(model, model.ffn_hidden_size, p) + MASK_BYTES * h
+        mlp = p * h + _ffn_activation_bytes(model, model.ffn_hidden_size, p) + mask * h
     if flash:
         attn += 4 * model.num_heads  # log-sum-exp statistics, fp32
         scores = 0.0
     else:
-        scores = 0.0 if recompute == "selective" else (2 * p + MASK_BYTES) * model.num_heads * seq_len
+        per_score = (2 * p + MASK_BYTES) if model.dropout else p  # softmax output (+ dropout mask and output)
+        scores = 0.0 if recompute == "selective" else per_score * model.num_heads * seq_len
     return attn + mlp + norms, scores
 
 
@@ -100,16 +102,20 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
 
 def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1) -> float:
     """First stage: the embedding-dropout mask, s b h bytes (Korthikanti et al. 2022, sec. 4.3), sharded by SP."""
+    if not model.dropout:
+        return 0.0
     return MASK_BYTES * model.hidden_size * mbs * seq_len / cp / tp
 
 
 def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
                           dtype_bytes: int = 2) -> float:
-    """Last stage: final norm and output-layer inputs (4 s b h) and fp32 logits for the loss (4 s b v), vocab-
-    parallel (Korthikanti et al. 2022, sec. 4.3). Large for big vocabularies: Llama 3 (v = 128256) at s = 8192 keeps
-    4.2 GB per sequence before TP."""
+    """Last stage: final norm and output-layer inputs (4 s b h) and the loss's logit tensors, vocab-parallel
+    (Korthikanti et al. 2022, sec. 4.3, count the fp32 logits, 4 s b v). At the loss's peak, the start of its
+    backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
+    (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
+    s = 8192 holds 10.5 GB per sequence before TP."""
     tokens = mbs * seq_len / cp
-    return tokens * (2 * dtype_bytes * model.hidden_size + 4.0 * model.vocab_size) / tp
+    return tokens * (2 * dtype_bytes * model.hidden_size + (dtype_bytes + 8.0) * model.vocab_size) / tp
 
 
 # ---------------------------------------------------------------------------------------------- parameters

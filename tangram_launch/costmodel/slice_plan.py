@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.constants import GIB
+from tangram_launch.specs.constants import DEFAULT_MEMORY_HEADROOM_FRACTION, GIB
 from tangram_launch.specs.shape import StageShape
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -147,6 +147,12 @@ class SlicePlan:
         return lo
 
 
-def capacity_bytes(island: "Island", *, reserve_fraction: float = 0.0) -> float:
-    """Usable memory per GPU on an island."""
+def capacity_bytes(island: "Island", training: "TrainingSpec | None" = None, *,
+                   reserve_fraction: float | None = None) -> float:
+    """Memory per GPU a plan may fill on an island: the capacity less the headroom (the training spec's
+    ``memory_headroom_fraction``, else ``reserve_fraction``, else DEFAULT_MEMORY_HEADROOM_FRACTION)."""
+    if training is not None:
+        reserve_fraction = training.memory_headroom_fraction
+    elif reserve_fraction is None:
+        reserve_fraction = DEFAULT_MEMORY_HEADROOM_FRACTION
     return island.gpu.memory_gib * GIB * (1.0 - reserve_fraction)

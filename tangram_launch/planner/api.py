@@ -59,6 +59,9 @@ class PlannerOptions:
     bound_step: float = 0.0  # > 0: skip bottleneck bounds within this relative step (faster, not exact)
     atom_layers: int | None = None  # layers per model atom; None: slices.auto_atom_layers (1 up to 64 layers)
     exact_islands: int = 5  # up to this many islands the composer searches every island subset and order
+    # pipeline schedule: "1F1B", "interleaved-1F1B" (virtual stages required) or "auto" (interleave where the runtime
+    # runs it and it is faster; planner/interleave.py)
+    schedule: str = "auto"
 
     def __post_init__(self) -> None:
         if self.microbatch_sequences is not None:
@@ -70,6 +73,9 @@ class PlannerOptions:
         if self.atom_layers is not None and (isinstance(self.atom_layers, bool) or not isinstance(
                 self.atom_layers, int) or self.atom_layers < 1):
             raise SpecError("must be a positive integer", field="atom_layers", value=self.atom_layers)
+        if self.schedule not in ("auto", "1F1B", "interleaved-1F1B"):
+            raise SpecError("unknown pipeline schedule", field="schedule", value=self.schedule,
+                            valid="auto, 1F1B, interleaved-1F1B")
         if isinstance(self.exact_islands, bool) or not isinstance(self.exact_islands, int) or self.exact_islands < 1:
             raise SpecError("must be a positive integer", field="exact_islands", value=self.exact_islands)
         if self.bound_step < 0:
@@ -144,6 +150,9 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     L = model.num_layers
     G = training.global_batch
 
+    if caps.dtype_problems(training.dtype):
+        raise InfeasibleError(f"the {caps.name} runtime cannot train in {training.dtype}",
+                              caps.dtype_problems(training.dtype))
     usable = tuple(i for i in all_islands if dtype_problem(i, training.dtype) is None)
     reasons = [p for i in all_islands if (p := dtype_problem(i, training.dtype))]
     if not usable:
@@ -206,8 +215,12 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
                     "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
     }
+    if opts.schedule == "interleaved-1F1B":
+        problems = caps.schedule_problems("interleaved-1F1B")
+        if problems:
+            raise InfeasibleError(f"the {caps.name} runtime cannot run interleaved 1F1B", problems)
     plan = build_plan(cand, comp_best, cluster=cluster, model=model, training=training, runtime=caps.name,
-                      islands_dropped=dropped, planner=stats)
+                      islands_dropped=dropped, planner=stats, schedule=opts.schedule, capabilities=caps)
     stats["gpus_idle"] = _idle_gpus(plan, all_islands, b_best)
     plan = _with_planner(plan, stats)
     problems = caps.plan_problems(plan)
@@ -263,7 +276,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         m = G // b
         links = LinkModel(cluster, islands,
                           activation_bytes(b, training.seq_len, model.hidden_size, training.param_bytes))
-        cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype)
+        cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
+                               training=training)
         all_cands[b] = cand
         for group, idx in _groups(cand).items():
             lb = lower_bound([cand.options[i] for i in idx], L, m)

@@ -102,7 +102,7 @@ def _plan_fixed(result: "SearchResult", cluster: "ClusterSpec", islands: tuple[I
         links = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
                                                              training.param_bytes))
         cand = make_candidates(b, L, pairs, res, islands, caps, links, training.global_batch // b,
-                               dtype=training.dtype)
+                               dtype=training.dtype, training=training)
         for msgs in cand.infeasible.values():
             reasons.extend(m for m in msgs if m not in reasons)
         groups: dict = {}

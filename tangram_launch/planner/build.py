@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
 from tangram_launch.costmodel.grid import SATURATED, fit_depth
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, stage_memory_bytes
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
-from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction
+from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
 from tangram_launch.planner.compose import Composition, Option, evaluate
 from tangram_launch.planner.allocation import LinkModel, allocate_gpus, fits_island, node_sizes
 from tangram_launch.planner.slices import Pair
@@ -77,7 +78,8 @@ def compatibility_group(stages: Sequence[StageCost], caps: "RuntimeCapabilities"
 
 def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Mapping[tuple, SliceResult],
                     islands: Sequence["Island"], caps: "RuntimeCapabilities", links: LinkModel,
-                    num_microbatches: int, *, dtype: str = "bf16") -> Candidates:
+                    num_microbatches: int, *, dtype: str = "bf16",
+                    training: "TrainingSpec | None" = None) -> Candidates:
     """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key)."""
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
                       link_matrix=links.island_matrix(), training_dtype=dtype)
@@ -89,7 +91,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             if res.infeasible is not None:
                 cand.infeasible.setdefault(isl.name, []).append(res.infeasible.message())
             continue
-        cap = capacity_bytes(isl)
+        cap = capacity_bytes(isl, training)
         sizes = node_sizes(isl)
         full = key[3] and key[4]
         temps = []
@@ -173,8 +175,11 @@ def _unusable(plan: SlicePlan, b: int, caps: "RuntimeCapabilities", full_model: 
 
 def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", model: "ModelSpec",
                training: "TrainingSpec", runtime: str, islands_dropped: Sequence[Mapping[str, str]] = (),
-               planner: Mapping | None = None) -> Plan:
-    """The frozen Plan for a composition: stages in pipeline order with GPUs, and the predicted iteration."""
+               planner: Mapping | None = None, schedule: str = "1F1B",
+               capabilities: "RuntimeCapabilities | None" = None) -> Plan:
+    """The frozen Plan for a composition: stages in pipeline order with GPUs, and the predicted iteration.
+
+    ``schedule`` "auto" or "interleaved-1F1B" lets planner/interleave.py give the pipeline virtual stages."""
     m = cand.num_microbatches
     L = model.num_layers
     slice_plans = [(cand.options[oi], cand.slice_plan(oi)) for oi in comp.options]
@@ -192,6 +197,22 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
         stage_gpus.extend(gpus)
         stage_costs.extend((s, isl) for s in sp.stages)
     S = len(stage_costs)
+    metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
+    assert metrics is not None
+    v, interleave_notes = 1, ()
+    if schedule != "1F1B":
+        from tangram_launch.capabilities import capabilities_for
+        from tangram_launch.errors import InfeasibleError
+        from tangram_launch.planner.interleave import choose_virtual_stages
+
+        choice = choose_virtual_stages(stage_costs, num_microbatches=m, period_s=metrics.period_s,
+                                       fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
+                                       capabilities=capabilities or capabilities_for(runtime), training=training)
+        if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
+            raise InfeasibleError("no interleaved 1F1B schedule for the best pipeline",
+                                  list(choice.rejected) or ["no number of virtual stages fits"])
+        v, interleave_notes = choice.virtual_stages, choice.rejected
+    chunks = interleaved_chunks([st.layers[1] - st.layers[0] for st, _ in stage_costs], v) if v > 1 else None
     stages = []
     preds = []
     for k, ((st, isl), gpus) in enumerate(zip(stage_costs, stage_gpus)):
@@ -200,16 +221,15 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
                             gpus=tuple((g.node, g.local_index) for g in gpus),
                             tp=sh.tp, dp=sh.dp, cp=sh.cp, ep=sh.ep, zero_stage=sh.zero_stage, recompute=sh.recompute,
                             micro_batch_size=st.micro_batch_size, offload=sh.offload,
-                            has_embedding=st.layers[0] == 0, has_head=st.layers[1] == L))
+                            has_embedding=st.layers[0] == 0, has_head=st.layers[1] == L,
+                            chunks=chunks[k] if chunks else ()))
         preds.append(StagePrediction(forward_s=st.forward_s, backward_s=st.backward_s,
-                                     peak_memory_gib=st.memory_bytes(S - 1 - k, m) / GIB,
-                                     capacity_gib=capacity_bytes(isl) / GIB))
-    metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
-    assert metrics is not None
+                                     peak_memory_gib=stage_memory_bytes(st, S - 1 - k, S, m, v) / GIB,
+                                     capacity_gib=isl.gpu.memory_gib))
     peak = sum(gpu_peak_flops(cluster, node, idx, training.dtype) for st in stages for node, idx in st.gpus)
     tokens = training.global_batch * training.seq_len
     flops = 3.0 * model.forward_flops_per_token(training.seq_len, causal=True) * tokens
-    t = metrics.latency_s
+    t = pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v)
     prediction = Prediction(
         iteration_time_s=t, tokens_per_s=tokens / t, mfu=flops / (t * peak) if peak > 0 else 0.0,
         stages=tuple(preds),
@@ -221,12 +241,15 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
         if s.island not in used:
             used.append(s.island)
     return Plan(
-        model=model.to_dict(), training=training.to_dict(moe=model.num_experts > 0), stages=tuple(stages), num_microbatches=m,
-        predicted=prediction, runtime=runtime, schedule="1F1B", islands_used=tuple(used),
+        model=model.to_dict(), training=training.to_dict(moe=model.num_experts > 0), stages=tuple(stages),
+        num_microbatches=m, predicted=prediction, runtime=runtime,
+        schedule="interleaved-1F1B" if v > 1 else "1F1B", virtual_stages=v, islands_used=tuple(used),
         islands_dropped=tuple(dict(d) for d in islands_dropped),
         cluster={"name": cluster.name, "hash": cluster.content_hash(),
                  "nodes": [{"name": n.name, "num_gpus": n.num_gpus} for n in cluster.nodes]},
-        planner={**dict(planner or {}), "p2p_s": p2p})
+        planner={**dict(planner or {}), "p2p_s": p2p,
+                 **({"schedule_notes": list(interleave_notes)} if interleave_notes else {}),
+                 **({"plain_1f1b_iteration_s": metrics.latency_s} if v > 1 else {})})
 
 
 def gpu_peak_flops(cluster: "ClusterSpec", node: str, local: int, dtype: str) -> float:

@@ -32,7 +32,7 @@ def default_workers() -> int:
 def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
     """Query, then drop plans that cannot fit anywhere (not even as the last stage) before they travel back."""
     r = parallelizer.query(q)
-    cap = capacity_bytes(q.island)
+    cap = capacity_bytes(q.island, q.training)
     m = q.num_microbatches
     keep = tuple(p for p in r.plans if p.fits(0, m, cap))
     if len(keep) == len(r.plans):

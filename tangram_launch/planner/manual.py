@@ -203,7 +203,7 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
         for k, (st, isl) in enumerate(zip(manual.stages, isl_of)):
             q = queries[bi * S + k]
             res = answers[bi * S + k]
-            cap = capacity_bytes(isl)
+            cap = capacity_bytes(isl, training)
             # stages sharing an island without saying how many GPUs each takes split it evenly
             budget = st.fixed.get("num_gpus", isl.num_gpus // share[st.island])
             cands = [p.stages[0] for p in res.plans if len(p.stages) == 1
@@ -292,7 +292,7 @@ def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, cho
                       link_matrix=tuple(tuple(r) for r in matrix))
     for k, (st, isl, c) in enumerate(zip(manual.stages, isl_of, chosen)):
         plan = SlicePlan(isl.name, st.layers, (c,))
-        cap = capacity_bytes(isl)
+        cap = capacity_bytes(isl, training)
         cand.options.append(Option(st.layers[0], st.layers[1], k, 1, plan.max_stages_after(m, cap), c.time_s,
                                    c.time_s, c.dp_sync_s + c.optimizer_s))
         cand.sources.append((Pair(st.layers, k, (isl.name,)), plan))

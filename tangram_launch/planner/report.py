@@ -29,7 +29,8 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
             f", runtime {plan.runtime}, parallelizer {plan.planner.get('parallelizer', '?')}")
     lines = [head,
              f"global batch {tr['global_batch']} x {tr['seq_len']} tokens, {tr['dtype']}; {plan.num_microbatches} "
-             f"micro-batches of {plural(b, 'sequence')}, {plan.schedule}", ""]
+             f"micro-batches of {plural(b, 'sequence')}, {plan.schedule}"
+             + (f" ({plan.virtual_stages} model chunks per stage)" if plan.virtual_stages > 1 else ""), ""]
     rows = [["stage", "layers", "island", "GPUs", "tp", "dp", "cp", "ep", "zero", "recompute", "mbs", "time/mb",
              "memory GiB (of)"]]
     for s, p in zip(plan.stages, plan.predicted.stages):

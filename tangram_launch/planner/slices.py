@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 from tangram_launch.errors import SpecError
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB
-from tangram_launch.specs.constants import DTYPES
+from tangram_launch.specs.constants import DTYPE_NEEDS, DTYPES
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.capabilities import RuntimeCapabilities
@@ -174,9 +174,10 @@ def dtype_problem(island: "Island", dtype: str) -> str | None:
     if island.gpu.tflops.get(dtype):
         return None
     supported = [d for d in DTYPES if island.gpu.tflops.get(d)]
-    return (f"{island.name}: {island.gpu.type} has no {dtype} support (it runs {', '.join(supported)}; "
+    need = f", which needs {DTYPE_NEEDS[dtype]}" if dtype in DTYPE_NEEDS else ""
+    return (f"{island.name}: {island.gpu.type} has no {dtype} support{need} (it runs {', '.join(supported)}; "
             f"train with --dtype {supported[0]} to use it)" if supported else
-            f"{island.name}: {island.gpu.type} has no {dtype} support")
+            f"{island.name}: {island.gpu.type} has no {dtype} support{need}")
 
 
 def atom_boundaries(num_layers: int, atom_layers: int) -> list[int]:

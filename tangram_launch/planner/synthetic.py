@@ -71,7 +71,7 @@ class SyntheticParallelizer:
         start, stop = q.layers
         b = q.microbatch_sequences
         m = q.num_microbatches
-        cap = capacity_bytes(isl)
+        cap = capacity_bytes(isl, q.training)
         tps = [t for t in (1, 2, 4, 8) if t <= isl.gpus_per_node and isl.gpus_per_node % t == 0
                and (t == 1 or caps.tensor_parallel)]
         dps = [d for d in range(1, b + 1) if b % d == 0]

@@ -29,7 +29,7 @@ from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file, req
 INTERCONNECTS = ("nvlink", "pcie", "host")
 # Figures that need a citation; "pcie_gen" only when it is not null.
 FIGURES = (
-    "tflops.bf16", "tflops.fp16", "tflops.fp32", "memory_gib", "memory_bandwidth_gbps",
+    "tflops.bf16", "tflops.fp16", "tflops.fp32", "tflops.tf32", "tflops.fp8", "memory_gib", "memory_bandwidth_gbps",
     "intra_node_bandwidth_gbps", "pcie_gen",
 )
 _SOURCE_KEYS = FIGURES + ("interconnect",)
@@ -38,7 +38,11 @@ _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32", "single": "fp32",
+    "tf32": "tf32", "tensorfloat32": "tf32",
+    "fp8": "fp8", "float8": "fp8",
 }
+# Dtypes added after the first catalog format: a GpuType built in code may leave them out (= unsupported).
+_LATER_DTYPES = ("tf32", "fp8")
 
 _CATALOG_FILE = "gpu_catalog.yaml"
 _ENTRY_KEYS = (
@@ -64,6 +68,9 @@ def _check_tflops(tflops: Any, *, where: str, source: str | None) -> dict[str, f
     check_keys(tflops, DTYPES, where=f"{where}.tflops", source=source)
     out: dict[str, float | None] = {}
     for dt in DTYPES:
+        if dt not in tflops and dt in _LATER_DTYPES and source is None:
+            out[dt] = None
+            continue
         if dt not in tflops:
             raise SpecError("missing dtype (write null if unsupported)", source=source, field=f"{where}.tflops.{dt}",
                             valid="a number > 0 or null")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.constants import DTYPES
+from tangram_launch.specs.constants import DTYPE_NEEDS, DTYPES
 from tangram_launch.specs.yamlio import (
     check_keys,
     dump_yaml_file,
@@ -49,7 +49,8 @@ class GPUSpec:
         value = self.tflops.get(dtype)
         if value is None:
             supported = [d for d in DTYPES if self.tflops.get(d)]
-            raise SpecError(f"GPU type '{self.type}' does not support {dtype}", field="dtype", value=dtype,
+            need = f" (it needs {DTYPE_NEEDS[dtype]})" if dtype in DTYPE_NEEDS else ""
+            raise SpecError(f"GPU type '{self.type}' does not support {dtype}{need}", field="dtype", value=dtype,
                             valid=", ".join(supported))
         return float(value)
 

@@ -5,7 +5,17 @@ against the same tuples (a new recompute mode or runtime is added here, and ever
 """
 GIB = 1024**3  # bytes per GiB (memory figures are GiB; link figures are GB/s, 10**9 bytes)
 
-DTYPES = ("bf16", "fp16", "fp32")  # training dtypes, in the order tables print them
+DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")  # training dtypes, in the order tables print them
+# tf32: fp32 storage, TF32 tensor-core matmuls (torch.backends.cuda.matmul.allow_tf32). fp8: FP8 GEMMs with bf16
+# storage and everything else in bf16, as Transformer Engine runs it. What a GPU needs for each, for refusals:
+STORAGE_DTYPES = ("bf16", "fp16", "fp32")  # what tensors are stored in (gradients, the profiler's GEMM timings)
+DTYPE_NEEDS = {"tf32": "TF32 tensor cores (Ampere or newer)",
+               "fp8": "FP8 tensor cores (H100, H200, B200, L40S, L4)",
+               "bf16": "BF16 tensor cores (Ampere or newer)"}
 RECOMPUTE_MODES = ("none", "selective", "full")  # activation recomputation (Korthikanti et al. 2022)
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO optimizer/gradient/parameter sharding (Rajbhandari et al. 2020)
+# Memory a plan leaves free on every GPU, as a fraction of its capacity: the cost model's memory figures are
+# estimates (benchmarks/bench_costmodel_published.py reports their error), and the allocator needs slack.
+DEFAULT_MEMORY_HEADROOM_FRACTION = 0.05
+SCHEDULES = ("1F1B", "interleaved-1F1B")  # pipeline schedules (Narayanan et al. 2021, sec. 2.2)
 RUNTIMES = ("torch", "deepspeed", "megatron")  # runtimes with an adapter and declared capabilities

@@ -107,6 +107,10 @@ class ModelSpec:
     linear_bias: bool = True                      # biases on every attention and FFN linear layer (GPT, OPT)
     qkv_bias: bool = False                        # bias on Q, K, V only (Qwen2); implied by linear_bias
     embedding_dim: int | None = None              # token-embedding width when projected to hidden (OPT-350M: 512)
+    # dropout in training (its masks are activation memory); default by architecture: GPT-2/3 and OPT (learned
+    # positions) train with dropout 0.1, while rotary/ALiBi models (Llama, Mistral, Qwen, Mixtral, MPT, BLOOM-176B)
+    # train without it
+    dropout: bool | None = None
     citation: str = ""                            # where the figures come from
 
     # ------------------------------------------------------------------ validation
@@ -165,6 +169,10 @@ class ModelSpec:
                            f"'{self.position_embedding}')", "num_position_embeddings",
                            self.num_position_embeddings, "0 or omitted")
             object.__setattr__(self, "num_position_embeddings", 0)
+
+        if self.dropout is None:
+            object.__setattr__(self, "dropout", self.position_embedding == "learned")
+        _check_bool(self.dropout, "dropout")
 
         if self.embedding_dim is None:
             object.__setattr__(self, "embedding_dim", self.hidden_size)

@@ -6,9 +6,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import DEFAULT_MEMORY_HEADROOM_FRACTION, STORAGE_DTYPES
 from tangram_launch.specs.yamlio import check_keys
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Storage bytes per element: tf32 stores fp32 (only the matmuls round to TF32); fp8 stores bf16 parameters and
+# activations (Transformer Engine casts GEMM inputs to FP8 inside each layer and keeps bf16 master copies outside).
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp8": 2}
+FULL_PRECISION_DTYPES = ("fp32", "tf32")  # fp32 storage: the optimizer needs no separate master copy
 # Optimizer state bytes per parameter with mixed precision (fp32 master copy + moments), Rajbhandari et al. 2020
 # (ZeRO, sec. 3.1: "K = 12" for Adam: 4 master + 4 momentum + 4 variance). SGD with momentum: master + momentum.
 OPTIMIZER_STATE_BYTES = {"adam": 12, "adamw": 12, "sgd": 8}
@@ -25,6 +29,7 @@ class TrainingSpec:
     # Fedus et al. 2022 eq. 4, coefficient 0.01 there; ST-MoE's router z-loss, Zoph et al. 2022 eq. 5, 0.001 there)
     moe_aux_loss_coeff: float = 0.01
     moe_z_loss_coeff: float = 0.001
+    memory_headroom_fraction: float = DEFAULT_MEMORY_HEADROOM_FRACTION  # of each GPU's memory a plan leaves free
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
@@ -36,13 +41,17 @@ class TrainingSpec:
         check_training_sizes(self.global_batch, self.seq_len)
         if self.dtype not in DTYPE_BYTES:
             raise SpecError("unknown dtype", field="dtype", value=self.dtype, valid=", ".join(DTYPE_BYTES))
-        if self.grad_dtype not in DTYPE_BYTES:
+        if self.grad_dtype not in STORAGE_DTYPES:
             raise SpecError("unknown gradient dtype", field="grad_dtype", value=self.grad_dtype,
-                            valid=", ".join(DTYPE_BYTES))
+                            valid=", ".join(STORAGE_DTYPES))
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise SpecError("must be a number >= 0", field=name, value=v, valid="a number >= 0 (0: no such loss)")
+        h = self.memory_headroom_fraction
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0.0 <= h < 1.0:
+            raise SpecError("must be a fraction of GPU memory in [0, 1)", field="memory_headroom_fraction", value=h,
+                            valid="e.g. 0.05 (5 %: 4 GiB of an 80 GB GPU)")
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise SpecError("unknown optimizer", field="optimizer", value=self.optimizer,
                             valid=", ".join(OPTIMIZER_STATE_BYTES))
@@ -59,7 +68,7 @@ class TrainingSpec:
     def optimizer_state_bytes(self) -> int:
         """Bytes per parameter of optimizer state (incl. the fp32 master copy when training in 16 bits)."""
         k = OPTIMIZER_STATE_BYTES[self.optimizer]
-        return k if self.dtype != "fp32" else k - 4  # fp32 training needs no separate master copy
+        return k if self.dtype not in FULL_PRECISION_DTYPES else k - 4  # fp32 storage: no separate master copy
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -74,7 +83,7 @@ class TrainingSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingSpec":
-        check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype", "moe_aux_loss_coeff",
-                       "moe_z_loss_coeff"), where="training",
+        check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype", "memory_headroom_fraction",
+                       "moe_aux_loss_coeff", "moe_z_loss_coeff"), where="training",
                    source=source)
         return cls(**dict(d))

@@ -1,0 +1,76 @@
+"""Interleaved 1F1B for a composed pipeline: how many model chunks per stage (virtual stages) to give it.
+
+The composer (compose.py) builds the pipeline under plain 1F1B; this step then costs the same stages with v = 2, 3,
+... chunks per stage (costmodel/pipeline.py: the fill and drain shrink by v, early stages hold more activations)
+and keeps the fastest v that the runtime runs, that every stage has the layers for (one layer per chunk at
+least) and whose memory fits under the plan's headroom. Under ``schedule="1F1B"`` nothing changes; under
+``"interleaved-1F1B"`` v >= 2 is required (an error with reasons when none fits); under ``"auto"`` v = 1 competes.
+
+Limitation: the composer itself does not know the interleaved bubble, so it may prefer shallower pipelines than an
+interleaving-aware search would; the choice here only improves the plan it found.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, stage_memory_bytes
+from tangram_launch.costmodel.slice_plan import capacity_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.capabilities import RuntimeCapabilities
+    from tangram_launch.costmodel.slice_plan import StageCost
+    from tangram_launch.islands import Island
+    from tangram_launch.specs.training import TrainingSpec
+
+PLANNER_SCHEDULES = ("auto", "1F1B", "interleaved-1F1B")
+MAX_VIRTUAL_STAGES = 8  # beyond this the extra p2p sends outweigh the smaller bubble (Narayanan et al. 2021, Fig. 12)
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    virtual_stages: int  # 1 = plain 1F1B
+    latency_s: float
+    rejected: tuple[str, ...] = ()  # why larger v were not taken
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved-1F1B" if self.virtual_stages > 1 else "1F1B"
+
+
+def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num_microbatches: int,
+                          period_s: float, fill_s: float, tail_s: float, schedule: str,
+                          capabilities: "RuntimeCapabilities", training: "TrainingSpec") -> ScheduleChoice:
+    """The best number of virtual stages for a composed pipeline (``stages`` front to back with their islands)."""
+    if schedule not in PLANNER_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r} (known: {', '.join(PLANNER_SCHEDULES)})")
+    m, S = num_microbatches, len(stages)
+    plain = ScheduleChoice(1, pipeline_latency_s(m, period_s, fill_s, tail_s))
+    if schedule == "1F1B":
+        return plain
+    rejected: list[str] = []
+    problems = capabilities.schedule_problems("interleaved-1F1B", num_stages=S, num_microbatches=m)
+    if S < 2:
+        problems = ["a single pipeline stage has nothing to interleave"]
+    if problems:  # under auto a runtime without the schedule is no news; when insisted on, say why
+        return ScheduleChoice(1, plain.latency_s, tuple(problems) if schedule == "interleaved-1F1B" else ())
+    best: ScheduleChoice | None = None
+    fewest_layers = min(st.layers[1] - st.layers[0] for st, _ in stages)
+    for v in range(2, min(MAX_VIRTUAL_STAGES, fewest_layers) + 1):
+        over = [f"stage {k} needs {stage_memory_bytes(st, S - 1 - k, S, m, v) / 2**30:.1f} GiB with {v} virtual "
+                f"stages > {capacity_bytes(isl, training) / 2**30:.1f} GiB usable on {isl.name}"
+                for k, (st, isl) in enumerate(stages)
+                if stage_memory_bytes(st, S - 1 - k, S, m, v) > capacity_bytes(isl, training)]
+        if over:
+            rejected.append(over[0])
+            break  # memory only grows with v
+        t = pipeline_latency_s(m, period_s, fill_s, tail_s, v)
+        if best is None or t < best.latency_s:
+            best = ScheduleChoice(v, t)
+    if fewest_layers < 2:
+        rejected.append(f"a stage with {fewest_layers} layer cannot be split into chunks")
+    if best is None:
+        return ScheduleChoice(1, plain.latency_s, tuple(rejected))
+    if schedule == "auto" and plain.latency_s <= best.latency_s:
+        return plain
+    return ScheduleChoice(best.virtual_stages, best.latency_s, tuple(rejected))

@@ -1,0 +1,41 @@
+"""ZeRO-3 / FSDP overlap, layer by layer (issue 13): a layer's all-gather / reduce-scatter hides under a layer's
+compute only when it is shorter; the first gather of a pass is never hidden."""
+from __future__ import annotations
+
+import pytest
+
+from tangram_launch.costmodel.breakdown import ParallelConfig, ZeroPart, zero_exposed_s
+from tangram_launch.costmodel.memory import ModelStateBytes
+from tangram_launch.specs.model import load_model
+from test_costmodel import coster, island
+
+NONE = ModelStateBytes(0.0, 0.0, 0.0)
+
+
+def part(layer_fwd_s, layer_bwd_s, n):
+    return ZeroPart(0.0, n * layer_fwd_s, n * layer_bwd_s, 0.0, 0.0, 0.0, NONE, NONE, layer_fwd_s, layer_bwd_s, n)
+
+
+def test_short_collectives_hide_except_the_first_layer():
+    fwd, bwd = zero_exposed_s(part(1.0, 2.0, 10), fwd_compute_s=30.0, bwd_compute_s=60.0)
+    assert (fwd, bwd) == (1.0, 2.0)
+
+
+def test_long_collectives_expose_their_excess_on_every_layer():
+    fwd, bwd = zero_exposed_s(part(5.0, 8.0, 10), fwd_compute_s=30.0, bwd_compute_s=60.0)
+    assert fwd == pytest.approx(5.0 + 9 * (5.0 - 3.0))
+    assert bwd == pytest.approx(8.0 + 9 * (8.0 - 6.0))
+
+
+def test_zero3_time_per_gpu_falls_as_dp_grows_over_a_slow_network_with_a_small_batch():
+    """The issue's symptom: ZeRO-3 with one sequence per GPU over 25 GB/s between nodes, 8 -> 64 GPUs."""
+    model = load_model("llama3-8b")
+    times = {}
+    for nodes in (1, 8):
+        dp = 8 * nodes
+        c = coster(model, island("a100-80gb", nodes=nodes, net_gbps=25.0), b=dp, gb=dp, seq=2048)
+        st = c.plan(ParallelConfig(tp=1, pp=1, dp=dp, zero_stage=3)).stages[0]
+        times[nodes] = (st.forward_s + st.backward_s, st.breakdown["zero_comm_exposed_s"])
+    assert times[1][1] < 0.05 * times[1][0]  # NVLink: only the first layer's collectives show
+    assert times[8][0] > 1.5 * times[1][0]  # across nodes the gathers no longer hide
+    assert times[8][1] > 0.3 * times[8][0]
