@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
+from tangram_launch.costmodel.pipeline import simulated_1f1b_s
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,9 +76,16 @@ def check_invariants(plan, cluster_spec, runtime_caps):
         assert s.micro_batch_size * s.dp * plan.num_microbatches == plan.training["global_batch"]
     # the runtime can execute it
     assert runtime_caps.plan_problems(plan) == []
-    # the prediction adds up
+    # the prediction adds up: the 1F1B simulation of the stage times plus the tail; the composer's closed form beside it
     bd = plan.predicted.breakdown
-    assert plan.predicted.iteration_time_s == pytest.approx(bd["steady_s"] + bd["fill_s"] + bd["tail_s"])
+    assert bd["formula_s"] == pytest.approx(bd["steady_s"] + bd["fill_s"] + bd["tail_s"])
+    if plan.virtual_stages == 1:
+        fwd = [p.forward_s for p in plan.predicted.stages]
+        bwd = [p.backward_s for p in plan.predicted.stages]
+        simulated = simulated_1f1b_s(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches)
+        assert plan.predicted.iteration_time_s == pytest.approx(simulated + bd["tail_s"], rel=1e-12)
+        if not any(plan.planner["p2p_s"]):  # with free links the closed form bounds the simulation
+            assert plan.predicted.iteration_time_s <= bd["formula_s"] * (1 + 1e-12)
     assert plan.predicted.iteration_time_s > 0 and plan.predicted.mfu > 0  # synthetic times need not be physical
 
 

@@ -1,5 +1,10 @@
-"""The 1F1B iteration time, one formula for the whole project (the planner's composition, the Plan's prediction,
-``tangram-launch estimate``).
+"""The 1F1B iteration time: one event simulation for every prediction, one closed form for the search.
+
+The Plan's predicted iteration, ``tangram-launch estimate`` and the timeline picture all come from
+:func:`simulate_1f1b` (:func:`simulated_1f1b_s` runs the same simulation without keeping the blocks), so a picture's
+bars end where its title says. The composer's dynamic program searches with the closed form below (cheap, and an
+upper bound of the simulation when links are free); with p2p latency on the steady state's path the simulation can
+end later, and the Plan reports the simulation.
 
 A non-interleaved 1F1B pipeline of m micro-batches (Narayanan et al. 2021, sec. 2.2: (m + p - 1) slots for equal
 stages) takes the time for the first micro-batch to pass forward and backward through every stage and link (the
@@ -20,9 +25,7 @@ It costs activation memory: rank k of p starts with 2 (p - k - 1) + (v - 1) p wa
 rank holds about p (1 + 1/v) micro-batches' worth instead of p. Point-to-point sends grow v-fold; Megatron-core
 overlaps them with compute in this schedule (``overlap_p2p_comm``), so they are not added to the period.
 
-``simulate_1f1b`` places every forward and backward of the same stage times on a timeline (the timeline picture).
-It puts p2p latency on the steady state's critical path as well, so with links it ends later than the formula;
-without links it never ends later (the formula bounds it: tests/test_costmodel_pipeline.py).
+The interleaved schedule has no event simulation yet: its predictions are the closed form.
 """
 from __future__ import annotations
 
@@ -67,12 +70,18 @@ def stage_memory_bytes(stage: StageCost, stages_after: int, num_stages: int, num
 
 
 def iteration_time_s(stages: Sequence[StageCost], num_microbatches: int, virtual_stages: int = 1) -> dict:
-    """The formula for the stages of one slice plan (no links between them beyond what the stages' times hold)."""
+    """One slice plan's iteration (no links between its stages beyond what the stages' times hold): the 1F1B
+    event simulation of its stage times plus the slowest stage's DP sync and optimizer step; the closed form for
+    the interleaved schedule."""
     m = max(1, num_microbatches)
     bottleneck = max(s.time_s for s in stages)
     fill = sum(s.time_s for s in stages)
     tail = max(s.dp_sync_s + s.optimizer_s for s in stages)
-    iteration = pipeline_latency_s(m, bottleneck, fill, tail, virtual_stages)
+    if virtual_stages <= 1:
+        iteration = simulated_1f1b_s([s.forward_s for s in stages], [s.backward_s for s in stages],
+                                     [0.0] * (len(stages) - 1), m) + tail
+    else:
+        iteration = pipeline_latency_s(m, bottleneck, fill, tail, virtual_stages)
     pipeline = iteration - tail
     return {"iteration_s": iteration, "pipeline_s": pipeline, "bubble_s": pipeline - m * bottleneck,
             "sync_s": tail, "bottleneck_s": bottleneck}
@@ -94,43 +103,73 @@ def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequenc
     its backwards. A forward needs the previous stage's forward of that micro-batch plus the p2p time of the link
     between them; a backward needs the next stage's backward (the last stage: its own forward).
     """
+    blocks: list[Block] = []
+    _run_1f1b(fwd_s, bwd_s, p2p_s, m, blocks)
+    return blocks
+
+
+def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:
+    """When the last block of :func:`simulate_1f1b`'s schedule ends (the same run, without building the blocks):
+    the Plan's predicted pipeline time, so the timeline's bars end where its title says."""
+    return _run_1f1b(fwd_s, bwd_s, p2p_s, m, None)
+
+
+def _run_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
+              blocks: list[Block] | None) -> float:
+    """The one 1F1B event simulation; appends to ``blocks`` when given; returns the end of the last block.
+
+    Every stage advances through its own op order as far as its dependencies allow, round after round; end times
+    live in flat per-stage lists (-1: not run yet), so a 128-stage, 1,024-micro-batch pipeline takes well under a
+    second.
+    """
     S = len(fwd_s)
-    order: list[list[tuple[str, int]]] = []
+    m = max(1, m)
+    orders: list[list[tuple[bool, int]]] = []  # per stage: (is_forward, micro-batch) in 1F1B order
     for k in range(S):
         warm = min(S - k - 1, m)
-        ops = [("F", i) for i in range(warm)]
+        ops = [(True, i) for i in range(warm)]
         for i in range(m - warm):
-            ops += [("F", warm + i), ("B", i)]
-        ops += [("B", i) for i in range(m - warm, m)]
-        order.append(ops)
-    done: dict[tuple[str, int, int], float] = {}
+            ops += [(True, warm + i), (False, i)]
+        ops += [(False, i) for i in range(m - warm, m)]
+        orders.append(ops)
+    end_f = [[-1.0] * m for _ in range(S)]
+    end_b = [[-1.0] * m for _ in range(S)]
     pos = [0] * S
     free = [0.0] * S
-    blocks: list[Block] = []
-    remaining = sum(len(o) for o in order)
+    remaining = 2 * S * m
     while remaining:
         progressed = False
         for k in range(S):
-            while pos[k] < len(order[k]):
-                kind, i = order[k][pos[k]]
-                if kind == "F":
-                    dep = 0.0 if k == 0 else done.get(("F", k - 1, i))
-                    if dep is not None and k > 0:
+            ops, p, t = orders[k], pos[k], free[k]
+            n = len(ops)
+            while p < n:
+                forward, i = ops[p]
+                if forward:
+                    if k == 0:
+                        dep = 0.0
+                    else:
+                        dep = end_f[k - 1][i]
+                        if dep < 0.0:
+                            break
                         dep += p2p_s[k - 1]
                 else:
-                    dep = done.get(("F", k, i)) if k == S - 1 else done.get(("B", k + 1, i))
-                    if dep is not None and k < S - 1:
+                    if k == S - 1:
+                        dep = end_f[k][i]  # its own forward, earlier in its order
+                    else:
+                        dep = end_b[k + 1][i]
+                        if dep < 0.0:
+                            break
                         dep += p2p_s[k]
-                if dep is None:
-                    break
-                start = max(free[k], dep)
-                end = start + (fwd_s[k] if kind == "F" else bwd_s[k])
-                done[(kind, k, i)] = end
-                free[k] = end
-                blocks.append(Block(k, kind, i, start, end))
-                pos[k] += 1
-                remaining -= 1
+                start = t if t > dep else dep
+                t = start + (fwd_s[k] if forward else bwd_s[k])
+                (end_f if forward else end_b)[k][i] = t
+                if blocks is not None:
+                    blocks.append(Block(k, "F" if forward else "B", i, start, t))
+                p += 1
+            if p != pos[k]:
+                remaining -= p - pos[k]
+                pos[k], free[k] = p, t
                 progressed = True
         if not progressed:  # pragma: no cover - 1F1B has no deadlock; guard against a bad input
             raise RuntimeError("1F1B simulation stalled")
-    return blocks
+    return max(free) if free else 0.0

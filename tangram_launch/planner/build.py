@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
 from tangram_launch.costmodel.grid import SATURATED, fit_depth
-from tangram_launch.costmodel.pipeline import pipeline_latency_s, stage_memory_bytes
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
@@ -199,6 +199,9 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     S = len(stage_costs)
     metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
     assert metrics is not None
+    # plain 1F1B as predicted: the event simulation of the stage times (the timeline draws the same run)
+    plain_s = simulated_1f1b_s([st.forward_s for st, _ in stage_costs], [st.backward_s for st, _ in stage_costs],
+                               p2p, m) + metrics.tail_s
     v, interleave_notes = 1, ()
     if schedule != "1F1B":
         from tangram_launch.capabilities import capabilities_for
@@ -207,7 +210,8 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
 
         choice = choose_virtual_stages(stage_costs, num_microbatches=m, period_s=metrics.period_s,
                                        fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
-                                       capabilities=capabilities or capabilities_for(runtime), training=training)
+                                       capabilities=capabilities or capabilities_for(runtime), training=training,
+                                       plain_latency_s=plain_s)
         if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
             raise InfeasibleError("no interleaved 1F1B schedule for the best pipeline",
                                   list(choice.rejected) or ["no number of virtual stages fits"])
@@ -229,12 +233,14 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     peak = sum(gpu_peak_flops(cluster, node, idx, training.dtype) for st in stages for node, idx in st.gpus)
     tokens = training.global_batch * training.seq_len
     flops = 3.0 * model.forward_flops_per_token(training.seq_len, causal=True) * tokens
-    t = pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v)
+    formula_s = pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v)
+    t = plain_s if v == 1 else formula_s  # no interleaved simulation yet: the closed form (costmodel/pipeline.py)
     prediction = Prediction(
         iteration_time_s=t, tokens_per_s=tokens / t, mfu=flops / (t * peak) if peak > 0 else 0.0,
         stages=tuple(preds),
         breakdown={"period_s": metrics.period_s, "steady_s": (m - 1) * metrics.period_s,
                    "fill_s": metrics.fill_s, "p2p_s": 2.0 * sum(p2p), "tail_s": metrics.tail_s,
+                   "pipeline_s": t - metrics.tail_s, "formula_s": formula_s,
                    "bubble_fraction": 1.0 - (m * sum(p.time_s for p in preds) / S) / t if S else 0.0})
     used = []
     for s in stages:
@@ -249,7 +255,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
                  "nodes": [{"name": n.name, "num_gpus": n.num_gpus} for n in cluster.nodes]},
         planner={**dict(planner or {}), "p2p_s": p2p,
                  **({"schedule_notes": list(interleave_notes)} if interleave_notes else {}),
-                 **({"plain_1f1b_iteration_s": metrics.latency_s} if v > 1 else {})})
+                 **({"plain_1f1b_iteration_s": plain_s} if v > 1 else {})})
 
 
 def gpu_peak_flops(cluster: "ClusterSpec", node: str, local: int, dtype: str) -> float:

@@ -40,12 +40,17 @@ class ScheduleChoice:
 
 def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num_microbatches: int,
                           period_s: float, fill_s: float, tail_s: float, schedule: str,
-                          capabilities: "RuntimeCapabilities", training: "TrainingSpec") -> ScheduleChoice:
-    """The best number of virtual stages for a composed pipeline (``stages`` front to back with their islands)."""
+                          capabilities: "RuntimeCapabilities", training: "TrainingSpec",
+                          plain_latency_s: float | None = None) -> ScheduleChoice:
+    """The best number of virtual stages for a composed pipeline (``stages`` front to back with their islands).
+
+    ``plain_latency_s``: the plain 1F1B prediction to beat (the Plan's: the event simulation); default the closed
+    form."""
     if schedule not in PLANNER_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r} (known: {', '.join(PLANNER_SCHEDULES)})")
     m, S = num_microbatches, len(stages)
-    plain = ScheduleChoice(1, pipeline_latency_s(m, period_s, fill_s, tail_s))
+    plain = ScheduleChoice(1, plain_latency_s if plain_latency_s is not None
+                           else pipeline_latency_s(m, period_s, fill_s, tail_s))
     if schedule == "1F1B":
         return plain
     rejected: list[str] = []

@@ -53,7 +53,11 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
     lines += ["",
               f"iteration {pr.iteration_time_s:.3f} s   tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} % "
               f"(model FLOPs, causal attention, over the peak of the GPUs used)"]
-    if bd:
+    if bd and "pipeline_s" in bd and plan.virtual_stages == 1:
+        lines.append(f"  = simulated 1F1B pipeline {bd['pipeline_s']:.3f} s (period {bd.get('period_s', 0):.3f} s, "
+                     f"inter-island p2p {bd.get('p2p_s', 0):.3f} s per micro-batch) + DP sync/optimizer "
+                     f"{bd.get('tail_s', 0):.3f} s; the composer's closed-form bound: {bd['formula_s']:.3f} s")
+    elif bd:
         lines.append(f"  = (m-1) x period {bd.get('steady_s', 0):.3f} s + fill/drain {bd.get('fill_s', 0):.3f} s "
                      f"(incl. inter-island p2p {bd.get('p2p_s', 0):.3f} s) "
                      f"+ DP sync/optimizer {bd.get('tail_s', 0):.3f} s")
