@@ -58,7 +58,8 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     for name, plan_dict in cases:
         plan = Plan.from_dict(plan_dict)
-        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S, optimizer_factory=_sgd)
+        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S,
+                                   optimizer_factory=_sgd)
         losses = []
         for i, b in enumerate(_batches(plan)):
             losses.append(ctx.train_step(b))
