@@ -297,6 +297,24 @@ def test_balanced_split_even_and_lighter_edges():
     assert got == pytest.approx(best)
 
 
+def test_balanced_split_memo_returns_the_computed_split():
+    """The cross-context memo answers exactly what the bisection computes, for lists and tuples alike, and still
+    rejects impossible splits."""
+    from tangram_launch.costmodel import partition
+    import random
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(2, 60)
+        w = [round(rng.random() * 3, 4) for _ in range(n)]
+        parts, fe, le = rng.randint(1, min(n, 9)), round(rng.random(), 3), round(rng.random() * 4, 3)
+        want = partition._balanced_split(w, parts, first_extra=fe, last_extra=le)
+        assert balanced_split(w, parts, first_extra=fe, last_extra=le) == want
+        assert balanced_split(tuple(w), parts, first_extra=fe, last_extra=le) == want
+        assert sum(want) == n and len(want) == parts
+    with pytest.raises(ValueError):
+        balanced_split([1.0] * 3, 4)
+
+
 def test_head_stage_holds_logits_and_tied_embedding_copy():
     from tangram_launch.costmodel.memory import FRAGMENTATION_FRACTION, embedding_activation_bytes, \
         head_activation_bytes

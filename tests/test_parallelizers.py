@@ -293,3 +293,43 @@ def test_forty_layer_query_is_fast():
     res = par.query(q)
     cpu_s = time.process_time() - start
     assert res.configs_evaluated / cpu_s > 3000
+
+
+def test_shape_validation_cache_still_rejects_bad_fields():
+    """StageShape skips re-validating fields it has seen; a bool or float equal to a cached int must still fail."""
+    from tangram_launch.specs.shape import StageShape
+    StageShape(tp=1, dp=2, zero_stage=1)  # cached as valid
+    for bad in ({"tp": True}, {"dp": 2.0}, {"zero_stage": True}, {"recompute": ["none"]}):
+        with pytest.raises(SpecError):
+            StageShape(**{"tp": 1, "dp": 2, "zero_stage": 1, **bad})
+
+
+def test_pareto_front_matches_brute_force():
+    """pareto_front keeps exactly the points no other point dominates (ties keep the first in sort order)."""
+    import random
+
+    from tangram_launch.parallelizers.megatron import pareto_front
+    rng = random.Random(7)
+    for _ in range(30):
+        pts = [(rng.randint(0, 4), rng.randint(0, 4), rng.randint(0, 4), rng.randint(0, 3), rng.randint(1, 3),
+                rng.randint(1, 3), i) for i in range(rng.randint(1, 40))]
+        order = sorted(pts, key=lambda p: (p[0], p[1], p[2], -p[3], p[4], p[5]))
+        want = [p for i, p in enumerate(order)
+                if not any(q[0] <= p[0] and q[1] <= p[1] and q[2] <= p[2] and q[3] >= p[3] and q[4] <= p[4]
+                           and q[5] <= p[5] for q in order[:i])]
+        assert pareto_front(pts) == want
+
+
+def test_slice_plan_fits_is_memory_bytes_at_every_stage():
+    """SlicePlan.fits (inlined) agrees with StageCost.memory_bytes at every pipeline position."""
+    isl = island("a100-40gb")
+    q = query(load_model("gpt3-1.3b"), isl, b=4, gb=32)
+    res = MegatronParallelizer().query(q)
+    m = q.num_microbatches
+    assert res.plans
+    for plan in res.plans[:20]:
+        n = len(plan.stages)
+        for after in (0, 1, 3, m):
+            peak = max(st.memory_bytes(after + n - 1 - j, m) for j, st in enumerate(plan.stages))
+            for cap in (peak, peak * (1 - 1e-9)):
+                assert plan.fits(after, m, cap) == (peak <= cap)

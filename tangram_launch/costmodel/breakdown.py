@@ -294,7 +294,8 @@ class SliceCoster:
         unit = max(per_kind.values()) or 1.0
         first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.q.has_embedding else 0.0
         last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.q.has_head else 0.0
-        weights = tuple(round(per_kind[k] / unit, 4) for k in self.kinds)
+        rounded = {k: round(t / unit, 4) for k, t in per_kind.items()}  # once per kind, not per layer
+        weights = tuple(map(rounded.__getitem__, self.kinds))
         key = (pp, weights, round(first / unit, 3), round(last / unit, 3))
         sizes = self._split_cache.get(key)
         if sizes is None:

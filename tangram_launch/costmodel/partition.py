@@ -5,8 +5,25 @@ from __future__ import annotations
 from typing import Sequence
 
 
+_MEMO_MAX = 1 << 15  # remembered splits (a planning run asks for the same few thousand from many contexts)
+_memo: dict[tuple, tuple[int, ...]] = {}
+
+
 def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float = 0.0,
                    last_extra: float = 0.0) -> tuple[int, ...]:
+    """_balanced_split, remembered across islands and micro-batch sizes (each query context has its own split
+    cache, but equal weights recur in many contexts; the bisection costs ~25 passes over the layers)."""
+    key = (tuple(weights), parts, first_extra, last_extra)
+    hit = _memo.get(key)
+    if hit is None:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
+        hit = _memo[key] = _balanced_split(weights, parts, first_extra=first_extra, last_extra=last_extra)
+    return hit
+
+
+def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float = 0.0,
+                    last_extra: float = 0.0) -> tuple[int, ...]:
     """Split ``weights`` into ``parts`` contiguous non-empty groups minimising the heaviest group, where the first
     group also carries ``first_extra`` (embedding) and the last ``last_extra`` (head). Returns the group sizes.
 
@@ -21,12 +38,13 @@ def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float =
     w = [float(x) for x in weights]
     w_first = w[0] + first_extra
 
+    back_to_front = w[:0:-1] + [w_first]  # the greedy's visiting order, built once for its ~25 calls
+
     def greedy(bound: float) -> list[int] | None:
         """Fill groups from the back (the last one starts with the head); None if more than ``parts`` needed."""
         sizes: list[int] = []
         cur, count = last_extra, 0
-        for i in range(n - 1, -1, -1):
-            x = w_first if i == 0 else w[i]
+        for x in back_to_front:
             if cur + x <= bound:
                 cur += x
                 count += 1
@@ -43,8 +61,9 @@ def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float =
     lo = max(max(w[1:-1], default=0.0), w_first, w[-1] + last_extra, (sum(w) + first_extra + last_extra) / parts)
     hi = sum(w) + first_extra + last_extra
     best = greedy(hi)
-    if greedy(lo) is not None:
-        best = greedy(lo)
+    at_lo = greedy(lo)
+    if at_lo is not None:
+        best = at_lo
     else:
         for _ in range(40):
             mid = 0.5 * (lo + hi)

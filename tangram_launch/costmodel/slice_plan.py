@@ -121,11 +121,13 @@ class SlicePlan:
 
     def fits(self, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:
         """Whether every stage fits when ``stages_after`` global stages follow this slice's last stage."""
-        n = len(self.stages)
-        return all(
-            st.memory_bytes(stages_after + (n - 1 - j), num_microbatches) <= capacity_bytes
-            for j, st in enumerate(self.stages)
-        )
+        m = num_microbatches
+        inflight = stages_after + len(self.stages)  # stage j holds min(stages_after + n - j, m): memory_bytes inlined
+        for st in self.stages:
+            if st.static_bytes + st.activation_bytes * (inflight if inflight < m else m) > capacity_bytes:
+                return False
+            inflight -= 1
+        return True
 
     def max_stages_after(self, num_microbatches: int, capacity_bytes: float) -> int:
         """Largest number of following stages at which the slice still fits; -1 if it never fits.

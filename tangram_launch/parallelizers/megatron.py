@@ -93,10 +93,15 @@ def pareto_front(points: list[tuple]) -> list[tuple]:
     # lexicographic order with every criterion as 'smaller is better' extends dominance: dominators come first
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3], p[4], p[5]))
     kept: list[tuple] = []
+    crit: list[tuple] = []  # kept points' other criteria, unpacked once (the loop below is the hot path)
     for p in pts:
-        if any(k[1] <= p[1] and k[2] <= p[2] and k[3] >= p[3] and k[4] <= p[4] and k[5] <= p[5] for k in kept):
-            continue  # an earlier point (bottleneck <=) is at least as good on every other criterion
-        kept.append(p)
+        fill, tail, depth, stages, gpus = p[1], p[2], p[3], p[4], p[5]
+        for kf, kt, kd, ks, kg in crit:
+            if kf <= fill and kt <= tail and kd >= depth and ks <= stages and kg <= gpus:
+                break  # an earlier point (bottleneck <=) is at least as good on every other criterion
+        else:
+            kept.append(p)
+            crit.append((fill, tail, depth, stages, gpus))
     return kept
 
 

@@ -29,6 +29,10 @@ def check_shape(*, tp: int, dp: int, cp: int, ep: int, zero_stage: int, recomput
                         valid=f"a divisor of {dp * cp}")
 
 
+# field tuples already validated: the planner builds hundreds of thousands of shapes from a few dozen distinct ones
+_VALID_SHAPES: set[tuple] = set()
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageShape:
     """The parallel configuration of one stage, validated on construction."""
@@ -42,8 +46,14 @@ class StageShape:
     offload: bool = False
 
     def __post_init__(self) -> None:
+        key = (self.tp, self.dp, self.cp, self.ep, self.zero_stage, self.recompute)
+        # exact types first (True == 1 would hit the cache for a bool field; a list is unhashable)
+        if (type(self.tp) is int and type(self.dp) is int and type(self.cp) is int and type(self.ep) is int
+                and type(self.zero_stage) is int and type(self.recompute) is str and key in _VALID_SHAPES):
+            return
         check_shape(tp=self.tp, dp=self.dp, cp=self.cp, ep=self.ep, zero_stage=self.zero_stage,
                     recompute=self.recompute)
+        _VALID_SHAPES.add(key)
 
     @property
     def stage_gpus(self) -> int:
