@@ -3,6 +3,7 @@ never imports a runtime, adapters never import the planner or cost model, no cyc
 function-level (lazy) ones included."""
 from __future__ import annotations
 
+import logging
 import os
 
 import grimp
@@ -17,7 +18,15 @@ CONFIG = os.path.join(REPO, ".importlinter")
 def test_import_contracts_hold(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.syspath_prepend(REPO)
-    assert importlinter_cli.lint_imports(config_filename=CONFIG, no_cache=True) == 0  # 0: every contract kept
+    # import-linter configures logging with dictConfig, which disables every logger that exists already (ours
+    # included): later tests in this process would see no log records. Put their state back afterwards.
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = [lg.disabled for lg in loggers]
+    try:
+        assert importlinter_cli.lint_imports(config_filename=CONFIG, no_cache=True) == 0  # 0: every contract kept
+    finally:
+        for lg, was in zip(loggers, disabled):
+            lg.disabled = was
 
 
 def test_lazy_imports_are_in_the_graph_the_contracts_check(monkeypatch):
