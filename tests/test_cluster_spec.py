@@ -24,7 +24,16 @@ def two_nodes(**net):
     }
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CLUSTERS, "*.yaml"))))
+def _example_clusters():
+    """Every example cluster; the planner-scale ones (hundreds of nodes: a round trip writes and parses ~1 MB of YAML,
+    seconds each) in the slow tier."""
+    for path in sorted(glob.glob(os.path.join(CLUSTERS, "*.yaml"))):
+        name = os.path.basename(path)
+        big = name.startswith(("opt350m-", "llama3-405b-"))
+        yield pytest.param(path, marks=pytest.mark.slow) if big else path
+
+
+@pytest.mark.parametrize("path", _example_clusters())
 def test_examples_load_and_round_trip(path, tmp_path):
     c = ClusterSpec.load(path)
     assert c.num_gpus > 0

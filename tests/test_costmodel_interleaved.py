@@ -89,6 +89,7 @@ def megatron_plans(cluster):
     return out
 
 
+@pytest.mark.slow  # plans real clusters end to end: seconds each
 def test_auto_interleaves_a_megatron_pipeline_when_it_is_faster(megatron_plans):
     plain, auto = megatron_plans["1F1B"], megatron_plans["auto"]
     assert len(plain["stages"]) >= 2 and "virtual_stages" not in plain  # plain plans' JSON is unchanged
@@ -104,6 +105,7 @@ def test_auto_interleaves_a_megatron_pipeline_when_it_is_faster(megatron_plans):
     assert forced["schedule"] == "interleaved-1F1B"
 
 
+@pytest.mark.slow  # plans real clusters end to end: seconds each
 def test_an_interleaved_plan_round_trips_and_validates_against_the_schema(megatron_plans):
     d = megatron_plans["auto"]
     with open(os.path.join(os.path.dirname(tangram_launch.__file__), "plan.schema.json"), encoding="utf-8") as f:
@@ -120,6 +122,7 @@ def test_an_interleaved_plan_round_trips_and_validates_against_the_schema(megatr
         Plan.from_dict(bad)
 
 
+@pytest.mark.slow  # plans real clusters end to end: seconds each
 def test_torch_never_interleaves_and_refuses_to_be_forced(cluster, capsys):
     rc, out, err = _plan(cluster, capsys, "--runtime", "torch")
     assert rc == 0 and json.loads(out)["schedule"] == "1F1B"

@@ -16,6 +16,9 @@ import sys
 
 import pytest
 
+# Each case plans a real cluster end to end (seconds to tens of seconds): the slow tier, which .ci/run runs too.
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 FIXTURES = os.path.join(HERE, "fixtures", "plans")

@@ -392,6 +392,7 @@ def _latency(cluster_spec, model, training, **opts):
                   options=PlannerOptions(max_workers=1, **opts))
 
 
+@pytest.mark.slow  # plans real clusters end to end: seconds each
 def test_microbatch_search_goes_beyond_the_first_spread_and_stops_at_a_local_best():
     """The first spread of micro-batch sizes is refined: the chosen size's neighbouring divisors are all tried, and
     the plan is at least as fast as the best plan over the spread alone."""
@@ -408,6 +409,7 @@ def test_microbatch_search_goes_beyond_the_first_spread_and_stops_at_a_local_bes
     assert narrow.plan.planner["microbatch_sequences_tried"] == list(spread)
 
 
+@pytest.mark.slow  # plans real clusters end to end: seconds each
 def test_a_microbatch_size_outside_the_old_four_can_win():
     """OPT-350M on 4 A100 + 12 V100 (issue 12's cluster, scaled down): the best micro-batch (4 sequences) is none of
     the old spread 1, 8, 128, 1024, and the plan beats the best plan over that spread."""
