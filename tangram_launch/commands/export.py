@@ -46,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     diffs = model_differences(from_hf_config(config.to_dict()).to_dict(), info.plan.get("model", {}))
     if diffs:
         k, a, b = diffs[0]
-        raise SpecError(f"the Hugging Face config does not describe the checkpoint's model ({len(diffs)} "
-                        "differences)", field=f"model.{k}", value=a, valid=repr(b))
+        detail = "; ".join(f"{f}: {x!r} in the config, {y!r} in the checkpoint" for f, x, y in diffs)
+        raise SpecError(f"the Hugging Face config does not describe the checkpoint's model ({detail})",
+                        field=f"model.{k}", value=a, valid=repr(b))
     files = save_hf(args.out, config, state)
     print(f"exported {info.path} (step {info.step}, {len(state)} tensors) to {args.out}: "
           + ", ".join(os.path.basename(f) for f in files))
