@@ -203,9 +203,9 @@ def test_hf_and_user_models_in_every_layout_match_the_unsplit_model(tmp_path):
 
 # --- in one process ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cfg", [_llama(), _llama(model_type="qwen3", head_dim=8), _opt(),
+@pytest.mark.parametrize("cfg", [_llama(), _llama(model_type="qwen2"), _llama(model_type="qwen3", head_dim=8), _opt(),
                                  _llama(model_type="mistral", sliding_window=4), _gpt2()],
-                         ids=["llama", "qwen3", "opt", "mistral-sliding", "gpt2"])
+                         ids=["llama", "qwen2", "qwen3", "opt", "mistral-sliding", "gpt2"])
 def test_stages_compose_to_the_hf_model(cfg):
     source = _source(cfg)
     n = 4
