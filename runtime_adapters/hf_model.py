@@ -316,7 +316,7 @@ class HFSource:
     def build_stage(self, spec: ModelSpec, stage: Stage, seed: int) -> HFStage:
         from transformers import AutoModelForCausalLM
 
-        n = self.config.num_hidden_layers if hasattr(self.config, "num_hidden_layers") else self.config.n_layer
+        n = self.config.num_hidden_layers  # GPT-2's n_layer answers to this name too
         start, stop = stage.layers
         if not 0 <= start < stop <= n:
             raise SpecError("layer range must be [start, stop) inside the model", field="layers",
@@ -347,18 +347,14 @@ class HFSource:
                     del p._is_hf_initialized
             with seeded(part_seed(seed, part_index)):
                 part.apply(init)  # children first, then the parent (GPT-2's scaled residual init lands last)
-        if rotary is not None:
+        if rotary is not None:  # buffers only; on meta they were never computed
+            real = dict(type(rotary)(config=whole.config).named_buffers())
             with torch.no_grad():
                 for name, buf in rotary.named_buffers():
-                    buf.copy_(_rotary_buffers(whole.config, type(rotary))[name])
+                    buf.copy_(real[name])
         if self.weights is not None:
             load_stage_weights(module, self.weights)
-        return module
-
-
-def _rotary_buffers(config: Any, cls: type) -> dict[str, torch.Tensor]:
-    """A rotary module's buffers computed for real (on meta they were never computed)."""
-    return dict(cls(config=config).named_buffers())
+        return module.train()  # training mode throughout (dropout as the config says), whatever the meta model had
 
 
 def _safetensors_files(folder: str) -> list[str]:
@@ -419,7 +415,7 @@ def save_hf(out_dir: str | os.PathLike, config: Any, state: Mapping[str, torch.T
 
     out_dir = os.fspath(out_dir)
     tensors = to_hf_state_dict(state, config)
-    n = config.num_hidden_layers if hasattr(config, "num_hidden_layers") else config.n_layer
+    n = config.num_hidden_layers
     have = {int(k.split(".")[1]) for k in state if k.startswith(LAYERS)}
     if have != set(range(n)):
         raise SpecError("the state does not hold every layer of the model", field="layers",
