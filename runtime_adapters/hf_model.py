@@ -17,8 +17,9 @@ With ``weights`` (a local directory of ``*.safetensors``) the stage then reads e
 
 Attention runs with the implementation in the config (``attn_implementation``; default "eager", which matches
 an unsplit model bit for bit on CPU). Dropout follows the config and, when non-zero, makes runs differ by layout.
-Tensor parallelism: Megatron-style column/row splits on the HF module names (Llama family and OPT; GPT-2's fused
-Conv1D projections cannot be split by DTensor's linear styles, refused). Recompute: full (each layer re-runs in
+Tensor parallelism: Megatron-style column/row splits on the HF module names for the Llama family (whose attention
+reads the head count from the projection's output); GPT-2 (one fused Conv1D for q/k/v) and OPT (views with the
+full head count) are refused for tp > 1 with the reason. Recompute: full (each layer re-runs in
 backward) or selective (only the attention core: softmax/score matmuls/SDPA are recomputed, everything else saved,
 via torch's selective activation checkpointing).
 """
@@ -56,6 +57,7 @@ class HFLayout:
     rotary: str | None = None
     kind: str = "rotary"  # rotary | gpt2 | opt: how embedding and layers are called
     tp_plan: Mapping[str, str] = field(default_factory=dict)  # path inside a layer -> colwise | rowwise
+    no_tp_because: str = ""  # why a family without tp_plan has none
 
 
 _LLAMA_TP = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -66,16 +68,17 @@ _LLAMA = HFLayout(embedding={"embed_tokens": "model.embed_tokens"}, layers="mode
 FAMILIES: dict[str, HFLayout] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
     "gpt2": HFLayout(embedding={"wte": "transformer.wte", "wpe": "transformer.wpe", "drop": "transformer.drop"},
-                     layers="transformer.h", head={"ln_f": "transformer.ln_f", "lm_head": "lm_head"}, kind="gpt2"),
+                     layers="transformer.h", head={"ln_f": "transformer.ln_f", "lm_head": "lm_head"}, kind="gpt2",
+                     no_tp_because="its q/k/v projection is one fused Conv1D, which DTensor's linear styles cannot "
+                                   "split by heads"),
     "opt": HFLayout(embedding={"embed_tokens": "model.decoder.embed_tokens",
                                "embed_positions": "model.decoder.embed_positions",
                                "project_in": "model.decoder.project_in"},
                     layers="model.decoder.layers",
                     head={"final_layer_norm": "model.decoder.final_layer_norm",
                           "project_out": "model.decoder.project_out", "lm_head": "lm_head"}, kind="opt",
-                    tp_plan={"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-                             "self_attn.v_proj": "colwise", "self_attn.out_proj": "rowwise", "fc1": "colwise",
-                             "fc2": "rowwise"}),
+                    no_tp_because="its attention reshapes q/k/v with the model's full head count, so a shard of "
+                                  "the heads does not fit"),
 }
 # attention-core ops recomputed under selective recompute (eager: score/value matmuls, softmax; sdpa kernels)
 _ATTENTION_CORE_OPS = ("aten.bmm", "aten._softmax", "aten._scaled_dot_product", "aten.masked_fill", "aten.where")
@@ -189,7 +192,7 @@ class HFStage(nn.Module):
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         if not self.layout.tp_plan:
-            raise SpecError("tensor parallelism is not available for this family (fused Conv1D projections)",
+            raise SpecError(f"no tensor parallelism for this family: {self.layout.no_tp_because}",
                             field="config.model_type", value=self.config.model_type,
                             valid=", ".join(k for k, v in FAMILIES.items() if v.tp_plan))
         return {f"layers.{k}.{path}": kind for k in self.layers for path, kind in self.layout.tp_plan.items()}
@@ -301,7 +304,7 @@ class HFSource:
             if s.tp > 1:
                 if not self.layout.tp_plan:
                     problems.append(f"stage {s.index}: tp={s.tp}, but {self.config.model_type} has no tensor-"
-                                    "parallel plan (fused Conv1D projections)")
+                                    f"parallel plan: {self.layout.no_tp_because}")
                 for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
                                 ("ffn_hidden_size", spec.ffn_hidden_size)):
                     if n % s.tp:
