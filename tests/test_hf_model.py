@@ -281,6 +281,22 @@ def test_plan_problems_name_what_the_hf_source_cannot_build():
     assert not dist.is_initialized()
 
 
+def test_a_layered_source_refuses_what_a_generic_layer_cannot_do():
+    tiny = load_model("tiny")
+    source = _user_source(tiny.to_dict())
+    plan = make_plan(tiny, [{"layers": 2, "gpus": "n0", "recompute": "selective"}, (2, "n0")], global_batch=4,
+                     num_microbatches=2)
+    assert TorchAdapter().plan_problems(plan, model_source=source) == [
+        "stage 0: recompute 'selective' (a LayeredSource recomputes whole layers: none, full)"]
+    short = LayeredSource(embedding=nn.Identity, layer=lambda i: nn.Identity(), head=nn.Identity, num_layers=3)
+    problems = TorchAdapter().plan_problems(make_plan(tiny, [(4, "n0", 2, 1)], global_batch=4, num_microbatches=2),
+                                            model_source=short)
+    assert problems == ["model: the plan's model has 4 layers, the LayeredSource 3",
+                        "stage 0: tp=2 needs LayeredSource(tp_plan=...)"]
+    with pytest.raises(SpecError, match="num_layers"):
+        LayeredSource(embedding=nn.Identity, layer=lambda i: nn.Identity(), head=nn.Identity, num_layers=0)
+
+
 def test_a_local_pretrained_folder_gives_the_starting_weights(tmp_path):
     config = config_from_dict(_opt())
     torch.manual_seed(0)
