@@ -134,10 +134,12 @@ def torch_stage_state(ctx: Any):
 class Checkpointing:
     """Resume at start-up and save every N steps through tangram_launch.checkpoint (collective calls)."""
 
-    def __init__(self, args: argparse.Namespace, plan: Any, state: Any, data: TokenBatches) -> None:
+    def __init__(self, args: argparse.Namespace, plan: Any, state: Any, data: TokenBatches,
+                 extra: dict | None = None) -> None:
         from tangram_launch.checkpoint import resume_directory
 
         self.args, self.plan, self.state, self.data = args, plan, state, data
+        self.extra = dict(extra or {})  # saved in position.json "extra" (train_hf.py: the HF config)
         self.resume_dir = args.resume or resume_directory()
 
     def resume(self) -> tuple[int, int, dict]:
@@ -160,7 +162,8 @@ class Checkpointing:
         from tangram_launch.checkpoint import TrainingPosition, save_checkpoint
 
         position = TrainingPosition(step=step, consumed_samples=consumed,
-                                    data={"seed": self.args.seed, "source": os.path.basename(self.args.data)})
+                                    data={"seed": self.args.seed, "source": os.path.basename(self.args.data)},
+                                    extra=self.extra)
         return save_checkpoint(self.args.save_dir, plan=self.plan, state=self.state, position=position,
                                keep_last=self.args.keep_last)
 
@@ -203,7 +206,7 @@ def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bo
 
 
 def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str,
-        stage_state: Callable[[Any], Any] = torch_stage_state) -> int:
+        stage_state: Callable[[Any], Any] = torch_stage_state, checkpoint_extra: dict | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     check_args(args)
     torch.manual_seed(args.seed)
@@ -218,7 +221,7 @@ def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str
     reporter = place.is_last_stage and place.coords["dp"] == 0 and place.coords["tp"] == 0
     ckpt = None
     if args.save_dir or args.resume or os.environ.get("TANGRAM_RESUME_DIR"):
-        ckpt = Checkpointing(args, plan, stage_state(ctx), data)
+        ckpt = Checkpointing(args, plan, stage_state(ctx), data, extra=checkpoint_extra)
     first_step, consumed, loaded = ckpt.resume() if ckpt is not None else (0, 0, {})
     if reporter:
         print(f"[{runtime}] plan: {plan.num_stages} stage(s) "

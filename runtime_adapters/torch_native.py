@@ -5,8 +5,10 @@ Per rank (order as in torchtitan's parallelize step, and why):
 1. ``check_plan`` refuses what this runtime cannot run, before any process group exists.
 2. Process groups from the plan's rank layout (``runtime_adapters.groups``): tp/dp per stage, one pipeline per
    (tp, dp) coordinate, and the stage's (dp, tp) DeviceMesh.
-3. The stage's module: embedding if first, layers [start, stop), head if last (``runtime_adapters.gpt``), each part
-   seeded by itself so any layout starts from the same weights.
+3. The stage's module: embedding if first, layers [start, stop), head if last, from the model source
+   (``runtime_adapters.model_source``: the built-in GPT by default, a Hugging Face model with
+   ``runtime_adapters.hf_model.HFSource``, or a user's ``LayeredSource``), each part seeded by itself so any layout
+   starts from the same weights.
 4. Tensor parallel (stage.tp > 1): DTensor column/row split of attention and MLP (``tensor_parallel_plan``). First,
    because FSDP2 then shards the DTensor parameters along the other mesh dimension.
 5. Activation checkpointing per ``stage.recompute``: full = every layer re-runs in backward, selective = only the
@@ -44,10 +46,11 @@ from torch import nn
 from runtime_adapters.base import RuntimeAdapter
 from runtime_adapters.expert_parallel import (ExpertGroups, bind_expert_parallel, build_expert_groups,
                                               expert_parameters, local_experts)
-from runtime_adapters.gpt import StageModule, as_model_spec, gpt_plan_problems, lm_loss
+from runtime_adapters.gpt import StageModule, as_model_spec, lm_loss
 from runtime_adapters.groups import StageGroups, build_stage_groups
+from runtime_adapters.model_source import BuiltinGPT, ModelSource
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
-from tangram_launch.errors import SpecError
+from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.plan import Place, Plan, Stage
 from tangram_launch.specs.model import ModelSpec
 
@@ -62,7 +65,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 def default_model_factory(spec: ModelSpec, stage: Stage, seed: int) -> nn.Module:
-    return StageModule(spec, stage.layers, has_embedding=stage.has_embedding, has_head=stage.has_head, seed=seed)
+    return BuiltinGPT().build_stage(spec, stage, seed)
 
 
 def default_optimizer_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -76,28 +79,39 @@ class TorchAdapter(RuntimeAdapter):
     name: ClassVar[str] = "torch"
     capabilities: ClassVar[RuntimeCapabilities] = TORCH
 
-    def plan_problems(self, plan: Plan) -> list[str]:
-        """The capability problems plus what this adapter's construction needs (pure; no process group)."""
+    def plan_problems(self, plan: Plan, *, model_source: ModelSource | None = None) -> list[str]:
+        """The capability problems plus what this adapter's construction and the model source need (pure; no
+        process group). ``model_source``: default the built-in GPT."""
         problems = super().plan_problems(plan)
         if plan.schedule not in SCHEDULES:
             problems.append(f"torch runs schedules {', '.join(SCHEDULES)} (plan has '{plan.schedule}')")
         if plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B":
             problems.append(f"torch's Schedule1F1B needs num_microbatches >= stages "
                             f"({plan.num_microbatches} < {plan.num_stages})")
-        return problems + gpt_plan_problems(plan, moe=True) + _expert_parallel_problems(plan)
+        return problems + (model_source or BuiltinGPT()).plan_problems(plan) + _expert_parallel_problems(plan)
 
     def setup(self, plan: Plan, place: Place | None = None, *, model_factory: ModelFactory | None = None,
               optimizer_factory: OptimizerFactory | None = None, seed: int = 0, device: torch.device | None = None,
-              timeout_s: float = 600.0) -> "TorchTrainingContext":
+              timeout_s: float = 600.0, model_source: ModelSource | None = None) -> "TorchTrainingContext":
         """Build this rank's part of the plan. Collective: every rank of the plan calls it with the same plan.
 
         Initialises the default process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when none
-        exists; ``place`` defaults to ``plan.place(dist.get_rank())``.
+        exists; ``place`` defaults to ``plan.place(dist.get_rank())``. The stage's module comes from
+        ``model_source`` (default: the built-in GPT) or, older form, ``model_factory(spec, stage, seed)``.
         """
         import torch.distributed as dist
 
-        self.check_plan(plan)  # before any process group exists
-        spec = as_model_spec(plan.model, moe=True)
+        if model_source is not None and model_factory is not None:
+            raise SpecError("give model_source or model_factory, not both", field="model_factory",
+                            value="both given", valid="one of them")
+        problems = self.plan_problems(plan, model_source=model_source)
+        if problems:  # before any process group exists
+            raise InfeasibleError(f"the {self.name} runtime cannot execute this plan", problems)
+        if model_source is not None:
+            model_factory = model_source.build_stage
+            spec = ModelSpec.from_dict(plan.model, source="plan.model")  # the source judged it (plan_problems)
+        else:
+            spec = as_model_spec(plan.model, moe=True)
         owns_default_group = False
         if device is None:
             if torch.cuda.is_available():

@@ -4,6 +4,7 @@
     tangram-launch estimate --cluster FILE --model NAME ...    # cost breakdown of one configuration on one island
     tangram-launch plan     --cluster FILE --model NAME ...    # the heterogeneous plan (table, JSON or YAML)
     tangram-launch profile  [torchrun args] -o cluster.yaml    # measure a live cluster, write its ClusterSpec
+    tangram-launch export   CKPT_DIR --to hf OUT_DIR           # a checkpoint as a Hugging Face model folder
     tangram-launch [torchrun args] [tangram args] script.py    # launch, exactly like torchrun (plus planning)
 
 User errors exit with status 2, infeasible requests with 3, both without a traceback.
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "estimate": "tangram_launch.commands.estimate",
     "plan": "tangram_launch.commands.plan",
     "profile": "tangram_launch.commands.profile",
+    "export": "tangram_launch.commands.export",
 }
 
 

@@ -1,0 +1,55 @@
+"""Export a checkpoint (any layout that wrote it) to another format.
+
+    tangram-launch export CKPT_DIR --to hf OUT_DIR [--config HF_DIR_OR_CONFIG_JSON] [--step N]
+
+``--to hf``: ``OUT_DIR/config.json`` + ``OUT_DIR/model.safetensors``, which ``transformers.AutoModelForCausalLM.
+from_pretrained(OUT_DIR)`` loads. The Hugging Face config comes from ``--config`` or, for runs of
+``examples/train_hf.py``, from the checkpoint itself (position.json ``extra.hf_config``); it must describe the
+checkpoint's model (same layers, widths, vocabulary), else the export is refused naming the field.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from tangram_launch.errors import SpecError
+
+FORMATS = ("hf",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT_DIR", help="a checkpoint directory (the newest complete step)")
+    parser.add_argument("out", metavar="OUT_DIR", help="where to write the exported model")
+    parser.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
+    parser.add_argument("--config", metavar="PATH", help="Hugging Face config.json (or its folder); default: the "
+                                                         "one the checkpoint carries")
+    parser.add_argument("--step", type=int, help="export this step instead of the newest")
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime_adapters.hf_model import config_from_dict, load_config, save_hf
+    from tangram_launch.checkpoint import model_differences
+    from tangram_launch.checkpoint.whole import read_model_state
+    from tangram_launch.specs.model import from_hf_config
+
+    if not os.path.isdir(args.checkpoint):
+        raise SpecError("no such checkpoint directory", field="CKPT_DIR", value=args.checkpoint)
+    state, info = read_model_state(args.checkpoint, step=args.step)
+    if args.config:
+        config = load_config(args.config)
+    else:
+        carried = info.position.extra.get("hf_config")
+        if not carried:
+            raise SpecError(f"checkpoint {info.path} carries no Hugging Face config", field="--config",
+                            valid="the config.json (or folder) of the model that was trained")
+        config = config_from_dict(carried)
+    diffs = model_differences(from_hf_config(config.to_dict()).to_dict(), info.plan.get("model", {}))
+    if diffs:
+        k, a, b = diffs[0]
+        detail = "; ".join(f"{f}: {x!r} in the config, {y!r} in the checkpoint" for f, x, y in diffs)
+        raise SpecError(f"the Hugging Face config does not describe the checkpoint's model ({detail})",
+                        field=f"model.{k}", value=a, valid=repr(b))
+    files = save_hf(args.out, config, state)
+    print(f"exported {info.path} (step {info.step}, {len(state)} tensors) to {args.out}: "
+          + ", ".join(os.path.basename(f) for f in files))
+    return 0
