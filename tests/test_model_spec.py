@@ -409,3 +409,11 @@ def test_layer_index_out_of_range():
         m.layer_params(m.num_layers)
     with pytest.raises(SpecError, match="seq_len"):
         m.layer_forward_flops_per_token(0, 0)
+
+
+def test_hf_config_without_hidden_act_takes_transformers_default():
+    """transformers' LlamaConfig defaults hidden_act to silu; a config that omits it is still SwiGLU."""
+    cfg = {k: v for k, v in LLAMA3_8B_HF.items() if k != "hidden_act"}
+    assert from_hf_config(cfg, name="llama").ffn_type == from_hf_config(LLAMA3_8B_HF, name="llama").ffn_type
+    assert from_hf_config({k: v for k, v in GPT2_HF.items() if k != "activation_function"}, name="g").ffn_type \
+        == from_hf_config(GPT2_HF, name="g").ffn_type

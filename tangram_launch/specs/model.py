@@ -547,7 +547,9 @@ def from_hf_config(cfg: Mapping, *, name: str | None = None, source: str | None 
             raise SpecError(f"{what} is not supported by ModelSpec", source=source, field=key, value=cfg[key],
                             valid="a Llama/Mixtral/Qwen/GPT-2/OPT-style config, or write a model YAML")
     model_type = str(cfg.get("model_type", "")).lower()
-    act = str(pick("ffn_type", "hidden_act", "activation_function", "hidden_activation", default="gelu")).lower()
+    # transformers' own defaults when the key is absent: silu for the gated (Llama-style) families, gelu otherwise
+    act = str(pick("ffn_type", "hidden_act", "activation_function", "hidden_activation",
+                   default="silu" if model_type in _GATED_TYPES else "gelu")).lower()
 
     hidden = pick("hidden_size", "hidden_size", "n_embd", "d_model")
     heads = pick("num_heads", "num_attention_heads", "n_head", "num_heads")
