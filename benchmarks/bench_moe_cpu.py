@@ -10,8 +10,9 @@
    all-to-all are the cost model's own terms.
 2. Cost one stage of all layers on the two processes, dp 2, ep ``--ep``, ZeRO 0, ``--micro-batch`` sequences per
    replica and micro-batch, through the planner's manual-plan path (the same cost model as every plan). The two
-   processes share one host, so their figures differ only by what the host's other work took from each; they are
-   put in one island with a loose compute tolerance (50 %) rather than be split by that noise.
+   processes share one host, so their figures differ only by what the host's other work took from each (seen: 1.7x
+   in fp32 GEMM rate at load 2-4); they are put in one island with a loose compute tolerance (100 %) rather than be
+   split by that noise.
 3. Train the plan: ``tangram-launch --standalone --nproc-per-node 2 --plan PLAN examples/train_gpt.py --data
    synthetic`` (torch adapter, EP by all_to_all_single over gloo), median iteration after the first step.
 4. Print predicted and measured tokens/s, measured / predicted, the measured routing imbalance (busiest expert's
@@ -55,7 +56,7 @@ def cost(args, cluster_path: str):
     model = load_model(args.model)
     training = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq_len, dtype="fp32", optimizer="adamw",
                             grad_dtype="fp32")
-    iset = build_islands(cluster, IslandTolerances(compute=0.5), dtype="fp32")
+    iset = build_islands(cluster, IslandTolerances(compute=1.0), dtype="fp32")
     if len(iset.islands) != 1:
         raise SystemExit(f"the two processes did not form one island: {[i.name for i in iset.islands]}")
     b = 2 * args.micro_batch  # sequences per micro-batch over both replicas

@@ -60,6 +60,7 @@ class NodeRecord:
     inventory: NodeInventory
     ranks: tuple[int, ...]  # global ranks in local-rank order
     allreduce: Measured | None = None  # bus bandwidth over the node's ranks, GB/s
+    collective_latency: Measured | None = None  # one tiny all-to-all over the node's ranks, us
     p2p: tuple[tuple[int, int, Measured], ...] = ()  # (local a, local b, GB/s one direction at a time)
 
 
@@ -157,6 +158,8 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     if node.allreduce is not None:
         measured["allreduce_busbw_gbps"] = round_sig(node.allreduce.value)
         measured["allreduce_group_size"] = len(node.ranks)
+    if node.collective_latency is not None:
+        measured["collective_latency_us"] = round_sig(node.collective_latency.value)
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:
@@ -258,6 +261,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
             "ranks": list(node.ranks),
             "inventory": node.inventory.to_dict(),
             "allreduce": node.allreduce.to_dict() if node.allreduce else None,
+            "collective_latency": node.collective_latency.to_dict() if node.collective_latency else None,
             "p2p_gbps": [_p2p_row(node, i) for i in range(len(node.ranks))] if node.p2p else None,
             "p2p": [{"local_ranks": [a, b], **m.to_dict()} for a, b, m in node.p2p],
         }

@@ -251,6 +251,32 @@ def allreduce_busbw_gbps(group: Any, group_size: int, device: torch.device, cfg:
                     (("bytes", numel * 4), ("group_size", group_size), ("algbw_gbps", round_sig(algbw))))
 
 
+def collective_latency_us(group: Any, group_size: int, device: torch.device, cfg: BenchConfig) -> Measured:
+    """Time of one all-to-all of a tiny buffer (one float per rank) over ``group``, ranks aligned by a barrier.
+
+    What a small collective costs whatever its size: the runtime's fixed cost per call (gloo: ~70-150 us on one
+    host, 10-100x NVLink NCCL's). The cost model charges it per ring step (``value / (n - 1)``), so MoE dispatch and
+    combine of a few KiB, or a micro-batch's tiny TP all-reduces, are not costed as free. value = microseconds.
+    """
+    buf = torch.ones(group_size, dtype=torch.float32, device=device)
+    out = torch.empty_like(buf)
+    sync = device_sync(device)
+    for _ in range(max(1, cfg.warmup)):
+        dist.all_to_all_single(out, buf, group=group)
+    sync()
+    samples = []
+    for _ in range(cfg.latency_reps):
+        dist.barrier(group=group, **_barrier_kwargs(device))
+        sync()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, buf, group=group)
+        sync()
+        samples.append(time.perf_counter() - t0)
+    timing = Timing(tuple(samples))
+    return Measured(timing.median_s * 1e6, "us", timing, (("bytes", group_size * 4), ("group_size", group_size),
+                                                          ("op", "all_to_all_single")))
+
+
 def _barrier_kwargs(device: torch.device) -> dict:
     return {"device_ids": [device.index]} if device.type == "cuda" and device.index is not None else {}
 

@@ -191,9 +191,10 @@ def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progre
     try:
         layout = _inventory(run)
         local = _local_benchmarks(run)
-        allreduce, p2p = _intra_node(run, layout)
+        allreduce, latency, p2p = _intra_node(run, layout)
         links, schedule = _inter_node(run, layout)
-        return _gather_and_write(run, layout, local, allreduce, p2p, links, schedule, started_at, t_start)
+        return _gather_and_write(run, layout, local, (allreduce, latency), p2p, links, schedule, started_at,
+                                 t_start)
     finally:
         dist.destroy_process_group()
 
@@ -260,19 +261,23 @@ def _local_benchmarks(run: _Run) -> _Local:
     return _Local(gemm, copy, layer, model_info)
 
 
-def _intra_node(run: _Run, layout: "_Layout") -> tuple[bench.Measured | None, list]:
-    """All-reduce over each node's ranks, then point-to-point between every pair of them (round-robin rounds);
-    every node at once, since nodes do not share these links."""
+def _intra_node(run: _Run, layout: "_Layout") -> tuple[bench.Measured | None, bench.Measured | None, list]:
+    """All-reduce (bandwidth) and a tiny all-to-all (fixed cost per call) over each node's ranks, then
+    point-to-point between every pair of them (round-robin rounds); every node at once, since nodes do not share
+    these links."""
     env = run.env
     run.progress.phase("intra-node all-reduce")
     # new_group is collective over the whole world: every rank creates every node's group, in the same order
     groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
-    allreduce = None
+    allreduce = latency = None
     if env.node_rank in groups:
-        allreduce = bench.allreduce_busbw_gbps(groups[env.node_rank], len(layout.ranks_of[env.node_rank]),
-                                               run.device, run.cfg)
+        size = len(layout.ranks_of[env.node_rank])
+        allreduce = bench.allreduce_busbw_gbps(groups[env.node_rank], size, run.device, run.cfg)
+        run.progress.phase("intra-node collective latency")
+        latency = bench.collective_latency_us(groups[env.node_rank], size, run.device, run.cfg)
         if env.local_rank == 0:
-            log.info("all-reduce busbw on %s: %.4g GB/s", layout.name_of[env.node_rank], allreduce.value)
+            log.info("all-reduce busbw on %s: %.4g GB/s; tiny all-to-all %.4g us", layout.name_of[env.node_rank],
+                     allreduce.value, latency.value)
     run.barrier()
 
     p2p: list[tuple[int, int, int, bench.Measured]] = []  # (node rank, local a, local b, GB/s)
@@ -290,7 +295,7 @@ def _intra_node(run: _Run, layout: "_Layout") -> tuple[bench.Measured | None, li
             if t is not None:
                 p2p.append((env.node_rank, local.index(a), local.index(b), _pingpong_bw(t, run.cfg.p2p_bytes)))
         run.barrier()
-    return allreduce, p2p
+    return allreduce, latency, p2p
 
 
 def _inter_node(run: _Run, layout: "_Layout") -> tuple[list, list]:
@@ -328,7 +333,7 @@ def _inter_node(run: _Run, layout: "_Layout") -> tuple[list, list]:
     return links, schedule
 
 
-def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, allreduce, p2p, links, schedule,
+def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: tuple, p2p, links, schedule,
                       started_at: str, t_start: float) -> dict:
     """Everything to rank 0, which assembles and writes; every rank learns whether that worked."""
     env, args = run.env, run.args
@@ -339,7 +344,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, allreduce, p2
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer,
     )
-    node_part = (allreduce if env.local_rank == 0 else None, p2p)
+    node_part = (collectives if env.local_rank == 0 else (None, None), p2p)  # (all-reduce, latency), p2p
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object((record, node_part, links), gathered, dst=0)
     outcome: list = [None]
@@ -404,12 +409,14 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
                   t_start: float, model_info, schedule) -> ProfileRecord:
     devices = []
     allreduce_of: dict[int, bench.Measured | None] = {}
+    latency_of: dict[int, bench.Measured | None] = {}
     p2p_of: dict[int, list] = {n: [] for n in layout.node_ranks}
     link_parts: dict[tuple[int, int], dict] = {}
-    for record, (allreduce, p2p), links in gathered:
+    for record, ((allreduce, latency), p2p), links in gathered:
         devices.append(record)
         if record.local_rank == 0:
             allreduce_of[record.node_rank] = allreduce
+            latency_of[record.node_rank] = latency
         for node_rank, a, b, m in p2p:
             p2p_of[node_rank].append((a, b, m))
         for r, pair, lat, bws in links:
@@ -420,6 +427,7 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     nodes = tuple(
         NodeRecord(node_rank=n, host=layout.host_of[n], inventory=layout.inventory_of[n],
                    ranks=tuple(layout.ranks_of[n]), allreduce=allreduce_of.get(n),
+                   collective_latency=latency_of.get(n),
                    p2p=tuple(sorted(p2p_of[n], key=lambda t: (t[0], t[1]))))
         for n in layout.node_ranks
     )
@@ -447,8 +455,8 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
         progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
         out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s)
     info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
-            "layer_kinds": list(out), "note": "one transformer layer's forward and forward+backward, per device; "
-                                              "MoE layers as a dense FFN of their active width"}
+            "layer_kinds": list(out), "note": "one transformer layer's forward and forward+backward, per device, with the torch "
+                                              "runtime's operators; MoE layers with their routing on one device"}
     return out, info
 
 

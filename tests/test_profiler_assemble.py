@@ -136,7 +136,8 @@ def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileR
                                         memory_bandwidth=_m(10.0)))
         p2p = tuple((a, b, _m(2.0)) for a, b in itertools.combinations(range(per_node), 2))
         nodes.append(NodeRecord(node_rank=n, host=host, inventory=inv, ranks=ranks,
-                                allreduce=_m(1.5) if per_node > 1 else None, p2p=p2p))
+                                allreduce=_m(1.5) if per_node > 1 else None, p2p=p2p,
+                                collective_latency=_m(240.0, "us") if per_node > 1 else None))
     links = tuple(LinkRecord(a, b, bench.Timing((1e-4, 1.1e-4)), (_m(3.0),), r)
                   for r, (a, b) in enumerate(itertools.combinations(range(len(hosts)), 2)))
     return ProfileRecord(devices=tuple(devices), nodes=tuple(nodes), links=links, backend="gloo", quick=True,
@@ -154,6 +155,7 @@ def test_cpu_devices_carry_measured_figures():
     assert a.memory_bandwidth_gbps == 10.0 and a.intra_node_bandwidth_gbps == 3.0  # 2 x busbw 1.5
     assert a.measured["catalog"]["tflops"]["fp32"] == 1.0
     assert a.measured["p2p_gbps"] == [None, 2.0] and b.measured["p2p_gbps"] == [2.0, None]
+    assert a.measured["collective_latency_us"] == 240.0  # a tiny all-to-all over the node's 2 ranks
     assert len(build_islands(spec).islands) == 1  # within tolerance: one island
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)

@@ -115,10 +115,11 @@ class LayerTerms:
     tp_fwd_s: float  # TP all-gather/reduce-scatter in the forward (same again in the backward)
     cp_fwd_s: float  # exposed ring-attention K/V exchange, forward
     cp_bwd_s: float
-    ep_fwd_s: float  # MoE all-to-all dispatch + combine, forward (same again in the backward)
+    ep_fwd_s: float  # MoE all-to-all: token counts, dispatch and combine in the forward
     act_bytes: tuple[float, float, float]  # by RECOMPUTE_MODES, one micro-batch
     dense_params: float  # per GPU (after TP)
     expert_params: float  # per GPU (after TP and EP)
+    ep_bwd_s: float = 0.0  # ... the backward's two (gradients of dispatch and combine; no counts exchange)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class StageSums:
     cp_fwd_s: float = 0.0
     cp_bwd_s: float = 0.0
     ep_fwd_s: float = 0.0
+    ep_bwd_s: float = 0.0
     act_bytes: tuple = (0.0, 0.0, 0.0)
     max_layer_act_none: float = 0.0  # one layer's full activations: recomputed during backward under full recompute
     dense_params: float = 0.0
@@ -234,12 +236,15 @@ class SliceCoster:
             step = comm.collective_s(comm.SEND_RECV, kv, 2, cp_link)
             cp_fwd = max(0.0, (cp - 1) * step - lc.attention_core_s)
             cp_bwd = max(0.0, 2 * (cp - 1) * step - 2 * lc.attention_core_s)
-        # MoE all-to-all (Lepikhin et al. 2021, GShard): dispatch and combine, each moving a GPU's top-k token copies
-        ep_fwd = 0.0
+        # MoE all-to-all (Lepikhin et al. 2021, GShard): dispatch and combine, each moving a GPU's top-k token copies;
+        # the forward first exchanges the tokens-per-expert counts (E int64s: Megatron's alltoall dispatcher and
+        # the torch runtime both do), whose cost is the collective's fixed latency (gloo: ~0.1 ms a call)
+        ep_fwd = ep_bwd = 0.0
         if kind == "moe" and ep > 1:
             ep_link = self._link(tp, ep, stage_gpus)
             per_gpu = tokens * model.top_k * model.hidden_size * p / tp
-            ep_fwd = 2 * comm.collective_s(comm.ALL_TO_ALL, per_gpu, ep, ep_link)
+            ep_bwd = 2 * comm.collective_s(comm.ALL_TO_ALL, per_gpu, ep, ep_link)
+            ep_fwd = ep_bwd + comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
         flash = dev.flash_attention
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
                                             dtype_bytes=p) for m in RECOMPUTE_MODES)
@@ -249,7 +254,7 @@ class SliceCoster:
             recompute_s=tuple(lc.recompute_s(m) for m in RECOMPUTE_MODES),
             fwd_flops=lc.forward_flops,
             recompute_flops=tuple(lc.recompute_flops(m) for m in RECOMPUTE_MODES),
-            tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd,
+            tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
             act_bytes=acts, dense_params=dense / tp, expert_params=experts / (tp * ep),
         )
         self._layer_cache[key] = terms
@@ -289,7 +294,7 @@ class SliceCoster:
         per_kind = {}
         for k in self.rep:
             t = self.layer_terms(k, tp, cp, ep, dp, mbs)
-            per_kind[k] = t.fwd_s + t.bwd_s + 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + 2 * t.ep_fwd_s
+            per_kind[k] = t.fwd_s + t.bwd_s + 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
         e = self._edges(tp, cp, dp, mbs)
         unit = max(per_kind.values()) or 1.0
         first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.q.has_embedding else 0.0
@@ -348,6 +353,7 @@ class SliceCoster:
                 st.cp_fwd_s += c * t.cp_fwd_s
                 st.cp_bwd_s += c * t.cp_bwd_s
                 st.ep_fwd_s += c * t.ep_fwd_s
+                st.ep_bwd_s += c * t.ep_bwd_s
                 for m in range(3):
                     rec[m] += c * t.recompute_s[m]
                     rec_f[m] += c * t.recompute_flops[m]
@@ -402,7 +408,7 @@ class SliceCoster:
         for st in sums:
             st.shard, st.eshard = dp * cp, dp * cp // ep
             st.fixed_fwd_s = st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s + st.p2p_fwd_s
-            st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_fwd_s + st.p2p_bwd_s
+            st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_bwd_s + st.p2p_bwd_s
         self._grid_cache[key] = sums
         return sums
 
@@ -519,7 +525,7 @@ class SliceCoster:
             "recompute_s": rec_s,
             "tp_comm_s": st.tp_fwd_s + st.tp_bwd_s + (st.tp_fwd_s if full else 0.0),
             "cp_comm_s": st.cp_fwd_s + st.cp_bwd_s + (st.cp_fwd_s if full else 0.0),
-            "ep_comm_s": 2 * st.ep_fwd_s + (st.ep_fwd_s if full else 0.0),
+            "ep_comm_s": st.ep_fwd_s + st.ep_bwd_s + (st.ep_fwd_s if full else 0.0),
             "zero_comm_exposed_s": sum(zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s)),
             "p2p_s": st.p2p_fwd_s + st.p2p_bwd_s,
             "dp_sync_s": sync,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tangram_launch.costmodel.efficiency import GBPS, INTRA_NODE_LATENCY_S, NET_EFFICIENCY, DeviceModel
+from tangram_launch.costmodel.efficiency import GBPS, NET_EFFICIENCY, DeviceModel
 
 ALL_REDUCE = "all_reduce"
 REDUCE_SCATTER = "reduce_scatter"
@@ -93,7 +93,7 @@ def group_link(stride: int, size: int, *, stage_gpus: int, gpus_per_node: int, d
     """The link of a TP/CP/DP/EP group (see the module docstring)."""
     nodes, _members, sharing = group_span(stride, size, stage_gpus, gpus_per_node)
     if nodes <= 1 or inter_bandwidth_gbps is None:
-        return GroupLink(dev.intra_busbw, INTRA_NODE_LATENCY_S)
+        return GroupLink(dev.intra_busbw, dev.intra_latency_s)
     net = inter_bandwidth_gbps * GBPS * NET_EFFICIENCY / sharing
     return GroupLink(min(dev.intra_busbw, net), inter_latency_us * 1e-6, True, nodes)
 
@@ -110,7 +110,7 @@ def p2p_stage_s(nbytes: float, *, stage_gpus: int, gpus_per_node: int, same_node
         return 0.0
     per_gpu = nbytes / stage_gpus
     if same_node or inter_bandwidth_gbps is None:
-        return per_gpu / dev.intra_busbw + INTRA_NODE_LATENCY_S
+        return per_gpu / dev.intra_busbw + dev.intra_latency_s
     nodes = max(1, stage_gpus // gpus_per_node)
     net = inter_bandwidth_gbps * GBPS * NET_EFFICIENCY * nodes
     return max(nbytes / net, per_gpu / dev.intra_busbw) + inter_latency_us * 1e-6

@@ -121,6 +121,8 @@ class DeviceModel:
     measured_layer_forward_backward_s: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     sources: tuple[str, ...] = ()  # which figures were measured (for explanations)
     gemm_input_bytes: float = 0.0  # bytes moved per GEMM input element (0: dtype_bytes; fp8: cast + FP8 read)
+    # fixed cost per ring step of an intra-node collective: measured (a tiny all-to-all / (n - 1)) or NVLink's
+    intra_latency_s: float = INTRA_NODE_LATENCY_S
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None) -> "DeviceModel":
@@ -150,6 +152,12 @@ class DeviceModel:
             intra = busbw * GBPS
         else:
             intra = gpu.intra_node_bandwidth_gbps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
+        intra_latency_s = INTRA_NODE_LATENCY_S
+        latency_us = _measured(gpu, "collective_latency_us")
+        if latency_us is not None:  # the profiler's tiny all-to-all over the node's n ranks takes n - 1 steps
+            sources.append("collective_latency_us")
+            steps = max(1, int(_measured(gpu, "allreduce_group_size") or 2) - 1)
+            intra_latency_s = latency_us * 1e-6 / steps
         flash = supports_flash_attention(gpu) if flash_attention is None else bool(flash_attention)
         layer_times = gpu.measured.get("layer_forward_s", {}) if gpu.measured else {}
         layer_fb_times = gpu.measured.get("layer_forward_backward_s", {}) if gpu.measured else {}
@@ -169,6 +177,7 @@ class DeviceModel:
             measured_layer_forward_backward_s=dict(layer_fb_times) if isinstance(layer_fb_times, Mapping) else {},
             sources=tuple(sources),
             gemm_input_bytes=FP8_INPUT_BYTES if dtype == "fp8" else 0.0,
+            intra_latency_s=intra_latency_s,
         )
 
     # ------------------------------------------------------------------ kernels
