@@ -2,7 +2,7 @@
 iteration time and per-GPU peak memory, row by row, then the median absolute errors.
 
     PYTHONPATH=. python benchmarks/bench_costmodel_published.py [--data benchmarks/data/published_runs.yaml]
-        [--only TEXT] [--json]
+        [--only TEXT] [--json] [--fit]
 
 Each row of the data file (see its header) is costed through the project's public API, as
 `tangram-launch estimate` does for one configuration: a ModelSpec (preset or the file's `models:`), one island
@@ -43,6 +43,7 @@ from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # no
 from tangram_launch.costmodel.pipeline import iteration_time_s, stage_memory_bytes  # noqa: E402
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES  # noqa: E402
 from tangram_launch.costmodel.efficiency import GIB  # noqa: E402
+from tangram_launch.costmodel.memory import RUNTIME_OVERHEAD_BYTES  # noqa: E402
 from tangram_launch.errors import SpecError  # noqa: E402
 from tangram_launch.islands import Island  # noqa: E402
 from tangram_launch.parallelizers.base import SliceQuery, capacity_bytes  # noqa: E402
@@ -71,10 +72,16 @@ def resolve_model(name: str, data: dict) -> ModelSpec:
     return load_model(name)
 
 
-def gpu_spec(gpu_type: str):
-    """The catalog's GPUSpec for a type name, through the ClusterSpec parser (as a cluster file would get it)."""
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
-                                  "nodes": [{"name": "n0", "gpu": gpu_type, "count": 1}]})
+GPU_OVERRIDE_KEYS = ("memory_gib", "memory_bandwidth_gbps")
+
+
+def gpu_spec(gpu_type: str, overrides: dict | None = None):
+    """The catalog's GPUSpec for a type name, through the ClusterSpec parser (as a cluster file would get it), with
+    the row's `gpu_overrides` (a variant of the catalog part the source describes, e.g. a 96 GB H100) applied as a
+    cluster file's node-level figures."""
+    node = {"name": "n0", "gpu": gpu_type, "count": 1}
+    node.update({k: v for k, v in (overrides or {}).items() if k in GPU_OVERRIDE_KEYS})
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}}, "nodes": [node]})
     return spec.nodes[0].gpus[0]
 
 
@@ -86,8 +93,8 @@ def make_island(row: dict) -> Island:
     nodes = tuple(f"n{i}" for i in range(math.ceil(n / per_node)))
     gpus = tuple(GpuRef(node, k) for node in nodes for k in range(per_node))[:n]
     link = LinkSpec(float(row.get("inter_node_gbps", 25.0)), INTER_NODE_LATENCY_US) if len(nodes) > 1 else None
-    return Island(name=row["gpu"], nodes=nodes, gpus=gpus, gpus_per_node=per_node, gpu=gpu_spec(row["gpu"]),
-                  inter_node_link=link)
+    return Island(name=row["gpu"], nodes=nodes, gpus=gpus, gpus_per_node=per_node,
+                  gpu=gpu_spec(row["gpu"], row.get("gpu_overrides")), inter_node_link=link)
 
 
 # ------------------------------------------------------------------------------------------------ conventions
@@ -200,6 +207,21 @@ def predict(row: dict, model: ModelSpec) -> dict:
             "mfu": flops / (est["iteration_s"] * n * coster.dev.peak_flops)}
 
 
+MEMORY_CONVENTIONS = ("device-used", "allocator-reserved", "stated")
+
+
+def comparable_memory_gib(predicted_gib: float, row: dict, data: dict) -> float:
+    """The prediction counted the way the source measured (memory_conventions in the data file): the cost model
+    predicts what the device holds; torch's max_memory_reserved leaves out the CUDA context and NCCL's buffers,
+    which live outside the caching allocator (RUNTIME_OVERHEAD_BYTES)."""
+    conv = row["published"].get("memory_convention", "stated")
+    if conv not in MEMORY_CONVENTIONS:
+        raise ValueError(f"{row['id']}: memory_convention {conv!r} (known: {', '.join(MEMORY_CONVENTIONS)})")
+    if data.get("memory_conventions", {}).get(conv, {}).get("excludes_runtime_overhead"):
+        return predicted_gib - RUNTIME_OVERHEAD_BYTES / GIB
+    return predicted_gib
+
+
 def pct(pred: float, pub: float) -> float:
     return 100.0 * (pred - pub) / pub
 
@@ -210,6 +232,7 @@ def evaluate(row: dict, data: dict) -> dict:
                            "verified": row.get("verified"), "source": row["source"]["ref"]}
     model = resolve_model(row["model"], data)
     out["moe"] = model.is_moe
+    out["parallel"] = dict(row["parallel"])
     par = row["parallel"]
     out["config"] = (f"{row['num_gpus']}x{row['gpu']} tp{par.get('tp', 1)} pp{par.get('pp', 1)} dp{par.get('dp', 1)}"
                      + (f" cp{par['cp']}" if par.get("cp", 1) > 1 else "")
@@ -228,9 +251,10 @@ def evaluate(row: dict, data: dict) -> dict:
         if approx is not None:
             try:
                 p = predict(approx, model)
+                gib = comparable_memory_gib(p["peak_gib"], row, data)
                 out["approx"] = {"as": approx["_approx"], "predicted_s": p["iteration_s"],
-                                 "time_err": pct(p["iteration_s"], pub_s), "predicted_gib": p["peak_gib"],
-                                 "mem_err": pct(p["peak_gib"], pub_mem) if pub_mem else None}
+                                 "time_err": pct(p["iteration_s"], pub_s), "predicted_gib": gib,
+                                 "mem_err": pct(gib, pub_mem) if pub_mem else None}
             except (SpecError, ValueError) as exc:
                 out["approx_error"] = str(exc)
         return out
@@ -239,10 +263,11 @@ def evaluate(row: dict, data: dict) -> dict:
     except (SpecError, ValueError) as exc:
         out["not_expressible"] = f"cost model refused: {exc}"
         return out
-    out.update(predicted_s=p["iteration_s"], predicted_gib=p["peak_gib"], predicted_mfu=p["mfu"],
+    gib = comparable_memory_gib(p["peak_gib"], row, data)
+    out.update(predicted_s=p["iteration_s"], predicted_gib=gib, predicted_mfu=p["mfu"],
                capacity_gib=p["capacity_gib"], fits=p["peak_gib"] <= p["capacity_gib"],
                bubble_s=p["bubble_s"], time_err=pct(p["iteration_s"], pub_s),
-               mem_err=pct(p["peak_gib"], pub_mem) if pub_mem else None)
+               mem_err=pct(gib, pub_mem) if pub_mem else None)
     return out
 
 
@@ -291,6 +316,20 @@ def coverage(rows: list[dict], results: list[dict]) -> str:
             f"{ver['partial']}, not verified (from memory): {ver[False]}")
 
 
+# Per-technique groups of the report (a row counts in every group it matches).
+TECHNIQUES = (
+    ("TP>1", lambda p: p.get("tp", 1) > 1), ("PP>1", lambda p: p.get("pp", 1) > 1),
+    ("CP>1", lambda p: p.get("cp", 1) > 1), ("EP>1", lambda p: p.get("ep", 1) > 1),
+    ("ZeRO-0", lambda p: p.get("zero", 0) == 0), ("ZeRO-1", lambda p: p.get("zero", 0) == 1),
+    ("ZeRO-3/FSDP", lambda p: p.get("zero", 0) == 3),
+    ("recompute none", lambda p: p.get("recompute", "none") == "none"),
+    ("recompute selective", lambda p: p.get("recompute") == "selective"),
+    ("recompute full", lambda p: p.get("recompute") == "full"),
+    ("interleaved 1F1B", lambda p: p.get("schedule", "1F1B") != "1F1B"),
+    ("fp8", lambda p: p.get("dtype") == "fp8"),
+)
+
+
 def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
     costed = [r for r in results if "time_err" in r]
     skipped = [r for r in results if "not_expressible" in r]
@@ -335,7 +374,7 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
     print("median |error| (signed median: + = predicted slower / more memory)")
     groups: list[tuple[str, list[dict]]] = [
         ("all costed", costed),
-        ("fit (constants calibrated on these)", [r for r in costed if r["subset"] == "fit"]),
+        ("fit (a time constant was fitted on these)", [r for r in costed if r["subset"] == "fit"]),
         ("held-out", [r for r in costed if r["subset"] != "fit"])]
     for g in sorted({r["gpu"] for r in costed}):
         groups.append((f"gpu {g}", [r for r in costed if r["gpu"] == g]))
@@ -345,13 +384,19 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
             groups.append((f"framework {f}", rows))
     groups.append(("dense", [r for r in costed if not r["moe"]]))
     groups.append(("MoE", [r for r in costed if r["moe"]]))
+    for label, pred in TECHNIQUES:
+        rows = [r for r in costed if pred(r["parallel"])]
+        if rows:
+            groups.append((f"technique {label}", rows))
     groups.append(("verified rows only", [r for r in costed if r["verified"] is True]))
     w = max(len(g[0]) for g in groups)
     print(f"  {'subset'.ljust(w)}  {'time |err|':>17}  {'time signed':>11}  {'memory |err|':>17}  "
           f"{'memory signed':>13}")
     for label, rows in groups:
         t = [r["time_err"] for r in rows]
-        mm = [r["mem_err"] for r in rows if r.get("mem_err") is not None]
+        # every fitted constant is a time constant: for memory, every row is held out
+        mem_rows = {"fit": [], "held-out": costed}.get(label.split(" ")[0], rows)
+        mm = [r["mem_err"] for r in mem_rows if r.get("mem_err") is not None]
         print(f"  {label.ljust(w)}  {median_abs(t):>17}  {median_signed(t):>11}  {median_abs(mm):>17}  "
               f"{median_signed(mm):>13}")
     approx = [r for r in skipped if "approx" in r]
@@ -364,13 +409,71 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
             print(f"  {r['id']}: as {a['as']}: time {a['time_err']:+.0f} %{mem}")
 
 
+# ------------------------------------------------------------------------------------------------ fitting
+def _set_constant(name: str, spec: dict, value: float) -> None:
+    """Point the cost model's constant `name` (a key of fitted_constants) at `value` (benchmark-only re-fitting)."""
+    from types import MappingProxyType
+
+    from tangram_launch.costmodel import efficiency
+
+    if name.startswith("gemm_efficiency."):
+        table = dict(efficiency.GEMM_EFFICIENCY_BY_GPU)
+        table.update({g: value for g in spec["gpu_types"]})
+        efficiency.GEMM_EFFICIENCY_BY_GPU = MappingProxyType(table)
+    elif name == "fp8_gemm_efficiency":
+        efficiency.FP8_GEMM_EFFICIENCY = value
+    else:
+        raise ValueError(f"fitted_constants.{name}: no setter (known: gemm_efficiency.<gpu>, fp8_gemm_efficiency)")
+
+
+def _get_constant(name: str, spec: dict) -> float:
+    from tangram_launch.costmodel import efficiency
+
+    if name.startswith("gemm_efficiency."):
+        return efficiency.gemm_efficiency_for(spec["gpu_types"][0])
+    return efficiency.FP8_GEMM_EFFICIENCY
+
+
+def fit_constants(data: dict) -> list[dict]:
+    """Re-fit every constant of `fitted_constants` on its rows (golden-section search of the squared log error of
+    the predicted iteration time), one at a time in file order, each restored afterwards."""
+    rows = {r["id"]: r for r in data["runs"]}
+    out = []
+    for name, spec in data["fitted_constants"].items():
+        shipped = _get_constant(name, spec)
+
+        def loss(value: float, name=name, spec=spec) -> float:
+            _set_constant(name, spec, value)
+            total = 0.0
+            for rid in spec["rows"]:
+                r = evaluate(rows[rid], data)
+                total += math.log(r["predicted_s"] / r["published_s"]) ** 2
+            return total
+
+        lo, hi, g = 0.2, 1.0, (math.sqrt(5) - 1) / 2
+        for _ in range(30):
+            c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+            lo, hi = (lo, d) if loss(c) < loss(d) else (c, hi)
+        _set_constant(name, spec, shipped)
+        out.append({"constant": name, "where": spec["constant"], "rows": spec["rows"], "fitted": (lo + hi) / 2,
+                    "shipped": shipped})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=DATA, help="published runs YAML (default: benchmarks/data/published_runs.yaml)")
     ap.add_argument("--only", default="", help="only rows whose id contains this text")
     ap.add_argument("--json", action="store_true", help="print the per-row results as JSON instead of the table")
+    ap.add_argument("--fit", action="store_true",
+                    help="re-fit each constant of `fitted_constants` on its rows and print fitted vs shipped")
     args = ap.parse_args(argv)
     data = load_data(args.data)
+    if args.fit:
+        for f in fit_constants(data):
+            print(f"{f['constant']}: fitted {f['fitted']:.3f}, shipped {f['shipped']:.3f}  ({f['where']}; "
+                  f"rows: {', '.join(f['rows'])})")
+        return 0
     rows = [r for r in data["runs"] if args.only in r["id"]]
     results = [evaluate(r, data) for r in rows]
     if args.json:
