@@ -43,7 +43,6 @@ from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # no
 from tangram_launch.costmodel.pipeline import iteration_time_s, stage_memory_bytes  # noqa: E402
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES  # noqa: E402
 from tangram_launch.costmodel.efficiency import GIB  # noqa: E402
-from tangram_launch.costmodel.memory import RUNTIME_OVERHEAD_BYTES  # noqa: E402
 from tangram_launch.errors import SpecError  # noqa: E402
 from tangram_launch.islands import Island  # noqa: E402
 from tangram_launch.parallelizers.base import SliceQuery, capacity_bytes  # noqa: E402
@@ -200,26 +199,29 @@ def predict(row: dict, model: ModelSpec) -> dict:
         raise SpecError(f"{v} virtual stages need at least {v} layers per stage", field="virtual_stages")
     est = iteration_time_s(plan.stages, m, v)
     k = len(plan.stages)
-    peak = max(stage_memory_bytes(st, k - 1 - j, k, m, v) for j, st in enumerate(plan.stages))
+    mems = [stage_memory_bytes(st, k - 1 - j, k, m, v) for j, st in enumerate(plan.stages)]
+    top = max(range(k), key=mems.__getitem__)
+    peak = mems[top]
     flops = sum(3.0 * st.breakdown["forward_flops"] * st.num_gpus for st in plan.stages) * m
     return {"iteration_s": est["iteration_s"], "bubble_s": est["bubble_s"], "sync_s": est["sync_s"],
             "peak_gib": peak / GIB, "capacity_gib": capacity_bytes(island, reserve_fraction=0.0) / GIB,
+            "overhead_gib": plan.stages[top].breakdown["overhead_bytes"] / GIB,
             "mfu": flops / (est["iteration_s"] * n * coster.dev.peak_flops)}
 
 
 MEMORY_CONVENTIONS = ("device-used", "allocator-reserved", "stated")
 
 
-def comparable_memory_gib(predicted_gib: float, row: dict, data: dict) -> float:
+def comparable_memory_gib(p: dict, row: dict, data: dict) -> float:
     """The prediction counted the way the source measured (memory_conventions in the data file): the cost model
     predicts what the device holds; torch's max_memory_reserved leaves out the CUDA context and NCCL's buffers,
-    which live outside the caching allocator (RUNTIME_OVERHEAD_BYTES)."""
+    which live outside the caching allocator (the peak stage's overhead_bytes)."""
     conv = row["published"].get("memory_convention", "stated")
     if conv not in MEMORY_CONVENTIONS:
         raise ValueError(f"{row['id']}: memory_convention {conv!r} (known: {', '.join(MEMORY_CONVENTIONS)})")
     if data.get("memory_conventions", {}).get(conv, {}).get("excludes_runtime_overhead"):
-        return predicted_gib - RUNTIME_OVERHEAD_BYTES / GIB
-    return predicted_gib
+        return p["peak_gib"] - p["overhead_gib"]
+    return p["peak_gib"]
 
 
 def pct(pred: float, pub: float) -> float:
@@ -251,7 +253,7 @@ def evaluate(row: dict, data: dict) -> dict:
         if approx is not None:
             try:
                 p = predict(approx, model)
-                gib = comparable_memory_gib(p["peak_gib"], row, data)
+                gib = comparable_memory_gib(p, row, data)
                 out["approx"] = {"as": approx["_approx"], "predicted_s": p["iteration_s"],
                                  "time_err": pct(p["iteration_s"], pub_s), "predicted_gib": gib,
                                  "mem_err": pct(gib, pub_mem) if pub_mem else None}
@@ -263,7 +265,7 @@ def evaluate(row: dict, data: dict) -> dict:
     except (SpecError, ValueError) as exc:
         out["not_expressible"] = f"cost model refused: {exc}"
         return out
-    gib = comparable_memory_gib(p["peak_gib"], row, data)
+    gib = comparable_memory_gib(p, row, data)
     out.update(predicted_s=p["iteration_s"], predicted_gib=gib, predicted_mfu=p["mfu"],
                capacity_gib=p["capacity_gib"], fits=p["peak_gib"] <= p["capacity_gib"],
                bubble_s=p["bubble_s"], time_err=pct(p["iteration_s"], pub_s),
