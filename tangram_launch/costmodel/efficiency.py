@@ -25,7 +25,7 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   large-scale language model training on GPU clusters using Megatron-LM", SC'21, Table 1: 1.7B, 7.5B, 39.1B,
   145.6B, 529.6B; 135-163 TFLOP/s per A100, hardware FLOPs incl. recompute); the odd rows, Korthikanti et al.
   2022, torchtitan, llm-foundry and FlagPerf A800 rows are held out.
-* H100 SXM: 0.57, fitted on the three FlagPerf Megatron-core H100 rows (Llama 3 8B / 70B, 8-64 GPUs); the
+* H100 (SXM; PCIe and NVL take the same figure): 0.57, fitted on the three FlagPerf Megatron-core H100 rows (Llama 3 8B / 70B, 8-64 GPUs); the
   llm-foundry, torchtitan and Megatron-core MoE H100 rows are held out (held-out H100 median 24 % -> 18 %; the
   Llama 3 405B rows, not costed for want of their virtual-stage count, land at +5 ... +8 % with 7). A100 sustains a larger
   share of its (lower) peak than H100 in end-to-end training: 2.3x the A100's large-GEMM rate, not the 3.2x of
@@ -58,8 +58,11 @@ GBPS = 1e9  # _gbps = GB/s = 1e9 bytes per second
 GEMM_EFFICIENCY = 0.70
 # Sustained GEMM efficiency by catalog GPU type where published runs pin it (fit subsets in the module docstring
 # and in published_runs.yaml `fitted_constants:`). Fused attention scales with it (the same tensor cores).
+# The H100 PCIe and NVL parts (same GH100 die, lower power, no published rows of their own) take the SXM figure
+# against their own peaks; the A100 PCIe parts (250-300 W) keep the default, ~0.9x the SXM figure.
 GEMM_EFFICIENCY_BY_GPU: Mapping[str, float] = MappingProxyType({"a100-80gb": 0.77, "a100-40gb": 0.77,
-                                                                 "h100-sxm": 0.57})
+                                                                 "h100-sxm": 0.57, "h100-pcie": 0.57,
+                                                                 "h100-nvl": 0.57})
 # FP8 GEMMs (Transformer Engine on H100), as a fraction of the FP8 peak. Fit row: bridge-h100-llama3-8b-fp8 of
 # benchmarks/data/published_runs.yaml (Megatron-Bridge 25.11, TE current scaling): 0.664, with fused attention in
 # bf16 at the H100's sustained bf16 rate. That is 2.3x the H100 bf16 GEMM figure, above the spec sheets' 2x: the
