@@ -14,13 +14,15 @@ Both sides are compared as seconds per iteration: a published tokens/s per GPU b
 (tokens/s x GPUs); a published TFLOP/s per GPU (or aggregate PFLOP/s) becomes the FLOPs of one iteration counted
 *with the source's own convention* (flop_conventions in the data file: Narayanan's hardware count incl. recompute,
 6N + 12lhs, ...) divided by that rate. Error = (predicted - published) / published: positive = the model predicts
-slower (time) or more memory than measured.
+slower (time) or more memory than measured. Memory is compared the way the source measured it (memory_conventions
+in the data file): torch's reserved peak leaves out the CUDA context and NCCL's buffers, nvidia-smi counts them.
 
 Rows today's cost model cannot express (FP8, interleaved 1F1B, per-layer selective checkpointing, ...) are listed
 as `not expressible: <reason>` and left out of the medians; where only the schedule or the FP8 GEMMs are missing,
 the row is also costed as plain 1F1B / bf16 and that error is shown in brackets, to size what the missing feature is
 worth. Medians are given overall, for the rows the constants were fitted on (subset: fit) and for the held-out rest,
-and per GPU type, framework family and dense/MoE.
+and per GPU type, framework family, dense/MoE and technique. `--fit` re-fits each constant of the file's
+`fitted_constants:` on its named rows and prints the fitted next to the shipped value.
 """
 from __future__ import annotations
 
