@@ -408,22 +408,3 @@ def test_measured_forward_backward_replaces_the_2x_rule():
     lc = layer_compute(model, 0, dev=DeviceModel.from_gpu(fwd_only, "fp32"), **kw)
     assert lc.backward_s == pytest.approx(0.020)
 
-
-# ------------------------------------------------------------------------------------------------ runtime overhead
-def test_runtime_overhead_counts_the_cuda_context_and_each_nccl_communicator():
-    """Memory outside the caching allocator: the CUDA context, plus ~0.5-0.7 GB of NCCL buffers per communicator a
-    GPU takes part in (NVIDIA/nccl issues 964 and 986): a single GPU has none, TP x DP two, TP x DP x PP three."""
-    from tangram_launch.costmodel.memory import (CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, nccl_communicators)
-
-    assert 0.4 * 1e9 <= NCCL_COMMUNICATOR_BYTES <= 0.7 * 1e9
-    assert nccl_communicators(tp=1, pp=1, dp=1, cp=1, ep=1, moe=False) == 0
-    assert nccl_communicators(tp=2, pp=1, dp=4, cp=1, ep=1, moe=False) == 2
-    assert nccl_communicators(tp=2, pp=4, dp=4, cp=2, ep=1, moe=False) == 4
-    assert nccl_communicators(tp=1, pp=1, dp=16, cp=1, ep=8, moe=True) == 3  # dp, ep, expert dp
-    assert nccl_communicators(tp=1, pp=1, dp=8, cp=1, ep=8, moe=True) == 2  # no expert replicas to sync
-    model = gpt("g", 2048, 16, 8)
-    one = coster(model, island("a100-80gb", per_node=1)).plan(ParallelConfig()).stages[0]
-    grid = coster(model, island("a100-80gb"), b=4).plan(ParallelConfig(tp=2, dp=4)).stages[0]
-    assert one.breakdown["overhead_bytes"] == pytest.approx(CUDA_CONTEXT_BYTES)
-    assert grid.breakdown["overhead_bytes"] == pytest.approx(CUDA_CONTEXT_BYTES + 2 * NCCL_COMMUNICATOR_BYTES)
-    assert grid.static_bytes > grid.breakdown["overhead_bytes"] + grid.breakdown["parameters_bytes"]

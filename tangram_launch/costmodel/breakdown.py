@@ -29,14 +29,13 @@ from tangram_launch.costmodel.compute import embedding_compute, head_compute, la
 from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, DeviceModel
 from tangram_launch.costmodel.memory import (
     FRAGMENTATION_FRACTION,
+    RUNTIME_OVERHEAD_BYTES,
     ModelStateBytes,
     embedding_activation_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     layer_param_split,
     model_state_bytes,
-    nccl_communicators,
-    runtime_overhead_bytes,
 )
 from tangram_launch.costmodel.partition import balanced_split
 from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
@@ -152,7 +151,6 @@ class StageSums:
     edp_link: comm.GroupLink | None = None
     shard: int = 1  # data-parallel shard group of dense parameters (dp x cp)
     eshard: int = 1  # ... of expert parameters (dp x cp / ep)
-    overhead_bytes: float = 0.0  # CUDA context + NCCL communicators' buffers (0 on the `cpu` device)
     fixed_fwd_s: float = 0.0  # TP + exposed CP + EP + p2p in the forward (independent of the memory savers)
     fixed_bwd_s: float = 0.0
     collectives: dict = field(default_factory=dict)  # SliceCoster._collectives
@@ -202,7 +200,7 @@ class SliceCoster:
         self._split_cache: dict = {}
         self._edge_cache: dict = {}
         self._frag = 1.0 + FRAGMENTATION_FRACTION
-        self._has_runtime = not (self.dev is None or self.dev.is_cpu)  # the `cpu` device has no CUDA context
+        self._overhead = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
 
     # ------------------------------------------------------------------------------------------ per layer
     def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:
@@ -401,12 +399,7 @@ class SliceCoster:
             sums.append(st)
         for j in range(1, pp):
             sums[j].p2p_bwd_s = sums[j - 1].p2p_fwd_s  # the input gradient goes back over the same link
-        overhead = 0.0
-        if self._has_runtime:
-            overhead = runtime_overhead_bytes(nccl_communicators(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep,
-                                                                 moe=model.is_moe))
         for st in sums:
-            st.overhead_bytes = overhead
             st.shard, st.eshard = dp * cp, dp * cp // ep
             st.fixed_fwd_s = st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s + st.p2p_fwd_s
             st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_fwd_s + st.p2p_bwd_s
@@ -508,7 +501,7 @@ class SliceCoster:
         else:
             fwd = st.fwd_s + st.fixed_fwd_s
             bwd = b + st.fixed_bwd_s + rp.comm_s
-        static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * self._frag + st.overhead_bytes
+        static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * self._frag + self._overhead
         return StageNumbers(fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s)
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
@@ -535,7 +528,7 @@ class SliceCoster:
             "gradients_bytes": dense.gradients + expert.gradients,
             "optimizer_bytes": dense.optimizer + expert.optimizer,
             "working_bytes": (zworking + rworking) * self._frag,
-            "overhead_bytes": st.overhead_bytes,
+            "overhead_bytes": self._overhead,
             "activations_bytes": act,
             "host_offload_bytes": dense.host + expert.host,
             "forward_flops": st.fwd_flops,

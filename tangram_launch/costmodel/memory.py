@@ -35,30 +35,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
 
 MASK_BYTES = 1  # dropout masks are stored as bytes (Korthikanti et al. 2022, sec. 4.1)
-# Per-GPU memory outside the caching allocator (so outside torch.cuda.max_memory_reserved, inside nvidia-smi's
-# figure): the CUDA context with cuBLAS/cuDNN handles and workspaces (~0.4-0.6 GiB under CUDA 12 with lazy module
-# loading) ...
-CUDA_CONTEXT_BYTES = 0.5 * GIB
-# ... plus the buffers of every NCCL communicator the GPU takes part in: 544 MB for a 2-GPU and 688 MB for a 3-4 GPU
-# communicator on A100s with NVLink after one all-reduce (NVIDIA/nccl issue 964); "more communicators = more memory
-# used", linear in the number of channels (NVIDIA/nccl issue 986, maintainer's answer).
-NCCL_COMMUNICATOR_BYTES = 0.6 * GIB
-# The overhead of a GPU in one data-parallel communicator (the common case before it depended on the grid).
-RUNTIME_OVERHEAD_BYTES = CUDA_CONTEXT_BYTES + NCCL_COMMUNICATOR_BYTES
-
-
-def nccl_communicators(*, tp: int, pp: int, dp: int, cp: int, ep: int, moe: bool) -> int:
-    """NCCL communicators a GPU of a stage uses: TP, data parallel (dp x cp: gradients), pipeline (p2p), context
-    parallel (ring attention), expert parallel and, with experts, the expert data-parallel group."""
-    count = (tp > 1) + (dp * cp > 1) + (pp > 1) + (cp > 1)
-    if moe and ep > 1:
-        count += 1 + (dp * cp // ep > 1)
-    return int(count)
-
-
-def runtime_overhead_bytes(communicators: int) -> float:
-    """CUDA context plus the NCCL communicators' buffers on one GPU."""
-    return CUDA_CONTEXT_BYTES + NCCL_COMMUNICATOR_BYTES * communicators
+# Fixed per-GPU overhead outside the allocator's view of tensors (so outside torch.cuda.max_memory_reserved, inside
+# nvidia-smi's figure): the CUDA context with cuBLAS/cuDNN handles and workspaces (~0.4-0.6 GiB under CUDA 12 with
+# lazy module loading) plus NCCL communicator buffers (NCCL_BUFFSIZE 4 MiB x channels x peers). Measured: 544 MB for
+# a 2-GPU and 688 MB for a 3-4 GPU communicator on NVLink A100s (NVIDIA/nccl issue 964), "more communicators = more
+# memory", linear in the channels (issue 986). Counting 0.6 GiB per communicator a GPU uses was tried (issue 13):
+# memory error 23.2 -> 22.7 % on the published runs, while 16 GB V100 pipelines lost their interleaved option;
+# one flat figure is kept.
+RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # PyTorch's caching allocator rounds and splits blocks; activations, allocated and freed every micro-batch, fragment
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
 FRAGMENTATION_FRACTION = 0.05
