@@ -25,12 +25,12 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   large-scale language model training on GPU clusters using Megatron-LM", SC'21, Table 1: 1.7B, 7.5B, 39.1B,
   145.6B, 529.6B; 135-163 TFLOP/s per A100, hardware FLOPs incl. recompute); the odd rows, Korthikanti et al.
   2022, torchtitan, llm-foundry and FlagPerf A800 rows are held out.
-* H100 (SXM; PCIe and NVL take the same figure): 0.57, fitted on the three FlagPerf Megatron-core H100 rows (Llama 3 8B / 70B, 8-64 GPUs); the
-  llm-foundry, torchtitan and Megatron-core MoE H100 rows are held out (held-out H100 median 24 % -> 18 %; the
-  Llama 3 405B rows, not costed for want of their virtual-stage count, land at +5 ... +8 % with 7). A100 sustains a larger
-  share of its (lower) peak than H100 in end-to-end training: 2.3x the A100's large-GEMM rate, not the 3.2x of
-  the spec sheets (Grattafiori et al. 2024, Llama 3 405B: 38-43 % MFU on H100; Narayanan et al. 2021: 43-52 % on
-  A100).
+* H100 (SXM; the PCIe and NVL parts take the same figure): 0.57, fitted on the three FlagPerf Megatron-core H100
+  rows (Llama 3 8B / 70B, 8-64 GPUs); the llm-foundry, torchtitan and Megatron-core MoE H100 rows are held out
+  (held-out H100 median 24 % -> 18 %; the Llama 3 405B rows, not costed for want of their virtual-stage count, land
+  at +5 ... +8 % with 7). An A100 sustains a larger share of its (lower) peak than an H100 in end-to-end training:
+  the H100 sustains 2.3x the A100's large-GEMM rate, not the 3.2x of the spec sheets (Grattafiori et al. 2024,
+  Llama 3 405B: 38-43 % MFU on H100; Narayanan et al. 2021: 43-52 % on A100).
 * Others (H200, V100, ...): ``GEMM_EFFICIENCY`` = 0.70. On one H200 (device check, 2026-11-29: eager PyTorch layers
   with SDPA flash attention, bf16) the predicted forward+backward time of one GPT-3 13B / Llama 3 8B layer was
   within -1 % ... +8 % of the measured one at mbs 1-4, s 2048-8192 (tests/test_costmodel_calibration.py). That is
