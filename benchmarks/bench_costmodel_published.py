@@ -56,6 +56,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "publish
 PUBLISHED_METRICS = ("iteration_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "pflops_total")
 FLOP_FORMULAS = ("megatron-hw", "megatron-model", "6n-12lhs", "model-causal", "model-noncausal")
 SCHEDULES = ("1F1B", "interleaved-1F1B")
+KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.compile) or eager PyTorch
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -189,7 +190,10 @@ def predict(row: dict, model: ModelSpec) -> dict:
     if training.global_batch % (mbs * dp):
         raise SpecError(f"global batch {training.global_batch} is not a multiple of mbs x dp = {mbs * dp}",
                         field="parallel")
-    coster = SliceCoster(q, flash_attention=row.get("flash_attention"))
+    kernels = row.get("kernels", "fused")
+    if kernels not in KERNELS:
+        raise SpecError(f"kernels {kernels!r} (known: {', '.join(KERNELS)})", field="kernels")
+    coster = SliceCoster(q, flash_attention=row.get("flash_attention"), fused_elementwise=kernels == "fused")
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),

@@ -408,3 +408,24 @@ def test_measured_forward_backward_replaces_the_2x_rule():
     lc = layer_compute(model, 0, dev=DeviceModel.from_gpu(fwd_only, "fp32"), **kw)
     assert lc.backward_s == pytest.approx(0.020)
 
+
+
+def test_eager_elementwise_kernels_move_the_counted_bytes_and_slow_a_layer():
+    """torchtitan's eager Llama (no torch.compile): RMSNorm in six fp32 passes, RoPE through complex fp32, GQA's
+    repeat_kv copies, SwiGLU as silu then multiply; the default (fused, as Megatron/TE or torch.compile run them)
+    is what the planner uses."""
+    from tangram_launch.costmodel.compute import elementwise_bytes_per_token, ffn_elementwise_bytes_per_token
+
+    llama = load_model("llama3-8b")
+    h, q, kv, f = llama.hidden_size, llama.q_dim, llama.kv_dim, llama.ffn_hidden_size
+    eager = elementwise_bytes_per_token(llama, 0, 2, fused=False) + ffn_elementwise_bytes_per_token(llama, f, 2, False)
+    fused = elementwise_bytes_per_token(llama, 0, 2, fused=True) + ffn_elementwise_bytes_per_token(llama, f, 2, True)
+    assert eager == 2 * 36 * h + 20 * (q + kv) + 4 * (kv + q) + 4 * q + 12 * h + 10 * f
+    assert fused == 2 * (11 * h + 3 * f) and 2.5 * fused < eager
+    kw = dict(seq_len=8192, mbs=1, tp=1, cp=1, ep=1)
+    dev = DeviceModel.from_gpu(gpu("a100-80gb"), "bf16")
+    slow = layer_compute(llama, 0, dev=DeviceModel.from_gpu(gpu("a100-80gb"), "bf16", fused_elementwise=False), **kw)
+    fast = layer_compute(llama, 0, dev=dev, **kw)
+    assert dev.fused_elementwise and slow.gemm_s == fast.gemm_s
+    assert slow.elementwise_s == pytest.approx(fast.elementwise_s * eager / fused)
+    assert 1.05 < slow.forward_s / fast.forward_s < 1.25  # a few to 20 % of a layer: memory-bound passes

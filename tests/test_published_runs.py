@@ -105,6 +105,7 @@ def test_memory_figures_say_how_they_were_measured(data, bench):
             assert r["published"].get("memory_convention") in conventions, r["id"]
         for key in r.get("gpu_overrides") or {}:
             assert key in bench.GPU_OVERRIDE_KEYS, f"{r['id']}: gpu_overrides.{key}"
+        assert r.get("kernels", "fused") in bench.KERNELS, r["id"]
 
 
 @pytest.mark.unit

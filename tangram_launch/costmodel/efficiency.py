@@ -149,9 +149,11 @@ class DeviceModel:
     measured_layer_forward_backward_s: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     sources: tuple[str, ...] = ()  # which figures were measured (for explanations)
     gemm_input_bytes: float = 0.0  # bytes moved per GEMM input element (0: dtype_bytes; fp8: cast + FP8 read)
+    fused_elementwise: bool = True  # norms, RoPE, SwiGLU as fused kernels (Megatron/TE, torch.compile); False: eager
 
     @classmethod
-    def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None) -> "DeviceModel":
+    def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None,
+                 fused_elementwise: bool = True) -> "DeviceModel":
         from tangram_launch.specs.training import DTYPE_BYTES
 
         peak = peak_tflops_for(gpu, dtype) * TFLOPS
@@ -202,6 +204,7 @@ class DeviceModel:
             measured_layer_forward_backward_s=dict(layer_fb_times) if isinstance(layer_fb_times, Mapping) else {},
             sources=tuple(sources),
             gemm_input_bytes=FP8_INPUT_BYTES if dtype == "fp8" else 0.0,
+            fused_elementwise=bool(fused_elementwise),
         )
 
     # ------------------------------------------------------------------ kernels
