@@ -39,12 +39,13 @@ SCORE_TRAFFIC_P = 6
 ELEMENTWISE_TRAFFIC_H = 11
 
 
-# Eager PyTorch runs every element-wise op as its own kernel (torchtitan's Llama without torch.compile; counted from
-# its model code, bytes per element, bf16 activations): RMSNorm upcasts to fp32 and makes six passes (x.float(),
-# pow, mean, x * rsqrt, type_as, * weight: 6 + 8 + 4 + 8 + 6 + 4 = 36 bytes per element against 4 fused); rotary
-# embedding through complex fp32 (float(), complex multiply, type_as: 6 + 8 + 6 = 20 per q/k element); GQA's
-# repeat_kv materialises K and V at the query width (read kv, write q, for each); the attention output is made
-# contiguous (read + write); SwiGLU is silu then multiply (4 + 6 = 10 bytes per f element against 6 fused).
+# Eager PyTorch runs every element-wise op as its own kernel (torchtitan's Llama without torch.compile, bytes per
+# element with bf16 activations, counted from its model.py: apply_rotary_emb, repeat_kv, Attention.forward,
+# FeedForward; and from the reference Llama RMSNorm, x.float() -> x * rsqrt(x.pow(2).mean(-1)) -> type_as -> * weight):
+# RMSNorm makes six passes in fp32 (6 + 8 + 4 + 8 + 6 + 4 = 36 bytes per element against 4 fused); rotary embedding
+# goes through complex fp32 (float(), complex multiply, type_as: 6 + 8 + 6 = 20 per q/k element); GQA's repeat_kv
+# materialises K and V at the query width (read kv, write q, for each); the attention output is made contiguous
+# (read + write); SwiGLU is silu then multiply (4 + 6 = 10 bytes per f element against 6 fused).
 EAGER_RMSNORM_BYTES = 36
 EAGER_ROTARY_BYTES = 20
 EAGER_SWIGLU_BYTES = 10
