@@ -2,7 +2,7 @@
 iteration time and per-GPU peak memory, row by row, then the median absolute errors.
 
     PYTHONPATH=. python benchmarks/bench_costmodel_published.py [--data benchmarks/data/published_runs.yaml]
-        [--only TEXT] [--json]
+        [--only TEXT] [--json] [--fit]
 
 Each row of the data file (see its header) is costed through the project's public API, as
 `tangram-launch estimate` does for one configuration: a ModelSpec (preset or the file's `models:`), one island
@@ -14,13 +14,15 @@ Both sides are compared as seconds per iteration: a published tokens/s per GPU b
 (tokens/s x GPUs); a published TFLOP/s per GPU (or aggregate PFLOP/s) becomes the FLOPs of one iteration counted
 *with the source's own convention* (flop_conventions in the data file: Narayanan's hardware count incl. recompute,
 6N + 12lhs, ...) divided by that rate. Error = (predicted - published) / published: positive = the model predicts
-slower (time) or more memory than measured.
+slower (time) or more memory than measured. Memory is compared the way the source measured it (memory_conventions
+in the data file): torch's reserved peak leaves out the CUDA context and NCCL's buffers, nvidia-smi counts them.
 
 Rows today's cost model cannot express (FP8, interleaved 1F1B, per-layer selective checkpointing, ...) are listed
 as `not expressible: <reason>` and left out of the medians; where only the schedule or the FP8 GEMMs are missing,
 the row is also costed as plain 1F1B / bf16 and that error is shown in brackets, to size what the missing feature is
 worth. Medians are given overall, for the rows the constants were fitted on (subset: fit) and for the held-out rest,
-and per GPU type, framework family and dense/MoE.
+and per GPU type, framework family, dense/MoE and technique. `--fit` re-fits each constant of the file's
+`fitted_constants:` on its named rows and prints the fitted next to the shipped value.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "publish
 PUBLISHED_METRICS = ("iteration_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "pflops_total")
 FLOP_FORMULAS = ("megatron-hw", "megatron-model", "6n-12lhs", "model-causal", "model-noncausal")
 SCHEDULES = ("1F1B", "interleaved-1F1B")
+KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.compile) or eager PyTorch
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -71,10 +74,16 @@ def resolve_model(name: str, data: dict) -> ModelSpec:
     return load_model(name)
 
 
-def gpu_spec(gpu_type: str):
-    """The catalog's GPUSpec for a type name, through the ClusterSpec parser (as a cluster file would get it)."""
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
-                                  "nodes": [{"name": "n0", "gpu": gpu_type, "count": 1}]})
+GPU_OVERRIDE_KEYS = ("memory_gib", "memory_bandwidth_gbps")
+
+
+def gpu_spec(gpu_type: str, overrides: dict | None = None):
+    """The catalog's GPUSpec for a type name, through the ClusterSpec parser (as a cluster file would get it), with
+    the row's `gpu_overrides` (a variant of the catalog part the source describes, e.g. a 96 GB H100) applied as a
+    cluster file's node-level figures."""
+    node = {"name": "n0", "gpu": gpu_type, "count": 1}
+    node.update({k: v for k, v in (overrides or {}).items() if k in GPU_OVERRIDE_KEYS})
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}}, "nodes": [node]})
     return spec.nodes[0].gpus[0]
 
 
@@ -86,8 +95,8 @@ def make_island(row: dict) -> Island:
     nodes = tuple(f"n{i}" for i in range(math.ceil(n / per_node)))
     gpus = tuple(GpuRef(node, k) for node in nodes for k in range(per_node))[:n]
     link = LinkSpec(float(row.get("inter_node_gbps", 25.0)), INTER_NODE_LATENCY_US) if len(nodes) > 1 else None
-    return Island(name=row["gpu"], nodes=nodes, gpus=gpus, gpus_per_node=per_node, gpu=gpu_spec(row["gpu"]),
-                  inter_node_link=link)
+    return Island(name=row["gpu"], nodes=nodes, gpus=gpus, gpus_per_node=per_node,
+                  gpu=gpu_spec(row["gpu"], row.get("gpu_overrides")), inter_node_link=link)
 
 
 # ------------------------------------------------------------------------------------------------ conventions
@@ -181,7 +190,10 @@ def predict(row: dict, model: ModelSpec) -> dict:
     if training.global_batch % (mbs * dp):
         raise SpecError(f"global batch {training.global_batch} is not a multiple of mbs x dp = {mbs * dp}",
                         field="parallel")
-    coster = SliceCoster(q, flash_attention=row.get("flash_attention"))
+    kernels = row.get("kernels", "fused")
+    if kernels not in KERNELS:
+        raise SpecError(f"kernels {kernels!r} (known: {', '.join(KERNELS)})", field="kernels")
+    coster = SliceCoster(q, flash_attention=row.get("flash_attention"), fused_elementwise=kernels == "fused")
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),
@@ -193,11 +205,29 @@ def predict(row: dict, model: ModelSpec) -> dict:
         raise SpecError(f"{v} virtual stages need at least {v} layers per stage", field="virtual_stages")
     est = iteration_time_s(plan.stages, m, v)
     k = len(plan.stages)
-    peak = max(stage_memory_bytes(st, k - 1 - j, k, m, v) for j, st in enumerate(plan.stages))
+    mems = [stage_memory_bytes(st, k - 1 - j, k, m, v) for j, st in enumerate(plan.stages)]
+    top = max(range(k), key=mems.__getitem__)
+    peak = mems[top]
     flops = sum(3.0 * st.breakdown["forward_flops"] * st.num_gpus for st in plan.stages) * m
     return {"iteration_s": est["iteration_s"], "bubble_s": est["bubble_s"], "sync_s": est["sync_s"],
             "peak_gib": peak / GIB, "capacity_gib": capacity_bytes(island, reserve_fraction=0.0) / GIB,
+            "overhead_gib": plan.stages[top].breakdown["overhead_bytes"] / GIB,
             "mfu": flops / (est["iteration_s"] * n * coster.dev.peak_flops)}
+
+
+MEMORY_CONVENTIONS = ("device-used", "allocator-reserved", "stated")
+
+
+def comparable_memory_gib(p: dict, row: dict, data: dict) -> float:
+    """The prediction counted the way the source measured (memory_conventions in the data file): the cost model
+    predicts what the device holds; torch's max_memory_reserved leaves out the CUDA context and NCCL's buffers,
+    which live outside the caching allocator (the peak stage's overhead_bytes)."""
+    conv = row["published"].get("memory_convention", "stated")
+    if conv not in MEMORY_CONVENTIONS:
+        raise ValueError(f"{row['id']}: memory_convention {conv!r} (known: {', '.join(MEMORY_CONVENTIONS)})")
+    if data.get("memory_conventions", {}).get(conv, {}).get("excludes_runtime_overhead"):
+        return p["peak_gib"] - p["overhead_gib"]
+    return p["peak_gib"]
 
 
 def pct(pred: float, pub: float) -> float:
@@ -210,6 +240,7 @@ def evaluate(row: dict, data: dict) -> dict:
                            "verified": row.get("verified"), "source": row["source"]["ref"]}
     model = resolve_model(row["model"], data)
     out["moe"] = model.is_moe
+    out["parallel"] = dict(row["parallel"])
     par = row["parallel"]
     out["config"] = (f"{row['num_gpus']}x{row['gpu']} tp{par.get('tp', 1)} pp{par.get('pp', 1)} dp{par.get('dp', 1)}"
                      + (f" cp{par['cp']}" if par.get("cp", 1) > 1 else "")
@@ -228,9 +259,10 @@ def evaluate(row: dict, data: dict) -> dict:
         if approx is not None:
             try:
                 p = predict(approx, model)
+                gib = comparable_memory_gib(p, row, data)
                 out["approx"] = {"as": approx["_approx"], "predicted_s": p["iteration_s"],
-                                 "time_err": pct(p["iteration_s"], pub_s), "predicted_gib": p["peak_gib"],
-                                 "mem_err": pct(p["peak_gib"], pub_mem) if pub_mem else None}
+                                 "time_err": pct(p["iteration_s"], pub_s), "predicted_gib": gib,
+                                 "mem_err": pct(gib, pub_mem) if pub_mem else None}
             except (SpecError, ValueError) as exc:
                 out["approx_error"] = str(exc)
         return out
@@ -239,10 +271,11 @@ def evaluate(row: dict, data: dict) -> dict:
     except (SpecError, ValueError) as exc:
         out["not_expressible"] = f"cost model refused: {exc}"
         return out
-    out.update(predicted_s=p["iteration_s"], predicted_gib=p["peak_gib"], predicted_mfu=p["mfu"],
+    gib = comparable_memory_gib(p, row, data)
+    out.update(predicted_s=p["iteration_s"], predicted_gib=gib, predicted_mfu=p["mfu"],
                capacity_gib=p["capacity_gib"], fits=p["peak_gib"] <= p["capacity_gib"],
                bubble_s=p["bubble_s"], time_err=pct(p["iteration_s"], pub_s),
-               mem_err=pct(p["peak_gib"], pub_mem) if pub_mem else None)
+               mem_err=pct(gib, pub_mem) if pub_mem else None)
     return out
 
 
@@ -291,6 +324,20 @@ def coverage(rows: list[dict], results: list[dict]) -> str:
             f"{ver['partial']}, not verified (from memory): {ver[False]}")
 
 
+# Per-technique groups of the report (a row counts in every group it matches).
+TECHNIQUES = (
+    ("TP>1", lambda p: p.get("tp", 1) > 1), ("PP>1", lambda p: p.get("pp", 1) > 1),
+    ("CP>1", lambda p: p.get("cp", 1) > 1), ("EP>1", lambda p: p.get("ep", 1) > 1),
+    ("ZeRO-0", lambda p: p.get("zero", 0) == 0), ("ZeRO-1", lambda p: p.get("zero", 0) == 1),
+    ("ZeRO-3/FSDP", lambda p: p.get("zero", 0) == 3),
+    ("recompute none", lambda p: p.get("recompute", "none") == "none"),
+    ("recompute selective", lambda p: p.get("recompute") == "selective"),
+    ("recompute full", lambda p: p.get("recompute") == "full"),
+    ("interleaved 1F1B", lambda p: p.get("schedule", "1F1B") != "1F1B"),
+    ("fp8", lambda p: p.get("dtype") == "fp8"),
+)
+
+
 def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
     costed = [r for r in results if "time_err" in r]
     skipped = [r for r in results if "not_expressible" in r]
@@ -335,7 +382,7 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
     print("median |error| (signed median: + = predicted slower / more memory)")
     groups: list[tuple[str, list[dict]]] = [
         ("all costed", costed),
-        ("fit (constants calibrated on these)", [r for r in costed if r["subset"] == "fit"]),
+        ("fit (a time constant was fitted on these)", [r for r in costed if r["subset"] == "fit"]),
         ("held-out", [r for r in costed if r["subset"] != "fit"])]
     for g in sorted({r["gpu"] for r in costed}):
         groups.append((f"gpu {g}", [r for r in costed if r["gpu"] == g]))
@@ -345,13 +392,19 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
             groups.append((f"framework {f}", rows))
     groups.append(("dense", [r for r in costed if not r["moe"]]))
     groups.append(("MoE", [r for r in costed if r["moe"]]))
+    for label, pred in TECHNIQUES:
+        rows = [r for r in costed if pred(r["parallel"])]
+        if rows:
+            groups.append((f"technique {label}", rows))
     groups.append(("verified rows only", [r for r in costed if r["verified"] is True]))
     w = max(len(g[0]) for g in groups)
     print(f"  {'subset'.ljust(w)}  {'time |err|':>17}  {'time signed':>11}  {'memory |err|':>17}  "
           f"{'memory signed':>13}")
     for label, rows in groups:
         t = [r["time_err"] for r in rows]
-        mm = [r["mem_err"] for r in rows if r.get("mem_err") is not None]
+        # every fitted constant is a time constant: for memory, every row is held out
+        mem_rows = {"fit": [], "held-out": costed}.get(label.split(" ")[0], rows)
+        mm = [r["mem_err"] for r in mem_rows if r.get("mem_err") is not None]
         print(f"  {label.ljust(w)}  {median_abs(t):>17}  {median_signed(t):>11}  {median_abs(mm):>17}  "
               f"{median_signed(mm):>13}")
     approx = [r for r in skipped if "approx" in r]
@@ -364,13 +417,71 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
             print(f"  {r['id']}: as {a['as']}: time {a['time_err']:+.0f} %{mem}")
 
 
+# ------------------------------------------------------------------------------------------------ fitting
+def _set_constant(name: str, spec: dict, value: float) -> None:
+    """Point the cost model's constant `name` (a key of fitted_constants) at `value` (benchmark-only re-fitting)."""
+    from types import MappingProxyType
+
+    from tangram_launch.costmodel import efficiency
+
+    if name.startswith("gemm_efficiency."):
+        table = dict(efficiency.GEMM_EFFICIENCY_BY_GPU)
+        table.update({g: value for g in spec["gpu_types"]})
+        efficiency.GEMM_EFFICIENCY_BY_GPU = MappingProxyType(table)
+    elif name == "fp8_gemm_efficiency":
+        efficiency.FP8_GEMM_EFFICIENCY = value
+    else:
+        raise ValueError(f"fitted_constants.{name}: no setter (known: gemm_efficiency.<gpu>, fp8_gemm_efficiency)")
+
+
+def _get_constant(name: str, spec: dict) -> float:
+    from tangram_launch.costmodel import efficiency
+
+    if name.startswith("gemm_efficiency."):
+        return efficiency.gemm_efficiency_for(spec["gpu_types"][0])
+    return efficiency.FP8_GEMM_EFFICIENCY
+
+
+def fit_constants(data: dict) -> list[dict]:
+    """Re-fit every constant of `fitted_constants` on its rows (golden-section search of the squared log error of
+    the predicted iteration time), one at a time in file order, each restored afterwards."""
+    rows = {r["id"]: r for r in data["runs"]}
+    out = []
+    for name, spec in data["fitted_constants"].items():
+        shipped = _get_constant(name, spec)
+
+        def loss(value: float, name=name, spec=spec) -> float:
+            _set_constant(name, spec, value)
+            total = 0.0
+            for rid in spec["rows"]:
+                r = evaluate(rows[rid], data)
+                total += math.log(r["predicted_s"] / r["published_s"]) ** 2
+            return total
+
+        lo, hi, g = 0.2, 1.0, (math.sqrt(5) - 1) / 2
+        for _ in range(30):
+            c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+            lo, hi = (lo, d) if loss(c) < loss(d) else (c, hi)
+        _set_constant(name, spec, shipped)
+        out.append({"constant": name, "where": spec["constant"], "rows": spec["rows"], "fitted": (lo + hi) / 2,
+                    "shipped": shipped})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=DATA, help="published runs YAML (default: benchmarks/data/published_runs.yaml)")
     ap.add_argument("--only", default="", help="only rows whose id contains this text")
     ap.add_argument("--json", action="store_true", help="print the per-row results as JSON instead of the table")
+    ap.add_argument("--fit", action="store_true",
+                    help="re-fit each constant of `fitted_constants` on its rows and print fitted vs shipped")
     args = ap.parse_args(argv)
     data = load_data(args.data)
+    if args.fit:
+        for f in fit_constants(data):
+            print(f"{f['constant']}: fitted {f['fitted']:.3f}, shipped {f['shipped']:.3f}  ({f['where']}; "
+                  f"rows: {', '.join(f['rows'])})")
+        return 0
     rows = [r for r in data["runs"] if args.only in r["id"]]
     results = [evaluate(r, data) for r in rows]
     if args.json:

@@ -94,3 +94,54 @@ def test_benchmark_costs_a_few_rows(data, bench):
     assert with_memory["mem_err"] is not None
     skipped = bench.evaluate(rows["llama3-405b-8k-gpus"], data)
     assert "interleaved" in skipped["not_expressible"] and skipped["approx"]["predicted_s"] > 0
+
+
+@pytest.mark.unit
+def test_memory_figures_say_how_they_were_measured(data, bench):
+    conventions = data["memory_conventions"]
+    assert set(conventions) == set(bench.MEMORY_CONVENTIONS)
+    for r in data["runs"]:
+        if r["published"].get("memory_gib"):
+            assert r["published"].get("memory_convention") in conventions, r["id"]
+        for key in r.get("gpu_overrides") or {}:
+            assert key in bench.GPU_OVERRIDE_KEYS, f"{r['id']}: gpu_overrides.{key}"
+        assert r.get("kernels", "fused") in bench.KERNELS, r["id"]
+
+
+@pytest.mark.unit
+def test_allocator_reserved_figures_are_compared_without_the_memory_outside_the_allocator(data, bench):
+    row = next(r for r in data["runs"] if r["published"].get("memory_convention") == "allocator-reserved")
+    as_device = {**row, "published": {**row["published"], "memory_convention": "device-used"}}
+    reserved, device = bench.evaluate(row, data), bench.evaluate(as_device, data)
+    assert 0.4 < device["predicted_gib"] - reserved["predicted_gib"] < 4.0  # CUDA context + NCCL buffers
+
+
+@pytest.mark.unit
+def test_fit_rows_are_exactly_the_rows_of_the_fitted_constants(data):
+    fitted = {rid for c in data["fitted_constants"].values() for rid in c["rows"]}
+    ids = {r["id"] for r in data["runs"]}
+    assert fitted <= ids
+    assert fitted == {r["id"] for r in data["runs"] if r["subset"] == "fit"}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["gemm_efficiency.a100", "gemm_efficiency.h100-sxm", "fp8_gemm_efficiency"])
+def test_each_shipped_constant_is_the_least_squares_fit_on_its_rows(data, bench, name):
+    """Moving the shipped value 0.03 either way makes the squared log error on its fit rows worse (the full fit is
+    `python benchmarks/bench_costmodel_published.py --fit`)."""
+    import math
+
+    spec = data["fitted_constants"][name]
+    rows = {r["id"]: r for r in data["runs"]}
+    shipped = bench._get_constant(name, spec)
+
+    def loss(value):
+        bench._set_constant(name, spec, value)
+        try:
+            out = [bench.evaluate(rows[rid], data) for rid in spec["rows"]]
+        finally:
+            bench._set_constant(name, spec, shipped)
+        return sum(math.log(r["predicted_s"] / r["published_s"]) ** 2 for r in out)
+
+    at = loss(shipped)
+    assert at < loss(shipped - 0.03) and at < loss(shipped + 0.03)

@@ -167,7 +167,7 @@ def _rec_index(mode: str) -> int:
 class SliceCoster:
     """Costs configurations of one slice query; per-layer and per-grid terms are computed once and cached."""
 
-    def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None) -> None:
+    def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True) -> None:
         self.q = q
         self.model = q.model
         self.training = q.training
@@ -178,7 +178,8 @@ class SliceCoster:
         self.device_error: str | None = None
         try:
             self.dev: DeviceModel | None = DeviceModel.from_gpu(q.island.gpu, q.training.dtype,
-                                                                flash_attention=flash_attention)
+                                                                flash_attention=flash_attention,
+                                                                fused_elementwise=fused_elementwise)
         except SpecError as exc:
             self.dev = None
             self.device_error = f"island {q.island.name}: {exc}"

@@ -10,7 +10,8 @@ causal, GQA-aware; MoE counts top-k experts). Times come from the kernels that e
     MoE FFN          E/ep local experts, each M_e = M k ep / E routed tokens on average (balanced routing),
                      the same GEMMs with the expert width; router GEMM (M/t x h)@(h x E); shared experts like dense
     attention core   Q K^T and P V: fused (FlashAttention-2) or unfused with the s x s scores through HBM
-    element-wise     norms, residual adds, dropout, activation: bytes moved / memory bandwidth (memory-bound)
+    element-wise     norms, residual adds, dropout, activation: bytes moved / memory bandwidth (memory-bound);
+                     fused kernels by default, eager PyTorch's separate passes with DeviceModel.fused_elementwise off
 
 Backward = 2 x forward (Narayanan et al. 2021, sec. 3.5: each forward GEMM has two backward GEMMs, for the input
 and the weight gradient). Recompute adds forward work (Korthikanti et al. 2022, "Reducing activation recomputation
@@ -36,6 +37,38 @@ SCORE_TRAFFIC_P = 6
 # Element-wise traffic per token in units of h (dtype elements), besides the FFN activation: two norms (read+write:
 # 4h), two bias-dropout-residual adds (read 2h + write h each: 6h), dropout masks (~1h).
 ELEMENTWISE_TRAFFIC_H = 11
+
+
+# Eager PyTorch runs every element-wise op as its own kernel (torchtitan's Llama without torch.compile, bytes per
+# element with bf16 activations, counted from its model.py: apply_rotary_emb, repeat_kv, Attention.forward,
+# FeedForward; and from the reference Llama RMSNorm, x.float() -> x * rsqrt(x.pow(2).mean(-1)) -> type_as -> * weight):
+# RMSNorm makes six passes in fp32 (6 + 8 + 4 + 8 + 6 + 4 = 36 bytes per element against 4 fused); rotary embedding
+# goes through complex fp32 (float(), complex multiply, type_as: 6 + 8 + 6 = 20 per q/k element); GQA's repeat_kv
+# materialises K and V at the query width (read kv, write q, for each); the attention output is made contiguous
+# (read + write); SwiGLU is silu then multiply (4 + 6 = 10 bytes per f element against 6 fused).
+EAGER_RMSNORM_BYTES = 36
+EAGER_ROTARY_BYTES = 20
+EAGER_SWIGLU_BYTES = 10
+
+
+def elementwise_bytes_per_token(model: "ModelSpec", layer: int, p: int, fused: bool) -> float:
+    """Element-wise bytes per token of one layer, before TP sharding (the FFN part of MoE layers is added by the
+    caller: it depends on the routing)."""
+    h = model.hidden_size
+    if fused or model.is_moe_layer(layer):
+        return p * ELEMENTWISE_TRAFFIC_H * h
+    norms = 2 * (EAGER_RMSNORM_BYTES if model.norm_type == "rmsnorm" else 2 * p) * h
+    rotary = EAGER_ROTARY_BYTES * (model.q_dim + model.kv_dim) if model.position_embedding == "rotary" else 0.0
+    gqa = 2 * p * (model.kv_dim + model.q_dim) if model.kv_dim < model.q_dim else 0.0
+    residual = 2 * 3 * p * h
+    return norms + rotary + gqa + 2 * p * model.q_dim + residual
+
+
+def ffn_elementwise_bytes_per_token(model: "ModelSpec", width: float, p: int, fused: bool) -> float:
+    """The FFN activation's element-wise bytes per token for an FFN of ``width``."""
+    if not fused and model.ffn_matrices == 3:
+        return EAGER_SWIGLU_BYTES * width
+    return p * activation_traffic_f(model.ffn_matrices) * width
 
 
 def activation_traffic_f(ffn_type_matrices: int) -> int:
@@ -118,7 +151,7 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     else:
         f = model.ffn_hidden_size
         gemm += dev.gemm_s(m_tok, (mats - 1) * f / t, h) + dev.gemm_s(m_tok, h, f / t)
-        ffn_traffic = act_f * f
+        ffn_traffic = ffn_elementwise_bytes_per_token(model, f, p, dev.fused_elementwise) / p
 
     # Attention core per GPU: heads are split by TP, queries by CP (each query chunk meets all keys in the ring).
     if dev.flash_attention:
@@ -129,7 +162,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
         scores = mbs * (model.num_heads / t) * (seq_len / cp) * seq_len
         core_s = core_flops / dev.gemm_flops + dev.memory_s(scores * (SCORE_TRAFFIC_P * p + 1))
 
-    elementwise_s = dev.memory_s(p * (ELEMENTWISE_TRAFFIC_H * h + ffn_traffic) * m_tok / t)
+    per_token = elementwise_bytes_per_token(model, layer, p, dev.fused_elementwise) + p * ffn_traffic
+    elementwise_s = dev.memory_s(per_token * m_tok / t)
     model_flops = model.layer_forward_flops_per_token(layer, seq_len, causal=True) * m_tok / t
     forward_s = gemm + core_s + elementwise_s
 

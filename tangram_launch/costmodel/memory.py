@@ -35,9 +35,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
 
 MASK_BYTES = 1  # dropout masks are stored as bytes (Korthikanti et al. 2022, sec. 4.1)
-# Fixed per-GPU overhead outside the allocator's view of tensors: the CUDA context with cuBLAS/cuDNN handles and
-# workspaces (~0.4-0.6 GiB under CUDA 12 with lazy module loading) plus NCCL communicator buffers (NCCL_BUFFSIZE
-# 4 MiB x channels x peers, for each of the tp/dp/pp/cp/ep communicators: ~0.2-0.5 GiB).
+# Fixed per-GPU overhead outside the allocator's view of tensors (so outside torch.cuda.max_memory_reserved, inside
+# nvidia-smi's figure): the CUDA context with cuBLAS/cuDNN handles and workspaces (~0.4-0.6 GiB under CUDA 12 with
+# lazy module loading) plus NCCL communicator buffers (NCCL_BUFFSIZE 4 MiB x channels x peers). Measured: 544 MB for
+# a 2-GPU and 688 MB for a 3-4 GPU communicator on NVLink A100s (NVIDIA/nccl issue 964), "more communicators = more
+# memory", linear in the channels (issue 986). Counting 0.6 GiB per communicator a GPU uses was tried (issue 13):
+# memory error 23.2 -> 22.7 % on the published runs, while 16 GB V100 pipelines lost their interleaved option;
+# one flat figure is kept.
 RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # PyTorch's caching allocator rounds and splits blocks; activations, allocated and freed every micro-batch, fragment
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
