@@ -145,3 +145,40 @@ def test_kept_16_bit_gradients_add_two_bytes_per_parameter():
 def test_an_unknown_selective_policy_is_refused_by_name():
     with pytest.raises(SpecError, match="selective_policy.*megatron, op-sac"):
         _coster(_gpt(), selective_policy="torchtitan")
+
+
+# ------------------------------------------------------------------------------------------------ loss, ZeRO-3 units
+def test_eager_cross_entropy_holds_twelve_bytes_per_logit():
+    """F.cross_entropy on fp32 logits: the saved log-softmax output and the two fp32 gradients of its backward;
+    Megatron's fused vocab-parallel loss: p + 8 bytes (memory.head_activation_bytes)."""
+    from tangram_launch.costmodel.memory import head_activation_bytes
+
+    m = load_model("llama3-8b")
+    tokens, v, h = 2 * 8192, m.vocab_size, m.hidden_size
+    fused = head_activation_bytes(m, seq_len=8192, mbs=2)
+    eager = head_activation_bytes(m, seq_len=8192, mbs=2, cross_entropy="eager")
+    assert fused == pytest.approx(tokens * (4 * h + 10 * v))
+    assert eager - fused == pytest.approx(tokens * 2 * v)
+    with pytest.raises(SpecError, match="cross_entropy.*fused, eager"):
+        _coster(m, cross_entropy="compiled")
+
+
+def test_zero3_gathers_the_embedding_whole_when_it_is_larger_than_a_layer():
+    """FSDP and ZeRO-3 gather a module's parameters whole: Llama 3 8B's 128k x 4096 embedding (525 M parameters)
+    is 2.4 of its layers, so the stage that holds it needs the larger working set."""
+    from tangram_launch.costmodel.memory import FRAGMENTATION_FRACTION
+
+    m = load_model("llama3-8b")
+    c = _coster(m, seq=8192, b=8, gb=16)
+    first, last = c.plan(ParallelConfig(tp=1, pp=2, dp=4, recompute="none", zero_stage=3)).stages
+    frag = 1 + FRAGMENTATION_FRACTION
+    emb, head, layer = m.embedding_params(), m.head_params(), m.layer_params(0)
+    assert emb > 2 * layer and head > 2 * layer
+    # the gathered unit's bf16 weights and fp32 gradients, and the next layer's bf16 weights prefetched
+    assert first.breakdown["working_bytes"] == pytest.approx((emb * (2 + 4) + layer * 2) * frag)
+    assert last.breakdown["working_bytes"] == pytest.approx((head * (2 + 4) + layer * 2) * frag)
+    tiny_vocab = _coster(ModelSpec.from_dict({**m.to_dict(), "vocab_size": 1024}), seq=8192, b=8, gb=16)
+    middle = tiny_vocab.plan(ParallelConfig(tp=1, pp=2, dp=4, recompute="none", zero_stage=3)).stages[0]
+    assert middle.breakdown["working_bytes"] == pytest.approx(layer * (2 * 2 + 4) * frag)  # layers dominate
+    zero1 = c.plan(ParallelConfig(tp=1, pp=2, dp=4, recompute="none", zero_stage=1)).stages[0]
+    assert zero1.breakdown["working_bytes"] == 0.0  # only ZeRO-3 gathers parameters

@@ -28,6 +28,7 @@ from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel.compute import embedding_compute, head_compute, layer_compute
 from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, DeviceModel
 from tangram_launch.costmodel.memory import (
+    CROSS_ENTROPY_KINDS,
     FRAGMENTATION_FRACTION,
     RUNTIME_OVERHEAD_BYTES,
     SELECTIVE_POLICIES,
@@ -55,7 +56,7 @@ class ZeroPart(NamedTuple):
     zero_bwd_s: float  # ZeRO-2/3 reduce-scatters (+ ZeRO-3 all-gathers) per micro-batch, backward, all layers
     sync_s: float  # per iteration: gradient synchronisation not overlapped (ZeRO 0/1), tied embeddings
     optimizer_s: float  # per iteration: the optimizer step
-    working_bytes: float  # ZeRO-3: the gathered (and prefetched) layer's parameters and gradients
+    working_bytes: float  # ZeRO-3: the largest gathered unit's parameters and gradients, a prefetched layer
     dense: ModelStateBytes
     expert: ModelStateBytes
     layer_fwd_s: float = 0.0  # one layer's forward all-gather (its own collective: bandwidth + ring latency)
@@ -147,6 +148,7 @@ class StageSums:
     dense_params: float = 0.0
     expert_params: float = 0.0
     max_layer_params: float = 0.0  # ZeRO-3 gathers one layer at a time (+ a prefetched one)
+    max_edge_params: float = 0.0  # ... and the embedding / output layer whole, each as one unit
     p2p_fwd_s: float = 0.0  # send activations to the next stage of this slice
     p2p_bwd_s: float = 0.0  # send input gradients to the previous stage of this slice
     p2p_bytes: float = 0.0  # activations handed to the next stage (whole micro-batch, all replicas)
@@ -171,16 +173,22 @@ class SliceCoster:
 
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
-                 keeps_param_dtype_grads: bool = False) -> None:
+                 keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused") -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
         the runtime keeps the parameter-dtype .grad tensors besides the grad_dtype accumulation buffer all
         iteration (DeepSpeed's BF16_Optimizer under pipeline parallelism calls update_hp_grads(clear_lp_grads=False)
-        after each micro-batch's backward). The defaults are what the planner assumes."""
+        after each micro-batch's backward). ``cross_entropy``: the loss as Megatron's fused vocab-parallel kernel or
+        eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.head_activation_bytes).
+        The defaults are what the planner assumes."""
         if selective_policy not in SELECTIVE_POLICIES:
             raise SpecError("unknown selective recompute policy", field="selective_policy", value=selective_policy,
                             valid=", ".join(SELECTIVE_POLICIES))
+        if cross_entropy not in CROSS_ENTROPY_KINDS:
+            raise SpecError("unknown cross-entropy implementation", field="cross_entropy", value=cross_entropy,
+                            valid=", ".join(CROSS_ENTROPY_KINDS))
+        self.cross_entropy = cross_entropy
         self.sequence_parallel = bool(sequence_parallel)
         self.selective_policy = selective_policy
         self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
@@ -300,7 +308,8 @@ class SliceCoster:
             # SP all-gather of the head input (forward), reduce-scatter of its gradient (backward)
             "head_tp_s": comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link),
             "head_act": head_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p,
-                                              sequence_parallel=self.sequence_parallel),
+                                              sequence_parallel=self.sequence_parallel,
+                                              cross_entropy=self.cross_entropy),
         }
         self._edge_cache[key] = out
         return out
@@ -392,6 +401,9 @@ class SliceCoster:
                 st.tp_fwd_s += edges["emb_tp_s"]
                 emb_act = edges["emb_act"]
                 st.dense_params += model.embedding_params() / tp
+                # ZeRO-3 / FSDP gather the embedding's weight whole, like a layer's (with a 128k vocabulary and a
+                # 4k hidden size it is 2.4 layers of Llama 3 8B)
+                st.max_edge_params = max(st.max_edge_params, model.embedding_params() / tp)
             if has_head:
                 st.fwd_s += edges["head_fwd_s"]
                 st.bwd_s += edges["head_bwd_s"]
@@ -400,12 +412,14 @@ class SliceCoster:
                 st.tp_bwd_s += edges["head_tp_s"]
                 head_act = edges["head_act"]
                 st.dense_params += model.head_params() / tp
+                st.max_edge_params = max(st.max_edge_params, model.head_params() / tp)
                 if model.tied_embeddings and not has_emb:
                     # the last stage keeps its own copy of the tied output weights (Megatron's embedding group);
                     # their gradients are all-reduced with the first stage's every iteration, over the link
                     # between stage 0 and this one inside the slice, else (first stage elsewhere) the network
                     out_w = model.output_embedding_params() / tp
                     st.dense_params += out_w
+                    st.max_edge_params = max(st.max_edge_params, out_w)
                     if self.q.has_embedding:  # stage 0 of this slice, j * stage_gpus ranks away
                         link = self._link(j * stage_gpus, 2, stage_gpus)
                     elif self.inter_gbps is not None:
@@ -484,6 +498,8 @@ class SliceCoster:
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
+        if zero >= 3 and st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
+            working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd, l_bwd,
                        n_layers)
         st.zero_parts[key] = out

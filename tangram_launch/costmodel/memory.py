@@ -55,6 +55,11 @@ RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
 FRAGMENTATION_FRACTION = 0.05
 SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (module docstring)
+CROSS_ENTROPY_KINDS = ("fused", "eager")  # the loss's implementation (head_activation_bytes)
+# Eager PyTorch cross-entropy over fp32 logits (F.cross_entropy = log_softmax + nll_loss; torchtitan's loss): at the
+# start of the backward a GPU holds, per logit, the saved fp32 log-softmax output, the fp32 gradient nll_loss hands
+# back and the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the forward).
+EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
 
 
 def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none",
@@ -177,15 +182,20 @@ def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp
 
 
 def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
-                          dtype_bytes: int = 2, sequence_parallel: bool = True) -> float:
+                          dtype_bytes: int = 2, sequence_parallel: bool = True, cross_entropy: str = "fused") -> float:
     """Last stage: final norm and output-layer inputs (4 s b h) and the loss's logit tensors, vocab-parallel
     (Korthikanti et al. 2022, sec. 4.3, count the fp32 logits, 4 s b v). At the loss's peak, the start of its
     backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
     (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
-    s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank."""
+    s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank;
+    an eager (unfused) cross-entropy holds EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT instead of p + 8."""
+    if cross_entropy not in CROSS_ENTROPY_KINDS:
+        raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
     tokens = mbs * seq_len / cp
-    inputs = 2 * dtype_bytes * model.hidden_size / (tp if sequence_parallel else 1)
-    return tokens * (inputs + (dtype_bytes + 8.0) * model.vocab_size / tp)
+    per_logit = EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT if cross_entropy == "eager" else dtype_bytes + 8.0
+    if sequence_parallel:
+        return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size) / tp
+    return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size / tp)
 
 
 # ---------------------------------------------------------------------------------------------- parameters
