@@ -57,6 +57,10 @@ PUBLISHED_METRICS = ("iteration_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "p
 FLOP_FORMULAS = ("megatron-hw", "megatron-model", "6n-12lhs", "model-causal", "model-noncausal")
 SCHEDULES = ("1F1B", "interleaved-1F1B")
 KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.compile) or eager PyTorch
+# What the source's runtime did that the planner's defaults do not assume (SliceCoster's keywords of the same names):
+# TP without sequence parallelism, torchtitan's op-level selective checkpointing, 16-bit .grad tensors kept all step,
+# an eager PyTorch cross-entropy.
+RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -193,7 +197,15 @@ def predict(row: dict, model: ModelSpec) -> dict:
     kernels = row.get("kernels", "fused")
     if kernels not in KERNELS:
         raise SpecError(f"kernels {kernels!r} (known: {', '.join(KERNELS)})", field="kernels")
-    coster = SliceCoster(q, flash_attention=row.get("flash_attention"), fused_elementwise=kernels == "fused")
+    runtime = row.get("runtime") or {}
+    unknown = sorted(set(runtime) - set(RUNTIME_KEYS))
+    if unknown:
+        raise SpecError(f"unknown runtime keys {unknown} (known: {', '.join(RUNTIME_KEYS)})", field="runtime")
+    coster = SliceCoster(q, flash_attention=row.get("flash_attention"), fused_elementwise=kernels == "fused",
+                         sequence_parallel=bool(runtime.get("sequence_parallel", True)),
+                         selective_policy=runtime.get("selective_policy", "megatron"),
+                         keeps_param_dtype_grads=bool(runtime.get("keeps_param_dtype_grads", False)),
+                         cross_entropy=runtime.get("cross_entropy", "fused"))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),

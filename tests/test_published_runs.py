@@ -145,3 +145,20 @@ def test_each_shipped_constant_is_the_least_squares_fit_on_its_rows(data, bench,
 
     at = loss(shipped)
     assert at < loss(shipped - 0.03) and at < loss(shipped + 0.03)
+
+
+@pytest.mark.unit
+def test_runtime_variants_of_a_row_are_known_and_change_what_they_model(data, bench):
+    """A row's `runtime:` says what its runtime did beyond the planner's defaults (TP without SP, op-level SAC,
+    kept 16-bit gradients); an unknown key is refused by name, and each variant moves the row's memory."""
+    from tangram_launch.errors import SpecError
+
+    for r in data["runs"]:
+        assert set(r.get("runtime") or {}) <= set(bench.RUNTIME_KEYS), r["id"]
+    rows = {r["id"]: r for r in data["runs"]}
+    bloom = rows["bloom-176b-384"]
+    as_run = bench.evaluate(bloom, data)
+    as_planner = bench.evaluate({k: v for k, v in bloom.items() if k != "runtime"}, data)
+    assert as_run["predicted_gib"] > as_planner["predicted_gib"] + 5  # whole layer inputs on 4 TP ranks, bf16 grads
+    with pytest.raises(SpecError, match="unknown runtime keys"):
+        bench.predict({**bloom, "runtime": {"sequence_paralel": False}}, bench.resolve_model(bloom["model"], data))

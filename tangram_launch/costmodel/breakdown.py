@@ -28,8 +28,10 @@ from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel.compute import embedding_compute, head_compute, layer_compute
 from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, DeviceModel
 from tangram_launch.costmodel.memory import (
+    CROSS_ENTROPY_KINDS,
     FRAGMENTATION_FRACTION,
     RUNTIME_OVERHEAD_BYTES,
+    SELECTIVE_POLICIES,
     ModelStateBytes,
     embedding_activation_bytes,
     head_activation_bytes,
@@ -54,7 +56,7 @@ class ZeroPart(NamedTuple):
     zero_bwd_s: float  # ZeRO-2/3 reduce-scatters (+ ZeRO-3 all-gathers) per micro-batch, backward, all layers
     sync_s: float  # per iteration: gradient synchronisation not overlapped (ZeRO 0/1), tied embeddings
     optimizer_s: float  # per iteration: the optimizer step
-    working_bytes: float  # ZeRO-3: the gathered (and prefetched) layer's parameters and gradients
+    working_bytes: float  # ZeRO-3: the largest gathered unit's parameters and gradients, a prefetched layer
     dense: ModelStateBytes
     expert: ModelStateBytes
     layer_fwd_s: float = 0.0  # one layer's forward all-gather (its own collective: bandwidth + ring latency)
@@ -142,9 +144,11 @@ class StageSums:
     ep_bwd_s: float = 0.0
     act_bytes: tuple = (0.0, 0.0, 0.0)
     max_layer_act_none: float = 0.0  # one layer's full activations: recomputed during backward under full recompute
+    max_layer_act_rebuilt_sel: float = 0.0  # op-level SAC: what one layer's backward rebuilds beyond what it kept
     dense_params: float = 0.0
     expert_params: float = 0.0
     max_layer_params: float = 0.0  # ZeRO-3 gathers one layer at a time (+ a prefetched one)
+    max_edge_params: float = 0.0  # ... and the embedding / output layer whole, each as one unit
     p2p_fwd_s: float = 0.0  # send activations to the next stage of this slice
     p2p_bwd_s: float = 0.0  # send input gradients to the previous stage of this slice
     p2p_bytes: float = 0.0  # activations handed to the next stage (whole micro-batch, all replicas)
@@ -167,7 +171,27 @@ def _rec_index(mode: str) -> int:
 class SliceCoster:
     """Costs configurations of one slice query; per-layer and per-grid terms are computed once and cached."""
 
-    def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True) -> None:
+    def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
+                 sequence_parallel: bool = True, selective_policy: str = "megatron",
+                 keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused") -> None:
+        """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
+        it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
+        saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
+        the runtime keeps the parameter-dtype .grad tensors besides the grad_dtype accumulation buffer all
+        iteration (DeepSpeed's BF16_Optimizer under pipeline parallelism calls update_hp_grads(clear_lp_grads=False)
+        after each micro-batch's backward). ``cross_entropy``: the loss as Megatron's fused vocab-parallel kernel or
+        eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.head_activation_bytes).
+        The defaults are what the planner assumes."""
+        if selective_policy not in SELECTIVE_POLICIES:
+            raise SpecError("unknown selective recompute policy", field="selective_policy", value=selective_policy,
+                            valid=", ".join(SELECTIVE_POLICIES))
+        if cross_entropy not in CROSS_ENTROPY_KINDS:
+            raise SpecError("unknown cross-entropy implementation", field="cross_entropy", value=cross_entropy,
+                            valid=", ".join(CROSS_ENTROPY_KINDS))
+        self.cross_entropy = cross_entropy
+        self.sequence_parallel = bool(sequence_parallel)
+        self.selective_policy = selective_policy
+        self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
         self.q = q
         self.model = q.model
         self.training = q.training
@@ -248,13 +272,14 @@ class SliceCoster:
             ep_fwd = ep_bwd + comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
         flash = dev.flash_attention
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
-                                            dtype_bytes=p) for m in RECOMPUTE_MODES)
+                                            dtype_bytes=p, sequence_parallel=self.sequence_parallel,
+                                            selective_policy=self.selective_policy) for m in RECOMPUTE_MODES)
         dense, experts = layer_param_split(model, i)
         terms = LayerTerms(
             fwd_s=lc.forward_s, bwd_s=lc.backward_s,
-            recompute_s=tuple(lc.recompute_s(m) for m in RECOMPUTE_MODES),
+            recompute_s=tuple(lc.recompute_s(m, self.selective_policy) for m in RECOMPUTE_MODES),
             fwd_flops=lc.forward_flops,
-            recompute_flops=tuple(lc.recompute_flops(m) for m in RECOMPUTE_MODES),
+            recompute_flops=tuple(lc.recompute_flops(m, self.selective_policy) for m in RECOMPUTE_MODES),
             tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
             act_bytes=acts, dense_params=dense / tp, expert_params=experts / (tp * ep),
         )
@@ -277,11 +302,14 @@ class SliceCoster:
             "emb_fwd_s": emb.forward_s, "emb_bwd_s": emb.backward_s, "emb_flops": emb.forward_flops,
             # vocab-parallel embedding: reduce-scatter of the looked-up rows (forward only)
             "emb_tp_s": comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link),
-            "emb_act": embedding_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp),
+            "emb_act": embedding_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp,
+                                                  sequence_parallel=self.sequence_parallel),
             "head_fwd_s": head.forward_s, "head_bwd_s": head.backward_s, "head_flops": head.forward_flops,
             # SP all-gather of the head input (forward), reduce-scatter of its gradient (backward)
             "head_tp_s": comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link),
-            "head_act": head_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p),
+            "head_act": head_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p,
+                                              sequence_parallel=self.sequence_parallel,
+                                              cross_entropy=self.cross_entropy),
         }
         self._edge_cache[key] = out
         return out
@@ -360,6 +388,7 @@ class SliceCoster:
                     rec_f[m] += c * t.recompute_flops[m]
                     acts[m] += c * t.act_bytes[m]
                 st.max_layer_act_none = max(st.max_layer_act_none, t.act_bytes[0])
+                st.max_layer_act_rebuilt_sel = max(st.max_layer_act_rebuilt_sel, t.act_bytes[0] - t.act_bytes[1])
                 st.dense_params += c * t.dense_params
                 st.expert_params += c * t.expert_params
                 st.max_layer_params = max(st.max_layer_params, t.dense_params + t.expert_params)
@@ -372,6 +401,9 @@ class SliceCoster:
                 st.tp_fwd_s += edges["emb_tp_s"]
                 emb_act = edges["emb_act"]
                 st.dense_params += model.embedding_params() / tp
+                # ZeRO-3 / FSDP gather the embedding's weight whole, like a layer's (with a 128k vocabulary and a
+                # 4k hidden size it is 2.4 layers of Llama 3 8B)
+                st.max_edge_params = max(st.max_edge_params, model.embedding_params() / tp)
             if has_head:
                 st.fwd_s += edges["head_fwd_s"]
                 st.bwd_s += edges["head_bwd_s"]
@@ -380,12 +412,14 @@ class SliceCoster:
                 st.tp_bwd_s += edges["head_tp_s"]
                 head_act = edges["head_act"]
                 st.dense_params += model.head_params() / tp
+                st.max_edge_params = max(st.max_edge_params, model.head_params() / tp)
                 if model.tied_embeddings and not has_emb:
                     # the last stage keeps its own copy of the tied output weights (Megatron's embedding group);
                     # their gradients are all-reduced with the first stage's every iteration, over the link
                     # between stage 0 and this one inside the slice, else (first stage elsewhere) the network
                     out_w = model.output_embedding_params() / tp
                     st.dense_params += out_w
+                    st.max_edge_params = max(st.max_edge_params, out_w)
                     if self.q.has_embedding:  # stage 0 of this slice, j * stage_gpus ranks away
                         link = self._link(j * stage_gpus, 2, stage_gpus)
                     elif self.inter_gbps is not None:
@@ -425,10 +459,11 @@ class SliceCoster:
         tr, dev = self.training, self.dev
         pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes
         shard, eshard = st.shard, st.eshard
+        kept_gb = gb + pb if self.keeps_param_dtype_grads else gb  # gradient bytes held per parameter
         dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=zero, offload=off, param_bytes=pb,
-                                  grad_bytes=gb, optimizer_bytes=ob)
+                                  grad_bytes=kept_gb, optimizer_bytes=ob)
         expert = model_state_bytes(st.expert_params, shard=eshard, zero_stage=zero, offload=off, param_bytes=pb,
-                                   grad_bytes=gb, optimizer_bytes=ob)
+                                   grad_bytes=kept_gb, optimizer_bytes=ob)
         c = st.collectives or self._collectives(st)
         # per micro-batch ZeRO-2/3 traffic, layer by layer, overlapped with the same pass's compute (zero_exposed_s)
         z_fwd = z_bwd = 0.0
@@ -463,6 +498,8 @@ class SliceCoster:
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
+        if zero >= 3 and st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
+            working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd, l_bwd,
                        n_layers)
         st.zero_parts[key] = out
@@ -492,6 +529,8 @@ class SliceCoster:
         full = RECOMPUTE_MODES[r] == "full"
         rec_comm = (st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s) if full else 0.0
         working = st.max_layer_act_none if full else 0.0  # one layer's activations, rebuilt during its backward
+        if RECOMPUTE_MODES[r] == "selective" and self.selective_policy == "op-sac":
+            working = st.max_layer_act_rebuilt_sel  # the tensors op-level SAC rebuilds for one layer's backward
         out = RecomputePart(st.recompute_s[r], rec_comm, st.act_bytes[r] * self._frag, working)
         st.rec_parts[r] = out
         return out

@@ -90,6 +90,8 @@ class LayerCompute:
     elementwise_s: float
     measured: bool = False
     measured_backward_s: float | None = None  # profiled forward+backward minus forward, when the profile has it
+    op_sac_recompute_s: float = 0.0  # torchtitan's op-level SAC: every second mm + all element-wise work again
+    op_sac_recompute_flops: float = 0.0
 
     @property
     def backward_s(self) -> float:
@@ -101,19 +103,19 @@ class LayerCompute:
     def backward_flops(self) -> float:
         return BACKWARD_FACTOR * self.forward_flops
 
-    def recompute_s(self, mode: str) -> float:
-        """Extra forward work in the backward pass (Korthikanti et al. 2022, sec. 5)."""
+    def recompute_s(self, mode: str, selective_policy: str = "megatron") -> float:
+        """Extra forward work in the backward pass (Korthikanti et al. 2022, sec. 5; op-level SAC: see memory.py)."""
         if mode == "full":
             return self.forward_s
         if mode == "selective":
-            return self.attention_core_s
+            return self.op_sac_recompute_s if selective_policy == "op-sac" else self.attention_core_s
         return 0.0
 
-    def recompute_flops(self, mode: str) -> float:
+    def recompute_flops(self, mode: str, selective_policy: str = "megatron") -> float:
         if mode == "full":
             return self.forward_flops
         if mode == "selective":
-            return self.attention_core_flops
+            return self.op_sac_recompute_flops if selective_policy == "op-sac" else self.attention_core_flops
         return 0.0
 
 
@@ -167,6 +169,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     model_flops = model.layer_forward_flops_per_token(layer, seq_len, causal=True) * m_tok / t
     forward_s = gemm + core_s + elementwise_s
 
+    sac_s, sac_flops = _op_sac_recompute(model, layer, m_tok, t, dev)
+    sac_s += elementwise_s
     measured = False
     measured_backward_s = None
     if dev.measured_layer_forward_s and cp == 1:
@@ -181,7 +185,27 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                 measured_backward_s = float(both) - forward_s
     return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, forward_s=forward_s, gemm_s=gemm,
                         attention_core_s=core_s, attention_core_flops=core_flops, elementwise_s=elementwise_s,
-                        measured=measured, measured_backward_s=measured_backward_s)
+                        measured=measured, measured_backward_s=measured_backward_s,
+                        op_sac_recompute_s=sac_s, op_sac_recompute_flops=sac_flops)
+
+
+def _op_sac_recompute(model: "ModelSpec", layer: int, m_tok: float, t: int, dev: DeviceModel) -> tuple[float, float]:
+    """GEMM time and FLOPs that torchtitan's op-level SAC recomputes: the 2nd, 4th, ... mm of the block in forward
+    order (wq, wk, wv, wo, w1[, w3], w2; memory.op_sac_bytes_per_token). MoE layers: the top-k expert copies'
+    GEMMs on their routed tokens, counted like a dense FFN's (an approximation)."""
+    h = model.hidden_size
+    if model.is_moe_layer(layer):
+        width, copies = model.expert_ffn_hidden_size, model.top_k
+    else:
+        width, copies = model.ffn_hidden_size, 1
+    ffn = [(width / t, h)] * (model.ffn_matrices - 1) + [(h, width / t)]
+    mms = [(model.q_dim / t, h), (model.kv_dim / t, h), (model.kv_dim / t, h), (h, model.q_dim / t)] + ffn * copies
+    time_s = flops = 0.0
+    for i, (n, k) in enumerate(mms):
+        if i % 2 == 1:  # 2nd, 4th, ... mm: recomputed
+            time_s += dev.gemm_s(m_tok, n, k)
+            flops += 2.0 * m_tok * n * k
+    return time_s, flops
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,16 @@ K, V are kv_dim wide; MLP 19 (input 2, first GEMM output 8, GeLU output 8, mask 
 their product (3 x 2 f); MoE stores the router probabilities (fp32) and, for each of the top-k copies of a token,
 the permuted input and the expert's intermediates; norms 4 (two inputs). FlashAttention (Ampere and newer) never
 materialises the s x s scores: it keeps only the log-sum-exp (fp32 per head and token), so selective recompute
-saves nothing there. Sequence parallelism is assumed whenever t > 1 (Megatron's recommended setting); context
+saves nothing there. Sequence parallelism is assumed whenever t > 1 (Megatron's recommended setting) unless the
+caller says the runtime runs TP without it: then the norms' and dropouts' tensors and the inputs of the column-parallel
+GEMMs are kept whole on every TP rank (Korthikanti's 10 s b h of the 34, Table 2 row "tensor parallel"). Context
 parallelism shards the tokens (s / cp per GPU), while each query chunk still meets all s keys.
+
+Selective recompute has two policies (SELECTIVE_POLICIES): Megatron's (Korthikanti sec. 4.3: recompute the attention
+core only) and torchtitan's op-level selective activation checkpointing ("op-sac", torchtitan
+torchtitan/parallelisms/parallelize_llama.py, Dec. 2024: a torch.utils.checkpoint policy per transformer block that
+saves the outputs of aten.mm except every second mm of the block, and of the scaled-dot-product-attention kernels;
+everything else -- norms, rotary embedding, activation function -- is recomputed from the block's input).
 """
 from __future__ import annotations
 
@@ -46,6 +54,12 @@ RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # PyTorch's caching allocator rounds and splits blocks; activations, allocated and freed every micro-batch, fragment
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
 FRAGMENTATION_FRACTION = 0.05
+SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (module docstring)
+CROSS_ENTROPY_KINDS = ("fused", "eager")  # the loss's implementation (head_activation_bytes)
+# Eager PyTorch cross-entropy over fp32 logits (F.cross_entropy = log_softmax + nll_loss; torchtitan's loss): at the
+# start of the backward a GPU holds, per logit, the saved fp32 log-softmax output, the fp32 gradient nll_loss hands
+# back and the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the forward).
+EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
 
 
 def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none",
@@ -95,31 +109,93 @@ def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len:
     return attn + mlp + norms, scores
 
 
+def tp_replicated_bytes_per_token(model: "ModelSpec", layer: int, *, recompute: str, dtype_bytes: int = 2) -> float:
+    """Bytes per token of a layer's kept activations that TP without sequence parallelism keeps whole on every TP
+    rank: the layer input (full recompute), else the two norms' inputs, the inputs of the QKV and first FFN GEMMs and
+    the two dropout masks (Korthikanti et al. 2022, Table 2: the 10 s b h not divided by t)."""
+    p, h = dtype_bytes, model.hidden_size
+    if recompute == "full":
+        return p * h
+    mask = MASK_BYTES if model.dropout else 0
+    return 2 * p * h + 2 * p * h + 2 * mask * h
+
+
+def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int = 2,
+                           sequence_parallel: bool = True) -> tuple[float, float]:
+    """Bytes per token a layer keeps under torchtitan's op-level SAC, split as (divided by TP, not divided by TP).
+
+    The block's mms in forward order (torchtitan's Llama: wq, wk, wv, wo, then w1, w3, w2 -- GeLU: w1, w2): the
+    1st, 3rd, 5th, ... outputs are saved, the 2nd, 4th, ... recomputed. Column-parallel outputs (wq, wk, wv, w1, w3)
+    are sharded by TP; row-parallel ones (wo, w2) are saved before their reduction, h wide on every rank. The
+    attention kernel keeps its output and fp32 log-sum-exp; the checkpoint keeps the block input (sharded by SP).
+    MoE layers count the top-k expert copies like a dense FFN of the expert width (an approximation).
+    """
+    p, h = dtype_bytes, model.hidden_size
+    if model.is_moe_layer(layer):
+        width, copies = model.expert_ffn_hidden_size, model.top_k
+    else:
+        width, copies = model.ffn_hidden_size, 1
+    ffn = [(width, True)] * (model.ffn_matrices - 1) + [(h, False)]
+    mms = [(model.q_dim, True), (model.kv_dim, True), (model.kv_dim, True), (h, False)] + ffn * copies
+    sharded = p * model.q_dim + 4 * model.num_heads  # attention output + log-sum-exp
+    whole = 0.0
+    for i, (width_i, column) in enumerate(mms):
+        if i % 2 == 0:  # 1st, 3rd, ... mm: saved
+            if column:
+                sharded += p * width_i
+            else:
+                whole += p * width_i
+    if sequence_parallel:
+        sharded += p * h
+    else:
+        whole += p * h
+    return sharded, whole
+
+
 def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
-                           recompute: str = "none", flash: bool = False, dtype_bytes: int = 2) -> float:
-    """Activation bytes of one layer for one in-flight micro-batch on one GPU (TP with SP, CP-sharded tokens)."""
+                           recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
+                           sequence_parallel: bool = True, selective_policy: str = "megatron") -> float:
+    """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
+    ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says)."""
+    tokens = mbs * seq_len / cp
+    if recompute == "selective" and selective_policy == "op-sac":
+        sharded, whole = op_sac_bytes_per_token(model, layer, dtype_bytes=dtype_bytes,
+                                                sequence_parallel=sequence_parallel)
+        return tokens * (sharded / tp + whole)
+    if selective_policy not in SELECTIVE_POLICIES:
+        raise ValueError(f"selective_policy {selective_policy!r} (known: {', '.join(SELECTIVE_POLICIES)})")
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
                                                      dtype_bytes=dtype_bytes)
-    tokens = mbs * seq_len / cp
-    return tokens * (local + scores) / tp
+    out = tokens * (local + scores) / tp
+    if not sequence_parallel and tp > 1:
+        replicated = tp_replicated_bytes_per_token(model, layer, recompute=recompute, dtype_bytes=dtype_bytes)
+        out += tokens * replicated * (1.0 - 1.0 / tp)
+    return out
 
 
-def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1) -> float:
+def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
+                               sequence_parallel: bool = True) -> float:
     """First stage: the embedding-dropout mask, s b h bytes (Korthikanti et al. 2022, sec. 4.3), sharded by SP."""
     if not model.dropout:
         return 0.0
-    return MASK_BYTES * model.hidden_size * mbs * seq_len / cp / tp
+    return MASK_BYTES * model.hidden_size * mbs * seq_len / cp / (tp if sequence_parallel else 1)
 
 
 def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
-                          dtype_bytes: int = 2) -> float:
+                          dtype_bytes: int = 2, sequence_parallel: bool = True, cross_entropy: str = "fused") -> float:
     """Last stage: final norm and output-layer inputs (4 s b h) and the loss's logit tensors, vocab-parallel
     (Korthikanti et al. 2022, sec. 4.3, count the fp32 logits, 4 s b v). At the loss's peak, the start of its
     backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
     (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
-    s = 8192 holds 10.5 GB per sequence before TP."""
+    s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank;
+    an eager (unfused) cross-entropy holds EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT instead of p + 8."""
+    if cross_entropy not in CROSS_ENTROPY_KINDS:
+        raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
     tokens = mbs * seq_len / cp
-    return tokens * (2 * dtype_bytes * model.hidden_size + (dtype_bytes + 8.0) * model.vocab_size) / tp
+    per_logit = EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT if cross_entropy == "eager" else dtype_bytes + 8.0
+    if sequence_parallel:
+        return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size) / tp
+    return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size / tp)
 
 
 # ---------------------------------------------------------------------------------------------- parameters
