@@ -46,6 +46,8 @@ from runtime_adapters.expert_parallel import (ExpertGroups, bind_expert_parallel
                                               expert_parameters, local_experts)
 from runtime_adapters.gpt import StageModule, as_model_spec, gpt_plan_problems, lm_loss
 from runtime_adapters.groups import StageGroups, build_stage_groups
+from runtime_adapters.interleaved import (ChunkedStage, build_interleaved_schedule, chunk_key_map, chunk_problems,
+                                         chunk_stages)
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
 from tangram_launch.errors import SpecError
 from tangram_launch.plan import Place, Plan, Stage
@@ -53,7 +55,7 @@ from tangram_launch.specs.model import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("1F1B", "GPipe")
+SCHEDULES = ("1F1B", "GPipe", "interleaved-1F1B")
 COMPUTE_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # no fp8 path
 
 # model_factory(spec, stage, seed) -> the stage's nn.Module (input tokens or hidden, output hidden or logits)
@@ -84,7 +86,8 @@ class TorchAdapter(RuntimeAdapter):
         if plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B":
             problems.append(f"torch's Schedule1F1B needs num_microbatches >= stages "
                             f"({plan.num_microbatches} < {plan.num_stages})")
-        return problems + gpt_plan_problems(plan, moe=True) + _expert_parallel_problems(plan)
+        return (problems + gpt_plan_problems(plan, moe=True) + _expert_parallel_problems(plan)
+                + chunk_problems(plan))
 
     def setup(self, plan: Plan, place: Place | None = None, *, model_factory: ModelFactory | None = None,
               optimizer_factory: OptimizerFactory | None = None, seed: int = 0, device: torch.device | None = None,
@@ -121,7 +124,10 @@ class TorchAdapter(RuntimeAdapter):
         groups = build_stage_groups(plan, rank, device_type=device.type, timeout_s=timeout_s)
         experts = build_expert_groups(plan, rank, timeout_s=timeout_s)  # None unless this stage has ep > 1
         stage = place.stage
-        if model_factory is None and experts is not None:
+        if plan.schedule == "interleaved-1F1B":  # one module per virtual stage, seen as one stage module
+            module = ChunkedStage([(model_factory or default_model_factory)(spec, c, seed).to(device)
+                                   for c in chunk_stages(plan, stage)])
+        elif model_factory is None and experts is not None:
             module = StageModule(spec, stage.layers, has_embedding=stage.has_embedding, has_head=stage.has_head,
                                  seed=seed, experts=local_experts(spec, experts.ep_size, experts.ep_rank))
         else:
@@ -194,6 +200,11 @@ def _apply_recompute(module: nn.Module, stage: Stage) -> None:
 
 def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups) -> tuple[nn.Module, bool]:
     """Wrap for data parallelism; returns (module, whether gradients need a manual all-reduce)."""
+    if isinstance(module, ChunkedStage):  # each chunk runs forward on its own: FSDP2 units per chunk
+        manual = False
+        for chunk in module.chunk_modules:
+            _, manual = _apply_data_parallel(chunk, stage, groups)
+        return module, manual
     if stage.dp == 1:
         if stage.zero_stage:
             logger.info("stage %d: dp=1, nothing to shard for zero_stage=%d", stage.index, stage.zero_stage)
@@ -215,9 +226,11 @@ def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGr
                     scaler: "LossScaler | None") -> Any:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    loss_fn = lm_loss if scaler is None else (lambda logits, targets: lm_loss(logits, targets) * scaler.scale)
+    if isinstance(module, ChunkedStage):
+        return build_interleaved_schedule(plan, place.stage, module.chunk_modules, groups.pp, device, loss_fn)
     pipe_stage = PipelineStage(module, place.stage.index, plan.num_stages, device, group=groups.pp)
     cls = Schedule1F1B if plan.schedule == "1F1B" else ScheduleGPipe
-    loss_fn = lm_loss if scaler is None else (lambda logits, targets: lm_loss(logits, targets) * scaler.scale)
     return cls(pipe_stage, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
 
 
@@ -368,6 +381,16 @@ class TorchTrainingContext:
         routed, dropped = routed_dropped.tolist()
         return {"routed": routed, "dropped": dropped, "dropped_fraction": dropped / routed if routed else 0.0,
                 "expert_load_max_over_mean": imbalance}
+
+    def checkpoint_state(self) -> Any:
+        """This rank's ``tangram_launch.checkpoint.StageState`` (live tensors and optimizer under global names), for
+        ``save_checkpoint``/``load_checkpoint``; the same call under any schedule, grid or chunk layout."""
+        from tangram_launch.checkpoint import LayerKeyMap, StageState
+
+        stage = self.place.stage
+        key_map = (chunk_key_map(self.plan, stage) if isinstance(self.module, ChunkedStage)
+                   else LayerKeyMap.for_stage(stage, local_numbering="global"))
+        return StageState.from_module(self.module, key_map, self.optimizer)
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters, unsharded, named by global layer index (collective over the stage's ranks)."""

@@ -132,9 +132,9 @@ TORCH = RuntimeCapabilities(
     offload=False,
     max_zero_stage=3,
     max_zero_stage_with_pp=3,
-    # GPipe for hand-written plans (the planner costs 1F1B); no interleaved schedule: ScheduleInterleaved1F1B is
-    # not wired into runtime_adapters/torch_native.py
-    schedules=("1F1B", "GPipe"),
+    # GPipe for hand-written plans (the planner costs 1F1B); interleaved 1F1B: ScheduleInterleaved1F1B over one
+    # PipelineStage per model chunk (runtime_adapters/interleaved.py), tested exact on 2 CPU ranks
+    schedules=("1F1B", "GPipe", "interleaved-1F1B"),
     # tf32: fp32 parameters with torch.backends.cuda.matmul.allow_tf32 set by the adapter
     dtypes=("bf16", "fp16", "fp32", "tf32"),
     dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "
