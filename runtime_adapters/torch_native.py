@@ -46,6 +46,7 @@ from runtime_adapters.expert_parallel import (ExpertGroups, bind_expert_parallel
                                               expert_parameters, local_experts)
 from runtime_adapters.gpt import StageModule, as_model_spec, gpt_plan_problems, lm_loss
 from runtime_adapters.groups import StageGroups, build_stage_groups
+from runtime_adapters.schedule import GridSchedule
 from runtime_adapters.interleaved import (ChunkedStage, build_interleaved_schedule, chunk_key_map, chunk_problems,
                                          chunk_stages)
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
@@ -83,11 +84,12 @@ class TorchAdapter(RuntimeAdapter):
         problems = super().plan_problems(plan)
         if plan.schedule not in SCHEDULES:
             problems.append(f"torch runs schedules {', '.join(SCHEDULES)} (plan has '{plan.schedule}')")
-        if plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B":
+        if (plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B"
+                and plan.topology.uniform_grid):  # the per-stage-grid executor runs any number
             problems.append(f"torch's Schedule1F1B needs num_microbatches >= stages "
                             f"({plan.num_microbatches} < {plan.num_stages})")
         return (problems + gpt_plan_problems(plan, moe=True) + _expert_parallel_problems(plan)
-                + chunk_problems(plan))
+                + chunk_problems(plan) + _stage_grid_problems(plan))
 
     def setup(self, plan: Plan, place: Place | None = None, *, model_factory: ModelFactory | None = None,
               optimizer_factory: OptimizerFactory | None = None, seed: int = 0, device: torch.device | None = None,
@@ -175,6 +177,19 @@ def _expert_parallel_problems(plan: Plan) -> list[str]:
     return out
 
 
+def _stage_grid_problems(plan: Plan) -> list[str]:
+    """What the per-stage-grid executor (runtime_adapters/schedule.py) does not run (pure)."""
+    if plan.topology.uniform_grid:
+        return []
+    out = []
+    if plan.schedule not in ("1F1B", "GPipe"):
+        out.append(f"stages with their own (tp, dp) grids run 1F1B or GPipe (plan has '{plan.schedule}')")
+    if plan.model.get("num_experts"):
+        out.append("stages with their own (tp, dp) grids run dense models only (MoE auxiliary losses are not "
+                   "scaled across re-split micro-batches)")
+    return out
+
+
 def _apply_tensor_parallel(module: nn.Module, stage: Stage, groups: StageGroups) -> None:
     if stage.tp == 1:
         return
@@ -227,6 +242,13 @@ def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGr
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     loss_fn = lm_loss if scaler is None else (lambda logits, targets: lm_loss(logits, targets) * scaler.scale)
+    if groups.pp is None:  # stages with their own grids: rows re-split at every stage boundary
+        from torch.distributed.fsdp import FSDPModule
+
+        sync = ((lambda last: module.set_requires_gradient_sync(last)) if isinstance(module, FSDPModule)
+                else (lambda last: None))
+        return GridSchedule(plan=plan, place=place, module=module, device=device, loss_fn=loss_fn,
+                            hidden_size=int(plan.model["hidden_size"]), before_backward=sync)
     if isinstance(module, ChunkedStage):
         return build_interleaved_schedule(plan, place.stage, module.chunk_modules, groups.pp, device, loss_fn)
     pipe_stage = PipelineStage(module, place.stage.index, plan.num_stages, device, group=groups.pp)
@@ -302,19 +324,20 @@ class TorchTrainingContext:
         """
         import torch.distributed as dist
 
-        rows = self.replica_rows(batch).to(self.device)
-        inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (B, T) each
         losses: list[torch.Tensor] = []
         first, last = self.place.is_first_stage, self.place.is_last_stage
         if self.scaler is not None:  # MoE auxiliary losses join backward at the schedule's loss scale
             for m in getattr(self.module, "moe_layers", list)():
                 m.aux_grad_scale = self.scaler.scale
-        if first and last:
-            self.schedule.step(inputs, target=targets, losses=losses)
+        if isinstance(self.schedule, GridSchedule):  # per-stage grids: the executor picks each replica's rows
+            losses = self.schedule.step(batch)
+        elif first and last:
+            rows = self.replica_rows(batch).to(self.device)
+            self.schedule.step(rows[:, :-1].contiguous(), target=rows[:, 1:].contiguous(), losses=losses)
         elif first:
-            self.schedule.step(inputs)
+            self.schedule.step(self.replica_rows(batch)[:, :-1].contiguous().to(self.device))
         elif last:
-            self.schedule.step(target=targets, losses=losses)
+            self.schedule.step(target=self.replica_rows(batch)[:, 1:].contiguous().to(self.device), losses=losses)
         else:
             self.schedule.step()
         if self.manual_dp:

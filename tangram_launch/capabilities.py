@@ -120,10 +120,11 @@ class RuntimeCapabilities:
 # each adapter in runtime_adapters/ re-exports its own entry and is tested against what the runtime really accepts.
 TORCH = RuntimeCapabilities(
     name="torch",
-    # torch.distributed.pipelining passes each micro-batch from one rank to its peer in the next stage: stages must
-    # share the TP and DP sizes (re-sharding between grids is not implemented). ZeRO maps to FSDP2 per stage.
-    uniform_tp=True,
-    uniform_dp=True,
+    # stages with their own (tp, dp): runtime_adapters/schedule.py re-splits each micro-batch's rows at every
+    # stage boundary (runtime_adapters/stage_grid.py); one grid runs on torch.distributed.pipelining. ZeRO maps to
+    # FSDP2 per stage.
+    uniform_tp=False,
+    uniform_dp=False,
     context_parallel=False,
     # MoE layers of runtime_adapters.moe: experts sharded over an EP group carved from the stage's DP ranks, tokens
     # by all_to_all_single; expert gradients reduced over the expert-data-parallel group by all-reduce (no FSDP2).
