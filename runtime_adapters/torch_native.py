@@ -46,6 +46,7 @@ from runtime_adapters.expert_parallel import (ExpertGroups, bind_expert_parallel
                                               expert_parameters, local_experts)
 from runtime_adapters.gpt import StageModule, as_model_spec, gpt_plan_problems, lm_loss
 from runtime_adapters.groups import StageGroups, build_stage_groups
+from runtime_adapters.offload import HostOffloadOptimizer
 from runtime_adapters.schedule import GridSchedule
 from runtime_adapters.interleaved import (ChunkedStage, build_interleaved_schedule, chunk_key_map, chunk_problems,
                                          chunk_stages)
@@ -152,7 +153,9 @@ class TorchAdapter(RuntimeAdapter):
             module.set_compute_dtype(dtype)
         scaler = LossScaler() if dtype == torch.float16 else None
         module, manual_dp = _apply_data_parallel(module, stage, groups)
-        optimizer = (optimizer_factory or default_optimizer_factory)(list(module.parameters()))
+        optimizer = (optimizer_factory or default_optimizer_factory)
+        optimizer = (HostOffloadOptimizer(module.parameters(), optimizer) if stage.offload  # state on the host
+                     else optimizer(list(module.parameters())))
         schedule = _build_schedule(plan, place, module, groups, device, scaler)
         last_src = min(r.rank for r in plan.rank_layout if r.stage == plan.num_stages - 1)
         logger.info("rank %d |PP=%d|DP=%d|TP=%d| layers %s embedding=%s head=%s zero=%d recompute=%s", rank,
@@ -294,7 +297,7 @@ class TorchTrainingContext:
     place: Place
     groups: StageGroups
     module: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | HostOffloadOptimizer
     schedule: Any
     device: torch.device
     manual_dp: bool
@@ -413,7 +416,12 @@ class TorchTrainingContext:
         stage = self.place.stage
         key_map = (chunk_key_map(self.plan, stage) if isinstance(self.module, ChunkedStage)
                    else LayerKeyMap.for_stage(stage, local_numbering="global"))
-        return StageState.from_module(self.module, key_map, self.optimizer)
+        state = StageState.from_module(self.module, key_map, None)
+        if isinstance(self.optimizer, HostOffloadOptimizer):  # the optimizer's parameters are the host copies
+            names = {id(p): n for p, n in state.param_names.items()}
+            host = {hp: names[id(p)] for hp, p in self.optimizer.host_params.items()}
+            return StageState(model=state.model, optimizer=self.optimizer, param_names=host)  # type: ignore[arg-type]
+        return StageState(model=state.model, optimizer=self.optimizer, param_names=state.param_names)
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters, unsharded, named by global layer index (collective over the stage's ranks)."""

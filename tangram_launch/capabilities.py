@@ -130,7 +130,8 @@ TORCH = RuntimeCapabilities(
     # by all_to_all_single; expert gradients reduced over the expert-data-parallel group by all-reduce (no FSDP2).
     expert_parallel=True,
     max_zero_stage_with_ep=0,
-    offload=False,
+    # optimizer state, fp32 copy and the update on the host (runtime_adapters/offload.py), any ZeRO stage
+    offload=True,
     max_zero_stage=3,
     max_zero_stage_with_pp=3,
     # GPipe for hand-written plans (the planner costs 1F1B); interleaved 1F1B: ScheduleInterleaved1F1B over one

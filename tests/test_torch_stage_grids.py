@@ -73,7 +73,7 @@ def test_accepts_per_stage_grids_and_refuses_what_the_executor_does_not_run():
 
 
 @pytest.mark.distributed
-def test_three_ranks_two_replicas_then_one(tmp_path):
+def test_three_ranks_two_replicas_then_one_and_offload(tmp_path):
     cases = {
         # the issue's first case: stage 0 dp=2 + stage 1 dp=1
         "dp2_dp1": make_plan("tiny", [(3, "n0", 1, 2), (1, "n1", 1, 1)], global_batch=8, num_microbatches=2),
@@ -84,6 +84,14 @@ def test_three_ranks_two_replicas_then_one(tmp_path):
         "dp2_zero1_dp1_gpipe": make_plan("tiny", [{"layers": 2, "gpus": "n0", "dp": 2, "zero_stage": 1},
                                                   {"layers": 2, "gpus": "n1"}],
                                          global_batch=4, num_microbatches=2, schedule="GPipe"),
+        # optimizer offload: ZeRO-3 shards' state on the host on one stage, a whole stage's on the other
+        "offload_dp2_zero3_dp1": make_plan("tiny", [{"layers": 2, "gpus": "n0", "dp": 2, "zero_stage": 3,
+                                                     "offload": True},
+                                                    {"layers": 2, "gpus": "n1", "offload": True}],
+                                           global_batch=4, num_microbatches=2),
+        # offload under one grid (torch.distributed.pipelining), on the middle stage only
+        "offload_one_grid": make_plan("tiny", [(1, "n0"), {"layers": 2, "gpus": "n1", "offload": True}, (1, "n2")],
+                                      global_batch=3, num_microbatches=3),
     }
     _run_and_compare(3, cases, tmp_path)
 
@@ -100,6 +108,9 @@ def test_four_ranks_tp_then_dp_and_three_stage_mix(tmp_path):
                              global_batch=8, num_microbatches=4),
         "bf16_dp1_dp2_tp1": make_plan("tiny", [(2, "n0"), (1, "n1", 1, 2), (1, "n2")], global_batch=4,
                                       num_microbatches=2, dtype="bf16"),
+        # offload of tensor-parallel shards
+        "offload_tp2_dp2": make_plan("tiny", [{"layers": 2, "gpus": "n0", "tp": 2, "offload": True},
+                                              (2, "n1", 1, 2)], global_batch=4, num_microbatches=2),
     }
     _run_and_compare(4, cases, tmp_path)
 
@@ -110,7 +121,7 @@ def test_checkpoints_move_between_per_stage_grids_and_one_grid(tmp_path):
 
     plans = [make_plan("tiny", [(3, "n0", 1, 2), (1, "n1")], global_batch=6, num_microbatches=3),
              make_plan("tiny", [(1, "n0"), (2, "n1"), (1, "n2")], global_batch=6, num_microbatches=3),  # one grid
-             make_plan("tiny", [(1, "n0"), {"layers": 3, "gpus": "n1", "dp": 2, "zero_stage": 3}],
+             make_plan("tiny", [(1, "n0"), {"layers": 3, "gpus": "n1", "dp": 2, "zero_stage": 3, "offload": True}],
                        global_batch=6, num_microbatches=3)]
     assert [p.topology.uniform_grid for p in plans] == [False, True, False]
     resume_through_layouts(plans, tmp_path)
