@@ -1,12 +1,13 @@
 """Optimizer offload (``stage.offload``): optimizer state and the update on the host, as ZeRO-Offload does.
 
-The accelerator keeps the (fp32) parameters and gradients the forward and backward need; the host keeps the
-optimizer state (Adam: 2 x 4 bytes per parameter) and a staging copy of each parameter (this rank's shard under
-FSDP2/TP). Each step copies the gradients and the parameters to the host, runs the optimizer there and copies the
-updated parameters back: 3 x 4 bytes per parameter over PCIe per step. The parameters go down every step, not only
-once, because the accelerator's copy is the truth: a checkpoint load or any in-place change of the module's
-parameters is picked up (a host master copy kept across steps would silently undo it). The cost model charges the
-offloaded state in host memory and the copies plus CPU Adam in the optimizer time (``tangram_launch.costmodel``).
+The accelerator keeps the parameters and gradients the forward and backward need; the host keeps an fp32 master
+copy of each parameter (this rank's shard under FSDP2/TP) and the optimizer state for it (Adam: 2 x 4 bytes per
+parameter). Each step copies the gradients to the host, runs the optimizer there and copies the updated parameters
+back: gradient bytes + parameter bytes per parameter over PCIe per step, what the cost model charges
+(``tangram_launch.costmodel``: ``model_state_bytes`` with offload for the host memory, the copies and CPU Adam in
+the optimizer time). The master copy is re-read from the accelerator in ``load_state_dict`` (a checkpoint load
+restores the module's parameters first, then the optimizer) and in ``sync_from_params``, for any other in-place
+change of the module's parameters; otherwise the next step would overwrite such a change with the old master.
 
 Sharded parameters (DTensor: FSDP2 or tensor parallel) get host copies that are DTensors over the same mesh and
 placements with a host local tensor, as FSDP2's ``CPUOffloadPolicy`` keeps them, so the optimizer state stays a
@@ -68,12 +69,18 @@ class HostOffloadOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+        self.sync_from_params()
+
+    @torch.no_grad()
+    def sync_from_params(self) -> None:
+        """Re-read the master copies from the accelerator's parameters (after loading or editing them)."""
+        for hp, p in self.host_params.items():
+            _local(hp).copy_(_local(p))
 
     @torch.no_grad()
     def step(self) -> None:
-        """Parameters and gradients down to the host, the update there, parameters back up."""
+        """Gradients down to the host, the update there, parameters back up."""
         for hp, p in self.host_params.items():
-            _local(hp).copy_(_local(p), non_blocking=True)
             if p.grad is None:
                 hp.grad = None
                 continue
