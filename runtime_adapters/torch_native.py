@@ -184,9 +184,7 @@ def _stage_grid_problems(plan: Plan) -> list[str]:
     """What the per-stage-grid executor (runtime_adapters/schedule.py) does not run (pure)."""
     if plan.topology.uniform_grid:
         return []
-    out = []
-    if plan.schedule not in ("1F1B", "GPipe"):
-        out.append(f"stages with their own (tp, dp) grids run 1F1B or GPipe (plan has '{plan.schedule}')")
+    out = []  # interleaved 1F1B: a declared capability (TORCH.interleaved_uniform_grid)
     if plan.model.get("num_experts"):
         out.append("stages with their own (tp, dp) grids run dense models only (MoE auxiliary losses are not "
                    "scaled across re-split micro-batches)")

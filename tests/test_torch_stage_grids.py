@@ -69,7 +69,7 @@ def test_accepts_per_stage_grids_and_refuses_what_the_executor_does_not_run():
     from test_torch_interleaved import interleave
 
     inter = interleave(make_plan("tiny", [(2, "n0", 1, 2), (2, "n1")], global_batch=8, num_microbatches=2), 2)
-    assert any("run 1F1B or GPipe" in p for p in adapter.plan_problems(inter))
+    assert any("interleaved 1F1B with one (tp, dp, cp) grid" in p for p in adapter.plan_problems(inter))
 
 
 @pytest.mark.distributed
