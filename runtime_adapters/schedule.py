@@ -5,11 +5,15 @@ stage. Here each rank runs its stage's action list (``stage_actions``: 1F1B warm
 backward, cool-down backwards; every rank of a stage runs the same list) and exchanges row slices with the ranks
 ``runtime_adapters.stage_grid`` names, by batched ``isend``/``irecv`` on the default group:
 
-- receives are posted as one batch right before the action that needs them and waited on;
-- sends are posted as one batch right after the action that produced them and only waited on at the end of the
-  step (their tensors are kept alive until then), so a rank never blocks on a send and the order of waits follows the
-  schedule's data dependencies: no deadlock (every receive waits for an action its sender reaches without waiting
-  on this rank). Each message carries tag ``2 m`` (activations of micro-batch m) or ``2 m + 1`` (its gradient).
+- after each action one batch goes out: that action's sends and the next action's receives (as torch's own 1F1B
+  fuses a forward's send with the next backward's receive: on NCCL a send and the receive its peer posts meanwhile
+  must be in flight together);
+- a rank waits on a receive only right before the action that needs it, and on its sends only at the end of the step
+  (their tensors are kept alive until then), so it never blocks on a send and its waits follow the schedule's data
+  dependencies: no deadlock (every receive waits for an action its sender reaches without waiting on this rank).
+  Each message carries tag ``2 m`` (activations of micro-batch m) or ``2 m + 1`` (its gradient).
+
+Run on gloo (CPU) in the tests; on NCCL it is untested (no GPU here).
 
 Gradient scale: the last stage back-propagates each replica's micro-batch loss over M (the schedule averages over
 micro-batches) and each stage averages over its own replicas (all-reduce / FSDP2). With dp_k replicas on stage k and
@@ -86,24 +90,43 @@ class GridSchedule:
         self.actions = stage_actions(plan.schedule, k, plan.num_stages, plan.num_microbatches)
 
     # --- communication -------------------------------------------------------------------------------------------
-    def _recv(self, transfers: list[Transfer], tag: int, seq_len: int) -> torch.Tensor:
+    def _recv_ops(self, action: tuple[str, int] | None, seq_len: int) -> tuple[list, list[torch.Tensor]]:
+        """The receives ``action`` needs: (P2P ops, buffers in row order)."""
         import torch.distributed as dist
 
+        if action is None:
+            return [], []
+        kind, m = action
+        transfers, tag = (self.recv_act, 2 * m) if kind == "F" else (self.recv_grad, 2 * m + 1)
         bufs = [torch.empty(x.rows, seq_len, self.hidden_size, device=self.device) for x in transfers]
-        ops = [dist.P2POp(dist.irecv, b, peer=x.src, tag=tag) for b, x in zip(bufs, transfers)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return torch.cat(bufs) if len(bufs) > 1 else bufs[0]  # transfers are ordered by rows: (b_k, T, H)
+        return [dist.P2POp(dist.irecv, b, peer=x.src, tag=tag) for b, x in zip(bufs, transfers)], bufs
 
-    def _send(self, value: torch.Tensor, transfers: list[Transfer], tag: int) -> None:
+    def _send_ops(self, value: torch.Tensor | None, transfers: list[Transfer], tag: int
+                  ) -> tuple[list, list[torch.Tensor]]:
         import torch.distributed as dist
 
-        if not transfers:
-            return
+        if value is None or not transfers:
+            return [], []
         value = value.detach().float()
         parts = [value[x.src_offset:x.src_offset + x.rows].contiguous() for x in transfers]
-        ops = [dist.P2POp(dist.isend, p, peer=x.dst, tag=tag) for p, x in zip(parts, transfers)]
-        self._pending.append((dist.batch_isend_irecv(ops), parts))  # parts stay alive until the sends complete
+        return [dist.P2POp(dist.isend, p, peer=x.dst, tag=tag) for p, x in zip(parts, transfers)], parts
+
+    def _post(self, sends: tuple[list, list[torch.Tensor]], recvs: tuple[list, list[torch.Tensor]]) -> list:
+        """Post one batch: this action's sends and the next action's receives (torch's 1F1B fuses them the same
+        way, which NCCL needs: a send and the receive its peer posts in between must be in flight together).
+        Returns the works to wait on before the next action; the sends' are waited on at the end of the step."""
+        import torch.distributed as dist
+
+        ops = sends[0] + recvs[0]
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        n = len(sends[0])
+        if len(works) == len(ops):  # one work per op (gloo): wait only on the receives now
+            self._pending.append((works[:n], sends[1]))
+            return works[n:]
+        self._pending.append(([], sends[1]))  # one coalesced work (NCCL): waiting on it orders the stream only
+        return works
 
     # --- the step ------------------------------------------------------------------------------------------------
     def step(self, batch: torch.Tensor) -> list[torch.Tensor]:
@@ -120,14 +143,20 @@ class GridSchedule:
         slots: dict[int, _Slot] = {}
         losses: list[torch.Tensor] = []
         backwards_done = 0
-        for kind, m in self.actions:
+        recv_ops, recv_bufs = self._recv_ops(self.actions[0], seq_len)
+        waiting = self._post(([], []), (recv_ops, recv_bufs))
+        for t, (kind, m) in enumerate(self.actions):
+            for w in waiting:
+                w.wait()
+            received = (torch.cat(recv_bufs) if len(recv_bufs) > 1 else recv_bufs[0]) if recv_bufs else None
             rows = batch[m * self.micro_rows + lo:m * self.micro_rows + hi].to(self.device)  # (b_k, T + 1)
+            sends: tuple[list, list[torch.Tensor]] = ([], [])
             if kind == "F":
                 slot = slots.setdefault(m, _Slot())
                 if self.first:
                     x = rows[:, :-1]
                 else:
-                    x = self._recv(self.recv_act, 2 * m, seq_len).requires_grad_(True)
+                    x = received.requires_grad_(True)  # (b_k, T, H), rows in order
                     slot.inputs = x
                 out = self.module(x)
                 if self.last:
@@ -136,7 +165,7 @@ class GridSchedule:
                     slot.output = loss / n_mb
                 else:
                     slot.output = out
-                    self._send(out, self.send_act, 2 * m)
+                    sends = self._send_ops(out, self.send_act, 2 * m)
             else:
                 slot = slots.pop(m)
                 backwards_done += 1
@@ -144,12 +173,15 @@ class GridSchedule:
                 if self.last:
                     slot.output.backward()
                 else:
-                    grad = self._recv(self.recv_grad, 2 * m + 1, seq_len)
+                    grad = received
                     if self.grad_ratio != 1.0:
                         grad.mul_(self.grad_ratio)
                     torch.autograd.backward(slot.output, grad.to(slot.output.dtype))
                 if slot.inputs is not None:
-                    self._send(slot.inputs.grad, self.send_grad, 2 * m + 1)
+                    sends = self._send_ops(slot.inputs.grad, self.send_grad, 2 * m + 1)
+            nxt = self.actions[t + 1] if t + 1 < len(self.actions) else None
+            recv_ops, recv_bufs = self._recv_ops(nxt, seq_len)
+            waiting = self._post(sends, (recv_ops, recv_bufs))
         for works, _ in self._pending:
             for w in works:
                 w.wait()

@@ -46,6 +46,57 @@ def test_every_receiver_gets_each_of_its_rows_once(grids, microbatches):
             assert 0 <= x.src_offset and x.src_offset + x.rows <= plan.stages[k].micro_batch_size
 
 
+def _runs_to_the_end(plan, actions=stage_actions) -> bool:
+    """Simulate every rank of the executor: an action runs once every message it receives has been sent (sends
+    never block: posted after the action that produced them). True when all ranks finish their actions."""
+    topo = plan.topology
+    S, M = plan.num_stages, plan.num_microbatches
+    todo = {r: list(actions(plan.schedule, topo.stage_of(r), S, M)) for r in range(plan.world_size)}
+    sent: set[tuple[int, int, str, int]] = set()  # (src, dst, kind, micro-batch)
+    needs = {}
+    for r in range(plan.world_size):
+        k = topo.stage_of(r)
+        needs[r, "F"] = [x.src for x in forward_transfers(plan, k - 1) if x.dst == r] if k else []
+        needs[r, "B"] = [x.src for x in backward_transfers(plan, k) if x.dst == r] if k < S - 1 else []
+    gives = {}
+    for r in range(plan.world_size):
+        k = topo.stage_of(r)
+        gives[r, "F"] = [x.dst for x in forward_transfers(plan, k) if x.src == r] if k < S - 1 else []
+        gives[r, "B"] = [x.dst for x in backward_transfers(plan, k - 1) if x.src == r] if k else []
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in todo.items():
+            while acts and all((src, r, acts[0][0], acts[0][1]) in sent for src in needs[r, acts[0][0]]):
+                kind, m = acts.pop(0)
+                sent.update((r, dst, kind, m) for dst in gives[r, kind])
+                progress = True
+    return not any(todo.values())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2, 3])), min_size=2, max_size=4),
+       st.integers(1, 6), st.sampled_from(["1F1B", "GPipe"]))
+def test_no_rank_waits_forever(grids, microbatches, schedule):
+    stages = [{"layers": 1, "gpus": [(f"s{i}", g) for g in range(tp * dp)], "tp": tp, "dp": dp}
+              for i, (tp, dp) in enumerate(grids)]
+    model = {**make_plan("tiny", [(4, "n0")], global_batch=1, num_microbatches=1).model, "num_layers": len(grids)}
+    plan = make_plan(model, stages, global_batch=6 * microbatches, num_microbatches=microbatches, schedule=schedule)
+    assert _runs_to_the_end(plan)
+
+
+def test_the_simulation_detects_a_deadlock():
+    """The check above can fail: a first stage that waits for a gradient before sending any activation never
+    finishes (its peer needs the activation first)."""
+    plan = make_plan("tiny", [(2, "n0", 1, 2), (2, "n1")], global_batch=4, num_microbatches=2, schedule="GPipe")
+    assert _runs_to_the_end(plan)
+
+    def backward_first_on_stage_0(schedule, stage, stages, m):
+        acts = stage_actions(schedule, stage, stages, m)
+        return sorted(acts) if stage == 0 else acts  # ("B", i) sorts before ("F", i)
+    assert not _runs_to_the_end(plan, backward_first_on_stage_0)
+
+
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (3, 2), (4, 6), (1, 3)])
 def test_1f1b_actions_run_every_forward_before_its_backward(stages, microbatches):
     for k in range(stages):
