@@ -23,7 +23,10 @@ Per rank (order as in torchtitan's parallelize step, and why):
    expert-data-parallel group only (``runtime_adapters.expert_parallel``). EP runs with zero_stage 0.
 7. ``Schedule1F1B`` (or GPipe where the plan asks) over the plan's micro-batches; gradients are averaged over
    micro-batches by the schedule and over replicas by the all-reduce/FSDP2, so one step equals one step of the
-   whole model on the global batch.
+   whole model on the global batch. Interleaved 1F1B: one module and ``PipelineStage`` per plan chunk
+   (``runtime_adapters.interleaved``). Stages with their own (tp, dp) grids: ``runtime_adapters.schedule`` runs
+   1F1B/GPipe itself and re-splits each micro-batch's rows at stage boundaries (``runtime_adapters.stage_grid``).
+8. ``stage.offload``: the optimizer state and update on the host (``runtime_adapters.offload``).
 
 Usage on a worker (``tangram-launch --plan plan.json train.py`` or torchrun)::
 
@@ -153,9 +156,9 @@ class TorchAdapter(RuntimeAdapter):
             module.set_compute_dtype(dtype)
         scaler = LossScaler() if dtype == torch.float16 else None
         module, manual_dp = _apply_data_parallel(module, stage, groups)
-        optimizer = (optimizer_factory or default_optimizer_factory)
-        optimizer = (HostOffloadOptimizer(module.parameters(), optimizer) if stage.offload  # state on the host
-                     else optimizer(list(module.parameters())))
+        make_optimizer = optimizer_factory or default_optimizer_factory
+        optimizer = (HostOffloadOptimizer(module.parameters(), make_optimizer) if stage.offload  # state on the host
+                     else make_optimizer(list(module.parameters())))
         schedule = _build_schedule(plan, place, module, groups, device, scaler)
         last_src = min(r.rank for r in plan.rank_layout if r.stage == plan.num_stages - 1)
         logger.info("rank %d |PP=%d|DP=%d|TP=%d| layers %s embedding=%s head=%s zero=%d recompute=%s", rank,
