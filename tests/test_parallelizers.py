@@ -204,6 +204,7 @@ def test_cpu_cluster_tiny_model(cluster_path):
     res = MegatronParallelizer().query(q)
     assert res.plans and all(p.num_gpus <= 2 for p in res.plans)
     assert all(s.breakdown["overhead_bytes"] == 0 for p in res.plans for s in p.stages)  # no CUDA context on CPU
+    assert not any(s.shape.offload for p in res.plans for s in p.stages)  # host memory is the device's own
 
 
 # ------------------------------------------------------------------------------------------------ uniform
