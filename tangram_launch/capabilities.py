@@ -33,6 +33,7 @@ class RuntimeCapabilities:
     max_stages: int | None = None
     schedules: tuple[str, ...] = ("1F1B",)  # pipeline schedules the runtime runs (interleaved-1F1B: virtual stages)
     interleaved_uniform_grid: bool = False  # interleaved 1F1B only when every stage has the same (tp, dp, cp)
+    interleaved_expert_parallel: bool = True  # interleaved 1F1B with ep > 1 stages
     stage_grids_moe: bool = True  # MoE models too may have stages with their own TP/DP sizes
     dtypes: tuple[str, ...] = DTYPES  # training dtypes the runtime runs
     dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
@@ -50,9 +51,13 @@ class RuntimeCapabilities:
         known."""
         if schedule not in self.schedules:
             return [f"{self.name} has no {schedule} schedule (has: {', '.join(self.schedules)})"]
+        shapes = list(shapes)
         grids = sorted({(s.tp, s.dp, s.cp) for s in shapes})
         if schedule == "interleaved-1F1B" and self.interleaved_uniform_grid and len(grids) > 1:
             return [f"{self.name} runs interleaved 1F1B with one (tp, dp, cp) grid for all stages; plan has {grids}"]
+        if schedule == "interleaved-1F1B" and not self.interleaved_expert_parallel and any(s.ep > 1 for s in shapes):
+            return [f"{self.name} runs interleaved 1F1B without expert parallelism (plan has ep="
+                    f"{max(s.ep for s in shapes)})"]
         if schedule == "interleaved-1F1B" and num_stages > 1 and num_microbatches % num_stages:
             # Megatron-core groups micro-batches by pipeline size (microbatch_group_size_per_vp_stage = pp) and
             # refuses a remainder smaller than pp
@@ -153,6 +158,7 @@ TORCH = RuntimeCapabilities(
     # PipelineStage per model chunk (runtime_adapters/interleaved.py), tested exact on 2 CPU ranks
     schedules=("1F1B", "GPipe", "interleaved-1F1B"),
     interleaved_uniform_grid=True,  # the per-stage-grid executor (runtime_adapters/schedule.py) runs 1F1B/GPipe
+    interleaved_expert_parallel=False,  # model chunks are built without expert-parallel groups
     # MoE routing groups and auxiliary losses per re-split micro-batch are untested there: one grid for MoE models
     stage_grids_moe=False,
     # tf32: fp32 parameters with torch.backends.cuda.matmul.allow_tf32 set by the adapter

@@ -60,6 +60,16 @@ def test_refuses_chunks_without_layers_before_any_process_group():
     assert not dist.is_initialized()
 
 
+def test_interleaving_with_expert_parallelism_is_refused_as_a_capability():
+    from tangram_launch.capabilities import TORCH
+
+    moe = interleave(make_plan("tiny-moe", [{"layers": 2, "gpus": "n0", "dp": 2, "ep": 2},
+                                            {"layers": 2, "gpus": "n1", "dp": 2, "ep": 2}],
+                               global_batch=8, num_microbatches=2), 2)
+    assert any("without expert parallelism" in p for p in TORCH.plan_problems(moe))  # the planner reads this
+    assert any("without expert parallelism" in p for p in TorchAdapter().plan_problems(moe))
+
+
 @pytest.mark.distributed
 def test_two_ranks_interleaved_equal_the_reference(tmp_path):
     cases = {
