@@ -241,7 +241,9 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
                 mine = [c for c in fits if compatibility_group((c,), caps) == cls]
                 if not mine:
                     break
-                chosen.append(min(mine, key=lambda c: (c.time_s, c.dp_sync_s + c.optimizer_s)))
+                # a stage's own share of the iteration: m micro-batches, then its DP sync and optimizer step (an
+                # offloaded optimizer saves little per micro-batch and costs seconds per iteration)
+                chosen.append(min(mine, key=lambda c: (m * c.time_s + c.dp_sync_s + c.optimizer_s, c.time_s)))
             if len(chosen) < S:
                 continue
             cand = _manual_candidates(b, m, manual, isl_of, chosen, cluster, model, training, caps)
