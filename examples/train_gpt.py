@@ -124,11 +124,8 @@ class TokenBatches:
 
 
 def torch_stage_state(ctx: Any):
-    """The torch adapter's state under global names (its StageModule names layers globally)."""
-    from tangram_launch.checkpoint import LayerKeyMap, StageState
-
-    return StageState.from_module(ctx.module, LayerKeyMap.for_stage(ctx.place.stage, local_numbering="global"),
-                                  ctx.optimizer)
+    """The torch adapter's state under global names, under any layout (model chunks, offloaded optimizer)."""
+    return ctx.checkpoint_state()
 
 
 class Checkpointing:

@@ -48,7 +48,7 @@ class StageGroups:
     place: Place
     tp: Any  # torch.distributed.ProcessGroup
     dp: Any
-    pp: Any  # this rank's pipeline: one rank per stage
+    pp: Any  # this rank's pipeline: one rank per stage; None when stages have their own grids (no such pipeline)
     mesh: Any  # DeviceMesh with dims ("dp", "tp")
 
     @property
@@ -82,8 +82,8 @@ def build_stage_groups(plan: Plan, rank: int, *, device_type: str = "cpu", timeo
         group = dist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             pp = group
-    if pp is None:
-        raise ValueError("stages with different (tp, dp) grids have no rank-to-rank pipeline groups")
+    if pp is None and layout.pp:
+        raise ValueError(f"rank {rank} is in none of the plan's pipelines {layout.pp}")
     mesh = DeviceMesh.from_group([found["dp"], found["tp"]], device_type,
                                  mesh=[list(row) for row in _dp_tp_rows(plan, place)], mesh_dim_names=("dp", "tp"))
     logger.debug("rank %d |PP=%d|DP=%d|TP=%d| tp=%s dp=%s", rank, place.coords["pp"], place.coords["dp"],

@@ -25,7 +25,10 @@ Per rank (order as in torchtitan's parallelize step, and why):
    expert-data-parallel group only (``runtime_adapters.expert_parallel``). EP runs with zero_stage 0.
 7. ``Schedule1F1B`` (or GPipe where the plan asks) over the plan's micro-batches; gradients are averaged over
    micro-batches by the schedule and over replicas by the all-reduce/FSDP2, so one step equals one step of the
-   whole model on the global batch.
+   whole model on the global batch. Interleaved 1F1B: one module and ``PipelineStage`` per plan chunk
+   (``runtime_adapters.interleaved``). Stages with their own (tp, dp) grids: ``runtime_adapters.schedule`` runs
+   1F1B/GPipe itself and re-splits each micro-batch's rows at stage boundaries (``runtime_adapters.stage_grid``).
+8. ``stage.offload``: the optimizer state and update on the host (``runtime_adapters.offload``).
 
 Usage on a worker (``tangram-launch --plan plan.json train.py`` or torchrun)::
 
@@ -48,7 +51,11 @@ from runtime_adapters.expert_parallel import (ExpertGroups, bind_expert_parallel
                                               expert_parameters, local_experts)
 from runtime_adapters.gpt import StageModule, as_model_spec, lm_loss
 from runtime_adapters.groups import StageGroups, build_stage_groups
+from runtime_adapters.interleaved import (ChunkedStage, build_interleaved_schedule, chunk_key_map, chunk_problems,
+                                         chunk_stages)
 from runtime_adapters.model_source import BuiltinGPT, ModelSource
+from runtime_adapters.offload import HostOffloadOptimizer
+from runtime_adapters.schedule import GridSchedule
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.plan import Place, Plan, Stage
@@ -56,7 +63,7 @@ from tangram_launch.specs.model import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("1F1B", "GPipe")
+SCHEDULES = ("1F1B", "GPipe", "interleaved-1F1B")
 COMPUTE_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # no fp8 path
 
 # model_factory(spec, stage, seed) -> the stage's nn.Module (input tokens or hidden, output hidden or logits)
@@ -85,10 +92,12 @@ class TorchAdapter(RuntimeAdapter):
         problems = super().plan_problems(plan)
         if plan.schedule not in SCHEDULES:
             problems.append(f"torch runs schedules {', '.join(SCHEDULES)} (plan has '{plan.schedule}')")
-        if plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B":
+        if (plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B"
+                and plan.topology.uniform_grid):  # the per-stage-grid executor runs any number
             problems.append(f"torch's Schedule1F1B needs num_microbatches >= stages "
                             f"({plan.num_microbatches} < {plan.num_stages})")
-        return problems + (model_source or BuiltinGPT()).plan_problems(plan) + _expert_parallel_problems(plan)
+        return (problems + (model_source or BuiltinGPT()).plan_problems(plan) + _expert_parallel_problems(plan)
+                + chunk_problems(plan) + _stage_grid_problems(plan))
 
     def setup(self, plan: Plan, place: Place | None = None, *, model_factory: ModelFactory | None = None,
               optimizer_factory: OptimizerFactory | None = None, seed: int = 0, device: torch.device | None = None,
@@ -135,7 +144,10 @@ class TorchAdapter(RuntimeAdapter):
         groups = build_stage_groups(plan, rank, device_type=device.type, timeout_s=timeout_s)
         experts = build_expert_groups(plan, rank, timeout_s=timeout_s)  # None unless this stage has ep > 1
         stage = place.stage
-        if model_factory is None and experts is not None:
+        if plan.schedule == "interleaved-1F1B":  # one module per virtual stage, seen as one stage module
+            module = ChunkedStage([(model_factory or default_model_factory)(spec, c, seed).to(device)
+                                   for c in chunk_stages(plan, stage)])
+        elif model_factory is None and experts is not None:
             module = StageModule(spec, stage.layers, has_embedding=stage.has_embedding, has_head=stage.has_head,
                                  seed=seed, experts=local_experts(spec, experts.ep_size, experts.ep_rank))
         else:
@@ -158,7 +170,9 @@ class TorchAdapter(RuntimeAdapter):
             module.set_compute_dtype(dtype)
         scaler = LossScaler() if dtype == torch.float16 else None
         module, manual_dp = _apply_data_parallel(module, stage, groups)
-        optimizer = (optimizer_factory or default_optimizer_factory)(list(module.parameters()))
+        make_optimizer = optimizer_factory or default_optimizer_factory
+        optimizer = (HostOffloadOptimizer(module.parameters(), make_optimizer) if stage.offload  # state on the host
+                     else make_optimizer(list(module.parameters())))
         schedule = _build_schedule(plan, place, module, groups, device, scaler)
         last_src = min(r.rank for r in plan.rank_layout if r.stage == plan.num_stages - 1)
         logger.info("rank %d |PP=%d|DP=%d|TP=%d| layers %s embedding=%s head=%s zero=%d recompute=%s", rank,
@@ -180,6 +194,17 @@ def _expert_parallel_problems(plan: Plan) -> list[str]:
             out.append(f"stage {s.index}: ep={s.ep} needs an MoE model (model '{plan.model.get('name')}' is dense)")
         elif experts % s.ep:
             out.append(f"stage {s.index}: ep={s.ep} does not divide num_experts={experts}")
+    return out
+
+
+def _stage_grid_problems(plan: Plan) -> list[str]:
+    """What the per-stage-grid executor (runtime_adapters/schedule.py) does not run (pure)."""
+    if plan.topology.uniform_grid:
+        return []
+    out = []  # interleaved 1F1B: a declared capability (TORCH.interleaved_uniform_grid)
+    if plan.model.get("num_experts"):
+        out.append("stages with their own (tp, dp) grids run dense models only (MoE auxiliary losses are not "
+                   "scaled across re-split micro-batches)")
     return out
 
 
@@ -208,6 +233,11 @@ def _apply_recompute(module: nn.Module, stage: Stage) -> None:
 
 def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups) -> tuple[nn.Module, bool]:
     """Wrap for data parallelism; returns (module, whether gradients need a manual all-reduce)."""
+    if isinstance(module, ChunkedStage):  # each chunk runs forward on its own: FSDP2 units per chunk
+        manual = False
+        for chunk in module.chunk_modules:
+            _, manual = _apply_data_parallel(chunk, stage, groups)
+        return module, manual
     if stage.dp == 1:
         if stage.zero_stage:
             logger.info("stage %d: dp=1, nothing to shard for zero_stage=%d", stage.index, stage.zero_stage)
@@ -229,9 +259,18 @@ def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGr
                     scaler: "LossScaler | None") -> Any:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    loss_fn = lm_loss if scaler is None else (lambda logits, targets: lm_loss(logits, targets) * scaler.scale)
+    if groups.pp is None:  # stages with their own grids: rows re-split at every stage boundary
+        from torch.distributed.fsdp import FSDPModule
+
+        sync = ((lambda last: module.set_requires_gradient_sync(last)) if isinstance(module, FSDPModule)
+                else (lambda last: None))
+        return GridSchedule(plan=plan, place=place, module=module, device=device, loss_fn=loss_fn,
+                            hidden_size=int(plan.model["hidden_size"]), before_backward=sync)
+    if isinstance(module, ChunkedStage):
+        return build_interleaved_schedule(plan, place.stage, module.chunk_modules, groups.pp, device, loss_fn)
     pipe_stage = PipelineStage(module, place.stage.index, plan.num_stages, device, group=groups.pp)
     cls = Schedule1F1B if plan.schedule == "1F1B" else ScheduleGPipe
-    loss_fn = lm_loss if scaler is None else (lambda logits, targets: lm_loss(logits, targets) * scaler.scale)
     return cls(pipe_stage, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)
 
 
@@ -273,7 +312,7 @@ class TorchTrainingContext:
     place: Place
     groups: StageGroups
     module: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | HostOffloadOptimizer
     schedule: Any
     device: torch.device
     manual_dp: bool
@@ -303,19 +342,20 @@ class TorchTrainingContext:
         """
         import torch.distributed as dist
 
-        rows = self.replica_rows(batch).to(self.device)
-        inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (B, T) each
         losses: list[torch.Tensor] = []
         first, last = self.place.is_first_stage, self.place.is_last_stage
         if self.scaler is not None:  # MoE auxiliary losses join backward at the schedule's loss scale
             for m in getattr(self.module, "moe_layers", list)():
                 m.aux_grad_scale = self.scaler.scale
-        if first and last:
-            self.schedule.step(inputs, target=targets, losses=losses)
+        if isinstance(self.schedule, GridSchedule):  # per-stage grids: the executor picks each replica's rows
+            losses = self.schedule.step(batch)
+        elif first and last:
+            rows = self.replica_rows(batch).to(self.device)
+            self.schedule.step(rows[:, :-1].contiguous(), target=rows[:, 1:].contiguous(), losses=losses)
         elif first:
-            self.schedule.step(inputs)
+            self.schedule.step(self.replica_rows(batch)[:, :-1].contiguous().to(self.device))
         elif last:
-            self.schedule.step(target=targets, losses=losses)
+            self.schedule.step(target=self.replica_rows(batch)[:, 1:].contiguous().to(self.device), losses=losses)
         else:
             self.schedule.step()
         if self.manual_dp:
@@ -382,6 +422,21 @@ class TorchTrainingContext:
         routed, dropped = routed_dropped.tolist()
         return {"routed": routed, "dropped": dropped, "dropped_fraction": dropped / routed if routed else 0.0,
                 "expert_load_max_over_mean": imbalance}
+
+    def checkpoint_state(self) -> Any:
+        """This rank's ``tangram_launch.checkpoint.StageState`` (live tensors and optimizer under global names), for
+        ``save_checkpoint``/``load_checkpoint``; the same call under any schedule, grid or chunk layout."""
+        from tangram_launch.checkpoint import LayerKeyMap, StageState
+
+        stage = self.place.stage
+        key_map = (chunk_key_map(self.plan, stage) if isinstance(self.module, ChunkedStage)
+                   else LayerKeyMap.for_stage(stage, local_numbering="global"))
+        state = StageState.from_module(self.module, key_map, None)
+        if isinstance(self.optimizer, HostOffloadOptimizer):  # the optimizer's parameters are the host copies
+            names = {id(p): n for p, n in state.param_names.items()}
+            host = {hp: names[id(p)] for hp, p in self.optimizer.host_params.items()}
+            return StageState(model=state.model, optimizer=self.optimizer, param_names=host)  # type: ignore[arg-type]
+        return StageState(model=state.model, optimizer=self.optimizer, param_names=state.param_names)
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters, unsharded, named by global layer index (collective over the stage's ranks)."""

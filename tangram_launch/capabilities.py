@@ -4,7 +4,7 @@ Each runtime adapter declares one ``RuntimeCapabilities``; the planner imports o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable
 
 from tangram_launch.specs.constants import DTYPES, RECOMPUTE_MODES
@@ -32,14 +32,32 @@ class RuntimeCapabilities:
     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
     max_stages: int | None = None
     schedules: tuple[str, ...] = ("1F1B",)  # pipeline schedules the runtime runs (interleaved-1F1B: virtual stages)
+    interleaved_uniform_grid: bool = False  # interleaved 1F1B only when every stage has the same (tp, dp, cp)
+    interleaved_expert_parallel: bool = True  # interleaved 1F1B with ep > 1 stages
+    stage_grids_moe: bool = True  # MoE models too may have stages with their own TP/DP sizes
     dtypes: tuple[str, ...] = DTYPES  # training dtypes the runtime runs
     dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
 
+    def for_model(self, num_experts: int) -> "RuntimeCapabilities":
+        """What the runtime runs for this model: an MoE model (``num_experts`` > 0) keeps one TP and one DP size
+        where the runtime's per-stage grids are dense-only."""
+        if num_experts and not self.stage_grids_moe and not (self.uniform_tp and self.uniform_dp):
+            return replace(self, uniform_tp=True, uniform_dp=True)
+        return self
+
     def schedule_problems(self, schedule: str, *, virtual_stages: int = 1, num_stages: int = 1,
-                          num_microbatches: int = 1) -> list[str]:
-        """Why this runtime cannot run the pipeline schedule (empty when it can)."""
+                          num_microbatches: int = 1, shapes: Iterable[StageShape] = ()) -> list[str]:
+        """Why this runtime cannot run the pipeline schedule (empty when it can); ``shapes``: the stages, where
+        known."""
         if schedule not in self.schedules:
             return [f"{self.name} has no {schedule} schedule (has: {', '.join(self.schedules)})"]
+        shapes = list(shapes)
+        grids = sorted({(s.tp, s.dp, s.cp) for s in shapes})
+        if schedule == "interleaved-1F1B" and self.interleaved_uniform_grid and len(grids) > 1:
+            return [f"{self.name} runs interleaved 1F1B with one (tp, dp, cp) grid for all stages; plan has {grids}"]
+        if schedule == "interleaved-1F1B" and not self.interleaved_expert_parallel and any(s.ep > 1 for s in shapes):
+            return [f"{self.name} runs interleaved 1F1B without expert parallelism (plan has ep="
+                    f"{max(s.ep for s in shapes)})"]
         if schedule == "interleaved-1F1B" and num_stages > 1 and num_microbatches % num_stages:
             # Megatron-core groups micro-batches by pipeline size (microbatch_group_size_per_vp_stage = pp) and
             # refuses a remainder smaller than pp
@@ -104,15 +122,17 @@ class RuntimeCapabilities:
 
     def plan_problems(self, plan: "Plan") -> list[str]:
         """Everything that stops this runtime from executing the plan (checked before any process group exists)."""
+        caps = self.for_model(int(plan.model.get("num_experts", 0) or 0))
         shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
-        out = list(self.dtype_problems(str(plan.training.get("dtype", "fp32"))))
+        out = list(caps.dtype_problems(str(plan.training.get("dtype", "fp32"))))
         if plan.schedule == "interleaved-1F1B":  # plain schedules (1F1B, GPipe) are each adapter's own check
-            out.extend(self.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages,
-                                              num_stages=len(shapes), num_microbatches=plan.num_microbatches))
+            out.extend(caps.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages,
+                                              num_stages=len(shapes), num_microbatches=plan.num_microbatches,
+                                              shapes=shapes))
         for i, sh in enumerate(shapes):
-            out.extend(f"stage {i}: {p}" for p in self.stage_problems(sh, pipelined=pipelined))
-        out.extend(self.pipeline_problems(shapes))
+            out.extend(f"stage {i}: {p}" for p in caps.stage_problems(sh, pipelined=pipelined))
+        out.extend(caps.pipeline_problems(shapes))
         return out
 
 
@@ -120,21 +140,27 @@ class RuntimeCapabilities:
 # each adapter in runtime_adapters/ re-exports its own entry and is tested against what the runtime really accepts.
 TORCH = RuntimeCapabilities(
     name="torch",
-    # torch.distributed.pipelining passes each micro-batch from one rank to its peer in the next stage: stages must
-    # share the TP and DP sizes (re-sharding between grids is not implemented). ZeRO maps to FSDP2 per stage.
-    uniform_tp=True,
-    uniform_dp=True,
+    # stages with their own (tp, dp): runtime_adapters/schedule.py re-splits each micro-batch's rows at every
+    # stage boundary (runtime_adapters/stage_grid.py); one grid runs on torch.distributed.pipelining. ZeRO maps to
+    # FSDP2 per stage.
+    uniform_tp=False,
+    uniform_dp=False,
     context_parallel=False,
     # MoE layers of runtime_adapters.moe: experts sharded over an EP group carved from the stage's DP ranks, tokens
     # by all_to_all_single; expert gradients reduced over the expert-data-parallel group by all-reduce (no FSDP2).
     expert_parallel=True,
     max_zero_stage_with_ep=0,
-    offload=False,
+    # optimizer state, fp32 copy and the update on the host (runtime_adapters/offload.py), any ZeRO stage
+    offload=True,
     max_zero_stage=3,
     max_zero_stage_with_pp=3,
-    # GPipe for hand-written plans (the planner costs 1F1B); no interleaved schedule: ScheduleInterleaved1F1B is
-    # not wired into runtime_adapters/torch_native.py
-    schedules=("1F1B", "GPipe"),
+    # GPipe for hand-written plans (the planner costs 1F1B); interleaved 1F1B: ScheduleInterleaved1F1B over one
+    # PipelineStage per model chunk (runtime_adapters/interleaved.py), tested exact on 2 CPU ranks
+    schedules=("1F1B", "GPipe", "interleaved-1F1B"),
+    interleaved_uniform_grid=True,  # the per-stage-grid executor (runtime_adapters/schedule.py) runs 1F1B/GPipe
+    interleaved_expert_parallel=False,  # model chunks are built without expert-parallel groups
+    # MoE routing groups and auxiliary losses per re-split micro-batch are untested there: one grid for MoE models
+    stage_grids_moe=False,
     # tf32: fp32 parameters with torch.backends.cuda.matmul.allow_tf32 set by the adapter
     dtypes=("bf16", "fp16", "fp32", "tf32"),
     dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "

@@ -5,7 +5,7 @@
               global_batch=8, num_microbatches=2)
 
 A stage is a tuple ``(layers, gpus, tp=1, dp=1, zero_stage=0, recompute="none")`` or a dict with those keys (a dict
-may also give ``ep``, the expert-parallel size).
+may also give ``ep``, the expert-parallel size, and ``offload``).
 ``layers`` is a layer count (stages cover the model in order) or a ``(start, stop)`` pair; ``gpus`` is a node name
 (the next tp*dp free GPUs of that node) or an explicit list of (node, local_gpu) pairs in rank order.
 micro_batch_size is global_batch / (dp * num_microbatches).
@@ -49,7 +49,7 @@ def make_plan(model: str | Mapping[str, Any] | ModelSpec, stages: Sequence[Seque
             raise ValueError(f"stage {i}: dp*num_microbatches must divide global_batch")
         built.append(Stage(index=i, layers=layers, island=f"island-{i}", gpus=tuple(tuple(g) for g in gpus),
                            tp=tp, dp=dp, ep=int(d.get("ep", 1)), zero_stage=int(d.get("zero_stage", 0)),
-                           recompute=str(d.get("recompute", "none")),
+                           recompute=str(d.get("recompute", "none")), offload=bool(d.get("offload", False)),
                            micro_batch_size=global_batch // (dp * num_microbatches),
                            has_embedding=i == 0, has_head=i == len(stages) - 1))
         start = layers[1]

@@ -245,6 +245,21 @@ def test_offload_moves_optimizer_state_to_host():
     assert z3.total == 0 and z3.host == pytest.approx(16e9 / 4)
 
 
+def test_offload_charges_host_memory_and_pcie_traffic_per_iteration():
+    """What runtime_adapters/offload.py does per step: this GPU's gradients down and its parameters up over PCIe;
+    the optimizer state lives in host memory."""
+    m = gpt("g", 2048, 16, 8)
+    c = coster(m, island("a100-80gb", nodes=1), b=8, gb=64, grad_dtype="fp16", layers=(2, 6))
+    kept = c.plan(ParallelConfig(dp=8, zero_stage=1)).stages[0]
+    off = c.plan(ParallelConfig(dp=8, zero_stage=1, offload=True)).stages[0]
+    params = off.breakdown["params_per_gpu"]
+    assert off.breakdown["offload_pcie_bytes"] == pytest.approx(params / 8 * (2 + 2))  # ZeRO-1: its shard
+    assert kept.breakdown["offload_pcie_bytes"] == 0.0 and kept.breakdown["host_offload_bytes"] == 0.0
+    assert off.breakdown["host_offload_bytes"] == pytest.approx(kept.breakdown["optimizer_bytes"])
+    assert off.breakdown["optimizer_bytes"] == 0.0
+    assert off.optimizer_s > kept.optimizer_s  # PCIe copies and CPU Adam are slower than a fused GPU update
+
+
 def test_moe_expert_parameters_split_from_the_rest():
     mix = load_model("mixtral-8x7b")
     dense, experts = layer_param_split(mix, 0)

@@ -45,11 +45,11 @@ def test_chunks_are_laid_chunk_major_and_cover_the_model():
 
 
 # ------------------------------------------------------------------------------------------------ capabilities
-def test_only_megatron_runs_interleaved_and_needs_whole_microbatch_groups():
-    assert MEGATRON.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=8) == []
-    (why,) = MEGATRON.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=6)
-    assert "multiple of the pipeline stages" in why
-    assert TORCH.schedule_problems("interleaved-1F1B")  # not implemented in runtime_adapters/torch_native.py
+def test_megatron_and_torch_run_interleaved_and_need_whole_microbatch_groups():
+    for caps in (MEGATRON, TORCH):  # torch: runtime_adapters/interleaved.py (tests/test_torch_interleaved.py)
+        assert caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=8) == []
+        (why,) = caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=6)
+        assert "multiple of the pipeline stages" in why
     assert DEEPSPEED.schedule_problems("interleaved-1F1B")
 
 
@@ -123,8 +123,18 @@ def test_an_interleaved_plan_round_trips_and_validates_against_the_schema(megatr
 
 
 @pytest.mark.slow  # plans real clusters end to end: seconds each
-def test_torch_never_interleaves_and_refuses_to_be_forced(cluster, capsys):
-    rc, out, err = _plan(cluster, capsys, "--runtime", "torch")
-    assert rc == 0 and json.loads(out)["schedule"] == "1F1B"
+def test_torch_interleaves_when_forced_and_auto_is_never_slower(cluster, capsys):
+    rc, out, err = _plan(cluster, capsys, "--runtime", "torch", "--schedule", "1F1B")
+    assert rc == 0
+    plain = json.loads(out)
     rc, out, err = _plan(cluster, capsys, "--runtime", "torch", "--schedule", "interleaved-1F1B")
-    assert rc == 3 and "torch has no interleaved-1F1B schedule" in err + out
+    assert rc == 0, err
+    forced = json.loads(out)
+    assert forced["schedule"] == "interleaved-1F1B" and forced["virtual_stages"] >= 2
+    rc, out, err = _plan(cluster, capsys, "--runtime", "torch")
+    assert rc == 0
+    auto = json.loads(out)
+    assert auto["predicted"]["iteration_time_s"] <= min(plain["predicted"]["iteration_time_s"],
+                                                        forced["predicted"]["iteration_time_s"]) + 1e-12
+    rc, out, err = _plan(cluster, capsys, "--runtime", "deepspeed", "--schedule", "interleaved-1F1B")
+    assert rc == 3 and "deepspeed has no interleaved-1F1B schedule" in err + out

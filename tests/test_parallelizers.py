@@ -184,7 +184,8 @@ def test_torch_capabilities_and_max_stages():
     for p in res.plans:
         assert len(p.stages) == 1
         sh = p.stages[0].shape
-        assert sh.cp == 1 and sh.ep == 1 and not sh.offload
+        assert sh.cp == 1 and sh.ep == 1  # torch has no context parallelism; a dense model has no experts
+    assert any(p.stages[0].shape.offload for p in res.plans) == TORCH.offload  # offload proposed where it runs
 
 
 def test_moe_plans_use_expert_parallelism():
@@ -203,6 +204,7 @@ def test_cpu_cluster_tiny_model(cluster_path):
     res = MegatronParallelizer().query(q)
     assert res.plans and all(p.num_gpus <= 2 for p in res.plans)
     assert all(s.breakdown["overhead_bytes"] == 0 for p in res.plans for s in p.stages)  # no CUDA context on CPU
+    assert not any(s.shape.offload for p in res.plans for s in p.stages)  # host memory is the device's own
 
 
 # ------------------------------------------------------------------------------------------------ uniform

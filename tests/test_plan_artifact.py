@@ -1,4 +1,5 @@
 """The Plan artifact: round trips, invariants, a worker's place, capabilities."""
+import dataclasses
 import json
 
 import pytest
@@ -89,7 +90,9 @@ def test_tampered_rank_layout_refused(tmp_path):
 def test_capabilities():
     p = two_by_two()
     assert any("one (tp, dp, cp) grid" in x for x in DEEPSPEED.plan_problems(p))
-    assert any("one TP size" in x for x in TORCH.plan_problems(p))  # pipelining passes whole micro-batches
+    assert TORCH.plan_problems(p) == []  # per-stage grids: runtime_adapters/schedule.py re-splits the rows
+    moe = dataclasses.replace(p, model={**p.model, "num_experts": 4, "top_k": 2})
+    assert any("one TP size" in x for x in TORCH.plan_problems(moe))  # MoE models keep one grid under torch
     q = make([((0, 2), [("n", 0), ("n", 1)], dict(dp=2, zero_stage=2)), ((2, 4), [("n", 2), ("n", 3)], dict(dp=2))])
     assert any("ZeRO stage <= 1" in x for x in DEEPSPEED.plan_problems(q))
     assert MEGATRON.plan_problems(make([((0, 4), [("n", 0)], {})], global_batch=4)) == []

@@ -251,10 +251,15 @@ def _meta(t: torch.Tensor) -> dict[str, Any]:
 
 def _owned_problem(state: StageState, plan: Plan, rank: int) -> str | None:
     stage = plan.place(rank).stage
-    keys = LayerKeyMap.for_stage(stage)
-    foreign = sorted(k for k in state.model if not keys.owns(k))
+    keys = [LayerKeyMap.for_stage(stage)]
+    if stage.chunks:  # interleaved 1F1B: the stage holds its chunks' layers (plan.interleaved_chunks)
+        keys = [LayerKeyMap(layers=c, has_embedding=stage.has_embedding, has_head=stage.has_head)
+                for c in stage.chunks]
+    foreign = sorted(k for k in state.model if not any(m.owns(k) for m in keys))
     if foreign:
-        return (f"stage {stage.index} (layers [{stage.layers[0]}, {stage.layers[1]}), embedding="
+        held = (f"chunks {[list(c) for c in stage.chunks]}" if stage.chunks
+                else f"layers [{stage.layers[0]}, {stage.layers[1]})")
+        return (f"stage {stage.index} ({held}, embedding="
                 f"{stage.has_embedding}, head={stage.has_head}) hands over state it does not hold: "
                 + ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else ""))
     return None

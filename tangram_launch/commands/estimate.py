@@ -217,6 +217,7 @@ def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: 
     host = [s.breakdown.get("host_offload_bytes", 0.0) for s in st]
     if any(host):
         add("  offloaded to host", [gib(x) for x in host])
+        add("  PCIe per iteration", [gib(s.breakdown.get("offload_pcie_bytes", 0.0)) for s in st])
     width0 = max(len(r[0]) for r in rows)
     widths = [max(len(cols[c]), *(len(r[1][c]) for r in rows)) for c in range(n)]
     lines = ["".ljust(width0) + "  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths))]

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare and result is not None:
         from tangram_launch.planner.baselines import compare
 
-        baselines = compare(result, cluster)
+        baselines = compare(result, cluster, options=opts)
         rows = [b.to_dict(plan.predicted.iteration_time_s) for b in baselines]
         if args.manual:
             rows.insert(0, {"name": "tangram", "description": "Tangram's plan",

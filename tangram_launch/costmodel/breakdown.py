@@ -62,6 +62,7 @@ class ZeroPart(NamedTuple):
     layer_fwd_s: float = 0.0  # one layer's forward all-gather (its own collective: bandwidth + ring latency)
     layer_bwd_s: float = 0.0  # one layer's backward all-gather + reduce-scatter
     num_layers: int = 1  # layers of the stage, each with its own collectives
+    offload_pcie_bytes: float = 0.0  # per iteration with offload: gradients down + updated parameters up
 
 
 def zero_exposed_s(zp: ZeroPart, fwd_compute_s: float, bwd_compute_s: float) -> tuple[float, float]:
@@ -492,16 +493,17 @@ class SliceCoster:
             sync += c["ag_params"]
         local = (st.dense_params / (shard if zero >= 1 else 1)
                  + st.expert_params / (eshard if zero >= 1 else 1))  # parameters this GPU updates
+        pcie = local * (gb + pb) if off else 0.0
         if off:  # copy gradients down and parameters up over PCIe, update on the host (CPU Adam)
             per_gpu_rate = CPU_ADAM_PARAMS_PER_S_PER_NODE / self.island.gpus_per_node
-            opt_s = local * (gb + pb) / dev.host_link_bandwidth + local / per_gpu_rate
+            opt_s = pcie / dev.host_link_bandwidth + local / per_gpu_rate
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
         if zero >= 3 and st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
             working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd, l_bwd,
-                       n_layers)
+                       n_layers, pcie)
         st.zero_parts[key] = out
         return out
 
@@ -577,6 +579,7 @@ class SliceCoster:
             "overhead_bytes": self._overhead,
             "activations_bytes": act,
             "host_offload_bytes": dense.host + expert.host,
+            "offload_pcie_bytes": zp.offload_pcie_bytes,  # per iteration (runtime_adapters/offload.py moves these)
             "forward_flops": st.fwd_flops,
             "backward_flops": 2.0 * st.fwd_flops,
             "recompute_flops": st.recompute_flops[r],

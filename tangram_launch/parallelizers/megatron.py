@@ -156,7 +156,8 @@ class MegatronParallelizer:
         caps = q.capabilities
         pipelined = q.pipelined or grid.pp > 1
         shard = grid.dp * grid.cp
-        offloads = (False, True) if caps.offload else (False,)
+        # a CPU "device" keeps its state in host memory already: offloading it would move nothing off the device
+        offloads = (False, True) if caps.offload and q.island.gpu.type != "cpu" else (False,)
         out = []
         for r, recompute in enumerate(RECOMPUTE_MODES):
             for zero in ZERO_STAGES:

@@ -142,7 +142,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     """Plan, and keep everything that went into the plan."""
     t0 = time.perf_counter()
     opts = options or PlannerOptions()
-    caps = resolve_capabilities(runtime)
+    caps = resolve_capabilities(runtime).for_model(model.num_experts)  # MoE: per-stage grids where the runtime has them
     par = resolve_parallelizer(parallelizer)
     iset = islands or build_islands(cluster, dtype=training.dtype)
     all_islands = tuple(iset.islands)

@@ -6,6 +6,8 @@
 * ``best-island``: the best plan on a single island (the composer restricted to one island).
 * ``uniform-split``: one stage group per island with layers proportional to the island's GPU count, every GPU
   counted alike (Sailor-style uniform partitioning), each slice planned by the parallelizer.
+* ``one-grid``: where the runtime lets stages have their own TP and DP sizes, the same search restricted to one TP
+  and one DP size for every stage (what the runtime can run without per-stage grids).
 * ``ideal``: all training FLOPs over the sum of all GPUs' peak FLOP/s (a bound, not a plan).
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tangram_launch.planner.slices import Pair, dtype_problem
 from tangram_launch.specs.cluster import GPUSpec, LinkSpec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tangram_launch.planner.api import SearchResult
+    from tangram_launch.planner.api import PlannerOptions, SearchResult
     from tangram_launch.specs.cluster import ClusterSpec
 
 logger = logging.getLogger(__name__)
@@ -187,9 +189,36 @@ def uniform_split(result: "SearchResult", cluster: "ClusterSpec") -> Baseline:
     return Baseline("uniform-split", desc, plan, why)
 
 
-def compare(result: "SearchResult", cluster: "ClusterSpec") -> list[Baseline]:
+def one_grid(result: "SearchResult", cluster: "ClusterSpec", options: "PlannerOptions | None" = None
+             ) -> Baseline | None:
+    """The search again with one TP and one DP size for all stages; None where the runtime needs that anyway."""
+    import dataclasses
+
+    from tangram_launch.errors import InfeasibleError
+    from tangram_launch.planner.api import search
+
+    caps = result.capabilities
+    if caps.uniform_grid or (caps.uniform_tp and caps.uniform_dp):
+        return None
+    one = dataclasses.replace(caps, uniform_tp=True, uniform_dp=True)
+    desc = "the same search with one TP and one DP size for every stage"
+    a = result.atoms
+    try:
+        found = search(cluster, a.model, a.training, runtime=one, parallelizer=result.parallelizer,
+                       islands=result.islands, options=options)
+    except InfeasibleError as exc:
+        return Baseline("one-grid", desc, None, "; ".join(exc.reasons[:2]) or str(exc))
+    grids = sorted({(s.tp, s.dp) for s in found.plan.stages})
+    return Baseline("one-grid", f"{desc} (tp, dp) = {grids[0]}", found.plan)
+
+
+def compare(result: "SearchResult", cluster: "ClusterSpec", *, options: "PlannerOptions | None" = None
+            ) -> list[Baseline]:
     """Every baseline, then the ideal bound."""
     out = [homogeneous(result, cluster), best_island(result, cluster), uniform_split(result, cluster)]
+    grid = one_grid(result, cluster, options)
+    if grid is not None:
+        out.append(grid)
     out.append(Baseline("ideal", "all FLOPs / sum of all GPUs' peak FLOP/s (a bound)", None,
                         iteration_time_s=ideal_time_s(result, cluster)))
     return out

@@ -54,7 +54,8 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
     if schedule == "1F1B":
         return plain
     rejected: list[str] = []
-    problems = capabilities.schedule_problems("interleaved-1F1B", num_stages=S, num_microbatches=m)
+    problems = capabilities.schedule_problems("interleaved-1F1B", num_stages=S, num_microbatches=m,
+                                              shapes=[st.shape for st, _ in stages])
     if S < 2:
         problems = ["a single pipeline stage has nothing to interleave"]
     if problems:  # under auto a runtime without the schedule is no news; when insisted on, say why

@@ -174,7 +174,7 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
                      islands: IslandSet | None = None, options: PlannerOptions | None = None) -> Plan:
     """The Plan for a manual layout, costed like Tangram's; InfeasibleError names the stage that does not fit."""
     opts = options or PlannerOptions()
-    caps = resolve_capabilities(runtime)
+    caps = resolve_capabilities(runtime).for_model(model.num_experts)
     par = resolve_parallelizer(parallelizer)
     iset = islands or build_islands(cluster, dtype=training.dtype)
     G = training.global_batch
@@ -241,7 +241,9 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
                 mine = [c for c in fits if compatibility_group((c,), caps) == cls]
                 if not mine:
                     break
-                chosen.append(min(mine, key=lambda c: (c.time_s, c.dp_sync_s + c.optimizer_s)))
+                # a stage's own share of the iteration: m micro-batches, then its DP sync and optimizer step (an
+                # offloaded optimizer saves little per micro-batch and costs seconds per iteration)
+                chosen.append(min(mine, key=lambda c: (m * c.time_s + c.dp_sync_s + c.optimizer_s, c.time_s)))
             if len(chosen) < S:
                 continue
             cand = _manual_candidates(b, m, manual, isl_of, chosen, cluster, model, training, caps)
