@@ -252,21 +252,26 @@ def allreduce_busbw_gbps(group: Any, group_size: int, device: torch.device, cfg:
 
 
 def collective_latency_us(group: Any, group_size: int, device: torch.device, cfg: BenchConfig) -> Measured:
-    """Time of one all-to-all of a tiny buffer (one float per rank) over ``group``, ranks aligned by a barrier.
+    """Time of one all-to-all of a tiny buffer (one float per rank) over ``group``, as a training loop meets it:
+    right after a short burst of compute (one 256^3 GEMM), without a barrier in between.
 
-    What a small collective costs whatever its size: the runtime's fixed cost per call (gloo: ~70-150 us on one
-    host, 10-100x NVLink NCCL's). The cost model charges it per ring step (``value / (n - 1)``), so MoE dispatch and
-    combine of a few KiB, or a micro-batch's tiny TP all-reduces, are not costed as free. value = microseconds.
+    What a small collective costs whatever its size: the runtime's fixed cost per call plus the wait for the last
+    member to arrive when identical work takes the members different times (gloo on one shared host: ~70-150 us
+    back to back, ~0.2-1.3 ms after compute at load 2-4; NVLink NCCL a few us). The cost model charges it per ring
+    step (``value / (n - 1)``), so MoE dispatch and combine of a few KiB, or a micro-batch's tiny TP all-reduces,
+    are not costed as free. value = microseconds.
     """
     buf = torch.ones(group_size, dtype=torch.float32, device=device)
     out = torch.empty_like(buf)
+    a = torch.randn(256, 256, device=device)
     sync = device_sync(device)
     for _ in range(max(1, cfg.warmup)):
         dist.all_to_all_single(out, buf, group=group)
+    dist.barrier(group=group, **_barrier_kwargs(device))
     sync()
     samples = []
     for _ in range(cfg.latency_reps):
-        dist.barrier(group=group, **_barrier_kwargs(device))
+        torch.mm(a, a)  # the compute each member does before the collective: same work, its own time
         sync()
         t0 = time.perf_counter()
         dist.all_to_all_single(out, buf, group=group)
@@ -274,7 +279,7 @@ def collective_latency_us(group: Any, group_size: int, device: torch.device, cfg
         samples.append(time.perf_counter() - t0)
     timing = Timing(tuple(samples))
     return Measured(timing.median_s * 1e6, "us", timing, (("bytes", group_size * 4), ("group_size", group_size),
-                                                          ("op", "all_to_all_single")))
+                                                          ("op", "all_to_all_single after a 256^3 GEMM")))
 
 
 def _barrier_kwargs(device: torch.device) -> dict:
