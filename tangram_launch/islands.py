@@ -376,18 +376,24 @@ def _merge(a: _Group, b: _Group, links: _Links) -> _Group:
                   _join(a.spans, b.spans), a.per_node, lo, hi)
 
 
-def _min_measured(all_measured: list) -> dict:
-    """Conservative measured figures of a group: the minimum of every number every GPU has (also inside nested
-    mappings such as gemm_tflops per dtype); figures some GPUs lack are dropped rather than guessed."""
+_TIME_SUFFIXES = ("_s", "_ms", "_us")  # measured durations: larger is slower
+
+
+def _min_measured(all_measured: list, *, times: bool = False) -> dict:
+    """Conservative measured figures of a group: of every number every GPU has (also inside nested mappings such
+    as gemm_tflops per dtype), the slowest: the minimum of a rate, the maximum of a duration (keys ending in _s,
+    _ms, _us, such as layer_forward_s or collective_latency_us: the fastest GPU's layer time would cost the whole
+    island at its speed); figures some GPUs lack are dropped rather than guessed."""
     if not all_measured or not all(all_measured):
         return {}
     out: dict = {}
     for key in all_measured[0]:
         vals = [m.get(key) for m in all_measured]
+        is_time = times or str(key).endswith(_TIME_SUFFIXES)
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            out[key] = min(vals)
+            out[key] = max(vals) if is_time else min(vals)
         elif all(isinstance(v, dict) for v in vals):
-            nested = _min_measured(vals)
+            nested = _min_measured(vals, times=is_time)
             if nested:
                 out[key] = nested
     return out

@@ -302,3 +302,19 @@ def test_benchmark_runs_and_splits_along_pods(capsys):
     # the pod with the 20 GB/s link loses a node to parity (20 vs ~50 GB/s); the other pod stays whole
     iset = build_islands(bench.make_cluster(64, overrides=True))
     assert sorted(i.num_nodes for i in iset.islands) == [1, 31, 32]
+
+
+def test_island_representative_takes_the_slowest_measured_figures():
+    """Rates take their minimum, durations (layer times, collective latency) their maximum: an island runs at the
+    pace of its slowest member, not at the fastest one's layer time."""
+    def cpu(gemm, layer_s, latency_us):
+        return {"type": "cpu", "measured": {"gemm_tflops": {"fp32": gemm}, "collective_latency_us": latency_us,
+                                            "layer_forward_s": {"m|dense|seq=64|mbs=1|tp=1": layer_s}}}
+    spec = ClusterSpec.from_dict({"nodes": [{"name": "box", "gpus": [cpu(0.12, 0.003, 150.0),
+                                                                      cpu(0.10, 0.002, 300.0)]}]})
+    iset = build_islands(spec, IslandTolerances(compute=1.0), dtype="fp32")
+    assert len(iset.islands) == 1
+    m = iset.islands[0].gpu.measured
+    assert m["gemm_tflops"]["fp32"] == 0.10  # the slower GEMM rate
+    assert m["layer_forward_s"]["m|dense|seq=64|mbs=1|tp=1"] == 0.003  # the slower layer
+    assert m["collective_latency_us"] == 300.0
