@@ -82,7 +82,8 @@ def test_readme_plan_command_prints_the_tables_figures(capsys):
             continue
         seconds, speedup = re.fullmatch(r"([\d.]+) \(([\d.]+x)\)", cell).groups()
         got = re.search(rf"^{name}\s+([\d.]+) s\s+[\d,]+\s+[\d.]+ %\s+([\d.]+x)$", out, re.M)
-        assert got and (f"{float(got.group(1)):.2f}", got.group(2)) == (seconds, speedup), (name, cell)
+        # the CLI prints 3 decimals, the table 2 (rounded from the unrounded figure): within half a cent
+        assert got and abs(float(got.group(1)) - float(seconds)) <= 0.0051 and got.group(2) == speedup, (name, cell)
 
 
 @pytest.mark.slow
@@ -103,8 +104,9 @@ def test_readme_hand_written_plan_is_the_documented_format(tmp_path):
     path = tmp_path / "my-plan.yaml"
     path.write_text(yaml.safe_dump(readme_yaml("my-plan.yaml")))
     manual = load_manual_plan(str(path), num_layers=40, island_names=["a100-80gb", "v100-32gb", "v100-16gb"])
-    assert [s.layers for s in manual.stages] == [(0, 20), (20, 27), (27, 34), (34, 40)]
-    assert manual.stages[0].fixed == {"tp": 2, "zero_stage": 2}
+    assert [s.layers for s in manual.stages] == [(0, 6), (6, 17), (17, 28), (28, 40)]
+    assert manual.stages[0].fixed == {"tp": 4, "recompute": "selective"}
+    assert manual.stages[1].fixed == {"tp": 1, "dp": 2} and manual.stages[3].fixed == {}
 
 
 # --- the CLI's messages ----------------------------------------------------------------------------------------------
