@@ -151,15 +151,38 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
     """For each saver combination of a grid: (bottleneck_s, fill_s, tail_s, depth, peak0 bytes) lists.
 
     rows[j][s] = (time_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s) of stage j under combination s
-    (StageTable.stage_rows); depth and peak0 as fit_depth.
+    (StageTable.stage_rows); bottleneck and tail are max, fill is sum (added front to back, as Python's sum),
+    depth and peak0 as fit_depth (its loop inlined: this runs for every grid of every query).
     """
+    m, cap = num_microbatches, capacity_bytes
+    n = len(rows)
+    inflight = [n - j if n - j < m else m for j in range(n)]
     bns, fills, tails, depths, peaks = [], [], [], [], []
     for stages in zip(*rows):
-        times = [x[0] for x in stages]
-        bns.append(max(times))
-        fills.append(sum(times))
-        tails.append(max(x[3] for x in stages))
-        depth, peak0 = fit_depth([(x[1], x[2]) for x in stages], num_microbatches, capacity_bytes)
+        bn, tail = stages[0][0], stages[0][3]
+        fill = 0
+        depth = SATURATED
+        peak0 = 0.0
+        j = 0
+        for time_s, static, act, tail_s in stages:
+            fill += time_s
+            if time_s > bn:
+                bn = time_s
+            if tail_s > tail:
+                tail = tail_s
+            mem = static + act * inflight[j]
+            if mem > peak0:
+                peak0 = mem
+            if mem > cap:
+                depth = -1
+            elif depth >= 0 and static + act * m > cap:
+                d = int((cap - static) // act) - (n - j)
+                if d < depth:
+                    depth = d
+            j += 1
+        bns.append(bn)
+        fills.append(fill)
+        tails.append(tail)
         depths.append(depth)
         peaks.append(peak0)
     return bns, fills, tails, depths, peaks
