@@ -76,6 +76,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
                       link_matrix=links.island_matrix(), training_dtype=dtype)
     templates: dict[tuple, list] = {}
+    shape_caches: dict[tuple, dict] = {}  # (island, full model): judge_templates' cache across queries
     for key, res in results.items():
         isl = next(i for i in islands if i.name == key[0])
         if not res.plans:
@@ -84,7 +85,8 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             continue
         kept = templates_mod.judge_templates(
             [p.numbers() for p in res.plans], island=isl, b=b, num_microbatches=num_microbatches,
-            capacity=capacity_bytes(isl, training), caps=caps, full_model=key[3] and key[4], dropped=cand.dropped)
+            capacity=capacity_bytes(isl, training), caps=caps, full_model=key[3] and key[4], dropped=cand.dropped,
+            shape_cache=shape_caches.setdefault((isl.name, key[3] and key[4]), {}))
         templates[key] = [(res.plans[t.index], t) for t in kept]
     for pair in pairs:
         for plan, t in templates.get(pair.key, ()):

@@ -80,15 +80,18 @@ def unusable(numbers: SliceNumbers, b: int, caps: "RuntimeCapabilities", full_mo
 
 def judge_templates(plans: Sequence[SliceNumbers], *, island: "Island", b: int, num_microbatches: int,
                     capacity: float, caps: "RuntimeCapabilities", full_model: bool,
-                    dropped: dict[str, int]) -> list[Template]:
+                    dropped: dict[str, int], shape_cache: dict | None = None) -> list[Template]:
     """The composer's templates among ``plans`` (one query's answer), undominated within their class, in the order
-    the composer offers them; counts why the others were left out into ``dropped``."""
+    the composer offers them; counts why the others were left out into ``dropped``. ``shape_cache``: a dict the
+    caller keeps across queries with the same island, b, runtime and ``full_model`` (what the judgement of stage
+    shapes depends on)."""
     sizes = node_sizes(island)
-    placeable: dict[tuple, bool] = {}  # (tp, dp * cp) per stage -> fits_island
-    # (shapes, micro-batch sizes) -> (why unusable, group): plans of one configuration often share these tuples
-    # (LazySlicePlan), so they are looked up by identity first, by value otherwise
-    by_id: dict[tuple[int, int], tuple] = {}
-    by_value: dict[tuple, tuple[str | None, Hashable]] = {}
+    cache = {} if shape_cache is None else shape_cache
+    placeable: dict[tuple, bool] = cache.setdefault("placeable", {})  # (tp, dp * cp) per stage -> fits_island
+    # (shapes, micro-batch sizes) -> (why unusable, group): plans of one configuration share these tuples across
+    # queries (LazySlicePlan), so they are looked up by identity first (the entry keeps them alive), by value next
+    by_id: dict[tuple[int, int], tuple] = cache.setdefault("by_id", {})
+    by_value: dict[tuple, tuple[str | None, Hashable]] = cache.setdefault("by_value", {})
     temps: list[Template] = []
     for i, nb in enumerate(plans):
         hit = by_id.get((id(nb.shapes), id(nb.micro_batch_sizes)))
