@@ -23,6 +23,9 @@ fewer stages makes the slices before it hold fewer micro-batches -- kept separat
 cross-stage constraints (one (tp, dp, cp) grid / one TP size / one DP size), so that the planner can still find
 plans that agree across islands. Nothing fits: an ``InfeasibleSlice`` with the smallest peak memory any
 configuration needs and where it goes.
+
+The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
+the explained breakdown) are built on first read, so a planning run builds only the plans its composition places.
 """
 from __future__ import annotations
 

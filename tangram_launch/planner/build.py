@@ -2,7 +2,8 @@
 
 ``make_candidates`` turns every surviving pair's slice plans (reused across a redundancy class by shifting layer
 indices) into ``compose.Option`` tuples, dropping plans the runtime cannot run, plans whose micro-batch arithmetic
-is inconsistent, and plans whose stages do not fit the island's nodes. ``build_plan`` turns the chosen options back
+is inconsistent, and plans whose stages do not fit the island's nodes (``templates.judge_templates``, from the
+plans' numbers: lazy plans stay unbuilt). ``build_plan`` turns the chosen options back
 into stages with GPUs (layout.allocate_gpus), the rank layout (plan.py derives it), and predictions computed by the
 same formula the composer minimised.
 """
