@@ -10,7 +10,7 @@ from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.islands import Island
 from tangram_launch.parallelizers.base import LazySlicePlan, SlicePlan, SliceQuery, capacity_bytes
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.planner.templates import judge_templates
+from tangram_launch.planner.templates import judge_templates, max_stages_after
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef, LinkSpec
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
@@ -53,7 +53,9 @@ def test_lazy_plans_give_the_templates_of_built_plans(gpu, per_node, nodes, star
     lazy, lazy_dropped = _choose(q, [p.numbers() for p in res.plans])
     assert not any(p._stages for p in res.plans), "judging built a plan"
     built = [p.built() for p in res.plans]
-    assert [p.numbers() for p in built] == [p.numbers() for p in res.plans]
+    assert [p.numbers() for p in built] == [p.numbers()._replace(depth_hint=None) for p in res.plans]
+    assert all(p.numbers().depth_hint[:2] == (q.num_microbatches, capacity_bytes(q.island, q.training))
+               for p in res.plans)  # the hint is used only at the memory it was computed for
     eager, eager_dropped = _choose(q, [p.numbers() for p in built])
     assert lazy == eager and lazy_dropped == eager_dropped
     assert built == list(res.plans) and list(res.plans) == built
@@ -72,3 +74,16 @@ def test_a_lazy_plan_is_built_once_and_only_when_read():
     assert plan.bottleneck_s == max(s.time_s for s in stages) and calls == [1]
     with pytest.raises(ValueError, match="numbers and a way to build"):
         LazySlicePlan("x", (0, 6), numbers=plan.numbers())
+
+
+def test_a_depth_hint_counts_only_at_the_memory_it_was_computed_for():
+    q = SliceQuery(model=MODEL, training=TrainingSpec(global_batch=64, seq_len=2048, dtype="fp16"), layers=(2, 14),
+                   island=_island("v100-16gb", 1, 4), microbatch_sequences=2, capabilities=TORCH)
+    m, cap = q.num_microbatches, capacity_bytes(q.island, q.training)
+    for plan in MegatronParallelizer().query(q).plans[:20]:
+        lazy = plan.numbers()
+        want = plan.built().max_stages_after(m, cap)
+        want = want if want >= (1 << 30) else min(want, m - 1)
+        assert max_stages_after(lazy, m, cap) == want
+        assert max_stages_after(lazy._replace(depth_hint=(m + 1, cap, 999)), m, cap) == want
+        assert max_stages_after(lazy._replace(depth_hint=(m, cap * 0.5, 999)), m, cap) == want

@@ -57,6 +57,8 @@ class SliceNumbers(NamedTuple):
     static_bytes: tuple[float, ...]
     activation_bytes: tuple[float, ...]
     tail_s: tuple[float, ...]  # dp_sync_s + optimizer_s
+    # optional: (m, capacity bytes, costmodel.grid.fit_depth of these stages at them), when the answer computed it
+    depth_hint: tuple[int, float, int] | None = None
 
 
 def numbers_fit(numbers: SliceNumbers, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:

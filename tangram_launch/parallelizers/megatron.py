@@ -232,22 +232,24 @@ class MegatronParallelizer:
             return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
         front = sorted((pt for bucket in points.values() for pt in pareto_front(bucket)), key=lambda pt: (pt[0], pt[5]))
-        plans = tuple(self._lazy_plan(table, coster, pt) for pt in front)
+        layers = tuple(q.layers)
+        plans = tuple(self._lazy_plan(table, coster, layers, (m, cap), pt) for pt in front)
         coster._grid_cache = {}  # lazy plans keep the coster; its per-grid sums are in the table already
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
                      q.island.name, evaluated, len(plans))
         return SliceResult(key, plans, None, evaluated)
 
-    def _lazy_plan(self, table: StageTable, coster: SliceCoster, point: tuple) -> LazySlicePlan:
+    def _lazy_plan(self, table: StageTable, coster: SliceCoster, layers: tuple[int, int], judged: tuple[int, float],
+                   point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        *_objectives, grid, zero, r, off, (ranges, sigs, rows), s = point
+        grid, zero, r, off, (ranges, sigs, rows), s = point[6:]  # after the six objectives
         pp = len(ranges)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
         times, static, act, tails = zip(*[stage_rows[s] for stage_rows in rows])  # (time, static, act, sync+opt)
-        numbers = SliceNumbers(shapes, mbss, times, static, act, tails)
-        return LazySlicePlan(coster.island.name, tuple(coster.q.layers), parallelizer=self.name, numbers=numbers,
+        numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # judge_grid's depth
+        return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
                              build=lambda: self._stages(table, coster, _config(grid, zero, r, off), ranges, sigs))
 
     def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:

@@ -88,13 +88,18 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             [p.numbers() for p in res.plans], island=isl, b=b, num_microbatches=num_microbatches,
             capacity=capacity_bytes(isl, training), caps=caps, full_model=key[3] and key[4], dropped=cand.dropped,
             shape_cache=shape_caches.setdefault((isl.name, key[3] and key[4]), {}))
-        templates[key] = [(res.plans[t.index], t) for t in kept]
+        # per template: the Option fields after (start, stop, island), its plan, its class
+        templates[key] = [((t.num_stages, t.max_after, t.time_s, t.bottleneck_s, t.tail_s), res.plans[t.index],
+                           t.group) for t in kept]
+    make = Option._make
     for pair in pairs:
-        for plan, t in templates.get(pair.key, ()):
-            cand.options.append(Option(pair.layers[0], pair.layers[1], pair.island, t.num_stages, t.max_after,
-                                       t.time_s, t.bottleneck_s, t.tail_s))
-            cand.sources.append((pair, plan))
-            cand.groups.append(t.group)
+        temps = templates.get(pair.key)
+        if not temps:
+            continue
+        where = (pair.layers[0], pair.layers[1], pair.island)
+        cand.options.extend([make(where + fields) for fields, _plan, _group in temps])
+        cand.sources.extend([(pair, plan) for _fields, plan, _group in temps])
+        cand.groups.extend([group for _fields, _plan, group in temps])
     return cand
 
 

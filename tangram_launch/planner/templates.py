@@ -50,7 +50,11 @@ def max_stages_after(numbers: SliceNumbers, num_microbatches: int, capacity: flo
     """SlicePlan.max_stages_after from grid.fit_depth's closed form, checked against ``numbers_fit`` at the answer
     and one past it (so float rounding cannot move it): O(stages) instead of a bisection."""
     m = num_microbatches
-    depth, _peak = fit_depth(list(zip(numbers.static_bytes, numbers.activation_bytes)), m, capacity)
+    hint = numbers.depth_hint
+    if hint is not None and hint[0] == m and hint[1] == capacity:
+        depth = hint[2]  # the answer's own fit_depth of these stages (judge_grid)
+    else:
+        depth, _peak = fit_depth(list(zip(numbers.static_bytes, numbers.activation_bytes)), m, capacity)
     if depth == SATURATED:
         return depth
     if depth < 0:
