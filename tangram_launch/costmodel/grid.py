@@ -32,7 +32,10 @@ class StageTable:
         self.layer_cache: dict = {}  # shared with every SliceCoster of the context (keys: kind, tp, cp, ep, dp, mbs)
         self.edge_cache: dict = {}
         self.split_cache: dict = {}
-        self.sums: dict[tuple, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
+        self.sig_ids: dict[tuple, int] = {}  # signature -> its number (the keys below use numbers)
+        self.saver_ids: dict[tuple, int] = {}  # saver combinations -> their number
+        self.counts: dict[tuple[int, int], tuple] = {}  # layer range -> layers per kind
+        self.sums: dict[int, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
         self.rows: dict[tuple, list] = {}  # (signature, savers) -> stage_rows' numbers
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
 
@@ -43,8 +46,9 @@ class StageTable:
         coster._split_cache = self.split_cache
 
     def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int) -> tuple[
-            tuple[tuple[int, int], ...], list[tuple]]:
-        """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on)."""
+            tuple[tuple[int, int], ...], list[int]]:
+        """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on), as
+        the signature's number in this table: the other methods take numbers, so a signature is hashed once."""
         q = coster.q
         b = q.microbatch_sequences
         ranges = coster.split(pp, tp, cp, ep, dp, b // dp)
@@ -52,12 +56,17 @@ class StageTable:
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
         tied = coster.model.tied_embeddings
-        sigs = []
+        counts_of = self.counts
+        ids = self.sig_ids
+        sids = []
         for j, (a, z) in enumerate(ranges):
             has_emb = q.has_embedding and a == first
             has_head = q.has_head and z == last
-            counts = tuple(sorted((k, pre[z - first] - pre[a - first]) for k, pre in coster.prefix.items()
-                                  if pre[z - first] != pre[a - first]))
+            counts = counts_of.get((a, z))  # layers per kind in [a, z): the model's, the same in every query
+            if counts is None:
+                counts = counts_of[a, z] = tuple(sorted(
+                    (k, pre[z - first] - pre[a - first]) for k, pre in coster.prefix.items()
+                    if pre[z - first] != pre[a - first]))
             tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
                 tied and has_head and not has_emb) else None
             nxt = None
@@ -68,39 +77,44 @@ class StageTable:
             if j > 0:
                 boundary = j * stage_gpus
                 prev = (boundary - 1) // g == boundary // g
-            sigs.append((b, tp, dp, cp, ep, counts, has_emb, has_head, tied_link, nxt, prev))
-        return ranges, sigs
+            sig = (b, tp, dp, cp, ep, counts, has_emb, has_head, tied_link, nxt, prev)
+            sid = ids.get(sig)
+            if sid is None:
+                sid = ids[sig] = len(ids)
+            sids.append(sid)
+        return ranges, sids
 
-    def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sigs: Sequence[tuple],
+    def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
         """Per stage, for every saver combination: (time_s, static_bytes, activation_bytes, dp_sync_s +
         optimizer_s) from SliceCoster.fast_stage."""
-        out = []
-        missing = False
-        for sig in sigs:
-            if sig not in self.sums:
-                missing = True
+        sums = self.sums
+        for sid in sids:
+            if sid not in sums:  # cost the grid's stages once; later queries reuse them by signature
+                tp, pp, dp, cp, ep = grid
+                for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
+                    sums.setdefault(sid2, st)
                 break
-        if missing:  # cost the grid's stages once; later queries reuse them by signature
-            tp, pp, dp, cp, ep = grid
-            for sig, st in zip(sigs, coster.stage_sums(tp, pp, dp, cp, ep)):
-                self.sums.setdefault(sig, st)
-        for sig in sigs:
-            key = (sig, savers)
+        sv = self.saver_ids.get(savers)
+        if sv is None:
+            sv = self.saver_ids[savers] = len(self.saver_ids)
+        out = []
+        for sid in sids:
+            key = (sid, sv)
             rows = self.rows.get(key)
             if rows is None:
-                st = self.sums[sig]
+                st = sums[sid]
                 rows = self.rows[key] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
                                          for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
             out.append(rows)
         return out
 
-    def explained_stage(self, coster: "SliceCoster", sig: tuple, cfg) -> tuple:
+    def explained_stage(self, coster: "SliceCoster", sid: int, cfg) -> tuple:
         """stage_numbers of one costed stage (its breakdown notes embedding and head)."""
-        key = (sig, cfg.zero_stage, cfg.recompute, cfg.offload)
+        key = (sid, cfg.zero_stage, cfg.recompute, cfg.offload)
         hit = self.explained.get(key)
         if hit is None:
-            st = self.sums[sig]
+            st = self.sums[sid]
             numbers, bd = coster.stage_numbers(st, cfg)
             bd["has_embedding"] = st.has_embedding
             bd["has_head"] = st.has_head
@@ -151,15 +165,38 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
     """For each saver combination of a grid: (bottleneck_s, fill_s, tail_s, depth, peak0 bytes) lists.
 
     rows[j][s] = (time_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s) of stage j under combination s
-    (StageTable.stage_rows); depth and peak0 as fit_depth.
+    (StageTable.stage_rows); bottleneck and tail are max, fill is sum (added front to back, as Python's sum),
+    depth and peak0 as fit_depth (its loop inlined: this runs for every grid of every query).
     """
+    m, cap = num_microbatches, capacity_bytes
+    n = len(rows)
+    inflight = [n - j if n - j < m else m for j in range(n)]
     bns, fills, tails, depths, peaks = [], [], [], [], []
     for stages in zip(*rows):
-        times = [x[0] for x in stages]
-        bns.append(max(times))
-        fills.append(sum(times))
-        tails.append(max(x[3] for x in stages))
-        depth, peak0 = fit_depth([(x[1], x[2]) for x in stages], num_microbatches, capacity_bytes)
+        bn, tail = stages[0][0], stages[0][3]
+        fill = 0
+        depth = SATURATED
+        peak0 = 0.0
+        j = 0
+        for time_s, static, act, tail_s in stages:
+            fill += time_s
+            if time_s > bn:
+                bn = time_s
+            if tail_s > tail:
+                tail = tail_s
+            mem = static + act * inflight[j]
+            if mem > peak0:
+                peak0 = mem
+            if mem > cap:
+                depth = -1
+            elif depth >= 0 and static + act * m > cap:
+                d = int((cap - static) // act) - (n - j)
+                if d < depth:
+                    depth = d
+            j += 1
+        bns.append(bn)
+        fills.append(fill)
+        tails.append(tail)
         depths.append(depth)
         peaks.append(peak0)
     return bns, fills, tails, depths, peaks

@@ -9,7 +9,7 @@ These are the cost model's types; ``parallelizers/base.py`` defines the protocol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.errors import SpecError
@@ -45,6 +45,31 @@ class ParallelConfig(StageShape):
     def describe(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero_stage} "
                 f"recompute={self.recompute} offload={'yes' if self.offload else 'no'}")
+
+
+class SliceNumbers(NamedTuple):
+    """What a consumer that only ranks and places slice plans reads of one (the composer's view), stage by stage:
+    enough to judge a plan without building its StageCosts (the parallelizer's costly step)."""
+
+    shapes: tuple[StageShape, ...]
+    micro_batch_sizes: tuple[int, ...]
+    time_s: tuple[float, ...]  # forward_s + backward_s
+    static_bytes: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    tail_s: tuple[float, ...]  # dp_sync_s + optimizer_s
+    # optional: (m, capacity bytes, costmodel.grid.fit_depth of these stages at them), when the answer computed it
+    depth_hint: tuple[int, float, int] | None = None
+
+
+def numbers_fit(numbers: SliceNumbers, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:
+    """SlicePlan.fits on a plan's numbers (the same arithmetic, so the same answer to the last bit)."""
+    m = num_microbatches
+    inflight = stages_after + len(numbers.static_bytes)
+    for static, act in zip(numbers.static_bytes, numbers.activation_bytes):
+        if static + act * (inflight if inflight < m else m) > capacity_bytes:
+            return False
+        inflight -= 1
+    return True
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,13 @@ class SlicePlan:
     def bottleneck_s(self) -> float:
         return max(s.time_s for s in self.stages)
 
+    def numbers(self) -> SliceNumbers:
+        """The plan's SliceNumbers (from its stages)."""
+        st = self.stages
+        return SliceNumbers(tuple(s.shape for s in st), tuple(s.micro_batch_size for s in st),
+                            tuple(s.time_s for s in st), tuple(s.static_bytes for s in st),
+                            tuple(s.activation_bytes for s in st), tuple(s.dp_sync_s + s.optimizer_s for s in st))
+
     def fits(self, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:
         """Whether every stage fits when ``stages_after`` global stages follow this slice's last stage."""
         m = num_microbatches
@@ -147,6 +179,51 @@ class SlicePlan:
             else:
                 hi = mid
         return lo
+
+
+class LazySlicePlan(SlicePlan):
+    """A SlicePlan whose StageCosts are built on first use (``build``); ``numbers()`` needs no building. The
+    planner ranks every answered plan by its numbers and places only a few, so most are never built. Equal to, and
+    pickled as, the built SlicePlan."""
+
+    def __init__(self, island: str, layers: tuple[int, int], stages: tuple[StageCost, ...] | None = None,
+                 parallelizer: str = "", *, numbers: SliceNumbers | None = None,
+                 build: "Callable[[], tuple[StageCost, ...]] | None" = None) -> None:
+        if stages is None and (numbers is None or build is None):
+            raise ValueError("a LazySlicePlan needs its stages, or its numbers and a way to build the stages")
+        object.__setattr__(self, "island", island)
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "parallelizer", parallelizer)
+        object.__setattr__(self, "_stages", stages)
+        object.__setattr__(self, "_numbers", numbers)
+        object.__setattr__(self, "_build", build)
+
+    @property  # type: ignore[override]
+    def stages(self) -> tuple[StageCost, ...]:
+        st = self._stages
+        if st is None:
+            st = self._build()
+            object.__setattr__(self, "_stages", st)
+            object.__setattr__(self, "_build", None)  # let the cost tables it held go
+        return st
+
+    def numbers(self) -> SliceNumbers:
+        return self._numbers if self._numbers is not None else super().numbers()
+
+    def built(self) -> SlicePlan:
+        return SlicePlan(self.island, self.layers, self.stages, self.parallelizer)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SlicePlan):
+            return (self.island, self.layers, self.stages, self.parallelizer) == (
+                other.island, other.layers, other.stages, other.parallelizer)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.island, self.layers, self.stages, self.parallelizer))
+
+    def __reduce__(self):
+        return (SlicePlan, (self.island, self.layers, self.stages, self.parallelizer))
 
 
 def capacity_bytes(island: "Island", training: "TrainingSpec | None" = None, *,

@@ -13,11 +13,18 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 # The slice types are the cost model's; re-exported here, as parallelizers (built in and third-party) answer with them.
-from tangram_launch.costmodel.slice_plan import SlicePlan, SliceQuery, StageCost, capacity_bytes
+from tangram_launch.costmodel.slice_plan import (
+    LazySlicePlan,
+    SliceNumbers,
+    SlicePlan,
+    SliceQuery,
+    StageCost,
+    capacity_bytes,
+)
 from tangram_launch.specs.constants import GIB
 
-__all__ = ["GIB", "InfeasibleSlice", "Parallelizer", "SlicePlan", "SliceQuery", "SliceResult", "StageCost",
-           "capacity_bytes"]
+__all__ = ["GIB", "InfeasibleSlice", "LazySlicePlan", "Parallelizer", "SliceNumbers", "SlicePlan", "SliceQuery",
+           "SliceResult", "StageCost", "capacity_bytes"]
 
 
 @dataclass(frozen=True)

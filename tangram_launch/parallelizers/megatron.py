@@ -23,6 +23,9 @@ fewer stages makes the slices before it hold fewer micro-batches -- kept separat
 cross-stage constraints (one (tp, dp, cp) grid / one TP size / one DP size), so that the planner can still find
 plans that agree across islands. Nothing fits: an ``InfeasibleSlice`` with the smallest peak memory any
 configuration needs and where it goes.
+
+The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
+the explained breakdown) are built on first read, so a planning run builds only the plans its composition places.
 """
 from __future__ import annotations
 
@@ -37,7 +40,14 @@ from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.grid import StageTable, StageTables, judge_grid
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
-from tangram_launch.parallelizers.base import InfeasibleSlice, SlicePlan, SliceQuery, SliceResult, StageCost
+from tangram_launch.parallelizers.base import (
+    InfeasibleSlice,
+    LazySlicePlan,
+    SliceNumbers,
+    SliceQuery,
+    SliceResult,
+    StageCost,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +218,7 @@ class MegatronParallelizer:
             rows = table.stage_rows(coster, dims, sigs, allowed)
             bottleneck, fill, tail, depth, peak0 = judge_grid(rows, m, cap)
             evaluated += len(allowed)
-            stage = (ranges, tuple(sigs))
+            stage = (ranges, tuple(sigs), rows)
             bucket = points.setdefault(cross_stage_class(q, grid), [])
             n_gpus = grid.num_gpus
             for s, (zero, r, off) in enumerate(allowed):
@@ -216,18 +226,44 @@ class MegatronParallelizer:
                     if best_mem is None or peak0[s] < best_mem[0]:
                         best_mem = (peak0[s], grid, zero, r, off)
                     continue
-                bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage))
+                bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage,
+                               s))
         points = {k: v for k, v in points.items() if v}
         if not points:
             return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
-        plans: list[SlicePlan] = []
-        for bucket in points.values():
-            for *_objectives, grid, zero, r, off, (ranges, sigs) in pareto_front(bucket):
-                plans.append(self._materialize(table, coster, _config(grid, zero, r, off), ranges, sigs))
-        plans.sort(key=lambda p: (p.bottleneck_s, p.num_gpus))
+        # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
+        front = sorted((pt for bucket in points.values() for pt in pareto_front(bucket)), key=lambda pt: (pt[0], pt[5]))
+        layers = tuple(q.layers)
+        plans = tuple(self._lazy_plan(table, coster, layers, (m, cap), pt) for pt in front)
+        coster._grid_cache = {}  # lazy plans keep the coster; its per-grid sums are in the table already
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
                      q.island.name, evaluated, len(plans))
-        return SliceResult(key, tuple(plans), None, evaluated)
+        return SliceResult(key, plans, None, evaluated)
+
+    def _lazy_plan(self, table: StageTable, coster: SliceCoster, layers: tuple[int, int], judged: tuple[int, float],
+                   point: tuple) -> LazySlicePlan:
+        """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
+        bit), its StageCosts built only if someone reads them."""
+        grid, zero, r, off, (ranges, sigs, rows), s = point[6:]  # after the six objectives
+        pp = len(ranges)
+        mbs = coster.q.microbatch_sequences // grid.dp
+        shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
+        times, static, act, tails = zip(*[stage_rows[s] for stage_rows in rows])  # (time, static, act, sync+opt)
+        numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # judge_grid's depth
+        return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
+                             build=lambda: self._stages(table, coster, _config(grid, zero, r, off), ranges, sigs))
+
+    def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:
+        """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
+        queries (templates.judge_templates judges a shared pair once)."""
+        cache = self.__dict__.get("_shape_cache")
+        if cache is None:
+            cache = self._shape_cache = {}
+        key = (grid.tp, grid.dp, grid.cp, grid.ep, zero, r, off, pp, mbs)
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = ((_config(grid, zero, r, off).shape(),) * pp, (mbs,) * pp)
+        return hit
 
     def _table(self, q: SliceQuery) -> StageTable:
         """The stage table of the query's context: island, model, training, runtime and cost-model options."""
@@ -237,9 +273,9 @@ class MegatronParallelizer:
         ctx = pickle.dumps((q.island, q.model, q.training, q.capabilities, self.flash_attention), protocol=4)
         return tables.get(ctx)
 
-    def _materialize(self, table: StageTable, coster: SliceCoster, cfg: ParallelConfig,
-                     ranges: tuple[tuple[int, int], ...], sigs: tuple) -> SlicePlan:
-        """The slice plan of one configuration from the context's costed stages (SliceCoster.materialize's
+    def _stages(self, table: StageTable, coster: SliceCoster, cfg: ParallelConfig,
+                ranges: tuple[tuple[int, int], ...], sigs: tuple) -> tuple[StageCost, ...]:
+        """The StageCosts of one configuration from the context's costed stages (SliceCoster.materialize's
         numbers, its stages' layer ranges)."""
         mbs = coster.q.microbatch_sequences // cfg.dp
         shape = cfg.shape()
@@ -249,12 +285,12 @@ class MegatronParallelizer:
             stages.append(StageCost(layers=layers, shape=shape, micro_batch_size=mbs, forward_s=fwd,
                                     backward_s=bwd, static_bytes=static, activation_bytes=act, dp_sync_s=sync,
                                     optimizer_s=opt_s, p2p_bytes=p2p_bytes, breakdown=dict(bd)))
-        return SlicePlan(island=coster.island.name, layers=tuple(coster.q.layers), stages=tuple(stages),
-                         parallelizer=self.name)
+        return tuple(stages)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_tables", None)  # caches stay in the process that built them
+        state.pop("_shape_cache", None)
         return state
 
     def _infeasible(self, q: SliceQuery, coster: SliceCoster, best, shape_reasons: set[str], m: int,

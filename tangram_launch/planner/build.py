@@ -2,7 +2,8 @@
 
 ``make_candidates`` turns every surviving pair's slice plans (reused across a redundancy class by shifting layer
 indices) into ``compose.Option`` tuples, dropping plans the runtime cannot run, plans whose micro-batch arithmetic
-is inconsistent, and plans whose stages do not fit the island's nodes. ``build_plan`` turns the chosen options back
+is inconsistent, and plans whose stages do not fit the island's nodes (``templates.judge_templates``, from the
+plans' numbers: lazy plans stay unbuilt). ``build_plan`` turns the chosen options back
 into stages with GPUs (layout.allocate_gpus), the rank layout (plan.py derives it), and predictions computed by the
 same formula the composer minimised.
 """
@@ -13,13 +14,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
-from tangram_launch.costmodel.grid import SATURATED, fit_depth
 from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
 from tangram_launch.planner.compose import Composition, Option, evaluate
-from tangram_launch.planner.allocation import LinkModel, allocate_gpus, fits_island, node_sizes
+from tangram_launch.planner import templates as templates_mod
+from tangram_launch.planner.allocation import LinkModel, allocate_gpus
 from tangram_launch.planner.slices import Pair
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,114 +64,48 @@ def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
 
 
 def compatibility_group(stages: Sequence[StageCost], caps: "RuntimeCapabilities") -> Hashable | None:
-    """The class of slice plans that may share one pipeline under ``caps``; None if the plan itself mixes grids.
-
-    uniform_grid: one (tp, dp, cp) for all stages; uniform_tp: one tp; uniform_dp: one dp*cp. A free runtime puts
-    everything in one class.
-    """
-    if caps.uniform_grid:
-        keys = {(s.shape.tp, s.shape.dp, s.shape.cp) for s in stages}
-    else:
-        keys = {(s.shape.tp if caps.uniform_tp else None, s.shape.dp * s.shape.cp if caps.uniform_dp else None)
-                for s in stages}
-    return next(iter(keys)) if len(keys) == 1 else None
+    """templates.compatibility_group of these stages' shapes."""
+    return templates_mod.compatibility_group([s.shape for s in stages], caps)
 
 
 def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Mapping[tuple, SliceResult],
                     islands: Sequence["Island"], caps: "RuntimeCapabilities", links: LinkModel,
                     num_microbatches: int, *, dtype: str = "bf16",
                     training: "TrainingSpec | None" = None) -> Candidates:
-    """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key)."""
+    """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key): the plans
+    templates.judge_templates keeps, judged by their numbers (lazy plans are built only when placed)."""
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
                       link_matrix=links.island_matrix(), training_dtype=dtype)
     templates: dict[tuple, list] = {}
-    placeable: dict[tuple, bool] = {}  # (island, (tp, dp * cp) per stage) -> fits_island
+    shape_caches: dict[tuple, dict] = {}  # (island, full model): judge_templates' cache across queries
     for key, res in results.items():
         isl = next(i for i in islands if i.name == key[0])
         if not res.plans:
             if res.infeasible is not None:
                 cand.infeasible.setdefault(isl.name, []).append(res.infeasible.message())
             continue
-        cap = capacity_bytes(isl, training)
-        sizes = node_sizes(isl)
-        full = key[3] and key[4]
-        temps = []
-        for plan in res.plans:
-            why = _unusable(plan, b, caps, full)
-            if why is None:
-                shapes = tuple((s.shape.tp, s.shape.dp * s.shape.cp) for s in plan.stages)  # all placement needs
-                fit = placeable.get((isl.name, shapes))
-                if fit is None:
-                    fit = placeable[isl.name, shapes] = fits_island(isl, [s.shape for s in plan.stages], sizes)
-                if not fit:
-                    why = "stages do not fit the island's nodes"
-            group = compatibility_group(plan.stages, caps) if why is None else None
-            if why is None and group is None:
-                why = f"{caps.name} needs one grid for all stages"
-            max_after = max_stages_after(plan, num_microbatches, cap) if why is None else -1
-            if why is None and max_after < 0:
-                why = "does not fit in memory"
-            if why is not None:
-                cand.dropped[why] = cand.dropped.get(why, 0) + 1
-                continue
-            times = [s.time_s for s in plan.stages]  # p2p inside a slice plan is in its stage times
-            temps.append((plan, len(plan.stages), max_after, sum(times), max(times),
-                          max(s.dp_sync_s + s.optimizer_s for s in plan.stages), group))
-        templates[key] = _undominated_templates(temps, num_microbatches)
+        kept = templates_mod.judge_templates(
+            [p.numbers() for p in res.plans], island=isl, b=b, num_microbatches=num_microbatches,
+            capacity=capacity_bytes(isl, training), caps=caps, full_model=key[3] and key[4], dropped=cand.dropped,
+            shape_cache=shape_caches.setdefault((isl.name, key[3] and key[4]), {}))
+        # per template: the Option fields after (start, stop, island), its plan, its class
+        templates[key] = [((t.num_stages, t.max_after, t.time_s, t.bottleneck_s, t.tail_s), res.plans[t.index],
+                           t.group) for t in kept]
+    make = Option._make
     for pair in pairs:
-        for plan, ns, max_after, time_s, bn, tail, group in templates.get(pair.key, ()):
-            cand.options.append(Option(pair.layers[0], pair.layers[1], pair.island, ns, max_after, time_s, bn, tail))
-            cand.sources.append((pair, plan))
-            cand.groups.append(group)
+        temps = templates.get(pair.key)
+        if not temps:
+            continue
+        where = (pair.layers[0], pair.layers[1], pair.island)
+        cand.options.extend([make(where + fields) for fields, _plan, _group in temps])
+        cand.sources.extend([(pair, plan) for _fields, plan, _group in temps])
+        cand.groups.extend([group for _fields, _plan, group in temps])
     return cand
 
 
 def max_stages_after(plan: SlicePlan, num_microbatches: int, capacity_bytes: float) -> int:
-    """SlicePlan.max_stages_after from grid.fit_depth's closed form, checked against ``fits`` at the answer and one
-    past it (so float rounding cannot move it): O(stages) instead of a bisection."""
-    m = num_microbatches
-    depth, _peak = fit_depth([(s.static_bytes, s.activation_bytes) for s in plan.stages], m, capacity_bytes)
-    if depth == SATURATED:
-        return depth
-    if depth < 0:
-        if not plan.fits(0, m, capacity_bytes):
-            return -1
-        depth = 0
-    depth = min(depth, m - 1)
-    while depth > 0 and not plan.fits(depth, m, capacity_bytes):
-        depth -= 1
-    while depth + 1 < m and plan.fits(depth + 1, m, capacity_bytes):
-        depth += 1
-    return depth
-
-
-def _undominated_templates(temps: list, m: int) -> list:
-    """Drop slice plans another plan of the same class beats in every respect the composer sees (stages, room for
-    following stages, time, bottleneck, tail): done once per redundancy class, before copying to every pair."""
-    temps = sorted(temps, key=lambda t: (t[4], t[3], t[5]))
-    kept: list = []
-    by_group: dict = {}  # class -> (stages, room, time, tail) of its kept plans; bottleneck is <= by the order
-    for t in temps:
-        ns, room, time_s, tail = t[1], min(t[2], m - 1), t[3], t[5]
-        others = by_group.setdefault(t[6], [])
-        if any(k[0] <= ns and k[1] >= room and k[2] <= time_s and k[3] <= tail for k in others):
-            continue
-        others.append((ns, room, time_s, tail))
-        kept.append(t)
-    return kept
-
-
-def _unusable(plan: SlicePlan, b: int, caps: "RuntimeCapabilities", full_model: bool) -> str | None:
-    """Why the runtime cannot run this slice plan in a pipeline (a full-model single stage may skip pipelining)."""
-    pipelined = not (full_model and len(plan.stages) == 1)
-    for s in plan.stages:
-        if s.micro_batch_size * s.shape.dp != b:
-            return "micro_batch_size * dp differs from the micro-batch"
-        if caps.stage_problems(s.shape, pipelined=pipelined):
-            return "runtime cannot run a stage"
-    if caps.max_stages is not None and len(plan.stages) > caps.max_stages:
-        return "more stages than the runtime runs"
-    return None
+    """templates.max_stages_after of a built plan (SlicePlan.max_stages_after in closed form)."""
+    return templates_mod.max_stages_after(plan.numbers(), num_microbatches, capacity_bytes)
 
 
 def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", model: "ModelSpec",

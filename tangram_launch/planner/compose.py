@@ -32,11 +32,14 @@ the state and the cost becomes polynomial in K; the planner tries a few orders w
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 
+_FILL_TAIL_AFTER = operator.itemgetter(0, 1, 2)  # sort keys of DP entries (C-level: _pareto sorts millions)
+_AFTER = operator.itemgetter(2)
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
@@ -108,7 +111,7 @@ def _pareto(entries: list) -> list:
     """
     if len(entries) == 1:
         return entries
-    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+    entries.sort(key=_FILL_TAIL_AFTER)
     kept: list = []
     stair_after: list[int] = []
     stair_tail: list[float] = []
@@ -124,7 +127,7 @@ def _pareto(entries: list) -> list:
             k += 1
         stair_after[i:k] = [after]
         stair_tail[i:k] = [tail]
-    kept.sort(key=lambda e: e[2])
+    kept.sort(key=_AFTER)
     return kept
 
 

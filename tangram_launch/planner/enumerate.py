@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from tangram_launch.costmodel.slice_plan import numbers_fit
 from tangram_launch.parallelizers.base import Parallelizer, SliceQuery, SliceResult, capacity_bytes
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
     r = parallelizer.query(q)
     cap = capacity_bytes(q.island, q.training)
     m = q.num_microbatches
-    keep = tuple(p for p in r.plans if p.fits(0, m, cap))
+    keep = tuple(p for p in r.plans if numbers_fit(p.numbers(), 0, m, cap))  # lazy plans stay unbuilt
     if len(keep) == len(r.plans):
         return r
     return dataclasses.replace(r, plans=keep)

@@ -1,0 +1,150 @@
+"""Which of a query's slice plans the composer can use, judged from their ``SliceNumbers`` alone.
+
+A parallelizer's answer is a Pareto front over what any consumer of a slice plan may care about (GPUs used among
+them); the composer keeps plans the runtime can run in a pipeline, whose stages fit the island's nodes, that fit in
+memory at some pipeline position, and that no plan of the same cross-stage class beats on (stages, room for later
+stages up to m - 1, sum of stage times, bottleneck, DP sync + optimizer tail). Nothing here reads a StageCost, so
+a parallelizer may answer with lazy plans (costmodel.slice_plan.LazySlicePlan) whose stages are built only for
+the few plans a composition places.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
+
+from tangram_launch.costmodel.grid import SATURATED, fit_depth
+from tangram_launch.costmodel.slice_plan import SliceNumbers, numbers_fit
+from tangram_launch.planner.allocation import fits_island, node_sizes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.capabilities import RuntimeCapabilities
+    from tangram_launch.islands import Island
+    from tangram_launch.specs.shape import StageShape
+
+
+class Template(NamedTuple):
+    """A usable slice plan as the composer sees it; ``index`` is its place in the list judged."""
+
+    index: int
+    num_stages: int
+    max_after: int  # following global stages it still fits with (grid.SATURATED: any)
+    time_s: float  # sum of stage times
+    bottleneck_s: float
+    tail_s: float  # max DP sync + optimizer step
+    group: Hashable  # cross-stage compatibility class
+
+
+def compatibility_group(shapes: Sequence["StageShape"], caps: "RuntimeCapabilities") -> Hashable | None:
+    """The class of slice plans that may share one pipeline under ``caps``; None if the plan itself mixes grids.
+
+    uniform_grid: one (tp, dp, cp) for all stages; uniform_tp: one tp; uniform_dp: one dp*cp. A free runtime puts
+    everything in one class.
+    """
+    if caps.uniform_grid:
+        keys = {(s.tp, s.dp, s.cp) for s in shapes}
+    else:
+        keys = {(s.tp if caps.uniform_tp else None, s.dp * s.cp if caps.uniform_dp else None) for s in shapes}
+    return next(iter(keys)) if len(keys) == 1 else None
+
+
+def max_stages_after(numbers: SliceNumbers, num_microbatches: int, capacity: float) -> int:
+    """SlicePlan.max_stages_after from grid.fit_depth's closed form, checked against ``numbers_fit`` at the answer
+    and one past it (so float rounding cannot move it): O(stages) instead of a bisection."""
+    m = num_microbatches
+    hint = numbers.depth_hint
+    if hint is not None and hint[0] == m and hint[1] == capacity:
+        depth = hint[2]  # the answer's own fit_depth of these stages (judge_grid)
+    else:
+        depth, _peak = fit_depth(list(zip(numbers.static_bytes, numbers.activation_bytes)), m, capacity)
+    if depth == SATURATED:
+        return depth
+    if depth < 0:
+        if not numbers_fit(numbers, 0, m, capacity):
+            return -1
+        depth = 0
+    depth = min(depth, m - 1)
+    while depth > 0 and not numbers_fit(numbers, depth, m, capacity):
+        depth -= 1
+    while depth + 1 < m and numbers_fit(numbers, depth + 1, m, capacity):
+        depth += 1
+    return depth
+
+
+def unusable(numbers: SliceNumbers, b: int, caps: "RuntimeCapabilities", full_model: bool) -> str | None:
+    """Why the runtime cannot run this slice plan in a pipeline (a full-model single stage may skip pipelining)."""
+    pipelined = not (full_model and len(numbers.shapes) == 1)
+    for shape, mbs in zip(numbers.shapes, numbers.micro_batch_sizes):
+        if mbs * shape.dp != b:
+            return "micro_batch_size * dp differs from the micro-batch"
+        if caps.stage_problems(shape, pipelined=pipelined):
+            return "runtime cannot run a stage"
+    if caps.max_stages is not None and len(numbers.shapes) > caps.max_stages:
+        return "more stages than the runtime runs"
+    return None
+
+
+def judge_templates(plans: Sequence[SliceNumbers], *, island: "Island", b: int, num_microbatches: int,
+                    capacity: float, caps: "RuntimeCapabilities", full_model: bool,
+                    dropped: dict[str, int], shape_cache: dict | None = None) -> list[Template]:
+    """The composer's templates among ``plans`` (one query's answer), undominated within their class, in the order
+    the composer offers them; counts why the others were left out into ``dropped``. ``shape_cache``: a dict the
+    caller keeps across queries with the same island, b, runtime and ``full_model`` (what the judgement of stage
+    shapes depends on)."""
+    sizes = node_sizes(island)
+    cache = {} if shape_cache is None else shape_cache
+    placeable: dict[tuple, bool] = cache.setdefault("placeable", {})  # (tp, dp * cp) per stage -> fits_island
+    # (shapes, micro-batch sizes) -> (why unusable, group): plans of one configuration share these tuples across
+    # queries (LazySlicePlan), so they are looked up by identity first (the entry keeps them alive), by value next
+    by_id: dict[tuple[int, int], tuple] = cache.setdefault("by_id", {})
+    by_value: dict[tuple, tuple[str | None, Hashable]] = cache.setdefault("by_value", {})
+    temps: list[Template] = []
+    for i, nb in enumerate(plans):
+        hit = by_id.get((id(nb.shapes), id(nb.micro_batch_sizes)))
+        if hit is None or hit[0] is not nb.shapes or hit[1] is not nb.micro_batch_sizes:
+            ukey = (nb.shapes, nb.micro_batch_sizes)
+            judged = by_value.get(ukey)
+            if judged is None:
+                judged = by_value[ukey] = _judge_shapes(nb, island, sizes, b, caps, full_model, placeable)
+            by_id[id(nb.shapes), id(nb.micro_batch_sizes)] = hit = (nb.shapes, nb.micro_batch_sizes, judged)
+        why, group = hit[2]
+        max_after = max_stages_after(nb, num_microbatches, capacity) if why is None else -1
+        if why is None and max_after < 0:
+            why = "does not fit in memory"
+        if why is not None:
+            dropped[why] = dropped.get(why, 0) + 1
+            continue
+        times = nb.time_s  # p2p inside a slice plan is in its stage times
+        temps.append(Template(i, len(nb.shapes), max_after, sum(times), max(times), max(nb.tail_s), group))
+    return undominated(temps, num_microbatches)
+
+
+def _judge_shapes(nb: SliceNumbers, island: "Island", sizes: Sequence[int], b: int, caps: "RuntimeCapabilities",
+                  full_model: bool, placeable: dict) -> tuple[str | None, Hashable]:
+    """(why the plan cannot be placed or None, its compatibility class): what depends on its stage shapes only."""
+    why = unusable(nb, b, caps, full_model)
+    if why is None:
+        shapes = tuple((s.tp, s.dp * s.cp) for s in nb.shapes)  # all placement needs
+        fit = placeable.get(shapes)
+        if fit is None:
+            fit = placeable[shapes] = fits_island(island, nb.shapes, sizes)
+        if not fit:
+            why = "stages do not fit the island's nodes"
+    group = compatibility_group(nb.shapes, caps) if why is None else None
+    if why is None and group is None:
+        why = f"{caps.name} needs one grid for all stages"
+    return why, group
+
+
+def undominated(temps: list[Template], m: int) -> list[Template]:
+    """Drop templates another template of the same class beats in every respect the composer sees (stages, room
+    for following stages, time, bottleneck, tail): done once per redundancy class, before copying to every pair."""
+    temps = sorted(temps, key=lambda t: (t.bottleneck_s, t.time_s, t.tail_s))
+    kept: list[Template] = []
+    by_group: dict = {}  # class -> (stages, room, time, tail) of its kept plans; bottleneck is <= by the order
+    for t in temps:
+        ns, room, time_s, tail = t.num_stages, min(t.max_after, m - 1), t.time_s, t.tail_s
+        others = by_group.setdefault(t.group, [])
+        if any(k[0] <= ns and k[1] >= room and k[2] <= time_s and k[3] <= tail for k in others):
+            continue
+        others.append((ns, room, time_s, tail))
+        kept.append(t)
+    return kept

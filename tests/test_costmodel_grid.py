@@ -1,0 +1,28 @@
+"""costmodel/grid.judge_grid (one loop per saver combination, fit_depth inlined) answers exactly what the plain
+per-combination computation does: max / Python sum / max of the stage rows and grid.fit_depth."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.costmodel.grid import fit_depth, judge_grid
+
+_SECONDS = st.floats(0.0, 5.0, allow_nan=False)
+_BYTES = st.floats(0.0, 40e9, allow_nan=False)
+
+
+def _reference(rows, m, cap):
+    out = ([], [], [], [], [])
+    for stages in zip(*rows):
+        times = [x[0] for x in stages]
+        depth, peak0 = fit_depth([(x[1], x[2]) for x in stages], m, cap)
+        for acc, v in zip(out, (max(times), sum(times), max(x[3] for x in stages), depth, peak0)):
+            acc.append(v)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), stages=st.integers(1, 6), savers=st.integers(1, 5), m=st.integers(1, 40),
+       cap=st.floats(1e9, 80e9))
+def test_judge_grid_matches_the_plain_computation(data, stages, savers, m, cap):
+    rows = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(st.floats(1.0, 8e9)), data.draw(_SECONDS))
+             for _ in range(savers)] for _ in range(stages)]
+    assert judge_grid(rows, m, cap) == _reference(rows, m, cap)

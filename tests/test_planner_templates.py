@@ -1,0 +1,89 @@
+"""The composer's choice of slice plans (planner/templates.py) from lazy plans' numbers, before any plan is built,
+gives the same templates, in the same order, as building every front plan first (the old eager path)."""
+import pickle
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
+from tangram_launch.islands import Island
+from tangram_launch.parallelizers.base import LazySlicePlan, SlicePlan, SliceQuery, capacity_bytes
+from tangram_launch.parallelizers.megatron import MegatronParallelizer
+from tangram_launch.planner.templates import judge_templates, max_stages_after
+from tangram_launch.specs.cluster import ClusterSpec, GpuRef, LinkSpec
+from tangram_launch.specs.model import load_model
+from tangram_launch.specs.training import TrainingSpec
+
+MODEL = load_model("gpt3-1.3b")  # 24 layers: slices of every kind (embedding, head, both, neither)
+
+
+def _island(gpu_type: str, nodes: int, per_node: int) -> Island:
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+                                  "nodes": [{"name": "x", "gpu": gpu_type, "count": 1}]}).nodes[0].gpus[0]
+    names = tuple(f"n{i}" for i in range(nodes))
+    return Island(name=gpu_type, nodes=names, gpus=tuple(GpuRef(n, k) for n in names for k in range(per_node)),
+                  gpus_per_node=per_node, gpu=spec, inter_node_link=LinkSpec(25.0, 2.0) if nodes > 1 else None)
+
+
+def _choose(q: SliceQuery, numbers) -> tuple[list, dict]:
+    dropped: dict = {}
+    kept = judge_templates(numbers, island=q.island, b=q.microbatch_sequences, num_microbatches=q.num_microbatches,
+                           capacity=capacity_bytes(q.island, q.training), caps=q.capabilities,
+                           full_model=q.layers == (0, q.model.num_layers), dropped=dropped)
+    return list(kept), dropped
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gpu=st.sampled_from(["v100-16gb", "a100-40gb", "t4"]), per_node=st.sampled_from([2, 4]),
+       nodes=st.integers(1, 2), start=st.integers(0, 23), length=st.integers(1, 24),
+       b=st.sampled_from([1, 2, 4, 8]), caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]))
+def test_lazy_plans_give_the_templates_of_built_plans(gpu, per_node, nodes, start, length, b, caps):
+    """Hypothesis over small queries: the megatron parallelizer answers with lazy plans; the composer's templates
+    chosen from their numbers (nothing built) are those chosen from the built plans (the old eager path): same
+    plans, same order, every number the composer reads, same reasons for the plans left out. The numbers are bit
+    for bit those of the built stages, and equal plans compare equal whether built or not."""
+    stop = min(24, start + length)
+    tr = TrainingSpec(global_batch=32, seq_len=1024, dtype="fp16")
+    q = SliceQuery(model=MODEL, training=tr, layers=(start, stop), island=_island(gpu, nodes, per_node),
+                   microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
+                   pipelined=(start, stop) != (0, 24))
+    res = MegatronParallelizer().query(q)
+    assert all(isinstance(p, LazySlicePlan) for p in res.plans)
+    lazy, lazy_dropped = _choose(q, [p.numbers() for p in res.plans])
+    assert not any(p._stages for p in res.plans), "judging built a plan"
+    built = [p.built() for p in res.plans]
+    assert [p.numbers() for p in built] == [p.numbers()._replace(depth_hint=None) for p in res.plans]
+    assert all(p.numbers().depth_hint[:2] == (q.num_microbatches, capacity_bytes(q.island, q.training))
+               for p in res.plans)  # the hint is used only at the memory it was computed for
+    eager, eager_dropped = _choose(q, [p.numbers() for p in built])
+    assert lazy == eager and lazy_dropped == eager_dropped
+    assert built == list(res.plans) and list(res.plans) == built
+    assert pickle.loads(pickle.dumps(res.plans)) == tuple(built)
+
+
+def test_a_lazy_plan_is_built_once_and_only_when_read():
+    calls = []
+    stages = MegatronParallelizer().query(SliceQuery(
+        model=MODEL, training=TrainingSpec(global_batch=32, seq_len=1024, dtype="fp16"), layers=(0, 6),
+        island=_island("a100-40gb", 1, 4), microbatch_sequences=4, capabilities=TORCH)).plans[0].built().stages
+    plan = LazySlicePlan("x", (0, 6), numbers=SlicePlan("x", (0, 6), stages).numbers(),
+                         build=lambda: calls.append(1) or stages)
+    assert plan.numbers().time_s == tuple(s.time_s for s in stages) and not calls
+    assert plan.stages == stages and plan.stages is stages and calls == [1]
+    assert plan.bottleneck_s == max(s.time_s for s in stages) and calls == [1]
+    with pytest.raises(ValueError, match="numbers and a way to build"):
+        LazySlicePlan("x", (0, 6), numbers=plan.numbers())
+
+
+def test_a_depth_hint_counts_only_at_the_memory_it_was_computed_for():
+    q = SliceQuery(model=MODEL, training=TrainingSpec(global_batch=64, seq_len=2048, dtype="fp16"), layers=(2, 14),
+                   island=_island("v100-16gb", 1, 4), microbatch_sequences=2, capabilities=TORCH)
+    m, cap = q.num_microbatches, capacity_bytes(q.island, q.training)
+    for plan in MegatronParallelizer().query(q).plans[:20]:
+        lazy = plan.numbers()
+        want = plan.built().max_stages_after(m, cap)
+        want = want if want >= (1 << 30) else min(want, m - 1)
+        assert max_stages_after(lazy, m, cap) == want
+        assert max_stages_after(lazy._replace(depth_hint=(m + 1, cap, 999)), m, cap) == want
+        assert max_stages_after(lazy._replace(depth_hint=(m, cap * 0.5, 999)), m, cap) == want
