@@ -264,6 +264,17 @@ def _join(cgroup: str, core: int | None = None):
 def train(args, plan, slow_ref: tuple[str, int], groups: Groups, workdir: str, name: str,
           cores: tuple[int, int] | None) -> dict:
     """Both ranks of ``plan`` as examples/train_gpt.py workers; the rank on the throttled device in the cgroup."""
+    def preexec(entry):
+        slow = (entry.node, entry.local_gpu) == slow_ref
+        return _join(groups.slow if slow else groups.bench, cores[entry.local_gpu] if cores else None)
+
+    return run_plan_workers(args, plan, workdir, name, preexec)
+
+
+def run_plan_workers(args, plan, workdir: str, name: str, preexec_for) -> dict:
+    """Every rank of ``plan`` as an examples/train_gpt.py worker started with ``preexec_for(rank entry)`` (its
+    cgroup and core); the result file with the median iteration after ``args.warmup_steps`` and the host's other
+    load while it ran (cores)."""
     path = os.path.join(workdir, f"plan-{name}.json")
     plan.dump(path)
     out = os.path.join(workdir, f"result-{name}.json")
@@ -280,10 +291,8 @@ def train(args, plan, slow_ref: tuple[str, int], groups: Groups, workdir: str, n
                    LOCAL_WORLD_SIZE=str(plan.world_size))
         cmd = [sys.executable, os.path.join(REPO, "examples", "train_gpt.py"), "--plan", path, "--steps",
                str(args.steps), "--data", "synthetic", "--quiet", "--out", out, "--timeout-s", "300"]
-        slow = (entry.node, entry.local_gpu) == slow_ref
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, preexec_fn=_join(groups.slow if slow else groups.bench,
-                                                                  cores[entry.local_gpu] if cores else None)))
+                                      text=True, preexec_fn=preexec_for(entry)))
     logs = []
     try:
         logs = [p.communicate(timeout=args.timeout_s)[0] for p in procs]
@@ -304,7 +313,6 @@ def train(args, plan, slow_ref: tuple[str, int], groups: Groups, workdir: str, n
     return res
 
 
-# ---------------------------------------------------------------- 4. report
 def describe(plan) -> str:
     return " + ".join(f"{s.layers[1] - s.layers[0]}"
                       + ("e" if s.has_embedding else "") + ("h" if s.has_head else "")

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -119,40 +118,9 @@ def plans(args, cluster_path: str):
 
 
 def train(args, plan, groups: dict[int, str], cores: dict[int, int] | None, workdir: str, name: str) -> dict:
-    path = os.path.join(workdir, f"plan-{name}.json")
-    plan.dump(path)
-    out = os.path.join(workdir, f"result-{name}.json")
-    if os.path.exists(out):
-        os.remove(out)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    busy0, ours0, t0 = base.host_busy_s(), base.children_cpu_s(), time.perf_counter()
-    for entry in plan.rank_layout:
-        env = base._env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(entry.rank),
-                        WORLD_SIZE=str(plan.world_size), LOCAL_RANK=str(entry.local_gpu),
-                        LOCAL_WORLD_SIZE=str(plan.world_size))
-        cmd = [sys.executable, os.path.join(REPO, "examples", "train_gpt.py"), "--plan", path, "--steps",
-               str(args.steps), "--data", "synthetic", "--quiet", "--out", out, "--timeout-s", "300"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, preexec_fn=base._join(groups[entry.local_gpu],
-                                                                       cores[entry.local_gpu] if cores else None)))
-    try:
-        logs = [p.communicate(timeout=args.timeout_s)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    wall = time.perf_counter() - t0
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{name} run failed:\n" + "\n".join(x[-3000:] for x in logs))
-    with open(out, encoding="utf-8") as f:
-        res = json.load(f)
-    res["median_after_warmup_s"] = statistics.median(res["iteration_s"][args.warmup_steps:])
-    res["other_load_cores"] = max(0.0, (base.host_busy_s() - busy0) - (base.children_cpu_s() - ours0)) / wall
-    return res
+    return base.run_plan_workers(args, plan, workdir, name,
+                                 lambda entry: base._join(groups[entry.local_gpu],
+                                                          cores[entry.local_gpu] if cores else None))
 
 
 def describe(plan) -> str:
