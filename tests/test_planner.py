@@ -384,16 +384,16 @@ def test_fits_island_agrees_with_the_allocator():
 @given(st.lists(st.tuples(st.floats(0.0, 30.0), st.floats(0.0, 4.0)), min_size=1, max_size=6),
        st.integers(1, 40), st.floats(1.0, 40.0))
 def test_closed_form_depth_agrees_with_the_bisection(stages, m, cap_gib):
-    """build.max_stages_after (closed form) answers exactly what SlicePlan.max_stages_after (bisection) does."""
+    """templates.max_stages_after (closed form) answers exactly what SlicePlan.max_stages_after (bisection) does."""
     from tangram_launch.capabilities import StageShape
     from tangram_launch.parallelizers.base import SlicePlan, StageCost
-    from tangram_launch.planner.build import max_stages_after
+    from tangram_launch.planner.templates import max_stages_after
 
     shape = StageShape()
     plan = SlicePlan("i", (0, len(stages)), tuple(
         StageCost(layers=(k, k + 1), shape=shape, micro_batch_size=1, forward_s=1.0, backward_s=2.0,
                   static_bytes=static * GIB, activation_bytes=act * GIB) for k, (static, act) in enumerate(stages)))
-    assert max_stages_after(plan, m, cap_gib * GIB) == plan.max_stages_after(m, cap_gib * GIB)
+    assert max_stages_after(plan.numbers(), m, cap_gib * GIB) == plan.max_stages_after(m, cap_gib * GIB)
 
 
 def _latency(cluster_spec, model, training, **opts):

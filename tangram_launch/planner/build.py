@@ -63,11 +63,6 @@ def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
     return dataclasses.replace(plan, layers=(plan.layers[0] + offset, plan.layers[1] + offset), stages=stages)
 
 
-def compatibility_group(stages: Sequence[StageCost], caps: "RuntimeCapabilities") -> Hashable | None:
-    """templates.compatibility_group of these stages' shapes."""
-    return templates_mod.compatibility_group([s.shape for s in stages], caps)
-
-
 def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Mapping[tuple, SliceResult],
                     islands: Sequence["Island"], caps: "RuntimeCapabilities", links: LinkModel,
                     num_microbatches: int, *, dtype: str = "bf16",
@@ -101,11 +96,6 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         cand.sources.extend([(pair, plan) for _fields, plan, _group in temps])
         cand.groups.extend([group for _fields, _plan, group in temps])
     return cand
-
-
-def max_stages_after(plan: SlicePlan, num_microbatches: int, capacity_bytes: float) -> int:
-    """templates.max_stages_after of a built plan (SlicePlan.max_stages_after in closed form)."""
-    return templates_mod.max_stages_after(plan.numbers(), num_microbatches, capacity_bytes)
 
 
 def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", model: "ModelSpec",

@@ -29,11 +29,12 @@ from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.plan import RECOMPUTE_MODES, Plan
 from tangram_launch.planner.api import PlannerOptions, microbatch_choices, resolve_capabilities, resolve_parallelizer
-from tangram_launch.planner.build import Candidates, build_plan, compatibility_group
+from tangram_launch.planner.build import Candidates, build_plan
 from tangram_launch.planner.compose import Composition, Option, evaluate
 from tangram_launch.planner.enumerate import run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes, allocate_gpus
 from tangram_launch.planner.slices import Pair
+from tangram_launch.planner.templates import compatibility_group
 from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -234,11 +235,11 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
         if len(per_stage) < S:
             continue
         # the runtime's cross-stage constraints: pick every stage's fastest configuration within one class
-        classes = {compatibility_group((c,), caps) for fits in per_stage for c in fits}
+        classes = {compatibility_group((c.shape,), caps) for fits in per_stage for c in fits}
         for cls in classes:
             chosen = []
             for fits in per_stage:
-                mine = [c for c in fits if compatibility_group((c,), caps) == cls]
+                mine = [c for c in fits if compatibility_group((c.shape,), caps) == cls]
                 if not mine:
                     break
                 # a stage's own share of the iteration: m micro-batches, then its DP sync and optimizer step (an
