@@ -143,24 +143,30 @@ def profile(args, groups: Groups, out: str, cores: tuple[int, int] | None) -> di
     # the command (launcher agent and workers) starts in the bench group; the hook moves local rank 1 to ``slow``
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_join(groups.bench))
-    pinner = None
     workers: dict[int, int] = {}
+    watch = None if cores is None else (lambda done: _pin_descendants(proc.pid, cores, workers, done))
+    wait_watched(proc, watch, args.timeout_s, "profile")
+    return workers
+
+
+def wait_watched(proc: subprocess.Popen, watch, timeout_s: float, what: str) -> None:
+    """Wait for ``proc`` while ``watch(done)`` (if given) runs in a thread until ``done`` is set: it places the
+    command's workers as they appear. The process is killed on a timeout; a non-zero exit raises with its output."""
     done = threading.Event()
-    if cores is not None:
-        pinner = threading.Thread(target=_pin_descendants, args=(proc.pid, cores, workers, done), daemon=True)
-        pinner.start()
+    watcher = threading.Thread(target=watch, args=(done,), daemon=True) if watch is not None else None
+    if watcher is not None:
+        watcher.start()
     try:
-        out, err = proc.communicate(timeout=args.timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     finally:
         done.set()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if pinner is not None:
-        pinner.join()
+    if watcher is not None:
+        watcher.join()
     if proc.returncode != 0:
-        raise RuntimeError(f"profile failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}")
-    return workers
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}")
 
 
 def _pin_descendants(root: int, cores: tuple[int, int], workers: dict[int, int], done: threading.Event) -> None:

@@ -54,9 +54,9 @@ def profile(args, micro_batch: int, groups: dict[int, str], cores: dict[int, int
            "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", str(micro_batch),
            "--layer-dtype", "fp32", "--timeout-s", "300", "-o", out]
     proc = subprocess.Popen(cmd, cwd=REPO, env=base._env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done, placed = threading.Event(), set()
+    placed: set[int] = set()
 
-    def poll() -> None:
+    def poll(done: threading.Event) -> None:
         while not done.is_set() and len(placed) < 3:
             for pid in base._descendants(proc.pid):
                 rank = base._local_rank(pid)
@@ -67,18 +67,7 @@ def profile(args, micro_batch: int, groups: dict[int, str], cores: dict[int, int
                     except OSError:
                         continue
             done.wait(0.02)
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    try:
-        stdout, stderr = proc.communicate(timeout=args.timeout_s)
-    finally:
-        done.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    poller.join()
-    if proc.returncode != 0:
-        raise RuntimeError(f"profile failed (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    base.wait_watched(proc, poll, args.timeout_s, "profile")
 
 
 def merge_layer_times(into: str, other: str) -> None:
