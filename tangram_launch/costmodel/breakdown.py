@@ -315,6 +315,24 @@ class SliceCoster:
         self._edge_cache[key] = out
         return out
 
+    def time_floor_s(self, tp: int, cp: int, ep: int, dp: int) -> float:
+        """A floor under the sum of the stage times of any split of the slice on this grid: its layers' (and
+        embedding's, head's) forward + backward compute alone. fast_stage only adds to it (recompute, TP/CP/EP and
+        p2p communication, exposed ZeRO collectives), so the bottleneck of pp stages is at least floor / pp: the
+        planner's incumbent bound skips grids with it before costing their stages."""
+        mbs = self.q.microbatch_sequences // dp
+        total = 0.0
+        for k, pre in self.prefix.items():
+            t = self.layer_terms(k, tp, cp, ep, dp, mbs)
+            total += pre[-1] * (t.fwd_s + t.bwd_s)
+        if self.q.has_embedding or self.q.has_head:
+            e = self._edges(tp, cp, dp, mbs)
+            if self.q.has_embedding:
+                total += e["emb_fwd_s"] + e["emb_bwd_s"]
+            if self.q.has_head:
+                total += e["head_fwd_s"] + e["head_bwd_s"]
+        return total
+
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:
         """Absolute layer ranges of the ``pp`` stages, balanced by time (no recompute) with embedding/head."""

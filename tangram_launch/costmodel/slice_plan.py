@@ -8,6 +8,8 @@ These are the cost model's types; ``parallelizers/base.py`` defines the protocol
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -61,6 +63,13 @@ class SliceNumbers(NamedTuple):
     depth_hint: tuple[int, float, int] | None = None
 
 
+def latency_floor_s(numbers: SliceNumbers, num_microbatches: int) -> float:
+    """The least 1F1B latency of any pipeline holding this slice plan: (m - 1) x its bottleneck + its stage times +
+    its tail (the pipeline's period, fill and tail are at least these; compose.py's closed form)."""
+    times = numbers.time_s
+    return (num_microbatches - 1) * max(times) + sum(times) + max(numbers.tail_s)
+
+
 def numbers_fit(numbers: SliceNumbers, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:
     """SlicePlan.fits on a plan's numbers (the same arithmetic, so the same answer to the last bit)."""
     m = num_microbatches
@@ -82,10 +91,19 @@ class SliceQuery:
     capabilities: RuntimeCapabilities
     max_stages: int | None = None  # cap on pipeline stages inside this slice
     pipelined: bool = True  # whether the global plan may have more than one stage (ZeRO limits with PP)
+    # the best iteration latency (the composer's closed form) the planner has found so far: a slice plan whose own
+    # (m - 1) x bottleneck + sum of stage times + tail is larger is part of no faster pipeline, so it need not be
+    # answered (``latency_floor_s``); inf: answer everything
+    latency_bound_s: float = math.inf
 
     @property
     def num_microbatches(self) -> int:
         return self.training.global_batch // self.microbatch_sequences
+
+    def beyond_bound(self, latency_floor_s: float) -> bool:
+        """Whether a slice plan with this latency floor cannot be part of a pipeline faster than the bound (a
+        relative 1e-9 of slack keeps plans that tie the bound up to float rounding)."""
+        return latency_floor_s > self.latency_bound_s * (1.0 + 1e-9)
 
     @property
     def has_embedding(self) -> bool:

@@ -45,6 +45,9 @@ class SliceResult:
     plans: tuple[SlicePlan, ...]  # Pareto front over (bottleneck time, memory); empty when infeasible
     infeasible: InfeasibleSlice | None = None
     configs_evaluated: int = 0
+    # configurations left out because they cannot beat the query's latency_bound_s (not an infeasibility: an
+    # answer with no plans and bounded > 0 means "nothing here beats the plan already found")
+    bounded: int = 0
 
 
 @runtime_checkable

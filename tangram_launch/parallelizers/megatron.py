@@ -202,11 +202,27 @@ class MegatronParallelizer:
         best_mem: tuple | None = None
         shape_reasons: set[str] = set()
         saver_cache: dict[tuple, tuple] = {}
-        for grid in grids(q, coster):
-            problems = coster.check(grid)
+        bounded = 0
+        bound = q.latency_bound_s != math.inf  # skip what cannot beat the planner's best latency so far
+        floors: dict[tuple, float] = {}  # (tp, cp, ep, dp) -> SliceCoster.time_floor_s
+        # the grids and their shape problems depend on the context, b and the slice's length only: listed once
+        gkey = (getattr(grids, "__qualname__", None), b, q.num_layers, q.max_stages)
+        checked = table.grid_lists.get(gkey)
+        if checked is None:
+            checked = table.grid_lists[gkey] = [(g, tuple(coster.check(g))) for g in grids(q, coster)]
+        for grid, problems in checked:
             if problems:
                 shape_reasons.update(problems)
                 continue
+            if bound:
+                fkey = (grid.tp, grid.cp, grid.ep, grid.dp)
+                floor = floors.get(fkey)
+                if floor is None:
+                    floor = floors[fkey] = coster.time_floor_s(*fkey)
+                # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
+                if q.beyond_bound((m - 1) * floor / grid.pp + floor):
+                    bounded += 1
+                    continue
             skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
             allowed = saver_cache.get(skey)
             if allowed is None:
@@ -226,10 +242,15 @@ class MegatronParallelizer:
                     if best_mem is None or peak0[s] < best_mem[0]:
                         best_mem = (peak0[s], grid, zero, r, off)
                     continue
+                if bound and q.beyond_bound((m - 1) * bottleneck[s] + fill[s] + tail[s]):
+                    bounded += 1  # enumerate.latency_floor_s of the plan it would be
+                    continue
                 bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage,
                                s))
         points = {k: v for k, v in points.items() if v}
         if not points:
+            if bounded:  # something fits, nothing beats the bound
+                return SliceResult(key, (), None, evaluated, bounded=bounded)
             return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
         front = sorted((pt for bucket in points.values() for pt in pareto_front(bucket)), key=lambda pt: (pt[0], pt[5]))
@@ -238,7 +259,7 @@ class MegatronParallelizer:
         coster._grid_cache = {}  # lazy plans keep the coster; its per-grid sums are in the table already
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
                      q.island.name, evaluated, len(plans))
-        return SliceResult(key, plans, None, evaluated)
+        return SliceResult(key, plans, None, evaluated, bounded=bounded)
 
     def _lazy_plan(self, table: StageTable, coster: SliceCoster, layers: tuple[int, int], judged: tuple[int, float],
                    point: tuple) -> LazySlicePlan:

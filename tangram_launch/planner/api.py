@@ -13,6 +13,7 @@ the reasons (exit status 3 on the command line).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Sequence
@@ -176,8 +177,9 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     results: dict[int, dict[tuple, SliceResult]] = {}
     all_cands: dict[int, Candidates] = {}
     cstats = ComposeStats()
-    best: tuple[float, int, Hashable, Composition] | None = None
-    counters = {"queries": 0, "configs": 0, "query_s": 0.0, "compose_s": 0.0}
+    # (latency, b, group, composition, the Candidates its option indices point into)
+    best: tuple[float, int, Hashable, Composition, Candidates] | None = None
+    counters = {"queries": 0, "configs": 0, "bounded": 0, "query_s": 0.0, "compose_s": 0.0}
     tried: list[int] = []
     while bs:
         tried.extend(bs)
@@ -192,8 +194,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     t_c = time.perf_counter()
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
-    _, b_best, group_best, comp_best = best
-    cand = all_cands[b_best]
+    _, b_best, group_best, comp_best, cand = best
     group_idx = _groups(cand)[group_best]
     dropped = _dropped_islands(cand, group_idx, comp_best, all_islands, pairset, L, caps, opts)
     compose_s = counters["compose_s"] + time.perf_counter() - t_c
@@ -208,6 +209,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         "atom_layers": atom_layers,
         "microbatch_sequences_tried": sorted(tried),
         "configs_evaluated": counters["configs"],
+        "configs_bounded": counters["bounded"],
         "query_time_s": round(counters["query_s"], 4),
         "compose_time_s": round(compose_s, 4),
         "workers": opts.max_workers or default_workers(),
@@ -246,51 +248,91 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
                       cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
                       pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, par: Parallelizer,
                       opts: PlannerOptions):
-    """Query every (b, representative pair) in one pool, build each b's options and compose them, the most
-    promising option sets first; returns the best (latency, b, group, composition) so far."""
+    """Query and compose the micro-batch sizes ``bs``; returns the best (latency, b, group, composition,
+    candidates) so far.
+
+    Branch and bound over the queries: (1) every b's single-island pairs (the whole model on one island: few
+    queries, bounded by earlier rounds' best) are composed first, which gives an
+    incumbent latency and an order of the sizes; (2) size by size, most promising first, the other pairs are
+    asked with the best latency so far as their bound (SliceQuery.latency_bound_s): a slice plan whose own
+    (m - 1) x bottleneck + stage times + tail exceeds it is part of no faster pipeline, so the parallelizer skips it
+    (exact: the composer would never place it in a plan that wins).
+    """
     L = model.num_layers
-    G = training.global_batch
+    whole = [p for p in pairset.queries if p.layers == (0, L)]
+    rest = [p for p in pairset.queries if p.layers != (0, L)]
+    for b in bs:
+        results.setdefault(b, {})
+    _ask(bs, whole, best[0] if best else math.inf, results, counters, model=model, training=training,
+         islands=islands, caps=caps, par=par, opts=opts)
+    first: list[tuple[float, int]] = []
+    for b in bs:  # each size's own best single-island latency orders the sizes (no incumbent: cheap here)
+        best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                          training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
+                          use_incumbent=False)
+        first.append((all_cands[b].best_s, b))
+    if not rest:
+        return best
+    for _own, b in sorted(first):
+        _ask([b], rest, best[0] if best else math.inf, results, counters, model=model, training=training,
+             islands=islands, caps=caps, par=par, opts=opts)
+        best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                          training=training, pairset=pairset, islands=islands, caps=caps, opts=opts)
+    return best
+
+
+def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, results: dict, counters: dict, *,
+         model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"], caps: RuntimeCapabilities,
+         par: Parallelizer, opts: PlannerOptions) -> None:
+    """Query every (b, pair) in one pool, with the latency bound; answers go to results[b][pair.key]."""
+    L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[tuple[int, Pair]] = []
     for b in bs:
-        for p in pairset.queries:
-            full = p.layers == (0, L)
+        for p in pairs:
             queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
                                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
-                                      pipelined=not full))
+                                      pipelined=p.layers != (0, L), latency_bound_s=bound_s))
             where.append((b, p))
+    if not queries:
+        return
     t_q = time.perf_counter()
     answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress,
                           label=f"planning {model.name}")
     counters["query_s"] += time.perf_counter() - t_q
     counters["queries"] += len(queries)
-    for b in bs:
-        results[b] = {}
     for (b, p), r in zip(where, answers):
         results[b][p.key] = _merge(results[b].get(p.key), r)
     counters["configs"] += sum(r.configs_evaluated for r in answers)
+    counters["bounded"] += sum(r.bounded for r in answers)
 
+
+def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cstats: ComposeStats, *,
+               cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", pairset: PairSet,
+               islands: Sequence["Island"], caps: RuntimeCapabilities, opts: PlannerOptions,
+               use_incumbent: bool = True):
+    """Options of size b from its answers so far, composed per compatibility class (the most promising class
+    first, hopeless ones skipped); returns the best (latency, b, group, composition, candidates); the b's own best latency
+    is left in its Candidates.best_s."""
     t_c = time.perf_counter()
-    work = []  # (lower bound, b, group, option indices): the most promising first, hopeless ones skipped
-    for b in bs:
-        m = G // b
-        links = LinkModel(cluster, islands,
-                          activation_bytes(b, training.seq_len, model.hidden_size, training.param_bytes))
-        cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
-                               training=training)
-        all_cands[b] = cand
-        for group, idx in _groups(cand).items():
-            lb = lower_bound([cand.options[i] for i in idx], L, m)
-            work.append((lb, b, group, idx))
-    work.sort(key=lambda w: w[0])
-    for lb, b, group, idx in work:
-        if best is not None and lb >= best[0]:
+    L = model.num_layers
+    m = training.global_batch // b
+    links = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
+                                                         training.param_bytes))
+    cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
+                           training=training)
+    all_cands[b] = cand
+    work = sorted(((lower_bound([cand.options[i] for i in idx], L, m), group, idx)
+                   for group, idx in _groups(cand).items()), key=lambda w: w[0])
+    for lb, group, idx in work:
+        incumbent = best[0] if best is not None and use_incumbent else math.inf
+        if lb >= incumbent:
             break
-        cand = all_cands[b]
-        comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats,
-                              incumbent_s=best[0] if best else float("inf"))
-        if comp is not None and (best is None or comp.latency_s < best[0]):
-            best = (comp.latency_s, b, group, comp)
+        comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=incumbent)
+        if comp is not None:
+            cand.best_s = min(cand.best_s, comp.latency_s)
+            if best is None or comp.latency_s < best[0]:
+                best = (comp.latency_s, b, group, comp, cand)
     counters["compose_s"] += time.perf_counter() - t_c
     return best
 

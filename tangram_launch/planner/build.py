@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
@@ -48,6 +49,8 @@ class Candidates:
     training_dtype: str = "bf16"
     infeasible: dict[str, list[str]] = field(default_factory=dict)  # island -> parallelizer's reasons
     dropped: dict[str, int] = field(default_factory=dict)  # why slice plans were not offered: reason -> count
+    bounded: dict[str, int] = field(default_factory=dict)  # island -> configurations that could not beat the bound
+    best_s: float = math.inf  # the best latency composed from these options (api._compose_b)
 
     def slice_plan(self, option_index: int) -> SlicePlan:
         """The slice plan behind an option, shifted to the option's layers."""
@@ -75,6 +78,8 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
     shape_caches: dict[tuple, dict] = {}  # (island, full model): judge_templates' cache across queries
     for key, res in results.items():
         isl = next(i for i in islands if i.name == key[0])
+        if res.bounded:
+            cand.bounded[isl.name] = cand.bounded.get(isl.name, 0) + res.bounded
         if not res.plans:
             if res.infeasible is not None:
                 cand.infeasible.setdefault(isl.name, []).append(res.infeasible.message())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -17,7 +18,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from tangram_launch.costmodel.slice_plan import numbers_fit
+from tangram_launch.costmodel.slice_plan import latency_floor_s, numbers_fit
 from tangram_launch.parallelizers.base import Parallelizer, SliceQuery, SliceResult, capacity_bytes
 
 logger = logging.getLogger(__name__)
@@ -31,14 +32,21 @@ def default_workers() -> int:
 
 
 def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
-    """Query, then drop plans that cannot fit anywhere (not even as the last stage) before they travel back."""
+    """Query, then drop plans that cannot fit anywhere (not even as the last stage), and plans that cannot beat the
+    query's latency bound (any parallelizer: the built-in ones skip those before costing them), before they travel
+    back."""
     r = parallelizer.query(q)
     cap = capacity_bytes(q.island, q.training)
     m = q.num_microbatches
     keep = tuple(p for p in r.plans if numbers_fit(p.numbers(), 0, m, cap))  # lazy plans stay unbuilt
+    bounded = 0
+    if q.latency_bound_s != math.inf:
+        n = len(keep)
+        keep = tuple(p for p in keep if not q.beyond_bound(latency_floor_s(p.numbers(), m)))
+        bounded = n - len(keep)
     if len(keep) == len(r.plans):
         return r
-    return dataclasses.replace(r, plans=keep)
+    return dataclasses.replace(r, plans=keep, bounded=r.bounded + bounded)
 
 
 def _query_chunk(parallelizer: Parallelizer, queries: Sequence[SliceQuery]) -> list[SliceResult]:
