@@ -322,6 +322,8 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
                            training=training)
     all_cands[b] = cand
+    if best is not None and best[1] == b and best[4] is not cand:
+        best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     work = sorted(((lower_bound([cand.options[i] for i in idx], L, m), group, idx)
                    for group, idx in _groups(cand).items()), key=lambda w: w[0])
     for lb, group, idx in work:
@@ -335,6 +337,18 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
                 best = (comp.latency_s, b, group, comp, cand)
     counters["compose_s"] += time.perf_counter() - t_c
     return best
+
+
+def _moved(best: tuple, cand: Candidates) -> tuple:
+    """An incumbent (latency, b, group, composition, old candidates) re-indexed into ``cand``, a later option list
+    of the same size b (every old option is in it: the same answers, more of them), so that the plan, the dropped
+    islands' reasons and the search result all read one option list."""
+    lat, b, group, comp, old = best
+    index: dict = {}
+    for i, (o, g) in enumerate(zip(cand.options, cand.groups)):
+        index.setdefault((o, g), i)
+    moved = tuple(index[(old.options[i], old.groups[i])] for i in comp.options)
+    return (lat, b, group, Composition(moved, comp.metrics, comp.bound_s), cand)
 
 
 def _with_planner(plan: Plan, stats: dict) -> Plan:
@@ -434,23 +448,32 @@ def _dropped_islands(cand: Candidates, idx: Sequence[int], best: Composition, is
     for k, isl in enumerate(islands):
         if k in used:
             continue
+        # the search's bound (SliceQuery.latency_bound_s) left its slice plans out before they were costed
+        bounded = (f"{isl.name}: every plan using it is slower: none of its slice plans can be part of a pipeline "
+                   f"faster than the chosen plan ({best.latency_s:.3g} s per iteration): each one's own (m - 1) x "
+                   f"slowest stage + stage times + DP sync is already longer")
         if isl.name in pairset.island_notes:
             reason = pairset.island_notes[isl.name]
         elif k not in present:
             why = cand.infeasible.get(isl.name)
-            reason = (f"{isl.name}: no slice plan fits on it ({why[0]})" if why else
+            reason = (bounded if cand.bounded.get(isl.name) else
+                      f"{isl.name}: no slice plan fits on it ({why[0]})" if why else
                       f"{isl.name}: none of its slice plans can run with the other stages under {caps.name}")
         else:
             comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, ComposeStats(),
                                   required_mask=1 << k)
-            if comp is None:
+            if comp is None and cand.bounded.get(isl.name):
+                reason = bounded
+            elif comp is None:
                 reason = (f"{isl.name}: no feasible plan uses it (its slices do not fit in memory at any pipeline "
                           f"position that leaves room for the rest of the model)")
             else:
                 reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.latency_s:.3g} s "
                           f"per iteration (slowest stage or link {comp.metrics.period_s:.3g} s per micro-batch), "
                           f"the best plan without it takes {best.latency_s:.3g} s (slowest stage or link "
-                          f"{best.metrics.period_s:.3g} s)")
+                          f"{best.metrics.period_s:.3g} s)"
+                          + (" (of the plans costed: the bound skipped those that could not beat the chosen one)"
+                             if cand.bounded.get(isl.name) else ""))
         out.append({"island": isl.name, "reason": reason})
     return out
 
