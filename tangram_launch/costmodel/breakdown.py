@@ -315,23 +315,28 @@ class SliceCoster:
         self._edge_cache[key] = out
         return out
 
-    def time_floor_s(self, tp: int, cp: int, ep: int, dp: int) -> float:
-        """A floor under the sum of the stage times of any split of the slice on this grid: its layers' (and
-        embedding's, head's) forward + backward compute alone. fast_stage only adds to it (recompute, TP/CP/EP and
-        p2p communication, exposed ZeRO collectives), so the bottleneck of pp stages is at least floor / pp: the
-        planner's incumbent bound skips grids with it before costing their stages."""
+    def layer_counts(self) -> list[tuple[str, int]]:
+        """(kind, layers of that kind) over the slice."""
+        return [(k, pre[-1]) for k, pre in self.prefix.items() if pre[-1]]
+
+    def time_floors(self, tp: int, cp: int, ep: int, dp: int) -> tuple[dict[str, float], float, float]:
+        """Floors under stage times on this grid: forward + backward compute per layer of each kind, of the
+        embedding and of the head (0 where the slice has none). fast_stage only adds to these (recompute, TP/CP/EP
+        and p2p communication, exposed ZeRO collectives), so a stage takes at least the sum of its layers' floors:
+        the planner's incumbent bound skips grids with them before costing their stages."""
         mbs = self.q.microbatch_sequences // dp
-        total = 0.0
-        for k, pre in self.prefix.items():
+        per_kind = {}
+        for k in self.prefix:
             t = self.layer_terms(k, tp, cp, ep, dp, mbs)
-            total += pre[-1] * (t.fwd_s + t.bwd_s)
+            per_kind[k] = t.fwd_s + t.bwd_s
+        emb_s = head_s = 0.0
         if self.q.has_embedding or self.q.has_head:
             e = self._edges(tp, cp, dp, mbs)
             if self.q.has_embedding:
-                total += e["emb_fwd_s"] + e["emb_bwd_s"]
+                emb_s = e["emb_fwd_s"] + e["emb_bwd_s"]
             if self.q.has_head:
-                total += e["head_fwd_s"] + e["head_bwd_s"]
-        return total
+                head_s = e["head_fwd_s"] + e["head_bwd_s"]
+        return per_kind, emb_s, head_s
 
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:

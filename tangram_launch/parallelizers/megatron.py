@@ -204,7 +204,8 @@ class MegatronParallelizer:
         saver_cache: dict[tuple, tuple] = {}
         bounded = 0
         bound = q.latency_bound_s != math.inf  # skip what cannot beat the planner's best latency so far
-        floors: dict[tuple, float] = {}  # (tp, cp, ep, dp) -> SliceCoster.time_floor_s
+        floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
+        first, last = q.layers
         # the grids and their shape problems depend on the context, b and the slice's length only: listed once
         gkey = (getattr(grids, "__qualname__", None), b, q.num_layers, q.max_stages)
         checked = table.grid_lists.get(gkey)
@@ -218,9 +219,11 @@ class MegatronParallelizer:
                 fkey = (grid.tp, grid.cp, grid.ep, grid.dp)
                 floor = floors.get(fkey)
                 if floor is None:
-                    floor = floors[fkey] = coster.time_floor_s(*fkey)
+                    per_kind, emb_s, head_s = coster.time_floors(*fkey)
+                    total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
+                    floor = floors[fkey] = (per_kind, emb_s, head_s, total)
                 # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
-                if q.beyond_bound((m - 1) * floor / grid.pp + floor):
+                if q.beyond_bound((m - 1) * floor[3] / grid.pp + floor[3]):
                     bounded += 1
                     continue
             skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
@@ -231,6 +234,20 @@ class MegatronParallelizer:
                 continue
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
             ranges, sigs = table.signatures(coster, *dims)
+            if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
+                per_kind, emb_s, head_s, total = floor
+                heaviest = 0.0
+                for a, z in ranges:
+                    f = sum(c * per_kind[k] for k, c in table.counts[a, z])
+                    if a == first:
+                        f += emb_s
+                    if z == last:
+                        f += head_s
+                    if f > heaviest:
+                        heaviest = f
+                if q.beyond_bound((m - 1) * heaviest + total):
+                    bounded += 1
+                    continue
             rows = table.stage_rows(coster, dims, sigs, allowed)
             bottleneck, fill, tail, depth, peak0 = judge_grid(rows, m, cap)
             evaluated += len(allowed)
