@@ -180,6 +180,30 @@ class MegatronParallelizer:
                         out.append((zero, r, offload))
         return out
 
+    def compute_floors(self, q: SliceQuery) -> dict[str, tuple[float, float]]:
+        """Per layer kind, and for "embedding" / "head": the least (GPU-seconds, seconds) of forward + backward
+        compute per micro-batch over every grid this parallelizer offers for q's island and micro-batch size (no
+        recompute, no communication: floors that every slice plan's stage times are at least). The planner turns
+        them into a floor under any plan's latency at one micro-batch size (api._size_floor)."""
+        coster = SliceCoster(q, flash_attention=self.flash_attention)
+        if coster.device_error:
+            return {}
+        table = self._table(q)
+        table.attach(coster)
+        out: dict[str, tuple[float, float]] = {}
+        seen: set[tuple] = set()
+        for grid in self.grids(q, coster):
+            key = (grid.tp, grid.cp, grid.ep, grid.dp)
+            if key in seen or coster.check(grid):
+                continue
+            seen.add(key)
+            n = grid.tp * grid.cp * grid.dp
+            per_kind, emb_s, head_s = coster.time_floors(*key)
+            for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
+                gs, ts = out.get(k, (math.inf, math.inf))
+                out[k] = (min(gs, t * n), min(ts, t))
+        return out
+
     # ------------------------------------------------------------------------------------------ query
     def query(self, q: SliceQuery) -> SliceResult:
         return self._search(q, self.grids, self.savers)

@@ -60,6 +60,9 @@ class PlannerOptions:
     bound_step: float = 0.0  # > 0: skip bottleneck bounds within this relative step (faster, not exact)
     atom_layers: int | None = None  # layers per model atom; None: slices.auto_atom_layers (1 up to 64 layers)
     exact_islands: int = 5  # up to this many islands the composer searches every island subset and order
+    # branch and bound: queries carry the best latency found so far, and micro-batch sizes whose floor cannot beat
+    # it are skipped (exact; off: every configuration is costed, as a check and for the ablation)
+    branch_and_bound: bool = True
     # pipeline schedule: "1F1B", "interleaved-1F1B" (virtual stages required) or "auto" (interleave where the runtime
     # runs it and it is faster; planner/interleave.py)
     schedule: str = "auto"
@@ -179,7 +182,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     cstats = ComposeStats()
     # (latency, b, group, composition, the Candidates its option indices point into)
     best: tuple[float, int, Hashable, Composition, Candidates] | None = None
-    counters = {"queries": 0, "configs": 0, "bounded": 0, "query_s": 0.0, "compose_s": 0.0}
+    counters = {"queries": 0, "configs": 0, "bounded": 0, "sizes_skipped": 0, "query_s": 0.0, "compose_s": 0.0}
     tried: list[int] = []
     while bs:
         tried.extend(bs)
@@ -210,6 +213,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         "microbatch_sequences_tried": sorted(tried),
         "configs_evaluated": counters["configs"],
         "configs_bounded": counters["bounded"],
+        "microbatch_sizes_skipped": counters["sizes_skipped"],  # their floor could not beat the plan found
         "query_time_s": round(counters["query_s"], 4),
         "compose_time_s": round(compose_s, 4),
         "workers": opts.max_workers or default_workers(),
@@ -261,24 +265,75 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     L = model.num_layers
     whole = [p for p in pairset.queries if p.layers == (0, L)]
     rest = [p for p in pairset.queries if p.layers != (0, L)]
-    for b in bs:
+    bnb = opts.branch_and_bound
+    floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps, par=par) if bnb else 0.0
+              for b in bs}
+    first: list[tuple[float, float, int]] = []
+    for b in sorted(bs, key=lambda b: (floors[b], b)):  # the most promising size first: its plan bounds the rest
         results.setdefault(b, {})
-    _ask(bs, whole, best[0] if best else math.inf, results, counters, model=model, training=training,
-         islands=islands, caps=caps, par=par, opts=opts)
-    first: list[tuple[float, int]] = []
-    for b in bs:  # each size's own best single-island latency orders the sizes (no incumbent: cheap here)
+        if best is not None and _beyond(floors[b], best[0]):
+            counters["sizes_skipped"] += 1
+            continue
+        _ask([b], whole, best[0] if best and bnb else math.inf, results, counters, model=model, training=training,
+             islands=islands, caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
-                          use_incumbent=False)
-        first.append((all_cands[b].best_s, b))
+                          use_incumbent=False)  # each size's own single-island latency orders the sizes below
+        first.append((all_cands[b].best_s, floors[b], b))
     if not rest:
         return best
-    for _own, b in sorted(first):
-        _ask([b], rest, best[0] if best else math.inf, results, counters, model=model, training=training,
+    for _own, floor, b in sorted(first):
+        if best is not None and _beyond(floor, best[0]):
+            counters["sizes_skipped"] += 1
+            continue
+        _ask([b], rest, best[0] if best and bnb else math.inf, results, counters, model=model, training=training,
              islands=islands, caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts)
     return best
+
+
+def _beyond(floor_s: float, best_s: float) -> bool:
+    return floor_s > best_s * (1.0 + 1e-9)
+
+
+def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
+                caps: RuntimeCapabilities, par: Parallelizer) -> float:
+    """A floor under the latency of any plan at micro-batch size b, from the parallelizer's compute floors
+    (``compute_floors``; 0 for a parallelizer without them): every layer runs on some stage of n GPUs for at least
+    its floor time, so the slowest of the stages takes at least the model's GPU-seconds / all usable GPUs, and one
+    micro-batch through the pipeline at least the sum of the layers' floors:
+
+        latency >= (m - 1) x sum(GPU-seconds floors) / GPUs + sum(seconds floors)
+    """
+    if not hasattr(par, "compute_floors"):
+        return 0.0
+    best: dict[str, tuple[float, float]] = {}
+    gpus = 0
+    for isl in islands:
+        if dtype_problem(isl, training.dtype) is not None:
+            continue
+        q = SliceQuery(model=model, training=training, layers=(0, model.num_layers), island=isl,
+                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages)
+        floors = par.compute_floors(q)
+        if not floors:
+            continue
+        gpus += isl.num_gpus
+        for k, (gs, ts) in floors.items():
+            old = best.get(k, (math.inf, math.inf))
+            best[k] = (min(old[0], gs), min(old[1], ts))
+    if not gpus:
+        return 0.0
+    counts: dict[str, int] = {"embedding": 1, "head": 1}
+    for i in range(model.num_layers):
+        k = model.layer_kind(i)
+        counts[k] = counts.get(k, 0) + 1
+    if any(k not in best for k in counts):
+        return 0.0
+    gpu_s = sum(c * best[k][0] for k, c in counts.items())
+    fill_s = sum(c * best[k][1] for k, c in counts.items())
+    m = training.global_batch // b
+    return (m - 1) * gpu_s / gpus + fill_s
 
 
 def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, results: dict, counters: dict, *,
@@ -312,8 +367,8 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
                islands: Sequence["Island"], caps: RuntimeCapabilities, opts: PlannerOptions,
                use_incumbent: bool = True):
     """Options of size b from its answers so far, composed per compatibility class (the most promising class
-    first, hopeless ones skipped); returns the best (latency, b, group, composition, candidates); the b's own best latency
-    is left in its Candidates.best_s."""
+    first, hopeless ones skipped); returns the best (latency, b, group, composition, candidates); the b's own
+    best latency is left in its Candidates.best_s."""
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b

@@ -1,0 +1,145 @@
+"""Branch and bound in the planner (issue 12): queries carry the best latency found so far, the megatron
+parallelizer skips what cannot beat it, and micro-batch sizes whose floor cannot beat it are skipped. Each cut must
+be exact: the bounded search finds a plan as fast as the full search, and every floor is below what it bounds."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
+from tangram_launch.costmodel.slice_plan import latency_floor_s
+from tangram_launch.islands import build_islands
+from tangram_launch.parallelizers.base import GIB
+from tangram_launch.parallelizers.megatron import MegatronParallelizer
+from tangram_launch.planner.api import PlannerOptions, _size_floor, search
+from tangram_launch.planner.enumerate import answer
+from tangram_launch.planner.synthetic import SyntheticParallelizer
+from tangram_launch.parallelizers.base import SliceQuery
+from tangram_launch.specs.cluster import ClusterSpec
+from tangram_launch.specs.model import ModelSpec
+from tangram_launch.specs.training import TrainingSpec
+
+TINY = ModelSpec(name="t6", num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=1024,
+                 vocab_size=1000, max_seq_len=256)
+TRAIN = TrainingSpec(global_batch=16, seq_len=256, dtype="fp16")
+GPUS = ("a100-80gb", "v100-32gb", "v100-16gb", "t4")
+
+
+def make_cluster(nodes: list[tuple[str, int]]) -> ClusterSpec:
+    return ClusterSpec.from_dict({
+        "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "nodes": [{"name": f"n{i}", "gpu": g, "count": c} for i, (g, c) in enumerate(nodes)]})
+
+
+def bounded_and_full(cluster, model, training, runtime, parallelizer):
+    on = search(cluster, model, training, runtime=runtime, parallelizer=parallelizer,
+                options=PlannerOptions(max_workers=1))
+    off = search(cluster, model, training, runtime=runtime, parallelizer=parallelizer,
+                 options=PlannerOptions(max_workers=1, branch_and_bound=False))
+    return on, off
+
+
+def assert_same_optimum(on, off):
+    """The composer's optimum (its closed-form latency) is the same; among compositions that tie on it, the two
+    searches may return different ones (the full search meets more of them)."""
+    assert on.composition.latency_s == pytest.approx(off.composition.latency_s, rel=1e-12)
+    assert off.stats["configs_bounded"] == 0
+
+
+@pytest.mark.parametrize("runtime", [TORCH, DEEPSPEED, MEGATRON], ids=lambda c: c.name)
+def test_bounded_search_finds_the_full_searchs_optimum_with_the_synthetic_parallelizer(runtime):
+    cl = make_cluster([("a100-80gb", 4), ("v100-32gb", 8), ("v100-16gb", 4)])
+    par = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.004, "v100-32gb": 0.01, "v100-16gb": 0.01},
+                                layer_static_bytes=1.5 * GIB, layer_activation_bytes=0.3 * GIB)
+    model = ModelSpec(name="t8", num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=4, ffn_hidden_size=1024,
+                      vocab_size=1000, max_seq_len=128)
+    on, off = bounded_and_full(cl, model, TrainingSpec(global_batch=16, seq_len=128, dtype="fp16"), runtime, par)
+    assert_same_optimum(on, off)
+    assert on.stats["configs_bounded"] > 0  # the bound did cut something here
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=st.lists(st.tuples(st.sampled_from(GPUS), st.sampled_from([1, 2, 4, 8])), min_size=2, max_size=4),
+       runtime=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), batch=st.sampled_from([8, 16, 24]))
+def test_bounded_search_finds_the_full_searchs_optimum_on_generated_clusters(nodes, runtime, batch):
+    """The real megatron parallelizer on generated 2-4 node clusters: same optimum with and without the bound."""
+    cl = make_cluster(nodes)
+    training = TrainingSpec(global_batch=batch, seq_len=256, dtype="fp16")
+    on, off = bounded_and_full(cl, TINY, training, runtime, MegatronParallelizer())
+    assert_same_optimum(on, off)
+
+
+@settings(max_examples=40, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 3),
+       start=st.integers(0, 5), length=st.integers(1, 6), b=st.sampled_from([1, 2, 4, 8, 16]),
+       grid=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3, 6]), st.sampled_from([1, 2, 4])))
+def test_compute_floors_are_below_every_stage_time(gpu, per_node, nodes, start, length, b, grid):
+    """The floors the bound uses: each stage of any split takes at least its layers' floors (plus embedding and
+    head), under every memory saver -- so floor / pp and the heaviest stage's floor bound the bottleneck."""
+    stop = min(6, start + length)
+    cl = make_cluster([(gpu, per_node)] * nodes)
+    (island,) = build_islands(cl, dtype="fp16").islands
+    q = SliceQuery(model=TINY, training=TRAIN, layers=(start, stop), island=island, microbatch_sequences=b,
+                   capabilities=TORCH)
+    coster = SliceCoster(q)
+    tp, pp, dp = grid
+    cfg = ParallelConfig(tp=tp, pp=min(pp, stop - start), dp=dp)
+    if coster.check(cfg):
+        return
+    par = MegatronParallelizer()
+    per_kind, emb_s, head_s = coster.time_floors(cfg.tp, cfg.cp, cfg.ep, cfg.dp)
+    sums = coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
+    for zero, r, off in par.savers(q, cfg):
+        for s in sums:
+            a, z = s.layers
+            floor = sum(per_kind[TINY.layer_kind(i)] for i in range(a, z))
+            floor += (emb_s if s.has_embedding else 0.0) + (head_s if s.has_head else 0.0)
+            n = coster.fast_stage(s, zero, r, off)
+            assert n.forward_s + n.backward_s >= floor * (1 - 1e-12)
+
+
+def test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound():
+    cl = make_cluster([("v100-32gb", 8), ("v100-32gb", 8)])
+    (island,) = build_islands(cl, dtype="fp16").islands
+    par = MegatronParallelizer()
+    q = SliceQuery(model=TINY, training=TRAIN, layers=(1, 6), island=island, microbatch_sequences=4,
+                   capabilities=TORCH)
+    full = answer(par, q)
+    m = q.num_microbatches
+    floors = sorted(latency_floor_s(p.numbers(), m) for p in full.plans)
+    assert len(floors) > 4
+    bound = floors[len(floors) // 2]
+    cut = answer(par, SliceQuery(**{**q.__dict__, "latency_bound_s": bound}))
+    kept = [p.numbers() for p in full.plans if latency_floor_s(p.numbers(), m) <= bound * (1 + 1e-9)]
+    assert [p.numbers() for p in cut.plans] == kept
+    assert cut.bounded > 0 and cut.infeasible is None
+    nothing = answer(par, SliceQuery(**{**q.__dict__, "latency_bound_s": floors[0] / 2}))
+    assert nothing.plans == () and nothing.infeasible is None and nothing.bounded > 0  # fits, but cannot win
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", [TORCH, MEGATRON], ids=lambda c: c.name)
+def test_size_floor_is_below_the_best_plan_at_that_size(runtime):
+    cl = make_cluster([("a100-80gb", 4), ("v100-32gb", 4), ("v100-32gb", 4)])
+    islands = build_islands(cl, dtype="fp16").islands
+    par = MegatronParallelizer()
+    for b in (1, 4, 16):
+        floor = _size_floor(b, model=TINY, training=TRAIN, islands=islands, caps=runtime, par=par)
+        r = search(cl, TINY, TRAIN, runtime=runtime, parallelizer=par,
+                   options=PlannerOptions(max_workers=1, microbatch_sequences=(b,), branch_and_bound=False))
+        assert 0 < floor <= r.composition.latency_s * (1 + 1e-12)
+
+
+def test_size_floor_is_zero_for_a_parallelizer_without_compute_floors():
+    cl = make_cluster([("a100-80gb", 4)])
+    islands = build_islands(cl, dtype="fp16").islands
+    par = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.004}, layer_static_bytes=GIB,
+                                layer_activation_bytes=0.1 * GIB)
+    assert _size_floor(4, model=TINY, training=TRAIN, islands=islands, caps=TORCH, par=par) == 0.0
+    assert math.isinf(SliceQuery(model=TINY, training=TRAIN, layers=(0, 6), island=islands[0],
+                                 microbatch_sequences=4, capabilities=TORCH).latency_bound_s)
