@@ -134,7 +134,8 @@ def _pareto(entries: list) -> list:
 def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], link_s: Sequence[Sequence[float]],
                  num_layers: int, n_cap: int, saturated: int, bound: float, required: int,
                  max_stages: int | None, stats: ComposeStats, prune: tuple | None = None,
-                 rank: Sequence[int] | None = None) -> tuple[tuple[int, ...], float] | None:
+                 rank: Sequence[int] | None = None, at_bound: dict | None = None
+                 ) -> tuple[tuple[int, ...], float] | None:
     """Best (fill + tail) sequence whose every option and link is <= ``bound``, with its fill + tail; None if no
     sequence covers [0, L) -- or none that can beat ``prune``'s latency.
 
@@ -155,6 +156,7 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                after: stages in the sequence, capped at n_cap (beyond it no option's memory check changes),
                option index added in front, parent key in tables[option.stop], parent position in that front)
     """
+    at_bound = {} if at_bound is None else at_bound  # _at_bound's answers, kept by the caller across bounds
     tables: list[dict] = [dict() for _ in range(num_layers + 1)]
     tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, -1, None, -1)]
     stats.dp_runs += 1
@@ -167,7 +169,7 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
         for island, bit, idx, bns in by_stop[j]:
             n = bisect.bisect_right(bns, bound)
             if n:
-                groups.append((island, bit, idx[:n]))
+                groups.append((island, bit, *_at_bound(options, idx, n, saturated, at_bound)))
         if not groups:
             continue
         for key in list(layer):
@@ -176,7 +178,7 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
             stats.states += len(front)
             afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
             used, f = key
-            for island, bit, idx in groups:
+            for island, bit, idx, prune_bns in groups:
                 if used & bit:
                     continue
                 link = 0.0
@@ -187,7 +189,7 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                     if link > bound:
                         continue
                 tkey = ((used | bit) & keep, island)
-                for oi in idx:
+                for oi, prune_bn in zip(idx, prune_bns):
                     o = options[oi]
                     fits = bisect.bisect_right(afters, o.max_after)  # entries it fits in front of: a prefix
                     if not fits:
@@ -202,7 +204,7 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                     ns = o.num_stages
                     if prune is not None:
                         m1, period_lb, pre_fill, pre_period, beat = prune
-                        floor = (m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, link)
+                        floor = (m1 * max(period_lb, pre_period[o.start], prune_bn, link)
                                  + pre_fill[o.start] + add)
                     for pos in range(fits):
                         e = front[pos]
@@ -229,6 +231,43 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
         seq.append(e[3])
         e = tables[options[e[3]].stop][e[4]][e[5]]
     return tuple(seq), value
+
+
+def _at_bound(options: Sequence[Option], idx: list[int], n: int, saturated: int,
+              cache: dict) -> tuple[list[int], list[float]]:
+    """The first n options of a (stop, island) group (those under the bound; idx is sorted by bottleneck) that no
+    other of them on the same layers beats on time, tail, stages and room for following stages, each with the least bottleneck of the
+    options it beats (itself included).
+
+    Under a bound the bottleneck decides admission only: at any bound the options kept reach the same least
+    fill + tail (a beaten option's place is taken by one with no more time, tail and stages and no less room), so
+    the optimum is found at its own period as before. The inner prune estimates a sequence's period from its
+    options' bottlenecks; a kept option is judged with the least bottleneck of those it stands for, so that it is
+    never pruned where one of them would not be (a run that prunes everything at a bound still proves that no
+    smaller bound can do better)."""
+    key = (id(idx), n)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is idx:
+        return hit[1]
+    sub = sorted(idx[:n], key=lambda i: (options[i].time_s, options[i].tail_s, options[i].num_stages,
+                                         -min(options[i].max_after, saturated), options[i].bottleneck_s))
+    kept: list[int] = []
+    crit: list[list] = []  # per kept option: start, tail, stages, room, least bottleneck it stands for
+    for oi in sub:
+        o = options[oi]
+        room = min(o.max_after, saturated)
+        for c in crit:  # the group's options end at one layer on one island; only those with one start compare
+            if c[0] == o.start and c[1] <= o.tail_s and c[2] <= o.num_stages and c[3] >= room:
+                if o.bottleneck_s < c[4]:
+                    c[4] = o.bottleneck_s
+                break
+        else:
+            kept.append(oi)
+            crit.append([o.start, o.tail_s, o.num_stages, room, o.bottleneck_s])
+    order = sorted(range(len(kept)), key=lambda k: options[kept[k]].bottleneck_s)
+    out = ([kept[k] for k in order], [crit[k][4] for k in order])
+    cache[key] = (idx, out)
+    return out
 
 
 def _best_cover(options: Sequence[Option], idx: Sequence[int], num_layers: int, combine) -> float:
@@ -374,6 +413,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
 
     best: Composition | None = None
     memo: dict[float, tuple[tuple[int, ...], float] | None] = {}
+    at_bound: dict = {}
 
     def run(bound: float) -> tuple[tuple[int, ...], float] | None:
         """The DP at one bound (once per bound); its plan is compared with the best global plan (3)."""
@@ -383,7 +423,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         beat = min(incumbent_s, best.latency_s if best else float("inf"))
         prune = (m - 1, period_lb, pre_fill, pre_period, beat) if beat < float("inf") else None
         found = memo[bound] = _dp_at_bound(options, by_stop, link_s, num_layers, n_cap, saturated, bound,
-                                           required_mask, max_stages, stats, prune, rank)
+                                           required_mask, max_stages, stats, prune, rank, at_bound)
         metrics = evaluate(found[0], options, link_s, m) if found else None
         stats.trace.append((bound, metrics.latency_s if metrics else None))
         if metrics is not None and (best is None or metrics.latency_s < best.latency_s):
