@@ -24,6 +24,11 @@ cross-stage constraints (one (tp, dp, cp) grid / one TP size / one DP size), so 
 plans that agree across islands. Nothing fits: an ``InfeasibleSlice`` with the smallest peak memory any
 configuration needs and where it goes.
 
+A query that carries the planner's best latency so far (``SliceQuery.latency_bound_s``) is answered only with
+configurations that could be part of a faster pipeline: a grid is skipped before its stages are costed when its
+compute floor ((m - 1) x floor / pp + floor, then with the split's heaviest stage) cannot beat the bound, and a
+configuration when its own (m - 1) x bottleneck + fill + tail cannot.
+
 The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
 the explained breakdown) are built on first read, so a planning run builds only the plans its composition places.
 """

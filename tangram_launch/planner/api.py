@@ -7,7 +7,10 @@ Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> pa
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
 (compose.py; above five islands over a bounded set of island orders, orders.py) -> the best over b. The sizes b: a
 spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
-moving. -> islands left out, and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with
+moving. Branch and bound: the sizes are visited most promising first (a floor under any plan's latency at each
+size, from the parallelizer's compute floors), a size whose floor cannot beat the best plan so far is skipped, and
+every query carries the best latency so far so the parallelizer costs only what could beat it. -> islands left out,
+and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with
 the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
