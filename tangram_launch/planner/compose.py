@@ -206,13 +206,21 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                         m1, period_lb, pre_fill, pre_period, beat = prune
                         floor = (m1 * max(period_lb, pre_period[o.start], prune_bn, link)
                                  + pre_fill[o.start] + add)
+                    # entries come by increasing "after": once one whose tail is under the option's has been
+                    # extended, a later one with no less fill yields an entry that one beats (its tail becomes
+                    # the option's or stays larger; fill and after are no smaller), so it is not extended
+                    least = float("inf")
                     for pos in range(fits):
                         e = front[pos]
+                        if e[0] >= least:
+                            continue
                         n2 = e[2] + ns
                         if max_stages is not None and n2 > max_stages:
                             continue
                         if prune is not None and floor + e[0] + (e[1] if e[1] > tail else tail) >= beat:
                             continue
+                        if e[1] <= tail:
+                            least = e[0]
                         tgt.append((e[0] + add, e[1] if e[1] > tail else tail, n2 if n2 < n_cap else n_cap,
                                     oi, key, pos))
     best = None
