@@ -132,7 +132,13 @@ def test_size_floor_is_below_the_best_plan_at_that_size(runtime):
         floor = _size_floor(b, model=TINY, training=TRAIN, islands=islands, caps=runtime, par=par)
         r = search(cl, TINY, TRAIN, runtime=runtime, parallelizer=par,
                    options=PlannerOptions(max_workers=1, microbatch_sequences=(b,), branch_and_bound=False))
-        assert 0 < floor <= r.composition.latency_s * (1 + 1e-12)
+        assert 0 < floor.latency_s <= r.composition.latency_s * (1 + 1e-12)
+        # the rest of the pipeline around any option takes at least the floor of the layers outside it
+        placed = [r.candidates.options[i] for i in r.composition.options]
+        for o in placed:
+            others = sum(p.time_s for p in placed if p is not o)
+            assert floor.outside_s(o.start, o.stop) <= others * (1 + 1e-12)
+        assert floor.outside_s(0, TINY.num_layers) == 0.0
 
 
 def test_size_floor_is_zero_for_a_parallelizer_without_compute_floors():
@@ -140,6 +146,6 @@ def test_size_floor_is_zero_for_a_parallelizer_without_compute_floors():
     islands = build_islands(cl, dtype="fp16").islands
     par = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.004}, layer_static_bytes=GIB,
                                 layer_activation_bytes=0.1 * GIB)
-    assert _size_floor(4, model=TINY, training=TRAIN, islands=islands, caps=TORCH, par=par) == 0.0
+    assert _size_floor(4, model=TINY, training=TRAIN, islands=islands, caps=TORCH, par=par).latency_s == 0.0
     assert math.isinf(SliceQuery(model=TINY, training=TRAIN, layers=(0, 6), island=islands[0],
                                  microbatch_sequences=4, capabilities=TORCH).latency_bound_s)

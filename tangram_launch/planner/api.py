@@ -15,11 +15,12 @@ the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
 
 from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
 from tangram_launch.errors import InfeasibleError, SpecError
@@ -269,27 +270,27 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     whole = [p for p in pairset.queries if p.layers == (0, L)]
     rest = [p for p in pairset.queries if p.layers != (0, L)]
     bnb = opts.branch_and_bound
-    floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps, par=par) if bnb else 0.0
-              for b in bs}
+    floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
+                             par=par if bnb else None) for b in bs}
     first: list[tuple[float, float, int]] = []
-    for b in sorted(bs, key=lambda b: (floors[b], b)):  # the most promising size first: its plan bounds the rest
+    for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # the most promising size first: its plan bounds the rest
         results.setdefault(b, {})
-        if best is not None and _beyond(floors[b], best[0]):
+        if best is not None and _beyond(floors[b].latency_s, best[0]):
             counters["sizes_skipped"] += 1
             continue
-        _ask([b], whole, best[0] if best and bnb else math.inf, results, counters, model=model, training=training,
+        _ask([b], whole, best[0] if best and bnb else math.inf, floors[b], results, counters, model=model, training=training,
              islands=islands, caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
                           use_incumbent=False)  # each size's own single-island latency orders the sizes below
-        first.append((all_cands[b].best_s, floors[b], b))
+        first.append((all_cands[b].best_s, floors[b].latency_s, b))
     if not rest:
         return best
     for _own, floor, b in sorted(first):
         if best is not None and _beyond(floor, best[0]):
             counters["sizes_skipped"] += 1
             continue
-        _ask([b], rest, best[0] if best and bnb else math.inf, results, counters, model=model, training=training,
+        _ask([b], rest, best[0] if best and bnb else math.inf, floors[b], results, counters, model=model, training=training,
              islands=islands, caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts)
@@ -300,24 +301,46 @@ def _beyond(floor_s: float, best_s: float) -> bool:
     return floor_s > best_s * (1.0 + 1e-9)
 
 
+class SizeFloor(NamedTuple):
+    """Floors at one micro-batch size: under any plan's latency, and under the fill of any set of layers."""
+
+    latency_s: float
+    prefix_s: tuple[float, ...]  # prefix_s[i]: least forward + backward seconds of layers [0, i), any island/grid
+    embedding_s: float
+    head_s: float
+
+    def outside_s(self, start: int, stop: int) -> float:
+        """Least fill of the layers (and embedding, head) outside [start, stop): what the rest of any pipeline
+        holding this slice adds to its fill at least."""
+        p = self.prefix_s
+        out = p[start] + p[-1] - p[stop]
+        if start > 0:
+            out += self.embedding_s
+        if stop < len(p) - 1:
+            out += self.head_s
+        return out
+
+
 def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
-                caps: RuntimeCapabilities, par: Parallelizer) -> float:
-    """A floor under the latency of any plan at micro-batch size b, from the parallelizer's compute floors
-    (``compute_floors``; 0 for a parallelizer without them): every layer runs on some stage of n GPUs for at least
-    its floor time, so the slowest of the stages takes at least the model's GPU-seconds / all usable GPUs, and one
-    micro-batch through the pipeline at least the sum of the layers' floors:
+                caps: RuntimeCapabilities, par: Parallelizer | None) -> SizeFloor:
+    """Floors at micro-batch size b from the parallelizer's compute floors (``compute_floors``; all 0 for a
+    parallelizer without them): every layer runs on some stage of n GPUs for at least its floor time, so the
+    slowest of the stages takes at least the model's GPU-seconds / all usable GPUs, and one micro-batch through the
+    pipeline at least the sum of the layers' floors:
 
         latency >= (m - 1) x sum(GPU-seconds floors) / GPUs + sum(seconds floors)
     """
+    L = model.num_layers
+    none = SizeFloor(0.0, (0.0,) * (L + 1), 0.0, 0.0)
     if not hasattr(par, "compute_floors"):
-        return 0.0
+        return none
     best: dict[str, tuple[float, float]] = {}
     gpus = 0
     for isl in islands:
         if dtype_problem(isl, training.dtype) is not None:
             continue
-        q = SliceQuery(model=model, training=training, layers=(0, model.num_layers), island=isl,
-                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages)
+        q = SliceQuery(model=model, training=training, layers=(0, L), island=isl, microbatch_sequences=b,
+                       capabilities=caps, max_stages=caps.max_stages)
         floors = par.compute_floors(q)
         if not floors:
             continue
@@ -325,24 +348,21 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
         for k, (gs, ts) in floors.items():
             old = best.get(k, (math.inf, math.inf))
             best[k] = (min(old[0], gs), min(old[1], ts))
-    if not gpus:
-        return 0.0
-    counts: dict[str, int] = {"embedding": 1, "head": 1}
-    for i in range(model.num_layers):
-        k = model.layer_kind(i)
-        counts[k] = counts.get(k, 0) + 1
-    if any(k not in best for k in counts):
-        return 0.0
-    gpu_s = sum(c * best[k][0] for k, c in counts.items())
-    fill_s = sum(c * best[k][1] for k, c in counts.items())
+    kinds = [model.layer_kind(i) for i in range(L)]
+    if not gpus or any(k not in best for k in {*kinds, "embedding", "head"}):
+        return none
+    gpu_s = sum(best[k][0] for k in kinds) + best["embedding"][0] + best["head"][0]
+    prefix = (0.0, *itertools.accumulate(best[k][1] for k in kinds))
+    fill_s = prefix[-1] + best["embedding"][1] + best["head"][1]
     m = training.global_batch // b
-    return (m - 1) * gpu_s / gpus + fill_s
+    return SizeFloor((m - 1) * gpu_s / gpus + fill_s, prefix, best["embedding"][1], best["head"][1])
 
 
-def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, results: dict, counters: dict, *,
-         model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"], caps: RuntimeCapabilities,
+def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, floor: SizeFloor, results: dict, counters: dict,
+         *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"], caps: RuntimeCapabilities,
          par: Parallelizer, opts: PlannerOptions) -> None:
-    """Query every (b, pair) in one pool, with the latency bound; answers go to results[b][pair.key]."""
+    """Query every (b, pair) in one pool; answers go to results[b][pair.key]. A pair's query carries the bound less
+    the least fill of the layers outside its slice (the rest of any pipeline adds at least that)."""
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[tuple[int, Pair]] = []
@@ -350,7 +370,8 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, results: dict
         for p in pairs:
             queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
                                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
-                                      pipelined=p.layers != (0, L), latency_bound_s=bound_s))
+                                      pipelined=p.layers != (0, L),
+                                      latency_bound_s=bound_s - floor.outside_s(*p.layers)))
             where.append((b, p))
     if not queries:
         return
