@@ -611,8 +611,9 @@ class SliceCoster:
         }
         return numbers, bd
 
-    def check(self, cfg: ParallelConfig) -> list[str]:
-        """Why ``cfg`` cannot run this slice on this island (shape problems; memory is judged separately)."""
+    def check(self, cfg: ParallelConfig, *, slice_layers: bool = True) -> list[str]:
+        """Why ``cfg`` cannot run this slice on this island (shape problems; memory is judged separately).
+        ``slice_layers=False`` leaves out the one check that depends on the slice (pp within its layers)."""
         out = []
         if self.device_error:
             return [self.device_error]
@@ -635,7 +636,7 @@ class SliceCoster:
             out.append(f"cp={cfg.cp}: seq_len {self.seq_len} must be divisible by 2*cp (load-balanced causal CP)")
         if cfg.ep > 1 and (not model.is_moe or model.num_experts % cfg.ep):
             out.append(f"ep={cfg.ep} needs an MoE model whose experts it divides")
-        if cfg.pp > self.q.num_layers:
+        if slice_layers and cfg.pp > self.q.num_layers:
             out.append(f"pp={cfg.pp} exceeds the slice's {self.q.num_layers} layers")
         if self.training.global_batch % b:
             out.append(f"global batch {self.training.global_batch} is not a multiple of the micro-batch {b}")

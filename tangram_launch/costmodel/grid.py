@@ -38,7 +38,7 @@ class StageTable:
         self.sums: dict[int, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
         self.rows: dict[tuple, list] = {}  # (signature, savers) -> stage_rows' numbers
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
-        self.grid_lists: dict[tuple, list] = {}  # (grid enumerator, b, slice layers, max stages) -> [(grid, problems)]
+        self.grid_lists: dict[tuple, list] = {}  # (grid enumerator, b, max stages) -> [(grid, problems)]
 
     def attach(self, coster: "SliceCoster") -> None:
         """Let a query's coster share the context's per-layer, embedding/head and split caches."""

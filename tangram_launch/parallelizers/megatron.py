@@ -34,6 +34,7 @@ the explained breakdown) are built on first read, so a planning run builds only 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import pickle
@@ -235,12 +236,18 @@ class MegatronParallelizer:
         bound = q.latency_bound_s != math.inf  # skip what cannot beat the planner's best latency so far
         floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
         first, last = q.layers
-        # the grids and their shape problems depend on the context, b and the slice's length only: listed once
-        gkey = (getattr(grids, "__qualname__", None), b, q.num_layers, q.max_stages)
+        # the grids and their shape problems depend on the context and b, and on the slice's length only through
+        # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
+        gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
         checked = table.grid_lists.get(gkey)
         if checked is None:
-            checked = table.grid_lists[gkey] = [(g, tuple(coster.check(g))) for g in grids(q, coster)]
+            whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
+            checked = table.grid_lists[gkey] = [(g, tuple(coster.check(g, slice_layers=False)))
+                                                for g in grids(whole, coster)]
+        max_pp = q.num_layers
         for grid, problems in checked:
+            if grid.pp > max_pp:
+                continue
             if problems:
                 shape_reasons.update(problems)
                 continue
