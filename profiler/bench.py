@@ -97,7 +97,7 @@ class BenchConfig:
     comm_reps: int
     latency_reps: int
     min_rep_s: float
-    wait_reps: int = 60  # collective_wait_us: (layer forward, tiny all-to-all) pairs; its figure is their mean
+    wait_reps: int = 200  # collective_wait_us: (layer forward, tiny all-to-all) pairs, in blocks of WAIT_BLOCK
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -117,13 +117,13 @@ class BenchConfig:
                        copy_bytes=(512 if quick else 2048) * MiB, allreduce_bytes=(128 if quick else 512) * MiB,
                        p2p_bytes=(64 if quick else 256) * MiB, warmup=2 if quick else 5, reps=5 if quick else 20,
                        comm_reps=5 if quick else 20, latency_reps=20 if quick else 100,
-                       min_rep_s=0.02 if quick else 0.1, wait_reps=20 if quick else 50)
+                       min_rep_s=0.02 if quick else 0.1, wait_reps=50 if quick else 100)
         # One CPU "device" is one process; torchrun gives each OMP_NUM_THREADS=1 when it starts several.
         return cls(device_type, quick, gemm_shape=(1024, 1024, 1024), gemm_dtypes=("fp32", "bf16"),
                    copy_bytes=(64 if quick else 256) * MiB, allreduce_bytes=(8 if quick else 32) * MiB,
-                   p2p_bytes=(8 if quick else 32) * MiB, warmup=1 if quick else 2, reps=5 if quick else 11,
+                   p2p_bytes=(8 if quick else 32) * MiB, warmup=1 if quick else 2, reps=9 if quick else 11,
                    comm_reps=5 if quick else 11, latency_reps=20 if quick else 50,
-                   min_rep_s=0.05 if quick else 0.25, wait_reps=60 if quick else 150)
+                   min_rep_s=0.05 if quick else 0.25, wait_reps=200 if quick else 400)
 
     def to_dict(self) -> dict:
         return {"gemm_shape_mkn": list(self.gemm_shape), "gemm_dtypes": list(self.gemm_dtypes),
@@ -283,16 +283,22 @@ def collective_latency_us(group: Any, group_size: int, device: torch.device, cfg
                                                           ("op", "all_to_all_single after a 256^3 GEMM")))
 
 
+WAIT_BLOCK = 10  # collectives per block of collective_wait_us: a training step holds tens of them
+
+
 def collective_wait_us(group: Any, group_size: int, device: torch.device, cfg: BenchConfig,
                        compute: Callable[[], Any]) -> Measured:
-    """Mean time of one tiny all-to-all over ``group`` right after ``compute`` (one transformer layer's forward at
-    the planned shape) on every member, no barrier in between: what each collective of a training step costs.
+    """Time of one tiny all-to-all over ``group`` right after ``compute`` (one transformer layer's forward at the
+    planned shape) on every member, no barrier in between: what each collective of a training step costs.
 
     Identical work takes the members different times on shared cores (the OS runs something else on one of them
     for a while), so at every collective the others wait for the last; ``collective_latency_us`` (after a 256^3
-    GEMM) sees little of that. Measured with tiny-moe on 2 gloo ranks of one 2-core host: 0.2-0.35 ms after a
-    GEMM, 1-2 ms after a layer, as in training's own all-to-alls (torch profiler). The figure is the mean over the
-    members and repetitions (the slow tail is time a training step pays too); on NVLink GPUs it is microseconds.
+    GEMM) sees little of that. Measured with tiny-moe on 2 gloo ranks of one 2-core host: 0.2-0.7 ms after a
+    GEMM, 1-2 ms after a layer, as in training's own all-to-alls (torch profiler); on NVLink GPUs, microseconds.
+
+    The figure is the median over blocks of ``WAIT_BLOCK`` consecutive calls of the block's mean over calls and
+    members: a block is like the collectives of one training step, whose slow calls the step pays (a mean), while
+    a burst of other work on the host spoils a few blocks, not the figure (a median, like a run's median step).
     The cost model charges it per collective call on the node. value = microseconds.
     """
     buf = torch.ones(group_size, dtype=torch.float32, device=device)
@@ -311,12 +317,14 @@ def collective_wait_us(group: Any, group_size: int, device: torch.device, cfg: B
         sync()
         samples.append(time.perf_counter() - t0)
     timing = Timing(tuple(samples))
-    mine = torch.tensor([statistics.fmean(samples)], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, group=group)  # the mean over the members: each waits for the others in turn
-    mean_s = float(mine.item()) / group_size
-    return Measured(mean_s * 1e6, "us", timing, (("bytes", group_size * 4), ("group_size", group_size),
-                                                 ("statistic", "mean over members and repetitions"),
-                                                 ("op", "all_to_all_single after one layer forward")))
+    blocks = [samples[i:i + WAIT_BLOCK] for i in range(0, len(samples), WAIT_BLOCK)]
+    means = torch.tensor([statistics.fmean(b) for b in blocks], dtype=torch.float64, device=device)
+    dist.all_reduce(means, group=group)  # summed over the members: each waits for the others in turn
+    value_s = statistics.median((means / group_size).tolist())
+    return Measured(value_s * 1e6, "us", timing, (("bytes", group_size * 4), ("group_size", group_size),
+                                                  ("statistic", f"median over blocks of {WAIT_BLOCK} calls of the "
+                                                                f"mean over calls and members"),
+                                                  ("op", "all_to_all_single after one layer forward")))
 
 
 def optimizer_tensor_us(device: torch.device, cfg: BenchConfig, *, tensors: int = 256, numel: int = 64) -> Measured:
