@@ -191,8 +191,10 @@ def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progre
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **init_kwargs)
     try:
         layout = _inventory(run)
-        local = _local_benchmarks(run)
-        allreduce, latency, wait, p2p = _intra_node(run, layout, local.stand_in)
+        # new_group is collective over the whole world: every rank creates every node's group, in the same order
+        groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
+        local = _local_benchmarks(run, groups.get(env.node_rank))
+        allreduce, latency, wait, p2p = _intra_node(run, layout, groups, local.stand_in)
         links, schedule = _inter_node(run, layout)
         return _gather_and_write(run, layout, local, (allreduce, latency, wait), p2p, links, schedule, started_at,
                                  t_start)
@@ -234,7 +236,7 @@ class _Local:
     stand_in: Callable[[], Any] | None = None  # one layer's forward at the planned shape (collective_wait_us)
 
 
-def _local_benchmarks(run: _Run) -> _Local:
+def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     """GEMM per dtype, memory copy and (with --model) one layer, on every device at once.
 
     A barrier before each benchmark: every device of a node measures the same thing at the same time, so shared
@@ -264,20 +266,24 @@ def _local_benchmarks(run: _Run) -> _Local:
     if run.env.rank == 0:
         log.info("AdamW step on rank 0: %.3g us per parameter tensor", optimizer.value)
     run.barrier()
-    layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress)
+    between = None
+    if node_group is not None and device.type == "cpu":  # CPU processes share cores: time layers as training runs
+        buf, out = torch.ones(run.env.local_world_size), torch.empty(run.env.local_world_size)
+
+        def between() -> None:
+            dist.all_to_all_single(out, buf, group=node_group)
+    layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between)
     run.barrier()
     return _Local(gemm, copy, layer, model_info, optimizer, stand_in)
 
 
-def _intra_node(run: _Run, layout: "_Layout", stand_in: Callable[[], Any] | None = None) -> tuple:
+def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None) -> tuple:
     """All-reduce (bandwidth), a tiny all-to-all (fixed cost per call) and, with a model layer to run before it, the
     same all-to-all after that layer's forward (the wait training meets) over each node's ranks, then
     point-to-point between every pair of them (round-robin rounds); every node at once, since nodes do not share
     these links. Returns (all-reduce, latency, wait, p2p)."""
     env = run.env
     run.progress.phase("intra-node all-reduce")
-    # new_group is collective over the whole world: every rank creates every node's group, in the same order
-    groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
     allreduce = latency = wait = None
     if env.node_rank in groups:
         size = len(layout.ranks_of[env.node_rank])
@@ -458,7 +464,8 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     )
 
 
-def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress):
+def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress,
+                   between: Callable[[], Any] | None = None):
     """Each layer kind timed at the planned shape; also returns the stand-in forward the collective-wait benchmark
     runs before each all-to-all (the model's MoE layer where it has one: what precedes expert-parallel dispatch)."""
     if not args.model:
@@ -472,7 +479,8 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
     out = {}
     for kind in layer_kinds(model):
         progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
-        out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s)
+        out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
+                               between=between)
     info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
             "layer_kinds": list(out), "note": "one transformer layer's forward and forward+backward, per device, with the torch "
                                               "runtime's operators; MoE layers with their routing on one device"}

@@ -86,6 +86,22 @@ def test_calibration_and_repetitions():
     assert bench.calibrate_inner(fn, min_rep_s=0.05, clock=time.process_time, max_inner=7) == 7
 
 
+def test_interleaved_timing_runs_the_collective_after_every_call_untimed():
+    events = []
+
+    def fn():
+        events.append("f")
+        time.sleep(0.002)
+
+    def between():
+        events.append("c")
+        time.sleep(0.05)  # not part of the figure
+
+    t = bench.time_interleaved(fn, between, warmup=1, blocks=3, calls=4)
+    assert events == ["f", "c"] * (1 + 3 * 4)  # fixed counts: every member of the group issues the same calls
+    assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.04  # the 50 ms between calls are not in it
+
+
 def test_gemm_and_copy_on_cpu():
     cfg = bench.BenchConfig("cpu", True, gemm_shape=(64, 32, 48), gemm_dtypes=("fp32",), copy_bytes=2**20,
                             allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
