@@ -17,7 +17,7 @@ prefetch): a layer's collective hides under a layer's compute only when it is sh
 communication is on the critical path (Megatron's default); ring attention overlaps K/V exchange with the attention
 core (Liu et al. 2023, "Ring attention"). Per iteration: the data-parallel gradient synchronisation (ZeRO 0/1:
 all-reduce or reduce-scatter + all-gather, not overlapped) and the optimizer step (memory-bound on the GPU; PCIe
-copies + CPU Adam with offload).
+copies + CPU Adam with offload; plus a measured fixed cost per parameter tensor where the profile has one).
 """
 from __future__ import annotations
 
