@@ -1,13 +1,14 @@
 """Tokens/s of the MoE tiny model with expert parallelism on 2 CPU ranks, measured against the cost model.
 
     python benchmarks/bench_moe_cpu.py [--ep 2] [--steps 20] [--global-batch 8] [--seq-len 64] [--micro-batch 1]
-        [--model tiny-moe] [--cluster FILE] [--keep DIR] [--json FILE]
+        [--model tiny-moe] [--cluster FILE] [--keep DIR] [--json FILE] [--runs N] [--quiet-load L]
 
 1. Profile, for real (unless ``--cluster``): ``tangram-launch profile --standalone --nproc-per-node 2 --quick
    --model M --seq-len S --micro-batch B --layer-dtype fp32``: GEMM rate, memory bandwidth, gloo all-reduce and p2p
-   bandwidth, and one layer of each kind (dense, MoE) forward and forward+backward at the planned shape. The
-   profiler times an MoE layer as a dense FFN of its active width (top_k experts + shared); routing and the
-   all-to-all are the cost model's own terms.
+   bandwidth, one layer of each kind (dense, MoE: routed, on one process) forward and forward+backward at the
+   planned shape, a tiny all-to-all right after that layer's forward on both processes (``collective_wait_us``,
+   what each collective of a step costs) and AdamW's cost per parameter tensor (``optimizer_tensor_us``); the
+   all-to-all volume is the cost model's own term.
 2. Cost one stage of all layers on the two processes, dp 2, ep ``--ep``, ZeRO 0, ``--micro-batch`` sequences per
    replica and micro-batch, through the planner's manual-plan path (the same cost model as every plan). The two
    processes share one host, so their figures differ only by what the host's other work took from each (seen: 1.7x
@@ -19,6 +20,10 @@
    load over the mean; the cost model assumes balanced routing), the prediction's breakdown and the load average
    before and after (a shared host: the figures are only comparable at low load).
 
+``--runs N`` repeats 1-4 N times (a fresh profile each time) and prints the ratios' range; ``--quiet-load L``
+waits (up to ``--quiet-wait-s``) before each run until the host's 1-minute load average is below L: the host is
+shared, and a profile taken during another job's burst costs a training run that did not meet it.
+
 Exits 1 when a step fails.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -68,6 +74,15 @@ def cost(args, cluster_path: str):
     return cost_manual_plan(manual, cluster, model, training, runtime="torch", islands=iset, options=opts)
 
 
+def cluster_measured(cluster_path: str) -> dict:
+    """The island's view of the per-call and per-tensor figures: the largest over the two processes."""
+    from tangram_launch.specs.cluster import ClusterSpec
+
+    gpus = [g for n in ClusterSpec.load(cluster_path).nodes for g in n.gpus]
+    keys = ("collective_wait_us", "collective_latency_us", "optimizer_tensor_us")
+    return {k: max(g.measured[k] for g in gpus) for k in keys if all(k in (g.measured or {}) for g in gpus)}
+
+
 def train(args, plan_path: str, out: str) -> dict:
     cmd = [sys.executable, "-m", "tangram_launch.cli", "--standalone", "--nproc-per-node", "2", "--plan", plan_path,
            os.path.join(REPO, "examples", "train_gpt.py"), "--steps", str(args.steps), "--data", "synthetic",
@@ -77,6 +92,18 @@ def train(args, plan_path: str, out: str) -> dict:
         raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     with open(out, encoding="utf-8") as f:
         return json.load(f)
+
+
+def wait_for_quiet(max_load: float | None, max_wait_s: float) -> bool:
+    """Wait until the 1-minute load average is below ``max_load`` (None: do not wait); False on timeout."""
+    if max_load is None:
+        return True
+    deadline = time.monotonic() + max_wait_s
+    while os.getloadavg()[0] >= max_load:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(5.0)
+    return True
 
 
 def main(argv=None) -> int:
@@ -90,8 +117,33 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", help="reuse this profile instead of profiling")
     p.add_argument("--keep", help="keep the profile, plan and results in this folder")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--runs", type=int, default=1, help="independent profile + train runs")
+    p.add_argument("--quiet-load", type=float, help="before each run, wait for a 1-minute load average below this")
+    p.add_argument("--quiet-wait-s", type=float, default=300.0)
     args = p.parse_args(argv)
-    work = args.keep or tempfile.mkdtemp(prefix="bench-moe-")
+    if args.runs < 1:
+        raise SystemExit(f"--runs must be >= 1, got {args.runs}")
+    top = args.keep or tempfile.mkdtemp(prefix="bench-moe-")
+    runs = []
+    for r in range(args.runs):
+        quiet = wait_for_quiet(args.quiet_load, args.quiet_wait_s)
+        if not quiet:
+            print(f"run {r + 1}: the load average stayed >= {args.quiet_load} for {args.quiet_wait_s:.0f} s; "
+                  f"running anyway")
+        work = top if args.runs == 1 else os.path.join(top, f"run-{r + 1}")
+        runs.append(one_run(args, work))
+    if args.runs > 1:
+        ratios = [f["measured_over_predicted"] for f in runs]
+        print(f"{args.runs} runs: measured/predicted " + ", ".join(f"{x:.2f}" for x in ratios)
+              + f" (range {min(ratios):.2f}-{max(ratios):.2f}); load average at start "
+              + ", ".join(f"{f['load_before'][0]:.1f}" for f in runs))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(runs[0] if args.runs == 1 else runs, f, indent=1)
+    return 0
+
+
+def one_run(args, work: str) -> dict:
     os.makedirs(work, exist_ok=True)
     load_before = load_avg()
     cluster_path = args.cluster or os.path.join(work, "cluster.yaml")
@@ -121,12 +173,16 @@ def main(argv=None) -> int:
         print(f"routing measured: busiest expert {moe['expert_load_max_over_mean']:.2f}x the mean load (the cost "
               f"model assumes 1.00), {moe['dropped_fraction']:.1%} dropped")
     print("prediction breakdown (s): " + ", ".join(f"{k} {v:.4f}" for k, v in plan.predicted.breakdown.items()))
+    ps = plan.predicted.stages[0]
+    m = cluster_measured(cluster_path)
+    print(f"per micro-batch: forward {ps.forward_s * 1e3:.1f} ms, backward {ps.backward_s * 1e3:.1f} ms; measured "
+          f"on the host: collective after a layer {m.get('collective_wait_us', float('nan')):.0f} us, after a GEMM "
+          f"{m.get('collective_latency_us', float('nan')):.0f} us, AdamW {m.get('optimizer_tensor_us', float('nan')):.0f}"
+          f" us per parameter tensor")
+    figures["measured_on_host"] = m
     print(f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}; load average {load_before} -> "
           f"{figures['load_after']}; files in {work}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(figures, f, indent=1)
-    return 0
+    return figures
 
 
 if __name__ == "__main__":

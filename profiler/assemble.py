@@ -47,6 +47,7 @@ class DeviceRecord:
     gemm: Mapping[str, Measured] = field(default_factory=dict)  # dtype -> TFLOP/s
     memory_bandwidth: Measured | None = None  # GB/s
     layer: Mapping[str, Mapping[str, Measured]] = field(default_factory=dict)  # kind -> forward/forward_backward
+    optimizer_tensor: Measured | None = None  # AdamW step's fixed cost per parameter tensor, us
 
     @property
     def is_cpu(self) -> bool:
@@ -61,6 +62,7 @@ class NodeRecord:
     ranks: tuple[int, ...]  # global ranks in local-rank order
     allreduce: Measured | None = None  # bus bandwidth over the node's ranks, GB/s
     collective_latency: Measured | None = None  # one tiny all-to-all over the node's ranks, us
+    collective_wait: Measured | None = None  # ... right after a layer forward on every rank (mean), us
     p2p: tuple[tuple[int, int, Measured], ...] = ()  # (local a, local b, GB/s one direction at a time)
 
 
@@ -160,6 +162,10 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         measured["allreduce_group_size"] = len(node.ranks)
     if node.collective_latency is not None:
         measured["collective_latency_us"] = round_sig(node.collective_latency.value)
+    if node.collective_wait is not None:
+        measured["collective_wait_us"] = round_sig(node.collective_wait.value)
+    if dev.optimizer_tensor is not None:
+        measured["optimizer_tensor_us"] = round_sig(dev.optimizer_tensor.value)
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:
@@ -262,6 +268,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
             "inventory": node.inventory.to_dict(),
             "allreduce": node.allreduce.to_dict() if node.allreduce else None,
             "collective_latency": node.collective_latency.to_dict() if node.collective_latency else None,
+            "collective_wait": node.collective_wait.to_dict() if node.collective_wait else None,
             "p2p_gbps": [_p2p_row(node, i) for i in range(len(node.ranks))] if node.p2p else None,
             "p2p": [{"local_ranks": [a, b], **m.to_dict()} for a, b, m in node.p2p],
         }
@@ -319,6 +326,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
             {"node": name_of[d.node_rank], "local_index": d.local_rank, "rank": d.rank, "device": d.device,
              "gemm": {k: m.to_dict() for k, m in d.gemm.items()},
              "memory_bandwidth": d.memory_bandwidth.to_dict() if d.memory_bandwidth else None,
+             **({"optimizer_tensor": d.optimizer_tensor.to_dict()} if d.optimizer_tensor else {}),
              **({"layer": {k: {p: m.to_dict() for p, m in v.items()} for k, v in d.layer.items()}} if d.layer else {})}
             for d in sorted(record.devices, key=lambda d: d.rank)
         ],

@@ -97,11 +97,12 @@ class BenchConfig:
     comm_reps: int
     latency_reps: int
     min_rep_s: float
+    wait_reps: int = 200  # collective_wait_us: (layer forward, tiny all-to-all) pairs, in blocks of WAIT_BLOCK
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
-        for name in ("warmup", "reps", "comm_reps", "latency_reps"):
+        for name in ("warmup", "reps", "comm_reps", "latency_reps", "wait_reps"):
             if getattr(self, name) < (0 if name == "warmup" else 1):
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
         unknown = [d for d in self.gemm_dtypes if d not in DTYPES]
@@ -116,19 +117,19 @@ class BenchConfig:
                        copy_bytes=(512 if quick else 2048) * MiB, allreduce_bytes=(128 if quick else 512) * MiB,
                        p2p_bytes=(64 if quick else 256) * MiB, warmup=2 if quick else 5, reps=5 if quick else 20,
                        comm_reps=5 if quick else 20, latency_reps=20 if quick else 100,
-                       min_rep_s=0.02 if quick else 0.1)
+                       min_rep_s=0.02 if quick else 0.1, wait_reps=50 if quick else 100)
         # One CPU "device" is one process; torchrun gives each OMP_NUM_THREADS=1 when it starts several.
         return cls(device_type, quick, gemm_shape=(1024, 1024, 1024), gemm_dtypes=("fp32", "bf16"),
                    copy_bytes=(64 if quick else 256) * MiB, allreduce_bytes=(8 if quick else 32) * MiB,
-                   p2p_bytes=(8 if quick else 32) * MiB, warmup=1 if quick else 2, reps=5 if quick else 11,
+                   p2p_bytes=(8 if quick else 32) * MiB, warmup=1 if quick else 2, reps=9 if quick else 11,
                    comm_reps=5 if quick else 11, latency_reps=20 if quick else 50,
-                   min_rep_s=0.05 if quick else 0.25)
+                   min_rep_s=0.05 if quick else 0.25, wait_reps=200 if quick else 400)
 
     def to_dict(self) -> dict:
         return {"gemm_shape_mkn": list(self.gemm_shape), "gemm_dtypes": list(self.gemm_dtypes),
                 "copy_bytes": self.copy_bytes, "allreduce_bytes": self.allreduce_bytes, "p2p_bytes": self.p2p_bytes,
                 "warmup": self.warmup, "reps": self.reps, "comm_reps": self.comm_reps,
-                "latency_reps": self.latency_reps, "min_rep_s": self.min_rep_s}
+                "latency_reps": self.latency_reps, "min_rep_s": self.min_rep_s, "wait_reps": self.wait_reps}
 
 
 def device_sync(device: torch.device) -> Callable[[], None]:
@@ -150,6 +151,32 @@ def time_repeated(fn: Callable[[], Any], *, warmup: int, reps: int, inner: int =
             fn()
         sync()
         samples.append((time.perf_counter() - t0) / inner)
+    return Timing(tuple(samples))
+
+
+def time_interleaved(fn: Callable[[], Any], between: Callable[[], Any], *, warmup: int, blocks: int,
+                     calls: int) -> Timing:
+    """Seconds per call of ``fn`` when each call is followed by ``between`` (untimed; a collective), as a training
+    step runs its layers: one sample per block of ``calls`` calls, the block's mean (its slow calls count).
+
+    On a host shared with other work, a process that computes without pause competes with it for whole time slices,
+    while one that waits at a collective after every layer gets the core back first when it wakes (the scheduler
+    credits sleepers): tiny-moe's MoE layer forward read 2.6-4.4 ms timed back to back and 1.2-1.3 ms with an
+    all-to-all after each call, 2 ranks on 2 shared cores at load 8. Call counts are fixed, so every member of
+    ``between``'s group issues the same collectives.
+    """
+    for _ in range(warmup):
+        fn()
+        between()
+    samples = []
+    for _ in range(blocks):
+        total = 0.0
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            total += time.perf_counter() - t0
+            between()
+        samples.append(total / calls)
     return Timing(tuple(samples))
 
 
@@ -280,6 +307,68 @@ def collective_latency_us(group: Any, group_size: int, device: torch.device, cfg
     timing = Timing(tuple(samples))
     return Measured(timing.median_s * 1e6, "us", timing, (("bytes", group_size * 4), ("group_size", group_size),
                                                           ("op", "all_to_all_single after a 256^3 GEMM")))
+
+
+WAIT_BLOCK = 10  # collectives per block of collective_wait_us: a training step holds tens of them
+
+
+def collective_wait_us(group: Any, group_size: int, device: torch.device, cfg: BenchConfig,
+                       compute: Callable[[], Any]) -> Measured:
+    """Time of one tiny all-to-all over ``group`` right after ``compute`` (one transformer layer's forward at the
+    planned shape) on every member, no barrier in between: what each collective of a training step costs.
+
+    Identical work takes the members different times on shared cores (the OS runs something else on one of them
+    for a while), so at every collective the others wait for the last; ``collective_latency_us`` (after a 256^3
+    GEMM) sees little of that. Measured with tiny-moe on 2 gloo ranks of one 2-core host: 0.2-0.7 ms after a
+    GEMM, 1-2 ms after a layer, as in training's own all-to-alls (torch profiler); on NVLink GPUs, microseconds.
+
+    The figure is the median over blocks of ``WAIT_BLOCK`` consecutive calls of the block's mean over calls and
+    members: a block is like the collectives of one training step, whose slow calls the step pays (a mean), while
+    a burst of other work on the host spoils a few blocks, not the figure (a median, like a run's median step).
+    The cost model charges it per collective call on the node. value = microseconds.
+    """
+    buf = torch.ones(group_size, dtype=torch.float32, device=device)
+    out = torch.empty_like(buf)
+    sync = device_sync(device)
+    compute()
+    dist.all_to_all_single(out, buf, group=group)
+    dist.barrier(group=group, **_barrier_kwargs(device))
+    sync()
+    samples = []
+    for _ in range(cfg.wait_reps):
+        compute()
+        sync()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, buf, group=group)
+        sync()
+        samples.append(time.perf_counter() - t0)
+    timing = Timing(tuple(samples))
+    blocks = [samples[i:i + WAIT_BLOCK] for i in range(0, len(samples), WAIT_BLOCK)]
+    means = torch.tensor([statistics.fmean(b) for b in blocks], dtype=torch.float64, device=device)
+    dist.all_reduce(means, group=group)  # summed over the members: each waits for the others in turn
+    value_s = statistics.median((means / group_size).tolist())
+    return Measured(value_s * 1e6, "us", timing, (("bytes", group_size * 4), ("group_size", group_size),
+                                                  ("statistic", f"median over blocks of {WAIT_BLOCK} calls of the "
+                                                                f"mean over calls and members"),
+                                                  ("op", "all_to_all_single after one layer forward")))
+
+
+def optimizer_tensor_us(device: torch.device, cfg: BenchConfig, *, tensors: int = 256, numel: int = 64) -> Measured:
+    """Fixed cost per parameter tensor of one torch.optim.AdamW step as the torch runtime runs it (``foreach=False``:
+    one update per tensor, a dozen small kernels each), from ``tensors`` tiny tensors whose memory traffic is
+    negligible. A model of many small tensors pays it where the cost model's memory-bound term sees nothing
+    (tiny-moe on a CPU: ~10 us a tensor). value = microseconds per tensor.
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel, device=device, generator=gen)) for _ in range(tensors)]
+    for q in params:
+        q.grad = torch.randn(numel, device=device, generator=gen)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    sync = device_sync(device)
+    inner = calibrate_inner(opt.step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
+    timing = time_repeated(opt.step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+    return Measured(timing.median_s / tensors * 1e6, "us", timing,
+                    (("tensors", tensors), ("numel", numel), ("op", "AdamW(foreach=False).step")))
 
 
 def _barrier_kwargs(device: torch.device) -> dict:

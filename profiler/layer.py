@@ -21,7 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from profiler.bench import DTYPES, Measured, calibrate_inner, calibration_clock, device_sync, time_repeated
+from typing import Any, Callable
+
+from profiler.bench import (
+    DTYPES,
+    WAIT_BLOCK,
+    Measured,
+    calibrate_inner,
+    calibration_clock,
+    device_sync,
+    time_interleaved,
+    time_repeated,
+)
 
 
 @dataclass(frozen=True)
@@ -162,8 +173,12 @@ def layer_kinds(model) -> list[str]:
 
 
 def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, warmup: int, reps: int,
-               min_rep_s: float) -> dict[str, Measured]:
-    """Forward and forward+backward seconds of one layer of ``kind`` at ``shape``; value = achieved TFLOP/s."""
+               min_rep_s: float, between: Callable[[], Any] | None = None) -> dict[str, Measured]:
+    """Forward and forward+backward seconds of one layer of ``kind`` at ``shape``; value = achieved TFLOP/s.
+
+    With ``between`` (a collective over the node's processes, CPU devices), each call is followed by it, ``reps``
+    blocks of WAIT_BLOCK calls (bench.time_interleaved: a layer computed the way a training step meets it);
+    without, calibrated back-to-back repetitions."""
     torch.manual_seed(0)
     layer = build_layer(model, kind, device, shape.dtype)
     x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device,
@@ -182,9 +197,14 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
 
     out = {}
     for name, fn, flops in (("forward", forward, fwd_flops), ("forward_backward", forward_backward, 3 * fwd_flops)):
-        inner = calibrate_inner(fn, min_rep_s=min_rep_s, sync=sync, clock=calibration_clock(device))
-        timing = time_repeated(fn, warmup=warmup, reps=reps, inner=inner, sync=sync)
+        if between is not None:
+            timing = time_interleaved(fn, between, warmup=max(1, warmup), blocks=reps, calls=WAIT_BLOCK)
+        else:
+            inner = calibrate_inner(fn, min_rep_s=min_rep_s, sync=sync, clock=calibration_clock(device))
+            timing = time_repeated(fn, warmup=warmup, reps=reps, inner=inner, sync=sync)
         out[name] = Measured(flops / timing.median_s / 1e12, "TFLOP/s", timing,
                              (("micro_batch", shape.micro_batch), ("seq_len", shape.seq_len),
-                              ("dtype", shape.dtype), ("layer_kind", kind)))
+                              ("dtype", shape.dtype), ("layer_kind", kind),
+                              ("timed", "each call followed by an all-to-all" if between is not None
+                               else "back to back")))
     return out

@@ -5,8 +5,11 @@
     torchrun --standalone --nproc-per-node 2 -m profiler.worker --output cluster.yaml --quick
 
 Phases (each rank logs and records its phase, so a failure names where it stopped):
-  inventory -> GEMM -> memory copy -> [model layer] -> intra-node all-reduce -> intra-node p2p (round-robin)
-  -> inter-node p2p (round-robin over nodes) -> gather; global rank 0 assembles and writes the ClusterSpec atomically.
+  inventory -> GEMM -> memory copy -> optimizer step per tensor -> [model layer] -> intra-node all-reduce ->
+  tiny all-to-all [-> the same after a model layer's forward] -> intra-node p2p (round-robin) -> inter-node p2p
+  (round-robin over nodes) -> gather; global rank 0 assembles and writes the ClusterSpec atomically.
+On CPU nodes a model layer is timed with a tiny all-to-all over the node's processes after each call, as training
+runs it (bench.time_interleaved).
 
 Test hooks (environment, for the profiler's own tests): ``TANGRAM_PROFILE_TEST_EXIT_RANK=<global rank>`` makes that
 rank exit with status 1 when the benchmarks start (a killed worker); ``TANGRAM_PROFILE_TEST_CGROUP=<cgroup dir>``
@@ -26,6 +29,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -190,10 +194,12 @@ def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progre
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **init_kwargs)
     try:
         layout = _inventory(run)
-        local = _local_benchmarks(run)
-        allreduce, latency, p2p = _intra_node(run, layout)
+        # new_group is collective over the whole world: every rank creates every node's group, in the same order
+        groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
+        local = _local_benchmarks(run, groups.get(env.node_rank))
+        allreduce, latency, wait, p2p = _intra_node(run, layout, groups, local.stand_in)
         links, schedule = _inter_node(run, layout)
-        return _gather_and_write(run, layout, local, (allreduce, latency), p2p, links, schedule, started_at,
+        return _gather_and_write(run, layout, local, (allreduce, latency, wait), p2p, links, schedule, started_at,
                                  t_start)
     finally:
         dist.destroy_process_group()
@@ -229,9 +235,11 @@ class _Local:
     copy: bench.Measured
     layer: dict  # kind -> {"forward", "forward_backward"} -> Measured
     model_info: dict | None
+    optimizer: bench.Measured | None = None  # AdamW's fixed cost per parameter tensor, us
+    stand_in: Callable[[], Any] | None = None  # one layer's forward at the planned shape (collective_wait_us)
 
 
-def _local_benchmarks(run: _Run) -> _Local:
+def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     """GEMM per dtype, memory copy and (with --model) one layer, on every device at once.
 
     A barrier before each benchmark: every device of a node measures the same thing at the same time, so shared
@@ -255,21 +263,31 @@ def _local_benchmarks(run: _Run) -> _Local:
     copy = bench.copy_bandwidth_gbps(device, cfg)
     if run.env.rank == 0:
         log.info("memory copy on rank 0: %.4g GB/s", copy.value)
+    run.progress.phase("optimizer step per parameter tensor")
     run.barrier()
-    layer, model_info = _profile_layer(run.args, device, cfg, run.progress)
+    optimizer = bench.optimizer_tensor_us(device, cfg)
+    if run.env.rank == 0:
+        log.info("AdamW step on rank 0: %.3g us per parameter tensor", optimizer.value)
     run.barrier()
-    return _Local(gemm, copy, layer, model_info)
+    between = None
+    if node_group is not None and device.type == "cpu":  # CPU processes share cores: time layers as training runs
+        buf, out = torch.ones(run.env.local_world_size), torch.empty(run.env.local_world_size)
+
+        def between() -> None:
+            dist.all_to_all_single(out, buf, group=node_group)
+    layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between)
+    run.barrier()
+    return _Local(gemm, copy, layer, model_info, optimizer, stand_in)
 
 
-def _intra_node(run: _Run, layout: "_Layout") -> tuple[bench.Measured | None, bench.Measured | None, list]:
-    """All-reduce (bandwidth) and a tiny all-to-all (fixed cost per call) over each node's ranks, then
+def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None) -> tuple:
+    """All-reduce (bandwidth), a tiny all-to-all (fixed cost per call) and, with a model layer to run before it, the
+    same all-to-all after that layer's forward (the wait training meets) over each node's ranks, then
     point-to-point between every pair of them (round-robin rounds); every node at once, since nodes do not share
-    these links."""
+    these links. Returns (all-reduce, latency, wait, p2p)."""
     env = run.env
     run.progress.phase("intra-node all-reduce")
-    # new_group is collective over the whole world: every rank creates every node's group, in the same order
-    groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
-    allreduce = latency = None
+    allreduce = latency = wait = None
     if env.node_rank in groups:
         size = len(layout.ranks_of[env.node_rank])
         allreduce = bench.allreduce_busbw_gbps(groups[env.node_rank], size, run.device, run.cfg)
@@ -278,6 +296,12 @@ def _intra_node(run: _Run, layout: "_Layout") -> tuple[bench.Measured | None, be
         if env.local_rank == 0:
             log.info("all-reduce busbw on %s: %.4g GB/s; tiny all-to-all %.4g us", layout.name_of[env.node_rank],
                      allreduce.value, latency.value)
+        if stand_in is not None:
+            run.progress.phase("intra-node collective wait after a layer forward")
+            wait = bench.collective_wait_us(groups[env.node_rank], size, run.device, run.cfg, stand_in)
+            if env.local_rank == 0:
+                log.info("tiny all-to-all after a layer forward on %s: %.4g us (mean)", layout.name_of[env.node_rank],
+                         wait.value)
     run.barrier()
 
     p2p: list[tuple[int, int, int, bench.Measured]] = []  # (node rank, local a, local b, GB/s)
@@ -295,7 +319,7 @@ def _intra_node(run: _Run, layout: "_Layout") -> tuple[bench.Measured | None, be
             if t is not None:
                 p2p.append((env.node_rank, local.index(a), local.index(b), _pingpong_bw(t, run.cfg.p2p_bytes)))
         run.barrier()
-    return allreduce, latency, p2p
+    return allreduce, latency, wait, p2p
 
 
 def _inter_node(run: _Run, layout: "_Layout") -> tuple[list, list]:
@@ -342,9 +366,9 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
     record = DeviceRecord(
         rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank, host=run.host, device=me["device"],
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
-        gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer,
+        gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
     )
-    node_part = (collectives if env.local_rank == 0 else (None, None), p2p)  # (all-reduce, latency), p2p
+    node_part = (collectives if env.local_rank == 0 else (None, None, None), p2p)  # (all-reduce, latency, wait), p2p
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object((record, node_part, links), gathered, dst=0)
     outcome: list = [None]
@@ -410,13 +434,15 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     devices = []
     allreduce_of: dict[int, bench.Measured | None] = {}
     latency_of: dict[int, bench.Measured | None] = {}
+    wait_of: dict[int, bench.Measured | None] = {}
     p2p_of: dict[int, list] = {n: [] for n in layout.node_ranks}
     link_parts: dict[tuple[int, int], dict] = {}
-    for record, ((allreduce, latency), p2p), links in gathered:
+    for record, ((allreduce, latency, wait), p2p), links in gathered:
         devices.append(record)
         if record.local_rank == 0:
             allreduce_of[record.node_rank] = allreduce
             latency_of[record.node_rank] = latency
+            wait_of[record.node_rank] = wait
         for node_rank, a, b, m in p2p:
             p2p_of[node_rank].append((a, b, m))
         for r, pair, lat, bws in links:
@@ -427,7 +453,7 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     nodes = tuple(
         NodeRecord(node_rank=n, host=layout.host_of[n], inventory=layout.inventory_of[n],
                    ranks=tuple(layout.ranks_of[n]), allreduce=allreduce_of.get(n),
-                   collective_latency=latency_of.get(n),
+                   collective_latency=latency_of.get(n), collective_wait=wait_of.get(n),
                    p2p=tuple(sorted(p2p_of[n], key=lambda t: (t[0], t[1]))))
         for n in layout.node_ranks
     )
@@ -441,10 +467,13 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     )
 
 
-def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress):
+def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress,
+                   between: Callable[[], Any] | None = None):
+    """Each layer kind timed at the planned shape; also returns the stand-in forward the collective-wait benchmark
+    runs before each all-to-all (the model's MoE layer where it has one: what precedes expert-parallel dispatch)."""
     if not args.model:
-        return {}, None
-    from profiler.layer import LayerShape, layer_kinds, time_layer
+        return {}, None, None
+    from profiler.layer import LayerShape, build_layer, layer_kinds, time_layer
     from tangram_launch.specs.model import load_model
 
     model = load_model(args.model)
@@ -453,11 +482,21 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
     out = {}
     for kind in layer_kinds(model):
         progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
-        out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s)
+        out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
+                               between=between)
     info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
             "layer_kinds": list(out), "note": "one transformer layer's forward and forward+backward, per device, with the torch "
                                               "runtime's operators; MoE layers with their routing on one device"}
-    return out, info
+    kind = "moe" if "moe" in out else next(iter(out))
+    torch.manual_seed(0)
+    layer = build_layer(model, kind, device, shape.dtype)
+    x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device, dtype=bench.DTYPES[shape.dtype])
+
+    def stand_in() -> None:
+        with torch.no_grad():
+            layer(x)
+
+    return out, info, stand_in
 
 
 def _write_spec(spec: dict, path: str) -> None:

@@ -4,6 +4,7 @@ summary table, and the profile command's torchrun argv and failure report."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -85,6 +86,22 @@ def test_calibration_and_repetitions():
     assert bench.calibrate_inner(fn, min_rep_s=0.05, clock=time.process_time, max_inner=7) == 7
 
 
+def test_interleaved_timing_runs_the_collective_after_every_call_untimed():
+    events = []
+
+    def fn():
+        events.append("f")
+        time.sleep(0.002)
+
+    def between():
+        events.append("c")
+        time.sleep(0.05)  # not part of the figure
+
+    t = bench.time_interleaved(fn, between, warmup=1, blocks=3, calls=4)
+    assert events == ["f", "c"] * (1 + 3 * 4)  # fixed counts: every member of the group issues the same calls
+    assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.04  # the 50 ms between calls are not in it
+
+
 def test_gemm_and_copy_on_cpu():
     cfg = bench.BenchConfig("cpu", True, gemm_shape=(64, 32, 48), gemm_dtypes=("fp32",), copy_bytes=2**20,
                             allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
@@ -100,6 +117,19 @@ def test_gemm_and_copy_on_cpu():
     with pytest.raises(ValueError):
         bench.BenchConfig("tpu", True, (1, 1, 1), ("fp32",), 1, 1, 1, 0, 1, 1, 1, 0.1)
     assert bench.BenchConfig.for_device("cuda", quick=True).gemm_dtypes == ("bf16", "fp16", "fp32")
+
+
+def test_optimizer_cost_per_parameter_tensor_on_cpu():
+    cfg = bench.BenchConfig("cpu", True, gemm_shape=(8, 8, 8), gemm_dtypes=("fp32",), copy_bytes=2**20,
+                            allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
+                            latency_reps=3, min_rep_s=0.005)
+    m = bench.optimizer_tensor_us(torch.device("cpu"), cfg, tensors=32, numel=16)
+    detail = dict(m.detail)
+    assert detail["tensors"] == 32 and m.unit == "us"
+    assert m.value == pytest.approx(m.timing.median_s / 32 * 1e6)  # one step over 32 tensors, per tensor
+    assert 0.1 < m.value < 5000  # a dozen small kernels per tensor: microseconds, not nothing, not a second
+    with pytest.raises(ValueError):
+        dataclasses.replace(cfg, wait_reps=0)
 
 
 def test_model_layer_times_dense_and_moe():
@@ -133,11 +163,12 @@ def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileR
             devices.append(DeviceRecord(rank=rank, local_rank=local, node_rank=n, host=host, device="cpu",
                                         gemm={"fp32": _m(speeds[rank] / 4, "TFLOP/s"),
                                               "bf16": _m(speeds[rank], "TFLOP/s")},
-                                        memory_bandwidth=_m(10.0)))
+                                        memory_bandwidth=_m(10.0), optimizer_tensor=_m(40.0 + rank, "us")))
         p2p = tuple((a, b, _m(2.0)) for a, b in itertools.combinations(range(per_node), 2))
         nodes.append(NodeRecord(node_rank=n, host=host, inventory=inv, ranks=ranks,
                                 allreduce=_m(1.5) if per_node > 1 else None, p2p=p2p,
-                                collective_latency=_m(240.0, "us") if per_node > 1 else None))
+                                collective_latency=_m(240.0, "us") if per_node > 1 else None,
+                                collective_wait=_m(1500.0, "us") if per_node > 1 else None))
     links = tuple(LinkRecord(a, b, bench.Timing((1e-4, 1.1e-4)), (_m(3.0),), r)
                   for r, (a, b) in enumerate(itertools.combinations(range(len(hosts)), 2)))
     return ProfileRecord(devices=tuple(devices), nodes=tuple(nodes), links=links, backend="gloo", quick=True,
@@ -156,6 +187,10 @@ def test_cpu_devices_carry_measured_figures():
     assert a.measured["catalog"]["tflops"]["fp32"] == 1.0
     assert a.measured["p2p_gbps"] == [None, 2.0] and b.measured["p2p_gbps"] == [2.0, None]
     assert a.measured["collective_latency_us"] == 240.0  # a tiny all-to-all over the node's 2 ranks
+    assert a.measured["collective_wait_us"] == b.measured["collective_wait_us"] == 1500.0  # ... after a layer
+    assert a.measured["optimizer_tensor_us"] == 40.0 and b.measured["optimizer_tensor_us"] == 41.0  # per device
+    assert spec.profile["nodes"]["box"]["collective_wait"]["value"] == 1500.0
+    assert spec.profile["devices"][1]["optimizer_tensor"]["value"] == 41.0
     assert len(build_islands(spec).islands) == 1  # within tolerance: one island
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)

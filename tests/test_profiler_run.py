@@ -73,6 +73,8 @@ def test_standalone_two_workers_write_a_cluster_spec(tmp_path: Path, capsys) -> 
         assert m["allreduce_busbw_gbps"] > 0 and m["allreduce_group_size"] == 2
         assert g.intra_node_bandwidth_gbps == pytest.approx(2 * m["allreduce_busbw_gbps"], rel=1e-3)
         assert len(m["p2p_gbps"]) == 2 and sum(v is not None for v in m["p2p_gbps"]) == 1
+        assert "collective_wait_us" not in m  # without --model there is no layer to run before the all-to-all
+        assert m["optimizer_tensor_us"] > 0
     assert spec.fingerprint.startswith("sha256:")
     assert spec.profile["backend"] == "gloo" and spec.profile["quick"] is True
     islands = build_islands(spec)
@@ -182,3 +184,27 @@ def test_cgroup_throttled_worker_is_the_slower_device_and_its_own_island(tmp_pat
     # the written file says so too
     raw = yaml.safe_load(out.read_text())
     assert raw["nodes"][0]["gpus"][1]["tflops"]["bf16"] == slow.measured["gemm_tflops"]["bf16"]
+
+
+@pytest.mark.distributed
+def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_tensor(tmp_path: Path) -> None:
+    """With --model, each node's tiny all-to-all is also timed right after the model's layer forward on every rank
+    (collective_wait_us: what a training step's collectives pay), and each device times AdamW per parameter
+    tensor; the cost model reads both."""
+    from tangram_launch.costmodel.efficiency import DeviceModel
+
+    out = tmp_path / "cluster.yaml"
+    r = _run(_profile_cmd("--standalone", "--nproc-per-node", "2", "--model", "tiny-moe", "--seq-len", "32",
+                          "--layer-dtype", "fp32", "-o", str(out)), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    spec = ClusterSpec.load(out)
+    node = spec.profile["nodes"][spec.nodes[0].name]
+    wait = node["collective_wait"]
+    assert wait["reps"] == spec.profile["bench"]["wait_reps"] and wait["group_size"] == 2
+    for g in spec.nodes[0].gpus:
+        m = g.measured
+        assert m["collective_wait_us"] == wait["value"] > 0  # one node figure, on each of its devices
+        assert m["optimizer_tensor_us"] > 0
+        dev = DeviceModel.from_gpu(g, "fp32")
+        assert dev.collective_wait_s == pytest.approx(m["collective_wait_us"] * 1e-6)
+        assert dev.optimizer_tensor_s == pytest.approx(m["optimizer_tensor_us"] * 1e-6)

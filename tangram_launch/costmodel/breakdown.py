@@ -17,7 +17,7 @@ prefetch): a layer's collective hides under a layer's compute only when it is sh
 communication is on the critical path (Megatron's default); ring attention overlaps K/V exchange with the attention
 core (Liu et al. 2023, "Ring attention"). Per iteration: the data-parallel gradient synchronisation (ZeRO 0/1:
 all-reduce or reduce-scatter + all-gather, not overlapped) and the optimizer step (memory-bound on the GPU; PCIe
-copies + CPU Adam with offload).
+copies + CPU Adam with offload; plus a measured fixed cost per parameter tensor where the profile has one).
 """
 from __future__ import annotations
 
@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from tangram_launch.costmodel import communication as comm
-from tangram_launch.costmodel.compute import embedding_compute, head_compute, layer_compute
+from tangram_launch.costmodel.compute import (
+    edge_param_tensors,
+    embedding_compute,
+    head_compute,
+    layer_compute,
+    layer_param_tensors,
+)
 from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, DeviceModel
 from tangram_launch.costmodel.memory import (
     CROSS_ENTROPY_KINDS,
@@ -123,6 +129,7 @@ class LayerTerms:
     dense_params: float  # per GPU (after TP)
     expert_params: float  # per GPU (after TP and EP)
     ep_bwd_s: float = 0.0  # ... the backward's two (gradients of dispatch and combine; no counts exchange)
+    param_tensors: float = 0.0  # parameter tensors per GPU (the optimizer's per-tensor cost)
 
 
 @dataclass
@@ -150,6 +157,7 @@ class StageSums:
     expert_params: float = 0.0
     max_layer_params: float = 0.0  # ZeRO-3 gathers one layer at a time (+ a prefetched one)
     max_edge_params: float = 0.0  # ... and the embedding / output layer whole, each as one unit
+    param_tensors: float = 0.0  # parameter tensors per GPU (layers, embedding, head, a tied output copy)
     p2p_fwd_s: float = 0.0  # send activations to the next stage of this slice
     p2p_bwd_s: float = 0.0  # send input gradients to the previous stage of this slice
     p2p_bytes: float = 0.0  # activations handed to the next stage (whole micro-batch, all replicas)
@@ -283,6 +291,7 @@ class SliceCoster:
             recompute_flops=tuple(lc.recompute_flops(m, self.selective_policy) for m in RECOMPUTE_MODES),
             tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
             act_bytes=acts, dense_params=dense / tp, expert_params=experts / (tp * ep),
+            param_tensors=layer_param_tensors(model, i, ep=ep),
         )
         self._layer_cache[key] = terms
         return terms
@@ -415,6 +424,7 @@ class SliceCoster:
                 st.max_layer_act_rebuilt_sel = max(st.max_layer_act_rebuilt_sel, t.act_bytes[0] - t.act_bytes[1])
                 st.dense_params += c * t.dense_params
                 st.expert_params += c * t.expert_params
+                st.param_tensors += c * t.param_tensors
                 st.max_layer_params = max(st.max_layer_params, t.dense_params + t.expert_params)
             st.tp_bwd_s = st.tp_fwd_s
             emb_act = head_act = 0.0
@@ -451,6 +461,7 @@ class SliceCoster:
                     else:
                         link = self._link(1, 2, stage_gpus)
                     st.tied_sync_s = comm.collective_s(comm.ALL_REDUCE, out_w * self.training.grad_bytes, 2, link)
+            st.param_tensors += edge_param_tensors(model, has_embedding=has_emb, has_head=has_head)
             st.recompute_s = tuple(rec)
             st.recompute_flops = tuple(rec_f)
             st.act_bytes = tuple(x + emb_act + head_act for x in acts)
@@ -522,6 +533,8 @@ class SliceCoster:
             opt_s = pcie / dev.host_link_bandwidth + local / per_gpu_rate
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
+        # plus a measured fixed cost per tensor where the device has one (torch AdamW without foreach, per tensor)
+        opt_s += st.param_tensors * dev.optimizer_tensor_s
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
         if zero >= 3 and st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
             working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched

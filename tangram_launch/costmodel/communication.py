@@ -62,6 +62,7 @@ class GroupLink:
     latency_s: float
     inter_node: bool = False
     nodes: int = 1
+    wait_s: float = 0.0  # measured cost of one call after a layer's compute on every member (0: not measured)
 
     def describe(self) -> str:
         where = f"{self.nodes} nodes" if self.inter_node else "intra-node"
@@ -69,10 +70,12 @@ class GroupLink:
 
 
 def collective_s(op: str, nbytes: float, n: int, link: GroupLink) -> float:
-    """Time of one collective on ``nbytes`` (nccl-tests buffer size) over ``n`` ranks: S x factor / busbw + alpha."""
+    """Time of one collective on ``nbytes`` (nccl-tests buffer size) over ``n`` ranks: S x factor / busbw + alpha
+    per ring step, or the link's measured cost per call after compute where that is larger (``GroupLink.wait_s``:
+    in a training step every collective follows some compute, and the members arrive at different times)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return nbytes * bus_factor(op, n) / link.busbw + ring_steps(op, n) * link.latency_s
+    return nbytes * bus_factor(op, n) / link.busbw + max(ring_steps(op, n) * link.latency_s, link.wait_s)
 
 
 @lru_cache(maxsize=4096)
@@ -93,7 +96,7 @@ def group_link(stride: int, size: int, *, stage_gpus: int, gpus_per_node: int, d
     """The link of a TP/CP/DP/EP group (see the module docstring)."""
     nodes, _members, sharing = group_span(stride, size, stage_gpus, gpus_per_node)
     if nodes <= 1 or inter_bandwidth_gbps is None:
-        return GroupLink(dev.intra_busbw, dev.intra_latency_s)
+        return GroupLink(dev.intra_busbw, dev.intra_latency_s, wait_s=dev.collective_wait_s)
     net = inter_bandwidth_gbps * GBPS * NET_EFFICIENCY / sharing
     return GroupLink(min(dev.intra_busbw, net), inter_latency_us * 1e-6, True, nodes)
 

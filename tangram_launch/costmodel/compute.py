@@ -243,3 +243,34 @@ def head_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int
         t += dev.gemm_s(m_tok, e / tp, model.hidden_size)
     flops = model.head_forward_flops_per_token() * m_tok / tp
     return EdgeCompute(flops, t)
+
+
+def layer_param_tensors(model: "ModelSpec", layer: int, *, ep: int = 1) -> float:
+    """Parameter tensors of one transformer layer on one GPU (routed experts: E / ep of them), laid out as the torch
+    runtime's GPT holds them (runtime_adapters/gpt.py: separate q/k/v, gate/up/down, a weight and a bias each).
+    Why count them: an optimizer without foreach pays a fixed cost per tensor (``DeviceModel.optimizer_tensor_s``).
+    TP shards tensors without changing their number."""
+    lin = 2 if model.linear_bias else 1  # a Linear's weight (+ bias)
+    norm = 2 if model.norm_type != "rmsnorm" and model.norm_bias else 1
+    qkv = 2 if (model.linear_bias or model.qkv_bias) else 1
+    n = 2 * norm + 3 * qkv + lin + (2 * norm if model.qk_norm else 0)  # norms, q/k/v, output projection, qk-norms
+    ffn = model.ffn_matrices * lin
+    if model.is_moe_layer(layer):
+        n += (2 if model.router_bias else 1) + model.num_experts / ep * ffn + model.num_shared_experts * ffn
+        n += 1 if model.shared_expert_gate else 0
+    else:
+        n += ffn
+    return float(n)
+
+
+def edge_param_tensors(model: "ModelSpec", *, has_embedding: bool, has_head: bool) -> float:
+    """Parameter tensors of the embedding and head a stage holds (a tied output weight in the embedding's stage is
+    the embedding's tensor, not another one)."""
+    n = 0
+    if has_embedding:
+        n += 1 + (model.position_embedding == "learned") + (model.embedding_dim != model.hidden_size)
+    if has_head:
+        norm = 2 if model.norm_type != "rmsnorm" and model.norm_bias else 1
+        n += (norm if model.final_norm else 0) + (model.embedding_dim != model.hidden_size)
+        n += 0 if (model.tied_embeddings and has_embedding) else 1
+    return float(n)

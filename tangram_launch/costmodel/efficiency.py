@@ -38,7 +38,8 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   the SMs and sustained power draw.
 
 Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_tflops`` (the profiler's large-GEMM
-throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_gbps`` and ``allreduce_busbw_gbps``.
+throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_gbps`` and ``allreduce_busbw_gbps``;
+``collective_wait_us`` and ``optimizer_tensor_us`` add costs that only a measurement sets (absent: not charged).
 """
 from __future__ import annotations
 
@@ -152,6 +153,11 @@ class DeviceModel:
     # fixed cost per ring step of an intra-node collective: measured (a tiny all-to-all / (n - 1)) or NVLink's
     intra_latency_s: float = INTRA_NODE_LATENCY_S
     fused_elementwise: bool = True  # norms, RoPE, SwiGLU as fused kernels (Megatron/TE, torch.compile); False: eager
+    # measured only (0: not charged): an intra-node collective's cost per call when it follows a layer's compute on
+    # every rank (the profiler's collective_wait_us: fixed cost + the wait for the slowest member), and AdamW's
+    # fixed cost per parameter tensor (optimizer_tensor_us: foreach=False runs a dozen small kernels per tensor)
+    collective_wait_s: float = 0.0
+    optimizer_tensor_s: float = 0.0
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None,
@@ -193,6 +199,12 @@ class DeviceModel:
             sources.append("collective_latency_us")
             steps = max(1, int(_measured(gpu, "allreduce_group_size") or 2) - 1)
             intra_latency_s = latency_us * 1e-6 / steps
+        wait_us = _measured(gpu, "collective_wait_us")
+        if wait_us is not None:
+            sources.append("collective_wait_us")
+        tensor_us = _measured(gpu, "optimizer_tensor_us")
+        if tensor_us is not None:
+            sources.append("optimizer_tensor_us")
         flash = supports_flash_attention(gpu) if flash_attention is None else bool(flash_attention)
         layer_times = gpu.measured.get("layer_forward_s", {}) if gpu.measured else {}
         layer_fb_times = gpu.measured.get("layer_forward_backward_s", {}) if gpu.measured else {}
@@ -214,6 +226,8 @@ class DeviceModel:
             gemm_input_bytes=FP8_INPUT_BYTES if dtype == "fp8" else 0.0,
             intra_latency_s=intra_latency_s,
             fused_elementwise=bool(fused_elementwise),
+            collective_wait_s=(wait_us or 0.0) * 1e-6,
+            optimizer_tensor_s=(tensor_us or 0.0) * 1e-6,
         )
 
     # ------------------------------------------------------------------ kernels
