@@ -15,7 +15,6 @@ from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import GIB, SliceQuery, capacity_bytes
 from tangram_launch.planner.api import PlannerOptions, make_plan, microbatch_choices, search
-from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_latency
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
 from tangram_launch.planner.slices import ModelAtoms, PruningPolicy, build_pairs, island_shares
 from tangram_launch.planner.synthetic import SyntheticParallelizer
@@ -118,7 +117,8 @@ def test_uniform_grid_runtime_only_combines_compatible_slice_plans():
 
 
 def _own_best(par, island, model, training, caps, bs):
-    """The parallelizer's own best full-model plan on one island, by the 1F1B formula (no planner code)."""
+    """The parallelizer's own best full-model plan on one island, by the 1F1B event simulation the Plan reports
+    (no planner code)."""
     best = None
     for b in bs:
         m = training.global_batch // b
@@ -131,8 +131,9 @@ def _own_best(par, island, model, training, caps, bs):
                 continue
             if caps.pipeline_problems([s.shape for s in p.stages]):
                 continue
-            t = pipeline_latency(m, p.bottleneck_s, sum(s.time_s for s in p.stages),
-                                 max(s.dp_sync_s + s.optimizer_s for s in p.stages))
+            t = (simulated_1f1b_s([s.forward_s for s in p.stages], [s.backward_s for s in p.stages],
+                                  [0.0] * (len(p.stages) - 1), m)  # p2p inside a slice plan: in its stage times
+                 + max(s.dp_sync_s + s.optimizer_s for s in p.stages))
             if best is None or t < best[0]:
                 best = (t, b, p)
     return best
@@ -462,3 +463,22 @@ def test_a_plan_that_leaves_gpus_idle_says_how_many_and_why():
         else:
             assert isl.name not in idle["islands"]
             assert n or isl.name in dropped
+
+
+def test_the_plan_is_the_least_simulated_of_every_composition_the_search_scored():
+    # a slow inter-node link (3 GB/s) puts p2p on the 1F1B cycle, where the closed form and the simulation differ
+    slow = cluster(("a100-0", "a100-80gb", 4), ("v100-0", "v100-32gb", 8), ("v100-1", "v100-16gb", 4),
+                   slow_link="v100-1")
+    opts = dataclasses.replace(SERIAL, schedule="1F1B")
+    result = search(slow, MODEL, TRAIN, runtime="torch", parallelizer=PAR, options=opts)
+    plan = result.plan
+    t = plan.predicted.iteration_time_s
+    assert result.scored_s and plan.planner["compose"]["simulated"] == len(result.scored_s)
+    assert all(t <= s + 1e-12 for s in result.scored_s)
+    assert t == pytest.approx(min(result.scored_s), rel=1e-12)
+    # and t is what the Plan's own stages simulate to (p2p at island boundaries), not the closed form
+    stages = plan.predicted.stages
+    sim = simulated_1f1b_s([s.forward_s for s in stages], [s.backward_s for s in stages], plan.planner["p2p_s"],
+                           plan.num_microbatches) + plan.predicted.breakdown["tail_s"]
+    assert t == pytest.approx(sim, rel=1e-12)
+    check_invariants(plan, slow, TORCH)

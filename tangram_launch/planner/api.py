@@ -5,7 +5,8 @@
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
-(compose.py; above five islands over a bounded set of island orders, orders.py) -> the best over b. The sizes b: a
+(compose.py; above five islands over a bounded set of island orders, orders.py; each ranked by the simulated 1F1B
+the Plan reports) -> the best over b. The sizes b: a
 spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
 moving. -> islands left out, and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with
 the reasons (exit status 3 on the command line).
@@ -98,6 +99,7 @@ class SearchResult:
     parallelizer: Parallelizer
     atoms: ModelAtoms
     stats: dict
+    scored_s: tuple[float, ...] = ()  # simulated latency of every composition the search scored (the chosen's least)
 
 
 def resolve_parallelizer(parallelizer: str | Parallelizer) -> Parallelizer:
@@ -211,7 +213,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         "query_time_s": round(counters["query_s"], 4),
         "compose_time_s": round(compose_s, 4),
         "workers": opts.max_workers or default_workers(),
-        "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options)},
+        "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options),
+                    "simulated": len(cstats.scored)},
         "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
                     "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
     }
@@ -229,7 +232,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     plan = _with_planner(plan, stats)
     return SearchResult(plan=plan, composition=comp_best, candidates=cand, all_candidates=all_cands,
                         results=results, pairs=pairset, islands=iset, usable=usable, capabilities=caps,
-                        parallelizer=par, atoms=atoms, stats=stats)
+                        parallelizer=par, atoms=atoms, stats=stats,
+                        scored_s=tuple(c.objective_s for c in cstats.scored))
 
 
 def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
@@ -289,8 +293,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         cand = all_cands[b]
         comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats,
                               incumbent_s=best[0] if best else float("inf"))
-        if comp is not None and (best is None or comp.latency_s < best[0]):
-            best = (comp.latency_s, b, group, comp)
+        if comp is not None and (best is None or comp.objective_s < best[0]):
+            best = (comp.objective_s, b, group, comp)  # ranked by the simulated 1F1B the Plan reports
     counters["compose_s"] += time.perf_counter() - t_c
     return best
 
@@ -341,15 +345,19 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     best = None
 
+    def simulated_s(seq: tuple[int, ...], metrics) -> float:
+        return cand.simulated_s([idx[i] for i in seq], metrics)
+
     def run(order: list[int] | None) -> float | None:
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
-                       incumbent_s=min(incumbent_s, best.latency_s if best else float("inf")), stats=stats)
+                       incumbent_s=min(incumbent_s, best.objective_s if best else float("inf")), stats=stats,
+                       score=simulated_s)
         if comp is None:
             return None
         best = comp
-        return comp.latency_s
+        return comp.objective_s
 
     if len(present) <= opts.exact_islands:
         run(None)
@@ -357,7 +365,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         search_orders(run, present, cand.link_matrix, island_orders(cand.islands, present, cand.training_dtype))
     if best is None:
         return None
-    return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s)
+    return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s, best.score_s)
 
 
 def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
@@ -405,9 +413,9 @@ def _dropped_islands(cand: Candidates, idx: Sequence[int], best: Composition, is
                 reason = (f"{isl.name}: no feasible plan uses it (its slices do not fit in memory at any pipeline "
                           f"position that leaves room for the rest of the model)")
             else:
-                reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.latency_s:.3g} s "
+                reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.objective_s:.3g} s "
                           f"per iteration (slowest stage or link {comp.metrics.period_s:.3g} s per micro-batch), "
-                          f"the best plan without it takes {best.latency_s:.3g} s (slowest stage or link "
+                          f"the best plan without it takes {best.objective_s:.3g} s (slowest stage or link "
                           f"{best.metrics.period_s:.3g} s)")
         out.append({"island": isl.name, "reason": reason})
     return out

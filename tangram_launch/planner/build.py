@@ -5,7 +5,7 @@ indices) into ``compose.Option`` tuples, dropping plans the runtime cannot run, 
 is inconsistent, and plans whose stages do not fit the island's nodes (``templates.judge_templates``, from the
 plans' numbers: lazy plans stay unbuilt). ``build_plan`` turns the chosen options back
 into stages with GPUs (layout.allocate_gpus), the rank layout (plan.py derives it), and predictions computed by the
-same formula the composer minimised.
+same simulation the composer's driver ranked it by (``Candidates.simulated_s``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
-from tangram_launch.planner.compose import Composition, Option, evaluate
+from tangram_launch.planner.compose import Composition, Metrics, Option, evaluate
 from tangram_launch.planner import templates as templates_mod
 from tangram_launch.planner.allocation import LinkModel, allocate_gpus
 from tangram_launch.planner.slices import Pair
@@ -53,6 +53,27 @@ class Candidates:
         """The slice plan behind an option, shifted to the option's layers."""
         pair, plan = self.sources[option_index]
         return shift_plan(plan, pair.layers[0] - plan.layers[0])
+
+    def stage_times(self, seq: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
+        """Forward and backward seconds of every stage of a sequence of options, and the one-way p2p seconds at
+        each stage boundary (inside a slice plan its stage times hold the p2p: 0 there)."""
+        fwd: list[float] = []
+        bwd: list[float] = []
+        p2p: list[float] = []
+        for n, oi in enumerate(seq):
+            stages = self.sources[oi][1].stages  # shifting layers changes no time
+            if n:
+                p2p.append(self.link_matrix[self.options[seq[n - 1]].island][self.options[oi].island])
+            p2p.extend([0.0] * (len(stages) - 1))
+            fwd.extend(st.forward_s for st in stages)
+            bwd.extend(st.backward_s for st in stages)
+        return fwd, bwd, p2p
+
+    def simulated_s(self, seq: Sequence[int], metrics: Metrics) -> float:
+        """The plain-1F1B iteration the Plan reports for this sequence: the event simulation + the tail. The
+        composer's ``score``, so the search picks by the number build_plan prints."""
+        fwd, bwd, p2p = self.stage_times(seq)
+        return simulated_1f1b_s(fwd, bwd, p2p, self.num_microbatches) + metrics.tail_s
 
 
 def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
@@ -125,8 +146,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
     assert metrics is not None
     # plain 1F1B as predicted: the event simulation of the stage times (the timeline draws the same run)
-    plain_s = simulated_1f1b_s([st.forward_s for st, _ in stage_costs], [st.backward_s for st, _ in stage_costs],
-                               p2p, m) + metrics.tail_s
+    plain_s = cand.simulated_s(comp.options, metrics)
     v, interleave_notes = 1, ()
     if schedule != "1F1B":
         from tangram_launch.capabilities import capabilities_for
