@@ -26,6 +26,9 @@ MODEL = ModelSpec(name="t8", num_layers=8, hidden_size=256, num_heads=4, num_kv_
                   vocab_size=1000, max_seq_len=128)
 TRAIN = TrainingSpec(global_batch=16, seq_len=128, dtype="fp16")
 SERIAL = PlannerOptions(max_workers=1)
+# the planner ranks by what the Plan reports, interleaving included under "auto"; references that cost
+# plain 1F1B compare with this
+PLAIN_1F1B = PlannerOptions(max_workers=1, schedule="1F1B")
 
 
 def cluster(*nodes, name="test", slow_link=None) -> ClusterSpec:
@@ -143,7 +146,7 @@ def _own_best(par, island, model, training, caps, bs):
 def test_one_island_plan_is_the_parallelizers_own_best(caps):
     homo = cluster(("n0", "a100-80gb", 4), ("n1", "a100-80gb", 4), name="homo")
     par = SyntheticParallelizer(layer_static_bytes=6 * GIB, layer_activation_bytes=1.0 * GIB)
-    result = search(homo, MODEL, TRAIN, runtime=caps, parallelizer=par, options=SERIAL)
+    result = search(homo, MODEL, TRAIN, runtime=caps, parallelizer=par, options=PLAIN_1F1B)
     plan = result.plan
     (island,) = result.islands.islands
     t, b, best = _own_best(par, island, MODEL, TRAIN, caps, plan.planner["microbatch_sequences_tried"])
@@ -163,7 +166,7 @@ def test_one_island_with_the_real_parallelizer():
                      vocab_size=1000, max_seq_len=128)
     training = TrainingSpec(global_batch=8, seq_len=128, dtype="bf16")
     par = MegatronParallelizer()
-    result = search(homo, tiny, training, runtime=TORCH, parallelizer=par, options=SERIAL)
+    result = search(homo, tiny, training, runtime=TORCH, parallelizer=par, options=PLAIN_1F1B)
     (island,) = result.islands.islands
     t, b, best = _own_best(par, island, tiny, training, TORCH, result.plan.planner["microbatch_sequences_tried"])
     assert result.plan.predicted.iteration_time_s == pytest.approx(t)
@@ -465,17 +468,21 @@ def test_a_plan_that_leaves_gpus_idle_says_how_many_and_why():
             assert n or isl.name in dropped
 
 
-def test_the_plan_is_the_least_simulated_of_every_composition_the_search_scored():
-    # a slow inter-node link (3 GB/s) puts p2p on the 1F1B cycle, where the closed form and the simulation differ
+@pytest.mark.parametrize("schedule", ["1F1B", "auto"])
+def test_the_plan_is_the_least_simulated_of_every_composition_the_search_scored(schedule):
+    # a slow inter-node link (3 GB/s) puts p2p on the 1F1B cycle, where the closed form and the simulation differ;
+    # under "auto" a composition's score is its interleaved iteration where that is faster, as the Plan reports
     slow = cluster(("a100-0", "a100-80gb", 4), ("v100-0", "v100-32gb", 8), ("v100-1", "v100-16gb", 4),
                    slow_link="v100-1")
-    opts = dataclasses.replace(SERIAL, schedule="1F1B")
-    result = search(slow, MODEL, TRAIN, runtime="torch", parallelizer=PAR, options=opts)
+    result = search(slow, MODEL, TRAIN, runtime="torch", parallelizer=PAR,
+                    options=dataclasses.replace(SERIAL, schedule=schedule))
     plan = result.plan
     t = plan.predicted.iteration_time_s
     assert result.scored_s and plan.planner["compose"]["simulated"] == len(result.scored_s)
     assert all(t <= s + 1e-12 for s in result.scored_s)
     assert t == pytest.approx(min(result.scored_s), rel=1e-12)
+    if plan.virtual_stages > 1:
+        return
     # and t is what the Plan's own stages simulate to (p2p at island boundaries), not the closed form
     stages = plan.predicted.stages
     sim = simulated_1f1b_s([s.forward_s for s in stages], [s.backward_s for s in stages], plan.planner["p2p_s"],

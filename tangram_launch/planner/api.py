@@ -5,8 +5,8 @@
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
-(compose.py; above five islands over a bounded set of island orders, orders.py; each ranked by the simulated 1F1B
-the Plan reports) -> the best over b. The sizes b: a
+(compose.py; above five islands over a bounded set of island orders, orders.py; each ranked by the iteration
+the Plan reports: the simulated 1F1B, or interleaved where faster) -> the best over b. The sizes b: a
 spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
 moving. -> islands left out, and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with
 the reasons (exit status 3 on the command line).
@@ -99,7 +99,7 @@ class SearchResult:
     parallelizer: Parallelizer
     atoms: ModelAtoms
     stats: dict
-    scored_s: tuple[float, ...] = ()  # simulated latency of every composition the search scored (the chosen's least)
+    scored_s: tuple[float, ...] = ()  # predicted iteration of every composition the search scored
 
 
 def resolve_parallelizer(parallelizer: str | Parallelizer) -> Parallelizer:
@@ -294,7 +294,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats,
                               incumbent_s=best[0] if best else float("inf"))
         if comp is not None and (best is None or comp.objective_s < best[0]):
-            best = (comp.objective_s, b, group, comp)  # ranked by the simulated 1F1B the Plan reports
+            best = (comp.objective_s, b, group, comp)  # ranked by the iteration the Plan reports
     counters["compose_s"] += time.perf_counter() - t_c
     return best
 
@@ -345,15 +345,16 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     best = None
 
-    def simulated_s(seq: tuple[int, ...], metrics) -> float:
-        return cand.simulated_s([idx[i] for i in seq], metrics)
+    def predicted_s(seq: tuple[int, ...], metrics) -> float:  # what build_plan will report for it
+        return cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
+                                    capabilities=caps).latency_s
 
     def run(order: list[int] | None) -> float | None:
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
                        incumbent_s=min(incumbent_s, best.objective_s if best else float("inf")), stats=stats,
-                       score=simulated_s)
+                       score=predicted_s)
         if comp is None:
             return None
         best = comp

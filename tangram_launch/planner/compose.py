@@ -28,10 +28,11 @@ as its cheapest completion cannot beat the best plan; and the best single-island
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
 round trip to stage k + 1: ((t_k + t_k+1) / 2 + p) per micro-batch can exceed the slowest stage), so the two can
-rank close plans the other way. A driver that passes ``score`` (the simulated latency of a sequence) gets the
-plan with the least score among the DP's winners at the bounds it visits (one per bound: a handful, each scored
-once); a bound's winner or a partial sequence is then pruned only when its closed form cannot beat the best
-*score*, so every plan whose closed form lies below the best simulated latency stays a candidate.
+rank close plans the other way. A driver that passes ``score`` (the iteration the Plan would report for a
+sequence: the simulation, or the interleaved schedule where faster) gets the plan with the least score among the
+DP's winners at the bounds it visits (one per bound, each scored once); a bound's winner or a partial sequence is
+then pruned only when its closed form cannot beat the best *score*, so every plan whose closed form lies below the
+best score stays a candidate.
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -339,7 +340,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     as it cannot beat it, and returns None if it never does; ``island_order``: only pipelines whose islands
     appear in this order (front to back, islands may be skipped) -- the state then drops the set of used islands,
     so the cost grows polynomially with the number of islands (exact among such pipelines); ``score``: the
-    latency to choose by (the simulated 1F1B; see the module docstring), computed once per bound's winner;
+    latency to choose by (what the Plan reports; see the module docstring), computed once per bound's winner;
     ``incumbent_s`` is then a score too.
     """
     stats = stats if stats is not None else ComposeStats()
