@@ -288,11 +288,11 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
             work.append((lb, b, group, idx))
     work.sort(key=lambda w: w[0])
     for lb, b, group, idx in work:
-        if best is not None and lb >= best[0]:
+        threshold = cstats.threshold_s(best[0] if best else None)  # closed form to beat (ComposeStats)
+        if lb >= threshold:
             break
         cand = all_cands[b]
-        comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats,
-                              incumbent_s=best[0] if best else float("inf"))
+        comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, cstats, incumbent_s=threshold)
         if comp is not None and (best is None or comp.objective_s < best[0]):
             best = (comp.objective_s, b, group, comp)  # ranked by the iteration the Plan reports
     counters["compose_s"] += time.perf_counter() - t_c
@@ -353,7 +353,8 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
-                       incumbent_s=min(incumbent_s, best.objective_s if best else float("inf")), stats=stats,
+                       incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None)),
+                       stats=stats,
                        score=predicted_s)
         if comp is None:
             return None

@@ -31,8 +31,9 @@ round trip to stage k + 1: ((t_k + t_k+1) / 2 + p) per micro-batch can exceed th
 rank close plans the other way. A driver that passes ``score`` (the iteration the Plan would report for a
 sequence: the simulation, or the interleaved schedule where faster) gets the plan with the least score among the
 DP's winners at the bounds it visits (one per bound, each scored once); a bound's winner or a partial sequence is
-then pruned only when its closed form cannot beat the best *score*, so every plan whose closed form lies below the
-best score stays a candidate.
+then pruned only when its closed form cannot beat the larger of the best score and the least closed form found,
+so every plan whose closed form lies below the best score stays a candidate, and so does the closed form's own
+optimum (the plan the search picked before; a score can be below the closed form where interleaving pays).
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -100,6 +101,13 @@ class ComposeStats:
     candidates: int = 0
     trace: list = field(default_factory=list)  # (bound_s, best latency_s at that bound or None)
     scored: list = field(default_factory=list)  # every composition a score was computed for (score given)
+    best_closed_s: float = float("inf")  # the least closed-form latency of any composition found
+
+    def threshold_s(self, best_score_s: float | None) -> float:
+        """What a driver passes on as ``incumbent_s`` once it holds a plan scored ``best_score_s``: pruning must
+        keep every plan whose closed form beats the best score *or* the least closed form found (a score can be
+        below the closed form: the interleaved schedule), so the closed form's own optimum stays a candidate."""
+        return float("inf") if best_score_s is None else max(best_score_s, self.best_closed_s)
 
 
 def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
@@ -392,11 +400,19 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             rank[k] = r
 
     best: Composition | None = None
+    closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
     memo: dict[float, tuple[tuple[int, ...], float] | None] = {}
+
+    def beat_s() -> float:
+        """Prune what cannot beat this (closed-form units): the incumbent, or the best plan so far -- with a score,
+        the larger of its score and the least closed form found, so neither ranking loses its optimum."""
+        return min(incumbent_s, max(best.objective_s, closed_s) if best else float("inf"))
 
     def consider(seq: tuple[int, ...], metrics: Metrics, bound: float) -> None:
         """Keep ``seq`` if it beats the best plan so far (by score where there is one)."""
-        nonlocal best
+        nonlocal best, closed_s
+        closed_s = min(closed_s, metrics.latency_s)
+        stats.best_closed_s = min(stats.best_closed_s, metrics.latency_s)
         comp = Composition(seq, metrics, bound)
         if score is not None:
             comp = Composition(seq, metrics, bound, score(seq, metrics))
@@ -408,7 +424,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         """The DP at one bound (once per bound); its plan is compared with the best global plan (3)."""
         if bound in memo:
             return memo[bound]
-        beat = min(incumbent_s, best.objective_s if best else float("inf"))
+        beat = beat_s()
         prune = (m - 1, period_lb, pre_fill, pre_period, beat) if beat < float("inf") else None
         found = memo[bound] = _dp_at_bound(options, by_stop, link_s, num_layers, n_cap, saturated, bound,
                                            required_mask, max_stages, stats, prune, rank)
@@ -440,7 +456,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     stack = [(0, len(cands) - 1, loosest[1])]  # (lo, hi, F(cands[hi])); cands[hi] has been tried
     while stack:
         lo, hi, f_hi = stack.pop()
-        beat = min(incumbent_s, best.objective_s if best else float("inf"))
+        beat = beat_s()
         if lo == hi or (m - 1) * cands[lo] + max(cands[lo], f_hi, fill_lb) >= beat:
             continue
         mid = (lo + hi) // 2
