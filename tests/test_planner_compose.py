@@ -236,18 +236,21 @@ def test_score_ranks_two_plans_the_closed_form_ranks_the_other_way():
     by_score = compose(opts, link, 2, m, score=score, stats=stats)
     assert by_score.options == (2,) and by_score.score_s == pytest.approx(b)
     assert {c.options for c in stats.scored} >= {(0, 1), (2,)}  # both were candidates
-    # an incumbent is a score too: nothing here beats 10.0 s
-    assert compose(opts, link, 2, m, score=score, incumbent_s=b) is None
+    # with the band an incumbent is a score: nothing here beats 10.0 s
+    assert compose(opts, link, 2, m, score=score, incumbent_s=b, score_band=True) is None
+    banded = compose(opts, link, 2, m, score=score, score_band=True)
+    assert banded.options == (2,)
 
 
+@pytest.mark.parametrize("band", [False, True], ids=["closed-form-search", "score-band"])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_chosen_plan_has_the_least_score_of_every_candidate(seed):
+def test_the_chosen_plan_has_the_least_score_of_every_candidate(seed, band):
     rng = random.Random(500 + seed)
     for _ in range(120):
         options, link, L, m, K = random_instance(rng)
         score = _simulated(options, link, m)
         stats = ComposeStats()
-        got = compose(options, link, L, m, score=score, stats=stats)
+        got = compose(options, link, L, m, score=score, stats=stats, score_band=band)
         if got is None:
             assert compose(options, link, L, m) is None  # the score prunes nothing the formula would find
             continue
@@ -260,7 +263,8 @@ def test_the_chosen_plan_has_the_least_score_of_every_candidate(seed):
         assert got.score_s <= score(exact.options, exact.metrics) + 1e-9
 
 
-def test_a_score_below_the_closed_form_still_keeps_the_closed_form_optimum():
+@pytest.mark.parametrize("band", [False, True], ids=["closed-form-search", "score-band"])
+def test_a_score_below_the_closed_form_still_keeps_the_closed_form_optimum(band):
     # interleaving can put a plan's reported iteration well below its plain closed form; a score that scales each
     # plan's closed form by its own factor in [0.5, 1.2] must still never lose to the closed form's optimum
     rng = random.Random(77)
@@ -271,7 +275,7 @@ def test_a_score_below_the_closed_form_still_keeps_the_closed_form_optimum():
         def score(seq, metrics):
             return metrics.latency_s * factor.setdefault(seq, rng.uniform(0.5, 1.2))
         stats = ComposeStats()
-        got = compose(options, link, L, m, score=score, stats=stats)
+        got = compose(options, link, L, m, score=score, stats=stats, score_band=band)
         exact = brute_force(options, link, L, m)
         assert (got is None) == (exact is None)
         if exact is None:

@@ -63,6 +63,10 @@ class PlannerOptions:
     # pipeline schedule: "1F1B", "interleaved-1F1B" (virtual stages required) or "auto" (interleave where the runtime
     # runs it and it is faster; planner/interleave.py)
     schedule: str = "auto"
+    # compositions are ranked by the iteration the Plan reports (the simulated 1F1B); True also searches every plan
+    # whose closed form is below the best simulated one (compose.py's score_band: slower, finds more where p2p lies on
+    # the 1F1B cycle)
+    score_band: bool = False
 
     def __post_init__(self) -> None:
         if self.microbatch_sequences is not None:
@@ -288,7 +292,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
             work.append((lb, b, group, idx))
     work.sort(key=lambda w: w[0])
     for lb, b, group, idx in work:
-        threshold = cstats.threshold_s(best[0] if best else None)  # closed form to beat (ComposeStats)
+        threshold = cstats.threshold_s(best[0] if best else None, opts.score_band)  # closed form to beat
         if lb >= threshold:
             break
         cand = all_cands[b]
@@ -353,12 +357,13 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
-                       incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None)),
-                       stats=stats,
-                       score=predicted_s)
+                       incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None,
+                                                                      opts.score_band)),
+                       stats=stats, score=predicted_s, score_band=opts.score_band)
         if comp is None:
             return None
-        best = comp
+        if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing
+            best = comp
         return comp.objective_s
 
     if len(present) <= opts.exact_islands:

@@ -30,10 +30,10 @@ also charges the inter-island p2p where it lies on the steady state's cycle (sta
 round trip to stage k + 1: ((t_k + t_k+1) / 2 + p) per micro-batch can exceed the slowest stage), so the two can
 rank close plans the other way. A driver that passes ``score`` (the iteration the Plan would report for a
 sequence: the simulation, or the interleaved schedule where faster) gets the plan with the least score among the
-DP's winners at the bounds it visits (one per bound, each scored once); a bound's winner or a partial sequence is
-then pruned only when its closed form cannot beat the larger of the best score and the least closed form found,
-so every plan whose closed form lies below the best score stays a candidate, and so does the closed form's own
-optimum (the plan the search picked before; a score can be below the closed form where interleaving pays).
+DP's winners at the bounds the exact closed-form search visits (one per bound, each scored once): the closed
+form's optimum is among them, so the score never gets worse than it was. With ``score_band`` a bound's winner or
+a partial sequence is pruned only when its closed form cannot beat the larger of the best score and the least
+closed form found, so every plan whose closed form lies below the best score is a candidate too (more DP runs).
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -103,11 +103,13 @@ class ComposeStats:
     scored: list = field(default_factory=list)  # every composition a score was computed for (score given)
     best_closed_s: float = float("inf")  # the least closed-form latency of any composition found
 
-    def threshold_s(self, best_score_s: float | None) -> float:
-        """What a driver passes on as ``incumbent_s`` once it holds a plan scored ``best_score_s``: pruning must
-        keep every plan whose closed form beats the best score *or* the least closed form found (a score can be
-        below the closed form: the interleaved schedule), so the closed form's own optimum stays a candidate."""
-        return float("inf") if best_score_s is None else max(best_score_s, self.best_closed_s)
+    def threshold_s(self, best_score_s: float | None, band: bool = False) -> float:
+        """What a driver passes on as ``incumbent_s`` once it holds a plan scored ``best_score_s``: the least
+        closed form found (the closed-form search prunes as without a score); with ``band``, the larger of that
+        and the best score, so every plan whose closed form beats the best score is searched too."""
+        if best_score_s is None:
+            return float("inf")
+        return max(best_score_s, self.best_closed_s) if band else self.best_closed_s
 
 
 def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
@@ -339,7 +341,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             *, allowed_mask: int | None = None, required_mask: int = 0, max_stages: int | None = None,
             bound_step: float = 0.0, incumbent_s: float = float("inf"), island_order: Sequence[int] | None = None,
             stats: ComposeStats | None = None,
-            score: Callable[[tuple[int, ...], Metrics], float] | None = None) -> Composition | None:
+            score: Callable[[tuple[int, ...], Metrics], float] | None = None,
+            score_band: bool = False) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -349,7 +352,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     appear in this order (front to back, islands may be skipped) -- the state then drops the set of used islands,
     so the cost grows polynomially with the number of islands (exact among such pipelines); ``score``: the
     latency to choose by (what the Plan reports; see the module docstring), computed once per bound's winner;
-    ``incumbent_s`` is then a score too.
+    ``incumbent_s`` then prunes closed forms only (the least score among the winners is returned, whatever it
+    is); ``score_band``: prune against the larger of the best score and the least closed form instead (more DP
+    runs: every plan whose closed form beats the best score is a candidate), and ``incumbent_s`` is a score.
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -403,10 +408,15 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
     memo: dict[float, tuple[tuple[int, ...], float] | None] = {}
 
+    band = score is not None and score_band
+    gate_s = incumbent_s if score is None or band else float("inf")  # what a returned plan must beat
+
     def beat_s() -> float:
-        """Prune what cannot beat this (closed-form units): the incumbent, or the best plan so far -- with a score,
-        the larger of its score and the least closed form found, so neither ranking loses its optimum."""
-        return min(incumbent_s, max(best.objective_s, closed_s) if best else float("inf"))
+        """Prune what cannot beat this (closed-form units): the incumbent, or the least closed form found (the
+        best plan's, without a score); with ``score_band`` the larger of that and the best score."""
+        if band:
+            return min(incumbent_s, max(best.objective_s, closed_s) if best else float("inf"))
+        return min(incumbent_s, closed_s)
 
     def consider(seq: tuple[int, ...], metrics: Metrics, bound: float) -> None:
         """Keep ``seq`` if it beats the best plan so far (by score where there is one)."""
@@ -417,7 +427,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         if score is not None:
             comp = Composition(seq, metrics, bound, score(seq, metrics))
             stats.scored.append(comp)
-        if comp.objective_s < incumbent_s and (best is None or comp.objective_s < best.objective_s):
+        if comp.objective_s < gate_s and (best is None or comp.objective_s < best.objective_s):
             best = comp
 
     def run(bound: float) -> tuple[tuple[int, ...], float] | None:
@@ -464,6 +474,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         stack.append((mid + 1, hi, f_hi))
         if found is not None:
             stack.append((lo, mid, found[1]))
-    if best is not None and best.objective_s >= incumbent_s:
+    if best is not None and best.objective_s >= gate_s:
         return None
     return best
