@@ -196,3 +196,101 @@ def test_order_search_is_within_five_percent_of_the_exact_search(seed):
     order, tried = search_orders(run, list(range(K)), link)
     assert order is not None and tried >= K
     assert exact.latency_s <= best[0] <= exact.latency_s * 1.05
+
+
+# --- ranking by a score (the simulated 1F1B the Plan reports) ------------------------------------------------------
+
+def _simulated(options, link, m):
+    """A score as the planner's: the 1F1B event simulation of the options' stages (each option's time split evenly
+    over its stages, a third forward) with the links' p2p between options, plus the tail."""
+    from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+
+    def score(seq, metrics):
+        fwd, bwd, p2p = [], [], []
+        for n, oi in enumerate(seq):
+            o = options[oi]
+            if n:
+                p2p.append(link[options[seq[n - 1]].island][o.island])
+            p2p.extend([0.0] * (o.num_stages - 1))
+            fwd.extend([o.time_s / o.num_stages / 3] * o.num_stages)
+            bwd.extend([2 * o.time_s / o.num_stages / 3] * o.num_stages)
+        return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
+    return score
+
+
+def test_score_ranks_two_plans_the_closed_form_ranks_the_other_way():
+    # A: islands 0 -> 1, one stage each of 1.0 s, a 0.2 s link: the closed form's period is 1.0, but in 1F1B stage
+    # 0's backward waits for the round trip to stage 1, so the steady state takes (1.0 + 1.0) / 2 + 0.2 per
+    # micro-batch. B: the whole model on island 2, 1.25 s. m = 8: closed form A 9.4 < B 10.0; simulated B < A.
+    opts = [Option(0, 1, 0, 1, SENTINEL, 1.0, 1.0, 0.0), Option(1, 2, 1, 1, SENTINEL, 1.0, 1.0, 0.0),
+            Option(0, 2, 2, 1, SENTINEL, 1.25, 1.25, 0.0)]
+    link = [[0.0, 0.2, 0.0], [0.2, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    m = 8
+    score = _simulated(opts, link, m)
+    by_formula = compose(opts, link, 2, m)
+    assert by_formula.options == (0, 1) and by_formula.latency_s == pytest.approx(7 * 1.0 + 2.0 + 0.4)
+    a = score((0, 1), evaluate((0, 1), opts, link, m))
+    b = score((2,), evaluate((2,), opts, link, m))
+    assert b == pytest.approx(10.0) and a > b  # the premise: the simulation ranks them the other way
+    stats = ComposeStats()
+    by_score = compose(opts, link, 2, m, score=score, stats=stats)
+    assert by_score.options == (2,) and by_score.score_s == pytest.approx(b)
+    assert {c.options for c in stats.scored} >= {(0, 1), (2,)}  # both were candidates
+    # with the band an incumbent is a score: nothing here beats 10.0 s
+    assert compose(opts, link, 2, m, score=score, incumbent_s=b, score_band=True) is None
+    banded = compose(opts, link, 2, m, score=score, score_band=True)
+    assert banded.options == (2,)
+
+
+@pytest.mark.parametrize("band", [False, True], ids=["closed-form-search", "score-band"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_chosen_plan_has_the_least_score_of_every_candidate(seed, band):
+    rng = random.Random(500 + seed)
+    for _ in range(120):
+        options, link, L, m, K = random_instance(rng)
+        score = _simulated(options, link, m)
+        stats = ComposeStats()
+        got = compose(options, link, L, m, score=score, stats=stats, score_band=band)
+        if got is None:
+            assert compose(options, link, L, m) is None  # the score prunes nothing the formula would find
+            continue
+        _check_plan(got, options, link, L, m)
+        assert got.score_s == pytest.approx(score(got.options, got.metrics))  # its score is its own
+        assert all(got.score_s <= c.score_s for c in stats.scored)
+        # the closed form's optimum (the plan chosen before scores) is always a candidate: never a worse score
+        exact = brute_force(options, link, L, m)
+        assert exact is not None
+        assert got.score_s <= score(exact.options, exact.metrics) + 1e-9
+
+
+@pytest.mark.parametrize("band", [False, True], ids=["closed-form-search", "score-band"])
+def test_a_score_below_the_closed_form_still_keeps_the_closed_form_optimum(band):
+    # interleaving can put a plan's reported iteration well below its plain closed form; a score that scales each
+    # plan's closed form by its own factor in [0.5, 1.2] must still never lose to the closed form's optimum
+    rng = random.Random(77)
+    for _ in range(150):
+        options, link, L, m, K = random_instance(rng)
+        factor = {}
+
+        def score(seq, metrics):
+            return metrics.latency_s * factor.setdefault(seq, rng.uniform(0.5, 1.2))
+        stats = ComposeStats()
+        got = compose(options, link, L, m, score=score, stats=stats, score_band=band)
+        exact = brute_force(options, link, L, m)
+        assert (got is None) == (exact is None)
+        if exact is None:
+            continue
+        assert all(got.score_s <= c.score_s for c in stats.scored)
+        assert any(c.latency_s == pytest.approx(exact.latency_s, rel=1e-12) for c in stats.scored)  # was scored
+        assert got.score_s <= score(exact.options, exact.metrics) + 1e-9
+
+
+def test_score_equal_to_the_closed_form_keeps_the_search_exact():
+    rng = random.Random(41)
+    for _ in range(150):
+        options, link, L, m, K = random_instance(rng)
+        ref = brute_force(options, link, L, m)
+        got = compose(options, link, L, m, score=lambda seq, met: met.latency_s)
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            assert got.score_s == pytest.approx(ref.latency_s, rel=1e-12, abs=1e-12)

@@ -5,7 +5,8 @@
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
-(compose.py; above five islands over a bounded set of island orders, orders.py) -> the best over b. The sizes b: a
+(compose.py; above five islands over a bounded set of island orders, orders.py; each ranked by the iteration
+the Plan reports: the simulated 1F1B, or interleaved where faster) -> the best over b. The sizes b: a
 spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
 moving. Branch and bound: the sizes are visited most promising first (a floor under any plan's latency at each
 size, from the parallelizer's compute floors), a size whose floor cannot beat the best plan so far is skipped, and
@@ -70,6 +71,10 @@ class PlannerOptions:
     # pipeline schedule: "1F1B", "interleaved-1F1B" (virtual stages required) or "auto" (interleave where the runtime
     # runs it and it is faster; planner/interleave.py)
     schedule: str = "auto"
+    # compositions are ranked by the iteration the Plan reports (the simulated 1F1B); True also searches every plan
+    # whose closed form is below the best simulated one (compose.py's score_band: slower, finds more where p2p lies on
+    # the 1F1B cycle)
+    score_band: bool = False
 
     def __post_init__(self) -> None:
         if self.microbatch_sequences is not None:
@@ -106,6 +111,7 @@ class SearchResult:
     parallelizer: Parallelizer
     atoms: ModelAtoms
     stats: dict
+    scored_s: tuple[float, ...] = ()  # predicted iteration of every composition the search scored
 
 
 def resolve_parallelizer(parallelizer: str | Parallelizer) -> Parallelizer:
@@ -221,7 +227,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         "query_time_s": round(counters["query_s"], 4),
         "compose_time_s": round(compose_s, 4),
         "workers": opts.max_workers or default_workers(),
-        "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options)},
+        "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options),
+                    "simulated": len(cstats.scored)},
         "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
                     "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
     }
@@ -239,7 +246,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     plan = _with_planner(plan, stats)
     return SearchResult(plan=plan, composition=comp_best, candidates=cand, all_candidates=all_cands,
                         results=results, pairs=pairset, islands=iset, usable=usable, capabilities=caps,
-                        parallelizer=par, atoms=atoms, stats=stats)
+                        parallelizer=par, atoms=atoms, stats=stats,
+                        scored_s=tuple(c.objective_s for c in cstats.scored))
 
 
 def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
@@ -260,11 +268,11 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     candidates) so far.
 
     Branch and bound over the queries: (1) every b's single-island pairs (the whole model on one island: few
-    queries, bounded by earlier rounds' best) are composed first, which gives an
-    incumbent latency and an order of the sizes; (2) size by size, most promising first, the other pairs are
-    asked with the best latency so far as their bound (SliceQuery.latency_bound_s): a slice plan whose own
-    (m - 1) x bottleneck + stage times + tail exceeds it is part of no faster pipeline, so the parallelizer skips it
-    (exact: the composer would never place it in a plan that wins).
+    queries, bounded by earlier rounds' best) are composed first, which gives an incumbent and an order of the
+    sizes; (2) size by size, most promising first, the other pairs are asked with the closed-form latency to beat
+    as their bound (SliceQuery.latency_bound_s): a slice plan whose own (m - 1) x bottleneck + stage times + tail
+    exceeds it is part of no pipeline the composer would still consider, so the parallelizer skips it (the
+    closed-form optimum, and so the plans scored against it, are those of the full search).
     """
     L = model.num_layers
     whole = [p for p in pairset.queries if p.layers == (0, L)]
@@ -272,14 +280,18 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     bnb = opts.branch_and_bound
     floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
                              par=par if bnb else None) for b in bs}
+
+    def bound() -> float:  # the closed form to beat (compose.ComposeStats.threshold_s), inf without branch and bound
+        return cstats.threshold_s(best[0] if best is not None else None, opts.score_band) if bnb else math.inf
+
     first: list[tuple[float, float, int]] = []
-    for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # the most promising size first: its plan bounds the rest
+    for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # most promising first: its plan bounds the rest
         results.setdefault(b, {})
-        if best is not None and _beyond(floors[b].latency_s, best[0]):
+        if _beyond(floors[b].latency_s, bound()):
             counters["sizes_skipped"] += 1
             continue
-        _ask([b], whole, best[0] if best and bnb else math.inf, floors[b], results, counters, model=model, training=training,
-             islands=islands, caps=caps, par=par, opts=opts)
+        _ask([b], whole, bound(), floors[b], results, counters, model=model, training=training, islands=islands,
+             caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
                           use_incumbent=False)  # each size's own single-island latency orders the sizes below
@@ -287,11 +299,11 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     if not rest:
         return best
     for _own, floor, b in sorted(first):
-        if best is not None and _beyond(floor, best[0]):
+        if _beyond(floor, bound()):
             counters["sizes_skipped"] += 1
             continue
-        _ask([b], rest, best[0] if best and bnb else math.inf, floors[b], results, counters, model=model, training=training,
-             islands=islands, caps=caps, par=par, opts=opts)
+        _ask([b], rest, bound(), floors[b], results, counters, model=model, training=training, islands=islands,
+             caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts)
     return best
@@ -406,14 +418,15 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     work = sorted(((lower_bound([cand.options[i] for i in idx], L, m), group, idx)
                    for group, idx in _groups(cand).items()), key=lambda w: w[0])
     for lb, group, idx in work:
-        incumbent = best[0] if best is not None and use_incumbent else math.inf
-        if lb >= incumbent:
+        # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking
+        threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
+        if lb >= threshold:
             break
-        comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=incumbent)
+        comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold)
         if comp is not None:
-            cand.best_s = min(cand.best_s, comp.latency_s)
-            if best is None or comp.latency_s < best[0]:
-                best = (comp.latency_s, b, group, comp, cand)
+            cand.best_s = min(cand.best_s, comp.objective_s)
+            if best is None or comp.objective_s < best[0]:
+                best = (comp.objective_s, b, group, comp, cand)  # ranked by the iteration the Plan reports
     counters["compose_s"] += time.perf_counter() - t_c
     return best
 
@@ -476,15 +489,22 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     best = None
 
+    def predicted_s(seq: tuple[int, ...], metrics) -> float:  # what build_plan will report for it
+        return cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
+                                    capabilities=caps).latency_s
+
     def run(order: list[int] | None) -> float | None:
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
-                       incumbent_s=min(incumbent_s, best.latency_s if best else float("inf")), stats=stats)
+                       incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None,
+                                                                      opts.score_band)),
+                       stats=stats, score=predicted_s, score_band=opts.score_band)
         if comp is None:
             return None
-        best = comp
-        return comp.latency_s
+        if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing
+            best = comp
+        return comp.objective_s
 
     if len(present) <= opts.exact_islands:
         run(None)
@@ -492,7 +512,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         search_orders(run, present, cand.link_matrix, island_orders(cand.islands, present, cand.training_dtype))
     if best is None:
         return None
-    return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s)
+    return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s, best.score_s)
 
 
 def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
@@ -529,7 +549,7 @@ def _dropped_islands(cand: Candidates, idx: Sequence[int], best: Composition, is
             continue
         # the search's bound (SliceQuery.latency_bound_s) left its slice plans out before they were costed
         bounded = (f"{isl.name}: every plan using it is slower: none of its slice plans can be part of a pipeline "
-                   f"faster than the chosen plan ({best.latency_s:.3g} s per iteration): each one's own (m - 1) x "
+                   f"faster than the chosen plan ({best.objective_s:.3g} s per iteration): each one's own (m - 1) x "
                    f"slowest stage + stage times + DP sync is already longer")
         if isl.name in pairset.island_notes:
             reason = pairset.island_notes[isl.name]
@@ -547,9 +567,9 @@ def _dropped_islands(cand: Candidates, idx: Sequence[int], best: Composition, is
                 reason = (f"{isl.name}: no feasible plan uses it (its slices do not fit in memory at any pipeline "
                           f"position that leaves room for the rest of the model)")
             else:
-                reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.latency_s:.3g} s "
+                reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.objective_s:.3g} s "
                           f"per iteration (slowest stage or link {comp.metrics.period_s:.3g} s per micro-batch), "
-                          f"the best plan without it takes {best.latency_s:.3g} s (slowest stage or link "
+                          f"the best plan without it takes {best.objective_s:.3g} s (slowest stage or link "
                           f"{best.metrics.period_s:.3g} s)"
                           + (" (of the plans costed: the bound skipped those that could not beat the chosen one)"
                              if cand.bounded.get(isl.name) else ""))

@@ -5,7 +5,7 @@ indices) into ``compose.Option`` tuples, dropping plans the runtime cannot run, 
 is inconsistent, and plans whose stages do not fit the island's nodes (``templates.judge_templates``, from the
 plans' numbers: lazy plans stay unbuilt). ``build_plan`` turns the chosen options back
 into stages with GPUs (layout.allocate_gpus), the rank layout (plan.py derives it), and predictions computed by the
-same formula the composer minimised.
+same numbers the composer's driver ranked it by (``Candidates.schedule_choice``).
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
-from tangram_launch.planner.compose import Composition, Option, evaluate
+from tangram_launch.planner.compose import Composition, Metrics, Option, evaluate
 from tangram_launch.planner import templates as templates_mod
 from tangram_launch.planner.allocation import LinkModel, allocate_gpus
+from tangram_launch.planner.interleave import ScheduleChoice, choose_virtual_stages
 from tangram_launch.planner.slices import Pair
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,6 +48,7 @@ class Candidates:
     sources: list[tuple[Pair, SlicePlan]] = field(default_factory=list)  # option -> (pair, unshifted slice plan)
     groups: list[Hashable] = field(default_factory=list)  # option -> compatibility class (uniform-grid runtimes)
     training_dtype: str = "bf16"
+    training: "TrainingSpec | None" = None  # memory headroom for the interleaving choice (schedule_choice)
     infeasible: dict[str, list[str]] = field(default_factory=dict)  # island -> parallelizer's reasons
     dropped: dict[str, int] = field(default_factory=dict)  # why slice plans were not offered: reason -> count
     bounded: dict[str, int] = field(default_factory=dict)  # island -> configurations that could not beat the bound
@@ -56,6 +58,39 @@ class Candidates:
         """The slice plan behind an option, shifted to the option's layers."""
         pair, plan = self.sources[option_index]
         return shift_plan(plan, pair.layers[0] - plan.layers[0])
+
+    def stage_times(self, seq: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
+        """Forward and backward seconds of every stage of a sequence of options, and the one-way p2p seconds at
+        each stage boundary (inside a slice plan its stage times hold the p2p: 0 there)."""
+        fwd: list[float] = []
+        bwd: list[float] = []
+        p2p: list[float] = []
+        for n, oi in enumerate(seq):
+            stages = self.sources[oi][1].stages  # shifting layers changes no time
+            if n:
+                p2p.append(self.link_matrix[self.options[seq[n - 1]].island][self.options[oi].island])
+            p2p.extend([0.0] * (len(stages) - 1))
+            fwd.extend(st.forward_s for st in stages)
+            bwd.extend(st.backward_s for st in stages)
+        return fwd, bwd, p2p
+
+    def simulated_s(self, seq: Sequence[int], metrics: Metrics) -> float:
+        """The plain-1F1B iteration the Plan reports for this sequence: the event simulation + the tail."""
+        fwd, bwd, p2p = self.stage_times(seq)
+        return simulated_1f1b_s(fwd, bwd, p2p, self.num_microbatches) + metrics.tail_s
+
+    def schedule_choice(self, seq: Sequence[int], metrics: Metrics, *, schedule: str,
+                        capabilities: "RuntimeCapabilities") -> ScheduleChoice:
+        """The schedule build_plan gives this sequence and the iteration it predicts: plain 1F1B (the event
+        simulation) or, under "auto" / "interleaved-1F1B", virtual stages where they are faster (interleave.py).
+        The composer's ``score``, so the search picks by the number build_plan prints."""
+        plain_s = self.simulated_s(seq, metrics)
+        if schedule == "1F1B":
+            return ScheduleChoice(1, plain_s)
+        stages = [(st, self.islands[self.options[oi].island]) for oi in seq for st in self.slice_plan(oi).stages]
+        return choose_virtual_stages(stages, num_microbatches=self.num_microbatches, period_s=metrics.period_s,
+                                     fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
+                                     capabilities=capabilities, training=self.training, plain_latency_s=plain_s)
 
 
 def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
@@ -73,7 +108,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
     """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key): the plans
     templates.judge_templates keeps, judged by their numbers (lazy plans are built only when placed)."""
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
-                      link_matrix=links.island_matrix(), training_dtype=dtype)
+                      link_matrix=links.island_matrix(), training_dtype=dtype, training=training)
     templates: dict[tuple, list] = {}
     shape_caches: dict[tuple, dict] = {}  # (island, full model): judge_templates' cache across queries
     for key, res in results.items():
@@ -130,13 +165,11 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
     assert metrics is not None
     # plain 1F1B as predicted: the event simulation of the stage times (the timeline draws the same run)
-    plain_s = simulated_1f1b_s([st.forward_s for st, _ in stage_costs], [st.backward_s for st, _ in stage_costs],
-                               p2p, m) + metrics.tail_s
+    plain_s = cand.simulated_s(comp.options, metrics)
     v, interleave_notes = 1, ()
     if schedule != "1F1B":
         from tangram_launch.capabilities import capabilities_for
         from tangram_launch.errors import InfeasibleError
-        from tangram_launch.planner.interleave import choose_virtual_stages
 
         choice = choose_virtual_stages(stage_costs, num_microbatches=m, period_s=metrics.period_s,
                                        fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,

@@ -25,6 +25,16 @@ least fill + tail at its largest) cannot beat the best plan; inside a DP run, a 
 as its cheapest completion cannot beat the best plan; and the best single-island plan seeds the search.
 ``bound_step`` > 0 trades exactness for fewer DP runs by merging bounds within a relative step.
 
+The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
+also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
+round trip to stage k + 1: ((t_k + t_k+1) / 2 + p) per micro-batch can exceed the slowest stage), so the two can
+rank close plans the other way. A driver that passes ``score`` (the iteration the Plan would report for a
+sequence: the simulation, or the interleaved schedule where faster) gets the plan with the least score among the
+DP's winners at the bounds the exact closed-form search visits (one per bound, each scored once): the closed
+form's optimum is among them, so the score never gets worse than it was. With ``score_band`` a bound's winner or
+a partial sequence is pruned only when its closed form cannot beat the larger of the best score and the least
+closed form found, so every plan whose closed form lies below the best score is a candidate too (more DP runs).
+
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
 the state and the cost becomes polynomial in K; the planner tries a few orders when K is large.
@@ -34,7 +44,7 @@ from __future__ import annotations
 import bisect
 import operator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 
@@ -72,10 +82,16 @@ class Composition:
     options: tuple[int, ...]  # indices into the option list, front (layer 0) to back
     metrics: Metrics
     bound_s: float  # the bottleneck bound at which the DP found it
+    score_s: float | None = None  # the driver's score (simulated latency) it was chosen by; None: the closed form
 
     @property
     def latency_s(self) -> float:
         return self.metrics.latency_s
+
+    @property
+    def objective_s(self) -> float:
+        """What the search ranked it by: the score where the driver gave one, else the closed form."""
+        return self.metrics.latency_s if self.score_s is None else self.score_s
 
 
 @dataclass
@@ -84,6 +100,16 @@ class ComposeStats:
     states: int = 0
     candidates: int = 0
     trace: list = field(default_factory=list)  # (bound_s, best latency_s at that bound or None)
+    scored: list = field(default_factory=list)  # every composition a score was computed for (score given)
+    best_closed_s: float = float("inf")  # the least closed-form latency of any composition found
+
+    def threshold_s(self, best_score_s: float | None, band: bool = False) -> float:
+        """What a driver passes on as ``incumbent_s`` once it holds a plan scored ``best_score_s``: the least
+        closed form found (the closed-form search prunes as without a score); with ``band``, the larger of that
+        and the best score, so every plan whose closed form beats the best score is searched too."""
+        if best_score_s is None:
+            return float("inf")
+        return max(best_score_s, self.best_closed_s) if band else self.best_closed_s
 
 
 def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
@@ -244,8 +270,8 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
 def _at_bound(options: Sequence[Option], idx: list[int], n: int, saturated: int,
               cache: dict) -> tuple[list[int], list[float]]:
     """The first n options of a (stop, island) group (those under the bound; idx is sorted by bottleneck) that no
-    other of them on the same layers beats on time, tail, stages and room for following stages, each with the least bottleneck of the
-    options it beats (itself included).
+    other of them on the same layers beats on time, tail, stages and room for following stages, each with the
+    least bottleneck of the options it beats (itself included).
 
     Under a bound the bottleneck decides admission only: at any bound the options kept reach the same least
     fill + tail (a beaten option's place is taken by one with no more time, tail and stages and no less room), so
@@ -361,7 +387,9 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
             *, allowed_mask: int | None = None, required_mask: int = 0, max_stages: int | None = None,
             bound_step: float = 0.0, incumbent_s: float = float("inf"), island_order: Sequence[int] | None = None,
-            stats: ComposeStats | None = None) -> Composition | None:
+            stats: ComposeStats | None = None,
+            score: Callable[[tuple[int, ...], Metrics], float] | None = None,
+            score_band: bool = False) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -369,7 +397,11 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     ``incumbent_s``: a latency already achieved elsewhere (another micro-batch size): the search stops as soon
     as it cannot beat it, and returns None if it never does; ``island_order``: only pipelines whose islands
     appear in this order (front to back, islands may be skipped) -- the state then drops the set of used islands,
-    so the cost grows polynomially with the number of islands (exact among such pipelines).
+    so the cost grows polynomially with the number of islands (exact among such pipelines); ``score``: the
+    latency to choose by (what the Plan reports; see the module docstring), computed once per bound's winner;
+    ``incumbent_s`` then prunes closed forms only (the least score among the winners is returned, whatever it
+    is); ``score_band``: prune against the larger of the best score and the least closed form instead (more DP
+    runs: every plan whose closed form beats the best score is a candidate), and ``incumbent_s`` is a score.
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -420,22 +452,44 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             rank[k] = r
 
     best: Composition | None = None
+    closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
     memo: dict[float, tuple[tuple[int, ...], float] | None] = {}
     at_bound: dict = {}
 
+    band = score is not None and score_band
+    gate_s = incumbent_s if score is None or band else float("inf")  # what a returned plan must beat
+
+    def beat_s() -> float:
+        """Prune what cannot beat this (closed-form units): the incumbent, or the least closed form found (the
+        best plan's, without a score); with ``score_band`` the larger of that and the best score."""
+        if band:
+            return min(incumbent_s, max(best.objective_s, closed_s) if best else float("inf"))
+        return min(incumbent_s, closed_s)
+
+    def consider(seq: tuple[int, ...], metrics: Metrics, bound: float) -> None:
+        """Keep ``seq`` if it beats the best plan so far (by score where there is one)."""
+        nonlocal best, closed_s
+        closed_s = min(closed_s, metrics.latency_s)
+        stats.best_closed_s = min(stats.best_closed_s, metrics.latency_s)
+        comp = Composition(seq, metrics, bound)
+        if score is not None:
+            comp = Composition(seq, metrics, bound, score(seq, metrics))
+            stats.scored.append(comp)
+        if comp.objective_s < gate_s and (best is None or comp.objective_s < best.objective_s):
+            best = comp
+
     def run(bound: float) -> tuple[tuple[int, ...], float] | None:
         """The DP at one bound (once per bound); its plan is compared with the best global plan (3)."""
-        nonlocal best
         if bound in memo:
             return memo[bound]
-        beat = min(incumbent_s, best.latency_s if best else float("inf"))
+        beat = beat_s()
         prune = (m - 1, period_lb, pre_fill, pre_period, beat) if beat < float("inf") else None
         found = memo[bound] = _dp_at_bound(options, by_stop, link_s, num_layers, n_cap, saturated, bound,
                                            required_mask, max_stages, stats, prune, rank, at_bound)
         metrics = evaluate(found[0], options, link_s, m) if found else None
         stats.trace.append((bound, metrics.latency_s if metrics else None))
-        if metrics is not None and (best is None or metrics.latency_s < best.latency_s):
-            best = Composition(found[0], metrics, bound)
+        if metrics is not None and (score is not None or best is None or metrics.latency_s < best.latency_s):
+            consider(found[0], metrics, bound)
         return found
 
     # a plan of one option (a whole-model slice plan on one island) needs no DP; it seeds the best plan so that
@@ -445,9 +499,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         if o.start == 0 and o.stop == num_layers and required_mask & ~(1 << o.island) == 0 \
                 and (max_stages is None or o.num_stages <= max_stages):
             metrics = evaluate((oi,), options, link_s, m)
-            if metrics is not None and metrics.latency_s < incumbent_s and (
-                    best is None or metrics.latency_s < best.latency_s):
-                best = Composition((oi,), metrics, o.bottleneck_s)
+            if metrics is not None and (score is not None or metrics.latency_s < incumbent_s):
+                consider((oi,), metrics, o.bottleneck_s)
     # (1) the loosest bound gives a first plan and F(max) = the least fill + tail of any plan
     loosest = run(cands[-1])
     if loosest is None:
@@ -461,7 +514,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     stack = [(0, len(cands) - 1, loosest[1])]  # (lo, hi, F(cands[hi])); cands[hi] has been tried
     while stack:
         lo, hi, f_hi = stack.pop()
-        beat = min(incumbent_s, best.latency_s if best else float("inf"))
+        beat = beat_s()
         if lo == hi or (m - 1) * cands[lo] + max(cands[lo], f_hi, fill_lb) >= beat:
             continue
         mid = (lo + hi) // 2
@@ -469,6 +522,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         stack.append((mid + 1, hi, f_hi))
         if found is not None:
             stack.append((lo, mid, found[1]))
-    if best is not None and best.latency_s >= incumbent_s:
+    if best is not None and best.objective_s >= gate_s:
         return None
     return best
