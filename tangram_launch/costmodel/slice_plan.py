@@ -70,6 +70,12 @@ def latency_floor_s(numbers: SliceNumbers, num_microbatches: int) -> float:
     return (num_microbatches - 1) * max(times) + sum(times) + max(numbers.tail_s)
 
 
+def score_floor_s(numbers: SliceNumbers, num_microbatches: int) -> float:
+    """The least predicted iteration of any pipeline holding this slice plan: its slowest stage runs m forwards and
+    m backwards (the simulated 1F1B, and interleaving's m x period, are at least that), then the tail."""
+    return num_microbatches * max(numbers.time_s) + max(numbers.tail_s)
+
+
 def numbers_fit(numbers: SliceNumbers, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:
     """SlicePlan.fits on a plan's numbers (the same arithmetic, so the same answer to the last bit)."""
     m = num_microbatches
@@ -91,19 +97,26 @@ class SliceQuery:
     capabilities: RuntimeCapabilities
     max_stages: int | None = None  # cap on pipeline stages inside this slice
     pipelined: bool = True  # whether the global plan may have more than one stage (ZeRO limits with PP)
-    # the best iteration latency (the composer's closed form) the planner has found so far: a slice plan whose own
-    # (m - 1) x bottleneck + sum of stage times + tail is larger is part of no faster pipeline, so it need not be
-    # answered (``latency_floor_s``); inf: answer everything
+    # the planner's bounds so far: the composer's closed-form latency to beat (a slice plan whose own (m - 1) x
+    # bottleneck + sum of stage times + tail is larger is part of no pipeline the composer still considers:
+    # ``latency_floor_s``) and the best predicted iteration (the simulated 1F1B the planner ranks by, at least m x
+    # the slowest stage + tail: ``score_floor_s``); a plan beyond both need not be answered; inf: answer everything
     latency_bound_s: float = math.inf
+    score_bound_s: float = math.inf
 
     @property
     def num_microbatches(self) -> int:
         return self.training.global_batch // self.microbatch_sequences
 
-    def beyond_bound(self, latency_floor_s: float) -> bool:
-        """Whether a slice plan with this latency floor cannot be part of a pipeline faster than the bound (a
-        relative 1e-9 of slack keeps plans that tie the bound up to float rounding)."""
-        return latency_floor_s > self.latency_bound_s * (1.0 + 1e-9)
+    @property
+    def bounded(self) -> bool:
+        return self.latency_bound_s != math.inf and self.score_bound_s != math.inf
+
+    def beyond_bound(self, latency_floor_s: float, score_floor_s: float) -> bool:
+        """Whether a slice plan with these floors can be part of no pipeline that beats either bound (a relative
+        1e-9 of slack keeps plans that tie a bound up to float rounding)."""
+        return (latency_floor_s > self.latency_bound_s * (1.0 + 1e-9)
+                and score_floor_s > self.score_bound_s * (1.0 + 1e-9))
 
     @property
     def has_embedding(self) -> bool:

@@ -24,10 +24,11 @@ cross-stage constraints (one (tp, dp, cp) grid / one TP size / one DP size), so 
 plans that agree across islands. Nothing fits: an ``InfeasibleSlice`` with the smallest peak memory any
 configuration needs and where it goes.
 
-A query that carries the planner's best latency so far (``SliceQuery.latency_bound_s``) is answered only with
-configurations that could be part of a faster pipeline: a grid is skipped before its stages are costed when its
-compute floor ((m - 1) x floor / pp + floor, then with the split's heaviest stage) cannot beat the bound, and a
-configuration when its own (m - 1) x bottleneck + fill + tail cannot.
+A query that carries the planner's bounds so far (``SliceQuery.latency_bound_s``, ``score_bound_s``) is answered
+only with configurations that could be part of a pipeline that beats one of them: a grid is skipped before its
+stages are costed when its compute floor ((m - 1) x floor / pp + floor against the closed form, m x floor / pp
+against the predicted iteration; then with the split's heaviest stage) cannot, and a configuration when its own
+(m - 1) x bottleneck + fill + tail and m x bottleneck + tail cannot.
 
 The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
 the explained breakdown) are built on first read, so a planning run builds only the plans its composition places.
@@ -233,7 +234,7 @@ class MegatronParallelizer:
         shape_reasons: set[str] = set()
         saver_cache: dict[tuple, tuple] = {}
         bounded = 0
-        bound = q.latency_bound_s != math.inf  # skip what cannot beat the planner's best latency so far
+        bound = q.bounded  # skip what cannot beat the planner's bounds so far
         floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
         first, last = q.layers
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
@@ -259,7 +260,7 @@ class MegatronParallelizer:
                     total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
                     floor = floors[fkey] = (per_kind, emb_s, head_s, total)
                 # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
-                if q.beyond_bound((m - 1) * floor[3] / grid.pp + floor[3]):
+                if q.beyond_bound((m - 1) * floor[3] / grid.pp + floor[3], m * floor[3] / grid.pp):
                     bounded += 1
                     continue
             skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
@@ -281,7 +282,7 @@ class MegatronParallelizer:
                         f += head_s
                     if f > heaviest:
                         heaviest = f
-                if q.beyond_bound((m - 1) * heaviest + total):
+                if q.beyond_bound((m - 1) * heaviest + total, m * heaviest):
                     bounded += 1
                     continue
             rows = table.stage_rows(coster, dims, sigs, allowed)
@@ -295,8 +296,8 @@ class MegatronParallelizer:
                     if best_mem is None or peak0[s] < best_mem[0]:
                         best_mem = (peak0[s], grid, zero, r, off)
                     continue
-                if bound and q.beyond_bound((m - 1) * bottleneck[s] + fill[s] + tail[s]):
-                    bounded += 1  # enumerate.latency_floor_s of the plan it would be
+                if bound and q.beyond_bound((m - 1) * bottleneck[s] + fill[s] + tail[s], m * bottleneck[s] + tail[s]):
+                    bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
                     continue
                 bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage,
                                s))

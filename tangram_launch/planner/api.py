@@ -228,7 +228,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         "compose_time_s": round(compose_s, 4),
         "workers": opts.max_workers or default_workers(),
         "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options),
-                    "simulated": len(cstats.scored)},
+                    "simulated": len(cstats.scored), "best_closed_form_s": cstats.best_closed_s},
         "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
                     "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
     }
@@ -281,16 +281,19 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
                              par=par if bnb else None) for b in bs}
 
-    def bound() -> float:  # the closed form to beat (compose.ComposeStats.threshold_s), inf without branch and bound
-        return cstats.threshold_s(best[0] if best is not None else None, opts.score_band) if bnb else math.inf
+    def bound() -> tuple[float, float]:
+        """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
+        if not bnb or best is None:
+            return math.inf, math.inf
+        return cstats.threshold_s(best[0], opts.score_band), best[0]
 
     first: list[tuple[float, float, int]] = []
     for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # most promising first: its plan bounds the rest
         results.setdefault(b, {})
-        if _beyond(floors[b].latency_s, bound()):
+        if floors[b].beyond(*bound()):
             counters["sizes_skipped"] += 1
             continue
-        _ask([b], whole, bound(), floors[b], results, counters, model=model, training=training, islands=islands,
+        _ask([b], whole, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
              caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
@@ -298,28 +301,29 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         first.append((all_cands[b].best_s, floors[b].latency_s, b))
     if not rest:
         return best
-    for _own, floor, b in sorted(first):
-        if _beyond(floor, bound()):
+    for _own, _floor, b in sorted(first):
+        if floors[b].beyond(*bound()):
             counters["sizes_skipped"] += 1
             continue
-        _ask([b], rest, bound(), floors[b], results, counters, model=model, training=training, islands=islands,
+        _ask([b], rest, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
              caps=caps, par=par, opts=opts)
         best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                           training=training, pairset=pairset, islands=islands, caps=caps, opts=opts)
     return best
 
 
-def _beyond(floor_s: float, best_s: float) -> bool:
-    return floor_s > best_s * (1.0 + 1e-9)
-
-
 class SizeFloor(NamedTuple):
     """Floors at one micro-batch size: under any plan's latency, and under the fill of any set of layers."""
 
-    latency_s: float
+    latency_s: float  # under the closed form
+    score_s: float  # under the predicted iteration (m x the slowest stage at least)
     prefix_s: tuple[float, ...]  # prefix_s[i]: least forward + backward seconds of layers [0, i), any island/grid
     embedding_s: float
     head_s: float
+
+    def beyond(self, latency_bound_s: float, score_bound_s: float) -> bool:
+        """Whether no plan at this size can beat either bound (as SliceQuery.beyond_bound)."""
+        return (self.latency_s > latency_bound_s * (1.0 + 1e-9) and self.score_s > score_bound_s * (1.0 + 1e-9))
 
     def outside_s(self, start: int, stop: int) -> float:
         """Least fill of the layers (and embedding, head) outside [start, stop): what the rest of any pipeline
@@ -340,10 +344,11 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     slowest of the stages takes at least the model's GPU-seconds / all usable GPUs, and one micro-batch through the
     pipeline at least the sum of the layers' floors:
 
-        latency >= (m - 1) x sum(GPU-seconds floors) / GPUs + sum(seconds floors)
+        closed form >= (m - 1) x sum(GPU-seconds floors) / GPUs + sum(seconds floors)
+        predicted iteration >= m x sum(GPU-seconds floors) / GPUs
     """
     L = model.num_layers
-    none = SizeFloor(0.0, (0.0,) * (L + 1), 0.0, 0.0)
+    none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0)
     if not hasattr(par, "compute_floors"):
         return none
     best: dict[str, tuple[float, float]] = {}
@@ -367,14 +372,16 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     prefix = (0.0, *itertools.accumulate(best[k][1] for k in kinds))
     fill_s = prefix[-1] + best["embedding"][1] + best["head"][1]
     m = training.global_batch // b
-    return SizeFloor((m - 1) * gpu_s / gpus + fill_s, prefix, best["embedding"][1], best["head"][1])
+    return SizeFloor((m - 1) * gpu_s / gpus + fill_s, m * gpu_s / gpus, prefix, best["embedding"][1],
+                     best["head"][1])
 
 
-def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, floor: SizeFloor, results: dict, counters: dict,
-         *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"], caps: RuntimeCapabilities,
-         par: Parallelizer, opts: PlannerOptions) -> None:
-    """Query every (b, pair) in one pool; answers go to results[b][pair.key]. A pair's query carries the bound less
-    the least fill of the layers outside its slice (the rest of any pipeline adds at least that)."""
+def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor,
+         results: dict, counters: dict, *, model: "ModelSpec", training: "TrainingSpec",
+         islands: Sequence["Island"], caps: RuntimeCapabilities, par: Parallelizer, opts: PlannerOptions) -> None:
+    """Query every (b, pair) in one pool; answers go to results[b][pair.key]. A pair's query carries the
+    closed-form bound less the least fill of the layers outside its slice (the rest of any pipeline adds at least
+    that), and the best predicted iteration."""
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[tuple[int, Pair]] = []
@@ -383,7 +390,8 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, floor: SizeFl
             queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
                                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
                                       pipelined=p.layers != (0, L),
-                                      latency_bound_s=bound_s - floor.outside_s(*p.layers)))
+                                      latency_bound_s=bound_s - floor.outside_s(*p.layers),
+                                      score_bound_s=score_s))
             where.append((b, p))
     if not queries:
         return

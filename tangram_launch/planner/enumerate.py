@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
-import math
 import multiprocessing
 import os
 import pickle
@@ -18,7 +17,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from tangram_launch.costmodel.slice_plan import latency_floor_s, numbers_fit
+from tangram_launch.costmodel.slice_plan import latency_floor_s, numbers_fit, score_floor_s
 from tangram_launch.parallelizers.base import Parallelizer, SliceQuery, SliceResult, capacity_bytes
 
 logger = logging.getLogger(__name__)
@@ -40,9 +39,10 @@ def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
     m = q.num_microbatches
     keep = tuple(p for p in r.plans if numbers_fit(p.numbers(), 0, m, cap))  # lazy plans stay unbuilt
     bounded = 0
-    if q.latency_bound_s != math.inf:
+    if q.bounded:
         n = len(keep)
-        keep = tuple(p for p in keep if not q.beyond_bound(latency_floor_s(p.numbers(), m)))
+        keep = tuple(p for p in keep
+                     if not q.beyond_bound(latency_floor_s(p.numbers(), m), score_floor_s(p.numbers(), m)))
         bounded = n - len(keep)
     if len(keep) == len(r.plans):
         return r
