@@ -26,3 +26,16 @@ def test_judge_grid_matches_the_plain_computation(data, stages, savers, m, cap):
     rows = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(st.floats(1.0, 8e9)), data.draw(_SECONDS))
              for _ in range(savers)] for _ in range(stages)]
     assert judge_grid(rows, m, cap) == _reference(rows, m, cap)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), stages=st.integers(3, 40), kinds=st.integers(1, 4), savers=st.integers(1, 5),
+       m=st.integers(1, 40), cap=st.floats(1e9, 80e9))
+def test_judge_grid_with_shared_stage_rows_matches_the_plain_computation(data, stages, kinds, savers, m, cap):
+    """StageTable.stage_rows hands one row list per stage signature, so the stages of a long pipeline share a few
+    lists; judge_grid then judges each list once at its first stage, and must still answer what the plain
+    per-stage computation does (fill added front to back, to the last bit)."""
+    pool = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(st.floats(1.0, 8e9)), data.draw(_SECONDS))
+             for _ in range(savers)] for _ in range(kinds)]
+    rows = [pool[data.draw(st.integers(0, kinds - 1))] for _ in range(stages)]
+    assert judge_grid(rows, m, cap) == _reference(rows, m, cap)

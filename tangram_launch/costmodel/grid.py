@@ -16,6 +16,7 @@ ones the per-configuration loop found.
 """
 from __future__ import annotations
 
+from operator import add
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,11 +34,11 @@ class StageTable:
         self.edge_cache: dict = {}
         self.split_cache: dict = {}
         self.sig_ids: dict[tuple, int] = {}  # signature -> its number (the keys below use numbers)
-        self.saver_ids: dict[tuple, int] = {}  # saver combinations -> their number
         self.counts: dict[tuple[int, int], tuple] = {}  # layer range -> layers per kind
         self.sums: dict[int, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
-        self.rows: dict[tuple, list] = {}  # (signature, savers) -> stage_rows' numbers
+        self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
+        self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
 
     def attach(self, coster: "SliceCoster") -> None:
         """Let a query's coster share the context's per-layer, embedding/head and split caches."""
@@ -59,6 +60,8 @@ class StageTable:
         counts_of = self.counts
         ids = self.sig_ids
         sids = []
+        if len(coster.prefix) == 1 and pp > 2:
+            return ranges, self._one_kind_signatures(coster, ranges, (b, tp, dp, cp, ep), stage_gpus, g, tied)
         for j, (a, z) in enumerate(ranges):
             has_emb = q.has_embedding and a == first
             has_head = q.has_head and z == last
@@ -84,30 +87,56 @@ class StageTable:
             sids.append(sid)
         return ranges, sids
 
+    def _one_kind_signatures(self, coster: "SliceCoster", ranges: tuple[tuple[int, int], ...], dims: tuple,
+                             stage_gpus: int, g: int, tied: bool) -> list[int]:
+        """signatures() of a slice of one layer kind: a stage's signature then depends on its layer count, its
+        links and whether it is the first or last stage, so the many alike middle stages of a long pipeline are
+        looked up once (the same numbers as the general loop)."""
+        q = coster.q
+        pp = len(ranges)
+        kind = next(iter(coster.prefix))
+        links = self.links.get((pp, stage_gpus, g))
+        if links is None:
+            links = self.links[pp, stage_gpus, g] = _stage_links(pp, stage_gpus, g)
+        ids = self.sig_ids
+        local: dict[tuple, int] = {}
+        sids = []
+        last_j = pp - 1
+        for j, (a, z) in enumerate(ranges):
+            edge = j == 0 or j == last_j
+            key = (z - a, links[j]) if not edge else (z - a, links[j], j)
+            sid = local.get(key)
+            if sid is None:
+                has_emb = q.has_embedding and j == 0
+                has_head = q.has_head and j == last_j
+                tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
+                    tied and has_head and not has_emb) else None
+                sig = (*dims, ((kind, z - a),), has_emb, has_head, tied_link, *links[j])
+                sid = ids.get(sig)
+                if sid is None:
+                    sid = ids[sig] = len(ids)
+                local[key] = sid
+            sids.append(sid)
+        return sids
+
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
         """Per stage, for every saver combination: (time_s, static_bytes, activation_bytes, dp_sync_s +
         optimizer_s) from SliceCoster.fast_stage."""
         sums = self.sums
-        for sid in sids:
-            if sid not in sums:  # cost the grid's stages once; later queries reuse them by signature
-                tp, pp, dp, cp, ep = grid
-                for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
-                    sums.setdefault(sid2, st)
-                break
-        sv = self.saver_ids.get(savers)
-        if sv is None:
-            sv = self.saver_ids[savers] = len(self.saver_ids)
-        out = []
-        for sid in sids:
-            key = (sid, sv)
-            rows = self.rows.get(key)
-            if rows is None:
-                st = sums[sid]
-                rows = self.rows[key] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
-                                         for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
-            out.append(rows)
-        return out
+        distinct = set(sids)
+        if not distinct.issubset(sums.keys()):  # cost the grid's stages once; later queries reuse them by signature
+            tp, pp, dp, cp, ep = grid
+            for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
+                sums.setdefault(sid2, st)
+        by_sid = self.rows.get(savers)
+        if by_sid is None:
+            by_sid = self.rows[savers] = {}
+        for sid in distinct.difference(by_sid.keys()):
+            st = sums[sid]
+            by_sid[sid] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
+                           for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
+        return [by_sid[sid] for sid in sids]
 
     def explained_stage(self, coster: "SliceCoster", sid: int, cfg) -> tuple:
         """stage_numbers of one costed stage (its breakdown notes embedding and head)."""
@@ -120,6 +149,22 @@ class StageTable:
             bd["has_head"] = st.has_head
             hit = self.explained[key] = (*numbers, bd, st.p2p_bytes)
         return hit
+
+
+def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bool | None]]:
+    """Per stage of a pipeline of ``pp`` stages of ``stage_gpus`` GPUs laid out node by node: whether its link to
+    the next and to the previous stage stays inside a node (None: no such stage)."""
+    out = []
+    for j in range(pp):
+        nxt = prev = None
+        if j < pp - 1:
+            boundary = (j + 1) * stage_gpus
+            nxt = (boundary - 1) // g == boundary // g
+        if j > 0:
+            boundary = j * stage_gpus
+            prev = (boundary - 1) // g == boundary // g
+        out.append((nxt, prev))
+    return out
 
 
 class StageTables:
@@ -170,6 +215,10 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
     """
     m, cap = num_microbatches, capacity_bytes
     n = len(rows)
+    if n > 2:
+        distinct = {id(r): j for j, r in reversed(list(enumerate(rows)))}  # each row list -> its first stage
+        if len(distinct) < n:
+            return _judge_shared(rows, distinct, m, cap)
     inflight = [n - j if n - j < m else m for j in range(n)]
     bns, fills, tails, depths, peaks = [], [], [], [], []
     for stages in zip(*rows):
@@ -196,6 +245,44 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
             j += 1
         bns.append(bn)
         fills.append(fill)
+        tails.append(tail)
+        depths.append(depth)
+        peaks.append(peak0)
+    return bns, fills, tails, depths, peaks
+
+
+def _judge_shared(rows: Sequence[Sequence[tuple]], first: dict[int, int], m: int, cap: float) -> tuple[
+        list[float], list[float], list[float], list[int], list[float]]:
+    """judge_grid when stages share row lists (StageTable.stage_rows hands one list per signature, and the middle
+    stages of a long pipeline mostly share one): max, depth and peak from each distinct stage at its first
+    position only (a stage holds the most micro-batches there, so its memory and its depth limit are tightest
+    there); fill still added stage by stage, front to back, so it is Python's sum to the last bit."""
+    n = len(rows)
+    heads = [(rows[j], n - j if n - j < m else m, n - j) for j in sorted(first.values())]
+    times = {i: [x[0] for x in rows[j]] for i, j in first.items()}
+    fills = times[id(rows[0])]
+    for r in rows[1:]:
+        fills = list(map(add, fills, times[id(r)]))
+    bns, tails, depths, peaks = [], [], [], []
+    for s, (bn, _, _, tail) in enumerate(rows[0]):
+        peak0 = 0.0
+        depth = SATURATED
+        for r, inflight, after in heads:
+            time_s, static, act, tail_s = r[s]
+            if time_s > bn:
+                bn = time_s
+            if tail_s > tail:
+                tail = tail_s
+            mem = static + act * inflight
+            if mem > peak0:
+                peak0 = mem
+            if mem > cap:
+                depth = -1
+            elif depth >= 0 and static + act * m > cap:
+                d = int((cap - static) // act) - after
+                if d < depth:
+                    depth = d
+        bns.append(bn)
         tails.append(tail)
         depths.append(depth)
         peaks.append(peak0)
