@@ -125,14 +125,14 @@ class StageTable:
         optimizer_s) from SliceCoster.fast_stage."""
         sums = self.sums
         distinct = set(sids)
-        if not distinct.issubset(sums.keys()):  # cost the grid's stages once; later queries reuse them by signature
+        if any(sid not in sums for sid in distinct):  # cost the grid's stages once; later queries reuse them by signature
             tp, pp, dp, cp, ep = grid
             for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
                 sums.setdefault(sid2, st)
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
-        for sid in distinct.difference(by_sid.keys()):
+        for sid in [sid for sid in distinct if sid not in by_sid]:
             st = sums[sid]
             by_sid[sid] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
                            for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]

@@ -25,12 +25,14 @@ def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float =
 
 
 def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float = 0.0,
-                    last_extra: float = 0.0) -> tuple[int, ...]:
+                    last_extra: float = 0.0, closed_form: bool = True) -> tuple[int, ...]:
     """Split ``weights`` into ``parts`` contiguous non-empty groups minimising the heaviest group, where the first
     group also carries ``first_extra`` (embedding) and the last ``last_extra`` (head). Returns the group sizes.
 
     Bisection on the bottleneck with a greedy feasibility check (exact for contiguous partitions with non-negative
     weights), then groups are split further, largest first, when the greedy used fewer than ``parts``.
+    ``closed_form``: where all weights are equal, the greedy and the bisection in closed form (_UniformGreedy:
+    the same answer, faster; off only to test that).
     """
     n = len(weights)
     if not 1 <= parts <= n:
@@ -41,7 +43,7 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
     w_first = w[0] + first_extra
 
     back_to_front = w[:0:-1] + [w_first]  # the greedy's visiting order, built once for its ~25 calls
-    uniform = _UniformGreedy.of(w, w_first, last_extra, parts)
+    uniform = _UniformGreedy.of(w, w_first, last_extra, parts) if closed_form else None
 
     def greedy(bound: float) -> list[int] | None:
         """Fill groups from the back (the last one starts with the head); None if more than ``parts`` needed."""
