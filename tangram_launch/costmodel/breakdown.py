@@ -21,6 +21,7 @@ copies + CPU Adam with offload).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -330,18 +331,24 @@ class SliceCoster:
         first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.q.has_embedding else 0.0
         last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.q.has_head else 0.0
         rounded = {k: round(t / unit, 4) for k, t in per_kind.items()}  # once per kind, not per layer
-        weights = tuple(map(rounded.__getitem__, self.kinds))
-        key = (pp, weights, round(first / unit, 3), round(last / unit, 3))
-        sizes = self._split_cache.get(key)
-        if sizes is None:
-            sizes = balanced_split(weights, pp, first_extra=key[2], last_extra=key[3])
-            self._split_cache[key] = sizes
-        out, start = [], self.layer_ids[0]
-        for size in sizes:
-            out.append((start, start + size))
-            start += size
-        assert start == self.layer_ids[-1] + 1 and len(out) == pp and n >= pp
-        return tuple(out)
+        if len(rounded) == 1:  # one layer kind: n equal weights, keyed without building them
+            (w,) = rounded.values()
+            key = (pp, (w, n), round(first / unit, 3), round(last / unit, 3))
+            sizes = self._split_cache.get(key)
+            if sizes is None:
+                sizes = self._split_cache[key] = balanced_split((w,) * n, pp, first_extra=key[2],
+                                                                last_extra=key[3])
+        else:
+            weights = tuple(map(rounded.__getitem__, self.kinds))
+            key = (pp, weights, round(first / unit, 3), round(last / unit, 3))
+            sizes = self._split_cache.get(key)
+            if sizes is None:
+                sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=key[2],
+                                                                last_extra=key[3])
+        start = self.layer_ids[0]
+        ends = tuple(itertools.accumulate(sizes, initial=start))
+        assert ends[-1] == self.layer_ids[-1] + 1 and len(sizes) == pp and n >= pp
+        return tuple(zip(ends, ends[1:]))
 
     def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int) -> list[StageSums]:
         """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links."""

@@ -216,7 +216,7 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
     m, cap = num_microbatches, capacity_bytes
     n = len(rows)
     if n > 2:
-        distinct = {id(r): j for j, r in reversed(list(enumerate(rows)))}  # each row list -> its first stage
+        distinct = dict(zip(map(id, reversed(rows)), range(n - 1, -1, -1)))  # each row list -> its first stage
         if len(distinct) < n:
             return _judge_shared(rows, distinct, m, cap)
     inflight = [n - j if n - j < m else m for j in range(n)]
