@@ -99,25 +99,24 @@ class StageTable:
         if links is None:
             links = self.links[pp, stage_gpus, g] = _stage_links(pp, stage_gpus, g)
         ids = self.sig_ids
-        local: dict[tuple, int] = {}
-        sids = []
         last_j = pp - 1
-        for j, (a, z) in enumerate(ranges):
-            edge = j == 0 or j == last_j
-            key = (z - a, links[j]) if not edge else (z - a, links[j], j)
-            sid = local.get(key)
+        keys = [(z - a, link) for (a, z), link in zip(ranges, links)]  # what a middle stage's signature needs
+        keys[0] = (*keys[0], 0)
+        keys[last_j] = (*keys[last_j], last_j)
+        local: dict[tuple, int] = {}
+        for key in dict.fromkeys(keys):  # each distinct stage once, front to back
+            size, (nxt, prev) = key[0], key[1]
+            j = key[2] if len(key) > 2 else 1
+            has_emb = q.has_embedding and j == 0
+            has_head = q.has_head and j == last_j
+            tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
+                tied and has_head and not has_emb) else None
+            sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
+            sid = ids.get(sig)
             if sid is None:
-                has_emb = q.has_embedding and j == 0
-                has_head = q.has_head and j == last_j
-                tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
-                    tied and has_head and not has_emb) else None
-                sig = (*dims, ((kind, z - a),), has_emb, has_head, tied_link, *links[j])
-                sid = ids.get(sig)
-                if sid is None:
-                    sid = ids[sig] = len(ids)
-                local[key] = sid
-            sids.append(sid)
-        return sids
+                sid = ids[sig] = len(ids)
+            local[key] = sid
+        return [local[k] for k in keys]
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
