@@ -104,13 +104,13 @@ class StageTable:
         keys[0] = (*keys[0], 0)
         keys[last_j] = (*keys[last_j], last_j)
         local: dict[tuple, int] = {}
+        q_emb, q_head = q.has_embedding, q.has_head
         for key in dict.fromkeys(keys):  # each distinct stage once, front to back
             size, (nxt, prev) = key[0], key[1]
             j = key[2] if len(key) > 2 else 1
-            has_emb = q.has_embedding and j == 0
-            has_head = q.has_head and j == last_j
-            tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
-                tied and has_head and not has_emb) else None
+            has_emb = q_emb and j == 0
+            has_head = q_head and j == last_j
+            tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
             sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
             sid = ids.get(sig)
             if sid is None:
