@@ -298,16 +298,19 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
         by_pair.setdefault((o.start, o.stop, o.island), []).append(oi)
     out = []
     for lst in by_pair.values():
-        lst.sort(key=lambda i: (options[i].bottleneck_s, options[i].time_s, options[i].tail_s))
-        kept: list[Option] = []
-        for oi in lst:
+        # by (bottleneck, time, tail), ties in list order (a stable sort), so an option's dominators come first
+        order = sorted(((o.bottleneck_s, o.time_s, o.tail_s), pos, oi)
+                       for pos, oi in enumerate(lst) for o in (options[oi],))
+        kept: list[tuple] = []  # kept options' (time, tail, stages, room), unpacked once: this loop is hot
+        for (_, time_s, tail_s), _, oi in order:
             o = options[oi]
-            room = min(o.max_after, saturated)
-            if any(k.time_s <= o.time_s and k.tail_s <= o.tail_s and k.num_stages <= o.num_stages
-                   and min(k.max_after, saturated) >= room for k in kept):
-                continue
-            kept.append(o)
-            out.append(oi)
+            stages, room = o.num_stages, min(o.max_after, saturated)
+            for k_time, k_tail, k_stages, k_room in kept:
+                if k_time <= time_s and k_tail <= tail_s and k_stages <= stages and k_room >= room:
+                    break
+            else:
+                kept.append((time_s, tail_s, stages, room))
+                out.append(oi)
     return out
 
 
