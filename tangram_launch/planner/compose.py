@@ -84,6 +84,9 @@ class ComposeStats:
     states: int = 0
     candidates: int = 0
     trace: list = field(default_factory=list)  # (bound_s, best latency_s at that bound or None)
+    # the last option set's preparation (_prepare), for the next call on the same set: above five islands the
+    # driver composes one set in up to a few hundred island orders (orders.py), and preparing it is most of a call
+    prepared: tuple | None = field(default=None, repr=False, compare=False)
 
 
 def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
@@ -314,24 +317,11 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
     return out
 
 
-def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
-            *, allowed_mask: int | None = None, required_mask: int = 0, max_stages: int | None = None,
-            bound_step: float = 0.0, incumbent_s: float = float("inf"), island_order: Sequence[int] | None = None,
-            stats: ComposeStats | None = None) -> Composition | None:
-    """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
-
-    ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
-    (to price an island the best plan leaves out); ``max_stages``: the runtime's cap on pipeline stages;
-    ``incumbent_s``: a latency already achieved elsewhere (another micro-batch size): the search stops as soon
-    as it cannot beat it, and returns None if it never does; ``island_order``: only pipelines whose islands
-    appear in this order (front to back, islands may be skipped) -- the state then drops the set of used islands,
-    so the cost grows polynomially with the number of islands (exact among such pipelines).
-    """
-    stats = stats if stats is not None else ComposeStats()
-    m = num_microbatches
-    saturated = m - 1
-    if allowed_mask is None:
-        allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
+def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
+             allowed_mask: int, max_stages: int | None, bound_step: float) -> tuple | None:
+    """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
+    options, grouped by stop and island; the candidate bounds; the cap on stages after; and the lower bounds
+    (least fill, least period, and both per prefix). None: no option is usable."""
     idx = [i for i, o in enumerate(options)
            if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
     idx = _undominated(options, idx, saturated)
@@ -354,7 +344,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             else:
                 tops.append([c, c])
         cands = [t[1] for t in tops]
-    stats.candidates += len(cands)
     if max_stages is None:
         # "after" matters only through the memory checks: beyond the largest finite threshold nothing changes
         finite = [options[oi].max_after for oi in idx if options[oi].max_after < saturated]
@@ -363,12 +352,42 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         n_cap = max(saturated, max_stages)
     fill_lb = _fill_lower_bound(options, idx, num_layers)
     period_lb = _minmax_bottleneck(options, idx, num_layers)
+    pre_fill, pre_period = _prefix_bounds(options, idx, num_layers)
+    return idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period
+
+
+def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
+            *, allowed_mask: int | None = None, required_mask: int = 0, max_stages: int | None = None,
+            bound_step: float = 0.0, incumbent_s: float = float("inf"), island_order: Sequence[int] | None = None,
+            stats: ComposeStats | None = None) -> Composition | None:
+    """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
+
+    ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
+    (to price an island the best plan leaves out); ``max_stages``: the runtime's cap on pipeline stages;
+    ``incumbent_s``: a latency already achieved elsewhere (another micro-batch size): the search stops as soon
+    as it cannot beat it, and returns None if it never does; ``island_order``: only pipelines whose islands
+    appear in this order (front to back, islands may be skipped) -- the state then drops the set of used islands,
+    so the cost grows polynomially with the number of islands (exact among such pipelines).
+    """
+    stats = stats if stats is not None else ComposeStats()
+    m = num_microbatches
+    saturated = m - 1
+    if allowed_mask is None:
+        allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
+    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages, bound_step)
+    prep = stats.prepared
+    if prep is None or prep[0] != key or prep[1] is not options or prep[2] is not link_s:
+        prep = stats.prepared = (key, options, link_s, _prepare(options, link_s, num_layers, saturated, allowed_mask,
+                                                                max_stages, bound_step))
+    if prep[3] is None:
+        return None
+    idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period = prep[3]
+    stats.candidates += len(cands)
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
     if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s:
         return None  # cannot beat the incumbent: not even one DP run
     cands = cands[bisect.bisect_left(cands, period_lb):]  # smaller bounds admit no cover at all
-    pre_fill, pre_period = _prefix_bounds(options, idx, num_layers)
     rank = None
     if island_order is not None:
         rank = [len(island_order)] * (1 + max(max(island_order), max(options[oi].island for oi in idx)))
