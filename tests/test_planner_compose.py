@@ -196,3 +196,23 @@ def test_order_search_is_within_five_percent_of_the_exact_search(seed):
     order, tried = search_orders(run, list(range(K)), link)
     assert order is not None and tried >= K
     assert exact.latency_s <= best[0] <= exact.latency_s * 1.05
+
+
+def test_a_shared_stats_object_answers_as_fresh_ones_across_orders_and_sets():
+    """compose keeps an option set's preparation in its ComposeStats for the next call on the same set (the
+    island-order search composes one set in many orders): calls that share one stats object, over several orders,
+    sets, required islands and micro-batch counts, answer exactly what calls with fresh stats do."""
+    rng = random.Random(41)
+    shared = ComposeStats()
+    for _ in range(60):
+        options, link, L, m, K = random_instance(rng)
+        for _ in range(4):
+            order = list(range(K))
+            rng.shuffle(order)
+            kw = dict(island_order=rng.choice([None, order]), required_mask=rng.choice([0, 1 << rng.randrange(K)]))
+            mm = rng.choice([m, m + 3])
+            got = compose(options, link, L, mm, stats=shared, **kw)
+            want = compose(options, link, L, mm, stats=ComposeStats(), **kw)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert (got.options, got.latency_s) == (want.options, want.latency_s)
