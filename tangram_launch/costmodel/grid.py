@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.costmodel.breakdown import SliceCoster, StageSums
 
 SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
+INFEASIBLE_FILL = float("inf")  # judge_grid's fill of a grid none of whose combinations fits (depth < 0 for all)
 _MAX_CONTEXTS = 8  # contexts kept per table (a planning run has one per island and micro-batch size in flight)
 
 
@@ -210,7 +211,9 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
 
     rows[j][s] = (time_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s) of stage j under combination s
     (StageTable.stage_rows); bottleneck and tail are max, fill is sum (added front to back, as Python's sum),
-    depth and peak0 as fit_depth (its loop inlined: this runs for every grid of every query).
+    depth and peak0 as fit_depth (its loop inlined: this runs for every grid of every query). Where stages share
+    row lists and no combination fits (every depth < 0), every fill is INFEASIBLE_FILL: a plan that fits nowhere
+    is never ranked, so its fill is not added up.
     """
     m, cap = num_microbatches, capacity_bytes
     n = len(rows)
@@ -258,10 +261,6 @@ def _judge_shared(rows: Sequence[Sequence[tuple]], first: dict[int, int], m: int
     there); fill still added stage by stage, front to back, so it is Python's sum to the last bit."""
     n = len(rows)
     heads = [(rows[j], n - j if n - j < m else m, n - j) for j in sorted(first.values())]
-    times = {i: [x[0] for x in rows[j]] for i, j in first.items()}
-    fills = times[id(rows[0])]
-    for r in rows[1:]:
-        fills = list(map(add, fills, times[id(r)]))
     bns, tails, depths, peaks = [], [], [], []
     for s, (bn, _, _, tail) in enumerate(rows[0]):
         peak0 = 0.0
@@ -285,4 +284,10 @@ def _judge_shared(rows: Sequence[Sequence[tuple]], first: dict[int, int], m: int
         tails.append(tail)
         depths.append(depth)
         peaks.append(peak0)
+    if max(depths) < 0:  # no combination fits anywhere (most grids of a large model): nobody reads the fill
+        return bns, [INFEASIBLE_FILL] * len(depths), tails, depths, peaks
+    times = {i: [x[0] for x in rows[j]] for i, j in first.items()}
+    fills = times[id(rows[0])]
+    for r in rows[1:]:
+        fills = list(map(add, fills, times[id(r)]))
     return bns, fills, tails, depths, peaks
