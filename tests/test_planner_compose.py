@@ -294,3 +294,23 @@ def test_score_equal_to_the_closed_form_keeps_the_search_exact():
         assert (got is None) == (ref is None)
         if ref is not None:
             assert got.score_s == pytest.approx(ref.latency_s, rel=1e-12, abs=1e-12)
+
+
+def test_a_shared_stats_object_answers_as_fresh_ones_across_orders_and_sets():
+    """compose keeps an option set's preparation in its ComposeStats for the next call on the same set (the
+    island-order search composes one set in many orders): calls that share one stats object, over several orders,
+    sets, required islands and micro-batch counts, answer exactly what calls with fresh stats do."""
+    rng = random.Random(41)
+    shared = ComposeStats()
+    for _ in range(60):
+        options, link, L, m, K = random_instance(rng)
+        for _ in range(4):
+            order = list(range(K))
+            rng.shuffle(order)
+            kw = dict(island_order=rng.choice([None, order]), required_mask=rng.choice([0, 1 << rng.randrange(K)]))
+            mm = rng.choice([m, m + 3])
+            got = compose(options, link, L, mm, stats=shared, **kw)
+            want = compose(options, link, L, mm, stats=ComposeStats(), **kw)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert (got.options, got.latency_s) == (want.options, want.latency_s)

@@ -21,6 +21,7 @@ copies + CPU Adam with offload; plus a measured fixed cost per parameter tensor 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -353,6 +354,33 @@ class SliceCoster:
         n = len(self.layer_ids)
         if pp == 1:
             return ((self.layer_ids[0], self.layer_ids[-1] + 1),)
+        if len(self.rep) == 1:  # one layer kind: its weight and the edge extras are the context's, per grid
+            (kind,) = self.rep
+            wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.q.has_embedding, self.q.has_head)
+            wfl = self._split_cache.get(wkey)
+            if wfl is None:
+                wfl = self._split_cache[wkey] = self._split_weights(tp, cp, ep, dp, mbs)
+            (w,), fe, le = wfl
+            key = (pp, (w, n), fe, le)
+            sizes = self._split_cache.get(key)
+            if sizes is None:
+                sizes = self._split_cache[key] = balanced_split((w,) * n, pp, first_extra=fe, last_extra=le)
+        else:
+            rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)
+            weights = tuple(map(dict(zip(self.rep, rounded)).__getitem__, self.kinds))
+            key = (pp, weights, fe, le)
+            sizes = self._split_cache.get(key)
+            if sizes is None:
+                sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=fe, last_extra=le)
+        start = self.layer_ids[0]
+        ends = tuple(itertools.accumulate(sizes, initial=start))
+        assert ends[-1] == self.layer_ids[-1] + 1 and len(sizes) == pp and n >= pp
+        return tuple(zip(ends, ends[1:]))
+
+    def _split_weights(self, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[float, ...], float,
+                                                                                      float]:
+        """split()'s weights: each layer kind's time (no recompute) over the heaviest kind's, rounded (in the
+        order of self.rep), and the embedding's and head's extras on that scale."""
         per_kind = {}
         for k in self.rep:
             t = self.layer_terms(k, tp, cp, ep, dp, mbs)
@@ -361,19 +389,7 @@ class SliceCoster:
         unit = max(per_kind.values()) or 1.0
         first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.q.has_embedding else 0.0
         last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.q.has_head else 0.0
-        rounded = {k: round(t / unit, 4) for k, t in per_kind.items()}  # once per kind, not per layer
-        weights = tuple(map(rounded.__getitem__, self.kinds))
-        key = (pp, weights, round(first / unit, 3), round(last / unit, 3))
-        sizes = self._split_cache.get(key)
-        if sizes is None:
-            sizes = balanced_split(weights, pp, first_extra=key[2], last_extra=key[3])
-            self._split_cache[key] = sizes
-        out, start = [], self.layer_ids[0]
-        for size in sizes:
-            out.append((start, start + size))
-            start += size
-        assert start == self.layer_ids[-1] + 1 and len(out) == pp and n >= pp
-        return tuple(out)
+        return tuple(round(t / unit, 4) for t in per_kind.values()), round(first / unit, 3), round(last / unit, 3)
 
     def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int) -> list[StageSums]:
         """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links."""

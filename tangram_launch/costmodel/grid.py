@@ -16,12 +16,14 @@ ones the per-configuration loop found.
 """
 from __future__ import annotations
 
+from operator import add
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.costmodel.breakdown import SliceCoster, StageSums
 
 SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
+INFEASIBLE_FILL = float("inf")  # judge_grid's fill of a grid none of whose combinations fits (depth < 0 for all)
 _MAX_CONTEXTS = 8  # contexts kept per table (a planning run has one per island and micro-batch size in flight)
 
 
@@ -33,12 +35,12 @@ class StageTable:
         self.edge_cache: dict = {}
         self.split_cache: dict = {}
         self.sig_ids: dict[tuple, int] = {}  # signature -> its number (the keys below use numbers)
-        self.saver_ids: dict[tuple, int] = {}  # saver combinations -> their number
         self.counts: dict[tuple[int, int], tuple] = {}  # layer range -> layers per kind
         self.sums: dict[int, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
-        self.rows: dict[tuple, list] = {}  # (signature, savers) -> stage_rows' numbers
+        self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
         self.grid_lists: dict[tuple, list] = {}  # (grid enumerator, b, max stages) -> [(grid, problems)]
+        self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
 
     def attach(self, coster: "SliceCoster") -> None:
         """Let a query's coster share the context's per-layer, embedding/head and split caches."""
@@ -60,6 +62,8 @@ class StageTable:
         counts_of = self.counts
         ids = self.sig_ids
         sids = []
+        if len(coster.prefix) == 1 and pp > 2:
+            return ranges, self._one_kind_signatures(coster, ranges, (b, tp, dp, cp, ep), stage_gpus, g, tied)
         for j, (a, z) in enumerate(ranges):
             has_emb = q.has_embedding and a == first
             has_head = q.has_head and z == last
@@ -85,30 +89,55 @@ class StageTable:
             sids.append(sid)
         return ranges, sids
 
+    def _one_kind_signatures(self, coster: "SliceCoster", ranges: tuple[tuple[int, int], ...], dims: tuple,
+                             stage_gpus: int, g: int, tied: bool) -> list[int]:
+        """signatures() of a slice of one layer kind: a stage's signature then depends on its layer count, its
+        links and whether it is the first or last stage, so the many alike middle stages of a long pipeline are
+        looked up once (the same numbers as the general loop)."""
+        q = coster.q
+        pp = len(ranges)
+        kind = next(iter(coster.prefix))
+        links = self.links.get((pp, stage_gpus, g))
+        if links is None:
+            links = self.links[pp, stage_gpus, g] = _stage_links(pp, stage_gpus, g)
+        ids = self.sig_ids
+        last_j = pp - 1
+        keys = [(z - a, link) for (a, z), link in zip(ranges, links)]  # what a middle stage's signature needs
+        keys[0] = (*keys[0], 0)
+        keys[last_j] = (*keys[last_j], last_j)
+        local: dict[tuple, int] = {}
+        q_emb, q_head = q.has_embedding, q.has_head
+        for key in dict.fromkeys(keys):  # each distinct stage once, front to back
+            size, (nxt, prev) = key[0], key[1]
+            j = key[2] if len(key) > 2 else 1
+            has_emb = q_emb and j == 0
+            has_head = q_head and j == last_j
+            tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
+            sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
+            sid = ids.get(sig)
+            if sid is None:
+                sid = ids[sig] = len(ids)
+            local[key] = sid
+        return [local[k] for k in keys]
+
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
         """Per stage, for every saver combination: (time_s, static_bytes, activation_bytes, dp_sync_s +
         optimizer_s) from SliceCoster.fast_stage."""
         sums = self.sums
-        for sid in sids:
-            if sid not in sums:  # cost the grid's stages once; later queries reuse them by signature
-                tp, pp, dp, cp, ep = grid
-                for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
-                    sums.setdefault(sid2, st)
-                break
-        sv = self.saver_ids.get(savers)
-        if sv is None:
-            sv = self.saver_ids[savers] = len(self.saver_ids)
-        out = []
-        for sid in sids:
-            key = (sid, sv)
-            rows = self.rows.get(key)
-            if rows is None:
-                st = sums[sid]
-                rows = self.rows[key] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
-                                         for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
-            out.append(rows)
-        return out
+        distinct = set(sids)
+        if any(sid not in sums for sid in distinct):  # cost the grid's stages once; later queries reuse them by signature
+            tp, pp, dp, cp, ep = grid
+            for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
+                sums.setdefault(sid2, st)
+        by_sid = self.rows.get(savers)
+        if by_sid is None:
+            by_sid = self.rows[savers] = {}
+        for sid in [sid for sid in distinct if sid not in by_sid]:
+            st = sums[sid]
+            by_sid[sid] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
+                           for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
+        return [by_sid[sid] for sid in sids]
 
     def explained_stage(self, coster: "SliceCoster", sid: int, cfg) -> tuple:
         """stage_numbers of one costed stage (its breakdown notes embedding and head)."""
@@ -121,6 +150,22 @@ class StageTable:
             bd["has_head"] = st.has_head
             hit = self.explained[key] = (*numbers, bd, st.p2p_bytes)
         return hit
+
+
+def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bool | None]]:
+    """Per stage of a pipeline of ``pp`` stages of ``stage_gpus`` GPUs laid out node by node: whether its link to
+    the next and to the previous stage stays inside a node (None: no such stage)."""
+    out = []
+    for j in range(pp):
+        nxt = prev = None
+        if j < pp - 1:
+            boundary = (j + 1) * stage_gpus
+            nxt = (boundary - 1) // g == boundary // g
+        if j > 0:
+            boundary = j * stage_gpus
+            prev = (boundary - 1) // g == boundary // g
+        out.append((nxt, prev))
+    return out
 
 
 class StageTables:
@@ -167,10 +212,16 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
 
     rows[j][s] = (time_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s) of stage j under combination s
     (StageTable.stage_rows); bottleneck and tail are max, fill is sum (added front to back, as Python's sum),
-    depth and peak0 as fit_depth (its loop inlined: this runs for every grid of every query).
+    depth and peak0 as fit_depth (its loop inlined: this runs for every grid of every query). Where stages share
+    row lists and no combination fits (every depth < 0), every fill is INFEASIBLE_FILL: a plan that fits nowhere
+    is never ranked, so its fill is not added up.
     """
     m, cap = num_microbatches, capacity_bytes
     n = len(rows)
+    if n > 2:
+        distinct = dict(zip(map(id, reversed(rows)), range(n - 1, -1, -1)))  # each row list -> its first stage
+        if len(distinct) < n:
+            return _judge_shared(rows, distinct, m, cap)
     inflight = [n - j if n - j < m else m for j in range(n)]
     bns, fills, tails, depths, peaks = [], [], [], [], []
     for stages in zip(*rows):
@@ -200,4 +251,44 @@ def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_
         tails.append(tail)
         depths.append(depth)
         peaks.append(peak0)
+    return bns, fills, tails, depths, peaks
+
+
+def _judge_shared(rows: Sequence[Sequence[tuple]], first: dict[int, int], m: int, cap: float) -> tuple[
+        list[float], list[float], list[float], list[int], list[float]]:
+    """judge_grid when stages share row lists (StageTable.stage_rows hands one list per signature, and the middle
+    stages of a long pipeline mostly share one): max, depth and peak from each distinct stage at its first
+    position only (a stage holds the most micro-batches there, so its memory and its depth limit are tightest
+    there); fill still added stage by stage, front to back, so it is Python's sum to the last bit."""
+    n = len(rows)
+    heads = [(rows[j], n - j if n - j < m else m, n - j) for j in sorted(first.values())]
+    bns, tails, depths, peaks = [], [], [], []
+    for s, (bn, _, _, tail) in enumerate(rows[0]):
+        peak0 = 0.0
+        depth = SATURATED
+        for r, inflight, after in heads:
+            time_s, static, act, tail_s = r[s]
+            if time_s > bn:
+                bn = time_s
+            if tail_s > tail:
+                tail = tail_s
+            mem = static + act * inflight
+            if mem > peak0:
+                peak0 = mem
+            if mem > cap:
+                depth = -1
+            elif depth >= 0 and static + act * m > cap:
+                d = int((cap - static) // act) - after
+                if d < depth:
+                    depth = d
+        bns.append(bn)
+        tails.append(tail)
+        depths.append(depth)
+        peaks.append(peak0)
+    if max(depths) < 0:  # no combination fits anywhere (most grids of a large model): nobody reads the fill
+        return bns, [INFEASIBLE_FILL] * len(depths), tails, depths, peaks
+    times = {i: [x[0] for x in rows[j]] for i, j in first.items()}
+    fills = times[id(rows[0])]
+    for r in rows[1:]:
+        fills = list(map(add, fills, times[id(r)]))
     return bns, fills, tails, depths, peaks

@@ -2,6 +2,8 @@
 head on the last): the split the cost model assumes for a pipeline inside one island."""
 from __future__ import annotations
 
+from bisect import bisect_right
+from functools import lru_cache
 from typing import Sequence
 
 
@@ -23,12 +25,14 @@ def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float =
 
 
 def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float = 0.0,
-                    last_extra: float = 0.0) -> tuple[int, ...]:
+                    last_extra: float = 0.0, closed_form: bool = True) -> tuple[int, ...]:
     """Split ``weights`` into ``parts`` contiguous non-empty groups minimising the heaviest group, where the first
     group also carries ``first_extra`` (embedding) and the last ``last_extra`` (head). Returns the group sizes.
 
     Bisection on the bottleneck with a greedy feasibility check (exact for contiguous partitions with non-negative
     weights), then groups are split further, largest first, when the greedy used fewer than ``parts``.
+    ``closed_form``: where all weights are equal, the greedy and the bisection in closed form (_UniformGreedy:
+    the same answer, faster; off only to test that).
     """
     n = len(weights)
     if not 1 <= parts <= n:
@@ -39,6 +43,7 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
     w_first = w[0] + first_extra
 
     back_to_front = w[:0:-1] + [w_first]  # the greedy's visiting order, built once for its ~25 calls
+    uniform = _UniformGreedy.of(w, w_first, last_extra, parts) if closed_form else None
 
     def greedy(bound: float) -> list[int] | None:
         """Fill groups from the back (the last one starts with the head); None if more than ``parts`` needed."""
@@ -60,10 +65,14 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
 
     lo = max(max(w[1:-1], default=0.0), w_first, w[-1] + last_extra, (sum(w) + first_extra + last_extra) / parts)
     hi = sum(w) + first_extra + last_extra
+    if uniform is not None:  # one layer weight: the same greedy in closed form (see _UniformGreedy)
+        greedy = uniform  # noqa: F811
     best = greedy(hi)
     at_lo = greedy(lo)
     if at_lo is not None:
         best = at_lo
+    elif uniform is not None and (at_opt := uniform.bisection_answer()) is not None:
+        best = at_opt
     else:
         for _ in range(40):
             mid = 0.5 * (lo + hi)
@@ -77,10 +86,90 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
     assert best is not None
     sizes = list(best)
     while len(sizes) < parts:  # split the largest group (sums only shrink, so the bottleneck does not grow)
-        j = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
+        j = sizes.index(max(sizes))  # the first of the largest
         first = sizes[j] // 2
         sizes[j: j + 1] = [first, sizes[j] - first]
     return _smooth(w, sizes, first_extra, last_extra)
+
+
+@lru_cache(maxsize=4096)
+def _running_sums(start: float, u: float, n: int) -> tuple[float, ...]:
+    """start, start + u, (start + u) + u, ...: n values, added one at a time as the greedy adds them."""
+    out = [start]
+    for _ in range(n - 1):
+        out.append(out[-1] + u)
+    return tuple(out)
+
+
+class _UniformGreedy:
+    """_balanced_split's greedy when every layer weighs the same (a slice of one layer kind: the common case), in
+    closed form: the same answer for every bound, from the same float sums, in O(log n) instead of O(n).
+
+    The greedy visits the layers back to front; the head's group accumulates ``last_extra + u + u ...`` (``last``
+    below), every other group ``u + u ...`` (``other``), and the layer holding the embedding, visited last, weighs
+    ``w_first``. So the head's group takes as many layers as ``last`` allows, every middle group the same number,
+    and the front group what remains, with the embedding's layer if it still fits."""
+
+    def __init__(self, u: float, w_first: float, last: Sequence[float], other: Sequence[float],
+                 parts: int) -> None:
+        self.u, self.w_first, self.last, self.other, self.parts = u, w_first, last, other, parts
+        self.r = len(last) - 1  # layers of weight u (all but the first)
+
+    @classmethod
+    def of(cls, w: list[float], w_first: float, last_extra: float, parts: int) -> "_UniformGreedy | None":
+        u = w[-1]
+        if any(x != u for x in w):
+            return None
+        n = len(w)
+        # last[k]: the head's group's sum after k layers, added as the greedy adds them; other[j]: another group's
+        # sum after j + 1 layers
+        return cls(u, w_first, _running_sums(last_extra, u, n), _running_sums(u, u, n), parts)
+
+    def __call__(self, bound: float) -> list[int] | None:
+        u, w_first, last, other, parts, r = self.u, self.w_first, self.last, self.other, self.parts, self.r
+        k = bisect_right(last, bound, 1, r + 1) - 1  # layers the head's group takes
+        if k == r:
+            if last[r] + w_first <= bound:
+                return [r + 1]
+            return None if k == 0 or w_first > bound or parts < 2 else [1, k]
+        if k == 0 or u > bound:
+            return None
+        step = bisect_right(other, bound, 1, r + 1)  # layers every middle group takes (other[step - 1] <= bound)
+        rest = r - k  # layers left for the middle groups
+        groups = -(-rest // step)
+        tail = rest - (groups - 1) * step  # layers of the front-most middle group
+        if other[tail - 1] + w_first <= bound:
+            front: list[int] = [tail + 1]
+        elif w_first > bound:
+            return None
+        else:
+            front = [1, tail]
+        if 1 + groups - 1 + len(front) > parts:
+            return None
+        return front + [step] * (groups - 1) + [k]
+
+    def bisection_answer(self) -> list[int] | None:
+        """What _balanced_split's bisection ends with, from a bisection over the few sums the greedy compares with
+        its bound (its answer changes only there): the smallest sum it can meet. The real bisection stops within
+        a relative 1e-6 above that sum, which gives the same answer unless another sum lies in that gap: then
+        None, and the caller bisects as before."""
+        w_first = self.w_first
+        values = {self.u, w_first, *self.last[1:], *self.other, self.last[-1] + w_first,
+                  *(x + w_first for x in self.other)}
+        cands = sorted(values)
+        lo_i, hi_i = 0, len(cands) - 1
+        if self(cands[hi_i]) is None:
+            return None
+        while lo_i < hi_i:  # feasibility is monotone in the bound
+            mid = (lo_i + hi_i) // 2
+            if self(cands[mid]) is None:
+                lo_i = mid + 1
+            else:
+                hi_i = mid
+        opt = cands[lo_i]
+        if lo_i + 1 < len(cands) and cands[lo_i + 1] * (1.0 - 2e-6) <= opt:
+            return None
+        return self(opt)
 
 
 def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float) -> tuple[int, ...]:

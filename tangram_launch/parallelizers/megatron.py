@@ -59,6 +59,7 @@ from tangram_launch.parallelizers.base import (
 logger = logging.getLogger(__name__)
 
 MAX_CP = 16
+_MAX_GRID_LISTS = 4096  # grid lists kept per parallelizer (a planning run needs a few hundred)
 
 
 def divisors(n: int) -> list[int]:
@@ -133,14 +134,32 @@ class MegatronParallelizer:
 
     # ------------------------------------------------------------------------------------------ enumeration
     def grids(self, q: SliceQuery, coster: SliceCoster) -> Iterator[ParallelConfig]:
-        """Every (tp, pp, dp, cp, ep) grid the island, the slice and the runtime allow (memory savers unset)."""
+        """Every (tp, pp, dp, cp, ep) grid the island, the slice and the runtime allow (memory savers unset).
+
+        The grids depend on a few numbers only (not on the slice's place or the island's GPU type), and a planning
+        run asks for the same ones hundreds of times: they are enumerated once per key and handed out again."""
         isl, model, caps = q.island, q.model, q.capabilities
-        g = isl.gpus_per_node
-        b = q.microbatch_sequences
         max_pp = q.num_layers
         for limit in (q.max_stages, caps.max_stages):
             if limit is not None:
                 max_pp = min(max_pp, limit)
+        key = (isl.num_gpus, isl.gpus_per_node, q.microbatch_sequences, max_pp, caps.tensor_parallel,
+               caps.context_parallel, caps.expert_parallel, coster.seq_len, model.num_heads, model.num_kv_heads,
+               model.is_moe, model.num_experts, self.gpu_subsets)
+        cache = self.__dict__.get("_grid_lists")
+        if cache is None:
+            cache = self._grid_lists = {}
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) >= _MAX_GRID_LISTS:
+                cache.clear()
+            hit = cache[key] = tuple(self._enumerate_grids(q, coster, max_pp))
+        return iter(hit)
+
+    def _enumerate_grids(self, q: SliceQuery, coster: SliceCoster, max_pp: int) -> Iterator[ParallelConfig]:
+        isl, model, caps = q.island, q.model, q.capabilities
+        g = isl.gpus_per_node
+        b = q.microbatch_sequences
         counts = candidate_gpu_counts(isl.num_gpus, g) if self.gpu_subsets else [isl.num_gpus]
         for n in counts:
             for pp in divisors(n):
@@ -274,8 +293,9 @@ class MegatronParallelizer:
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
                 per_kind, emb_s, head_s, total = floor
                 heaviest = 0.0
+                prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
                 for a, z in ranges:
-                    f = sum(c * per_kind[k] for k, c in table.counts[a, z])
+                    f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
                     if a == first:
                         f += emb_s
                     if z == last:
@@ -366,6 +386,7 @@ class MegatronParallelizer:
         state = dict(self.__dict__)
         state.pop("_tables", None)  # caches stay in the process that built them
         state.pop("_shape_cache", None)
+        state.pop("_grid_lists", None)
         return state
 
     def _infeasible(self, q: SliceQuery, coster: SliceCoster, best, shape_reasons: set[str], m: int,

@@ -102,6 +102,9 @@ class ComposeStats:
     trace: list = field(default_factory=list)  # (bound_s, best latency_s at that bound or None)
     scored: list = field(default_factory=list)  # every composition a score was computed for (score given)
     best_closed_s: float = float("inf")  # the least closed-form latency of any composition found
+    # the last option set's preparation (_prepare), for the next call on the same set: above five islands the
+    # driver composes one set in up to a few hundred island orders (orders.py), and preparing it is most of a call
+    prepared: tuple | None = field(default=None, repr=False, compare=False)
 
     def threshold_s(self, best_score_s: float | None, band: bool = False) -> float:
         """What a driver passes on as ``incumbent_s`` once it holds a plan scored ``best_score_s``: the least
@@ -371,17 +374,59 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
         by_pair.setdefault((o.start, o.stop, o.island), []).append(oi)
     out = []
     for lst in by_pair.values():
-        lst.sort(key=lambda i: (options[i].bottleneck_s, options[i].time_s, options[i].tail_s))
-        kept: list[Option] = []
-        for oi in lst:
+        # by (bottleneck, time, tail), ties in list order (a stable sort), so an option's dominators come first
+        order = sorted(((o.bottleneck_s, o.time_s, o.tail_s), pos, oi)
+                       for pos, oi in enumerate(lst) for o in (options[oi],))
+        kept: list[tuple] = []  # kept options' (time, tail, stages, room), unpacked once: this loop is hot
+        for (_, time_s, tail_s), _, oi in order:
             o = options[oi]
-            room = min(o.max_after, saturated)
-            if any(k.time_s <= o.time_s and k.tail_s <= o.tail_s and k.num_stages <= o.num_stages
-                   and min(k.max_after, saturated) >= room for k in kept):
-                continue
-            kept.append(o)
-            out.append(oi)
+            stages, room = o.num_stages, min(o.max_after, saturated)
+            for k_time, k_tail, k_stages, k_room in kept:
+                if k_time <= time_s and k_tail <= tail_s and k_stages <= stages and k_room >= room:
+                    break
+            else:
+                kept.append((time_s, tail_s, stages, room))
+                out.append(oi)
     return out
+
+
+def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
+             allowed_mask: int, max_stages: int | None, bound_step: float) -> tuple | None:
+    """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
+    options, grouped by stop and island; the candidate bounds; the cap on stages after; and the lower bounds
+    (least fill, least period, and both per prefix). None: no option is usable."""
+    idx = [i for i, o in enumerate(options)
+           if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
+    idx = _undominated(options, idx, saturated)
+    if not idx:
+        return None
+    grouped: dict[tuple[int, int], list[int]] = {}
+    for oi in sorted(idx, key=lambda i: options[i].bottleneck_s):
+        grouped.setdefault((options[oi].stop, options[oi].island), []).append(oi)
+    by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
+    for (stop, island), lst in sorted(grouped.items()):
+        by_stop[stop].append((island, 1 << island, lst, [options[oi].bottleneck_s for oi in lst]))
+    islands = sorted({options[oi].island for oi in idx})
+    cands = sorted({options[oi].bottleneck_s for oi in idx}
+                   | {link_s[a][b] for a in islands for b in islands if a != b})
+    if bound_step > 0:  # keep the top of each group of bounds within a relative step: fewer DP runs, not exact
+        tops = []
+        for c in cands:
+            if tops and c <= tops[-1][0] * (1.0 + bound_step):
+                tops[-1][1] = c
+            else:
+                tops.append([c, c])
+        cands = [t[1] for t in tops]
+    if max_stages is None:
+        # "after" matters only through the memory checks: beyond the largest finite threshold nothing changes
+        finite = [options[oi].max_after for oi in idx if options[oi].max_after < saturated]
+        n_cap = min(saturated, 1 + max(finite, default=-1))
+    else:
+        n_cap = max(saturated, max_stages)
+    fill_lb = _fill_lower_bound(options, idx, num_layers)
+    period_lb = _minmax_bottleneck(options, idx, num_layers)
+    pre_fill, pre_period = _prefix_bounds(options, idx, num_layers)
+    return idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period
 
 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
@@ -408,43 +453,20 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     saturated = m - 1
     if allowed_mask is None:
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
-    idx = [i for i, o in enumerate(options)
-           if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
-    idx = _undominated(options, idx, saturated)
-    if not idx:
+    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages, bound_step)
+    prep = stats.prepared
+    if prep is None or prep[0] != key or prep[1] is not options or prep[2] is not link_s:
+        prep = stats.prepared = (key, options, link_s, _prepare(options, link_s, num_layers, saturated, allowed_mask,
+                                                                max_stages, bound_step))
+    if prep[3] is None:
         return None
-    grouped: dict[tuple[int, int], list[int]] = {}
-    for oi in sorted(idx, key=lambda i: options[i].bottleneck_s):
-        grouped.setdefault((options[oi].stop, options[oi].island), []).append(oi)
-    by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
-    for (stop, island), lst in sorted(grouped.items()):
-        by_stop[stop].append((island, 1 << island, lst, [options[oi].bottleneck_s for oi in lst]))
-    islands = sorted({options[oi].island for oi in idx})
-    cands = sorted({options[oi].bottleneck_s for oi in idx}
-                   | {link_s[a][b] for a in islands for b in islands if a != b})
-    if bound_step > 0:  # keep the top of each group of bounds within a relative step: fewer DP runs, not exact
-        tops = []
-        for c in cands:
-            if tops and c <= tops[-1][0] * (1.0 + bound_step):
-                tops[-1][1] = c
-            else:
-                tops.append([c, c])
-        cands = [t[1] for t in tops]
+    idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period = prep[3]
     stats.candidates += len(cands)
-    if max_stages is None:
-        # "after" matters only through the memory checks: beyond the largest finite threshold nothing changes
-        finite = [options[oi].max_after for oi in idx if options[oi].max_after < saturated]
-        n_cap = min(saturated, 1 + max(finite, default=-1))
-    else:
-        n_cap = max(saturated, max_stages)
-    fill_lb = _fill_lower_bound(options, idx, num_layers)
-    period_lb = _minmax_bottleneck(options, idx, num_layers)
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
     if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s:
         return None  # cannot beat the incumbent: not even one DP run
     cands = cands[bisect.bisect_left(cands, period_lb):]  # smaller bounds admit no cover at all
-    pre_fill, pre_period = _prefix_bounds(options, idx, num_layers)
     rank = None
     if island_order is not None:
         rank = [len(island_order)] * (1 + max(max(island_order), max(options[oi].island for oi in idx)))

@@ -1,0 +1,66 @@
+"""costmodel/partition.py: the closed-form greedy for slices of one layer weight answers exactly what the general
+greedy and bisection answer (a slice of identical layers is the common case: Llama-3 405B's 63 atoms of 2 layers)."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.costmodel.partition import _balanced_split, _UniformGreedy
+
+# the split's caller (SliceCoster.split) rounds layer weights to 4 decimals and the embedding/head extras to 3
+_WEIGHT = st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000))
+_EXTRA = st.one_of(st.just(0.0), st.integers(0, 40000).map(lambda k: k / 1000))
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), n=st.integers(2, 130), u=_WEIGHT, fe=_EXTRA, le=_EXTRA)
+def test_closed_form_split_equals_the_general_split(data, n, u, fe, le):
+    parts = data.draw(st.integers(2, n))
+    w = [u] * n
+    got = _balanced_split(w, parts, first_extra=fe, last_extra=le)
+    assert got == _balanced_split(w, parts, first_extra=fe, last_extra=le, closed_form=False)
+    assert sum(got) == n and len(got) == parts and min(got) >= 1
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), n=st.integers(2, 130), u=_WEIGHT, fe=_EXTRA, le=_EXTRA)
+def test_closed_form_greedy_equals_the_layer_by_layer_greedy(data, n, u, fe, le):
+    """For any bound, not only those the bisection visits (the greedy below is _balanced_split's, verbatim)."""
+    parts = data.draw(st.integers(2, n))
+    w_first = u + fe
+    total = u * n + fe + le
+    bound = data.draw(st.floats(0.0, total * 1.1, allow_nan=False))
+    back_to_front = [u] * (n - 1) + [w_first]
+
+    def greedy(bound):
+        sizes, cur, count = [], le, 0
+        for x in back_to_front:
+            if cur + x <= bound:
+                cur += x
+                count += 1
+                continue
+            if count == 0 or x > bound:
+                return None
+            sizes.append(count)
+            if len(sizes) >= parts:
+                return None
+            cur, count = x, 1
+        sizes.append(count)
+        return sizes[::-1]
+
+    fast = _UniformGreedy.of([u] * n, w_first, le, parts)
+    assert fast(bound) == greedy(bound)
+
+
+def test_mixed_weights_take_the_general_path():
+    w = [3.0, 1.0, 4.0, 1.0, 5.0]
+    assert _UniformGreedy.of(w, 3.0, 0.0, 2) is None
+    a = _balanced_split(w, 2)[0]
+    assert max(sum(w[:a]), sum(w[a:])) == min(max(sum(w[:i]), sum(w[i:])) for i in range(1, 5))  # brute force
+
+
+def test_uniform_split_is_even_with_lighter_edges():
+    assert _balanced_split([1.0] * 126, 63) == (2,) * 63
+    sizes = _balanced_split([1.0] * 126, 8, first_extra=2.5, last_extra=4.0)
+    assert sum(sizes) == 126 and sizes[0] < max(sizes) and sizes[-1] < max(sizes)
+    with pytest.raises(ValueError):
+        _balanced_split([1.0] * 3, 4)
