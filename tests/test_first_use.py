@@ -104,9 +104,9 @@ def test_readme_hand_written_plan_is_the_documented_format(tmp_path):
     path = tmp_path / "my-plan.yaml"
     path.write_text(yaml.safe_dump(readme_yaml("my-plan.yaml")))
     manual = load_manual_plan(str(path), num_layers=40, island_names=["a100-80gb", "v100-32gb", "v100-16gb"])
-    assert [s.layers for s in manual.stages] == [(0, 6), (6, 17), (17, 28), (28, 40)]
-    assert manual.stages[0].fixed == {"tp": 4, "recompute": "selective"}
-    assert manual.stages[1].fixed == {"tp": 1, "dp": 2} and manual.stages[3].fixed == {}
+    assert [s.layers for s in manual.stages] == [(0, 22), (22, 35), (35, 40)]
+    assert manual.stages[0].fixed == {"tp": 1, "dp": 4} and manual.stages[1].fixed == {"tp": 2}
+    assert manual.stages[2].fixed == {"recompute": "selective"}
 
 
 # --- the CLI's messages ----------------------------------------------------------------------------------------------
