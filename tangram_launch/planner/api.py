@@ -430,7 +430,8 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
         if lb >= threshold:
             break
-        comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold)
+        comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
+                              score_incumbent_s=best[0] if best is not None and use_incumbent else math.inf)
         if comp is not None:
             cand.best_s = min(cand.best_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
@@ -490,9 +491,12 @@ def _groups(cand: Candidates) -> dict[Hashable, list[int]]:
 
 def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,
                    opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
-                   required_mask: int = 0, incumbent_s: float = float("inf")) -> Composition | None:
+                   required_mask: int = 0, incumbent_s: float = float("inf"),
+                   score_incumbent_s: float = float("inf")) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
-    beyond that over a bounded set of island orders (polynomial; see orders.search_orders)."""
+    beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
+    closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
+    beat it are not simulated)."""
     sub = [cand.options[i] for i in idx]
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     best = None
@@ -501,13 +505,18 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         return cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
                                     capabilities=caps).latency_s
 
+    def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
+        """Under predicted_s: the slowest stage runs m forwards and backwards (plain or interleaved), then the tail."""
+        return m * max(sub[i].bottleneck_s for i in seq) + metrics.tail_s
+
     def run(order: list[int] | None) -> float | None:
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
                        incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None,
                                                                       opts.score_band)),
-                       stats=stats, score=predicted_s, score_band=opts.score_band)
+                       stats=stats, score=predicted_s, score_band=opts.score_band, score_floor=predicted_floor_s,
+                       score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")))
         if comp is None:
             return None
         if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing

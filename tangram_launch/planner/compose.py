@@ -290,17 +290,21 @@ def _at_bound(options: Sequence[Option], idx: list[int], n: int, saturated: int,
                                          -min(options[i].max_after, saturated), options[i].bottleneck_s))
     kept: list[int] = []
     crit: list[list] = []  # per kept option: start, tail, stages, room, least bottleneck it stands for
+    by_start: dict[int, list[list]] = {}  # the group's options end at one layer on one island: same start compares
     for oi in sub:
         o = options[oi]
         room = min(o.max_after, saturated)
-        for c in crit:  # the group's options end at one layer on one island; only those with one start compare
-            if c[0] == o.start and c[1] <= o.tail_s and c[2] <= o.num_stages and c[3] >= room:
+        same = by_start.setdefault(o.start, [])
+        for c in same:
+            if c[1] <= o.tail_s and c[2] <= o.num_stages and c[3] >= room:
                 if o.bottleneck_s < c[4]:
                     c[4] = o.bottleneck_s
                 break
         else:
             kept.append(oi)
-            crit.append([o.start, o.tail_s, o.num_stages, room, o.bottleneck_s])
+            c = [o.start, o.tail_s, o.num_stages, room, o.bottleneck_s]
+            crit.append(c)
+            same.append(c)
     order = sorted(range(len(kept)), key=lambda k: options[kept[k]].bottleneck_s)
     out = ([kept[k] for k in order], [crit[k][4] for k in order])
     cache[key] = (idx, out)
@@ -426,7 +430,9 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     fill_lb = _fill_lower_bound(options, idx, num_layers)
     period_lb = _minmax_bottleneck(options, idx, num_layers)
     pre_fill, pre_period = _prefix_bounds(options, idx, num_layers)
-    return idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period
+    # _at_bound's answers for this set's groups, shared by every call that reuses the preparation
+    at_bound: dict = {}
+    return idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period, at_bound
 
 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
@@ -434,7 +440,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             bound_step: float = 0.0, incumbent_s: float = float("inf"), island_order: Sequence[int] | None = None,
             stats: ComposeStats | None = None,
             score: Callable[[tuple[int, ...], Metrics], float] | None = None,
-            score_band: bool = False) -> Composition | None:
+            score_band: bool = False,
+            score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
+            score_incumbent_s: float = float("inf")) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -446,7 +454,10 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     latency to choose by (what the Plan reports; see the module docstring), computed once per bound's winner;
     ``incumbent_s`` then prunes closed forms only (the least score among the winners is returned, whatever it
     is); ``score_band``: prune against the larger of the best score and the least closed form instead (more DP
-    runs: every plan whose closed form beats the best score is a candidate), and ``incumbent_s`` is a score.
+    runs: every plan whose closed form beats the best score is a candidate), and ``incumbent_s`` is a score;
+    ``score_floor``: a cheap floor under ``score`` (a winner whose floor cannot beat the best score here or
+    ``score_incumbent_s``, the best found elsewhere, is not scored: a simulation costs milliseconds and an island-order
+    search meets tens of thousands of winners).
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -460,7 +471,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
                                                                 max_stages, bound_step))
     if prep[3] is None:
         return None
-    idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period = prep[3]
+    idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period, at_bound = prep[3]
     stats.candidates += len(cands)
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
@@ -476,7 +487,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     best: Composition | None = None
     closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
     memo: dict[float, tuple[tuple[int, ...], float] | None] = {}
-    at_bound: dict = {}
 
     band = score is not None and score_band
     gate_s = incumbent_s if score is None or band else float("inf")  # what a returned plan must beat
@@ -495,6 +505,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         stats.best_closed_s = min(stats.best_closed_s, metrics.latency_s)
         comp = Composition(seq, metrics, bound)
         if score is not None:
+            if score_floor is not None and score_floor(seq, metrics) >= min(
+                    score_incumbent_s, best.objective_s if best is not None else float("inf")):
+                return  # cannot beat the best score: not simulated
             comp = Composition(seq, metrics, bound, score(seq, metrics))
             stats.scored.append(comp)
         if comp.objective_s < gate_s and (best is None or comp.objective_s < best.objective_s):
