@@ -278,6 +278,31 @@ def allreduce_busbw_gbps(group: Any, group_size: int, device: torch.device, cfg:
                     (("bytes", numel * 4), ("group_size", group_size), ("algbw_gbps", round_sig(algbw))))
 
 
+def _tiny_all_to_all_after(compute: Callable[[], Any], group: Any, group_size: int, device: torch.device, reps: int,
+                           *, warmup: int, warm_compute: bool) -> list[float]:
+    """Seconds of ``reps`` tiny all-to-alls (one float per rank) over ``group``, each right after ``compute`` on
+    every member with no barrier in between, after ``warmup`` untimed calls (each after ``compute`` too when
+    ``warm_compute``) and one barrier."""
+    buf = torch.ones(group_size, dtype=torch.float32, device=device)
+    out = torch.empty_like(buf)
+    sync = device_sync(device)
+    for _ in range(warmup):
+        if warm_compute:
+            compute()
+        dist.all_to_all_single(out, buf, group=group)
+    dist.barrier(group=group, **_barrier_kwargs(device))
+    sync()
+    samples = []
+    for _ in range(reps):
+        compute()
+        sync()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, buf, group=group)
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
 def collective_latency_us(group: Any, group_size: int, device: torch.device, cfg: BenchConfig) -> Measured:
     """Time of one all-to-all of a tiny buffer (one float per rank) over ``group``, as a training loop meets it:
     right after a short burst of compute (one 256^3 GEMM), without a barrier in between.
@@ -288,22 +313,10 @@ def collective_latency_us(group: Any, group_size: int, device: torch.device, cfg
     step (``value / (n - 1)``), so MoE dispatch and combine of a few KiB, or a micro-batch's tiny TP all-reduces,
     are not costed as free. value = microseconds.
     """
-    buf = torch.ones(group_size, dtype=torch.float32, device=device)
-    out = torch.empty_like(buf)
     a = torch.randn(256, 256, device=device)
-    sync = device_sync(device)
-    for _ in range(max(1, cfg.warmup)):
-        dist.all_to_all_single(out, buf, group=group)
-    dist.barrier(group=group, **_barrier_kwargs(device))
-    sync()
-    samples = []
-    for _ in range(cfg.latency_reps):
-        torch.mm(a, a)  # the compute each member does before the collective: same work, its own time
-        sync()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, buf, group=group)
-        sync()
-        samples.append(time.perf_counter() - t0)
+    # the compute each member does before the collective: same work, its own time
+    samples = _tiny_all_to_all_after(lambda: torch.mm(a, a), group, group_size, device, cfg.latency_reps,
+                                     warmup=max(1, cfg.warmup), warm_compute=False)
     timing = Timing(tuple(samples))
     return Measured(timing.median_s * 1e6, "us", timing, (("bytes", group_size * 4), ("group_size", group_size),
                                                           ("op", "all_to_all_single after a 256^3 GEMM")))
@@ -327,21 +340,7 @@ def collective_wait_us(group: Any, group_size: int, device: torch.device, cfg: B
     a burst of other work on the host spoils a few blocks, not the figure (a median, like a run's median step).
     The cost model charges it per collective call on the node. value = microseconds.
     """
-    buf = torch.ones(group_size, dtype=torch.float32, device=device)
-    out = torch.empty_like(buf)
-    sync = device_sync(device)
-    compute()
-    dist.all_to_all_single(out, buf, group=group)
-    dist.barrier(group=group, **_barrier_kwargs(device))
-    sync()
-    samples = []
-    for _ in range(cfg.wait_reps):
-        compute()
-        sync()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, buf, group=group)
-        sync()
-        samples.append(time.perf_counter() - t0)
+    samples = _tiny_all_to_all_after(compute, group, group_size, device, cfg.wait_reps, warmup=1, warm_compute=True)
     timing = Timing(tuple(samples))
     blocks = [samples[i:i + WAIT_BLOCK] for i in range(0, len(samples), WAIT_BLOCK)]
     means = torch.tensor([statistics.fmean(b) for b in blocks], dtype=torch.float64, device=device)
