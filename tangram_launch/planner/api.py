@@ -449,7 +449,7 @@ def _moved(best: tuple, cand: Candidates) -> tuple:
     for i, (o, g) in enumerate(zip(cand.options, cand.groups)):
         index.setdefault((o, g), i)
     moved = tuple(index[(old.options[i], old.groups[i])] for i in comp.options)
-    return (lat, b, group, Composition(moved, comp.metrics, comp.bound_s), cand)
+    return (lat, b, group, Composition(moved, comp.metrics, comp.bound_s, comp.score_s), cand)
 
 
 def _with_planner(plan: Plan, stats: dict) -> Plan:
