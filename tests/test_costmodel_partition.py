@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.costmodel.partition import _balanced_split, _UniformGreedy
+from tangram_launch.costmodel.partition import _balanced_split, _UniformGreedy, greedy_split
 
 # the split's caller (SliceCoster.split) rounds layer weights to 4 decimals and the embedding/head extras to 3
 _WEIGHT = st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000))
@@ -24,31 +24,14 @@ def test_closed_form_split_equals_the_general_split(data, n, u, fe, le):
 @settings(max_examples=120, deadline=None)
 @given(data=st.data(), n=st.integers(2, 130), u=_WEIGHT, fe=_EXTRA, le=_EXTRA)
 def test_closed_form_greedy_equals_the_layer_by_layer_greedy(data, n, u, fe, le):
-    """For any bound, not only those the bisection visits (the greedy below is _balanced_split's, verbatim)."""
+    """For any bound, not only those the bisection visits (greedy_split is the general path's greedy)."""
     parts = data.draw(st.integers(2, n))
     w_first = u + fe
     total = u * n + fe + le
     bound = data.draw(st.floats(0.0, total * 1.1, allow_nan=False))
     back_to_front = [u] * (n - 1) + [w_first]
-
-    def greedy(bound):
-        sizes, cur, count = [], le, 0
-        for x in back_to_front:
-            if cur + x <= bound:
-                cur += x
-                count += 1
-                continue
-            if count == 0 or x > bound:
-                return None
-            sizes.append(count)
-            if len(sizes) >= parts:
-                return None
-            cur, count = x, 1
-        sizes.append(count)
-        return sizes[::-1]
-
     fast = _UniformGreedy.of([u] * n, w_first, le, parts)
-    assert fast(bound) == greedy(bound)
+    assert fast(bound) == greedy_split(back_to_front, bound, le, parts)
 
 
 def test_mixed_weights_take_the_general_path():

@@ -3,7 +3,7 @@ head on the last): the split the cost model assumes for a pipeline inside one is
 from __future__ import annotations
 
 from bisect import bisect_right
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Sequence
 
 
@@ -44,29 +44,11 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
 
     back_to_front = w[:0:-1] + [w_first]  # the greedy's visiting order, built once for its ~25 calls
     uniform = _UniformGreedy.of(w, w_first, last_extra, parts) if closed_form else None
-
-    def greedy(bound: float) -> list[int] | None:
-        """Fill groups from the back (the last one starts with the head); None if more than ``parts`` needed."""
-        sizes: list[int] = []
-        cur, count = last_extra, 0
-        for x in back_to_front:
-            if cur + x <= bound:
-                cur += x
-                count += 1
-                continue
-            if count == 0 or x > bound:
-                return None
-            sizes.append(count)
-            if len(sizes) >= parts:
-                return None
-            cur, count = x, 1
-        sizes.append(count)
-        return sizes[::-1]
-
+    # one layer weight: the same greedy in closed form (see _UniformGreedy)
+    greedy = uniform if uniform is not None else partial(greedy_split, back_to_front, last_extra=last_extra,
+                                                         parts=parts)
     lo = max(max(w[1:-1], default=0.0), w_first, w[-1] + last_extra, (sum(w) + first_extra + last_extra) / parts)
     hi = sum(w) + first_extra + last_extra
-    if uniform is not None:  # one layer weight: the same greedy in closed form (see _UniformGreedy)
-        greedy = uniform  # noqa: F811
     best = greedy(hi)
     at_lo = greedy(lo)
     if at_lo is not None:
@@ -90,6 +72,26 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
         first = sizes[j] // 2
         sizes[j: j + 1] = [first, sizes[j] - first]
     return _smooth(w, sizes, first_extra, last_extra)
+
+
+def greedy_split(back_to_front: Sequence[float], bound: float, last_extra: float, parts: int) -> list[int] | None:
+    """_balanced_split's feasibility check: fill groups from the back (the last one starts with ``last_extra``, the
+    head), each up to ``bound``; the group sizes front to back, or None if more than ``parts`` are needed."""
+    sizes: list[int] = []
+    cur, count = last_extra, 0
+    for x in back_to_front:
+        if cur + x <= bound:
+            cur += x
+            count += 1
+            continue
+        if count == 0 or x > bound:
+            return None
+        sizes.append(count)
+        if len(sizes) >= parts:
+            return None
+        cur, count = x, 1
+    sizes.append(count)
+    return sizes[::-1]
 
 
 @lru_cache(maxsize=4096)
