@@ -287,28 +287,28 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
             return math.inf, math.inf
         return cstats.threshold_s(best[0], opts.score_band), best[0]
 
+    def visit(b: int, pairs: Sequence[Pair], use_incumbent: bool) -> float | None:
+        """Ask size b's ``pairs`` and compose all of b's answers so far; b's own best, None if b was skipped."""
+        nonlocal best
+        if floors[b].beyond(*bound()):
+            counters["sizes_skipped"] += 1
+            return None
+        _ask([b], pairs, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
+             caps=caps, par=par, opts=opts)
+        best, own_s = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                                 training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
+                                 use_incumbent=use_incumbent)
+        return own_s
+
     first: list[tuple[float, float, int]] = []
     for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # most promising first: its plan bounds the rest
         results.setdefault(b, {})
-        if floors[b].beyond(*bound()):
-            counters["sizes_skipped"] += 1
-            continue
-        _ask([b], whole, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
-             caps=caps, par=par, opts=opts)
-        best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                          training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
-                          use_incumbent=False)  # each size's own single-island latency orders the sizes below
-        first.append((all_cands[b].best_s, floors[b].latency_s, b))
-    if not rest:
-        return best
-    for _own, _floor, b in sorted(first):
-        if floors[b].beyond(*bound()):
-            counters["sizes_skipped"] += 1
-            continue
-        _ask([b], rest, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
-             caps=caps, par=par, opts=opts)
-        best = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                          training=training, pairset=pairset, islands=islands, caps=caps, opts=opts)
+        own_s = visit(b, whole, use_incumbent=False)  # each size's own single-island latency orders the sizes below
+        if own_s is not None:
+            first.append((own_s, floors[b].latency_s, b))
+    if rest:
+        for _own, _floor, b in sorted(first):
+            visit(b, rest, use_incumbent=True)
     return best
 
 
@@ -411,8 +411,8 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
                islands: Sequence["Island"], caps: RuntimeCapabilities, opts: PlannerOptions,
                use_incumbent: bool = True):
     """Options of size b from its answers so far, composed per compatibility class (the most promising class
-    first, hopeless ones skipped); returns the best (latency, b, group, composition, candidates); the b's own
-    best latency is left in its Candidates.best_s."""
+    first, hopeless ones skipped); returns the best (latency, b, group, composition, candidates) and the best
+    latency composed at b itself (inf if none)."""
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b
@@ -423,6 +423,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     all_cands[b] = cand
     if best is not None and best[1] == b and best[4] is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
+    own_s = math.inf
     work = sorted(((lower_bound([cand.options[i] for i in idx], L, m), group, idx)
                    for group, idx in _groups(cand).items()), key=lambda w: w[0])
     for lb, group, idx in work:
@@ -433,11 +434,11 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
                               score_incumbent_s=best[0] if best is not None and use_incumbent else math.inf)
         if comp is not None:
-            cand.best_s = min(cand.best_s, comp.objective_s)
+            own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
                 best = (comp.objective_s, b, group, comp, cand)  # ranked by the iteration the Plan reports
     counters["compose_s"] += time.perf_counter() - t_c
-    return best
+    return best, own_s
 
 
 def _moved(best: tuple, cand: Candidates) -> tuple:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
@@ -52,7 +51,6 @@ class Candidates:
     infeasible: dict[str, list[str]] = field(default_factory=dict)  # island -> parallelizer's reasons
     dropped: dict[str, int] = field(default_factory=dict)  # why slice plans were not offered: reason -> count
     bounded: dict[str, int] = field(default_factory=dict)  # island -> configurations that could not beat the bound
-    best_s: float = math.inf  # the best latency composed from these options (api._compose_b)
 
     def slice_plan(self, option_index: int) -> SlicePlan:
         """The slice plan behind an option, shifted to the option's layers."""
