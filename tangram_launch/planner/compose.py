@@ -42,6 +42,7 @@ the state and the cost becomes polynomial in K; the planner tries a few orders w
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
@@ -168,10 +169,12 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
     """Best (fill + tail) sequence whose every option and link is <= ``bound``, with its fill + tail; None if no
     sequence covers [0, L) -- or none that can beat ``prune``'s latency.
 
-    prune = (m - 1, period_lb, pre_fill, pre_period, beat): a sequence built so far is dropped when even the
-    cheapest completion cannot beat ``beat``: (m - 1) x max(period_lb, pre_period[start], its new option's
-    bottleneck and link) + its fill + pre_fill[start] + its tail, where pre_fill[j] / pre_period[j] are the least
-    fill / period of any cover of [0, j) (ignoring islands and memory).
+    prune = (m - 1, period_lb, prefix, beat): a sequence built so far is dropped when even the cheapest completion
+    cannot beat ``beat``: (m - 1) x max(period_lb, pre_period[start], its new option's bottleneck and link) + its
+    fill + pre_fill[start] + max(its tail, pre_tail[start]), where pre_fill[j] / pre_period[j] / pre_tail[j] are the
+    least fill / period / tail of any cover of
+    [0, j) by the islands still free in front of it (ignoring memory and that each is used once): those not in the
+    sequence, or in island-order mode those ranked before its front. ``prefix(mask)`` gives them (_PrefixBounds).
 
     rank: islands must appear front to back in increasing rank (polynomial mode): an island in front of island f
     needs rank < rank[f], which already keeps islands distinct, so the key keeps only the required islands' bits.
@@ -190,6 +193,12 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
     tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, -1, None, -1)]
     stats.dp_runs += 1
     keep = -1 if rank is None else required  # bits of "used" that the key remembers
+    if prune is not None:
+        m1, period_lb, prefix, beat = prune
+        floor_terms = (m1, period_lb, prefix)
+        slack = 1e-9 * abs(beat)  # the skip sums in another order than the check: never skip what the check keeps
+        if rank is not None:  # island k's option may have in front only islands ranked before k
+            before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
     for j in range(num_layers, 0, -1):
         layer = tables[j]
         if not layer:
@@ -198,16 +207,21 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
         for island, bit, idx, bns in by_stop[j]:
             n = bisect.bisect_right(bns, bound)
             if n:
-                groups.append((island, bit, *_at_bound(options, idx, n, saturated, at_bound)))
+                groups.append((island, bit, *_at_bound(options, idx, n, saturated, at_bound), (id(idx), n)))
         if not groups:
             continue
         for key in list(layer):
             front = _pareto(layer[key])
             layer[key] = front
+            if not front:
+                continue
             stats.states += len(front)
             afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
+            if prune is not None:  # least fill + tail and least fill of the first k entries, at k - 1
+                least_ft = list(itertools.accumulate([e[0] + e[1] for e in front], min))
+                least_f = list(itertools.accumulate([e[0] for e in front], min))
             used, f = key
-            for island, bit, idx, prune_bns in groups:
+            for island, bit, idx, prune_bns, gkey in groups:
                 if used & bit:
                     continue
                 link = 0.0
@@ -218,23 +232,35 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                     if link > bound:
                         continue
                 tkey = ((used | bit) & keep, island)
+                if prune is not None:
+                    # what may cover the layers in front of this island's option, and the options by their floor
+                    # against it: those whose floor + 2 x link + the least fill + tail behind reach the incumbent
+                    # are skipped whole (the check below would fail for every entry)
+                    mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
+                    pre_fill, pre_period, pre_tail = prefix(mask)
+                    idx, prune_bns, floors = _by_floor(options, idx, prune_bns, gkey, mask, floor_terms, at_bound)
+                    cut = bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)
+                    idx, prune_bns = idx[:cut], prune_bns[:cut]
                 for oi, prune_bn in zip(idx, prune_bns):
                     o = options[oi]
                     fits = bisect.bisect_right(afters, o.max_after)  # entries it fits in front of: a prefix
                     if not fits:
                         continue
+                    add = o.time_s + 2.0 * link
+                    tail = o.tail_s
+                    ns = o.num_stages
+                    if prune is not None:
+                        floor = (m1 * max(period_lb, pre_period[o.start], prune_bn, link)
+                                 + pre_fill[o.start] + add)
+                        tail_lb = max(tail, pre_tail[o.start])
+                        lf = least_f[fits - 1] + tail_lb
+                        if floor + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) >= beat:
+                            continue  # no entry it fits in front of can beat: the check below fails for each
                     tgt = tables[o.start].get(tkey)
                     if tgt is None:
                         tgt = tables[o.start][tkey] = []
                     elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not yet expanded, so nothing points here
                         tgt[:] = _pareto(tgt)
-                    add = o.time_s + 2.0 * link
-                    tail = o.tail_s
-                    ns = o.num_stages
-                    if prune is not None:
-                        m1, period_lb, pre_fill, pre_period, beat = prune
-                        floor = (m1 * max(period_lb, pre_period[o.start], prune_bn, link)
-                                 + pre_fill[o.start] + add)
                     # entries come by increasing "after": once one whose tail is under the option's has been
                     # extended, a later one with no less fill yields an entry that one beats (its tail becomes
                     # the option's or stays larger; fill and after are no smaller), so it is not extended
@@ -246,7 +272,7 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                         n2 = e[2] + ns
                         if max_stages is not None and n2 > max_stages:
                             continue
-                        if prune is not None and floor + e[0] + (e[1] if e[1] > tail else tail) >= beat:
+                        if prune is not None and floor + e[0] + (e[1] if e[1] > tail_lb else tail_lb) >= beat:
                             continue
                         if e[1] <= tail:
                             least = e[0]
@@ -286,27 +312,56 @@ def _at_bound(options: Sequence[Option], idx: list[int], n: int, saturated: int,
     hit = cache.get(key)
     if hit is not None and hit[0] is idx:
         return hit[1]
-    sub = sorted(idx[:n], key=lambda i: (options[i].time_s, options[i].tail_s, options[i].num_stages,
-                                         -min(options[i].max_after, saturated), options[i].bottleneck_s))
+    ranked = cache.get(id(idx))  # the whole group by (time, tail, stages, room, bottleneck), sorted once
+    if ranked is None or ranked[0] is not idx:
+        rows = []
+        for pos, oi in enumerate(idx):
+            o = options[oi]
+            room = o.max_after if o.max_after < saturated else saturated
+            rows.append((o.time_s, o.tail_s, o.num_stages, -room, o.bottleneck_s, pos, oi, o.start))
+        rows.sort()  # pos breaks ties: the order a stable sort of the first n would give
+        ranked = cache[id(idx)] = (idx, rows)
     kept: list[int] = []
-    crit: list[list] = []  # per kept option: start, tail, stages, room, least bottleneck it stands for
+    crit: list[list] = []  # per kept option: tail, stages, room, least bottleneck it stands for
     by_start: dict[int, list[list]] = {}  # the group's options end at one layer on one island: same start compares
-    for oi in sub:
-        o = options[oi]
-        room = min(o.max_after, saturated)
-        same = by_start.setdefault(o.start, [])
+    for _, tail_s, stages, neg_room, bn, pos, oi, start in ranked[1]:
+        if pos >= n:
+            continue
+        same = by_start.get(start)
+        if same is None:
+            same = by_start[start] = []
         for c in same:
-            if c[1] <= o.tail_s and c[2] <= o.num_stages and c[3] >= room:
-                if o.bottleneck_s < c[4]:
-                    c[4] = o.bottleneck_s
+            if c[0] <= tail_s and c[1] <= stages and c[2] <= neg_room:
+                if bn < c[3]:
+                    c[3] = bn
                 break
         else:
             kept.append(oi)
-            c = [o.start, o.tail_s, o.num_stages, room, o.bottleneck_s]
+            c = [tail_s, stages, neg_room, bn]
             crit.append(c)
             same.append(c)
-    order = sorted(range(len(kept)), key=lambda k: options[kept[k]].bottleneck_s)
-    out = ([kept[k] for k in order], [crit[k][4] for k in order])
+    bns = [options[oi].bottleneck_s for oi in kept]
+    order = sorted(range(len(kept)), key=bns.__getitem__)
+    out = ([kept[k] for k in order], [crit[k][3] for k in order])
+    cache[key] = (idx, out)
+    return out
+
+
+def _by_floor(options: Sequence[Option], idx: list[int], bns: list[float], gkey: tuple, mask: int,
+              floor_terms: tuple, cache: dict) -> tuple[list[int], list[float], list[float]]:
+    """A group's options under a bound (from _at_bound) by increasing floor when the layers in front are covered by
+    the islands in ``mask``: (m - 1) x max(period_lb, pre_period[start], bottleneck) + pre_fill[start] + time,
+    the prune's floor without the link and the entry behind."""
+    key = ("floor", gkey, mask)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is idx:
+        return hit[1]
+    m1, period_lb, prefix = floor_terms
+    pre_fill, pre_period, _ = prefix(mask)
+    # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
+    rows = sorted(((m1 * max(period_lb, pre_period[options[oi].start], bn) if m1 else 0.0)
+                   + pre_fill[options[oi].start] + options[oi].time_s, k) for k, (oi, bn) in enumerate(zip(idx, bns)))
+    out = ([idx[k] for _, k in rows], [bns[k] for _, k in rows], [g for g, _ in rows])
     cache[key] = (idx, out)
     return out
 
@@ -339,20 +394,54 @@ def _minmax_bottleneck(options: Sequence[Option], idx: Sequence[int], num_layers
     return _best_cover(options, idx, num_layers, lambda o, rest: max(o.bottleneck_s, rest))
 
 
-def _prefix_bounds(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> tuple[list, list]:
-    """pre_fill[j], pre_period[j]: least fill and least period of any cover of [0, j) (ignoring islands/memory)."""
+def _prefix_bounds(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> tuple[list, list, list]:
+    """pre_fill[j], pre_period[j], pre_tail[j]: least fill, least period and least tail of any cover of [0, j) by
+    these options (ignoring that an island is used once, and memory)."""
     fill = [float("inf")] * (num_layers + 1)
     period = [float("inf")] * (num_layers + 1)
-    fill[0] = period[0] = 0.0
+    tail = [float("inf")] * (num_layers + 1)
+    fill[0] = period[0] = tail[0] = 0.0
     by_stop: dict[int, list[int]] = {}
     for oi in idx:
         by_stop.setdefault(options[oi].stop, []).append(oi)
     for j in range(1, num_layers + 1):
+        best_fill = best_period = best_tail = float("inf")
         for oi in by_stop.get(j, ()):
-            o = options[oi]
-            fill[j] = min(fill[j], fill[o.start] + o.time_s)
-            period[j] = min(period[j], max(period[o.start], o.bottleneck_s))
-    return fill, period
+            start, _, _, _, _, time_s, bn, tail_s = options[oi]
+            v = fill[start] + time_s
+            if v < best_fill:
+                best_fill = v
+            v = period[start] if period[start] > bn else bn
+            if v < best_period:
+                best_period = v
+            v = tail[start] if tail[start] > tail_s else tail_s
+            if v < best_tail:
+                best_tail = v
+        fill[j], period[j], tail[j] = best_fill, best_period, best_tail
+    return fill, period, tail
+
+
+class _PrefixBounds:
+    """_prefix_bounds over the options of a set of islands, per set (a bit mask), computed on first use: the layers
+    in front of an option can be covered only by the islands the sequence behind it leaves free, and when the fast
+    island is already behind, that cover is much slower than the least over all islands."""
+
+    def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int):
+        self._options = options
+        self._num_layers = num_layers
+        self._by_island: dict[int, list[int]] = {}
+        for oi in idx:
+            self._by_island.setdefault(options[oi].island, []).append(oi)
+        self.islands = sum(1 << k for k in self._by_island)  # the islands with options, as a mask
+        self._cache: dict[int, tuple[list, list, list]] = {}
+
+    def __call__(self, mask: int) -> tuple[list, list, list]:
+        mask &= self.islands
+        hit = self._cache.get(mask)
+        if hit is None:
+            sub = [oi for k, lst in sorted(self._by_island.items()) if mask >> k & 1 for oi in lst]
+            hit = self._cache[mask] = _prefix_bounds(self._options, sub, self._num_layers)
+        return hit
 
 
 def lower_bound(options: Sequence[Option], num_layers: int, num_microbatches: int,
@@ -429,10 +518,10 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         n_cap = max(saturated, max_stages)
     fill_lb = _fill_lower_bound(options, idx, num_layers)
     period_lb = _minmax_bottleneck(options, idx, num_layers)
-    pre_fill, pre_period = _prefix_bounds(options, idx, num_layers)
+    prefix = _PrefixBounds(options, idx, num_layers)
     # _at_bound's answers for this set's groups, shared by every call that reuses the preparation
     at_bound: dict = {}
-    return idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period, at_bound
+    return idx, by_stop, cands, n_cap, fill_lb, period_lb, prefix, at_bound
 
 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
@@ -471,7 +560,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
                                                                 max_stages, bound_step))
     if prep[3] is None:
         return None
-    idx, by_stop, cands, n_cap, fill_lb, period_lb, pre_fill, pre_period, at_bound = prep[3]
+    idx, by_stop, cands, n_cap, fill_lb, period_lb, prefix, at_bound = prep[3]
     stats.candidates += len(cands)
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
@@ -518,7 +607,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         if bound in memo:
             return memo[bound]
         beat = beat_s()
-        prune = (m - 1, period_lb, pre_fill, pre_period, beat) if beat < float("inf") else None
+        prune = (m - 1, period_lb, prefix, beat) if beat < float("inf") else None
         found = memo[bound] = _dp_at_bound(options, by_stop, link_s, num_layers, n_cap, saturated, bound,
                                            required_mask, max_stages, stats, prune, rank, at_bound)
         metrics = evaluate(found[0], options, link_s, m) if found else None
