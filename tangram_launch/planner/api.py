@@ -62,7 +62,7 @@ class PlannerOptions:
     refine_microbatches: bool = True  # then the best size's neighbouring divisors, until the best stops moving
     max_workers: int | None = None  # process pool size; default min(2, cpu count)
     progress: bool | None = None  # None: progress on stderr only when it is a terminal
-    bound_step: float = 0.0  # > 0: skip bottleneck bounds within this relative step (faster, not exact)
+    bound_step: float = 0.0  # > 0: the composer compares periods within this relative step as equal (faster, not exact)
     atom_layers: int | None = None  # layers per model atom; None: slices.auto_atom_layers (1 up to 64 layers)
     exact_islands: int = 5  # up to this many islands the composer searches every island subset and order
     # branch and bound: queries carry the best latency found so far, and micro-batch sizes whose floor cannot beat

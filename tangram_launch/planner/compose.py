@@ -13,27 +13,29 @@ number of micro-batches m. Its output is the sequence of options (front to back)
 subject to: the options cover [0, L) contiguously, each island is used at most once, and every option fits in
 memory at its pipeline position (``stages_after <= max_after``).
 
-The algorithm follows the paper: (1) take a bound B on the slowest stage from the ranked bottlenecks of all slice
-plans; (2) build sequences from the BACK of the pipeline, adding options in front, memoising per state the best
-(fill, tail) of the sequences that reach it, and discarding a sequence when it becomes infeasible (an option no
-longer fits with the stages behind it) or unbalanced (an option or link slower than B); (3) compare the best full
-sequence with the best global plan; (4) relax B until the latency cannot improve any more. At B = the optimum's
-period the DP finds a plan with fill + tail no larger than the optimum's, so trying every candidate bound is exact
-(``reference.py`` checks it by brute force). Three things make it fast without losing exactness: the bounds are
-visited by interval bisection, skipping every interval whose latency floor ((m - 1) x its smallest bound + the
-least fill + tail at its largest) cannot beat the best plan; inside a DP run, a partial sequence is dropped as soon
-as its cheapest completion cannot beat the best plan; and the best single-island plan seeds the search.
-``bound_step`` > 0 trades exactness for fewer DP runs by merging bounds within a relative step.
+The paper relaxes a bound B on the slowest stage from the ranked bottlenecks of all slice plans, running a DP per
+bound that memoises the best (fill, tail) per state and discards unbalanced (> B) or infeasible sequences. This
+kernel runs one DP instead: sequences are built from the BACK of the pipeline, adding options in front, and each
+state keeps the Pareto front of (fill, tail, stages behind, period) -- the period is a dimension of the front
+rather than a bound, so one pass holds the least fill + tail at every period, i.e. what every bound of the
+paper's relaxation would find. A partial sequence is dropped as soon as its cheapest completion cannot beat the
+best plan: (m - 1) x max(its period, the least period of the layers in front) + its fill + the least fill in front
++ its tail, where "in front" is covered only by the islands the sequence leaves free (exact: a plan that beats the
+bound is represented at every step by an entry with no more fill, tail, stages or period). The bound to beat comes
+first from the single-island plans and a quick plan (the same DP keeping two entries per state), so the exact pass
+prunes hard from its first layer. ``bound_step`` > 0 compares periods by bucket on a geometric grid (fewer
+entries, not exact: at most (m - 1) x bound_step x the period slower). ``reference.py`` checks it by brute force.
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
 round trip to stage k + 1: ((t_k + t_k+1) / 2 + p) per micro-batch can exceed the slowest stage), so the two can
 rank close plans the other way. A driver that passes ``score`` (the iteration the Plan would report for a
 sequence: the simulation, or the interleaved schedule where faster) gets the plan with the least score among the
-DP's winners at the bounds the exact closed-form search visits (one per bound, each scored once): the closed
-form's optimum is among them, so the score never gets worse than it was. With ``score_band`` a bound's winner or
-a partial sequence is pruned only when its closed form cannot beat the larger of the best score and the least
-closed form found, so every plan whose closed form lies below the best score is a candidate too (more DP runs).
+candidates: the plans whose fill + tail no plan of smaller period beats (each is what the paper's DP finds at its
+own period) among those whose closed form can beat the best closed form, or whose score floor (m x period + tail,
+under any score: interleaving can put a score well below the closed form) can beat the best score; the closed
+form's optimum is always among them. With ``score_band`` the closed forms are pruned against the larger of the
+best score and the least closed form instead.
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -43,14 +45,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 
-_FILL_TAIL_AFTER = operator.itemgetter(0, 1, 2)  # sort keys of DP entries (C-level: _pareto sorts millions)
 _AFTER = operator.itemgetter(2)
+_BEAM = 2  # entries per state in the quick plan's DP
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
@@ -82,7 +85,7 @@ class Metrics(NamedTuple):
 class Composition:
     options: tuple[int, ...]  # indices into the option list, front (layer 0) to back
     metrics: Metrics
-    bound_s: float  # the bottleneck bound at which the DP found it
+    bound_s: float  # its period: the bottleneck bound at which the paper's relaxation finds it
     score_s: float | None = None  # the driver's score (simulated latency) it was chosen by; None: the closed form
 
     @property
@@ -97,10 +100,10 @@ class Composition:
 
 @dataclass
 class ComposeStats:
-    dp_runs: int = 0
-    states: int = 0
-    candidates: int = 0
-    trace: list = field(default_factory=list)  # (bound_s, best latency_s at that bound or None)
+    dp_runs: int = 0  # DP passes (a quick one and an exact one per call)
+    states: int = 0  # DP entries expanded
+    candidates: int = 0  # plans offered from the exact passes' fronts
+    trace: list = field(default_factory=list)  # (period_s, latency_s) of every plan offered, in order
     scored: list = field(default_factory=list)  # every composition a score was computed for (score given)
     best_closed_s: float = float("inf")  # the least closed-form latency of any composition found
     # the last option set's preparation (_prepare), for the next call on the same set: above five islands the
@@ -131,97 +134,134 @@ def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Seq
     return Metrics(pipeline_latency_s(num_microbatches, period, fill, tail), period, fill, tail, links)
 
 
-def _pareto(entries: list) -> list:
-    """Entries not dominated in (fill_s, tail_s, after): lower is better in each (fewer stages behind leave more
-    memory for the options in front). Returned sorted by ``after`` so that the entries an option fits in front of
-    form a prefix.
+_FILL = operator.itemgetter(0, 1, 2, 3)  # sort key of DP entries: fill, tail, after, period
 
-    Entries are visited by increasing fill; a staircase of the kept (after, tail) points, after ascending and tail
-    strictly descending, answers "is there a kept entry with after <= and tail <=" by one bisection.
-    """
+
+def _pareto(entries: list, quantum: float) -> list:
+    """Entries not dominated in (fill_s, tail_s, after, period): lower is better in each (fewer stages behind
+    leave more memory for the options in front; a lower period lowers every completion's steady state). Returned
+    sorted by ``after`` so that the entries an option fits in front of form a prefix.
+
+    quantum > 0 compares periods by their bucket on a geometric grid of ratio 1 + quantum instead (compose's
+    ``bound_step``): buckets compare transitively, so the plan kept has a period less than (1 + quantum) x that
+    of any plan it stands for, and no more fill and tail."""
     if len(entries) == 1:
         return entries
-    entries.sort(key=_FILL_TAIL_AFTER)
+    entries.sort(key=_FILL)
+    scale = 1.0 / math.log1p(quantum) if quantum > 0 else 0.0
     kept: list = []
-    stair_after: list[int] = []
-    stair_tail: list[float] = []
+    # per "after" value, a staircase of the kept entries' (tail, period): tail ascending, period strictly
+    # descending, so "a kept entry with tail <= t and period <= p" is one bisection per after value <= a
+    stairs: dict[int, tuple[list, list]] = {}
+    afters: list[int] = []
     for e in entries:
-        after, tail = e[2], e[1]
-        i = bisect.bisect_right(stair_after, after)
-        if i and stair_tail[i - 1] <= tail:
-            continue
-        kept.append(e)
-        # drop staircase points that e dominates (after >= e's, tail >= e's), then insert e
-        k = i
-        while k < len(stair_after) and stair_tail[k] >= tail:
-            k += 1
-        stair_after[i:k] = [after]
-        stair_tail[i:k] = [tail]
+        tail, after, per = e[1], e[2], e[3]
+        if scale:
+            per = math.floor(math.log(per) * scale) if per > 0 else -math.inf
+        dominated = False
+        for a in afters:
+            if a > after:
+                break
+            tails, pers = stairs[a]
+            i = bisect.bisect_right(tails, tail)
+            if i and pers[i - 1] <= per:
+                dominated = True
+                break
+        if not dominated:
+            kept.append(e)
+            st = stairs.get(after)
+            if st is None:
+                st = stairs[after] = ([], [])
+                bisect.insort(afters, after)
+            tails, pers = st
+            i = bisect.bisect_right(tails, tail)
+            k = i
+            while k < len(tails) and pers[k] >= per:  # points e now dominates within this after value
+                k += 1
+            tails[i:k] = [tail]
+            pers[i:k] = [per]
     kept.sort(key=_AFTER)
     return kept
 
 
-def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], link_s: Sequence[Sequence[float]],
-                 num_layers: int, n_cap: int, saturated: int, bound: float, required: int,
-                 max_stages: int | None, stats: ComposeStats, prune: tuple | None = None,
-                 rank: Sequence[int] | None = None, at_bound: dict | None = None
-                 ) -> tuple[tuple[int, ...], float] | None:
-    """Best (fill + tail) sequence whose every option and link is <= ``bound``, with its fill + tail; None if no
-    sequence covers [0, L) -- or none that can beat ``prune``'s latency.
+def _by_floor(options: Sequence[Option], idx: list[int], mask: int, floor_terms: tuple,
+              cache: dict) -> tuple[list[int], list[float]]:
+    """A (stop, island) group's options by increasing floor when the layers in front are covered by the islands
+    in ``mask``: (m - 1) x max(period_lb, pre_period[start], bottleneck) + pre_fill[start] + time, the prune's
+    floor without the link and the sequence behind (so the DP cuts a group's hopeless tail by one bisection)."""
+    key = (id(idx), mask)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is idx:
+        return hit[1]
+    m1, period_lb, prefix = floor_terms
+    pre_fill, pre_period, _ = prefix(mask)
+    # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
+    rows = sorted(((m1 * max(period_lb, pre_period[options[oi].start], options[oi].bottleneck_s) if m1 else 0.0)
+                   + pre_fill[options[oi].start] + options[oi].time_s, k) for k, oi in enumerate(idx))
+    out = ([idx[k] for _, k in rows], [g for g, _ in rows])
+    cache[key] = (idx, out)
+    return out
 
-    prune = (m - 1, period_lb, prefix, beat): a sequence built so far is dropped when even the cheapest completion
-    cannot beat ``beat``: (m - 1) x max(period_lb, pre_period[start], its new option's bottleneck and link) + its
-    fill + pre_fill[start] + max(its tail, pre_tail[start]), where pre_fill[j] / pre_period[j] / pre_tail[j] are the
-    least fill / period / tail of any cover of
-    [0, j) by the islands still free in front of it (ignoring memory and that each is used once): those not in the
-    sequence, or in island-order mode those ranked before its front. ``prefix(mask)`` gives them (_PrefixBounds).
 
-    rank: islands must appear front to back in increasing rank (polynomial mode): an island in front of island f
-    needs rank < rank[f], which already keeps islands distinct, so the key keeps only the required islands' bits.
+def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]], num_layers: int,
+        num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
+        rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
+        score_beat: float = float("inf")) -> list[tuple]:
+    """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``,
+    as (fill_s, tail_s, period_s, option indices front to back). With ``beam``, each state keeps only that many
+    entries, those of least (m - 1) x period + fill + tail (a quick plan, not exact).
 
-    by_stop[j] = [(island, island bit, option indices ending at j on that island sorted by bottleneck, their
-    bottlenecks)]. tables[j] maps the sequences covering layers [j, L) by
-      key   = (used: bitmask of islands in the sequence,
+    Sequences are built from the BACK of the pipeline, adding options in front; tables[j] maps the sequences
+    covering [j, L) by
+      key   = (used: bitmask of islands in the sequence (in island-order mode only the required ones),
                front: island of the sequence's first option, -1 for the empty sequence at j = L)
-    to the Pareto front (see _pareto) of
-      entry = (fill_s, tail_s,
-               after: stages in the sequence, capped at n_cap (beyond it no option's memory check changes),
-               option index added in front, parent key in tables[option.stop], parent position in that front)
-    """
-    at_bound = {} if at_bound is None else at_bound  # _at_bound's answers, kept by the caller across bounds
-    tables: list[dict] = [dict() for _ in range(num_layers + 1)]
-    tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, -1, None, -1)]
-    stats.dp_runs += 1
+    to the Pareto front of
+      entry = (fill_s, tail_s, after: stages in the sequence capped at n_cap, period_s: its slowest stage or link,
+               option index added in front, parent key in tables[option.stop], parent position in that front).
+    A sequence is dropped as soon as even its cheapest completion cannot beat ``beat``:
+      (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])
+    where the pre_* are the least of any cover of [0, start) by the islands free in front of it (_PrefixBounds).
+    With ``score_beat`` (a score to beat) a sequence is kept too while m x its period + its tail can beat it: that
+    floor lies under any score (compose's score_floor), and a score can rank a plan well below its closed form
+    (the interleaved schedule shrinks the bubble).
+    Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
+    completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
+    judges an entry by the least period of its bucket."""
+    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache = prep
+    m1 = num_microbatches - 1
+    m = num_microbatches
+    saturated = m1
+    by_score = score_beat < float("inf")
     keep = -1 if rank is None else required  # bits of "used" that the key remembers
-    if prune is not None:
-        m1, period_lb, prefix, beat = prune
-        floor_terms = (m1, period_lb, prefix)
-        slack = 1e-9 * abs(beat)  # the skip sums in another order than the check: never skip what the check keeps
-        if rank is not None:  # island k's option may have in front only islands ranked before k
-            before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
+    prune = beat < float("inf")
+    floor_terms = (m1, period_lb, prefix)
+    slack = 1e-9 * abs(beat) if prune else 0.0  # the skips sum in another order than the check: keep, not skip
+    shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
+    if rank is not None:  # island k's option may have in front only islands ranked before k
+        before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
+    tables: list[dict] = [dict() for _ in range(num_layers + 1)]
+    tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1)]
+    stats.dp_runs += 1
     for j in range(num_layers, 0, -1):
         layer = tables[j]
-        if not layer:
-            continue
-        groups = []
-        for island, bit, idx, bns in by_stop[j]:
-            n = bisect.bisect_right(bns, bound)
-            if n:
-                groups.append((island, bit, *_at_bound(options, idx, n, saturated, at_bound), (id(idx), n)))
-        if not groups:
+        groups = by_stop[j]
+        if not layer or not groups:
             continue
         for key in list(layer):
-            front = _pareto(layer[key])
+            front = _pareto(layer[key], quantum)
+            if beam is not None and len(front) > beam:
+                front = sorted(front, key=lambda e: m1 * e[3] + e[0] + e[1])[:beam]
+                front.sort(key=_AFTER)
             layer[key] = front
             if not front:
                 continue
             stats.states += len(front)
             afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
-            if prune is not None:  # least fill + tail and least fill of the first k entries, at k - 1
+            if prune:  # least fill + tail and least fill of the first k entries, at k - 1
                 least_ft = list(itertools.accumulate([e[0] + e[1] for e in front], min))
                 least_f = list(itertools.accumulate([e[0] for e in front], min))
             used, f = key
-            for island, bit, idx, prune_bns, gkey in groups:
+            for island, bit, gidx in groups:
                 if used & bit:
                     continue
                 link = 0.0
@@ -229,19 +269,14 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                     if rank is not None and rank[island] >= rank[f]:
                         continue
                     link = link_s[island][f]
-                    if link > bound:
-                        continue
                 tkey = ((used | bit) & keep, island)
-                if prune is not None:
-                    # what may cover the layers in front of this island's option, and the options by their floor
-                    # against it: those whose floor + 2 x link + the least fill + tail behind reach the incumbent
-                    # are skipped whole (the check below would fail for every entry)
+                if prune:
                     mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
                     pre_fill, pre_period, pre_tail = prefix(mask)
-                    idx, prune_bns, floors = _by_floor(options, idx, prune_bns, gkey, mask, floor_terms, at_bound)
-                    cut = bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)
-                    idx, prune_bns = idx[:cut], prune_bns[:cut]
-                for oi, prune_bn in zip(idx, prune_bns):
+                    gidx, floors = _by_floor(options, gidx, mask, floor_terms, cache)
+                    if not by_score:  # (the score's floor does not follow this order)
+                        gidx = gidx[:bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)]
+                for oi in gidx:
                     o = options[oi]
                     fits = bisect.bisect_right(afters, o.max_after)  # entries it fits in front of: a prefix
                     if not fits:
@@ -249,124 +284,52 @@ def _dp_at_bound(options: Sequence[Option], by_stop: Sequence[Sequence[tuple]], 
                     add = o.time_s + 2.0 * link
                     tail = o.tail_s
                     ns = o.num_stages
-                    if prune is not None:
-                        floor = (m1 * max(period_lb, pre_period[o.start], prune_bn, link)
-                                 + pre_fill[o.start] + add)
-                        tail_lb = max(tail, pre_tail[o.start])
+                    per = o.bottleneck_s if o.bottleneck_s > link else link  # the period it adds
+                    if prune:
+                        per_lb = max(period_lb, pre_period[o.start], per) if m1 else 0.0
+                        base = pre_fill[o.start] + add
+                        tail_lb = tail if tail > pre_tail[o.start] else pre_tail[o.start]
                         lf = least_f[fits - 1] + tail_lb
-                        if floor + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) >= beat:
+                        if m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) >= beat \
+                                and m * per_lb + tail_lb >= score_beat:
                             continue  # no entry it fits in front of can beat: the check below fails for each
-                    tgt = tables[o.start].get(tkey)
-                    if tgt is None:
-                        tgt = tables[o.start][tkey] = []
-                    elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not yet expanded, so nothing points here
-                        tgt[:] = _pareto(tgt)
-                    # entries come by increasing "after": once one whose tail is under the option's has been
-                    # extended, a later one with no less fill yields an entry that one beats (its tail becomes
-                    # the option's or stays larger; fill and after are no smaller), so it is not extended
-                    least = float("inf")
+                    tgt = None
                     for pos in range(fits):
                         e = front[pos]
-                        if e[0] >= least:
-                            continue
                         n2 = e[2] + ns
                         if max_stages is not None and n2 > max_stages:
                             continue
-                        if prune is not None and floor + e[0] + (e[1] if e[1] > tail_lb else tail_lb) >= beat:
-                            continue
-                        if e[1] <= tail:
-                            least = e[0]
+                        if prune:
+                            p = e[3] * shrink
+                            if p < per_lb:
+                                p = per_lb
+                            t = e[1] if e[1] > tail_lb else tail_lb
+                            if m1 * p + base + e[0] + t >= beat and m * p + t >= score_beat:
+                                continue
+                        if tgt is None:
+                            tgt = tables[o.start].get(tkey)
+                            if tgt is None:
+                                tgt = tables[o.start][tkey] = []
+                            elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
+                                tgt[:] = _pareto(tgt, quantum)
                         tgt.append((e[0] + add, e[1] if e[1] > tail else tail, n2 if n2 < n_cap else n_cap,
-                                    oi, key, pos))
-    best = None
+                                    e[3] if e[3] > per else per, oi, key, pos))
+    out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
             continue
-        for e in entries:
-            if best is None or e[0] + e[1] < best[0] + best[1]:
-                best = e
-    if best is None:
-        return None
-    value = best[0] + best[1]
-    seq = []
-    e = best
-    while e[3] >= 0:
-        seq.append(e[3])
-        e = tables[options[e[3]].stop][e[4]][e[5]]
-    return tuple(seq), value
-
-
-def _at_bound(options: Sequence[Option], idx: list[int], n: int, saturated: int,
-              cache: dict) -> tuple[list[int], list[float]]:
-    """The first n options of a (stop, island) group (those under the bound; idx is sorted by bottleneck) that no
-    other of them on the same layers beats on time, tail, stages and room for following stages, each with the
-    least bottleneck of the options it beats (itself included).
-
-    Under a bound the bottleneck decides admission only: at any bound the options kept reach the same least
-    fill + tail (a beaten option's place is taken by one with no more time, tail and stages and no less room), so
-    the optimum is found at its own period as before. The inner prune estimates a sequence's period from its
-    options' bottlenecks; a kept option is judged with the least bottleneck of those it stands for, so that it is
-    never pruned where one of them would not be (a run that prunes everything at a bound still proves that no
-    smaller bound can do better)."""
-    key = (id(idx), n)
-    hit = cache.get(key)
-    if hit is not None and hit[0] is idx:
-        return hit[1]
-    ranked = cache.get(id(idx))  # the whole group by (time, tail, stages, room, bottleneck), sorted once
-    if ranked is None or ranked[0] is not idx:
-        rows = []
-        for pos, oi in enumerate(idx):
-            o = options[oi]
-            room = o.max_after if o.max_after < saturated else saturated
-            rows.append((o.time_s, o.tail_s, o.num_stages, -room, o.bottleneck_s, pos, oi, o.start))
-        rows.sort()  # pos breaks ties: the order a stable sort of the first n would give
-        ranked = cache[id(idx)] = (idx, rows)
-    kept: list[int] = []
-    crit: list[list] = []  # per kept option: tail, stages, room, least bottleneck it stands for
-    by_start: dict[int, list[list]] = {}  # the group's options end at one layer on one island: same start compares
-    for _, tail_s, stages, neg_room, bn, pos, oi, start in ranked[1]:
-        if pos >= n:
-            continue
-        same = by_start.get(start)
-        if same is None:
-            same = by_start[start] = []
-        for c in same:
-            if c[0] <= tail_s and c[1] <= stages and c[2] <= neg_room:
-                if bn < c[3]:
-                    c[3] = bn
-                break
-        else:
-            kept.append(oi)
-            c = [tail_s, stages, neg_room, bn]
-            crit.append(c)
-            same.append(c)
-    bns = [options[oi].bottleneck_s for oi in kept]
-    order = sorted(range(len(kept)), key=bns.__getitem__)
-    out = ([kept[k] for k in order], [crit[k][3] for k in order])
-    cache[key] = (idx, out)
+        for e in _pareto(entries, quantum):
+            seq = []
+            fill, tail, period = e[0], e[1], e[3]
+            while e[4] >= 0:
+                seq.append(e[4])
+                e = tables[options[e[4]].stop][e[5]][e[6]]
+            out.append((fill, tail, period, tuple(seq)))
     return out
 
 
-def _by_floor(options: Sequence[Option], idx: list[int], bns: list[float], gkey: tuple, mask: int,
-              floor_terms: tuple, cache: dict) -> tuple[list[int], list[float], list[float]]:
-    """A group's options under a bound (from _at_bound) by increasing floor when the layers in front are covered by
-    the islands in ``mask``: (m - 1) x max(period_lb, pre_period[start], bottleneck) + pre_fill[start] + time,
-    the prune's floor without the link and the entry behind."""
-    key = ("floor", gkey, mask)
-    hit = cache.get(key)
-    if hit is not None and hit[0] is idx:
-        return hit[1]
-    m1, period_lb, prefix = floor_terms
-    pre_fill, pre_period, _ = prefix(mask)
-    # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
-    rows = sorted(((m1 * max(period_lb, pre_period[options[oi].start], bn) if m1 else 0.0)
-                   + pre_fill[options[oi].start] + options[oi].time_s, k) for k, (oi, bn) in enumerate(zip(idx, bns)))
-    out = ([idx[k] for _, k in rows], [bns[k] for _, k in rows], [g for g, _ in rows])
-    cache[key] = (idx, out)
-    return out
-
-
-def _best_cover(options: Sequence[Option], idx: Sequence[int], num_layers: int, combine) -> float:
+def _best_cover(
+options: Sequence[Option], idx: Sequence[int], num_layers: int, combine) -> float:
     """Best value over covers of [0, L) by options (ignoring islands, memory and links), built from the back:
     best[i] = min over options starting at i of combine(option, best[option.stop])."""
     best = [float("inf")] * (num_layers + 1)
@@ -484,32 +447,22 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
 
 
 def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
-             allowed_mask: int, max_stages: int | None, bound_step: float) -> tuple | None:
+             allowed_mask: int, max_stages: int | None) -> tuple | None:
     """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
-    options, grouped by stop and island; the candidate bounds; the cap on stages after; and the lower bounds
-    (least fill, least period, and both per prefix). None: no option is usable."""
+    options, grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
+    of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
+    is usable."""
     idx = [i for i, o in enumerate(options)
            if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
     idx = _undominated(options, idx, saturated)
     if not idx:
         return None
     grouped: dict[tuple[int, int], list[int]] = {}
-    for oi in sorted(idx, key=lambda i: options[i].bottleneck_s):
+    for oi in idx:
         grouped.setdefault((options[oi].stop, options[oi].island), []).append(oi)
     by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
     for (stop, island), lst in sorted(grouped.items()):
-        by_stop[stop].append((island, 1 << island, lst, [options[oi].bottleneck_s for oi in lst]))
-    islands = sorted({options[oi].island for oi in idx})
-    cands = sorted({options[oi].bottleneck_s for oi in idx}
-                   | {link_s[a][b] for a in islands for b in islands if a != b})
-    if bound_step > 0:  # keep the top of each group of bounds within a relative step: fewer DP runs, not exact
-        tops = []
-        for c in cands:
-            if tops and c <= tops[-1][0] * (1.0 + bound_step):
-                tops[-1][1] = c
-            else:
-                tops.append([c, c])
-        cands = [t[1] for t in tops]
+        by_stop[stop].append((island, 1 << island, lst))
     if max_stages is None:
         # "after" matters only through the memory checks: beyond the largest finite threshold nothing changes
         finite = [options[oi].max_after for oi in idx if options[oi].max_after < saturated]
@@ -519,9 +472,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     fill_lb = _fill_lower_bound(options, idx, num_layers)
     period_lb = _minmax_bottleneck(options, idx, num_layers)
     prefix = _PrefixBounds(options, idx, num_layers)
-    # _at_bound's answers for this set's groups, shared by every call that reuses the preparation
-    at_bound: dict = {}
-    return idx, by_stop, cands, n_cap, fill_lb, period_lb, prefix, at_bound
+    return idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}
 
 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
@@ -536,37 +487,36 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
     (to price an island the best plan leaves out); ``max_stages``: the runtime's cap on pipeline stages;
-    ``incumbent_s``: a latency already achieved elsewhere (another micro-batch size): the search stops as soon
-    as it cannot beat it, and returns None if it never does; ``island_order``: only pipelines whose islands
-    appear in this order (front to back, islands may be skipped) -- the state then drops the set of used islands,
-    so the cost grows polynomially with the number of islands (exact among such pipelines); ``score``: the
-    latency to choose by (what the Plan reports; see the module docstring), computed once per bound's winner;
-    ``incumbent_s`` then prunes closed forms only (the least score among the winners is returned, whatever it
-    is); ``score_band``: prune against the larger of the best score and the least closed form instead (more DP
-    runs: every plan whose closed form beats the best score is a candidate), and ``incumbent_s`` is a score;
-    ``score_floor``: a cheap floor under ``score`` (a winner whose floor cannot beat the best score here or
-    ``score_incumbent_s``, the best found elsewhere, is not scored: a simulation costs milliseconds and an island-order
-    search meets tens of thousands of winners).
+    ``bound_step`` > 0: periods within that relative step compare as equal (faster; the plan is at most
+    (m - 1) x bound_step x its period slower than the optimum); ``incumbent_s``: a latency already achieved
+    elsewhere (another micro-batch size): only plans that beat it are searched, and None is returned if none
+    does; ``island_order``: only pipelines whose islands appear in this order (front to back, islands may be
+    skipped) -- the state then drops the set of used islands, so the cost grows polynomially with the number of
+    islands (exact among such pipelines); ``score``: the latency to choose by (what the Plan reports; see the
+    module docstring), computed once per candidate; ``incumbent_s`` then prunes closed forms only (the least
+    score among the candidates is returned, whatever it is); ``score_band``: prune against the larger of the best
+    score and the least closed form instead (every plan whose closed form beats the best score is a candidate),
+    and ``incumbent_s`` is a score; ``score_floor``: a cheap floor under ``score`` (a candidate whose floor cannot
+    beat the best score here or ``score_incumbent_s``, the best found elsewhere, is not scored: a simulation costs
+    milliseconds and an island-order search meets tens of thousands of candidates).
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
     saturated = m - 1
     if allowed_mask is None:
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
-    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages, bound_step)
+    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages)
     prep = stats.prepared
     if prep is None or prep[0] != key or prep[1] is not options or prep[2] is not link_s:
         prep = stats.prepared = (key, options, link_s, _prepare(options, link_s, num_layers, saturated, allowed_mask,
-                                                                max_stages, bound_step))
+                                                                max_stages))
     if prep[3] is None:
         return None
-    idx, by_stop, cands, n_cap, fill_lb, period_lb, prefix, at_bound = prep[3]
-    stats.candidates += len(cands)
+    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache = prep[3]
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
     if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s:
         return None  # cannot beat the incumbent: not even one DP run
-    cands = cands[bisect.bisect_left(cands, period_lb):]  # smaller bounds admit no cover at all
     rank = None
     if island_order is not None:
         rank = [len(island_order)] * (1 + max(max(island_order), max(options[oi].island for oi in idx)))
@@ -575,10 +525,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
 
     best: Composition | None = None
     closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
-    memo: dict[float, tuple[tuple[int, ...], float] | None] = {}
-
     band = score is not None and score_band
     gate_s = incumbent_s if score is None or band else float("inf")  # what a returned plan must beat
+    offered: set = set()
 
     def beat_s() -> float:
         """Prune what cannot beat this (closed-form units): the incumbent, or the least closed form found (the
@@ -587,65 +536,65 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             return min(incumbent_s, max(best.objective_s, closed_s) if best else float("inf"))
         return min(incumbent_s, closed_s)
 
-    def consider(seq: tuple[int, ...], metrics: Metrics, bound: float) -> None:
-        """Keep ``seq`` if it beats the best plan so far (by score where there is one)."""
+    def offer(seq: tuple[int, ...]) -> None:
+        """Keep ``seq`` if it beats the best plan so far (by score where there is one; scored once)."""
         nonlocal best, closed_s
+        if seq in offered:
+            return
+        offered.add(seq)
+        metrics = evaluate(seq, options, link_s, m)
+        if metrics is None:
+            return
+        stats.trace.append((metrics.period_s, metrics.latency_s))
         closed_s = min(closed_s, metrics.latency_s)
         stats.best_closed_s = min(stats.best_closed_s, metrics.latency_s)
-        comp = Composition(seq, metrics, bound)
+        comp = Composition(seq, metrics, metrics.period_s)
         if score is not None:
             if score_floor is not None and score_floor(seq, metrics) >= min(
                     score_incumbent_s, best.objective_s if best is not None else float("inf")):
                 return  # cannot beat the best score: not simulated
-            comp = Composition(seq, metrics, bound, score(seq, metrics))
+            comp = Composition(seq, metrics, metrics.period_s, score(seq, metrics))
             stats.scored.append(comp)
         if comp.objective_s < gate_s and (best is None or comp.objective_s < best.objective_s):
             best = comp
 
-    def run(bound: float) -> tuple[tuple[int, ...], float] | None:
-        """The DP at one bound (once per bound); its plan is compared with the best global plan (3)."""
-        if bound in memo:
-            return memo[bound]
-        beat = beat_s()
-        prune = (m - 1, period_lb, prefix, beat) if beat < float("inf") else None
-        found = memo[bound] = _dp_at_bound(options, by_stop, link_s, num_layers, n_cap, saturated, bound,
-                                           required_mask, max_stages, stats, prune, rank, at_bound)
-        metrics = evaluate(found[0], options, link_s, m) if found else None
-        stats.trace.append((bound, metrics.latency_s if metrics else None))
-        if metrics is not None and (score is not None or best is None or metrics.latency_s < best.latency_s):
-            consider(found[0], metrics, bound)
-        return found
+    def score_beat_s() -> float:
+        """The score a candidate must beat (inf without a score): the best here or elsewhere."""
+        if score is None:
+            return float("inf")
+        return min(score_incumbent_s, best.objective_s if best is not None else float("inf"))
 
-    # a plan of one option (a whole-model slice plan on one island) needs no DP; it seeds the best plan so that
-    # the DP runs can prune against it from the start
+    def run(beat: float, **kw) -> list[tuple]:
+        """The DP's plans that can beat ``beat``, by increasing closed form."""
+        found = _dp(options, prep[3], link_s, num_layers, m, required_mask, max_stages, beat, stats, rank, **kw)
+        return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
+
+    # a plan of one option (a whole-model slice plan on one island) needs no DP; with a score it is always a
+    # candidate (its closed form can rank it out while its simulation, with no p2p on the cycle, ranks it first)
     for oi in idx:
         o = options[oi]
         if o.start == 0 and o.stop == num_layers and required_mask & ~(1 << o.island) == 0 \
                 and (max_stages is None or o.num_stages <= max_stages):
             metrics = evaluate((oi,), options, link_s, m)
             if metrics is not None and (score is not None or metrics.latency_s < incumbent_s):
-                consider((oi,), metrics, o.bottleneck_s)
-    # (1) the loosest bound gives a first plan and F(max) = the least fill + tail of any plan
-    loosest = run(cands[-1])
-    if loosest is None:
-        return best
-    # (2)-(4) relax the bound from the smallest candidate up. F(B), the least fill + tail with every stage and link
-    # <= B, falls as B grows, so every plan whose period lies in (cands[lo - 1], cands[hi]] takes at least
-    # (m - 1) * cands[lo] + max(cands[lo], F(cands[hi])): an interval of bounds whose floor cannot beat the best
-    # plan (or the incumbent) is skipped whole; otherwise its middle bound is tried and both halves follow, the
-    # lower first. An infeasible middle bound makes every smaller one infeasible. This tries the bounds the
-    # paper's one-by-one relaxation would, minus those that provably cannot improve the latency.
-    stack = [(0, len(cands) - 1, loosest[1])]  # (lo, hi, F(cands[hi])); cands[hi] has been tried
-    while stack:
-        lo, hi, f_hi = stack.pop()
-        beat = beat_s()
-        if lo == hi or (m - 1) * cands[lo] + max(cands[lo], f_hi, fill_lb) >= beat:
-            continue
-        mid = (lo + hi) // 2
-        found = run(cands[mid])
-        stack.append((mid + 1, hi, f_hi))
-        if found is not None:
-            stack.append((lo, mid, found[1]))
+                offer((oi,))
+    # a quick plan: the DP keeping a few entries per state; its closed form then prunes the exact DP
+    quick = run(beat_s(), beam=_BEAM)
+    if quick:
+        offer(quick[0][3])
+    # every plan that can beat the best so far, non-dominated in (fill, tail, period); the candidates are those
+    # whose fill + tail no plan with a smaller period beats: each is what a DP under a bound on the slowest stage
+    # (the paper's relaxation) would find at its own period, and the closed form's optimum is among them
+    front = sorted(run(beat_s(), quantum=bound_step, score_beat=score_beat_s()), key=lambda f: (f[2], f[0] + f[1]))
+    least = float("inf")
+    candidates = []
+    for f in front:
+        if f[0] + f[1] < least:
+            least = f[0] + f[1]
+            candidates.append(f)
+    stats.candidates += len(candidates)
+    for f in sorted(candidates, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3])):
+        offer(f[3])
     if best is not None and best.objective_s >= gate_s:
         return None
     return best
