@@ -473,21 +473,23 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
     runs before each all-to-all (the model's MoE layer where it has one: what precedes expert-parallel dispatch)."""
     if not args.model:
         return {}, None, None
-    from profiler.layer import LayerShape, build_layer, layer_kinds, time_layer
+    from profiler.layer import EDGE_KINDS, LayerShape, build_layer, layer_kinds, time_layer
     from tangram_launch.specs.model import load_model
 
     model = load_model(args.model)
     seq_len = args.seq_len or min(model.max_seq_len, 512 if args.quick or device.type == "cpu" else 4096)
     shape = LayerShape(micro_batch=args.micro_batch, seq_len=seq_len, dtype=args.layer_dtype or "bf16")
     out = {}
-    for kind in layer_kinds(model):
+    for kind in layer_kinds(model) + list(EDGE_KINDS):  # the embedding and the head + loss too, like a layer kind
         progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
         out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
                                between=between)
     info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
-            "layer_kinds": list(out), "note": "one transformer layer's forward and forward+backward, per device, with the torch "
-                                              "runtime's operators; MoE layers with their routing on one device"}
-    kind = "moe" if "moe" in out else next(iter(out))
+            "layer_kinds": [k for k in out if k not in EDGE_KINDS], "edge_kinds": list(EDGE_KINDS),
+            "note": "one transformer layer's forward and forward+backward, per device, with the torch runtime's "
+                    "operators; MoE layers with their routing on one device; the embedding, and the head with the "
+                    "loss, likewise"}
+    kind = "moe" if "moe" in out else layer_kinds(model)[0]
     torch.manual_seed(0)
     layer = build_layer(model, kind, device, shape.dtype)
     x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device, dtype=bench.DTYPES[shape.dtype])

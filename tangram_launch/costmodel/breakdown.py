@@ -535,6 +535,11 @@ class SliceCoster:
             l_bwd += l_gather
         # per iteration: gradient synchronisation (ZeRO 0/1; ZeRO-2 re-gathers parameters) and optimizer step
         sync = st.tied_sync_s
+        # the runtime's per-step loss report (runtime_adapters/torch_native.py): an all-reduce over the last stage's
+        # replicas and a broadcast to every rank, each right after the optimizer step: a measured wait per call
+        # charges them (GroupLink.wait_s; 0 unless profiled); a lone whole-model rank sends nothing
+        if st.has_head and st.dp_link is not None:
+            sync += ((shard > 1) + (shard > 1 or not st.has_embedding)) * st.dp_link.wait_s
         if zero == 0:
             sync += c["ar_grads"]
         elif zero == 1:
