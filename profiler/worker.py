@@ -237,6 +237,7 @@ class _Local:
     model_info: dict | None
     optimizer: bench.Measured | None = None  # AdamW's fixed cost per parameter tensor, us
     stand_in: Callable[[], Any] | None = None  # one layer's forward at the planned shape (collective_wait_us)
+    optimizer_param: bench.Measured | None = None  # AdamW's cost per parameter beyond the per-tensor cost, ns
 
 
 def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
@@ -266,8 +267,10 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     run.progress.phase("optimizer step per parameter tensor")
     run.barrier()
     optimizer = bench.optimizer_tensor_us(device, cfg)
+    optimizer_param = bench.optimizer_param_ns(device, cfg, optimizer.value)
     if run.env.rank == 0:
-        log.info("AdamW step on rank 0: %.3g us per parameter tensor", optimizer.value)
+        log.info("AdamW step on rank 0: %.3g us per parameter tensor + %.3g ns per parameter", optimizer.value,
+                 optimizer_param.value)
     run.barrier()
     between = None
     if node_group is not None and device.type == "cpu":  # CPU processes share cores: time layers as training runs
@@ -277,7 +280,7 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
             dist.all_to_all_single(out, buf, group=node_group)
     layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between)
     run.barrier()
-    return _Local(gemm, copy, layer, model_info, optimizer, stand_in)
+    return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param)
 
 
 def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None) -> tuple:
@@ -367,6 +370,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank, host=run.host, device=me["device"],
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
+        optimizer_param=local.optimizer_param,
     )
     node_part = (collectives if env.local_rank == 0 else (None, None, None), p2p)  # (all-reduce, latency, wait), p2p
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None

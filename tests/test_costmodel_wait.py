@@ -151,3 +151,19 @@ def test_loss_report_pays_the_wait_per_call(dp, pp, calls):
     assert waits[-1].dp_sync_s - plain[-1].dp_sync_s == pytest.approx(calls * 2000e-6 + grad_sync)
     if pp > 1:
         assert waits[0].dp_sync_s == plain[0].dp_sync_s
+
+
+def test_optimizer_pays_the_larger_of_memory_bound_and_measured_per_parameter_cost():
+    model = load_model("tiny-moe")
+    cfg = ParallelConfig(tp=1, dp=2, ep=2, zero_stage=0, recompute="none", pp=1)
+    kw = dict(b=2, gb=8, seq=64, dtype="fp32")
+    plain = coster(model, island("cpu", per_node=2, measured=_measured()), **kw).plan(cfg).stages[0]
+    slow = coster(model, island("cpu", per_node=2, measured=_measured(optimizer_param_ns=5.0)), **kw).plan(
+        cfg).stages[0]
+    tiny = coster(model, island("cpu", per_node=2, measured=_measured(optimizer_param_ns=1e-6)), **kw).plan(
+        cfg).stages[0]
+    params = slow.breakdown["params_per_gpu"]
+    assert slow.optimizer_s == pytest.approx(params * 5e-9)  # above the memory-bound term, which it replaces
+    assert plain.optimizer_s < slow.optimizer_s
+    assert tiny.optimizer_s == plain.optimizer_s  # below it: the memory-bound term stays
+    assert DeviceModel.from_gpu(gpu("h100-sxm"), "bf16").optimizer_param_s == 0.0  # catalog: not charged

@@ -554,6 +554,7 @@ class SliceCoster:
             opt_s = pcie / dev.host_link_bandwidth + local / per_gpu_rate
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
+            opt_s = max(opt_s, local * dev.optimizer_param_s)  # or the runtime's measured cost per parameter
         # plus a measured fixed cost per tensor where the device has one (torch AdamW without foreach, per tensor)
         opt_s += st.param_tensors * dev.optimizer_tensor_s
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
