@@ -8,10 +8,11 @@ embedding where the model has it, K/V heads repeated for grouped-query attention
 At small shapes, where a layer's time is mostly per-operator overhead, that matters: with fused q/k/v and gate/up
 and no rotary, tiny-moe's dense layer read 1.9x faster on a CPU than the runtime's (0.86 vs 1.61 ms forward+backward,
 best of 40).
-An MoE layer is timed with its routing on one device: router GEMM, softmax and top-k, tokens sorted by expert, one
-FFN per expert on its rows (balanced or not, as the router sends them), the weighted scatter back, plus the shared
-experts. The all-to-all of expert parallelism is the cost model's own term. (Timed as one dense FFN of the active
-width instead, tiny-moe's MoE FFN read 4.7x faster on a CPU than the torch runtime's routed one.)
+An MoE layer is timed with its routing on one device, as the runtime routes (``_RoutedFFN``: auxiliary losses,
+capacity, sort, one FFN per expert on its rows, the weighted scatter back, plus the shared experts). The all-to-all
+of expert parallelism is the cost model's own term. (Timed as one dense FFN of the active width instead, tiny-moe's
+MoE FFN read 4.7x faster on a CPU than the torch runtime's routed one.) The embedding and the head with the loss
+are timed the same way (``EDGE_KINDS``), as kinds of their own.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@
     torchrun --standalone --nproc-per-node 2 -m profiler.worker --output cluster.yaml --quick
 
 Phases (each rank logs and records its phase, so a failure names where it stopped):
-  inventory -> GEMM -> memory copy -> optimizer step per tensor -> [model layer] -> intra-node all-reduce ->
+  inventory -> GEMM -> memory copy -> optimizer step per tensor and per parameter -> [model layers, embedding,
+  head + loss] -> intra-node all-reduce ->
   tiny all-to-all [-> the same after a model layer's forward] -> intra-node p2p (round-robin) -> inter-node p2p
   (round-robin over nodes) -> gather; global rank 0 assembles and writes the ClusterSpec atomically.
 On CPU nodes a model layer is timed with a tiny all-to-all over the node's processes after each call, as training

@@ -39,7 +39,9 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
 
 Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_tflops`` (the profiler's large-GEMM
 throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_gbps`` and ``allreduce_busbw_gbps``;
-``collective_wait_us`` and ``optimizer_tensor_us`` add costs that only a measurement sets (absent: not charged).
+``collective_wait_us``, ``optimizer_tensor_us`` and ``optimizer_param_ns`` add costs that only a measurement sets
+(absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's (and the embedding's
+and head's) computed time at the profiled shape.
 """
 from __future__ import annotations
 
