@@ -1,7 +1,7 @@
 """Tokens/s of the MoE tiny model with expert parallelism on 2 CPU ranks, measured against the cost model.
 
     python benchmarks/bench_moe_cpu.py [--ep 2] [--steps 20] [--global-batch 8] [--seq-len 64] [--micro-batch 1]
-        [--model tiny-moe] [--cluster FILE] [--keep DIR] [--json FILE] [--runs N] [--quiet-load L]
+        [--model tiny-moe] [--cluster FILE] [--keep DIR] [--json FILE] [--runs N] [--quiet-load L] [--shares N]
 
 1. Profile, for real (unless ``--cluster``): ``tangram-launch profile --standalone --nproc-per-node 2 --quick
    --model M --seq-len S --micro-batch B --layer-dtype fp32``: GEMM rate, memory bandwidth, gloo all-reduce and p2p
@@ -24,6 +24,13 @@
 waits (up to ``--quiet-wait-s``) before each run until the host's 1-minute load average is below L: the host is
 shared, and a profile taken during another job's burst costs a training run that did not meet it.
 
+``--shares N`` (default 262144, the most cgroup v1 allows; 0: off): as root on a cgroup-v1 host, the benchmark and
+every process it starts (profile and training) run in a ``cpu`` cgroup with that cpu.shares against the 1024 of
+any other task, so the host's other work takes less from the two processes' compute (as bench_hetero_cpu.py
+does). It cannot stop that work from running while they wait at a collective: the waits still grow with the
+load. Seen at load 4.5-6 on 2 cores: measured/predicted 1.00, 1.29, 0.92 (EP=2), 0.82 (EP=1), 0.83 (tiny),
+against 0.35-1.23 without the group in the same hour.
+
 Exits 1 when a step fails.
 """
 from __future__ import annotations
@@ -40,7 +47,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench_hetero_cpu import _env, load_avg  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_hetero_cpu import CGROUP_ROOT, _env, _write, load_avg  # noqa: E402  (benchmarks/ is the script's folder)
+
+
+def enter_shares_group(shares: int) -> tuple[str | None, str]:
+    """Move this process (and so every process it starts) into a new cgroup-v1 ``cpu`` group with ``shares``
+    cpu.shares; (its path, "") or (None, why not)."""
+    if not shares:
+        return None, "--shares 0"
+    if not os.path.isfile(os.path.join(CGROUP_ROOT, "cpu.shares")):
+        return None, f"no cgroup-v1 cpu controller at {CGROUP_ROOT}"
+    path = os.path.join(CGROUP_ROOT, f"tangram-bench-moe-{os.getpid()}")
+    try:
+        os.mkdir(path)
+        _write(os.path.join(path, "cpu.shares"), shares)
+        _write(os.path.join(path, "cgroup.procs"), os.getpid())
+    except OSError as exc:
+        leave_shares_group(path)
+        return None, f"cannot use a cpu cgroup under {CGROUP_ROOT} ({exc}); run as root on a cgroup-v1 host"
+    return path, ""
+
+
+def leave_shares_group(path: str | None) -> None:
+    """Back to the root group, then remove ``path`` (empty once the children have exited)."""
+    if not path:
+        return
+    try:
+        _write(os.path.join(CGROUP_ROOT, "cgroup.procs"), os.getpid())
+        os.rmdir(path)
+    except OSError as exc:
+        print(f"could not remove {path}: {exc}", file=sys.stderr)
 
 
 def profile(args, out: str) -> None:
@@ -120,9 +156,22 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=1, help="independent profile + train runs")
     p.add_argument("--quiet-load", type=float, help="before each run, wait for a 1-minute load average below this")
     p.add_argument("--quiet-wait-s", type=float, default=300.0)
+    p.add_argument("--shares", type=int, default=262144,
+                   help="cpu.shares of a cgroup the benchmark runs in (root, cgroup v1; 0: none)")
     args = p.parse_args(argv)
     if args.runs < 1:
         raise SystemExit(f"--runs must be >= 1, got {args.runs}")
+    if args.shares < 0 or args.shares == 1:
+        raise SystemExit(f"--shares must be 0 (off) or 2..262144, got {args.shares}")
+    group, why = enter_shares_group(args.shares)
+    print(f"in cpu cgroup {group} (cpu.shares {args.shares})" if group else f"no cpu cgroup: {why}")
+    try:
+        return _main(args)
+    finally:
+        leave_shares_group(group)
+
+
+def _main(args) -> int:
     top = args.keep or tempfile.mkdtemp(prefix="bench-moe-")
     runs = []
     for r in range(args.runs):
@@ -161,7 +210,7 @@ def one_run(args, work: str) -> dict:
                "predicted_iteration_s": plan.predicted.iteration_time_s,
                "measured_iteration_s": result["median_iteration_s"], "breakdown": dict(plan.predicted.breakdown),
                "losses": [result["losses"][0], result["losses"][-1]], "moe_routing": result.get("moe"),
-               "load_before": load_before,
+               "load_before": load_before, "cpu_shares": args.shares,
                "load_after": load_avg(), "work": work}
     print(f"{args.model}: 1 stage, dp {s.dp}, ep {args.ep}, {plan.num_microbatches} micro-batches of "
           f"{s.micro_batch_size} x {args.seq_len} tokens per replica")

@@ -48,6 +48,7 @@ class DeviceRecord:
     memory_bandwidth: Measured | None = None  # GB/s
     layer: Mapping[str, Mapping[str, Measured]] = field(default_factory=dict)  # kind -> forward/forward_backward
     optimizer_tensor: Measured | None = None  # AdamW step's fixed cost per parameter tensor, us
+    optimizer_param: Measured | None = None  # AdamW step's cost per parameter beyond the per-tensor cost, ns
 
     @property
     def is_cpu(self) -> bool:
@@ -166,6 +167,8 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         measured["collective_wait_us"] = round_sig(node.collective_wait.value)
     if dev.optimizer_tensor is not None:
         measured["optimizer_tensor_us"] = round_sig(dev.optimizer_tensor.value)
+    if dev.optimizer_param is not None:
+        measured["optimizer_param_ns"] = round_sig(dev.optimizer_param.value)
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:
@@ -327,6 +330,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
              "gemm": {k: m.to_dict() for k, m in d.gemm.items()},
              "memory_bandwidth": d.memory_bandwidth.to_dict() if d.memory_bandwidth else None,
              **({"optimizer_tensor": d.optimizer_tensor.to_dict()} if d.optimizer_tensor else {}),
+             **({"optimizer_param": d.optimizer_param.to_dict()} if d.optimizer_param else {}),
              **({"layer": {k: {p: m.to_dict() for p, m in v.items()} for k, v in d.layer.items()}} if d.layer else {})}
             for d in sorted(record.devices, key=lambda d: d.rank)
         ],

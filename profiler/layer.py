@@ -8,10 +8,11 @@ embedding where the model has it, K/V heads repeated for grouped-query attention
 At small shapes, where a layer's time is mostly per-operator overhead, that matters: with fused q/k/v and gate/up
 and no rotary, tiny-moe's dense layer read 1.9x faster on a CPU than the runtime's (0.86 vs 1.61 ms forward+backward,
 best of 40).
-An MoE layer is timed with its routing on one device: router GEMM, softmax and top-k, tokens sorted by expert, one
-FFN per expert on its rows (balanced or not, as the router sends them), the weighted scatter back, plus the shared
-experts. The all-to-all of expert parallelism is the cost model's own term. (Timed as one dense FFN of the active
-width instead, tiny-moe's MoE FFN read 4.7x faster on a CPU than the torch runtime's routed one.)
+An MoE layer is timed with its routing on one device, as the runtime routes (``_RoutedFFN``: auxiliary losses,
+capacity, sort, one FFN per expert on its rows, the weighted scatter back, plus the shared experts). The all-to-all
+of expert parallelism is the cost model's own term. (Timed as one dense FFN of the active width instead, tiny-moe's
+MoE FFN read 4.7x faster on a CPU than the torch runtime's routed one.) The embedding and the head with the loss
+are timed the same way (``EDGE_KINDS``), as kinds of their own.
 """
 from __future__ import annotations
 
@@ -74,32 +75,82 @@ def _rotary(x: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class _RoutedFFN(nn.Module):
-    """Top-k routed experts (+ shared FFN) on one device; x (B, T, H) -> (B, T, H)."""
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``x`` whose backward also seeds the scalar ``aux`` with 1 (the runtime's way of adding the
+    auxiliary losses to the loss without plumbing them through a pipeline schedule)."""
 
-    def __init__(self, hidden: int, experts: int, top_k: int, width: int, shared: int, swiglu: bool, bias: bool):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+class _RoutedFFN(nn.Module):
+    """Top-k routed experts (+ shared FFN) on one device, routed as the torch runtime routes
+    (runtime_adapters/moe.py): fp32 router, softmax, top-k (renormalised where the model says), the load-balancing
+    and z-losses attached to the output, choice-major assignments (capacity where the model has one), a stable
+    sort by expert, one FFN per expert, the weighted scatter back, the per-call routing counters read on the host.
+    x (B, T, H) -> (B, T, H).
+
+    Those operators are what a small MoE layer's time is made of on a CPU: without the auxiliary losses and the
+    runtime's sort, tiny-moe's MoE layer read 2.74 ms forward+backward against 3.31 ms for the runtime's (process
+    CPU time, one process; the dense layers read alike, 1.67 vs 1.65 ms)."""
+
+    def __init__(self, model, hidden: int, width: int, shared: int, swiglu: bool, bias: bool,
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.001):
         super().__init__()
-        self.top_k, self.swiglu = top_k, swiglu
-        self.router = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(_FFN(hidden, width, swiglu, bias) for _ in range(experts))
+        self.model, self.top_k, self.swiglu = model, model.top_k, swiglu
+        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff  # the runtime's defaults
+        self.router = nn.Linear(hidden, model.num_experts, bias=bool(getattr(model, "router_bias", False)))
+        self.experts = nn.ModuleList(_FFN(hidden, width, swiglu, bias) for _ in range(model.num_experts))
         self.shared = _FFN(hidden, shared, swiglu, bias) if shared else None
+        self.shared_gate = (nn.Linear(hidden, 1, bias=False) if shared and getattr(model, "shared_expert_gate", False)
+                            else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
-        tokens = x.reshape(b * t, h)  # (N, H)
-        weight, expert = self.router(tokens).float().softmax(dim=-1).topk(self.top_k, dim=-1)  # (N, k) each
-        order = expert.reshape(-1).argsort(stable=True)  # (N k,) assignments grouped by expert
-        token = torch.arange(b * t, device=x.device).repeat_interleave(self.top_k)[order]
-        counts = torch.bincount(expert.reshape(-1), minlength=len(self.experts)).tolist()
-        rows, outs, offset = tokens[token], [], 0
-        for ffn, n in zip(self.experts, counts):
-            outs.append(ffn(rows[offset:offset + n]))
-            offset += n
-        y = torch.cat(outs) * weight.reshape(-1)[order, None].to(x.dtype)  # (N k, H)
-        out = torch.zeros_like(tokens).index_add(0, token, y)
+        n, e, k = b * t, len(self.experts), self.top_k
+        tokens = x.reshape(n, h)  # (N, H)
+        bias = None if self.router.bias is None else self.router.bias.float()
+        logits = F.linear(tokens.float(), self.router.weight.float(), bias)  # (N, E) fp32
+        probs = logits.softmax(dim=-1)
+        top_p, top_e = probs.topk(k, dim=-1)  # (N, k) each
+        gshard = getattr(self.model, "router_type", None) == "gshard_top2"
+        if k > 1 and (gshard or getattr(self.model, "router_norm_topk", False)):
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        counted = top_e[:, :1] if gshard else top_e
+        f = torch.bincount(counted.reshape(-1), minlength=e).to(probs.dtype) / counted.numel()  # (E,)
+        lb = e * torch.sum(f * probs.mean(dim=0))
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        aux = self.aux_loss_coeff * lb + self.z_loss_coeff * z
+        expert, token, weight = top_e.t().reshape(-1), torch.arange(n, device=x.device).repeat(k), top_p.t().reshape(-1)
+        capacity = self.model.expert_capacity(n) if hasattr(self.model, "expert_capacity") else None
+        if capacity is not None:
+            onehot = F.one_hot(expert, e)  # (kN, E)
+            keep = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1 < capacity
+            int((~keep).sum())  # the dropped count, read on the host
+            expert, token, weight = expert[keep], token[keep], weight[keep]
+        order = torch.sort(expert, stable=True).indices
+        expert, token, weight = expert[order], token[order], weight[order]
+        counts = torch.bincount(expert, minlength=e)
+        rows, outs, offset = tokens[token], [], 0  # (M, H)
+        for ffn, c in zip(self.experts, counts.tolist()):
+            outs.append(ffn(rows[offset:offset + c]))
+            offset += c
+        y = torch.cat(outs)  # (M, H)
+        out = torch.zeros_like(tokens, dtype=torch.promote_types(y.dtype, weight.dtype))
+        out = out.index_add(0, token, y * weight[:, None])
         if self.shared is not None:
-            out = out + self.shared(tokens)
-        return out.view(b, t, h)
+            s = self.shared(tokens)
+            out = out + (torch.sigmoid(self.shared_gate(tokens)) * s if self.shared_gate is not None else s)
+        out = out.to(x.dtype).view(b, t, h)
+        int(counts.sum()), float(lb.detach()), float(z.detach()), counts.detach().cpu()  # the routing counters
+        if torch.is_grad_enabled() and aux.requires_grad:
+            out = _AttachAux.apply(out, aux)
+        return out
 
 
 class _Layer(nn.Module):
@@ -153,7 +204,7 @@ def build_layer(model, kind: str, device: torch.device, dtype: str) -> nn.Module
         expert = model.expert_ffn_hidden_size or model.ffn_hidden_size
         shared = getattr(model, "num_shared_experts", 0) * (getattr(model, "shared_expert_ffn_hidden_size", None)
                                                              or expert)
-        routed = _RoutedFFN(model.hidden_size, model.num_experts, model.top_k, expert, shared, swiglu, bias)
+        routed = _RoutedFFN(model, model.hidden_size, expert, shared, swiglu, bias)
     layer = _Layer(
         hidden=model.hidden_size, heads=heads, kv_heads=model.num_kv_heads or heads, head_dim=head_dim,
         ffn=active_ffn_width(model, kind), swiglu=swiglu, rmsnorm=model.norm_type == "rmsnorm", bias=bias,
@@ -172,28 +223,113 @@ def layer_kinds(model) -> list[str]:
     return kinds
 
 
+EDGE_KINDS = ("embedding", "head")  # the model's parts outside its layers, timed like a layer kind
+
+
+class _Embedding(nn.Module):
+    """The runtime's embedding: token lookup (+ project_in, + learned positions); tokens (B, T) -> (B, T, H)."""
+
+    def __init__(self, model):
+        super().__init__()
+        e, h = model.embedding_dim or model.hidden_size, model.hidden_size
+        self.tok = nn.Embedding(model.vocab_size, e)
+        self.project_in = nn.Linear(e, h, bias=False) if e != h else None
+        learned = getattr(model, "position_embedding", None) == "learned"
+        self.pos = nn.Embedding(model.num_position_embeddings or model.max_seq_len, h) if learned else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))[None]
+        return x
+
+
+class _HeadLoss(nn.Module):
+    """The runtime's head and loss: final norm, (project_out,) logits, fp32 next-token cross-entropy;
+    hidden (B, T, H) and targets (B, T) -> the mean loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        e, h = model.embedding_dim or model.hidden_size, model.hidden_size
+        self.norm = ((nn.RMSNorm(h) if model.norm_type == "rmsnorm" else nn.LayerNorm(h))
+                     if getattr(model, "final_norm", True) else None)
+        self.project_out = nn.Linear(h, e, bias=False) if e != h else None
+        self.proj = nn.Linear(e, model.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        logits = self.proj(x)  # (B, T, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
+    """(forward, forward_backward, forward FLOPs) of the embedding or the head + loss at ``shape``.
+
+    Why time them: at small shapes their cost is per-operator overhead (tiny-moe on a CPU: 0.5 ms forward+backward
+    per micro-batch against ~0.15 ms from bytes and FLOPs), paid once per micro-batch like a layer's."""
+    b, t = shape.micro_batch, shape.seq_len
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (b, t), device=device, generator=gen)  # (B, T)
+    if kind == "embedding":
+        module = _Embedding(model).to(device=device, dtype=DTYPES[shape.dtype])
+        grad = torch.randn(b, t, model.hidden_size, device=device, dtype=DTYPES[shape.dtype], generator=gen)
+        flops = model.embedding_forward_flops_per_token() * b * t
+
+        def run(backward: bool) -> None:
+            y = module(tokens)
+            if backward:
+                y.backward(grad)
+    elif kind == "head":
+        module = _HeadLoss(model).to(device=device, dtype=DTYPES[shape.dtype])
+        x = torch.randn(b, t, model.hidden_size, device=device, dtype=DTYPES[shape.dtype], generator=gen,
+                        requires_grad=True)  # (B, T, H)
+        flops = model.head_forward_flops_per_token() * b * t
+
+        def run(backward: bool) -> None:
+            loss = module(x, tokens)
+            if backward:
+                loss.backward()
+    else:
+        raise ValueError(f"edge kind must be one of {', '.join(EDGE_KINDS)}, got {kind!r}")
+
+    def forward() -> None:
+        with torch.no_grad():
+            run(False)
+
+    return forward, (lambda: run(True)), flops
+
+
 def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, warmup: int, reps: int,
                min_rep_s: float, between: Callable[[], Any] | None = None) -> dict[str, Measured]:
-    """Forward and forward+backward seconds of one layer of ``kind`` at ``shape``; value = achieved TFLOP/s.
+    """Forward and forward+backward seconds of one layer of ``kind`` at ``shape`` (or of the embedding, or of the
+    head with the loss: ``EDGE_KINDS``); value = achieved TFLOP/s.
 
     With ``between`` (a collective over the node's processes, CPU devices), each call is followed by it, ``reps``
     blocks of WAIT_BLOCK calls (bench.time_interleaved: a layer computed the way a training step meets it);
     without, calibrated back-to-back repetitions."""
     torch.manual_seed(0)
-    layer = build_layer(model, kind, device, shape.dtype)
-    x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device,
-                    dtype=DTYPES[shape.dtype], requires_grad=True)  # (B, T, H)
-    grad = torch.randn_like(x)
     sync = device_sync(device)
-    index = next(i for i in range(model.num_layers) if model.layer_kind(i) == kind)
-    fwd_flops = model.layer_forward_flops_per_token(index, shape.seq_len) * shape.micro_batch * shape.seq_len
+    if kind in EDGE_KINDS:
+        forward, forward_backward, fwd_flops = _edge_calls(model, kind, shape, device)
+    else:
+        layer = build_layer(model, kind, device, shape.dtype)
+        x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device,
+                        dtype=DTYPES[shape.dtype], requires_grad=True)  # (B, T, H)
+        grad = torch.randn_like(x)
+        index = next(i for i in range(model.num_layers) if model.layer_kind(i) == kind)
+        fwd_flops = model.layer_forward_flops_per_token(index, shape.seq_len) * shape.micro_batch * shape.seq_len
 
-    def forward() -> None:
-        with torch.no_grad():
-            layer(x)
+        def forward() -> None:
+            with torch.no_grad():
+                layer(x)
 
-    def forward_backward() -> None:
-        layer(x).backward(grad)
+        def forward_backward() -> None:
+            layer(x).backward(grad)
 
     out = {}
     for name, fn, flops in (("forward", forward, fwd_flops), ("forward_backward", forward_backward, 3 * fwd_flops)):

@@ -5,7 +5,8 @@
     torchrun --standalone --nproc-per-node 2 -m profiler.worker --output cluster.yaml --quick
 
 Phases (each rank logs and records its phase, so a failure names where it stopped):
-  inventory -> GEMM -> memory copy -> optimizer step per tensor -> [model layer] -> intra-node all-reduce ->
+  inventory -> GEMM -> memory copy -> optimizer step per tensor and per parameter -> [model layers, embedding,
+  head + loss] -> intra-node all-reduce ->
   tiny all-to-all [-> the same after a model layer's forward] -> intra-node p2p (round-robin) -> inter-node p2p
   (round-robin over nodes) -> gather; global rank 0 assembles and writes the ClusterSpec atomically.
 On CPU nodes a model layer is timed with a tiny all-to-all over the node's processes after each call, as training
@@ -237,6 +238,7 @@ class _Local:
     model_info: dict | None
     optimizer: bench.Measured | None = None  # AdamW's fixed cost per parameter tensor, us
     stand_in: Callable[[], Any] | None = None  # one layer's forward at the planned shape (collective_wait_us)
+    optimizer_param: bench.Measured | None = None  # AdamW's cost per parameter beyond the per-tensor cost, ns
 
 
 def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
@@ -266,8 +268,10 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     run.progress.phase("optimizer step per parameter tensor")
     run.barrier()
     optimizer = bench.optimizer_tensor_us(device, cfg)
+    optimizer_param = bench.optimizer_param_ns(device, cfg, optimizer.value)
     if run.env.rank == 0:
-        log.info("AdamW step on rank 0: %.3g us per parameter tensor", optimizer.value)
+        log.info("AdamW step on rank 0: %.3g us per parameter tensor + %.3g ns per parameter", optimizer.value,
+                 optimizer_param.value)
     run.barrier()
     between = None
     if node_group is not None and device.type == "cpu":  # CPU processes share cores: time layers as training runs
@@ -277,7 +281,7 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
             dist.all_to_all_single(out, buf, group=node_group)
     layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between)
     run.barrier()
-    return _Local(gemm, copy, layer, model_info, optimizer, stand_in)
+    return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param)
 
 
 def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None) -> tuple:
@@ -367,6 +371,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank, host=run.host, device=me["device"],
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
+        optimizer_param=local.optimizer_param,
     )
     node_part = (collectives if env.local_rank == 0 else (None, None, None), p2p)  # (all-reduce, latency, wait), p2p
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None
@@ -473,21 +478,23 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
     runs before each all-to-all (the model's MoE layer where it has one: what precedes expert-parallel dispatch)."""
     if not args.model:
         return {}, None, None
-    from profiler.layer import LayerShape, build_layer, layer_kinds, time_layer
+    from profiler.layer import EDGE_KINDS, LayerShape, build_layer, layer_kinds, time_layer
     from tangram_launch.specs.model import load_model
 
     model = load_model(args.model)
     seq_len = args.seq_len or min(model.max_seq_len, 512 if args.quick or device.type == "cpu" else 4096)
     shape = LayerShape(micro_batch=args.micro_batch, seq_len=seq_len, dtype=args.layer_dtype or "bf16")
     out = {}
-    for kind in layer_kinds(model):
+    for kind in layer_kinds(model) + list(EDGE_KINDS):  # the embedding and the head + loss too, like a layer kind
         progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
         out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
                                between=between)
     info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
-            "layer_kinds": list(out), "note": "one transformer layer's forward and forward+backward, per device, with the torch "
-                                              "runtime's operators; MoE layers with their routing on one device"}
-    kind = "moe" if "moe" in out else next(iter(out))
+            "layer_kinds": [k for k in out if k not in EDGE_KINDS], "edge_kinds": list(EDGE_KINDS),
+            "note": "one transformer layer's forward and forward+backward, per device, with the torch runtime's "
+                    "operators; MoE layers with their routing on one device; the embedding, and the head with the "
+                    "loss, likewise"}
+    kind = "moe" if "moe" in out else layer_kinds(model)[0]
     torch.manual_seed(0)
     layer = build_layer(model, kind, device, shape.dtype)
     x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device, dtype=bench.DTYPES[shape.dtype])

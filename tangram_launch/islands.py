@@ -376,13 +376,13 @@ def _merge(a: _Group, b: _Group, links: _Links) -> _Group:
                   _join(a.spans, b.spans), a.per_node, lo, hi)
 
 
-_TIME_SUFFIXES = ("_s", "_ms", "_us")  # measured durations: larger is slower
+_TIME_SUFFIXES = ("_s", "_ms", "_us", "_ns")  # measured durations: larger is slower
 
 
 def _min_measured(all_measured: list, *, times: bool = False) -> dict:
     """Conservative measured figures of a group: of every number every GPU has (also inside nested mappings such
     as gemm_tflops per dtype), the slowest: the minimum of a rate, the maximum of a duration (keys ending in _s,
-    _ms, _us, such as layer_forward_s or collective_latency_us: the fastest GPU's layer time would cost the whole
+    _ms, _us, _ns, such as layer_forward_s or collective_latency_us: the fastest GPU's layer time would cost the whole
     island at its speed); figures some GPUs lack are dropped rather than guessed."""
     if not all_measured or not all(all_measured):
         return {}

@@ -105,3 +105,65 @@ def test_tensor_count_matches_the_torch_runtime(model, ep):
         got = sum(layer_param_tensors(model, i, ep=ep) for i in range(*layers)) + edge_param_tensors(
             model, has_embedding=has_emb, has_head=has_head)
         assert got == want, (layers, has_emb, has_head)
+
+
+def test_measured_embedding_and_head_replace_their_bytes_and_flops_estimate():
+    """The profiler times the embedding and the head + loss like layer kinds; the cost model charges those times
+    on the stages that hold them, forward and backward, and only at the profiled shape with tp = 1."""
+    from tangram_launch.costmodel.compute import embedding_compute, head_compute, measured_layer_key
+
+    model = load_model("tiny-moe")
+    key = {k: measured_layer_key(model.name, k, 64, 1, 1) for k in ("embedding", "head")}
+    times = _measured(layer_forward_s={key["embedding"]: 1e-4, key["head"]: 4e-4},
+                      layer_forward_backward_s={key["embedding"]: 3e-4, key["head"]: 9e-4})
+    plain = DeviceModel.from_gpu(gpu("cpu", measured=_measured()), "fp32")
+    dev = DeviceModel.from_gpu(gpu("cpu", measured=times), "fp32")
+    emb, head = (f(model, seq_len=64, mbs=1, tp=1, cp=1, dev=dev) for f in (embedding_compute, head_compute))
+    assert (emb.forward_s, emb.backward_s) == pytest.approx((1e-4, 2e-4))
+    assert (head.forward_s, head.backward_s) == pytest.approx((4e-4, 5e-4))
+    for shape in ({"mbs": 2, "tp": 1}, {"mbs": 1, "tp": 2}):  # not profiled there: bytes and FLOPs as before
+        a = head_compute(model, seq_len=64, cp=1, dev=dev, **shape)
+        b = head_compute(model, seq_len=64, cp=1, dev=plain, **shape)
+        assert (a.forward_s, a.backward_s) == (b.forward_s, b.backward_s)
+    cfg = ParallelConfig(tp=1, dp=2, ep=2, zero_stage=0, recompute="none", pp=1)
+    s_plain = coster(model, island("cpu", per_node=2, measured=_measured()), b=2, gb=8, seq=64,
+                     dtype="fp32").plan(cfg).stages[0]
+    s_meas = coster(model, island("cpu", per_node=2, measured=times), b=2, gb=8, seq=64, dtype="fp32").plan(
+        cfg).stages[0]
+    e0 = embedding_compute(model, seq_len=64, mbs=1, tp=1, cp=1, dev=plain)
+    h0 = head_compute(model, seq_len=64, mbs=1, tp=1, cp=1, dev=plain)
+    assert s_meas.forward_s - s_plain.forward_s == pytest.approx(5e-4 - e0.forward_s - h0.forward_s)
+    assert s_meas.backward_s - s_plain.backward_s == pytest.approx(7e-4 - e0.backward_s - h0.backward_s)
+
+
+@pytest.mark.parametrize("dp, pp, calls", [(2, 1, 2), (1, 2, 1), (1, 1, 0)])
+def test_loss_report_pays_the_wait_per_call(dp, pp, calls):
+    """Each step the runtime all-reduces the loss over the last stage's replicas and broadcasts it to every rank:
+    with a measured wait, the last stage pays it per call (none on a lone whole-model rank); without, nothing."""
+    model = load_model("tiny")
+    cfg = ParallelConfig(tp=1, dp=dp, zero_stage=0, recompute="none", pp=pp)
+    kw = dict(b=dp, gb=8, seq=64, dtype="fp32")
+    plain = coster(model, island("cpu", per_node=2, measured=_measured()), **kw).plan(cfg).stages
+    waits = coster(model, island("cpu", per_node=2, measured=_measured(collective_wait_us=2000.0)), **kw).plan(
+        cfg).stages
+    # the gradient all-reduce's own call pays the wait too, instead of its ring steps' latency
+    grad_sync = 2000e-6 - comm.ring_steps(comm.ALL_REDUCE, 2) * 300e-6 if dp > 1 else 0.0
+    assert waits[-1].dp_sync_s - plain[-1].dp_sync_s == pytest.approx(calls * 2000e-6 + grad_sync)
+    if pp > 1:
+        assert waits[0].dp_sync_s == plain[0].dp_sync_s
+
+
+def test_optimizer_pays_the_larger_of_memory_bound_and_measured_per_parameter_cost():
+    model = load_model("tiny-moe")
+    cfg = ParallelConfig(tp=1, dp=2, ep=2, zero_stage=0, recompute="none", pp=1)
+    kw = dict(b=2, gb=8, seq=64, dtype="fp32")
+    plain = coster(model, island("cpu", per_node=2, measured=_measured()), **kw).plan(cfg).stages[0]
+    slow = coster(model, island("cpu", per_node=2, measured=_measured(optimizer_param_ns=5.0)), **kw).plan(
+        cfg).stages[0]
+    tiny = coster(model, island("cpu", per_node=2, measured=_measured(optimizer_param_ns=1e-6)), **kw).plan(
+        cfg).stages[0]
+    params = slow.breakdown["params_per_gpu"]
+    assert slow.optimizer_s == pytest.approx(params * 5e-9)  # above the memory-bound term, which it replaces
+    assert plain.optimizer_s < slow.optimizer_s
+    assert tiny.optimizer_s == plain.optimizer_s  # below it: the memory-bound term stays
+    assert DeviceModel.from_gpu(gpu("h100-sxm"), "bf16").optimizer_param_s == 0.0  # catalog: not charged

@@ -130,6 +130,12 @@ def test_optimizer_cost_per_parameter_tensor_on_cpu():
     assert 0.1 < m.value < 5000  # a dozen small kernels per tensor: microseconds, not nothing, not a second
     with pytest.raises(ValueError):
         dataclasses.replace(cfg, wait_reps=0)
+    per_param = bench.optimizer_param_ns(torch.device("cpu"), cfg, m.value, tensors=4, numel=4096)
+    assert per_param.unit == "ns" and dict(per_param.detail)["tensor_us"] == m.value
+    # the step over 4 x 4096 parameters, less 4 tensors' fixed cost, per parameter
+    want = max(0.0, per_param.timing.median_s - 4 * m.value * 1e-6) / (4 * 4096) * 1e9
+    assert per_param.value == pytest.approx(want)
+    assert 0.0 <= per_param.value < 1e4
 
 
 def test_model_layer_times_dense_and_moe():
@@ -163,7 +169,8 @@ def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileR
             devices.append(DeviceRecord(rank=rank, local_rank=local, node_rank=n, host=host, device="cpu",
                                         gemm={"fp32": _m(speeds[rank] / 4, "TFLOP/s"),
                                               "bf16": _m(speeds[rank], "TFLOP/s")},
-                                        memory_bandwidth=_m(10.0), optimizer_tensor=_m(40.0 + rank, "us")))
+                                        memory_bandwidth=_m(10.0), optimizer_tensor=_m(40.0 + rank, "us"),
+                                        optimizer_param=_m(3.0 - rank, "ns")))
         p2p = tuple((a, b, _m(2.0)) for a, b in itertools.combinations(range(per_node), 2))
         nodes.append(NodeRecord(node_rank=n, host=host, inventory=inv, ranks=ranks,
                                 allreduce=_m(1.5) if per_node > 1 else None, p2p=p2p,
@@ -191,6 +198,8 @@ def test_cpu_devices_carry_measured_figures():
     assert a.measured["optimizer_tensor_us"] == 40.0 and b.measured["optimizer_tensor_us"] == 41.0  # per device
     assert spec.profile["nodes"]["box"]["collective_wait"]["value"] == 1500.0
     assert spec.profile["devices"][1]["optimizer_tensor"]["value"] == 41.0
+    assert a.measured["optimizer_param_ns"] == 3.0 and b.measured["optimizer_param_ns"] == 2.0
+    assert build_islands(spec).islands[0].gpu.measured["optimizer_param_ns"] == 3.0  # a duration: the slowest
     assert len(build_islands(spec).islands) == 1  # within tolerance: one island
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)

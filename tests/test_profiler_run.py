@@ -208,3 +208,8 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
         dev = DeviceModel.from_gpu(g, "fp32")
         assert dev.collective_wait_s == pytest.approx(m["collective_wait_us"] * 1e-6)
         assert dev.optimizer_tensor_s == pytest.approx(m["optimizer_tensor_us"] * 1e-6)
+        assert m["optimizer_param_ns"] >= 0 and dev.optimizer_param_s == pytest.approx(m["optimizer_param_ns"] * 1e-9)
+        # the embedding and the head + loss are timed beside the layer kinds, at the same shape
+        for kind in ("dense", "moe", "embedding", "head"):
+            key = f"tiny-moe|{kind}|seq=32|mbs=1|tp=1"
+            assert m["layer_forward_backward_s"][key] > m["layer_forward_s"][key] > 0

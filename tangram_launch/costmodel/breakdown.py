@@ -535,6 +535,11 @@ class SliceCoster:
             l_bwd += l_gather
         # per iteration: gradient synchronisation (ZeRO 0/1; ZeRO-2 re-gathers parameters) and optimizer step
         sync = st.tied_sync_s
+        # the runtime's per-step loss report (runtime_adapters/torch_native.py): an all-reduce over the last stage's
+        # replicas and a broadcast to every rank, each right after the optimizer step: a measured wait per call
+        # charges them (GroupLink.wait_s; 0 unless profiled); a lone whole-model rank sends nothing
+        if st.has_head and st.dp_link is not None:
+            sync += ((shard > 1) + (shard > 1 or not st.has_embedding)) * st.dp_link.wait_s
         if zero == 0:
             sync += c["ar_grads"]
         elif zero == 1:
@@ -549,6 +554,7 @@ class SliceCoster:
             opt_s = pcie / dev.host_link_bandwidth + local / per_gpu_rate
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
+            opt_s = max(opt_s, local * dev.optimizer_param_s)  # or the runtime's measured cost per parameter
         # plus a measured fixed cost per tensor where the device has one (torch AdamW without foreach, per tensor)
         opt_s += st.param_tensors * dev.optimizer_tensor_s
         working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads

@@ -214,10 +214,29 @@ class EdgeCompute:
 
     forward_flops: float
     forward_s: float
+    measured_backward_s: float | None = None  # profiled forward+backward minus forward, when the profile has it
 
     @property
     def backward_s(self) -> float:
+        if self.measured_backward_s is not None:
+            return self.measured_backward_s
         return BACKWARD_FACTOR * self.forward_s
+
+
+def _measured_edge(model: "ModelSpec", kind: str, *, seq_len: int, mbs: int, tp: int, cp: int,
+                   dev: DeviceModel) -> tuple[float, float | None] | None:
+    """(forward_s, backward_s or None) of the embedding or the head + loss where the profile timed them at this
+    shape (``profiler.layer.EDGE_KINDS``; one GPU, so tp = 1 and cp = 1 only), else None. At small shapes their
+    cost is per-operator overhead that bytes and FLOPs do not see (tiny-moe on a CPU: 0.5 ms forward+backward per
+    micro-batch against ~0.15 ms)."""
+    if not dev.measured_layer_forward_s or tp != 1 or cp != 1:
+        return None
+    key = measured_layer_key(model.name, kind, seq_len, mbs, tp)
+    fwd = dev.measured_layer_forward_s.get(key)
+    if not isinstance(fwd, (int, float)) or fwd <= 0:
+        return None
+    both = dev.measured_layer_forward_backward_s.get(key)
+    return float(fwd), (float(both) - float(fwd) if isinstance(both, (int, float)) and both > fwd else None)
 
 
 def embedding_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int,
@@ -228,6 +247,9 @@ def embedding_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp
     if model.embedding_dim != model.hidden_size:
         t += dev.gemm_s(m_tok, model.hidden_size / tp, model.embedding_dim)
     flops = model.embedding_forward_flops_per_token() * m_tok / tp
+    measured = _measured_edge(model, "embedding", seq_len=seq_len, mbs=mbs, tp=tp, cp=cp, dev=dev)
+    if measured is not None:
+        return EdgeCompute(flops, *measured)
     return EdgeCompute(flops, t)
 
 
@@ -242,6 +264,9 @@ def head_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int
     if e != model.hidden_size:
         t += dev.gemm_s(m_tok, e / tp, model.hidden_size)
     flops = model.head_forward_flops_per_token() * m_tok / tp
+    measured = _measured_edge(model, "head", seq_len=seq_len, mbs=mbs, tp=tp, cp=cp, dev=dev)
+    if measured is not None:  # the head and the loss, as the profiler times them
+        return EdgeCompute(flops, *measured)
     return EdgeCompute(flops, t)
 
 

@@ -39,7 +39,9 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
 
 Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_tflops`` (the profiler's large-GEMM
 throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_gbps`` and ``allreduce_busbw_gbps``;
-``collective_wait_us`` and ``optimizer_tensor_us`` add costs that only a measurement sets (absent: not charged).
+``collective_wait_us``, ``optimizer_tensor_us`` and ``optimizer_param_ns`` add costs that only a measurement sets
+(absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's (and the embedding's
+and head's) computed time at the profiled shape.
 """
 from __future__ import annotations
 
@@ -158,6 +160,10 @@ class DeviceModel:
     # fixed cost per parameter tensor (optimizer_tensor_us: foreach=False runs a dozen small kernels per tensor)
     collective_wait_s: float = 0.0
     optimizer_tensor_s: float = 0.0
+    # measured only (0: not charged): AdamW's cost per parameter beyond the per-tensor cost (optimizer_param_ns:
+    # foreach=False makes about ten passes over each tensor); the optimizer step pays the larger of it and the
+    # memory-bound term
+    optimizer_param_s: float = 0.0
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None,
@@ -205,6 +211,9 @@ class DeviceModel:
         tensor_us = _measured(gpu, "optimizer_tensor_us")
         if tensor_us is not None:
             sources.append("optimizer_tensor_us")
+        param_ns = _measured(gpu, "optimizer_param_ns")
+        if param_ns is not None:
+            sources.append("optimizer_param_ns")
         flash = supports_flash_attention(gpu) if flash_attention is None else bool(flash_attention)
         layer_times = gpu.measured.get("layer_forward_s", {}) if gpu.measured else {}
         layer_fb_times = gpu.measured.get("layer_forward_backward_s", {}) if gpu.measured else {}
@@ -228,6 +237,7 @@ class DeviceModel:
             fused_elementwise=bool(fused_elementwise),
             collective_wait_s=(wait_us or 0.0) * 1e-6,
             optimizer_tensor_s=(tensor_us or 0.0) * 1e-6,
+            optimizer_param_s=(param_ns or 0.0) * 1e-9,
         )
 
     # ------------------------------------------------------------------ kernels
