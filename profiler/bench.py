@@ -352,12 +352,9 @@ def collective_wait_us(group: Any, group_size: int, device: torch.device, cfg: B
                                                   ("op", "all_to_all_single after one layer forward")))
 
 
-def optimizer_tensor_us(device: torch.device, cfg: BenchConfig, *, tensors: int = 256, numel: int = 64) -> Measured:
-    """Fixed cost per parameter tensor of one torch.optim.AdamW step as the torch runtime runs it (``foreach=False``:
-    one update per tensor, a dozen small kernels each), from ``tensors`` tiny tensors whose memory traffic is
-    negligible. A model of many small tensors pays it where the cost model's memory-bound term sees nothing
-    (tiny-moe on a CPU: ~10 us a tensor). value = microseconds per tensor.
-    """
+def _adamw_step_timing(device: torch.device, cfg: BenchConfig, tensors: int, numel: int):
+    """One torch.optim.AdamW step (``foreach=False``, as the torch runtime runs it) over ``tensors`` tensors of
+    ``numel`` elements with gradients, timed."""
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel, device=device, generator=gen)) for _ in range(tensors)]
     for q in params:
@@ -365,7 +362,16 @@ def optimizer_tensor_us(device: torch.device, cfg: BenchConfig, *, tensors: int 
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
     sync = device_sync(device)
     inner = calibrate_inner(opt.step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
-    timing = time_repeated(opt.step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+    return time_repeated(opt.step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+
+
+def optimizer_tensor_us(device: torch.device, cfg: BenchConfig, *, tensors: int = 256, numel: int = 64) -> Measured:
+    """Fixed cost per parameter tensor of one torch.optim.AdamW step as the torch runtime runs it (``foreach=False``:
+    one update per tensor, a dozen small kernels each), from ``tensors`` tiny tensors whose memory traffic is
+    negligible. A model of many small tensors pays it where the cost model's memory-bound term sees nothing
+    (tiny-moe on a CPU: ~10 us a tensor). value = microseconds per tensor.
+    """
+    timing = _adamw_step_timing(device, cfg, tensors, numel)
     return Measured(timing.median_s / tensors * 1e6, "us", timing,
                     (("tensors", tensors), ("numel", numel), ("op", "AdamW(foreach=False).step")))
 
@@ -378,14 +384,7 @@ def optimizer_param_ns(device: torch.device, cfg: BenchConfig, tensor_us: float,
     over each tensor (decay, two moments, square root, division, update), not the four reads and writes of a
     fused kernel: tiny-moe's 330k parameters on a CPU took 3.3 ms a step against 1.9 ms from the per-tensor cost
     and 0.4 ms from the memory-bound term. value = nanoseconds per parameter (0 or more)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(numel, device=device, generator=gen)) for _ in range(tensors)]
-    for q in params:
-        q.grad = torch.randn(numel, device=device, generator=gen)
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-    sync = device_sync(device)
-    inner = calibrate_inner(opt.step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
-    timing = time_repeated(opt.step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+    timing = _adamw_step_timing(device, cfg, tensors, numel)
     per_param_s = max(0.0, timing.median_s - tensors * tensor_us * 1e-6) / (tensors * numel)
     return Measured(per_param_s * 1e9, "ns", timing,
                     (("tensors", tensors), ("numel", numel), ("tensor_us", tensor_us),
