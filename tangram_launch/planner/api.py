@@ -29,7 +29,8 @@ from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, SliceResult
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
-from tangram_launch.planner.compose import Composition, ComposeStats, compose, lower_bound
+from tangram_launch.planner.classes import class_floors_s
+from tangram_launch.planner.compose import Composition, ComposeStats, compose
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
@@ -424,8 +425,8 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     if best is not None and best[1] == b and best[4] is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     own_s = math.inf
-    work = sorted(((lower_bound([cand.options[i] for i in idx], L, m), group, idx)
-                   for group, idx in _groups(cand).items()), key=lambda w: w[0])
+    floors = class_floors_s(cand.options, cand.groups, L, m)
+    work = sorted(((floors[group], group, idx) for group, idx in _groups(cand).items()), key=lambda w: w[0])
     for lb, group, idx in work:
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking
         threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
