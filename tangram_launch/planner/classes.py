@@ -30,33 +30,30 @@ def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_la
     """Per compatibility class (``groups[i]`` is option i's), a floor under the closed-form latency of any
     composition of its options (inf: none covers [0, L) with distinct islands). One pass over the options."""
     L = num_layers
-    # class -> island -> length -> [least bottleneck, least time]; class -> least tail
-    per_class: dict[Hashable, dict[int, dict[int, list[float]]]] = {}
+    # (class, island, length) -> [least bottleneck, least time]; class -> least tail (a flat dict: this loop
+    # meets every option of a size, hundreds of thousands on the largest clusters)
+    least: dict[tuple, list[float]] = {}
     tails: dict[Hashable, float] = {}
-    for o, g in zip(options, groups):
-        if o.max_after < 0 or not 0 <= o.start < o.stop <= L:
+    for (start, stop, island, _stages, max_after, time_s, bottleneck_s, tail_s), g in zip(options, groups):
+        if max_after < 0 or not 0 <= start < stop <= L:
             continue
-        islands = per_class.get(g)
-        if islands is None:
-            islands = per_class[g] = {}
-            tails[g] = o.tail_s
-        elif o.tail_s < tails[g]:
-            tails[g] = o.tail_s
-        by_len = islands.get(o.island)
-        if by_len is None:
-            by_len = islands[o.island] = {}
-        n = o.stop - o.start
-        cur = by_len.get(n)
+        if tail_s < tails.get(g, math.inf):
+            tails[g] = tail_s
+        key = (g, island, stop - start)
+        cur = least.get(key)
         if cur is None:
-            by_len[n] = [o.bottleneck_s, o.time_s]
+            least[key] = [bottleneck_s, time_s]
         else:
-            if o.bottleneck_s < cur[0]:
-                cur[0] = o.bottleneck_s
-            if o.time_s < cur[1]:
-                cur[1] = o.time_s
-    out = {g: math.inf for g in groups}
+            if bottleneck_s < cur[0]:
+                cur[0] = bottleneck_s
+            if time_s < cur[1]:
+                cur[1] = time_s
+    per_class: dict[Hashable, dict[int, list[tuple[int, list[float]]]]] = {}
+    for (g, island, n), v in least.items():
+        per_class.setdefault(g, {}).setdefault(island, []).append((n, v))
+    out = dict.fromkeys(groups, math.inf)
     for g, islands in per_class.items():
-        lengths = [sorted(by_len.items()) for _k, by_len in sorted(islands.items())]
+        lengths = [sorted(by_len) for _k, by_len in sorted(islands.items())]
         period = _least_period(lengths, L)
         if period < math.inf:
             floor = (num_microbatches - 1) * period + _least_fill(lengths, L) + tails[g]
