@@ -311,6 +311,16 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
             first.append((own_s, floors[b].latency_s, b))
     if rest:
         for _own, _floor, b in sorted(first):
+            if bnb and floors[b].pairs is not None and (best is None or len(best[3].options) == 1):
+                # while only single-island plans bound the search: the size's most promising quarter of pairs
+                # (by their floors) is asked and composed first, and its plan bounds the rest, most of which then
+                # need no query
+                pf = floors[b].pairs
+                ranked = sorted(range(len(rest)), key=lambda i: (pf.floor(rest[i].island, *rest[i].layers)[0], i))
+                head = set(ranked[:max(1, len(rest) // 4)])
+                visit(b, [p for i, p in enumerate(rest) if i in head], use_incumbent=True)
+                visit(b, [p for i, p in enumerate(rest) if i not in head], use_incumbent=True)
+                continue
             visit(b, rest, use_incumbent=True)
     return best
 
