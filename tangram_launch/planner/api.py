@@ -390,11 +390,14 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     fill_s = prefix[-1] + best["embedding"][1] + best["head"][1]
     m = training.global_batch // b
     # per-pair floors need every island's floors for every kind (an island left out would lower the others' GPUs).
-    # Uniform-grid runtimes only for now: skipping pairs is exact for the closed form, but the plan is the
-    # best-predicted of the compositions the closed-form search meets on its way, and under torch the fewer options
-    # moved C3 (iii)'s example plan (batch 64) from 7.566 s to 7.598 s (same closed-form optimum)
+    # Only where a query costs a process grid per TP x DP x CP split and a plan is one class of them (megatron):
+    # skipping pairs is exact for the closed form, but the plan is the best-predicted of the compositions the
+    # closed-form search meets on its way, and fewer options change that way. Under torch it moved C3 (iii)'s
+    # example plan (batch 64) from 7.566 s to 7.598 s, under deepspeed (no TP: cheap queries, nothing gained)
+    # OPT-350M on 128 GPUs from 6.434 s to 6.471 s; the same closed-form optimum both times
     pairs = (PairFloors(kinds, per_island, {k: islands[k].num_gpus for k in per_island}, m)
-             if caps.uniform_grid and all(needed <= f.keys() for f in per_island.values()) else None)
+             if caps.uniform_grid and caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values())
+             else None)
     return SizeFloor((m - 1) * gpu_s / gpus + fill_s, m * gpu_s / gpus, prefix, best["embedding"][1],
                      best["head"][1], pairs)
 
