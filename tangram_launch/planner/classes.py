@@ -1,0 +1,109 @@
+"""Floors under a compatibility class's best closed form, so the driver composes classes most promising first and
+skips those that cannot beat the plan found so far (uniform-grid runtimes: Megatron splits its options into one
+class per (tp, dp, cp); composing a class costs a preparation and at least one DP run, and most classes fail).
+
+``compose.lower_bound`` relaxes a pipeline to a cover of [0, L) that may use one island many times, so its period
+is that of the fastest island's shortest slices: on C3 (iii) it reads 6 s under 15 s plans. Here the relaxation
+keeps what makes a class expensive: each island holds one contiguous option (compose.py's used-island mask), so the
+islands' slices must add up to L layers. Per island and slice length n, take the least bottleneck and the least
+time of its options of that length (any start, ignoring memory, links and stage caps); then
+
+    closed form >= (m - 1) x P* + F + least tail
+
+P*: the least bound P at which distinct islands' lengths with bottleneck <= P can sum to L (a reachable-sums
+bitset, bisected over the candidate bottlenecks); F: the least sum of times over distinct islands' lengths summing
+to L (a min-plus knapsack over islands). Both are relaxations of every composition the class admits, so the floor
+never exceeds its closed-form optimum (tests/test_planner_classes.py checks it against compose.reference).
+"""
+from __future__ import annotations
+
+import math
+from typing import Hashable, Sequence
+
+from tangram_launch.planner.compose import Option
+
+_ROUNDING = 1e-9  # the floor is summed in another order than compose.evaluate's latency: keep it strictly under
+
+
+def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_layers: int,
+                   num_microbatches: int) -> dict[Hashable, float]:
+    """Per compatibility class (``groups[i]`` is option i's), a floor under the closed-form latency of any
+    composition of its options (inf: none covers [0, L) with distinct islands). One pass over the options."""
+    L = num_layers
+    # (class, island, length) -> [least bottleneck, least time]; class -> least tail (a flat dict: this loop
+    # meets every option of a size, hundreds of thousands on the largest clusters)
+    least: dict[tuple, list[float]] = {}
+    tails: dict[Hashable, float] = {}
+    for (start, stop, island, _stages, max_after, time_s, bottleneck_s, tail_s), g in zip(options, groups):
+        if max_after < 0 or not 0 <= start < stop <= L:
+            continue
+        if tail_s < tails.get(g, math.inf):
+            tails[g] = tail_s
+        key = (g, island, stop - start)
+        cur = least.get(key)
+        if cur is None:
+            least[key] = [bottleneck_s, time_s]
+        else:
+            if bottleneck_s < cur[0]:
+                cur[0] = bottleneck_s
+            if time_s < cur[1]:
+                cur[1] = time_s
+    per_class: dict[Hashable, dict[int, list[tuple[int, list[float]]]]] = {}
+    for (g, island, n), v in least.items():
+        per_class.setdefault(g, {}).setdefault(island, []).append((n, v))
+    out = dict.fromkeys(groups, math.inf)
+    for g, islands in per_class.items():
+        lengths = [sorted(by_len) for _k, by_len in sorted(islands.items())]
+        period = _least_period(lengths, L)
+        if period < math.inf:
+            floor = (num_microbatches - 1) * period + _least_fill(lengths, L) + tails[g]
+            out[g] = floor * (1.0 - _ROUNDING)
+    return out
+
+
+def _reaches(islands: list[list[tuple[int, list[float]]]], L: int, bound: float) -> bool:
+    """Whether distinct islands' lengths whose least bottleneck is <= bound can sum to exactly L: bit s of
+    ``reach`` says the islands so far can cover s layers."""
+    mask = (1 << (L + 1)) - 1
+    reach = 1
+    for lengths in islands:
+        new = reach
+        for n, (bn, _t) in lengths:
+            if bn <= bound:
+                new |= reach << n
+        reach = new & mask
+        if reach >> L & 1:
+            return True
+    return False
+
+
+def _least_period(islands: list[list[tuple[int, list[float]]]], L: int) -> float:
+    """The least candidate bottleneck at which the islands can cover L layers (inf: never). Feasibility grows
+    with the bound, so the candidates are bisected."""
+    cands = sorted({v[0] for lengths in islands for _n, v in lengths})
+    if not _reaches(islands, L, cands[-1]):
+        return math.inf
+    lo, hi = 0, len(cands) - 1  # cands[hi] reaches
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _reaches(islands, L, cands[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return cands[hi]
+
+
+def _least_fill(islands: list[list[tuple[int, list[float]]]], L: int) -> float:
+    """The least sum of slice times over distinct islands whose slice lengths sum to L: best[s] is the least time
+    of covering s layers with the islands so far (each used at most once)."""
+    best = [math.inf] * (L + 1)
+    best[0] = 0.0
+    for lengths in islands:
+        new = best[:]
+        for n, (_bn, t) in lengths:
+            for s in range(L - n + 1):
+                v = best[s] + t
+                if v < new[s + n]:
+                    new[s + n] = v
+        best = new
+    return best[L]

@@ -1,0 +1,102 @@
+"""Floors under every pipeline that holds one slice/island pair, from the parallelizer's per-island compute floors,
+so the planner skips a query whose pair can be part of no pipeline beating the plan found so far.
+
+Each island holds one contiguous slice of a pipeline (compose.py), so a pipeline holding layers [a, b) on island k
+puts the other layers on the other islands. Per island, the parallelizer's ``compute_floors`` give per layer kind
+the least GPU-seconds and the least seconds of forward + backward per micro-batch over every grid it offers there
+(no recompute, no communication). Then, for any such pipeline,
+
+    period >= max(GPU-seconds of [a, b) on k / GPUs of k,
+                  least GPU-seconds of the other layers on the other islands / GPUs of the other islands)
+    fill   >= seconds of [a, b) on k + least seconds of the other layers on the other islands
+
+(a stage of n GPUs runs its layers for at least their GPU-seconds / n; the slowest of several stages for at least
+their total over all their GPUs), so its closed form is at least (m - 1) x period + fill and its predicted
+iteration at least m x period. A query is skipped only when both cannot beat the bounds (as
+``SliceQuery.beyond_bound``). The floors depend on the slice's position only through the kinds of the layers
+inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key fixes, so
+one representative's floor holds for its whole class. The lesser of the other islands' seconds floors is also a
+tighter "outside" fill for the query's own bound (``outside_s``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Mapping, Sequence
+
+_SLACK = 1e-9  # as SliceQuery.beyond_bound: plans that tie a bound up to float rounding are kept
+
+
+class PairFloors:
+    """Floors for the pairs of one micro-batch size (``num_microbatches`` m)."""
+
+    def __init__(self, kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float, float]]],
+                 gpus: Mapping[int, int], num_microbatches: int) -> None:
+        """``kinds``: layer kind of each layer; ``floors``: island index -> kind (and "embedding", "head") ->
+        (GPU-seconds, seconds), for every island that can hold a slice; ``gpus``: island index -> GPUs."""
+        self.m = num_microbatches
+        self.L = len(kinds)
+        self.gpus = dict(gpus)
+        self.total_gpus = sum(self.gpus.values())
+        self.own: dict[int, tuple] = {}  # island -> (GPU-s prefix, s prefix, embedding (gs, s), head (gs, s))
+        self.rest: dict[int, tuple] = {}  # island -> the same over the least of the other islands
+        for k, f in floors.items():
+            self.own[k] = self._prefixes(kinds, [f])
+            others = [g for o, g in floors.items() if o != k]
+            self.rest[k] = self._prefixes(kinds, others) if others else None
+
+    @staticmethod
+    def _prefixes(kinds: Sequence[str], floors: Sequence[Mapping[str, tuple[float, float]]]) -> tuple:
+        def least(kind: str, i: int) -> float:
+            return min(f[kind][i] for f in floors)
+
+        per_kind = {k: (least(k, 0), least(k, 1)) for k in {*kinds, "embedding", "head"}}
+        gs = (0.0, *itertools.accumulate(per_kind[k][0] for k in kinds))
+        ts = (0.0, *itertools.accumulate(per_kind[k][1] for k in kinds))
+        return gs, ts, per_kind["embedding"], per_kind["head"]
+
+    def _part(self, pref: tuple, start: int, stop: int, inside: bool) -> tuple[float, float]:
+        """(GPU-seconds, seconds) floors of layers [start, stop) (inside) or of the layers outside them, with the
+        embedding and head where they fall."""
+        gs, ts, emb, head = pref
+        if inside:
+            g, t = gs[stop] - gs[start], ts[stop] - ts[start]
+            with_emb, with_head = start == 0, stop == self.L
+        else:
+            g = gs[start] + gs[-1] - gs[stop]
+            t = ts[start] + ts[-1] - ts[stop]
+            with_emb, with_head = start > 0, stop < self.L
+        if with_emb:
+            g, t = g + emb[0], t + emb[1]
+        if with_head:
+            g, t = g + head[0], t + head[1]
+        return g, t
+
+    def floor(self, island: int, start: int, stop: int) -> tuple[float, float]:
+        """(closed form, predicted iteration) floors of any pipeline holding [start, stop) on ``island``; (0, 0)
+        for an island without floors, inf when the other layers have no other island to run on."""
+        own = self.own.get(island)
+        if own is None:
+            return 0.0, 0.0
+        g, t = self._part(own, start, stop, True)
+        period = g / self.gpus[island]
+        if (start, stop) != (0, self.L):
+            rest = self.rest[island]
+            if rest is None:
+                return math.inf, math.inf
+            rg, rt = self._part(rest, start, stop, False)
+            period = max(period, rg / (self.total_gpus - self.gpus[island]))
+            t += rt
+        return (self.m - 1) * period + t, self.m * period
+
+    def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:
+        """Whether no pipeline holding the pair can beat either bound."""
+        lat, score = self.floor(island, start, stop)
+        return lat > latency_bound_s * (1.0 + _SLACK) and score > score_bound_s * (1.0 + _SLACK)
+
+    def outside_s(self, island: int, start: int, stop: int) -> float | None:
+        """Least seconds of the layers outside [start, stop) on the other islands (None: no floors for it)."""
+        rest = self.rest.get(island)
+        if rest is None:
+            return None
+        return self._part(rest, start, stop, False)[1]

@@ -1,0 +1,105 @@
+"""Pair floors (planner/pair_floors.py): a slice/island pair whose every pipeline is slower than the plan found so
+far is not queried. The floors must be under every pipeline that holds the pair (generated pipelines whose stages
+take at least their compute floors), and the search that skips pairs must find the full search's optimum."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.capabilities import MEGATRON
+from tangram_launch.costmodel.pipeline import pipeline_latency_s
+from tangram_launch.parallelizers.megatron import MegatronParallelizer
+from tangram_launch.planner.api import PlannerOptions, search
+from tangram_launch.planner.pair_floors import PairFloors
+from tangram_launch.specs.cluster import ClusterSpec
+from tangram_launch.specs.model import ModelSpec
+from tangram_launch.specs.training import TrainingSpec
+
+KINDS = ("dense", "moe")
+
+
+def _instance(seed: int):
+    """Islands with per-kind (GPU-seconds, seconds) floors and GPU counts, and one pipeline over distinct islands
+    whose stages take at least their floors (a stage of n GPUs: max(sum of seconds, sum of GPU-seconds / n)),
+    with links and a tail. Returns the floors, GPUs, kinds, m, the pipeline's slices (island, start, stop), its
+    closed form and its slowest stage."""
+    rng = random.Random(seed)
+    L = rng.randint(1, 12)
+    kinds = [rng.choice(KINDS) for _ in range(L)]
+    K = rng.randint(1, 4)
+    gpus = {k: rng.choice([1, 2, 4, 8]) for k in range(K)}
+    floors = {}
+    for k in range(K):
+        f = {}
+        for name in (*KINDS, "embedding", "head"):
+            ts = rng.uniform(0.01, 1.0)
+            f[name] = (ts * rng.uniform(1.0, 4.0), ts)  # least GPU-seconds (some grid's t x n) >= least seconds
+        floors[k] = f
+    m = rng.choice([1, 2, 4, 32])
+    used = rng.sample(range(K), rng.randint(1, min(K, L)))
+    cuts = sorted(rng.sample(range(1, L), len(used) - 1))
+    bounds = [0, *cuts, L]
+    slices = [(k, bounds[i], bounds[i + 1]) for i, k in enumerate(used)]
+    stage_s = []
+    for k, a, z in slices:
+        n_stages = rng.randint(1, min(z - a, gpus[k]))
+        inner = sorted(rng.sample(range(a + 1, z), n_stages - 1))
+        left = gpus[k]
+        for s, (sa, sz) in enumerate(zip([a, *inner], [*inner, z])):
+            n = rng.randint(1, left - (n_stages - 1 - s))
+            left -= n
+            names = [kinds[j] for j in range(sa, sz)] + (["embedding"] if sa == 0 else []) + (
+                ["head"] if sz == L else [])
+            need = max(sum(floors[k][x][1] for x in names), sum(floors[k][x][0] for x in names) / n)
+            stage_s.append(need * rng.choice([1.0, 1.0, rng.uniform(1.0, 2.0)]))
+    links = [rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(len(slices) - 1)]
+    period = max(stage_s + links)
+    closed = pipeline_latency_s(m, period, sum(stage_s) + 2 * sum(links), rng.choice([0.0, 0.3]))
+    return floors, gpus, kinds, m, slices, closed, max(stage_s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32))
+def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
+    floors, gpus, kinds, m, slices, closed, slowest = _instance(seed)
+    pf = PairFloors(kinds, floors, gpus, m)
+    for k, a, z in slices:
+        lat, score = pf.floor(k, a, z)
+        assert lat <= closed * (1 + 1e-12)
+        assert score <= m * slowest * (1 + 1e-12)  # under the predicted iteration, which runs m of its slowest
+        assert not pf.beyond(k, a, z, closed, m * slowest)
+        outside = pf.outside_s(k, a, z)
+        assert outside is None or outside <= closed
+
+
+def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():
+    f = {x: (1.0, 0.5) for x in (*KINDS, "embedding", "head")}
+    pf = PairFloors(["dense"] * 4, {0: f}, {0: 4}, 8)
+    assert pf.floor(0, 0, 2) == (float("inf"), float("inf"))
+    lat, score = pf.floor(0, 0, 4)  # the whole model: 4 layers + embedding + head on 4 GPUs
+    assert score == pytest.approx(8 * 6 * 1.0 / 4) and lat == pytest.approx(7 * 6 / 4 + 6 * 0.5)
+    assert pf.floor(1, 0, 2) == (0.0, 0.0)  # an island without floors: nothing is skipped
+
+
+def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands():
+    """The real megatron parallelizer (which gives compute floors) on a 3-island cluster: the search that skips
+    pairs by their floor and the full search (branch_and_bound=False) find the same plan."""
+    cl = ClusterSpec.from_dict({
+        "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "nodes": [{"name": f"n{i}", "gpu": g, "count": 4} for i, g in enumerate(("a100-80gb", "v100-16gb", "t4"))]})
+    model = ModelSpec(name="t6", num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=1024,
+                      vocab_size=1000, max_seq_len=256)
+    training = TrainingSpec(global_batch=16, seq_len=256, dtype="fp16")
+    on = search(cl, model, training, runtime=MEGATRON, parallelizer=MegatronParallelizer(),
+                options=PlannerOptions(max_workers=1))
+    off = search(cl, model, training, runtime=MEGATRON, parallelizer=MegatronParallelizer(),
+                 options=PlannerOptions(max_workers=1, branch_and_bound=False))
+    assert on.stats["pairs_skipped"] > 0 and off.stats["pairs_skipped"] == 0
+    assert on.stats["queries"] < off.stats["queries"]
+    assert on.stats["compose"]["best_closed_form_s"] == pytest.approx(off.stats["compose"]["best_closed_form_s"],
+                                                                      rel=1e-12)
+    assert on.plan.predicted.iteration_time_s == pytest.approx(off.plan.predicted.iteration_time_s, rel=1e-12)
+    assert {d["island"] for d in on.plan.islands_dropped} == {d["island"] for d in off.plan.islands_dropped}
