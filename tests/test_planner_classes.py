@@ -17,7 +17,7 @@ from tangram_launch.parallelizers.base import GIB
 from tangram_launch.planner import api
 from tangram_launch.planner.api import PlannerOptions, search
 from tangram_launch.planner.classes import class_floors_s
-from tangram_launch.planner.compose import Option, lower_bound
+from tangram_launch.planner.compose import Option, evaluate, lower_bound
 from tangram_launch.planner.reference import brute_force
 from tangram_launch.planner.synthetic import SyntheticParallelizer
 from tangram_launch.specs.cluster import ClusterSpec
@@ -58,6 +58,36 @@ def test_class_floor_is_under_every_composition_the_class_admits(seed):
         return  # nothing to be under (the floor may still be finite: it ignores memory and start positions)
     assert floor <= best.latency_s
     assert floor < math.inf
+
+
+def _every_composition(options, link, L, m):
+    """Every contiguous cover of [0, L) with distinct islands that fits (compose.evaluate), with its metrics."""
+    out = []
+
+    def extend(seq, start, used):
+        if start == L:
+            metrics = evaluate(tuple(seq), options, link, m)
+            if metrics is not None:
+                out.append(metrics)
+            return
+        for i, o in enumerate(options):
+            if o.start == start and not used >> o.island & 1:
+                extend(seq + [i], o.stop, used | 1 << o.island)
+    extend([], 0, 0)
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32))
+def test_class_score_floor_is_under_every_compositions_predicted_floor(seed):
+    """The score floor (m x least period + least tail) lies under m x period + tail of every composition, which
+    lies under any predicted iteration (plain or interleaved): a class it cannot beat the best score with holds
+    no plan that can."""
+    options, link, L, m = instance(seed)
+    score_floors: dict = {}
+    class_floors_s(options, [0] * len(options), L, m, score_floors=score_floors)
+    for metrics in _every_composition(options, link, L, m):
+        assert score_floors[0] <= m * metrics.period_s + metrics.tail_s
 
 
 def test_each_class_gets_its_own_floor_from_one_pass():
@@ -102,7 +132,7 @@ def _skip_vs_every(times, counts, batch, static_gib):
     training = TrainingSpec(global_batch=batch, seq_len=128, dtype="fp16")
     opts = PlannerOptions(max_workers=1)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(api, "class_floors_s", lambda options, groups, L, m: {g: 0.0 for g in groups})
+        mp.setattr(api, "class_floors_s", lambda options, groups, L, m, **kw: {g: 0.0 for g in groups})
         try:
             every = search(cl, model, training, runtime=MEGATRON, parallelizer=par, options=opts)
         except InfeasibleError:

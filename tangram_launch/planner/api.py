@@ -461,15 +461,17 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     if best is not None and best[1] == b and best[4] is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     own_s = math.inf
-    floors = class_floors_s(cand.options, cand.groups, L, m)
+    score_floors: dict = {}
+    floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
     work = sorted(((floors[group], group, idx) for group, idx in _groups(cand).items()), key=lambda w: w[0])
     for lb, group, idx in work:
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking
         threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
-        if lb >= threshold:
-            break
+        score_to_beat = best[0] if best is not None and use_incumbent else math.inf
+        if lb >= threshold and score_floors.get(group, math.inf) >= score_to_beat:
+            continue  # neither its closed form nor its predicted iteration can beat the best plan
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
-                              score_incumbent_s=best[0] if best is not None and use_incumbent else math.inf)
+                              score_incumbent_s=score_to_beat)
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:

@@ -26,9 +26,12 @@ _ROUNDING = 1e-9  # the floor is summed in another order than compose.evaluate's
 
 
 def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_layers: int,
-                   num_microbatches: int) -> dict[Hashable, float]:
+                   num_microbatches: int, score_floors: dict | None = None) -> dict[Hashable, float]:
     """Per compatibility class (``groups[i]`` is option i's), a floor under the closed-form latency of any
-    composition of its options (inf: none covers [0, L) with distinct islands). One pass over the options."""
+    composition of its options (inf: none covers [0, L) with distinct islands). One pass over the options.
+    ``score_floors``, if given, receives per class m x P* + least tail: under any predicted iteration (the slowest
+    stage runs m micro-batches, plain or interleaved, then the tail), which a schedule's score can reach where the
+    closed form does not."""
     L = num_layers
     # (class, island, length) -> [least bottleneck, least time]; class -> least tail (a flat dict: this loop
     # meets every option of a size, hundreds of thousands on the largest clusters)
@@ -58,6 +61,8 @@ def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_la
         if period < math.inf:
             floor = (num_microbatches - 1) * period + _least_fill(lengths, L) + tails[g]
             out[g] = floor * (1.0 - _ROUNDING)
+        if score_floors is not None:
+            score_floors[g] = (num_microbatches * period + tails[g]) * (1.0 - _ROUNDING)
     return out
 
 

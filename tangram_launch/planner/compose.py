@@ -31,10 +31,10 @@ also charges the inter-island p2p where it lies on the steady state's cycle (sta
 round trip to stage k + 1: ((t_k + t_k+1) / 2 + p) per micro-batch can exceed the slowest stage), so the two can
 rank close plans the other way. A driver that passes ``score`` (the iteration the Plan would report for a
 sequence: the simulation, or the interleaved schedule where faster) gets the plan with the least score among the
-candidates: the plans whose fill + tail no plan of smaller period beats (each is what the paper's DP finds at its
-own period) among those whose closed form can beat the best closed form, or whose score floor (m x period + tail,
-under any score: interleaving can put a score well below the closed form) can beat the best score; the closed
-form's optimum is always among them. With ``score_band`` the closed forms are pruned against the larger of the
+candidates: the complete plans the exact pass keeps (non-dominated in fill, tail, stages and period within their
+state, so they include what the paper's DP finds at every bound) whose closed form can beat the best closed form,
+or whose score floor (m x period + tail, under any score: interleaving can put a score well below the closed
+form) can beat the best score; the closed form's optimum is always among them. With ``score_band`` the closed forms are pruned against the larger of the
 best score and the least closed form instead.
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
@@ -582,18 +582,13 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     quick = run(beat_s(), beam=_BEAM)
     if quick:
         offer(quick[0][3])
-    # every plan that can beat the best so far, non-dominated in (fill, tail, period); the candidates are those
-    # whose fill + tail no plan with a smaller period beats: each is what a DP under a bound on the slowest stage
-    # (the paper's relaxation) would find at its own period, and the closed form's optimum is among them
-    front = sorted(run(beat_s(), quantum=bound_step, score_beat=score_beat_s()), key=lambda f: (f[2], f[0] + f[1]))
-    least = float("inf")
-    candidates = []
-    for f in front:
-        if f[0] + f[1] < least:
-            least = f[0] + f[1]
-            candidates.append(f)
+    # every plan that can beat the best so far (its closed form, or with a score its score floor), non-dominated
+    # within its state: a superset of what a DP under each bound on the slowest stage (the paper's relaxation)
+    # finds, the closed form's optimum among them; the score decides (interleaving and the p2p on the 1F1B cycle
+    # rank plans the closed form does not see)
+    candidates = run(beat_s(), quantum=bound_step, score_beat=score_beat_s())
     stats.candidates += len(candidates)
-    for f in sorted(candidates, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3])):
+    for f in candidates:
         offer(f[3])
     if best is not None and best.objective_s >= gate_s:
         return None
