@@ -37,6 +37,7 @@ from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.pair_floors import PairFloors
+from tangram_launch.planner.templates import GridClass
 from tangram_launch.planner.slices import (
     ModelAtoms,
     Pair,
@@ -461,9 +462,18 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     if best is not None and best[1] == b and best[4] is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     own_s = math.inf
-    score_floors: dict = {}
-    floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
-    work = sorted(((floors[group], group, idx) for group, idx in _groups(cand).items()), key=lambda w: w[0])
+    classes = _groups(cand)
+    if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
+        score_floors: dict = {}
+        floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
+    else:  # one-grid classes inside a free one (templates.GridClass): an option counts in two
+        floors, score_floors = {}, {}
+        for group, idx in classes.items():
+            one: dict = {}
+            floors[group] = class_floors_s([cand.options[i] for i in idx], [0] * len(idx), L, m,
+                                           score_floors=one).get(0, math.inf)
+            score_floors[group] = one.get(0, math.inf)
+    work = sorted(((floors[group], group, idx) for group, idx in classes.items()), key=lambda w: w[0])
     for lb, group, idx in work:
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking
         threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
@@ -523,8 +533,15 @@ def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
 
 
 def _groups(cand: Candidates) -> dict[Hashable, list[int]]:
+    """The option indices of each class the driver composes: each compatibility class; with templates.GridClass
+    (torch: stages with their own grids, interleaving with one), each base class whole and each one-grid class
+    apart."""
     out: dict[Hashable, list[int]] = {}
     for i, g in enumerate(cand.groups):
+        if isinstance(g, GridClass):
+            out.setdefault(GridClass(g.base, None), []).append(i)
+            if g.grid is None:
+                continue
         out.setdefault(g, []).append(i)
     return out
 

@@ -33,6 +33,16 @@ class Template(NamedTuple):
     group: Hashable  # cross-stage compatibility class
 
 
+class GridClass(NamedTuple):
+    """The class of a slice plan under a runtime that runs stages with their own grids but interleaves only one grid
+    (torch): ``base`` is its compatibility class, ``grid`` its (tp, dp, cp) where all its stages share one, else
+    None. The driver composes each base class whole and, apart, each one-grid class (whose pipelines may
+    interleave: a plan a mixed-grid option beats under 1F1B can win with virtual stages)."""
+
+    base: Hashable
+    grid: tuple[int, int, int] | None
+
+
 def compatibility_group(shapes: Sequence["StageShape"], caps: "RuntimeCapabilities") -> Hashable | None:
     """The class of slice plans that may share one pipeline under ``caps``; None if the plan itself mixes grids.
 
@@ -131,6 +141,10 @@ def _judge_shapes(nb: SliceNumbers, island: "Island", sizes: Sequence[int], b: i
     group = compatibility_group(nb.shapes, caps) if why is None else None
     if why is None and group is None:
         why = f"{caps.name} needs one grid for all stages"
+    if why is None and caps.interleaved_uniform_grid and not caps.uniform_grid \
+            and "interleaved-1F1B" in caps.schedules:
+        grids = {(s.tp, s.dp, s.cp) for s in nb.shapes}
+        group = GridClass(group, next(iter(grids)) if len(grids) == 1 else None)
     return why, group
 
 
