@@ -45,7 +45,7 @@ from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
-from tangram_launch.costmodel.grid import StageTable, StageTables, judge_grid
+from tangram_launch.costmodel.grid import StageTable, StageTables, judge_columns, peak_memory
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
@@ -249,13 +249,14 @@ class MegatronParallelizer:
         table.attach(coster)
         points: dict[tuple, list[tuple]] = {}
         evaluated = 0
-        best_mem: tuple | None = None
+        misfits: list[tuple] = []  # judged grids with combinations that fit nowhere
         shape_reasons: set[str] = set()
         saver_cache: dict[tuple, tuple] = {}
         bounded = 0
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
+        lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
+        score_cut = q.score_bound_s * (1.0 + 1e-9)
         floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
-        first, last = q.layers
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
         # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
         gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
@@ -289,34 +290,28 @@ class MegatronParallelizer:
             if not allowed:
                 continue
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-            ranges, sigs = table.signatures(coster, *dims)
+            ranges = coster.split(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
-                per_kind, emb_s, head_s, total = floor
-                heaviest = 0.0
-                prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
-                for a, z in ranges:
-                    f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
-                    if a == first:
-                        f += emb_s
-                    if z == last:
-                        f += head_s
-                    if f > heaviest:
-                        heaviest = f
-                if q.beyond_bound((m - 1) * heaviest + total, m * heaviest):
+                heaviest = _heaviest_floor(coster, ranges, floor)
+                if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
                     bounded += 1
                     continue
+            ranges, sigs = table.signatures(coster, *dims, ranges=ranges)
             rows = table.stage_rows(coster, dims, sigs, allowed)
-            bottleneck, fill, tail, depth, peak0 = judge_grid(rows, m, cap)
+            bottleneck, fill, tail, depth = judge_columns(table.stage_columns(sigs, allowed, m, cap), sigs, m)
             evaluated += len(allowed)
+            bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
+            if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
+                misfits.append((grid, rows, allowed, depth))
+                if fill is None:
+                    continue
             stage = (ranges, tuple(sigs), rows)
-            bucket = points.setdefault(cross_stage_class(q, grid), [])
             n_gpus = grid.num_gpus
             for s, (zero, r, off) in enumerate(allowed):
                 if depth[s] < 0:
-                    if best_mem is None or peak0[s] < best_mem[0]:
-                        best_mem = (peak0[s], grid, zero, r, off)
                     continue
-                if bound and q.beyond_bound((m - 1) * bottleneck[s] + fill[s] + tail[s], m * bottleneck[s] + tail[s]):
+                if bound and ((m - 1) * bottleneck[s] + fill[s] + tail[s] > lat_cut
+                              and m * bottleneck[s] + tail[s] > score_cut):
                     bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
                     continue
                 bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage,
@@ -325,6 +320,13 @@ class MegatronParallelizer:
         if not points:
             if bounded:  # something fits, nothing beats the bound
                 return SliceResult(key, (), None, evaluated, bounded=bounded)
+            best_mem = None  # the first of the least peak memories, in the order the grids were judged
+            for grid, rows, allowed, depth in misfits:
+                for s, (zero, r, off) in enumerate(allowed):
+                    if depth[s] < 0:
+                        peak0 = peak_memory(rows, s, m)
+                        if best_mem is None or peak0 < best_mem[0]:
+                            best_mem = (peak0, grid, zero, r, off)
             return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
         front = sorted((pt for bucket in points.values() for pt in pareto_front(bucket)), key=lambda pt: (pt[0], pt[5]))
@@ -414,6 +416,33 @@ class MegatronParallelizer:
         reason = (f"{where} needs at least {peak / GIB:.1f} GiB per GPU (capacity {cap / GIB:.1f} GiB) even with "
                   f"{cfg.describe()}: {parts}")
         return InfeasibleSlice((reason,), peak, bd)
+
+
+def _heaviest_floor(coster: SliceCoster, ranges: tuple[tuple[int, int], ...], floor: tuple) -> float:
+    """The largest compute floor of the split's stages (SliceCoster.time_floors per layer kind, the embedding's
+    on the slice's first stage, the head's on its last), added up as the general loop always did."""
+    per_kind, emb_s, head_s, _total = floor
+    first, last = coster.q.layers
+    prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
+    if len(prefix) == 1:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
+        (w,) = per_kind.values()
+        sizes = [z - a for a, z in ranges]
+        heaviest = sizes[0] * w + emb_s
+        if len(sizes) > 1:
+            tail = sizes[-1] * w + head_s
+            mid = max(sizes[1:-1], default=0) * w
+            return max(heaviest, mid, tail)
+        return heaviest + head_s
+    heaviest = 0.0
+    for a, z in ranges:
+        f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
+        if a == first:
+            f += emb_s
+        if z == last:
+            f += head_s
+        if f > heaviest:
+            heaviest = f
+    return heaviest
 
 
 def _config(grid: ParallelConfig, zero: int, r: int, offload: bool) -> ParallelConfig:
