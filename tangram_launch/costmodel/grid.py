@@ -146,7 +146,7 @@ class StageTable:
                       cap: float) -> dict[int, tuple]:
         """Per signature among ``sids`` (stage_rows called first), its numbers by saver combination as columns for
         judge_columns: (time_s list, tail_s list, the most micro-batches in flight that fit, the fit_depth term
-        int((cap - static) // act) where m of them do not fit, else _UNLIMITED)."""
+        int((cap - static) // act) where m of them do not fit, else _UNLIMITED; the largest of those most)."""
         key = (savers, m, cap)
         by_sid = self.columns.get(key)
         if by_sid is None:
@@ -189,7 +189,7 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
-def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list, list]:
+def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list, list, int]:
     """stage_columns of one signature (see there). A stage holding k micro-batches needs static + act * k bytes,
     which never decreases with k (nor does its float rounding), so the most that fit is a threshold."""
     times, tails, most, term = [], [], [], []
@@ -212,24 +212,29 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    return times, tails, most, term
+    return times, tails, most, term, max(most)
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
-        list[float], list[float] | None, list[float], list[int]]:
+        list[float], list[float] | None, list[float], list[int]] | None:
     """judge_grid from StageTable.stage_columns: (bottleneck_s, fill_s, tail_s, depth) lists, each distinct stage
     judged at its first position (as _judge_shared). Bottleneck, tail and fill are judge_grid's to the last bit;
     depth is judge_grid's wherever either is >= 0 (where a combination fits nowhere both are negative). fill is
-    None when no combination fits, and INFEASIBLE_FILL for a combination that does not (nobody reads those); the
-    peak memory judge_grid also returns is left to
+    None when no combination fits, and INFEASIBLE_FILL for a combination that does not (nobody reads those). None
+    instead of the four lists when one stage fits no combination at its place (nothing to judge). The peak memory judge_grid also returns is left to
     peak_memory, for the rare query where nothing fits at all."""
     m = num_microbatches
     n = len(sids)
-    bn = tail = depth = over = None
+    heads = []
     for sid in dict.fromkeys(sids):  # each distinct stage at its first position
-        times, tails, most, term = columns[sid]
         after = n - sids.index(sid)
         inflight = after if after < m else m
+        col = columns[sid]
+        if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
+            return None
+        heads.append((col, after, inflight))
+    bn = tail = depth = over = None
+    for (times, tails, most, term, _most), after, inflight in heads:
         d = [x - after for x in term]
         o = [inflight > k for k in most]
         if bn is None:

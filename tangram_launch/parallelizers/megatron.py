@@ -249,7 +249,7 @@ class MegatronParallelizer:
         table.attach(coster)
         points: dict[tuple, list[tuple]] = {}
         evaluated = 0
-        misfits: list[tuple] = []  # judged grids with combinations that fit nowhere
+        misfits: list[tuple] = []  # judged grids with combinations that fit nowhere (depth None: all of them)
         shape_reasons: set[str] = set()
         saver_cache: dict[tuple, tuple] = {}
         bounded = 0
@@ -298,9 +298,13 @@ class MegatronParallelizer:
                     continue
             ranges, sigs = table.signatures(coster, *dims, ranges=ranges)
             rows = table.stage_rows(coster, dims, sigs, allowed)
-            bottleneck, fill, tail, depth = judge_columns(table.stage_columns(sigs, allowed, m, cap), sigs, m)
+            judged = judge_columns(table.stage_columns(sigs, allowed, m, cap), sigs, m)
             evaluated += len(allowed)
             bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
+            if judged is None:  # no combination fits
+                misfits.append((grid, rows, allowed, None))
+                continue
+            bottleneck, fill, tail, depth = judged
             if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
                 misfits.append((grid, rows, allowed, depth))
                 if fill is None:
@@ -323,7 +327,7 @@ class MegatronParallelizer:
             best_mem = None  # the first of the least peak memories, in the order the grids were judged
             for grid, rows, allowed, depth in misfits:
                 for s, (zero, r, off) in enumerate(allowed):
-                    if depth[s] < 0:
+                    if depth is None or depth[s] < 0:
                         peak0 = peak_memory(rows, s, m)
                         if best_mem is None or peak0 < best_mem[0]:
                             best_mem = (peak0, grid, zero, r, off)
