@@ -329,23 +329,28 @@ class SliceCoster:
         """(kind, layers of that kind) over the slice."""
         return [(k, pre[-1]) for k, pre in self.prefix.items() if pre[-1]]
 
-    def time_floors(self, tp: int, cp: int, ep: int, dp: int) -> tuple[dict[str, float], float, float]:
+    def time_floors(self, tp: int, cp: int, ep: int, dp: int, *, with_comm: bool = False) -> tuple[
+            dict[str, float], float, float]:
         """Floors under stage times on this grid: forward + backward compute per layer of each kind, of the
         embedding and of the head (0 where the slice has none). fast_stage only adds to these (recompute, TP/CP/EP
         and p2p communication, exposed ZeRO collectives), so a stage takes at least the sum of its layers' floors:
-        the planner's incumbent bound skips grids with them before costing their stages."""
+        the planner's incumbent bound skips grids with them before costing their stages. ``with_comm``: plus the
+        TP / CP / EP communication every stage pays whatever its memory savers (fast_stage's fixed terms less p2p;
+        the split's weights): the tighter floor the parallelizer skips a grid by."""
         mbs = self.q.microbatch_sequences // dp
         per_kind = {}
         for k in self.prefix:
             t = self.layer_terms(k, tp, cp, ep, dp, mbs)
             per_kind[k] = t.fwd_s + t.bwd_s
+            if with_comm:
+                per_kind[k] += 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
         emb_s = head_s = 0.0
         if self.q.has_embedding or self.q.has_head:
             e = self._edges(tp, cp, dp, mbs)
             if self.q.has_embedding:
-                emb_s = e["emb_fwd_s"] + e["emb_bwd_s"]
+                emb_s = e["emb_fwd_s"] + e["emb_bwd_s"] + (e["emb_tp_s"] if with_comm else 0.0)
             if self.q.has_head:
-                head_s = e["head_fwd_s"] + e["head_bwd_s"]
+                head_s = e["head_fwd_s"] + e["head_bwd_s"] + (2 * e["head_tp_s"] if with_comm else 0.0)
         return per_kind, emb_s, head_s
 
     # ------------------------------------------------------------------------------------------ per grid

@@ -26,9 +26,11 @@ configuration needs and where it goes.
 
 A query that carries the planner's bounds so far (``SliceQuery.latency_bound_s``, ``score_bound_s``) is answered
 only with configurations that could be part of a pipeline that beats one of them: a grid is skipped before its
-stages are costed when its compute floor ((m - 1) x floor / pp + floor against the closed form, m x floor / pp
-against the predicted iteration; then with the split's heaviest stage) cannot, and a configuration when its own
-(m - 1) x bottleneck + fill + tail and m x bottleneck + tail cannot.
+stages are costed when its floor (compute plus the TP/CP/EP communication no memory saver removes;
+(m - 1) x floor / pp + floor against the closed form, m x floor / pp against the predicted iteration; then with
+the split's heaviest stage) cannot, and a configuration when its own (m - 1) x bottleneck + fill + tail and
+m x bottleneck + tail cannot. A grid with a stage that fits no memory-saver combination at its place is dropped
+before its combinations are judged; the rest are judged from per-signature columns (grid.judge_columns).
 
 The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
 the explained breakdown) are built on first read, so a planning run builds only the plans its composition places.
@@ -276,7 +278,7 @@ class MegatronParallelizer:
                 fkey = (grid.tp, grid.cp, grid.ep, grid.dp)
                 floor = floors.get(fkey)
                 if floor is None:
-                    per_kind, emb_s, head_s = coster.time_floors(*fkey)
+                    per_kind, emb_s, head_s = coster.time_floors(*fkey, with_comm=True)
                     total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
                     floor = floors[fkey] = (per_kind, emb_s, head_s, total)
                 # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
