@@ -42,6 +42,8 @@ class StageTable:
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
         self.grid_lists: dict[tuple, list] = {}  # (grid enumerator, b, max stages) -> [(grid, problems)]
         self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
+        self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
+        self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
 
     def attach(self, coster: "SliceCoster") -> None:
         """Let a query's coster share the context's per-layer, embedding/head and split caches."""

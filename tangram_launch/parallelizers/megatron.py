@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CP = 16
 _MAX_GRID_LISTS = 4096  # grid lists kept per parallelizer (a planning run needs a few hundred)
+_MAX_CONTEXT_IDS = 256  # query contexts whose key is remembered by the objects' identity
 
 
 def divisors(n: int) -> list[int]:
@@ -253,12 +254,13 @@ class MegatronParallelizer:
         evaluated = 0
         misfits: list[tuple] = []  # judged grids with combinations that fit nowhere (depth None: all of them)
         shape_reasons: set[str] = set()
-        saver_cache: dict[tuple, tuple] = {}
+        saver_cache = table.saver_lists.setdefault((getattr(savers, "__qualname__", None), q.pipelined), {})
         bounded = 0
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
         score_cut = q.score_bound_s * (1.0 + 1e-9)
         floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
+        floor_key = (tuple(coster.prefix), q.has_embedding, q.has_head)  # what time_floors reads of the slice
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
         # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
         gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
@@ -278,7 +280,11 @@ class MegatronParallelizer:
                 fkey = (grid.tp, grid.cp, grid.ep, grid.dp)
                 floor = floors.get(fkey)
                 if floor is None:
-                    per_kind, emb_s, head_s = coster.time_floors(*fkey, with_comm=True)
+                    tkey = (b, fkey, floor_key)
+                    hit = table.floors.get(tkey)
+                    if hit is None:
+                        hit = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
+                    per_kind, emb_s, head_s = hit
                     total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
                     floor = floors[fkey] = (per_kind, emb_s, head_s, total)
                 # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
@@ -287,7 +293,7 @@ class MegatronParallelizer:
                     continue
             skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
             allowed = saver_cache.get(skey)
-            if allowed is None:
+            if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
                 allowed = saver_cache[skey] = tuple(savers(q, grid))
             if not allowed:
                 continue
@@ -373,8 +379,19 @@ class MegatronParallelizer:
         tables = self.__dict__.get("_tables")
         if tables is None:
             tables = self._tables = StageTables()
-        ctx = pickle.dumps((q.island, q.model, q.training, q.capabilities, self.flash_attention), protocol=4)
-        return tables.get(ctx)
+        # the same objects come with every query of a planning run: their pickle is taken once (they are frozen;
+        # the entry holds them, so their ids stay theirs)
+        ids = (id(q.island), id(q.model), id(q.training), id(q.capabilities), self.flash_attention)
+        seen = self.__dict__.get("_contexts")
+        if seen is None:
+            seen = self._contexts = {}
+        hit = seen.get(ids)
+        if hit is None:
+            if len(seen) >= _MAX_CONTEXT_IDS:
+                seen.clear()
+            parts = (q.island, q.model, q.training, q.capabilities, self.flash_attention)
+            hit = seen[ids] = (pickle.dumps(parts, protocol=4), parts)
+        return tables.get(hit[0])
 
     def _stages(self, table: StageTable, coster: SliceCoster, cfg: ParallelConfig,
                 ranges: tuple[tuple[int, int], ...], sigs: tuple) -> tuple[StageCost, ...]:
@@ -395,6 +412,7 @@ class MegatronParallelizer:
         state.pop("_tables", None)  # caches stay in the process that built them
         state.pop("_shape_cache", None)
         state.pop("_grid_lists", None)
+        state.pop("_contexts", None)
         return state
 
     def _infeasible(self, q: SliceQuery, coster: SliceCoster, best, shape_reasons: set[str], m: int,
