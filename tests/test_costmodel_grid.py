@@ -3,7 +3,15 @@ per-combination computation does: max / Python sum / max of the stage rows and g
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.costmodel.grid import INFEASIBLE_FILL, StageTable, fit_depth, judge_columns, judge_grid, peak_memory
+from tangram_launch.costmodel.grid import (
+    INFEASIBLE_FILL,
+    StageTable,
+    fit_depth,
+    judge_columns,
+    judge_grid,
+    least_floors,
+    peak_memory,
+)
 
 _SECONDS = st.floats(0.0, 5.0, allow_nan=False)
 _BYTES = st.floats(0.0, 40e9, allow_nan=False)
@@ -88,5 +96,25 @@ def test_stage_columns_threshold_is_the_memory_check(static, act, m, cap):
     position), for every k: the precomputed threshold stands in for that comparison."""
     table = StageTable()
     table.rows[("s",)] = {0: [(1.0, static, act, 0.0)]}
-    _times, _tails, most, _term, _most = table.stage_columns([0], ("s",), m, cap)[0]
+    most = table.stage_columns([0], ("s",), m, cap)[0][2]
     assert [k <= most[0] for k in range(1, m + 1)] == [static + act * k <= cap for k in range(1, m + 1)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), stages=st.integers(1, 30), kinds=st.integers(1, 4), savers=st.integers(1, 6),
+       m=st.integers(1, 40))
+def test_least_floors_are_below_every_combinations_floors(data, stages, kinds, savers, m):
+    """The parallelizer skips a grid when the floors built from each stage's least time and tail cannot beat the
+    bounds: they must be at most every combination's own (m - 1) x bottleneck + fill + tail and
+    m x bottleneck + tail, added as judge_grid adds them, to the last bit."""
+    pool = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(st.floats(1.0, 8e9)), data.draw(_SECONDS))
+             for _ in range(savers)] for _ in range(kinds)]
+    picks = [data.draw(st.integers(0, kinds - 1)) for _ in range(stages)]
+    table = StageTable()
+    key = tuple((0, 0, False) for _ in range(savers))
+    table.rows[key] = dict(enumerate(pool))
+    lat, score = least_floors(table.stage_columns(picks, key, m, 1e12), picks, m)
+    bn, fill, tail, _depth, _peak = judge_grid([pool[k] for k in picks], m, 1e12)
+    for s in range(savers):
+        assert lat <= (m - 1) * bn[s] + fill[s] + tail[s]
+        assert score <= m * bn[s] + tail[s]

@@ -148,7 +148,8 @@ class StageTable:
                       cap: float) -> dict[int, tuple]:
         """Per signature among ``sids`` (stage_rows called first), its numbers by saver combination as columns for
         judge_columns: (time_s list, tail_s list, the most micro-batches in flight that fit, the fit_depth term
-        int((cap - static) // act) where m of them do not fit, else _UNLIMITED; the largest of those most)."""
+        int((cap - static) // act) where m of them do not fit, else _UNLIMITED; the largest of those most, the
+        least time_s and the least tail_s)."""
         key = (savers, m, cap)
         by_sid = self.columns.get(key)
         if by_sid is None:
@@ -191,7 +192,7 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
-def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list, list, int]:
+def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list, list, int, float, float]:
     """stage_columns of one signature (see there). A stage holding k micro-batches needs static + act * k bytes,
     which never decreases with k (nor does its float rounding), so the most that fit is a threshold."""
     times, tails, most, term = [], [], [], []
@@ -214,7 +215,7 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    return times, tails, most, term, max(most)
+    return times, tails, most, term, max(most), min(times), min(tails)
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
@@ -236,7 +237,7 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
             return None
         heads.append((col, after, inflight))
     bn = tail = depth = over = None
-    for (times, tails, most, term, _most), after, inflight in heads:
+    for (times, tails, most, term, *_least), after, inflight in heads:
         d = [x - after for x in term]
         o = [inflight > k for k in most]
         if bn is None:
@@ -263,6 +264,20 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     for sid in sids[1:]:
         fill = list(map(add, fill, columns[sid][0]))
     return bn, fill, tail, depth
+
+
+def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[float, float]:
+    """Under every saver combination's (m - 1) x bottleneck + fill + tail and m x bottleneck + tail
+    (slice_plan.latency_floor_s, score_floor_s): the same sums of each stage's least time and tail over the
+    combinations, in the same order (float rounding is monotone, so these are below to the last bit)."""
+    m = num_microbatches
+    distinct = [columns[sid] for sid in dict.fromkeys(sids)]
+    bn = max(c[5] for c in distinct)
+    tail = max(c[6] for c in distinct)
+    fill = columns[sids[0]][5]
+    for sid in sids[1:]:
+        fill += columns[sid][5]
+    return (m - 1) * bn + fill + tail, m * bn + tail
 
 
 def peak_memory(rows: Sequence[Sequence[tuple]], s: int, num_microbatches: int) -> float:

@@ -47,7 +47,7 @@ from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
-from tangram_launch.costmodel.grid import StageTable, StageTables, judge_columns, peak_memory
+from tangram_launch.costmodel.grid import StageTable, StageTables, judge_columns, least_floors, peak_memory
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
@@ -306,7 +306,11 @@ class MegatronParallelizer:
                     continue
             ranges, sigs = table.signatures(coster, *dims, ranges=ranges)
             rows = table.stage_rows(coster, dims, sigs, allowed)
-            judged = judge_columns(table.stage_columns(sigs, allowed, m, cap), sigs, m)
+            columns = table.stage_columns(sigs, allowed, m, cap)
+            if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
+                bounded += 1  # no combination can beat either bound: not judged
+                continue
+            judged = judge_columns(columns, sigs, m)
             evaluated += len(allowed)
             bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
             if judged is None:  # no combination fits
