@@ -44,6 +44,13 @@ class StageTable:
         self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
+        self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
+
+    def model_kinds(self, model) -> tuple[str, ...]:
+        """The context model's layer kinds (model.layer_kind of every layer), listed once."""
+        if self.layer_kinds is None:
+            self.layer_kinds = tuple(model.layer_kind(i) for i in range(model.num_layers))
+        return self.layer_kinds
 
     def attach(self, coster: "SliceCoster") -> None:
         """Let a query's coster share the context's per-layer, embedding/head and split caches."""

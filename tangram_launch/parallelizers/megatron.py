@@ -238,8 +238,10 @@ class MegatronParallelizer:
         return self._search(q, self.grids, self.savers)
 
     def _search(self, q: SliceQuery, grids, savers) -> SliceResult:
-        key = query_key(q)
-        coster = SliceCoster(q, flash_attention=self.flash_attention)
+        table = self._table(q)
+        kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
+        key = (q.island.name, q.num_layers, kinds, q.has_embedding, q.has_head, q.microbatch_sequences)  # query_key
+        coster = SliceCoster(q, flash_attention=self.flash_attention, layer_kinds=kinds)
         if coster.device_error:
             return SliceResult(key, (), InfeasibleSlice((coster.device_error,)))
         b = q.microbatch_sequences
@@ -248,7 +250,6 @@ class MegatronParallelizer:
                 (f"global batch {q.training.global_batch} is not a multiple of the micro-batch of {b} sequences",)))
         m = max(1, q.num_microbatches)
         cap = coster.capacity_bytes
-        table = self._table(q)
         table.attach(coster)
         points: dict[tuple, list[tuple]] = {}
         evaluated = 0
