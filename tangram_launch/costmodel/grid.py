@@ -231,8 +231,8 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     judged at its first position (as _judge_shared). Bottleneck, tail and fill are judge_grid's to the last bit;
     depth is judge_grid's wherever either is >= 0 (where a combination fits nowhere both are negative). fill is
     None when no combination fits, and INFEASIBLE_FILL for a combination that does not (nobody reads those). None
-    instead of the four lists when one stage fits no combination at its place (nothing to judge). The peak memory judge_grid also returns is left to
-    peak_memory, for the rare query where nothing fits at all."""
+    instead of the four lists when one stage fits no combination at its place (nothing to judge). The peak memory
+    judge_grid also returns is left to peak_memory, for the rare query where nothing fits at all."""
     m = num_microbatches
     n = len(sids)
     heads = []

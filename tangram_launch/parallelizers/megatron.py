@@ -80,8 +80,10 @@ def candidate_gpu_counts(num_gpus: int, gpus_per_node: int) -> list[int]:
     return sorted(x for x in out if x <= num_gpus)
 
 
-def query_key(q: SliceQuery) -> tuple:
-    kinds = tuple(q.model.layer_kind(i) for i in range(*q.layers))
+def query_key(q: SliceQuery, kinds: tuple[str, ...] | None = None) -> tuple:
+    """(island, layers, their kinds, embedding, head, b); ``kinds``: the slice's layer kinds, where known."""
+    if kinds is None:
+        kinds = tuple(q.model.layer_kind(i) for i in range(*q.layers))
     return (q.island.name, q.num_layers, kinds, q.has_embedding, q.has_head, q.microbatch_sequences)
 
 
@@ -240,7 +242,7 @@ class MegatronParallelizer:
     def _search(self, q: SliceQuery, grids, savers) -> SliceResult:
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
-        key = (q.island.name, q.num_layers, kinds, q.has_embedding, q.has_head, q.microbatch_sequences)  # query_key
+        key = query_key(q, kinds)
         coster = SliceCoster(q, flash_attention=self.flash_attention, layer_kinds=kinds)
         if coster.device_error:
             return SliceResult(key, (), InfeasibleSlice((coster.device_error,)))
