@@ -1,10 +1,12 @@
 """costmodel/partition.py: the closed-form greedy for slices of one layer weight answers exactly what the general
 greedy and bisection answer (a slice of identical layers is the common case: Llama-3 405B's 63 atoms of 2 layers)."""
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.costmodel.partition import _balanced_split, _UniformGreedy, greedy_split
+from tangram_launch.costmodel.partition import _balanced_split, _smooth, _UniformGreedy, greedy_split
 
 # the split's caller (SliceCoster.split) rounds layer weights to 4 decimals and the embedding/head extras to 3
 _WEIGHT = st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000))
@@ -47,3 +49,36 @@ def test_uniform_split_is_even_with_lighter_edges():
     assert sum(sizes) == 126 and sizes[0] < max(sizes) and sizes[-1] < max(sizes)
     with pytest.raises(ValueError):
         _balanced_split([1.0] * 3, 4)
+
+
+def _smooth_reference(w, sizes, fe, le):
+    """The plain smoothing: every group's sum taken again after every move."""
+    sizes = list(sizes)
+    for _ in range(4 * len(w)):
+        ends = list(itertools.accumulate(sizes, initial=0))
+        sums = [sum(w[a:z]) for a, z in zip(ends, ends[1:])]
+        sums[0] += fe
+        sums[-1] += le
+        for k in range(len(sizes) - 1):
+            a, b, cut = sums[k], sums[k + 1], ends[k + 1]
+            if a > b and sizes[k] > 1 and b + w[cut - 1] + (fe if cut - 1 == 0 else 0.0) < a - 1e-12:
+                sizes[k:k + 2] = [sizes[k] - 1, sizes[k + 1] + 1]
+                break
+            if not a > b and b > a and sizes[k + 1] > 1 and a + w[cut] < b - 1e-12:
+                sizes[k:k + 2] = [sizes[k] + 1, sizes[k + 1] - 1]
+                break
+        else:
+            break
+    return tuple(sizes)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), n=st.integers(1, 40), fe=_EXTRA, le=_EXTRA)
+def test_smoothing_that_resums_two_groups_equals_resumming_all(data, n, fe, le):
+    """_smooth keeps the groups' sums and takes again only the two a move touches: the same moves as taking every
+    sum again (the same slice sums, so the same floats)."""
+    w = [data.draw(_WEIGHT) for _ in range(n)]
+    parts = data.draw(st.integers(1, n))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=parts - 1, max_size=parts - 1))) if n > 1 else []
+    sizes = [z - a for a, z in zip([0, *cuts], [*cuts, n])]
+    assert _smooth(w, list(sizes), fe, le) == _smooth_reference(w, sizes, fe, le)

@@ -95,15 +95,16 @@ def test_compute_floors_are_below_every_stage_time(gpu, per_node, nodes, start, 
     if coster.check(cfg):
         return
     par = MegatronParallelizer()
-    per_kind, emb_s, head_s = coster.time_floors(cfg.tp, cfg.cp, cfg.ep, cfg.dp)
     sums = coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
-    for zero, r, off in par.savers(q, cfg):
-        for s in sums:
-            a, z = s.layers
-            floor = sum(per_kind[TINY.layer_kind(i)] for i in range(a, z))
-            floor += (emb_s if s.has_embedding else 0.0) + (head_s if s.has_head else 0.0)
-            n = coster.fast_stage(s, zero, r, off)
-            assert n.forward_s + n.backward_s >= floor * (1 - 1e-12)
+    for with_comm in (False, True):  # compute only (the size floors), and with TP/CP/EP (the parallelizer's)
+        per_kind, emb_s, head_s = coster.time_floors(cfg.tp, cfg.cp, cfg.ep, cfg.dp, with_comm=with_comm)
+        for zero, r, off in par.savers(q, cfg):
+            for s in sums:
+                a, z = s.layers
+                floor = sum(per_kind[TINY.layer_kind(i)] for i in range(a, z))
+                floor += (emb_s if s.has_embedding else 0.0) + (head_s if s.has_head else 0.0)
+                n = coster.fast_stage(s, zero, r, off)
+                assert n.forward_s + n.backward_s >= floor * (1 - 1e-12)
 
 
 def test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound():

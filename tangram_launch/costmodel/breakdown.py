@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel.compute import (
@@ -183,7 +183,8 @@ class SliceCoster:
 
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
-                 keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused") -> None:
+                 keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused",
+                 layer_kinds: Sequence[str] | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -191,7 +192,8 @@ class SliceCoster:
         iteration (DeepSpeed's BF16_Optimizer under pipeline parallelism calls update_hp_grads(clear_lp_grads=False)
         after each micro-batch's backward). ``cross_entropy``: the loss as Megatron's fused vocab-parallel kernel or
         eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.head_activation_bytes).
-        The defaults are what the planner assumes."""
+        The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the
+        caller has them already (model.layer_kind of each; a parallelizer asks about the same model many times)."""
         if selective_policy not in SELECTIVE_POLICIES:
             raise SpecError("unknown selective recompute policy", field="selective_policy", value=selective_policy,
                             valid=", ".join(SELECTIVE_POLICIES))
@@ -223,7 +225,11 @@ class SliceCoster:
         start, stop = q.layers
         self.layer_ids = list(range(start, stop))
         # layers of one kind are interchangeable: compute terms for one representative per kind
-        self.kinds = [self.model.layer_kind(i) for i in self.layer_ids]
+        self.kinds = (list(layer_kinds) if layer_kinds is not None
+                      else [self.model.layer_kind(i) for i in self.layer_ids])
+        if len(self.kinds) != len(self.layer_ids):
+            raise SpecError("must give one kind per layer of the slice", field="layer_kinds",
+                            value=len(self.kinds), valid=f"{len(self.layer_ids)} kinds")
         self.rep = {}
         for i, k in zip(self.layer_ids, self.kinds):
             self.rep.setdefault(k, i)
@@ -329,23 +335,28 @@ class SliceCoster:
         """(kind, layers of that kind) over the slice."""
         return [(k, pre[-1]) for k, pre in self.prefix.items() if pre[-1]]
 
-    def time_floors(self, tp: int, cp: int, ep: int, dp: int) -> tuple[dict[str, float], float, float]:
+    def time_floors(self, tp: int, cp: int, ep: int, dp: int, *, with_comm: bool = False) -> tuple[
+            dict[str, float], float, float]:
         """Floors under stage times on this grid: forward + backward compute per layer of each kind, of the
         embedding and of the head (0 where the slice has none). fast_stage only adds to these (recompute, TP/CP/EP
         and p2p communication, exposed ZeRO collectives), so a stage takes at least the sum of its layers' floors:
-        the planner's incumbent bound skips grids with them before costing their stages."""
+        the planner's incumbent bound skips grids with them before costing their stages. ``with_comm``: plus the
+        TP / CP / EP communication every stage pays whatever its memory savers (fast_stage's fixed terms less p2p;
+        the split's weights): the tighter floor the parallelizer skips a grid by."""
         mbs = self.q.microbatch_sequences // dp
         per_kind = {}
         for k in self.prefix:
             t = self.layer_terms(k, tp, cp, ep, dp, mbs)
             per_kind[k] = t.fwd_s + t.bwd_s
+            if with_comm:
+                per_kind[k] += 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
         emb_s = head_s = 0.0
         if self.q.has_embedding or self.q.has_head:
             e = self._edges(tp, cp, dp, mbs)
             if self.q.has_embedding:
-                emb_s = e["emb_fwd_s"] + e["emb_bwd_s"]
+                emb_s = e["emb_fwd_s"] + e["emb_bwd_s"] + (e["emb_tp_s"] if with_comm else 0.0)
             if self.q.has_head:
-                head_s = e["head_fwd_s"] + e["head_bwd_s"]
+                head_s = e["head_fwd_s"] + e["head_bwd_s"] + (2 * e["head_tp_s"] if with_comm else 0.0)
         return per_kind, emb_s, head_s
 
     # ------------------------------------------------------------------------------------------ per grid

@@ -16,7 +16,7 @@ ones the per-configuration loop found.
 """
 from __future__ import annotations
 
-from operator import add
+from operator import add, or_
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,9 +38,19 @@ class StageTable:
         self.counts: dict[tuple[int, int], tuple] = {}  # layer range -> layers per kind
         self.sums: dict[int, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
         self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
+        self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
         self.grid_lists: dict[tuple, list] = {}  # (grid enumerator, b, max stages) -> [(grid, problems)]
         self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
+        self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
+        self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
+        self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
+
+    def model_kinds(self, model) -> tuple[str, ...]:
+        """The context model's layer kinds (model.layer_kind of every layer), listed once."""
+        if self.layer_kinds is None:
+            self.layer_kinds = tuple(model.layer_kind(i) for i in range(model.num_layers))
+        return self.layer_kinds
 
     def attach(self, coster: "SliceCoster") -> None:
         """Let a query's coster share the context's per-layer, embedding/head and split caches."""
@@ -48,13 +58,15 @@ class StageTable:
         coster._edge_cache = self.edge_cache
         coster._split_cache = self.split_cache
 
-    def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int) -> tuple[
-            tuple[tuple[int, int], ...], list[int]]:
+    def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int,
+                   ranges: tuple[tuple[int, int], ...] | None = None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
         """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on), as
-        the signature's number in this table: the other methods take numbers, so a signature is hashed once."""
+        the signature's number in this table: the other methods take numbers, so a signature is hashed once.
+        ``ranges``: the grid's split, where the caller has it already (coster.split's answer)."""
         q = coster.q
         b = q.microbatch_sequences
-        ranges = coster.split(pp, tp, cp, ep, dp, b // dp)
+        if ranges is None:
+            ranges = coster.split(pp, tp, cp, ep, dp, b // dp)
         first, last = q.layers
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
@@ -139,6 +151,22 @@ class StageTable:
                            for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
         return [by_sid[sid] for sid in sids]
 
+    def stage_columns(self, sids: Sequence[int], savers: tuple[tuple[int, int, bool], ...], m: int,
+                      cap: float) -> dict[int, tuple]:
+        """Per signature among ``sids`` (stage_rows called first), its numbers by saver combination as columns for
+        judge_columns: (time_s list, tail_s list, the most micro-batches in flight that fit, the fit_depth term
+        int((cap - static) // act) where m of them do not fit, else _UNLIMITED; the largest of those most, the
+        least time_s and the least tail_s)."""
+        key = (savers, m, cap)
+        by_sid = self.columns.get(key)
+        if by_sid is None:
+            by_sid = self.columns[key] = {}
+        rows = self.rows[savers]
+        for sid in sids:
+            if sid not in by_sid:
+                by_sid[sid] = _columns(rows[sid], m, cap)
+        return by_sid
+
     def explained_stage(self, coster: "SliceCoster", sid: int, cfg) -> tuple:
         """stage_numbers of one costed stage (its breakdown notes embedding and head)."""
         key = (sid, cfg.zero_stage, cfg.recompute, cfg.offload)
@@ -166,6 +194,110 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
             prev = (boundary - 1) // g == boundary // g
         out.append((nxt, prev))
     return out
+
+
+_UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
+
+
+def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list, list, int, float, float]:
+    """stage_columns of one signature (see there). A stage holding k micro-batches needs static + act * k bytes,
+    which never decreases with k (nor does its float rounding), so the most that fit is a threshold."""
+    times, tails, most, term = [], [], [], []
+    for time_s, static, act, tail_s in row:
+        times.append(time_s)
+        tails.append(tail_s)
+        if static + act * m <= cap:
+            most.append(m)
+            term.append(_UNLIMITED)
+            continue
+        if static + act > cap:  # not even one micro-batch (act may be 0 here)
+            most.append(0)
+            term.append(-1)
+            continue
+        k = int((cap - static) // act)
+        term.append(k)
+        k = max(1, min(k, m - 1))
+        while k + 1 < m and static + act * (k + 1) <= cap:
+            k += 1
+        while k > 1 and static + act * k > cap:
+            k -= 1
+        most.append(k)
+    return times, tails, most, term, max(most), min(times), min(tails)
+
+
+def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
+        list[float], list[float] | None, list[float], list[int]] | None:
+    """judge_grid from StageTable.stage_columns: (bottleneck_s, fill_s, tail_s, depth) lists, each distinct stage
+    judged at its first position (as _judge_shared). Bottleneck, tail and fill are judge_grid's to the last bit;
+    depth is judge_grid's wherever either is >= 0 (where a combination fits nowhere both are negative). fill is
+    None when no combination fits, and INFEASIBLE_FILL for a combination that does not (nobody reads those). None
+    instead of the four lists when one stage fits no combination at its place (nothing to judge). The peak memory
+    judge_grid also returns is left to peak_memory, for the rare query where nothing fits at all."""
+    m = num_microbatches
+    n = len(sids)
+    heads = []
+    for sid in dict.fromkeys(sids):  # each distinct stage at its first position
+        after = n - sids.index(sid)
+        inflight = after if after < m else m
+        col = columns[sid]
+        if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
+            return None
+        heads.append((col, after, inflight))
+    bn = tail = depth = over = None
+    for (times, tails, most, term, *_least), after, inflight in heads:
+        d = [x - after for x in term]
+        o = [inflight > k for k in most]
+        if bn is None:
+            bn, tail, depth, over = times, tails, d, o
+        else:
+            bn = list(map(max, bn, times))
+            tail = list(map(max, tail, tails))
+            depth = list(map(min, depth, d))
+            over = list(map(or_, over, o))
+    depth = [-1 if ov else (d if d < SATURATED else SATURATED) for d, ov in zip(depth, over)]
+    fits = [s for s, d in enumerate(depth) if d >= 0]
+    if not fits:
+        return bn, None, tail, depth
+    if len(fits) * 4 < len(depth):  # few fit: add up only theirs, stage by stage, front to back
+        stage_times = [columns[sid][0] for sid in sids]
+        fill = [INFEASIBLE_FILL] * len(depth)
+        for s in fits:
+            f = stage_times[0][s]
+            for t in stage_times[1:]:
+                f += t[s]
+            fill[s] = f
+        return bn, fill, tail, depth
+    fill = columns[sids[0]][0]
+    for sid in sids[1:]:
+        fill = list(map(add, fill, columns[sid][0]))
+    return bn, fill, tail, depth
+
+
+def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[float, float]:
+    """Under every saver combination's (m - 1) x bottleneck + fill + tail and m x bottleneck + tail
+    (slice_plan.latency_floor_s, score_floor_s): the same sums of each stage's least time and tail over the
+    combinations, in the same order (float rounding is monotone, so these are below to the last bit)."""
+    m = num_microbatches
+    distinct = [columns[sid] for sid in dict.fromkeys(sids)]
+    bn = max(c[5] for c in distinct)
+    tail = max(c[6] for c in distinct)
+    fill = columns[sids[0]][5]
+    for sid in sids[1:]:
+        fill += columns[sid][5]
+    return (m - 1) * bn + fill + tail, m * bn + tail
+
+
+def peak_memory(rows: Sequence[Sequence[tuple]], s: int, num_microbatches: int) -> float:
+    """judge_grid's peak0 of saver combination s: the most memory any stage needs with no stage after the slice."""
+    m = num_microbatches
+    n = len(rows)
+    peak0 = 0.0
+    for j, r in enumerate(rows):
+        _time_s, static, act, _tail_s = r[s]
+        mem = static + act * (n - j if n - j < m else m)
+        if mem > peak0:
+            peak0 = mem
+    return peak0
 
 
 class StageTables:

@@ -176,15 +176,23 @@ class _UniformGreedy:
 
 def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float) -> tuple[int, ...]:
     """Even out neighbouring groups without raising the bottleneck: move a boundary layer from the heavier to the
-    lighter group while that narrows their gap (greedy fills leave the front groups light)."""
+    lighter group while that narrows their gap (greedy fills leave the front groups light). A move changes only
+    the two groups it touches: their sums are taken again (the same slice sums), the others kept."""
     parts = len(sizes)
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+
+    def group_sum(k: int) -> float:
+        total = sum(w[bounds[k]:bounds[k + 1]])
+        if k == 0:
+            total += first_extra
+        if k == parts - 1:
+            total += last_extra
+        return total
+
+    sums = [group_sum(k) for k in range(parts)]
     for _ in range(4 * len(w)):
-        bounds = [0]
-        for size in sizes:
-            bounds.append(bounds[-1] + size)
-        sums = [sum(w[bounds[k]:bounds[k + 1]]) for k in range(parts)]
-        sums[0] += first_extra
-        sums[-1] += last_extra
         moved = False
         for k in range(parts - 1):
             a, b = sums[k], sums[k + 1]
@@ -193,15 +201,18 @@ def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: fl
                 if b + x < a - 1e-12:
                     sizes[k] -= 1
                     sizes[k + 1] += 1
+                    bounds[k + 1] -= 1
                     moved = True
-                    break
             elif b > a and sizes[k + 1] > 1:
                 x = w[bounds[k + 1]]
                 if a + x < b - 1e-12:
                     sizes[k] += 1
                     sizes[k + 1] -= 1
+                    bounds[k + 1] += 1
                     moved = True
-                    break
+            if moved:
+                sums[k], sums[k + 1] = group_sum(k), group_sum(k + 1)
+                break
         if not moved:
             break
     return tuple(sizes)

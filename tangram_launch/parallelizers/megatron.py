@@ -26,9 +26,11 @@ configuration needs and where it goes.
 
 A query that carries the planner's bounds so far (``SliceQuery.latency_bound_s``, ``score_bound_s``) is answered
 only with configurations that could be part of a pipeline that beats one of them: a grid is skipped before its
-stages are costed when its compute floor ((m - 1) x floor / pp + floor against the closed form, m x floor / pp
-against the predicted iteration; then with the split's heaviest stage) cannot, and a configuration when its own
-(m - 1) x bottleneck + fill + tail and m x bottleneck + tail cannot.
+stages are costed when its floor (compute plus the TP/CP/EP communication no memory saver removes;
+(m - 1) x floor / pp + floor against the closed form, m x floor / pp against the predicted iteration; then with
+the split's heaviest stage) cannot, and a configuration when its own (m - 1) x bottleneck + fill + tail and
+m x bottleneck + tail cannot. A grid with a stage that fits no memory-saver combination at its place is dropped
+before its combinations are judged; the rest are judged from per-signature columns (grid.judge_columns).
 
 The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
 the explained breakdown) are built on first read, so a planning run builds only the plans its composition places.
@@ -45,7 +47,7 @@ from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
-from tangram_launch.costmodel.grid import StageTable, StageTables, judge_grid
+from tangram_launch.costmodel.grid import StageTable, StageTables, judge_columns, least_floors, peak_memory
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
@@ -60,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CP = 16
 _MAX_GRID_LISTS = 4096  # grid lists kept per parallelizer (a planning run needs a few hundred)
+_MAX_CONTEXT_IDS = 256  # query contexts whose key is remembered by the objects' identity
 
 
 def divisors(n: int) -> list[int]:
@@ -77,8 +80,10 @@ def candidate_gpu_counts(num_gpus: int, gpus_per_node: int) -> list[int]:
     return sorted(x for x in out if x <= num_gpus)
 
 
-def query_key(q: SliceQuery) -> tuple:
-    kinds = tuple(q.model.layer_kind(i) for i in range(*q.layers))
+def query_key(q: SliceQuery, kinds: tuple[str, ...] | None = None) -> tuple:
+    """(island, layers, their kinds, embedding, head, b); ``kinds``: the slice's layer kinds, where known."""
+    if kinds is None:
+        kinds = tuple(q.model.layer_kind(i) for i in range(*q.layers))
     return (q.island.name, q.num_layers, kinds, q.has_embedding, q.has_head, q.microbatch_sequences)
 
 
@@ -235,8 +240,10 @@ class MegatronParallelizer:
         return self._search(q, self.grids, self.savers)
 
     def _search(self, q: SliceQuery, grids, savers) -> SliceResult:
-        key = query_key(q)
-        coster = SliceCoster(q, flash_attention=self.flash_attention)
+        table = self._table(q)
+        kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
+        key = query_key(q, kinds)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, layer_kinds=kinds)
         if coster.device_error:
             return SliceResult(key, (), InfeasibleSlice((coster.device_error,)))
         b = q.microbatch_sequences
@@ -245,17 +252,18 @@ class MegatronParallelizer:
                 (f"global batch {q.training.global_batch} is not a multiple of the micro-batch of {b} sequences",)))
         m = max(1, q.num_microbatches)
         cap = coster.capacity_bytes
-        table = self._table(q)
         table.attach(coster)
         points: dict[tuple, list[tuple]] = {}
         evaluated = 0
-        best_mem: tuple | None = None
+        misfits: list[tuple] = []  # judged grids with combinations that fit nowhere (depth None: all of them)
         shape_reasons: set[str] = set()
-        saver_cache: dict[tuple, tuple] = {}
+        saver_cache = table.saver_lists.setdefault((getattr(savers, "__qualname__", None), q.pipelined), {})
         bounded = 0
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
+        lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
+        score_cut = q.score_bound_s * (1.0 + 1e-9)
         floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
-        first, last = q.layers
+        floor_key = (tuple(coster.prefix), q.has_embedding, q.has_head)  # what time_floors reads of the slice
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
         # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
         gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
@@ -275,7 +283,11 @@ class MegatronParallelizer:
                 fkey = (grid.tp, grid.cp, grid.ep, grid.dp)
                 floor = floors.get(fkey)
                 if floor is None:
-                    per_kind, emb_s, head_s = coster.time_floors(*fkey)
+                    tkey = (b, fkey, floor_key)
+                    hit = table.floors.get(tkey)
+                    if hit is None:
+                        hit = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
+                    per_kind, emb_s, head_s = hit
                     total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
                     floor = floors[fkey] = (per_kind, emb_s, head_s, total)
                 # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
@@ -284,39 +296,41 @@ class MegatronParallelizer:
                     continue
             skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
             allowed = saver_cache.get(skey)
-            if allowed is None:
+            if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
                 allowed = saver_cache[skey] = tuple(savers(q, grid))
             if not allowed:
                 continue
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-            ranges, sigs = table.signatures(coster, *dims)
+            ranges = coster.split(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
-                per_kind, emb_s, head_s, total = floor
-                heaviest = 0.0
-                prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
-                for a, z in ranges:
-                    f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
-                    if a == first:
-                        f += emb_s
-                    if z == last:
-                        f += head_s
-                    if f > heaviest:
-                        heaviest = f
-                if q.beyond_bound((m - 1) * heaviest + total, m * heaviest):
+                heaviest = _heaviest_floor(coster, ranges, floor)
+                if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
                     bounded += 1
                     continue
+            ranges, sigs = table.signatures(coster, *dims, ranges=ranges)
             rows = table.stage_rows(coster, dims, sigs, allowed)
-            bottleneck, fill, tail, depth, peak0 = judge_grid(rows, m, cap)
+            columns = table.stage_columns(sigs, allowed, m, cap)
+            if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
+                bounded += 1  # no combination can beat either bound: not judged
+                continue
+            judged = judge_columns(columns, sigs, m)
             evaluated += len(allowed)
+            bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
+            if judged is None:  # no combination fits
+                misfits.append((grid, rows, allowed, None))
+                continue
+            bottleneck, fill, tail, depth = judged
+            if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
+                misfits.append((grid, rows, allowed, depth))
+                if fill is None:
+                    continue
             stage = (ranges, tuple(sigs), rows)
-            bucket = points.setdefault(cross_stage_class(q, grid), [])
             n_gpus = grid.num_gpus
             for s, (zero, r, off) in enumerate(allowed):
                 if depth[s] < 0:
-                    if best_mem is None or peak0[s] < best_mem[0]:
-                        best_mem = (peak0[s], grid, zero, r, off)
                     continue
-                if bound and q.beyond_bound((m - 1) * bottleneck[s] + fill[s] + tail[s], m * bottleneck[s] + tail[s]):
+                if bound and ((m - 1) * bottleneck[s] + fill[s] + tail[s] > lat_cut
+                              and m * bottleneck[s] + tail[s] > score_cut):
                     bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
                     continue
                 bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage,
@@ -325,6 +339,13 @@ class MegatronParallelizer:
         if not points:
             if bounded:  # something fits, nothing beats the bound
                 return SliceResult(key, (), None, evaluated, bounded=bounded)
+            best_mem = None  # the first of the least peak memories, in the order the grids were judged
+            for grid, rows, allowed, depth in misfits:
+                for s, (zero, r, off) in enumerate(allowed):
+                    if depth is None or depth[s] < 0:
+                        peak0 = peak_memory(rows, s, m)
+                        if best_mem is None or peak0 < best_mem[0]:
+                            best_mem = (peak0, grid, zero, r, off)
             return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
         front = sorted((pt for bucket in points.values() for pt in pareto_front(bucket)), key=lambda pt: (pt[0], pt[5]))
@@ -365,8 +386,19 @@ class MegatronParallelizer:
         tables = self.__dict__.get("_tables")
         if tables is None:
             tables = self._tables = StageTables()
-        ctx = pickle.dumps((q.island, q.model, q.training, q.capabilities, self.flash_attention), protocol=4)
-        return tables.get(ctx)
+        # the same objects come with every query of a planning run: their pickle is taken once (they are frozen;
+        # the entry holds them, so their ids stay theirs)
+        ids = (id(q.island), id(q.model), id(q.training), id(q.capabilities), self.flash_attention)
+        seen = self.__dict__.get("_contexts")
+        if seen is None:
+            seen = self._contexts = {}
+        hit = seen.get(ids)
+        if hit is None:
+            if len(seen) >= _MAX_CONTEXT_IDS:
+                seen.clear()
+            parts = (q.island, q.model, q.training, q.capabilities, self.flash_attention)
+            hit = seen[ids] = (pickle.dumps(parts, protocol=4), parts)
+        return tables.get(hit[0])
 
     def _stages(self, table: StageTable, coster: SliceCoster, cfg: ParallelConfig,
                 ranges: tuple[tuple[int, int], ...], sigs: tuple) -> tuple[StageCost, ...]:
@@ -387,6 +419,7 @@ class MegatronParallelizer:
         state.pop("_tables", None)  # caches stay in the process that built them
         state.pop("_shape_cache", None)
         state.pop("_grid_lists", None)
+        state.pop("_contexts", None)
         return state
 
     def _infeasible(self, q: SliceQuery, coster: SliceCoster, best, shape_reasons: set[str], m: int,
@@ -414,6 +447,33 @@ class MegatronParallelizer:
         reason = (f"{where} needs at least {peak / GIB:.1f} GiB per GPU (capacity {cap / GIB:.1f} GiB) even with "
                   f"{cfg.describe()}: {parts}")
         return InfeasibleSlice((reason,), peak, bd)
+
+
+def _heaviest_floor(coster: SliceCoster, ranges: tuple[tuple[int, int], ...], floor: tuple) -> float:
+    """The largest compute floor of the split's stages (SliceCoster.time_floors per layer kind, the embedding's
+    on the slice's first stage, the head's on its last), added up as the general loop always did."""
+    per_kind, emb_s, head_s, _total = floor
+    first, last = coster.q.layers
+    prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
+    if len(prefix) == 1:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
+        (w,) = per_kind.values()
+        sizes = [z - a for a, z in ranges]
+        heaviest = sizes[0] * w + emb_s
+        if len(sizes) > 1:
+            tail = sizes[-1] * w + head_s
+            mid = max(sizes[1:-1], default=0) * w
+            return max(heaviest, mid, tail)
+        return heaviest + head_s
+    heaviest = 0.0
+    for a, z in ranges:
+        f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
+        if a == first:
+            f += emb_s
+        if z == last:
+            f += head_s
+        if f > heaviest:
+            heaviest = f
+    return heaviest
 
 
 def _config(grid: ParallelConfig, zero: int, r: int, offload: bool) -> ParallelConfig:
