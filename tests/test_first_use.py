@@ -95,7 +95,12 @@ def test_readme_hand_written_plan_costs_like_the_searched_one(tmp_path, capsys):
     assert main(argv + ["--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("manual plan for gpt3-13b")
-    assert f"{_printed_iteration_s(out):.2f}" == _quality_row("C3 (iii)")[4]
+    hand = _printed_iteration_s(out)
+    searched = float(_quality_row("C3 (iii)")[4])
+    # the search holds consecutive stages on one island in one slice plan (its first stage pays the p2p inside its
+    # stage time) where a hand-written plan prices every stage boundary as a link: the README gives both figures
+    assert abs(hand - searched) <= 1e-3 * searched
+    assert f"it costs {hand:.3f} s" in " ".join(README.split())
 
 
 def test_readme_hand_written_plan_is_the_documented_format(tmp_path):
@@ -104,9 +109,11 @@ def test_readme_hand_written_plan_is_the_documented_format(tmp_path):
     path = tmp_path / "my-plan.yaml"
     path.write_text(yaml.safe_dump(readme_yaml("my-plan.yaml")))
     manual = load_manual_plan(str(path), num_layers=40, island_names=["a100-80gb", "v100-32gb", "v100-16gb"])
-    assert [s.layers for s in manual.stages] == [(0, 22), (22, 35), (35, 40)]
-    assert manual.stages[0].fixed == {"tp": 1, "dp": 4} and manual.stages[1].fixed == {"tp": 2}
-    assert manual.stages[2].fixed == {"recompute": "selective"}
+    assert [s.layers for s in manual.stages] == [(0, 5), (5, 12), (12, 19), (19, 40)]
+    assert [s.island for s in manual.stages] == ["v100-16gb", "v100-32gb", "v100-32gb", "a100-80gb"]
+    assert manual.stages[0].fixed == {"tp": 2, "dp": 2, "zero_stage": 2, "recompute": "selective"}
+    assert manual.stages[1].fixed == manual.stages[2].fixed == {"tp": 2, "dp": 2, "zero_stage": 2}
+    assert manual.stages[3].fixed == {"tp": 2, "dp": 2, "zero_stage": 3}
 
 
 # --- the CLI's messages ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.islands import Island
 from tangram_launch.parallelizers.base import LazySlicePlan, SlicePlan, SliceQuery, capacity_bytes
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.planner.templates import judge_templates, max_stages_after
+from tangram_launch.planner.templates import GridClass, class_members, judge_templates, max_stages_after
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef, LinkSpec
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
@@ -87,3 +87,28 @@ def test_a_depth_hint_counts_only_at_the_memory_it_was_computed_for():
         assert max_stages_after(lazy, m, cap) == want
         assert max_stages_after(lazy._replace(depth_hint=(m + 1, cap, 999)), m, cap) == want
         assert max_stages_after(lazy._replace(depth_hint=(m, cap * 0.5, 999)), m, cap) == want
+
+
+def test_torch_templates_name_their_one_grid_and_the_driver_composes_it_apart():
+    """Under torch (stages with their own grids, interleaving with one grid) a template's class is a GridClass
+    naming its (tp, dp, cp) when its stages share one; class_members composes the free class whole (every option)
+    and each one-grid class apart, so a one-grid option another grid beats under 1F1B stays in its own class.
+    Megatron's classes are one per grid, each option in exactly one."""
+    tr = TrainingSpec(global_batch=32, seq_len=1024, dtype="fp16")
+    q = SliceQuery(model=MODEL, training=tr, layers=(0, 12), island=_island("a100-40gb", 1, 4),
+                   microbatch_sequences=2, capabilities=TORCH, max_stages=TORCH.max_stages, pipelined=True)
+    kept, _ = _choose(q, [p.numbers() for p in MegatronParallelizer().query(q).plans])
+    groups = [t.group for t in kept]
+    assert groups and all(isinstance(g, GridClass) for g in groups)
+    assert any(g.grid is not None for g in groups)
+    members = class_members(groups)
+    free = [k for k in members if k.grid is None]
+    assert len(free) == 1 and sorted(members[free[0]]) == list(range(len(groups)))
+    for g in {g for g in groups if g.grid is not None}:
+        assert members[g] == [i for i, h in enumerate(groups) if h == g]
+    mq = SliceQuery(model=MODEL, training=tr, layers=(0, 12), island=_island("a100-40gb", 1, 4),
+                    microbatch_sequences=2, capabilities=MEGATRON, max_stages=MEGATRON.max_stages, pipelined=True)
+    mkept, _ = _choose(mq, [p.numbers() for p in MegatronParallelizer().query(mq).plans])
+    mgroups = [t.group for t in mkept]
+    assert not any(isinstance(g, GridClass) for g in mgroups)
+    assert sorted(i for idx in class_members(mgroups).values() for i in idx) == list(range(len(mgroups)))

@@ -37,7 +37,7 @@ from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.pair_floors import PairFloors
-from tangram_launch.planner.templates import GridClass
+from tangram_launch.planner.templates import GridClass, class_members
 from tangram_launch.planner.slices import (
     ModelAtoms,
     Pair,
@@ -533,17 +533,7 @@ def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
 
 
 def _groups(cand: Candidates) -> dict[Hashable, list[int]]:
-    """The option indices of each class the driver composes: each compatibility class; with templates.GridClass
-    (torch: stages with their own grids, interleaving with one), each base class whole and each one-grid class
-    apart."""
-    out: dict[Hashable, list[int]] = {}
-    for i, g in enumerate(cand.groups):
-        if isinstance(g, GridClass):
-            out.setdefault(GridClass(g.base, None), []).append(i)
-            if g.grid is None:
-                continue
-        out.setdefault(g, []).append(i)
-    return out
+    return class_members(cand.groups)
 
 
 def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,

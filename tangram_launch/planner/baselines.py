@@ -25,6 +25,7 @@ from tangram_launch.planner.compose import ComposeStats, Composition, compose
 from tangram_launch.planner.enumerate import run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.slices import Pair, dtype_problem
+from tangram_launch.planner.templates import class_members
 from tangram_launch.specs.cluster import GPUSpec, LinkSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -107,10 +108,7 @@ def _plan_fixed(result: "SearchResult", cluster: "ClusterSpec", islands: tuple[I
                                dtype=training.dtype, training=training)
         for msgs in cand.infeasible.values():
             reasons.extend(m for m in msgs if m not in reasons)
-        groups: dict = {}
-        for i, g in enumerate(cand.groups):
-            groups.setdefault(g, []).append(i)
-        for idx in groups.values():
+        for idx in class_members(cand.groups).values():
             sub = [cand.options[i] for i in idx]
             comp = compose(sub, cand.link_matrix, L, cand.num_microbatches, max_stages=caps.max_stages,
                            stats=ComposeStats())

@@ -254,9 +254,11 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
             seq = tuple(range(S))
             metrics = evaluate(seq, cand.options, cand.link_matrix, m)
             assert metrics is not None  # every stage was chosen to fit at its position
-            simulated = cand.simulated_s(seq, metrics)  # ranked as the search ranks: by what the Plan reports
-            if best is None or simulated < best[0]:
-                best = (simulated, cand, Composition(seq, metrics, metrics.period_s, simulated))
+            # ranked as the search ranks: by what the Plan reports (the simulated 1F1B, or interleaved where the
+            # runtime runs it and it is faster)
+            score = cand.schedule_choice(seq, metrics, schedule=opts.schedule, capabilities=caps).latency_s
+            if best is None or score < best[0]:
+                best = (score, cand, Composition(seq, metrics, metrics.period_s, score))
         if best is None and len(classes) > 1 and not any(p.startswith(f"b={b}") for p in problems):
             problems.append(f"b={b}: the stages' configurations cannot share one {caps.name} pipeline "
                             f"(cross-stage constraints: one grid/TP/DP size)")
@@ -265,7 +267,7 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
     _, cand, comp = best
     return build_plan(cand, comp, cluster=cluster, model=model, training=training, runtime=caps.name,
                       planner={"parallelizer": getattr(par, "name", ""), "manual": src or True, "b": cand.b,
-                               "microbatch_sequences_tried": list(bs)})
+                               "microbatch_sequences_tried": list(bs)}, schedule=opts.schedule)
 
 
 def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, chosen: Sequence[StageCost],

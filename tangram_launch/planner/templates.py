@@ -43,6 +43,19 @@ class GridClass(NamedTuple):
     grid: tuple[int, int, int] | None
 
 
+def class_members(groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """The option indices of each class a driver composes (``groups[i]`` is option i's class): each compatibility
+    class; with GridClass, each base class whole and each one-grid class apart."""
+    out: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        if isinstance(g, GridClass):
+            out.setdefault(GridClass(g.base, None), []).append(i)
+            if g.grid is None:
+                continue
+        out.setdefault(g, []).append(i)
+    return out
+
+
 def compatibility_group(shapes: Sequence["StageShape"], caps: "RuntimeCapabilities") -> Hashable | None:
     """The class of slice plans that may share one pipeline under ``caps``; None if the plan itself mixes grids.
 
