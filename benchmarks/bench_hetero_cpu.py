@@ -4,6 +4,9 @@
         [--model examples/models/bench-cpu.yaml] [--global-batch 16] [--micro-batch 2] [--seq-len 256]
         [--period-us 100000] [--shares 262144] [--no-pin] [--cluster FILE] [--keep DIR] [--json FILE]
 
+    sudo python benchmarks/bench_hetero_cpu.py --stage-grids [ARGS]    # the per-stage-grid case (issue 18): runs
+        benchmarks/bench_stage_grids_cpu.py with ARGS (three devices: two throttled workers and a fast one)
+
 Two CPU processes are the two "devices"; the second one runs in a cgroup-v1 ``cpu`` group whose CFS quota gives it
 ``--quota`` of a core (period ``--period-us``, 100 ms by default): a device about 1/quota times slower. Device k
 (local rank k) is pinned to the k-th CPU this process may use (``--no-pin``: not pinned), and both run in a parent
@@ -340,6 +343,11 @@ def layer_times(cluster, model, args) -> dict[str, dict[str, float]]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--stage-grids" in argv:  # the per-stage-grid case: its own emulation (three devices), its own flags
+        import bench_stage_grids_cpu  # imports this module for the cgroup, pinning and load helpers
+
+        return bench_stage_grids_cpu.main([a for a in argv if a != "--stage-grids"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--quota", type=float, default=0.33, help="CPU share of the slow device, of one core (0.33)")
