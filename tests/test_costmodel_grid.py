@@ -1,14 +1,13 @@
-"""costmodel/grid.judge_grid (one loop per saver combination, fit_depth inlined) answers exactly what the plain
-per-combination computation does: max / Python sum / max of the stage rows and grid.fit_depth."""
+"""costmodel/grid.judge_columns (each distinct stage signature judged once, from precomputed columns) answers
+exactly what the plain per-combination computation does: max / Python sum / max of the stage rows and
+grid.fit_depth."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram_launch.costmodel.grid import (
-    INFEASIBLE_FILL,
     StageTable,
     fit_depth,
     judge_columns,
-    judge_grid,
     least_floors,
     peak_memory,
 )
@@ -27,31 +26,6 @@ def _reference(rows, m, cap):
     return out
 
 
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), stages=st.integers(1, 6), savers=st.integers(1, 5), m=st.integers(1, 40),
-       cap=st.floats(1e9, 80e9))
-def test_judge_grid_matches_the_plain_computation(data, stages, savers, m, cap):
-    rows = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(st.floats(1.0, 8e9)), data.draw(_SECONDS))
-             for _ in range(savers)] for _ in range(stages)]
-    assert judge_grid(rows, m, cap) == _reference(rows, m, cap)
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), stages=st.integers(3, 40), kinds=st.integers(1, 4), savers=st.integers(1, 5),
-       m=st.integers(1, 40), cap=st.floats(1e9, 80e9))
-def test_judge_grid_with_shared_stage_rows_matches_the_plain_computation(data, stages, kinds, savers, m, cap):
-    """StageTable.stage_rows hands one row list per stage signature, so the stages of a long pipeline share a few
-    lists; judge_grid then judges each list once at its first stage, and must still answer what the plain
-    per-stage computation does (fill added front to back, to the last bit)."""
-    pool = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(st.floats(1.0, 8e9)), data.draw(_SECONDS))
-             for _ in range(savers)] for _ in range(kinds)]
-    rows = [pool[data.draw(st.integers(0, kinds - 1))] for _ in range(stages)]
-    want = _reference(rows, m, cap)
-    if max(want[3]) < 0 and len({id(r) for r in rows}) < stages:  # shared rows, nothing fits: no fill added up
-        want[1][:] = [INFEASIBLE_FILL] * len(want[1])
-    assert judge_grid(rows, m, cap) == want
-
-
 def _judged_by_columns(pool, picks, m, cap):
     """judge_columns over StageTable.stage_columns of stages drawn from a pool of signatures (shared rows)."""
     table = StageTable()
@@ -64,16 +38,17 @@ def _judged_by_columns(pool, picks, m, cap):
 @settings(max_examples=50, deadline=None)
 @given(data=st.data(), stages=st.integers(1, 40), kinds=st.integers(1, 4), savers=st.integers(1, 8),
        m=st.integers(1, 40), cap=st.floats(1e9, 80e9))
-def test_judge_columns_answers_what_judge_grid_does(data, stages, kinds, savers, m, cap):
+def test_judge_columns_answers_what_the_plain_computation_does(data, stages, kinds, savers, m, cap):
     """The parallelizer judges grids from per-signature columns (the most micro-batches that fit, precomputed per
-    signature): bottleneck, tail and fill to the last bit, depth wherever it is >= 0 (below 0 both say 'fits
-    nowhere'), fill left out only for combinations that fit nowhere; peak_memory is judge_grid's peak."""
+    signature; the stages of a long pipeline share a few signatures): bottleneck, tail and fill to the last bit
+    (fill added front to back), depth wherever it is >= 0 (below 0 both say 'fits nowhere'), fill left out only
+    for combinations that fit nowhere; peak_memory is fit_depth's peak."""
     act = st.one_of(st.just(0.0), st.floats(1.0, 8e9))
     pool = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(act), data.draw(_SECONDS))
              for _ in range(savers)] for _ in range(kinds)]
     picks = [data.draw(st.integers(0, kinds - 1)) for _ in range(stages)]
     rows = [pool[k] for k in picks]
-    bn, fill, tail, depth, peak0 = judge_grid(rows, m, cap)
+    bn, fill, tail, depth, peak0 = _reference(rows, m, cap)
     assert [peak_memory(rows, s, m) for s in range(savers)] == peak0
     judged = _judged_by_columns(pool, picks, m, cap)
     if judged is None:  # a stage that fits no combination at its place: nothing to judge
@@ -92,7 +67,7 @@ def test_judge_columns_answers_what_judge_grid_does(data, stages, kinds, savers,
 @settings(max_examples=60, deadline=None)
 @given(static=_BYTES, act=st.floats(1.0, 8e9), m=st.integers(1, 200), cap=st.floats(1e9, 80e9))
 def test_stage_columns_threshold_is_the_memory_check(static, act, m, cap):
-    """A stage fits k micro-batches exactly when static + act x k <= capacity (the check judge_grid makes at each
+    """A stage fits k micro-batches exactly when static + act x k <= capacity (the check fit_depth makes at each
     position), for every k: the precomputed threshold stands in for that comparison."""
     table = StageTable()
     table.rows[("s",)] = {0: [(1.0, static, act, 0.0)]}
@@ -106,7 +81,7 @@ def test_stage_columns_threshold_is_the_memory_check(static, act, m, cap):
 def test_least_floors_are_below_every_combinations_floors(data, stages, kinds, savers, m):
     """The parallelizer skips a grid when the floors built from each stage's least time and tail cannot beat the
     bounds: they must be at most every combination's own (m - 1) x bottleneck + fill + tail and
-    m x bottleneck + tail, added as judge_grid adds them, to the last bit."""
+    m x bottleneck + tail, added as the plain computation adds them, to the last bit."""
     pool = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(st.floats(1.0, 8e9)), data.draw(_SECONDS))
              for _ in range(savers)] for _ in range(kinds)]
     picks = [data.draw(st.integers(0, kinds - 1)) for _ in range(stages)]
@@ -114,7 +89,7 @@ def test_least_floors_are_below_every_combinations_floors(data, stages, kinds, s
     key = tuple((0, 0, False) for _ in range(savers))
     table.rows[key] = dict(enumerate(pool))
     lat, score = least_floors(table.stage_columns(picks, key, m, 1e12), picks, m)
-    bn, fill, tail, _depth, _peak = judge_grid([pool[k] for k in picks], m, 1e12)
+    bn, fill, tail, _depth, _peak = _reference([pool[k] for k in picks], m, 1e12)
     for s in range(savers):
         assert lat <= (m - 1) * bn[s] + fill[s] + tail[s]
         assert score <= m * bn[s] + tail[s]

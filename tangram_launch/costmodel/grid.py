@@ -17,13 +17,13 @@ ones the per-configuration loop found.
 from __future__ import annotations
 
 from operator import add, or_
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.costmodel.breakdown import SliceCoster, StageSums
 
 SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
-INFEASIBLE_FILL = float("inf")  # judge_grid's fill of a grid none of whose combinations fits (depth < 0 for all)
+INFEASIBLE_FILL = float("inf")  # judge_columns' fill of a combination that fits nowhere (nobody ranks it)
 _MAX_CONTEXTS = 8  # contexts kept per table (a planning run has one per island and micro-batch size in flight)
 
 
@@ -227,12 +227,15 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
         list[float], list[float] | None, list[float], list[int]] | None:
-    """judge_grid from StageTable.stage_columns: (bottleneck_s, fill_s, tail_s, depth) lists, each distinct stage
-    judged at its first position (as _judge_shared). Bottleneck, tail and fill are judge_grid's to the last bit;
-    depth is judge_grid's wherever either is >= 0 (where a combination fits nowhere both are negative). fill is
-    None when no combination fits, and INFEASIBLE_FILL for a combination that does not (nobody reads those). None
-    instead of the four lists when one stage fits no combination at its place (nothing to judge). The peak memory
-    judge_grid also returns is left to peak_memory, for the rare query where nothing fits at all."""
+    """For each saver combination of a grid, from StageTable.stage_columns: (bottleneck_s, fill_s, tail_s, depth)
+    lists. Per combination the plain computation is max, sum (added front to back, as Python's sum) and max of the
+    stages' time, time and dp_sync_s + optimizer_s, and fit_depth of their memory; here each distinct stage is
+    judged once, at its first position (where it holds the most micro-batches, so its memory and depth limit are
+    tightest). Bottleneck, tail and fill are the plain computation's to the last bit; depth is fit_depth's wherever
+    either is >= 0 (where a combination fits nowhere both are negative). fill is None when no combination fits, and
+    INFEASIBLE_FILL for a combination that does not (nobody reads those). None instead of the four lists when one
+    stage fits no combination at its place (nothing to judge). fit_depth's peak memory is left to peak_memory, for
+    the rare query where nothing fits at all."""
     m = num_microbatches
     n = len(sids)
     heads = []
@@ -288,7 +291,7 @@ def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbat
 
 
 def peak_memory(rows: Sequence[Sequence[tuple]], s: int, num_microbatches: int) -> float:
-    """judge_grid's peak0 of saver combination s: the most memory any stage needs with no stage after the slice."""
+    """fit_depth's peak0 of saver combination s: the most memory any stage needs with no stage after the slice."""
     m = num_microbatches
     n = len(rows)
     peak0 = 0.0
@@ -337,90 +340,3 @@ def fit_depth(memory: Sequence[tuple[float, float]], m: int, cap: float) -> tupl
                 depth = d
     return depth, peak0
 
-
-def judge_grid(rows: Sequence[Sequence[tuple]], num_microbatches: int, capacity_bytes: float) -> tuple[
-        list[float], list[float], list[float], list[int], list[float]]:
-    """For each saver combination of a grid: (bottleneck_s, fill_s, tail_s, depth, peak0 bytes) lists.
-
-    rows[j][s] = (time_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s) of stage j under combination s
-    (StageTable.stage_rows); bottleneck and tail are max, fill is sum (added front to back, as Python's sum),
-    depth and peak0 as fit_depth (its loop inlined: this runs for every grid of every query). Where stages share
-    row lists and no combination fits (every depth < 0), every fill is INFEASIBLE_FILL: a plan that fits nowhere
-    is never ranked, so its fill is not added up.
-    """
-    m, cap = num_microbatches, capacity_bytes
-    n = len(rows)
-    if n > 2:
-        distinct = dict(zip(map(id, reversed(rows)), range(n - 1, -1, -1)))  # each row list -> its first stage
-        if len(distinct) < n:
-            return _judge_shared(rows, distinct, m, cap)
-    inflight = [n - j if n - j < m else m for j in range(n)]
-    bns, fills, tails, depths, peaks = [], [], [], [], []
-    for stages in zip(*rows):
-        bn, tail = stages[0][0], stages[0][3]
-        fill = 0
-        depth = SATURATED
-        peak0 = 0.0
-        j = 0
-        for time_s, static, act, tail_s in stages:
-            fill += time_s
-            if time_s > bn:
-                bn = time_s
-            if tail_s > tail:
-                tail = tail_s
-            mem = static + act * inflight[j]
-            if mem > peak0:
-                peak0 = mem
-            if mem > cap:
-                depth = -1
-            elif depth >= 0 and static + act * m > cap:
-                d = int((cap - static) // act) - (n - j)
-                if d < depth:
-                    depth = d
-            j += 1
-        bns.append(bn)
-        fills.append(fill)
-        tails.append(tail)
-        depths.append(depth)
-        peaks.append(peak0)
-    return bns, fills, tails, depths, peaks
-
-
-def _judge_shared(rows: Sequence[Sequence[tuple]], first: dict[int, int], m: int, cap: float) -> tuple[
-        list[float], list[float], list[float], list[int], list[float]]:
-    """judge_grid when stages share row lists (StageTable.stage_rows hands one list per signature, and the middle
-    stages of a long pipeline mostly share one): max, depth and peak from each distinct stage at its first
-    position only (a stage holds the most micro-batches there, so its memory and its depth limit are tightest
-    there); fill still added stage by stage, front to back, so it is Python's sum to the last bit."""
-    n = len(rows)
-    heads = [(rows[j], n - j if n - j < m else m, n - j) for j in sorted(first.values())]
-    bns, tails, depths, peaks = [], [], [], []
-    for s, (bn, _, _, tail) in enumerate(rows[0]):
-        peak0 = 0.0
-        depth = SATURATED
-        for r, inflight, after in heads:
-            time_s, static, act, tail_s = r[s]
-            if time_s > bn:
-                bn = time_s
-            if tail_s > tail:
-                tail = tail_s
-            mem = static + act * inflight
-            if mem > peak0:
-                peak0 = mem
-            if mem > cap:
-                depth = -1
-            elif depth >= 0 and static + act * m > cap:
-                d = int((cap - static) // act) - after
-                if d < depth:
-                    depth = d
-        bns.append(bn)
-        tails.append(tail)
-        depths.append(depth)
-        peaks.append(peak0)
-    if max(depths) < 0:  # no combination fits anywhere (most grids of a large model): nobody reads the fill
-        return bns, [INFEASIBLE_FILL] * len(depths), tails, depths, peaks
-    times = {i: [x[0] for x in rows[j]] for i, j in first.items()}
-    fills = times[id(rows[0])]
-    for r in rows[1:]:
-        fills = list(map(add, fills, times[id(r)]))
-    return bns, fills, tails, depths, peaks

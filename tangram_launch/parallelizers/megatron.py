@@ -365,7 +365,7 @@ class MegatronParallelizer:
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
         times, static, act, tails = zip(*[stage_rows[s] for stage_rows in rows])  # (time, static, act, sync+opt)
-        numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # judge_grid's depth
+        numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # fit_depth's depth
         return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
                              build=lambda: self._stages(table, coster, _config(grid, zero, r, off), ranges, sigs))
 

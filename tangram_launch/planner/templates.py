@@ -75,7 +75,7 @@ def max_stages_after(numbers: SliceNumbers, num_microbatches: int, capacity: flo
     m = num_microbatches
     hint = numbers.depth_hint
     if hint is not None and hint[0] == m and hint[1] == capacity:
-        depth = hint[2]  # the answer's own fit_depth of these stages (judge_grid)
+        depth = hint[2]  # the answer's own fit_depth of these stages (judge_columns)
     else:
         depth, _peak = fit_depth(list(zip(numbers.static_bytes, numbers.activation_bytes)), m, capacity)
     if depth == SATURATED:
