@@ -217,7 +217,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
     _, b_best, group_best, comp_best, cand = best
-    group_idx = _groups(cand)[group_best]
+    group_idx = class_members(cand.groups)[group_best]
     dropped = _dropped_islands(cand, group_idx, comp_best, all_islands, pairset, L, caps, opts)
     compose_s = counters["compose_s"] + time.perf_counter() - t_c
 
@@ -462,7 +462,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     if best is not None and best[1] == b and best[4] is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     own_s = math.inf
-    classes = _groups(cand)
+    classes = class_members(cand.groups)
     if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
         score_floors: dict = {}
         floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
@@ -530,10 +530,6 @@ def _idle_gpus(plan: Plan, islands: Sequence["Island"], b: int) -> dict:
 def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
     """Without redundancy pruning several pairs share a key; their plans are the same up to a shift, keep one."""
     return new if old is None or (not old.plans and new.plans) else old
-
-
-def _groups(cand: Candidates) -> dict[Hashable, list[int]]:
-    return class_members(cand.groups)
 
 
 def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,
