@@ -11,14 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.capabilities import MEGATRON
 from tangram_launch.errors import InfeasibleError
 from tangram_launch.parallelizers.base import GIB
 from tangram_launch.planner import api
 from tangram_launch.planner.api import PlannerOptions, search
 from tangram_launch.planner.classes import class_floors_s
-from tangram_launch.planner.compose import Option, evaluate, lower_bound
-from tangram_launch.planner.reference import brute_force
+from tangram_launch.planner.compose import Option, lower_bound
+from tangram_launch.planner.reference import brute_force, every_composition
 from tangram_launch.planner.synthetic import SyntheticParallelizer
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
@@ -60,23 +61,6 @@ def test_class_floor_is_under_every_composition_the_class_admits(seed):
     assert floor < math.inf
 
 
-def _every_composition(options, link, L, m):
-    """Every contiguous cover of [0, L) with distinct islands that fits (compose.evaluate), with its metrics."""
-    out = []
-
-    def extend(seq, start, used):
-        if start == L:
-            metrics = evaluate(tuple(seq), options, link, m)
-            if metrics is not None:
-                out.append(metrics)
-            return
-        for i, o in enumerate(options):
-            if o.start == start and not used >> o.island & 1:
-                extend(seq + [i], o.stop, used | 1 << o.island)
-    extend([], 0, 0)
-    return out
-
-
 @settings(max_examples=120, deadline=None)
 @given(st.integers(0, 2**32))
 def test_class_score_floor_is_under_every_compositions_predicted_floor(seed):
@@ -86,8 +70,22 @@ def test_class_score_floor_is_under_every_compositions_predicted_floor(seed):
     options, link, L, m = instance(seed)
     score_floors: dict = {}
     class_floors_s(options, [0] * len(options), L, m, score_floors=score_floors)
-    for metrics in _every_composition(options, link, L, m):
+    for metrics in (c.metrics for c in every_composition(options, link, L, m)):
         assert score_floors[0] <= m * metrics.period_s + metrics.tail_s
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32), st.integers(2, 8))
+def test_class_interleaved_floor_is_under_every_compositions_interleaved_iteration(seed, max_chunks):
+    """The interleaved floor ((m - 1/V) x P* + F* / V + least tail) lies under m x period + (fill - period) / v
+    + tail of every composition for every v in 2..V: a one-grid class it cannot beat the best score with holds no
+    interleaved plan that can."""
+    options, link, L, m = instance(seed)
+    floors: dict = {}
+    class_floors_s(options, [0] * len(options), L, m, interleaved_floors=(floors, max_chunks))
+    for metrics in (c.metrics for c in every_composition(options, link, L, m)):
+        for v in range(2, max_chunks + 1):
+            assert floors[0] <= pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v)
 
 
 def test_each_class_gets_its_own_floor_from_one_pass():

@@ -7,7 +7,7 @@ import pytest
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_latency
 from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate
-from tangram_launch.planner.reference import brute_force
+from tangram_launch.planner.reference import brute_force, every_composition
 
 SENTINEL = 1 << 30
 
@@ -283,6 +283,32 @@ def test_a_score_below_the_closed_form_still_keeps_the_closed_form_optimum(band)
         assert all(got.score_s <= c.score_s for c in stats.scored)
         assert any(c.latency_s == pytest.approx(exact.latency_s, rel=1e-12) for c in stats.scored)  # was scored
         assert got.score_s <= score(exact.options, exact.metrics) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_an_interleaved_only_score_with_its_fill_weight_finds_the_least_score(seed):
+    """A one-grid class under torch scores only interleaved schedules (2..V chunks per stage); the DP then prunes by
+    (m - 1/V) x period + fill / V + tail (``score_fill_weight`` = 1/V), a floor under every such score: the plan
+    returned has the least score of every composition (brute force)."""
+    rng = random.Random(900 + seed)
+    V = 4
+    for _ in range(100):
+        options, link, L, m, K = random_instance(rng, max_layers=6)
+
+        def score(seq, metrics):
+            return min(pipeline_latency(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v)
+                       for v in range(2, V + 1))
+
+        def floor(seq, metrics):
+            return (m - 1.0 / V) * metrics.period_s + metrics.fill_s / V + metrics.tail_s
+        every = [(c.options, c.metrics) for c in every_composition(options, link, L, m)]
+        got = compose(options, link, L, m, score=score, score_floor=floor, score_fill_weight=1.0 / V)
+        assert (got is None) == (not every)
+        if got is None:
+            continue
+        _check_plan(got, options, link, L, m)
+        assert all(floor(seq, met) <= score(seq, met) + 1e-12 for seq, met in every)
+        assert got.score_s == pytest.approx(min(score(seq, met) for seq, met in every), rel=1e-12)
 
 
 def test_score_equal_to_the_closed_form_keeps_the_search_exact():

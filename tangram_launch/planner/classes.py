@@ -26,12 +26,15 @@ _ROUNDING = 1e-9  # the floor is summed in another order than compose.evaluate's
 
 
 def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_layers: int,
-                   num_microbatches: int, score_floors: dict | None = None) -> dict[Hashable, float]:
+                   num_microbatches: int, score_floors: dict | None = None,
+                   interleaved_floors: tuple[dict, int] | None = None) -> dict[Hashable, float]:
     """Per compatibility class (``groups[i]`` is option i's), a floor under the closed-form latency of any
     composition of its options (inf: none covers [0, L) with distinct islands). One pass over the options.
     ``score_floors``, if given, receives per class m x P* + least tail: under any predicted iteration (the slowest
     stage runs m micro-batches, plain or interleaved, then the tail), which a schedule's score can reach where the
-    closed form does not."""
+    closed form does not. ``interleaved_floors`` = (dict, V) receives per class a floor under the interleaved
+    iteration with 2..V virtual stages, m x P + (F - P) / v + T >= (m - 1/V) x P* + F* / V + least tail
+    (costmodel.pipeline.pipeline_latency_s)."""
     L = num_layers
     # (class, island, length) -> [least bottleneck, least time]; class -> least tail (a flat dict: this loop
     # meets every option of a size, hundreds of thousands on the largest clusters)
@@ -58,11 +61,14 @@ def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_la
     for g, islands in per_class.items():
         lengths = [sorted(by_len) for _k, by_len in sorted(islands.items())]
         period = _least_period(lengths, L)
+        fill = _least_fill(lengths, L) if period < math.inf else math.inf
         if period < math.inf:
-            floor = (num_microbatches - 1) * period + _least_fill(lengths, L) + tails[g]
-            out[g] = floor * (1.0 - _ROUNDING)
+            out[g] = ((num_microbatches - 1) * period + fill + tails[g]) * (1.0 - _ROUNDING)
         if score_floors is not None:
             score_floors[g] = (num_microbatches * period + tails[g]) * (1.0 - _ROUNDING)
+        if interleaved_floors is not None:
+            floors, v = interleaved_floors
+            floors[g] = ((num_microbatches - 1.0 / v) * period + fill / v + tails[g]) * (1.0 - _ROUNDING)
     return out
 
 

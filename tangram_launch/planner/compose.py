@@ -54,6 +54,7 @@ from tangram_launch.costmodel.pipeline import pipeline_latency_s
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
+_INF = float("inf")
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
@@ -206,7 +207,7 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int, floor_terms:
 def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]], num_layers: int,
         num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
-        score_beat: float = float("inf")) -> list[tuple]:
+        score_beat: float = float("inf"), fill_weight: float = 0.0) -> list[tuple]:
     """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``,
     as (fill_s, tail_s, period_s, option indices front to back). With ``beam``, each state keeps only that many
     entries, those of least (m - 1) x period + fill + tail (a quick plan, not exact).
@@ -223,13 +224,14 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     where the pre_* are the least of any cover of [0, start) by the islands free in front of it (_PrefixBounds).
     With ``score_beat`` (a score to beat) a sequence is kept too while m x its period + its tail can beat it: that
     floor lies under any score (compose's score_floor), and a score can rank a plan well below its closed form
-    (the interleaved schedule shrinks the bubble).
+    (the interleaved schedule shrinks the bubble); with ``fill_weight`` w, (m - w) x period + w x fill + tail
+    (a score that only interleaved schedules with at most 1/w chunks per stage can reach).
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
     judges an entry by the least period of its bucket."""
     idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache = prep
     m1 = num_microbatches - 1
-    m = num_microbatches
+    w, mw = fill_weight, num_microbatches - fill_weight  # the score floor's weights of fill and period
     saturated = m1
     by_score = score_beat < float("inf")
     keep = -1 if rank is None else required  # bits of "used" that the key remembers
@@ -288,10 +290,12 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                     if prune:
                         per_lb = max(period_lb, pre_period[o.start], per) if m1 else 0.0
                         base = pre_fill[o.start] + add
+                        if base == _INF:
+                            continue  # the islands free in front of it cannot cover [0, start)
                         tail_lb = tail if tail > pre_tail[o.start] else pre_tail[o.start]
                         lf = least_f[fits - 1] + tail_lb
                         if m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) >= beat \
-                                and m * per_lb + tail_lb >= score_beat:
+                                and mw * per_lb + w * (base + least_f[fits - 1]) + tail_lb >= score_beat:
                             continue  # no entry it fits in front of can beat: the check below fails for each
                     tgt = None
                     for pos in range(fits):
@@ -304,7 +308,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                             if p < per_lb:
                                 p = per_lb
                             t = e[1] if e[1] > tail_lb else tail_lb
-                            if m1 * p + base + e[0] + t >= beat and m * p + t >= score_beat:
+                            if m1 * p + base + e[0] + t >= beat and mw * p + w * (base + e[0]) + t >= score_beat:
                                 continue
                         if tgt is None:
                             tgt = tables[o.start].get(tkey)
@@ -482,7 +486,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_band: bool = False,
             score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
-            score_incumbent_s: float = float("inf")) -> Composition | None:
+            score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -498,7 +502,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     score and the least closed form instead (every plan whose closed form beats the best score is a candidate),
     and ``incumbent_s`` is a score; ``score_floor``: a cheap floor under ``score`` (a candidate whose floor cannot
     beat the best score here or ``score_incumbent_s``, the best found elsewhere, is not scored: a simulation costs
-    milliseconds and an island-order search meets tens of thousands of candidates).
+    milliseconds and an island-order search meets tens of thousands of candidates); ``score_fill_weight`` w:
+    the DP's floor under the score is (m - w) x period + w x fill + tail (default m x period + tail; 1/V where
+    only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s).
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -586,7 +592,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     # within its state: a superset of what a DP under each bound on the slowest stage (the paper's relaxation)
     # finds, the closed form's optimum among them; the score decides (interleaving and the p2p on the 1F1B cycle
     # rank plans the closed form does not see)
-    candidates = run(beat_s(), quantum=bound_step, score_beat=score_beat_s())
+    candidates = run(beat_s(), quantum=bound_step, score_beat=score_beat_s(), fill_weight=score_fill_weight)
     stats.candidates += len(candidates)
     for f in candidates:
         offer(f[3])

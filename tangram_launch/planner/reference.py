@@ -11,19 +11,28 @@ def brute_force(options: Sequence[Option], link_s: Sequence[Sequence[float]], nu
                 num_microbatches: int, *, allowed_mask: int | None = None, required_mask: int = 0,
                 max_stages: int | None = None, island_order: Sequence[int] | None = None) -> Composition | None:
     """The lowest-latency feasible sequence, by enumerating all covers of [0, L) with distinct islands."""
+    every = every_composition(options, link_s, num_layers, num_microbatches, allowed_mask=allowed_mask,
+                              required_mask=required_mask, max_stages=max_stages, island_order=island_order)
+    return min(every, key=lambda c: c.latency_s, default=None)
+
+
+def every_composition(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int,
+                      num_microbatches: int, *, allowed_mask: int | None = None, required_mask: int = 0,
+                      max_stages: int | None = None, island_order: Sequence[int] | None = None) -> list[Composition]:
+    """Every feasible cover of [0, L) with distinct islands (contiguous options that fit), in enumeration order."""
     by_start: dict[int, list[int]] = {}
     for i, o in enumerate(options):
         if allowed_mask is None or allowed_mask >> o.island & 1:
             by_start.setdefault(o.start, []).append(i)
-    best: list[Composition | None] = [None]
+    out: list[Composition] = []
 
     def walk(pos: int, used: int, seq: list[int], stages: int) -> None:
         if pos == num_layers:
             if used & required_mask != required_mask:
                 return
             m = evaluate(seq, options, link_s, num_microbatches)
-            if m is not None and (best[0] is None or m.latency_s < best[0].latency_s):
-                best[0] = Composition(tuple(seq), m, m.period_s)
+            if m is not None:
+                out.append(Composition(tuple(seq), m, m.period_s))
             return
         for oi in by_start.get(pos, ()):
             o = options[oi]
@@ -40,4 +49,4 @@ def brute_force(options: Sequence[Option], link_s: Sequence[Sequence[float]], nu
             seq.pop()
 
     walk(0, 0, [], 0)
-    return best[0]
+    return out
