@@ -90,7 +90,9 @@ def query_key(q: SliceQuery, kinds: tuple[str, ...] | None = None) -> tuple:
 def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
     """Plans in different classes are never compared: the runtime needs one grid / TP / DP size across stages."""
     caps = q.capabilities
-    if caps.uniform_grid:
+    if caps.uniform_grid or (caps.interleaved_uniform_grid and "interleaved-1F1B" in caps.schedules):
+        # per grid also where only interleaving needs one grid: a one-grid pipeline may win with virtual stages
+        # over the plans of another grid that beat it under 1F1B (templates.GridClass)
         return ("grid", cfg.tp, cfg.dp, cfg.cp)
     key: tuple = ()
     if caps.uniform_tp:

@@ -36,6 +36,7 @@ from tangram_launch.planner.compose import Composition, ComposeStats, compose
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
+from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
 from tangram_launch.planner.pair_floors import PairFloors
 from tangram_launch.planner.templates import GridClass, class_members
 from tangram_launch.planner.slices import (
@@ -463,6 +464,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     own_s = math.inf
     classes = class_members(cand.groups)
+    interleave_only: set = set()
     if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
         score_floors: dict = {}
         floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
@@ -470,18 +472,25 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         floors, score_floors = {}, {}
         for group, idx in classes.items():
             one: dict = {}
+            # under "auto", a one-grid class adds only interleaved pipelines: each of its plain 1F1B pipelines
+            # is one of the free class's, or its options are beaten there option by option (GridClass.in_base)
+            only = group.grid is not None and opts.schedule == "auto"
             floors[group] = class_floors_s([cand.options[i] for i in idx], [0] * len(idx), L, m,
-                                           score_floors=one).get(0, math.inf)
+                                           score_floors=None if only else one,
+                                           interleaved_floors=(one, MAX_VIRTUAL_STAGES) if only else None
+                                           ).get(0, math.inf)
             score_floors[group] = one.get(0, math.inf)
+            if only:
+                interleave_only.add(group)
     work = sorted(((floors[group], group, idx) for group, idx in classes.items()), key=lambda w: w[0])
     for lb, group, idx in work:
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking
         threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
         score_to_beat = best[0] if best is not None and use_incumbent else math.inf
-        if lb >= threshold and score_floors.get(group, math.inf) >= score_to_beat:
+        if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
-                              score_incumbent_s=score_to_beat)
+                              score_incumbent_s=score_to_beat, interleaved_only=group in interleave_only)
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
@@ -535,12 +544,15 @@ def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
 def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,
                    opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
                    required_mask: int = 0, incumbent_s: float = float("inf"),
-                   score_incumbent_s: float = float("inf")) -> Composition | None:
+                   score_incumbent_s: float = float("inf"), interleaved_only: bool = False) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
     beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
-    beat it are not simulated)."""
+    beat it are not simulated); ``interleaved_only``: only its interleaved pipelines can matter (a one-grid class
+    whose plain pipelines the free class holds), so a candidate that no interleaved schedule lets beat the best
+    score is not scored."""
     sub = [cand.options[i] for i in idx]
+    weight = 1.0 / MAX_VIRTUAL_STAGES if interleaved_only else 0.0
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     best = None
 
@@ -549,7 +561,10 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                                     capabilities=caps).latency_s
 
     def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
-        """Under predicted_s: the slowest stage runs m forwards and backwards (plain or interleaved), then the tail."""
+        """Under predicted_s: the slowest stage runs m forwards and backwards (plain or interleaved), then the tail;
+        interleaved only: m x period + (fill - period) / v + tail with v <= MAX_VIRTUAL_STAGES."""
+        if interleaved_only:
+            return (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s
         return m * max(sub[i].bottleneck_s for i in seq) + metrics.tail_s
 
     def run(order: list[int] | None) -> float | None:
@@ -559,7 +574,8 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                        incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None,
                                                                       opts.score_band)),
                        stats=stats, score=predicted_s, score_band=opts.score_band, score_floor=predicted_floor_s,
-                       score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")))
+                       score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
+                       score_fill_weight=weight)
         if comp is None:
             return None
         if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing

@@ -9,6 +9,7 @@ the few plans a composition places.
 """
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
 
 from tangram_launch.costmodel.grid import SATURATED, fit_depth
@@ -41,19 +42,30 @@ class GridClass(NamedTuple):
 
     base: Hashable
     grid: tuple[int, int, int] | None
+    in_base: bool = True  # False: another grid's plan beats it in the base class; it counts in its grid's only
+
+    @property
+    def key(self) -> "GridClass":
+        """The class as the driver names it (``in_base`` says where an option counts, not which class it is)."""
+        return self if self.in_base else GridClass(self.base, self.grid)
 
 
 def class_members(groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     """The option indices of each class a driver composes (``groups[i]`` is option i's class): each compatibility
-    class; with GridClass, each base class whole and each one-grid class apart."""
-    out: dict[Hashable, list[int]] = {}
+    class; with GridClass, each base class whole (the options undominated in it) and each one-grid class apart."""
+    by_group: dict[Hashable, list[int]] = {}  # a few distinct classes among up to hundreds of thousands of options
     for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+    parts: dict[Hashable, list[list[int]]] = {}
+    for g, idx in by_group.items():
         if isinstance(g, GridClass):
-            out.setdefault(GridClass(g.base, None), []).append(i)
+            if g.in_base:
+                parts.setdefault(GridClass(g.base, None), []).append(idx)
             if g.grid is None:
                 continue
-        out.setdefault(g, []).append(i)
-    return out
+            g = g.key
+        parts.setdefault(g, []).append(idx)
+    return {g: idx[0] if len(idx) == 1 else sorted(itertools.chain.from_iterable(idx)) for g, idx in parts.items()}
 
 
 def compatibility_group(shapes: Sequence["StageShape"], caps: "RuntimeCapabilities") -> Hashable | None:
@@ -163,15 +175,29 @@ def _judge_shapes(nb: SliceNumbers, island: "Island", sizes: Sequence[int], b: i
 
 def undominated(temps: list[Template], m: int) -> list[Template]:
     """Drop templates another template of the same class beats in every respect the composer sees (stages, room
-    for following stages, time, bottleneck, tail): done once per redundancy class, before copying to every pair."""
+    for following stages, time, bottleneck, tail): done once per redundancy class, before copying to every pair.
+    A one-grid template (GridClass) another grid beats in its base class stays for its grid's class only."""
     temps = sorted(temps, key=lambda t: (t.bottleneck_s, t.time_s, t.tail_s))
     kept: list[Template] = []
     by_group: dict = {}  # class -> (stages, room, time, tail) of its kept plans; bottleneck is <= by the order
-    for t in temps:
-        ns, room, time_s, tail = t.num_stages, min(t.max_after, m - 1), t.time_s, t.tail_s
-        others = by_group.setdefault(t.group, [])
+
+    def beaten(group: Hashable, point: tuple) -> bool:
+        ns, room, time_s, tail = point
+        others = by_group.setdefault(group, [])
         if any(k[0] <= ns and k[1] >= room and k[2] <= time_s and k[3] <= tail for k in others):
+            return True
+        others.append(point)
+        return False
+
+    for t in temps:
+        point = (t.num_stages, min(t.max_after, m - 1), t.time_s, t.tail_s)
+        g = t.group
+        if isinstance(g, GridClass) and g.grid is not None:
+            if beaten(g, point):
+                continue  # beaten in its grid's class, hence in the base class too
+            if beaten(GridClass(g.base, None), point):
+                t = t._replace(group=GridClass(g.base, g.grid, False))
+        elif beaten(g, point):
             continue
-        others.append((ns, room, time_s, tail))
         kept.append(t)
     return kept
