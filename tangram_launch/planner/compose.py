@@ -584,10 +584,12 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             metrics = evaluate((oi,), options, link_s, m)
             if metrics is not None and (score is not None or metrics.latency_s < incumbent_s):
                 offer((oi,))
-    # a quick plan: the DP keeping a few entries per state; its closed form then prunes the exact DP
-    quick = run(beat_s(), beam=_BEAM)
-    if quick:
-        offer(quick[0][3])
+    # a quick plan: the DP keeping a few entries per state; its closed form then prunes the exact DP (not where
+    # only interleaved scores count and a best score elsewhere already bounds them: the closed form prunes nothing)
+    if not (score_fill_weight > 0.0 and score_incumbent_s < float("inf")):
+        quick = run(beat_s(), beam=_BEAM)
+        if quick:
+            offer(quick[0][3])
     # every plan that can beat the best so far (its closed form, or with a score its score floor), non-dominated
     # within its state: a superset of what a DP under each bound on the slowest stage (the paper's relaxation)
     # finds, the closed form's optimum among them; the score decides (interleaving and the p2p on the 1F1B cycle
