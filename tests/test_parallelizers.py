@@ -3,6 +3,8 @@ the registry (with a real entry-point plugin), the uniform baseline and the `est
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH, RuntimeCapabilities
 from tangram_launch.cli import main
@@ -12,6 +14,7 @@ from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.errors import SpecError
 from tangram_launch.islands import Island, build_islands
 from tangram_launch.parallelizers.base import Parallelizer, SliceQuery, capacity_bytes
+from tangram_launch.parallelizers import megatron as megatron_mod
 from tangram_launch.parallelizers.megatron import MegatronParallelizer, fit_depth, query_key
 from tangram_launch.parallelizers.registry import get_parallelizer, registered_names
 from tangram_launch.parallelizers.uniform import UniformParallelizer
@@ -335,3 +338,32 @@ def test_slice_plan_fits_is_memory_bytes_at_every_stage():
             peak = max(st.memory_bytes(after + n - 1 - j, m) for j, st in enumerate(plan.stages))
             for cap in (peak, peak * (1 - 1e-9)):
                 assert plan.fits(after, m, cap) == (peak <= cap)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hst.lists(hst.tuples(hst.integers(0, 2), hst.floats(0.1, 2.0), hst.floats(0.1, 4.0), hst.floats(0.0, 1.0),
+                            hst.integers(0, 3), hst.integers(1, 3), hst.sampled_from([2, 4, 8])),
+                 min_size=1, max_size=40),
+       hst.booleans())
+def test_torch_answers_each_grids_front_points_within_the_slack_of_the_front(raw, torch):
+    """Under torch (interleaving needs one grid, 1F1B does not) the answer is the class's Pareto front plus each
+    grid's own front points that no front point beats by more than GRID_FRONT_SLACK in bottleneck, fill and tail;
+    elsewhere (megatron's classes are per grid already; here a free runtime) it is the Pareto front alone."""
+    grids = [ParallelConfig(tp=tp, pp=1, dp=dp) for tp, dp in ((1, 4), (2, 2), (4, 1))]
+    pts = [(bn, bn * fill, tail, depth, stages, gpus, grids[g]) for g, bn, fill, tail, depth, stages, gpus in raw]
+    caps = TORCH if torch else RuntimeCapabilities(name="free")
+    got = megatron_mod._front({(): pts}, caps)
+    front = megatron_mod.pareto_front(pts)
+    assert {id(p) for p in front} <= {id(p) for p in got}
+    k = 1.0 + megatron_mod.GRID_FRONT_SLACK
+
+    def beaten(p, by, slack):
+        return any(c is not p and c[0] * slack <= p[0] and c[1] * slack <= p[1] and c[2] * slack <= p[2]
+                   and c[3] >= p[3] and c[4] <= p[4] and c[5] <= p[5] for c in by)
+    want = {id(p) for p in front}
+    if torch:
+        for g in grids:
+            own = [p for p in pts if p[6] is g]
+            want |= {id(p) for p in megatron_mod.pareto_front(own) if not beaten(p, front, k)}
+    assert {id(p) for p in got} == want
+    assert len(got) == len({id(p) for p in got})  # nothing twice
