@@ -229,7 +229,8 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
     items: list = []
     tr = plan.training
     pr = plan.predicted
-    items.append(Text(left, 24, f"{plan.model.get('name')}: predicted 1F1B iteration {pr.iteration_time_s:.3f} s "
+    schedule = "interleaved 1F1B" if plan.virtual_stages > 1 else "1F1B"
+    items.append(Text(left, 24, f"{plan.model.get('name')}: predicted {schedule} iteration {pr.iteration_time_s:.3f} s "
                                 f"({m} micro-batches, {S} stages, {plan.world_size} GPUs, {tr.get('dtype')})",
                       15, bold=True))
     # one space between words: SVG collapses runs of spaces, so separators carry the spacing

@@ -63,8 +63,10 @@ def test_timeline_title_and_bars_say_the_same_iteration_time(name):
         plan = Plan.from_dict(json.load(f))
     items, _, _ = timeline_items(plan)
     texts = [it.text for it in items if isinstance(it, Text)]
-    title = next(t for t in texts if "predicted 1F1B iteration" in t)
+    title = next(t for t in texts if " iteration " in t)
     assert f"{plan.predicted.iteration_time_s:.3f} s" in title
+    schedule = "interleaved 1F1B" if plan.virtual_stages > 1 else "1F1B"
+    assert f"predicted {schedule} iteration" in title  # the schedule the prediction is of
     note = next(t for t in texts if t.startswith("bars: "))
     drawn = float(re.search(r"ends at ([0-9.]+) s", note).group(1))
     if plan.virtual_stages > 1:
