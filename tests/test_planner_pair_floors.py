@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.capabilities import MEGATRON
+from tangram_launch.capabilities import MEGATRON, TORCH
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
 from tangram_launch.planner.api import PlannerOptions, search
@@ -84,18 +84,20 @@ def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():
     assert pf.floor(1, 0, 2) == (0.0, 0.0)  # an island without floors: nothing is skipped
 
 
-def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands():
+@pytest.mark.parametrize("runtime", [MEGATRON, TORCH], ids=["megatron", "torch"])
+def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands(runtime):
     """The real megatron parallelizer (which gives compute floors) on a 3-island cluster: the search that skips
-    pairs by their floor and the full search (branch_and_bound=False) find the same plan."""
+    pairs by their floor and the full search (branch_and_bound=False) find the same plan, under megatron (one
+    grid) and torch (per-stage grids, interleaving one grid: ranked by the predicted iteration)."""
     cl = ClusterSpec.from_dict({
         "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
         "nodes": [{"name": f"n{i}", "gpu": g, "count": 4} for i, g in enumerate(("a100-80gb", "v100-16gb", "t4"))]})
     model = ModelSpec(name="t6", num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=1024,
                       vocab_size=1000, max_seq_len=256)
     training = TrainingSpec(global_batch=16, seq_len=256, dtype="fp16")
-    on = search(cl, model, training, runtime=MEGATRON, parallelizer=MegatronParallelizer(),
+    on = search(cl, model, training, runtime=runtime, parallelizer=MegatronParallelizer(),
                 options=PlannerOptions(max_workers=1))
-    off = search(cl, model, training, runtime=MEGATRON, parallelizer=MegatronParallelizer(),
+    off = search(cl, model, training, runtime=runtime, parallelizer=MegatronParallelizer(),
                  options=PlannerOptions(max_workers=1, branch_and_bound=False))
     assert on.stats["pairs_skipped"] > 0 and off.stats["pairs_skipped"] == 0
     assert on.stats["queries"] < off.stats["queries"]

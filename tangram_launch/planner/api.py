@@ -398,14 +398,13 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     fill_s = prefix[-1] + best["embedding"][1] + best["head"][1]
     m = training.global_batch // b
     # per-pair floors need every island's floors for every kind (an island left out would lower the others' GPUs).
-    # Only where a query costs a process grid per TP x DP x CP split and a plan is one class of them (megatron):
-    # skipping pairs is exact for the closed form, but the plan is the best-predicted of the compositions the
-    # closed-form search meets on its way, and fewer options change that way. Under torch it moved C3 (iii)'s
-    # example plan (batch 64) from 7.566 s to 7.598 s, under deepspeed (no TP: cheap queries, nothing gained)
-    # OPT-350M on 128 GPUs from 6.434 s to 6.471 s; the same closed-form optimum both times
+    # Only where a query costs a process grid per TP x DP x CP split (megatron, torch; under deepspeed, without TP,
+    # queries are cheap and nothing was gained). A skipped pair's every pipeline has a closed form and a predicted
+    # iteration that cannot beat the bounds. (Under the bisection composer it had moved torch plans, 7.566 ->
+    # 7.598 s on C3 (iii) batch 64; since the Pareto composer takes every plan whose score floor can beat the best
+    # score as a candidate, every example plan is the same with and without it.)
     pairs = (PairFloors(kinds, per_island, {k: islands[k].num_gpus for k in per_island}, m)
-             if caps.uniform_grid and caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values())
-             else None)
+             if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
     return SizeFloor((m - 1) * gpu_s / gpus + fill_s, m * gpu_s / gpus, prefix, best["embedding"][1],
                      best["head"][1], pairs)
 
