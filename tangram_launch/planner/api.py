@@ -32,6 +32,7 @@ from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, Sli
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s
+from tangram_launch.planner.collector import fewer_collections
 from tangram_launch.planner.compose import Composition, ComposeStats, compose
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
@@ -163,6 +164,14 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
            runtime: str | RuntimeCapabilities = "torch", parallelizer: str | Parallelizer = "megatron",
            islands: IslandSet | None = None, options: PlannerOptions | None = None) -> SearchResult:
     """Plan, and keep everything that went into the plan."""
+    with fewer_collections():  # collector.py: the search's many long-lived objects made collections costly
+        return _search(cluster, model, training, runtime=runtime, parallelizer=parallelizer, islands=islands,
+                       options=options)
+
+
+def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
+            runtime: str | RuntimeCapabilities, parallelizer: str | Parallelizer,
+            islands: IslandSet | None, options: PlannerOptions | None) -> SearchResult:
     t0 = time.perf_counter()
     opts = options or PlannerOptions()
     caps = resolve_capabilities(runtime).for_model(model.num_experts)  # MoE: per-stage grids where the runtime has them
