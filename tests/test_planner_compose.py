@@ -6,7 +6,7 @@ import random
 import pytest
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_latency
-from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate
+from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate, plain_1f1b_floor_s
 from tangram_launch.planner.reference import brute_force, every_composition
 
 SENTINEL = 1 << 30
@@ -309,6 +309,54 @@ def test_an_interleaved_only_score_with_its_fill_weight_finds_the_least_score(se
         _check_plan(got, options, link, L, m)
         assert all(floor(seq, met) <= score(seq, met) + 1e-12 for seq, met in every)
         assert got.score_s == pytest.approx(min(score(seq, met) for seq, met in every), rel=1e-12)
+
+
+def _simulated_with_bottleneck(options, link, m):
+    """The 1F1B event simulation of stages consistent with the options' numbers: one stage of the option's
+    bottleneck, the rest of its time split evenly over its other stages (none longer: time <= stages x bottleneck
+    in random_instance), a third forward; the links' p2p between options; plus the tail."""
+    from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+
+    def score(seq, metrics):
+        fwd, bwd, p2p = [], [], []
+        for n, oi in enumerate(seq):
+            o = options[oi]
+            if n:
+                p2p.append(link[options[seq[n - 1]].island][o.island])
+            p2p.extend([0.0] * (o.num_stages - 1))
+            rest = (o.time_s - o.bottleneck_s) / (o.num_stages - 1) if o.num_stages > 1 else 0.0
+            times = [rest] * (o.num_stages - 1)
+            times.insert(len(seq) % o.num_stages, o.bottleneck_s)  # the slowest stage anywhere in the option
+            fwd.extend(t / 3 for t in times)
+            bwd.extend(2 * t / 3 for t in times)
+        return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
+    return score
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wins(seed):
+    """plain_1f1b_floor_s lies under the plain 1F1B simulation of every composition; compose with
+    score_schedules=("plain",) (the DP prunes by that floor) returns the plan of the same score as with the
+    default floor (m x period + tail), never worse than the closed form's optimum."""
+    rng = random.Random(950 + seed)
+    for _ in range(100):
+        options, link, L, m, K = random_instance(rng, max_layers=6)
+        score = _simulated_with_bottleneck(options, link, m)
+        every = every_composition(options, link, L, m)
+        for c in every:
+            assert plain_1f1b_floor_s(c.options, options, link, m, c.metrics.tail_s) <= \
+                score(c.options, c.metrics) + 1e-9
+        stats = ComposeStats()
+        got = compose(options, link, L, m, score=score, stats=stats, score_schedules=("plain",),
+                      score_floor=lambda seq, met: plain_1f1b_floor_s(seq, options, link, m, met.tail_s))
+        assert (got is None) == (not every)
+        if got is None:
+            continue
+        _check_plan(got, options, link, L, m)
+        default = compose(options, link, L, m, score=score)
+        assert got.score_s == pytest.approx(default.score_s, rel=1e-12)
+        exact = brute_force(options, link, L, m)  # the closed form's optimum: never a worse score
+        assert got.score_s <= score(exact.options, exact.metrics) + 1e-9
 
 
 def test_score_equal_to_the_closed_form_keeps_the_search_exact():

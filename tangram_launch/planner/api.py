@@ -33,7 +33,7 @@ from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s
 from tangram_launch.planner.collector import fewer_collections
-from tangram_launch.planner.compose import Composition, ComposeStats, compose
+from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, compose, plain_1f1b_floor_s
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
@@ -498,13 +498,24 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
-                              score_incumbent_s=score_to_beat, interleaved_only=group in interleave_only)
+                              score_incumbent_s=score_to_beat, schedules=_score_schedules(group, caps, opts))
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
                 best = (comp.objective_s, b, group, comp, cand)  # ranked by the iteration the Plan reports
     counters["compose_s"] += time.perf_counter() - t_c
     return best, own_s
+
+
+def _score_schedules(group, caps: RuntimeCapabilities, opts: PlannerOptions) -> tuple[str, ...]:
+    """The schedules whose predictions can pick a plan of this class. Under "auto" with one-grid classes inside a
+    free one (templates.GridClass): a one-grid class adds only interleaved pipelines (its plain ones are the free
+    class's, or beaten there option by option), and the free class only plain ones (its one-grid pipelines
+    interleave in their own class)."""
+    interleaves = opts.schedule != "1F1B" and "interleaved-1F1B" in caps.schedules
+    if isinstance(group, GridClass) and opts.schedule == "auto":
+        return ("interleaved",) if group.grid is not None else ("plain",)
+    return ("plain", "interleaved") if interleaves else ("plain",)
 
 
 def _moved(best: tuple, cand: Candidates) -> tuple:
@@ -552,15 +563,15 @@ def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
 def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,
                    opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
                    required_mask: int = 0, incumbent_s: float = float("inf"),
-                   score_incumbent_s: float = float("inf"), interleaved_only: bool = False) -> Composition | None:
+                   score_incumbent_s: float = float("inf"),
+                   schedules: tuple[str, ...] = SCORE_ANY) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
     beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
-    beat it are not simulated); ``interleaved_only``: only its interleaved pipelines can matter (a one-grid class
-    whose plain pipelines the free class holds), so a candidate that no interleaved schedule lets beat the best
-    score is not scored."""
+    beat it are not simulated); ``schedules``: the schedules whose predictions can matter here (_score_schedules),
+    so that the composer prunes by their floors."""
     sub = [cand.options[i] for i in idx]
-    weight = 1.0 / MAX_VIRTUAL_STAGES if interleaved_only else 0.0
+    weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     best = None
 
@@ -569,11 +580,17 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                                     capabilities=caps).latency_s
 
     def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
-        """Under predicted_s: the slowest stage runs m forwards and backwards (plain or interleaved), then the tail;
-        interleaved only: m x period + (fill - period) / v + tail with v <= MAX_VIRTUAL_STAGES."""
-        if interleaved_only:
-            return (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s
-        return m * max(sub[i].bottleneck_s for i in seq) + metrics.tail_s
+        """Under predicted_s where it can matter: plain 1F1B, compose.plain_1f1b_floor_s; interleaved,
+        m x period + (fill - period) / v + tail with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the
+        slowest stage's m forwards and backwards and the tail."""
+        if schedules == SCORE_ANY:
+            return m * max(sub[i].bottleneck_s for i in seq) + metrics.tail_s
+        floor = math.inf
+        if "plain" in schedules:
+            floor = plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s)
+        if "interleaved" in schedules:
+            floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
+        return floor
 
     def run(order: list[int] | None) -> float | None:
         nonlocal best
@@ -583,7 +600,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                                                                       opts.score_band)),
                        stats=stats, score=predicted_s, score_band=opts.score_band, score_floor=predicted_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
-                       score_fill_weight=weight)
+                       score_fill_weight=weight, score_schedules=schedules)
         if comp is None:
             return None
         if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing

@@ -55,6 +55,22 @@ from tangram_launch.costmodel.pipeline import pipeline_latency_s
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
 _INF = float("inf")
+SCORE_ANY = ("any",)  # compose's score may be anything: its floor is m x period + tail
+
+
+def plain_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
+                       num_microbatches: int, tail_s: float) -> float:
+    """A floor under the plain 1F1B simulation of a sequence (costmodel.pipeline.simulated_1f1b_s + tail):
+    each option's slowest stage runs m forwards and backwards, after micro-batch 0's forward got through the
+    stages in front of it and before the last backward went back through them, so the iteration is at least
+    max over options o of (m x o's bottleneck + the times and both-way links of the options in front) + tail."""
+    best = front = 0.0
+    for k, oi in enumerate(seq):
+        o = options[oi]
+        best = max(best, front + num_microbatches * o.bottleneck_s)
+        if k + 1 < len(seq):
+            front += o.time_s + 2.0 * link_s[o.island][options[seq[k + 1]].island]
+    return best + tail_s
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
@@ -207,7 +223,8 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int, floor_terms:
 def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]], num_layers: int,
         num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
-        score_beat: float = float("inf"), fill_weight: float = 0.0) -> list[tuple]:
+        score_beat: float = float("inf"), fill_weight: float = 0.0,
+        schedules: tuple[str, ...] = SCORE_ANY) -> list[tuple]:
     """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``,
     as (fill_s, tail_s, period_s, option indices front to back). With ``beam``, each state keeps only that many
     entries, those of least (m - 1) x period + fill + tail (a quick plan, not exact).
@@ -218,31 +235,45 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                front: island of the sequence's first option, -1 for the empty sequence at j = L)
     to the Pareto front of
       entry = (fill_s, tail_s, after: stages in the sequence capped at n_cap, period_s: its slowest stage or link,
-               option index added in front, parent key in tables[option.stop], parent position in that front).
+               option index added in front, parent key in tables[option.stop], parent position in that front,
+               plain_s: max over its options o of m x o's bottleneck + the fill in front of o within the sequence).
     A sequence is dropped as soon as even its cheapest completion cannot beat ``beat``:
       (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])
     where the pre_* are the least of any cover of [0, start) by the islands free in front of it (_PrefixBounds).
     With ``score_beat`` (a score to beat) a sequence is kept too while m x its period + its tail can beat it: that
     floor lies under any score (compose's score_floor), and a score can rank a plan well below its closed form
     (the interleaved schedule shrinks the bubble); with ``fill_weight`` w, (m - w) x period + w x fill + tail
-    (a score that only interleaved schedules with at most 1/w chunks per stage can reach).
+    (a score that only interleaved schedules with at most 1/w chunks per stage can reach). Where the score is
+    the plain 1F1B simulation (``schedules`` holds "plain"), pre_fill[start] + plain_s + tail is under it too:
+    a stage runs its m forwards and backwards after the first micro-batch's forward reached it and before the
+    last one's backward left the stages in front (plain_1f1b_floor_s); with both schedules the lesser floor.
+    With such a known score and a score to beat, the score floor alone prunes (the closed form is only a proxy).
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
     judges an entry by the least period of its bucket."""
     idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache = prep
     m1 = num_microbatches - 1
     w, mw = fill_weight, num_microbatches - fill_weight  # the score floor's weights of fill and period
+    m = num_microbatches
+    plain = "plain" in schedules  # plain 1F1B scores: the floor from plain_s
+    if "any" in schedules or (plain and "interleaved" in schedules and w == 0.0):
+        plain = False  # m x period + tail is under every score (and under the plain floor): nothing to add
+        w, mw = 0.0, float(num_microbatches)
+    only_plain = plain and "interleaved" not in schedules
+    # with a known score (its floor holds) and a best score to beat, an entry is kept only while its score floor can
+    # beat it: the closed form is a proxy, and what the closed form alone would keep scores no better
+    score_only = (plain or w > 0.0) and score_beat < float("inf")
     saturated = m1
     by_score = score_beat < float("inf")
     keep = -1 if rank is None else required  # bits of "used" that the key remembers
-    prune = beat < float("inf")
+    prune = beat < float("inf") or score_only
     floor_terms = (m1, period_lb, prefix)
-    slack = 1e-9 * abs(beat) if prune else 0.0  # the skips sum in another order than the check: keep, not skip
+    slack = 1e-9 * abs(beat) if beat < float("inf") else 0.0  # the skips sum in another order than the check: keep, not skip
     shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
     if rank is not None:  # island k's option may have in front only islands ranked before k
         before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
     tables: list[dict] = [dict() for _ in range(num_layers + 1)]
-    tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1)]
+    tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
     stats.dp_runs += 1
     for j in range(num_layers, 0, -1):
         layer = tables[j]
@@ -262,6 +293,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
             if prune:  # least fill + tail and least fill of the first k entries, at k - 1
                 least_ft = list(itertools.accumulate([e[0] + e[1] for e in front], min))
                 least_f = list(itertools.accumulate([e[0] for e in front], min))
+                least_a = list(itertools.accumulate([e[7] for e in front], min)) if plain else least_f
             used, f = key
             for island, bit, gidx in groups:
                 if used & bit:
@@ -294,9 +326,16 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                             continue  # the islands free in front of it cannot cover [0, start)
                         tail_lb = tail if tail > pre_tail[o.start] else pre_tail[o.start]
                         lf = least_f[fits - 1] + tail_lb
-                        if m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) >= beat \
-                                and mw * per_lb + w * (base + least_f[fits - 1]) + tail_lb >= score_beat:
-                            continue  # no entry it fits in front of can beat: the check below fails for each
+                        if score_only or m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) \
+                                >= beat:
+                            sf = mw * per_lb + w * (base + least_f[fits - 1]) + tail_lb
+                            if plain:
+                                a = add + least_a[fits - 1]
+                                a = base - add + (a if a > m * o.bottleneck_s else m * o.bottleneck_s)
+                                pf = (a if a > m * per_lb else m * per_lb) + tail_lb
+                                sf = pf if only_plain or pf < sf else sf
+                            if sf >= score_beat:
+                                continue  # no entry it fits in front of can beat: the check below fails for each
                     tgt = None
                     for pos in range(fits):
                         e = front[pos]
@@ -308,16 +347,25 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                             if p < per_lb:
                                 p = per_lb
                             t = e[1] if e[1] > tail_lb else tail_lb
-                            if m1 * p + base + e[0] + t >= beat and mw * p + w * (base + e[0]) + t >= score_beat:
-                                continue
+                            if score_only or m1 * p + base + e[0] + t >= beat:
+                                sf = mw * p + w * (base + e[0]) + t
+                                if plain:
+                                    a = add + e[7]
+                                    a = base - add + (a if a > m * o.bottleneck_s else m * o.bottleneck_s)
+                                    pf = (a if a > m * p else m * p) + t
+                                    sf = pf if only_plain or pf < sf else sf
+                                if sf >= score_beat:
+                                    continue
                         if tgt is None:
                             tgt = tables[o.start].get(tkey)
                             if tgt is None:
                                 tgt = tables[o.start][tkey] = []
                             elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
                                 tgt[:] = _pareto(tgt, quantum)
+                        a = add + e[7]
                         tgt.append((e[0] + add, e[1] if e[1] > tail else tail, n2 if n2 < n_cap else n_cap,
-                                    e[3] if e[3] > per else per, oi, key, pos))
+                                    e[3] if e[3] > per else per, oi, key, pos,
+                                    a if a > m * o.bottleneck_s else m * o.bottleneck_s))
     out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
@@ -486,7 +534,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_band: bool = False,
             score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
-            score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0) -> Composition | None:
+            score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
+            score_schedules: tuple[str, ...] = SCORE_ANY) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -504,7 +553,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     beat the best score here or ``score_incumbent_s``, the best found elsewhere, is not scored: a simulation costs
     milliseconds and an island-order search meets tens of thousands of candidates); ``score_fill_weight`` w:
     the DP's floor under the score is (m - w) x period + w x fill + tail (default m x period + tail; 1/V where
-    only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s).
+    only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s);
+    ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
+    the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``).
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -586,7 +637,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
                 offer((oi,))
     # a quick plan: the DP keeping a few entries per state; its closed form then prunes the exact DP (not where
     # only interleaved scores count and a best score elsewhere already bounds them: the closed form prunes nothing)
-    if not (score_fill_weight > 0.0 and score_incumbent_s < float("inf")):
+    if not (score_schedules == ("interleaved",) and score_fill_weight > 0.0 and score_incumbent_s < float("inf")):
         quick = run(beat_s(), beam=_BEAM)
         if quick:
             offer(quick[0][3])
@@ -594,7 +645,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     # within its state: a superset of what a DP under each bound on the slowest stage (the paper's relaxation)
     # finds, the closed form's optimum among them; the score decides (interleaving and the p2p on the 1F1B cycle
     # rank plans the closed form does not see)
-    candidates = run(beat_s(), quantum=bound_step, score_beat=score_beat_s(), fill_weight=score_fill_weight)
+    candidates = run(beat_s(), quantum=bound_step, score_beat=score_beat_s(), fill_weight=score_fill_weight,
+                     schedules=score_schedules)
     stats.candidates += len(candidates)
     for f in candidates:
         offer(f[3])
