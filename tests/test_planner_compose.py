@@ -200,9 +200,23 @@ def test_order_search_is_within_five_percent_of_the_exact_search(seed):
 
 # --- ranking by a score (the simulated 1F1B the Plan reports) ------------------------------------------------------
 
-def _simulated(options, link, m):
-    """A score as the planner's: the 1F1B event simulation of the options' stages (each option's time split evenly
-    over its stages, a third forward) with the links' p2p between options, plus the tail."""
+def _even(o, seq):
+    """An option's stage times, its time split evenly over its stages."""
+    return [o.time_s / o.num_stages] * o.num_stages
+
+
+def _with_bottleneck(o, seq):
+    """An option's stage times consistent with its numbers: one stage of its bottleneck, the rest of its time
+    split evenly over its other stages (none longer: time <= stages x bottleneck in random_instance)."""
+    rest = (o.time_s - o.bottleneck_s) / (o.num_stages - 1) if o.num_stages > 1 else 0.0
+    times = [rest] * (o.num_stages - 1)
+    times.insert(len(seq) % o.num_stages, o.bottleneck_s)  # the slowest stage anywhere in the option
+    return times
+
+
+def _simulated(options, link, m, stage_times=_even):
+    """A score as the planner's: the 1F1B event simulation of the options' stages (``stage_times``, a third
+    forward) with the links' p2p between options, plus the tail."""
     from tangram_launch.costmodel.pipeline import simulated_1f1b_s
 
     def score(seq, metrics):
@@ -212,8 +226,9 @@ def _simulated(options, link, m):
             if n:
                 p2p.append(link[options[seq[n - 1]].island][o.island])
             p2p.extend([0.0] * (o.num_stages - 1))
-            fwd.extend([o.time_s / o.num_stages / 3] * o.num_stages)
-            bwd.extend([2 * o.time_s / o.num_stages / 3] * o.num_stages)
+            times = stage_times(o, seq)
+            fwd.extend(t / 3 for t in times)
+            bwd.extend(2 * t / 3 for t in times)
         return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
     return score
 
@@ -311,28 +326,6 @@ def test_an_interleaved_only_score_with_its_fill_weight_finds_the_least_score(se
         assert got.score_s == pytest.approx(min(score(seq, met) for seq, met in every), rel=1e-12)
 
 
-def _simulated_with_bottleneck(options, link, m):
-    """The 1F1B event simulation of stages consistent with the options' numbers: one stage of the option's
-    bottleneck, the rest of its time split evenly over its other stages (none longer: time <= stages x bottleneck
-    in random_instance), a third forward; the links' p2p between options; plus the tail."""
-    from tangram_launch.costmodel.pipeline import simulated_1f1b_s
-
-    def score(seq, metrics):
-        fwd, bwd, p2p = [], [], []
-        for n, oi in enumerate(seq):
-            o = options[oi]
-            if n:
-                p2p.append(link[options[seq[n - 1]].island][o.island])
-            p2p.extend([0.0] * (o.num_stages - 1))
-            rest = (o.time_s - o.bottleneck_s) / (o.num_stages - 1) if o.num_stages > 1 else 0.0
-            times = [rest] * (o.num_stages - 1)
-            times.insert(len(seq) % o.num_stages, o.bottleneck_s)  # the slowest stage anywhere in the option
-            fwd.extend(t / 3 for t in times)
-            bwd.extend(2 * t / 3 for t in times)
-        return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
-    return score
-
-
 @pytest.mark.parametrize("seed", range(2))
 def test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wins(seed):
     """plain_1f1b_floor_s lies under the plain 1F1B simulation of every composition; compose with
@@ -341,7 +334,7 @@ def test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wi
     rng = random.Random(950 + seed)
     for _ in range(100):
         options, link, L, m, K = random_instance(rng, max_layers=6)
-        score = _simulated_with_bottleneck(options, link, m)
+        score = _simulated(options, link, m, _with_bottleneck)
         every = every_composition(options, link, L, m)
         for c in every:
             assert plain_1f1b_floor_s(c.options, options, link, m, c.metrics.tail_s) <= \
