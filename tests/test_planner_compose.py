@@ -381,3 +381,19 @@ def test_a_shared_stats_object_answers_as_fresh_ones_across_orders_and_sets():
             assert (got is None) == (want is None)
             if want is not None:
                 assert (got.options, got.latency_s) == (want.options, want.latency_s)
+
+
+def test_a_class_whose_closed_form_cannot_beat_is_still_searched_when_its_score_can():
+    """compose's early exit (no DP run when the closed-form floor cannot beat ``incumbent_s``) holds only while the
+    score cannot beat the best score either: an interleaved schedule scores a plan well below its closed form,
+    down to m x period + tail (with ever more chunks per stage)."""
+    opts = [Option(0, 1, 0, 1, SENTINEL, 1.0, 1.0, 0.0), Option(1, 2, 1, 1, SENTINEL, 1.0, 1.0, 0.0)]
+    link = [[0.0, 0.0], [0.0, 0.0]]
+    m = 8  # closed form (m - 1) x 1 + 2 = 9 s; the score m x 1 = 8 s
+
+    def score(seq, met):
+        return m * met.period_s + met.tail_s
+    got = compose(opts, link, 2, m, incumbent_s=5.0, score=score, score_incumbent_s=8.5)
+    assert got is not None and got.score_s == pytest.approx(8.0)
+    # nor the best score: nothing to search
+    assert compose(opts, link, 2, m, incumbent_s=5.0, score=score, score_incumbent_s=7.5) is None

@@ -572,8 +572,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache = prep[3]
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
-    if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s:
-        return None  # cannot beat the incumbent: not even one DP run
+    if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s and (
+            score is None or m * period_lb >= score_incumbent_s):
+        return None  # cannot beat the incumbent (nor, with a score, the best score): not even one DP run
     rank = None
     if island_order is not None:
         rank = [len(island_order)] * (1 + max(max(island_order), max(options[oi].island for oi in idx)))
