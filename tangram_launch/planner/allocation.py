@@ -14,6 +14,8 @@ parallelizer's to cost (it knows how its stages tile the island) and is part of 
 """
 from __future__ import annotations
 
+import itertools
+
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef
@@ -86,6 +88,8 @@ class LinkModel:
         self.act_bytes = act_bytes
         self._node_intra = {n.name: min(g.intra_node_bandwidth_gbps for g in n.gpus) / 2.0 for n in cluster.nodes}
         self._cache: dict[tuple[frozenset, frozenset], float] = {}
+        self._fabrics_of: dict[str, frozenset] | None = None  # node -> indices of its fabrics (_special)
+        self._overridden: frozenset = frozenset()
 
     def _pair_s(self, a: str, b: str) -> float:
         if a == b:
@@ -98,9 +102,44 @@ class LinkModel:
         key = (frozenset(nodes_a), frozenset(nodes_b))
         hit = self._cache.get(key)
         if hit is None:
-            hit = max(self._pair_s(a, b) for a in key[0] for b in key[1])
-            self._cache[key] = hit
+            hit = self._cache[key] = self._slowest_s(*key)
         return hit
+
+    def _slowest_s(self, nodes_a: frozenset, nodes_b: frozenset) -> float:
+        """max of _pair_s over every pair, from one representative pair per class of alike pairs: nodes in the
+        same fabrics with no pair override reach each other over the same link (ClusterSpec.link), so two pools of
+        512 nodes cost a few fabric-set pairs instead of 262,144 link lookups."""
+        special = self._special()
+        slowest = 0.0
+        plain_a: dict[frozenset, str] = {}
+        plain_b: dict[frozenset, str] = {}
+        for nodes, plain in ((nodes_a, plain_a), (nodes_b, plain_b)):
+            for n in nodes:
+                if n in special:  # a pair override: each of its pairs apart
+                    for o in (nodes_b if plain is plain_a else nodes_a):
+                        slowest = max(slowest, self._pair_s(n, o))
+                else:
+                    plain.setdefault(self._fabrics_of[n], n)
+        for n in nodes_a & nodes_b:  # a node in both sets: its GPUs talk inside it
+            slowest = max(slowest, self._pair_s(n, n))
+        for fa, a in plain_a.items():
+            for fb, b in plain_b.items():
+                if a != b:
+                    slowest = max(slowest, self._pair_s(a, b))
+                else:  # the representatives coincide: another node of the class on either side stands for them
+                    other = next((x for x in itertools.chain(nodes_b, nodes_a) if x != a and x not in special
+                                  and self._fabrics_of[x] == fb), None)
+                    if other is not None:  # (a is in both sets: other pairs with it across them)
+                        slowest = max(slowest, self._pair_s(a, other))
+        return slowest
+
+    def _special(self) -> frozenset:
+        """Nodes named in a pair override; and, once, each node's set of fabrics (the classes _slowest_s uses)."""
+        if self._fabrics_of is None:
+            self._fabrics_of = {n.name: frozenset(i for i, f in enumerate(self.cluster.fabrics) if n.name in f.nodes)
+                                for n in self.cluster.nodes}
+            self._overridden = frozenset(x for pair in self.cluster.pair_links for x in pair)
+        return self._overridden
 
     def island_s(self, a: int, b: int) -> float:
         return self.nodes_s(self.islands[a].nodes, self.islands[b].nodes)
