@@ -69,7 +69,7 @@ def fits_island(island: "Island", shapes: Sequence["StageShape"], sizes: Sequenc
     if need > island.num_gpus:
         return False
     sizes = node_sizes(island) if sizes is None else sizes
-    if all(n % sh.tp == 0 for sh in shapes for n in sizes):
+    if all(n % tp == 0 for tp in {sh.tp for sh in shapes} for n in set(sizes)):
         return True
     return allocate_gpus(island, shapes) is not None
 

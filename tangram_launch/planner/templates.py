@@ -124,8 +124,10 @@ def judge_templates(plans: Sequence[SliceNumbers], *, island: "Island", b: int, 
     the composer offers them; counts why the others were left out into ``dropped``. ``shape_cache``: a dict the
     caller keeps across queries with the same island, b, runtime and ``full_model`` (what the judgement of stage
     shapes depends on)."""
-    sizes = node_sizes(island)
     cache = {} if shape_cache is None else shape_cache
+    sizes = cache.get("node_sizes")
+    if sizes is None:
+        sizes = cache["node_sizes"] = node_sizes(island)
     placeable: dict[tuple, bool] = cache.setdefault("placeable", {})  # (tp, dp * cp) per stage -> fits_island
     # (shapes, micro-batch sizes) -> (why unusable, group): plans of one configuration share these tuples across
     # queries (LazySlicePlan), so they are looked up by identity first (the entry keeps them alive), by value next
