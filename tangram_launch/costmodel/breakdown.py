@@ -184,7 +184,7 @@ class SliceCoster:
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused",
-                 layer_kinds: Sequence[str] | None = None) -> None:
+                 layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -193,7 +193,9 @@ class SliceCoster:
         after each micro-batch's backward). ``cross_entropy``: the loss as Megatron's fused vocab-parallel kernel or
         eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.head_activation_bytes).
         The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the
-        caller has them already (model.layer_kind of each; a parallelizer asks about the same model many times)."""
+        caller has them already (model.layer_kind of each; a parallelizer asks about the same model many times).
+        ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
+        (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:
             raise SpecError("unknown selective recompute policy", field="selective_policy", value=selective_policy,
                             valid=", ".join(SELECTIVE_POLICIES))
@@ -212,13 +214,10 @@ class SliceCoster:
         self.capacity_bytes = capacity_bytes(q.island, q.training)
         self.num_microbatches = max(1, q.num_microbatches)
         self.device_error: str | None = None
-        try:
-            self.dev: DeviceModel | None = DeviceModel.from_gpu(q.island.gpu, q.training.dtype,
-                                                                flash_attention=flash_attention,
-                                                                fused_elementwise=fused_elementwise)
-        except SpecError as exc:
-            self.dev = None
-            self.device_error = f"island {q.island.name}: {exc}"
+        if device is not None:
+            self.dev: DeviceModel | None = device
+        else:
+            self.dev = self._device(q, flash_attention, fused_elementwise)
         link = q.island.inter_node_link
         self.inter_gbps = link.bandwidth_gbps if link is not None else None
         self.inter_latency_us = link.latency_us if link is not None else 0.0
@@ -244,6 +243,15 @@ class SliceCoster:
         self._edge_cache: dict = {}
         self._frag = 1.0 + FRAGMENTATION_FRACTION
         self._overhead = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
+
+    def _device(self, q: SliceQuery, flash_attention: bool | None, fused_elementwise: bool) -> DeviceModel | None:
+        """The island GPU's DeviceModel; None (and device_error says why) where the GPU cannot run the dtype."""
+        try:
+            return DeviceModel.from_gpu(q.island.gpu, q.training.dtype, flash_attention=flash_attention,
+                                        fused_elementwise=fused_elementwise)
+        except SpecError as exc:
+            self.device_error = f"island {q.island.name}: {exc}"
+            return None
 
     # ------------------------------------------------------------------------------------------ per layer
     def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:

@@ -19,12 +19,29 @@ from __future__ import annotations
 from operator import add, or_
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+import numpy as np
+
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.costmodel.breakdown import SliceCoster, StageSums
 
 SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
 INFEASIBLE_FILL = float("inf")  # judge_columns' fill of a combination that fits nowhere (nobody ranks it)
 _MAX_CONTEXTS = 8  # contexts kept per table (a planning run has one per island and micro-batch size in flight)
+
+
+class GridIndex:
+    """A context's grids at one micro-batch size, as arrays: a query masks those its slice can hold and its bounds
+    allow with a few array operations instead of a Python test per grid (thousands on a large island)."""
+
+    def __init__(self, checked: Sequence[tuple]) -> None:
+        """``checked``: (grid, its shape problems) in the enumerator's order."""
+        self.problems = [(g.pp, p) for g, p in checked if p]  # (pp, problems) of the grids no slice can run
+        self.grids = [g for g, p in checked if not p]
+        self.pp = np.array([g.pp for g in self.grids], dtype=np.float64)
+        ids: dict[tuple, int] = {}
+        self.fkey_ids = np.array([ids.setdefault((g.tp, g.cp, g.ep, g.dp), len(ids)) for g in self.grids],
+                                 dtype=np.intp)
+        self.fkeys = list(ids)  # (tp, cp, ep, dp): what a grid's compute floor depends on
 
 
 class StageTable:
@@ -40,11 +57,12 @@ class StageTable:
         self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
-        self.grid_lists: dict[tuple, list] = {}  # (grid enumerator, b, max stages) -> [(grid, problems)]
+        self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, max stages) -> the grids listed
         self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
         self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
+        self.device = None  # the context's DeviceModel (SliceCoster's device), once a query has built it
 
     def model_kinds(self, model) -> tuple[str, ...]:
         """The context model's layer kinds (model.layer_kind of every layer), listed once."""

@@ -43,11 +43,20 @@ import math
 import pickle
 from typing import Iterator
 
+import numpy as np
+
 from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
-from tangram_launch.costmodel.grid import StageTable, StageTables, judge_columns, least_floors, peak_memory
+from tangram_launch.costmodel.grid import (
+    GridIndex,
+    StageTable,
+    StageTables,
+    judge_columns,
+    least_floors,
+    peak_memory,
+)
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
@@ -216,10 +225,11 @@ class MegatronParallelizer:
         compute per micro-batch over every grid this parallelizer offers for q's island and micro-batch size (no
         recompute, no communication: floors that every slice plan's stage times are at least). The planner turns
         them into a floor under any plan's latency at one micro-batch size (api._size_floor)."""
-        coster = SliceCoster(q, flash_attention=self.flash_attention)
+        table = self._table(q)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
         if coster.device_error:
             return {}
-        table = self._table(q)
+        table.device = coster.dev
         table.attach(coster)
         out: dict[str, tuple[float, float]] = {}
         seen: set[tuple] = set()
@@ -243,9 +253,10 @@ class MegatronParallelizer:
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
         key = query_key(q, kinds)
-        coster = SliceCoster(q, flash_attention=self.flash_attention, layer_kinds=kinds)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, layer_kinds=kinds, device=table.device)
         if coster.device_error:
             return SliceResult(key, (), InfeasibleSlice((coster.device_error,)))
+        table.device = coster.dev  # the context's: later queries take it instead of building it again
         b = q.microbatch_sequences
         if b < 1 or q.training.global_batch % b:
             return SliceResult(key, (), InfeasibleSlice(
@@ -267,33 +278,38 @@ class MegatronParallelizer:
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
         # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
         gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
-        checked = table.grid_lists.get(gkey)
-        if checked is None:
+        index = table.grid_lists.get(gkey)
+        if index is None:
             whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
-            checked = table.grid_lists[gkey] = [(g, tuple(coster.check(g, slice_layers=False)))
-                                                for g in grids(whole, coster)]
+            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False)))
+                                                        for g in grids(whole, coster)])
         max_pp = q.num_layers
-        for grid, problems in checked:
-            if grid.pp > max_pp:
-                continue
-            if problems:
+        for pp, problems in index.problems:
+            if pp <= max_pp:
                 shape_reasons.update(problems)
-                continue
+        keep = index.pp <= max_pp  # the problem-free grids this slice can hold, in the order they were listed
+        if bound:
+            # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver: the grids whose
+            # floor cannot beat either bound are skipped at once (the same float operations as one by one)
+            totals = [0.0] * len(index.fkeys)
+            for f in sorted(set(index.fkey_ids[keep].tolist())):
+                fkey = index.fkeys[f]
+                tkey = (b, fkey, floor_key)
+                hit = table.floors.get(tkey)
+                if hit is None:
+                    hit = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
+                per_kind, emb_s, head_s = hit
+                total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
+                floors[fkey] = (per_kind, emb_s, head_s, total)
+                totals[f] = total
+            tot = np.asarray(totals)[index.fkey_ids]
+            beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
+            bounded += int(np.count_nonzero(beyond))
+            keep &= ~beyond
+        for i in np.flatnonzero(keep).tolist():
+            grid = index.grids[i]
             if bound:
-                fkey = (grid.tp, grid.cp, grid.ep, grid.dp)
-                floor = floors.get(fkey)
-                if floor is None:
-                    tkey = (b, fkey, floor_key)
-                    hit = table.floors.get(tkey)
-                    if hit is None:
-                        hit = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
-                    per_kind, emb_s, head_s = hit
-                    total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
-                    floor = floors[fkey] = (per_kind, emb_s, head_s, total)
-                # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
-                if q.beyond_bound((m - 1) * floor[3] / grid.pp + floor[3], m * floor[3] / grid.pp):
-                    bounded += 1
-                    continue
+                floor = floors[grid.tp, grid.cp, grid.ep, grid.dp]
             skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
             allowed = saver_cache.get(skey)
             if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
