@@ -616,18 +616,33 @@ class SliceCoster:
 
     def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> StageNumbers:
         """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
-        zp = st.zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
-        rp = st.rec_parts[r] or self._rec_part(st, r)
-        b = st.bwd_s + rp.recompute_s
-        if zp.layer_bwd_s > 0.0:
-            z_fwd, z_bwd = zero_exposed_s(zp, st.fwd_s, b)
-            fwd = st.fwd_s + z_fwd + st.fixed_fwd_s
-            bwd = b + z_bwd + st.fixed_bwd_s + rp.comm_s
-        else:
-            fwd = st.fwd_s + st.fixed_fwd_s
-            bwd = b + st.fixed_bwd_s + rp.comm_s
-        static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * self._frag + self._overhead
-        return StageNumbers(fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s)
+        return StageNumbers(*self._stage_terms(st, ((zero, r, off),))[0])
+
+    def fast_rows(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
+        """fast_stage under each (ZeRO stage, recompute index, offload) of ``savers``, as the rows the grid's stage
+        table keeps: (forward_s + backward_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s)."""
+        return [(f + b, static, act, sync + opt) for f, b, static, act, sync, opt in self._stage_terms(st, savers)]
+
+    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
+        """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage)."""
+        out = []
+        fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
+        frag, overhead = self._frag, self._overhead
+        zero_parts, rec_parts = st.zero_parts, st.rec_parts
+        for zero, r, off in savers:
+            zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
+            rp = rec_parts[r] or self._rec_part(st, r)
+            b = bwd_s + rp.recompute_s
+            if zp.layer_bwd_s > 0.0:
+                z_fwd, z_bwd = zero_exposed_s(zp, fwd_s, b)
+                fwd = fwd_s + z_fwd + fixed_fwd
+                bwd = b + z_bwd + fixed_bwd + rp.comm_s
+            else:
+                fwd = fwd_s + fixed_fwd
+                bwd = b + fixed_bwd + rp.comm_s
+            static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
+            out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
+        return out
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
         """One stage of ``cfg`` and where its time and memory go (the breakdown ``tangram-launch estimate`` prints)."""

@@ -164,9 +164,7 @@ class StageTable:
         if by_sid is None:
             by_sid = self.rows[savers] = {}
         for sid in [sid for sid in distinct if sid not in by_sid]:
-            st = sums[sid]
-            by_sid[sid] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
-                           for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
+            by_sid[sid] = coster.fast_rows(sums[sid], savers)
         return [by_sid[sid] for sid in sids]
 
     def stage_columns(self, sids: Sequence[int], savers: tuple[tuple[int, int, bool], ...], m: int,
