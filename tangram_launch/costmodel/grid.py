@@ -212,12 +212,14 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
+_ARRAY_HEADS = 3  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
-def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list, list, int, float, float]:
-    """stage_columns of one signature (see there). A stage holding k micro-batches needs static + act * k bytes,
-    which never decreases with k (nor does its float rounding), so the most that fit is a threshold."""
+def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
+    """stage_columns of one signature (see there), and its four lists again as arrays (judge_columns' path for
+    pipelines of many distinct stages). A stage holding k micro-batches needs static + act * k bytes, which never
+    decreases with k (nor does its float rounding), so the most that fit is a threshold."""
     times, tails, most, term = [], [], [], []
     for time_s, static, act, tail_s in row:
         times.append(time_s)
@@ -238,7 +240,8 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    return times, tails, most, term, max(most), min(times), min(tails)
+    return (times, tails, most, term, max(most), min(times), min(tails),
+            np.array(times), np.array(tails), np.array(most), np.array(term))
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
@@ -262,6 +265,8 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
             return None
         heads.append((col, after, inflight))
+    if len(heads) >= _ARRAY_HEADS:
+        return _judge_arrays(columns, sids, heads)
     bn = tail = depth = over = None
     for (times, tails, most, term, *_least), after, inflight in heads:
         d = [x - after for x in term]
@@ -290,6 +295,25 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     for sid in sids[1:]:
         fill = list(map(add, fill, columns[sid][0]))
     return bn, fill, tail, depth
+
+
+def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list[tuple]) -> tuple:
+    """judge_columns over many distinct stages with the columns' arrays: max, min and a front-to-back sum per
+    combination are the same float operations, so the answer is the list path's to the last bit (fill: every
+    combination's sum, which the list path leaves as INFEASIBLE_FILL where few fit; nobody reads those)."""
+    cols = [h[0] for h in heads]
+    after = np.array([h[1] for h in heads])[:, None]
+    inflight = np.array([h[2] for h in heads])[:, None]
+    bn = np.max([c[7] for c in cols], axis=0)
+    tail = np.max([c[8] for c in cols], axis=0)
+    over = (inflight > np.array([c[9] for c in cols])).any(axis=0)
+    depth = np.where(over, -1, np.minimum((np.array([c[10] for c in cols]) - after).min(axis=0), SATURATED))
+    if not (depth >= 0).any():
+        return bn.tolist(), None, tail.tolist(), depth.tolist()
+    fill = columns[sids[0]][7].copy()
+    for sid in sids[1:]:
+        fill += columns[sid][7]
+    return bn.tolist(), fill.tolist(), tail.tolist(), depth.tolist()
 
 
 def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[float, float]:
