@@ -54,6 +54,10 @@ class StageTable:
         self.sig_ids: dict[tuple, int] = {}  # signature -> its number (the keys below use numbers)
         self.counts: dict[tuple[int, int], tuple] = {}  # layer range -> layers per kind
         self.sums: dict[int, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
+        # signature -> what its ZeRO / offload terms depend on: (tp, dp, cp, ep, layers per kind, embedding, head,
+        # tied-embedding link), not the micro-batch size nor the p2p links; stages alike in it share those terms
+        self.state_keys: list[tuple] = []
+        self.zero_parts: dict[tuple, dict] = {}  # state key -> SliceCoster's (zero, offload) -> ZeroPart
         self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
@@ -116,6 +120,7 @@ class StageTable:
             sid = ids.get(sig)
             if sid is None:
                 sid = ids[sig] = len(ids)
+                self.state_keys.append(sig[1:9])
             sids.append(sid)
         return ranges, sids
 
@@ -147,6 +152,7 @@ class StageTable:
             sid = ids.get(sig)
             if sid is None:
                 sid = ids[sig] = len(ids)
+                self.state_keys.append(sig[1:9])
             local[key] = sid
         return [local[k] for k in keys]
 
@@ -159,7 +165,10 @@ class StageTable:
         if any(sid not in sums for sid in distinct):  # cost the grid's stages once; later queries reuse them by signature
             tp, pp, dp, cp, ep = grid
             for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
-                sums.setdefault(sid2, st)
+                if sid2 not in sums:
+                    sums[sid2] = st
+                    # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
+                    st.zero_parts = self.zero_parts.setdefault(self.state_keys[sid2], st.zero_parts)
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
