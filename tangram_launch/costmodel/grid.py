@@ -226,9 +226,9 @@ _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose m
 
 
 def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
-    """stage_columns of one signature (see there), and its four lists again as arrays (judge_columns' path for
-    pipelines of many distinct stages). A stage holding k micro-batches needs static + act * k bytes, which never
-    decreases with k (nor does its float rounding), so the most that fit is a threshold."""
+    """stage_columns of one signature (see there), and room for its four lists as arrays (_arrays). A stage
+    holding k micro-batches needs static + act * k bytes, which never decreases with k (nor does its float
+    rounding), so the most that fit is a threshold."""
     times, tails, most, term = [], [], [], []
     for time_s, static, act, tail_s in row:
         times.append(time_s)
@@ -249,8 +249,7 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    return (times, tails, most, term, max(most), min(times), min(tails),
-            np.array(times), np.array(tails), np.array(most), np.array(term))
+    return times, tails, most, term, max(most), min(times), min(tails), []  # []: _arrays fills it on first need
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
@@ -310,19 +309,28 @@ def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list
     """judge_columns over many distinct stages with the columns' arrays: max, min and a front-to-back sum per
     combination are the same float operations, so the answer is the list path's to the last bit (fill: every
     combination's sum, which the list path leaves as INFEASIBLE_FILL where few fit; nobody reads those)."""
-    cols = [h[0] for h in heads]
+    cols = [_arrays(h[0]) for h in heads]  # (times, tails, most, term) arrays per distinct stage
     after = np.array([h[1] for h in heads])[:, None]
     inflight = np.array([h[2] for h in heads])[:, None]
-    bn = np.max([c[7] for c in cols], axis=0)
-    tail = np.max([c[8] for c in cols], axis=0)
-    over = (inflight > np.array([c[9] for c in cols])).any(axis=0)
-    depth = np.where(over, -1, np.minimum((np.array([c[10] for c in cols]) - after).min(axis=0), SATURATED))
+    bn = np.max([c[0] for c in cols], axis=0)
+    tail = np.max([c[1] for c in cols], axis=0)
+    over = (inflight > np.array([c[2] for c in cols])).any(axis=0)
+    depth = np.where(over, -1, np.minimum((np.array([c[3] for c in cols]) - after).min(axis=0), SATURATED))
     if not (depth >= 0).any():
         return bn.tolist(), None, tail.tolist(), depth.tolist()
-    fill = columns[sids[0]][7].copy()
+    times = {sid: _arrays(columns[sid])[0] for sid in dict.fromkeys(sids)}
+    fill = times[sids[0]].copy()
     for sid in sids[1:]:
-        fill += columns[sid][7]
+        fill += times[sid]
     return bn.tolist(), fill.tolist(), tail.tolist(), depth.tolist()
+
+
+def _arrays(col: tuple) -> list:
+    """A signature's columns (times, tails, most, term) as arrays, made the first time they are needed."""
+    arrays = col[7]
+    if not arrays:
+        arrays.extend(np.array(x) for x in col[:4])
+    return arrays
 
 
 def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[float, float]:
