@@ -221,7 +221,7 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
-_ARRAY_HEADS = 3  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path
+_ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
@@ -309,13 +309,15 @@ def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list
     """judge_columns over many distinct stages with the columns' arrays: max, min and a front-to-back sum per
     combination are the same float operations, so the answer is the list path's to the last bit (fill: every
     combination's sum, which the list path leaves as INFEASIBLE_FILL where few fit; nobody reads those)."""
-    cols = [_arrays(h[0]) for h in heads]  # (times, tails, most, term) arrays per distinct stage
-    after = np.array([h[1] for h in heads])[:, None]
-    inflight = np.array([h[2] for h in heads])[:, None]
-    bn = np.max([c[0] for c in cols], axis=0)
-    tail = np.max([c[1] for c in cols], axis=0)
-    over = (inflight > np.array([c[2] for c in cols])).any(axis=0)
-    depth = np.where(over, -1, np.minimum((np.array([c[3] for c in cols]) - after).min(axis=0), SATURATED))
+    (times, tails, most, term), after, inflight = _arrays(heads[0][0]), heads[0][1], heads[0][2]
+    bn, tail, depth, over = times, tails, term - after, most < inflight
+    for col, after, inflight in heads[1:]:  # a few distinct stages: one array operation per criterion each
+        times, tails, most, term = _arrays(col)
+        bn = np.maximum(bn, times)
+        tail = np.maximum(tail, tails)
+        depth = np.minimum(depth, term - after)
+        over |= most < inflight
+    depth = np.where(over, -1, np.minimum(depth, SATURATED))
     if not (depth >= 0).any():
         return bn.tolist(), None, tail.tolist(), depth.tolist()
     times = {sid: _arrays(columns[sid])[0] for sid in dict.fromkeys(sids)}
