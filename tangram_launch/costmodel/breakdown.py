@@ -410,12 +410,15 @@ class SliceCoster:
         last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.q.has_head else 0.0
         return tuple(round(t / unit, 4) for t in per_kind.values()), round(first / unit, 3), round(last / unit, 3)
 
-    def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int) -> list[StageSums]:
-        """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links."""
+    def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int,
+                   stages: Sequence[int] | None = None) -> list[StageSums]:
+        """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links. ``stages``:
+        only these stages, by index, in that order (not cached): the stage table costs only stages it has not met,
+        mostly one or two of a long pipeline's."""
         key = (tp, pp, dp, cp, ep)
         hit = self._grid_cache.get(key)
         if hit is not None:
-            return hit
+            return hit if stages is None else [hit[j] for j in stages]
         b = self.q.microbatch_sequences
         mbs = b // dp
         dev, model = self.dev, self.model
@@ -430,7 +433,15 @@ class SliceCoster:
         first_layer, last_layer = self.q.layers
         act_bytes_mb = b * self.seq_len * model.hidden_size * p  # a whole micro-batch's hidden states
         sums = []
-        for j, (a, z) in enumerate(ranges):
+
+        def p2p_fwd_s(j: int) -> float:  # activations to stage j + 1 over the link at their boundary
+            boundary = (j + 1) * stage_gpus
+            same = (boundary - 1) // g == boundary // g
+            return comm.p2p_stage_s(act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g, same_node=same, dev=dev,
+                                    inter_bandwidth_gbps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
+
+        for j in range(pp) if stages is None else stages:
+            a, z = ranges[j]
             has_emb = self.q.has_embedding and a == first_layer
             has_head = self.q.has_head and z == last_layer
             st = StageSums(layers=(a, z), has_embedding=has_emb, has_head=has_head, dp_link=dp_link,
@@ -502,19 +513,21 @@ class SliceCoster:
             st.act_bytes = tuple(x + emb_act + head_act for x in acts)
             st.p2p_bytes = 0.0 if has_head else act_bytes_mb
             if j < pp - 1:
-                boundary = (j + 1) * stage_gpus
-                same = (boundary - 1) // g == boundary // g
-                st.p2p_fwd_s = comm.p2p_stage_s(act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g,
-                                                same_node=same, dev=dev, inter_bandwidth_gbps=self.inter_gbps,
-                                                inter_latency_us=self.inter_latency_us)
+                st.p2p_fwd_s = p2p_fwd_s(j)
             sums.append(st)
-        for j in range(1, pp):
-            sums[j].p2p_bwd_s = sums[j - 1].p2p_fwd_s  # the input gradient goes back over the same link
+        if stages is None:
+            for j in range(1, pp):
+                sums[j].p2p_bwd_s = sums[j - 1].p2p_fwd_s  # the input gradient goes back over the same link
+        else:
+            for j, st in zip(stages, sums):
+                if j > 0:
+                    st.p2p_bwd_s = p2p_fwd_s(j - 1)
         for st in sums:
             st.shard, st.eshard = dp * cp, dp * cp // ep
             st.fixed_fwd_s = st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s + st.p2p_fwd_s
             st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_bwd_s + st.p2p_bwd_s
-        self._grid_cache[key] = sums
+        if stages is None:
+            self._grid_cache[key] = sums
         return sums
 
     # ------------------------------------------------------------------------------------------ per config

@@ -162,13 +162,14 @@ class StageTable:
         optimizer_s) from SliceCoster.fast_stage."""
         sums = self.sums
         distinct = set(sids)
-        if any(sid not in sums for sid in distinct):  # cost the grid's stages once; later queries reuse them by signature
+        new = sorted(sids.index(sid) for sid in distinct if sid not in sums)  # first stage of each not costed yet
+        if new:  # cost those stages only, each once; later queries reuse them by signature
             tp, pp, dp, cp, ep = grid
-            for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
-                if sid2 not in sums:
-                    sums[sid2] = st
-                    # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
-                    st.zero_parts = self.zero_parts.setdefault(self.state_keys[sid2], st.zero_parts)
+            for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new)):
+                sid = sids[j]
+                sums[sid] = st
+                # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
+                st.zero_parts = self.zero_parts.setdefault(self.state_keys[sid], st.zero_parts)
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
