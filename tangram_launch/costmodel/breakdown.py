@@ -370,9 +370,20 @@ class SliceCoster:
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:
         """Absolute layer ranges of the ``pp`` stages, balanced by time (no recompute) with embedding/head."""
+        return self.stage_ranges(self.split_sizes(pp, tp, cp, ep, dp, mbs))
+
+    def stage_ranges(self, sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """Absolute layer ranges of stages of these sizes, front to back over the slice."""
+        start = self.layer_ids[0]
+        ends = tuple(itertools.accumulate(sizes, initial=start))
+        assert ends[-1] == self.layer_ids[-1] + 1
+        return tuple(zip(ends, ends[1:]))
+
+    def split_sizes(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[int, ...]:
+        """split's layers per stage, front to back (the same tuple for the same split: callers key caches by it)."""
         n = len(self.layer_ids)
         if pp == 1:
-            return ((self.layer_ids[0], self.layer_ids[-1] + 1),)
+            return (n,)
         if len(self.rep) == 1:  # one layer kind: its weight and the edge extras are the context's, per grid
             (kind,) = self.rep
             wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.q.has_embedding, self.q.has_head)
@@ -391,10 +402,8 @@ class SliceCoster:
             sizes = self._split_cache.get(key)
             if sizes is None:
                 sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=fe, last_extra=le)
-        start = self.layer_ids[0]
-        ends = tuple(itertools.accumulate(sizes, initial=start))
-        assert ends[-1] == self.layer_ids[-1] + 1 and len(sizes) == pp and n >= pp
-        return tuple(zip(ends, ends[1:]))
+        assert len(sizes) == pp and n >= pp
+        return sizes
 
     def _split_weights(self, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[float, ...], float,
                                                                                       float]:

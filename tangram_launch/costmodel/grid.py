@@ -62,7 +62,8 @@ class StageTable:
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
         self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, max stages) -> the grids listed
-        self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
+        # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
+        self.patterns: dict[tuple, tuple] = {}
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
         self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
@@ -81,14 +82,18 @@ class StageTable:
         coster._split_cache = self.split_cache
 
     def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int,
-                   ranges: tuple[tuple[int, int], ...] | None = None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
+                   ranges: tuple[tuple[int, int], ...] | None = None,
+                   sizes: tuple[int, ...] | None = None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
         """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on), as
         the signature's number in this table: the other methods take numbers, so a signature is hashed once.
-        ``ranges``: the grid's split, where the caller has it already (coster.split's answer)."""
+        ``ranges``, ``sizes``: the grid's split, where the caller has it already (coster.split's and
+        coster.split_sizes' answers)."""
         q = coster.q
         b = q.microbatch_sequences
+        if sizes is None:
+            sizes = coster.split_sizes(pp, tp, cp, ep, dp, b // dp)
         if ranges is None:
-            ranges = coster.split(pp, tp, cp, ep, dp, b // dp)
+            ranges = coster.stage_ranges(sizes)
         first, last = q.layers
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
@@ -97,7 +102,7 @@ class StageTable:
         ids = self.sig_ids
         sids = []
         if len(coster.prefix) == 1 and pp > 2:
-            return ranges, self._one_kind_signatures(coster, ranges, (b, tp, dp, cp, ep), stage_gpus, g, tied)
+            return ranges, self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
         for j, (a, z) in enumerate(ranges):
             has_emb = q.has_embedding and a == first
             has_head = q.has_head and z == last
@@ -124,25 +129,29 @@ class StageTable:
             sids.append(sid)
         return ranges, sids
 
-    def _one_kind_signatures(self, coster: "SliceCoster", ranges: tuple[tuple[int, int], ...], dims: tuple,
+    def _one_kind_signatures(self, coster: "SliceCoster", sizes: tuple[int, ...], dims: tuple,
                              stage_gpus: int, g: int, tied: bool) -> list[int]:
         """signatures() of a slice of one layer kind: a stage's signature then depends on its layer count, its
         links and whether it is the first or last stage, so the many alike middle stages of a long pipeline are
-        looked up once (the same numbers as the general loop)."""
+        looked up once (the same numbers as the general loop). Which stages are alike depends only on the sizes and
+        the links: that pattern is found once per (sizes, stage GPUs, GPUs per node) for every query and grid."""
         q = coster.q
-        pp = len(ranges)
+        pp = len(sizes)
         kind = next(iter(coster.prefix))
-        links = self.links.get((pp, stage_gpus, g))
-        if links is None:
-            links = self.links[pp, stage_gpus, g] = _stage_links(pp, stage_gpus, g)
+        pattern = self.patterns.get((sizes, stage_gpus, g))
+        if pattern is None:
+            links = _stage_links(pp, stage_gpus, g)
+            keys = [(size, link) for size, link in zip(sizes, links)]  # what a middle stage's signature needs
+            keys[0] = (*keys[0], 0)
+            keys[pp - 1] = (*keys[pp - 1], pp - 1)
+            distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct stage, front to back
+            pattern = self.patterns[sizes, stage_gpus, g] = (tuple(distinct), [distinct[k] for k in keys])
+        distinct, order = pattern
         ids = self.sig_ids
         last_j = pp - 1
-        keys = [(z - a, link) for (a, z), link in zip(ranges, links)]  # what a middle stage's signature needs
-        keys[0] = (*keys[0], 0)
-        keys[last_j] = (*keys[last_j], last_j)
-        local: dict[tuple, int] = {}
+        local: list[int] = []
         q_emb, q_head = q.has_embedding, q.has_head
-        for key in dict.fromkeys(keys):  # each distinct stage once, front to back
+        for key in distinct:
             size, (nxt, prev) = key[0], key[1]
             j = key[2] if len(key) > 2 else 1
             has_emb = q_emb and j == 0
@@ -153,8 +162,8 @@ class StageTable:
             if sid is None:
                 sid = ids[sig] = len(ids)
                 self.state_keys.append(sig[1:9])
-            local[key] = sid
-        return [local[k] for k in keys]
+            local.append(sid)
+        return [local[i] for i in order]
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:

@@ -317,13 +317,13 @@ class MegatronParallelizer:
             if not allowed:
                 continue
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-            ranges = coster.split(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
+            sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
-                heaviest = _heaviest_floor(coster, ranges, floor)
+                heaviest = _heaviest_floor(coster, sizes, floor)
                 if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
                     bounded += 1
                     continue
-            ranges, sigs = table.signatures(coster, *dims, ranges=ranges)
+            ranges, sigs = table.signatures(coster, *dims, sizes=sizes)
             rows = table.stage_rows(coster, dims, sigs, allowed)
             columns = table.stage_columns(sigs, allowed, m, cap)
             if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
@@ -465,15 +465,15 @@ class MegatronParallelizer:
         return InfeasibleSlice((reason,), peak, bd)
 
 
-def _heaviest_floor(coster: SliceCoster, ranges: tuple[tuple[int, int], ...], floor: tuple) -> float:
-    """The largest compute floor of the split's stages (SliceCoster.time_floors per layer kind, the embedding's
-    on the slice's first stage, the head's on its last), added up as the general loop always did."""
+def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -> float:
+    """The largest compute floor of the split's stages (layers per stage: ``sizes``; SliceCoster.time_floors per
+    layer kind, the embedding's on the slice's first stage, the head's on its last), added up as the general loop
+    always did."""
     per_kind, emb_s, head_s, _total = floor
     first, last = coster.q.layers
     prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
     if len(prefix) == 1:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
         (w,) = per_kind.values()
-        sizes = [z - a for a, z in ranges]
         heaviest = sizes[0] * w + emb_s
         if len(sizes) > 1:
             tail = sizes[-1] * w + head_s
@@ -481,7 +481,7 @@ def _heaviest_floor(coster: SliceCoster, ranges: tuple[tuple[int, int], ...], fl
             return max(heaviest, mid, tail)
         return heaviest + head_s
     heaviest = 0.0
-    for a, z in ranges:
+    for a, z in coster.stage_ranges(sizes):
         f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
         if a == first:
             f += emb_s
