@@ -39,9 +39,11 @@ class GridIndex:
         self.grids = [g for g, p in checked if not p]
         self.pp = np.array([g.pp for g in self.grids], dtype=np.float64)
         ids: dict[tuple, int] = {}
-        self.fkey_ids = np.array([ids.setdefault((g.tp, g.cp, g.ep, g.dp), len(ids)) for g in self.grids],
-                                 dtype=np.intp)
+        self.fkey_list = [ids.setdefault((g.tp, g.cp, g.ep, g.dp), len(ids)) for g in self.grids]
+        self.fkey_ids = np.array(self.fkey_list, dtype=np.intp)
         self.fkeys = list(ids)  # (tp, cp, ep, dp): what a grid's compute floor depends on
+        # what the parallelizer's saver combinations depend on of a grid (megatron.savers)
+        self.saver_keys = [(g.tp > 1, g.cp > 1, g.ep > 1, g.dp * g.cp == 1, g.pp > 1) for g in self.grids]
 
 
 class StageTable:

@@ -273,7 +273,7 @@ class MegatronParallelizer:
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
         score_cut = q.score_bound_s * (1.0 + 1e-9)
-        floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
+        floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind layer floors, embedding, head, slice's floor)
         floor_key = (tuple(coster.prefix), q.has_embedding, q.has_head)  # what time_floors reads of the slice
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
         # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
@@ -292,6 +292,7 @@ class MegatronParallelizer:
             # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver: the grids whose
             # floor cannot beat either bound are skipped at once (the same float operations as one by one)
             totals = [0.0] * len(index.fkeys)
+            counts = coster.layer_counts()
             for f in sorted(set(index.fkey_ids[keep].tolist())):
                 fkey = index.fkeys[f]
                 tkey = (b, fkey, floor_key)
@@ -299,8 +300,8 @@ class MegatronParallelizer:
                 if hit is None:
                     hit = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
                 per_kind, emb_s, head_s = hit
-                total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
-                floors[fkey] = (per_kind, emb_s, head_s, total)
+                total = sum(c * per_kind[k] for k, c in counts) + emb_s + head_s
+                floors[f] = (per_kind, emb_s, head_s, total)
                 totals[f] = total
             tot = np.asarray(totals)[index.fkey_ids]
             beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
@@ -309,8 +310,8 @@ class MegatronParallelizer:
         for i in np.flatnonzero(keep).tolist():
             grid = index.grids[i]
             if bound:
-                floor = floors[grid.tp, grid.cp, grid.ep, grid.dp]
-            skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
+                floor = floors[index.fkey_list[i]]
+            skey = index.saver_keys[i]
             allowed = saver_cache.get(skey)
             if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
                 allowed = saver_cache[skey] = tuple(savers(q, grid))
