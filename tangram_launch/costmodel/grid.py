@@ -68,6 +68,7 @@ class StageTable:
         self.patterns: dict[tuple, tuple] = {}
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
+        self.floor_arrays: dict[tuple, tuple] = {}  # (grid list key, slice's kinds and edges) -> megatron._floor_arrays
         self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
         self.device = None  # the context's DeviceModel (SliceCoster's device), once a query has built it
 

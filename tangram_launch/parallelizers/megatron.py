@@ -291,26 +291,22 @@ class MegatronParallelizer:
         if bound:
             # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver: the grids whose
             # floor cannot beat either bound are skipped at once (the same float operations as one by one)
-            totals = [0.0] * len(index.fkeys)
-            counts = coster.layer_counts()
-            for f in sorted(set(index.fkey_ids[keep].tolist())):
-                fkey = index.fkeys[f]
-                tkey = (b, fkey, floor_key)
-                hit = table.floors.get(tkey)
-                if hit is None:
-                    hit = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
-                per_kind, emb_s, head_s = hit
-                total = sum(c * per_kind[k] for k, c in counts) + emb_s + head_s
-                floors[f] = (per_kind, emb_s, head_s, total)
-                totals[f] = total
-            tot = np.asarray(totals)[index.fkey_ids]
+            hits, kind_floors, emb_floors, head_floors = _floor_arrays(table, index, coster, gkey, floor_key)
+            totals = 0  # per (tp, cp, ep, dp): the slice's floor, summed as sum() over its layer kinds would
+            for k, c in coster.layer_counts():
+                totals = totals + c * kind_floors[k]
+            totals = totals + emb_floors + head_floors
+            tot = totals[index.fkey_ids]
             beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
             bounded += int(np.count_nonzero(beyond))
             keep &= ~beyond
         for i in np.flatnonzero(keep).tolist():
             grid = index.grids[i]
             if bound:
-                floor = floors[index.fkey_list[i]]
+                f = index.fkey_list[i]
+                floor = floors.get(f)
+                if floor is None:
+                    floor = floors[f] = (*hits[f], float(totals[f]))
             skey = index.saver_keys[i]
             allowed = saver_cache.get(skey)
             if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
@@ -464,6 +460,27 @@ class MegatronParallelizer:
         reason = (f"{where} needs at least {peak / GIB:.1f} GiB per GPU (capacity {cap / GIB:.1f} GiB) even with "
                   f"{cfg.describe()}: {parts}")
         return InfeasibleSlice((reason,), peak, bd)
+
+
+def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, floor_key: tuple) -> tuple:
+    """SliceCoster.time_floors (with communication) of every (tp, cp, ep, dp) of a grid list, for slices alike in
+    what those floors read (``floor_key``: layer kinds, embedding, head): the answers, and per layer kind, for the
+    embedding and for the head, the floors as arrays over GridIndex.fkeys."""
+    hit = table.floor_arrays.get((gkey, floor_key))
+    if hit is None:
+        b = coster.q.microbatch_sequences
+        hits = []
+        for fkey in index.fkeys:
+            tkey = (b, fkey, floor_key)
+            floors = table.floors.get(tkey)
+            if floors is None:
+                floors = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
+            hits.append(floors)
+        kinds = {k: np.array([h[0][k] for h in hits], dtype=np.float64) for k in coster.prefix}
+        hit = table.floor_arrays[gkey, floor_key] = (
+            hits, kinds, np.array([h[1] for h in hits], dtype=np.float64),
+            np.array([h[2] for h in hits], dtype=np.float64))
+    return hit
 
 
 def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -> float:
