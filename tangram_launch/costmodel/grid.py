@@ -235,6 +235,7 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
 
 
 _ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path
+_ACCUMULATE_STAGES = 16  # _judge_arrays: longer pipelines add up their stage times in one accumulate
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
@@ -322,10 +323,10 @@ def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list
     """judge_columns over many distinct stages with the columns' arrays: max, min and a front-to-back sum per
     combination are the same float operations, so the answer is the list path's to the last bit (fill: every
     combination's sum, which the list path leaves as INFEASIBLE_FILL where few fit; nobody reads those)."""
-    (times, tails, most, term), after, inflight = _arrays(heads[0][0]), heads[0][1], heads[0][2]
+    (times, tails, most, term), after, inflight = heads[0][0][7] or _arrays(heads[0][0]), heads[0][1], heads[0][2]
     bn, tail, depth, over = times, tails, term - after, most < inflight
     for col, after, inflight in heads[1:]:  # a few distinct stages: one array operation per criterion each
-        times, tails, most, term = _arrays(col)
+        times, tails, most, term = col[7] or _arrays(col)
         bn = np.maximum(bn, times)
         tail = np.maximum(tail, tails)
         depth = np.minimum(depth, term - after)
@@ -333,10 +334,13 @@ def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list
     depth = np.where(over, -1, np.minimum(depth, SATURATED))
     if not (depth >= 0).any():
         return bn.tolist(), None, tail.tolist(), depth.tolist()
-    times = {sid: _arrays(columns[sid])[0] for sid in dict.fromkeys(sids)}
-    fill = times[sids[0]].copy()
-    for sid in sids[1:]:
-        fill += times[sid]
+    times = {sid: columns[sid][7][0] for sid in dict.fromkeys(sids)}  # every distinct stage's, made above
+    if len(sids) > _ACCUMULATE_STAGES:  # ufunc.accumulate adds row after row: the same front-to-back sums
+        fill = np.add.accumulate(np.array([times[sid] for sid in sids]), axis=0)[-1]
+    else:
+        fill = times[sids[0]].copy()
+        for sid in sids[1:]:
+            fill += times[sid]
     return bn.tolist(), fill.tolist(), tail.tolist(), depth.tolist()
 
 
