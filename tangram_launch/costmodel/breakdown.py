@@ -229,14 +229,13 @@ class SliceCoster:
         if len(self.kinds) != len(self.layer_ids):
             raise SpecError("must give one kind per layer of the slice", field="layer_kinds",
                             value=len(self.kinds), valid=f"{len(self.layer_ids)} kinds")
-        self.rep = {}
-        for i, k in zip(self.layer_ids, self.kinds):
-            self.rep.setdefault(k, i)
+        self.rep = {k: start + self.kinds.index(k) for k in dict.fromkeys(self.kinds)}  # first layer of each kind
         # prefix[k][i]: layers of kind k among the slice's first i layers
-        self.prefix = {k: [0] for k in self.rep}
-        for k in self.kinds:
-            for kk, arr in self.prefix.items():
-                arr.append(arr[-1] + (kk == k))
+        if len(self.rep) == 1:
+            self.prefix = {k: list(range(len(self.kinds) + 1)) for k in self.rep}
+        else:
+            self.prefix = {k: list(itertools.accumulate((kk == k for kk in self.kinds), initial=0))
+                           for k in self.rep}
         self._layer_cache: dict = {}
         self._grid_cache: dict = {}
         self._split_cache: dict = {}
