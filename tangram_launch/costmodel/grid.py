@@ -66,6 +66,7 @@ class StageTable:
         self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, max stages) -> the grids listed
         # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
         self.patterns: dict[tuple, tuple] = {}
+        self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
         self.floor_arrays: dict[tuple, tuple] = {}  # (grid list key, slice's kinds and edges) -> megatron._floor_arrays
@@ -154,17 +155,25 @@ class StageTable:
         last_j = pp - 1
         local: list[int] = []
         q_emb, q_head = q.has_embedding, q.has_head
+        # a stage's key (size, links, first/last position) and these give its signature (pp > 2: the first stage
+        # is never the last): stages met before under them are looked up by their key alone
+        known = self.stage_sids.get((dims, kind, q_emb, q_head))
+        if known is None:
+            known = self.stage_sids[dims, kind, q_emb, q_head] = {}
         for key in distinct:
-            size, (nxt, prev) = key[0], key[1]
-            j = key[2] if len(key) > 2 else 1
-            has_emb = q_emb and j == 0
-            has_head = q_head and j == last_j
-            tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
-            sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
-            sid = ids.get(sig)
+            sid = known.get(key)
             if sid is None:
-                sid = ids[sig] = len(ids)
-                self.state_keys.append(sig[1:9])
+                size, (nxt, prev) = key[0], key[1]
+                j = key[2] if len(key) > 2 else 1
+                has_emb = q_emb and j == 0
+                has_head = q_head and j == last_j
+                tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
+                sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
+                sid = ids.get(sig)
+                if sid is None:
+                    sid = ids[sig] = len(ids)
+                    self.state_keys.append(sig[1:9])
+                known[key] = sid
             local.append(sid)
         return [local[i] for i in order]
 
