@@ -444,3 +444,24 @@ def test_eager_elementwise_kernels_move_the_counted_bytes_and_slow_a_layer():
     assert dev.fused_elementwise and slow.gemm_s == fast.gemm_s
     assert slow.elementwise_s == pytest.approx(fast.elementwise_s * eager / fused)
     assert 1.05 < slow.forward_s / fast.forward_s < 1.25  # a few to 20 % of a layer: memory-bound passes
+
+
+@pytest.mark.parametrize("name, layers", [("gpt3-1.3b", (0, 24)), ("gpt3-1.3b", (3, 17)), ("gshard-moe-2.4b", (1, 16))])
+def test_some_stages_of_a_grid_are_the_whole_grids_stages(name, layers):
+    """stage_sums(stages=...) (the stage table costs only the first stage of each signature it has not met) gives
+    the full grid's sums at those stages to the last bit, p2p terms to both neighbours included; split is
+    stage_ranges of split_sizes."""
+    m = load_model(name)
+    isl = island("a100-80gb", nodes=2, per_node=4)
+    skip = {"zero_parts", "collectives", "rec_parts"}  # caches filled on use
+    for tp, pp, dp in ((1, 4, 2), (2, 4, 1), (1, 8, 1), (4, 2, 1), (2, 2, 2)):
+        full = coster(m, isl, b=8, gb=64, layers=layers).stage_sums(tp, pp, dp, 1, 1)
+        c = coster(m, isl, b=8, gb=64, layers=layers)  # a fresh coster: no grid cached
+        picked = [pp - 1, 0, pp // 2]
+        part = c.stage_sums(tp, pp, dp, 1, 1, stages=picked)
+        for j, st in zip(picked, part):
+            for f in dataclasses.fields(st):
+                if f.name not in skip:
+                    assert getattr(st, f.name) == getattr(full[j], f.name), (tp, pp, dp, j, f.name)
+        assert c.split(pp, tp, 1, 1, dp, 8 // dp) == c.stage_ranges(c.split_sizes(pp, tp, 1, 1, dp, 8 // dp))
+        assert tuple(st.layers for st in full) == c.split(pp, tp, 1, 1, dp, 8 // dp)

@@ -36,13 +36,13 @@ def _judged_by_columns(pool, picks, m, cap):
 
 
 @settings(max_examples=50, deadline=None)
-@given(data=st.data(), stages=st.integers(1, 40), kinds=st.integers(1, 4), savers=st.integers(1, 8),
+@given(data=st.data(), stages=st.integers(1, 40), kinds=st.integers(1, 6), savers=st.integers(1, 24),
        m=st.integers(1, 40), cap=st.floats(1e9, 80e9))
 def test_judge_columns_answers_what_the_plain_computation_does(data, stages, kinds, savers, m, cap):
     """The parallelizer judges grids from per-signature columns (the most micro-batches that fit, precomputed per
-    signature; the stages of a long pipeline share a few signatures): bottleneck, tail and fill to the last bit
-    (fill added front to back), depth wherever it is >= 0 (below 0 both say 'fits nowhere'), fill left out only
-    for combinations that fit nowhere; peak_memory is fit_depth's peak."""
+    signature; the stages of a long pipeline share a few signatures; from two distinct ones on, judged as arrays):
+    bottleneck, tail and fill to the last bit (fill added front to back), depth wherever it is >= 0 (below 0 both
+    say 'fits nowhere'), fill left out only for combinations that fit nowhere; peak_memory is fit_depth's peak."""
     act = st.one_of(st.just(0.0), st.floats(1.0, 8e9))
     pool = [[(data.draw(_SECONDS), data.draw(_BYTES), data.draw(act), data.draw(_SECONDS))
              for _ in range(savers)] for _ in range(kinds)]

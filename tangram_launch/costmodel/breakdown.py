@@ -184,7 +184,7 @@ class SliceCoster:
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused",
-                 layer_kinds: Sequence[str] | None = None) -> None:
+                 layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -193,7 +193,9 @@ class SliceCoster:
         after each micro-batch's backward). ``cross_entropy``: the loss as Megatron's fused vocab-parallel kernel or
         eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.head_activation_bytes).
         The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the
-        caller has them already (model.layer_kind of each; a parallelizer asks about the same model many times)."""
+        caller has them already (model.layer_kind of each; a parallelizer asks about the same model many times).
+        ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
+        (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:
             raise SpecError("unknown selective recompute policy", field="selective_policy", value=selective_policy,
                             valid=", ".join(SELECTIVE_POLICIES))
@@ -212,13 +214,10 @@ class SliceCoster:
         self.capacity_bytes = capacity_bytes(q.island, q.training)
         self.num_microbatches = max(1, q.num_microbatches)
         self.device_error: str | None = None
-        try:
-            self.dev: DeviceModel | None = DeviceModel.from_gpu(q.island.gpu, q.training.dtype,
-                                                                flash_attention=flash_attention,
-                                                                fused_elementwise=fused_elementwise)
-        except SpecError as exc:
-            self.dev = None
-            self.device_error = f"island {q.island.name}: {exc}"
+        if device is not None:
+            self.dev: DeviceModel | None = device
+        else:
+            self.dev = self._device(q, flash_attention, fused_elementwise)
         link = q.island.inter_node_link
         self.inter_gbps = link.bandwidth_gbps if link is not None else None
         self.inter_latency_us = link.latency_us if link is not None else 0.0
@@ -230,20 +229,28 @@ class SliceCoster:
         if len(self.kinds) != len(self.layer_ids):
             raise SpecError("must give one kind per layer of the slice", field="layer_kinds",
                             value=len(self.kinds), valid=f"{len(self.layer_ids)} kinds")
-        self.rep = {}
-        for i, k in zip(self.layer_ids, self.kinds):
-            self.rep.setdefault(k, i)
+        self.rep = {k: start + self.kinds.index(k) for k in dict.fromkeys(self.kinds)}  # first layer of each kind
         # prefix[k][i]: layers of kind k among the slice's first i layers
-        self.prefix = {k: [0] for k in self.rep}
-        for k in self.kinds:
-            for kk, arr in self.prefix.items():
-                arr.append(arr[-1] + (kk == k))
+        if len(self.rep) == 1:
+            self.prefix = {k: list(range(len(self.kinds) + 1)) for k in self.rep}
+        else:
+            self.prefix = {k: list(itertools.accumulate((kk == k for kk in self.kinds), initial=0))
+                           for k in self.rep}
         self._layer_cache: dict = {}
         self._grid_cache: dict = {}
         self._split_cache: dict = {}
         self._edge_cache: dict = {}
         self._frag = 1.0 + FRAGMENTATION_FRACTION
         self._overhead = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
+
+    def _device(self, q: SliceQuery, flash_attention: bool | None, fused_elementwise: bool) -> DeviceModel | None:
+        """The island GPU's DeviceModel; None (and device_error says why) where the GPU cannot run the dtype."""
+        try:
+            return DeviceModel.from_gpu(q.island.gpu, q.training.dtype, flash_attention=flash_attention,
+                                        fused_elementwise=fused_elementwise)
+        except SpecError as exc:
+            self.device_error = f"island {q.island.name}: {exc}"
+            return None
 
     # ------------------------------------------------------------------------------------------ per layer
     def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:
@@ -362,9 +369,20 @@ class SliceCoster:
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:
         """Absolute layer ranges of the ``pp`` stages, balanced by time (no recompute) with embedding/head."""
+        return self.stage_ranges(self.split_sizes(pp, tp, cp, ep, dp, mbs))
+
+    def stage_ranges(self, sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """Absolute layer ranges of stages of these sizes, front to back over the slice."""
+        start = self.layer_ids[0]
+        ends = tuple(itertools.accumulate(sizes, initial=start))
+        assert ends[-1] == self.layer_ids[-1] + 1
+        return tuple(zip(ends, ends[1:]))
+
+    def split_sizes(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[int, ...]:
+        """split's layers per stage, front to back (the same tuple for the same split: callers key caches by it)."""
         n = len(self.layer_ids)
         if pp == 1:
-            return ((self.layer_ids[0], self.layer_ids[-1] + 1),)
+            return (n,)
         if len(self.rep) == 1:  # one layer kind: its weight and the edge extras are the context's, per grid
             (kind,) = self.rep
             wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.q.has_embedding, self.q.has_head)
@@ -383,10 +401,8 @@ class SliceCoster:
             sizes = self._split_cache.get(key)
             if sizes is None:
                 sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=fe, last_extra=le)
-        start = self.layer_ids[0]
-        ends = tuple(itertools.accumulate(sizes, initial=start))
-        assert ends[-1] == self.layer_ids[-1] + 1 and len(sizes) == pp and n >= pp
-        return tuple(zip(ends, ends[1:]))
+        assert len(sizes) == pp and n >= pp
+        return sizes
 
     def _split_weights(self, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[float, ...], float,
                                                                                       float]:
@@ -402,12 +418,15 @@ class SliceCoster:
         last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.q.has_head else 0.0
         return tuple(round(t / unit, 4) for t in per_kind.values()), round(first / unit, 3), round(last / unit, 3)
 
-    def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int) -> list[StageSums]:
-        """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links."""
+    def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int,
+                   stages: Sequence[int] | None = None) -> list[StageSums]:
+        """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links. ``stages``:
+        only these stages, by index, in that order (not cached): the stage table costs only stages it has not met,
+        mostly one or two of a long pipeline's."""
         key = (tp, pp, dp, cp, ep)
         hit = self._grid_cache.get(key)
         if hit is not None:
-            return hit
+            return hit if stages is None else [hit[j] for j in stages]
         b = self.q.microbatch_sequences
         mbs = b // dp
         dev, model = self.dev, self.model
@@ -422,7 +441,15 @@ class SliceCoster:
         first_layer, last_layer = self.q.layers
         act_bytes_mb = b * self.seq_len * model.hidden_size * p  # a whole micro-batch's hidden states
         sums = []
-        for j, (a, z) in enumerate(ranges):
+
+        def p2p_fwd_s(j: int) -> float:  # activations to stage j + 1 over the link at their boundary
+            boundary = (j + 1) * stage_gpus
+            same = (boundary - 1) // g == boundary // g
+            return comm.p2p_stage_s(act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g, same_node=same, dev=dev,
+                                    inter_bandwidth_gbps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
+
+        for j in range(pp) if stages is None else stages:
+            a, z = ranges[j]
             has_emb = self.q.has_embedding and a == first_layer
             has_head = self.q.has_head and z == last_layer
             st = StageSums(layers=(a, z), has_embedding=has_emb, has_head=has_head, dp_link=dp_link,
@@ -494,19 +521,21 @@ class SliceCoster:
             st.act_bytes = tuple(x + emb_act + head_act for x in acts)
             st.p2p_bytes = 0.0 if has_head else act_bytes_mb
             if j < pp - 1:
-                boundary = (j + 1) * stage_gpus
-                same = (boundary - 1) // g == boundary // g
-                st.p2p_fwd_s = comm.p2p_stage_s(act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g,
-                                                same_node=same, dev=dev, inter_bandwidth_gbps=self.inter_gbps,
-                                                inter_latency_us=self.inter_latency_us)
+                st.p2p_fwd_s = p2p_fwd_s(j)
             sums.append(st)
-        for j in range(1, pp):
-            sums[j].p2p_bwd_s = sums[j - 1].p2p_fwd_s  # the input gradient goes back over the same link
+        if stages is None:
+            for j in range(1, pp):
+                sums[j].p2p_bwd_s = sums[j - 1].p2p_fwd_s  # the input gradient goes back over the same link
+        else:
+            for j, st in zip(stages, sums):
+                if j > 0:
+                    st.p2p_bwd_s = p2p_fwd_s(j - 1)
         for st in sums:
             st.shard, st.eshard = dp * cp, dp * cp // ep
             st.fixed_fwd_s = st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s + st.p2p_fwd_s
             st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_bwd_s + st.p2p_bwd_s
-        self._grid_cache[key] = sums
+        if stages is None:
+            self._grid_cache[key] = sums
         return sums
 
     # ------------------------------------------------------------------------------------------ per config
@@ -608,18 +637,33 @@ class SliceCoster:
 
     def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> StageNumbers:
         """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
-        zp = st.zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
-        rp = st.rec_parts[r] or self._rec_part(st, r)
-        b = st.bwd_s + rp.recompute_s
-        if zp.layer_bwd_s > 0.0:
-            z_fwd, z_bwd = zero_exposed_s(zp, st.fwd_s, b)
-            fwd = st.fwd_s + z_fwd + st.fixed_fwd_s
-            bwd = b + z_bwd + st.fixed_bwd_s + rp.comm_s
-        else:
-            fwd = st.fwd_s + st.fixed_fwd_s
-            bwd = b + st.fixed_bwd_s + rp.comm_s
-        static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * self._frag + self._overhead
-        return StageNumbers(fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s)
+        return StageNumbers(*self._stage_terms(st, ((zero, r, off),))[0])
+
+    def fast_rows(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
+        """fast_stage under each (ZeRO stage, recompute index, offload) of ``savers``, as the rows the grid's stage
+        table keeps: (forward_s + backward_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s)."""
+        return [(f + b, static, act, sync + opt) for f, b, static, act, sync, opt in self._stage_terms(st, savers)]
+
+    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
+        """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage)."""
+        out = []
+        fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
+        frag, overhead = self._frag, self._overhead
+        zero_parts, rec_parts = st.zero_parts, st.rec_parts
+        for zero, r, off in savers:
+            zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
+            rp = rec_parts[r] or self._rec_part(st, r)
+            b = bwd_s + rp.recompute_s
+            if zp.layer_bwd_s > 0.0:
+                z_fwd, z_bwd = zero_exposed_s(zp, fwd_s, b)
+                fwd = fwd_s + z_fwd + fixed_fwd
+                bwd = b + z_bwd + fixed_bwd + rp.comm_s
+            else:
+                fwd = fwd_s + fixed_fwd
+                bwd = b + fixed_bwd + rp.comm_s
+            static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
+            out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
+        return out
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
         """One stage of ``cfg`` and where its time and memory go (the breakdown ``tangram-launch estimate`` prints)."""

@@ -19,12 +19,31 @@ from __future__ import annotations
 from operator import add, or_
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+import numpy as np
+
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.costmodel.breakdown import SliceCoster, StageSums
 
 SATURATED = 1 << 30  # SlicePlan.max_stages_after's "fits at any depth"
 INFEASIBLE_FILL = float("inf")  # judge_columns' fill of a combination that fits nowhere (nobody ranks it)
 _MAX_CONTEXTS = 8  # contexts kept per table (a planning run has one per island and micro-batch size in flight)
+
+
+class GridIndex:
+    """A context's grids at one micro-batch size, as arrays: a query masks those its slice can hold and its bounds
+    allow with a few array operations instead of a Python test per grid (thousands on a large island)."""
+
+    def __init__(self, checked: Sequence[tuple]) -> None:
+        """``checked``: (grid, its shape problems) in the enumerator's order."""
+        self.problems = [(g.pp, p) for g, p in checked if p]  # (pp, problems) of the grids no slice can run
+        self.grids = [g for g, p in checked if not p]
+        self.pp = np.array([g.pp for g in self.grids], dtype=np.float64)
+        ids: dict[tuple, int] = {}
+        self.fkey_list = [ids.setdefault((g.tp, g.cp, g.ep, g.dp), len(ids)) for g in self.grids]
+        self.fkey_ids = np.array(self.fkey_list, dtype=np.intp)
+        self.fkeys = list(ids)  # (tp, cp, ep, dp): what a grid's compute floor depends on
+        # what the parallelizer's saver combinations depend on of a grid (megatron.savers)
+        self.saver_keys = [(g.tp > 1, g.cp > 1, g.ep > 1, g.dp * g.cp == 1, g.pp > 1) for g in self.grids]
 
 
 class StageTable:
@@ -37,14 +56,22 @@ class StageTable:
         self.sig_ids: dict[tuple, int] = {}  # signature -> its number (the keys below use numbers)
         self.counts: dict[tuple[int, int], tuple] = {}  # layer range -> layers per kind
         self.sums: dict[int, "StageSums"] = {}  # signature -> the stage's sums (from the first query that met it)
+        # signature -> what its ZeRO / offload terms depend on: (tp, dp, cp, ep, layers per kind, embedding, head,
+        # tied-embedding link), not the micro-batch size nor the p2p links; stages alike in it share those terms
+        self.state_keys: list[tuple] = []
+        self.zero_parts: dict[tuple, dict] = {}  # state key -> SliceCoster's (zero, offload) -> ZeroPart
         self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
-        self.grid_lists: dict[tuple, list] = {}  # (grid enumerator, b, max stages) -> [(grid, problems)]
-        self.links: dict[tuple, list] = {}  # (pp, stage GPUs, GPUs per node) -> _stage_links
+        self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, max stages) -> the grids listed
+        # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
+        self.patterns: dict[tuple, tuple] = {}
+        self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
+        self.floor_arrays: dict[tuple, tuple] = {}  # (grid list key, slice's kinds and edges) -> megatron._floor_arrays
         self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
+        self.device = None  # the context's DeviceModel (SliceCoster's device), once a query has built it
 
     def model_kinds(self, model) -> tuple[str, ...]:
         """The context model's layer kinds (model.layer_kind of every layer), listed once."""
@@ -59,14 +86,18 @@ class StageTable:
         coster._split_cache = self.split_cache
 
     def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int,
-                   ranges: tuple[tuple[int, int], ...] | None = None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
+                   ranges: tuple[tuple[int, int], ...] | None = None,
+                   sizes: tuple[int, ...] | None = None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
         """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on), as
         the signature's number in this table: the other methods take numbers, so a signature is hashed once.
-        ``ranges``: the grid's split, where the caller has it already (coster.split's answer)."""
+        ``ranges``, ``sizes``: the grid's split, where the caller has it already (coster.split's and
+        coster.split_sizes' answers)."""
         q = coster.q
         b = q.microbatch_sequences
+        if sizes is None:
+            sizes = coster.split_sizes(pp, tp, cp, ep, dp, b // dp)
         if ranges is None:
-            ranges = coster.split(pp, tp, cp, ep, dp, b // dp)
+            ranges = coster.stage_ranges(sizes)
         first, last = q.layers
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
@@ -75,7 +106,7 @@ class StageTable:
         ids = self.sig_ids
         sids = []
         if len(coster.prefix) == 1 and pp > 2:
-            return ranges, self._one_kind_signatures(coster, ranges, (b, tp, dp, cp, ep), stage_gpus, g, tied)
+            return ranges, self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
         for j, (a, z) in enumerate(ranges):
             has_emb = q.has_embedding and a == first
             has_head = q.has_head and z == last
@@ -98,39 +129,53 @@ class StageTable:
             sid = ids.get(sig)
             if sid is None:
                 sid = ids[sig] = len(ids)
+                self.state_keys.append(sig[1:9])
             sids.append(sid)
         return ranges, sids
 
-    def _one_kind_signatures(self, coster: "SliceCoster", ranges: tuple[tuple[int, int], ...], dims: tuple,
+    def _one_kind_signatures(self, coster: "SliceCoster", sizes: tuple[int, ...], dims: tuple,
                              stage_gpus: int, g: int, tied: bool) -> list[int]:
         """signatures() of a slice of one layer kind: a stage's signature then depends on its layer count, its
         links and whether it is the first or last stage, so the many alike middle stages of a long pipeline are
-        looked up once (the same numbers as the general loop)."""
+        looked up once (the same numbers as the general loop). Which stages are alike depends only on the sizes and
+        the links: that pattern is found once per (sizes, stage GPUs, GPUs per node) for every query and grid."""
         q = coster.q
-        pp = len(ranges)
+        pp = len(sizes)
         kind = next(iter(coster.prefix))
-        links = self.links.get((pp, stage_gpus, g))
-        if links is None:
-            links = self.links[pp, stage_gpus, g] = _stage_links(pp, stage_gpus, g)
+        pattern = self.patterns.get((sizes, stage_gpus, g))
+        if pattern is None:
+            links = _stage_links(pp, stage_gpus, g)
+            keys = [(size, link) for size, link in zip(sizes, links)]  # what a middle stage's signature needs
+            keys[0] = (*keys[0], 0)
+            keys[pp - 1] = (*keys[pp - 1], pp - 1)
+            distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct stage, front to back
+            pattern = self.patterns[sizes, stage_gpus, g] = (tuple(distinct), [distinct[k] for k in keys])
+        distinct, order = pattern
         ids = self.sig_ids
         last_j = pp - 1
-        keys = [(z - a, link) for (a, z), link in zip(ranges, links)]  # what a middle stage's signature needs
-        keys[0] = (*keys[0], 0)
-        keys[last_j] = (*keys[last_j], last_j)
-        local: dict[tuple, int] = {}
+        local: list[int] = []
         q_emb, q_head = q.has_embedding, q.has_head
-        for key in dict.fromkeys(keys):  # each distinct stage once, front to back
-            size, (nxt, prev) = key[0], key[1]
-            j = key[2] if len(key) > 2 else 1
-            has_emb = q_emb and j == 0
-            has_head = q_head and j == last_j
-            tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
-            sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
-            sid = ids.get(sig)
+        # a stage's key (size, links, first/last position) and these give its signature (pp > 2: the first stage
+        # is never the last): stages met before under them are looked up by their key alone
+        known = self.stage_sids.get((dims, kind, q_emb, q_head))
+        if known is None:
+            known = self.stage_sids[dims, kind, q_emb, q_head] = {}
+        for key in distinct:
+            sid = known.get(key)
             if sid is None:
-                sid = ids[sig] = len(ids)
-            local[key] = sid
-        return [local[k] for k in keys]
+                size, (nxt, prev) = key[0], key[1]
+                j = key[2] if len(key) > 2 else 1
+                has_emb = q_emb and j == 0
+                has_head = q_head and j == last_j
+                tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
+                sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
+                sid = ids.get(sig)
+                if sid is None:
+                    sid = ids[sig] = len(ids)
+                    self.state_keys.append(sig[1:9])
+                known[key] = sid
+            local.append(sid)
+        return [local[i] for i in order]
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
@@ -138,17 +183,19 @@ class StageTable:
         optimizer_s) from SliceCoster.fast_stage."""
         sums = self.sums
         distinct = set(sids)
-        if any(sid not in sums for sid in distinct):  # cost the grid's stages once; later queries reuse them by signature
+        new = sorted(sids.index(sid) for sid in distinct if sid not in sums)  # first stage of each not costed yet
+        if new:  # cost those stages only, each once; later queries reuse them by signature
             tp, pp, dp, cp, ep = grid
-            for sid2, st in zip(sids, coster.stage_sums(tp, pp, dp, cp, ep)):
-                sums.setdefault(sid2, st)
+            for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new)):
+                sid = sids[j]
+                sums[sid] = st
+                # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
+                st.zero_parts = self.zero_parts.setdefault(self.state_keys[sid], st.zero_parts)
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
         for sid in [sid for sid in distinct if sid not in by_sid]:
-            st = sums[sid]
-            by_sid[sid] = [(x[0] + x[1], x[2], x[3], x[4] + x[5])
-                           for x in (coster.fast_stage(st, z, r, o) for z, r, o in savers)]
+            by_sid[sid] = coster.fast_rows(sums[sid], savers)
         return [by_sid[sid] for sid in sids]
 
     def stage_columns(self, sids: Sequence[int], savers: tuple[tuple[int, int, bool], ...], m: int,
@@ -196,12 +243,15 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
+_ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path
+_ACCUMULATE_STAGES = 16  # _judge_arrays: longer pipelines add up their stage times in one accumulate
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
-def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list, list, int, float, float]:
-    """stage_columns of one signature (see there). A stage holding k micro-batches needs static + act * k bytes,
-    which never decreases with k (nor does its float rounding), so the most that fit is a threshold."""
+def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
+    """stage_columns of one signature (see there), and room for its four lists as arrays (_arrays). A stage
+    holding k micro-batches needs static + act * k bytes, which never decreases with k (nor does its float
+    rounding), so the most that fit is a threshold."""
     times, tails, most, term = [], [], [], []
     for time_s, static, act, tail_s in row:
         times.append(time_s)
@@ -222,7 +272,7 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple[list, list, list
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    return times, tails, most, term, max(most), min(times), min(tails)
+    return times, tails, most, term, max(most), min(times), min(tails), []  # []: _arrays fills it on first need
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
@@ -246,6 +296,8 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
             return None
         heads.append((col, after, inflight))
+    if len(heads) >= _ARRAY_HEADS:
+        return _judge_arrays(columns, sids, heads)
     bn = tail = depth = over = None
     for (times, tails, most, term, *_least), after, inflight in heads:
         d = [x - after for x in term]
@@ -274,6 +326,39 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     for sid in sids[1:]:
         fill = list(map(add, fill, columns[sid][0]))
     return bn, fill, tail, depth
+
+
+def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list[tuple]) -> tuple:
+    """judge_columns over many distinct stages with the columns' arrays: max, min and a front-to-back sum per
+    combination are the same float operations, so the answer is the list path's to the last bit (fill: every
+    combination's sum, which the list path leaves as INFEASIBLE_FILL where few fit; nobody reads those)."""
+    (times, tails, most, term), after, inflight = heads[0][0][7] or _arrays(heads[0][0]), heads[0][1], heads[0][2]
+    bn, tail, depth, over = times, tails, term - after, most < inflight
+    for col, after, inflight in heads[1:]:  # a few distinct stages: one array operation per criterion each
+        times, tails, most, term = col[7] or _arrays(col)
+        bn = np.maximum(bn, times)
+        tail = np.maximum(tail, tails)
+        depth = np.minimum(depth, term - after)
+        over |= most < inflight
+    depth = np.where(over, -1, np.minimum(depth, SATURATED))
+    if not (depth >= 0).any():
+        return bn.tolist(), None, tail.tolist(), depth.tolist()
+    times = {sid: columns[sid][7][0] for sid in dict.fromkeys(sids)}  # every distinct stage's, made above
+    if len(sids) > _ACCUMULATE_STAGES:  # ufunc.accumulate adds row after row: the same front-to-back sums
+        fill = np.add.accumulate(np.array([times[sid] for sid in sids]), axis=0)[-1]
+    else:
+        fill = times[sids[0]].copy()
+        for sid in sids[1:]:
+            fill += times[sid]
+    return bn.tolist(), fill.tolist(), tail.tolist(), depth.tolist()
+
+
+def _arrays(col: tuple) -> list:
+    """A signature's columns (times, tails, most, term) as arrays, made the first time they are needed."""
+    arrays = col[7]
+    if not arrays:
+        arrays.extend(np.array(x) for x in col[:4])
+    return arrays
 
 
 def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[float, float]:

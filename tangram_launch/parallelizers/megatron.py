@@ -43,11 +43,20 @@ import math
 import pickle
 from typing import Iterator
 
+import numpy as np
+
 from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
-from tangram_launch.costmodel.grid import StageTable, StageTables, judge_columns, least_floors, peak_memory
+from tangram_launch.costmodel.grid import (
+    GridIndex,
+    StageTable,
+    StageTables,
+    judge_columns,
+    least_floors,
+    peak_memory,
+)
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
@@ -248,10 +257,11 @@ class MegatronParallelizer:
         compute per micro-batch over every grid this parallelizer offers for q's island and micro-batch size (no
         recompute, no communication: floors that every slice plan's stage times are at least). The planner turns
         them into a floor under any plan's latency at one micro-batch size (api._size_floor)."""
-        coster = SliceCoster(q, flash_attention=self.flash_attention)
+        table = self._table(q)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
         if coster.device_error:
             return {}
-        table = self._table(q)
+        table.device = coster.dev
         table.attach(coster)
         out: dict[str, tuple[float, float]] = {}
         seen: set[tuple] = set()
@@ -275,9 +285,10 @@ class MegatronParallelizer:
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
         key = query_key(q, kinds)
-        coster = SliceCoster(q, flash_attention=self.flash_attention, layer_kinds=kinds)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, layer_kinds=kinds, device=table.device)
         if coster.device_error:
             return SliceResult(key, (), InfeasibleSlice((coster.device_error,)))
+        table.device = coster.dev  # the context's: later queries take it instead of building it again
         b = q.microbatch_sequences
         if b < 1 or q.training.global_batch % b:
             return SliceResult(key, (), InfeasibleSlice(
@@ -294,52 +305,54 @@ class MegatronParallelizer:
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
         score_cut = q.score_bound_s * (1.0 + 1e-9)
-        floors: dict[tuple, tuple] = {}  # (tp, cp, ep, dp) -> (per-kind layer floors, embedding, head, slice's floor)
+        floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind layer floors, embedding, head, slice's floor)
         floor_key = (tuple(coster.prefix), q.has_embedding, q.has_head)  # what time_floors reads of the slice
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
         # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
         gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
-        checked = table.grid_lists.get(gkey)
-        if checked is None:
+        index = table.grid_lists.get(gkey)
+        if index is None:
             whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
-            checked = table.grid_lists[gkey] = [(g, tuple(coster.check(g, slice_layers=False)))
-                                                for g in grids(whole, coster)]
+            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False)))
+                                                        for g in grids(whole, coster)])
         max_pp = q.num_layers
-        for grid, problems in checked:
-            if grid.pp > max_pp:
-                continue
-            if problems:
+        for pp, problems in index.problems:
+            if pp <= max_pp:
                 shape_reasons.update(problems)
-                continue
+        keep = index.pp <= max_pp  # the problem-free grids this slice can hold, in the order they were listed
+        if bound:
+            # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver: the grids whose
+            # floor cannot beat either bound are skipped at once (the same float operations as one by one)
+            hits, kind_floors, emb_floors, head_floors = _floor_arrays(table, index, coster, gkey, floor_key)
+            totals = 0  # per (tp, cp, ep, dp): the slice's floor, summed as sum() over its layer kinds would
+            for k, c in coster.layer_counts():
+                totals = totals + c * kind_floors[k]
+            totals = totals + emb_floors + head_floors
+            tot = totals[index.fkey_ids]
+            beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
+            bounded += int(np.count_nonzero(beyond))
+            keep &= ~beyond
+        for i in np.flatnonzero(keep).tolist():
+            grid = index.grids[i]
             if bound:
-                fkey = (grid.tp, grid.cp, grid.ep, grid.dp)
-                floor = floors.get(fkey)
+                f = index.fkey_list[i]
+                floor = floors.get(f)
                 if floor is None:
-                    tkey = (b, fkey, floor_key)
-                    hit = table.floors.get(tkey)
-                    if hit is None:
-                        hit = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
-                    per_kind, emb_s, head_s = hit
-                    total = sum(c * per_kind[k] for k, c in coster.layer_counts()) + emb_s + head_s
-                    floor = floors[fkey] = (per_kind, emb_s, head_s, total)
-                # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver
-                if q.beyond_bound((m - 1) * floor[3] / grid.pp + floor[3], m * floor[3] / grid.pp):
-                    bounded += 1
-                    continue
-            skey = (grid.tp > 1, grid.cp > 1, grid.ep > 1, grid.dp * grid.cp == 1, grid.pp > 1)
+                    floor = floors[f] = (*hits[f], float(totals[f]))
+            skey = index.saver_keys[i]
             allowed = saver_cache.get(skey)
             if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
                 allowed = saver_cache[skey] = tuple(savers(q, grid))
             if not allowed:
                 continue
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-            ranges = coster.split(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
+            sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
-                heaviest = _heaviest_floor(coster, ranges, floor)
+                heaviest = _heaviest_floor(coster, sizes, floor)
                 if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
                     bounded += 1
                     continue
-            ranges, sigs = table.signatures(coster, *dims, ranges=ranges)
+            ranges, sigs = table.signatures(coster, *dims, sizes=sizes)
             rows = table.stage_rows(coster, dims, sigs, allowed)
             columns = table.stage_columns(sigs, allowed, m, cap)
             if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
@@ -481,15 +494,36 @@ class MegatronParallelizer:
         return InfeasibleSlice((reason,), peak, bd)
 
 
-def _heaviest_floor(coster: SliceCoster, ranges: tuple[tuple[int, int], ...], floor: tuple) -> float:
-    """The largest compute floor of the split's stages (SliceCoster.time_floors per layer kind, the embedding's
-    on the slice's first stage, the head's on its last), added up as the general loop always did."""
+def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, floor_key: tuple) -> tuple:
+    """SliceCoster.time_floors (with communication) of every (tp, cp, ep, dp) of a grid list, for slices alike in
+    what those floors read (``floor_key``: layer kinds, embedding, head): the answers, and per layer kind, for the
+    embedding and for the head, the floors as arrays over GridIndex.fkeys."""
+    hit = table.floor_arrays.get((gkey, floor_key))
+    if hit is None:
+        b = coster.q.microbatch_sequences
+        hits = []
+        for fkey in index.fkeys:
+            tkey = (b, fkey, floor_key)
+            floors = table.floors.get(tkey)
+            if floors is None:
+                floors = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
+            hits.append(floors)
+        kinds = {k: np.array([h[0][k] for h in hits], dtype=np.float64) for k in coster.prefix}
+        hit = table.floor_arrays[gkey, floor_key] = (
+            hits, kinds, np.array([h[1] for h in hits], dtype=np.float64),
+            np.array([h[2] for h in hits], dtype=np.float64))
+    return hit
+
+
+def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -> float:
+    """The largest compute floor of the split's stages (layers per stage: ``sizes``; SliceCoster.time_floors per
+    layer kind, the embedding's on the slice's first stage, the head's on its last), added up as the general loop
+    always did."""
     per_kind, emb_s, head_s, _total = floor
     first, last = coster.q.layers
     prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
     if len(prefix) == 1:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
         (w,) = per_kind.values()
-        sizes = [z - a for a, z in ranges]
         heaviest = sizes[0] * w + emb_s
         if len(sizes) > 1:
             tail = sizes[-1] * w + head_s
@@ -497,7 +531,7 @@ def _heaviest_floor(coster: SliceCoster, ranges: tuple[tuple[int, int], ...], fl
             return max(heaviest, mid, tail)
         return heaviest + head_s
     heaviest = 0.0
-    for a, z in ranges:
+    for a, z in coster.stage_ranges(sizes):
         f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
         if a == first:
             f += emb_s
