@@ -109,10 +109,10 @@ def test_readme_hand_written_plan_is_the_documented_format(tmp_path):
     path = tmp_path / "my-plan.yaml"
     path.write_text(yaml.safe_dump(readme_yaml("my-plan.yaml")))
     manual = load_manual_plan(str(path), num_layers=40, island_names=["a100-80gb", "v100-32gb", "v100-16gb"])
-    assert [s.layers for s in manual.stages] == [(0, 5), (5, 12), (12, 19), (19, 40)]
-    assert [s.island for s in manual.stages] == ["v100-16gb", "v100-32gb", "v100-32gb", "a100-80gb"]
-    assert manual.stages[0].fixed == {"tp": 2, "dp": 2, "zero_stage": 2, "recompute": "selective"}
-    assert manual.stages[1].fixed == manual.stages[2].fixed == {"tp": 2, "dp": 2, "zero_stage": 2}
+    assert [s.layers for s in manual.stages] == [(0, 6), (6, 13), (13, 19), (19, 40)]
+    assert [s.island for s in manual.stages] == ["v100-32gb", "v100-32gb", "v100-16gb", "a100-80gb"]
+    assert manual.stages[0].fixed == manual.stages[1].fixed == {"tp": 2, "dp": 2, "zero_stage": 2}
+    assert manual.stages[2].fixed == {"tp": 2, "dp": 2, "zero_stage": 2, "recompute": "selective"}
     assert manual.stages[3].fixed == {"tp": 2, "dp": 2, "zero_stage": 3}
 
 
