@@ -33,6 +33,7 @@ from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s
 from tangram_launch.planner.compose import Composition, ComposeStats, compose
+from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
@@ -218,7 +219,10 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
     _, b_best, group_best, comp_best, cand = best
     group_idx = class_members(cand.groups)[group_best]
-    dropped = _dropped_islands(cand, group_idx, comp_best, all_islands, pairset, L, caps, opts)
+    dropped = dropped_islands(
+        cand, group_idx, comp_best, all_islands, pairset, L, caps, opts.exact_islands,
+        lambda k: _compose_group(cand, group_idx, L, cand.num_microbatches, caps, opts, ComposeStats(),
+                                 required_mask=1 << k))
     compose_s = counters["compose_s"] + time.perf_counter() - t_c
 
     stats = {
@@ -595,45 +599,6 @@ def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: st
     for o in candidates:
         if o not in out:
             out.append(o)
-    return out
-
-
-def _dropped_islands(cand: Candidates, idx: Sequence[int], best: Composition, islands: Sequence["Island"],
-                     pairset: PairSet, L: int, caps: RuntimeCapabilities, opts: PlannerOptions) -> list[dict]:
-    """Each island the plan leaves out, with the reason (pruned, never fits, or only adds a bottleneck)."""
-    used = {cand.options[i].island for i in best.options}
-    present = {cand.options[i].island for i in idx}
-    out = []
-    for k, isl in enumerate(islands):
-        if k in used:
-            continue
-        # the search's bound (SliceQuery.latency_bound_s) left its slice plans out before they were costed
-        bounded = (f"{isl.name}: every plan using it is slower: none of its slice plans can be part of a pipeline "
-                   f"faster than the chosen plan ({best.objective_s:.3g} s per iteration): each one's own (m - 1) x "
-                   f"slowest stage + stage times + DP sync is already longer")
-        if isl.name in pairset.island_notes:
-            reason = pairset.island_notes[isl.name]
-        elif k not in present:
-            why = cand.infeasible.get(isl.name)
-            reason = (bounded if cand.bounded.get(isl.name) else
-                      f"{isl.name}: no slice plan fits on it ({why[0]})" if why else
-                      f"{isl.name}: none of its slice plans can run with the other stages under {caps.name}")
-        else:
-            comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, ComposeStats(),
-                                  required_mask=1 << k)
-            if comp is None and cand.bounded.get(isl.name):
-                reason = bounded
-            elif comp is None:
-                reason = (f"{isl.name}: no feasible plan uses it (its slices do not fit in memory at any pipeline "
-                          f"position that leaves room for the rest of the model)")
-            else:
-                reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.objective_s:.3g} s "
-                          f"per iteration (slowest stage or link {comp.metrics.period_s:.3g} s per micro-batch), "
-                          f"the best plan without it takes {best.objective_s:.3g} s (slowest stage or link "
-                          f"{best.metrics.period_s:.3g} s)"
-                          + (" (of the plans costed: the bound skipped those that could not beat the chosen one)"
-                             if cand.bounded.get(isl.name) else ""))
-        out.append({"island": isl.name, "reason": reason})
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tangram_launch.planner.compose import Composition, Option, evaluate
+from tangram_launch.planner.compose import Composition, Metrics, Option, evaluate
 
 
 def brute_force(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int,
@@ -41,3 +41,30 @@ def brute_force(options: Sequence[Option], link_s: Sequence[Sequence[float]], nu
 
     walk(0, 0, [], 0)
     return best[0]
+
+
+def feasible_sequences(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int,
+                       num_microbatches: int) -> list[tuple[tuple[int, ...], Metrics]]:
+    """Every front-to-back sequence covering [0, L) with distinct islands that fits in memory, with its metrics
+    (to check floors such as dropped.island_floor_s against every plan)."""
+    by_start: dict[int, list[int]] = {}
+    for i, o in enumerate(options):
+        by_start.setdefault(o.start, []).append(i)
+    out: list[tuple[tuple[int, ...], Metrics]] = []
+
+    def walk(pos: int, used: int, seq: list[int]) -> None:
+        if pos == num_layers:
+            m = evaluate(seq, options, link_s, num_microbatches)
+            if m is not None:
+                out.append((tuple(seq), m))
+            return
+        for oi in by_start.get(pos, ()):
+            o = options[oi]
+            if used >> o.island & 1 or o.stop > num_layers:
+                continue
+            seq.append(oi)
+            walk(o.stop, used | 1 << o.island, seq)
+            seq.pop()
+
+    walk(0, 0, [])
+    return out

@@ -1,0 +1,60 @@
+"""Reasons for dropped islands (planner/dropped.py): the floor under every plan using an island, against brute
+force, and the reasons the planner words from it."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.planner.compose import Option
+from tangram_launch.planner.dropped import island_floor_s
+from tangram_launch.planner.reference import feasible_sequences
+
+NEVER = -1
+ROOM = 1 << 30
+
+
+def _instance(seed: int):
+    rng = random.Random(seed)
+    L = rng.randint(1, 6)
+    K = rng.randint(1, 3)
+    m = rng.choice([1, 2, 4, 8, 32])
+    options = []
+    for a in range(L):
+        for b in range(a + 1, L + 1):
+            for k in range(K):
+                for _ in range(rng.choice([0, 1, 1, 2])):
+                    ns = rng.choice([1, 1, 2, 3])
+                    bn = rng.uniform(0.1, 2.0) * (b - a) / ns
+                    options.append(Option(a, b, k, ns, rng.choice([NEVER, 0, 1, 2, 5, ROOM]), bn * rng.uniform(1, ns),
+                                          bn, rng.choice([0.0, rng.uniform(0, 3)])))
+    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.5)]) for j in range(K)] for i in range(K)]
+    return options, link, L, m, K
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10**6))
+def test_island_floor_is_under_every_plan_using_the_island(seed):
+    options, link, L, m, K = _instance(seed)
+    plans = feasible_sequences(options, link, L, m)
+    idx = list(range(len(options)))
+    for k in range(K):
+        floor_s = island_floor_s(options, idx, k, L, m)
+        using = [m * max(options[i].bottleneck_s for i in seq) + metrics.tail_s
+                 for seq, metrics in plans if any(options[i].island == k for i in seq)]
+        if using:
+            assert floor_s <= min(using) * (1 + 1e-12)
+        if floor_s == math.inf:
+            assert not using
+
+
+def test_island_floor_is_the_plan_when_the_island_holds_the_slowest_stage():
+    # island 1 must hold layers [1, 2) at 3 s; island 0 covers the rest at 1 s: floor = m x 3 + the larger tail
+    options = [Option(0, 1, 0, 1, ROOM, 1.0, 1.0, 0.5), Option(1, 2, 1, 1, ROOM, 3.0, 3.0, 0.2),
+               Option(0, 2, 0, 1, ROOM, 2.0, 2.0, 0.5)]
+    assert island_floor_s(options, range(3), 1, 2, 4) == pytest.approx(4 * 3.0 + 0.5)
+    # without a cover of [0, 1) by another island no plan can use island 1
+    assert island_floor_s(options[1:], range(2), 1, 2, 4) == math.inf
