@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram_launch.planner.compose import Option
-from tangram_launch.planner.dropped import island_floor_s
+from tangram_launch.planner.cover_floors import island_floor_s
 from tangram_launch.planner.reference import feasible_sequences
 
 NEVER = -1
@@ -58,3 +58,18 @@ def test_island_floor_is_the_plan_when_the_island_holds_the_slowest_stage():
     assert island_floor_s(options, range(3), 1, 2, 4) == pytest.approx(4 * 3.0 + 0.5)
     # without a cover of [0, 1) by another island no plan can use island 1
     assert island_floor_s(options[1:], range(2), 1, 2, 4) == math.inf
+
+
+def test_islands_whose_floor_cannot_beat_the_incumbent_are_left_out_of_the_order_search():
+    from tangram_launch.planner.api import _hopeful_islands
+
+    # islands 0-2 hold each layer at 1, 1.5 and 2 s per micro-batch, island 3 at 10 s; m = 4. Floors: islands 0 and
+    # 1: 4 x 1.5 + 0.1 (the other layer on the best other island), island 2: 4 x 2 + 0.1, island 3: 4 x 10 + 0.1
+    options = [Option(0, 1, k, 1, ROOM, 1.0 + k / 2, 1.0 + k / 2, 0.1) for k in range(3)]
+    options += [Option(1, 2, k, 1, ROOM, 1.0 + k / 2, 1.0 + k / 2, 0.1) for k in range(3)]
+    options += [Option(0, 2, 3, 1, ROOM, 10.0, 10.0, 0.1), Option(1, 2, 3, 1, ROOM, 10.0, 10.0, 0.1)]
+    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 9.0) == [0, 1, 2]
+    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 6.2) == [0, 1]
+    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 6.1) == []  # a floor equal to the incumbent cannot beat it
+    assert _hopeful_islands(options, [0, 1, 2, 3], 1 << 3, 2, 4, 6.2) == [0, 1, 3]  # a required island stays
+    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, math.inf) == [0, 1, 2, 3]  # no incumbent yet

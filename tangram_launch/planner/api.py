@@ -32,7 +32,8 @@ from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, Sli
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s
-from tangram_launch.planner.compose import Composition, ComposeStats, compose
+from tangram_launch.planner.compose import Composition, ComposeStats, Option, compose
+from tangram_launch.planner.cover_floors import island_floor_s, promising
 from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
@@ -544,13 +545,24 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
     beat it are not simulated)."""
+    # options no plan beating the incumbents can hold (cover_floors.promising): compose would prune them at every
+    # use, but they cost it time in each of up to hundreds of island orders
+    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s)
     sub = [cand.options[i] for i in idx]
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
+    if len(present) > opts.exact_islands:
+        present = _hopeful_islands(sub, present, required_mask, L, m, score_incumbent_s)
+        allowed_mask = sum(1 << k for k in present)
     best = None
 
+    scores: dict[tuple[int, ...], float] = {}  # the island orders meet the same plans again and again
+
     def predicted_s(seq: tuple[int, ...], metrics) -> float:  # what build_plan will report for it
-        return cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
-                                    capabilities=caps).latency_s
+        hit = scores.get(seq)
+        if hit is None:
+            hit = scores[seq] = cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
+                                                     capabilities=caps).latency_s
+        return hit
 
     def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s: the slowest stage runs m forwards and backwards (plain or interleaved), then the tail."""
@@ -577,6 +589,23 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     if best is None:
         return None
     return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s, best.score_s)
+
+
+def _hopeful_islands(sub: Sequence[Option], present: Sequence[int], required_mask: int, L: int, m: int,
+                     score_incumbent_s: float) -> list[int]:
+    """The islands some plan through which could still beat the best predicted iteration found elsewhere: an
+    island under whose every plan the score floor (dropped.island_floor_s) is no lower is left out, until none is
+    (each one left out raises the others' floors). Every plan through such an island loses to the incumbent, so
+    none that could win is lost, and fewer islands can bring the search back to the exact one (<= exact_islands)."""
+    keep = list(present)
+    if score_incumbent_s == math.inf:
+        return keep
+    while True:
+        idx = [i for i, o in enumerate(sub) if o.island in keep]
+        out = [k for k in keep if required_mask >> k & 1 or island_floor_s(sub, idx, k, L, m) < score_incumbent_s]
+        if len(out) == len(keep):
+            return out
+        keep = out
 
 
 def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:

@@ -1,72 +1,26 @@
 """Why the plan leaves an island out: the reason each dropped island gets in the Plan's ``islands_dropped``.
 
 Pruned islands and islands without a usable slice plan say so. For an island whose slice plans were composed but
-lost, the reason quotes a floor under the predicted iteration of every plan using it, computed from the options
-alone (no composition): a plan that holds option o of the island covers the layers in front of o and behind it with
-options of the other islands, so its slowest stage is at least
-
-    max(o's bottleneck, least period of any cover of [0, o.start), least period of any cover of [o.stop, L))
-
-and its tail at least the same max over tails; the iteration is at least m x that stage + that tail (the composer's
-score floor). The least over the island's options is the floor. Only when that floor is below the chosen plan does
-the reason need the search itself: up to ``exact_islands`` islands one exact composition that must use the island
-prices its best plan; beyond that (an island-order search per dropped island cost 104 CPU-s on 4,096 GPUs) the
-reason says the floor and that the search found nothing faster.
+lost, the reason quotes a floor under the predicted iteration of every plan using it (cover_floors.island_floor_s:
+m x slowest stage + tail, the layers around each of its options covered by the other islands), computed from the
+options alone. Only when that floor is below the chosen plan does the reason need the search itself: up to
+``exact_islands`` islands one exact composition that must use the island prices its best plan; beyond that (an
+island-order search per dropped island cost 104 CPU-s on 4,096 GPUs) the reason says the floor and that the search
+found nothing faster.
 """
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from tangram_launch.planner.compose import Composition, Option
+from tangram_launch.planner.compose import Composition
+from tangram_launch.planner.cover_floors import island_floor_s
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.capabilities import RuntimeCapabilities
     from tangram_launch.islands import Island
     from tangram_launch.planner.build import Candidates
     from tangram_launch.planner.slices import PairSet
-
-
-def _covers(options: Sequence[Option], idx: Sequence[int], num_layers: int,
-            backward: bool) -> tuple[list[float], list[float]]:
-    """(period, tail): least slowest stage and least tail of any cover by these options of [0, j) (forward) or of
-    [j, L) (backward), per j; ignoring that an island holds one slice, links and memory. inf: no cover."""
-    period = [math.inf] * (num_layers + 1)
-    tail = [math.inf] * (num_layers + 1)
-    edge = num_layers if backward else 0
-    period[edge] = tail[edge] = 0.0
-    by_end: dict[int, list[Option]] = {}
-    for oi in idx:
-        o = options[oi]
-        by_end.setdefault(o.start if backward else o.stop, []).append(o)
-    steps = range(num_layers - 1, -1, -1) if backward else range(1, num_layers + 1)
-    for j in steps:
-        for o in by_end.get(j, ()):
-            rest = o.stop if backward else o.start
-            p = max(period[rest], o.bottleneck_s)
-            if p < period[j]:
-                period[j] = p
-            t = max(tail[rest], o.tail_s)
-            if t < tail[j]:
-                tail[j] = t
-    return period, tail
-
-
-def island_floor_s(options: Sequence[Option], idx: Sequence[int], island: int, num_layers: int,
-                   num_microbatches: int) -> float:
-    """A floor under the predicted iteration (m x slowest stage + tail) of every plan from ``options[idx]`` that
-    uses ``island``; inf when no plan can use it (the layers around each of its options have no cover)."""
-    own = [oi for oi in idx if options[oi].island == island and options[oi].max_after >= 0]
-    others = [oi for oi in idx if options[oi].island != island and options[oi].max_after >= 0]
-    pre_period, pre_tail = _covers(options, others, num_layers, backward=False)
-    suf_period, suf_tail = _covers(options, others, num_layers, backward=True)
-    best = math.inf
-    for oi in own:
-        o = options[oi]
-        period = max(o.bottleneck_s, pre_period[o.start], suf_period[o.stop])
-        tail = max(o.tail_s, pre_tail[o.start], suf_tail[o.stop])
-        best = min(best, num_microbatches * period + tail)
-    return best
 
 
 def dropped_islands(cand: "Candidates", idx: Sequence[int], best: Composition, islands: Sequence["Island"],
