@@ -35,7 +35,7 @@ def _instance(seed: int):
     return options, link, L, m, K
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(0, 10**6))
 def test_island_floor_is_under_every_plan_using_the_island(seed):
     options, link, L, m, K = _instance(seed)
@@ -73,3 +73,26 @@ def test_islands_whose_floor_cannot_beat_the_incumbent_are_left_out_of_the_order
     assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 6.1) == []  # a floor equal to the incumbent cannot beat it
     assert _hopeful_islands(options, [0, 1, 2, 3], 1 << 3, 2, 4, 6.2) == [0, 1, 3]  # a required island stays
     assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, math.inf) == [0, 1, 2, 3]  # no incumbent yet
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from([1.0, 1.02, 1.2]))
+def test_options_left_out_as_unpromising_change_no_composition(seed, slack):
+    from tangram_launch.planner.compose import ComposeStats, compose
+    from tangram_launch.planner.cover_floors import promising
+    from tangram_launch.planner.reference import brute_force
+
+    options, link, L, m, K = _instance(seed)
+    best = brute_force(options, link, L, m)
+    if best is None:
+        return
+    to_beat = best.latency_s * slack  # an incumbent from elsewhere, at or above the optimum
+    keep = promising(options, range(len(options)), L, m, to_beat, to_beat)
+    kept = [options[i] for i in keep]
+    full = compose(options, link, L, m, incumbent_s=to_beat, stats=ComposeStats())
+    less = compose(kept, link, L, m, incumbent_s=to_beat, stats=ComposeStats())
+    assert (full is None) == (less is None)
+    if full is not None:
+        assert less.latency_s == pytest.approx(full.latency_s)
+    if slack > 1.0:  # the optimum's options are all kept
+        assert set(best.options) <= set(keep)
