@@ -48,8 +48,10 @@ def dropped_islands(cand: "Candidates", idx: Sequence[int], best: Composition, i
         else:
             floor_s = island_floor_s(cand.options, idx, k, num_layers, m)
             if floor_s == math.inf:
-                reason = (f"{isl.name}: no feasible plan uses it (for none of its slice plans do the other islands' "
-                          f"slice plans cover the layers in front of and behind it)")
+                reason = (f"{isl.name}: no feasible plan uses it: for none of its slice plans do the other islands' "
+                          f"slice plans cover the layers in front of and behind it"
+                          + (" (of the slice plans costed: the bound skipped those that could not beat the chosen "
+                             "plan)" if any(cand.bounded.values()) else ""))
             elif floor_s > best.objective_s:
                 reason = (f"{isl.name}: every plan using it is slower: each takes at least {floor_s:.3g} s per "
                           f"iteration (m x its slowest stage + DP sync and optimizer step, at the least the other islands allow), the "
