@@ -13,8 +13,9 @@ size, from the parallelizer's compute floors), a size whose floor cannot beat th
 every query carries the best latency so far so the parallelizer costs only what could beat it. Under megatron a
 pair whose floor (pair_floors.py: its layers on its island, the others on the other islands) cannot beat it is not
 asked at all. A size's compatibility classes are composed in the order of their floors (classes.py: each island
-holds one slice), and those that cannot beat it are skipped. -> islands left out, and GPUs left idle, with
-reasons -> Plan (build.py). Nothing fits: InfeasibleError with the reasons (exit status 3 on the command line).
+holds one slice), and those that cannot beat it are skipped; inside a class, options no plan beating the bounds can
+hold, and above five islands islands none can use, are dropped before composing (cover_floors.py). -> islands left
+out (reasons from a floor, dropped.py), and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
 
