@@ -13,8 +13,9 @@ size, from the parallelizer's compute floors), a size whose floor cannot beat th
 every query carries the best latency so far so the parallelizer costs only what could beat it. Under megatron a
 pair whose floor (pair_floors.py: its layers on its island, the others on the other islands) cannot beat it is not
 asked at all. A size's compatibility classes are composed in the order of their floors (classes.py: each island
-holds one slice), and those that cannot beat it are skipped. -> islands left out, and GPUs left idle, with
-reasons -> Plan (build.py). Nothing fits: InfeasibleError with the reasons (exit status 3 on the command line).
+holds one slice), and those that cannot beat it are skipped; inside a class, options no plan beating the bounds can
+hold, and above five islands islands none can use, are dropped before composing (cover_floors.py). -> islands left
+out (reasons from a floor, dropped.py), and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s
 from tangram_launch.planner.collector import fewer_collections
-from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, compose, plain_1f1b_floor_s
+from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, plain_1f1b_floor_s
+from tangram_launch.planner.cover_floors import island_floor_s, promising
+from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import default_workers, run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
@@ -228,7 +231,10 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
     _, b_best, group_best, comp_best, cand = best
     group_idx = class_members(cand.groups)[group_best]
-    dropped = _dropped_islands(cand, group_idx, comp_best, all_islands, pairset, L, caps, opts)
+    dropped = dropped_islands(
+        cand, group_idx, comp_best, all_islands, pairset, L, caps, opts.exact_islands,
+        lambda k: _compose_group(cand, group_idx, L, cand.num_microbatches, caps, opts, ComposeStats(),
+                                 required_mask=1 << k))
     compose_s = counters["compose_s"] + time.perf_counter() - t_c
 
     stats = {
@@ -570,14 +576,25 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
     beat it are not simulated); ``schedules``: the schedules whose predictions can matter here (_score_schedules),
     so that the composer prunes by their floors."""
+    # options no plan beating the incumbents can hold (cover_floors.promising): compose would prune them at every
+    # use, but they cost it time in each of up to hundreds of island orders
+    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s)
     sub = [cand.options[i] for i in idx]
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
+    if len(present) > opts.exact_islands:
+        present = _hopeful_islands(sub, present, required_mask, L, m, score_incumbent_s)
+        allowed_mask = sum(1 << k for k in present)
     best = None
 
+    scores: dict[tuple[int, ...], float] = {}  # the island orders meet the same plans again and again
+
     def predicted_s(seq: tuple[int, ...], metrics) -> float:  # what build_plan will report for it
-        return cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
-                                    capabilities=caps).latency_s
+        hit = scores.get(seq)
+        if hit is None:
+            hit = scores[seq] = cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
+                                                     capabilities=caps).latency_s
+        return hit
 
     def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s where it can matter: plain 1F1B, compose.plain_1f1b_floor_s; interleaved,
@@ -616,6 +633,23 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s, best.score_s)
 
 
+def _hopeful_islands(sub: Sequence[Option], present: Sequence[int], required_mask: int, L: int, m: int,
+                     score_incumbent_s: float) -> list[int]:
+    """The islands some plan through which could still beat the best predicted iteration found elsewhere: an
+    island under whose every plan the score floor (dropped.island_floor_s) is no lower is left out, until none is
+    (each one left out raises the others' floors). Every plan through such an island loses to the incumbent, so
+    none that could win is lost, and fewer islands can bring the search back to the exact one (<= exact_islands)."""
+    keep = list(present)
+    if score_incumbent_s == math.inf:
+        return keep
+    while True:
+        idx = [i for i, o in enumerate(sub) if o.island in keep]
+        out = [k for k in keep if required_mask >> k & 1 or island_floor_s(sub, idx, k, L, m) < score_incumbent_s]
+        if len(out) == len(keep):
+            return out
+        keep = out
+
+
 def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
     """Pipeline orders tried when there are too many islands for the exact search: most memory per GPU first
     (early stages hold the most in-flight activations under 1F1B), fastest first, slowest first, and least
@@ -636,45 +670,6 @@ def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: st
     for o in candidates:
         if o not in out:
             out.append(o)
-    return out
-
-
-def _dropped_islands(cand: Candidates, idx: Sequence[int], best: Composition, islands: Sequence["Island"],
-                     pairset: PairSet, L: int, caps: RuntimeCapabilities, opts: PlannerOptions) -> list[dict]:
-    """Each island the plan leaves out, with the reason (pruned, never fits, or only adds a bottleneck)."""
-    used = {cand.options[i].island for i in best.options}
-    present = {cand.options[i].island for i in idx}
-    out = []
-    for k, isl in enumerate(islands):
-        if k in used:
-            continue
-        # the search's bound (SliceQuery.latency_bound_s) left its slice plans out before they were costed
-        bounded = (f"{isl.name}: every plan using it is slower: none of its slice plans can be part of a pipeline "
-                   f"faster than the chosen plan ({best.objective_s:.3g} s per iteration): each one's own (m - 1) x "
-                   f"slowest stage + stage times + DP sync is already longer")
-        if isl.name in pairset.island_notes:
-            reason = pairset.island_notes[isl.name]
-        elif k not in present:
-            why = cand.infeasible.get(isl.name)
-            reason = (bounded if cand.bounded.get(isl.name) else
-                      f"{isl.name}: no slice plan fits on it ({why[0]})" if why else
-                      f"{isl.name}: none of its slice plans can run with the other stages under {caps.name}")
-        else:
-            comp = _compose_group(cand, idx, L, cand.num_microbatches, caps, opts, ComposeStats(),
-                                  required_mask=1 << k)
-            if comp is None and cand.bounded.get(isl.name):
-                reason = bounded
-            elif comp is None:
-                reason = (f"{isl.name}: no feasible plan uses it (its slices do not fit in memory at any pipeline "
-                          f"position that leaves room for the rest of the model)")
-            else:
-                reason = (f"{isl.name}: every plan using it is slower: the best one takes {comp.objective_s:.3g} s "
-                          f"per iteration (slowest stage or link {comp.metrics.period_s:.3g} s per micro-batch), "
-                          f"the best plan without it takes {best.objective_s:.3g} s (slowest stage or link "
-                          f"{best.metrics.period_s:.3g} s)"
-                          + (" (of the plans costed: the bound skipped those that could not beat the chosen one)"
-                             if cand.bounded.get(isl.name) else ""))
-        out.append({"island": isl.name, "reason": reason})
     return out
 
 
