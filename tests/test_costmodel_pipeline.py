@@ -8,6 +8,8 @@ import random
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulate_1f1b, simulated_1f1b_s
 from tangram_launch.draw import Text, timeline_items
@@ -97,3 +99,15 @@ def test_every_example_plans_prediction_is_the_simulation_of_its_stage_times(nam
         return
     assert plan.predicted.iteration_time_s == pytest.approx(end + plan.predicted.breakdown["tail_s"], rel=1e-12)
     assert simulated_1f1b_s(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches) == end
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10).flatmap(lambda S: st.tuples(
+    st.lists(st.floats(0.0, 2.0), min_size=S, max_size=S), st.lists(st.floats(0.0, 3.0), min_size=S, max_size=S),
+    st.lists(st.sampled_from([0.0, 0.05, 0.7]), min_size=S - 1, max_size=S - 1), st.integers(1, 24))))
+def test_the_recorded_op_order_gives_the_simulations_end_bit_for_bit(case):
+    """simulated_1f1b_s replays the op order the event simulation takes (recorded once per stages and m) instead
+    of re-checking readiness round after round: the same float operations, so the same end to the last bit."""
+    fwd, bwd, p2p, m = case
+    blocks = simulate_1f1b(fwd, bwd, p2p, m)
+    assert simulated_1f1b_s(fwd, bwd, p2p, m) == max(b.end_s for b in blocks)

@@ -29,6 +29,7 @@ The interleaved schedule has no event simulation yet: its predictions are the cl
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -110,13 +111,56 @@ def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequenc
 
 def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:
     """When the last block of :func:`simulate_1f1b`'s schedule ends (the same run, without building the blocks):
-    the Plan's predicted pipeline time, so the timeline's bars end where its title says."""
-    return _run_1f1b(fwd_s, bwd_s, p2p_s, m, None)
+    the Plan's predicted pipeline time, so the timeline's bars end where its title says.
+
+    The same float operations as _run_1f1b in the order _order_1f1b recorded for this (stages, m): which op can
+    run next depends on the schedule's shape only, so the planner, which simulates thousands of candidate
+    pipelines, skips the rounds of readiness checks."""
+    S = len(fwd_s)
+    if 2 * S * max(1, m) > _ORDER_MAX_OPS:
+        return _run_1f1b(fwd_s, bwd_s, p2p_s, m, None)
+    order = _order_1f1b(S, max(1, m))
+    durations = (*fwd_s, *bwd_s)  # [k]: stage k's forward, [S + k]: its backward
+    links = (0.0, *p2p_s, 0.0)  # [k]: the link in front of stage k (none in front of stage 0, behind the last)
+    end = [0.0] * (2 * S * max(1, m))
+    free = [0.0] * S
+    for slot, k, op, dep, link in order:
+        t = free[k]
+        if dep >= 0:
+            d = end[dep] + links[link] if link >= 0 else end[dep]
+            if d > t:
+                t = d
+        t += durations[op]
+        end[slot] = free[k] = t
+    return max(free) if free else 0.0
+
+
+_ORDER_MAX_OPS = 40_000  # longer schedules are simulated round by round (a kept order costs ~100 bytes an op)
+
+
+@functools.lru_cache(maxsize=16)
+def _order_1f1b(S: int, m: int) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Every op of a 1F1B schedule in an order where each one's dependency comes first, as (its end slot, stage,
+    duration index, the dependency's end slot or -1, link index or -1): _run_1f1b's own traversal, recorded with
+    zero durations (which op is ready is independent of the durations)."""
+    trace: list[tuple[int, bool, int]] = []
+    _run_1f1b([0.0] * S, [0.0] * S, [0.0] * max(0, S - 1), m, None, trace)
+    out = []
+    for k, forward, i in trace:
+        if forward:
+            dep, link = ((k - 1) * m + i) * 2 if k else -1, k if k else -1
+        elif k == S - 1:
+            dep, link = (k * m + i) * 2, -1  # its own forward, earlier in its order
+        else:
+            dep, link = ((k + 1) * m + i) * 2 + 1, k + 1
+        out.append(((k * m + i) * 2 + (0 if forward else 1), k, k if forward else S + k, dep, link))
+    return tuple(out)
 
 
 def _run_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
-              blocks: list[Block] | None) -> float:
-    """The one 1F1B event simulation; appends to ``blocks`` when given; returns the end of the last block.
+              blocks: list[Block] | None, trace: list[tuple[int, bool, int]] | None = None) -> float:
+    """The one 1F1B event simulation; appends to ``blocks`` when given, and (stage, is forward, micro-batch) of each
+    op in the order it ran to ``trace``; returns the end of the last block.
 
     Every stage advances through its own op order as far as its dependencies allow, round after round; end times
     live in flat per-stage lists (-1: not run yet), so a 128-stage, 1,024-micro-batch pipeline takes well under a
@@ -165,6 +209,8 @@ def _run_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[fl
                 (end_f if forward else end_b)[k][i] = t
                 if blocks is not None:
                     blocks.append(Block(k, "F" if forward else "B", i, start, t))
+                if trace is not None:
+                    trace.append((k, forward, i))
                 p += 1
             if p != pos[k]:
                 remaining -= p - pos[k]
