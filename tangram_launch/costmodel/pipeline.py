@@ -117,9 +117,13 @@ def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequ
     run next depends on the schedule's shape only, so the planner, which simulates thousands of candidate
     pipelines, skips the rounds of readiness checks."""
     S = len(fwd_s)
-    if 2 * S * max(1, m) > _ORDER_MAX_OPS:
-        return _run_1f1b(fwd_s, bwd_s, p2p_s, m, None)
-    order = _order_1f1b(S, max(1, m))
+    shape = _shape(S, max(1, m))  # [times simulated, the recorded order once it is met again]
+    shape[0] += 1
+    if shape[0] < 2 or 2 * S * max(1, m) > _ORDER_MAX_OPS:
+        return _run_1f1b(fwd_s, bwd_s, p2p_s, m, None)  # a shape met once does not pay for recording its order
+    if shape[1] is None:
+        shape[1] = _order_1f1b(S, max(1, m))
+    order = shape[1]
     durations = (*fwd_s, *bwd_s)  # [k]: stage k's forward, [S + k]: its backward
     links = (0.0, *p2p_s, 0.0)  # [k]: the link in front of stage k (none in front of stage 0, behind the last)
     end = [0.0] * (2 * S * max(1, m))
@@ -139,6 +143,12 @@ _ORDER_MAX_OPS = 40_000  # longer schedules are simulated round by round (a kept
 
 
 @functools.lru_cache(maxsize=16)
+def _shape(S: int, m: int) -> list:
+    """What simulated_1f1b_s keeps per schedule shape (the 16 most recent): how often it was simulated, and its
+    recorded op order (None until the second time)."""
+    return [0, None]
+
+
 def _order_1f1b(S: int, m: int) -> tuple[tuple[int, int, int, int, int], ...]:
     """Every op of a 1F1B schedule in an order where each one's dependency comes first, as (its end slot, stage,
     duration index, the dependency's end slot or -1, link index or -1): _run_1f1b's own traversal, recorded with
