@@ -15,7 +15,8 @@ pair whose floor (pair_floors.py: its layers on its island, the others on the ot
 asked at all. A size's compatibility classes are composed in the order of their floors (classes.py: each island
 holds one slice), and those that cannot beat it are skipped; inside a class, options no plan beating the bounds can
 hold, and above five islands islands none can use, are dropped before composing (cover_floors.py). -> islands left
-out (reasons from a floor, dropped.py), and GPUs left idle, with reasons -> Plan (build.py). Nothing fits: InfeasibleError with the reasons (exit status 3 on the command line).
+out (reasons from a floor, dropped.py), and GPUs left idle, with reasons -> Plan (build.py). Nothing fits:
+InfeasibleError with the reasons (exit status 3 on the command line).
 """
 from __future__ import annotations
 

@@ -56,6 +56,7 @@ _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
 _INF = float("inf")
 SCORE_ANY = ("any",)  # compose's score may be anything: its floor is m x period + tail
+_COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
 def plain_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
@@ -71,7 +72,6 @@ def plain_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Se
         if k + 1 < len(seq):
             front += o.time_s + 2.0 * link_s[o.island][options[seq[k + 1]].island]
     return best + tail_s
-_COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
 class Option(NamedTuple):
@@ -268,7 +268,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     keep = -1 if rank is None else required  # bits of "used" that the key remembers
     prune = beat < float("inf") or score_only
     floor_terms = (m1, period_lb, prefix)
-    slack = 1e-9 * abs(beat) if beat < float("inf") else 0.0  # the skips sum in another order than the check: keep, not skip
+    slack = 1e-9 * abs(beat) if beat < _INF else 0.0  # the skips sum in another order than the check: keep, not skip
     shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
     if rank is not None:  # island k's option may have in front only islands ranked before k
         before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
