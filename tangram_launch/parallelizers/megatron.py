@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import math
 import pickle
-from typing import Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -94,6 +94,20 @@ def query_key(q: SliceQuery, kinds: tuple[str, ...] | None = None) -> tuple:
     if kinds is None:
         kinds = tuple(q.model.layer_kind(i) for i in range(*q.layers))
     return (q.island.name, q.num_layers, kinds, q.has_embedding, q.has_head, q.microbatch_sequences)
+
+
+def _memo(owner: object, name: str, key: Hashable, make: Callable[[], Any], limit: int | None = None) -> Any:
+    """``make()`` kept under ``key`` in the dict ``owner`` holds as ``name`` (made on first use; a process-local
+    cache, which __getstate__ leaves out); with ``limit``, the dict is emptied before it would grow past it."""
+    cache = owner.__dict__.get(name)
+    if cache is None:
+        cache = owner.__dict__[name] = {}
+    hit = cache.get(key)
+    if hit is None:
+        if limit is not None and len(cache) >= limit:
+            cache.clear()
+        hit = cache[key] = make()
+    return hit
 
 
 def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
@@ -192,15 +206,8 @@ class MegatronParallelizer:
         key = (isl.num_gpus, isl.gpus_per_node, q.microbatch_sequences, max_pp, caps.tensor_parallel,
                caps.context_parallel, caps.expert_parallel, coster.seq_len, model.num_heads, model.num_kv_heads,
                model.is_moe, model.num_experts, self.gpu_subsets)
-        cache = self.__dict__.get("_grid_lists")
-        if cache is None:
-            cache = self._grid_lists = {}
-        hit = cache.get(key)
-        if hit is None:
-            if len(cache) >= _MAX_GRID_LISTS:
-                cache.clear()
-            hit = cache[key] = tuple(self._enumerate_grids(q, coster, max_pp))
-        return iter(hit)
+        return iter(_memo(self, "_grid_lists", key, lambda: tuple(self._enumerate_grids(q, coster, max_pp)),
+                          limit=_MAX_GRID_LISTS))
 
     def _enumerate_grids(self, q: SliceQuery, coster: SliceCoster, max_pp: int) -> Iterator[ParallelConfig]:
         isl, model, caps = q.island, q.model, q.capabilities
@@ -417,14 +424,8 @@ class MegatronParallelizer:
     def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
         queries (templates.judge_templates judges a shared pair once)."""
-        cache = self.__dict__.get("_shape_cache")
-        if cache is None:
-            cache = self._shape_cache = {}
         key = (grid.tp, grid.dp, grid.cp, grid.ep, zero, r, off, pp, mbs)
-        hit = cache.get(key)
-        if hit is None:
-            hit = cache[key] = ((_config(grid, zero, r, off).shape(),) * pp, (mbs,) * pp)
-        return hit
+        return _memo(self, "_shape_cache", key, lambda: ((_config(grid, zero, r, off).shape(),) * pp, (mbs,) * pp))
 
     def _table(self, q: SliceQuery) -> StageTable:
         """The stage table of the query's context: island, model, training, runtime and cost-model options."""
@@ -434,15 +435,8 @@ class MegatronParallelizer:
         # the same objects come with every query of a planning run: their pickle is taken once (they are frozen;
         # the entry holds them, so their ids stay theirs)
         ids = (id(q.island), id(q.model), id(q.training), id(q.capabilities), self.flash_attention)
-        seen = self.__dict__.get("_contexts")
-        if seen is None:
-            seen = self._contexts = {}
-        hit = seen.get(ids)
-        if hit is None:
-            if len(seen) >= _MAX_CONTEXT_IDS:
-                seen.clear()
-            parts = (q.island, q.model, q.training, q.capabilities, self.flash_attention)
-            hit = seen[ids] = (pickle.dumps(parts, protocol=4), parts)
+        parts = (q.island, q.model, q.training, q.capabilities, self.flash_attention)
+        hit = _memo(self, "_contexts", ids, lambda: (pickle.dumps(parts, protocol=4), parts), limit=_MAX_CONTEXT_IDS)
         return tables.get(hit[0])
 
     def _stages(self, table: StageTable, coster: SliceCoster, cfg: ParallelConfig,
