@@ -487,9 +487,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         floors, score_floors = {}, {}
         for group, idx in classes.items():
             one: dict = {}
-            # under "auto", a one-grid class adds only interleaved pipelines: each of its plain 1F1B pipelines
-            # is one of the free class's, or its options are beaten there option by option (GridClass.in_base)
-            only = group.grid is not None and opts.schedule == "auto"
+            only = _score_schedules(group, caps, opts) == ("interleaved",)  # its score floor: interleaved only
             floors[group] = class_floors_s([cand.options[i] for i in idx], [0] * len(idx), L, m,
                                            score_floors=None if only else one,
                                            interleaved_floors=(one, MAX_VIRTUAL_STAGES) if only else None
