@@ -409,35 +409,45 @@ def _minmax_bottleneck(options: Sequence[Option], idx: Sequence[int], num_layers
     return _best_cover(options, idx, num_layers, lambda o, rest: max(o.bottleneck_s, rest))
 
 
-def _prefix_bounds(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> tuple[list, list, list]:
-    """pre_fill[j], pre_period[j], pre_tail[j]: least fill, least period and least tail of any cover of [0, j) by
-    these options (ignoring that an island is used once, and memory)."""
+class Covers(NamedTuple):
+    """Per layer boundary j: the least fill, period and tail of any cover of [0, j) (front) or [j, L) (back)."""
+
+    fill_s: list[float]
+    period_s: list[float]
+    tail_s: list[float]
+
+
+def covers(options: Sequence[Option], idx: Sequence[int], num_layers: int, *, back: bool) -> Covers:
+    """Least fill, period and tail of any cover by ``options[idx]`` of [0, j) (back=False) or [j, L) (back=True),
+    each minimised on its own; inf where there is no cover."""
     fill = [float("inf")] * (num_layers + 1)
     period = [float("inf")] * (num_layers + 1)
     tail = [float("inf")] * (num_layers + 1)
-    fill[0] = period[0] = tail[0] = 0.0
-    by_stop: dict[int, list[int]] = {}
+    edge = num_layers if back else 0
+    fill[edge] = period[edge] = tail[edge] = 0.0
+    by_end: dict[int, list[Option]] = {}
     for oi in idx:
-        by_stop.setdefault(options[oi].stop, []).append(oi)
-    for j in range(1, num_layers + 1):
-        best_fill = best_period = best_tail = float("inf")
-        for oi in by_stop.get(j, ()):
-            start, _, _, _, _, time_s, bn, tail_s = options[oi]
-            v = fill[start] + time_s
-            if v < best_fill:
-                best_fill = v
-            v = period[start] if period[start] > bn else bn
-            if v < best_period:
-                best_period = v
-            v = tail[start] if tail[start] > tail_s else tail_s
-            if v < best_tail:
-                best_tail = v
-        fill[j], period[j], tail[j] = best_fill, best_period, best_tail
-    return fill, period, tail
+        o = options[oi]
+        by_end.setdefault(o.start if back else o.stop, []).append(o)
+    for j in (range(num_layers - 1, -1, -1) if back else range(1, num_layers + 1)):
+        best_f = best_p = best_t = float("inf")
+        for o in by_end.get(j, ()):
+            rest = o.stop if back else o.start
+            v = fill[rest] + o.time_s
+            if v < best_f:
+                best_f = v
+            v = period[rest] if period[rest] > o.bottleneck_s else o.bottleneck_s
+            if v < best_p:
+                best_p = v
+            v = tail[rest] if tail[rest] > o.tail_s else o.tail_s
+            if v < best_t:
+                best_t = v
+        fill[j], period[j], tail[j] = best_f, best_p, best_t
+    return Covers(fill, period, tail)
 
 
 class _PrefixBounds:
-    """_prefix_bounds over the options of a set of islands, per set (a bit mask), computed on first use: the layers
+    """covers of [0, j) over the options of a set of islands, per set (a bit mask), computed on first use: the layers
     in front of an option can be covered only by the islands the sequence behind it leaves free, and when the fast
     island is already behind, that cover is much slower than the least over all islands."""
 
@@ -455,7 +465,7 @@ class _PrefixBounds:
         hit = self._cache.get(mask)
         if hit is None:
             sub = [oi for k, lst in sorted(self._by_island.items()) if mask >> k & 1 for oi in lst]
-            hit = self._cache[mask] = _prefix_bounds(self._options, sub, self._num_layers)
+            hit = self._cache[mask] = covers(self._options, sub, self._num_layers, back=False)
         return hit
 
 

@@ -17,46 +17,9 @@ options, give the floor a dropped island's reason quotes (dropped.py).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-from tangram_launch.planner.compose import Option
-
-
-class Covers(NamedTuple):
-    """Per layer boundary j: the least fill, period and tail of any cover of [0, j) (front) or [j, L) (back)."""
-
-    fill_s: list[float]
-    period_s: list[float]
-    tail_s: list[float]
-
-
-def covers(options: Sequence[Option], idx: Sequence[int], num_layers: int, *, back: bool) -> Covers:
-    """Least fill, period and tail of any cover by ``options[idx]`` of [0, j) (back=False) or [j, L) (back=True),
-    each minimised on its own; inf where there is no cover."""
-    fill = [math.inf] * (num_layers + 1)
-    period = [math.inf] * (num_layers + 1)
-    tail = [math.inf] * (num_layers + 1)
-    edge = num_layers if back else 0
-    fill[edge] = period[edge] = tail[edge] = 0.0
-    by_end: dict[int, list[Option]] = {}
-    for oi in idx:
-        o = options[oi]
-        by_end.setdefault(o.start if back else o.stop, []).append(o)
-    for j in (range(num_layers - 1, -1, -1) if back else range(1, num_layers + 1)):
-        best_f = best_p = best_t = math.inf
-        for o in by_end.get(j, ()):
-            rest = o.stop if back else o.start
-            v = fill[rest] + o.time_s
-            if v < best_f:
-                best_f = v
-            v = period[rest] if period[rest] > o.bottleneck_s else o.bottleneck_s
-            if v < best_p:
-                best_p = v
-            v = tail[rest] if tail[rest] > o.tail_s else o.tail_s
-            if v < best_t:
-                best_t = v
-        fill[j], period[j], tail[j] = best_f, best_p, best_t
-    return Covers(fill, period, tail)
+from tangram_launch.planner.compose import Option, covers
 
 
 def usable(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> list[int]:
