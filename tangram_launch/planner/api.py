@@ -38,7 +38,7 @@ from tangram_launch.planner.collector import fewer_collections
 from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, plain_1f1b_floor_s
 from tangram_launch.planner.cover_floors import island_floor_s, promising
 from tangram_launch.planner.dropped import dropped_islands
-from tangram_launch.planner.enumerate import default_workers, run_queries
+from tangram_launch.planner.enumerate import QueryPool, default_workers
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
@@ -217,16 +217,18 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     counters = {"queries": 0, "configs": 0, "bounded": 0, "sizes_skipped": 0, "pairs_skipped": 0, "query_s": 0.0,
                 "compose_s": 0.0}
     tried: list[int] = []
-    while bs:
-        tried.extend(bs)
-        best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                                 training=training, pairset=pairset, islands=all_islands, caps=caps, par=par,
-                                 opts=opts)
-        if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
-            break
-        # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
-        k = divs.index(best[1])
-        bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
+    # one pool for the search's every batch: its workers keep their caches warm (enumerate.py)
+    with QueryPool(par, opts.max_workers, progress=opts.progress, label=f"planning {model.name}") as pool:
+        while bs:
+            tried.extend(bs)
+            best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                                     training=training, pairset=pairset, islands=all_islands, caps=caps,
+                                     pool=pool, opts=opts)
+            if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
+                break
+            # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
+            k = divs.index(best[1])
+            bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
     t_c = time.perf_counter()
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
@@ -289,7 +291,7 @@ def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpe
 
 def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, counters: dict,
                       cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
-                      pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, par: Parallelizer,
+                      pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool,
                       opts: PlannerOptions):
     """Query and compose the micro-batch sizes ``bs``; returns the best (latency, b, group, composition,
     candidates) so far.
@@ -305,6 +307,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     whole = [p for p in pairset.queries if p.layers == (0, L)]
     rest = [p for p in pairset.queries if p.layers != (0, L)]
     bnb = opts.branch_and_bound
+    par = pool.parallelizer
     floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
                              par=par if bnb else None) for b in bs}
 
@@ -321,7 +324,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
             counters["sizes_skipped"] += 1
             return None
         _ask([b], pairs, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
-             caps=caps, par=par, opts=opts)
+             caps=caps, pool=pool)
         best, own_s = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                                  training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
                                  use_incumbent=use_incumbent)
@@ -427,8 +430,8 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
 
 def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor,
          results: dict, counters: dict, *, model: "ModelSpec", training: "TrainingSpec",
-         islands: Sequence["Island"], caps: RuntimeCapabilities, par: Parallelizer, opts: PlannerOptions) -> None:
-    """Query every (b, pair) in one pool; answers go to results[b][pair.key]. A pair's query carries the
+         islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool) -> None:
+    """Query every (b, pair) in the search's pool; answers go to results[b][pair.key]. A pair's query carries the
     closed-form bound less the least fill of the layers outside its slice (the rest of any pipeline adds at least
     that), and the best predicted iteration."""
     L = model.num_layers
@@ -450,8 +453,7 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
     if not queries:
         return
     t_q = time.perf_counter()
-    answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress,
-                          label=f"planning {model.name}")
+    answers = pool.run(queries)
     counters["query_s"] += time.perf_counter() - t_q
     counters["queries"] += len(queries)
     for (b, p), r in zip(where, answers):
