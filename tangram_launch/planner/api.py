@@ -168,18 +168,21 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
            runtime: str | RuntimeCapabilities = "torch", parallelizer: str | Parallelizer = "megatron",
            islands: IslandSet | None = None, options: PlannerOptions | None = None) -> SearchResult:
     """Plan, and keep everything that went into the plan."""
-    with fewer_collections():  # collector.py: the search's many long-lived objects made collections costly
-        return _search(cluster, model, training, runtime=runtime, parallelizer=parallelizer, islands=islands,
-                       options=options)
+    opts = options or PlannerOptions()
+    # collector.py: the search's many long-lived objects made collections costly. One query pool for all the
+    # search's batches (enumerate.py): its workers keep their caches warm, and stop when the search ends.
+    with fewer_collections(), QueryPool(resolve_parallelizer(parallelizer), opts.max_workers,
+                                        progress=opts.progress, label=f"planning {model.name}") as pool:
+        return _search(cluster, model, training, runtime=runtime, pool=pool, islands=islands, options=opts)
 
 
 def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
-            runtime: str | RuntimeCapabilities, parallelizer: str | Parallelizer,
-            islands: IslandSet | None, options: PlannerOptions | None) -> SearchResult:
+            runtime: str | RuntimeCapabilities, pool: QueryPool,
+            islands: IslandSet | None, options: PlannerOptions) -> SearchResult:
     t0 = time.perf_counter()
-    opts = options or PlannerOptions()
+    opts = options
     caps = resolve_capabilities(runtime).for_model(model.num_experts)  # MoE: per-stage grids where the runtime has them
-    par = resolve_parallelizer(parallelizer)
+    par = pool.parallelizer
     iset = islands or build_islands(cluster, dtype=training.dtype)
     all_islands = tuple(iset.islands)
     atoms = ModelAtoms(model, training)
@@ -217,18 +220,16 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     counters = {"queries": 0, "configs": 0, "bounded": 0, "sizes_skipped": 0, "pairs_skipped": 0, "query_s": 0.0,
                 "compose_s": 0.0}
     tried: list[int] = []
-    # one pool for the search's every batch: its workers keep their caches warm (enumerate.py)
-    with QueryPool(par, opts.max_workers, progress=opts.progress, label=f"planning {model.name}") as pool:
-        while bs:
-            tried.extend(bs)
-            best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                                     training=training, pairset=pairset, islands=all_islands, caps=caps,
-                                     pool=pool, opts=opts)
-            if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
-                break
-            # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
-            k = divs.index(best[1])
-            bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
+    while bs:
+        tried.extend(bs)
+        best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                                 training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
+                                 opts=opts)
+        if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
+            break
+        # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
+        k = divs.index(best[1])
+        bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
     t_c = time.perf_counter()
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
@@ -307,9 +308,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     whole = [p for p in pairset.queries if p.layers == (0, L)]
     rest = [p for p in pairset.queries if p.layers != (0, L)]
     bnb = opts.branch_and_bound
-    par = pool.parallelizer
     floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
-                             par=par if bnb else None) for b in bs}
+                             par=pool.parallelizer if bnb else None) for b in bs}
 
     def bound() -> tuple[float, float]:
         """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
