@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
+import time
+
+if __name__ == "__main__":  # planning-process mode: make the repository importable without pytest's rootdir handling
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from timeouts import SUBPROCESS_TIMEOUT_S
 
 from tangram_launch.capabilities import MEGATRON, TORCH
 from tangram_launch.islands import build_islands
@@ -204,3 +212,42 @@ def test_ctrl_c_while_workers_answer_stops_them(eager):
         pool.run(qs)
     assert pool.worker_pids == () and no_children_left()
     assert pool.run(qs[:2])  # a stopped pool still answers, in this process
+
+
+def _killed_planning_process() -> None:
+    """Planning-process mode: start two workers, print their pids, then die at once (SIGKILL: no clean-up)."""
+    enumerate_mod._POOL_WORTH_S = 0.0
+    pool = QueryPool(MegatronParallelizer(), 3)
+    pool.run(queries())
+    print(*pool.worker_pids, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for its (new) parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_workers_of_a_killed_planning_process_exit():
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), "killed"], capture_output=True, text=True,
+                         timeout=SUBPROCESS_TIMEOUT_S, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    pids = [int(p) for p in res.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids), f"orphan query workers: {[p for p in pids if not _gone(p)]}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["killed"]:
+        _killed_planning_process()
+    else:
+        sys.exit("usage: test_query_pool.py killed")

@@ -157,10 +157,14 @@ def _unship(r: SliceResult, parallelizer: Parallelizer, query: SliceQuery) -> Sl
         for j, p in enumerate(r.plans)))
 
 
-def _serve(conn, parallelizer: Parallelizer) -> None:
+def _serve(conn, parallelizer: Parallelizer, theirs: Sequence) -> None:
     """A worker's loop: answer each batch of pickled queries it is sent with its own copy of the parallelizer
-    (forked, so its caches stay warm from batch to batch), until it is told to stop or the planning process goes."""
+    (forked, so its caches stay warm from batch to batch), until it is told to stop or the planning process goes.
+    ``theirs``: the planning process's pipe ends, inherited by the fork: closed, so that its death reads as end of
+    file here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planning process's to handle: it stops us
+    for c in theirs:
+        c.close()
     while True:
         try:
             msg = conn.recv_bytes()
@@ -329,7 +333,8 @@ class QueryPool:
         ctx = multiprocessing.get_context("fork")
         for _ in range(self.processes - 1):
             here, there = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(there, self.parallelizer), name="tangram-query-worker",
+            theirs = [here, *(w.conn for w in self._workers)]
+            proc = ctx.Process(target=_serve, args=(there, self.parallelizer, theirs), name="tangram-query-worker",
                                daemon=True)
             self._workers.append(_Worker(proc, here))
             proc.start()
