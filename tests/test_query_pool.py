@@ -155,28 +155,46 @@ def test_a_search_plans_the_same_with_workers(eager, monkeypatch):
     assert one.plan.predicted == two.plan.predicted
 
 
+class _Unrebuildable(Exception):
+    """Pickles, but cannot be rebuilt from its pickle (a keyword-only argument)."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class _FailsInWorkers(MegatronParallelizer):
     """Megatron, except in a forked worker: raises, or (``die``) exits at once."""
 
-    def __init__(self, parent: int, die: bool) -> None:
+    def __init__(self, parent: int, die: bool = False, error: type = ValueError) -> None:
         super().__init__()
-        self.parent, self.die = parent, die
+        self.parent, self.die, self.error = parent, die, error
 
     def query(self, q):
         if os.getpid() != self.parent:
             if self.die:
                 os._exit(3)
-            raise ValueError(f"no answer for {q.island.name}")
+            if self.error is _Unrebuildable:
+                raise _Unrebuildable(f"no answer for {q.island.name}", field="island")
+            raise self.error(f"no answer for {q.island.name}")
         return super().query(q)
 
 
 @pytest.mark.distributed
 def test_a_worker_error_is_raised_here_with_its_traceback(eager):
-    pool = QueryPool(_FailsInWorkers(os.getpid(), die=False), 3)
+    pool = QueryPool(_FailsInWorkers(os.getpid()), 3)
     with pytest.raises(ValueError, match="no answer for (a100|v100)") as err:
         pool.run(queries())
-    assert any("raised in query worker pid" in n and "raise ValueError" in n for n in err.value.__notes__)
+    assert any("raised in query worker pid" in n and "raise self.error" in n for n in err.value.__notes__)
     assert no_children_left()  # the pool stopped its workers on the way out
+
+
+@pytest.mark.distributed
+def test_a_worker_error_that_cannot_travel_comes_as_its_traceback(eager):
+    with pytest.raises(QueryWorkerError, match=r"(?s)query worker pid \d+ failed:.*_Unrebuildable: no answer for"):
+        with QueryPool(_FailsInWorkers(os.getpid(), error=_Unrebuildable), 2) as pool:
+            pool.run(queries())
+    assert no_children_left()
 
 
 @pytest.mark.distributed
