@@ -71,19 +71,31 @@ def no_children_left() -> bool:
 
 @pytest.fixture
 def eager(monkeypatch):
-    """Workers start at the first query of a batch over two islands (however cheap the batch)."""
+    """Workers start at the first query of a batch over two islands (however small and cheap the batch)."""
+    monkeypatch.setattr(enumerate_mod, "_POOL_FROM", 1)
     monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)
 
 
 # --- in this process (unit) ----------------------------------------------------------------------------------------
 
-def test_cheap_batches_stay_in_the_planning_process():
+def test_big_but_cheap_batches_stay_in_the_planning_process():
     # a unit test: the tier's guard fails it if a worker starts
-    qs = queries()
-    with QueryPool(MegatronParallelizer(), 2) as pool:
+    par = MegatronParallelizer()
+    qs = queries() * 12  # 144 queries (>= _POOL_FROM), under a millisecond each once the caches are warm
+    warm = in_one_process(queries())
+    with QueryPool(par, 2) as pool:
+        for q in queries():
+            answer(par, q)
         got = pool.run(qs)
         assert pool.worker_pids == ()
-    same_answers(got, in_one_process(qs))
+    same_answers(got, warm * 12)
+
+
+def test_small_batches_stay_in_the_planning_process(monkeypatch):
+    monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)  # however costly they look
+    with QueryPool(MegatronParallelizer(), 2) as pool:
+        pool.run(queries())
+        assert pool.worker_pids == ()
 
 
 def test_one_worker_never_forks(eager):
@@ -234,7 +246,7 @@ def test_ctrl_c_while_workers_answer_stops_them(eager):
 
 def _killed_planning_process() -> None:
     """Planning-process mode: start two workers, print their pids, then die at once (SIGKILL: no clean-up)."""
-    enumerate_mod._POOL_WORTH_S = 0.0
+    enumerate_mod._POOL_FROM, enumerate_mod._POOL_WORTH_S = 1, 0.0
     pool = QueryPool(MegatronParallelizer(), 3)
     pool.run(queries())
     print(*pool.worker_pids, flush=True)

@@ -4,10 +4,10 @@ Queries are independent, so a search answers them in up to ``max_workers`` proce
 count)``): the planning process itself and ``max_workers - 1`` forked workers (``QueryPool``). The parallelizer
 keeps caches per process (stage tables, grid lists), and filling them is most of a query's cost; so each island's
 queries always go to the same process (its home), the workers live as long as the search and keep their caches
-warm across batches, and no two processes fill the same island's entries. Workers start in the first batch whose
-queries left look worth ``_POOL_WORTH_S`` CPU seconds (measured on that batch so far) over two islands or more,
-forked then, with the caches filled so far; until then, with one worker, without the ``fork`` start method or with
-queries that cannot be pickled, queries run in this process. Answers come back in query order whichever process
+warm across batches, and no two processes fill the same island's entries. Workers start in the first batch of
+``_POOL_FROM`` queries or more whose queries left look worth ``_POOL_WORTH_S`` CPU seconds (measured on that batch
+so far) over two islands or more, forked then, with the caches filled so far; until then, with one worker, without
+the ``fork`` start method or with queries that cannot be pickled, queries run in this process. Answers come back in query order whichever process
 gave them, so plans do not depend on the worker count. Progress goes to stderr, only when stderr is a terminal and
 the run is long.
 """
@@ -36,9 +36,12 @@ logger = logging.getLogger(__name__)
 _PROGRESS_AFTER_S = 1.0  # only runs longer than this show progress
 _PROGRESS_EVERY_S = 0.25
 
-# workers start once a batch's queries left look worth this many CPU seconds (at its CPU seconds per query so far):
-# below it, forking and sending answers back cost more than the parallel queries save (GPT-3 13B on C3 (iii) under
-# deepspeed, batches of 229 queries at 0.1 s each: 0.40 CPU-s in one process, 0.46-0.73 with a worker)
+# workers start in a batch of _POOL_FROM queries or more, once its queries left look worth _POOL_WORTH_S CPU seconds
+# (at its CPU seconds per query so far): below that, forking and sending answers back cost more than the parallel
+# queries save (GPT-3 13B on C3 (iii) under deepspeed, batches of 229 queries at 0.1 s each: 0.40 CPU-s in one
+# process, 0.46-0.73 with a worker; OPT-350M on 128 GPUs, batches of 1-33 queries: 0.8 CPU-s in one process, 1.8
+# with a pool per batch). Small searches (tests, examples) never fork.
+_POOL_FROM = 128
 _POOL_WORTH_S = 0.5
 _STOP = b""  # the message that ends a worker
 _JOIN_S = 5.0  # a stopped worker gets this long to exit before it is terminated
@@ -266,14 +269,16 @@ class QueryPool:
         return results  # type: ignore[return-value]
 
     def _here_until_worth_workers(self, queries: Sequence[SliceQuery], results: list, bar: _Progress) -> list[int]:
-        """Answer in this process until the rest of the batch looks worth workers (at this batch's CPU seconds per
-        query so far, at least ``_POOL_WORTH_S`` over two islands or more), then start them; the indices left."""
+        """Answer in this process until the rest of a batch of ``_POOL_FROM`` queries or more looks worth workers
+        (at this batch's CPU seconds per query so far, at least ``_POOL_WORTH_S`` over two islands or more), then
+        start them; the indices left."""
         n = len(queries)
         spread = [False] * n  # spread[k]: queries k + 1.. are on two islands or more
-        seen: set[str] = set()
-        for k in range(n - 1, 0, -1):
-            seen.add(queries[k].island.name)
-            spread[k - 1] = len(seen) > 1
+        if self._may_start and n >= _POOL_FROM:
+            seen: set[str] = set()
+            for k in range(n - 1, 0, -1):
+                seen.add(queries[k].island.name)
+                spread[k - 1] = len(seen) > 1
         t0 = time.process_time()
         for k, q in enumerate(queries):
             results[k] = answer(self.parallelizer, q)
