@@ -26,7 +26,7 @@ from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
 from tangram_launch.planner import enumerate as enumerate_mod
 from tangram_launch.planner.api import PlannerOptions, search
-from tangram_launch.planner.enumerate import QueryPool, QueryWorkerError, answer
+from tangram_launch.planner.enumerate import QueryPool, QueryWorkerError, answer, worth_workers
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
 from tangram_launch.specs.training import TrainingSpec
@@ -74,25 +74,22 @@ def eager(monkeypatch):
     """Workers start at the first query of a batch over two islands (however small and cheap the batch)."""
     monkeypatch.setattr(enumerate_mod, "_POOL_FROM", 1)
     monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)
+    monkeypatch.setattr(enumerate_mod, "_POOL_AFTER_S", 0.0)
 
 
 # --- in this process (unit) ----------------------------------------------------------------------------------------
 
-def test_big_but_cheap_batches_stay_in_the_planning_process():
-    # a unit test: the tier's guard fails it if a worker starts
-    par = MegatronParallelizer()
-    qs = queries() * 12  # 144 queries (>= _POOL_FROM), under a millisecond each once the caches are warm
-    warm = in_one_process(queries())
-    with QueryPool(par, 2) as pool:
-        for q in queries():
-            answer(par, q)
-        got = pool.run(qs)
-        assert pool.worker_pids == ()
-    same_answers(got, warm * 12)
+def test_workers_start_only_for_what_looks_worth_them():
+    assert (enumerate_mod._POOL_AFTER_S, enumerate_mod._POOL_WORTH_S) == (0.1, 0.5)  # the figures below
+    assert not worth_workers(0.05, 10, 100_000)  # too early to judge: one slow query is no trend
+    assert not worth_workers(0.2, 100, 200)  # 0.4 s left at 2 ms a query: less than a fork and the answers' trip
+    assert worth_workers(0.2, 100, 250)  # 0.5 s left
+    assert worth_workers(0.1, 1, 200)  # a cold first query, 200 like it to come
 
 
 def test_small_batches_stay_in_the_planning_process(monkeypatch):
     monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)  # however costly they look
+    monkeypatch.setattr(enumerate_mod, "_POOL_AFTER_S", 0.0)
     with QueryPool(MegatronParallelizer(), 2) as pool:
         pool.run(queries())
         assert pool.worker_pids == ()
@@ -246,7 +243,7 @@ def test_ctrl_c_while_workers_answer_stops_them(eager):
 
 def _killed_planning_process() -> None:
     """Planning-process mode: start two workers, print their pids, then die at once (SIGKILL: no clean-up)."""
-    enumerate_mod._POOL_FROM, enumerate_mod._POOL_WORTH_S = 1, 0.0
+    enumerate_mod._POOL_FROM, enumerate_mod._POOL_WORTH_S, enumerate_mod._POOL_AFTER_S = 1, 0.0, 0.0
     pool = QueryPool(MegatronParallelizer(), 3)
     pool.run(queries())
     print(*pool.worker_pids, flush=True)

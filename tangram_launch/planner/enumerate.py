@@ -43,6 +43,7 @@ _PROGRESS_EVERY_S = 0.25
 # with a pool per batch). Small searches (tests, examples) never fork.
 _POOL_FROM = 128
 _POOL_WORTH_S = 0.5
+_POOL_AFTER_S = 0.1  # the batch's CPU seconds measured before judging (one slow query, a collection, is no trend)
 _STOP = b""  # the message that ends a worker
 _JOIN_S = 5.0  # a stopped worker gets this long to exit before it is terminated
 
@@ -53,6 +54,12 @@ class QueryWorkerError(RuntimeError):
 
 def default_workers() -> int:
     return max(1, min(2, os.cpu_count() or 1))
+
+
+def worth_workers(spent_s: float, done: int, left: int) -> bool:
+    """Whether a batch's ``left`` queries look worth starting workers for, its first ``done`` having taken
+    ``spent_s`` CPU seconds (judged after ``_POOL_AFTER_S`` of them)."""
+    return spent_s >= _POOL_AFTER_S and spent_s * left >= _POOL_WORTH_S * done
 
 
 def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
@@ -270,8 +277,8 @@ class QueryPool:
 
     def _here_until_worth_workers(self, queries: Sequence[SliceQuery], results: list, bar: _Progress) -> list[int]:
         """Answer in this process until the rest of a batch of ``_POOL_FROM`` queries or more looks worth workers
-        (at this batch's CPU seconds per query so far, at least ``_POOL_WORTH_S`` over two islands or more), then
-        start them; the indices left."""
+        (at this batch's CPU seconds per query after ``_POOL_AFTER_S`` of them, at least ``_POOL_WORTH_S`` over two
+        islands or more), then start them; the indices left."""
         n = len(queries)
         spread = [False] * n  # spread[k]: queries k + 1.. are on two islands or more
         if self._may_start and n >= _POOL_FROM:
@@ -283,8 +290,8 @@ class QueryPool:
         for k, q in enumerate(queries):
             results[k] = answer(self.parallelizer, q)
             bar.update(k + 1)
-            if (spread[k] and self._may_start
-                    and (time.process_time() - t0) * (n - k - 1) >= _POOL_WORTH_S * (k + 1) and self._start(q)):
+            if (spread[k] and self._may_start and worth_workers(time.process_time() - t0, k + 1, n - k - 1)
+                    and self._start(q)):
                 return list(range(k + 1, n))
         return []
 
