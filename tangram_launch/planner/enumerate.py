@@ -4,12 +4,12 @@ Queries are independent, so a search answers them in up to ``max_workers`` proce
 count)``): the planning process itself and ``max_workers - 1`` forked workers (``QueryPool``). The parallelizer
 keeps caches per process (stage tables, grid lists), and filling them is most of a query's cost; so each island's
 queries always go to the same process (its home), the workers live as long as the search and keep their caches
-warm across batches, and no two processes fill the same island's entries. Workers start in the first batch of
-``_POOL_FROM`` queries or more whose queries left look worth ``_POOL_WORTH_S`` CPU seconds (measured on that batch
-so far) over two islands or more, forked then, with the caches filled so far; until then, with one worker, without
-the ``fork`` start method or with queries that cannot be pickled, queries run in this process. Answers come back in query order whichever process
-gave them, so plans do not depend on the worker count. Progress goes to stderr, only when stderr is a terminal and
-the run is long.
+warm across batches, and no two processes fill the same island's entries. Workers start at most once, in the first
+batch of ``_POOL_FROM`` queries or more over two islands or more whose measured cost makes the rest of it look worth
+them (``worth_workers``), forked then with the caches filled so far. Until then, with one worker, without the
+``fork`` start method or with queries that cannot be pickled, queries run in this process. Answers come back in
+query order whichever process gave them, so plans do not depend on the worker count. Progress goes to stderr, only
+when stderr is a terminal and the run is long.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ _PROGRESS_EVERY_S = 0.25
 
 # workers start in a batch of _POOL_FROM queries or more, once its queries left look worth _POOL_WORTH_S CPU seconds
 # (at its CPU seconds per query so far): below that, forking and sending answers back cost more than the parallel
-# queries save (GPT-3 13B on C3 (iii) under deepspeed, batches of 229 queries at 0.1 s each: 0.40 CPU-s in one
-# process, 0.46-0.73 with a worker; OPT-350M on 128 GPUs, batches of 1-33 queries: 0.8 CPU-s in one process, 1.8
+# queries save (GPT-3 13B on C3 (iii) under deepspeed, batches of 229 queries under 0.1 CPU-s each: 0.40 CPU-s in
+# one process, 0.46-0.73 with a worker; OPT-350M on 128 GPUs, batches of 1-33 queries: 0.8 CPU-s in one process, 1.8
 # with a pool per batch). Small searches (tests, examples) never fork.
 _POOL_FROM = 128
 _POOL_WORTH_S = 0.5
