@@ -71,7 +71,9 @@ def no_children_left() -> bool:
 
 @pytest.fixture
 def eager(monkeypatch):
-    """Workers start at the first query of a batch over two islands (however small and cheap the batch)."""
+    """Workers start at the first query of a batch over two islands (however small and cheap the batch, however
+    busy the machine)."""
+    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 64.0)
     monkeypatch.setattr(enumerate_mod, "_POOL_FROM", 1)
     monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)
     monkeypatch.setattr(enumerate_mod, "_POOL_AFTER_S", 0.0)
@@ -93,6 +95,17 @@ def test_small_batches_stay_in_the_planning_process(monkeypatch):
     with QueryPool(MegatronParallelizer(), 2) as pool:
         pool.run(queries())
         assert pool.worker_pids == ()
+
+
+def test_no_worker_starts_while_no_cpu_is_idle(eager, monkeypatch):
+    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 0.7)  # 2 CPUs, load 1.3
+    with QueryPool(MegatronParallelizer(), 2) as pool:
+        pool.run(queries())
+        assert pool.worker_pids == ()
+
+
+def test_idle_cpus_are_at_most_those_this_process_may_use():
+    assert enumerate_mod.idle_cpus() <= len(os.sched_getaffinity(0))
 
 
 def test_one_worker_never_forks(eager):
@@ -244,6 +257,7 @@ def test_ctrl_c_while_workers_answer_stops_them(eager):
 def _killed_planning_process() -> None:
     """Planning-process mode: start two workers, print their pids, then die at once (SIGKILL: no clean-up)."""
     enumerate_mod._POOL_FROM, enumerate_mod._POOL_WORTH_S, enumerate_mod._POOL_AFTER_S = 1, 0.0, 0.0
+    enumerate_mod.idle_cpus = lambda: 64.0
     pool = QueryPool(MegatronParallelizer(), 3)
     pool.run(queries())
     print(*pool.worker_pids, flush=True)
