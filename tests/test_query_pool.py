@@ -98,7 +98,7 @@ def test_small_batches_stay_in_the_planning_process(monkeypatch):
 
 
 def test_no_worker_starts_while_no_cpu_is_idle(eager, monkeypatch):
-    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 0.7)  # 2 CPUs, load 1.3
+    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 0.3)  # 2 CPUs, load 1.7
     with QueryPool(MegatronParallelizer(), 2) as pool:
         pool.run(queries())
         assert pool.worker_pids == ()

@@ -48,7 +48,7 @@ _POOL_AFTER_S = 0.1  # the batch's CPU seconds measured before judging (one slow
 # and each process runs slower beside the other (2 cores, two other busy jobs, load 2.8: Llama-3 405B on 256 GPUs
 # under deepspeed planned in 1.2x the CPU of one process with a worker, in 1.04x with the same split of its queries
 # answered one process after the other)
-_IDLE_CPUS = 1.0
+_IDLE_CPUS = 0.5  # of a CPU: the planning process itself is in the load
 _STOP = b""  # the message that ends a worker
 _JOIN_S = 5.0  # a stopped worker gets this long to exit before it is terminated
 
