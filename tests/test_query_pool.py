@@ -185,6 +185,26 @@ class _Unrebuildable(Exception):
         self.field = field
 
 
+def _plan_in_a_daemon(out) -> None:
+    with QueryPool(MegatronParallelizer(), 2) as pool:
+        answers = pool.run(queries())
+        out.send((pool.worker_pids, len(answers), sum(len(a.plans) for a in answers)))
+
+
+@pytest.mark.distributed
+def test_a_daemonic_process_answers_alone(eager):
+    # e.g. planning inside a multiprocessing pool's worker, which may not start processes of its own
+    here, there = multiprocessing.get_context("fork").Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_plan_in_a_daemon, args=(there,), daemon=True)
+    proc.start()
+    assert here.poll(SUBPROCESS_TIMEOUT_S)
+    pids, n, plans = here.recv()
+    proc.join(SUBPROCESS_TIMEOUT_S)
+    assert proc.exitcode == 0 and pids == ()
+    want = in_one_process(queries())
+    assert (n, plans) == (len(want), sum(len(a.plans) for a in want))
+
+
 class _FailsInWorkers(MegatronParallelizer):
     """Megatron, except in a forked worker: raises, or (``die``) exits at once."""
 

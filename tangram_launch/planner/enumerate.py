@@ -360,6 +360,9 @@ class QueryPool:
         if not _picklable(sample):
             logger.warning("%s queries cannot be pickled: querying in one process", self.label)
             return False
+        if multiprocessing.current_process().daemon:
+            logger.info("%s: a daemonic process may not start workers: querying in one process", self.label)
+            return False
         ctx = multiprocessing.get_context("fork")
         for _ in range(self.processes - 1):
             here, there = ctx.Pipe()
