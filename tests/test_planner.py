@@ -261,6 +261,9 @@ def test_island_shares_cover_single_and_all_island_plans():
 def test_process_pool_gives_the_same_plan_as_one_process(monkeypatch):
     from tangram_launch.planner import enumerate as enumerate_mod
     monkeypatch.setattr(enumerate_mod, "_POOL_FROM", 2)  # this small search's batches go to the pool too
+    monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)
+    monkeypatch.setattr(enumerate_mod, "_POOL_AFTER_S", 0.0)
+    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 64.0)  # however busy the machine
     one = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=SERIAL).to_dict()
     two = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=PlannerOptions(max_workers=2)).to_dict()
     for d in (one, two):

@@ -38,7 +38,7 @@ from tangram_launch.planner.collector import fewer_collections
 from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, plain_1f1b_floor_s
 from tangram_launch.planner.cover_floors import island_floor_s, promising
 from tangram_launch.planner.dropped import dropped_islands
-from tangram_launch.planner.enumerate import default_workers, run_queries
+from tangram_launch.planner.enumerate import QueryPool, default_workers
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
@@ -168,18 +168,21 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
            runtime: str | RuntimeCapabilities = "torch", parallelizer: str | Parallelizer = "megatron",
            islands: IslandSet | None = None, options: PlannerOptions | None = None) -> SearchResult:
     """Plan, and keep everything that went into the plan."""
-    with fewer_collections():  # collector.py: the search's many long-lived objects made collections costly
-        return _search(cluster, model, training, runtime=runtime, parallelizer=parallelizer, islands=islands,
-                       options=options)
+    opts = options or PlannerOptions()
+    # collector.py: the search's many long-lived objects made collections costly. One query pool for all the
+    # search's batches (enumerate.py): its workers keep their caches warm, and stop when the search ends.
+    with fewer_collections(), QueryPool(resolve_parallelizer(parallelizer), opts.max_workers,
+                                        progress=opts.progress, label=f"planning {model.name}") as pool:
+        return _search(cluster, model, training, runtime=runtime, pool=pool, islands=islands, options=opts)
 
 
 def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
-            runtime: str | RuntimeCapabilities, parallelizer: str | Parallelizer,
-            islands: IslandSet | None, options: PlannerOptions | None) -> SearchResult:
+            runtime: str | RuntimeCapabilities, pool: QueryPool,
+            islands: IslandSet | None, options: PlannerOptions) -> SearchResult:
     t0 = time.perf_counter()
-    opts = options or PlannerOptions()
+    opts = options
     caps = resolve_capabilities(runtime).for_model(model.num_experts)  # MoE: per-stage grids where the runtime has them
-    par = resolve_parallelizer(parallelizer)
+    par = pool.parallelizer
     iset = islands or build_islands(cluster, dtype=training.dtype)
     all_islands = tuple(iset.islands)
     atoms = ModelAtoms(model, training)
@@ -220,7 +223,7 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     while bs:
         tried.extend(bs)
         best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                                 training=training, pairset=pairset, islands=all_islands, caps=caps, par=par,
+                                 training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
                                  opts=opts)
         if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
             break
@@ -289,7 +292,7 @@ def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpe
 
 def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, counters: dict,
                       cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
-                      pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, par: Parallelizer,
+                      pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool,
                       opts: PlannerOptions):
     """Query and compose the micro-batch sizes ``bs``; returns the best (latency, b, group, composition,
     candidates) so far.
@@ -306,7 +309,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     rest = [p for p in pairset.queries if p.layers != (0, L)]
     bnb = opts.branch_and_bound
     floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
-                             par=par if bnb else None) for b in bs}
+                             par=pool.parallelizer if bnb else None) for b in bs}
 
     def bound() -> tuple[float, float]:
         """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
@@ -321,7 +324,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
             counters["sizes_skipped"] += 1
             return None
         _ask([b], pairs, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
-             caps=caps, par=par, opts=opts)
+             caps=caps, pool=pool)
         best, own_s = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                                  training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
                                  use_incumbent=use_incumbent)
@@ -427,8 +430,8 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
 
 def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor,
          results: dict, counters: dict, *, model: "ModelSpec", training: "TrainingSpec",
-         islands: Sequence["Island"], caps: RuntimeCapabilities, par: Parallelizer, opts: PlannerOptions) -> None:
-    """Query every (b, pair) in one pool; answers go to results[b][pair.key]. A pair's query carries the
+         islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool) -> None:
+    """Query every (b, pair) in the search's pool; answers go to results[b][pair.key]. A pair's query carries the
     closed-form bound less the least fill of the layers outside its slice (the rest of any pipeline adds at least
     that), and the best predicted iteration."""
     L = model.num_layers
@@ -450,8 +453,7 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
     if not queries:
         return
     t_q = time.perf_counter()
-    answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress,
-                          label=f"planning {model.name}")
+    answers = pool.run(queries)
     counters["query_s"] += time.perf_counter() - t_q
     counters["queries"] += len(queries)
     for (b, p), r in zip(where, answers):

@@ -1,23 +1,34 @@
-"""Parallel parallelizer queries (paper §5.1, Fig. 6): a bounded process pool, infeasible answers dropped early.
+"""Parallel parallelizer queries (paper §5.1, Fig. 6): a process pool per search, infeasible answers dropped early.
 
-Queries are independent, so they run in a ``concurrent.futures`` process pool (default ``min(2, cpu count)``
-workers), in chunks so that the parallelizer and the shared model/island objects are pickled once per chunk, not
-once per query. With one worker, or a parallelizer that cannot be pickled, queries run in this process. Progress
-goes to stderr, only when stderr is a terminal and the run is long.
+Queries are independent, so a search answers them in up to ``max_workers`` processes (default ``min(2, cpu
+count)``): the planning process itself and ``max_workers - 1`` forked workers (``QueryPool``). The parallelizer
+keeps caches per process (stage tables, grid lists), and filling them is most of a query's cost; so each island's
+queries always go to the same process (its home), the workers live as long as the search and keep their caches
+warm across batches, and no two processes fill the same island's entries. Workers start at most once, in the first
+batch of ``_POOL_FROM`` queries or more over two islands or more whose measured cost makes the rest of it look worth
+them (``worth_workers``) while a CPU is idle (``idle_cpus``), forked then with the caches filled so far. Until
+then, with one worker, without the ``fork`` start method or with queries that cannot be pickled, queries run in this
+process. Answers come back in query order whichever process gave them, so plans do not depend on the worker count
+(nor on the machine's load). Progress goes to stderr, only when stderr is a terminal and the run is long.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.process
 import os
 import pickle
+import signal
 import sys
 import time
-from typing import Callable, Sequence
+import traceback
+from typing import Sequence
 
-from tangram_launch.costmodel.slice_plan import latency_floor_s, numbers_fit, score_floor_s
+from tangram_launch.costmodel.slice_plan import (LazySlicePlan, SliceNumbers, latency_floor_s, numbers_fit,
+                                                 score_floor_s)
 from tangram_launch.parallelizers.base import Parallelizer, SliceQuery, SliceResult, capacity_bytes
 
 logger = logging.getLogger(__name__)
@@ -25,15 +36,47 @@ logger = logging.getLogger(__name__)
 _PROGRESS_AFTER_S = 1.0  # only runs longer than this show progress
 _PROGRESS_EVERY_S = 0.25
 
-
-# fewer queries than this run in the calling process: forking a pool whose workers start with cold caches (the
-# parallelizer's stage tables) cost more CPU than it saves wall time (OPT-350M on 128 GPUs, batches of 1-33 queries:
-# 1.8 CPU-s with a pool per batch, 0.8 in-process)
+# workers start in a batch of _POOL_FROM queries or more, once its queries left look worth _POOL_WORTH_S CPU seconds
+# (at its CPU seconds per query so far): below that, forking and sending answers back cost more than the parallel
+# queries save (GPT-3 13B on C3 (iii) under deepspeed, batches of 229 queries under 0.1 CPU-s each: 0.40 CPU-s in
+# one process, 0.46-0.73 with a worker; OPT-350M on 128 GPUs, batches of 1-33 queries: 0.8 CPU-s in one process, 1.8
+# with a pool per batch). Small searches (tests, examples) never fork.
 _POOL_FROM = 128
+_POOL_WORTH_S = 0.5
+_POOL_AFTER_S = 0.1  # the batch's CPU seconds measured before judging (one slow query, a collection, is no trend)
+# and only while a CPU is idle: on a busy machine a worker takes turns with the other work and saves no wall time,
+# and each process runs slower beside the other (2 cores, two other busy jobs, load 2.8: Llama-3 405B on 256 GPUs
+# under deepspeed planned in 1.2x the CPU of one process with a worker, in 1.04x with the same split of its queries
+# answered one process after the other)
+_IDLE_CPUS = 0.5  # of a CPU: the planning process itself is in the load
+_STOP = b""  # the message that ends a worker
+_JOIN_S = 5.0  # a stopped worker gets this long to exit before it is terminated
+
+
+class QueryWorkerError(RuntimeError):
+    """A query worker process died (killed, out of memory) or could not send its answers back."""
 
 
 def default_workers() -> int:
     return max(1, min(2, os.cpu_count() or 1))
+
+
+def idle_cpus() -> float:
+    """CPUs this process may run on less the machine's load (its 1-minute average; all of them where unknown)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        return cpus - os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float(cpus)
+
+
+def worth_workers(spent_s: float, done: int, left: int) -> bool:
+    """Whether a batch's ``left`` queries look worth starting workers for, its first ``done`` having taken
+    ``spent_s`` CPU seconds (judged after ``_POOL_AFTER_S`` of them)."""
+    return spent_s >= _POOL_AFTER_S and spent_s * left >= _POOL_WORTH_S * done
 
 
 def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
@@ -53,10 +96,6 @@ def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
     if len(keep) == len(r.plans):
         return r
     return dataclasses.replace(r, plans=keep, bounded=r.bounded + bounded)
-
-
-def _query_chunk(parallelizer: Parallelizer, queries: Sequence[SliceQuery]) -> list[SliceResult]:
-    return [answer(parallelizer, q) for q in queries]
 
 
 class _Progress:
@@ -95,40 +134,276 @@ def _picklable(obj: object) -> bool:
         return False
 
 
-def run_queries(parallelizer: Parallelizer, queries: Sequence[SliceQuery], *, max_workers: int | None = None,
-                progress: bool | None = None, label: str = "parallelizer",
-                on_result: Callable[[int, SliceResult], None] | None = None) -> list[SliceResult]:
-    """Answer every query (in order). ``progress``: None = only on a terminal, True/False to force."""
-    n = len(queries)
-    workers = default_workers() if max_workers is None else max(1, int(max_workers))
-    bar = _Progress(n, label, progress)
-    results: list[SliceResult | None] = [None] * n
-    try:
-        if workers == 1 or n < _POOL_FROM or not _picklable((parallelizer, queries[0])):
-            if workers > 1 and n >= _POOL_FROM:
-                logger.warning("parallelizer %r cannot be pickled: querying in one process",
-                               getattr(parallelizer, "name", parallelizer))
-            for i, q in enumerate(queries):
-                results[i] = answer(parallelizer, q)
-                if on_result:
-                    on_result(i, results[i])
-                bar.update(i + 1)
-            return results  # type: ignore[return-value]
-        # ~4 chunks per worker balances load; at most 64 queries per chunk keeps progress moving
-        chunk = max(1, min(64, -(-n // (workers * 4))))
-        spans = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
-        ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
-        done = 0
-        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = {pool.submit(_query_chunk, parallelizer, list(queries[a:b])): (a, b) for a, b in spans}
-            for fut in cf.as_completed(futures):
-                a, b = futures[fut]
-                for i, r in enumerate(fut.result(), start=a):
-                    results[i] = r
-                    if on_result:
-                        on_result(i, r)
-                done += b - a
-                bar.update(done)
+@dataclasses.dataclass(frozen=True)
+class _Shipped:
+    """A lazy slice plan as it travels from a worker: its numbers and its place in the answer. Its StageCosts are
+    built in the planning process for the few plans it places: building and pickling every answered plan's cost
+    almost half as much CPU as answering (Llama-3 405B on 256 GPUs under torch, batches of 126+ queries: 0.9 CPU-s
+    against 1.9)."""
+
+    island: str
+    layers: tuple[int, int]
+    parallelizer: str
+    numbers: SliceNumbers
+
+
+def _ship(r: SliceResult) -> SliceResult:
+    if not any(isinstance(p, LazySlicePlan) for p in r.plans):
+        return r
+    return dataclasses.replace(r, plans=tuple(_Shipped(p.island, p.layers, p.parallelizer, p.numbers())
+                                              if isinstance(p, LazySlicePlan) else p for p in r.plans))
+
+
+class _Reanswer:
+    """Builds a shipped plan's StageCosts here: the query answered again in this process (answers are
+    deterministic, so the same plan at the same place; its numbers are checked), once for all its plans."""
+
+    def __init__(self, parallelizer: Parallelizer, query: SliceQuery) -> None:
+        self.parallelizer = parallelizer
+        self.query = query
+        self.answer: SliceResult | None = None
+
+    def stages(self, index: int, numbers: SliceNumbers):
+        if self.answer is None:
+            self.answer = answer(self.parallelizer, self.query)
+        plans = self.answer.plans
+        if index >= len(plans) or plans[index].numbers() != numbers:
+            raise QueryWorkerError(f"{self.query.island.name} layers {self.query.layers}: the answer in this "
+                                   "process differs from the query worker's (a parallelizer that is not "
+                                   "deterministic)")
+        return plans[index].stages
+
+
+def _unship(r: SliceResult, parallelizer: Parallelizer, query: SliceQuery) -> SliceResult:
+    if not any(isinstance(p, _Shipped) for p in r.plans):
+        return r
+    again = _Reanswer(parallelizer, query)
+    return dataclasses.replace(r, plans=tuple(
+        LazySlicePlan(p.island, p.layers, parallelizer=p.parallelizer, numbers=p.numbers,
+                      build=functools.partial(again.stages, j, p.numbers)) if isinstance(p, _Shipped) else p
+        for j, p in enumerate(r.plans)))
+
+
+def _serve(conn, parallelizer: Parallelizer, theirs: Sequence) -> None:
+    """A worker's loop: answer each batch of pickled queries it is sent with its own copy of the parallelizer
+    (forked, so its caches stay warm from batch to batch), until it is told to stop or the planning process goes.
+    ``theirs``: the planning process's pipe ends, inherited by the fork: closed, so that its death reads as end of
+    file here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planning process's to handle: it stops us
+    for c in theirs:
+        c.close()
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the planning process is gone
+        if msg == _STOP:
+            return
+        try:
+            out = pickle.dumps(("ok", [_ship(answer(parallelizer, q)) for q in pickle.loads(msg)], ""),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - it goes back to the planning process, which raises it
+            tb = traceback.format_exc()
+            try:
+                out = pickle.dumps(("error", exc, tb), protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.loads(out)  # some exceptions pickle but cannot be rebuilt (keyword-only arguments)
+            except Exception:  # noqa: BLE001 - an exception that cannot travel goes as its traceback
+                out = pickle.dumps(("error", None, tb), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            conn.send_bytes(out)
+        except OSError:
+            return
+
+
+@dataclasses.dataclass
+class _Worker:
+    process: multiprocessing.process.BaseProcess
+    conn: "multiprocessing.connection.Connection"
+
+    def died(self, n: int, islands: Sequence[str]) -> QueryWorkerError:
+        self.process.join(_JOIN_S)
+        code = self.process.exitcode
+        how = ("still running" if code is None else f"killed by {signal.Signals(-code).name}" if code < 0
+               else f"exit code {code}")
+        return QueryWorkerError(f"query worker pid {self.process.pid} died ({how}) while answering {n} queries "
+                                f"on island(s) {', '.join(islands)}; planning stopped")
+
+    def send(self, queries: list[SliceQuery]) -> None:
+        data = pickle.dumps(queries, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.conn.send_bytes(data)
+        except OSError:
+            raise self.died(len(queries), sorted({q.island.name for q in queries})) from None
+
+    def receive(self, queries: list[SliceQuery]) -> list[SliceResult]:
+        try:
+            kind, payload, tb = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self.died(len(queries), sorted({q.island.name for q in queries})) from None
+        if kind == "ok":
+            return payload
+        if payload is None:
+            raise QueryWorkerError(f"query worker pid {self.process.pid} failed:\n{tb}")
+        payload.add_note(f"raised in query worker pid {self.process.pid}:\n{tb}")
+        raise payload
+
+
+class QueryPool:
+    """The processes that answer one search's queries: this one and up to ``max_workers - 1`` forked workers, each
+    island's queries always in the same one. A context manager: leaving the block (an error or Ctrl-C included)
+    stops the workers; a worker that dies raises QueryWorkerError."""
+
+    def __init__(self, parallelizer: Parallelizer, max_workers: int | None = None, *, progress: bool | None = None,
+                 label: str = "parallelizer") -> None:
+        self.parallelizer = parallelizer
+        self.processes = default_workers() if max_workers is None else max(1, int(max_workers))
+        self.progress = progress
+        self.label = label
+        self._workers: list[_Worker] = []
+        self._home: dict[str, int] = {}  # island name -> its process (0: this one; k: self._workers[k - 1])
+        self._load = [0] * self.processes  # queries sent to each process so far
+        self._closed = False
+        self._may_start = self.processes > 1  # False once started, closed, or found unable to
+        self._owner = os.getpid()
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        return tuple(w.process.pid for w in self._workers)
+
+    def __enter__(self) -> "QueryPool":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(now=exc_type is not None)
+
+    def run(self, queries: Sequence[SliceQuery]) -> list[SliceResult]:
+        """Every query's answer, in query order."""
+        n = len(queries)
+        bar = _Progress(n, self.label, self.progress)
+        results: list[SliceResult | None] = [None] * n
+        try:
+            left = self._here_until_worth_workers(queries, results, bar) if not self._workers else range(n)
+            if left:
+                self._spread(queries, left, results, bar)
+        except BaseException:
+            self.close(now=True)
+            raise
+        finally:
+            bar.close()
         return results  # type: ignore[return-value]
-    finally:
-        bar.close()
+
+    def _here_until_worth_workers(self, queries: Sequence[SliceQuery], results: list, bar: _Progress) -> list[int]:
+        """Answer in this process until the rest of a batch of ``_POOL_FROM`` queries or more looks worth workers
+        (at this batch's CPU seconds per query after ``_POOL_AFTER_S`` of them, at least ``_POOL_WORTH_S`` over two
+        islands or more), then start them; the indices left."""
+        n = len(queries)
+        spread = [False] * n  # spread[k]: queries k + 1.. are on two islands or more
+        if self._may_start and n >= _POOL_FROM and idle_cpus() >= _IDLE_CPUS:
+            seen: set[str] = set()
+            for k in range(n - 1, 0, -1):
+                seen.add(queries[k].island.name)
+                spread[k - 1] = len(seen) > 1
+        t0 = time.process_time()
+        for k, q in enumerate(queries):
+            results[k] = answer(self.parallelizer, q)
+            bar.update(k + 1)
+            if (spread[k] and self._may_start and worth_workers(time.process_time() - t0, k + 1, n - k - 1)
+                    and self._start(q)):
+                return list(range(k + 1, n))
+        return []
+
+    def _spread(self, queries: Sequence[SliceQuery], todo: Sequence[int], results: list, bar: _Progress) -> None:
+        """Answer queries ``todo``, each at its island's home: the workers' sent first, this process's answered
+        while they work."""
+        own, *theirs = self._shares(queries, todo)
+        sent = []
+        for w, idx in zip(self._workers, theirs):
+            if idx:
+                batch = [queries[i] for i in idx]
+                w.send(batch)
+                sent.append((w, idx, batch))
+        done = len(queries) - len(todo)
+        for i in own:
+            results[i] = answer(self.parallelizer, queries[i])
+            done += 1
+            bar.update(done)
+        for w, idx, batch in sent:
+            for i, r in zip(idx, w.receive(batch), strict=True):
+                results[i] = _unship(r, self.parallelizer, queries[i])
+            done += len(idx)
+            bar.update(done)
+
+    def _shares(self, queries: Sequence[SliceQuery], todo: Sequence[int]) -> list[list[int]]:
+        """Query indices per process (this one first): each island's at its home, new islands homed where the
+        fewest queries went so far (deterministic: the same batches give the same homes)."""
+        counts: dict[str, int] = {}
+        for i in todo:
+            name = queries[i].island.name
+            counts[name] = counts.get(name, 0) + 1
+        for name, c in counts.items():
+            if name in self._home:
+                self._load[self._home[name]] += c
+        for name in sorted((s for s in counts if s not in self._home), key=lambda s: (-counts[s], s)):
+            k = self._home[name] = min(range(self.processes), key=lambda k: (self._load[k], k))
+            self._load[k] += counts[name]
+        shares: list[list[int]] = [[] for _ in range(self.processes)]
+        for i in todo:
+            shares[self._home[queries[i].island.name]].append(i)
+        return shares
+
+    def _start(self, sample: SliceQuery) -> bool:
+        """Fork the workers (now: they start with the caches filled so far); False where queries stay here."""
+        self._may_start = False
+        if "fork" not in multiprocessing.get_all_start_methods():
+            logger.info("no fork start method: %s queries run in one process", self.label)
+            return False
+        if not _picklable(sample):
+            logger.warning("%s queries cannot be pickled: querying in one process", self.label)
+            return False
+        if multiprocessing.current_process().daemon:
+            logger.info("%s: a daemonic process may not start workers: querying in one process", self.label)
+            return False
+        ctx = multiprocessing.get_context("fork")
+        for _ in range(self.processes - 1):
+            here, there = ctx.Pipe()
+            theirs = [here, *(w.conn for w in self._workers)]
+            proc = ctx.Process(target=_serve, args=(there, self.parallelizer, theirs), name="tangram-query-worker",
+                               daemon=True)
+            self._workers.append(_Worker(proc, here))
+            proc.start()
+            there.close()  # the worker's end: its death reads as end of file here
+        return True
+
+    def close(self, *, now: bool = False) -> None:
+        """Stop the workers: told to stop and waited for, or (``now``, on an error) terminated; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._may_start = False
+        workers, self._workers = self._workers, []
+        if os.getpid() != self._owner:
+            return  # a copy in a forked process: the workers are not its own
+        for w in workers:
+            if now or w.process.pid is None:
+                if w.process.pid is not None:
+                    w.process.terminate()
+                continue
+            try:
+                w.conn.send_bytes(_STOP)
+            except OSError:
+                pass
+        for w in workers:
+            if w.process.pid is not None:
+                w.process.join(_JOIN_S)
+                if w.process.is_alive():
+                    w.process.kill()
+                    w.process.join()
+            w.conn.close()
+
+
+def run_queries(parallelizer: Parallelizer, queries: Sequence[SliceQuery], *, max_workers: int | None = None,
+                progress: bool | None = None, label: str = "parallelizer") -> list[SliceResult]:
+    """Answer every query (in order) in a pool of its own. ``progress``: None = only on a terminal, True/False to
+    force. A search asks through one QueryPool for all its batches instead, so its workers stay warm."""
+    with QueryPool(parallelizer, max_workers, progress=progress, label=label) as pool:
+        return pool.run(queries)
