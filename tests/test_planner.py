@@ -352,17 +352,25 @@ def test_coarse_atoms_cut_slices_at_atom_boundaries():
     check_invariants(plan, HET, TORCH)
 
 
-def test_many_islands_use_ordered_composition_and_stay_valid():
+def test_many_islands_use_ordered_composition_and_stay_valid(monkeypatch):
+    import tangram_launch.planner.api as api
+
     types = ("b200", "h200", "h100-sxm", "a100-80gb", "a100-40gb", "l40s")
     many = cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")
     par = SyntheticParallelizer(layer_time_s={"b200": 0.002, "h200": 0.004, "h100-sxm": 0.004, "a100-80gb": 0.01,
                                               "a100-40gb": 0.01, "l40s": 0.012},
                                 layer_static_bytes=2 * GIB, layer_activation_bytes=0.2 * GIB)
-    fast = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=5))
     exact = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=6))
-    check_invariants(fast.plan, many, TORCH)
-    check_invariants(exact.plan, many, TORCH)
+    # six islands over one network: one link class, so beyond exact_islands the search is still exact
+    # (compose.front_classes), with the fronts of one island set merged
+    merged = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=5))
+    monkeypatch.setattr(api, "MERGED_EXACT_STATES", 0)  # the island-order search
+    fast = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=5))
+    for r in (exact, merged, fast):
+        check_invariants(r.plan, many, TORCH)
     assert exact.plan.predicted.iteration_time_s <= fast.plan.predicted.iteration_time_s + 1e-12
+    assert merged.plan.predicted.iteration_time_s == pytest.approx(exact.plan.predicted.iteration_time_s, rel=1e-12)
+    assert merged.stats["compose"]["dp_runs"] < fast.stats["compose"]["dp_runs"]  # no order-by-order search
     assert len(fast.plan.islands_used) > 1
 
 

@@ -6,7 +6,11 @@ import random
 import pytest
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_latency
-from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate, plain_1f1b_floor_s
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.planner.compose import (ComposeStats, Option, compose, evaluate, front_classes, merged_states,
+                                            plain_1f1b_floor_s)
 from tangram_launch.planner.reference import brute_force, every_composition
 
 SENTINEL = 1 << 30
@@ -397,3 +401,67 @@ def test_a_class_whose_closed_form_cannot_beat_is_still_searched_when_its_score_
     assert got is not None and got.score_s == pytest.approx(8.0)
     # nor the best score: nothing to search
     assert compose(opts, link, 2, m, incumbent_s=5.0, score=score, score_incumbent_s=7.5) is None
+
+
+def _few_class_links(rng: random.Random, K: int) -> list[list[float]]:
+    """Links with few distinct values, so front islands often share a class (compose.front_classes): one spine,
+    two pods, or random values from a short list."""
+    kind = rng.choice(["spine", "pods", "few"])
+    pod = [rng.randrange(2) for _ in range(K)]
+    near, far = rng.uniform(0, 0.5), rng.uniform(0.5, 1.5)
+    out = []
+    for i in range(K):
+        row = []
+        for j in range(K):
+            if i == j:
+                row.append(0.0)
+            elif kind == "spine":
+                row.append(far)
+            elif kind == "pods":
+                row.append(near if pod[i] == pod[j] else far)
+            else:
+                row.append(rng.choice([near, far]))
+        out.append(row)
+    return out
+
+
+@given(st.integers(1, 7), st.integers(0, 2 ** 32 - 1))
+@settings(max_examples=200, deadline=None)
+def test_front_classes_are_islands_with_the_same_links_from_every_other_island(K, seed):
+    rng = random.Random(seed)
+    link = _few_class_links(rng, K)
+    mask = rng.randrange(1, 1 << K)
+    cls = front_classes(link, mask)
+    members = [k for k in range(K) if mask >> k & 1]
+    for f in members:
+        assert cls[f] in members and cls[cls[f]] == cls[f]  # a class stands for itself
+        for g in members:
+            if cls[f] == cls[g]:
+                assert all(link[x][f] == link[x][g] for x in members if x not in (f, g)), (link, f, g)
+    if all(link[i][j] == link[0][1] for i in range(K) for j in range(K) if i != j) and K > 1:
+        assert len({cls[k] for k in members}) == 1  # one spine: one class
+        assert merged_states(link, members) == (1 << len(members)) - 1
+    # merged keys never exceed the unmerged ones (each set times its islands)
+    assert merged_states(link, members) <= len(members) << max(0, len(members) - 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_merged_fronts_find_the_brute_force_optimum(seed):
+    """merge_fronts shares DP states between front islands of one link class: the closed form's optimum is the
+    brute force's, on links with few classes (where states merge) and on random ones."""
+    rng = random.Random(7000 + seed)
+    merged = 0
+    for _ in range(120):
+        options, link, L, m, K = random_instance(rng, max_islands=4)
+        if rng.random() < 0.8:
+            link = _few_class_links(rng, K)
+        required = rng.choice([0, 0, 1 << rng.randrange(K)])
+        max_stages = rng.choice([None, None, 3])
+        dp = compose(options, link, L, m, required_mask=required, max_stages=max_stages, merge_fronts=True)
+        ref = brute_force(options, link, L, m, required_mask=required, max_stages=max_stages)
+        assert (dp is None) == (ref is None)
+        if ref is not None:
+            assert dp.latency_s == pytest.approx(ref.latency_s, rel=1e-12, abs=1e-12)
+            _check_plan(dp, options, link, L, m, required=required, max_stages=max_stages)
+            merged += len({c for c in front_classes(link, (1 << K) - 1)}) < K
+    assert merged > 20  # the instances do merge fronts

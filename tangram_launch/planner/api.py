@@ -5,7 +5,8 @@
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
-(compose.py; above five islands over a bounded set of island orders, orders.py; each ranked by the iteration
+(compose.py; above five islands over a bounded set of island orders, orders.py, unless few link classes keep the
+exact search small, compose.front_classes; each ranked by the iteration
 the Plan reports: the simulated 1F1B, or interleaved where faster) -> the best over b. The sizes b: a
 spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
 moving. Branch and bound: the sizes are visited most promising first (a floor under any plan's latency at each
@@ -35,7 +36,8 @@ from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s
 from tangram_launch.planner.collector import fewer_collections
-from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, plain_1f1b_floor_s
+from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states,
+                                            plain_1f1b_floor_s)
 from tangram_launch.planner.cover_floors import island_floor_s, promising
 from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import QueryPool, default_workers
@@ -66,6 +68,9 @@ DEFAULT_MAX_MICROBATCH_OPTIONS = 4
 # while only single-island plans bound the search, this share of a size's pairs (the lowest pair floors) is asked
 # and composed first (megatron): on Llama-3 405B / 256 GPUs its plan lets 171 of the other 216 go unasked
 FIRST_ROUND_SHARE = 0.25
+# above exact_islands, the search is still exact where its DP keys per layer, with front islands merged by link
+# class (compose.merged_states), are this few: up to 8 islands that talk over one spine
+MERGED_EXACT_STATES = 256
 
 
 @dataclass(frozen=True)
@@ -610,7 +615,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
             floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
         return floor
 
-    def run(order: list[int] | None) -> float | None:
+    def run(order: list[int] | None, merge_fronts: bool = False) -> float | None:
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
@@ -618,7 +623,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                                                                       opts.score_band)),
                        stats=stats, score=predicted_s, score_band=opts.score_band, score_floor=predicted_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
-                       score_fill_weight=weight, score_schedules=schedules)
+                       score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts)
         if comp is None:
             return None
         if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing
@@ -627,6 +632,12 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
 
     if len(present) <= opts.exact_islands:
         run(None)
+    elif merged_states(cand.link_matrix, present) <= MERGED_EXACT_STATES:
+        # the exact DP over every island set and order (compose.front_classes), after one seed order whose plan
+        # bounds it: unbounded, it took 7x the CPU (265 against 38 s on the main class of Llama-3 405B on 4,096
+        # GPUs at b = 8)
+        run(island_orders(cand.islands, present, cand.training_dtype)[0])
+        run(None, merge_fronts=True)
     else:
         search_orders(run, present, cand.link_matrix, island_orders(cand.islands, present, cand.training_dtype))
     if best is None:

@@ -224,7 +224,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
         num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
         score_beat: float = float("inf"), fill_weight: float = 0.0,
-        schedules: tuple[str, ...] = SCORE_ANY) -> list[tuple]:
+        schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False) -> list[tuple]:
     """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``,
     as (fill_s, tail_s, period_s, option indices front to back). With ``beam``, each state keeps only that many
     entries, those of least (m - 1) x period + fill + tail (a quick plan, not exact).
@@ -232,7 +232,8 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     Sequences are built from the BACK of the pipeline, adding options in front; tables[j] maps the sequences
     covering [j, L) by
       key   = (used: bitmask of islands in the sequence (in island-order mode only the required ones),
-               front: island of the sequence's first option, -1 for the empty sequence at j = L)
+               front: island of the sequence's first option, -1 for the empty sequence at j = L; with
+               ``merge_fronts`` (not in island-order mode) its class, front_classes)
     to the Pareto front of
       entry = (fill_s, tail_s, after: stages in the sequence capped at n_cap, period_s: its slowest stage or link,
                option index added in front, parent key in tables[option.stop], parent position in that front,
@@ -251,7 +252,10 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
     judges an entry by the least period of its bucket."""
-    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache = prep
+    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, cls = prep
+    merge = merge_fronts and rank is None
+    if not merge:
+        cls = range(len(cls))
     m1 = num_microbatches - 1
     w, mw = fill_weight, num_microbatches - fill_weight  # the score floor's weights of fill and period
     m = num_microbatches
@@ -295,6 +299,8 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 least_f = list(itertools.accumulate([e[0] for e in front], min))
                 least_a = list(itertools.accumulate([e[7] for e in front], min)) if plain else least_f
             used, f = key
+            if f >= 0 and merge:  # the key holds the front's class: any entry's front island has the same links
+                f = options[front[0][4]].island  # from every island not in ``used``
             for island, bit, gidx in groups:
                 if used & bit:
                     continue
@@ -303,7 +309,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                     if rank is not None and rank[island] >= rank[f]:
                         continue
                     link = link_s[island][f]
-                tkey = ((used | bit) & keep, island)
+                tkey = ((used | bit) & keep, cls[island])
                 if prune:
                     mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
                     pre_fill, pre_period, pre_tail = prefix(mask)
@@ -534,7 +540,46 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     fill_lb = _fill_lower_bound(options, idx, num_layers)
     period_lb = _minmax_bottleneck(options, idx, num_layers)
     prefix = _PrefixBounds(options, idx, num_layers)
-    return idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}
+    return idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands)
+
+
+def merged_states(link_s: Sequence[Sequence[float]], present: Sequence[int]) -> int:
+    """DP keys per layer of the exact search with ``merge_fronts`` over the islands ``present``: the island sets
+    times the front classes each meets."""
+    cls = front_classes(link_s, sum(1 << k for k in present))
+    sizes: dict[int, int] = {}
+    for k in present:
+        sizes[cls[k]] = sizes.get(cls[k], 0) + 1
+    n = len(present)
+    return sum((1 << n) - (1 << (n - c)) for c in sizes.values())  # a class of c islands misses 2^(n - c) sets
+
+
+def front_classes(link_s: Sequence[Sequence[float]], islands: int) -> list[int]:
+    """cls[k]: the island standing for k's class among the islands in the mask ``islands``: islands whose links
+    from every other island are the same.
+
+    The exact DP keys a sequence by the set of islands it uses and its front island; the front matters only
+    through the link from the island added in front of it, which is never in the set. Fronts f and g of one set
+    are interchangeable when link[x][f] == link[x][g] for every island x other than f and g, so with
+    ``merge_fronts`` the DP keys by class and reads the link through an entry's actual front. Classes are cliques
+    of that relation, built greedily in index order (it is not transitive: link[g][f] and link[g][h] may differ).
+    Islands that all talk over one spine form one class: about 2^K keys per layer instead of K x 2^(K-1)."""
+    members = [k for k in range(len(link_s)) if islands >> k & 1]
+    cls = list(range(len(link_s)))
+    groups: list[list[int]] = []
+
+    def alike(f: int, g: int) -> bool:
+        return all(link_s[x][f] == link_s[x][g] for x in members if x != f and x != g)
+
+    for k in members:
+        for group in groups:
+            if all(alike(k, g) for g in group):
+                group.append(k)
+                cls[k] = group[0]
+                break
+        else:
+            groups.append([k])
+    return cls
 
 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
@@ -545,7 +590,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score_band: bool = False,
             score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
-            score_schedules: tuple[str, ...] = SCORE_ANY) -> Composition | None:
+            score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -565,7 +610,11 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     the DP's floor under the score is (m - w) x period + w x fill + tail (default m x period + tail; 1/V where
     only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
-    the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``).
+    the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``); ``merge_fronts``:
+    the sequences of one island set whose front islands have the same links from every other island
+    (front_classes) share a DP state. The closed form's optimum is the same; the candidates offered to the score
+    are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
+    layer instead of K x 2^(K-1) on K islands that talk over one spine.
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -579,7 +628,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
                                                                 max_stages))
     if prep[3] is None:
         return None
-    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache = prep[3]
+    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, _cls = prep[3]
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
     if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s and (
@@ -634,7 +683,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
 
     def run(beat: float, **kw) -> list[tuple]:
         """The DP's plans that can beat ``beat``, by increasing closed form."""
-        found = _dp(options, prep[3], link_s, num_layers, m, required_mask, max_stages, beat, stats, rank, **kw)
+        found = _dp(options, prep[3], link_s, num_layers, m, required_mask, max_stages, beat, stats, rank,
+                    merge_fronts=merge_fronts, **kw)
         return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
 
     # a plan of one option (a whole-model slice plan on one island) needs no DP; with a score it is always a

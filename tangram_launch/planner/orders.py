@@ -1,7 +1,8 @@
 """Island orders for compositions with more islands than the exact search takes (bounded, not exact).
 
-The exact composer keeps the set of used islands in its state, so it grows as 2^K. Beyond ``exact_islands`` the
-planner searches pipelines in a fixed island order instead (compose's ``island_order``: polynomial in K, exact for
+The exact composer keeps the set of used islands in its state, so it grows as 2^K. Beyond ``exact_islands`` (and
+where the islands' link classes would leave the exact search more than api.MERGED_EXACT_STATES keys) the planner
+searches pipelines in a fixed island order instead (compose's ``island_order``: polynomial in K, exact for
 that order) over a bounded set of orders:
 
 1. the seed orders the driver passes (by memory per GPU and by speed, both directions: api.island_orders);
