@@ -16,7 +16,8 @@ ones the per-configuration loop found.
 """
 from __future__ import annotations
 
-from operator import add, or_
+from functools import reduce
+from operator import add, itemgetter, or_
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
@@ -86,18 +87,15 @@ class StageTable:
         coster._split_cache = self.split_cache
 
     def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int,
-                   ranges: tuple[tuple[int, int], ...] | None = None,
-                   sizes: tuple[int, ...] | None = None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
-        """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on), as
-        the signature's number in this table: the other methods take numbers, so a signature is hashed once.
-        ``ranges``, ``sizes``: the grid's split, where the caller has it already (coster.split's and
-        coster.split_sizes' answers)."""
+                   sizes: tuple[int, ...] | None = None) -> list[int]:
+        """Each stage's signature (what SliceCoster.stage_sums depends on) of the grid, as the signature's number
+        in this table: the other methods take numbers, so a signature is hashed once. ``sizes``: the grid's split
+        (coster.split_sizes' answer), where the caller has it already; its stages' layer ranges are
+        coster.stage_ranges(sizes), taken here only where a signature needs them (not for a slice of one kind)."""
         q = coster.q
         b = q.microbatch_sequences
         if sizes is None:
             sizes = coster.split_sizes(pp, tp, cp, ep, dp, b // dp)
-        if ranges is None:
-            ranges = coster.stage_ranges(sizes)
         first, last = q.layers
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
@@ -106,17 +104,17 @@ class StageTable:
         ids = self.sig_ids
         sids = []
         if len(coster.prefix) == 1 and pp > 2:
-            return ranges, self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
-        for j, (a, z) in enumerate(ranges):
-            has_emb = q.has_embedding and a == first
-            has_head = q.has_head and z == last
+            return self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
+        q_emb, q_head = coster.has_embedding, coster.has_head
+        for j, (a, z) in enumerate(coster.stage_ranges(sizes)):
+            has_emb = q_emb and a == first
+            has_head = q_head and z == last
             counts = counts_of.get((a, z))  # layers per kind in [a, z): the model's, the same in every query
             if counts is None:
                 counts = counts_of[a, z] = tuple(sorted(
                     (k, pre[z - first] - pre[a - first]) for k, pre in coster.prefix.items()
                     if pre[z - first] != pre[a - first]))
-            tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
-                tied and has_head and not has_emb) else None
+            tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
             nxt = None
             if j < pp - 1:
                 boundary = (j + 1) * stage_gpus
@@ -131,7 +129,7 @@ class StageTable:
                 sid = ids[sig] = len(ids)
                 self.state_keys.append(sig[1:9])
             sids.append(sid)
-        return ranges, sids
+        return sids
 
     def _one_kind_signatures(self, coster: "SliceCoster", sizes: tuple[int, ...], dims: tuple,
                              stage_gpus: int, g: int, tied: bool) -> list[int]:
@@ -154,7 +152,7 @@ class StageTable:
         ids = self.sig_ids
         last_j = pp - 1
         local: list[int] = []
-        q_emb, q_head = q.has_embedding, q.has_head
+        q_emb, q_head = coster.has_embedding, coster.has_head
         # a stage's key (size, links, first/last position) and these give its signature (pp > 2: the first stage
         # is never the last): stages met before under them are looked up by their key alone
         known = self.stage_sids.get((dims, kind, q_emb, q_head))
@@ -175,18 +173,19 @@ class StageTable:
                     self.state_keys.append(sig[1:9])
                 known[key] = sid
             local.append(sid)
-        return [local[i] for i in order]
+        return list(map(local.__getitem__, order))
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
-                   savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
+                   savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> list[list[tuple]]:
         """Per stage, for every saver combination: (time_s, static_bytes, activation_bytes, dp_sync_s +
-        optimizer_s) from SliceCoster.fast_stage."""
+        optimizer_s) from SliceCoster.fast_stage. ``sizes``: the grid's split, where the caller has it."""
         sums = self.sums
         distinct = set(sids)
-        new = sorted(sids.index(sid) for sid in distinct if sid not in sums)  # first stage of each not costed yet
-        if new:  # cost those stages only, each once; later queries reuse them by signature
+        missing = [sid for sid in distinct if sid not in sums]
+        if missing:  # cost those stages only, each once (at its first stage); later queries reuse them by signature
+            new = sorted(map(sids.index, missing))
             tp, pp, dp, cp, ep = grid
-            for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new)):
+            for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new, sizes=sizes)):
                 sid = sids[j]
                 sums[sid] = st
                 # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
@@ -196,7 +195,7 @@ class StageTable:
             by_sid = self.rows[savers] = {}
         for sid in [sid for sid in distinct if sid not in by_sid]:
             by_sid[sid] = coster.fast_rows(sums[sid], savers)
-        return [by_sid[sid] for sid in sids]
+        return list(map(by_sid.__getitem__, sids))
 
     def stage_columns(self, sids: Sequence[int], savers: tuple[tuple[int, int, bool], ...], m: int,
                       cap: float) -> dict[int, tuple]:
@@ -353,6 +352,9 @@ def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list
     return bn.tolist(), fill.tolist(), tail.tolist(), depth.tolist()
 
 
+_LEAST_TIME, _LEAST_TAIL = itemgetter(5), itemgetter(6)  # a stage_columns entry's least time_s and tail_s
+
+
 def _arrays(col: tuple) -> list:
     """A signature's columns (times, tails, most, term) as arrays, made the first time they are needed."""
     arrays = col[7]
@@ -366,12 +368,10 @@ def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbat
     (slice_plan.latency_floor_s, score_floor_s): the same sums of each stage's least time and tail over the
     combinations, in the same order (float rounding is monotone, so these are below to the last bit)."""
     m = num_microbatches
-    distinct = [columns[sid] for sid in dict.fromkeys(sids)]
-    bn = max(c[5] for c in distinct)
-    tail = max(c[6] for c in distinct)
-    fill = columns[sids[0]][5]
-    for sid in sids[1:]:
-        fill += columns[sid][5]
+    distinct = list(map(columns.__getitem__, dict.fromkeys(sids)))
+    bn = max(map(_LEAST_TIME, distinct))
+    tail = max(map(_LEAST_TAIL, distinct))
+    fill = reduce(add, map(_LEAST_TIME, map(columns.__getitem__, sids)))  # front to back, one add at a time
     return (m - 1) * bn + fill + tail, m * bn + tail
 
 

@@ -39,13 +39,13 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
         raise ValueError(f"cannot split {n} layers into {parts} stages")
     if parts == 1:
         return (n,)
-    w = [float(x) for x in weights]
+    w = list(map(float, weights))
     w_first = w[0] + first_extra
 
-    back_to_front = w[:0:-1] + [w_first]  # the greedy's visiting order, built once for its ~25 calls
     uniform = _UniformGreedy.of(w, w_first, last_extra, parts) if closed_form else None
-    # one layer weight: the same greedy in closed form (see _UniformGreedy)
-    greedy = uniform if uniform is not None else partial(greedy_split, back_to_front, last_extra=last_extra,
+    # one layer weight: the same greedy in closed form (see _UniformGreedy); else layer by layer, visiting the
+    # layers back to front (that order built once for the greedy's ~25 calls)
+    greedy = uniform if uniform is not None else partial(greedy_split, w[:0:-1] + [w_first], last_extra=last_extra,
                                                          parts=parts)
     lo = max(max(w[1:-1], default=0.0), w_first, w[-1] + last_extra, (sum(w) + first_extra + last_extra) / parts)
     hi = sum(w) + first_extra + last_extra
@@ -71,7 +71,7 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
         j = sizes.index(max(sizes))  # the first of the largest
         first = sizes[j] // 2
         sizes[j: j + 1] = [first, sizes[j] - first]
-    return _smooth(w, sizes, first_extra, last_extra)
+    return _smooth(w, sizes, first_extra, last_extra, uniform is not None)
 
 
 def greedy_split(back_to_front: Sequence[float], bound: float, last_extra: float, parts: int) -> list[int] | None:
@@ -103,6 +103,25 @@ def _running_sums(start: float, u: float, n: int) -> tuple[float, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=4096)
+def _uniform_run_sum(u: float, count: int) -> float:
+    """sum() of ``count`` weights u: _smooth's slice sum of a group of that many identical layers."""
+    return sum([u] * count)
+
+
+@lru_cache(maxsize=4096)
+def _uniform_sums(u: float, w_first: float, last_extra: float, n: int) -> tuple[tuple[float, ...], tuple[float, ...],
+                                                                               tuple[float, ...]]:
+    """_UniformGreedy's sums for n layers of weight u, which do not depend on the number of parts (a planning run
+    splits the same slice into many): the head's group's running sums (``last``), another group's (``other``),
+    and every sum the greedy compares with its bound, sorted (bisection_answer's candidates)."""
+    # last[k]: the head's group's sum after k layers, added as the greedy adds them; other[j]: another group's
+    # sum after j + 1 layers
+    last, other = _running_sums(last_extra, u, n), _running_sums(u, u, n)
+    values = {u, w_first, *last[1:], *other, last[-1] + w_first, *(x + w_first for x in other)}
+    return last, other, tuple(sorted(values))
+
+
 class _UniformGreedy:
     """_balanced_split's greedy when every layer weighs the same (a slice of one layer kind: the common case), in
     closed form: the same answer for every bound, from the same float sums, in O(log n) instead of O(n).
@@ -113,19 +132,17 @@ class _UniformGreedy:
     and the front group what remains, with the embedding's layer if it still fits."""
 
     def __init__(self, u: float, w_first: float, last: Sequence[float], other: Sequence[float],
-                 parts: int) -> None:
+                 cands: Sequence[float], parts: int) -> None:
         self.u, self.w_first, self.last, self.other, self.parts = u, w_first, last, other, parts
+        self.cands = cands  # bisection_answer's candidate bounds (_uniform_sums)
         self.r = len(last) - 1  # layers of weight u (all but the first)
 
     @classmethod
     def of(cls, w: list[float], w_first: float, last_extra: float, parts: int) -> "_UniformGreedy | None":
         u = w[-1]
-        if any(x != u for x in w):
+        if u != u or w.count(u) != len(w):  # some weight differs (count compares as x == u does: NaN aside)
             return None
-        n = len(w)
-        # last[k]: the head's group's sum after k layers, added as the greedy adds them; other[j]: another group's
-        # sum after j + 1 layers
-        return cls(u, w_first, _running_sums(last_extra, u, n), _running_sums(u, u, n), parts)
+        return cls(u, w_first, *_uniform_sums(u, w_first, last_extra, len(w)), parts)
 
     def __call__(self, bound: float) -> list[int] | None:
         u, w_first, last, other, parts, r = self.u, self.w_first, self.last, self.other, self.parts, self.r
@@ -155,10 +172,7 @@ class _UniformGreedy:
         its bound (its answer changes only there): the smallest sum it can meet. The real bisection stops within
         a relative 1e-6 above that sum, which gives the same answer unless another sum lies in that gap: then
         None, and the caller bisects as before."""
-        w_first = self.w_first
-        values = {self.u, w_first, *self.last[1:], *self.other, self.last[-1] + w_first,
-                  *(x + w_first for x in self.other)}
-        cands = sorted(values)
+        cands = self.cands
         lo_i, hi_i = 0, len(cands) - 1
         if self(cands[hi_i]) is None:
             return None
@@ -174,17 +188,20 @@ class _UniformGreedy:
         return self(opt)
 
 
-def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float) -> tuple[int, ...]:
+def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float,
+            uniform: bool = False) -> tuple[int, ...]:
     """Even out neighbouring groups without raising the bottleneck: move a boundary layer from the heavier to the
     lighter group while that narrows their gap (greedy fills leave the front groups light). A move changes only
-    the two groups it touches: their sums are taken again (the same slice sums), the others kept."""
+    the two groups it touches: their sums are taken again (the same slice sums), the others kept. ``uniform``:
+    every weight is w[0], so a group's slice sum depends on its size only and is remembered by it."""
     parts = len(sizes)
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
+    run_sum = partial(_uniform_run_sum, w[0]) if uniform else None
 
     def group_sum(k: int) -> float:
-        total = sum(w[bounds[k]:bounds[k + 1]])
+        total = run_sum(sizes[k]) if run_sum is not None else sum(w[bounds[k]:bounds[k + 1]])
         if k == 0:
             total += first_extra
         if k == parts - 1:

@@ -313,7 +313,7 @@ class MegatronParallelizer:
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
         score_cut = q.score_bound_s * (1.0 + 1e-9)
         floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind layer floors, embedding, head, slice's floor)
-        floor_key = (tuple(coster.prefix), q.has_embedding, q.has_head)  # what time_floors reads of the slice
+        floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads of the slice
         # the grids and their shape problems depend on the context and b, and on the slice's length only through
         # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
         gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
@@ -359,8 +359,8 @@ class MegatronParallelizer:
                 if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
                     bounded += 1
                     continue
-            ranges, sigs = table.signatures(coster, *dims, sizes=sizes)
-            rows = table.stage_rows(coster, dims, sigs, allowed)
+            sigs = table.signatures(coster, *dims, sizes=sizes)
+            rows = table.stage_rows(coster, dims, sigs, allowed, sizes)
             columns = table.stage_columns(sigs, allowed, m, cap)
             if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
                 bounded += 1  # no combination can beat either bound: not judged
@@ -376,7 +376,7 @@ class MegatronParallelizer:
                 misfits.append((grid, rows, allowed, depth))
                 if fill is None:
                     continue
-            stage = (ranges, tuple(sigs), rows)
+            stage = (sizes, tuple(sigs), rows)
             n_gpus = grid.num_gpus
             for s, (zero, r, off) in enumerate(allowed):
                 if depth[s] < 0:
@@ -412,20 +412,28 @@ class MegatronParallelizer:
                    point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        grid, zero, r, off, (ranges, sigs, rows), s = point[6:]  # after the six objectives
-        pp = len(ranges)
+        grid, zero, r, off, (sizes, sigs, rows), s = point[6:]  # after the six objectives
+        pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
         times, static, act, tails = zip(*[stage_rows[s] for stage_rows in rows])  # (time, static, act, sync+opt)
         numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # fit_depth's depth
         return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
-                             build=lambda: self._stages(table, coster, _config(grid, zero, r, off), ranges, sigs))
+                             build=lambda: self._stages(table, coster, _config(grid, zero, r, off),
+                                                        coster.stage_ranges(sizes), sigs))
 
     def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
         queries (templates.judge_templates judges a shared pair once)."""
         key = (grid.tp, grid.dp, grid.cp, grid.ep, zero, r, off, pp, mbs)
-        return _memo(self, "_shape_cache", key, lambda: ((_config(grid, zero, r, off).shape(),) * pp, (mbs,) * pp))
+        hit = self.__dict__.get("_shape_cache", {}).get(key)
+        if hit is not None:
+            return hit
+        # the stage shape itself is one object per (grid, savers), whatever the stages and micro-batch size
+        shape = _memo(self, "_shape_cache", key[:7], lambda: StageShape(
+            tp=grid.tp, dp=grid.dp, cp=grid.cp, ep=grid.ep, zero_stage=zero, recompute=RECOMPUTE_MODES[r],
+            offload=off))
+        return _memo(self, "_shape_cache", key, lambda: ((shape,) * pp, (mbs,) * pp))
 
     def _table(self, q: SliceQuery) -> StageTable:
         """The stage table of the query's context: island, model, training, runtime and cost-model options."""
