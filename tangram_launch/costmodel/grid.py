@@ -64,7 +64,7 @@ class StageTable:
         self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
-        self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, max stages) -> the grids listed
+        self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, cap on stages) -> the grids listed
         # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
         self.patterns: dict[tuple, tuple] = {}
         self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid

@@ -271,13 +271,14 @@ class MegatronParallelizer:
         table.device = coster.dev
         table.attach(coster)
         out: dict[str, tuple[float, float]] = {}
-        seen: set[tuple] = set()
-        for grid in self.grids(q, coster):
-            key = (grid.tp, grid.cp, grid.ep, grid.dp)
-            if key in seen or coster.check(grid):
+        # the distinct (tp, cp, ep, dp) of the grids that have no shape problem and fit the slice: the queries'
+        # grid list (GridIndex.fkeys, the same one the queries at this micro-batch size take)
+        index = self._grid_index(table, q, coster, self.grids)[1]
+        fits = set(index.fkey_ids[index.pp <= q.num_layers].tolist())
+        for f, key in enumerate(index.fkeys):
+            if f not in fits:
                 continue
-            seen.add(key)
-            n = grid.tp * grid.cp * grid.dp
+            n = key[0] * key[1] * key[3]
             per_kind, emb_s, head_s = coster.time_floors(*key)
             for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
                 gs, ts = out.get(k, (math.inf, math.inf))
@@ -314,14 +315,7 @@ class MegatronParallelizer:
         score_cut = q.score_bound_s * (1.0 + 1e-9)
         floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind layer floors, embedding, head, slice's floor)
         floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads of the slice
-        # the grids and their shape problems depend on the context and b, and on the slice's length only through
-        # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
-        gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
-        index = table.grid_lists.get(gkey)
-        if index is None:
-            whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
-            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False)))
-                                                        for g in grids(whole, coster)])
+        gkey, index = self._grid_index(table, q, coster, grids)
         max_pp = q.num_layers
         for pp, problems in index.problems:
             if pp <= max_pp:
@@ -407,6 +401,24 @@ class MegatronParallelizer:
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
                      q.island.name, evaluated, len(plans))
         return SliceResult(key, plans, None, evaluated, bounded=bounded)
+
+    @staticmethod
+    def _grid_index(table: StageTable, q: SliceQuery, coster: SliceCoster, grids) -> tuple[tuple, GridIndex]:
+        """(its key, the GridIndex) of the grids ``grids`` lists for q's context and micro-batch size.
+
+        The grids and their shape problems depend on the context and b, and on the slice's length only through its
+        cap on pp: listed once for the whole model under the cap of q.max_stages and the runtime's (the same list
+        whichever of them sets it), each query takes those with pp up to its layers."""
+        cap = q.capabilities.max_stages
+        if q.max_stages is not None:
+            cap = q.max_stages if cap is None else min(cap, q.max_stages)
+        gkey = (getattr(grids, "__qualname__", None), q.microbatch_sequences, cap)
+        index = table.grid_lists.get(gkey)
+        if index is None:
+            whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
+            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False)))
+                                                        for g in grids(whole, coster)])
+        return gkey, index
 
     def _lazy_plan(self, table: StageTable, coster: SliceCoster, layers: tuple[int, int], judged: tuple[int, float],
                    point: tuple) -> LazySlicePlan:
