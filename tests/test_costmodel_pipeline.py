@@ -142,12 +142,25 @@ def test_the_shape_order_runs_each_op_once_after_what_it_waits_for(S, m):
         assert per_stage[k] == want
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 50).flatmap(lambda S: st.tuples(
+    st.lists(st.floats(0.0, 2.0), min_size=S, max_size=S), st.lists(st.floats(0.0, 3.0), min_size=S, max_size=S),
+    st.lists(st.sampled_from([0.0, 0.05, 0.7]), min_size=S - 1, max_size=S - 1), st.integers(1, 60))))
+def test_level_by_level_simulation_gives_the_simulations_end_bit_for_bit(case):
+    """_levels_1f1b (simulated_1f1b_s from _LEVELS_MIN_STAGES stages on) takes each level's ops at once with numpy:
+    the same end as the event simulation to the last bit, for any number of stages."""
+    from tangram_launch.costmodel.pipeline import _levels_1f1b, _run_1f1b
+
+    fwd, bwd, p2p, m = case
+    assert _levels_1f1b(fwd, bwd, p2p, m) == _run_1f1b(fwd, bwd, p2p, m, None)
+
+
 def test_long_schedules_made_per_call_give_the_simulations_end():
     """Above _ORDER_MAX_OPS ops the order is made per call and not kept: the same end as the event simulation."""
     from tangram_launch.costmodel import pipeline
 
-    S, m = 24, 1024
-    assert 2 * S * m > pipeline._ORDER_MAX_OPS
+    S, m = 8, 4000
+    assert 2 * S * m > pipeline._ORDER_MAX_OPS and S < pipeline._LEVELS_MIN_STAGES
     fwd = [0.01 + 0.001 * (k % 5) for k in range(S)]
     bwd = [2.1 * f for f in fwd]
     p2p = [0.0005 * (k % 3) for k in range(S - 1)]

@@ -208,9 +208,8 @@ class StageTable:
         if by_sid is None:
             by_sid = self.columns[key] = {}
         rows = self.rows[savers]
-        for sid in sids:
-            if sid not in by_sid:
-                by_sid[sid] = _columns(rows[sid], m, cap)
+        for sid in set(sids).difference(by_sid):
+            by_sid[sid] = _columns(rows[sid], m, cap)
         return by_sid
 
     def explained_stage(self, coster: "SliceCoster", sid: int, cfg) -> tuple:
@@ -242,7 +241,8 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
-_ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path
+_ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path ...
+_ARRAY_SAVERS = 8  # ... and this many saver combinations (megatron's 6 and deepspeed's 4 judge faster as lists)
 _ACCUMULATE_STAGES = 16  # _judge_arrays: longer pipelines add up their stage times in one accumulate
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
@@ -295,7 +295,7 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
             return None
         heads.append((col, after, inflight))
-    if len(heads) >= _ARRAY_HEADS:
+    if len(heads) >= _ARRAY_HEADS and len(heads[0][0][0]) >= _ARRAY_SAVERS:
         return _judge_arrays(columns, sids, heads)
     bn = tail = depth = over = None
     for (times, tails, most, term, *_least), after, inflight in heads:

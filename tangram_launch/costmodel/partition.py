@@ -208,7 +208,12 @@ def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: fl
             total += last_extra
         return total
 
-    sums = [group_sum(k) for k in range(parts)]
+    if run_sum is not None:  # group_sum of every group, its additions in its order
+        sums = list(map(run_sum, sizes))
+        sums[0] += first_extra
+        sums[-1] += last_extra
+    else:
+        sums = [group_sum(k) for k in range(parts)]
     for _ in range(4 * len(w)):
         moved = False
         for k in range(parts - 1):

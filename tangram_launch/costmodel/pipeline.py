@@ -119,11 +119,13 @@ def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequ
     link), so its end is fixed by the dependency graph, whatever order the ops are taken in as long as each comes
     after what it waits for: here in the order _order_1f1b gives from the schedule's shape alone, one pass and the
     same float operations, without _run_1f1b's rounds of readiness checks (the planner simulates hundreds of
-    candidate pipelines)."""
+    candidate pipelines); from _LEVELS_MIN_STAGES stages on, that order's levels at once (_levels_1f1b)."""
     S = len(fwd_s)
     if not S:
         return 0.0
     m = max(1, m)
+    if S >= _LEVELS_MIN_STAGES:
+        return _levels_1f1b(fwd_s, bwd_s, p2p_s, m)
     order = _order_1f1b(S, m) if 2 * S * m <= _ORDER_MAX_OPS else _order_1f1b.__wrapped__(S, m)
     durations = (*fwd_s, *bwd_s)  # [k]: stage k's forward, [S + k]: its backward
     links = (0.0, *p2p_s, 0.0)  # [k]: the link in front of stage k (none in front of stage 0, behind the last)
@@ -139,6 +141,7 @@ def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequ
     return max(free)
 
 
+_LEVELS_MIN_STAGES = 12  # from this many stages on, a level's ops (one per stage) are taken at once with numpy
 _ORDER_MAX_OPS = 40_000  # orders of longer schedules are made again per call (a kept order costs ~100 bytes an op)
 
 
@@ -170,6 +173,42 @@ def _order_1f1b(S: int, m: int) -> tuple[tuple[int, int, int, int, int], ...]:
     pick = np.argsort(keys, kind="stable")
     return tuple(zip(slots[pick].tolist(), stages[pick].tolist(), ops[pick].tolist(), deps[pick].tolist(),
                      links[pick].tolist()))
+
+
+def _levels_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:
+    """simulated_1f1b_s level by level: the ops of one _order_1f1b key (level) wait only for ops of the level
+    before -- the forward of stage k - 1 or the backward of stage k + 1 of the same micro-batch, the last stage's
+    own forward -- and each stage has at most one op per level (a forward where k and the level differ in parity,
+    else a backward), so a level is a few array operations over the stages: the same float operations per op."""
+    S = len(fwd_s)
+    k = np.arange(S)
+    fwd, bwd = np.asarray(fwd_s, dtype=np.float64), np.asarray(bwd_s, dtype=np.float64)
+    p2p = np.asarray(p2p_s, dtype=np.float64)
+    forward = [(k % 2) == (level % 2) for level in (1, 0)]  # [level % 2]: the stages running a forward
+    durations = [np.where(f, fwd, bwd) for f in forward]
+    free = np.zeros(S)
+    prev = np.zeros(S)  # the ends of the level before (stages without an op there: never read)
+    dep = np.empty(S)
+    down, up = dep.copy(), dep.copy()
+    down[0] = 0.0  # stage 0's forwards wait for nothing (free >= 0)
+    for level in range(1, 2 * m + 2 * S - 1):
+        par = level % 2
+        np.add(prev[:-1], p2p, out=down[1:])  # forward of stage k: stage k - 1's, over the link between them
+        np.add(prev[1:], p2p, out=up[:-1])  # backward of stage k: stage k + 1's, back over that link
+        up[-1] = prev[-1]  # the last stage's backward: its own forward
+        np.copyto(dep, up)
+        np.copyto(dep, down, where=forward[par])
+        end = np.maximum(free, dep)
+        end += durations[par]
+        lo_f, hi_f = level - 2 * m + 1, level - 1  # stages whose forward key is this level, micro-batch in range
+        lo_b, hi_b = 2 * S - level, 2 * S - level + 2 * m - 2
+        if lo_f <= 0 and hi_f >= S - 1 and lo_b <= 0 and hi_b >= S - 1:
+            free = end  # every stage runs an op at this level
+        else:
+            active = np.where(forward[par], (k >= lo_f) & (k <= hi_f), (k >= lo_b) & (k <= hi_b))
+            free = np.where(active, end, free)
+        prev = end
+    return float(free.max())
 
 
 def _run_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
