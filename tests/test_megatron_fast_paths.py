@@ -106,3 +106,23 @@ def test_uniform_smoothing_by_group_size_equals_the_slice_sums(n, u, fe, le, dat
     sizes = [z - a for a, z in zip([0, *cuts], [*cuts, n])]
     w = [u] * n
     assert _smooth(w, list(sizes), fe, le, uniform=True) == _smooth(w, list(sizes), fe, le)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 130), u=st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000)),
+       fe=st.integers(0, 40000).map(lambda k: k / 1000), le=st.integers(0, 40000).map(lambda k: k / 1000),
+       data=st.data())
+def test_groups_needed_per_bound_is_where_the_greedy_starts_to_answer(n, u, fe, le, data):
+    """_groups_needed, for all of a uniform split's candidate bounds and any other bound at once, says for which
+    numbers of parts the greedy (_UniformGreedy) returns a split: exactly those >= it."""
+    from tangram_launch.costmodel.partition import _groups_needed, _UniformGreedy, _uniform_sums
+
+    w_first = u + fe
+    last, other, cands, needed = _uniform_sums(u, w_first, le, n)
+    extra = data.draw(st.lists(st.floats(0.0, (u * n + fe + le) * 1.2, allow_nan=False), max_size=20))
+    bounds = [*cands, *extra]
+    got = _groups_needed(u, w_first, last, other, bounds)
+    assert got[:len(cands)] == needed
+    for parts in sorted({1, 2, 3, n, data.draw(st.integers(1, n))}):
+        greedy = _UniformGreedy.of([u] * n, w_first, le, parts)
+        assert [greedy(b) is not None for b in bounds] == [g <= parts for g in got]
