@@ -179,9 +179,15 @@ class StageTable:
                    savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> list[list[tuple]]:
         """Per stage, for every saver combination: (time_s, static_bytes, activation_bytes, dp_sync_s +
         optimizer_s) from SliceCoster.fast_stage. ``sizes``: the grid's split, where the caller has it."""
+        return list(map(self.cost_stages(coster, grid, sids, savers, sizes).__getitem__, sids))
+
+    def cost_stages(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
+                    savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> dict[int, list]:
+        """stage_rows' numbers made where missing, by signature: the dict that holds every stage's rows under
+        these savers (a caller that reads few of them takes them from it instead of a list per stage)."""
         sums = self.sums
         distinct = set(sids)
-        missing = [sid for sid in distinct if sid not in sums]
+        missing = distinct.difference(sums)
         if missing:  # cost those stages only, each once (at its first stage); later queries reuse them by signature
             new = sorted(map(sids.index, missing))
             tp, pp, dp, cp, ep = grid
@@ -193,9 +199,9 @@ class StageTable:
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
-        for sid in [sid for sid in distinct if sid not in by_sid]:
+        for sid in distinct.difference(by_sid):
             by_sid[sid] = coster.fast_rows(sums[sid], savers)
-        return list(map(by_sid.__getitem__, sids))
+        return by_sid
 
     def stage_columns(self, sids: Sequence[int], savers: tuple[tuple[int, int, bool], ...], m: int,
                       cap: float) -> dict[int, tuple]:
@@ -320,6 +326,9 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
             for t in stage_times[1:]:
                 f += t[s]
             fill[s] = f
+        return bn, fill, tail, depth
+    if n > _ACCUMULATE_STAGES:  # ufunc.accumulate adds row after row: the same front-to-back sums
+        fill = np.add.accumulate(np.array([columns[sid][0] for sid in sids]), axis=0)[-1].tolist()
         return bn, fill, tail, depth
     fill = columns[sids[0]][0]
     for sid in sids[1:]:

@@ -313,7 +313,7 @@ class MegatronParallelizer:
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
         score_cut = q.score_bound_s * (1.0 + 1e-9)
-        floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind layer floors, embedding, head, slice's floor)
+        floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind floors, embedding, head, slice's, its one kind's)
         floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads of the slice
         gkey, index = self._grid_index(table, q, coster, grids)
         max_pp = q.num_layers
@@ -339,7 +339,9 @@ class MegatronParallelizer:
                 f = index.fkey_list[i]
                 floor = floors.get(f)
                 if floor is None:
-                    floor = floors[f] = (*hits[f], float(totals[f]))
+                    per_kind = hits[f][0]
+                    one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
+                    floor = floors[f] = (*hits[f], float(totals[f]), one_kind)
             skey = index.saver_keys[i]
             allowed = saver_cache.get(skey)
             if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
@@ -354,7 +356,7 @@ class MegatronParallelizer:
                     bounded += 1
                     continue
             sigs = table.signatures(coster, *dims, sizes=sizes)
-            rows = table.stage_rows(coster, dims, sigs, allowed, sizes)
+            by_sid = table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
             columns = table.stage_columns(sigs, allowed, m, cap)
             if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
                 bounded += 1  # no combination can beat either bound: not judged
@@ -363,14 +365,14 @@ class MegatronParallelizer:
             evaluated += len(allowed)
             bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
             if judged is None:  # no combination fits
-                misfits.append((grid, rows, allowed, None))
+                misfits.append((grid, sigs, by_sid, allowed, None))
                 continue
             bottleneck, fill, tail, depth = judged
             if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
-                misfits.append((grid, rows, allowed, depth))
+                misfits.append((grid, sigs, by_sid, allowed, depth))
                 if fill is None:
                     continue
-            stage = (sizes, tuple(sigs), rows)
+            stage = (sizes, sigs, by_sid)
             n_gpus = grid.num_gpus
             for s, (zero, r, off) in enumerate(allowed):
                 if depth[s] < 0:
@@ -386,7 +388,8 @@ class MegatronParallelizer:
             if bounded:  # something fits, nothing beats the bound
                 return SliceResult(key, (), None, evaluated, bounded=bounded)
             best_mem = None  # the first of the least peak memories, in the order the grids were judged
-            for grid, rows, allowed, depth in misfits:
+            for grid, sigs, by_sid, allowed, depth in misfits:
+                rows = [by_sid[sid] for sid in sigs]
                 for s, (zero, r, off) in enumerate(allowed):
                     if depth is None or depth[s] < 0:
                         peak0 = peak_memory(rows, s, m)
@@ -424,11 +427,11 @@ class MegatronParallelizer:
                    point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        grid, zero, r, off, (sizes, sigs, rows), s = point[6:]  # after the six objectives
+        grid, zero, r, off, (sizes, sigs, by_sid), s = point[6:]  # after the six objectives
         pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
-        times, static, act, tails = zip(*[stage_rows[s] for stage_rows in rows])  # (time, static, act, sync+opt)
+        times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])  # (time, static, act, sync+opt)
         numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # fit_depth's depth
         return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
                              build=lambda: self._stages(table, coster, _config(grid, zero, r, off),
@@ -533,17 +536,16 @@ def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -
     """The largest compute floor of the split's stages (layers per stage: ``sizes``; SliceCoster.time_floors per
     layer kind, the embedding's on the slice's first stage, the head's on its last), added up as the general loop
     always did."""
-    per_kind, emb_s, head_s, _total = floor
-    first, last = coster.q.layers
-    prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
-    if len(prefix) == 1:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
-        (w,) = per_kind.values()
+    per_kind, emb_s, head_s, _total, w = floor
+    if w is not None:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
         heaviest = sizes[0] * w + emb_s
         if len(sizes) > 1:
             tail = sizes[-1] * w + head_s
             mid = max(sizes[1:-1], default=0) * w
             return max(heaviest, mid, tail)
         return heaviest + head_s
+    first, last = coster.q.layers
+    prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
     heaviest = 0.0
     for a, z in coster.stage_ranges(sizes):
         f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())
