@@ -95,7 +95,7 @@ def test_stage_sums_of_some_stages_from_the_sizes_equal_the_whole_grids(gpu, per
     assert [vars(s) for s in part] == [vars(whole[j]) for j in picked]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 130), u=st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000)),
        fe=st.integers(0, 40000).map(lambda k: k / 1000), le=st.integers(0, 40000).map(lambda k: k / 1000),
        data=st.data())
