@@ -126,3 +126,35 @@ def test_groups_needed_per_bound_is_where_the_greedy_starts_to_answer(n, u, fe, 
     for parts in sorted({1, 2, 3, n, data.draw(st.integers(1, n))}):
         greedy = _UniformGreedy.of([u] * n, w_first, le, parts)
         assert [greedy(b) is not None for b in bounds] == [g <= parts for g in got]
+
+
+@settings(max_examples=40, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), start=st.integers(0, 5),
+       length=st.integers(1, 6), other=st.tuples(st.integers(0, 5), st.integers(1, 6)), b=st.sampled_from([1, 2, 4]),
+       data=st.data())
+def test_stage_sums_with_layer_sums_shared_across_slices_equal_a_fresh_costers(gpu, per_node, start, length, other,
+                                                                                 b, data):
+    """A context's costers share each stage's layer sums (SliceCoster._layers_part): a slice costed after another
+    one has filled that cache gets the sums a coster of its own computes."""
+    from tangram_launch.costmodel.grid import StageTable
+
+    isl = island(gpu, per_node, 2)
+
+    def query(a, n):
+        return SliceQuery(model=TINY, training=TRAIN, layers=(a, min(6, a + n)), island=isl, microbatch_sequences=b,
+                          capabilities=TORCH)
+
+    table = StageTable()
+    first, q = SliceCoster(query(*other)), query(start, length)
+    table.attach(first)
+    for g in MegatronParallelizer().grids(first.q, first):
+        if not first.check(g):
+            first.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)
+    shared, fresh = SliceCoster(q), SliceCoster(q)
+    table.attach(shared)
+    grids = [g for g in MegatronParallelizer().grids(q, fresh) if not fresh.check(g)]
+    if not grids:
+        return
+    g = data.draw(st.sampled_from(grids))
+    got = shared.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)
+    assert [vars(s) for s in got] == [vars(s) for s in fresh.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)]

@@ -481,32 +481,10 @@ class SliceCoster:
             has_head = self.has_head and z == last_layer
             st = StageSums(layers=(a, z), has_embedding=has_emb, has_head=has_head, dp_link=dp_link,
                            edp_link=edp_link)
-            rec = [0.0, 0.0, 0.0]
-            rec_f = [0.0, 0.0, 0.0]
-            acts = [0.0, 0.0, 0.0]
-            for k, pre in self.prefix.items():
-                c = pre[z - first_layer] - pre[a - first_layer]
-                if not c:
-                    continue
-                t = self.layer_terms(k, tp, cp, ep, dp, mbs)
-                st.fwd_s += c * t.fwd_s
-                st.bwd_s += c * t.bwd_s
-                st.fwd_flops += c * t.fwd_flops
-                st.tp_fwd_s += c * t.tp_fwd_s
-                st.cp_fwd_s += c * t.cp_fwd_s
-                st.cp_bwd_s += c * t.cp_bwd_s
-                st.ep_fwd_s += c * t.ep_fwd_s
-                st.ep_bwd_s += c * t.ep_bwd_s
-                for m in range(3):
-                    rec[m] += c * t.recompute_s[m]
-                    rec_f[m] += c * t.recompute_flops[m]
-                    acts[m] += c * t.act_bytes[m]
-                st.max_layer_act_none = max(st.max_layer_act_none, t.act_bytes[0])
-                st.max_layer_act_rebuilt_sel = max(st.max_layer_act_rebuilt_sel, t.act_bytes[0] - t.act_bytes[1])
-                st.dense_params += c * t.dense_params
-                st.expert_params += c * t.expert_params
-                st.param_tensors += c * t.param_tensors
-                st.max_layer_params = max(st.max_layer_params, t.dense_params + t.expert_params)
+            counts = tuple((k, pre[z - first_layer] - pre[a - first_layer]) for k, pre in self.prefix.items())
+            (st.fwd_s, st.bwd_s, st.fwd_flops, st.tp_fwd_s, st.cp_fwd_s, st.cp_bwd_s, st.ep_fwd_s, st.ep_bwd_s, rec,
+             rec_f, acts, st.max_layer_act_none, st.max_layer_act_rebuilt_sel, st.dense_params, st.expert_params,
+             st.param_tensors, st.max_layer_params) = self._layers_part(counts, tp, cp, ep, dp, mbs)
             st.tp_bwd_s = st.tp_fwd_s
             emb_act = head_act = 0.0
             if has_emb:
@@ -564,6 +542,47 @@ class SliceCoster:
         if stages is None:
             self._grid_cache[key] = sums
         return sums
+
+    def _layers_part(self, counts: tuple[tuple[str, int], ...], tp: int, cp: int, ep: int, dp: int,
+                     mbs: int) -> tuple:
+        """A stage's layers added up (stage_sums' fields before the embedding, head and links), from 0.0, kind by
+        kind in the slice's order (``counts``: (kind, layers) in that order): kept in the context's edge cache,
+        since stages alike in their layers but not in embedding, head or links share it."""
+        key = ("layers", counts, tp, cp, ep, dp, mbs)
+        hit = self._edge_cache.get(key)
+        if hit is not None:
+            return hit
+        fwd_s = bwd_s = fwd_flops = tp_fwd_s = cp_fwd_s = cp_bwd_s = ep_fwd_s = ep_bwd_s = 0.0
+        act_none = rebuilt_sel = dense = expert = tensors = max_params = 0.0
+        rec = [0.0, 0.0, 0.0]
+        rec_f = [0.0, 0.0, 0.0]
+        acts = [0.0, 0.0, 0.0]
+        for k, c in counts:
+            if not c:
+                continue
+            t = self.layer_terms(k, tp, cp, ep, dp, mbs)
+            fwd_s += c * t.fwd_s
+            bwd_s += c * t.bwd_s
+            fwd_flops += c * t.fwd_flops
+            tp_fwd_s += c * t.tp_fwd_s
+            cp_fwd_s += c * t.cp_fwd_s
+            cp_bwd_s += c * t.cp_bwd_s
+            ep_fwd_s += c * t.ep_fwd_s
+            ep_bwd_s += c * t.ep_bwd_s
+            for m in range(3):
+                rec[m] += c * t.recompute_s[m]
+                rec_f[m] += c * t.recompute_flops[m]
+                acts[m] += c * t.act_bytes[m]
+            act_none = max(act_none, t.act_bytes[0])
+            rebuilt_sel = max(rebuilt_sel, t.act_bytes[0] - t.act_bytes[1])
+            dense += c * t.dense_params
+            expert += c * t.expert_params
+            tensors += c * t.param_tensors
+            max_params = max(max_params, t.dense_params + t.expert_params)
+        hit = self._edge_cache[key] = (fwd_s, bwd_s, fwd_flops, tp_fwd_s, cp_fwd_s, cp_bwd_s, ep_fwd_s, ep_bwd_s,
+                                       tuple(rec), tuple(rec_f), tuple(acts), act_none, rebuilt_sel, dense, expert,
+                                       tensors, max_params)
+        return hit
 
     # ------------------------------------------------------------------------------------------ per config
     # A configuration's stage cost is assembled from two cached parts: what depends on (ZeRO stage, offload) and
