@@ -179,35 +179,44 @@ def _levels_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence
     """simulated_1f1b_s level by level: the ops of one _order_1f1b key (level) wait only for ops of the level
     before -- the forward of stage k - 1 or the backward of stage k + 1 of the same micro-batch, the last stage's
     own forward -- and each stage has at most one op per level (a forward where k and the level differ in parity,
-    else a backward), so a level is a few array operations over the stages: the same float operations per op."""
+    else a backward), so a level is a few array operations over the stages: the same float operations per op
+    (a dependency's end + its link, the later of that and the stage's last end, + the op's duration)."""
     S = len(fwd_s)
     k = np.arange(S)
     fwd, bwd = np.asarray(fwd_s, dtype=np.float64), np.asarray(bwd_s, dtype=np.float64)
-    p2p = np.asarray(p2p_s, dtype=np.float64)
-    forward = [(k % 2) == (level % 2) for level in (1, 0)]  # [level % 2]: the stages running a forward
-    durations = [np.where(f, fwd, bwd) for f in forward]
+    links = np.concatenate(([0.0], np.asarray(p2p_s, dtype=np.float64), [0.0]))  # [k]: the link in front of k
+    src, link, dur, forward = [], [], [], []
+    for par in (0, 1):  # by the level's parity: per stage, the slot its dependency ended in, the link, the duration
+        f = (k % 2) != par  # the stages running a forward at this level
+        forward.append(f)
+        # a forward waits for stage k - 1's (stage 0: for nothing, the slot S that stays 0.0), a backward for stage
+        # k + 1's (the last stage: for its own forward), each over the link between them (none: + 0.0, exact)
+        src.append(np.where(f, np.where(k > 0, k - 1, S), np.minimum(k + 1, S - 1)))
+        link.append(np.where(f, links[k], links[k + 1]))
+        dur.append(np.where(f, fwd, bwd))
+    ends = (np.zeros(S + 1), np.zeros(S + 1))  # the last two levels' ends by stage, + the slot S (0.0)
+    views = (ends[0][:S], ends[1][:S])
     free = np.zeros(S)
-    prev = np.zeros(S)  # the ends of the level before (stages without an op there: never read)
     dep = np.empty(S)
-    down, up = dep.copy(), dep.copy()
-    down[0] = 0.0  # stage 0's forwards wait for nothing (free >= 0)
-    for level in range(1, 2 * m + 2 * S - 1):
-        par = level % 2
-        np.add(prev[:-1], p2p, out=down[1:])  # forward of stage k: stage k - 1's, over the link between them
-        np.add(prev[1:], p2p, out=up[:-1])  # backward of stage k: stage k + 1's, back over that link
-        up[-1] = prev[-1]  # the last stage's backward: its own forward
-        np.copyto(dep, up)
-        np.copyto(dep, down, where=forward[par])
-        end = np.maximum(free, dep)
-        end += durations[par]
-        lo_f, hi_f = level - 2 * m + 1, level - 1  # stages whose forward key is this level, micro-batch in range
-        lo_b, hi_b = 2 * S - level, 2 * S - level + 2 * m - 2
-        if lo_f <= 0 and hi_f >= S - 1 and lo_b <= 0 and hi_b >= S - 1:
-            free = end  # every stage runs an op at this level
-        else:
+    last = 2 * m + 2 * S - 2
+    # levels 2S .. 2m - 1 (the steady state): every stage runs an op, the rest only the stages whose micro-batch
+    # is in range: those levels take the general step
+    for levels, steady in ((range(1, min(2 * S, last + 1)), False), (range(2 * S, 2 * m), True),
+                           (range(max(2 * S, 2 * m), last + 1), False)):
+        for level in levels:
+            par = level & 1
+            np.take(ends[1 - par], src[par], out=dep)  # the level before's ends: in the other buffer
+            dep += link[par]
+            end = views[par]
+            np.maximum(free, dep, out=end)
+            end += dur[par]
+            if steady:
+                free = end  # read before this buffer is written again, two levels on
+                continue
+            lo_f, hi_f = level - 2 * m + 1, level - 1  # the stages whose forward, backward key is this level
+            lo_b, hi_b = 2 * S - level, 2 * S - level + 2 * m - 2
             active = np.where(forward[par], (k >= lo_f) & (k <= hi_f), (k >= lo_b) & (k <= hi_b))
             free = np.where(active, end, free)
-        prev = end
     return float(free.max())
 
 
