@@ -40,7 +40,8 @@ def _judged_by_columns(pool, picks, m, cap):
        m=st.integers(1, 40), cap=st.floats(1e9, 80e9))
 def test_judge_columns_answers_what_the_plain_computation_does(data, stages, kinds, savers, m, cap):
     """The parallelizer judges grids from per-signature columns (the most micro-batches that fit, precomputed per
-    signature; the stages of a long pipeline share a few signatures; from two distinct ones on, judged as arrays):
+    signature; the stages of a long pipeline share a few signatures; from two distinct ones and 8 saver
+    combinations on, judged as arrays):
     bottleneck, tail and fill to the last bit (fill added front to back), depth wherever it is >= 0 (below 0 both
     say 'fits nowhere'), fill left out only for combinations that fit nowhere; peak_memory is fit_depth's peak."""
     act = st.one_of(st.just(0.0), st.floats(1.0, 8e9))

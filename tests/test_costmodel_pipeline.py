@@ -101,14 +101,71 @@ def test_every_example_plans_prediction_is_the_simulation_of_its_stage_times(nam
     assert simulated_1f1b_s(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches) == end
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 10).flatmap(lambda S: st.tuples(
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 16).flatmap(lambda S: st.tuples(
     st.lists(st.floats(0.0, 2.0), min_size=S, max_size=S), st.lists(st.floats(0.0, 3.0), min_size=S, max_size=S),
-    st.lists(st.sampled_from([0.0, 0.05, 0.7]), min_size=S - 1, max_size=S - 1), st.integers(1, 24))))
-def test_the_recorded_op_order_gives_the_simulations_end_bit_for_bit(case):
-    """simulated_1f1b_s replays the op order the event simulation takes (recorded once per stages and m) instead
-    of re-checking readiness round after round: the same float operations, so the same end to the last bit."""
+    st.lists(st.sampled_from([0.0, 0.05, 0.7]), min_size=S - 1, max_size=S - 1), st.integers(1, 40))))
+def test_the_shape_order_gives_the_simulations_end_bit_for_bit(case):
+    """simulated_1f1b_s takes the ops in an order made from the schedule's shape instead of re-checking readiness
+    round after round (the event simulation): the same float operations, so the same end to the last bit."""
     fwd, bwd, p2p, m = case
     end = max(b.end_s for b in simulate_1f1b(fwd, bwd, p2p, m))
-    # the first simulation of a shape runs round by round, the next ones replay the recorded order
-    assert [simulated_1f1b_s(fwd, bwd, p2p, m) for _ in range(3)] == [end] * 3
+    # the first call makes the shape's order, the next ones take the kept one
+    assert [simulated_1f1b_s(fwd, bwd, p2p, m) for _ in range(2)] == [end] * 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 50))
+def test_the_shape_order_runs_each_op_once_after_what_it_waits_for(S, m):
+    """_order_1f1b lists each op of the 1F1B schedule once, each stage's in _run_1f1b's order for that stage, and
+    every op after its dependency (the previous stage's forward, the next stage's backward, the last stage's own
+    forward): the condition under which one pass gives every op's end."""
+    from tangram_launch.costmodel.pipeline import _order_1f1b
+
+    order = _order_1f1b.__wrapped__(S, m)
+    assert sorted(o[0] for o in order) == list(range(2 * S * m))
+    done = {2 * S * m}  # the slot stage 0's forwards wait for
+    per_stage: dict[int, list] = {}
+    for slot, k, op, dep, link in order:
+        assert dep in done
+        done.add(slot)
+        forward = slot % 2 == 0
+        i = slot // 2 - k * m
+        assert (op, link) == ((k, k) if forward else (S + k, k + 1))
+        per_stage.setdefault(k, []).append((forward, i))
+    for k in range(S):  # _run_1f1b's op order of stage k
+        warm = min(S - k - 1, m)
+        want = [(True, i) for i in range(warm)]
+        for i in range(m - warm):
+            want += [(True, warm + i), (False, i)]
+        want += [(False, i) for i in range(m - warm, m)]
+        assert per_stage[k] == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 50).flatmap(lambda S: st.tuples(
+    st.lists(st.floats(0.0, 2.0), min_size=S, max_size=S), st.lists(st.floats(0.0, 3.0), min_size=S, max_size=S),
+    st.lists(st.sampled_from([0.0, 0.05, 0.7]), min_size=S - 1, max_size=S - 1), st.integers(1, 40))))
+def test_level_by_level_simulation_gives_the_simulations_end_bit_for_bit(case):
+    """_levels_1f1b (simulated_1f1b_s from _LEVELS_MIN_STAGES stages on) takes each level's ops at once with numpy:
+    the same end as the event simulation to the last bit, for any number of stages."""
+    from tangram_launch.costmodel.pipeline import _levels_1f1b, _run_1f1b
+
+    fwd, bwd, p2p, m = case
+    assert _levels_1f1b(fwd, bwd, p2p, m) == _run_1f1b(fwd, bwd, p2p, m, None)
+
+
+def test_long_schedules_made_per_call_give_the_simulations_end():
+    """Above _ORDER_MAX_OPS ops the order is made per call and not kept: the same end as the event simulation."""
+    from tangram_launch.costmodel import pipeline
+
+    S, m = 8, 4000
+    assert 2 * S * m > pipeline._ORDER_MAX_OPS and S < pipeline._LEVELS_MIN_STAGES
+    fwd = [0.01 + 0.001 * (k % 5) for k in range(S)]
+    bwd = [2.1 * f for f in fwd]
+    p2p = [0.0005 * (k % 3) for k in range(S - 1)]
+    end = pipeline._run_1f1b(fwd, bwd, p2p, m, None)
+    kept = pipeline._order_1f1b.cache_info()
+    assert simulated_1f1b_s(fwd, bwd, p2p, m) == end
+    after = pipeline._order_1f1b.cache_info()
+    assert (after.hits, after.misses) == (kept.hits, kept.misses)  # not looked up, not kept

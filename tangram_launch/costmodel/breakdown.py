@@ -222,6 +222,8 @@ class SliceCoster:
         self.inter_gbps = link.bandwidth_gbps if link is not None else None
         self.inter_latency_us = link.latency_us if link is not None else 0.0
         start, stop = q.layers
+        # the query's properties, read per grid and stage
+        self.has_embedding, self.has_head = q.has_embedding, q.has_head
         self.layer_ids = list(range(start, stop))
         # layers of one kind are interchangeable: compute terms for one representative per kind
         self.kinds = (list(layer_kinds) if layer_kinds is not None
@@ -254,9 +256,14 @@ class SliceCoster:
 
     # ------------------------------------------------------------------------------------------ per layer
     def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:
-        return comm.group_link(stride, size, stage_gpus=stage_gpus, gpus_per_node=self.island.gpus_per_node,
-                               dev=self.dev, inter_bandwidth_gbps=self.inter_gbps,
-                               inter_latency_us=self.inter_latency_us)
+        """comm.group_link on this island (kept in the context's edge cache: a GroupLink is frozen)."""
+        key = ("link", stride, size, stage_gpus)
+        hit = self._edge_cache.get(key)
+        if hit is None:
+            hit = self._edge_cache[key] = comm.group_link(
+                stride, size, stage_gpus=stage_gpus, gpus_per_node=self.island.gpus_per_node, dev=self.dev,
+                inter_bandwidth_gbps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
+        return hit
 
     def layer_terms(self, kind: str, tp: int, cp: int, ep: int, dp: int, mbs: int) -> LayerTerms:
         key = (kind, tp, cp, ep, dp, mbs)
@@ -358,11 +365,11 @@ class SliceCoster:
             if with_comm:
                 per_kind[k] += 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
         emb_s = head_s = 0.0
-        if self.q.has_embedding or self.q.has_head:
+        if self.has_embedding or self.has_head:
             e = self._edges(tp, cp, dp, mbs)
-            if self.q.has_embedding:
+            if self.has_embedding:
                 emb_s = e["emb_fwd_s"] + e["emb_bwd_s"] + (e["emb_tp_s"] if with_comm else 0.0)
-            if self.q.has_head:
+            if self.has_head:
                 head_s = e["head_fwd_s"] + e["head_bwd_s"] + (2 * e["head_tp_s"] if with_comm else 0.0)
         return per_kind, emb_s, head_s
 
@@ -384,8 +391,13 @@ class SliceCoster:
         if pp == 1:
             return (n,)
         if len(self.rep) == 1:  # one layer kind: its weight and the edge extras are the context's, per grid
+            # the split of this grid's slices of n layers, looked up by the grid at once (a query asks per grid)
+            gkey = ("one kind split", self.kinds[0], tp, cp, ep, dp, mbs, self.has_embedding, self.has_head, pp, n)
+            sizes = self._split_cache.get(gkey)
+            if sizes is not None:
+                return sizes
             (kind,) = self.rep
-            wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.q.has_embedding, self.q.has_head)
+            wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.has_embedding, self.has_head)
             wfl = self._split_cache.get(wkey)
             if wfl is None:
                 wfl = self._split_cache[wkey] = self._split_weights(tp, cp, ep, dp, mbs)
@@ -394,6 +406,7 @@ class SliceCoster:
             sizes = self._split_cache.get(key)
             if sizes is None:
                 sizes = self._split_cache[key] = balanced_split((w,) * n, pp, first_extra=fe, last_extra=le)
+            self._split_cache[gkey] = sizes
         else:
             rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)
             weights = tuple(map(dict(zip(self.rep, rounded)).__getitem__, self.kinds))
@@ -414,15 +427,15 @@ class SliceCoster:
             per_kind[k] = t.fwd_s + t.bwd_s + 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
         e = self._edges(tp, cp, dp, mbs)
         unit = max(per_kind.values()) or 1.0
-        first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.q.has_embedding else 0.0
-        last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.q.has_head else 0.0
+        first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.has_embedding else 0.0
+        last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.has_head else 0.0
         return tuple(round(t / unit, 4) for t in per_kind.values()), round(first / unit, 3), round(last / unit, 3)
 
-    def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int,
-                   stages: Sequence[int] | None = None) -> list[StageSums]:
+    def stage_sums(self, tp: int, pp: int, dp: int, cp: int, ep: int, stages: Sequence[int] | None = None,
+                   sizes: Sequence[int] | None = None) -> list[StageSums]:
         """Per-stage sums for one grid (cached): layer terms, embedding/head, p2p and group links. ``stages``:
         only these stages, by index, in that order (not cached): the stage table costs only stages it has not met,
-        mostly one or two of a long pipeline's."""
+        mostly one or two of a long pipeline's. ``sizes``: the grid's split_sizes, where the caller has them."""
         key = (tp, pp, dp, cp, ep)
         hit = self._grid_cache.get(key)
         if hit is not None:
@@ -433,7 +446,16 @@ class SliceCoster:
         p = dev.dtype_bytes
         g = self.island.gpus_per_node
         stage_gpus = tp * cp * dp
-        ranges = self.split(pp, tp, cp, ep, dp, mbs)
+        if stages is None:
+            ranges = self.split(pp, tp, cp, ep, dp, mbs) if sizes is None else self.stage_ranges(sizes)
+        else:  # only the stages asked for: their ranges from the split's sizes
+            if sizes is None:
+                sizes = self.split_sizes(pp, tp, cp, ep, dp, mbs)
+            start = self.layer_ids[0]
+            ranges = {}
+            for j in stages:
+                a = start + sum(sizes[:j])
+                ranges[j] = (a, a + sizes[j])
         edges = self._edges(tp, cp, dp, mbs)
         dp_link = self._link(tp, dp * cp, stage_gpus)
         edp = dp * cp // ep
@@ -441,45 +463,28 @@ class SliceCoster:
         first_layer, last_layer = self.q.layers
         act_bytes_mb = b * self.seq_len * model.hidden_size * p  # a whole micro-batch's hidden states
         sums = []
+        p2p_by_link: dict[bool, float] = {}  # a boundary's p2p time depends only on whether it stays in a node
 
         def p2p_fwd_s(j: int) -> float:  # activations to stage j + 1 over the link at their boundary
             boundary = (j + 1) * stage_gpus
             same = (boundary - 1) // g == boundary // g
-            return comm.p2p_stage_s(act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g, same_node=same, dev=dev,
-                                    inter_bandwidth_gbps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
+            hit = p2p_by_link.get(same)
+            if hit is None:
+                hit = p2p_by_link[same] = comm.p2p_stage_s(
+                    act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g, same_node=same, dev=dev,
+                    inter_bandwidth_gbps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
+            return hit
 
         for j in range(pp) if stages is None else stages:
             a, z = ranges[j]
-            has_emb = self.q.has_embedding and a == first_layer
-            has_head = self.q.has_head and z == last_layer
+            has_emb = self.has_embedding and a == first_layer
+            has_head = self.has_head and z == last_layer
             st = StageSums(layers=(a, z), has_embedding=has_emb, has_head=has_head, dp_link=dp_link,
                            edp_link=edp_link)
-            rec = [0.0, 0.0, 0.0]
-            rec_f = [0.0, 0.0, 0.0]
-            acts = [0.0, 0.0, 0.0]
-            for k, pre in self.prefix.items():
-                c = pre[z - first_layer] - pre[a - first_layer]
-                if not c:
-                    continue
-                t = self.layer_terms(k, tp, cp, ep, dp, mbs)
-                st.fwd_s += c * t.fwd_s
-                st.bwd_s += c * t.bwd_s
-                st.fwd_flops += c * t.fwd_flops
-                st.tp_fwd_s += c * t.tp_fwd_s
-                st.cp_fwd_s += c * t.cp_fwd_s
-                st.cp_bwd_s += c * t.cp_bwd_s
-                st.ep_fwd_s += c * t.ep_fwd_s
-                st.ep_bwd_s += c * t.ep_bwd_s
-                for m in range(3):
-                    rec[m] += c * t.recompute_s[m]
-                    rec_f[m] += c * t.recompute_flops[m]
-                    acts[m] += c * t.act_bytes[m]
-                st.max_layer_act_none = max(st.max_layer_act_none, t.act_bytes[0])
-                st.max_layer_act_rebuilt_sel = max(st.max_layer_act_rebuilt_sel, t.act_bytes[0] - t.act_bytes[1])
-                st.dense_params += c * t.dense_params
-                st.expert_params += c * t.expert_params
-                st.param_tensors += c * t.param_tensors
-                st.max_layer_params = max(st.max_layer_params, t.dense_params + t.expert_params)
+            counts = tuple((k, pre[z - first_layer] - pre[a - first_layer]) for k, pre in self.prefix.items())
+            (st.fwd_s, st.bwd_s, st.fwd_flops, st.tp_fwd_s, st.cp_fwd_s, st.cp_bwd_s, st.ep_fwd_s, st.ep_bwd_s, rec,
+             rec_f, acts, st.max_layer_act_none, st.max_layer_act_rebuilt_sel, st.dense_params, st.expert_params,
+             st.param_tensors, st.max_layer_params) = self._layers_part(counts, tp, cp, ep, dp, mbs)
             st.tp_bwd_s = st.tp_fwd_s
             emb_act = head_act = 0.0
             if has_emb:
@@ -508,7 +513,7 @@ class SliceCoster:
                     out_w = model.output_embedding_params() / tp
                     st.dense_params += out_w
                     st.max_edge_params = max(st.max_edge_params, out_w)
-                    if self.q.has_embedding:  # stage 0 of this slice, j * stage_gpus ranks away
+                    if self.has_embedding:  # stage 0 of this slice, j * stage_gpus ranks away
                         link = self._link(j * stage_gpus, 2, stage_gpus)
                     elif self.inter_gbps is not None:
                         link = self._link(g, 2, stage_gpus)
@@ -537,6 +542,47 @@ class SliceCoster:
         if stages is None:
             self._grid_cache[key] = sums
         return sums
+
+    def _layers_part(self, counts: tuple[tuple[str, int], ...], tp: int, cp: int, ep: int, dp: int,
+                     mbs: int) -> tuple:
+        """A stage's layers added up (stage_sums' fields before the embedding, head and links), from 0.0, kind by
+        kind in the slice's order (``counts``: (kind, layers) in that order): kept in the context's edge cache,
+        since stages alike in their layers but not in embedding, head or links share it."""
+        key = ("layers", counts, tp, cp, ep, dp, mbs)
+        hit = self._edge_cache.get(key)
+        if hit is not None:
+            return hit
+        fwd_s = bwd_s = fwd_flops = tp_fwd_s = cp_fwd_s = cp_bwd_s = ep_fwd_s = ep_bwd_s = 0.0
+        act_none = rebuilt_sel = dense = expert = tensors = max_params = 0.0
+        rec = [0.0, 0.0, 0.0]
+        rec_f = [0.0, 0.0, 0.0]
+        acts = [0.0, 0.0, 0.0]
+        for k, c in counts:
+            if not c:
+                continue
+            t = self.layer_terms(k, tp, cp, ep, dp, mbs)
+            fwd_s += c * t.fwd_s
+            bwd_s += c * t.bwd_s
+            fwd_flops += c * t.fwd_flops
+            tp_fwd_s += c * t.tp_fwd_s
+            cp_fwd_s += c * t.cp_fwd_s
+            cp_bwd_s += c * t.cp_bwd_s
+            ep_fwd_s += c * t.ep_fwd_s
+            ep_bwd_s += c * t.ep_bwd_s
+            for m in range(3):
+                rec[m] += c * t.recompute_s[m]
+                rec_f[m] += c * t.recompute_flops[m]
+                acts[m] += c * t.act_bytes[m]
+            act_none = max(act_none, t.act_bytes[0])
+            rebuilt_sel = max(rebuilt_sel, t.act_bytes[0] - t.act_bytes[1])
+            dense += c * t.dense_params
+            expert += c * t.expert_params
+            tensors += c * t.param_tensors
+            max_params = max(max_params, t.dense_params + t.expert_params)
+        hit = self._edge_cache[key] = (fwd_s, bwd_s, fwd_flops, tp_fwd_s, cp_fwd_s, cp_bwd_s, ep_fwd_s, ep_bwd_s,
+                                       tuple(rec), tuple(rec_f), tuple(acts), act_none, rebuilt_sel, dense, expert,
+                                       tensors, max_params)
+        return hit
 
     # ------------------------------------------------------------------------------------------ per config
     # A configuration's stage cost is assembled from two cached parts: what depends on (ZeRO stage, offload) and

@@ -16,7 +16,8 @@ ones the per-configuration loop found.
 """
 from __future__ import annotations
 
-from operator import add, or_
+from functools import reduce
+from operator import add, itemgetter, or_
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
@@ -63,7 +64,7 @@ class StageTable:
         self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
-        self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, max stages) -> the grids listed
+        self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, cap on stages) -> the grids listed
         # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
         self.patterns: dict[tuple, tuple] = {}
         self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid
@@ -86,18 +87,15 @@ class StageTable:
         coster._split_cache = self.split_cache
 
     def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int,
-                   ranges: tuple[tuple[int, int], ...] | None = None,
-                   sizes: tuple[int, ...] | None = None) -> tuple[tuple[tuple[int, int], ...], list[int]]:
-        """The grid's stage layer ranges and each stage's signature (what SliceCoster.stage_sums depends on), as
-        the signature's number in this table: the other methods take numbers, so a signature is hashed once.
-        ``ranges``, ``sizes``: the grid's split, where the caller has it already (coster.split's and
-        coster.split_sizes' answers)."""
+                   sizes: tuple[int, ...] | None = None) -> list[int]:
+        """Each stage's signature (what SliceCoster.stage_sums depends on) of the grid, as the signature's number
+        in this table: the other methods take numbers, so a signature is hashed once. ``sizes``: the grid's split
+        (coster.split_sizes' answer), where the caller has it already; its stages' layer ranges are
+        coster.stage_ranges(sizes), taken here only where a signature needs them (not for a slice of one kind)."""
         q = coster.q
         b = q.microbatch_sequences
         if sizes is None:
             sizes = coster.split_sizes(pp, tp, cp, ep, dp, b // dp)
-        if ranges is None:
-            ranges = coster.stage_ranges(sizes)
         first, last = q.layers
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
@@ -106,17 +104,17 @@ class StageTable:
         ids = self.sig_ids
         sids = []
         if len(coster.prefix) == 1 and pp > 2:
-            return ranges, self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
-        for j, (a, z) in enumerate(ranges):
-            has_emb = q.has_embedding and a == first
-            has_head = q.has_head and z == last
+            return self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
+        q_emb, q_head = coster.has_embedding, coster.has_head
+        for j, (a, z) in enumerate(coster.stage_ranges(sizes)):
+            has_emb = q_emb and a == first
+            has_head = q_head and z == last
             counts = counts_of.get((a, z))  # layers per kind in [a, z): the model's, the same in every query
             if counts is None:
                 counts = counts_of[a, z] = tuple(sorted(
                     (k, pre[z - first] - pre[a - first]) for k, pre in coster.prefix.items()
                     if pre[z - first] != pre[a - first]))
-            tied_link = (q.has_embedding, j if q.has_embedding else -1) if (
-                tied and has_head and not has_emb) else None
+            tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
             nxt = None
             if j < pp - 1:
                 boundary = (j + 1) * stage_gpus
@@ -131,7 +129,7 @@ class StageTable:
                 sid = ids[sig] = len(ids)
                 self.state_keys.append(sig[1:9])
             sids.append(sid)
-        return ranges, sids
+        return sids
 
     def _one_kind_signatures(self, coster: "SliceCoster", sizes: tuple[int, ...], dims: tuple,
                              stage_gpus: int, g: int, tied: bool) -> list[int]:
@@ -154,7 +152,7 @@ class StageTable:
         ids = self.sig_ids
         last_j = pp - 1
         local: list[int] = []
-        q_emb, q_head = q.has_embedding, q.has_head
+        q_emb, q_head = coster.has_embedding, coster.has_head
         # a stage's key (size, links, first/last position) and these give its signature (pp > 2: the first stage
         # is never the last): stages met before under them are looked up by their key alone
         known = self.stage_sids.get((dims, kind, q_emb, q_head))
@@ -175,18 +173,25 @@ class StageTable:
                     self.state_keys.append(sig[1:9])
                 known[key] = sid
             local.append(sid)
-        return [local[i] for i in order]
+        return list(map(local.__getitem__, order))
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
-                   savers: tuple[tuple[int, int, bool], ...]) -> list[list[tuple]]:
+                   savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> list[list[tuple]]:
         """Per stage, for every saver combination: (time_s, static_bytes, activation_bytes, dp_sync_s +
-        optimizer_s) from SliceCoster.fast_stage."""
+        optimizer_s) from SliceCoster.fast_stage. ``sizes``: the grid's split, where the caller has it."""
+        return list(map(self.cost_stages(coster, grid, sids, savers, sizes).__getitem__, sids))
+
+    def cost_stages(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
+                    savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> dict[int, list]:
+        """stage_rows' numbers made where missing, by signature: the dict that holds every stage's rows under
+        these savers (a caller that reads few of them takes them from it instead of a list per stage)."""
         sums = self.sums
         distinct = set(sids)
-        new = sorted(sids.index(sid) for sid in distinct if sid not in sums)  # first stage of each not costed yet
-        if new:  # cost those stages only, each once; later queries reuse them by signature
+        missing = distinct.difference(sums)
+        if missing:  # cost those stages only, each once (at its first stage); later queries reuse them by signature
+            new = sorted(map(sids.index, missing))
             tp, pp, dp, cp, ep = grid
-            for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new)):
+            for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new, sizes=sizes)):
                 sid = sids[j]
                 sums[sid] = st
                 # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
@@ -194,9 +199,9 @@ class StageTable:
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
-        for sid in [sid for sid in distinct if sid not in by_sid]:
+        for sid in distinct.difference(by_sid):
             by_sid[sid] = coster.fast_rows(sums[sid], savers)
-        return [by_sid[sid] for sid in sids]
+        return by_sid
 
     def stage_columns(self, sids: Sequence[int], savers: tuple[tuple[int, int, bool], ...], m: int,
                       cap: float) -> dict[int, tuple]:
@@ -209,9 +214,8 @@ class StageTable:
         if by_sid is None:
             by_sid = self.columns[key] = {}
         rows = self.rows[savers]
-        for sid in sids:
-            if sid not in by_sid:
-                by_sid[sid] = _columns(rows[sid], m, cap)
+        for sid in set(sids).difference(by_sid):
+            by_sid[sid] = _columns(rows[sid], m, cap)
         return by_sid
 
     def explained_stage(self, coster: "SliceCoster", sid: int, cfg) -> tuple:
@@ -243,7 +247,8 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
-_ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path
+_ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path ...
+_ARRAY_SAVERS = 8  # ... and this many saver combinations (megatron's 6 and deepspeed's 4 judge faster as lists)
 _ACCUMULATE_STAGES = 16  # _judge_arrays: longer pipelines add up their stage times in one accumulate
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
@@ -296,7 +301,7 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
             return None
         heads.append((col, after, inflight))
-    if len(heads) >= _ARRAY_HEADS:
+    if len(heads) >= _ARRAY_HEADS and len(heads[0][0][0]) >= _ARRAY_SAVERS:
         return _judge_arrays(columns, sids, heads)
     bn = tail = depth = over = None
     for (times, tails, most, term, *_least), after, inflight in heads:
@@ -321,6 +326,9 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
             for t in stage_times[1:]:
                 f += t[s]
             fill[s] = f
+        return bn, fill, tail, depth
+    if n > _ACCUMULATE_STAGES:  # ufunc.accumulate adds row after row: the same front-to-back sums
+        fill = np.add.accumulate(np.array([columns[sid][0] for sid in sids]), axis=0)[-1].tolist()
         return bn, fill, tail, depth
     fill = columns[sids[0]][0]
     for sid in sids[1:]:
@@ -353,6 +361,9 @@ def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list
     return bn.tolist(), fill.tolist(), tail.tolist(), depth.tolist()
 
 
+_LEAST_TIME, _LEAST_TAIL = itemgetter(5), itemgetter(6)  # a stage_columns entry's least time_s and tail_s
+
+
 def _arrays(col: tuple) -> list:
     """A signature's columns (times, tails, most, term) as arrays, made the first time they are needed."""
     arrays = col[7]
@@ -366,12 +377,10 @@ def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbat
     (slice_plan.latency_floor_s, score_floor_s): the same sums of each stage's least time and tail over the
     combinations, in the same order (float rounding is monotone, so these are below to the last bit)."""
     m = num_microbatches
-    distinct = [columns[sid] for sid in dict.fromkeys(sids)]
-    bn = max(c[5] for c in distinct)
-    tail = max(c[6] for c in distinct)
-    fill = columns[sids[0]][5]
-    for sid in sids[1:]:
-        fill += columns[sid][5]
+    distinct = list(map(columns.__getitem__, dict.fromkeys(sids)))
+    bn = max(map(_LEAST_TIME, distinct))
+    tail = max(map(_LEAST_TAIL, distinct))
+    fill = reduce(add, map(_LEAST_TIME, map(columns.__getitem__, sids)))  # front to back, one add at a time
     return (m - 1) * bn + fill + tail, m * bn + tail
 
 

@@ -6,6 +6,8 @@ from bisect import bisect_right
 from functools import lru_cache, partial
 from typing import Sequence
 
+import numpy as np
+
 
 _MEMO_MAX = 1 << 15  # remembered splits (a planning run asks for the same few thousand from many contexts)
 _memo: dict[tuple, tuple[int, ...]] = {}
@@ -39,16 +41,17 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
         raise ValueError(f"cannot split {n} layers into {parts} stages")
     if parts == 1:
         return (n,)
-    w = [float(x) for x in weights]
+    w = list(map(float, weights))
     w_first = w[0] + first_extra
 
-    back_to_front = w[:0:-1] + [w_first]  # the greedy's visiting order, built once for its ~25 calls
     uniform = _UniformGreedy.of(w, w_first, last_extra, parts) if closed_form else None
-    # one layer weight: the same greedy in closed form (see _UniformGreedy)
-    greedy = uniform if uniform is not None else partial(greedy_split, back_to_front, last_extra=last_extra,
+    # one layer weight: the same greedy in closed form (see _UniformGreedy); else layer by layer, visiting the
+    # layers back to front (that order built once for the greedy's ~25 calls)
+    greedy = uniform if uniform is not None else partial(greedy_split, w[:0:-1] + [w_first], last_extra=last_extra,
                                                          parts=parts)
-    lo = max(max(w[1:-1], default=0.0), w_first, w[-1] + last_extra, (sum(w) + first_extra + last_extra) / parts)
+    middle = (w[0] if n > 2 else 0.0) if uniform is not None else max(w[1:-1], default=0.0)  # the heaviest middle
     hi = sum(w) + first_extra + last_extra
+    lo = max(middle, w_first, w[-1] + last_extra, hi / parts)
     best = greedy(hi)
     at_lo = greedy(lo)
     if at_lo is not None:
@@ -71,7 +74,7 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
         j = sizes.index(max(sizes))  # the first of the largest
         first = sizes[j] // 2
         sizes[j: j + 1] = [first, sizes[j] - first]
-    return _smooth(w, sizes, first_extra, last_extra)
+    return _smooth(w, sizes, first_extra, last_extra, uniform is not None)
 
 
 def greedy_split(back_to_front: Sequence[float], bound: float, last_extra: float, parts: int) -> list[int] | None:
@@ -103,6 +106,50 @@ def _running_sums(start: float, u: float, n: int) -> tuple[float, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=4096)
+def _uniform_run_sum(u: float, count: int) -> float:
+    """sum() of ``count`` weights u: _smooth's slice sum of a group of that many identical layers."""
+    return sum([u] * count)
+
+
+@lru_cache(maxsize=4096)
+def _uniform_sums(u: float, w_first: float, last_extra: float, n: int) -> tuple[tuple[float, ...], tuple[float, ...],
+                                                                               tuple[float, ...], list[int]]:
+    """_UniformGreedy's sums for n layers of weight u, which do not depend on the number of parts (a planning run
+    splits the same slice into many): the head's group's running sums (``last``), another group's (``other``),
+    every sum the greedy compares with its bound, sorted (bisection_answer's candidates), and per candidate the
+    fewest groups the greedy needs under it (_groups_needed)."""
+    # last[k]: the head's group's sum after k layers, added as the greedy adds them; other[j]: another group's
+    # sum after j + 1 layers
+    last, other = _running_sums(last_extra, u, n), _running_sums(u, u, n)
+    values = {u, w_first, *last[1:], *other, last[-1] + w_first, *(x + w_first for x in other)}
+    cands = tuple(sorted(values))
+    return last, other, cands, _groups_needed(u, w_first, last, other, cands)
+
+
+_NEVER = 1 << 40  # _groups_needed of a bound no number of parts meets
+
+
+def _groups_needed(u: float, w_first: float, last: Sequence[float], other: Sequence[float],
+                   bounds: Sequence[float]) -> list[int]:
+    """Per bound, the fewest parts for which _UniformGreedy's greedy returns a split (else None), for every bound
+    at once: its steps as array operations (searchsorted 'right' is bisect_right; the same float sums and
+    comparisons), so a bisection over the candidates reads feasibility instead of running the greedy."""
+    r = len(last) - 1
+    c = np.asarray(bounds, dtype=np.float64)
+    last_a, other_a = np.asarray(last, dtype=np.float64), np.asarray(other, dtype=np.float64)
+    k = np.searchsorted(last_a[1:r + 1], c, side="right")  # bisect_right(last, bound, 1, r + 1) - 1
+    step = np.searchsorted(other_a[1:r + 1], c, side="right") + 1  # bisect_right(other, bound, 1, r + 1)
+    rest = r - k
+    groups = -(-rest // step)
+    tail = rest - (groups - 1) * step
+    front_sum = other_a[np.clip(tail - 1, 0, len(other) - 1)] + w_first  # (read only where 1 <= tail <= step)
+    front = np.where(front_sum <= c, 1, np.where(w_first > c, _NEVER, 2))
+    middle = np.where((k == 0) | (u > c), _NEVER, groups + front)
+    head_only = np.where(last_a[r] + w_first <= c, 1, np.where((k != 0) & (w_first <= c), 2, _NEVER))
+    return np.where(k == r, head_only, np.minimum(middle, _NEVER)).tolist()
+
+
 class _UniformGreedy:
     """_balanced_split's greedy when every layer weighs the same (a slice of one layer kind: the common case), in
     closed form: the same answer for every bound, from the same float sums, in O(log n) instead of O(n).
@@ -113,19 +160,17 @@ class _UniformGreedy:
     and the front group what remains, with the embedding's layer if it still fits."""
 
     def __init__(self, u: float, w_first: float, last: Sequence[float], other: Sequence[float],
-                 parts: int) -> None:
+                 cands: Sequence[float], needed: Sequence[int], parts: int) -> None:
         self.u, self.w_first, self.last, self.other, self.parts = u, w_first, last, other, parts
+        self.cands, self.needed = cands, needed  # bisection_answer's candidate bounds and their _groups_needed
         self.r = len(last) - 1  # layers of weight u (all but the first)
 
     @classmethod
     def of(cls, w: list[float], w_first: float, last_extra: float, parts: int) -> "_UniformGreedy | None":
         u = w[-1]
-        if any(x != u for x in w):
+        if u != u or w.count(u) != len(w):  # some weight differs (count compares as x == u does: NaN aside)
             return None
-        n = len(w)
-        # last[k]: the head's group's sum after k layers, added as the greedy adds them; other[j]: another group's
-        # sum after j + 1 layers
-        return cls(u, w_first, _running_sums(last_extra, u, n), _running_sums(u, u, n), parts)
+        return cls(u, w_first, *_uniform_sums(u, w_first, last_extra, len(w)), parts)
 
     def __call__(self, bound: float) -> list[int] | None:
         u, w_first, last, other, parts, r = self.u, self.w_first, self.last, self.other, self.parts, self.r
@@ -155,16 +200,13 @@ class _UniformGreedy:
         its bound (its answer changes only there): the smallest sum it can meet. The real bisection stops within
         a relative 1e-6 above that sum, which gives the same answer unless another sum lies in that gap: then
         None, and the caller bisects as before."""
-        w_first = self.w_first
-        values = {self.u, w_first, *self.last[1:], *self.other, self.last[-1] + w_first,
-                  *(x + w_first for x in self.other)}
-        cands = sorted(values)
+        cands, needed, parts = self.cands, self.needed, self.parts  # self(cands[i]) is None: needed[i] > parts
         lo_i, hi_i = 0, len(cands) - 1
-        if self(cands[hi_i]) is None:
+        if needed[hi_i] > parts:
             return None
         while lo_i < hi_i:  # feasibility is monotone in the bound
             mid = (lo_i + hi_i) // 2
-            if self(cands[mid]) is None:
+            if needed[mid] > parts:
                 lo_i = mid + 1
             else:
                 hi_i = mid
@@ -174,27 +216,36 @@ class _UniformGreedy:
         return self(opt)
 
 
-def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float) -> tuple[int, ...]:
+def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float,
+            uniform: bool = False) -> tuple[int, ...]:
     """Even out neighbouring groups without raising the bottleneck: move a boundary layer from the heavier to the
     lighter group while that narrows their gap (greedy fills leave the front groups light). A move changes only
-    the two groups it touches: their sums are taken again (the same slice sums), the others kept."""
+    the two groups it touches: their sums are taken again (the same slice sums), the others kept. ``uniform``:
+    every weight is w[0], so a group's slice sum depends on its size only and is remembered by it."""
     parts = len(sizes)
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
+    run_sum = partial(_uniform_run_sum, w[0]) if uniform else None
 
     def group_sum(k: int) -> float:
-        total = sum(w[bounds[k]:bounds[k + 1]])
+        total = run_sum(sizes[k]) if run_sum is not None else sum(w[bounds[k]:bounds[k + 1]])
         if k == 0:
             total += first_extra
         if k == parts - 1:
             total += last_extra
         return total
 
-    sums = [group_sum(k) for k in range(parts)]
+    if run_sum is not None:  # group_sum of every group, its additions in its order
+        sums = list(map(run_sum, sizes))
+        sums[0] += first_extra
+        sums[-1] += last_extra
+    else:
+        sums = [group_sum(k) for k in range(parts)]
+    start = 0  # the pairs before it were judged with the sums they have now: none of them moves
     for _ in range(4 * len(w)):
         moved = False
-        for k in range(parts - 1):
+        for k in range(start, parts - 1):
             a, b = sums[k], sums[k + 1]
             if a > b and sizes[k] > 1:
                 x = w[bounds[k + 1] - 1] + (first_extra if bounds[k + 1] - 1 == 0 else 0.0)
@@ -210,8 +261,9 @@ def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: fl
                     sizes[k + 1] -= 1
                     bounds[k + 1] += 1
                     moved = True
-            if moved:
+            if moved:  # groups k and k + 1 changed: the pair before them is judged again, and on from there
                 sums[k], sums[k + 1] = group_sum(k), group_sum(k + 1)
+                start = k - 1 if k else 0
                 break
         if not moved:
             break

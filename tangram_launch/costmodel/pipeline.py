@@ -33,6 +33,8 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from tangram_launch.costmodel.slice_plan import StageCost
 from tangram_launch.specs.constants import SCHEDULES  # noqa: F401 (re-exported)
 
@@ -113,64 +115,114 @@ def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequ
     """When the last block of :func:`simulate_1f1b`'s schedule ends (the same run, without building the blocks):
     the Plan's predicted pipeline time, so the timeline's bars end where its title says.
 
-    The same float operations as _run_1f1b in the order _order_1f1b recorded for this (stages, m): which op can
-    run next depends on the schedule's shape only, so the planner, which simulates thousands of candidate
-    pipelines, skips the rounds of readiness checks."""
+    Every op of _run_1f1b starts at the later of its stage's previous op's end and its dependency's end (plus the
+    link), so its end is fixed by the dependency graph, whatever order the ops are taken in as long as each comes
+    after what it waits for: here in the order _order_1f1b gives from the schedule's shape alone, one pass and the
+    same float operations, without _run_1f1b's rounds of readiness checks (the planner simulates hundreds of
+    candidate pipelines); from _LEVELS_MIN_STAGES stages on, that order's levels at once (_levels_1f1b)."""
     S = len(fwd_s)
-    shape = _shape(S, max(1, m))  # [times simulated, the recorded order once it is met again]
-    shape[0] += 1
-    if shape[0] < 2 or 2 * S * max(1, m) > _ORDER_MAX_OPS:
-        return _run_1f1b(fwd_s, bwd_s, p2p_s, m, None)  # a shape met once does not pay for recording its order
-    if shape[1] is None:
-        shape[1] = _order_1f1b(S, max(1, m))
-    order = shape[1]
+    if not S:
+        return 0.0
+    m = max(1, m)
+    if S >= _LEVELS_MIN_STAGES:
+        return _levels_1f1b(fwd_s, bwd_s, p2p_s, m)
+    order = _order_1f1b(S, m) if 2 * S * m <= _ORDER_MAX_OPS else _order_1f1b.__wrapped__(S, m)
     durations = (*fwd_s, *bwd_s)  # [k]: stage k's forward, [S + k]: its backward
     links = (0.0, *p2p_s, 0.0)  # [k]: the link in front of stage k (none in front of stage 0, behind the last)
-    end = [0.0] * (2 * S * max(1, m))
+    end = [0.0] * (2 * S * m + 1)  # by op slot; the last one stays 0.0: the dependency of stage 0's forwards
     free = [0.0] * S
     for slot, k, op, dep, link in order:
         t = free[k]
-        if dep >= 0:
-            d = end[dep] + links[link] if link >= 0 else end[dep]
-            if d > t:
-                t = d
+        d = end[dep] + links[link]  # x + 0.0 is x (no link: links[0] or links[S])
+        if d > t:
+            t = d
         t += durations[op]
         end[slot] = free[k] = t
-    return max(free) if free else 0.0
+    return max(free)
 
 
-_ORDER_MAX_OPS = 40_000  # longer schedules are simulated round by round (a kept order costs ~100 bytes an op)
+_LEVELS_MIN_STAGES = 12  # from this many stages on, a level's ops (one per stage) are taken at once with numpy
+_ORDER_MAX_OPS = 40_000  # orders of longer schedules are made again per call (a kept order costs ~100 bytes an op)
 
 
 @functools.lru_cache(maxsize=16)
-def _shape(S: int, m: int) -> list:
-    """What simulated_1f1b_s keeps per schedule shape (the 16 most recent): how often it was simulated, and its
-    recorded op order (None until the second time)."""
-    return [0, None]
-
-
 def _order_1f1b(S: int, m: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """Every op of a 1F1B schedule in an order where each one's dependency comes first, as (its end slot, stage,
-    duration index, the dependency's end slot or -1, link index or -1): _run_1f1b's own traversal, recorded with
-    zero durations (which op is ready is independent of the durations)."""
-    trace: list[tuple[int, bool, int]] = []
-    _run_1f1b([0.0] * S, [0.0] * S, [0.0] * max(0, S - 1), m, None, trace)
-    out = []
-    for k, forward, i in trace:
-        if forward:
-            dep, link = ((k - 1) * m + i) * 2 if k else -1, k if k else -1
-        elif k == S - 1:
-            dep, link = (k * m + i) * 2, -1  # its own forward, earlier in its order
-        else:
-            dep, link = ((k + 1) * m + i) * 2 + 1, k + 1
-        out.append(((k * m + i) * 2 + (0 if forward else 1), k, k if forward else S + k, dep, link))
-    return tuple(out)
+    """Every op of a 1F1B schedule of S stages and m micro-batches in an order where each one comes after the ops
+    it waits for, as (its end slot, stage, duration index, its dependency's end slot, link index); the 16 most
+    recent shapes are kept.
+
+    Stage k runs its w = min(S - k - 1, m) warm-up forwards, then F(w + j), B(j) alternately, then drains its
+    backwards (_run_1f1b). Ordered by the key 2i + k + 1 for the forward F(i) of stage k and 2i + 2S - k for its
+    backward B(i), every op comes after (1) the forward of its micro-batch on the stage before (key one less), (2)
+    the backward of its micro-batch on the stage after (key one less; the last stage: its own forward, one less),
+    and (3) the op before it on its own stage: its forwards' keys rise by 2 per micro-batch, its backwards' too,
+    and F(w + j) < B(j) < F(w + j + 1) because 2w + k + 1 <= 2S - k - 1 (w <= S - k - 1); a forward and a backward
+    of one stage never share a key (their keys' parities differ). The slot 2 S m is the dependency of stage 0's
+    forwards, which wait for nothing (its end stays 0.0)."""
+    k = np.repeat(np.arange(S, dtype=np.int64), m)
+    i = np.tile(np.arange(m, dtype=np.int64), S)
+    f_slot = (k * m + i) * 2
+    keys = np.concatenate((2 * i + k + 1, 2 * i + 2 * S - k))
+    slots = np.concatenate((f_slot, f_slot + 1))
+    stages = np.concatenate((k, k))
+    ops = np.concatenate((k, k + S))
+    f_dep = np.where(k > 0, f_slot - 2 * m, 2 * S * m)  # the stage before's forward of micro-batch i
+    b_dep = np.where(k < S - 1, f_slot + 2 * m + 1, f_slot)  # the stage after's backward, or its own forward
+    deps = np.concatenate((f_dep, b_dep))
+    links = np.concatenate((k, k + 1))  # links[0] and links[S] are 0.0
+    pick = np.argsort(keys, kind="stable")
+    return tuple(zip(slots[pick].tolist(), stages[pick].tolist(), ops[pick].tolist(), deps[pick].tolist(),
+                     links[pick].tolist()))
+
+
+def _levels_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:
+    """simulated_1f1b_s level by level: the ops of one _order_1f1b key (level) wait only for ops of the level
+    before -- the forward of stage k - 1 or the backward of stage k + 1 of the same micro-batch, the last stage's
+    own forward -- and each stage has at most one op per level (a forward where k and the level differ in parity,
+    else a backward), so a level is a few array operations over the stages: the same float operations per op
+    (a dependency's end + its link, the later of that and the stage's last end, + the op's duration)."""
+    S = len(fwd_s)
+    k = np.arange(S)
+    fwd, bwd = np.asarray(fwd_s, dtype=np.float64), np.asarray(bwd_s, dtype=np.float64)
+    links = np.concatenate(([0.0], np.asarray(p2p_s, dtype=np.float64), [0.0]))  # [k]: the link in front of k
+    src, link, dur, forward = [], [], [], []
+    for par in (0, 1):  # by the level's parity: per stage, the slot its dependency ended in, the link, the duration
+        f = (k % 2) != par  # the stages running a forward at this level
+        forward.append(f)
+        # a forward waits for stage k - 1's (stage 0: for nothing, the slot S that stays 0.0), a backward for stage
+        # k + 1's (the last stage: for its own forward), each over the link between them (none: + 0.0, exact)
+        src.append(np.where(f, np.where(k > 0, k - 1, S), np.minimum(k + 1, S - 1)))
+        link.append(np.where(f, links[k], links[k + 1]))
+        dur.append(np.where(f, fwd, bwd))
+    ends = (np.zeros(S + 1), np.zeros(S + 1))  # the last two levels' ends by stage, + the slot S (0.0)
+    views = (ends[0][:S], ends[1][:S])
+    free = np.zeros(S)
+    dep = np.empty(S)
+    last = 2 * m + 2 * S - 2
+    # levels 2S .. 2m - 1 (the steady state): every stage runs an op, the rest only the stages whose micro-batch
+    # is in range: those levels take the general step
+    for levels, steady in ((range(1, min(2 * S, last + 1)), False), (range(2 * S, 2 * m), True),
+                           (range(max(2 * S, 2 * m), last + 1), False)):
+        for level in levels:
+            par = level & 1
+            np.take(ends[1 - par], src[par], out=dep)  # the level before's ends: in the other buffer
+            dep += link[par]
+            end = views[par]
+            np.maximum(free, dep, out=end)
+            end += dur[par]
+            if steady:
+                free = end  # read before this buffer is written again, two levels on
+                continue
+            lo_f, hi_f = level - 2 * m + 1, level - 1  # the stages whose forward, backward key is this level
+            lo_b, hi_b = 2 * S - level, 2 * S - level + 2 * m - 2
+            active = np.where(forward[par], (k >= lo_f) & (k <= hi_f), (k >= lo_b) & (k <= hi_b))
+            free = np.where(active, end, free)
+    return float(free.max())
 
 
 def _run_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
-              blocks: list[Block] | None, trace: list[tuple[int, bool, int]] | None = None) -> float:
-    """The one 1F1B event simulation; appends to ``blocks`` when given, and (stage, is forward, micro-batch) of each
-    op in the order it ran to ``trace``; returns the end of the last block.
+              blocks: list[Block] | None) -> float:
+    """The one 1F1B event simulation; appends to ``blocks`` when given; returns the end of the last block.
 
     Every stage advances through its own op order as far as its dependencies allow, round after round; end times
     live in flat per-stage lists (-1: not run yet), so a 128-stage, 1,024-micro-batch pipeline takes well under a
@@ -219,8 +271,6 @@ def _run_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[fl
                 (end_f if forward else end_b)[k][i] = t
                 if blocks is not None:
                     blocks.append(Block(k, "F" if forward else "B", i, start, t))
-                if trace is not None:
-                    trace.append((k, forward, i))
                 p += 1
             if p != pos[k]:
                 remaining -= p - pos[k]

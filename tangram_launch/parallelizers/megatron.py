@@ -271,13 +271,14 @@ class MegatronParallelizer:
         table.device = coster.dev
         table.attach(coster)
         out: dict[str, tuple[float, float]] = {}
-        seen: set[tuple] = set()
-        for grid in self.grids(q, coster):
-            key = (grid.tp, grid.cp, grid.ep, grid.dp)
-            if key in seen or coster.check(grid):
+        # the distinct (tp, cp, ep, dp) of the grids that have no shape problem and fit the slice: the queries'
+        # grid list (GridIndex.fkeys, the same one the queries at this micro-batch size take)
+        index = self._grid_index(table, q, coster, self.grids)[1]
+        fits = set(index.fkey_ids[index.pp <= q.num_layers].tolist())
+        for f, key in enumerate(index.fkeys):
+            if f not in fits:
                 continue
-            seen.add(key)
-            n = grid.tp * grid.cp * grid.dp
+            n = key[0] * key[1] * key[3]
             per_kind, emb_s, head_s = coster.time_floors(*key)
             for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
                 gs, ts = out.get(k, (math.inf, math.inf))
@@ -312,16 +313,9 @@ class MegatronParallelizer:
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
         score_cut = q.score_bound_s * (1.0 + 1e-9)
-        floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind layer floors, embedding, head, slice's floor)
-        floor_key = (tuple(coster.prefix), q.has_embedding, q.has_head)  # what time_floors reads of the slice
-        # the grids and their shape problems depend on the context and b, and on the slice's length only through
-        # its cap on pp: listed once for the whole model, each query takes those with pp up to its layers
-        gkey = (getattr(grids, "__qualname__", None), b, q.max_stages)
-        index = table.grid_lists.get(gkey)
-        if index is None:
-            whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
-            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False)))
-                                                        for g in grids(whole, coster)])
+        floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind floors, embedding, head, slice's, its one kind's)
+        floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads of the slice
+        gkey, index = self._grid_index(table, q, coster, grids)
         max_pp = q.num_layers
         for pp, problems in index.problems:
             if pp <= max_pp:
@@ -345,7 +339,9 @@ class MegatronParallelizer:
                 f = index.fkey_list[i]
                 floor = floors.get(f)
                 if floor is None:
-                    floor = floors[f] = (*hits[f], float(totals[f]))
+                    per_kind = hits[f][0]
+                    one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
+                    floor = floors[f] = (*hits[f], float(totals[f]), one_kind)
             skey = index.saver_keys[i]
             allowed = saver_cache.get(skey)
             if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
@@ -359,8 +355,8 @@ class MegatronParallelizer:
                 if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
                     bounded += 1
                     continue
-            ranges, sigs = table.signatures(coster, *dims, sizes=sizes)
-            rows = table.stage_rows(coster, dims, sigs, allowed)
+            sigs = table.signatures(coster, *dims, sizes=sizes)
+            by_sid = table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
             columns = table.stage_columns(sigs, allowed, m, cap)
             if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
                 bounded += 1  # no combination can beat either bound: not judged
@@ -369,14 +365,14 @@ class MegatronParallelizer:
             evaluated += len(allowed)
             bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
             if judged is None:  # no combination fits
-                misfits.append((grid, rows, allowed, None))
+                misfits.append((grid, sigs, by_sid, allowed, None))
                 continue
             bottleneck, fill, tail, depth = judged
             if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
-                misfits.append((grid, rows, allowed, depth))
+                misfits.append((grid, sigs, by_sid, allowed, depth))
                 if fill is None:
                     continue
-            stage = (ranges, tuple(sigs), rows)
+            stage = (sizes, sigs, by_sid)
             n_gpus = grid.num_gpus
             for s, (zero, r, off) in enumerate(allowed):
                 if depth[s] < 0:
@@ -392,7 +388,8 @@ class MegatronParallelizer:
             if bounded:  # something fits, nothing beats the bound
                 return SliceResult(key, (), None, evaluated, bounded=bounded)
             best_mem = None  # the first of the least peak memories, in the order the grids were judged
-            for grid, rows, allowed, depth in misfits:
+            for grid, sigs, by_sid, allowed, depth in misfits:
+                rows = [by_sid[sid] for sid in sigs]
                 for s, (zero, r, off) in enumerate(allowed):
                     if depth is None or depth[s] < 0:
                         peak0 = peak_memory(rows, s, m)
@@ -408,24 +405,50 @@ class MegatronParallelizer:
                      q.island.name, evaluated, len(plans))
         return SliceResult(key, plans, None, evaluated, bounded=bounded)
 
+    @staticmethod
+    def _grid_index(table: StageTable, q: SliceQuery, coster: SliceCoster, grids) -> tuple[tuple, GridIndex]:
+        """(its key, the GridIndex) of the grids ``grids`` lists for q's context and micro-batch size.
+
+        The grids and their shape problems depend on the context and b, and on the slice's length only through its
+        cap on pp: listed once for the whole model under the cap of q.max_stages and the runtime's (the same list
+        whichever of them sets it), each query takes those with pp up to its layers."""
+        cap = q.capabilities.max_stages
+        if q.max_stages is not None:
+            cap = q.max_stages if cap is None else min(cap, q.max_stages)
+        gkey = (getattr(grids, "__qualname__", None), q.microbatch_sequences, cap)
+        index = table.grid_lists.get(gkey)
+        if index is None:
+            whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
+            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False)))
+                                                        for g in grids(whole, coster)])
+        return gkey, index
+
     def _lazy_plan(self, table: StageTable, coster: SliceCoster, layers: tuple[int, int], judged: tuple[int, float],
                    point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        grid, zero, r, off, (ranges, sigs, rows), s = point[6:]  # after the six objectives
-        pp = len(ranges)
+        grid, zero, r, off, (sizes, sigs, by_sid), s = point[6:]  # after the six objectives
+        pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
-        times, static, act, tails = zip(*[stage_rows[s] for stage_rows in rows])  # (time, static, act, sync+opt)
+        times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])  # (time, static, act, sync+opt)
         numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # fit_depth's depth
         return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
-                             build=lambda: self._stages(table, coster, _config(grid, zero, r, off), ranges, sigs))
+                             build=lambda: self._stages(table, coster, _config(grid, zero, r, off),
+                                                        coster.stage_ranges(sizes), sigs))
 
     def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
         queries (templates.judge_templates judges a shared pair once)."""
         key = (grid.tp, grid.dp, grid.cp, grid.ep, zero, r, off, pp, mbs)
-        return _memo(self, "_shape_cache", key, lambda: ((_config(grid, zero, r, off).shape(),) * pp, (mbs,) * pp))
+        hit = self.__dict__.get("_shape_cache", {}).get(key)
+        if hit is not None:
+            return hit
+        # the stage shape itself is one object per (grid, savers), whatever the stages and micro-batch size
+        shape = _memo(self, "_shape_cache", key[:7], lambda: StageShape(
+            tp=grid.tp, dp=grid.dp, cp=grid.cp, ep=grid.ep, zero_stage=zero, recompute=RECOMPUTE_MODES[r],
+            offload=off))
+        return _memo(self, "_shape_cache", key, lambda: ((shape,) * pp, (mbs,) * pp))
 
     def _table(self, q: SliceQuery) -> StageTable:
         """The stage table of the query's context: island, model, training, runtime and cost-model options."""
@@ -513,17 +536,16 @@ def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -
     """The largest compute floor of the split's stages (layers per stage: ``sizes``; SliceCoster.time_floors per
     layer kind, the embedding's on the slice's first stage, the head's on its last), added up as the general loop
     always did."""
-    per_kind, emb_s, head_s, _total = floor
-    first, last = coster.q.layers
-    prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
-    if len(prefix) == 1:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
-        (w,) = per_kind.values()
+    per_kind, emb_s, head_s, _total, w = floor
+    if w is not None:  # one kind: a stage's floor is its layer count times the kind's (max commutes with x w >= 0)
         heaviest = sizes[0] * w + emb_s
         if len(sizes) > 1:
             tail = sizes[-1] * w + head_s
             mid = max(sizes[1:-1], default=0) * w
             return max(heaviest, mid, tail)
         return heaviest + head_s
+    first, last = coster.q.layers
+    prefix = coster.prefix  # kind -> layers of that kind among the slice's first i
     heaviest = 0.0
     for a, z in coster.stage_ranges(sizes):
         f = sum((pre[z - first] - pre[a - first]) * per_kind[k] for k, pre in prefix.items())

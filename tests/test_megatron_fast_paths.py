@@ -1,0 +1,160 @@
+"""The megatron parallelizer's shared and cached paths (issue 12, planner speed) answer exactly what the plain
+per-grid computation answers: compute floors from the queries' grid list, stage sums of a few stages from the split's
+sizes, and a uniform split's smoothing from group sizes."""
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
+from tangram_launch.costmodel.breakdown import SliceCoster
+from tangram_launch.costmodel.partition import _smooth
+from tangram_launch.islands import build_islands
+from tangram_launch.parallelizers.base import SliceQuery
+from tangram_launch.parallelizers.megatron import MegatronParallelizer
+from tangram_launch.planner.enumerate import answer
+from tangram_launch.specs.cluster import ClusterSpec
+from tangram_launch.specs.model import ModelSpec
+from tangram_launch.specs.training import TrainingSpec
+
+TINY = ModelSpec(name="t6", num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=1024,
+                 vocab_size=1000, max_seq_len=256)
+TRAIN = TrainingSpec(global_batch=16, seq_len=256, dtype="fp16")
+GPUS = ("a100-80gb", "v100-32gb", "v100-16gb", "t4")
+
+
+def island(gpu: str, per_node: int, nodes: int):
+    cl = ClusterSpec.from_dict({
+        "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "nodes": [{"name": f"n{i}", "gpu": gpu, "count": per_node} for i in range(nodes)]})
+    (isl,) = build_islands(cl, dtype="fp16").islands
+    return isl
+
+
+def plain_compute_floors(par: MegatronParallelizer, q: SliceQuery) -> dict:
+    """compute_floors as one loop over the grids, each checked alone (the scalar path)."""
+    coster = SliceCoster(q, flash_attention=par.flash_attention)
+    if coster.device_error:
+        return {}
+    out: dict = {}
+    seen: set = set()
+    for grid in par.grids(q, coster):
+        key = (grid.tp, grid.cp, grid.ep, grid.dp)
+        if key in seen or coster.check(grid):
+            continue
+        seen.add(key)
+        n = grid.tp * grid.cp * grid.dp
+        per_kind, emb_s, head_s = coster.time_floors(*key)
+        for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
+            gs, ts = out.get(k, (math.inf, math.inf))
+            out[k] = (min(gs, t * n), min(ts, t))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 3),
+       start=st.integers(0, 5), length=st.integers(1, 6), b=st.sampled_from([1, 2, 4, 8, 16]),
+       caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), max_stages=st.sampled_from([None, 1, 2, 4]),
+       query_first=st.booleans())
+def test_compute_floors_from_the_queries_grid_list_equal_the_plain_loop(gpu, per_node, nodes, start, length, b, caps,
+                                                                        max_stages, query_first):
+    """compute_floors takes the grid list the queries at its micro-batch size share (built by a query or by
+    itself, under the runtime's or the query's cap on stages): the same floors as checking every grid."""
+    isl = island(gpu, per_node, nodes)
+    stop = min(6, start + length)
+    q = SliceQuery(model=TINY, training=TRAIN, layers=(start, stop), island=isl, microbatch_sequences=b,
+                   capabilities=caps, max_stages=max_stages)
+    par = MegatronParallelizer()
+    if query_first:  # a query of another slice, without a cap of its own, lists the grids first
+        answer(par, SliceQuery(model=TINY, training=TRAIN, layers=(0, 6), island=isl, microbatch_sequences=b,
+                               capabilities=caps))
+    assert par.compute_floors(q) == plain_compute_floors(MegatronParallelizer(), q)
+
+
+@settings(max_examples=60, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), nodes=st.integers(1, 3),
+       start=st.integers(0, 5), length=st.integers(1, 6), b=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_stage_sums_of_some_stages_from_the_sizes_equal_the_whole_grids(gpu, per_node, nodes, start, length, b,
+                                                                        data):
+    """stage_sums of a few stages, given the split's sizes, are the whole grid's sums of those stages."""
+    isl = island(gpu, per_node, nodes)
+    stop = min(6, start + length)
+    q = SliceQuery(model=TINY, training=TRAIN, layers=(start, stop), island=isl, microbatch_sequences=b,
+                   capabilities=TORCH)
+    coster = SliceCoster(q)
+    grids = [g for g in MegatronParallelizer().grids(q, coster) if not coster.check(g)]
+    if not grids:
+        return
+    g = data.draw(st.sampled_from(grids))
+    picked = sorted(data.draw(st.sets(st.integers(0, g.pp - 1), min_size=1)))
+    sizes = coster.split_sizes(g.pp, g.tp, g.cp, g.ep, g.dp, b // g.dp)
+    part = coster.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep, stages=picked, sizes=sizes)
+    whole = SliceCoster(q).stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)
+    assert [vars(s) for s in part] == [vars(whole[j]) for j in picked]
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 130), u=st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000)),
+       fe=st.integers(0, 40000).map(lambda k: k / 1000), le=st.integers(0, 40000).map(lambda k: k / 1000),
+       data=st.data())
+def test_uniform_smoothing_by_group_size_equals_the_slice_sums(n, u, fe, le, data):
+    """_smooth of identical weights takes a group's sum by its size: the same moves as summing its slice."""
+    parts = data.draw(st.integers(1, n))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=parts - 1, max_size=parts - 1))) if n > 1 else []
+    sizes = [z - a for a, z in zip([0, *cuts], [*cuts, n])]
+    w = [u] * n
+    assert _smooth(w, list(sizes), fe, le, uniform=True) == _smooth(w, list(sizes), fe, le)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 130), u=st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000)),
+       fe=st.integers(0, 40000).map(lambda k: k / 1000), le=st.integers(0, 40000).map(lambda k: k / 1000),
+       data=st.data())
+def test_groups_needed_per_bound_is_where_the_greedy_starts_to_answer(n, u, fe, le, data):
+    """_groups_needed, for all of a uniform split's candidate bounds and any other bound at once, says for which
+    numbers of parts the greedy (_UniformGreedy) returns a split: exactly those >= it."""
+    from tangram_launch.costmodel.partition import _groups_needed, _UniformGreedy, _uniform_sums
+
+    w_first = u + fe
+    last, other, cands, needed = _uniform_sums(u, w_first, le, n)
+    extra = data.draw(st.lists(st.floats(0.0, (u * n + fe + le) * 1.2, allow_nan=False), max_size=20))
+    bounds = [*cands, *extra]
+    got = _groups_needed(u, w_first, last, other, bounds)
+    assert got[:len(cands)] == needed
+    for parts in sorted({1, 2, 3, n, data.draw(st.integers(1, n))}):
+        greedy = _UniformGreedy.of([u] * n, w_first, le, parts)
+        assert [greedy(b) is not None for b in bounds] == [g <= parts for g in got]
+
+
+@settings(max_examples=40, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), start=st.integers(0, 5),
+       length=st.integers(1, 6), other=st.tuples(st.integers(0, 5), st.integers(1, 6)), b=st.sampled_from([1, 2, 4]),
+       data=st.data())
+def test_stage_sums_with_layer_sums_shared_across_slices_equal_a_fresh_costers(gpu, per_node, start, length, other,
+                                                                                 b, data):
+    """A context's costers share each stage's layer sums (SliceCoster._layers_part): a slice costed after another
+    one has filled that cache gets the sums a coster of its own computes."""
+    from tangram_launch.costmodel.grid import StageTable
+
+    isl = island(gpu, per_node, 2)
+
+    def query(a, n):
+        return SliceQuery(model=TINY, training=TRAIN, layers=(a, min(6, a + n)), island=isl, microbatch_sequences=b,
+                          capabilities=TORCH)
+
+    table = StageTable()
+    first, q = SliceCoster(query(*other)), query(start, length)
+    table.attach(first)
+    for g in MegatronParallelizer().grids(first.q, first):
+        if not first.check(g):
+            first.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)
+    shared, fresh = SliceCoster(q), SliceCoster(q)
+    table.attach(shared)
+    grids = [g for g in MegatronParallelizer().grids(q, fresh) if not fresh.check(g)]
+    if not grids:
+        return
+    g = data.draw(st.sampled_from(grids))
+    got = shared.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)
+    assert [vars(s) for s in got] == [vars(s) for s in fresh.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)]
