@@ -137,7 +137,6 @@ class StageTable:
         links and whether it is the first or last stage, so the many alike middle stages of a long pipeline are
         looked up once (the same numbers as the general loop). Which stages are alike depends only on the sizes and
         the links: that pattern is found once per (sizes, stage GPUs, GPUs per node) for every query and grid."""
-        q = coster.q
         pp = len(sizes)
         kind = next(iter(coster.prefix))
         pattern = self.patterns.get((sizes, stage_gpus, g))
