@@ -389,12 +389,13 @@ def test_mismatched_model_and_foreign_format_are_refused(jobs):
 
 @pytest.mark.distributed
 def test_megatron_default_save_strategy_needs_cuda(jobs):
-    """Why the sync strategy exists: megatron-core 0.16.1's torch_dist save calls torch.cuda.synchronize()."""
+    """Why the sync strategy exists: megatron-core 0.16.1's torch_dist save calls torch.cuda.synchronize(). A CPU
+    build of torch says it was not compiled with CUDA; a CUDA build on a machine without a GPU finds no driver."""
     result = jobs["one"][0]["refusals"]["default_save"]
     if jobs["one"][0]["refusals"]["cuda"]:
         assert result == "ok"
     else:
-        assert "CUDA" in result, result
+        assert "CUDA" in result or "NVIDIA driver" in result, result
 
 
 if __name__ == "__main__":

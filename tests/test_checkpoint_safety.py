@@ -125,3 +125,43 @@ def test_untampered_checkpoints_still_load_through_the_safe_reader(tmp_path):
     assert loaded.step == 2
     for k, t in state.model.items():
         assert torch.equal(t, s2.model[k]), k
+
+
+def _enums_by_getattr(obj, target=None) -> bytes:
+    """``obj`` pickled as some Python builds write it (Debian's 3.11.2): enum members as getattr(EnumClass, name).
+    ``target``: instead, every enum member becomes getattr(target[0], target[1]), as a planted pickle would."""
+    import enum
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, o):
+            if isinstance(o, enum.Enum):
+                return (getattr, target if target is not None else (type(o), o.name))
+            return NotImplemented
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=4).dump(obj)
+    return buf.getvalue()
+
+
+def _small_metadata():
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    size = torch.Size([2, 3])
+    entry = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=size,
+                                  chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=size)])
+    return Metadata(state_dict_metadata={"w": entry})
+
+
+def test_enum_members_pickled_by_getattr_load_and_nothing_else_does():
+    """Metadata whose enum members were pickled as getattr(EnumClass, name) reads back; a getattr that reaches
+    anything but an enum member (a method of an allowed class) is refused."""
+    data = _enums_by_getattr(_small_metadata())
+    assert b"getattr" in data
+    back = loads_metadata(data, source="debian-3.11.2")
+    assert back.state_dict_metadata["w"].properties.memory_format == torch.contiguous_format
+    for target in [(Path, "home"), (torch.Size, "__reduce__"), (torch.Size, "count")]:
+        evil = _enums_by_getattr(_small_metadata(), target=target)
+        with pytest.raises(UnsafeCheckpointError) as err:
+            loads_metadata(evil, source="planted")
+        assert "getattr" in str(err.value)

@@ -10,7 +10,10 @@ which protocol 4 writes), so this module reads it with a restricted unpickler of
   no persistent ids, no extension codes;
 * ``find_class`` answers only the names a DCP metadata file needs: DCP's metadata dataclasses and enum,
   ``_StorageInfo``, ``torch.Size``, torch dtypes, ``torch.serialization._get_layout`` and pure paths. Anything
-  else (``os.system``, ``builtins.eval``, ``subprocess.Popen``, ...) is refused before it is looked up;
+  else (``os.system``, ``builtins.eval``, ``subprocess.Popen``, ...) is refused before it is looked up.
+  ``builtins.getattr`` answers as a getattr that only looks up an enum member by name (``_enum_member``): some
+  Python builds (Debian's 3.11.2 among them) pickle enum members as ``getattr(EnumClass, name)``, and the enum
+  classes it can reach are those find_class allowed;
 * the result must be a ``Metadata`` whose entries are all tensors (``BytesStorageMetadata`` is refused: Tangram
   never writes byte entries, and they would load with a full unpickler), and the planner refuses byte reads.
 
@@ -56,6 +59,17 @@ _ALLOWED_NAMES = {
 _BYTES_NAME = "BytesStorageMetadata"
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr`` as a restricted unpickle may call it: a member of an enum class, by name, and nothing else."""
+    import enum
+
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise UnsafeCheckpointError(
+        f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}): checkpoint metadata may look "
+        "up enum members only (nothing was executed)", field="pickle getattr", value=repr(name)[:80])
+
+
 class UnsafeCheckpointError(SpecError):
     """A checkpoint file that would run code or is not what the format allows: refused, nothing was executed."""
 
@@ -72,6 +86,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             allowed = allowed | {_BYTES_NAME}
         if name in allowed:
             return super().find_class(module, name)
+        if module == "builtins" and name == "getattr":
+            return _enum_member
         if module == "torch":
             import torch
 
