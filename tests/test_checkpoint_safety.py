@@ -163,5 +163,5 @@ def test_enum_members_pickled_by_getattr_load_and_nothing_else_does():
     for target in [(Path, "home"), (torch.Size, "__reduce__"), (torch.Size, "count")]:
         evil = _enums_by_getattr(_small_metadata(), target=target)
         with pytest.raises(UnsafeCheckpointError) as err:
-            loads_metadata(evil, source="planted")
-        assert "getattr" in str(err.value)
+            loads_metadata(evil, source="planted/.metadata")
+        assert "getattr" in str(err.value) and "planted/.metadata" in str(err.value)

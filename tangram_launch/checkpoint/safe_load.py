@@ -24,6 +24,7 @@ data that cannot run code. Refusals are :class:`UnsafeCheckpointError` (a SpecEr
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -59,7 +60,7 @@ _ALLOWED_NAMES = {
 _BYTES_NAME = "BytesStorageMetadata"
 
 
-def _enum_member(cls: Any, name: Any) -> Any:
+def _enum_member(cls: Any, name: Any, *, source: str) -> Any:
     """``getattr`` as a restricted unpickle may call it: a member of an enum class, by name, and nothing else."""
     import enum
 
@@ -67,7 +68,8 @@ def _enum_member(cls: Any, name: Any) -> Any:
         return cls.__members__[name]
     raise UnsafeCheckpointError(
         f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}): checkpoint metadata may look "
-        "up enum members only (nothing was executed)", field="pickle getattr", value=repr(name)[:80])
+        "up enum members only (nothing was executed)", source=source, field="pickle getattr",
+        value=repr(name)[:80])
 
 
 class UnsafeCheckpointError(SpecError):
@@ -87,7 +89,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if name in allowed:
             return super().find_class(module, name)
         if module == "builtins" and name == "getattr":
-            return _enum_member
+            return functools.partial(_enum_member, source=self._source)
         if module == "torch":
             import torch
 
