@@ -126,3 +126,28 @@ def test_torch_templates_name_their_one_grid_and_the_driver_composes_it_apart():
     mgroups = [t.group for t in mkept]
     assert not any(isinstance(g, GridClass) for g in mgroups)
     assert sorted(i for idx in class_members(mgroups).values() for i in idx) == list(range(len(mgroups)))
+
+
+@pytest.mark.parametrize("runtime", ["torch", "megatron", "deepspeed"])
+def test_every_class_the_driver_composes_is_already_undominated(runtime):
+    """The driver tells compose its options are undominated (compose(undominated=True) skips its own pairwise
+    check): on a real two-island search, for every micro-batch size and every class the driver composes, the
+    kernel's check (compose._undominated) keeps every option."""
+    from tangram_launch.islands import build_islands
+    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner.compose import _undominated
+
+    cluster = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+                                     "nodes": [{"name": "a", "gpu": "a100-40gb", "count": 4},
+                                               {"name": "v", "gpu": "v100-16gb", "count": 4}]})
+    tr = TrainingSpec(global_batch=32, seq_len=1024, dtype="fp16")
+    r = search(cluster, MODEL, tr, runtime=runtime, islands=build_islands(cluster, dtype="fp16"),
+               options=PlannerOptions(max_workers=1, progress=False))
+    checked = 0
+    for cand in r.all_candidates.values():
+        usable = [i for i, o in enumerate(cand.options) if o.max_after >= 0]
+        for idx in class_members(cand.groups).values():
+            idx = [i for i in idx if i in set(usable)]
+            assert _undominated(cand.options, idx, cand.num_microbatches - 1) == idx
+            checked += len(idx)
+    assert checked > 100

@@ -515,14 +515,16 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
 
 
 def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
-             allowed_mask: int, max_stages: int | None) -> tuple | None:
+             allowed_mask: int, max_stages: int | None, undominated: bool = False) -> tuple | None:
     """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
     options, grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
     of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
-    is usable."""
+    is usable. ``undominated``: the caller's options are known to be undominated already (_undominated would
+    return them all)."""
     idx = [i for i, o in enumerate(options)
            if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
-    idx = _undominated(options, idx, saturated)
+    if not undominated:
+        idx = _undominated(options, idx, saturated)
     if not idx:
         return None
     grouped: dict[tuple[int, int], list[int]] = {}
@@ -537,9 +539,9 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         n_cap = min(saturated, 1 + max(finite, default=-1))
     else:
         n_cap = max(saturated, max_stages)
-    fill_lb = _fill_lower_bound(options, idx, num_layers)
-    period_lb = _minmax_bottleneck(options, idx, num_layers)
     prefix = _PrefixBounds(options, idx, num_layers)
+    whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
+    fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands)
 
 
@@ -590,7 +592,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score_band: bool = False,
             score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
-            score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False) -> Composition | None:
+            score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
+            undominated: bool = False) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -614,18 +617,20 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     the sequences of one island set whose front islands have the same links from every other island
     (front_classes) share a DP state. The closed form's optimum is the same; the candidates offered to the score
     are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
-    layer instead of K x 2^(K-1) on K islands that talk over one spine.
+    layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no option is beaten by
+    another of the same layers and island in every respect the kernel sees (the planner's options are: each class
+    was judged by templates.undominated), so the kernel does not look for such pairs.
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
     saturated = m - 1
     if allowed_mask is None:
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
-    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages)
+    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages, undominated)
     prep = stats.prepared
     if prep is None or prep[0] != key or prep[1] is not options or prep[2] is not link_s:
         prep = stats.prepared = (key, options, link_s, _prepare(options, link_s, num_layers, saturated, allowed_mask,
-                                                                max_stages))
+                                                                max_stages, undominated))
     if prep[3] is None:
         return None
     idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, _cls = prep[3]
