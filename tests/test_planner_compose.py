@@ -465,3 +465,59 @@ def test_merged_fronts_find_the_brute_force_optimum(seed):
             _check_plan(dp, options, link, L, m, required=required, max_stages=max_stages)
             merged += len({c for c in front_classes(link, (1 << K) - 1)}) < K
     assert merged > 20  # the instances do merge fronts
+
+
+def _memory_variants(rng: random.Random):
+    """Instances whose layers and island hold a fast option that fits only near the back and leaner, slower ones
+    that fit further forward (recompute, ZeRO), as real slice plans do."""
+    L, K = rng.randint(2, 7), rng.randint(1, 3)
+    m = rng.choice([2, 4, 8, 32])
+    options = []
+    for a in range(L):
+        for b in range(a + 1, L + 1):
+            for k in range(K):
+                ns = rng.choice([1, 2])
+                bn = rng.uniform(0.2, 1.0) * (b - a) / ns
+                tail = rng.uniform(0, 1)
+                room = rng.choice([0, 1, 2])
+                for v in range(rng.randint(1, 3)):
+                    slow = 1.0 + v * rng.uniform(0.0, 0.4)  # v = 0: the fast one; ties (slow = 1) happen
+                    options.append(Option(a, b, k, ns, room + 2 * v if v < 2 else SENTINEL, bn * ns * slow,
+                                          bn * slow, tail * rng.choice([1.0, slow])))
+    rng.shuffle(options)
+    link = [[0.0 if i == j else rng.uniform(0, 0.5) for j in range(K)] for i in range(K)]
+    return options, link, L, m
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
+    """compose._covered_room lets the DP skip an option in front of the entries that an earlier option of the
+    same layers and island, no worse in time, tail, stages and bottleneck, fits: on instances full of such memory
+    variants, the DP keeps the same fronts (same states), offers the same candidates and returns the same plan as
+    without the skip, and that plan is the brute-force optimum."""
+    import tangram_launch.planner.compose as kernel
+
+    rng = random.Random(7000 + seed)
+    skipped_somewhere = False
+    for _ in range(40):
+        options, link, L, m = _memory_variants(rng)
+        runs = []
+        for skip in (True, False):
+            if not skip:
+                monkeypatch.setattr(kernel, "_covered_room", lambda opts, order: [-1] * len(order))
+            st_ = ComposeStats()
+            comp = compose(options, link, L, m, stats=st_, score=lambda seq, met: met.latency_s * 0.97,
+                           score_schedules=("plain",))
+            runs.append((comp and comp.options, st_.states, st_.trace, st_.candidates))
+            monkeypatch.undo()
+        assert runs[0] == runs[1]
+        ref = brute_force(options, link, L, m)
+        plain = compose(options, link, L, m)
+        assert (plain is None) == (ref is None)
+        if ref is not None:
+            assert plain.latency_s == pytest.approx(ref.latency_s, rel=1e-12, abs=1e-12)
+        prep = kernel._prepare(options, link, L, m - 1, (1 << 3) - 1, None)
+        if prep is not None:
+            for _island, _bit, group in (g for groups in prep[1] for g in groups):
+                skipped_somewhere |= any(r >= 0 for r in kernel._covered_room(options, group))
+    assert skipped_somewhere

@@ -201,22 +201,49 @@ def _pareto(entries: list, quantum: float) -> list:
     return kept
 
 
-def _by_floor(options: Sequence[Option], idx: list[int], mask: int, floor_terms: tuple,
-              cache: dict) -> tuple[list[int], list[float]]:
+def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor_terms: tuple,
+              cache: dict) -> tuple[list[int], list[float], list[int]]:
     """A (stop, island) group's options by increasing floor when the layers in front are covered by the islands
     in ``mask``: (m - 1) x max(period_lb, pre_period[start], bottleneck) + pre_fill[start] + time, the prune's
-    floor without the link and the sequence behind (so the DP cuts a group's hopeless tail by one bisection)."""
+    floor without the link and the sequence behind (so the DP cuts a group's hopeless tail by one bisection);
+    mask None: in their own order. Third, per option in that order, _covered_room."""
     key = (id(idx), mask)
     hit = cache.get(key)
     if hit is not None and hit[0] is idx:
         return hit[1]
-    m1, period_lb, prefix = floor_terms
-    pre_fill, pre_period, _ = prefix(mask)
-    # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
-    rows = sorted(((m1 * max(period_lb, pre_period[options[oi].start], options[oi].bottleneck_s) if m1 else 0.0)
-                   + pre_fill[options[oi].start] + options[oi].time_s, k) for k, oi in enumerate(idx))
-    out = ([idx[k] for _, k in rows], [g for g, _ in rows])
+    if mask is None:
+        out = (idx, [], _covered_room(options, idx))
+    else:
+        m1, period_lb, prefix = floor_terms
+        pre_fill, pre_period, _ = prefix(mask)
+        # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
+        rows = sorted(((m1 * max(period_lb, pre_period[options[oi].start], options[oi].bottleneck_s) if m1 else 0.0)
+                       + pre_fill[options[oi].start] + options[oi].time_s, k) for k, oi in enumerate(idx))
+        order = [idx[k] for _, k in rows]
+        out = (order, [g for g, _ in rows], _covered_room(options, order))
     cache[key] = (idx, out)
+    return out
+
+
+def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
+    """Per option of one (stop, island) group, in the DP's order: the largest ``max_after`` of an option before it
+    on the same layers with no more time, tail, stages and bottleneck (-1: none). In front of every entry that
+    earlier option fits, it adds an entry with no more fill, tail, stages, period or plain_s, appended first, and
+    every prune that keeps this option's entry keeps that one (the floors grow with those four numbers): _pareto
+    would drop this option's entry there, so the DP does not build it. Options differ mostly in memory (recompute,
+    ZeRO): the faster one covers the entries near the back, the leaner one is needed only further forward."""
+    out = []
+    seen: dict[int, list[tuple]] = {}  # start -> (time, tail, stages, bottleneck, max_after) of earlier options
+    for oi in order:
+        o = options[oi]
+        room = -1
+        earlier = seen.setdefault(o.start, [])
+        for time_s, tail_s, stages, bottleneck_s, max_after in earlier:
+            if max_after > room and time_s <= o.time_s and tail_s <= o.tail_s and stages <= o.num_stages \
+                    and bottleneck_s <= o.bottleneck_s:
+                room = max_after
+        earlier.append((o.time_s, o.tail_s, o.num_stages, o.bottleneck_s, o.max_after))
+        out.append(room)
     return out
 
 
@@ -313,13 +340,18 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 if prune:
                     mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
                     pre_fill, pre_period, pre_tail = prefix(mask)
-                    gidx, floors = _by_floor(options, gidx, mask, floor_terms, cache)
+                    gidx, floors, covered = _by_floor(options, gidx, mask, floor_terms, cache)
                     if not by_score:  # (the score's floor does not follow this order)
                         gidx = gidx[:bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)]
-                for oi in gidx:
+                else:
+                    gidx, _, covered = _by_floor(options, gidx, None, floor_terms, cache)
+                for oi, room in zip(gidx, covered):
                     o = options[oi]
                     fits = bisect.bisect_right(afters, o.max_after)  # entries it fits in front of: a prefix
                     if not fits:
+                        continue
+                    lo = bisect.bisect_right(afters, room) if room >= 0 else 0  # entries an earlier option covers
+                    if lo >= fits:
                         continue
                     add = o.time_s + 2.0 * link
                     tail = o.tail_s
@@ -343,7 +375,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                             if sf >= score_beat:
                                 continue  # no entry it fits in front of can beat: the check below fails for each
                     tgt = None
-                    for pos in range(fits):
+                    for pos in range(lo, fits):
                         e = front[pos]
                         n2 = e[2] + ns
                         if max_stages is not None and n2 > max_stages:
