@@ -219,15 +219,18 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
         rows = sorted(((m1 * max(period_lb, pre_period[options[oi].start], options[oi].bottleneck_s) if m1 else 0.0)
                        + pre_fill[options[oi].start] + options[oi].time_s, k) for k, oi in enumerate(idx))
-        order = [idx[k] for _, k in rows]
-        out = (order, [g for g, _ in rows], _covered_room(options, order))
+        # an option's floor is no less than that of an earlier option of its layers with no more time and
+        # bottleneck, so the covering options stay in front of it (ties keep idx's order): the rooms carry over
+        rooms = _by_floor(options, idx, None, floor_terms, cache)[2]
+        out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
     return out
 
 
 def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
     """Per option of one (stop, island) group, in the DP's order: the largest ``max_after`` of an option before it
-    on the same layers with no more time, tail, stages and bottleneck (-1: none). In front of every entry that
+    on the same layers with no more time, tail, stages and bottleneck (-1: none); computed in the group's own
+    order, which _by_floor's orders keep for such pairs. In front of every entry that
     earlier option fits, it adds an entry with no more fill, tail, stages, period or plain_s, appended first, and
     every prune that keeps this option's entry keeps that one (the floors grow with those four numbers): _pareto
     would drop this option's entry there, so the DP does not build it. Options differ mostly in memory (recompute,
@@ -458,52 +461,91 @@ class Covers(NamedTuple):
 def covers(options: Sequence[Option], idx: Sequence[int], num_layers: int, *, back: bool) -> Covers:
     """Least fill, period and tail of any cover by ``options[idx]`` of [0, j) (back=False) or [j, L) (back=True),
     each minimised on its own; inf where there is no cover."""
+    return covers_of(pair_minima(options, idx), num_layers, back=back)
+
+
+def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int, int], list[float]]:
+    """Per layers (start, stop): the least time, bottleneck and tail of ``options[idx]`` there, each on its own.
+    That is all a least cover reads of them, so covers over several sets of options (front and back, or many sets
+    of islands) pass over the options once: a few hundred pairs stand for up to hundreds of thousands of options."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for oi in idx:
+        start, stop, _island, _stages, _after, time_s, bottleneck_s, tail_s = options[oi]
+        cur = out.get((start, stop))
+        if cur is None:
+            out[start, stop] = [time_s, bottleneck_s, tail_s]
+            continue
+        if time_s < cur[0]:
+            cur[0] = time_s
+        if bottleneck_s < cur[1]:
+            cur[1] = bottleneck_s
+        if tail_s < cur[2]:
+            cur[2] = tail_s
+    return out
+
+
+def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, back: bool) -> Covers:
+    """covers from pair_minima (or several merged with merge_minima)."""
     fill = [float("inf")] * (num_layers + 1)
     period = [float("inf")] * (num_layers + 1)
     tail = [float("inf")] * (num_layers + 1)
     edge = num_layers if back else 0
     fill[edge] = period[edge] = tail[edge] = 0.0
-    by_end: dict[int, list[Option]] = {}
-    for oi in idx:
-        o = options[oi]
-        by_end.setdefault(o.start if back else o.stop, []).append(o)
+    by_end: dict[int, list[tuple]] = {}
+    for (start, stop), (time_s, bottleneck_s, tail_s) in minima.items():
+        if back:
+            by_end.setdefault(start, []).append((stop, time_s, bottleneck_s, tail_s))
+        else:
+            by_end.setdefault(stop, []).append((start, time_s, bottleneck_s, tail_s))
     for j in (range(num_layers - 1, -1, -1) if back else range(1, num_layers + 1)):
         best_f = best_p = best_t = float("inf")
-        for o in by_end.get(j, ()):
-            rest = o.stop if back else o.start
-            v = fill[rest] + o.time_s
+        for rest, time_s, bottleneck_s, tail_s in by_end.get(j, ()):
+            v = fill[rest] + time_s
             if v < best_f:
                 best_f = v
-            v = period[rest] if period[rest] > o.bottleneck_s else o.bottleneck_s
+            v = period[rest] if period[rest] > bottleneck_s else bottleneck_s
             if v < best_p:
                 best_p = v
-            v = tail[rest] if tail[rest] > o.tail_s else o.tail_s
+            v = tail[rest] if tail[rest] > tail_s else tail_s
             if v < best_t:
                 best_t = v
         fill[j], period[j], tail[j] = best_f, best_p, best_t
     return Covers(fill, period, tail)
 
 
+def merge_minima(parts: Sequence[dict[tuple[int, int], list[float]]]) -> dict[tuple[int, int], list[float]]:
+    """The pair_minima of the union of the option sets behind ``parts``."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[tuple[int, int], list[float]] = {}
+    for part in parts:
+        for k, v in part.items():
+            cur = out.get(k)
+            out[k] = list(v) if cur is None else [a if a < b else b for a, b in zip(cur, v)]
+    return out
+
+
 class _PrefixBounds:
     """covers of [0, j) over the options of a set of islands, per set (a bit mask), computed on first use: the layers
     in front of an option can be covered only by the islands the sequence behind it leaves free, and when the fast
-    island is already behind, that cover is much slower than the least over all islands."""
+    island is already behind, that cover is much slower than the least over all islands. Each island's options are
+    reduced to their pair_minima once."""
 
     def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int):
-        self._options = options
         self._num_layers = num_layers
-        self._by_island: dict[int, list[int]] = {}
+        by_island: dict[int, list[int]] = {}
         for oi in idx:
-            self._by_island.setdefault(options[oi].island, []).append(oi)
-        self.islands = sum(1 << k for k in self._by_island)  # the islands with options, as a mask
+            by_island.setdefault(options[oi].island, []).append(oi)
+        self._minima = {k: pair_minima(options, lst) for k, lst in sorted(by_island.items())}
+        self.islands = sum(1 << k for k in self._minima)  # the islands with options, as a mask
         self._cache: dict[int, tuple[list, list, list]] = {}
 
     def __call__(self, mask: int) -> tuple[list, list, list]:
         mask &= self.islands
         hit = self._cache.get(mask)
         if hit is None:
-            sub = [oi for k, lst in sorted(self._by_island.items()) if mask >> k & 1 for oi in lst]
-            hit = self._cache[mask] = covers(self._options, sub, self._num_layers, back=False)
+            parts = [v for k, v in self._minima.items() if mask >> k & 1]
+            hit = self._cache[mask] = covers_of(merge_minima(parts) if parts else {}, self._num_layers, back=False)
         return hit
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from tangram_launch.planner.compose import Option, covers
+from tangram_launch.planner.compose import Option, covers_of, pair_minima
 
 
 def usable(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> list[int]:
@@ -32,9 +32,9 @@ def island_floor_s(options: Sequence[Option], idx: Sequence[int], island: int, n
     """A floor under the iteration (m x slowest stage + tail) of every plan from ``options[idx]`` that uses
     ``island``, its layers in front and behind covered by the other islands; inf when no plan can use it."""
     idx = usable(options, idx, num_layers)
-    others = [oi for oi in idx if options[oi].island != island]
-    front = covers(options, others, num_layers, back=False)
-    back = covers(options, others, num_layers, back=True)
+    minima = pair_minima(options, [oi for oi in idx if options[oi].island != island])
+    front = covers_of(minima, num_layers, back=False)
+    back = covers_of(minima, num_layers, back=True)
     best = math.inf
     for oi in idx:
         o = options[oi]
@@ -55,8 +55,9 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     if closed_to_beat_s == math.inf or score_to_beat_s == math.inf:
         return idx
     m1 = num_microbatches - 1
-    front = covers(options, idx, num_layers, back=False)
-    back = covers(options, idx, num_layers, back=True)
+    minima = pair_minima(options, idx)
+    front = covers_of(minima, num_layers, back=False)
+    back = covers_of(minima, num_layers, back=True)
     ff, fp, ft = front
     bf, bp, bt = back
     out = []
