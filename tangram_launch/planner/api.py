@@ -219,7 +219,7 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
 
     results: dict[int, dict[tuple, SliceResult]] = {}
     all_cands: dict[int, Candidates] = {}
-    composed: dict = {}  # (b, class) -> (its options, the bounds) when last composed (_compose_b)
+    memo = SizeMemo()
     cstats = ComposeStats()
     # (latency, b, group, composition, the Candidates its option indices point into)
     best: tuple[float, int, Hashable, Composition, Candidates] | None = None
@@ -230,7 +230,7 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
         tried.extend(bs)
         best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                                  training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
-                                 opts=opts, composed=composed)
+                                 opts=opts, memo=memo)
         if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
             break
         # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
@@ -299,7 +299,7 @@ def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpe
 def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, counters: dict,
                       cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
                       pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool,
-                      opts: PlannerOptions, composed: dict | None = None):
+                      opts: PlannerOptions, memo: "SizeMemo | None" = None):
     """Query and compose the micro-batch sizes ``bs``; returns the best (latency, b, group, composition,
     candidates) so far.
 
@@ -333,7 +333,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
              caps=caps, pool=pool)
         best, own_s = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                                  training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
-                                 use_incumbent=use_incumbent, composed=composed)
+                                 use_incumbent=use_incumbent, memo=memo)
         return own_s
 
     first: list[tuple[float, float, int]] = []
@@ -356,6 +356,14 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
                 continue
             visit(b, rest, use_incumbent=True)
     return best
+
+
+@dataclass
+class SizeMemo:
+    """What one search's rounds at a micro-batch size leave for its next round (_compose_b)."""
+
+    judged: dict = field(default_factory=dict)  # b -> make_candidates' judged answers
+    composed: dict = field(default_factory=dict)  # (b, class) -> (options, closed form, score bounds)
 
 
 class SizeFloor(NamedTuple):
@@ -471,22 +479,23 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
 def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cstats: ComposeStats, *,
                cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", pairset: PairSet,
                islands: Sequence["Island"], caps: RuntimeCapabilities, opts: PlannerOptions,
-               use_incumbent: bool = True, composed: dict | None = None):
+               use_incumbent: bool = True, memo: "SizeMemo | None" = None):
     """Options of size b from its answers so far, composed per compatibility class (the most promising class
     first, hopeless ones skipped); returns the best (latency, b, group, composition, candidates) and the best
     latency composed at b itself (inf if none).
 
-    ``composed`` remembers per (b, class) the options and bounds it was last composed with: a class whose options
-    did not change since (a later round's answers went to other classes) and whose bounds are no looser is not
-    composed again, because that composition's plan already counts in the best plan (what it returns can only be
-    the same plan or none; on GPT-3 13B over four islands under torch this skipped 0.7 of 6.6 CPU-s)."""
+    ``memo`` (SizeMemo) carries what earlier rounds at b did: answers judged once, and per class the options and
+    bounds it was last composed with. A class whose options did not change since (a later round's answers went to
+    other classes) and whose bounds are no looser is not composed again, because that composition's plan already
+    counts in the best plan (what it returns can only be the same plan or none; on GPT-3 13B over four islands
+    under torch this skipped 0.7 of 6.6 CPU-s)."""
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b
     links = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
                                                          training.param_bytes))
     cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
-                           training=training)
+                           training=training, judged=memo.judged.setdefault(b, {}) if memo is not None else None)
     all_cands[b] = cand
     if best is not None and best[1] == b and best[4] is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
@@ -516,11 +525,11 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
         opts_of = [cand.options[i] for i in idx]
-        last = composed.get((b, group)) if composed is not None else None
+        last = memo.composed.get((b, group)) if memo is not None else None
         if last is not None and last[0] == opts_of and threshold <= last[1] and score_to_beat <= last[2]:
             continue
-        if composed is not None:
-            composed[(b, group)] = (opts_of, threshold, score_to_beat)
+        if memo is not None:
+            memo.composed[(b, group)] = (opts_of, threshold, score_to_beat)
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
                               score_incumbent_s=score_to_beat, schedules=_score_schedules(group, caps, opts))
         if comp is not None:

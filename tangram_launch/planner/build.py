@@ -102,9 +102,11 @@ def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
 def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Mapping[tuple, SliceResult],
                     islands: Sequence["Island"], caps: "RuntimeCapabilities", links: LinkModel,
                     num_microbatches: int, *, dtype: str = "bf16",
-                    training: "TrainingSpec | None" = None) -> Candidates:
+                    training: "TrainingSpec | None" = None, judged: dict | None = None) -> Candidates:
     """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key): the plans
-    templates.judge_templates keeps, judged by their numbers (lazy plans are built only when placed)."""
+    templates.judge_templates keeps, judged by their numbers (lazy plans are built only when placed). ``judged``:
+    a dict the caller keeps across calls with the same b (the driver rebuilds a size's options after each round of
+    answers): an answer judged before is not judged again."""
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
                       link_matrix=links.island_matrix(), training_dtype=dtype, training=training)
     templates: dict[tuple, list] = {}
@@ -117,13 +119,24 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             if res.infeasible is not None:
                 cand.infeasible.setdefault(isl.name, []).append(res.infeasible.message())
             continue
+        hit = judged.get(key) if judged is not None else None
+        if hit is not None and hit[0] is res:
+            templates[key] = hit[1]
+            for why, n in hit[2].items():
+                cand.dropped[why] = cand.dropped.get(why, 0) + n
+            continue
+        dropped: dict[str, int] = {}
         kept = templates_mod.judge_templates(
             [p.numbers() for p in res.plans], island=isl, b=b, num_microbatches=num_microbatches,
-            capacity=capacity_bytes(isl, training), caps=caps, full_model=key[3] and key[4], dropped=cand.dropped,
+            capacity=capacity_bytes(isl, training), caps=caps, full_model=key[3] and key[4], dropped=dropped,
             shape_cache=shape_caches.setdefault((isl.name, key[3] and key[4]), {}))
+        for why, n in dropped.items():
+            cand.dropped[why] = cand.dropped.get(why, 0) + n
         # per template: the Option fields after (start, stop, island), its plan, its class
         templates[key] = [((t.num_stages, t.max_after, t.time_s, t.bottleneck_s, t.tail_s), res.plans[t.index],
                            t.group) for t in kept]
+        if judged is not None:
+            judged[key] = (res, templates[key], dropped)
     make = Option._make
     for pair in pairs:
         temps = templates.get(pair.key)
