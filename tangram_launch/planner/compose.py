@@ -343,9 +343,9 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 if prune:
                     mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
                     pre_fill, pre_period, pre_tail = prefix(mask)
+                if prune and not by_score:  # (the score's floor does not follow this order: no cut, no sort)
                     gidx, floors, covered = _by_floor(options, gidx, mask, floor_terms, cache)
-                    if not by_score:  # (the score's floor does not follow this order)
-                        gidx = gidx[:bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)]
+                    gidx = gidx[:bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)]
                 else:
                     gidx, _, covered = _by_floor(options, gidx, None, floor_terms, cache)
                 for oi, room in zip(gidx, covered):
@@ -378,10 +378,21 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                             if sf >= score_beat:
                                 continue  # no entry it fits in front of can beat: the check below fails for each
                     tgt = None
+                    made = []  # (fill, tail, period) this option added in front of earlier (no later) entries
                     for pos in range(lo, fits):
                         e = front[pos]
                         n2 = e[2] + ns
                         if max_stages is not None and n2 > max_stages:
+                            continue
+                        nf = e[0] + add
+                        nt = e[1] if e[1] > tail else tail
+                        np_ = e[3] if e[3] > per else per
+                        dominated = False
+                        for f0, t0, p0 in made:  # one of them dominates it: _pareto would drop it
+                            if f0 <= nf and t0 <= nt and p0 <= np_:
+                                dominated = True
+                                break
+                        if dominated:
                             continue
                         if prune:
                             p = e[3] * shrink
@@ -404,9 +415,9 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                             elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
                                 tgt[:] = _pareto(tgt, quantum)
                         a = add + e[7]
-                        tgt.append((e[0] + add, e[1] if e[1] > tail else tail, n2 if n2 < n_cap else n_cap,
-                                    e[3] if e[3] > per else per, oi, key, pos,
+                        tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos,
                                     a if a > m * o.bottleneck_s else m * o.bottleneck_s))
+                        made.append((nf, nt, np_))
     out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
