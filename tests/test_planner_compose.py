@@ -527,39 +527,39 @@ def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
 @given(st.integers(0, 2 ** 32 - 1))
 @settings(max_examples=60, deadline=None)
 def test_covers_per_island_set_are_the_least_over_every_cover(seed):
-    """covers (from pair_minima) and the DP's per-island-set prefix covers (_PrefixBounds, island minima merged)
-    equal a brute force over every chain of options: the least fill, period and tail of a cover of [0, j) and of
-    [j, L), each on its own."""
+    """covers (from pair_minima) equal a brute force over every chain of options, and the DP's prefix bounds per
+    set of islands (_PrefixBounds) one over every chain whose islands are distinct members of the set: the least
+    fill, period and tail of a cover of [0, j) (and covers' of [j, L)), each on its own."""
     from tangram_launch.planner.compose import _PrefixBounds, covers
 
     rng = random.Random(seed)
     options, _link, L, _m, K = random_instance(rng, max_layers=5)
     idx = [i for i, o in enumerate(options) if o.max_after >= 0]
 
-    def brute(sub, lo, hi):  # least (fill, period, tail) over chains of options covering [lo, hi), each on its own
+    def brute(sub, lo, hi, distinct=False):  # least (fill, period, tail) over chains covering [lo, hi)
         best = [math.inf] * 3
 
-        def walk(at, fill, period, tail):
+        def walk(at, fill, period, tail, used):
             if at == hi:
                 best[:] = [min(best[0], fill), min(best[1], period), min(best[2], tail)]
                 return
             for i in sub:
                 o = options[i]
-                if o.start == at and o.stop <= hi:
-                    walk(o.stop, fill + o.time_s, max(period, o.bottleneck_s), max(tail, o.tail_s))
+                if o.start == at and o.stop <= hi and not (distinct and used >> o.island & 1):
+                    walk(o.stop, fill + o.time_s, max(period, o.bottleneck_s), max(tail, o.tail_s),
+                         used | 1 << o.island)
 
-        walk(lo, 0.0, 0.0, 0.0)
+        walk(lo, 0.0, 0.0, 0.0, 0)
         return best
 
     front, back = covers(options, idx, L, back=False), covers(options, idx, L, back=True)
     prefix = _PrefixBounds(options, idx, L)
     for j in range(1, L + 1):
-        f = brute(idx, 0, j)
-        assert [front.fill_s[j], front.period_s[j], front.tail_s[j]] == pytest.approx(f, rel=1e-12)
-        for mask in range(1, 1 << K):
+        assert [front.fill_s[j], front.period_s[j], front.tail_s[j]] == pytest.approx(brute(idx, 0, j), rel=1e-12)
+        for mask in range(1 << K):
             sub = [i for i in idx if mask >> options[i].island & 1]
             got = prefix(mask)
-            assert [got.fill_s[j], got.period_s[j], got.tail_s[j]] == pytest.approx(brute(sub, 0, j), rel=1e-12)
+            assert [got.fill_s[j], got.period_s[j], got.tail_s[j]] == pytest.approx(brute(sub, 0, j, True),
+                                                                                    rel=1e-12)
     for j in range(L):
-        b = brute(idx, j, L)
-        assert [back.fill_s[j], back.period_s[j], back.tail_s[j]] == pytest.approx(b, rel=1e-12)
+        assert [back.fill_s[j], back.period_s[j], back.tail_s[j]] == pytest.approx(brute(idx, j, L), rel=1e-12)

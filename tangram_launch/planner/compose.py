@@ -478,7 +478,7 @@ def covers(options: Sequence[Option], idx: Sequence[int], num_layers: int, *, ba
 def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int, int], list[float]]:
     """Per layers (start, stop): the least time, bottleneck and tail of ``options[idx]`` there, each on its own.
     That is all a least cover reads of them, so covers over several sets of options (front and back, or many sets
-    of islands) pass over the options once: a few hundred pairs stand for up to hundreds of thousands of options."""
+    of islands) pass over the options once: a few thousand pairs stand for up to hundreds of thousands of options."""
     out: dict[tuple[int, int], list[float]] = {}
     for oi in idx:
         start, stop, _island, _stages, _after, time_s, bottleneck_s, tail_s = options[oi]
@@ -496,7 +496,7 @@ def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int
 
 
 def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, back: bool) -> Covers:
-    """covers from pair_minima (or several merged with merge_minima)."""
+    """covers from pair_minima."""
     fill = [float("inf")] * (num_layers + 1)
     period = [float("inf")] * (num_layers + 1)
     tail = [float("inf")] * (num_layers + 1)
@@ -524,39 +524,56 @@ def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, ba
     return Covers(fill, period, tail)
 
 
-def merge_minima(parts: Sequence[dict[tuple[int, int], list[float]]]) -> dict[tuple[int, int], list[float]]:
-    """The pair_minima of the union of the option sets behind ``parts``."""
-    if len(parts) == 1:
-        return parts[0]
-    out: dict[tuple[int, int], list[float]] = {}
-    for part in parts:
-        for k, v in part.items():
-            cur = out.get(k)
-            out[k] = list(v) if cur is None else [a if a < b else b for a, b in zip(cur, v)]
-    return out
-
-
 class _PrefixBounds:
-    """covers of [0, j) over the options of a set of islands, per set (a bit mask), computed on first use: the layers
-    in front of an option can be covered only by the islands the sequence behind it leaves free, and when the fast
-    island is already behind, that cover is much slower than the least over all islands. Each island's options are
-    reduced to their pair_minima once."""
+    """Per set of islands (a bit mask), computed on first use: the least fill, period and tail of any cover of
+    [0, j) by DISTINCT islands of the set (each island holds one contiguous slice, as in a pipeline), each
+    minimised on its own. The layers in front of an option can be covered only by the islands the sequence behind
+    it leaves free, once each: when the fast islands are already behind, or when one fast island would have to
+    hold the whole front, that cover is much slower than the least over all islands.
+
+        G[S][j] = min over islands k in S and options o of k with o.stop = j of G[S - k][o.start] (+) o
+        G[S][0] = 0
+
+    where (+) adds times and takes the larger bottleneck and tail: the last slice of the cover is some island's,
+    the rest covers [0, o.start) with the other islands. Each island's options are reduced to their pair_minima
+    once, so a set costs its islands' (start, stop) pairs."""
 
     def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int):
         self._num_layers = num_layers
         by_island: dict[int, list[int]] = {}
         for oi in idx:
             by_island.setdefault(options[oi].island, []).append(oi)
-        self._minima = {k: pair_minima(options, lst) for k, lst in sorted(by_island.items())}
-        self.islands = sum(1 << k for k in self._minima)  # the islands with options, as a mask
-        self._cache: dict[int, tuple[list, list, list]] = {}
+        # island -> [(start, stop, least time, least bottleneck, least tail)]
+        self._pairs = {k: [(a, b, *v) for (a, b), v in pair_minima(options, lst).items()]
+                       for k, lst in sorted(by_island.items())}
+        self.islands = sum(1 << k for k in self._pairs)  # the islands with options, as a mask
+        inf = float("inf")
+        none = [inf] * (num_layers + 1)
+        none[0] = 0.0
+        self._cache: dict[int, Covers] = {0: Covers(none, list(none), list(none))}
 
-    def __call__(self, mask: int) -> tuple[list, list, list]:
+    def __call__(self, mask: int) -> Covers:
         mask &= self.islands
         hit = self._cache.get(mask)
-        if hit is None:
-            parts = [v for k, v in self._minima.items() if mask >> k & 1]
-            hit = self._cache[mask] = covers_of(merge_minima(parts) if parts else {}, self._num_layers, back=False)
+        if hit is not None:
+            return hit
+        empty = self(0)
+        fill, period, tail = list(empty.fill_s), list(empty.period_s), list(empty.tail_s)
+        for k, pairs in self._pairs.items():
+            if not mask >> k & 1:
+                continue
+            sf, sp, st = self(mask & ~(1 << k))
+            for start, stop, time_s, bottleneck_s, tail_s in pairs:
+                v = sf[start] + time_s
+                if v < fill[stop]:
+                    fill[stop] = v
+                v = sp[start] if sp[start] > bottleneck_s else bottleneck_s
+                if v < period[stop]:
+                    period[stop] = v
+                v = st[start] if st[start] > tail_s else tail_s
+                if v < tail[stop]:
+                    tail[stop] = v
+        hit = self._cache[mask] = Covers(fill, period, tail)
         return hit
 
 
