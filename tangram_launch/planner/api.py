@@ -505,19 +505,23 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
         score_floors: dict = {}
         floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
-    else:  # one-grid classes inside a free one (templates.GridClass): an option counts in two
+    else:  # one-grid classes inside a free one (templates.GridClass): an option counts in two, so two passes
         floors, score_floors = {}, {}
-        for group, idx in classes.items():
-            one: dict = {}
-            only = _score_schedules(group, caps, opts) == ("interleaved",)  # its score floor: interleaved only
-            floors[group] = class_floors_s([cand.options[i] for i in idx], [0] * len(idx), L, m,
-                                           score_floors=None if only else one,
-                                           interleaved_floors=(one, MAX_VIRTUAL_STAGES) if only else None
-                                           ).get(0, math.inf)
-            score_floors[group] = one.get(0, math.inf)
-            if only:
-                interleave_only.add(group)
-    work = sorted(((floors[group], group, idx) for group, idx in classes.items()), key=lambda w: w[0])
+        for part in ([GridClass(g.base, None) if g.in_base else None for g in cand.groups],  # free classes
+                     [g.key if g.grid is not None else None for g in cand.groups]):  # one-grid classes
+            plain: dict = {}
+            inter: dict = {}
+            floors.update(class_floors_s(cand.options, part, L, m, score_floors=plain,
+                                         interleaved_floors=(inter, MAX_VIRTUAL_STAGES)))
+            for group in plain:
+                # its score floor: interleaved only where only interleaved schedules can win it
+                only = _score_schedules(group, caps, opts) == ("interleaved",)
+                score_floors[group] = (inter if only else plain).get(group, math.inf)
+                if only:
+                    interleave_only.add(group)
+        floors.pop(None, None)
+        score_floors.pop(None, None)
+    work = sorted(((floors.get(group, math.inf), group, idx) for group, idx in classes.items()), key=lambda w: w[0])
     for lb, group, idx in work:
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking
         threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)

@@ -34,14 +34,14 @@ def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_la
     stage runs m micro-batches, plain or interleaved, then the tail), which a schedule's score can reach where the
     closed form does not. ``interleaved_floors`` = (dict, V) receives per class a floor under the interleaved
     iteration with 2..V virtual stages, m x P + (F - P) / v + T >= (m - 1/V) x P* + F* / V + least tail
-    (costmodel.pipeline.pipeline_latency_s)."""
+    (costmodel.pipeline.pipeline_latency_s). An option whose class is None counts in none."""
     L = num_layers
     # (class, island, length) -> [least bottleneck, least time]; class -> least tail (a flat dict: this loop
     # meets every option of a size, hundreds of thousands on the largest clusters)
     least: dict[tuple, list[float]] = {}
     tails: dict[Hashable, float] = {}
     for (start, stop, island, _stages, max_after, time_s, bottleneck_s, tail_s), g in zip(options, groups):
-        if max_after < 0 or not 0 <= start < stop <= L:
+        if max_after < 0 or not 0 <= start < stop <= L or g is None:
             continue
         if tail_s < tails.get(g, math.inf):
             tails[g] = tail_s
