@@ -760,27 +760,66 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             return min(incumbent_s, max(best.objective_s, closed_s) if best else float("inf"))
         return min(incumbent_s, closed_s)
 
-    def offer(seq: tuple[int, ...]) -> None:
-        """Keep ``seq`` if it beats the best plan so far (by score where there is one; scored once)."""
-        nonlocal best, closed_s
+    order = itertools.count()  # offers in order: among equal objectives the first offered wins
+    best_k = -1
+
+    def measured(seq: tuple[int, ...]) -> Metrics | None:
+        """``seq``'s closed form, recorded (trace, least closed form); None if offered before or unfit."""
+        nonlocal closed_s
         if seq in offered:
-            return
+            return None
         offered.add(seq)
         metrics = evaluate(seq, options, link_s, m)
         if metrics is None:
-            return
+            return None
         stats.trace.append((metrics.period_s, metrics.latency_s))
         closed_s = min(closed_s, metrics.latency_s)
         stats.best_closed_s = min(stats.best_closed_s, metrics.latency_s)
+        return metrics
+
+    def may_win(floor: float, k: int) -> bool:
+        """Whether the k-th offer, whose score floor is ``floor``, can still beat the best score (ties: by order)."""
+        if floor >= score_incumbent_s:
+            return False
+        return best is None or floor < best.objective_s or (floor == best.objective_s and k < best_k)
+
+    def consider(seq: tuple[int, ...], metrics: Metrics, k: int) -> None:
+        """Keep the k-th offer if it beats the best plan so far (by score where there is one; scored once)."""
+        nonlocal best, best_k
         comp = Composition(seq, metrics, metrics.period_s)
         if score is not None:
-            if score_floor is not None and score_floor(seq, metrics) >= min(
-                    score_incumbent_s, best.objective_s if best is not None else float("inf")):
-                return  # cannot beat the best score: not simulated
             comp = Composition(seq, metrics, metrics.period_s, score(seq, metrics))
             stats.scored.append(comp)
-        if comp.objective_s < gate_s and (best is None or comp.objective_s < best.objective_s):
-            best = comp
+        o = comp.objective_s
+        if o < gate_s and (best is None or o < best.objective_s or (o == best.objective_s and k < best_k)):
+            best, best_k = comp, k
+
+    def offer(seq: tuple[int, ...]) -> None:
+        metrics = measured(seq)
+        if metrics is None:
+            return
+        k = next(order)
+        if score is None or score_floor is None or may_win(score_floor(seq, metrics), k):
+            consider(seq, metrics, k)  # else it cannot beat the best score: not simulated
+
+    def offer_all(seqs: Sequence[tuple[int, ...]]) -> None:
+        """offer each of ``seqs``, in that order as to ties, but scored by increasing score floor: the likely
+        winners first, so that once a floor cannot beat the best score no later one can (a simulation costs
+        milliseconds, and an exact pass on 4,096 GPUs offers thousands of plans)."""
+        if score is None or score_floor is None:
+            for seq in seqs:
+                offer(seq)
+            return
+        pending = []
+        for seq in seqs:
+            metrics = measured(seq)
+            if metrics is not None:
+                pending.append((score_floor(seq, metrics), next(order), seq, metrics))
+        pending.sort(key=lambda p: (p[0], p[1]))
+        for floor, k, seq, metrics in pending:
+            if not may_win(floor, k):
+                break  # nor can any later one: no lower floor, and at an equal floor a later offer
+            consider(seq, metrics, k)
 
     def score_beat_s() -> float:
         """The score a candidate must beat (inf without a score): the best here or elsewhere."""
@@ -816,8 +855,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     candidates = run(beat_s(), quantum=bound_step, score_beat=score_beat_s(), fill_weight=score_fill_weight,
                      schedules=score_schedules)
     stats.candidates += len(candidates)
-    for f in candidates:
-        offer(f[3])
+    offer_all([f[3] for f in candidates])
     if best is not None and best.objective_s >= gate_s:
         return None
     return best
