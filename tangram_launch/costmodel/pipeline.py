@@ -141,6 +141,36 @@ def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequ
     return max(free)
 
 
+def cycle_floor_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> float:
+    """A floor under simulated_1f1b_s from the round trips across each stage boundary (0.0 where none applies).
+
+    In the steady state stage k + 1 runs F(a) then B(a - w'), and stage k runs B(j) then F(w + j + 1), with w = S - k
+    - 1 its warm-up forwards and w' = w - 1 stage k + 1's. So from the end of F_k(a) a path of the schedule's
+    dependencies reaches the end of F_k(a + 2): the link, F_k+1(a), B_k+1(a - w'), the link back, B_k(a - w'),
+    F_k(a + 2), i.e. t_k + t_k+1 + 2 p per two micro-batches, which a slow link between two stages makes longer
+    than any stage. The longest such path, as every op starts no earlier than the end of what it waits for:
+
+        micro-batch 0's forwards to stage k, its warm-up forwards F_k(1..w'), c = (m - 1 - w') // 2 round trips,
+        one more trip to B_k, and that backward's way back to stage 0."""
+    S = len(fwd_s)
+    best = 0.0
+    front = 0.0  # micro-batch 0's forwards through stages 0..k, with the links between them
+    back = 0.0  # a backward's way from stage k to stage 0: the links and backwards in front of k
+    for k in range(S - 1):
+        front += fwd_s[k]
+        w = S - k - 2  # stage k + 1's warm-up forwards (stage k's: w + 1)
+        if w + 1 <= m and w <= m - 1:
+            p = p2p_s[k]
+            trip = 2.0 * p + fwd_s[k + 1] + bwd_s[k + 1] + bwd_s[k]
+            c = (m - 1 - w) // 2
+            total = front + w * fwd_s[k] + c * (trip + fwd_s[k]) + trip + back
+            if total > best:
+                best = total
+        front += p2p_s[k]
+        back += bwd_s[k] + p2p_s[k]
+    return best
+
+
 _LEVELS_MIN_STAGES = 12  # from this many stages on, a level's ops (one per stage) are taken at once with numpy
 _ORDER_MAX_OPS = 40_000  # orders of longer schedules are made again per call (a kept order costs ~100 bytes an op)
 

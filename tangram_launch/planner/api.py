@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
 
 from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
+from tangram_launch.costmodel.pipeline import cycle_floor_1f1b_s
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, SliceResult
@@ -628,7 +629,9 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         return hit
 
     def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
-        """Under predicted_s where it can matter: plain 1F1B, compose.plain_1f1b_floor_s; interleaved,
+        """Under predicted_s where it can matter: plain 1F1B, the larger of compose.plain_1f1b_floor_s and the
+        round trips across its stage boundaries (costmodel.pipeline.cycle_floor_1f1b_s: on Llama-3 405B over
+        4,096 GPUs a slow link between pods puts most candidates' simulations far above the former); interleaved,
         m x period + (fill - period) / v + tail with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the
         slowest stage's m forwards and backwards and the tail."""
         if schedules == SCORE_ANY:
@@ -636,6 +639,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         floor = math.inf
         if "plain" in schedules:
             floor = plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s)
+            floor = max(floor, cycle_floor_1f1b_s(*cand.stage_times([idx[i] for i in seq]), m) + metrics.tail_s)
         if "interleaved" in schedules:
             floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
         return floor
