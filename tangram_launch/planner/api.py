@@ -628,6 +628,14 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                                                      capabilities=caps).latency_s
         return hit
 
+    def one_grid(seq: tuple[int, ...]) -> bool:
+        """Whether build_plan may interleave the sequence although only its plain 1F1B counts in this class (a free
+        torch class under "auto": a pipeline whose stages share one grid)."""
+        if opts.schedule == "1F1B" or "interleaved-1F1B" not in caps.schedules:
+            return False
+        grids = {getattr(cand.groups[idx[i]], "grid", None) for i in seq}
+        return len(grids) == 1 and None not in grids
+
     def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s where it can matter: plain 1F1B, the larger of compose.plain_1f1b_floor_s and the
         round trips across its stage boundaries (costmodel.pipeline.cycle_floor_1f1b_s: on Llama-3 405B over
@@ -639,7 +647,8 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         floor = math.inf
         if "plain" in schedules:
             floor = plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s)
-            floor = max(floor, cycle_floor_1f1b_s(*cand.stage_times([idx[i] for i in seq]), m) + metrics.tail_s)
+            if "interleaved" in schedules or not one_grid(seq):  # (else its score may be interleaved: not under)
+                floor = max(floor, cycle_floor_1f1b_s(*cand.stage_times([idx[i] for i in seq]), m) + metrics.tail_s)
         if "interleaved" in schedules:
             floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
         return floor
