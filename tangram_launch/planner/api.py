@@ -508,8 +508,10 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
     else:  # one-grid classes inside a free one (templates.GridClass): an option counts in two, so two passes
         floors, score_floors = {}, {}
-        for part in ([GridClass(g.base, None) if g.in_base else None for g in cand.groups],  # free classes
-                     [g.key if g.grid is not None else None for g in cand.groups]):  # one-grid classes
+        distinct = set(cand.groups)
+        free = {g: GridClass(g.base, None) if g.in_base else None for g in distinct}
+        one = {g: g.key if g.grid is not None else None for g in distinct}
+        for part in ([free[g] for g in cand.groups], [one[g] for g in cand.groups]):  # free, one-grid classes
             plain: dict = {}
             inter: dict = {}
             floors.update(class_floors_s(cand.options, part, L, m, score_floors=plain,
@@ -561,9 +563,11 @@ def _moved(best: tuple, cand: Candidates) -> tuple:
     of the same size b (every old option is in it: the same answers, more of them), so that the plan, the dropped
     islands' reasons and the search result all read one option list."""
     lat, b, group, comp, old = best
+    wanted = {old.options[i] for i in comp.options}
     index: dict = {}
-    for i, (o, g) in enumerate(zip(cand.options, cand.groups)):
-        index.setdefault((o, g), i)
+    for i, o in enumerate(cand.options):
+        if o in wanted:  # (hashing the few wanted options' tuples, not every option's with its class)
+            index.setdefault((o, cand.groups[i]), i)
     moved = tuple(index[(old.options[i], old.groups[i])] for i in comp.options)
     return (lat, b, group, Composition(moved, comp.metrics, comp.bound_s, comp.score_s), cand)
 

@@ -106,7 +106,8 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
     """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key): the plans
     templates.judge_templates keeps, judged by their numbers (lazy plans are built only when placed). ``judged``:
     a dict the caller keeps across calls with the same b (the driver rebuilds a size's options after each round of
-    answers): an answer judged before is not judged again."""
+    answers), holding answers judged by their key and each pair's options by the pair: an answer judged before is
+    not judged again, nor are a pair's options made again from the same templates."""
     cand = Candidates(b=b, num_microbatches=num_microbatches, islands=tuple(islands), links=links,
                       link_matrix=links.island_matrix(), training_dtype=dtype, training=training)
     templates: dict[tuple, list] = {}
@@ -138,12 +139,16 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         if judged is not None:
             judged[key] = (res, templates[key], dropped)
     make = Option._make
+    built = judged if judged is not None else {}  # pair -> (its templates, its options)
     for pair in pairs:
         temps = templates.get(pair.key)
         if not temps:
             continue
-        where = (pair.layers[0], pair.layers[1], pair.island)
-        cand.options.extend([make(where + fields) for fields, _plan, _group in temps])
+        hit = built.get(pair)
+        if hit is None or hit[0] is not temps:
+            where = (pair.layers[0], pair.layers[1], pair.island)
+            hit = built[pair] = (temps, [make(where + fields) for fields, _plan, _group in temps])
+        cand.options.extend(hit[1])
         cand.sources.extend([(pair, plan) for _fields, plan, _group in temps])
         cand.groups.extend([group for _fields, _plan, group in temps])
     return cand
