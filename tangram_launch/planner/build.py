@@ -139,7 +139,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         if judged is not None:
             judged[key] = (res, templates[key], dropped)
     make = Option._make
-    built = judged if judged is not None else {}  # pair -> (its templates, its options)
+    built = judged if judged is not None else {}  # pair -> (its templates, its options, sources, classes)
     for pair in pairs:
         temps = templates.get(pair.key)
         if not temps:
@@ -147,10 +147,12 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         hit = built.get(pair)
         if hit is None or hit[0] is not temps:
             where = (pair.layers[0], pair.layers[1], pair.island)
-            hit = built[pair] = (temps, [make(where + fields) for fields, _plan, _group in temps])
+            hit = built[pair] = (temps, [make(where + fields) for fields, _plan, _group in temps],
+                                 [(pair, plan) for _fields, plan, _group in temps],
+                                 [group for _fields, _plan, group in temps])
         cand.options.extend(hit[1])
-        cand.sources.extend([(pair, plan) for _fields, plan, _group in temps])
-        cand.groups.extend([group for _fields, _plan, group in temps])
+        cand.sources.extend(hit[2])
+        cand.groups.extend(hit[3])
     return cand
 
 
