@@ -20,8 +20,8 @@ state keeps the Pareto front of (fill, tail, stages behind, period) -- the perio
 rather than a bound, so one pass holds the least fill + tail at every period, i.e. what every bound of the
 paper's relaxation would find. A partial sequence is dropped as soon as its cheapest completion cannot beat the
 best plan: (m - 1) x max(its period, the least period of the layers in front) + its fill + the least fill in front
-+ its tail, where "in front" is covered only by the islands the sequence leaves free (exact: a plan that beats the
-bound is represented at every step by an entry with no more fill, tail, stages or period). The bound to beat comes
++ its tail, where "in front" is covered only by the islands the sequence leaves free, each once (exact: a plan that
+beats the bound is represented at every step by an entry with no more fill, tail, stages or period). The bound comes
 first from the single-island plans and a quick plan (the same DP keeping two entries per state), so the exact pass
 prunes hard from its first layer. ``bound_step`` > 0 compares periods by bucket on a geometric grid (fewer
 entries, not exact: at most (m - 1) x bound_step x the period slower). ``reference.py`` checks it by brute force.
@@ -270,7 +270,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                plain_s: max over its options o of m x o's bottleneck + the fill in front of o within the sequence).
     A sequence is dropped as soon as even its cheapest completion cannot beat ``beat``:
       (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])
-    where the pre_* are the least of any cover of [0, start) by the islands free in front of it (_PrefixBounds).
+    where the pre_* are the least of any cover of [0, start) by distinct islands free in front of it (_PrefixBounds).
     With ``score_beat`` (a score to beat) a sequence is kept too while m x its period + its tail can beat it: that
     floor lies under any score (compose's score_floor), and a score can rank a plan well below its closed form
     (the interleaved schedule shrinks the bubble); with ``fill_weight`` w, (m - w) x period + w x fill + tail
