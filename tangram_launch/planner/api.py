@@ -486,10 +486,9 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     latency composed at b itself (inf if none).
 
     ``memo`` (SizeMemo) carries what earlier rounds at b did: answers judged once, and per class the options and
-    bounds it was last composed with. A class whose options did not change since (a later round's answers went to
-    other classes) and whose bounds are no looser is not composed again, because that composition's plan already
-    counts in the best plan (what it returns can only be the same plan or none; on GPT-3 13B over four islands
-    under torch this skipped 0.7 of 6.6 CPU-s)."""
+    bounds it was last composed with. Under bounds no looser, a class is composed again only if one of its options
+    that could be in a plan beating them is new (_compose_group's ``searched``): that earlier composition's plan
+    already counts in the best plan (on GPT-3 13B over four islands under torch this skipped 0.7 of 6.6 CPU-s)."""
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b
@@ -531,14 +530,18 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         score_to_beat = best[0] if best is not None and use_incumbent else math.inf
         if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
-        opts_of = [cand.options[i] for i in idx]
-        last = memo.composed.get((b, group)) if memo is not None else None
-        if last is not None and last[0] == opts_of and threshold <= last[1] and score_to_beat <= last[2]:
-            continue
+        searched = None
         if memo is not None:
+            opts_of = [cand.options[i] for i in idx]
+            last = memo.composed.get((b, group))
+            if last is not None and threshold <= last[1] and score_to_beat <= last[2]:
+                if last[0] == opts_of:
+                    continue  # the same options: nothing new to find
+                searched = last[0]
             memo.composed[(b, group)] = (opts_of, threshold, score_to_beat)
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
-                              score_incumbent_s=score_to_beat, schedules=_score_schedules(group, caps, opts))
+                              score_incumbent_s=score_to_beat, schedules=_score_schedules(group, caps, opts),
+                              searched=searched)
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
@@ -606,15 +609,22 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                    opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
                    required_mask: int = 0, incumbent_s: float = float("inf"),
                    score_incumbent_s: float = float("inf"),
-                   schedules: tuple[str, ...] = SCORE_ANY) -> Composition | None:
+                   schedules: tuple[str, ...] = SCORE_ANY,
+                   searched: Sequence[Option] | None = None) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
     beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
     beat it are not simulated); ``schedules``: the schedules whose predictions can matter here (_score_schedules),
-    so that the composer prunes by their floors."""
+    so that the composer prunes by their floors; ``searched``: options of this class already composed under bounds
+    no tighter, whose plans already count in the incumbents: None is returned unless a promising option is new."""
     # options no plan beating the incumbents can hold (cover_floors.promising): compose would prune them at every
     # use, but they cost it time in each of up to hundreds of island orders
     idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s)
+    if searched is not None and {cand.options[i] for i in idx} <= set(searched):
+        # every plan that could beat the bounds holds only options searched before: it was found then (a later
+        # round's answers added options no plan beating the best can hold; on Llama-3 405B over 4,096 GPUs under
+        # torch the free class's 174,000 options are not composed again for 700 new ones)
+        return None
     sub = [cand.options[i] for i in idx]
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
