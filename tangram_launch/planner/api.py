@@ -363,7 +363,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
 class SizeMemo:
     """What one search's rounds at a micro-batch size leave for its next round (_compose_b)."""
 
-    judged: dict = field(default_factory=dict)  # b -> make_candidates' judged answers
+    judged: dict = field(default_factory=dict)  # b -> make_candidates' memo: answers judged, pairs' options
     composed: dict = field(default_factory=dict)  # (b, class) -> (options, closed form, score bounds)
 
 
@@ -622,8 +622,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s)
     if searched is not None and {cand.options[i] for i in idx} <= set(searched):
         # every plan that could beat the bounds holds only options searched before: it was found then (a later
-        # round's answers added options no plan beating the best can hold; on Llama-3 405B over 4,096 GPUs under
-        # torch the free class's 174,000 options are not composed again for 700 new ones)
+        # round's answers added only options no plan beating the best can hold)
         return None
     sub = [cand.options[i] for i in idx]
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
