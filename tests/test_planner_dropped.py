@@ -96,3 +96,32 @@ def test_options_left_out_as_unpromising_change_no_composition(seed, slack):
         assert less.latency_s == pytest.approx(full.latency_s)
     if slack > 1.0:  # the optimum's options are all kept
         assert set(best.options) <= set(keep)
+
+
+def test_above_exact_islands_the_reason_names_the_search_that_found_nothing_better():
+    """Above exact_islands the planner does not price each island's best plan (that would be a search per island);
+    an island whose floor does not rule it out is reported as not beating the chosen plan in the search that ran,
+    which says what that search was, with the floor under any plan using it."""
+    from types import SimpleNamespace
+
+    from tangram_launch.planner.build import Candidates
+    from tangram_launch.planner.compose import Composition, Metrics
+    from tangram_launch.planner.dropped import dropped_islands
+
+    K, m = 7, 4
+    options = [Option(0, 2, k, 1, ROOM, 1.0 + k, 1.0 + k, 0.0) for k in range(K)]
+    islands = tuple(SimpleNamespace(name=f"isl{k}") for k in range(K))
+    cand = Candidates(b=1, num_microbatches=m, islands=islands, links=None, link_matrix=((0.0,) * K,) * K,
+                      options=options)
+    best = Composition((0,), Metrics(30.0, 7.5, 1.0, 0.0, ()), 7.5, 30.0)  # as if slower than its closed form
+    pairset = SimpleNamespace(island_notes={})
+
+    def reasons(exact_islands):
+        return {d["island"]: d["reason"] for d in dropped_islands(
+            cand, range(K), best, islands, pairset, 2, SimpleNamespace(name="torch"), exact_islands,
+            lambda k: Composition((k,), Metrics(m * (1.0 + k), 1.0 + k, 1.0 + k, 0.0, ()), 1.0 + k))}
+
+    many = reasons(5)
+    assert "the search over more than 5 islands (exact over island sets" in many["isl6"]
+    assert "at least 28 s" in many["isl6"]  # m x its bottleneck
+    assert "the best one takes 28 s" in reasons(7)["isl6"]  # within exact_islands: priced by a composition

@@ -57,8 +57,10 @@ def dropped_islands(cand: "Candidates", idx: Sequence[int], best: Composition, i
                           f"iteration (m x its slowest stage + DP sync and optimizer step, at the least the other islands allow), the "
                           f"chosen plan takes {best.objective_s:.3g} s" + costed)
             elif len(present) > exact_islands:
-                reason = (f"{isl.name}: every plan using it is slower: in the island orders searched none beats "
-                          f"the chosen plan ({best.objective_s:.3g} s per iteration, slowest stage or link "
+                reason = (f"{isl.name}: every plan using it is slower: the search over more than {exact_islands} "
+                          f"islands (exact over island sets where their links allow it, else over island orders) "
+                          f"found none that beats the chosen plan ({best.objective_s:.3g} s per iteration, slowest "
+                          f"stage or link "
                           f"{best.metrics.period_s:.3g} s per micro-batch)"
                           f"; a plan using it takes at least {floor_s:.3g} s" + costed)
             else:
