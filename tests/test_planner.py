@@ -563,3 +563,37 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
         runs.append((json.dumps(plan, sort_keys=True), calls[0]))
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] < runs[1][1]
+
+
+@pytest.mark.slow  # three real searches
+@pytest.mark.parametrize("runtime,cluster_name", [("torch", "c3-full-het-iii"), ("megatron", "c3-full-het-iii"),
+                                                  ("torch", "c3-4-islands-20gpu")])
+def test_the_fine_score_floor_lies_under_every_score(runtime, cluster_name, monkeypatch):
+    """The planner's fine floor (the plain 1F1B's floors, round trips included, against the interleaved
+    schedule's own prediction) lies under the predicted iteration of every candidate the search scores, under
+    every class and schedule: here it is evaluated beside each score, the skipping turned off."""
+    import tangram_launch.planner.api as api
+    from tangram_launch.specs.model import load_model
+
+    pairs = []
+    inner = api.compose
+
+    def traced(options, *a, **kw):
+        fine, score = kw.pop("score_floor_fine"), kw["score"]
+
+        def scored(seq, metrics):
+            v = score(seq, metrics)
+            pairs.append((fine(seq, metrics), v))
+            return v
+
+        kw["score"] = scored
+        return inner(options, *a, **kw)
+
+    monkeypatch.setattr(api, "compose", traced)
+    cluster = ClusterSpec.load(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                            f"{cluster_name}.yaml"))
+    search(cluster, load_model("gpt3-13b"), TrainingSpec(global_batch=128, seq_len=2048, dtype="fp16"),
+           runtime=runtime, islands=build_islands(cluster, dtype="fp16"), options=SERIAL)
+    assert len(pairs) > 20
+    assert all(f <= v * (1 + 1e-12) for f, v in pairs), max(f / v for f, v in pairs)
+    assert any(f >= 0.9 * v for f, v in pairs)  # and it is tight somewhere, not 0

@@ -666,6 +666,21 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
             floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
         return floor
 
+    def predicted_fine_floor_s(seq: tuple[int, ...], metrics) -> float:
+        """Under predicted_s, asked only before scoring: the lesser of the plain 1F1B's floors (compose's and the
+        round trips across its stage boundaries) and the best interleaved schedule's own prediction, which needs no
+        simulation. Under any schedule and class (an interleaved score is the interleaved prediction). On Llama-3
+        405B over 4,096 GPUs at b = 8 it took the simulations from 6,375 to 74 under megatron (52 -> 44 CPU-s) and
+        from 2,905 to 22 under torch (29 -> 24 CPU-s): predicted_floor_s's interleaved floor is the least over
+        every number of virtual stages and memory, this one the schedule build_plan would choose."""
+        pos = [idx[i] for i in seq]
+        plain = max(plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s),
+                    cycle_floor_1f1b_s(*cand.stage_times(pos), m) + metrics.tail_s)
+        if opts.schedule == "1F1B":
+            return plain
+        inter = cand.interleaved_choice(pos, metrics, schedule=opts.schedule, capabilities=caps)
+        return min(plain, inter.latency_s) if inter.virtual_stages > 1 else plain
+
     def run(order: list[int] | None, merge_fronts: bool = False) -> float | None:
         nonlocal best
         comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
@@ -673,6 +688,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                        incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None,
                                                                       opts.score_band)),
                        stats=stats, score=predicted_s, score_band=opts.score_band, score_floor=predicted_floor_s,
+                       score_floor_fine=predicted_fine_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
                        undominated=True)  # templates.undominated judged each class

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
@@ -85,10 +86,18 @@ class Candidates:
         plain_s = self.simulated_s(seq, metrics)
         if schedule == "1F1B":
             return ScheduleChoice(1, plain_s)
+        return self.interleaved_choice(seq, metrics, schedule=schedule, capabilities=capabilities,
+                                       plain_latency_s=plain_s)
+
+    def interleaved_choice(self, seq: Sequence[int], metrics: Metrics, *, schedule: str,
+                           capabilities: "RuntimeCapabilities", plain_latency_s: float = math.inf) -> ScheduleChoice:
+        """choose_virtual_stages for this sequence against a plain 1F1B of ``plain_latency_s``; by default none
+        (no simulation: the best interleaved schedule alone, virtual_stages 1 if there is none)."""
         stages = [(st, self.islands[self.options[oi].island]) for oi in seq for st in self.slice_plan(oi).stages]
         return choose_virtual_stages(stages, num_microbatches=self.num_microbatches, period_s=metrics.period_s,
                                      fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
-                                     capabilities=capabilities, training=self.training, plain_latency_s=plain_s)
+                                     capabilities=capabilities, training=self.training,
+                                     plain_latency_s=plain_latency_s)
 
 
 def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:

@@ -693,6 +693,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_band: bool = False,
             score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
+            score_floor_fine: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
             score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
             undominated: bool = False) -> Composition | None:
@@ -711,7 +712,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     score and the least closed form instead (every plan whose closed form beats the best score is a candidate),
     and ``incumbent_s`` is a score; ``score_floor``: a cheap floor under ``score`` (a candidate whose floor cannot
     beat the best score here or ``score_incumbent_s``, the best found elsewhere, is not scored: a simulation costs
-    milliseconds and an island-order search meets tens of thousands of candidates); ``score_fill_weight`` w:
+    milliseconds and an island-order search meets tens of thousands of candidates); ``score_floor_fine``: a
+    tighter, dearer floor under ``score``, asked only of a candidate ``score_floor`` lets through (the score is
+    computed only if this one can beat the best score too); ``score_fill_weight`` w:
     the DP's floor under the score is (m - w) x period + w x fill + tail (default m x period + tail; 1/V where
     only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
@@ -800,7 +803,12 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             return
         k = next(order)
         if score is None or score_floor is None or may_win(score_floor(seq, metrics), k):
-            consider(seq, metrics, k)  # else it cannot beat the best score: not simulated
+            scored_if_hopeful(seq, metrics, k)  # else it cannot beat the best score: not simulated
+
+    def scored_if_hopeful(seq: tuple[int, ...], metrics: Metrics, k: int) -> None:
+        """consider the k-th offer unless the fine floor says it cannot beat the best score."""
+        if score is None or score_floor_fine is None or may_win(score_floor_fine(seq, metrics), k):
+            consider(seq, metrics, k)
 
     def offer_all(seqs: Sequence[tuple[int, ...]]) -> None:
         """offer each of ``seqs``, in that order as to ties, but scored by increasing score floor: the likely
@@ -819,7 +827,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         for floor, k, seq, metrics in pending:
             if not may_win(floor, k):
                 break  # nor can any later one: no lower floor, and at an equal floor a later offer
-            consider(seq, metrics, k)
+            scored_if_hopeful(seq, metrics, k)
 
     def score_beat_s() -> float:
         """The score a candidate must beat (inf without a score): the best here or elsewhere."""
