@@ -597,3 +597,32 @@ def test_the_fine_score_floor_lies_under_every_score(runtime, cluster_name, monk
     assert len(pairs) > 20
     assert all(f <= v * (1 + 1e-12) for f, v in pairs), max(f / v for f, v in pairs)
     assert any(f >= 0.9 * v for f, v in pairs)  # and it is tight somewhere, not 0
+
+
+def test_above_exact_islands_a_size_is_asked_whole_not_in_two_rounds(monkeypatch):
+    """Up to exact_islands the first size's pairs are asked and composed in two rounds (the most promising quarter
+    first); above, where each composition is a search over island sets or orders, in one (composing the first
+    round would be done again whole). The plan is the same either way (six islands over one spine; the real
+    parallelizer, whose compute floors rank the pairs)."""
+    import tangram_launch.planner.api as api
+
+    types = ("b200", "h200", "h100-sxm", "a100-80gb", "a100-40gb", "l40s")
+    many = cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")
+    rounds = {}
+    for exact in (6, 5):
+        asked = []
+        inner = api._ask
+
+        def counting(bs, pairs, *a, **k):
+            asked.append(len(pairs))
+            return inner(bs, pairs, *a, **k)
+
+        monkeypatch.setattr(api, "_ask", counting)
+        r = search(many, MODEL, TRAIN, runtime="megatron",
+                   options=PlannerOptions(max_workers=1, exact_islands=exact, microbatch_sequences=(2,)))
+        monkeypatch.undo()
+        rounds[exact] = (asked, r.plan.to_dict()["stages"])
+    (split, plan6), (whole, plan5) = rounds[6], rounds[5]
+    assert len(split) == 3 and split[1] < split[2]  # single-island pairs, the quarter, the rest
+    assert len(whole) == 2 and whole[1] == split[1] + split[2]  # single-island pairs, then all the others at once
+    assert plan5 == plan6
