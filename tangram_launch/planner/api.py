@@ -653,6 +653,14 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         grids = {getattr(cand.groups[idx[i]], "grid", None) for i in seq}
         return len(grids) == 1 and None not in grids
 
+    def plain_floor_s(seq: tuple[int, ...], metrics, *, round_trips: bool) -> float:
+        """Under the plain 1F1B simulation + tail: compose.plain_1f1b_floor_s, with ``round_trips`` the larger of
+        it and costmodel.pipeline.cycle_floor_1f1b_s over the sequence's stages."""
+        floor = plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s)
+        if round_trips:
+            floor = max(floor, cycle_floor_1f1b_s(*cand.stage_times([idx[i] for i in seq]), m) + metrics.tail_s)
+        return floor
+
     def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s where it can matter: plain 1F1B, the larger of compose.plain_1f1b_floor_s and the
         round trips across its stage boundaries (costmodel.pipeline.cycle_floor_1f1b_s: on Llama-3 405B over
@@ -663,9 +671,8 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
             return m * max(sub[i].bottleneck_s for i in seq) + metrics.tail_s
         floor = math.inf
         if "plain" in schedules:
-            floor = plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s)
-            if "interleaved" in schedules or not one_grid(seq):  # (else its score may be interleaved: not under)
-                floor = max(floor, cycle_floor_1f1b_s(*cand.stage_times([idx[i] for i in seq]), m) + metrics.tail_s)
+            # (with only plain counted, a one-grid pipeline's score may be interleaved: not under the round trips)
+            floor = plain_floor_s(seq, metrics, round_trips="interleaved" in schedules or not one_grid(seq))
         if "interleaved" in schedules:
             floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
         return floor
@@ -677,12 +684,10 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         405B over 4,096 GPUs at b = 8 it took the simulations from 6,375 to 74 under megatron (52 -> 44 CPU-s) and
         from 2,905 to 22 under torch (29 -> 24 CPU-s): predicted_floor_s's interleaved floor is the least over
         every number of virtual stages and memory, this one the schedule build_plan would choose."""
-        pos = [idx[i] for i in seq]
-        plain = max(plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s),
-                    cycle_floor_1f1b_s(*cand.stage_times(pos), m) + metrics.tail_s)
+        plain = plain_floor_s(seq, metrics, round_trips=True)
         if opts.schedule == "1F1B":
             return plain
-        inter = cand.interleaved_choice(pos, metrics, schedule=opts.schedule, capabilities=caps)
+        inter = cand.interleaved_choice([idx[i] for i in seq], metrics, schedule=opts.schedule, capabilities=caps)
         return min(plain, inter.latency_s) if inter.virtual_stages > 1 else plain
 
     def run(order: list[int] | None, merge_fronts: bool = False) -> float | None:

@@ -432,35 +432,6 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     return out
 
 
-def _best_cover(
-options: Sequence[Option], idx: Sequence[int], num_layers: int, combine) -> float:
-    """Best value over covers of [0, L) by options (ignoring islands, memory and links), built from the back:
-    best[i] = min over options starting at i of combine(option, best[option.stop])."""
-    best = [float("inf")] * (num_layers + 1)
-    best[num_layers] = 0.0
-    by_start: dict[int, list[int]] = {}
-    for oi in idx:
-        by_start.setdefault(options[oi].start, []).append(oi)
-    for i in range(num_layers - 1, -1, -1):
-        for oi in by_start.get(i, ()):
-            o = options[oi]
-            v = combine(o, best[o.stop])
-            if v < best[i]:
-                best[i] = v
-    return best[0]
-
-
-def _fill_lower_bound(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> float:
-    """Least fill of any cover of [0, L), ignoring islands, memory and links: a lower bound for every plan."""
-    return _best_cover(options, idx, num_layers, lambda o, rest: o.time_s + rest)
-
-
-def _minmax_bottleneck(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> float:
-    """Least possible period of any cover of [0, L) (ignoring islands, memory and links): no bound below it can
-    be feasible."""
-    return _best_cover(options, idx, num_layers, lambda o, rest: max(o.bottleneck_s, rest))
-
-
 class Covers(NamedTuple):
     """Per layer boundary j: the least fill, period and tail of any cover of [0, j) (front) or [j, L) (back)."""
 
@@ -587,8 +558,8 @@ def lower_bound(options: Sequence[Option], num_layers: int, num_microbatches: in
            and 0 <= o.start < o.stop <= num_layers]
     if not idx:
         return float("inf")
-    return ((num_microbatches - 1) * _minmax_bottleneck(options, idx, num_layers)
-            + _fill_lower_bound(options, idx, num_layers))
+    whole = covers(options, idx, num_layers, back=False)
+    return (num_microbatches - 1) * whole.period_s[num_layers] + whole.fill_s[num_layers]
 
 
 def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) -> list[int]:
