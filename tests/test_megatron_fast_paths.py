@@ -158,3 +158,100 @@ def test_stage_sums_with_layer_sums_shared_across_slices_equal_a_fresh_costers(g
     g = data.draw(st.sampled_from(grids))
     got = shared.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)
     assert [vars(s) for s in got] == [vars(s) for s in fresh.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)]
+
+
+# 3.4 B parameters in 8 layers, tied embeddings: most grids of a few 16-32 GB GPUs fit no combination
+WIDE = ModelSpec(name="w8", num_layers=8, hidden_size=6144, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384,
+                 vocab_size=32000, max_seq_len=1024, tied_embeddings=True)
+WIDE_MOE = ModelSpec(name="w8-moe", num_layers=8, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                     ffn_hidden_size=8192, vocab_size=32000, max_seq_len=1024, num_experts=8, top_k=2,
+                     moe_layer_frequency=2)
+WIDE_TRAIN = TrainingSpec(global_batch=16, seq_len=1024, dtype="fp16")
+
+
+def _memory_need_floor(coster: SliceCoster, grid, allowed) -> float:
+    """The sum over a pipeline's stages that SliceCoster.memory_floor_bytes bounds, from its per-layer terms."""
+    per_kind, emb_b, head_b = coster.memory_floor_bytes(grid.tp, grid.cp, grid.ep, grid.dp, allowed)
+    need = sum(c * per_kind[k] for k, c in coster.layer_counts())
+    return need + (emb_b if coster.has_embedding else 0.0) + (head_b if coster.has_head else 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 2),
+       start=st.integers(0, 7), length=st.integers(1, 8), b=st.sampled_from([1, 2, 4, 8]),
+       caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), moe=st.booleans())
+def test_memory_floor_over_the_stages_is_under_the_heaviest_stages_least_need(gpu, per_node, nodes, start, length, b,
+                                                                              caps, moe):
+    """For every grid and split, the memory floor / pp is at most the heaviest stage's least static + activation
+    bytes for one micro-batch over the allowed savers (less the runtime overhead): a grid skipped by it fits no
+    combination (megatron._search)."""
+    from tangram_launch.costmodel.grid import StageTable
+
+    model = WIDE_MOE if moe else WIDE
+    if model.is_moe and not caps.expert_parallel:
+        return
+    isl = island(gpu, per_node, nodes)
+    q = SliceQuery(model=model, training=WIDE_TRAIN, layers=(start, min(8, start + length)), island=isl,
+                   microbatch_sequences=b, capabilities=caps)
+    par = MegatronParallelizer()
+    coster = SliceCoster(q)
+    if coster.device_error:
+        return
+    table = StageTable()
+    table.attach(coster)
+    for grid in par.grids(q, coster):
+        if coster.check(grid):
+            continue
+        allowed = tuple(par.savers(q, grid))
+        if not allowed:
+            continue
+        floor = _memory_need_floor(coster, grid, allowed) / grid.pp
+        sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
+        dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+        rows = table.stage_rows(coster, dims, table.signatures(coster, *dims, sizes=sizes), allowed, sizes)
+        heaviest = max(min(static + act for _t, static, act, _tail in row) for row in rows)
+        assert floor <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, floor, heaviest)
+
+
+@settings(max_examples=30, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 2),
+       start=st.integers(0, 7), length=st.integers(1, 8), b=st.sampled_from([1, 2, 4, 8]),
+       caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), moe=st.booleans(),
+       bound=st.sampled_from([None, 0.05, 0.5, 5.0]))
+def test_answers_with_the_memory_floor_are_the_answers_without(gpu, per_node, nodes, start, length, b, caps, moe,
+                                                               bound):
+    """Skipping grids by their memory floor changes no answer: the same plans, and where nothing fits the same
+    reason (the search then judges every grid for the least memory it names)."""
+    model = WIDE_MOE if moe else WIDE
+    if model.is_moe and not caps.expert_parallel:
+        return
+    isl = island(gpu, per_node, nodes)
+    q = SliceQuery(model=model, training=WIDE_TRAIN, layers=(start, min(8, start + length)), island=isl,
+                   microbatch_sequences=b, capabilities=caps,
+                   **({} if bound is None else {"latency_bound_s": bound, "score_bound_s": bound}))
+    par = MegatronParallelizer()
+    fast = par._search(q, par.grids, par.savers)
+    plain = MegatronParallelizer()._search(q, par.grids, par.savers, memory_floor=False)
+
+    def seen(r):
+        return [(p.island, p.layers, p.stages) for p in r.plans], r.infeasible, r.bounded > 0
+
+    assert seen(fast) == seen(plain)
+    assert fast.configs_evaluated <= plain.configs_evaluated
+
+
+def test_the_memory_floor_skips_grids_and_a_query_that_fits_nowhere_still_names_its_least_need():
+    """Under Megatron (no offload) most grids of a 3.4 B model on four 16 GB GPUs are skipped before costing, the
+    answer unchanged; on two such GPUs nothing fits, and the reason is the one every grid judged gives."""
+    for gpu, per_node, moe, fits in (("v100-16gb", 4, True, True), ("t4", 2, False, False)):
+        q = SliceQuery(model=WIDE_MOE if moe else WIDE, training=WIDE_TRAIN, layers=(0, 8),
+                       island=island(gpu, per_node, 1), microbatch_sequences=4, capabilities=MEGATRON)
+        par = MegatronParallelizer()
+        fast = par._search(q, par.grids, par.savers)
+        plain = MegatronParallelizer()._search(q, par.grids, par.savers, memory_floor=False)
+        assert [p.stages for p in fast.plans] == [p.stages for p in plain.plans]
+        assert bool(fast.plans) == fits
+        if fits:
+            assert fast.configs_evaluated < plain.configs_evaluated / 2
+        else:
+            assert fast.infeasible == plain.infeasible and "needs at least" in fast.infeasible.reasons[0]

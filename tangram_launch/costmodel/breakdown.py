@@ -373,6 +373,36 @@ class SliceCoster:
                 head_s = e["head_fwd_s"] + e["head_bwd_s"] + (2 * e["head_tp_s"] if with_comm else 0.0)
         return per_kind, emb_s, head_s
 
+    def memory_floor_bytes(self, tp: int, cp: int, ep: int, dp: int,
+                           savers: Sequence[tuple[int, int, bool]]) -> tuple[dict[str, float], float, float]:
+        """Floors under a pipeline's memory for one micro-batch in flight under ``savers``, per layer of each kind
+        and for the embedding and the head: a pipeline of this grid whose stages hold these needs, summed, at
+        least what they add up to (static + activation bytes; runtime overhead left out). Over its stages that sum
+        is under the heaviest stage's need, so a grid whose floor / pp is over the capacity fits no combination.
+
+        Model-state bytes are linear in a stage's parameters under each saver, and activations in its layers under
+        each recompute mode: the least coefficient of each (dense and expert states apart) times the layer's count
+        is under every split's sum of per-stage least needs (working sets, edge activations and a tied head's
+        copy only add)."""
+        mbs = self.q.microbatch_sequences // dp
+        tr = self.training
+        pb, ob = tr.param_bytes, tr.optimizer_state_bytes
+        gb = tr.grad_bytes + pb if self.keeps_param_dtype_grads else tr.grad_bytes
+        shard, eshard = dp * cp, dp * cp // ep
+
+        def per_param(n: int) -> float:  # the least model-state bytes per parameter over the savers
+            return min(model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
+                                         optimizer_bytes=ob).total for z, _r, off in savers)
+
+        dense_b, expert_b = per_param(shard), per_param(eshard)
+        recomputes = {r for _zero, r, _off in savers}
+        per_kind = {}
+        for k in self.prefix:
+            t = self.layer_terms(k, tp, cp, ep, dp, mbs)
+            per_kind[k] = (t.dense_params * dense_b + t.expert_params * expert_b
+                           + min(t.act_bytes[r] for r in recomputes) * self._frag)
+        return (per_kind, self.model.embedding_params() / tp * dense_b, self.model.head_params() / tp * dense_b)
+
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:
         """Absolute layer ranges of the ``pp`` stages, balanced by time (no recompute) with embedding/head."""

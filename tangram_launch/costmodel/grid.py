@@ -71,6 +71,8 @@ class StageTable:
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
         self.floor_arrays: dict[tuple, tuple] = {}  # (grid list key, slice's kinds and edges) -> megatron._floor_arrays
+        # (grid list key, (saver enumerator, pipelined), slice's layer kinds) -> megatron._memory_arrays
+        self.memory_floors: dict[tuple, tuple] = {}
         self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
         self.device = None  # the context's DeviceModel (SliceCoster's device), once a query has built it
 

@@ -289,7 +289,10 @@ class MegatronParallelizer:
     def query(self, q: SliceQuery) -> SliceResult:
         return self._search(q, self.grids, self.savers)
 
-    def _search(self, q: SliceQuery, grids, savers) -> SliceResult:
+    def _search(self, q: SliceQuery, grids, savers, *, memory_floor: bool = True) -> SliceResult:
+        """The query's answer over ``grids`` x ``savers``. ``memory_floor``: skip, before costing its stages, a grid
+        whose stages cannot all fit under any saver on average (SliceCoster.memory_floor_bytes); off when nothing
+        else fits, to name the least memory needed (the answer's reason reads every grid's)."""
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
         key = query_key(q, kinds)
@@ -308,8 +311,10 @@ class MegatronParallelizer:
         evaluated = 0
         misfits: list[tuple] = []  # judged grids with combinations that fit nowhere (depth None: all of them)
         shape_reasons: set[str] = set()
-        saver_cache = table.saver_lists.setdefault((getattr(savers, "__qualname__", None), q.pipelined), {})
+        saver_cache_key = (getattr(savers, "__qualname__", None), q.pipelined)
+        saver_cache = table.saver_lists.setdefault(saver_cache_key, {})
         bounded = 0
+        too_big = 0  # grids skipped by their memory floor
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
         score_cut = q.score_bound_s * (1.0 + 1e-9)
@@ -333,6 +338,19 @@ class MegatronParallelizer:
             beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
             bounded += int(np.count_nonzero(beyond))
             keep &= ~beyond
+        if memory_floor:  # the grids none of whose combinations fits, on average over their stages
+            kind_mem, emb_mem, head_mem = _memory_arrays(table, index, coster, gkey, saver_cache_key, saver_cache,
+                                                         savers)
+            need = 0
+            for k, c in coster.layer_counts():
+                need = need + c * kind_mem[k]
+            if coster.has_embedding:
+                need = need + emb_mem
+            if coster.has_head:
+                need = need + head_mem
+            over = (need > (cap * (1.0 + 1e-9) - coster._overhead) * index.pp) & keep  # a margin: other sums
+            too_big = int(np.count_nonzero(over))
+            keep &= ~over
         for i in np.flatnonzero(keep).tolist():
             grid = index.grids[i]
             if bound:
@@ -387,6 +405,8 @@ class MegatronParallelizer:
         if not points:
             if bounded:  # something fits, nothing beats the bound
                 return SliceResult(key, (), None, evaluated, bounded=bounded)
+            if too_big:  # nothing fits: judge every grid for the least memory the answer names
+                return self._search(q, grids, savers, memory_floor=False)
             best_mem = None  # the first of the least peak memories, in the order the grids were judged
             for grid, sigs, by_sid, allowed, depth in misfits:
                 rows = [by_sid[sid] for sid in sigs]
@@ -529,6 +549,33 @@ def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey
         hit = table.floor_arrays[gkey, floor_key] = (
             hits, kinds, np.array([h[1] for h in hits], dtype=np.float64),
             np.array([h[2] for h in hits], dtype=np.float64))
+    return hit
+
+
+def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, saver_key: tuple,
+                   saver_cache: dict, savers) -> tuple:
+    """SliceCoster.memory_floor_bytes of every grid of a grid list under its saver combinations, for slices alike in
+    their layer kinds: per layer kind, for the embedding and for the head, as arrays over the grids (0 for a grid
+    no combination is allowed on: the search skips it anyway)."""
+    key = (gkey, saver_key, tuple(coster.prefix))
+    hit = table.memory_floors.get(key)
+    if hit is None:
+        q = coster.q
+        by_pair: dict[tuple, tuple] = {}
+        rows = []
+        for g, f, skey in zip(index.grids, index.fkey_list, index.saver_keys):
+            fkey = index.fkeys[f]
+            row = by_pair.get((fkey, skey))
+            if row is None:
+                allowed = saver_cache.get(skey)
+                if allowed is None:
+                    allowed = saver_cache[skey] = tuple(savers(q, g))
+                row = by_pair[fkey, skey] = (coster.memory_floor_bytes(*fkey, allowed) if allowed
+                                             else ({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
+            rows.append(row)
+        hit = table.memory_floors[key] = (
+            {k: np.array([r[0][k] for r in rows], dtype=np.float64) for k in coster.prefix},
+            np.array([r[1] for r in rows], dtype=np.float64), np.array([r[2] for r in rows], dtype=np.float64))
     return hit
 
 
