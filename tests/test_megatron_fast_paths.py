@@ -180,11 +180,12 @@ def _memory_need_floor(coster: SliceCoster, grid, allowed) -> float:
 @given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 2),
        start=st.integers(0, 7), length=st.integers(1, 8), b=st.sampled_from([1, 2, 4, 8]),
        caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), moe=st.booleans())
-def test_memory_floor_over_the_stages_is_under_the_heaviest_stages_least_need(gpu, per_node, nodes, start, length, b,
+def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, nodes, start, length, b,
                                                                               caps, moe):
-    """For every grid and split, the memory floor / pp is at most the heaviest stage's least static + activation
-    bytes for one micro-batch over the allowed savers (less the runtime overhead): a grid skipped by it fits no
-    combination (megatron._search)."""
+    """For every grid and split, the memory floor / pp, and for a one-kind slice the least need of a stage holding
+    ceil(layers / pp) layers, are at most the heaviest stage's least static + activation bytes for one micro-batch
+    over the allowed savers (less the runtime overhead): a grid skipped by either fits no combination
+    (megatron._search)."""
     from tangram_launch.costmodel.grid import StageTable
 
     model = WIDE_MOE if moe else WIDE
@@ -211,6 +212,12 @@ def test_memory_floor_over_the_stages_is_under_the_heaviest_stages_least_need(gp
         rows = table.stage_rows(coster, dims, table.signatures(coster, *dims, sizes=sizes), allowed, sizes)
         heaviest = max(min(static + act for _t, static, act, _tail in row) for row in rows)
         assert floor <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, floor, heaviest)
+        if len(coster.layer_counts()) == 1:  # one kind: the stage with the most layers, under its best combination
+            ((kind, n),) = coster.layer_counts()
+            most = -(-n // grid.pp)
+            least = min(a * most + b for a, b in coster.stage_need_terms(grid.tp, grid.cp, grid.ep, grid.dp, allowed,
+                                                                         kind))
+            assert least <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, least, heaviest)
 
 
 @settings(max_examples=30, deadline=None)

@@ -390,9 +390,11 @@ class SliceCoster:
         gb = tr.grad_bytes + pb if self.keeps_param_dtype_grads else tr.grad_bytes
         shard, eshard = dp * cp, dp * cp // ep
 
+        states = {(z, off) for z, _r, off in savers}
+
         def per_param(n: int) -> float:  # the least model-state bytes per parameter over the savers
             return min(model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
-                                         optimizer_bytes=ob).total for z, _r, off in savers)
+                                         optimizer_bytes=ob).total for z, off in states)
 
         dense_b, expert_b = per_param(shard), per_param(eshard)
         recomputes = {r for _zero, r, _off in savers}
@@ -402,6 +404,29 @@ class SliceCoster:
             per_kind[k] = (t.dense_params * dense_b + t.expert_params * expert_b
                            + min(t.act_bytes[r] for r in recomputes) * self._frag)
         return (per_kind, self.model.embedding_params() / tp * dense_b, self.model.head_params() / tp * dense_b)
+
+    def stage_need_terms(self, tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
+                         kind: str) -> list[tuple[float, float]]:
+        """Per saver combination (a, b): a stage of n layers of ``kind`` on this grid needs at least a x n + b
+        bytes for one micro-batch in flight (model states and activations by the layer, and ZeRO-3's gathered
+        layer; the embedding, head, recompute working set and runtime overhead left out, which only add). The
+        stage with the most layers of a one-kind slice holds at least ceil(layers / pp) of them."""
+        mbs = self.q.microbatch_sequences // dp
+        tr = self.training
+        pb, ob = tr.param_bytes, tr.optimizer_state_bytes
+        gb = tr.grad_bytes + pb if self.keeps_param_dtype_grads else tr.grad_bytes
+        t = self.layer_terms(kind, tp, cp, ep, dp, mbs)
+        shard, eshard = dp * cp, dp * cp // ep
+        out = []
+        for z, r, off in savers:
+            state = model_state_bytes(t.dense_params, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
+                                      grad_bytes=gb, optimizer_bytes=ob).total
+            if t.expert_params:
+                state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=z, offload=off, param_bytes=pb,
+                                           grad_bytes=gb, optimizer_bytes=ob).total
+            working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 else 0.0
+            out.append((state + t.act_bytes[r] * self._frag, working * self._frag))
+        return out
 
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:

@@ -45,6 +45,14 @@ class GridIndex:
         self.fkeys = list(ids)  # (tp, cp, ep, dp): what a grid's compute floor depends on
         # what the parallelizer's saver combinations depend on of a grid (megatron.savers)
         self.saver_keys = [(g.tp > 1, g.cp > 1, g.ep > 1, g.dp * g.cp == 1, g.pp > 1) for g in self.grids]
+        # the distinct (fkeys' index, saver key) pairs, what a grid's memory floor depends on, each with its first
+        # grid; and each grid's pair
+        firsts: dict[tuple, int] = {}
+        for i, pair in enumerate(zip(self.fkey_list, self.saver_keys)):
+            firsts.setdefault(pair, i)
+        number = {pair: n for n, pair in enumerate(firsts)}
+        self.pairs = [(f, skey, self.grids[i]) for (f, skey), i in firsts.items()]
+        self.pair_ids = np.array([number[pair] for pair in zip(self.fkey_list, self.saver_keys)], dtype=np.intp)
 
 
 class StageTable:

@@ -339,16 +339,22 @@ class MegatronParallelizer:
             bounded += int(np.count_nonzero(beyond))
             keep &= ~beyond
         if memory_floor:  # the grids none of whose combinations fits, on average over their stages
-            kind_mem, emb_mem, head_mem = _memory_arrays(table, index, coster, gkey, saver_cache_key, saver_cache,
-                                                         savers)
+            kind_mem, emb_mem, head_mem, stage_terms = _memory_arrays(table, index, coster, gkey, saver_cache_key,
+                                                                      saver_cache, savers)
             need = 0
-            for k, c in coster.layer_counts():
+            counts = coster.layer_counts()
+            for k, c in counts:
                 need = need + c * kind_mem[k]
             if coster.has_embedding:
                 need = need + emb_mem
             if coster.has_head:
                 need = need + head_mem
-            over = (need > (cap * (1.0 + 1e-9) - coster._overhead) * index.pp) & keep  # a margin: other sums
+            room = cap * (1.0 + 1e-9) - coster._overhead  # a margin: the floors are summed in other orders
+            over = need > room * index.pp
+            if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
+                most = np.ceil(counts[0][1] / index.pp)
+                over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
+            over &= keep
             too_big = int(np.count_nonzero(over))
             keep &= ~over
         for i in np.flatnonzero(keep).tolist():
@@ -561,21 +567,31 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
     hit = table.memory_floors.get(key)
     if hit is None:
         q = coster.q
-        by_pair: dict[tuple, tuple] = {}
-        rows = []
-        for g, f, skey in zip(index.grids, index.fkey_list, index.saver_keys):
-            fkey = index.fkeys[f]
-            row = by_pair.get((fkey, skey))
-            if row is None:
-                allowed = saver_cache.get(skey)
-                if allowed is None:
-                    allowed = saver_cache[skey] = tuple(savers(q, g))
-                row = by_pair[fkey, skey] = (coster.memory_floor_bytes(*fkey, allowed) if allowed
-                                             else ({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
-            rows.append(row)
+        rows = []  # per GridIndex.pairs
+        terms = []  # per pair, a one-kind slice's SliceCoster.stage_need_terms
+        (one,) = coster.prefix if len(coster.prefix) == 1 else (None,)
+        for f, skey, g in index.pairs:
+            allowed = saver_cache.get(skey)
+            if allowed is None:
+                allowed = saver_cache[skey] = tuple(savers(q, g))
+            rows.append(coster.memory_floor_bytes(*index.fkeys[f], allowed) if allowed
+                        else ({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
+            if one is not None:
+                terms.append(coster.stage_need_terms(*index.fkeys[f], allowed, one) if allowed else [(0.0, 0.0)])
+        ids = index.pair_ids
+        stage = None
+        if one is not None:  # (a, b) as (grids x most combinations) arrays, padded with combinations that never fit
+            width = max(map(len, terms))
+            a = np.full((len(terms), width), np.inf)
+            b = np.zeros((len(terms), width))
+            for i, row in enumerate(terms):
+                a[i, :len(row)] = [x for x, _ in row]
+                b[i, :len(row)] = [y for _, y in row]
+            stage = (a[ids], b[ids])
         hit = table.memory_floors[key] = (
-            {k: np.array([r[0][k] for r in rows], dtype=np.float64) for k in coster.prefix},
-            np.array([r[1] for r in rows], dtype=np.float64), np.array([r[2] for r in rows], dtype=np.float64))
+            {k: np.array([r[0][k] for r in rows], dtype=np.float64)[ids] for k in coster.prefix},
+            np.array([r[1] for r in rows], dtype=np.float64)[ids], np.array([r[2] for r in rows], dtype=np.float64)[ids],
+            stage)
     return hit
 
 
