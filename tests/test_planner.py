@@ -533,8 +533,9 @@ def test_c3_iii_under_torch_is_no_slower_than_the_one_grid_plan(band):
 @pytest.mark.parametrize("runtime,cluster_name", [("torch", "c3-full-het-iii"), ("torch", "c3-4-islands-20gpu")])
 def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_name, monkeypatch):
     """A size is composed after each round of answers; SizeMemo lets a class whose promising options were all
-    composed before, under bounds no looser, go without composing again. On GPT-3 13B the plan is byte for byte
-    the one the search finds composing every class in every round, with fewer classes composed."""
+    composed before, under bounds no looser, go without composing again, and a round that brought the size no new
+    option go without ranking its classes. On GPT-3 13B the plan is byte for byte the one the search finds
+    composing every class in every round, with fewer classes composed and fewer rounds ranked."""
     import json
 
     import tangram_launch.planner.api as api
@@ -545,24 +546,30 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
     model, training = load_model("gpt3-13b"), TrainingSpec(global_batch=128, seq_len=2048, dtype="fp16")
     runs = []
     for memo in (True, False):
-        calls = [0]
-        inner = api._compose_group
+        calls = [0, 0]
+        inner, members = api._compose_group, api.class_members
 
         def counting(*a, **k):
             calls[0] += 1
             return inner(*a, **k)
 
+        def ranking(*a, **k):  # once per round that ranks its classes
+            calls[1] += 1
+            return members(*a, **k)
+
         with monkeypatch.context() as mp:
             mp.setattr(api, "_compose_group", counting)
+            mp.setattr(api, "class_members", ranking)
             if not memo:
                 mp.setattr(api, "SizeMemo", lambda: None)
             r = search(cluster, model, training, runtime=runtime, islands=build_islands(cluster, dtype="fp16"),
                        options=SERIAL)
         plan = r.plan.to_dict()
         plan["planner"] = {}  # (its statistics differ: fewer DP runs)
-        runs.append((json.dumps(plan, sort_keys=True), calls[0]))
+        runs.append((json.dumps(plan, sort_keys=True), *calls))
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] < runs[1][1]
+    assert runs[0][2] < runs[1][2]
 
 
 @pytest.mark.slow  # three real searches

@@ -588,10 +588,10 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
                 a[i, :len(row)] = [x for x, _ in row]
                 b[i, :len(row)] = [y for _, y in row]
             stage = (a[ids], b[ids])
+        emb = np.array([r[1] for r in rows], dtype=np.float64)[ids]
+        head = np.array([r[2] for r in rows], dtype=np.float64)[ids]
         hit = table.memory_floors[key] = (
-            {k: np.array([r[0][k] for r in rows], dtype=np.float64)[ids] for k in coster.prefix},
-            np.array([r[1] for r in rows], dtype=np.float64)[ids], np.array([r[2] for r in rows], dtype=np.float64)[ids],
-            stage)
+            {k: np.array([r[0][k] for r in rows], dtype=np.float64)[ids] for k in coster.prefix}, emb, head, stage)
     return hit
 
 

@@ -369,6 +369,9 @@ class SizeMemo:
 
     judged: dict = field(default_factory=dict)  # b -> make_candidates' memo: answers judged, pairs' options
     composed: dict = field(default_factory=dict)  # (b, class) -> (options, closed form, score bounds)
+    # b -> (options, closed form and score bounds, classes) when a round at b ended: a round with the same options
+    # under bounds no looser has nothing to find (every class was composed, or skipped, under bounds at least those)
+    rounds: dict = field(default_factory=dict)
 
 
 class SizeFloor(NamedTuple):
@@ -492,7 +495,9 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     ``memo`` (SizeMemo) carries what earlier rounds at b did: answers judged once, and per class the options and
     bounds it was last composed with. Under bounds no looser, a class is composed again only if one of its options
     that could be in a plan beating them is new (_compose_group's ``searched``): that earlier composition's plan
-    already counts in the best plan (on GPT-3 13B over four islands under torch this skipped 0.7 of 6.6 CPU-s)."""
+    already counts in the best plan (on GPT-3 13B over four islands under torch this skipped 0.7 of 6.6 CPU-s). A
+    round that left b's options as they were, under bounds no looser than at the end of its last round, ranks no
+    class at all (SizeMemo.rounds: on C3 (iii) under torch a round whose pairs were all skipped took 0.1 s)."""
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b
@@ -504,6 +509,12 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     if best is not None and best[1] == b and best[4] is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     own_s = math.inf
+    last = memo.rounds.get(b) if memo is not None and use_incumbent else None
+    if best is not None and last is not None and last[0] == cand.options and last[3] == cand.groups:
+        threshold = cstats.threshold_s(best[0], opts.score_band)
+        if threshold <= last[1] and best[0] <= last[2]:
+            counters["compose_s"] += time.perf_counter() - t_c
+            return best, own_s
     classes = class_members(cand.groups)
     interleave_only: set = set()
     if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
@@ -550,6 +561,8 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
                 best = (comp.objective_s, b, group, comp, cand)  # ranked by the iteration the Plan reports
+    if memo is not None and use_incumbent and best is not None:
+        memo.rounds[b] = (cand.options, cstats.threshold_s(best[0], opts.score_band), best[0], cand.groups)
     counters["compose_s"] += time.perf_counter() - t_c
     return best, own_s
 
