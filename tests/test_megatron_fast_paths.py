@@ -46,7 +46,7 @@ def plain_compute_floors(par: MegatronParallelizer, q: SliceQuery) -> dict:
             continue
         seen.add(key)
         n = grid.tp * grid.cp * grid.dp
-        per_kind, emb_s, head_s = coster.time_floors(*key)
+        per_kind, emb_s, head_s = coster.time_floors(*key, with_comm=True)
         for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
             gs, ts = out.get(k, (math.inf, math.inf))
             out[k] = (min(gs, t * n), min(ts, t))

@@ -96,7 +96,7 @@ def test_compute_floors_are_below_every_stage_time(gpu, per_node, nodes, start, 
         return
     par = MegatronParallelizer()
     sums = coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
-    for with_comm in (False, True):  # compute only (the size floors), and with TP/CP/EP (the parallelizer's)
+    for with_comm in (False, True):  # compute only, and with TP/CP/EP (the size, pair and grid floors)
         per_kind, emb_s, head_s = coster.time_floors(cfg.tp, cfg.cp, cfg.ep, cfg.dp, with_comm=with_comm)
         for zero, r, off in par.savers(q, cfg):
             for s in sums:

@@ -261,9 +261,11 @@ class MegatronParallelizer:
 
     def compute_floors(self, q: SliceQuery) -> dict[str, tuple[float, float]]:
         """Per layer kind, and for "embedding" / "head": the least (GPU-seconds, seconds) of forward + backward
-        compute per micro-batch over every grid this parallelizer offers for q's island and micro-batch size (no
-        recompute, no communication: floors that every slice plan's stage times are at least). The planner turns
-        them into a floor under any plan's latency at one micro-batch size (api._size_floor)."""
+        compute per micro-batch, with the TP / CP / EP communication every stage pays whatever its memory savers
+        (SliceCoster.time_floors with_comm), over every grid this parallelizer offers for q's island and
+        micro-batch size (no recompute, no p2p: floors that every slice plan's stage times are at least). The
+        planner turns them into floors under any plan at one micro-batch size (api._size_floor) and under any
+        pipeline holding a pair (pair_floors.py)."""
         table = self._table(q)
         coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
         if coster.device_error:
@@ -279,7 +281,7 @@ class MegatronParallelizer:
             if f not in fits:
                 continue
             n = key[0] * key[1] * key[3]
-            per_kind, emb_s, head_s = coster.time_floors(*key)
+            per_kind, emb_s, head_s = coster.time_floors(*key, with_comm=True)
             for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
                 gs, ts = out.get(k, (math.inf, math.inf))
                 out[k] = (min(gs, t * n), min(ts, t))

@@ -4,7 +4,7 @@ so the planner skips a query whose pair can be part of no pipeline beating the p
 Each island holds one contiguous slice of a pipeline (compose.py), so a pipeline holding layers [a, b) on island k
 puts the other layers on the other islands. Per island, the parallelizer's ``compute_floors`` give per layer kind
 the least GPU-seconds and the least seconds of forward + backward per micro-batch over every grid it offers there
-(no recompute, no communication). Then, for any such pipeline,
+(no recompute or p2p; the TP / CP / EP communication every stage pays). Then, for any such pipeline,
 
     period >= max(GPU-seconds of [a, b) on k / GPUs of k,
                   least GPU-seconds of the other layers on the other islands / GPUs of the other islands)
