@@ -189,3 +189,26 @@ def test_skipping_classes_finds_what_composing_every_class_finds_on_generated_cl
     both = _skip_vs_every(times, counts, batch, static_gib)
     if both is not None:
         _assert_same_optimum(*both)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 4), st.booleans())
+def test_class_floors_merged_from_parts_equal_one_pass_over_the_options(seed, parts, mapped):
+    """The driver's class floors merge per-answer minima (group_minima, kept across rounds) through a map from
+    option groups to classes: the same floors, score and interleaved floors as one pass over the options."""
+    from tangram_launch.planner.classes import option_minima
+
+    options, _link, L, m = instance(seed)
+    rng = random.Random(seed + 1)
+    groups = [rng.choice("abc") for _ in options]
+    to_class = {"a": "x", "b": "x", "c": None} if mapped else {g: g for g in "abc"}
+    classes = [to_class[g] for g in groups]
+    cuts = sorted(rng.sample(range(len(options) + 1), min(parts - 1, len(options) + 1)))
+    minima = []
+    for lo, hi in zip([0, *cuts], [*cuts, len(options)]):
+        minima += option_minima(options[lo:hi], groups[lo:hi], L)
+    got_score, got_inter, want_score, want_inter = {}, {}, {}, {}
+    got = class_floors_s(options, classes, L, m, score_floors=got_score, interleaved_floors=(got_inter, 4),
+                         minima=minima, class_of=to_class.__getitem__)
+    want = class_floors_s(options, classes, L, m, score_floors=want_score, interleaved_floors=(want_inter, 4))
+    assert got == want and got_score == want_score and got_inter == want_inter

@@ -35,7 +35,7 @@ from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, SliceResult
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
-from tangram_launch.planner.classes import class_floors_s
+from tangram_launch.planner.classes import class_floors_s, group_minima
 from tangram_launch.planner.collector import fewer_collections
 from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states,
                                             plain_1f1b_floor_s)
@@ -372,6 +372,7 @@ class SizeMemo:
     # b -> (options, closed form and score bounds, classes) when a round at b ended: a round with the same options
     # under bounds no looser has nothing to find (every class was composed, or skipped, under bounds at least those)
     rounds: dict = field(default_factory=dict)
+    minima: dict = field(default_factory=dict)  # b -> id(an answer's templates) -> (them, classes.group_minima)
 
 
 class SizeFloor(NamedTuple):
@@ -517,19 +518,29 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
             return best, own_s
     classes = class_members(cand.groups)
     interleave_only: set = set()
+    # each answer's group_minima, once per answer (its pairs share its templates) and kept across rounds at b
+    # while the answer is the same (make_candidates' memo): the class floors read those, not every option
+    kept = memo.minima.setdefault(b, {}) if memo is not None else {}
+    minima = []
+    for island, n, temps in cand.parts:
+        hit = kept.get(id(temps))
+        if hit is None or hit[0] is not temps:
+            hit = kept[id(temps)] = (temps, group_minima([t[0] for t in temps], [t[2] for t in temps]))
+        minima.append((hit[1], island, n))
     if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
         score_floors: dict = {}
-        floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors)
+        floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors, minima=minima)
     else:  # one-grid classes inside a free one (templates.GridClass): an option counts in two, so two passes
         floors, score_floors = {}, {}
-        distinct = set(cand.groups)
+        distinct = dict.fromkeys(cand.groups)  # (in their first options' order)
         free = {g: GridClass(g.base, None) if g.in_base else None for g in distinct}
         one = {g: g.key if g.grid is not None else None for g in distinct}
-        for part in ([free[g] for g in cand.groups], [one[g] for g in cand.groups]):  # free, one-grid classes
+        for to_class in (free, one):  # free, one-grid classes
             plain: dict = {}
             inter: dict = {}
-            floors.update(class_floors_s(cand.options, part, L, m, score_floors=plain,
-                                         interleaved_floors=(inter, MAX_VIRTUAL_STAGES)))
+            floors.update(class_floors_s(cand.options, list(dict.fromkeys(to_class[g] for g in distinct)), L, m,
+                                         score_floors=plain, interleaved_floors=(inter, MAX_VIRTUAL_STAGES),
+                                         minima=minima, class_of=to_class.__getitem__))
             for group in plain:
                 # its score floor: interleaved only where only interleaved schedules can win it
                 only = _score_schedules(group, caps, opts) == ("interleaved",)

@@ -52,6 +52,10 @@ class Candidates:
     infeasible: dict[str, list[str]] = field(default_factory=dict)  # island -> parallelizer's reasons
     dropped: dict[str, int] = field(default_factory=dict)  # why slice plans were not offered: reason -> count
     bounded: dict[str, int] = field(default_factory=dict)  # island -> configurations that could not beat the bound
+    # per pair with options, in their order: (island, layers, the templates of its answer, whose Option fields
+    # after (start, stop, island) and classes its options take in their order: the list make_candidates' memo
+    # keeps, the same object for every pair of the answer, in every round at b until the answer changes)
+    parts: list[tuple[int, int, list]] = field(default_factory=list)
 
     def slice_plan(self, option_index: int) -> SlicePlan:
         """The slice plan behind an option, shifted to the option's layers."""
@@ -162,6 +166,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         cand.options.extend(hit[1])
         cand.sources.extend(hit[2])
         cand.groups.extend(hit[3])
+        cand.parts.append((pair.island, pair.layers[1] - pair.layers[0], temps))
     return cand
 
 

@@ -18,42 +18,82 @@ never exceeds its closed-form optimum (tests/test_planner_classes.py checks it a
 from __future__ import annotations
 
 import math
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 from tangram_launch.planner.compose import Option
 
 _ROUNDING = 1e-9  # the floor is summed in another order than compose.evaluate's latency: keep it strictly under
 
 
+def group_minima(fields: Iterable[tuple], groups: Iterable[Hashable]) -> dict[Hashable, list[float]]:
+    """Per class, the least bottleneck, time and tail of options of one island and length, given as their Option
+    fields after (start, stop, island); those that fit nowhere or whose class is None are left out. The same for
+    every pair whose options come from one answer's templates: a driver computes it once per answer."""
+    out: dict[Hashable, list[float]] = {}
+    for (_stages, max_after, time_s, bottleneck_s, tail_s), g in zip(fields, groups):
+        if max_after < 0 or g is None:
+            continue
+        cur = out.get(g)
+        if cur is None:
+            out[g] = [bottleneck_s, time_s, tail_s]
+        else:
+            if bottleneck_s < cur[0]:
+                cur[0] = bottleneck_s
+            if time_s < cur[1]:
+                cur[1] = time_s
+            if tail_s < cur[2]:
+                cur[2] = tail_s
+    return out
+
+
+def option_minima(options: Sequence[Option], groups: Sequence[Hashable],
+                  num_layers: int) -> list[tuple[dict, int, int]]:
+    """What class_floors_s reads of some options: per (island, length), group_minima of the options there (those
+    outside [0, L) left out), as (minima, island, length). Minima of parts are the minima of their union."""
+    by_place: dict[tuple[int, int], tuple[list, list]] = {}
+    for o, g in zip(options, groups):
+        if 0 <= o.start < o.stop <= num_layers:
+            fields, gs = by_place.setdefault((o.island, o.stop - o.start), ([], []))
+            fields.append(o[3:])
+            gs.append(g)
+    return [(group_minima(fields, gs), island, n) for (island, n), (fields, gs) in by_place.items()]
+
+
 def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_layers: int,
                    num_microbatches: int, score_floors: dict | None = None,
-                   interleaved_floors: tuple[dict, int] | None = None) -> dict[Hashable, float]:
+                   interleaved_floors: tuple[dict, int] | None = None, *,
+                   minima: Iterable[tuple[dict, dict]] | None = None,
+                   class_of: Callable[[Hashable], Hashable] | None = None) -> dict[Hashable, float]:
     """Per compatibility class (``groups[i]`` is option i's), a floor under the closed-form latency of any
     composition of its options (inf: none covers [0, L) with distinct islands). One pass over the options.
     ``score_floors``, if given, receives per class m x P* + least tail: under any predicted iteration (the slowest
     stage runs m micro-batches, plain or interleaved, then the tail), which a schedule's score can reach where the
     closed form does not. ``interleaved_floors`` = (dict, V) receives per class a floor under the interleaved
     iteration with 2..V virtual stages, m x P + (F - P) / v + T >= (m - 1/V) x P* + F* / V + least tail
-    (costmodel.pipeline.pipeline_latency_s). An option whose class is None counts in none."""
+    (costmodel.pipeline.pipeline_latency_s). An option whose class is None counts in none.
+
+    ``minima``: the options as option_minima's (minima, island, length) parts (a driver's, per pair), their minima
+    keyed by groups that ``class_of`` maps to the classes (None: in none); the options are then not read."""
     L = num_layers
-    # (class, island, length) -> [least bottleneck, least time]; class -> least tail (a flat dict: this loop
-    # meets every option of a size, hundreds of thousands on the largest clusters)
-    least: dict[tuple, list[float]] = {}
+    if minima is None:
+        minima = option_minima(options, groups, L)
+    least: dict[tuple, list[float]] = {}  # (class, island, length) -> [least bottleneck, least time]
     tails: dict[Hashable, float] = {}
-    for (start, stop, island, _stages, max_after, time_s, bottleneck_s, tail_s), g in zip(options, groups):
-        if max_after < 0 or not 0 <= start < stop <= L or g is None:
-            continue
-        if tail_s < tails.get(g, math.inf):
-            tails[g] = tail_s
-        key = (g, island, stop - start)
-        cur = least.get(key)
-        if cur is None:
-            least[key] = [bottleneck_s, time_s]
-        else:
-            if bottleneck_s < cur[0]:
-                cur[0] = bottleneck_s
-            if time_s < cur[1]:
-                cur[1] = time_s
+    for per_group, island, n in minima:
+        for g, (bottleneck_s, time_s, tail_s) in per_group.items():
+            c = g if class_of is None else class_of(g)
+            if c is None:
+                continue
+            if tail_s < tails.get(c, math.inf):
+                tails[c] = tail_s
+            cur = least.get((c, island, n))
+            if cur is None:
+                least[c, island, n] = [bottleneck_s, time_s]
+            else:
+                if bottleneck_s < cur[0]:
+                    cur[0] = bottleneck_s
+                if time_s < cur[1]:
+                    cur[1] = time_s
     per_class: dict[Hashable, dict[int, list[tuple[int, list[float]]]]] = {}
     for (g, island, n), v in least.items():
         per_class.setdefault(g, {}).setdefault(island, []).append((n, v))
