@@ -151,7 +151,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
                            t.group) for t in kept]
         if judged is not None:
             judged[key] = (res, templates[key], dropped)
-    make = Option._make
+    new = tuple.__new__  # Option._make without its Python frame and length check: the fields are Option's 8
     built = judged if judged is not None else {}  # pair -> (its templates, its options, sources, classes)
     for pair in pairs:
         temps = templates.get(pair.key)
@@ -160,7 +160,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         hit = built.get(pair)
         if hit is None or hit[0] is not temps:
             where = (pair.layers[0], pair.layers[1], pair.island)
-            hit = built[pair] = (temps, [make(where + fields) for fields, _plan, _group in temps],
+            hit = built[pair] = (temps, [new(Option, where + fields) for fields, _plan, _group in temps],
                                  [(pair, plan) for _fields, plan, _group in temps],
                                  [group for _fields, _plan, group in temps])
         cand.options.extend(hit[1])
