@@ -417,13 +417,17 @@ class SliceCoster:
         gb = tr.grad_bytes + pb if self.keeps_param_dtype_grads else tr.grad_bytes
         t = self.layer_terms(kind, tp, cp, ep, dp, mbs)
         shard, eshard = dp * cp, dp * cp // ep
+        states: dict[tuple[int, bool], float] = {}  # (zero, offload) -> a layer's model-state bytes
         out = []
         for z, r, off in savers:
-            state = model_state_bytes(t.dense_params, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
-                                      grad_bytes=gb, optimizer_bytes=ob).total
-            if t.expert_params:
-                state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=z, offload=off, param_bytes=pb,
-                                           grad_bytes=gb, optimizer_bytes=ob).total
+            state = states.get((z, off))
+            if state is None:
+                state = model_state_bytes(t.dense_params, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
+                                          grad_bytes=gb, optimizer_bytes=ob).total
+                if t.expert_params:
+                    state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=z, offload=off,
+                                               param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob).total
+                states[z, off] = state
             working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 else 0.0
             out.append((state + t.act_bytes[r] * self._frag, working * self._frag))
         return out
