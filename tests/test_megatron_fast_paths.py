@@ -185,8 +185,10 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
     """For every grid and split, the memory floor / pp, and for a one-kind slice the least need of a stage holding
     ceil(layers / pp) layers, are at most the heaviest stage's least static + activation bytes for one micro-batch
     over the allowed savers (less the runtime overhead): a grid skipped by either fits no combination
-    (megatron._search)."""
-    from tangram_launch.costmodel.grid import StageTable
+    (megatron._search). And where the split's first or largest stage, with its micro-batches in flight and its
+    edges, fits under no saver by SliceCoster.stage_need_parts, judge_columns finds no fitting combination."""
+    from tangram_launch.costmodel.grid import StageTable, judge_columns
+    from tangram_launch.parallelizers.megatron import _stage_misfit
 
     model = WIDE_MOE if moe else WIDE
     if model.is_moe and not caps.expert_parallel:
@@ -200,6 +202,7 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
         return
     table = StageTable()
     table.attach(coster)
+    misfits = 0
     for grid in par.grids(q, coster):
         if coster.check(grid):
             continue
@@ -218,6 +221,15 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
             least = min(a * most + b for a, b in coster.stage_need_terms(grid.tp, grid.cp, grid.ep, grid.dp, allowed,
                                                                          kind))
             assert least <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, least, heaviest)
+            # the split's first and largest stages with their micro-batches in flight and edges: a grid _stage_misfit
+            # skips is one judge_columns finds no fitting combination for
+            m, cap = q.num_microbatches, coster.capacity_bytes
+            parts = coster.stage_need_parts(grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind)
+            edges = (model.embedding_params() if q.has_embedding else 0, model.head_params() if q.has_head else 0)
+            sigs = table.signatures(coster, *dims, sizes=sizes)
+            if _stage_misfit(parts, sizes, m, cap * (1.0 + 1e-9) - coster._overhead, edges, grid.tp):
+                misfits += 1
+                assert judge_columns(table.stage_columns(sigs, allowed, m, cap), sigs, m) is None, grid
 
 
 @settings(max_examples=30, deadline=None)

@@ -411,26 +411,44 @@ class SliceCoster:
         bytes for one micro-batch in flight (model states and activations by the layer, and ZeRO-3's gathered
         layer; the embedding, head, recompute working set and runtime overhead left out, which only add). The
         stage with the most layers of a one-kind slice holds at least ceil(layers / pp) of them."""
+        return [(state + act, working)
+                for state, act, working, _per_param in self.stage_need_parts(tp, cp, ep, dp, savers, kind)[0]]
+
+    def stage_need_parts(self, tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
+                         kind: str) -> tuple[list[tuple[float, float, float, float]], float, float]:
+        """Per saver combination, what stage_need_terms adds up: a layer's model-state bytes, its activation bytes
+        per micro-batch in flight, the working sets (ZeRO-3's gathered layer; full recompute's one layer rebuilt,
+        where the stage holds a layer), and the model-state bytes per dense parameter (for the embedding's or the
+        head's on a stage); then the embedding's and the head's activation bytes per micro-batch in flight. A stage
+        of n >= 1 layers with k micro-batches in flight and e dense edge parameters needs at least
+        n x (state + k x act) + e x per_param + working (+ k x the edges' activations it holds)."""
         mbs = self.q.microbatch_sequences // dp
         tr = self.training
         pb, ob = tr.param_bytes, tr.optimizer_state_bytes
         gb = tr.grad_bytes + pb if self.keeps_param_dtype_grads else tr.grad_bytes
         t = self.layer_terms(kind, tp, cp, ep, dp, mbs)
         shard, eshard = dp * cp, dp * cp // ep
-        states: dict[tuple[int, bool], float] = {}  # (zero, offload) -> a layer's model-state bytes
+        states: dict[tuple[int, bool], tuple[float, float]] = {}  # (zero, offload) -> (layer's, per parameter)
         out = []
         for z, r, off in savers:
-            state = states.get((z, off))
-            if state is None:
+            hit = states.get((z, off))
+            if hit is None:
+                per_param = model_state_bytes(1.0, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
+                                              grad_bytes=gb, optimizer_bytes=ob).total
                 state = model_state_bytes(t.dense_params, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
                                           grad_bytes=gb, optimizer_bytes=ob).total
                 if t.expert_params:
                     state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=z, offload=off,
                                                param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob).total
-                states[z, off] = state
+                hit = states[z, off] = (state, per_param)
             working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 else 0.0
-            out.append((state + t.act_bytes[r] * self._frag, working * self._frag))
-        return out
+            if RECOMPUTE_MODES[r] == "full":  # _rec_part's working set: one layer's activations, rebuilt
+                working += t.act_bytes[0]
+            elif RECOMPUTE_MODES[r] == "selective" and self.selective_policy == "op-sac":
+                working += t.act_bytes[0] - t.act_bytes[1]
+            out.append((hit[0], t.act_bytes[r] * self._frag, working * self._frag, hit[1]))
+        e = self._edges(tp, cp, dp, mbs)
+        return out, e["emb_act"] * self._frag, e["head_act"] * self._frag
 
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:

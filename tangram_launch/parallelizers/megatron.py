@@ -340,6 +340,7 @@ class MegatronParallelizer:
             beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
             bounded += int(np.count_nonzero(beyond))
             keep &= ~beyond
+        stage_parts = None  # (GridIndex.fkeys' index, saver key) -> SliceCoster.stage_need_parts, one-kind slices
         if memory_floor:  # the grids none of whose combinations fits, on average over their stages
             kind_mem, emb_mem, head_mem, stage_terms = _memory_arrays(table, index, coster, gkey, saver_cache_key,
                                                                       saver_cache, savers)
@@ -356,6 +357,11 @@ class MegatronParallelizer:
             if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
                 most = np.ceil(counts[0][1] / index.pp)
                 over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
+                kind = counts[0][0]
+                stage_parts = table.memory_floors.setdefault(("parts", gkey, saver_cache_key, kind), {})
+                model = q.model  # the edges' dense parameters a first or last stage holds (before TP)
+                edges = (model.embedding_params() if coster.has_embedding else 0,
+                         model.head_params() if coster.has_head else 0)
             over &= keep
             too_big = int(np.count_nonzero(over))
             keep &= ~over
@@ -380,6 +386,14 @@ class MegatronParallelizer:
                 heaviest = _heaviest_floor(coster, sizes, floor)
                 if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
                     bounded += 1
+                    continue
+            if stage_parts is not None:  # one kind: the first stage (the most in flight) and the largest, as split
+                parts = stage_parts.get((index.fkey_list[i], skey))
+                if parts is None:
+                    parts = stage_parts[index.fkey_list[i], skey] = coster.stage_need_parts(
+                        grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind)
+                if _stage_misfit(parts, sizes, m, room, edges, grid.tp):
+                    too_big += 1
                     continue
             sigs = table.signatures(coster, *dims, sizes=sizes)
             by_sid = table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
@@ -595,6 +609,26 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
         hit = table.memory_floors[key] = (
             {k: np.array([r[0][k] for r in rows], dtype=np.float64)[ids] for k in coster.prefix}, emb, head, stage)
     return hit
+
+
+def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edges: tuple[int, int],
+                  tp: int) -> bool:
+    """Whether the split's first stage (its micro-batches in flight: min(stages, m), the embedding's parameters) or
+    its largest one fits under no saver combination even by SliceCoster.stage_need_parts' floors: then
+    judge_columns finds no combination that fits there (it judges a stage with at least that many in flight), and
+    the grid is not costed."""
+    rows, emb_act, head_act = parts
+    pp = len(sizes)
+    big = max(range(pp), key=sizes.__getitem__)
+    for j in (0, big) if big else (0,):
+        n, k = sizes[j], min(pp - j, m)
+        first, last = j == 0 and edges[0], j == pp - 1 and edges[1]
+        edge = ((edges[0] if first else 0) + (edges[1] if last else 0)) / tp
+        extra = k * ((emb_act if first else 0.0) + (head_act if last else 0.0))
+        if min(n * (state + k * act) + edge * per_param + working for state, act, working, per_param in rows) \
+                + extra > room:
+            return True
+    return False
 
 
 def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -> float:
