@@ -407,10 +407,10 @@ class SliceCoster:
 
     def stage_need_terms(self, tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
                          kind: str) -> list[tuple[float, float]]:
-        """Per saver combination (a, b): a stage of n layers of ``kind`` on this grid needs at least a x n + b
-        bytes for one micro-batch in flight (model states and activations by the layer, and ZeRO-3's gathered
-        layer; the embedding, head, recompute working set and runtime overhead left out, which only add). The
-        stage with the most layers of a one-kind slice holds at least ceil(layers / pp) of them."""
+        """Per saver combination (a, b): a stage of n >= 1 layers of ``kind`` on this grid needs at least a x n + b
+        bytes for one micro-batch in flight (model states and activations by the layer; the working sets of
+        ZeRO-3 and full recompute; the embedding, head and runtime overhead left out, which only add). The stage
+        with the most layers of a one-kind slice holds at least ceil(layers / pp) of them."""
         return [(state + act, working)
                 for state, act, working, _per_param in self.stage_need_parts(tp, cp, ep, dp, savers, kind)[0]]
 

@@ -293,8 +293,10 @@ class MegatronParallelizer:
 
     def _search(self, q: SliceQuery, grids, savers, *, memory_floor: bool = True) -> SliceResult:
         """The query's answer over ``grids`` x ``savers``. ``memory_floor``: skip, before costing its stages, a grid
-        whose stages cannot all fit under any saver on average (SliceCoster.memory_floor_bytes); off when nothing
-        else fits, to name the least memory needed (the answer's reason reads every grid's)."""
+        that fits no saver combination by a floor: its stages on average (SliceCoster.memory_floor_bytes), a
+        one-kind slice's stage of ceil(layers / pp) layers (stage_need_terms), or, once split, its first or
+        largest stage (_stage_misfit); off when nothing fits, to name the least memory needed (the answer's reason
+        reads every grid's)."""
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
         key = query_key(q, kinds)

@@ -52,9 +52,10 @@ class Candidates:
     infeasible: dict[str, list[str]] = field(default_factory=dict)  # island -> parallelizer's reasons
     dropped: dict[str, int] = field(default_factory=dict)  # why slice plans were not offered: reason -> count
     bounded: dict[str, int] = field(default_factory=dict)  # island -> configurations that could not beat the bound
-    # per pair with options, in their order: (island, layers, the templates of its answer, whose Option fields
-    # after (start, stop, island) and classes its options take in their order: the list make_candidates' memo
-    # keeps, the same object for every pair of the answer, in every round at b until the answer changes)
+    # per pair with options, in their order: (island, its length in layers, the templates of its answer, whose
+    # Option fields after (start, stop, island) and classes its options take in their order: the list
+    # make_candidates' memo keeps, the same object for every pair of the answer, in every round at b until the
+    # answer changes)
     parts: list[tuple[int, int, list]] = field(default_factory=list)
 
     def slice_plan(self, option_index: int) -> SlicePlan:

@@ -62,7 +62,7 @@ def option_minima(options: Sequence[Option], groups: Sequence[Hashable],
 def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_layers: int,
                    num_microbatches: int, score_floors: dict | None = None,
                    interleaved_floors: tuple[dict, int] | None = None, *,
-                   minima: Iterable[tuple[dict, dict]] | None = None,
+                   minima: Iterable[tuple[dict, int, int]] | None = None,
                    class_of: Callable[[Hashable], Hashable] | None = None) -> dict[Hashable, float]:
     """Per compatibility class (``groups[i]`` is option i's), a floor under the closed-form latency of any
     composition of its options (inf: none covers [0, L) with distinct islands). One pass over the options.
