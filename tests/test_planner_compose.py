@@ -586,3 +586,36 @@ def test_a_fine_score_floor_scores_fewer_and_chooses_the_same(seed):
         assert runs[1][1] <= runs[0][1]
         fewer += runs[1][1] < runs[0][1]
     assert fewer > 0
+
+
+@pytest.mark.unit
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10**6))
+def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_islands(seed):
+    """_PrefixBounds(mask)[j] is under the fill (times + 2 x each link crossed), the period (slowest bottleneck or
+    link) and the tail of every cover of [0, j) by distinct islands of the mask, links between its slices included,
+    and the least link into the next island (_front_link_s) is under the link that cover's last island crosses."""
+    from tangram_launch.planner.compose import _PrefixBounds, _front_link_s
+
+    rng = random.Random(seed)
+    options, link, L, m, K = random_instance(rng, max_layers=6)
+    prefix = _PrefixBounds(options, range(len(options)), L, link)
+
+    def walk(pos, used, fill, period, tail, last):
+        for mask in range(1 << K):
+            if used & ~mask:
+                continue
+            got = prefix(mask)
+            assert got.fill_s[pos] <= fill + 1e-9
+            assert got.period_s[pos] <= period + 1e-9
+            assert got.tail_s[pos] <= tail + 1e-9
+        for o in options:
+            if o.start != pos or used >> o.island & 1:
+                continue
+            lk = link[last][o.island] if last >= 0 else 0.0
+            if last >= 0:
+                assert _front_link_s(link, used, o.island, {}) <= lk
+            walk(o.stop, used | 1 << o.island, fill + o.time_s + 2.0 * lk, max(period, o.bottleneck_s, lk),
+                 max(tail, o.tail_s), o.island)
+
+    walk(0, 0, 0.0, 0.0, 0.0, -1)

@@ -76,8 +76,8 @@ def test_islands_whose_floor_cannot_beat_the_incumbent_are_left_out_of_the_order
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 10**6), st.sampled_from([1.0, 1.02, 1.2]))
-def test_options_left_out_as_unpromising_change_no_composition(seed, slack):
+@given(st.integers(0, 10**6), st.sampled_from([1.0, 1.02, 1.2]), st.booleans())
+def test_options_left_out_as_unpromising_change_no_composition(seed, slack, with_links):
     from tangram_launch.planner.compose import ComposeStats, compose
     from tangram_launch.planner.cover_floors import promising
     from tangram_launch.planner.reference import brute_force
@@ -87,7 +87,7 @@ def test_options_left_out_as_unpromising_change_no_composition(seed, slack):
     if best is None:
         return
     to_beat = best.latency_s * slack  # an incumbent from elsewhere, at or above the optimum
-    keep = promising(options, range(len(options)), L, m, to_beat, to_beat)
+    keep = promising(options, range(len(options)), L, m, to_beat, to_beat, link if with_links else None)
     kept = [options[i] for i in keep]
     full = compose(options, link, L, m, incumbent_s=to_beat, stats=ComposeStats())
     less = compose(kept, link, L, m, incumbent_s=to_beat, stats=ComposeStats())

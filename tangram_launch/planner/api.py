@@ -39,7 +39,7 @@ from tangram_launch.planner.classes import class_floors_s, group_minima
 from tangram_launch.planner.collector import fewer_collections
 from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states,
                                             plain_1f1b_floor_s)
-from tangram_launch.planner.cover_floors import island_floor_s, promising
+from tangram_launch.planner.cover_floors import island_floors_s, promising
 from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import QueryPool, default_workers
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
@@ -647,7 +647,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     no tighter, whose plans already count in the incumbents: None is returned unless a promising option is new."""
     # options no plan beating the incumbents can hold (cover_floors.promising): compose would prune them at every
     # use, but they cost it time in each of up to hundreds of island orders
-    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s)
+    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix)
     if searched is not None and {cand.options[i] for i in idx} <= set(searched):
         # every plan that could beat the bounds holds only options searched before: it was found then (a later
         # round's answers added only options no plan beating the best can hold)
@@ -757,7 +757,8 @@ def _hopeful_islands(sub: Sequence[Option], present: Sequence[int], required_mas
         return keep
     while True:
         idx = [i for i, o in enumerate(sub) if o.island in keep]
-        out = [k for k in keep if required_mask >> k & 1 or island_floor_s(sub, idx, k, L, m) < score_incumbent_s]
+        floors = island_floors_s(sub, idx, [k for k in keep if not required_mask >> k & 1], L, m)
+        out = [k for k in keep if required_mask >> k & 1 or floors[k] < score_incumbent_s]
         if len(out) == len(keep):
             return out
         keep = out

@@ -214,17 +214,31 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
     if mask is None:
         out = (idx, [], _covered_room(options, idx))
     else:
-        m1, period_lb, prefix = floor_terms
+        m1, period_lb, prefix, link_s = floor_terms
         pre_fill, pre_period, _ = prefix(mask)
+        lk = _front_link_s(link_s, mask, options[idx[0]].island, cache)
         # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
-        rows = sorted(((m1 * max(period_lb, pre_period[options[oi].start], options[oi].bottleneck_s) if m1 else 0.0)
-                       + pre_fill[options[oi].start] + options[oi].time_s, k) for k, oi in enumerate(idx))
+        rows = sorted(((m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, lk if o.start else 0.0) if m1
+                        else 0.0) + pre_fill[o.start] + (2.0 * lk if o.start else 0.0) + o.time_s, k)
+                      for k, oi in enumerate(idx) for o in (options[oi],))
         # an option's floor is no less than that of an earlier option of its layers with no more time and
         # bottleneck, so the covering options stay in front of it (ties keep idx's order): the rooms carry over
         rooms = _by_floor(options, idx, None, floor_terms, cache)[2]
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
     return out
+
+
+def _front_link_s(link_s: Sequence[Sequence[float]], mask: int, island: int, cache: dict) -> float:
+    """The least link into ``island`` from an island of ``mask``: an option that does not start at layer 0 has the
+    last island of its front's cover in front of it, so its pipeline's slowest stage is at least that link and its
+    fill at least twice that (inf: no island in the mask)."""
+    key = ("link", mask, island)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = min((link_s[x][island] for x in range(len(link_s)) if mask >> x & 1 and x != island),
+                               default=math.inf)
+    return hit
 
 
 def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
@@ -301,7 +315,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     by_score = score_beat < float("inf")
     keep = -1 if rank is None else required  # bits of "used" that the key remembers
     prune = beat < float("inf") or score_only
-    floor_terms = (m1, period_lb, prefix)
+    floor_terms = (m1, period_lb, prefix, link_s)
     slack = 1e-9 * abs(beat) if beat < _INF else 0.0  # the skips sum in another order than the check: keep, not skip
     shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
     if rank is not None:  # island k's option may have in front only islands ranked before k
@@ -343,6 +357,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 if prune:
                     mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
                     pre_fill, pre_period, pre_tail = prefix(mask)
+                    lk = _front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
                 if prune and not by_score:  # (the score's floor does not follow this order: no cut, no sort)
                     gidx, floors, covered = _by_floor(options, gidx, mask, floor_terms, cache)
                     gidx = gidx[:bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)]
@@ -361,8 +376,12 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                     ns = o.num_stages
                     per = o.bottleneck_s if o.bottleneck_s > link else link  # the period it adds
                     if prune:
-                        per_lb = max(period_lb, pre_period[o.start], per) if m1 else 0.0
-                        base = pre_fill[o.start] + add
+                        if o.start:
+                            per_lb = max(period_lb, pre_period[o.start], per, lk) if m1 else 0.0
+                            base = pre_fill[o.start] + add + 2.0 * lk
+                        else:
+                            per_lb = max(period_lb, pre_period[o.start], per) if m1 else 0.0
+                            base = pre_fill[o.start] + add
                         if base == _INF:
                             continue  # the islands free in front of it cannot cover [0, start)
                         tail_lb = tail if tail > pre_tail[o.start] else pre_tail[o.start]
@@ -506,11 +525,15 @@ class _PrefixBounds:
         G[S][0] = 0
 
     where (+) adds times and takes the larger bottleneck and tail: the last slice of the cover is some island's,
-    the rest covers [0, o.start) with the other islands. Each island's options are reduced to their pair_minima
-    once, so a set costs its islands' (start, stop) pairs."""
+    the rest covers [0, o.start) with the other islands. Where o.start > 0 a link from one of S - k into k lies
+    between them, so (+) also takes the larger of the period and the least such link, and adds twice that link to
+    the fill (as the DP does per boundary). Each island's options are reduced to their pair_minima once, so a set
+    costs its islands' (start, stop) pairs."""
 
-    def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int):
+    def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int,
+                 link_s: Sequence[Sequence[float]] | None = None):
         self._num_layers = num_layers
+        self._link_s = link_s
         by_island: dict[int, list[int]] = {}
         for oi in idx:
             by_island.setdefault(options[oi].island, []).append(oi)
@@ -533,12 +556,17 @@ class _PrefixBounds:
         for k, pairs in self._pairs.items():
             if not mask >> k & 1:
                 continue
-            sf, sp, st = self(mask & ~(1 << k))
+            rest = mask & ~(1 << k)
+            sf, sp, st = self(rest)
+            lk = 0.0 if self._link_s is None else min(
+                (self._link_s[x][k] for x in range(len(self._link_s)) if rest >> x & 1), default=0.0)
             for start, stop, time_s, bottleneck_s, tail_s in pairs:
-                v = sf[start] + time_s
+                v = sf[start] + time_s + (2.0 * lk if start else 0.0)
                 if v < fill[stop]:
                     fill[stop] = v
                 v = sp[start] if sp[start] > bottleneck_s else bottleneck_s
+                if start and lk > v:
+                    v = lk
                 if v < period[stop]:
                     period[stop] = v
                 v = st[start] if st[start] > tail_s else tail_s
@@ -612,7 +640,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         n_cap = min(saturated, 1 + max(finite, default=-1))
     else:
         n_cap = max(saturated, max_stages)
-    prefix = _PrefixBounds(options, idx, num_layers)
+    prefix = _PrefixBounds(options, idx, num_layers, link_s)
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands)

@@ -31,26 +31,50 @@ def island_floor_s(options: Sequence[Option], idx: Sequence[int], island: int, n
                    num_microbatches: int) -> float:
     """A floor under the iteration (m x slowest stage + tail) of every plan from ``options[idx]`` that uses
     ``island``, its layers in front and behind covered by the other islands; inf when no plan can use it."""
-    idx = usable(options, idx, num_layers)
-    minima = pair_minima(options, [oi for oi in idx if options[oi].island != island])
-    front = covers_of(minima, num_layers, back=False)
-    back = covers_of(minima, num_layers, back=True)
-    best = math.inf
-    for oi in idx:
-        o = options[oi]
-        if o.island != island:
-            continue
-        period = max(o.bottleneck_s, front.period_s[o.start], back.period_s[o.stop])
-        tail = max(o.tail_s, front.tail_s[o.start], back.tail_s[o.stop])
-        best = min(best, num_microbatches * period + tail)
-    return best
+    return island_floors_s(options, idx, [island], num_layers, num_microbatches)[island]
+
+
+def island_floors_s(options: Sequence[Option], idx: Sequence[int], islands: Sequence[int], num_layers: int,
+                    num_microbatches: int) -> dict[int, float]:
+    """island_floor_s of each of ``islands``, passing over the options once: each island's options are reduced to
+    their pair_minima, and the covers by the other islands read the merged minima (a few thousand pairs standing
+    for up to hundreds of thousands of options)."""
+    by_island: dict[int, list[int]] = {}
+    for oi in usable(options, idx, num_layers):
+        by_island.setdefault(options[oi][2], []).append(oi)
+    minima = {k: pair_minima(options, lst) for k, lst in by_island.items()}
+    out: dict[int, float] = {}
+    for island in islands:
+        others: dict[tuple[int, int], list[float]] = {}
+        for k, mk in minima.items():
+            if k == island:
+                continue
+            for pair, v in mk.items():
+                cur = others.get(pair)
+                others[pair] = list(v) if cur is None else [min(a, b) for a, b in zip(cur, v)]
+        front = covers_of(others, num_layers, back=False)
+        back = covers_of(others, num_layers, back=True)
+        fp, ft, bp, bt = front.period_s, front.tail_s, back.period_s, back.tail_s
+        best = math.inf
+        for oi in by_island.get(island, ()):
+            s, t, _, _, _, _, bn, tail_s = options[oi]
+            v = num_microbatches * max(bn, fp[s], bp[t]) + max(tail_s, ft[s], bt[t])
+            if v < best:
+                best = v
+        out[island] = best
+    return out
 
 
 def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, num_microbatches: int,
-              closed_to_beat_s: float, score_to_beat_s: float) -> list[int]:
+              closed_to_beat_s: float, score_to_beat_s: float,
+              link_s: Sequence[Sequence[float]] | None = None) -> list[int]:
     """The options of ``idx`` some plan holding which could still beat either bound: its closed form
     ``closed_to_beat_s`` or its iteration ``score_to_beat_s`` (compose keeps a plan while either can; what is
-    dropped here it would prune at every use). In ``idx``'s order."""
+    dropped here it would prune at every use). In ``idx``'s order.
+
+    ``link_s`` (compose's island links): an option not starting at layer 0 has another island's slice right in
+    front of it, one not ending at L another's right behind it; the least such links then also bound the slowest
+    stage, and each adds twice itself to the fill (compose counts a link per boundary that way)."""
     idx = usable(options, idx, num_layers)
     if closed_to_beat_s == math.inf or score_to_beat_s == math.inf:
         return idx
@@ -60,12 +84,26 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     back = covers_of(minima, num_layers, back=True)
     ff, fp, ft = front
     bf, bp, bt = back
+    into: dict[int, float] = {}  # island -> least link into it from another island with options (and out of it)
+    out_of: dict[int, float] = {}
+    if link_s is not None:
+        present = {options[oi].island for oi in idx}
+        for k in present:
+            into[k] = min((link_s[x][k] for x in present if x != k), default=math.inf)
+            out_of[k] = min((link_s[k][x] for x in present if x != k), default=math.inf)
     out = []
     for oi in idx:
-        s, t, _, _, _, time_s, bn, tail_s = options[oi]
+        s, t, island, _, _, time_s, bn, tail_s = options[oi]
         period = max(bn, fp[s], bp[t])
+        fill = ff[s] + time_s + bf[t]
+        if into:
+            if s:
+                lk = into[island]
+                period, fill = max(period, lk), fill + 2.0 * lk
+            if t < num_layers:
+                lk = out_of[island]
+                period, fill = max(period, lk), fill + 2.0 * lk
         tail = max(tail_s, ft[s], bt[t])
-        if m1 * period + ff[s] + time_s + bf[t] + tail < closed_to_beat_s or \
-                num_microbatches * period + tail < score_to_beat_s:
+        if m1 * period + fill + tail < closed_to_beat_s or num_microbatches * period + tail < score_to_beat_s:
             out.append(oi)
     return out
