@@ -607,8 +607,8 @@ def test_the_fine_score_floor_lies_under_every_score(runtime, cluster_name, monk
 
 
 def test_above_exact_islands_a_size_is_asked_whole_not_in_two_rounds(monkeypatch):
-    """Up to exact_islands the first size's pairs are asked and composed in two rounds (the most promising quarter
-    first); above, where each composition is a search over island sets or orders, in one (composing the first
+    """Up to exact_islands the first size's pairs are asked and composed in three rounds (a seed pipeline's pairs
+    per island order, the rest of the most promising quarter, then the others); above, where each composition is a search over island sets or orders, in one (composing the first
     round would be done again whole). The plan is the same either way (six islands over one spine; the real
     parallelizer, whose compute floors rank the pairs)."""
     import tangram_launch.planner.api as api
@@ -630,6 +630,6 @@ def test_above_exact_islands_a_size_is_asked_whole_not_in_two_rounds(monkeypatch
         monkeypatch.undo()
         rounds[exact] = (asked, r.plan.to_dict()["stages"])
     (split, plan6), (whole, plan5) = rounds[6], rounds[5]
-    assert len(split) == 3 and split[1] < split[2]  # single-island pairs, the quarter, the rest
-    assert len(whole) == 2 and whole[1] == split[1] + split[2]  # single-island pairs, then all the others at once
+    assert len(split) == 4 and split[1] < split[2] < split[3]  # single-island pairs, seeds, the quarter, the rest
+    assert len(whole) == 2 and whole[1] == sum(split[1:])  # single-island pairs, then all the others at once
     assert plan5 == plan6

@@ -105,3 +105,37 @@ def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_island
                                                                       rel=1e-12)
     assert on.plan.predicted.iteration_time_s == pytest.approx(off.plan.predicted.iteration_time_s, rel=1e-12)
     assert {d["island"] for d in on.plan.islands_dropped} == {d["island"] for d in off.plan.islands_dropped}
+
+
+@pytest.mark.unit
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from([0.7, 1.0]))
+def test_seed_chains_cover_the_model_with_kept_pairs_in_each_order(seed, keep_share):
+    """api._seed_chains: per order, a pipeline of kept pairs over its islands, front to back, covering [0, L)
+    contiguously (one pair per island); with every pair kept, one per order wherever the islands have a layer
+    each. _seed_pairs asks those pairs' redundancy representatives."""
+    from tangram_launch.planner.api import _seed_chains, _seed_pairs
+    from tangram_launch.planner.slices import Pair
+
+    floors, gpus, kinds, m, _slices, _closed, _period = _instance(seed)
+    rng = random.Random(seed)
+    L, K = len(kinds), len(floors)
+    pf = PairFloors(kinds, floors, gpus, m)
+    pairs = [Pair((a, z), k, (k, z - a, a == 0, z == L)) for k in range(K) for a in range(L)
+             for z in range(a + 1, L + 1) if rng.random() < keep_share]
+    orders = [rng.sample(range(K), K) for _ in range(3)]
+    chains = _seed_chains(pairs, pf, orders, L)
+    for chain in chains:
+        assert chain[0].layers[0] == 0 and chain[-1].layers[1] == L
+        assert all(a.layers[1] == b.layers[0] for a, b in zip(chain, chain[1:]))
+        assert set(chain) <= set(pairs)
+        assert [p.island for p in chain] in orders
+    if keep_share == 1.0 and 2 <= K <= L:
+        assert len(chains) == len(orders)
+    if K < 2:
+        assert chains == []
+    reps = {}
+    for p in pairs:
+        reps.setdefault(p.key, p)
+    got = _seed_pairs(list(reps.values()), pairs, pf, orders, L)
+    assert set(got) == {reps[p.key] for chain in chains for p in chain}
