@@ -605,9 +605,11 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         score_floors.pop(None, None)
     work = sorted(((floors.get(group, math.inf), group, idx) for group, idx in classes.items()), key=lambda w: w[0])
     for lb, group, idx in work:
-        # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking
+        # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking, which
+        # needs the size's own best exactly: there the best score among its classes so far bounds the rest (what
+        # cannot beat it is not simulated)
         threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
-        score_to_beat = best[0] if best is not None and use_incumbent else math.inf
+        score_to_beat = best[0] if best is not None and use_incumbent else own_s
         if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
         searched = None
@@ -749,8 +751,11 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
             return m * max(sub[i].bottleneck_s for i in seq) + metrics.tail_s
         floor = math.inf
         if "plain" in schedules:
-            # (with only plain counted, a one-grid pipeline's score may be interleaved: not under the round trips)
-            floor = plain_floor_s(seq, metrics, round_trips="interleaved" in schedules or not one_grid(seq))
+            # (with only plain counted, a one-grid pipeline's score may be interleaved: not under the round trips;
+            # nor for a plan of one slice plan, whose stages would have to be built: the fine floor reads them,
+            # for those this floor lets through, and a size's first ranking meets thousands of such plans)
+            floor = plain_floor_s(seq, metrics, round_trips=len(seq) > 1 and (
+                "interleaved" in schedules or not one_grid(seq)))
         if "interleaved" in schedules:
             floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
         return floor
