@@ -44,7 +44,9 @@ def _instance(seed: int):
     bounds = [0, *cuts, L]
     slices = [(k, bounds[i], bounds[i + 1]) for i, k in enumerate(used)]
     stage_s = []
+    slice_s = []  # per slice, its stages' seconds
     for k, a, z in slices:
+        slice_s.append(len(stage_s))
         n_stages = rng.randint(1, min(z - a, gpus[k]))
         inner = sorted(rng.sample(range(a + 1, z), n_stages - 1))
         left = gpus[k]
@@ -58,13 +60,14 @@ def _instance(seed: int):
     links = [rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(len(slices) - 1)]
     period = max(stage_s + links)
     closed = pipeline_latency_s(m, period, sum(stage_s) + 2 * sum(links), rng.choice([0.0, 0.3]))
-    return floors, gpus, kinds, m, slices, closed, max(stage_s)
+    slice_s = [sum(stage_s[i:j]) for i, j in zip(slice_s, [*slice_s[1:], len(stage_s)])]
+    return floors, gpus, kinds, m, slices, closed, max(stage_s), (slice_s, links)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**32))
 def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
-    floors, gpus, kinds, m, slices, closed, slowest = _instance(seed)
+    floors, gpus, kinds, m, slices, closed, slowest, _ = _instance(seed)
     pf = PairFloors(kinds, floors, gpus, m)
     for k, a, z in slices:
         lat, score = pf.floor(k, a, z)
@@ -73,6 +76,33 @@ def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
         assert not pf.beyond(k, a, z, closed, m * slowest)
         outside = pf.outside_s(k, a, z)
         assert outside is None or outside <= closed
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32))
+def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_pair(seed):
+    """api._outside_s (what a pair's query takes off the closed form to beat) is under what the rest of any
+    pipeline holding the pair adds to its fill: the other slices' stage times and twice every link crossed."""
+    from tangram_launch.planner.api import SizeFloor, _outside_s
+    from tangram_launch.planner.slices import Pair
+
+    floors, gpus, kinds, m, slices, _closed, _slowest, (slice_s, links) = _instance(seed)
+    rng = random.Random(seed)
+    L, K = len(kinds), len(floors)
+    pf = PairFloors(kinds, floors, gpus, m)
+    least = {x: min(f[x][1] for f in floors.values()) for x in (*KINDS, "embedding", "head")}
+    prefix = [0.0]
+    for x in kinds:
+        prefix.append(prefix[-1] + least[x])
+    size = SizeFloor(0.0, 0.0, tuple(prefix), least["embedding"], least["head"], pf)
+    matrix = [[0.0 if i == j else rng.uniform(0.0, 1.0) for j in range(K)] for i in range(K)]
+    for (i, _a, _z), (j, _b, _y), lk in zip(slices, slices[1:], links):
+        matrix[i][j] = lk
+    fill = sum(slice_s) + 2.0 * sum(links)
+    for n, (k, a, z) in enumerate(slices):
+        pair = Pair((a, z), k, (k, z - a, a == 0, z == L))
+        assert _outside_s(size, pair, matrix, range(K), L) <= (fill - slice_s[n]) * (1 + 1e-12)
 
 
 def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():
@@ -117,7 +147,7 @@ def test_seed_chains_cover_the_model_with_kept_pairs_in_each_order(seed, keep_sh
     from tangram_launch.planner.api import _seed_chains, _seed_pairs
     from tangram_launch.planner.slices import Pair
 
-    floors, gpus, kinds, m, _slices, _closed, _period = _instance(seed)
+    floors, gpus, kinds, m, _slices, _closed, _period, _ = _instance(seed)
     rng = random.Random(seed)
     L, K = len(kinds), len(floors)
     pf = PairFloors(kinds, floors, gpus, m)

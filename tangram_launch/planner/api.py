@@ -315,6 +315,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     whole = [p for p in pairset.queries if p.layers == (0, L)]
     rest = [p for p in pairset.queries if p.layers != (0, L)]
     bnb = opts.branch_and_bound
+    present = sorted({p.island for p in pairset.pairs})  # the islands a pipeline can use
     floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
                              par=pool.parallelizer if bnb else None) for b in bs}
 
@@ -330,8 +331,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         if floors[b].beyond(*bound()):
             counters["sizes_skipped"] += 1
             return None
-        _ask([b], pairs, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
-             caps=caps, pool=pool)
+        _ask([b], pairs, *bound(), floors[b], results, counters, cluster=cluster, model=model, training=training,
+             islands=islands, present=present, caps=caps, pool=pool)
         best, own_s = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                                  training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
                                  use_incumbent=use_incumbent, memo=memo)
@@ -505,16 +506,40 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
                      best["head"][1], pairs)
 
 
+def _outside_s(floor: SizeFloor, pair: Pair, links: Sequence[Sequence[float]], present: Sequence[int],
+               num_layers: int) -> float:
+    """The least fill that the rest of any pipeline holding ``pair`` adds: the least seconds of the layers outside
+    its slice, on the other islands where the pair floors have them (else on any island), and, where the slice
+    does not start at layer 0 (end at L), the link into its island from another island of ``present`` (out of
+    it), twice (compose counts each boundary's link forward and backward). The same for every pair of its
+    redundancy class (as long, the same layer kinds, the same edges), whose answer this query's is."""
+    a, z = pair.layers
+    k = pair.island
+    out = floor.outside_s(a, z)
+    if floor.pairs is not None:
+        rest = floor.pairs.outside_s(k, a, z)
+        if rest is not None and rest > out:
+            out = rest
+    if a > 0:
+        out += 2.0 * min((links[x][k] for x in present if x != k), default=0.0)
+    if z < num_layers:
+        out += 2.0 * min((links[k][y] for y in present if y != k), default=0.0)
+    return out
+
+
 def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor,
-         results: dict, counters: dict, *, model: "ModelSpec", training: "TrainingSpec",
-         islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool) -> None:
+         results: dict, counters: dict, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
+         islands: Sequence["Island"], present: Sequence[int], caps: RuntimeCapabilities,
+         pool: QueryPool) -> None:
     """Query every (b, pair) in the search's pool; answers go to results[b][pair.key]. A pair's query carries the
-    closed-form bound less the least fill of the layers outside its slice (the rest of any pipeline adds at least
-    that), and the best predicted iteration."""
+    closed-form bound less the least fill the rest of any pipeline holding it adds (_outside_s), and the best
+    predicted iteration (``present``: the islands with pairs, any of which a pipeline may use)."""
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[tuple[int, Pair]] = []
     for b in bs:
+        links = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
+                                                             training.param_bytes)).island_matrix()
         for p in pairs:
             if floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s):
                 # part of no pipeline that could beat the bounds: answered "bounded" without a query
@@ -524,7 +549,7 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
             queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
                                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
                                       pipelined=p.layers != (0, L),
-                                      latency_bound_s=bound_s - floor.outside_s(*p.layers),
+                                      latency_bound_s=bound_s - _outside_s(floor, p, links, present, L),
                                       score_bound_s=score_s))
             where.append((b, p))
     if not queries:
