@@ -601,7 +601,7 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
     options, link, L, m, K = random_instance(rng, max_layers=6)
     prefix = _PrefixBounds(options, range(len(options)), L, link)
 
-    def walk(pos, used, fill, period, tail, last):
+    def walk(pos, used, fill, period, tail, stage, last):
         for mask in range(1 << K):
             if used & ~mask:
                 continue
@@ -609,6 +609,7 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
             assert got.fill_s[pos] <= fill + 1e-9
             assert got.period_s[pos] <= period + 1e-9
             assert got.tail_s[pos] <= tail + 1e-9
+            assert got.stage_period_s[pos] <= stage + 1e-9 and got.stage_period_s[pos] <= got.period_s[pos]
         for o in options:
             if o.start != pos or used >> o.island & 1:
                 continue
@@ -616,6 +617,29 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
             if last >= 0:
                 assert _front_link_s(link, used, o.island, {}) <= lk
             walk(o.stop, used | 1 << o.island, fill + o.time_s + 2.0 * lk, max(period, o.bottleneck_s, lk),
-                 max(tail, o.tail_s), o.island)
+                 max(tail, o.tail_s), max(stage, o.bottleneck_s), o.island)
 
-    walk(0, 0, 0.0, 0.0, 0.0, -1)
+    walk(0, 0, 0.0, 0.0, 0.0, 0.0, -1)
+
+
+@pytest.mark.unit
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10**6))
+def test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not(seed):
+    """compose._round_trips_s for each stage boundary (its link, the stages behind it) is under the plain 1F1B
+    simulation, whatever the stage times; m x the link is not, once the warm-up of many stages behind the link
+    hides some of its round trips (which is why the DP's plain floor reads the former)."""
+    from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+    from tangram_launch.planner.compose import _round_trips_s
+
+    rng = random.Random(seed)
+    S = rng.randint(2, 24)
+    m = rng.choice([1, 2, 3, 8, 16, 64])
+    times = [rng.uniform(0.001, 1.0) for _ in range(S)]
+    fwd, bwd = [t / 3 for t in times], [2 * t / 3 for t in times]
+    p2p = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(S - 1)]
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    for k, p in enumerate(p2p):
+        assert _round_trips_s(p, S - k - 1, m) <= sim * (1 + 1e-12)
+    # 32 stages of 0.03 s, a 1 s link after the 16th, 128 micro-batches: the simulation is under 128 x 1 s
+    assert simulated_1f1b_s([0.01] * 32, [0.02] * 32, [0.0] * 15 + [1.0] + [0.0] * 15, 128) < 128 * 1.0

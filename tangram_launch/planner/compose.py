@@ -215,7 +215,7 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         out = (idx, [], _covered_room(options, idx))
     else:
         m1, period_lb, prefix, link_s = floor_terms
-        pre_fill, pre_period, _ = prefix(mask)
+        pre_fill, pre_period, _, _ = prefix(mask)
         lk = _front_link_s(link_s, mask, options[idx[0]].island, cache)
         # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
         rows = sorted(((m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, lk if o.start else 0.0) if m1
@@ -227,6 +227,16 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
     return out
+
+
+def _round_trips_s(link_s: float, behind: int, num_microbatches: int) -> float:
+    """A floor under the plain 1F1B simulation from one stage boundary with ``behind`` stages after it and a link
+    of ``link_s`` seconds one way: costmodel.pipeline.cycle_floor_1f1b_s's round trips, c = (m - behind) // 2 of
+    them and one more, each at least the link there and back (the stage times dropped). Not m x the link: the
+    simulation takes a link as latency, and with many stages behind it the schedule's warm-up hides some trips."""
+    if link_s <= 0.0 or behind > num_microbatches:
+        return 0.0
+    return ((num_microbatches - behind) // 2 + 1) * 2.0 * link_s
 
 
 def _front_link_s(link_s: Sequence[Sequence[float]], mask: int, island: int, cache: dict) -> float:
@@ -289,14 +299,17 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     floor lies under any score (compose's score_floor), and a score can rank a plan well below its closed form
     (the interleaved schedule shrinks the bubble); with ``fill_weight`` w, (m - w) x period + w x fill + tail
     (a score that only interleaved schedules with at most 1/w chunks per stage can reach). Where the score is
-    the plain 1F1B simulation (``schedules`` holds "plain"), pre_fill[start] + plain_s + tail is under it too:
-    a stage runs its m forwards and backwards after the first micro-batch's forward reached it and before the
-    last one's backward left the stages in front (plain_1f1b_floor_s); with both schedules the lesser floor.
+    the plain 1F1B simulation (``schedules`` holds "plain"), its floor is instead the largest of pre_fill[start] +
+    plain_s (a stage runs its m forwards and backwards after the first micro-batch's forward reached it and
+    before the last one's backward left the stages in front: plain_1f1b_floor_s), m x the least slowest stage of
+    any cover (PrefixCovers.stage_period_s, without links: the simulation takes a link as latency, so m x a link
+    is not under it) and the round trips across the boundary an option adds and the one in front of it
+    (_round_trips_s), + tail; with both schedules the lesser of that and the interleaved floor.
     With such a known score and a score to beat, the score floor alone prunes (the closed form is only a proxy).
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
     judges an entry by the least period of its bucket."""
-    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, cls = prep
+    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, cls, stage_lb = prep
     merge = merge_fronts and rank is None
     if not merge:
         cls = range(len(cls))
@@ -356,7 +369,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 tkey = ((used | bit) & keep, cls[island])
                 if prune:
                     mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
-                    pre_fill, pre_period, pre_tail = prefix(mask)
+                    pre_fill, pre_period, pre_tail, pre_stage = prefix(mask)
                     lk = _front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
                 if prune and not by_score:  # (the score's floor does not follow this order: no cut, no sort)
                     gidx, floors, covered = _by_floor(options, gidx, mask, floor_terms, cache)
@@ -385,6 +398,8 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                         if base == _INF:
                             continue  # the islands free in front of it cannot cover [0, start)
                         tail_lb = tail if tail > pre_tail[o.start] else pre_tail[o.start]
+                        if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
+                            ps = m * (stage_lb if stage_lb > pre_stage[o.start] else pre_stage[o.start])
                         lf = least_f[fits - 1] + tail_lb
                         if score_only or m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) \
                                 >= beat:
@@ -392,7 +407,15 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                             if plain:
                                 a = add + least_a[fits - 1]
                                 a = base - add + (a if a > m * o.bottleneck_s else m * o.bottleneck_s)
-                                pf = (a if a > m * per_lb else m * per_lb) + tail_lb
+                                a = ps if ps > a else a
+                                ne = front[fits - 1][2]  # the most stages behind, of the entries it fits
+                                if ne < n_cap:  # (exact below the cap)
+                                    r = _round_trips_s(link, ne, m)
+                                    if o.start:
+                                        r2 = _round_trips_s(lk, ne + ns, m)
+                                        r = r2 if r2 > r else r
+                                    a = r if r > a else a
+                                pf = a + tail_lb
                                 sf = pf if only_plain or pf < sf else sf
                             if sf >= score_beat:
                                 continue  # no entry it fits in front of can beat: the check below fails for each
@@ -423,7 +446,14 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                 if plain:
                                     a = add + e[7]
                                     a = base - add + (a if a > m * o.bottleneck_s else m * o.bottleneck_s)
-                                    pf = (a if a > m * p else m * p) + t
+                                    a = ps if ps > a else a
+                                    if e[2] < n_cap and (link or o.start):
+                                        r = _round_trips_s(link, e[2], m)
+                                        if o.start:
+                                            r2 = _round_trips_s(lk, e[2] + ns, m)
+                                            r = r2 if r2 > r else r
+                                        a = r if r > a else a
+                                    pf = a + t
                                     sf = pf if only_plain or pf < sf else sf
                                 if sf >= score_beat:
                                     continue
@@ -514,6 +544,17 @@ def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, ba
     return Covers(fill, period, tail)
 
 
+class PrefixCovers(NamedTuple):
+    """_PrefixBounds' covers of [0, j): least fill and period with the links crossed (the closed form's), least
+    tail, and the least slowest stage without links (what the plain 1F1B simulation's m x slowest stage reads:
+    it takes a link as latency, not as a stage)."""
+
+    fill_s: list[float]
+    period_s: list[float]
+    tail_s: list[float]
+    stage_period_s: list[float]
+
+
 class _PrefixBounds:
     """Per set of islands (a bit mask), computed on first use: the least fill, period and tail of any cover of
     [0, j) by DISTINCT islands of the set (each island holds one contiguous slice, as in a pipeline), each
@@ -544,20 +585,21 @@ class _PrefixBounds:
         inf = float("inf")
         none = [inf] * (num_layers + 1)
         none[0] = 0.0
-        self._cache: dict[int, Covers] = {0: Covers(none, list(none), list(none))}
+        self._cache: dict[int, PrefixCovers] = {0: PrefixCovers(none, list(none), list(none), list(none))}
 
-    def __call__(self, mask: int) -> Covers:
+    def __call__(self, mask: int) -> "PrefixCovers":
         mask &= self.islands
         hit = self._cache.get(mask)
         if hit is not None:
             return hit
         empty = self(0)
         fill, period, tail = list(empty.fill_s), list(empty.period_s), list(empty.tail_s)
+        stage = list(empty.stage_period_s)
         for k, pairs in self._pairs.items():
             if not mask >> k & 1:
                 continue
             rest = mask & ~(1 << k)
-            sf, sp, st = self(rest)
+            sf, sp, st, ss = self(rest)
             lk = 0.0 if self._link_s is None else min(
                 (self._link_s[x][k] for x in range(len(self._link_s)) if rest >> x & 1), default=0.0)
             for start, stop, time_s, bottleneck_s, tail_s in pairs:
@@ -569,10 +611,13 @@ class _PrefixBounds:
                     v = lk
                 if v < period[stop]:
                     period[stop] = v
+                v = ss[start] if ss[start] > bottleneck_s else bottleneck_s
+                if v < stage[stop]:
+                    stage[stop] = v
                 v = st[start] if st[start] > tail_s else tail_s
                 if v < tail[stop]:
                     tail[stop] = v
-        hit = self._cache[mask] = Covers(fill, period, tail)
+        hit = self._cache[mask] = PrefixCovers(fill, period, tail, stage)
         return hit
 
 
@@ -643,7 +688,8 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     prefix = _PrefixBounds(options, idx, num_layers, link_s)
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
-    return idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands)
+    return (idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
+            whole.stage_period_s[num_layers])
 
 
 def merged_states(link_s: Sequence[Sequence[float]], present: Sequence[int]) -> int:
@@ -737,11 +783,11 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
                                                                 max_stages, undominated))
     if prep[3] is None:
         return None
-    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, _cls = prep[3]
+    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, _cls, stage_lb = prep[3]
     if period_lb == float("inf"):
         return None  # no cover of [0, L) at all
     if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s and (
-            score is None or m * period_lb >= score_incumbent_s):
+            score is None or m * stage_lb >= score_incumbent_s):
         return None  # cannot beat the incumbent (nor, with a score, the best score): not even one DP run
     rank = None
     if island_order is not None:

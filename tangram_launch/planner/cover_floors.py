@@ -73,8 +73,9 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     dropped here it would prune at every use). In ``idx``'s order.
 
     ``link_s`` (compose's island links): an option not starting at layer 0 has another island's slice right in
-    front of it, one not ending at L another's right behind it; the least such links then also bound the slowest
-    stage, and each adds twice itself to the fill (compose counts a link per boundary that way)."""
+    front of it, one not ending at L another's right behind it; the least such links then also bound the closed
+    form's period, and each adds twice itself to the fill (compose counts a link per boundary that way). Not the
+    iteration's floor: the plain 1F1B simulation takes a link as latency, so m x a link is not under it."""
     idx = usable(options, idx, num_layers)
     if closed_to_beat_s == math.inf or score_to_beat_s == math.inf:
         return idx
@@ -94,7 +95,7 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     out = []
     for oi in idx:
         s, t, island, _, _, time_s, bn, tail_s = options[oi]
-        period = max(bn, fp[s], bp[t])
+        period = stage = max(bn, fp[s], bp[t])
         fill = ff[s] + time_s + bf[t]
         if into:
             if s:
@@ -104,6 +105,6 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
                 lk = out_of[island]
                 period, fill = max(period, lk), fill + 2.0 * lk
         tail = max(tail_s, ft[s], bt[t])
-        if m1 * period + fill + tail < closed_to_beat_s or num_microbatches * period + tail < score_to_beat_s:
+        if m1 * period + fill + tail < closed_to_beat_s or num_microbatches * stage + tail < score_to_beat_s:
             out.append(oi)
     return out
