@@ -85,6 +85,7 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     back = covers_of(minima, num_layers, back=True)
     ff, fp, ft = front
     bf, bp, bt = back
+    L = num_layers
     into: dict[int, float] = {}  # island -> least link into it from another island with options (and out of it)
     out_of: dict[int, float] = {}
     if link_s is not None:
@@ -92,19 +93,28 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
         for k in present:
             into[k] = min((link_s[x][k] for x in present if x != k), default=math.inf)
             out_of[k] = min((link_s[k][x] for x in present if x != k), default=math.inf)
+    links = any(into.values()) or any(out_of.values())
+    m = num_microbatches
     out = []
     for oi in idx:
         s, t, island, _, _, time_s, bn, tail_s = options[oi]
-        period = stage = max(bn, fp[s], bp[t])
-        fill = ff[s] + time_s + bf[t]
-        if into:
+        stage = bn if bn > fp[s] else fp[s]
+        if bp[t] > stage:
+            stage = bp[t]
+        tail = tail_s if tail_s > ft[s] else ft[s]
+        if bt[t] > tail:
+            tail = bt[t]
+        if m * stage + tail < score_to_beat_s:
+            out.append(oi)
+            continue
+        period, fill = stage, ff[s] + time_s + bf[t]
+        if links:
             if s:
                 lk = into[island]
-                period, fill = max(period, lk), fill + 2.0 * lk
-            if t < num_layers:
+                period, fill = (lk if lk > period else period), fill + 2.0 * lk
+            if t < L:
                 lk = out_of[island]
-                period, fill = max(period, lk), fill + 2.0 * lk
-        tail = max(tail_s, ft[s], bt[t])
-        if m1 * period + fill + tail < closed_to_beat_s or num_microbatches * stage + tail < score_to_beat_s:
+                period, fill = (lk if lk > period else period), fill + 2.0 * lk
+        if m1 * period + fill + tail < closed_to_beat_s:
             out.append(oi)
     return out
