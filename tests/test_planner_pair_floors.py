@@ -85,6 +85,7 @@ def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_p
     """api._outside_s (what a pair's query takes off the closed form to beat) is under what the rest of any
     pipeline holding the pair adds to its fill: the other slices' stage times and twice every link crossed."""
     from tangram_launch.planner.api import SizeFloor, _outside_s
+    from tangram_launch.planner.compose import least_links
     from tangram_launch.planner.slices import Pair
 
     floors, gpus, kinds, m, slices, _closed, _slowest, (slice_s, links) = _instance(seed)
@@ -102,7 +103,8 @@ def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_p
     fill = sum(slice_s) + 2.0 * sum(links)
     for n, (k, a, z) in enumerate(slices):
         pair = Pair((a, z), k, (k, z - a, a == 0, z == L))
-        assert _outside_s(size, pair, matrix, range(K), L) <= (fill - slice_s[n]) * (1 + 1e-12)
+        assert _outside_s(size, pair, *least_links(matrix, range(K), default=0.0), L) <= \
+            (fill - slice_s[n]) * (1 + 1e-12)
 
 
 def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():

@@ -37,8 +37,8 @@ from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s, group_minima
 from tangram_launch.planner.collector import fewer_collections
-from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states,
-                                            plain_1f1b_floor_s)
+from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, least_links,
+                                            merged_states, plain_1f1b_floor_s)
 from tangram_launch.planner.cover_floors import island_floors_s, promising
 from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import QueryPool, default_workers
@@ -506,12 +506,12 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
                      best["head"][1], pairs)
 
 
-def _outside_s(floor: SizeFloor, pair: Pair, links: Sequence[Sequence[float]], present: Sequence[int],
+def _outside_s(floor: SizeFloor, pair: Pair, into: dict[int, float], out_of: dict[int, float],
                num_layers: int) -> float:
     """The least fill that the rest of any pipeline holding ``pair`` adds: the least seconds of the layers outside
     its slice, on the other islands where the pair floors have them (else on any island), and, where the slice
-    does not start at layer 0 (end at L), the link into its island from another island of ``present`` (out of
-    it), twice (compose counts each boundary's link forward and backward). The same for every pair of its
+    does not start at layer 0 (end at L), the least link into its island (out of it; compose.least_links), twice
+    (compose counts each boundary's link forward and backward). The same for every pair of its
     redundancy class (as long, the same layer kinds, the same edges), whose answer this query's is."""
     a, z = pair.layers
     k = pair.island
@@ -521,9 +521,9 @@ def _outside_s(floor: SizeFloor, pair: Pair, links: Sequence[Sequence[float]], p
         if rest is not None and rest > out:
             out = rest
     if a > 0:
-        out += 2.0 * min((links[x][k] for x in present if x != k), default=0.0)
+        out += 2.0 * into[k]
     if z < num_layers:
-        out += 2.0 * min((links[k][y] for y in present if y != k), default=0.0)
+        out += 2.0 * out_of[k]
     return out
 
 
@@ -538,8 +538,8 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
     queries: list[SliceQuery] = []
     where: list[tuple[int, Pair]] = []
     for b in bs:
-        links = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
-                                                             training.param_bytes)).island_matrix()
+        into, out_of = least_links(LinkModel(cluster, islands, activation_bytes(
+            b, training.seq_len, model.hidden_size, training.param_bytes)).island_matrix(), present, default=0.0)
         for p in pairs:
             if floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s):
                 # part of no pipeline that could beat the bounds: answered "bounded" without a query
@@ -549,7 +549,7 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
             queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
                                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
                                       pipelined=p.layers != (0, L),
-                                      latency_bound_s=bound_s - _outside_s(floor, p, links, present, L),
+                                      latency_bound_s=bound_s - _outside_s(floor, p, into, out_of, L),
                                       score_bound_s=score_s))
             where.append((b, p))
     if not queries:

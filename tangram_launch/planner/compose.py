@@ -48,7 +48,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 
@@ -237,6 +237,17 @@ def _round_trips_s(link_s: float, behind: int, num_microbatches: int) -> float:
     if link_s <= 0.0 or behind > num_microbatches:
         return 0.0
     return ((num_microbatches - behind) // 2 + 1) * 2.0 * link_s
+
+
+def least_links(link_s: Sequence[Sequence[float]], present: Iterable[int],
+                default: float = math.inf) -> tuple[dict[int, float], dict[int, float]]:
+    """Per island of ``present``: the least link into it from another island of ``present``, and the least out of
+    it (``default`` where there is no other). A slice that does not start at layer 0 crosses at least the first in
+    any pipeline, one that does not end at L at least the second."""
+    present = list(present)
+    into = {k: min((link_s[x][k] for x in present if x != k), default=default) for k in present}
+    out_of = {k: min((link_s[k][x] for x in present if x != k), default=default) for k in present}
+    return into, out_of
 
 
 def _front_link_s(link_s: Sequence[Sequence[float]], mask: int, island: int, cache: dict) -> float:
@@ -575,6 +586,7 @@ class _PrefixBounds:
                  link_s: Sequence[Sequence[float]] | None = None):
         self._num_layers = num_layers
         self._link_s = link_s
+        self._links: dict = {}  # _front_link_s' cache
         by_island: dict[int, list[int]] = {}
         for oi in idx:
             by_island.setdefault(options[oi].island, []).append(oi)
@@ -600,8 +612,8 @@ class _PrefixBounds:
                 continue
             rest = mask & ~(1 << k)
             sf, sp, st, ss = self(rest)
-            lk = 0.0 if self._link_s is None else min(
-                (self._link_s[x][k] for x in range(len(self._link_s)) if rest >> x & 1), default=0.0)
+            # (inf with no island left in front: then sf[start] is inf for every start > 0 too)
+            lk = 0.0 if self._link_s is None else _front_link_s(self._link_s, rest, k, self._links)
             for start, stop, time_s, bottleneck_s, tail_s in pairs:
                 v = sf[start] + time_s + (2.0 * lk if start else 0.0)
                 if v < fill[stop]:

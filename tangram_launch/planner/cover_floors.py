@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from tangram_launch.planner.compose import Option, covers_of, pair_minima
+from tangram_launch.planner.compose import Option, covers_of, least_links, pair_minima
 
 
 def usable(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> list[int]:
@@ -86,13 +86,8 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     ff, fp, ft = front
     bf, bp, bt = back
     L = num_layers
-    into: dict[int, float] = {}  # island -> least link into it from another island with options (and out of it)
-    out_of: dict[int, float] = {}
-    if link_s is not None:
-        present = {options[oi].island for oi in idx}
-        for k in present:
-            into[k] = min((link_s[x][k] for x in present if x != k), default=math.inf)
-            out_of[k] = min((link_s[k][x] for x in present if x != k), default=math.inf)
+    # island -> least link into it from another island with options (and out of it)
+    into, out_of = least_links(link_s, {options[oi].island for oi in idx}) if link_s is not None else ({}, {})
     links = any(into.values()) or any(out_of.values())
     m = num_microbatches
     out = []
