@@ -344,6 +344,8 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
     if rank is not None:  # island k's option may have in front only islands ranked before k
         before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
+    if plain:  # trips[n] x a link = _round_trips_s(link, n, m) (a link is >= 0; 0 round trips past m stages)
+        trips = [((m - n) // 2 + 1) * 2.0 if n <= m else 0.0 for n in range(n_cap + num_layers + 1)]
     tables: list[dict] = [dict() for _ in range(num_layers + 1)]
     tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
     stats.dp_runs += 1
@@ -421,9 +423,9 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                 a = ps if ps > a else a
                                 ne = front[fits - 1][2]  # the most stages behind, of the entries it fits
                                 if ne < n_cap:  # (exact below the cap)
-                                    r = _round_trips_s(link, ne, m)
+                                    r = trips[ne] * link  # _round_trips_s(link, ne, m)
                                     if o.start:
-                                        r2 = _round_trips_s(lk, ne + ns, m)
+                                        r2 = trips[ne + ns] * lk  # _round_trips_s(lk, ne + ns, m)
                                         r = r2 if r2 > r else r
                                     a = r if r > a else a
                                 pf = a + tail_lb
@@ -459,9 +461,9 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                     a = base - add + (a if a > m * o.bottleneck_s else m * o.bottleneck_s)
                                     a = ps if ps > a else a
                                     if e[2] < n_cap and (link or o.start):
-                                        r = _round_trips_s(link, e[2], m)
+                                        r = trips[e[2]] * link
                                         if o.start:
-                                            r2 = _round_trips_s(lk, e[2] + ns, m)
+                                            r2 = trips[e[2] + ns] * lk
                                             r = r2 if r2 > r else r
                                         a = r if r > a else a
                                     pf = a + t
