@@ -375,6 +375,24 @@ def test_many_islands_use_ordered_composition_and_stay_valid(monkeypatch):
     assert len(fast.plan.islands_used) > 1
 
 
+def test_seed_orders_cover_every_prefix_of_the_fastest_islands():
+    """The seed round pipelines the fastest k islands for every k >= 2 (the best plan often leaves slow islands
+    out), in each of island_orders' orders of those k, without repeats."""
+    from tangram_launch.planner.api import _seed_orders, island_orders
+
+    types = ("l40s", "b200", "a100-40gb", "h100-sxm", "a100-80gb", "h200")
+    isl = build_islands(cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")).islands
+    present = list(range(len(isl)))
+    fastest = island_orders(isl, present, "bf16", speed_only=True)[0]
+    assert sorted(fastest) == present and isl[fastest[0]].gpu.type == "b200"
+    orders = _seed_orders(isl, present, "bf16")
+    assert len({tuple(o) for o in orders}) == len(orders)
+    for k in range(2, len(isl) + 1):
+        for o in island_orders(isl, fastest[:k], "bf16"):
+            assert o in orders
+    assert all(set(o) == set(fastest[:len(o)]) and len(o) >= 2 for o in orders)
+
+
 def test_fits_island_agrees_with_the_allocator():
     from tangram_launch.capabilities import StageShape
     from tangram_launch.planner.allocation import allocate_gpus, fits_island
@@ -606,11 +624,12 @@ def test_the_fine_score_floor_lies_under_every_score(runtime, cluster_name, monk
     assert any(f >= 0.9 * v for f, v in pairs)  # and it is tight somewhere, not 0
 
 
-def test_above_exact_islands_a_size_is_asked_whole_not_in_two_rounds(monkeypatch):
+def test_above_exact_islands_a_size_is_asked_whole_after_its_seeds(monkeypatch):
     """Up to exact_islands the first size's pairs are asked and composed in three rounds (a seed pipeline's pairs
-    per island order, the rest of the most promising quarter, then the others); above, where each composition is a search over island sets or orders, in one (composing the first
-    round would be done again whole). The plan is the same either way (six islands over one spine; the real
-    parallelizer, whose compute floors rank the pairs)."""
+    per island order, the rest of the most promising quarter, then the others); above, where each composition is a
+    search over island sets or orders, in two (the seeds, then all the others: composing the quarter would be done
+    again whole). The plan is the same either way (six islands over one spine; the real parallelizer, whose
+    compute floors rank the pairs)."""
     import tangram_launch.planner.api as api
 
     types = ("b200", "h200", "h100-sxm", "a100-80gb", "a100-40gb", "l40s")
@@ -630,6 +649,8 @@ def test_above_exact_islands_a_size_is_asked_whole_not_in_two_rounds(monkeypatch
         monkeypatch.undo()
         rounds[exact] = (asked, r.plan.to_dict()["stages"])
     (split, plan6), (whole, plan5) = rounds[6], rounds[5]
-    assert len(split) == 4 and split[1] < split[2] < split[3]  # single-island pairs, seeds, the quarter, the rest
-    assert len(whole) == 2 and whole[1] == sum(split[1:])  # single-island pairs, then all the others at once
+    # single-island pairs, seeds, the rest of the quarter, the rest
+    assert len(split) == 4 and split[1] + split[2] < split[3]
+    # single-island pairs, the same seeds, then all the others at once
+    assert len(whole) == 3 and whole[1] == split[1] and whole[2] == sum(split[2:])
     assert plan5 == plan6

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
 from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
 from tangram_launch.costmodel.pipeline import cycle_floor_1f1b_s
 from tangram_launch.errors import InfeasibleError, SpecError
-from tangram_launch.islands import IslandSet, build_islands
+from tangram_launch.islands import IslandSet, build_islands, compute_tflops
 from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, SliceResult
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
@@ -348,27 +348,40 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     # first round's would be done again whole: there the queries the split saves cost less (Llama-3 405B over
     # 4,096 GPUs at b = 8: megatron 44.4 -> 35.9 CPU-s, torch 23.6 -> 20.9 without it, the same plans)
     split = len({p.island for p in rest}) <= opts.exact_islands
-    if rest:
-        for _own, _floor, b in sorted(first):
-            if bnb and split and floors[b].pairs is not None and (best is None or len(best[3].options) == 1):
-                # while only single-island plans bound the search: first a few pipelines over every island, each
-                # island's layers in proportion to its speed (_seed_pairs: a plan near the best one, whose bound
-                # makes the next round's queries cheaper and their options fewer), then the size's most promising
-                # quarter of pairs (by their floors), whose plan bounds the rest, most of which then need no query
-                pf = floors[b].pairs
-                seed = _seed_pairs(rest, pairset.pairs, pf, island_orders(islands, sorted(pf.own), training.dtype),
-                                   L)
-                if seed:
-                    visit(b, seed, use_incumbent=True)
+    for _own, _floor, b in sorted(first) if rest else ():
+        left = rest
+        if bnb and floors[b].pairs is not None and (best is None or len(best[3].options) == 1):
+            # while only single-island plans bound the search: first a few pipelines over the fastest islands, each
+            # island's layers in proportion to its speed (_seed_pairs: a plan near the best one, whose bound makes
+            # the next round's queries cheaper and their options fewer), then (up to exact_islands islands) the
+            # size's most promising quarter of pairs (by their floors), whose plan bounds the rest, most of which
+            # then need no query
+            pf = floors[b].pairs
+            seed = _seed_pairs(rest, pairset.pairs, pf, _seed_orders(islands, sorted(pf.own), training.dtype), L)
+            if seed:
+                visit(b, seed, use_incumbent=True)
                 taken = set(seed)
                 left = [p for p in rest if p not in taken]
+            if split:
                 ranked = sorted(range(len(left)), key=lambda i: (pf.floor(left[i].island, *left[i].layers)[0], i))
                 head = set(ranked[:max(1, int(len(rest) * FIRST_ROUND_SHARE) - len(seed))])
                 visit(b, [p for i, p in enumerate(left) if i in head], use_incumbent=True)
-                visit(b, [p for i, p in enumerate(left) if i not in head], use_incumbent=True)
-                continue
-            visit(b, rest, use_incumbent=True)
+                left = [p for i, p in enumerate(left) if i not in head]
+        visit(b, left, use_incumbent=True)
     return best
+
+
+def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
+    """The island orders of the seed round: island_orders over the fastest k islands, for every k from 2. A plan
+    over every island pays the bubble of all their stages, and the best plan often leaves the slow islands out
+    (Llama-3 405B on 4,096 GPUs: H200 and B200 only), which only a seed over the fast ones comes near."""
+    fast = island_orders(islands, present, dtype, speed_only=True)[0]
+    out: list[list[int]] = []
+    for k in range(2, len(fast) + 1):
+        for order in island_orders(islands, fast[:k], dtype):
+            if order not in out:
+                out.append(order)
+    return out
 
 
 def _seed_pairs(queries: Sequence[Pair], pairs: Sequence[Pair], floors: PairFloors,
@@ -848,11 +861,11 @@ def _hopeful_islands(sub: Sequence[Option], present: Sequence[int], required_mas
         keep = out
 
 
-def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
+def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str, *,
+                  speed_only: bool = False) -> list[list[int]]:
     """Pipeline orders tried when there are too many islands for the exact search: most memory per GPU first
     (early stages hold the most in-flight activations under 1F1B), fastest first, slowest first, and least
-    memory first; each is searched exactly."""
-    from tangram_launch.islands import compute_tflops
+    memory first; each is searched exactly. ``speed_only``: the fastest-first order alone."""
 
     def mem(k: int) -> float:
         return islands[k].gpu.memory_gib
@@ -860,8 +873,11 @@ def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: st
     def speed(k: int) -> float:
         return compute_tflops(islands[k].gpu, dtype)
 
+    fastest = sorted(present, key=lambda k: (-speed(k), -mem(k), k))
+    if speed_only:
+        return [fastest]
     candidates = [sorted(present, key=lambda k: (-mem(k), -speed(k), k)),
-                  sorted(present, key=lambda k: (-speed(k), -mem(k), k)),
+                  fastest,
                   sorted(present, key=lambda k: (speed(k), -mem(k), k)),
                   sorted(present, key=lambda k: (mem(k), -speed(k), k))]
     out: list[list[int]] = []
