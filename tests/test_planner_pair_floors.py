@@ -116,6 +116,26 @@ def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():
     assert pf.floor(1, 0, 2) == (0.0, 0.0)  # an island without floors: nothing is skipped
 
 
+@pytest.mark.unit
+def test_capacity_counts_a_slower_island_at_its_slowdown():
+    """pair_floors.capacity: an island whose every kind takes twice the least GPU-seconds counts half its GPUs; a
+    kind it has no floor for bounds nothing on it; so the other layers' period floor rises from GPU-seconds / GPUs."""
+    from tangram_launch.planner.pair_floors import capacity
+
+    fast = {"dense": (1.0, 0.5), "embedding": (0.2, 0.1), "head": (0.2, 0.1)}
+    slow = {x: (2.0 * g, 2.0 * t) for x, (g, t) in fast.items()}
+    mixed = {"dense": (3.0, 1.0), "embedding": (0.2, 0.1), "head": (0.4, 0.1)}  # r = min(3, 1, 2) = 1
+    assert capacity(["dense"], {0: fast, 1: slow}, {0: 8, 1: 8}) == pytest.approx(8 + 8 / 2)
+    assert capacity(["dense"], {0: fast, 1: mixed}, {0: 8, 1: 8}) == pytest.approx(16)
+    no_head = {x: v for x, v in slow.items() if x != "head"}
+    assert capacity(["dense"], {0: fast, 1: no_head}, {0: 4, 1: 8}) == pytest.approx(4 + 8 / 2)
+    # the pair (0, [0, 1)) leaves layer 1 and the head (least 1.0 + 0.2 GPU-s) to islands 1 (slow) and 2 (fast):
+    # capacity 4 / 2 + 4, not their 8 GPUs
+    pf = PairFloors(["dense"] * 2, {0: fast, 1: slow, 2: fast}, {0: 16, 1: 4, 2: 4}, 8)
+    lat, score = pf.floor(0, 0, 1)
+    assert score == pytest.approx(8 * max(1.2 / 16, 1.2 / (4 / 2 + 4)))
+
+
 @pytest.mark.parametrize("runtime", [MEGATRON, TORCH], ids=["megatron", "torch"])
 def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands(runtime):
     """The real megatron parallelizer (which gives compute floors) on a 3-island cluster: the search that skips

@@ -45,7 +45,7 @@ from tangram_launch.planner.enumerate import QueryPool, default_workers
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
-from tangram_launch.planner.pair_floors import PairFloors
+from tangram_launch.planner.pair_floors import PairFloors, capacity
 from tangram_launch.planner.templates import GridClass, class_members
 from tangram_launch.planner.slices import (
     ModelAtoms,
@@ -473,11 +473,12 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
                 caps: RuntimeCapabilities, par: Parallelizer | None) -> SizeFloor:
     """Floors at micro-batch size b from the parallelizer's compute floors (``compute_floors``; all 0 for a
     parallelizer without them): every layer runs on some stage of n GPUs for at least its floor time, so the
-    slowest of the stages takes at least the model's GPU-seconds / all usable GPUs, and one micro-batch through the
-    pipeline at least the sum of the layers' floors:
+    slowest of the stages takes at least the model's GPU-seconds / the usable GPUs' capacity (pair_floors.capacity:
+    GPUs, each island's counted at its slowdown against the least floors), and one micro-batch through the pipeline
+    at least the sum of the layers' floors:
 
-        closed form >= (m - 1) x sum(GPU-seconds floors) / GPUs + sum(seconds floors)
-        predicted iteration >= m x sum(GPU-seconds floors) / GPUs
+        closed form >= (m - 1) x sum(GPU-seconds floors) / capacity + sum(seconds floors)
+        predicted iteration >= m x sum(GPU-seconds floors) / capacity
     """
     L = model.num_layers
     none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0)
@@ -515,7 +516,8 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     # score as a candidate, every example plan is the same with and without it.)
     pairs = (PairFloors(kinds, per_island, {k: islands[k].num_gpus for k in per_island}, m)
              if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
-    return SizeFloor((m - 1) * gpu_s / gpus + fill_s, m * gpu_s / gpus, prefix, best["embedding"][1],
+    cap = capacity(kinds, per_island, {k: islands[k].num_gpus for k in per_island})  # <= gpus
+    return SizeFloor((m - 1) * gpu_s / cap + fill_s, m * gpu_s / cap, prefix, best["embedding"][1],
                      best["head"][1], pairs)
 
 

@@ -7,11 +7,13 @@ the least GPU-seconds and the least seconds of forward + backward per micro-batc
 (no recompute or p2p; the TP / CP / EP communication every stage pays). Then, for any such pipeline,
 
     period >= max(GPU-seconds of [a, b) on k / GPUs of k,
-                  least GPU-seconds of the other layers on the other islands / GPUs of the other islands)
+                  least GPU-seconds of the other layers on the other islands / their capacity)
     fill   >= seconds of [a, b) on k + least seconds of the other layers on the other islands
 
 (a stage of n GPUs runs its layers for at least their GPU-seconds / n; the slowest of several stages for at least
-their total over all their GPUs), so its closed form is at least (m - 1) x period + fill and its predicted
+their total over all their GPUs). An island o whose every kind takes at least r_o times the least GPU-seconds
+of any island does at most period x GPUs_o / r_o of least GPU-seconds, so the capacity is the sum of GPUs_o / r_o
+(``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least (m - 1) x period + fill and its predicted
 iteration at least m x period. A query is skipped only when both cannot beat the bounds (as
 ``SliceQuery.beyond_bound``). The floors depend on the slice's position only through the kinds of the layers
 inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key fixes, so
@@ -27,6 +29,22 @@ from typing import Mapping, Sequence
 _SLACK = 1e-9  # as SliceQuery.beyond_bound: plans that tie a bound up to float rounding are kept
 
 
+def capacity(kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float, float]]],
+             gpus: Mapping[int, int]) -> float:
+    """Least GPU-seconds the islands ``floors`` can run per second of period: the sum of GPUs_o / r_o, r_o the
+    least ratio over the kinds (and embedding, head) of island o's GPU-seconds floor to the least of any of them."""
+    names = {*kinds, "embedding", "head"}
+    least: dict[str, float] = {}
+    for f in floors.values():
+        for x in names & f.keys():
+            least[x] = min(least.get(x, math.inf), f[x][0])
+    out = 0.0
+    for o, f in floors.items():  # (a kind an island has no floor for runs elsewhere: it bounds nothing there)
+        ratios = [f[x][0] / least[x] for x in names & f.keys() if least[x] > 0.0]
+        out += gpus[o] / (min(ratios) if ratios else 1.0)
+    return out
+
+
 class PairFloors:
     """Floors for the pairs of one micro-batch size (``num_microbatches`` m)."""
 
@@ -37,13 +55,14 @@ class PairFloors:
         self.m = num_microbatches
         self.L = len(kinds)
         self.gpus = dict(gpus)
-        self.total_gpus = sum(self.gpus.values())
         self.own: dict[int, tuple] = {}  # island -> (GPU-s prefix, s prefix, embedding (gs, s), head (gs, s))
         self.rest: dict[int, tuple] = {}  # island -> the same over the least of the other islands
+        self.rest_capacity: dict[int, float] = {}  # island -> capacity of the other islands
         for k, f in floors.items():
             self.own[k] = self._prefixes(kinds, [f])
-            others = [g for o, g in floors.items() if o != k]
-            self.rest[k] = self._prefixes(kinds, others) if others else None
+            others = {o: g for o, g in floors.items() if o != k}
+            self.rest[k] = self._prefixes(kinds, list(others.values())) if others else None
+            self.rest_capacity[k] = capacity(kinds, others, self.gpus)
 
     @staticmethod
     def _prefixes(kinds: Sequence[str], floors: Sequence[Mapping[str, tuple[float, float]]]) -> tuple:
@@ -85,7 +104,7 @@ class PairFloors:
             if rest is None:
                 return math.inf, math.inf
             rg, rt = self._part(rest, start, stop, False)
-            period = max(period, rg / (self.total_gpus - self.gpus[island]))
+            period = max(period, rg / self.rest_capacity[island])
             t += rt
         return (self.m - 1) * period + t, self.m * period
 
