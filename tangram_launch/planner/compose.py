@@ -344,6 +344,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
     if rank is not None:  # island k's option may have in front only islands ranked before k
         before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
+    stage_cap = max_stages if max_stages is not None else _INF
     if plain:  # trips[n] x a link = _round_trips_s(link, n, m) (a link is >= 0; 0 round trips past m stages)
         trips = [((m - n) // 2 + 1) * 2.0 if n <= m else 0.0 for n in range(n_cap + num_layers + 1)]
     tables: list[dict] = [dict() for _ in range(num_layers + 1)]
@@ -390,41 +391,42 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 else:
                     gidx, _, covered = _by_floor(options, gidx, None, floor_terms, cache)
                 for oi, room in zip(gidx, covered):
-                    o = options[oi]
-                    fits = bisect.bisect_right(afters, o.max_after)  # entries it fits in front of: a prefix
+                    start, _, _, ns, max_after, time_s, bn, tail = options[oi]
+                    fits = bisect.bisect_right(afters, max_after)  # entries it fits in front of: a prefix
                     if not fits:
                         continue
                     lo = bisect.bisect_right(afters, room) if room >= 0 else 0  # entries an earlier option covers
                     if lo >= fits:
                         continue
-                    add = o.time_s + 2.0 * link
-                    tail = o.tail_s
-                    ns = o.num_stages
-                    per = o.bottleneck_s if o.bottleneck_s > link else link  # the period it adds
+                    add = time_s + 2.0 * link
+                    per = bn if bn > link else link  # the period it adds
+                    mb = m * bn  # its slowest stage's m micro-batches (plain_s)
                     if prune:
-                        if o.start:
-                            per_lb = max(period_lb, pre_period[o.start], per, lk) if m1 else 0.0
-                            base = pre_fill[o.start] + add + 2.0 * lk
+                        if start:
+                            per_lb = max(period_lb, pre_period[start], per, lk) if m1 else 0.0
+                            base = pre_fill[start] + add + 2.0 * lk
                         else:
-                            per_lb = max(period_lb, pre_period[o.start], per) if m1 else 0.0
-                            base = pre_fill[o.start] + add
+                            per_lb = max(period_lb, pre_period[start], per) if m1 else 0.0
+                            base = pre_fill[start] + add
+                        in_front = base - add  # (as the floors below always summed it)
                         if base == _INF:
                             continue  # the islands free in front of it cannot cover [0, start)
-                        tail_lb = tail if tail > pre_tail[o.start] else pre_tail[o.start]
+                        tail_lb = tail if tail > pre_tail[start] else pre_tail[start]
                         if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
-                            ps = m * (stage_lb if stage_lb > pre_stage[o.start] else pre_stage[o.start])
+                            ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
+                            trips_on = link or start  # round trips across a boundary with a link
                         lf = least_f[fits - 1] + tail_lb
                         if score_only or m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) \
                                 >= beat:
                             sf = mw * per_lb + w * (base + least_f[fits - 1]) + tail_lb
                             if plain:
                                 a = add + least_a[fits - 1]
-                                a = base - add + (a if a > m * o.bottleneck_s else m * o.bottleneck_s)
+                                a = in_front + (a if a > mb else mb)
                                 a = ps if ps > a else a
                                 ne = front[fits - 1][2]  # the most stages behind, of the entries it fits
                                 if ne < n_cap:  # (exact below the cap)
                                     r = trips[ne] * link  # _round_trips_s(link, ne, m)
-                                    if o.start:
+                                    if start:
                                         r2 = trips[ne + ns] * lk  # _round_trips_s(lk, ne + ns, m)
                                         r = r2 if r2 > r else r
                                     a = r if r > a else a
@@ -436,12 +438,13 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                     made = []  # (fill, tail, period) this option added in front of earlier (no later) entries
                     for pos in range(lo, fits):
                         e = front[pos]
-                        n2 = e[2] + ns
-                        if max_stages is not None and n2 > max_stages:
+                        e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
+                        n2 = e2 + ns
+                        if n2 > stage_cap:
                             continue
-                        nf = e[0] + add
-                        nt = e[1] if e[1] > tail else tail
-                        np_ = e[3] if e[3] > per else per
+                        nf = e0 + add
+                        nt = e1 if e1 > tail else tail
+                        np_ = e3 if e3 > per else per
                         dominated = False
                         for f0, t0, p0 in made:  # one of them dominates it: _pareto would drop it
                             if f0 <= nf and t0 <= nt and p0 <= np_:
@@ -449,36 +452,38 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                 break
                         if dominated:
                             continue
+                        a = add + e[7]
+                        if a < mb:
+                            a = mb
                         if prune:
-                            p = e[3] * shrink
+                            p = e3 * shrink
                             if p < per_lb:
                                 p = per_lb
-                            t = e[1] if e[1] > tail_lb else tail_lb
-                            if score_only or m1 * p + base + e[0] + t >= beat:
-                                sf = mw * p + w * (base + e[0]) + t
+                            t = e1 if e1 > tail_lb else tail_lb
+                            if score_only or m1 * p + base + e0 + t >= beat:
+                                sf = mw * p + w * (base + e0) + t
                                 if plain:
-                                    a = add + e[7]
-                                    a = base - add + (a if a > m * o.bottleneck_s else m * o.bottleneck_s)
-                                    a = ps if ps > a else a
-                                    if e[2] < n_cap and (link or o.start):
-                                        r = trips[e[2]] * link
-                                        if o.start:
-                                            r2 = trips[e[2] + ns] * lk
+                                    pf = a + in_front
+                                    if ps > pf:
+                                        pf = ps
+                                    if e2 < n_cap and trips_on:
+                                        r = trips[e2] * link
+                                        if start:
+                                            r2 = trips[e2 + ns] * lk
                                             r = r2 if r2 > r else r
-                                        a = r if r > a else a
-                                    pf = a + t
+                                        if r > pf:
+                                            pf = r
+                                    pf += t
                                     sf = pf if only_plain or pf < sf else sf
                                 if sf >= score_beat:
                                     continue
                         if tgt is None:
-                            tgt = tables[o.start].get(tkey)
+                            tgt = tables[start].get(tkey)
                             if tgt is None:
-                                tgt = tables[o.start][tkey] = []
+                                tgt = tables[start][tkey] = []
                             elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
                                 tgt[:] = _pareto(tgt, quantum)
-                        a = add + e[7]
-                        tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos,
-                                    a if a > m * o.bottleneck_s else m * o.bottleneck_s))
+                        tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))
                         made.append((nf, nt, np_))
     out = []
     for key, entries in tables[0].items():
