@@ -13,12 +13,12 @@ the least GPU-seconds and the least seconds of forward + backward per micro-batc
 (a stage of n GPUs runs its layers for at least their GPU-seconds / n; the slowest of several stages for at least
 their total over all their GPUs). An island o whose every kind takes at least r_o times the least GPU-seconds
 of any island does at most period x GPUs_o / r_o of least GPU-seconds, so the capacity is the sum of GPUs_o / r_o
-(``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least (m - 1) x period + fill and its predicted
-iteration at least m x period. A query is skipped only when both cannot beat the bounds (as
-``SliceQuery.beyond_bound``). The floors depend on the slice's position only through the kinds of the layers
-inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key fixes, so
-one representative's floor holds for its whole class. The lesser of the other islands' seconds floors is also a
-tighter "outside" fill for the query's own bound (``outside_s``).
+(``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least
+(m - 1) x period + fill and its predicted iteration at least m x period. A query is skipped only when both cannot
+beat the bounds (as ``SliceQuery.beyond_bound``). The floors depend on the slice's position only through the kinds
+of the layers inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key
+fixes, so one representative's floor holds for its whole class. The lesser of the other islands' seconds floors is
+also a tighter "outside" fill for the query's own bound (``outside_s``).
 """
 from __future__ import annotations
 
