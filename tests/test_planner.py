@@ -378,12 +378,12 @@ def test_many_islands_use_ordered_composition_and_stay_valid(monkeypatch):
 def test_seed_orders_cover_every_prefix_of_the_fastest_islands():
     """The seed round pipelines the fastest k islands for every k >= 2 (the best plan often leaves slow islands
     out), in each of island_orders' orders of those k, without repeats."""
-    from tangram_launch.planner.api import _seed_orders, island_orders
+    from tangram_launch.planner.api import _seed_orders, fastest_first, island_orders
 
     types = ("l40s", "b200", "a100-40gb", "h100-sxm", "a100-80gb", "h200")
     isl = build_islands(cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")).islands
     present = list(range(len(isl)))
-    fastest = island_orders(isl, present, "bf16", speed_only=True)[0]
+    fastest = fastest_first(isl, present, "bf16")
     assert sorted(fastest) == present and isl[fastest[0]].gpu.type == "b200"
     orders = _seed_orders(isl, present, "bf16")
     assert len({tuple(o) for o in orders}) == len(orders)

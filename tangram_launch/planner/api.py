@@ -375,7 +375,7 @@ def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str
     """The island orders of the seed round: island_orders over the fastest k islands, for every k from 2. A plan
     over every island pays the bubble of all their stages, and the best plan often leaves the slow islands out
     (Llama-3 405B on 4,096 GPUs: H200 and B200 only), which only a seed over the fast ones comes near."""
-    fast = island_orders(islands, present, dtype, speed_only=True)[0]
+    fast = fastest_first(islands, present, dtype)
     out: list[list[int]] = []
     for k in range(2, len(fast) + 1):
         for order in island_orders(islands, fast[:k], dtype):
@@ -486,7 +486,6 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
         return none
     best: dict[str, tuple[float, float]] = {}
     per_island: dict[int, dict[str, tuple[float, float]]] = {}
-    gpus = 0
     for k, isl in enumerate(islands):
         if dtype_problem(isl, training.dtype) is not None:
             continue
@@ -495,14 +494,14 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
         floors = par.compute_floors(q)
         if not floors:
             continue
-        gpus += isl.num_gpus
         per_island[k] = floors
         for kind, (gs, ts) in floors.items():
             old = best.get(kind, (math.inf, math.inf))
             best[kind] = (min(old[0], gs), min(old[1], ts))
     kinds = [model.layer_kind(i) for i in range(L)]
     needed = {*kinds, "embedding", "head"}
-    if not gpus or any(k not in best for k in needed):
+    gpus = {k: islands[k].num_gpus for k in per_island}
+    if not sum(gpus.values()) or any(k not in best for k in needed):
         return none
     gpu_s = sum(best[k][0] for k in kinds) + best["embedding"][0] + best["head"][0]
     prefix = (0.0, *itertools.accumulate(best[k][1] for k in kinds))
@@ -514,9 +513,9 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     # iteration that cannot beat the bounds. (Under the bisection composer it had moved torch plans, 7.566 ->
     # 7.598 s on C3 (iii) batch 64; since the Pareto composer takes every plan whose score floor can beat the best
     # score as a candidate, every example plan is the same with and without it.)
-    pairs = (PairFloors(kinds, per_island, {k: islands[k].num_gpus for k in per_island}, m)
+    pairs = (PairFloors(kinds, per_island, gpus, m)
              if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
-    cap = capacity(kinds, per_island, {k: islands[k].num_gpus for k in per_island})  # <= gpus
+    cap = capacity(kinds, per_island, gpus)  # <= their GPUs
     return SizeFloor((m - 1) * gpu_s / cap + fill_s, m * gpu_s / cap, prefix, best["embedding"][1],
                      best["head"][1], pairs)
 
@@ -863,11 +862,15 @@ def _hopeful_islands(sub: Sequence[Option], present: Sequence[int], required_mas
         keep = out
 
 
-def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str, *,
-                  speed_only: bool = False) -> list[list[int]]:
+def fastest_first(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[int]:
+    """``present`` by peak TFLOPS in ``dtype``, fastest first (ties: more memory per GPU, then index)."""
+    return sorted(present, key=lambda k: (-compute_tflops(islands[k].gpu, dtype), -islands[k].gpu.memory_gib, k))
+
+
+def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
     """Pipeline orders tried when there are too many islands for the exact search: most memory per GPU first
     (early stages hold the most in-flight activations under 1F1B), fastest first, slowest first, and least
-    memory first; each is searched exactly. ``speed_only``: the fastest-first order alone."""
+    memory first; each is searched exactly."""
 
     def mem(k: int) -> float:
         return islands[k].gpu.memory_gib
@@ -875,11 +878,8 @@ def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: st
     def speed(k: int) -> float:
         return compute_tflops(islands[k].gpu, dtype)
 
-    fastest = sorted(present, key=lambda k: (-speed(k), -mem(k), k))
-    if speed_only:
-        return [fastest]
     candidates = [sorted(present, key=lambda k: (-mem(k), -speed(k), k)),
-                  fastest,
+                  fastest_first(islands, present, dtype),
                   sorted(present, key=lambda k: (speed(k), -mem(k), k)),
                   sorted(present, key=lambda k: (mem(k), -speed(k), k))]
     out: list[list[int]] = []

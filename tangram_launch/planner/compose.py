@@ -345,8 +345,8 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     if rank is not None:  # island k's option may have in front only islands ranked before k
         before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
     stage_cap = max_stages if max_stages is not None else _INF
-    if plain:  # trips[n] x a link = _round_trips_s(link, n, m) (a link is >= 0; 0 round trips past m stages)
-        trips = [((m - n) // 2 + 1) * 2.0 if n <= m else 0.0 for n in range(n_cap + num_layers + 1)]
+    if plain:  # trips[n] x a link = _round_trips_s(link, n, m), the same product (a link is >= 0)
+        trips = [_round_trips_s(1.0, n, m) for n in range(n_cap + num_layers + 1)]
     tables: list[dict] = [dict() for _ in range(num_layers + 1)]
     tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
     stats.dp_runs += 1
