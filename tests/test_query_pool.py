@@ -153,6 +153,27 @@ def test_workers_stay_warm_across_batches_and_answer_as_one_process(eager):
 
 
 @pytest.mark.distributed
+def test_a_worker_builds_its_answers_stage_costs_while_the_pool_lives(eager, monkeypatch):
+    qs = queries(2)
+    again: list = []  # queries answered a second time in this process
+    answered_here = enumerate_mod.answer
+    monkeypatch.setattr(enumerate_mod, "answer", lambda par, q: again.append(q) or answered_here(par, q))
+    with QueryPool(MegatronParallelizer(), 2) as pool:
+        got = pool.run(qs)
+        (worker,) = pool._workers
+        assert worker.sent > 0  # some answers came from the worker
+        n_here = len(again)  # (this process's own share)
+        same_answers(got, in_one_process(qs))  # each plan's StageCosts, built by the worker that answered it
+        assert len(again) == n_here
+    with QueryPool(MegatronParallelizer(), 2) as pool:
+        late = pool.run(qs)
+        n_here = len(again)
+    same_answers(late, in_one_process(qs))  # the pool closed: its workers' answers are answered again here
+    assert len(again) > n_here
+    assert no_children_left()
+
+
+@pytest.mark.distributed
 def test_a_search_plans_the_same_with_workers(eager, monkeypatch):
     started = []
     start = QueryPool._start
