@@ -36,7 +36,7 @@ from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, Sli
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s, group_minima
-from tangram_launch.planner.collector import fewer_collections
+from tangram_launch.planner.collector import no_collections
 from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, least_links,
                                             merged_states, plain_1f1b_floor_s)
 from tangram_launch.planner.cover_floors import island_floors_s, promising
@@ -175,10 +175,11 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
            islands: IslandSet | None = None, options: PlannerOptions | None = None) -> SearchResult:
     """Plan, and keep everything that went into the plan."""
     opts = options or PlannerOptions()
-    # collector.py: the search's many long-lived objects made collections costly. One query pool for all the
-    # search's batches (enumerate.py): its workers keep their caches warm, and stop when the search ends.
-    with fewer_collections(), QueryPool(resolve_parallelizer(parallelizer), opts.max_workers,
-                                        progress=opts.progress, label=f"planning {model.name}") as pool:
+    # collector.py: the search makes no reference cycles, and collections only rescanned its many long-lived
+    # objects. One query pool for all the search's batches (enumerate.py): its workers keep their caches warm,
+    # and stop when the search ends.
+    with no_collections(), QueryPool(resolve_parallelizer(parallelizer), opts.max_workers,
+                                      progress=opts.progress, label=f"planning {model.name}") as pool:
         return _search(cluster, model, training, runtime=runtime, pool=pool, islands=islands, options=opts)
 
 
