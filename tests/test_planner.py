@@ -654,3 +654,17 @@ def test_above_exact_islands_a_size_is_asked_whole_after_its_seeds(monkeypatch):
     # single-island pairs, the same seeds, then all the others at once
     assert len(whole) == 3 and whole[1] == split[1] and whole[2] == sum(split[2:])
     assert plan5 == plan6
+
+
+def test_each_options_edge_times_are_its_first_and_last_stages_forward_and_backward():
+    # compose's edge_s (the DP's cycle floors) read these: lazy plans' numbers, as their built stages have them
+    from tangram_launch.parallelizers.megatron import MegatronParallelizer
+
+    r = search(HET, MODEL, TRAIN, runtime="torch", parallelizer=MegatronParallelizer(), options=SERIAL)
+    for cand in r.all_candidates.values():
+        assert len(cand.edges) == len(cand.options) > 0
+        for i in range(0, len(cand.options), max(1, len(cand.options) // 40)):  # a spread of them, built here
+            stages = cand.sources[i][1].stages
+            first, last = cand.edges[i]
+            assert first == pytest.approx(stages[0].forward_s + stages[0].backward_s, rel=1e-12)
+            assert last == pytest.approx(stages[-1].forward_s + stages[-1].backward_s, rel=1e-12)

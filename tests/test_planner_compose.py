@@ -1,6 +1,7 @@
 """The composition DP (planner/compose.py) against the brute-force reference on seeded random instances."""
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -643,3 +644,71 @@ def test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not(
         assert _round_trips_s(p, S - k - 1, m) <= sim * (1 + 1e-12)
     # 32 stages of 0.03 s, a 1 s link after the 16th, 128 micro-batches: the simulation is under 128 x 1 s
     assert simulated_1f1b_s([0.01] * 32, [0.02] * 32, [0.0] * 15 + [1.0] + [0.0] * 15, 128) < 128 * 1.0
+
+
+@pytest.mark.unit
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10**6))
+def test_cycles_across_a_boundary_lie_under_the_plain_simulation(seed):
+    """compose._cycles_s for each stage boundary (its link, the stages behind it, the stage times beside it) is under
+    the plain 1F1B simulation, whatever the stage times and their forward / backward split, and never under the
+    round trips alone (_round_trips_s) it adds the stage times to."""
+    from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+    from tangram_launch.planner.compose import _cycles_s, _round_trips_s
+
+    rng = random.Random(seed)
+    S = rng.randint(2, 24)
+    m = rng.choice([1, 2, 3, 8, 16, 64])
+    fwd = [rng.uniform(0.001, 1.0) for _ in range(S)]
+    bwd = [f * rng.uniform(0.5, 3.0) for f in fwd]
+    p2p = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(S - 1)]
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    for k, p in enumerate(p2p):
+        behind = S - k - 1
+        got = _cycles_s(p, behind, m, fwd[k] + bwd[k], fwd[k + 1] + bwd[k + 1])
+        assert got <= sim * (1 + 1e-12)
+        assert got >= _round_trips_s(p, behind, m)
+
+
+def _fixed_stages(o, seq):
+    """An option's stage times whatever the sequence: its bottleneck on one stage (the same one each time), the
+    rest of its time split evenly over the others (none longer: time <= stages x bottleneck in random_instance)."""
+    rest = (o.time_s - o.bottleneck_s) / (o.num_stages - 1) if o.num_stages > 1 else 0.0
+    times = [rest] * (o.num_stages - 1)
+    times.insert((o.start + o.stop) % o.num_stages, o.bottleneck_s)
+    return times
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same(seed):
+    """With ``edge_s`` (each option's first and last stage's forward + backward) the DP's plain 1F1B floor counts
+    the stage times its round trips pass (_cycles_s): on random instances scored by the 1F1B simulation compose
+    returns a plan of the same score as without them, never worse than the closed form's optimum (brute force),
+    while its DP keeps fewer states."""
+    rng = random.Random(9300 + seed)
+    score_of = functools.partial(_simulated, stage_times=_fixed_stages)
+    states = [0, 0]
+    for _ in range(80):
+        options, link, L, m, K = random_instance(rng, max_layers=6)
+        # the round trips count below the cap on stages behind (compose._prepare's n_cap, from the finite
+        # max_after): many micro-batches, every option's memory for a few stages behind it or for all of them
+        m = rng.choice([8, 16, 32])
+        options = [o._replace(max_after=rng.choice([2, 4, m - 1])) for o in options]
+        score = score_of(options, link, m)
+        edges = [(t[0], t[-1]) for t in (_fixed_stages(o, ()) for o in options)]
+        every = every_composition(options, link, L, m)
+        got = []
+        for n, edge_s in enumerate((None, edges)):
+            stats = ComposeStats()
+            got.append(compose(options, link, L, m, score=score, stats=stats, score_schedules=("plain",),
+                               score_floor=lambda seq, met: plain_1f1b_floor_s(seq, options, link, m, met.tail_s),
+                               edge_s=edge_s))
+            states[n] += stats.states
+        assert (got[1] is None) == (not every)
+        if not every:
+            continue
+        _check_plan(got[1], options, link, L, m)
+        assert got[1].score_s == pytest.approx(got[0].score_s, rel=1e-12)
+        exact = brute_force(options, link, L, m)  # the closed form's optimum: never a worse score
+        assert got[1].score_s <= score(exact.options, exact.metrics) + 1e-9
+    assert states[1] < states[0]

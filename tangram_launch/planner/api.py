@@ -749,6 +749,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         # round's answers added only options no plan beating the best can hold)
         return None
     sub = [cand.options[i] for i in idx]
+    edges = [cand.edges[i] for i in idx] if len(cand.edges) == len(cand.options) else None
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     if len(present) > opts.exact_islands:
@@ -823,7 +824,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                        score_floor_fine=predicted_fine_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
-                       undominated=True)  # templates.undominated judged each class
+                       undominated=True, edge_s=edges)  # templates.undominated judged each class
         if comp is None:
             return None
         if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing

@@ -47,6 +47,8 @@ class Candidates:
     options: list[Option] = field(default_factory=list)
     sources: list[tuple[Pair, SlicePlan]] = field(default_factory=list)  # option -> (pair, unshifted slice plan)
     groups: list[Hashable] = field(default_factory=list)  # option -> compatibility class (uniform-grid runtimes)
+    # option -> its first and its last stage's forward + backward seconds (compose's edge_s); empty: not known
+    edges: list[tuple[float, float]] = field(default_factory=list)
     training_dtype: str = "bf16"
     training: "TrainingSpec | None" = None  # memory headroom for the interleaving choice (schedule_choice)
     infeasible: dict[str, list[str]] = field(default_factory=dict)  # island -> parallelizer's reasons
@@ -163,12 +165,20 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             where = (pair.layers[0], pair.layers[1], pair.island)
             hit = built[pair] = (temps, [new(Option, where + fields) for fields, _plan, _group in temps],
                                  [(pair, plan) for _fields, plan, _group in temps],
-                                 [group for _fields, _plan, group in temps])
+                                 [group for _fields, _plan, group in temps],
+                                 [_edges(plan) for _fields, plan, _group in temps])
         cand.options.extend(hit[1])
         cand.sources.extend(hit[2])
         cand.groups.extend(hit[3])
+        cand.edges.extend(hit[4])
         cand.parts.append((pair.island, pair.layers[1] - pair.layers[0], temps))
     return cand
+
+
+def _edges(plan: SlicePlan) -> tuple[float, float]:
+    """A slice plan's first and last stage's forward + backward seconds, from its numbers (lazy plans stay unbuilt)."""
+    times = plan.numbers().time_s
+    return times[0], times[-1]
 
 
 def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", model: "ModelSpec",

@@ -56,6 +56,9 @@ _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
 _INF = float("inf")
 SCORE_ANY = ("any",)  # compose's score may be anything: its floor is m x period + tail
+# stage times in the DP's cycle floors are taken this much lower: a slice plan's numbers sum forward and backward
+# once, the simulation reads them apart (an ulp's difference must not prune a plan that ties)
+_EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 
 
@@ -239,6 +242,18 @@ def _round_trips_s(link_s: float, behind: int, num_microbatches: int) -> float:
     return ((num_microbatches - behind) // 2 + 1) * 2.0 * link_s
 
 
+def _cycles_s(link_s: float, behind: int, num_microbatches: int, front_s: float, back_s: float) -> float:
+    """_round_trips_s with the stage times the round trips pass: costmodel.pipeline.cycle_floor_1f1b_s's path
+    across one boundary, c = (m - behind) // 2 cycles of the link both ways, the stage behind it (forward and
+    backward, ``back_s``) and the stage in front of it (``front_s``), then one more trip, without the forwards
+    and backwards it drops (micro-batch 0's way there, the warm-up, the way back): each is >= 0. The DP adds this
+    as c1[n] x back + c0[n] x front to trips[n] x link."""
+    if behind > num_microbatches:
+        return 0.0
+    c = (num_microbatches - behind) // 2
+    return _round_trips_s(link_s, behind, num_microbatches) + (c + 1) * back_s + c * front_s
+
+
 def least_links(link_s: Sequence[Sequence[float]], present: Iterable[int],
                 default: float = math.inf) -> tuple[dict[int, float], dict[int, float]]:
     """Per island of ``present``: the least link into it from another island of ``present``, and the least out of
@@ -289,7 +304,8 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
         num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
         score_beat: float = float("inf"), fill_weight: float = 0.0,
-        schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False) -> list[tuple]:
+        schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
+        edge_s: Sequence[tuple[float, float]] | None = None) -> list[tuple]:
     """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``,
     as (fill_s, tail_s, period_s, option indices front to back). With ``beam``, each state keeps only that many
     entries, those of least (m - 1) x period + fill + tail (a quick plan, not exact).
@@ -315,7 +331,10 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     before the last one's backward left the stages in front: plain_1f1b_floor_s), m x the least slowest stage of
     any cover (PrefixCovers.stage_period_s, without links: the simulation takes a link as latency, so m x a link
     is not under it) and the round trips across the boundary an option adds and the one in front of it
-    (_round_trips_s), + tail; with both schedules the lesser of that and the interleaved floor.
+    (_round_trips_s), + tail; with both schedules the lesser of that and the interleaved floor. With ``edge_s``
+    (per option: its first and its last stage's forward + backward seconds) each such boundary's round trips count
+    the stage times they pass too (_cycles_s): per two micro-batches the two stages beside it and the link both
+    ways, so a slow link between islands costs a plain 1F1B pipeline what it costs in the simulation.
     With such a known score and a score to beat, the score floor alone prunes (the closed form is only a proxy).
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
@@ -347,6 +366,12 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     stage_cap = max_stages if max_stages is not None else _INF
     if plain:  # trips[n] x a link = _round_trips_s(link, n, m), the same product (a link is >= 0)
         trips = [_round_trips_s(1.0, n, m) for n in range(n_cap + num_layers + 1)]
+    edged = plain and edge_s is not None
+    if edged:  # _cycles_s: the stage beside a boundary with n stages behind it is passed c1[n] or c0[n] times
+        c1 = [(m - n) // 2 + 1 if n <= m else 0 for n in range(n_cap + num_layers + 1)]
+        c0 = [(m - n) // 2 if n <= m else 0 for n in range(n_cap + num_layers + 1)]
+        t_first = [e[0] * _EDGE_SHRINK for e in edge_s]
+        t_last = [e[1] * _EDGE_SHRINK for e in edge_s]
     tables: list[dict] = [dict() for _ in range(num_layers + 1)]
     tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
     stats.dp_runs += 1
@@ -370,6 +395,8 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 least_f = list(itertools.accumulate([e[0] for e in front], min))
                 least_a = list(itertools.accumulate([e[7] for e in front], min)) if plain else least_f
             used, f = key
+            if edged and f >= 0:  # the least first-stage time of the first k entries' fronts, at k - 1
+                least_tf = list(itertools.accumulate([t_first[e[4]] for e in front], min))
             if f >= 0 and merge:  # the key holds the front's class: any entry's front island has the same links
                 f = options[front[0][4]].island  # from every island not in ``used``
             for island, bit, gidx in groups:
@@ -414,7 +441,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                         tail_lb = tail if tail > pre_tail[start] else pre_tail[start]
                         if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
                             ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
-                            trips_on = link or start  # round trips across a boundary with a link
+                            trips_on = link or start or (edged and f >= 0)  # a boundary with a link or stages
                         lf = least_f[fits - 1] + tail_lb
                         if score_only or m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) \
                                 >= beat:
@@ -426,8 +453,12 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                 ne = front[fits - 1][2]  # the most stages behind, of the entries it fits
                                 if ne < n_cap:  # (exact below the cap)
                                     r = trips[ne] * link  # _round_trips_s(link, ne, m)
+                                    if edged and f >= 0:  # + _cycles_s's stage times (non-increasing in n)
+                                        r += c1[ne] * least_tf[fits - 1] + c0[ne] * t_last[oi]
                                     if start:
                                         r2 = trips[ne + ns] * lk  # _round_trips_s(lk, ne + ns, m)
+                                        if edged:
+                                            r2 += c1[ne + ns] * t_first[oi]
                                         r = r2 if r2 > r else r
                                     a = r if r > a else a
                                 pf = a + tail_lb
@@ -468,8 +499,12 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                         pf = ps
                                     if e2 < n_cap and trips_on:
                                         r = trips[e2] * link
+                                        if edged and f >= 0:
+                                            r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
                                         if start:
                                             r2 = trips[e2 + ns] * lk
+                                            if edged:
+                                                r2 += c1[e2 + ns] * t_first[oi]
                                             r = r2 if r2 > r else r
                                         if r > pf:
                                             pf = r
@@ -760,7 +795,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score_floor_fine: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
             score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
-            undominated: bool = False) -> Composition | None:
+            undominated: bool = False, edge_s: Sequence[tuple[float, float]] | None = None) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -788,7 +823,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
     layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no option is beaten by
     another of the same layers and island in every respect the kernel sees (the planner's options are: each class
-    was judged by templates.undominated), so the kernel does not look for such pairs.
+    was judged by templates.undominated), so the kernel does not look for such pairs; ``edge_s``: per option, its
+    first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (_cycles_s).
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -902,7 +938,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     def run(beat: float, **kw) -> list[tuple]:
         """The DP's plans that can beat ``beat``, by increasing closed form."""
         found = _dp(options, prep[3], link_s, num_layers, m, required_mask, max_stages, beat, stats, rank,
-                    merge_fronts=merge_fronts, **kw)
+                    merge_fronts=merge_fronts, edge_s=edge_s, **kw)
         return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
 
     # a plan of one option (a whole-model slice plan on one island) needs no DP; with a score it is always a
