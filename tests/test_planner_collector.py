@@ -43,10 +43,23 @@ def test_the_collector_is_off_inside_and_as_it_was_after_even_on_error():
         (gc.enable if was_on else gc.disable)()
 
 
-def test_search_turns_the_collector_back_on():
+def test_search_turns_the_collector_back_on_with_what_it_kept_in_the_oldest_generation():
     assert gc.isenabled()
     assert _search().plan.stages
     assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    assert gc.get_count()[0] < 1000  # not tens of thousands of young objects for the next collection to scan
+
+
+def test_a_callers_frozen_objects_stay_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with no_collections():
+            kept = [[i] for i in range(10_000)]
+        assert gc.get_freeze_count() == frozen and kept
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize("runtime", ["torch", "deepspeed", "megatron"])

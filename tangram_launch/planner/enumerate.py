@@ -137,9 +137,9 @@ def _picklable(obj: object) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _Shipped:
     """A lazy slice plan as it travels from a worker: its numbers and its place in the answer. Its StageCosts are
-    built in the planning process for the few plans it places: building and pickling every answered plan's cost
-    almost half as much CPU as answering (Llama-3 405B on 256 GPUs under torch, batches of 126+ queries: 0.9 CPU-s
-    against 1.9)."""
+    built only for the few plans the planning process places, on request (_Reanswer): building and pickling every
+    answered plan's cost almost half as much CPU as answering (Llama-3 405B on 256 GPUs under torch, batches of
+    126+ queries: 0.9 CPU-s against 1.9)."""
 
     island: str
     layers: tuple[int, int]
