@@ -246,8 +246,8 @@ def _cycles_s(link_s: float, behind: int, num_microbatches: int, front_s: float,
     """_round_trips_s with the stage times the round trips pass: costmodel.pipeline.cycle_floor_1f1b_s's path
     across one boundary, c = (m - behind) // 2 cycles of the link both ways, the stage behind it (forward and
     backward, ``back_s``) and the stage in front of it (``front_s``), then one more trip, without the forwards
-    and backwards it drops (micro-batch 0's way there, the warm-up, the way back): each is >= 0. The DP adds this
-    as c1[n] x back + c0[n] x front to trips[n] x link."""
+    and backwards it drops (micro-batch 0's way there, the warm-up, the way back): each is >= 0. The DP reads it
+    as tables over n (its c1 and c0)."""
     if behind > num_microbatches:
         return 0.0
     c = (num_microbatches - behind) // 2
@@ -367,9 +367,9 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     if plain:  # trips[n] x a link = _round_trips_s(link, n, m), the same product (a link is >= 0)
         trips = [_round_trips_s(1.0, n, m) for n in range(n_cap + num_layers + 1)]
     edged = plain and edge_s is not None
-    if edged:  # _cycles_s: the stage beside a boundary with n stages behind it is passed c1[n] or c0[n] times
-        c1 = [(m - n) // 2 + 1 if n <= m else 0 for n in range(n_cap + num_layers + 1)]
-        c0 = [(m - n) // 2 if n <= m else 0 for n in range(n_cap + num_layers + 1)]
+    if edged:  # _cycles_s(link, n, m, front, back) = trips[n] x link + c1[n] x back + c0[n] x front, the same products
+        c1 = [_cycles_s(0.0, n, m, 0.0, 1.0) for n in range(n_cap + num_layers + 1)]
+        c0 = [_cycles_s(0.0, n, m, 1.0, 0.0) for n in range(n_cap + num_layers + 1)]
         t_first = [e[0] * _EDGE_SHRINK for e in edge_s]
         t_last = [e[1] * _EDGE_SHRINK for e in edge_s]
     tables: list[dict] = [dict() for _ in range(num_layers + 1)]
