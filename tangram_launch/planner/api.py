@@ -47,6 +47,7 @@ from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
 from tangram_launch.planner.pair_floors import PairFloors, capacity
 from tangram_launch.planner.templates import GridClass, class_members
+from tangram_launch.planner.twins import TwinClasses
 from tangram_launch.planner.slices import (
     ModelAtoms,
     Pair,
@@ -644,6 +645,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         floors.pop(None, None)
         score_floors.pop(None, None)
     work = sorted(((floors.get(group, math.inf), group, idx) for group, idx in classes.items()), key=lambda w: w[0])
+    twins = TwinClasses(cand)  # classes with another grid's very options (Megatron's dp x cp splits): once each
     for lb, group, idx in work:
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking, which
         # needs the size's own best exactly: there the best score among its classes so far bounds the rest (what
@@ -652,6 +654,9 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         score_to_beat = best[0] if best is not None and use_incumbent else own_s
         if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
+        schedules = _score_schedules(group, caps, opts)
+        if twins.twin_of(idx, schedules) is not None:
+            continue  # its twin, composed or passed over this round under bounds no tighter, found its plans
         searched = None
         if memo is not None:
             opts_of = [cand.options[i] for i in idx]
@@ -662,8 +667,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
                 searched = last[0]
             memo.composed[(b, group)] = (opts_of, threshold, score_to_beat)
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
-                              score_incumbent_s=score_to_beat, schedules=_score_schedules(group, caps, opts),
-                              searched=searched)
+                              score_incumbent_s=score_to_beat, schedules=schedules, searched=searched)
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
