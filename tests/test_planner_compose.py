@@ -525,6 +525,28 @@ def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
     assert skipped_somewhere
 
 
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(-1, 4), st.integers(1, 4),
+                          st.integers(1, 4), st.integers(1, 4)), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_covered_room_is_the_most_room_of_an_earlier_option_no_worse(rows):
+    """compose._covered_room against its definition: per option, the largest max_after of an option before it on
+    the same layers with no more time, tail, stages and bottleneck (-1: none). Small integer fields, so ties and
+    equal options are common."""
+    from tangram_launch.planner.compose import _covered_room
+
+    options = [Option(start, 8, 0, stages, after, float(t), float(bn), float(tail))
+               for start, stages, after, t, bn, tail in rows]
+    order = list(range(len(options)))[::-1]
+    want = []
+    for k, oi in enumerate(order):
+        o = options[oi]
+        rooms = [options[p].max_after for p in order[:k] if options[p].start == o.start
+                 and options[p].time_s <= o.time_s and options[p].tail_s <= o.tail_s
+                 and options[p].num_stages <= o.num_stages and options[p].bottleneck_s <= o.bottleneck_s]
+        want.append(max(rooms, default=-1))
+    assert _covered_room(options, order) == want
+
+
 @given(st.integers(0, 2 ** 32 - 1))
 @settings(max_examples=60, deadline=None)
 def test_covers_per_island_set_are_the_least_over_every_cover(seed):

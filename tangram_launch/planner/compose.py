@@ -286,16 +286,20 @@ def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
     would drop this option's entry there, so the DP does not build it. Options differ mostly in memory (recompute,
     ZeRO): the faster one covers the entries near the back, the leaner one is needed only further forward."""
     out = []
-    seen: dict[int, list[tuple]] = {}  # start -> (time, tail, stages, bottleneck, max_after) of earlier options
+    # start -> (-max_after, time, tail, stages, bottleneck) of earlier options, most room first: the first that
+    # covers an option has the most room of those that do
+    seen: dict[int, list[tuple]] = {}
     for oi in order:
-        o = options[oi]
+        start, _stop, _island, stages, max_after, time_s, bottleneck_s, tail_s = options[oi]
         room = -1
-        earlier = seen.setdefault(o.start, [])
-        for time_s, tail_s, stages, bottleneck_s, max_after in earlier:
-            if max_after > room and time_s <= o.time_s and tail_s <= o.tail_s and stages <= o.num_stages \
-                    and bottleneck_s <= o.bottleneck_s:
-                room = max_after
-        earlier.append((o.time_s, o.tail_s, o.num_stages, o.bottleneck_s, o.max_after))
+        earlier = seen.get(start)
+        if earlier is None:
+            earlier = seen[start] = []
+        for neg_room, t, tl, ns, bn in earlier:
+            if t <= time_s and tl <= tail_s and ns <= stages and bn <= bottleneck_s:
+                room = -neg_room
+                break
+        bisect.insort(earlier, (-max_after, time_s, tail_s, stages, bottleneck_s))
         out.append(room)
     return out
 
