@@ -51,6 +51,33 @@ def test_island_floor_is_under_every_plan_using_the_island(seed):
             assert not using
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 7))
+def test_island_floors_read_the_other_islands_minima_as_one_pass_over_their_options_would(seed, islands):
+    """island_floors_s merges the other islands' pair minima from the islands before and after each island: the
+    same floors, bit for bit, as the least over the other islands' options taken directly."""
+    from tangram_launch.planner.compose import covers_of, pair_minima
+    from tangram_launch.planner.cover_floors import island_floors_s, usable
+
+    rng = random.Random(seed)
+    L, m = rng.randint(1, 8), rng.choice([1, 2, 4, 8, 32])
+    options = []
+    for _ in range(rng.randint(0, 50)):
+        a = rng.randrange(L)
+        options.append(Option(a, rng.randint(a + 1, L), rng.randrange(islands), rng.randint(1, 3),
+                              rng.choice([NEVER, 0, 2, ROOM]), rng.uniform(0, 4), rng.uniform(0, 2),
+                              rng.choice([0.0, rng.uniform(0, 1)])))
+    idx = usable(options, range(len(options)), L)
+    want = {}
+    for k in range(islands + 1):  # (island ``islands`` has no options)
+        others = pair_minima(options, [i for i in idx if options[i].island != k])
+        front, back = covers_of(others, L, back=False), covers_of(others, L, back=True)
+        want[k] = min((m * max(o.bottleneck_s, front.period_s[o.start], back.period_s[o.stop])
+                       + max(o.tail_s, front.tail_s[o.start], back.tail_s[o.stop])
+                       for o in (options[i] for i in idx) if o.island == k), default=math.inf)
+    assert island_floors_s(options, idx, list(range(islands + 1)), L, m) == want
+
+
 def test_island_floor_is_the_plan_when_the_island_holds_the_slowest_stage():
     # island 1 must hold layers [1, 2) at 3 s; island 0 covers the rest at 1 s: floor = m x 3 + the larger tail
     options = [Option(0, 1, 0, 1, ROOM, 1.0, 1.0, 0.5), Option(1, 2, 1, 1, ROOM, 3.0, 3.0, 0.2),

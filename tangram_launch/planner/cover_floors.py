@@ -42,16 +42,21 @@ def island_floors_s(options: Sequence[Option], idx: Sequence[int], islands: Sequ
     by_island: dict[int, list[int]] = {}
     for oi in usable(options, idx, num_layers):
         by_island.setdefault(options[oi][2], []).append(oi)
-    minima = {k: pair_minima(options, lst) for k, lst in by_island.items()}
+    minima = [pair_minima(options, lst) for lst in by_island.values()]
+    # the other islands' minima merged: those before an island's and those after it, each merged once (K islands:
+    # 3K merges, not K x (K - 1))
+    before: list[dict] = [{}]
+    for mk in minima:
+        before.append(_merged(before[-1], mk))
+    after: list[dict] = [{}]
+    for mk in reversed(minima):
+        after.append(_merged(mk, after[-1]))
+    after.reverse()
+    place = {k: i for i, k in enumerate(by_island)}
     out: dict[int, float] = {}
     for island in islands:
-        others: dict[tuple[int, int], list[float]] = {}
-        for k, mk in minima.items():
-            if k == island:
-                continue
-            for pair, v in mk.items():
-                cur = others.get(pair)
-                others[pair] = list(v) if cur is None else [min(a, b) for a, b in zip(cur, v)]
+        i = place.get(island)
+        others = before[-1] if i is None else _merged(before[i], after[i + 1])
         front = covers_of(others, num_layers, back=False)
         back = covers_of(others, num_layers, back=True)
         fp, ft, bp, bt = front.period_s, front.tail_s, back.period_s, back.tail_s
@@ -62,6 +67,21 @@ def island_floors_s(options: Sequence[Option], idx: Sequence[int], islands: Sequ
             if v < best:
                 best = v
         out[island] = best
+    return out
+
+
+def _merged(a: dict[tuple[int, int], list[float]], b: dict[tuple[int, int], list[float]]
+            ) -> dict[tuple[int, int], list[float]]:
+    """Per pair, the least of each number in ``a`` or ``b`` (pair_minima of a union; the lists are shared, not
+    changed)."""
+    if not a:
+        return b
+    if not b:
+        return a
+    out = dict(a)
+    for pair, v in b.items():
+        cur = out.get(pair)
+        out[pair] = v if cur is None else [x if x < y else y for x, y in zip(cur, v)]
     return out
 
 
