@@ -149,9 +149,10 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             shape_cache=shape_caches.setdefault((isl.name, key[3] and key[4]), {}))
         for why, n in dropped.items():
             cand.dropped[why] = cand.dropped.get(why, 0) + n
-        # per template: the Option fields after (start, stop, island), its plan, its class
-        templates[key] = [((t.num_stages, t.max_after, t.time_s, t.bottleneck_s, t.tail_s), res.plans[t.index],
-                           t.group) for t in kept]
+        # per template: the Option fields after (start, stop, island), its plan, its class, its edge times (the
+        # same for every pair of the answer)
+        templates[key] = [((t.num_stages, t.max_after, t.time_s, t.bottleneck_s, t.tail_s), plan, t.group,
+                           _edges(plan)) for t in kept for plan in (res.plans[t.index],)]
         if judged is not None:
             judged[key] = (res, templates[key], dropped)
     new = tuple.__new__  # Option._make without its Python frame and length check: the fields are Option's 8
@@ -163,10 +164,8 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         hit = built.get(pair)
         if hit is None or hit[0] is not temps:
             where = (pair.layers[0], pair.layers[1], pair.island)
-            hit = built[pair] = (temps, [new(Option, where + fields) for fields, _plan, _group in temps],
-                                 [(pair, plan) for _fields, plan, _group in temps],
-                                 [group for _fields, _plan, group in temps],
-                                 [_edges(plan) for _fields, plan, _group in temps])
+            hit = built[pair] = (temps, [new(Option, where + t[0]) for t in temps],
+                                 [(pair, t[1]) for t in temps], [t[2] for t in temps], [t[3] for t in temps])
         cand.options.extend(hit[1])
         cand.sources.extend(hit[2])
         cand.groups.extend(hit[3])
