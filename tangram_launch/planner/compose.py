@@ -50,6 +50,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
+import numpy as np
+
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 
 _AFTER = operator.itemgetter(2)
@@ -636,46 +638,53 @@ class _PrefixBounds:
         by_island: dict[int, list[int]] = {}
         for oi in idx:
             by_island.setdefault(options[oi].island, []).append(oi)
-        # island -> [(start, stop, least time, least bottleneck, least tail)]
-        self._pairs = {k: [(a, b, *v) for (a, b), v in pair_minima(options, lst).items()]
-                       for k, lst in sorted(by_island.items())}
+        # island -> (start, stop, least time, least bottleneck, least tail) of its (start, stop) pairs, as arrays,
+        # and where start > 0
+        self._pairs: dict[int, tuple] = {}
+        for k, lst in sorted(by_island.items()):
+            rows = [(a, b, *v) for (a, b), v in pair_minima(options, lst).items()]
+            starts, stops = (np.array([r[i] for r in rows], dtype=np.intp) for i in (0, 1))
+            times, bottlenecks, tails = (np.array([r[i] for r in rows], dtype=np.float64) for i in (2, 3, 4))
+            self._pairs[k] = (starts, stops, times, bottlenecks, tails, starts > 0)
         self.islands = sum(1 << k for k in self._pairs)  # the islands with options, as a mask
-        inf = float("inf")
-        none = [inf] * (num_layers + 1)
+        none = np.full(num_layers + 1, np.inf)
         none[0] = 0.0
-        self._cache: dict[int, PrefixCovers] = {0: PrefixCovers(none, list(none), list(none), list(none))}
+        self._arrays: dict[int, tuple] = {0: (none,) * 4}  # mask -> the covers as arrays (fill, period, tail, stage)
+        self._cache: dict[int, PrefixCovers] = {0: PrefixCovers(*(none.tolist() for _ in range(4)))}
 
     def __call__(self, mask: int) -> "PrefixCovers":
         mask &= self.islands
         hit = self._cache.get(mask)
         if hit is not None:
             return hit
-        empty = self(0)
-        fill, period, tail = list(empty.fill_s), list(empty.period_s), list(empty.tail_s)
-        stage = list(empty.stage_period_s)
-        for k, pairs in self._pairs.items():
+        self._covers(mask)
+        return self._cache[mask]
+
+    def _covers(self, mask: int) -> tuple:
+        """The covers by ``mask`` as arrays (and, in the cache, as the lists the DP reads): per island k of the
+        set, its pairs (+) the covers by the rest, the least per stop (the same float operations, element by
+        element, as a loop over the pairs, and min is exact in any order)."""
+        hit = self._arrays.get(mask)
+        if hit is not None:
+            return hit
+        fill, period, tail, stage = (a.copy() for a in self._arrays[0])
+        for k, (starts, stops, times, bottlenecks, tails, later) in self._pairs.items():
             if not mask >> k & 1:
                 continue
             rest = mask & ~(1 << k)
-            sf, sp, st, ss = self(rest)
+            sf, sp, st, ss = self._covers(rest)
             # (inf with no island left in front: then sf[start] is inf for every start > 0 too)
             lk = 0.0 if self._link_s is None else _front_link_s(self._link_s, rest, k, self._links)
-            for start, stop, time_s, bottleneck_s, tail_s in pairs:
-                v = sf[start] + time_s + (2.0 * lk if start else 0.0)
-                if v < fill[stop]:
-                    fill[stop] = v
-                v = sp[start] if sp[start] > bottleneck_s else bottleneck_s
-                if start and lk > v:
-                    v = lk
-                if v < period[stop]:
-                    period[stop] = v
-                v = ss[start] if ss[start] > bottleneck_s else bottleneck_s
-                if v < stage[stop]:
-                    stage[stop] = v
-                v = st[start] if st[start] > tail_s else tail_s
-                if v < tail[stop]:
-                    tail[stop] = v
-        hit = self._cache[mask] = PrefixCovers(fill, period, tail, stage)
+            np.minimum.at(fill, stops, sf[starts] + times + np.where(later, 2.0 * lk, 0.0))
+            sps = sp[starts]
+            v = np.where(sps > bottlenecks, sps, bottlenecks)
+            np.minimum.at(period, stops, np.where(later & (lk > v), lk, v))
+            sss = ss[starts]
+            np.minimum.at(stage, stops, np.where(sss > bottlenecks, sss, bottlenecks))
+            sts = st[starts]
+            np.minimum.at(tail, stops, np.where(sts > tails, sts, tails))
+        hit = self._arrays[mask] = (fill, period, tail, stage)
+        self._cache[mask] = PrefixCovers(fill.tolist(), period.tolist(), tail.tolist(), stage.tolist())
         return hit
 
 
