@@ -17,7 +17,7 @@ from tangram_launch.errors import InfeasibleError
 from tangram_launch.parallelizers.base import GIB
 from tangram_launch.planner import api
 from tangram_launch.planner.api import PlannerOptions, search
-from tangram_launch.planner.classes import class_floors_s
+from tangram_launch.planner.classes import class_floors_s, stage_totals
 from tangram_launch.planner.compose import Option, lower_bound
 from tangram_launch.planner.reference import brute_force, every_composition
 from tangram_launch.planner.synthetic import SyntheticParallelizer
@@ -47,6 +47,26 @@ def instance(seed: int):
                                           bn, rng.choice([0.0, 0.5, 2.0])))
     link = [[0.0 if i == j else rng.choice([0.0, 0.3, 1.5]) for j in range(K)] for i in range(K)]
     return options, link, L, m
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 12))
+def test_stage_totals_hold_every_compositions_stage_count(seed, most):
+    """stage_totals relaxes a pipeline to slice lengths that sum to L, one per island: every composition's stage
+    count (up to ``most``) is among them, so a one-grid class none of whose counts divides m cannot interleave."""
+    options, link, L, m = instance(seed)
+    totals = stage_totals(options, range(len(options)), L, most)
+    counts = {sum(options[i].num_stages for i in c.options) for c in every_composition(options, link, L, m)}
+    assert {n for n in counts if n <= most} <= totals
+    assert all(n <= most for n in totals)
+
+
+def test_stage_totals_of_slices_that_cannot_add_up():
+    # island 0 holds [0, 2) in 3 stages, island 1 holds [2, 4) in 2 or 4: 5 or 7 stages, never 4 or 8
+    options = [Option(0, 2, 0, 3, ALWAYS, 1.0, 0.4, 0.0), Option(2, 4, 1, 2, ALWAYS, 1.0, 0.5, 0.0),
+               Option(2, 4, 1, 4, ALWAYS, 1.0, 0.3, 0.0), Option(0, 4, 1, 2, NEVER, 1.0, 0.5, 0.0)]
+    assert stage_totals(options, range(4), 4, 64) == {5, 7}
+    assert stage_totals(options, range(4), 4, 6) == {5}
 
 
 @settings(max_examples=120, deadline=None)

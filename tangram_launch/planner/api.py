@@ -35,7 +35,7 @@ from tangram_launch.islands import IslandSet, build_islands, compute_tflops
 from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, SliceResult
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
-from tangram_launch.planner.classes import class_floors_s, group_minima
+from tangram_launch.planner.classes import class_floors_s, group_minima, stage_totals
 from tangram_launch.planner.collector import no_collections
 from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, least_links,
                                             merged_states, plain_1f1b_floor_s)
@@ -654,6 +654,9 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         score_to_beat = best[0] if best is not None and use_incumbent else own_s
         if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
+        if group in interleave_only and not any(
+                S > 1 and m % S == 0 for S in stage_totals(cand.options, idx, L, m)):
+            continue  # no pipeline of it can interleave (its stages would not divide the micro-batches)
         schedules = _score_schedules(group, caps, opts)
         if twins.twin_of(idx, schedules) is not None:
             continue  # its twin, composed or passed over this round under bounds no tighter, found its plans

@@ -158,3 +158,29 @@ def _least_fill(islands: list[list[tuple[int, list[float]]]], L: int) -> float:
                     new[s + n] = v
         best = new
     return best[L]
+
+
+def stage_totals(options: Sequence[Option], idx: Sequence[int], num_layers: int, most: int) -> set[int]:
+    """The stage counts, up to ``most``, of the covers of [0, L) by options of ``idx`` on distinct islands (ignoring
+    where the slices start, links and memory: a relaxation, so every pipeline of these options has its stage count
+    among them). A one-grid class's pipelines interleave only where the stages divide the micro-batches
+    (capabilities.schedule_problems): none of them can where no such count is among these."""
+    L = num_layers
+    per_island: dict[int, set[tuple[int, int]]] = {}
+    for oi in idx:
+        o = options[oi]
+        if o.max_after >= 0 and 0 <= o.start < o.stop <= L and o.num_stages <= most:
+            per_island.setdefault(o.island, set()).add((o.stop - o.start, o.num_stages))
+    mask = (1 << (L + 1)) - 1
+    reach = {0: 1}  # stages so far -> bit n: the islands so far can cover n layers in that many stages
+    for k in sorted(per_island):
+        new = dict(reach)
+        for n, stages in per_island[k]:
+            for total, bits in reach.items():
+                t = total + stages
+                if t <= most:
+                    b = (bits << n) & mask
+                    if b:
+                        new[t] = new.get(t, 0) | b
+        reach = new
+    return {total for total, bits in reach.items() if bits >> L & 1}
