@@ -20,22 +20,10 @@ def _search(cluster_name: str, model_name: str, global_batch: int, seq_len: int,
     from tangram_launch.specs.training import TrainingSpec
     cluster = ClusterSpec.load(os.path.join(CLUSTERS, f"{cluster_name}.yaml"))
     training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype="fp16")
-    stats = []
-
-    class Stats(api.ComposeStats):  # the search's own, to read how many DP passes it ran
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            stats.append(self)
-
-    old = api.ComposeStats
-    api.ComposeStats = Stats
-    try:
-        r = api.search(cluster, load_model(model_name), training, runtime=runtime,
-                       islands=build_islands(cluster, dtype="fp16"),
-                       options=api.PlannerOptions(max_workers=1, progress=False))
-    finally:
-        api.ComposeStats = old
-    return r, sum(s.dp_runs for s in stats)
+    r = api.search(cluster, load_model(model_name), training, runtime=runtime,
+                   islands=build_islands(cluster, dtype="fp16"),
+                   options=api.PlannerOptions(max_workers=1, progress=False))
+    return r, r.plan.planner["compose"]["dp_runs"]  # the DP passes the search ran
 
 
 def _untimed(plan) -> dict:
