@@ -469,6 +469,31 @@ def test_merged_fronts_find_the_brute_force_optimum(seed):
     assert merged > 20  # the instances do merge fronts
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_without_the_quick_plan_the_exact_pass_alone_finds_the_optimum(seed):
+    """quick_plan=False (the driver's merged pass after a seed order): one DP pass instead of two, and the plan is
+    still the brute force's optimum, with merged fronts or without, and under an incumbent."""
+    rng = random.Random(7500 + seed)
+    feasible = 0
+    for _ in range(100):
+        options, link, L, m, K = random_instance(rng, max_islands=4)
+        merge = rng.random() < 0.5
+        ref = brute_force(options, link, L, m)
+        with_quick, without = ComposeStats(), ComposeStats()
+        a = compose(options, link, L, m, merge_fronts=merge, stats=with_quick)
+        b = compose(options, link, L, m, merge_fronts=merge, stats=without, quick_plan=False)
+        assert (b is None) == (ref is None)
+        if ref is None:
+            continue
+        feasible += 1
+        assert b.latency_s == pytest.approx(ref.latency_s, rel=1e-12, abs=1e-12) == a.latency_s
+        _check_plan(b, options, link, L, m)
+        assert without.dp_runs == with_quick.dp_runs - 1 == 1
+        above = compose(options, link, L, m, incumbent_s=ref.latency_s * 1.5 + 1, quick_plan=False)
+        assert above is not None and above.latency_s == pytest.approx(ref.latency_s, rel=1e-12, abs=1e-12)
+    assert feasible > 25
+
+
 def _memory_variants(rng: random.Random):
     """Instances whose layers and island hold a fast option that fits only near the back and leaner, slower ones
     that fit further forward (recompute, ZeRO), as real slice plans do."""
