@@ -45,8 +45,11 @@ def _instance(seed: int):
     slices = [(k, bounds[i], bounds[i + 1]) for i, k in enumerate(used)]
     stage_s = []
     slice_s = []  # per slice, its stages' seconds
+    first_of = set()  # the stages that begin a slice after the first (a link in front of them)
     for k, a, z in slices:
         slice_s.append(len(stage_s))
+        if stage_s:
+            first_of.add(len(stage_s))
         n_stages = rng.randint(1, min(z - a, gpus[k]))
         inner = sorted(rng.sample(range(a + 1, z), n_stages - 1))
         left = gpus[k]
@@ -59,21 +62,33 @@ def _instance(seed: int):
             stage_s.append(need * rng.choice([1.0, 1.0, rng.uniform(1.0, 2.0)]))
     links = [rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(len(slices) - 1)]
     period = max(stage_s + links)
-    closed = pipeline_latency_s(m, period, sum(stage_s) + 2 * sum(links), rng.choice([0.0, 0.3]))
-    slice_s = [sum(stage_s[i:j]) for i, j in zip(slice_s, [*slice_s[1:], len(stage_s)])]
-    return floors, gpus, kinds, m, slices, closed, max(stage_s), (slice_s, links)
+    fill = sum(stage_s) + 2 * sum(links)
+    closed = pipeline_latency_s(m, period, fill, rng.choice([0.0, 0.3]))
+    # the plain 1F1B's floor (compose.plain_1f1b_floor_s): each stage's m micro-batches after the fill in front
+    plain, front, crossed = 0.0, 0.0, iter(links)
+    for j, t in enumerate(stage_s):
+        if j in first_of:
+            front += 2 * next(crossed)
+        plain = max(plain, front + m * t)
+        front += t
+    # under every predicted iteration: the plain 1F1B's and the interleaved one's with any v <= 8 chunks
+    predicted = min(plain, *(pipeline_latency_s(m, period, fill, 0.0, v) for v in range(2, 9)))
+    spans = list(zip(slice_s, [*slice_s[1:], len(stage_s)]))
+    slowest = [max(stage_s[i:j]) for i, j in spans]  # per slice, its slowest stage
+    slice_s = [sum(stage_s[i:j]) for i, j in spans]
+    return floors, gpus, kinds, m, slices, closed, predicted, (slice_s, links, slowest)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**32))
 def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
-    floors, gpus, kinds, m, slices, closed, slowest, _ = _instance(seed)
+    floors, gpus, kinds, m, slices, closed, predicted, _ = _instance(seed)
     pf = PairFloors(kinds, floors, gpus, m)
     for k, a, z in slices:
         lat, score = pf.floor(k, a, z)
         assert lat <= closed * (1 + 1e-12)
-        assert score <= m * slowest * (1 + 1e-12)  # under the predicted iteration, which runs m of its slowest
-        assert not pf.beyond(k, a, z, closed, m * slowest)
+        assert score <= predicted * (1 + 1e-12)  # under the plain and the interleaved 1F1B's iterations
+        assert not pf.beyond(k, a, z, closed, predicted)
         outside = pf.outside_s(k, a, z)
         assert outside is None or outside <= closed
 
@@ -83,12 +98,14 @@ def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
 @given(st.integers(0, 2**32))
 def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_pair(seed):
     """api._outside_s (what a pair's query takes off the closed form to beat) is under what the rest of any
-    pipeline holding the pair adds to its fill: the other slices' stage times and twice every link crossed."""
-    from tangram_launch.planner.api import SizeFloor, _outside_s
+    pipeline holding the pair adds to its fill: the other slices' stage times and twice every link crossed; and
+    api._score_extra_s (what it takes off the score to beat) is under what any predicted iteration adds to m x the
+    slice plan's slowest stage."""
+    from tangram_launch.planner.api import SizeFloor, _front_s, _outside_s, _score_extra_s
     from tangram_launch.planner.compose import least_links
     from tangram_launch.planner.slices import Pair
 
-    floors, gpus, kinds, m, slices, _closed, _slowest, (slice_s, links) = _instance(seed)
+    floors, gpus, kinds, m, slices, _closed, predicted, (slice_s, links, slowest) = _instance(seed)
     rng = random.Random(seed)
     L, K = len(kinds), len(floors)
     pf = PairFloors(kinds, floors, gpus, m)
@@ -101,10 +118,14 @@ def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_p
     for (i, _a, _z), (j, _b, _y), lk in zip(slices, slices[1:], links):
         matrix[i][j] = lk
     fill = sum(slice_s) + 2.0 * sum(links)
+    into, out_of = least_links(matrix, range(K), default=0.0)
     for n, (k, a, z) in enumerate(slices):
         pair = Pair((a, z), k, (k, z - a, a == 0, z == L))
-        assert _outside_s(size, pair, *least_links(matrix, range(K), default=0.0), L) <= \
-            (fill - slice_s[n]) * (1 + 1e-12)
+        outside = _outside_s(size, pair, into, out_of, L)
+        assert outside <= (fill - slice_s[n]) * (1 + 1e-12)
+        # what the query's score bound is lowered by: every predicted iteration is at least m x the slice plan's
+        # slowest stage + that (+ the tail)
+        assert m * slowest[n] + _score_extra_s(_front_s(size, pair, into), outside) <= predicted * (1 + 1e-12)
 
 
 def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():

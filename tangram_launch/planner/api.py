@@ -543,6 +543,33 @@ def _outside_s(floor: SizeFloor, pair: Pair, into: dict[int, float], out_of: dic
     return out
 
 
+def _front_s(floor: SizeFloor, pair: Pair, into: dict[int, float]) -> float:
+    """The least fill in front of ``pair``'s slice in any pipeline holding it: the least seconds of layers
+    [0, start) and the embedding, on the other islands where the pair floors have them (else on any island), and
+    the least link into its island, twice (0 for a slice at layer 0)."""
+    a, k = pair.layers[0], pair.island
+    if a == 0:
+        return 0.0
+    out = floor.prefix_s[a] + floor.embedding_s
+    if floor.pairs is not None:
+        rest = floor.pairs.front_s(k, a)
+        if rest is not None and rest > out:
+            out = rest
+    return out + 2.0 * into[k]
+
+
+def _score_extra_s(front_s: float, outside_s: float) -> float:
+    """What any predicted iteration of a pipeline holding a slice plan adds to m x its slowest stage + its tail, at
+    least: the plain 1F1B runs that stage's m micro-batches after the first one's forward reached it and before the
+    last one's backward left the stages in front (compose.plain_1f1b_floor_s: + the fill in front); interleaved
+    with v <= MAX_VIRTUAL_STAGES chunks, m x period + (fill - period) / v >= m x the stage + (the rest's fill) / v
+    (the slice's own fill is at least its slowest stage); the closed form adds both. A query's score bound is
+    lowered by it, as its closed-form bound is by the fill outside (on Llama-3 405B over 4,096 GPUs at b = 128,
+    m = 8 micro-batches: up to a seventh of the score floor)."""
+    inter = outside_s / MAX_VIRTUAL_STAGES
+    return front_s if front_s < inter else inter
+
+
 def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor,
          results: dict, counters: dict, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
          islands: Sequence["Island"], present: Sequence[int], caps: RuntimeCapabilities,
@@ -562,11 +589,11 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
                 results[b][p.key] = _merge(results[b].get(p.key), SliceResult((*p.key, b), (), None, bounded=1))
                 counters["pairs_skipped"] += 1
                 continue
+            outside = _outside_s(floor, p, into, out_of, L)
             queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
                                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
-                                      pipelined=p.layers != (0, L),
-                                      latency_bound_s=bound_s - _outside_s(floor, p, into, out_of, L),
-                                      score_bound_s=score_s))
+                                      pipelined=p.layers != (0, L), latency_bound_s=bound_s - outside,
+                                      score_bound_s=score_s - _score_extra_s(_front_s(floor, p, into), outside)))
             where.append((b, p))
     if not queries:
         return

@@ -14,7 +14,9 @@ the least GPU-seconds and the least seconds of forward + backward per micro-batc
 their total over all their GPUs). An island o whose every kind takes at least r_o times the least GPU-seconds
 of any island does at most period x GPUs_o / r_o of least GPU-seconds, so the capacity is the sum of GPUs_o / r_o
 (``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least
-(m - 1) x period + fill and its predicted iteration at least m x period. A query is skipped only when both cannot
+(m - 1) x period + fill and its predicted iteration at least m x period, and more where m is small: the lesser of
+plain 1F1B's (m x the slice's period + the fill in front of it) and interleaved 1F1B's (+ (fill - period) / the most
+virtual stages; ``floor``). A query is skipped only when both cannot
 beat the bounds (as ``SliceQuery.beyond_bound``). The floors depend on the slice's position only through the kinds
 of the layers inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key
 fixes, so one representative's floor holds for its whole class. The lesser of the other islands' seconds floors is
@@ -25,6 +27,8 @@ from __future__ import annotations
 import itertools
 import math
 from typing import Mapping, Sequence
+
+from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
 
 _SLACK = 1e-9  # as SliceQuery.beyond_bound: plans that tie a bound up to float rounding are kept
 
@@ -98,20 +102,38 @@ class PairFloors:
         if own is None:
             return 0.0, 0.0
         g, t = self._part(own, start, stop, True)
-        period = g / self.gpus[island]
+        own_period = period = g / self.gpus[island]
+        rest_period = front = 0.0
         if (start, stop) != (0, self.L):
             rest = self.rest[island]
             if rest is None:
                 return math.inf, math.inf
             rg, rt = self._part(rest, start, stop, False)
-            period = max(period, rg / self.rest_capacity[island])
+            rest_period = rg / self.rest_capacity[island]
+            period = max(period, rest_period)
             t += rt
-        return (self.m - 1) * period + t, self.m * period
+            if start:
+                front = rest[1][start] + rest[2][1]  # layers [0, start) and the embedding, in front of it
+        m = self.m
+        # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
+        # (compose.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v <= MAX_VIRTUAL_STAGES
+        # (the fill is at least the period); the closed form is above both
+        plain = max(m * own_period + front, m * rest_period)
+        inter = m * period + max(0.0, t - period) / MAX_VIRTUAL_STAGES
+        return (m - 1) * period + t, plain if plain < inter else inter
 
     def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:
         """Whether no pipeline holding the pair can beat either bound."""
         lat, score = self.floor(island, start, stop)
         return lat > latency_bound_s * (1.0 + _SLACK) and score > score_bound_s * (1.0 + _SLACK)
+
+    def front_s(self, island: int, start: int) -> float | None:
+        """Least seconds of layers [0, start) and the embedding on the other islands (None: no floors for it)."""
+        rest = self.rest.get(island)
+        if rest is None or start == 0:
+            return None if rest is None else 0.0
+        _gs, ts, emb, _head = rest
+        return ts[start] + emb[1]
 
     def outside_s(self, island: int, start: int, stop: int) -> float | None:
         """Least seconds of the layers outside [start, stop) on the other islands (None: no floors for it)."""
