@@ -138,6 +138,27 @@ def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():
 
 
 @pytest.mark.unit
+def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
+    """By hand: two islands of 2 GPUs, two dense layers; island 1 takes twice island 0's floors. The pair (island
+    1, layer 1 and the head): own GPU-seconds 4.4 on 2 GPUs (period 2.2), seconds 2.2; the rest (layer 0 and the
+    embedding on island 0) 2.2 GPU-seconds on 2 GPUs, 1.1 s, all of it in front. m = 4: plain 1F1B's floor
+    max(4 x 2.2 + 1.1, 4 x 1.1) = 9.9, interleaved 4 x 2.2 + (3.3 - 2.2) / 8 = 8.9375, the lesser; m = 1: plain
+    2.2 + 1.1 = 3.3 against interleaved 2.2 + 1.1 / 8. The query's own term (api._score_extra_s) is the lesser of
+    the fill in front and the rest's fill / 8."""
+    from tangram_launch.planner.api import _score_extra_s
+
+    f0 = {"dense": (2.0, 1.0), "embedding": (0.2, 0.1), "head": (0.2, 0.1)}
+    f1 = {x: (2.0 * g, 2.0 * t) for x, (g, t) in f0.items()}
+    lat, score = PairFloors(["dense"] * 2, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(1, 1, 2)
+    assert lat == pytest.approx(3 * 2.2 + 3.3) and score == pytest.approx(4 * 2.2 + 1.1 / 8)
+    assert PairFloors(["dense"] * 2, {0: f0, 1: f1}, {0: 2, 1: 2}, 1).floor(1, 1, 2)[1] == pytest.approx(
+        2.2 + 1.1 / 8)
+    # island 0's layer 1: the rest (island 1's layer 0, 4.4 GPU-seconds on 2 GPUs) is the slowest; nothing added
+    assert PairFloors(["dense"] * 2, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(0, 1, 2)[1] == pytest.approx(4 * 2.2)
+    assert _score_extra_s(1.0, 16.0) == 1.0 and _score_extra_s(3.0, 16.0) == 2.0 and _score_extra_s(0.0, 8.0) == 0.0
+
+
+@pytest.mark.unit
 def test_capacity_counts_a_slower_island_at_its_slowdown():
     """pair_floors.capacity: an island whose every kind takes twice the least GPU-seconds counts half its GPUs; a
     kind it has no floor for bounds nothing on it; so the other layers' period floor rises from GPU-seconds / GPUs."""
