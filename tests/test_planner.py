@@ -240,6 +240,12 @@ def test_pruning_counts_and_ablation_never_worsen_the_plan():
     assert c["total"] == none.counts["total"] == 36 * 3
     assert c["total"] - c["incompatible"] - c["infeasible"] - c["unbalanced"] == len(full.pairs)
     assert len(full.pairs) - c["redundant"] == c["queries"] == len(full.queries)
+    # a class's representative is its pair of the least start, whose fill in front is the least of its class: the
+    # query's score bound (api._front_s) holds for every pair that reuses its answer
+    first = {}
+    for p in full.pairs:
+        first[p.key] = min(first.get(p.key, p.layers[0]), p.layers[0])
+    assert all(q.layers[0] == first[q.key] for q in full.queries)
     assert len(none.queries) == 36 * 3
     assert c["queries"] < 36 * 3
     # every single-island (full-model) pair survives pruning

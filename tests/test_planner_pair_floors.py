@@ -44,6 +44,7 @@ def _instance(seed: int):
     bounds = [0, *cuts, L]
     slices = [(k, bounds[i], bounds[i + 1]) for i, k in enumerate(used)]
     stage_s = []
+    fewest = L  # the fewest layers of any stage: interleaving takes v <= them chunks (interleave.py)
     slice_s = []  # per slice, its stages' seconds
     first_of = set()  # the stages that begin a slice after the first (a link in front of them)
     for k, a, z in slices:
@@ -54,6 +55,7 @@ def _instance(seed: int):
         inner = sorted(rng.sample(range(a + 1, z), n_stages - 1))
         left = gpus[k]
         for s, (sa, sz) in enumerate(zip([a, *inner], [*inner, z])):
+            fewest = min(fewest, sz - sa)
             n = rng.randint(1, left - (n_stages - 1 - s))
             left -= n
             names = [kinds[j] for j in range(sa, sz)] + (["embedding"] if sa == 0 else []) + (
@@ -71,8 +73,9 @@ def _instance(seed: int):
             front += 2 * next(crossed)
         plain = max(plain, front + m * t)
         front += t
-    # under every predicted iteration: the plain 1F1B's and the interleaved one's with any v <= 8 chunks
-    predicted = min(plain, *(pipeline_latency_s(m, period, fill, 0.0, v) for v in range(2, 9)))
+    # under every predicted iteration: the plain 1F1B's and the interleaved one's with any v <= 8 chunks that every
+    # stage has the layers for
+    predicted = min([plain, *(pipeline_latency_s(m, period, fill, 0.0, v) for v in range(2, min(8, fewest) + 1))])
     spans = list(zip(slice_s, [*slice_s[1:], len(stage_s)]))
     slowest = [max(stage_s[i:j]) for i, j in spans]  # per slice, its slowest stage
     slice_s = [sum(stage_s[i:j]) for i, j in spans]
@@ -139,23 +142,28 @@ def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():
 
 @pytest.mark.unit
 def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
-    """By hand: two islands of 2 GPUs, two dense layers; island 1 takes twice island 0's floors. The pair (island
-    1, layer 1 and the head): own GPU-seconds 4.4 on 2 GPUs (period 2.2), seconds 2.2; the rest (layer 0 and the
-    embedding on island 0) 2.2 GPU-seconds on 2 GPUs, 1.1 s, all of it in front. m = 4: plain 1F1B's floor
-    max(4 x 2.2 + 1.1, 4 x 1.1) = 9.9, interleaved 4 x 2.2 + (3.3 - 2.2) / 8 = 8.9375, the lesser; m = 1: plain
-    2.2 + 1.1 = 3.3 against interleaved 2.2 + 1.1 / 8. The query's own term (api._score_extra_s) is the lesser of
-    the fill in front and the rest's fill / 8."""
+    """By hand: two islands of 2 GPUs, four dense layers; island 1 takes twice island 0's floors. The pair (island
+    1, layers 2-3 and the head): own GPU-seconds 8.4 on 2 GPUs (period 4.2), seconds 4.2; the rest (layers 0-1 and
+    the embedding on island 0) 4.2 GPU-seconds on 2 GPUs, 2.1 s, all of it in front. m = 4: plain 1F1B's floor
+    max(4 x 4.2 + 2.1, 4 x 2.1) = 18.9; interleaved, at most 2 chunks (2 layers), 4 x 4.2 + (6.3 - 4.2) / 2 = 17.85;
+    the lesser. m = 1: plain 4.2 + 2.1 = 6.3 against interleaved 4.2 + 2.1 / 2. A slice of one layer cannot
+    interleave: with island 0 on 8 GPUs, island 1's layer 3 and the head take plain 1F1B's 4 x 2.2 + 3.1. The
+    query's own term (api._score_extra_s) is the lesser of the fill in front and the rest's fill / its chunks."""
     from tangram_launch.planner.api import _score_extra_s
 
     f0 = {"dense": (2.0, 1.0), "embedding": (0.2, 0.1), "head": (0.2, 0.1)}
     f1 = {x: (2.0 * g, 2.0 * t) for x, (g, t) in f0.items()}
-    lat, score = PairFloors(["dense"] * 2, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(1, 1, 2)
-    assert lat == pytest.approx(3 * 2.2 + 3.3) and score == pytest.approx(4 * 2.2 + 1.1 / 8)
-    assert PairFloors(["dense"] * 2, {0: f0, 1: f1}, {0: 2, 1: 2}, 1).floor(1, 1, 2)[1] == pytest.approx(
-        2.2 + 1.1 / 8)
-    # island 0's layer 1: the rest (island 1's layer 0, 4.4 GPU-seconds on 2 GPUs) is the slowest; nothing added
-    assert PairFloors(["dense"] * 2, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(0, 1, 2)[1] == pytest.approx(4 * 2.2)
+    kinds = ["dense"] * 4
+    lat, score = PairFloors(kinds, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(1, 2, 4)
+    assert lat == pytest.approx(3 * 4.2 + 6.3) and score == pytest.approx(4 * 4.2 + 2.1 / 2)
+    assert PairFloors(kinds, {0: f0, 1: f1}, {0: 2, 1: 2}, 1).floor(1, 2, 4)[1] == pytest.approx(4.2 + 2.1 / 2)
+    # island 0's layers 2-3: the rest (island 1's layers 0-1, 8.4 GPU-seconds on 2 GPUs) is the slowest: m x it
+    assert PairFloors(kinds, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(0, 2, 4)[1] == pytest.approx(4 * 4.2)
+    assert PairFloors(kinds, {0: f0, 1: f1}, {0: 8, 1: 2}, 4).floor(1, 3, 4)[1] == pytest.approx(4 * 2.2 + 3.1)
     assert _score_extra_s(1.0, 16.0) == 1.0 and _score_extra_s(3.0, 16.0) == 2.0 and _score_extra_s(0.0, 8.0) == 0.0
+    # a slice of 4 layers interleaves in 4 chunks at most, one of 1 layer not at all
+    assert _score_extra_s(3.0, 16.0, 4) == 3.0 and _score_extra_s(5.0, 16.0, 4) == 4.0
+    assert _score_extra_s(9.0, 16.0, 1) == 9.0
 
 
 @pytest.mark.unit

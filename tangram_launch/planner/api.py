@@ -546,7 +546,9 @@ def _outside_s(floor: SizeFloor, pair: Pair, into: dict[int, float], out_of: dic
 def _front_s(floor: SizeFloor, pair: Pair, into: dict[int, float]) -> float:
     """The least fill in front of ``pair``'s slice in any pipeline holding it: the least seconds of layers
     [0, start) and the embedding, on the other islands where the pair floors have them (else on any island), and
-    the least link into its island, twice (0 for a slice at layer 0)."""
+    the least link into its island, twice (0 for a slice at layer 0). It grows with the start, and a redundancy
+    class's representative is its pair of the least start (slices.build_pairs keeps the first), so it holds for
+    every pair whose plans the representative's answer gives."""
     a, k = pair.layers[0], pair.island
     if a == 0:
         return 0.0
@@ -558,15 +560,20 @@ def _front_s(floor: SizeFloor, pair: Pair, into: dict[int, float]) -> float:
     return out + 2.0 * into[k]
 
 
-def _score_extra_s(front_s: float, outside_s: float) -> float:
-    """What any predicted iteration of a pipeline holding a slice plan adds to m x its slowest stage + its tail, at
-    least: the plain 1F1B runs that stage's m micro-batches after the first one's forward reached it and before the
-    last one's backward left the stages in front (compose.plain_1f1b_floor_s: + the fill in front); interleaved
-    with v <= MAX_VIRTUAL_STAGES chunks, m x period + (fill - period) / v >= m x the stage + (the rest's fill) / v
-    (the slice's own fill is at least its slowest stage); the closed form adds both. A query's score bound is
-    lowered by it, as its closed-form bound is by the fill outside (on Llama-3 405B over 4,096 GPUs at b = 128,
-    m = 8 micro-batches: up to a seventh of the score floor)."""
-    inter = outside_s / MAX_VIRTUAL_STAGES
+def _score_extra_s(front_s: float, outside_s: float, num_layers: int = MAX_VIRTUAL_STAGES) -> float:
+    """What any predicted iteration of a pipeline holding a slice plan of ``num_layers`` layers adds to m x its
+    slowest stage + its tail, at least: the plain 1F1B runs that stage's m micro-batches after the first one's
+    forward reached it and before the last one's backward left the stages in front (compose.plain_1f1b_floor_s:
+    + the fill in front); interleaved with v chunks, m x period + (fill - period) / v >= m x the stage + (the rest's
+    fill) / v (the slice's own fill is at least its slowest stage), where v is at most MAX_VIRTUAL_STAGES and the
+    fewest layers of any stage (interleave.choose_virtual_stages), so at most the slice's layers: a slice of one
+    layer cannot interleave. The closed form adds both. A query's score bound is lowered by it, as its closed-form
+    bound is by the fill outside (on Llama-3 405B over 4,096 GPUs at b = 128, m = 8 micro-batches: up to a seventh
+    of the score floor)."""
+    v = min(MAX_VIRTUAL_STAGES, num_layers)
+    if v < 2:
+        return front_s
+    inter = outside_s / v
     return front_s if front_s < inter else inter
 
 
@@ -593,7 +600,8 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
             queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
                                       microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
                                       pipelined=p.layers != (0, L), latency_bound_s=bound_s - outside,
-                                      score_bound_s=score_s - _score_extra_s(_front_s(floor, p, into), outside)))
+                                      score_bound_s=score_s - _score_extra_s(_front_s(floor, p, into), outside,
+                                                                              p.layers[1] - p.layers[0])))
             where.append((b, p))
     if not queries:
         return

@@ -117,9 +117,13 @@ class PairFloors:
         m = self.m
         # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
         # (compose.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v <= MAX_VIRTUAL_STAGES
-        # (the fill is at least the period); the closed form is above both
+        # and v <= the slice's layers (every stage has v layers at least; none below 2: no interleaving) (the fill
+        # is at least the period); the closed form is above both
         plain = max(m * own_period + front, m * rest_period)
-        inter = m * period + max(0.0, t - period) / MAX_VIRTUAL_STAGES
+        v = min(MAX_VIRTUAL_STAGES, stop - start)
+        if v < 2:
+            return (m - 1) * period + t, plain
+        inter = m * period + max(0.0, t - period) / v
         return (m - 1) * period + t, plain if plain < inter else inter
 
     def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:
