@@ -44,7 +44,7 @@ from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import QueryPool, default_workers
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
-from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
+from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_stages
 from tangram_launch.planner.pair_floors import PairFloors, capacity
 from tangram_launch.planner.templates import GridClass, class_members
 from tangram_launch.planner.twins import TwinClasses
@@ -570,7 +570,7 @@ def _score_extra_s(front_s: float, outside_s: float, num_layers: int = MAX_VIRTU
     layer cannot interleave. The closed form adds both. A query's score bound is lowered by it, as its closed-form
     bound is by the fill outside (on Llama-3 405B over 4,096 GPUs at b = 128, m = 8 micro-batches: up to a seventh
     of the score floor)."""
-    v = min(MAX_VIRTUAL_STAGES, num_layers)
+    v = most_virtual_stages(num_layers)
     if v < 2:
         return front_s
     inter = outside_s / v

@@ -27,6 +27,13 @@ PLANNER_SCHEDULES = ("auto", "1F1B", "interleaved-1F1B")
 MAX_VIRTUAL_STAGES = 8  # beyond this the extra p2p sends outweigh the smaller bubble (Narayanan et al. 2021, Fig. 12)
 
 
+def most_virtual_stages(fewest_layers: int) -> int:
+    """The most chunks per stage a pipeline whose smallest stage has ``fewest_layers`` layers can take (one layer
+    per chunk at least); below 2, it cannot interleave. Also a cap for any pipeline holding a slice of that many
+    layers (its stages have no more), which the planner's score floors use."""
+    return min(MAX_VIRTUAL_STAGES, fewest_layers)
+
+
 @dataclass(frozen=True)
 class ScheduleChoice:
     virtual_stages: int  # 1 = plain 1F1B
@@ -62,7 +69,7 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
         return ScheduleChoice(1, plain.latency_s, tuple(problems) if schedule == "interleaved-1F1B" else ())
     best: ScheduleChoice | None = None
     fewest_layers = min(st.layers[1] - st.layers[0] for st, _ in stages)
-    for v in range(2, min(MAX_VIRTUAL_STAGES, fewest_layers) + 1):
+    for v in range(2, most_virtual_stages(fewest_layers) + 1):
         over = [f"stage {k} needs {stage_memory_bytes(st, S - 1 - k, S, m, v) / 2**30:.1f} GiB with {v} virtual "
                 f"stages > {capacity_bytes(isl, training) / 2**30:.1f} GiB usable on {isl.name}"
                 for k, (st, isl) in enumerate(stages)

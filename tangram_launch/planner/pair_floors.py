@@ -28,7 +28,7 @@ import itertools
 import math
 from typing import Mapping, Sequence
 
-from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
+from tangram_launch.planner.interleave import most_virtual_stages
 
 _SLACK = 1e-9  # as SliceQuery.beyond_bound: plans that tie a bound up to float rounding are kept
 
@@ -112,15 +112,14 @@ class PairFloors:
             rest_period = rg / self.rest_capacity[island]
             period = max(period, rest_period)
             t += rt
-            if start:
-                front = rest[1][start] + rest[2][1]  # layers [0, start) and the embedding, in front of it
+            front = self.front_s(island, start)  # layers [0, start) and the embedding, in front of it
         m = self.m
         # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
-        # (compose.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v <= MAX_VIRTUAL_STAGES
-        # and v <= the slice's layers (every stage has v layers at least; none below 2: no interleaving) (the fill
-        # is at least the period); the closed form is above both
+        # (compose.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v at most
+        # interleave.most_virtual_stages of the slice's layers (none below 2: no interleaving; the fill is at least
+        # the period); the closed form is above both
         plain = max(m * own_period + front, m * rest_period)
-        v = min(MAX_VIRTUAL_STAGES, stop - start)
+        v = most_virtual_stages(stop - start)
         if v < 2:
             return (m - 1) * period + t, plain
         inter = m * period + max(0.0, t - period) / v
