@@ -358,6 +358,41 @@ def test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wi
         assert got.score_s <= score(exact.options, exact.metrics) + 1e-9
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_each_option_caps_the_chunks_of_any_pipeline_holding_it(seed):
+    """Under "auto" (plain 1F1B and interleaved with v <= min(8, the fewest layers of a stage) chunks), a pipeline
+    holding an option of n layers in s stages interleaves in at most n // s chunks, and not at all below 2: the DP
+    prunes each entry by that option's own cap (1 / (n // s) as the fill weight, or the plain floor alone), and
+    loses nothing to the search under the default floor (m x period + tail, under any score), nor to the closed
+    form's optimum (brute force). Stage counts above the layers, and layers per stage from 0 to 8, are drawn on
+    purpose."""
+    rng = random.Random(1300 + seed)
+    V = 8
+    checked = 0
+    for _ in range(120):
+        options, link, L, m, K = random_instance(rng, max_layers=8)
+        plain = _simulated(options, link, m, _with_bottleneck)
+
+        def score(seq, metrics):
+            fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
+            best = plain(seq, metrics)
+            for v in range(2, min(V, fewest) + 1):
+                best = min(best, pipeline_latency(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))
+            return best
+        got = compose(options, link, L, m, score=score, score_schedules=("plain", "interleaved"),
+                      score_fill_weight=1.0 / V)
+        default = compose(options, link, L, m, score=score)
+        assert (got is None) == (default is None)
+        if got is None:
+            continue
+        checked += 1
+        _check_plan(got, options, link, L, m)
+        assert got.score_s <= default.score_s * (1.0 + 1e-12)
+        exact = brute_force(options, link, L, m)
+        assert got.score_s <= score(exact.options, exact.metrics) * (1.0 + 1e-12)
+    assert checked > 60
+
+
 def test_score_equal_to_the_closed_form_keeps_the_search_exact():
     rng = random.Random(41)
     for _ in range(150):

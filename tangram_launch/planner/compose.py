@@ -331,7 +331,10 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     With ``score_beat`` (a score to beat) a sequence is kept too while m x its period + its tail can beat it: that
     floor lies under any score (compose's score_floor), and a score can rank a plan well below its closed form
     (the interleaved schedule shrinks the bubble); with ``fill_weight`` w, (m - w) x period + w x fill + tail
-    (a score that only interleaved schedules with at most 1/w chunks per stage can reach). Where the score is
+    (a score that only interleaved schedules with at most 1/w chunks per stage can reach), where an option of n
+    layers in s stages weighs more: a chunk holds a layer at least, so a pipeline holding it interleaves in at most
+    n // s chunks (its least stage has no more layers), and not at all below 2, where the plain floor alone
+    holds (Llama-3 405B over 4,096 GPUs under megatron: 282,000 -> 80,000 entries, the same plan). Where the score is
     the plain 1F1B simulation (``schedules`` holds "plain"), its floor is instead the largest of pre_fill[start] +
     plain_s (a stage runs its m forwards and backwards after the first micro-batch's forward reached it and
     before the last one's backward left the stages in front: plain_1f1b_floor_s), m x the least slowest stage of
@@ -424,7 +427,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                 else:
                     gidx, _, covered = _by_floor(options, gidx, None, floor_terms, cache)
                 for oi, room in zip(gidx, covered):
-                    start, _, _, ns, max_after, time_s, bn, tail = options[oi]
+                    start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
                     fits = bisect.bisect_right(afters, max_after)  # entries it fits in front of: a prefix
                     if not fits:
                         continue
@@ -435,6 +438,15 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                     per = bn if bn > link else link  # the period it adds
                     mb = m * bn  # its slowest stage's m micro-batches (plain_s)
                     if prune:
+                        wo, mwo, plain_only = w, mw, only_plain
+                        if w > 0.0:  # its least stage has at most q layers: v <= q chunks, none below 2
+                            q = (stop - start) // ns
+                            if q * w < 1.0:
+                                if q >= 2:
+                                    wo = 1.0 / q
+                                    mwo = m - wo
+                                elif plain:
+                                    plain_only = True
                         if start:
                             per_lb = max(period_lb, pre_period[start], per, lk) if m1 else 0.0
                             base = pre_fill[start] + add + 2.0 * lk
@@ -451,7 +463,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                         lf = least_f[fits - 1] + tail_lb
                         if score_only or m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) \
                                 >= beat:
-                            sf = mw * per_lb + w * (base + least_f[fits - 1]) + tail_lb
+                            sf = mwo * per_lb + wo * (base + least_f[fits - 1]) + tail_lb
                             if plain:
                                 a = add + least_a[fits - 1]
                                 a = in_front + (a if a > mb else mb)
@@ -468,7 +480,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                         r = r2 if r2 > r else r
                                     a = r if r > a else a
                                 pf = a + tail_lb
-                                sf = pf if only_plain or pf < sf else sf
+                                sf = pf if plain_only or pf < sf else sf
                             if sf >= score_beat:
                                 continue  # no entry it fits in front of can beat: the check below fails for each
                     tgt = None
@@ -498,7 +510,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                 p = per_lb
                             t = e1 if e1 > tail_lb else tail_lb
                             if score_only or m1 * p + base + e0 + t >= beat:
-                                sf = mw * p + w * (base + e0) + t
+                                sf = mwo * p + wo * (base + e0) + t
                                 if plain:
                                     pf = a + in_front
                                     if ps > pf:
@@ -515,7 +527,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
                                         if r > pf:
                                             pf = r
                                     pf += t
-                                    sf = pf if only_plain or pf < sf else sf
+                                    sf = pf if plain_only or pf < sf else sf
                                 if sf >= score_beat:
                                     continue
                         if tgt is None:
@@ -830,7 +842,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     tighter, dearer floor under ``score``, asked only of a candidate ``score_floor`` lets through (the score is
     computed only if this one can beat the best score too); ``score_fill_weight`` w:
     the DP's floor under the score is (m - w) x period + w x fill + tail (default m x period + tail; 1/V where
-    only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s);
+    only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s), and a
+    score's interleaved schedules must hold a layer per chunk at least (interleave.most_virtual_stages): an
+    option of n layers in s stages raises w to 1 / (n // s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
     the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``); ``merge_fronts``:
     the sequences of one island set whose front islands have the same links from every other island
