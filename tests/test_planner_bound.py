@@ -107,14 +107,18 @@ def test_compute_floors_are_below_every_stage_time(gpu, per_node, nodes, start, 
                 assert n.forward_s + n.backward_s >= floor * (1 - 1e-12)
 
 
-def test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound():
+def _five_layer_answer():
+    """(parallelizer, query, unbounded answer, m) for five layers of the tiny model on 8 V100s."""
     cl = make_cluster([("v100-32gb", 8), ("v100-32gb", 8)])
     (island,) = build_islands(cl, dtype="fp16").islands
     par = MegatronParallelizer()
     q = SliceQuery(model=TINY, training=TRAIN, layers=(1, 6), island=island, microbatch_sequences=4,
                    capabilities=TORCH)
-    full = answer(par, q)
-    m = q.num_microbatches
+    return par, q, answer(par, q), q.num_microbatches
+
+
+def test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound():
+    par, q, full, m = _five_layer_answer()
     floors = sorted(latency_floor_s(p.numbers(), m) for p in full.plans)
     scores = sorted(score_floor_s(p.numbers(), m) for p in full.plans)
     assert len(floors) > 4
@@ -129,6 +133,31 @@ def test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound():
     nothing = answer(par, SliceQuery(**{**q.__dict__, "latency_bound_s": floors[0] / 2,
                                         "score_bound_s": scores[0] / 2}))
     assert nothing.plans == () and nothing.infeasible is None and nothing.bounded > 0  # fits, but cannot win
+
+
+def test_a_bounded_answer_reads_the_score_bound_at_each_plans_stages():
+    """SliceQuery.score_bounds_s: a plan of s stages over n layers has a stage of at most n // s layers, and its
+    score bound is score_bounds_s[n // s] (below the slice's length; beyond, score_bound_s). The answer keeps
+    exactly the plans whose score floor can beat the bound at their own stage count."""
+    par, q, full, m = _five_layer_answer()
+    stages = {len(p.numbers().tail_s) for p in full.plans}
+    assert {1, 2} <= stages and max(stages) >= 3  # 5 layers: n // s is 5, 2 and 1
+    scores = sorted(score_floor_s(p.numbers(), m) for p in full.plans)
+    low = scores[len(scores) // 3]
+    cuts = (low, low, scores[len(scores) // 2], scores[-1], scores[-1])  # i = 0..4; i = 5 (one stage): the last
+    floors = sorted(latency_floor_s(p.numbers(), m) for p in full.plans)
+    bq = SliceQuery(**{**q.__dict__, "latency_bound_s": floors[0] / 2, "score_bound_s": scores[-1],
+                       "score_bounds_s": cuts})
+    assert [bq.score_bound_at(s) for s in (1, 2, 3, 5)] == [scores[-1], cuts[2], cuts[1], cuts[1]]
+    cut = answer(par, bq)
+    kept = [p.numbers() for p in full.plans
+            if score_floor_s(p.numbers(), m) <= bq.score_bound_at(len(p.numbers().tail_s)) * (1 + 1e-9)]
+    assert [p.numbers() for p in cut.plans] == kept
+    assert 0 < len(kept) < len(full.plans) and cut.bounded > 0
+    # the parallelizer itself skips the rest before building them (not only answer's filter after it)
+    raw = [p.numbers() for p in par.query(bq).plans]
+    assert all(score_floor_s(n, m) <= bq.score_bound_at(len(n.tail_s)) * (1 + 1e-9) for n in raw)
+    assert all(n in raw for n in kept)
 
 
 @pytest.mark.slow

@@ -78,8 +78,9 @@ def _instance(seed: int):
     predicted = min([plain, *(pipeline_latency_s(m, period, fill, 0.0, v) for v in range(2, min(8, fewest) + 1))])
     spans = list(zip(slice_s, [*slice_s[1:], len(stage_s)]))
     slowest = [max(stage_s[i:j]) for i, j in spans]  # per slice, its slowest stage
+    counts = [j - i for i, j in spans]  # per slice, its stages
     slice_s = [sum(stage_s[i:j]) for i, j in spans]
-    return floors, gpus, kinds, m, slices, closed, predicted, (slice_s, links, slowest)
+    return floors, gpus, kinds, m, slices, closed, predicted, (slice_s, links, slowest, counts)
 
 
 @settings(max_examples=300, deadline=None)
@@ -103,12 +104,13 @@ def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_p
     """api._outside_s (what a pair's query takes off the closed form to beat) is under what the rest of any
     pipeline holding the pair adds to its fill: the other slices' stage times and twice every link crossed; and
     api._score_extra_s (what it takes off the score to beat) is under what any predicted iteration adds to m x the
-    slice plan's slowest stage."""
+    slice plan's slowest stage, with the chunks capped by the slice's length, or by the layers per stage of its
+    plan (SliceQuery.score_bounds_s: a plan of s stages over n layers has a stage of at most n // s)."""
     from tangram_launch.planner.api import SizeFloor, _front_s, _outside_s, _score_extra_s
     from tangram_launch.planner.compose import least_links
     from tangram_launch.planner.slices import Pair
 
-    floors, gpus, kinds, m, slices, _closed, predicted, (slice_s, links, slowest) = _instance(seed)
+    floors, gpus, kinds, m, slices, _closed, predicted, (slice_s, links, slowest, counts) = _instance(seed)
     rng = random.Random(seed)
     L, K = len(kinds), len(floors)
     pf = PairFloors(kinds, floors, gpus, m)
@@ -128,7 +130,10 @@ def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_p
         assert outside <= (fill - slice_s[n]) * (1 + 1e-12)
         # what the query's score bound is lowered by: every predicted iteration is at least m x the slice plan's
         # slowest stage + that (+ the tail)
-        assert m * slowest[n] + _score_extra_s(_front_s(size, pair, into), outside) <= predicted * (1 + 1e-12)
+        front = _front_s(size, pair, into)
+        assert m * slowest[n] + _score_extra_s(front, outside) <= predicted * (1 + 1e-12)
+        assert m * slowest[n] + _score_extra_s(front, outside, z - a) <= predicted * (1 + 1e-12)
+        assert m * slowest[n] + _score_extra_s(front, outside, (z - a) // counts[n]) <= predicted * (1 + 1e-12)
 
 
 def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():

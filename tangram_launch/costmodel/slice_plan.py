@@ -103,6 +103,9 @@ class SliceQuery:
     # the slowest stage + tail: ``score_floor_s``); a plan beyond both need not be answered; inf: answer everything
     latency_bound_s: float = math.inf
     score_bound_s: float = math.inf
+    # score_bounds_s[i]: the score bound for a slice plan whose least stage has at most i layers (a pipeline holding
+    # it interleaves in at most i chunks, so less of the fill hides), for i below its length; beyond, score_bound_s
+    score_bounds_s: tuple[float, ...] = ()
 
     @property
     def num_microbatches(self) -> int:
@@ -112,11 +115,19 @@ class SliceQuery:
     def bounded(self) -> bool:
         return self.latency_bound_s != math.inf and self.score_bound_s != math.inf
 
-    def beyond_bound(self, latency_floor_s: float, score_floor_s: float) -> bool:
-        """Whether a slice plan with these floors can be part of no pipeline that beats either bound (a relative
-        1e-9 of slack keeps plans that tie a bound up to float rounding)."""
+    def score_bound_at(self, num_stages: int) -> float:
+        """The score bound for a slice plan of ``num_stages`` stages: its least stage has at most layers //
+        stages layers (score_bounds_s)."""
+        i = self.num_layers // num_stages
+        return self.score_bounds_s[i] if i < len(self.score_bounds_s) else self.score_bound_s
+
+    def beyond_bound(self, latency_floor_s: float, score_floor_s: float, num_stages: int | None = None) -> bool:
+        """Whether a slice plan with these floors (of ``num_stages`` stages, where known) can be part of no
+        pipeline that beats either bound (a relative 1e-9 of slack keeps plans that tie a bound up to float
+        rounding)."""
+        score_bound_s = self.score_bound_s if num_stages is None else self.score_bound_at(num_stages)
         return (latency_floor_s > self.latency_bound_s * (1.0 + 1e-9)
-                and score_floor_s > self.score_bound_s * (1.0 + 1e-9))
+                and score_floor_s > score_bound_s * (1.0 + 1e-9))
 
     @property
     def has_embedding(self) -> bool:

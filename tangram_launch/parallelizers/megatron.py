@@ -29,7 +29,7 @@ only with configurations that could be part of a pipeline that beats one of them
 stages are costed when its floor (compute plus the TP/CP/EP communication no memory saver removes;
 (m - 1) x floor / pp + floor against the closed form, m x floor / pp against the predicted iteration; then with
 the split's heaviest stage) cannot, and a configuration when its own (m - 1) x bottleneck + fill + tail and
-m x bottleneck + tail cannot. A grid with a stage that fits no memory-saver combination at its place is dropped
+m x bottleneck + tail cannot (the score bound read at the grid's pp: SliceQuery.score_bound_at). A grid with a stage that fits no memory-saver combination at its place is dropped
 before its combinations are judged; the rest are judged from per-signature columns (grid.judge_columns).
 
 The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
@@ -339,6 +339,9 @@ class MegatronParallelizer:
                 totals = totals + c * kind_floors[k]
             totals = totals + emb_floors + head_floors
             tot = totals[index.fkey_ids]
+            if q.score_bounds_s:  # per grid, the bound at its pp (SliceQuery.score_bound_at)
+                at = np.array([*q.score_bounds_s, q.score_bound_s]) * (1.0 + 1e-9)
+                score_cut = at[np.minimum(q.num_layers // index.pp, len(q.score_bounds_s)).astype(np.intp)]
             beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
             bounded += int(np.count_nonzero(beyond))
             keep &= ~beyond
@@ -386,7 +389,7 @@ class MegatronParallelizer:
             sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
                 heaviest = _heaviest_floor(coster, sizes, floor)
-                if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest):
+                if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest, grid.pp):
                     bounded += 1
                     continue
             if stage_parts is not None:  # one kind: the first stage (the most in flight) and the largest, as split
@@ -400,7 +403,7 @@ class MegatronParallelizer:
             sigs = table.signatures(coster, *dims, sizes=sizes)
             by_sid = table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
             columns = table.stage_columns(sigs, allowed, m, cap)
-            if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m)):
+            if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m), grid.pp):
                 bounded += 1  # no combination can beat either bound: not judged
                 continue
             judged = judge_columns(columns, sigs, m)
@@ -410,6 +413,7 @@ class MegatronParallelizer:
                 misfits.append((grid, sigs, by_sid, allowed, None))
                 continue
             bottleneck, fill, tail, depth = judged
+            grid_cut = q.score_bound_at(grid.pp) * (1.0 + 1e-9)
             if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
                 misfits.append((grid, sigs, by_sid, allowed, depth))
                 if fill is None:
@@ -420,7 +424,7 @@ class MegatronParallelizer:
                 if depth[s] < 0:
                     continue
                 if bound and ((m - 1) * bottleneck[s] + fill[s] + tail[s] > lat_cut
-                              and m * bottleneck[s] + tail[s] > score_cut):
+                              and m * bottleneck[s] + tail[s] > grid_cut):
                     bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
                     continue
                 bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage,

@@ -91,7 +91,8 @@ def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
     if q.bounded:
         n = len(keep)
         keep = tuple(p for p in keep
-                     if not q.beyond_bound(latency_floor_s(p.numbers(), m), score_floor_s(p.numbers(), m)))
+                     if not q.beyond_bound(latency_floor_s(p.numbers(), m), score_floor_s(p.numbers(), m),
+                                           len(p.numbers().tail_s)))
         bounded = n - len(keep)
     if len(keep) == len(r.plans):
         return r
