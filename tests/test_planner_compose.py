@@ -15,6 +15,8 @@ from tangram_launch.planner.compose import (ComposeStats, Option, compose, evalu
                                             plain_1f1b_floor_s)
 from tangram_launch.planner.reference import brute_force, every_composition
 
+from helpers_compose import simulated, with_bottleneck
+
 SENTINEL = 1 << 30
 
 
@@ -206,39 +208,6 @@ def test_order_search_is_within_five_percent_of_the_exact_search(seed):
 
 # --- ranking by a score (the simulated 1F1B the Plan reports) ------------------------------------------------------
 
-def _even(o, seq):
-    """An option's stage times, its time split evenly over its stages."""
-    return [o.time_s / o.num_stages] * o.num_stages
-
-
-def _with_bottleneck(o, seq):
-    """An option's stage times consistent with its numbers: one stage of its bottleneck, the rest of its time
-    split evenly over its other stages (none longer: time <= stages x bottleneck in random_instance)."""
-    rest = (o.time_s - o.bottleneck_s) / (o.num_stages - 1) if o.num_stages > 1 else 0.0
-    times = [rest] * (o.num_stages - 1)
-    times.insert(len(seq) % o.num_stages, o.bottleneck_s)  # the slowest stage anywhere in the option
-    return times
-
-
-def _simulated(options, link, m, stage_times=_even):
-    """A score as the planner's: the 1F1B event simulation of the options' stages (``stage_times``, a third
-    forward) with the links' p2p between options, plus the tail."""
-    from tangram_launch.costmodel.pipeline import simulated_1f1b_s
-
-    def score(seq, metrics):
-        fwd, bwd, p2p = [], [], []
-        for n, oi in enumerate(seq):
-            o = options[oi]
-            if n:
-                p2p.append(link[options[seq[n - 1]].island][o.island])
-            p2p.extend([0.0] * (o.num_stages - 1))
-            times = stage_times(o, seq)
-            fwd.extend(t / 3 for t in times)
-            bwd.extend(2 * t / 3 for t in times)
-        return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
-    return score
-
-
 def test_score_ranks_two_plans_the_closed_form_ranks_the_other_way():
     # A: islands 0 -> 1, one stage each of 1.0 s, a 0.2 s link: the closed form's period is 1.0, but in 1F1B stage
     # 0's backward waits for the round trip to stage 1, so the steady state takes (1.0 + 1.0) / 2 + 0.2 per
@@ -247,7 +216,7 @@ def test_score_ranks_two_plans_the_closed_form_ranks_the_other_way():
             Option(0, 2, 2, 1, SENTINEL, 1.25, 1.25, 0.0)]
     link = [[0.0, 0.2, 0.0], [0.2, 0.0, 0.0], [0.0, 0.0, 0.0]]
     m = 8
-    score = _simulated(opts, link, m)
+    score = simulated(opts, link, m)
     by_formula = compose(opts, link, 2, m)
     assert by_formula.options == (0, 1) and by_formula.latency_s == pytest.approx(7 * 1.0 + 2.0 + 0.4)
     a = score((0, 1), evaluate((0, 1), opts, link, m))
@@ -269,7 +238,7 @@ def test_the_chosen_plan_has_the_least_score_of_every_candidate(seed, band):
     rng = random.Random(500 + seed)
     for _ in range(120):
         options, link, L, m, K = random_instance(rng)
-        score = _simulated(options, link, m)
+        score = simulated(options, link, m)
         stats = ComposeStats()
         got = compose(options, link, L, m, score=score, stats=stats, score_band=band)
         if got is None:
@@ -340,7 +309,7 @@ def test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wi
     rng = random.Random(950 + seed)
     for _ in range(100):
         options, link, L, m, K = random_instance(rng, max_layers=6)
-        score = _simulated(options, link, m, _with_bottleneck)
+        score = simulated(options, link, m, with_bottleneck)
         every = every_composition(options, link, L, m)
         for c in every:
             assert plain_1f1b_floor_s(c.options, options, link, m, c.metrics.tail_s) <= \
@@ -371,7 +340,7 @@ def test_each_option_caps_the_chunks_of_any_pipeline_holding_it(seed):
     checked = 0
     for _ in range(120):
         options, link, L, m, K = random_instance(rng, max_layers=8)
-        plain = _simulated(options, link, m, _with_bottleneck)
+        plain = simulated(options, link, m, with_bottleneck)
 
         def score(seq, metrics):
             fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
@@ -657,7 +626,7 @@ def test_a_fine_score_floor_scores_fewer_and_chooses_the_same(seed):
     fewer = 0
     for _ in range(60):
         options, link, L, m, _K = random_instance(rng)
-        score = _simulated(options, link, m)
+        score = simulated(options, link, m)
         runs = []
         for fine in (None, score):
             st_ = ComposeStats()
@@ -768,7 +737,7 @@ def test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same(se
     returns a plan of the same score as without them, never worse than the closed form's optimum (brute force),
     while its DP keeps fewer states."""
     rng = random.Random(9300 + seed)
-    score_of = functools.partial(_simulated, stage_times=_fixed_stages)
+    score_of = functools.partial(simulated, stage_times=_fixed_stages)
     states = [0, 0]
     for _ in range(80):
         options, link, L, m, K = random_instance(rng, max_layers=6)

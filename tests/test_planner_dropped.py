@@ -13,13 +13,15 @@ from tangram_launch.planner.compose import Option
 from tangram_launch.planner.cover_floors import island_floor_s
 from tangram_launch.planner.reference import every_composition
 
+from helpers_compose import simulated, with_bottleneck
+
 NEVER = -1
 ROOM = 1 << 30
 
 
-def _instance(seed: int):
+def _instance(seed: int, max_layers: int = 6):
     rng = random.Random(seed)
-    L = rng.randint(1, 6)
+    L = rng.randint(1, max_layers)
     K = rng.randint(1, 3)
     m = rng.choice([1, 2, 4, 8, 32])
     options = []
@@ -123,6 +125,73 @@ def test_options_left_out_as_unpromising_change_no_composition(seed, slack, with
         assert less.latency_s == pytest.approx(full.latency_s)
     if slack > 1.0:  # the optimum's options are all kept
         assert set(best.options) <= set(keep)
+
+
+def _scores(options, link, m, schedules):
+    """A score as the planner's under ``schedules``: the plain 1F1B simulation (helpers_compose, one stage of each
+    option at its bottleneck) and/or the interleaved schedule with 2..min(8, the fewest layers per stage) chunks;
+    a pipeline that cannot interleave scores inf where only interleaved schedules count."""
+    from tangram_launch.costmodel.pipeline import pipeline_latency_s
+
+    plain = simulated(options, link, m, with_bottleneck)
+
+    def score(seq, metrics):
+        best = plain(seq, metrics) if "plain" in schedules else math.inf
+        fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
+        if "interleaved" in schedules:
+            for v in range(2, min(8, fewest) + 1):
+                best = min(best, pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))
+        return best
+    return score
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from([1.0, 1.0 + 1e-9, 1.02, 1.2]),
+       st.sampled_from([("plain",), ("interleaved",), ("plain", "interleaved")]))
+def test_options_left_out_by_their_score_floors_change_no_plan(seed, slack, schedules):
+    """promising with the score's schedules (the plain 1F1B floor, the interleaved one with the option's own cap
+    on chunks) keeps every option of a plan whose score can beat the score to beat: composing the kept options
+    finds the same score as composing them all."""
+    from tangram_launch.planner.compose import ComposeStats, compose
+    from tangram_launch.planner.cover_floors import promising
+
+    options, link, L, m, K = _instance(seed, max_layers=9)  # (up to 3 layers per stage: the chunk caps matter)
+    score = _scores(options, link, m, schedules)
+    kw = dict(score=score, score_schedules=schedules, score_fill_weight=1.0 / 8)
+    best = compose(options, link, L, m, stats=ComposeStats(), **kw)
+    if best is None or best.score_s == math.inf:
+        return
+    to_beat = best.score_s * slack  # a best score from elsewhere, at or above this one
+    # a closed form to beat that keeps nothing: only the score floors keep options
+    keep = promising(options, range(len(options)), L, m, 1e-12, to_beat, link, schedules=schedules,
+                     fill_weight=1.0 / 8)
+    kept = [options[i] for i in keep]
+    full = compose(options, link, L, m, stats=ComposeStats(), score_incumbent_s=to_beat, **kw)
+    less = compose(kept, link, L, m, stats=ComposeStats(), score_incumbent_s=to_beat,
+                   **{**kw, "score": _scores(kept, link, m, schedules)})
+
+    def beating(c):  # (compose returns its best even where it does not beat the score to beat)
+        return c.score_s if c is not None and c.score_s < to_beat else math.inf
+    assert beating(less) == pytest.approx(beating(full), rel=1e-12)
+    if slack > 1.0:  # the best plan's options are all kept
+        assert {options[i] for i in best.options} <= set(kept)
+
+
+def test_an_option_of_two_layers_per_stage_is_kept_for_its_interleaved_score():
+    """Two one-stage slices of two layers each, 1 s per micro-batch, m = 4: plain 1F1B takes 3 x 1 + 2 = 5 s at
+    least behind the first slice, interleaved with 2 chunks 4 x 1 + (2 - 1) / 2 = 4.5 s. Against a best score of
+    4.6 s the second slice is kept for its interleaved score (2 layers per stage: 2 chunks), and dropped where only
+    the plain schedule counts, or where the stages have one layer each (they cannot interleave)."""
+    from tangram_launch.planner.cover_floors import promising
+
+    opts = [Option(0, 2, 0, 1, ROOM, 1.0, 1.0, 0.0), Option(2, 4, 1, 1, ROOM, 1.0, 1.0, 0.0)]
+    link = [[0.0, 0.0], [0.0, 0.0]]
+    kw = dict(fill_weight=1.0 / 8)
+    assert promising(opts, [0, 1], 4, 4, 1e-12, 4.6, link, schedules=("plain", "interleaved"), **kw) == [0, 1]
+    assert promising(opts, [0, 1], 4, 4, 1e-12, 4.6, link, schedules=("plain",), **kw) == [0]
+    thin = [o._replace(num_stages=2, time_s=1.0, bottleneck_s=0.5) for o in opts]  # 1 layer per stage
+    # plain: 4 x 0.5 = 2 s behind 1 s of fill in front: 3 s; against 2.9 s only the first is kept
+    assert promising(thin, [0, 1], 4, 4, 1e-12, 2.9, link, schedules=("plain", "interleaved"), **kw) == [0]
 
 
 def test_above_exact_islands_the_reason_names_the_search_that_found_nothing_better():

@@ -791,14 +791,15 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     no tighter, whose plans already count in the incumbents: None is returned unless a promising option is new."""
     # options no plan beating the incumbents can hold (cover_floors.promising): compose would prune them at every
     # use, but they cost it time in each of up to hundreds of island orders
-    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix)
+    weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
+    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix, schedules=schedules,
+                    fill_weight=weight)
     if searched is not None and {cand.options[i] for i in idx} <= set(searched):
         # every plan that could beat the bounds holds only options searched before: it was found then (a later
         # round's answers added only options no plan beating the best can hold)
         return None
     sub = [cand.options[i] for i in idx]
     edges = [cand.edges[i] for i in idx] if len(cand.edges) == len(cand.options) else None
-    weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
     present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
     if len(present) > opts.exact_islands and merged_states(cand.link_matrix, present) > MERGED_EXACT_STATES:
         # (where the exact search over every island set runs anyway, its floors per set of free islands prune what

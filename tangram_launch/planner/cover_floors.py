@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from tangram_launch.planner.compose import Option, covers_of, least_links, pair_minima
+from tangram_launch.planner.compose import SCORE_ANY, Option, covers_of, least_links, pair_minima
 
 
 def usable(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> list[int]:
@@ -87,7 +87,8 @@ def _merged(a: dict[tuple[int, int], list[float]], b: dict[tuple[int, int], list
 
 def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, num_microbatches: int,
               closed_to_beat_s: float, score_to_beat_s: float,
-              link_s: Sequence[Sequence[float]] | None = None) -> list[int]:
+              link_s: Sequence[Sequence[float]] | None = None, *,
+              schedules: tuple[str, ...] = SCORE_ANY, fill_weight: float = 0.0) -> list[int]:
     """The options of ``idx`` some plan holding which could still beat either bound: its closed form
     ``closed_to_beat_s`` or its iteration ``score_to_beat_s`` (compose keeps a plan while either can; what is
     dropped here it would prune at every use). In ``idx``'s order.
@@ -95,7 +96,13 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     ``link_s`` (compose's island links): an option not starting at layer 0 has another island's slice right in
     front of it, one not ending at L another's right behind it; the least such links then also bound the closed
     form's period, and each adds twice itself to the fill (compose counts a link per boundary that way). Not the
-    iteration's floor: the plain 1F1B simulation takes a link as latency, so m x a link is not under it."""
+    iteration's floor: the plain 1F1B simulation takes a link as latency, so m x a link is not under it.
+
+    ``schedules`` and ``fill_weight``: what the score can be, as compose's ``score_schedules`` and
+    ``score_fill_weight`` (compose._dp's floors). With "plain", the option's slowest stage runs its m micro-batches
+    after the least fill in front of it (compose.plain_1f1b_floor_s); with "interleaved", (m - w) x period +
+    w x fill + tail, the links in both, with w the larger of ``fill_weight`` and 1 / (n // s) for the option's n
+    layers in s stages, and none below 2 layers per stage (a chunk holds a layer); with both, the lesser."""
     idx = usable(options, idx, num_layers)
     if closed_to_beat_s == math.inf or score_to_beat_s == math.inf:
         return idx
@@ -110,26 +117,41 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     into, out_of = least_links(link_s, {options[oi].island for oi in idx}) if link_s is not None else ({}, {})
     links = any(into.values()) or any(out_of.values())
     m = num_microbatches
+    plain = "plain" in schedules
+    inter = "interleaved" in schedules and fill_weight > 0.0
+    # as compose._dp: m x period + tail where that is under every score it counts
+    known = "any" not in schedules and (inter or (plain and "interleaved" not in schedules))
     out = []
     for oi in idx:
-        s, t, island, _, _, time_s, bn, tail_s = options[oi]
+        s, t, island, ns, _, time_s, bn, tail_s = options[oi]
         stage = bn if bn > fp[s] else fp[s]
         if bp[t] > stage:
             stage = bp[t]
         tail = tail_s if tail_s > ft[s] else ft[s]
         if bt[t] > tail:
             tail = bt[t]
-        if m * stage + tail < score_to_beat_s:
-            out.append(oi)
-            continue
         period, fill = stage, ff[s] + time_s + bf[t]
+        lk_in = 0.0
         if links:
             if s:
-                lk = into[island]
+                lk_in = lk = into[island]
                 period, fill = (lk if lk > period else period), fill + 2.0 * lk
             if t < L:
                 lk = out_of[island]
                 period, fill = (lk if lk > period else period), fill + 2.0 * lk
-        if m1 * period + fill + tail < closed_to_beat_s:
+        if known:
+            score = math.inf
+            if plain:
+                front = ff[s] + 2.0 * lk_in + m * bn
+                score = (front if front > m * stage else m * stage) + tail
+            q = (t - s) // ns
+            if inter and (q >= 2 or not plain):  # (interleaved only: below 2, the fill weight's floor, as _dp)
+                w = 1.0 / q if q >= 2 and q * fill_weight < 1.0 else fill_weight
+                v = (m - w) * period + w * fill + tail
+                score = v if v < score else score
+            score_ok = score < score_to_beat_s
+        else:
+            score_ok = m * stage + tail < score_to_beat_s
+        if score_ok or m1 * period + fill + tail < closed_to_beat_s:
             out.append(oi)
     return out
