@@ -86,15 +86,26 @@ def _instance(seed: int):
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**32))
 def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
-    floors, gpus, kinds, m, slices, closed, predicted, _ = _instance(seed)
-    pf = PairFloors(kinds, floors, gpus, m)
-    for k, a, z in slices:
-        lat, score = pf.floor(k, a, z)
-        assert lat <= closed * (1 + 1e-12)
-        assert score <= predicted * (1 + 1e-12)  # under the plain and the interleaved 1F1B's iterations
-        assert not pf.beyond(k, a, z, closed, predicted)
-        outside = pf.outside_s(k, a, z)
-        assert outside is None or outside <= closed
+    """With the least links into and out of each island (a matrix holding the pipeline's own links, the others
+    slower or not: the floors are then as tight as the links allow) and without."""
+    from tangram_launch.planner.compose import least_links
+
+    floors, gpus, kinds, m, slices, closed, predicted, (_, links, _, _) = _instance(seed)
+    rng = random.Random(seed + 1)
+    K = len(floors)
+    other = rng.choice([0.6, 9.0])  # (the instance's links are 0.5 s at most)
+    matrix = [[0.0 if i == j else rng.choice([other, rng.uniform(0.0, 1.0)]) for j in range(K)] for i in range(K)]
+    for (i, _a, _z), (j, _b, _y), lk in zip(slices, slices[1:], links):
+        matrix[i][j] = lk
+    for pf in (PairFloors(kinds, floors, gpus, m),
+               PairFloors(kinds, floors, gpus, m, least_links(matrix, range(K), default=0.0))):
+        for k, a, z in slices:
+            lat, score = pf.floor(k, a, z)
+            assert lat <= closed * (1 + 1e-12)
+            assert score <= predicted * (1 + 1e-12)  # under the plain and the interleaved 1F1B's iterations
+            assert not pf.beyond(k, a, z, closed, predicted)
+            outside = pf.outside_s(k, a, z)
+            assert outside is None or outside <= closed
 
 
 @pytest.mark.unit
@@ -172,6 +183,27 @@ def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
 
 
 @pytest.mark.unit
+def test_the_pair_floors_count_the_links_at_the_slices_ends():
+    """Four dense layers of 1 s (2 GPU-s) on two islands of 2 GPUs, m = 4, a 3 s link from island 0 to island 1
+    (1.5 s back). Without links the pair [2, 4) on island 1 has period 2, fill 2 + 2, 2 s in front: closed form
+    3 x 2 + 4 = 10, plain 4 x 2 + 2 = 10, interleaved (2 layers: 2 chunks) 4 x 2 + (4 - 2) / 2 = 9. The link in
+    front of it bounds the period (3) and adds twice itself to the fill (10) and to what is in front (8): closed
+    form 3 x 3 + 10 = 19, plain 4 x 2 + 8 = 16, interleaved 4 x 3 + (10 - 3) / 2 = 15.5. The pair [0, 2) on island
+    0 has the link behind it: the same closed form and interleaved floor, nothing in front for the plain one."""
+    from tangram_launch.planner.compose import least_links
+
+    f = {"dense": (2.0, 1.0), "embedding": (0.0, 0.0), "head": (0.0, 0.0)}
+    kinds = ["dense"] * 4
+    plain = PairFloors(kinds, {0: f, 1: f}, {0: 2, 1: 2}, 4)
+    assert plain.floor(1, 2, 4) == pytest.approx((10.0, 9.0))
+    links = least_links([[0.0, 3.0], [1.5, 0.0]], [0, 1])
+    assert links == ({0: 1.5, 1: 3.0}, {0: 3.0, 1: 1.5})
+    linked = PairFloors(kinds, {0: f, 1: f}, {0: 2, 1: 2}, 4, links)
+    assert linked.floor(1, 2, 4) == pytest.approx((19.0, 15.5))
+    assert linked.floor(0, 0, 2) == pytest.approx((19.0, 8.0))
+    assert linked.floor(1, 0, 4) == plain.floor(1, 0, 4)  # the whole model: no link
+
+
 def test_capacity_counts_a_slower_island_at_its_slowdown():
     """pair_floors.capacity: an island whose every kind takes twice the least GPU-seconds counts half its GPUs; a
     kind it has no floor for bounds nothing on it; so the other layers' period floor rises from GPU-seconds / GPUs."""

@@ -319,7 +319,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
     bnb = opts.branch_and_bound
     present = sorted({p.island for p in pairset.pairs})  # the islands a pipeline can use
     floors = {b: _size_floor(b, model=model, training=training, islands=islands, caps=caps,
-                             par=pool.parallelizer if bnb else None) for b in bs}
+                             par=pool.parallelizer if bnb else None,
+                             links=_least_links_at(b, cluster, model, training, islands, present)) for b in bs}
 
     def bound() -> tuple[float, float]:
         """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
@@ -471,8 +472,17 @@ class SizeFloor(NamedTuple):
         return out
 
 
+def _least_links_at(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
+                    islands: Sequence["Island"], present: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per island of ``present``, the least one-way link into it and out of it from another, at micro-batch size b
+    (compose.least_links; 0 where there is no other)."""
+    return least_links(LinkModel(cluster, islands, activation_bytes(
+        b, training.seq_len, model.hidden_size, training.param_bytes)).island_matrix(), present, default=0.0)
+
+
 def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
-                caps: RuntimeCapabilities, par: Parallelizer | None) -> SizeFloor:
+                caps: RuntimeCapabilities, par: Parallelizer | None,
+                links: tuple[dict[int, float], dict[int, float]] | None = None) -> SizeFloor:
     """Floors at micro-batch size b from the parallelizer's compute floors (``compute_floors``; all 0 for a
     parallelizer without them): every layer runs on some stage of n GPUs for at least its floor time, so the
     slowest of the stages takes at least the model's GPU-seconds / the usable GPUs' capacity (pair_floors.capacity:
@@ -515,7 +525,7 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     # iteration that cannot beat the bounds. (Under the bisection composer it had moved torch plans, 7.566 ->
     # 7.598 s on C3 (iii) batch 64; since the Pareto composer takes every plan whose score floor can beat the best
     # score as a candidate, every example plan is the same with and without it.)
-    pairs = (PairFloors(kinds, per_island, gpus, m)
+    pairs = (PairFloors(kinds, per_island, gpus, m, links)
              if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
     cap = capacity(kinds, per_island, gpus)  # <= their GPUs
     return SizeFloor((m - 1) * gpu_s / cap + fill_s, m * gpu_s / cap, prefix, best["embedding"][1],
@@ -591,8 +601,7 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
     queries: list[SliceQuery] = []
     where: list[tuple[int, Pair]] = []
     for b in bs:
-        into, out_of = least_links(LinkModel(cluster, islands, activation_bytes(
-            b, training.seq_len, model.hidden_size, training.param_bytes)).island_matrix(), present, default=0.0)
+        into, out_of = _least_links_at(b, cluster, model, training, islands, present)
         for p in pairs:
             if floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s):
                 # part of no pipeline that could beat the bounds: answered "bounded" without a query

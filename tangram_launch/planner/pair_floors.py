@@ -16,7 +16,10 @@ of any island does at most period x GPUs_o / r_o of least GPU-seconds, so the ca
 (``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least
 (m - 1) x period + fill and its predicted iteration at least m x period, and more where m is small: the lesser of
 plain 1F1B's (m x the slice's period + the fill in front of it) and interleaved 1F1B's (+ (fill - period) / the most
-virtual stages; ``floor``). A query is skipped only when both cannot
+virtual stages; ``floor``). With the least links into and out of each island (``links``), a slice that does not
+start at layer 0 has one in front of it and one that does not end at L one behind it: each bounds the period and
+adds twice itself to the fill, the one in front to what is in front too (compose.py counts links so). A query is
+skipped only when both cannot
 beat the bounds (as ``SliceQuery.beyond_bound``). The floors depend on the slice's position only through the kinds
 of the layers inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key
 fixes, so one representative's floor holds for its whole class. The lesser of the other islands' seconds floors is
@@ -53,12 +56,16 @@ class PairFloors:
     """Floors for the pairs of one micro-batch size (``num_microbatches`` m)."""
 
     def __init__(self, kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float, float]]],
-                 gpus: Mapping[int, int], num_microbatches: int) -> None:
+                 gpus: Mapping[int, int], num_microbatches: int,
+                 links: tuple[Mapping[int, float], Mapping[int, float]] | None = None) -> None:
         """``kinds``: layer kind of each layer; ``floors``: island index -> kind (and "embedding", "head") ->
-        (GPU-seconds, seconds), for every island that can hold a slice; ``gpus``: island index -> GPUs."""
+        (GPU-seconds, seconds), for every island that can hold a slice; ``gpus``: island index -> GPUs;
+        ``links``: per island the least one-way link into it and out of it from another island a pipeline may
+        use (compose.least_links; default none)."""
         self.m = num_microbatches
         self.L = len(kinds)
         self.gpus = dict(gpus)
+        self.into, self.out_of = links if links is not None else ({}, {})
         self.own: dict[int, tuple] = {}  # island -> (GPU-s prefix, s prefix, embedding (gs, s), head (gs, s))
         self.rest: dict[int, tuple] = {}  # island -> the same over the least of the other islands
         self.rest_capacity: dict[int, float] = {}  # island -> capacity of the other islands
@@ -113,6 +120,13 @@ class PairFloors:
             period = max(period, rest_period)
             t += rt
             front = self.front_s(island, start)  # layers [0, start) and the embedding, in front of it
+            # the links at its ends (compose: a boundary's link bounds the period and adds twice itself to the fill;
+            # the one in front delays the first micro-batch's arrival as much)
+            into = self.into.get(island, 0.0) if start > 0 else 0.0
+            out = self.out_of.get(island, 0.0) if stop < self.L else 0.0
+            period = max(period, into, out)
+            t += 2.0 * (into + out)
+            front += 2.0 * into
         m = self.m
         # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
         # (compose.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v at most
