@@ -144,11 +144,16 @@ def test_a_bounded_answer_reads_the_score_bound_at_each_plans_stages():
     assert {1, 2} <= stages and max(stages) >= 3  # 5 layers: n // s is 5, 2 and 1
     scores = sorted(score_floor_s(p.numbers(), m) for p in full.plans)
     low = scores[len(scores) // 3]
-    cuts = (low, low, scores[len(scores) // 2], scores[-1], scores[-1])  # i = 0..4; i = 5 (one stage): the last
+    # i = 0..4; i = 5 (one stage): the last
+    cuts = (scores[len(scores) // 4] * 0.99, low, scores[len(scores) // 2], scores[-1], scores[-1])
     floors = sorted(latency_floor_s(p.numbers(), m) for p in full.plans)
     bq = SliceQuery(**{**q.__dict__, "latency_bound_s": floors[0] / 2, "score_bound_s": scores[-1],
                        "score_bounds_s": cuts})
-    assert [bq.score_bound_at(s) for s in (1, 2, 3, 5)] == [scores[-1], cuts[2], cuts[1], cuts[1]]
+    # (m = 4: five stages are more than the micro-batches, [0])
+    assert [bq.score_bound_at(s) for s in (1, 2, 3, 4, 5)] == [scores[-1], cuts[2], cuts[1], cuts[1], cuts[0]]
+    # more stages than micro-batches (m = 2 at b = 8): no pipeline holding the plan interleaves, [0]
+    two = SliceQuery(**{**bq.__dict__, "microbatch_sequences": 8})
+    assert two.num_microbatches == 2 and [two.score_bound_at(s) for s in (1, 2, 3)] == [scores[-1], cuts[2], cuts[0]]
     cut = answer(par, bq)
     kept = [p.numbers() for p in full.plans
             if score_floor_s(p.numbers(), m) <= bq.score_bound_at(len(p.numbers().tail_s)) * (1 + 1e-9)]

@@ -329,9 +329,10 @@ def test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wi
 
 @pytest.mark.parametrize("seed", range(3))
 def test_each_option_caps_the_chunks_of_any_pipeline_holding_it(seed):
-    """Under "auto" (plain 1F1B and interleaved with v <= min(8, the fewest layers of a stage) chunks), a pipeline
-    holding an option of n layers in s stages interleaves in at most n // s chunks, and not at all below 2: the DP
-    prunes each entry by that option's own cap (1 / (n // s) as the fill weight, or the plain floor alone), and
+    """Under "auto" (plain 1F1B and interleaved with v <= min(8, the fewest layers of a stage) chunks, where the
+    stages divide the micro-batches), a pipeline holding an option of n layers in s stages interleaves in at most
+    n // s chunks, and not at all below 2: the DP prunes each entry by that option's own cap (1 / (n // s) as the
+    fill weight, or the plain floor alone), and
     loses nothing to the search under the default floor (m x period + tail, under any score), nor to the closed
     form's optimum (brute force). Stage counts above the layers, and layers per stage from 0 to 8, are drawn on
     purpose."""
@@ -344,6 +345,8 @@ def test_each_option_caps_the_chunks_of_any_pipeline_holding_it(seed):
 
         def score(seq, metrics):
             fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
+            if m % sum(options[oi].num_stages for oi in seq):  # the stages must divide the micro-batches
+                fewest = 1
             best = plain(seq, metrics)
             for v in range(2, min(V, fewest) + 1):
                 best = min(best, pipeline_latency(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))

@@ -129,7 +129,8 @@ def test_options_left_out_as_unpromising_change_no_composition(seed, slack, with
 
 def _scores(options, link, m, schedules):
     """A score as the planner's under ``schedules``: the plain 1F1B simulation (helpers_compose, one stage of each
-    option at its bottleneck) and/or the interleaved schedule with 2..min(8, the fewest layers per stage) chunks;
+    option at its bottleneck) and/or the interleaved schedule with 2..min(8, the fewest layers per stage) chunks
+    where the stages divide the micro-batches;
     a pipeline that cannot interleave scores inf where only interleaved schedules count."""
     from tangram_launch.costmodel.pipeline import pipeline_latency_s
 
@@ -138,6 +139,8 @@ def _scores(options, link, m, schedules):
     def score(seq, metrics):
         best = plain(seq, metrics) if "plain" in schedules else math.inf
         fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
+        if m % sum(options[oi].num_stages for oi in seq):  # the stages must divide the micro-batches
+            fewest = 1
         if "interleaved" in schedules:
             for v in range(2, min(8, fewest) + 1):
                 best = min(best, pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))

@@ -104,7 +104,9 @@ class SliceQuery:
     latency_bound_s: float = math.inf
     score_bound_s: float = math.inf
     # score_bounds_s[i]: the score bound for a slice plan whose least stage has at most i layers (a pipeline holding
-    # it interleaves in at most i chunks, so less of the fill hides), for i below its length; beyond, score_bound_s
+    # it interleaves in at most i chunks, so less of the fill hides), for i below its length; beyond, score_bound_s.
+    # [0] (and [1]): for one in no pipeline that interleaves, as one of more stages than micro-batches (interleaved
+    # 1F1B needs the stages to divide them: capabilities.schedule_problems)
     score_bounds_s: tuple[float, ...] = ()
 
     @property
@@ -117,8 +119,9 @@ class SliceQuery:
 
     def score_bound_at(self, num_stages: int) -> float:
         """The score bound for a slice plan of ``num_stages`` stages: its least stage has at most layers //
-        stages layers (score_bounds_s)."""
-        i = self.num_layers // num_stages
+        stages layers, and with more stages than micro-batches no pipeline holding it interleaves
+        (score_bounds_s)."""
+        i = self.num_layers // num_stages if num_stages <= self.num_microbatches else 0
         return self.score_bounds_s[i] if i < len(self.score_bounds_s) else self.score_bound_s
 
     def beyond_bound(self, latency_floor_s: float, score_floor_s: float, num_stages: int | None = None) -> bool:

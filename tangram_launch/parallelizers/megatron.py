@@ -341,7 +341,8 @@ class MegatronParallelizer:
             tot = totals[index.fkey_ids]
             if q.score_bounds_s:  # per grid, the bound at its pp (SliceQuery.score_bound_at)
                 at = np.array([*q.score_bounds_s, q.score_bound_s]) * (1.0 + 1e-9)
-                score_cut = at[np.minimum(q.num_layers // index.pp, len(q.score_bounds_s)).astype(np.intp)]
+                i = np.where(index.pp <= m, np.minimum(q.num_layers // index.pp, len(q.score_bounds_s)), 0)
+                score_cut = at[i.astype(np.intp)]
             beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
             bounded += int(np.count_nonzero(beyond))
             keep &= ~beyond
