@@ -130,6 +130,10 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
         tail = tail_s if tail_s > ft[s] else ft[s]
         if bt[t] > tail:
             tail = bt[t]
+        least = m * stage + tail  # under every score (each floor below is at least this)
+        if least < score_to_beat_s and not known:
+            out.append(oi)
+            continue
         period, fill = stage, ff[s] + time_s + bf[t]
         lk_in = 0.0
         if links:
@@ -139,19 +143,20 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
             if t < L:
                 lk = out_of[island]
                 period, fill = (lk if lk > period else period), fill + 2.0 * lk
-        if known:
-            score = math.inf
-            if plain:
-                front = ff[s] + 2.0 * lk_in + m * bn
-                score = (front if front > m * stage else m * stage) + tail
-            q = (t - s) // ns
-            if inter and (q >= 2 or not plain):  # (interleaved only: below 2, the fill weight's floor, as _dp)
-                w = 1.0 / q if q >= 2 and q * fill_weight < 1.0 else fill_weight
-                v = (m - w) * period + w * fill + tail
-                score = v if v < score else score
-            score_ok = score < score_to_beat_s
-        else:
-            score_ok = m * stage + tail < score_to_beat_s
-        if score_ok or m1 * period + fill + tail < closed_to_beat_s:
+        if m1 * period + fill + tail < closed_to_beat_s:
+            out.append(oi)
+            continue
+        if least >= score_to_beat_s:
+            continue
+        score = math.inf  # (known: the floors of the score's own schedules)
+        if plain:
+            front = ff[s] + 2.0 * lk_in + m * bn
+            score = (front if front > m * stage else m * stage) + tail
+        q = (t - s) // ns
+        if inter and (q >= 2 or not plain):  # (interleaved only: below 2, the fill weight's floor, as _dp)
+            w = 1.0 / q if q >= 2 and q * fill_weight < 1.0 else fill_weight
+            v = (m - w) * period + w * fill + tail
+            score = v if v < score else score
+        if score < score_to_beat_s:
             out.append(oi)
     return out
