@@ -371,6 +371,7 @@ class MegatronParallelizer:
             over &= keep
             too_big = int(np.count_nonzero(over))
             keep &= ~over
+        cut_at: dict[int, float] = {}  # pp -> the score bound read at it (SliceQuery.score_bound_at, with slack)
         for i in np.flatnonzero(keep).tolist():
             grid = index.grids[i]
             if bound:
@@ -388,9 +389,13 @@ class MegatronParallelizer:
                 continue
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
             sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
+            if bound:
+                grid_cut = cut_at.get(grid.pp)
+                if grid_cut is None:
+                    grid_cut = cut_at[grid.pp] = q.score_bound_at(grid.pp) * (1.0 + 1e-9)
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
                 heaviest = _heaviest_floor(coster, sizes, floor)
-                if q.beyond_bound((m - 1) * heaviest + floor[3], m * heaviest, grid.pp):
+                if (m - 1) * heaviest + floor[3] > lat_cut and m * heaviest > grid_cut:  # (q.beyond_bound)
                     bounded += 1
                     continue
             if stage_parts is not None:  # one kind: the first stage (the most in flight) and the largest, as split
@@ -404,9 +409,11 @@ class MegatronParallelizer:
             sigs = table.signatures(coster, *dims, sizes=sizes)
             by_sid = table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
             columns = table.stage_columns(sigs, allowed, m, cap)
-            if bound and len(allowed) > 1 and q.beyond_bound(*least_floors(columns, sigs, m), grid.pp):
-                bounded += 1  # no combination can beat either bound: not judged
-                continue
+            if bound and len(allowed) > 1:
+                lat_floor, score_floor = least_floors(columns, sigs, m)
+                if lat_floor > lat_cut and score_floor > grid_cut:  # no combination can beat either bound: not judged
+                    bounded += 1
+                    continue
             judged = judge_columns(columns, sigs, m)
             evaluated += len(allowed)
             bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
@@ -414,7 +421,6 @@ class MegatronParallelizer:
                 misfits.append((grid, sigs, by_sid, allowed, None))
                 continue
             bottleneck, fill, tail, depth = judged
-            grid_cut = q.score_bound_at(grid.pp) * (1.0 + 1e-9)
             if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
                 misfits.append((grid, sigs, by_sid, allowed, depth))
                 if fill is None:
