@@ -29,8 +29,9 @@ only with configurations that could be part of a pipeline that beats one of them
 stages are costed when its floor (compute plus the TP/CP/EP communication no memory saver removes;
 (m - 1) x floor / pp + floor against the closed form, m x floor / pp against the predicted iteration; then with
 the split's heaviest stage) cannot, and a configuration when its own (m - 1) x bottleneck + fill + tail and
-m x bottleneck + tail cannot (the score bound read at the grid's pp: SliceQuery.score_bound_at). A grid with a stage that fits no memory-saver combination at its place is dropped
-before its combinations are judged; the rest are judged from per-signature columns (grid.judge_columns).
+m x bottleneck + tail cannot (the score bound read at the grid's pp: SliceQuery.score_bound_at). A grid with a stage
+that fits no memory-saver combination at its place is dropped before its combinations are judged; the rest are
+judged from per-signature columns (grid.judge_columns).
 
 The answer's plans are ``LazySlicePlan``s: their ``SliceNumbers`` come from the judged rows, their StageCosts (with
 the explained breakdown) are built on first read, so a planning run builds only the plans its composition places.

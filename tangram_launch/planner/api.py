@@ -594,9 +594,9 @@ def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: floa
     """Query every (b, pair) in the search's pool; answers go to results[b][pair.key]. A pair's query carries the
     closed-form bound less the least fill the rest of any pipeline holding it adds (_outside_s), and the best
     predicted iteration less _score_extra_s, per number of layers its plan's least stage may have
-    (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front;
-    on Llama-3 405B over 4,096 GPUs under megatron, 989,082 -> 910,254 configurations costed) (``present``: the
-    islands with pairs, any of which a pipeline may use)."""
+    (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front; on
+    Llama-3 405B over 4,096 GPUs under megatron, 989,082 -> 910,254 configurations costed). ``present``: the
+    islands with pairs, any of which a pipeline may use."""
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[tuple[int, Pair]] = []
@@ -803,7 +803,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
     # with the floors of the class's own schedules where it is composed in many island orders or by the merged exact
     # search (above exact_islands): there an option dropped saves more than its floors cost (Llama-3 405B over
-    # 4,096 GPUs under megatron: 1,355,984 -> 1,061,554 options kept); on four islands they cost 1.5 % more CPU
+    # 4,096 GPUs under megatron: 1,355,984 -> 1,061,554 options kept); on four islands they cost 2 % more instructions
     many = len(cand.islands) > opts.exact_islands
     idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix,
                     schedules=schedules if many else SCORE_ANY, fill_weight=weight if many else 0.0)
