@@ -1,7 +1,9 @@
 """Scores for composer tests: the 1F1B event simulation of a sequence of options, as the planner's score."""
 from __future__ import annotations
 
-from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+import math
+
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s
 
 
 def even(o, seq):
@@ -32,4 +34,23 @@ def simulated(options, link, m, stage_times=even):
             fwd.extend(t / 3 for t in times)
             bwd.extend(2 * t / 3 for t in times)
         return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
+    return score
+
+
+def scheduled(options, link, m, schedules=("plain", "interleaved"), most_chunks=8):
+    """A score as the planner's under ``schedules``: the plain 1F1B simulation (``simulated``, one stage of each
+    option at its bottleneck) and/or interleaved 1F1B with 2..min(``most_chunks``, the fewest layers per stage)
+    chunks, where the stages divide the micro-batches (capabilities.schedule_problems); the least of them (inf for
+    a pipeline that cannot interleave where only interleaved schedules count)."""
+    plain = simulated(options, link, m, with_bottleneck)
+
+    def score(seq, metrics):
+        best = plain(seq, metrics) if "plain" in schedules else math.inf
+        fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
+        if m % sum(options[oi].num_stages for oi in seq):  # the stages must divide the micro-batches
+            fewest = 1
+        if "interleaved" in schedules:
+            for v in range(2, min(most_chunks, fewest) + 1):
+                best = min(best, pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))
+        return best
     return score

@@ -15,7 +15,7 @@ from tangram_launch.planner.compose import (ComposeStats, Option, compose, evalu
                                             plain_1f1b_floor_s)
 from tangram_launch.planner.reference import brute_force, every_composition
 
-from helpers_compose import simulated, with_bottleneck
+from helpers_compose import scheduled, simulated, with_bottleneck
 
 SENTINEL = 1 << 30
 
@@ -332,25 +332,15 @@ def test_each_option_caps_the_chunks_of_any_pipeline_holding_it(seed):
     """Under "auto" (plain 1F1B and interleaved with v <= min(8, the fewest layers of a stage) chunks, where the
     stages divide the micro-batches), a pipeline holding an option of n layers in s stages interleaves in at most
     n // s chunks, and not at all below 2: the DP prunes each entry by that option's own cap (1 / (n // s) as the
-    fill weight, or the plain floor alone), and
-    loses nothing to the search under the default floor (m x period + tail, under any score), nor to the closed
-    form's optimum (brute force). Stage counts above the layers, and layers per stage from 0 to 8, are drawn on
-    purpose."""
+    fill weight, or the plain floor alone), and loses nothing to the search under the default floor (m x period +
+    tail, under any score), nor to the closed form's optimum (brute force). Stage counts above the layers, and
+    layers per stage from 0 to 8, are drawn on purpose."""
     rng = random.Random(1300 + seed)
     V = 8
     checked = 0
     for _ in range(120):
         options, link, L, m, K = random_instance(rng, max_layers=8)
-        plain = simulated(options, link, m, with_bottleneck)
-
-        def score(seq, metrics):
-            fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
-            if m % sum(options[oi].num_stages for oi in seq):  # the stages must divide the micro-batches
-                fewest = 1
-            best = plain(seq, metrics)
-            for v in range(2, min(V, fewest) + 1):
-                best = min(best, pipeline_latency(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))
-            return best
+        score = scheduled(options, link, m, most_chunks=V)
         got = compose(options, link, L, m, score=score, score_schedules=("plain", "interleaved"),
                       score_fill_weight=1.0 / V)
         default = compose(options, link, L, m, score=score)

@@ -13,7 +13,7 @@ from tangram_launch.planner.compose import Option
 from tangram_launch.planner.cover_floors import island_floor_s
 from tangram_launch.planner.reference import every_composition
 
-from helpers_compose import simulated, with_bottleneck
+from helpers_compose import scheduled
 
 NEVER = -1
 ROOM = 1 << 30
@@ -127,27 +127,6 @@ def test_options_left_out_as_unpromising_change_no_composition(seed, slack, with
         assert set(best.options) <= set(keep)
 
 
-def _scores(options, link, m, schedules):
-    """A score as the planner's under ``schedules``: the plain 1F1B simulation (helpers_compose, one stage of each
-    option at its bottleneck) and/or the interleaved schedule with 2..min(8, the fewest layers per stage) chunks
-    where the stages divide the micro-batches;
-    a pipeline that cannot interleave scores inf where only interleaved schedules count."""
-    from tangram_launch.costmodel.pipeline import pipeline_latency_s
-
-    plain = simulated(options, link, m, with_bottleneck)
-
-    def score(seq, metrics):
-        best = plain(seq, metrics) if "plain" in schedules else math.inf
-        fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
-        if m % sum(options[oi].num_stages for oi in seq):  # the stages must divide the micro-batches
-            fewest = 1
-        if "interleaved" in schedules:
-            for v in range(2, min(8, fewest) + 1):
-                best = min(best, pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))
-        return best
-    return score
-
-
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 10**6), st.sampled_from([1.0, 1.0 + 1e-9, 1.02, 1.2]),
        st.sampled_from([("plain",), ("interleaved",), ("plain", "interleaved")]))
@@ -159,7 +138,7 @@ def test_options_left_out_by_their_score_floors_change_no_plan(seed, slack, sche
     from tangram_launch.planner.cover_floors import promising
 
     options, link, L, m, K = _instance(seed, max_layers=9)  # (up to 3 layers per stage: the chunk caps matter)
-    score = _scores(options, link, m, schedules)
+    score = scheduled(options, link, m, schedules)
     kw = dict(score=score, score_schedules=schedules, score_fill_weight=1.0 / 8)
     best = compose(options, link, L, m, stats=ComposeStats(), **kw)
     if best is None or best.score_s == math.inf:
@@ -171,7 +150,7 @@ def test_options_left_out_by_their_score_floors_change_no_plan(seed, slack, sche
     kept = [options[i] for i in keep]
     full = compose(options, link, L, m, stats=ComposeStats(), score_incumbent_s=to_beat, **kw)
     less = compose(kept, link, L, m, stats=ComposeStats(), score_incumbent_s=to_beat,
-                   **{**kw, "score": _scores(kept, link, m, schedules)})
+                   **{**kw, "score": scheduled(kept, link, m, schedules)})
 
     def beating(c):  # (compose returns its best even where it does not beat the score to beat)
         return c.score_s if c is not None and c.score_s < to_beat else math.inf
