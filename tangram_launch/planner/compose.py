@@ -306,6 +306,17 @@ def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
     return out
 
 
+def score_floor_terms(schedules: tuple[str, ...], fill_weight: float) -> tuple[bool, bool, float]:
+    """How the DP's score floor reads compose's ``score_schedules`` and ``score_fill_weight``: (plain, only_plain,
+    w). plain: the plain 1F1B floor counts (plain_s); only_plain: nothing else does; w: the fill's weight in the
+    interleaved floor (m - w) x period + w x fill + tail (0: m x period + tail, under every score). With "any", or
+    both schedules and no weight, m x period + tail is all (it lies under the plain floor too)."""
+    plain = "plain" in schedules
+    if "any" in schedules or (plain and "interleaved" in schedules and fill_weight == 0.0):
+        return False, False, 0.0
+    return plain, plain and "interleaved" not in schedules, fill_weight
+
+
 def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]], num_layers: int,
         num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
@@ -353,13 +364,9 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
     if not merge:
         cls = range(len(cls))
     m1 = num_microbatches - 1
-    w, mw = fill_weight, num_microbatches - fill_weight  # the score floor's weights of fill and period
     m = num_microbatches
-    plain = "plain" in schedules  # plain 1F1B scores: the floor from plain_s
-    if "any" in schedules or (plain and "interleaved" in schedules and w == 0.0):
-        plain = False  # m x period + tail is under every score (and under the plain floor): nothing to add
-        w, mw = 0.0, float(num_microbatches)
-    only_plain = plain and "interleaved" not in schedules
+    plain, only_plain, w = score_floor_terms(schedules, fill_weight)
+    mw = m - w  # the score floor's weights of fill and period
     # with a known score (its floor holds) and a best score to beat, an entry is kept only while its score floor can
     # beat it: the closed form is a proxy, and what the closed form alone would keep scores no better
     score_only = (plain or w > 0.0) and score_beat < float("inf")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from tangram_launch.planner.compose import SCORE_ANY, Option, covers_of, least_links, pair_minima
+from tangram_launch.planner.compose import SCORE_ANY, Option, covers_of, least_links, pair_minima, score_floor_terms
 
 
 def usable(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> list[int]:
@@ -117,10 +117,9 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     into, out_of = least_links(link_s, {options[oi].island for oi in idx}) if link_s is not None else ({}, {})
     links = any(into.values()) or any(out_of.values())
     m = num_microbatches
-    plain = "plain" in schedules
-    inter = "interleaved" in schedules and fill_weight > 0.0
-    # as compose._dp: m x period + tail where that is under every score it counts
-    known = "any" not in schedules and (inter or (plain and "interleaved" not in schedules))
+    plain, only_plain, w = score_floor_terms(schedules, fill_weight)  # the floors compose._dp prunes by
+    known = plain or w > 0.0  # (else m x period + tail is all)
+    inter = w > 0.0 and not only_plain
     out = []
     for oi in idx:
         s, t, island, ns, _, time_s, bn, tail_s = options[oi]
@@ -154,8 +153,8 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
             score = (front if front > m * stage else m * stage) + tail
         q = (t - s) // ns
         if inter and (q >= 2 or not plain):  # (interleaved only: below 2, the fill weight's floor, as _dp)
-            w = 1.0 / q if q >= 2 and q * fill_weight < 1.0 else fill_weight
-            v = (m - w) * period + w * fill + tail
+            wo = 1.0 / q if q >= 2 and q * w < 1.0 else w
+            v = (m - wo) * period + wo * fill + tail
             score = v if v < score else score
         if score < score_to_beat_s:
             out.append(oi)
