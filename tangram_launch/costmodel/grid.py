@@ -39,6 +39,10 @@ class GridIndex:
         self.problems = [(g.pp, p) for g, p in checked if p]  # (pp, problems) of the grids no slice can run
         self.grids = [g for g, p in checked if not p]
         self.pp = np.array([g.pp for g in self.grids], dtype=np.float64)
+        # the distinct pp, and each grid's among them: per-pp numbers (a query's score bound) read per grid at once
+        self.pp_values = sorted({g.pp for g in self.grids})
+        self.pp_list = [self.pp_values.index(g.pp) for g in self.grids]
+        self.pp_ids = np.array(self.pp_list, dtype=np.intp)
         ids: dict[tuple, int] = {}
         self.fkey_list = [ids.setdefault((g.tp, g.cp, g.ep, g.dp), len(ids)) for g in self.grids]
         self.fkey_ids = np.array(self.fkey_list, dtype=np.intp)

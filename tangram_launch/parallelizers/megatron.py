@@ -322,7 +322,6 @@ class MegatronParallelizer:
         too_big = 0  # grids skipped by their memory floor
         bound = q.bounded  # skip what cannot beat the planner's bounds so far
         lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
-        score_cut = q.score_bound_s * (1.0 + 1e-9)
         floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind floors, embedding, head, slice's, its one kind's)
         floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads of the slice
         gkey, index = self._grid_index(table, q, coster, grids)
@@ -340,10 +339,9 @@ class MegatronParallelizer:
                 totals = totals + c * kind_floors[k]
             totals = totals + emb_floors + head_floors
             tot = totals[index.fkey_ids]
-            if q.score_bounds_s:  # per grid, the bound at its pp (SliceQuery.score_bound_at)
-                at = np.array([*q.score_bounds_s, q.score_bound_s]) * (1.0 + 1e-9)
-                i = np.where(index.pp <= m, np.minimum(q.num_layers // index.pp, len(q.score_bounds_s)), 0)
-                score_cut = at[i.astype(np.intp)]
+            # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
+            pp_cut = [q.score_bound_at(pp) * (1.0 + 1e-9) for pp in index.pp_values]
+            score_cut = np.array(pp_cut)[index.pp_ids]
             beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
             bounded += int(np.count_nonzero(beyond))
             keep &= ~beyond
@@ -372,7 +370,6 @@ class MegatronParallelizer:
             over &= keep
             too_big = int(np.count_nonzero(over))
             keep &= ~over
-        cut_at: dict[int, float] = {}  # pp -> the score bound read at it (SliceQuery.score_bound_at, with slack)
         for i in np.flatnonzero(keep).tolist():
             grid = index.grids[i]
             if bound:
@@ -391,9 +388,7 @@ class MegatronParallelizer:
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
             sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound:
-                grid_cut = cut_at.get(grid.pp)
-                if grid_cut is None:
-                    grid_cut = cut_at[grid.pp] = q.score_bound_at(grid.pp) * (1.0 + 1e-9)
+                grid_cut = pp_cut[index.pp_list[i]]
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
                 heaviest = _heaviest_floor(coster, sizes, floor)
                 if (m - 1) * heaviest + floor[3] > lat_cut and m * heaviest > grid_cut:  # (q.beyond_bound)
