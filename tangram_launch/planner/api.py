@@ -334,8 +334,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         if floors[b].beyond(*bound()):
             counters["sizes_skipped"] += 1
             return None
-        _ask([b], pairs, *bound(), floors[b], results, counters, cluster=cluster, model=model, training=training,
-             islands=islands, present=present, caps=caps, pool=pool)
+        _ask(b, pairs, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
+             caps=caps, pool=pool)
         best, own_s = _compose_b(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
                                  training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
                                  use_incumbent=use_incumbent, memo=memo)
@@ -455,6 +455,8 @@ class SizeFloor(NamedTuple):
     embedding_s: float
     head_s: float
     pairs: PairFloors | None = None  # per pair: under any pipeline holding it (pair_floors.py)
+    # per island the least link into it and out of it at this size (_least_links_at), where the driver gave them
+    links: tuple[dict[int, float], dict[int, float]] | None = None
 
     def beyond(self, latency_bound_s: float, score_bound_s: float) -> bool:
         """Whether no plan at this size can beat either bound (as SliceQuery.beyond_bound)."""
@@ -493,7 +495,7 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
         predicted iteration >= m x sum(GPU-seconds floors) / capacity
     """
     L = model.num_layers
-    none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0)
+    none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0, links=links)
     if not hasattr(par, "compute_floors"):
         return none
     best: dict[str, tuple[float, float]] = {}
@@ -529,7 +531,7 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
              if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
     cap = capacity(kinds, per_island, gpus)  # <= their GPUs
     return SizeFloor((m - 1) * gpu_s / cap + fill_s, m * gpu_s / cap, prefix, best["embedding"][1],
-                     best["head"][1], pairs)
+                     best["head"][1], pairs, links)
 
 
 def _outside_s(floor: SizeFloor, pair: Pair, into: dict[int, float], out_of: dict[int, float],
@@ -587,44 +589,42 @@ def _score_extra_s(front_s: float, outside_s: float, num_layers: int = MAX_VIRTU
     return front_s if front_s < inter else inter
 
 
-def _ask(bs: Sequence[int], pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor,
-         results: dict, counters: dict, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
-         islands: Sequence["Island"], present: Sequence[int], caps: RuntimeCapabilities,
-         pool: QueryPool) -> None:
-    """Query every (b, pair) in the search's pool; answers go to results[b][pair.key]. A pair's query carries the
+def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor, results: dict,
+         counters: dict, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
+         caps: RuntimeCapabilities, pool: QueryPool) -> None:
+    """Query every pair at size b (``floor``: b's SizeFloor, with its links) in the search's pool; answers go to
+    results[b][pair.key]. A pair's query carries the
     closed-form bound less the least fill the rest of any pipeline holding it adds (_outside_s), and the best
     predicted iteration less _score_extra_s, per number of layers its plan's least stage may have
     (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front; on
-    Llama-3 405B over 4,096 GPUs under megatron, 989,082 -> 910,254 configurations costed). ``present``: the
-    islands with pairs, any of which a pipeline may use."""
+    Llama-3 405B over 4,096 GPUs under megatron, 989,082 -> 910,254 configurations costed)."""
     L = model.num_layers
     queries: list[SliceQuery] = []
-    where: list[tuple[int, Pair]] = []
-    for b in bs:
-        into, out_of = _least_links_at(b, cluster, model, training, islands, present)
-        for p in pairs:
-            if floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s):
-                # part of no pipeline that could beat the bounds: answered "bounded" without a query
-                results[b][p.key] = _merge(results[b].get(p.key), SliceResult((*p.key, b), (), None, bounded=1))
-                counters["pairs_skipped"] += 1
-                continue
-            outside = _outside_s(floor, p, into, out_of, L)
-            front = _front_s(floor, p, into)
-            n = p.layers[1] - p.layers[0]
-            queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
-                                      microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
-                                      pipelined=p.layers != (0, L), latency_bound_s=bound_s - outside,
-                                      score_bound_s=score_s - _score_extra_s(front, outside, n),
-                                      score_bounds_s=tuple(score_s - _score_extra_s(front, outside, i)
-                                                           for i in range(min(n, MAX_VIRTUAL_STAGES)))))
-            where.append((b, p))
+    where: list[Pair] = []
+    into, out_of = floor.links
+    for p in pairs:
+        if floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s):
+            # part of no pipeline that could beat the bounds: answered "bounded" without a query
+            results[b][p.key] = _merge(results[b].get(p.key), SliceResult((*p.key, b), (), None, bounded=1))
+            counters["pairs_skipped"] += 1
+            continue
+        outside = _outside_s(floor, p, into, out_of, L)
+        front = _front_s(floor, p, into)
+        n = p.layers[1] - p.layers[0]
+        queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
+                                  microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
+                                  pipelined=p.layers != (0, L), latency_bound_s=bound_s - outside,
+                                  score_bound_s=score_s - _score_extra_s(front, outside, n),
+                                  score_bounds_s=tuple(score_s - _score_extra_s(front, outside, i)
+                                                       for i in range(min(n, MAX_VIRTUAL_STAGES)))))
+        where.append(p)
     if not queries:
         return
     t_q = time.perf_counter()
     answers = pool.run(queries)
     counters["query_s"] += time.perf_counter() - t_q
     counters["queries"] += len(queries)
-    for (b, p), r in zip(where, answers):
+    for p, r in zip(where, answers):
         results[b][p.key] = _merge(results[b].get(p.key), r)
     counters["configs"] += sum(r.configs_evaluated for r in answers)
     counters["bounded"] += sum(r.bounded for r in answers)
