@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.planner.compose import Option
+from tangram_launch.planner.compose import SCORE_ANY as SCORE_ANY_, Option
 from tangram_launch.planner.cover_floors import island_floor_s
 from tangram_launch.planner.reference import every_composition
 
@@ -203,3 +203,33 @@ def test_above_exact_islands_the_reason_names_the_search_that_found_nothing_bett
     assert "the search over more than 5 islands (exact over island sets" in many["isl6"]
     assert "at least 28 s" in many["isl6"]  # m x its bottleneck
     assert "the best one takes 28 s" in reasons(7)["isl6"]  # within exact_islands: priced by a composition
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from([SCORE_ANY_, ("plain",), ("interleaved",), ("plain", "interleaved")]),
+       st.sampled_from([0.0, 1.0 / 8]), st.booleans())
+def test_promising_over_option_rows_keeps_what_the_loop_keeps(seed, schedules, weight, with_links):
+    """promising over the options' rows (one array, the path the planner takes) keeps exactly the options its loop
+    over Option tuples keeps, in the same order, for any bounds, schedules, fill weight and links: the same float
+    operations, column by column (including options outside [0, L) or fitting nowhere, and m = 1). The bounds are
+    drawn among the options' own floors, where the tests decide."""
+    import numpy as np
+
+    from tangram_launch.planner.cover_floors import promising
+
+    options, link, L, m, K = _instance(seed, max_layers=12)  # (up to 12 layers per stage: every chunk cap)
+    if not options:
+        return
+    rng = random.Random(seed)
+    L = rng.choice([L, max(1, L - 1)])  # (L - 1: the options ending at L lie outside the model)
+    idx = sorted(rng.sample(range(len(options)), rng.randint(1, len(options))))
+    rows = np.array([options[i] for i in idx], dtype=np.float64)
+    lk = link if with_links else None
+    kw = dict(schedules=schedules, fill_weight=weight)
+    closed = sorted({(m - 1) * o.bottleneck_s + L * o.time_s for o in options})
+    score = sorted({m * o.bottleneck_s * rng.uniform(1, 2) + o.tail_s for o in options})
+    bounds = [(1e-12, rng.choice(score)) for _ in range(4)] + [(rng.choice(closed), 1e-12) for _ in range(2)]
+    bounds += [(rng.choice(closed), rng.choice(score)), (math.inf, rng.choice(score))]
+    for c, s in bounds:
+        assert promising(options, idx, L, m, c, s, lk, rows=rows, **kw) == promising(options, idx, L, m, c, s, lk,
+                                                                                      **kw)

@@ -444,6 +444,7 @@ class SizeMemo:
     # under bounds no looser has nothing to find (every class was composed, or skipped, under bounds at least those)
     rounds: dict = field(default_factory=dict)
     minima: dict = field(default_factory=dict)  # b -> id(an answer's templates) -> (them, classes.group_minima)
+    fields: dict = field(default_factory=dict)  # b -> id(an answer's templates) -> (them, their fields as an array)
 
 
 class SizeFloor(NamedTuple):
@@ -696,6 +697,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         score_floors.pop(None, None)
     work = sorted(((floors.get(group, math.inf), group, idx) for group, idx in classes.items()), key=lambda w: w[0])
     twins = TwinClasses(cand)  # classes with another grid's very options (Megatron's dp x cp splits): once each
+    rows: list = []  # every option's fields as an array (Candidates.option_rows), made when a class is composed
     for lb, group, idx in work:
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking, which
         # needs the size's own best exactly: there the best score among its classes so far bounds the rest (what
@@ -719,8 +721,11 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
                     continue  # the same options: nothing new to find
                 searched = last[0]
             memo.composed[(b, group)] = (opts_of, threshold, score_to_beat)
+        if not rows:
+            rows.append(cand.option_rows(memo.fields.setdefault(b, {}) if memo is not None else None))
         comp = _compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
-                              score_incumbent_s=score_to_beat, schedules=schedules, searched=searched)
+                              score_incumbent_s=score_to_beat, schedules=schedules, searched=searched,
+                              rows=rows[0])
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best[0]:
@@ -791,13 +796,14 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                    required_mask: int = 0, incumbent_s: float = float("inf"),
                    score_incumbent_s: float = float("inf"),
                    schedules: tuple[str, ...] = SCORE_ANY,
-                   searched: Sequence[Option] | None = None) -> Composition | None:
+                   searched: Sequence[Option] | None = None, rows=None) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
     beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
     beat it are not simulated); ``schedules``: the schedules whose predictions can matter here (_score_schedules),
     so that the composer prunes by their floors; ``searched``: options of this class already composed under bounds
-    no tighter, whose plans already count in the incumbents: None is returned unless a promising option is new."""
+    no tighter, whose plans already count in the incumbents: None is returned unless a promising option is new.
+    ``rows``: every option of ``cand`` as Candidates.option_rows (promising then reads the class's rows), or None."""
     # options no plan beating the incumbents can hold (cover_floors.promising): compose would prune them at every
     # use, but they cost it time in each of up to hundreds of island orders
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
@@ -806,7 +812,8 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     # 4,096 GPUs under megatron: 1,355,984 -> 1,061,554 options kept); on four islands they cost 2 % more instructions
     many = len(cand.islands) > opts.exact_islands
     idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix,
-                    schedules=schedules if many else SCORE_ANY, fill_weight=weight if many else 0.0)
+                    schedules=schedules if many else SCORE_ANY, fill_weight=weight if many else 0.0,
+                    rows=rows[idx] if rows is not None else None)
     if searched is not None and {cand.options[i] for i in idx} <= set(searched):
         # every plan that could beat the bounds holds only options searched before: it was found then (a later
         # round's answers added only options no plan beating the best can hold)

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
+import numpy as np
+
 from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
@@ -59,6 +61,30 @@ class Candidates:
     # make_candidates' memo keeps, the same object for every pair of the answer, in every round at b until the
     # answer changes)
     parts: list[tuple[int, int, list]] = field(default_factory=list)
+    part_starts: list[int] = field(default_factory=list)  # per part, its pair's first layer
+
+    def option_rows(self, fields: dict | None = None) -> np.ndarray | None:
+        """Every option's 8 fields as one float array (a row per option, in option order), made from the parts:
+        their templates' fields once each (``fields``: a dict the caller keeps, id(templates) -> (templates, their
+        fields as an array)), then the pairs' start, stop and island repeated. None where the parts do not hold
+        every option (options added by hand, manual.py)."""
+        counts = [len(temps) for _k, _n, temps in self.parts]
+        if sum(counts) != len(self.options) or not self.options:
+            return None
+        cache = fields if fields is not None else {}
+        blocks = []
+        for _k, _n, temps in self.parts:
+            hit = cache.get(id(temps))
+            if hit is None or hit[0] is not temps:
+                hit = cache[id(temps)] = (temps, np.array([t[0] for t in temps], dtype=np.float64).reshape(-1, 5))
+            blocks.append(hit[1])
+        rows = np.empty((len(self.options), 8))
+        starts = np.repeat(np.array(self.part_starts, dtype=np.float64), counts)
+        rows[:, 0] = starts
+        rows[:, 1] = starts + np.repeat(np.array([n for _k, n, _t in self.parts], dtype=np.float64), counts)
+        rows[:, 2] = np.repeat(np.array([k for k, _n, _t in self.parts], dtype=np.float64), counts)
+        rows[:, 3:] = np.concatenate(blocks)
+        return rows
 
     def slice_plan(self, option_index: int) -> SlicePlan:
         """The slice plan behind an option, shifted to the option's layers."""
@@ -171,6 +197,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         cand.groups.extend(hit[3])
         cand.edges.extend(hit[4])
         cand.parts.append((pair.island, pair.layers[1] - pair.layers[0], temps))
+        cand.part_starts.append(pair.layers[0])
     return cand
 
 

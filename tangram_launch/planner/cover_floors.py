@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 from tangram_launch.planner.compose import SCORE_ANY, Option, covers_of, least_links, pair_minima, score_floor_terms
 
 
@@ -88,7 +90,8 @@ def _merged(a: dict[tuple[int, int], list[float]], b: dict[tuple[int, int], list
 def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, num_microbatches: int,
               closed_to_beat_s: float, score_to_beat_s: float,
               link_s: Sequence[Sequence[float]] | None = None, *,
-              schedules: tuple[str, ...] = SCORE_ANY, fill_weight: float = 0.0) -> list[int]:
+              schedules: tuple[str, ...] = SCORE_ANY, fill_weight: float = 0.0,
+              rows: np.ndarray | None = None) -> list[int]:
     """The options of ``idx`` some plan holding which could still beat either bound: its closed form
     ``closed_to_beat_s`` or its iteration ``score_to_beat_s`` (compose keeps a plan while either can; what is
     dropped here it would prune at every use). In ``idx``'s order.
@@ -103,6 +106,9 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
     after the least fill in front of it (compose.plain_1f1b_floor_s); with "interleaved", (m - w) x period +
     w x fill + tail, the links in both, with w the larger of ``fill_weight`` and 1 / (n // s) for the option's n
     layers in s stages, and none below 2 layers per stage (a chunk holds a layer); with both, the lesser."""
+    if rows is not None:
+        return _promising_rows(rows, idx, num_layers, num_microbatches, closed_to_beat_s, score_to_beat_s, link_s,
+                               schedules, fill_weight)
     idx = usable(options, idx, num_layers)
     if closed_to_beat_s == math.inf or score_to_beat_s == math.inf:
         return idx
@@ -159,3 +165,78 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
         if score < score_to_beat_s:
             out.append(oi)
     return out
+
+
+def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_microbatches: int,
+                    closed_to_beat_s: float, score_to_beat_s: float, link_s: Sequence[Sequence[float]] | None,
+                    schedules: tuple[str, ...], fill_weight: float) -> list[int]:
+    """promising over ``rows`` (rows[i]: option idx[i]'s 8 fields): each step of the loop above as one operation
+    on a column (max, +, x of IEEE doubles, in the loop's order: the same values, the same options kept)."""
+    L = num_layers
+    S, T = rows[:, 0], rows[:, 1]
+    ok = (rows[:, 4] >= 0) & (S >= 0) & (S < T) & (T <= L)  # usable
+    if not ok.all():
+        keep_at = np.flatnonzero(ok)
+        rows = rows[keep_at]
+        idx = [idx[i] for i in keep_at.tolist()]
+        S, T = rows[:, 0], rows[:, 1]
+    else:
+        idx = list(idx)
+    if closed_to_beat_s == math.inf or score_to_beat_s == math.inf or not idx:
+        return idx
+    s_at, t_at, island = S.astype(np.intp), T.astype(np.intp), rows[:, 2].astype(np.intp)
+    time_s, bn, tail_s = rows[:, 5], rows[:, 6], rows[:, 7]
+    minima = _row_minima(rows, s_at, t_at, L)
+    ff, fp, ft = (np.array(x) for x in covers_of(minima, L, back=False))
+    bf, bp, bt = (np.array(x) for x in covers_of(minima, L, back=True))
+    m = num_microbatches
+    m1 = m - 1
+    stage = np.maximum(np.maximum(bn, fp[s_at]), bp[t_at])
+    tail = np.maximum(np.maximum(tail_s, ft[s_at]), bt[t_at])
+    least = m * stage + tail
+    plain, only_plain, w = score_floor_terms(schedules, fill_weight)
+    period, fill = stage, ff[s_at] + time_s + bf[t_at]
+    lk_in = np.zeros(len(idx))
+    if link_s is not None:
+        into, out_of = least_links(link_s, set(island.tolist()))
+        if any(into.values()) or any(out_of.values()):
+            size = max(into) + 1
+            into_of = np.array([into.get(k, 0.0) for k in range(size)])
+            out_of_k = np.array([out_of.get(k, 0.0) for k in range(size)])
+            front = S > 0
+            lk_in = np.where(front, into_of[island], 0.0)
+            period = np.where(front, np.maximum(lk_in, period), period)
+            fill = np.where(front, fill + 2.0 * lk_in, fill)
+            behind = T < L
+            lk = out_of_k[island]
+            period = np.where(behind, np.maximum(lk, period), period)
+            fill = np.where(behind, fill + 2.0 * lk, fill)
+    with np.errstate(invalid="ignore"):  # 0 x inf (m = 1, no cover in front): nan, not below it, as in the loop
+        keep = m1 * period + fill + tail < closed_to_beat_s
+    if not (plain or w > 0.0):  # m x period + tail is all the score's floor
+        keep |= least < score_to_beat_s
+        return [idx[i] for i in np.flatnonzero(keep).tolist()]
+    score = np.full(len(idx), math.inf)
+    if plain:
+        front_s = ff[s_at] + 2.0 * lk_in + m * bn
+        score = np.maximum(front_s, m * stage) + tail
+    if w > 0.0 and not only_plain:
+        q = (t_at - s_at) // rows[:, 3].astype(np.intp)
+        chunked = q >= 2
+        wo = np.where(chunked & (q * w < 1.0), 1.0 / np.maximum(q, 1), w)
+        v = (m - wo) * period + wo * fill + tail
+        inter = chunked | (not plain)
+        score = np.where(inter & (v < score), v, score)
+    keep |= (least < score_to_beat_s) & (score < score_to_beat_s)
+    return [idx[i] for i in np.flatnonzero(keep).tolist()]
+
+
+def _row_minima(rows: np.ndarray, s_at: np.ndarray, t_at: np.ndarray, num_layers: int) -> dict:
+    """pair_minima of ``rows``: per (start, stop), the least time, bottleneck and tail (minima are exact)."""
+    key = s_at * (num_layers + 1) + t_at
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    least = np.minimum.reduceat(rows[order][:, 5:8], first, axis=0)
+    starts, stops = s_at[order][first].tolist(), t_at[order][first].tolist()
+    return {(a, b): v for a, b, v in zip(starts, stops, least.tolist())}
