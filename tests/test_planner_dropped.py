@@ -233,3 +233,33 @@ def test_promising_over_option_rows_keeps_what_the_loop_keeps(seed, schedules, w
     for c, s in bounds:
         assert promising(options, idx, L, m, c, s, lk, rows=rows, **kw) == promising(options, idx, L, m, c, s, lk,
                                                                                       **kw)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10**6), st.booleans())
+def test_compose_prepared_from_option_rows_is_the_same(seed, with_links):
+    """compose's preparation from the options' rows (usable options by columns, each island's pair minima by
+    row_minima) is the loop's: the same options, groups and bounds, and the same covers for every set of islands."""
+    import numpy as np
+
+    from tangram_launch.planner.compose import _prepare
+
+    options, link, L, m, K = _instance(seed, max_layers=9)
+    if not options:
+        return
+    rng = random.Random(seed)
+    L = rng.choice([L, max(1, L - 1)])  # (L - 1: the options ending at L lie outside the model)
+    rows = np.array(options, dtype=np.float64)
+    mask = rng.randint(1, (1 << K) - 1) if K > 1 else 1
+    lk = link if with_links else [[0.0] * K for _ in range(K)]
+    want = _prepare(options, lk, L, m - 1, mask, None, True)
+    got = _prepare(options, lk, L, m - 1, mask, None, True, rows)
+    assert (got is None) == (want is None)
+    if want is None:
+        return
+    assert got[:5] == want[:5] and got[6:] == want[6:]
+    mine, theirs = got[5], want[5]
+    assert mine.islands == theirs.islands
+    for sub in range(1 << K):
+        if not sub & ~mine.islands:
+            assert mine(sub) == theirs(sub)

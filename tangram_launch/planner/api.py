@@ -814,6 +814,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix,
                     schedules=schedules if many else SCORE_ANY, fill_weight=weight if many else 0.0,
                     rows=rows[idx] if rows is not None else None)
+    sub_rows = rows[idx] if rows is not None else None  # (the kept options' rows: compose prepares by them)
     if searched is not None and {cand.options[i] for i in idx} <= set(searched):
         # every plan that could beat the bounds holds only options searched before: it was found then (a later
         # round's answers added only options no plan beating the best can hold)
@@ -897,7 +898,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
                        undominated=True, edge_s=edges,  # templates.undominated judged each class
-                       quick_plan=quick_plan)
+                       quick_plan=quick_plan, rows=sub_rows)
         if comp is None:
             return None
         if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing

@@ -594,6 +594,20 @@ def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int
     return out
 
 
+def row_minima(rows: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pair_minima of options given as rows of Option's 8 fields (Candidates.option_rows): per (start, stop), in
+    their order, the starts, the stops and the least (time, bottleneck, tail) as an (n, 3) array (minima are
+    exact in any order)."""
+    s_at, t_at = rows[:, 0].astype(np.intp), rows[:, 1].astype(np.intp)
+    key = s_at * (num_layers + 1) + t_at
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(k) else np.zeros(0, dtype=np.intp)
+    least = (np.minimum.reduceat(rows[order][:, 5:8], first, axis=0) if len(k)
+             else np.zeros((0, 3), dtype=np.float64))
+    return s_at[order][first], t_at[order][first], least
+
+
 def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, back: bool) -> Covers:
     """covers from pair_minima."""
     fill = [float("inf")] * (num_layers + 1)
@@ -651,21 +665,31 @@ class _PrefixBounds:
     costs its islands' (start, stop) pairs."""
 
     def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int,
-                 link_s: Sequence[Sequence[float]] | None = None):
+                 link_s: Sequence[Sequence[float]] | None = None, rows: np.ndarray | None = None):
+        """``rows``: the options as Candidates.option_rows (rows[i] is options[i]), where the caller has them: each
+        island's pair minima are then taken over its rows at once (row_minima)."""
         self._num_layers = num_layers
         self._link_s = link_s
         self._links: dict = {}  # _front_link_s' cache
-        by_island: dict[int, list[int]] = {}
-        for oi in idx:
-            by_island.setdefault(options[oi].island, []).append(oi)
         # island -> (start, stop, least time, least bottleneck, least tail) of its (start, stop) pairs, as arrays,
         # and where start > 0
         self._pairs: dict[int, tuple] = {}
-        for k, lst in sorted(by_island.items()):
-            rows = [(a, b, *v) for (a, b), v in pair_minima(options, lst).items()]
-            starts, stops = (np.array([r[i] for r in rows], dtype=np.intp) for i in (0, 1))
-            times, bottlenecks, tails = (np.array([r[i] for r in rows], dtype=np.float64) for i in (2, 3, 4))
-            self._pairs[k] = (starts, stops, times, bottlenecks, tails, starts > 0)
+        if rows is not None:
+            sub = rows[np.asarray(idx, dtype=np.intp)]
+            island = sub[:, 2].astype(np.intp)
+            for k in np.unique(island).tolist():
+                starts, stops, least = row_minima(sub[island == k], num_layers)
+                self._pairs[k] = (starts, stops, least[:, 0].copy(), least[:, 1].copy(), least[:, 2].copy(),
+                                  starts > 0)
+        else:
+            by_island: dict[int, list[int]] = {}
+            for oi in idx:
+                by_island.setdefault(options[oi].island, []).append(oi)
+            for k, lst in sorted(by_island.items()):
+                minima = [(a, b, *v) for (a, b), v in pair_minima(options, lst).items()]
+                starts, stops = (np.array([r[i] for r in minima], dtype=np.intp) for i in (0, 1))
+                times, bottlenecks, tails = (np.array([r[i] for r in minima], dtype=np.float64) for i in (2, 3, 4))
+                self._pairs[k] = (starts, stops, times, bottlenecks, tails, starts > 0)
         self.islands = sum(1 << k for k in self._pairs)  # the islands with options, as a mask
         none = np.full(num_layers + 1, np.inf)
         none[0] = 0.0
@@ -748,14 +772,21 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
 
 
 def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
-             allowed_mask: int, max_stages: int | None, undominated: bool = False) -> tuple | None:
+             allowed_mask: int, max_stages: int | None, undominated: bool = False,
+             rows: np.ndarray | None = None) -> tuple | None:
     """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
     options, grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
     of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
     is usable. ``undominated``: the caller's options are known to be undominated already (_undominated would
-    return them all)."""
-    idx = [i for i, o in enumerate(options)
-           if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
+    return them all). ``rows``: the options as Candidates.option_rows, where the caller has them."""
+    if rows is not None:  # the same test over the columns
+        island = rows[:, 2].astype(np.int64)
+        ok = (((allowed_mask >> island) & 1) == 1) & (rows[:, 4] >= 0) & (rows[:, 0] >= 0) & (
+            rows[:, 0] < rows[:, 1]) & (rows[:, 1] <= num_layers)
+        idx = np.flatnonzero(ok).tolist()
+    else:
+        idx = [i for i, o in enumerate(options)
+               if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
     if not undominated:
         idx = _undominated(options, idx, saturated)
     if not idx:
@@ -772,7 +803,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         n_cap = min(saturated, 1 + max(finite, default=-1))
     else:
         n_cap = max(saturated, max_stages)
-    prefix = _PrefixBounds(options, idx, num_layers, link_s)
+    prefix = _PrefixBounds(options, idx, num_layers, link_s, rows)
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return (idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
@@ -829,7 +860,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
             score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
             undominated: bool = False, edge_s: Sequence[tuple[float, float]] | None = None,
-            quick_plan: bool = True) -> Composition | None:
+            quick_plan: bool = True, rows: np.ndarray | None = None) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
     ``allowed_mask``: islands that may be used (default all); ``required_mask``: islands every sequence must use
@@ -862,7 +893,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     was judged by templates.undominated), so the kernel does not look for such pairs; ``edge_s``: per option, its
     first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (_cycles_s);
     ``quick_plan`` False: no quick plan before the exact pass (a driver whose incumbents already hold a plan of
-    these options, composed in one island order just before, has the bound it would give).
+    these options, composed in one island order just before, has the bound it would give); ``rows``: the options as
+    Candidates.option_rows (rows[i] is options[i]), where the caller has them: the preparation reads columns.
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
@@ -873,7 +905,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     prep = stats.prepared
     if prep is None or prep[0] != key or prep[1] is not options or prep[2] is not link_s:
         prep = stats.prepared = (key, options, link_s, _prepare(options, link_s, num_layers, saturated, allowed_mask,
-                                                                max_stages, undominated))
+                                                                max_stages, undominated, rows))
     if prep[3] is None:
         return None
     idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, _cls, stage_lb = prep[3]

@@ -21,7 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from tangram_launch.planner.compose import SCORE_ANY, Option, covers_of, least_links, pair_minima, score_floor_terms
+from tangram_launch.planner.compose import (SCORE_ANY, Option, covers_of, least_links, pair_minima, row_minima,
+                                            score_floor_terms)
 
 
 def usable(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> list[int]:
@@ -186,7 +187,7 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
         return idx
     s_at, t_at, island = S.astype(np.intp), T.astype(np.intp), rows[:, 2].astype(np.intp)
     time_s, bn, tail_s = rows[:, 5], rows[:, 6], rows[:, 7]
-    minima = _row_minima(rows, s_at, t_at, L)
+    minima = _row_minima(rows, L)
     ff, fp, ft = (np.array(x) for x in covers_of(minima, L, back=False))
     bf, bp, bt = (np.array(x) for x in covers_of(minima, L, back=True))
     m = num_microbatches
@@ -231,12 +232,8 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
     return [idx[i] for i in np.flatnonzero(keep).tolist()]
 
 
-def _row_minima(rows: np.ndarray, s_at: np.ndarray, t_at: np.ndarray, num_layers: int) -> dict:
-    """pair_minima of ``rows``: per (start, stop), the least time, bottleneck and tail (minima are exact)."""
-    key = s_at * (num_layers + 1) + t_at
-    order = np.argsort(key, kind="stable")
-    k = key[order]
-    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-    least = np.minimum.reduceat(rows[order][:, 5:8], first, axis=0)
-    starts, stops = s_at[order][first].tolist(), t_at[order][first].tolist()
-    return {(a, b): v for a, b, v in zip(starts, stops, least.tolist())}
+
+def _row_minima(rows: np.ndarray, num_layers: int) -> dict:
+    """pair_minima of ``rows`` (compose.row_minima, as the dict covers_of reads)."""
+    starts, stops, least = row_minima(rows, num_layers)
+    return {(a, b): v for a, b, v in zip(starts.tolist(), stops.tolist(), least.tolist())}
