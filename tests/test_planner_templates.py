@@ -151,3 +151,30 @@ def test_every_class_the_driver_composes_is_already_undominated(runtime):
             assert _undominated(cand.options, idx, cand.num_microbatches - 1) == idx
             checked += len(idx)
     assert checked > 100
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=8), st.integers(0, 3))
+def test_option_sources_read_from_parts_are_a_list_of_each_options_pair_and_plan(sizes, extra):
+    """Candidates.sources answers option i with (its pair, its template's plan) from the parts, as the list of one
+    tuple per option it replaces did: every index, negative ones, slices, options appended one by one after the
+    parts, and IndexError past the end."""
+    from tangram_launch.planner.build import OptionSources
+    from tangram_launch.planner.slices import Pair
+
+    sources, want = OptionSources(), []
+    for k, n in enumerate(sizes):
+        pair = Pair((k, k + 1), k % 3, (f"isl{k}",))
+        temps = [(None, f"plan{k}.{j}", None, None) for j in range(n)]
+        sources.add_part(pair, temps)
+        want += [(pair, t[1]) for t in temps]
+    for j in range(extra):
+        item = (Pair((0, 1), 0, ("manual",)), f"manual{j}")
+        sources.append(item)
+        want.append(item)
+    assert len(sources) == len(want)
+    assert [sources[i] for i in range(len(want))] == want
+    assert [sources[-i] for i in range(1, len(want) + 1)] == [want[-i] for i in range(1, len(want) + 1)]
+    assert sources[1:4] == want[1:4] and list(sources) == want
+    with pytest.raises(IndexError):
+        sources[len(want)]

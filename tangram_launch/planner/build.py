@@ -9,9 +9,11 @@ same numbers the composer's driver ranked it by (``Candidates.schedule_choice``)
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
@@ -37,6 +39,43 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
+class OptionSources(SequenceABC):
+    """option index -> (its pair, its unshifted slice plan), read from the parts a size's options are made of
+    (make_candidates: a pair's options are its answer's templates in order), not kept per option: on Llama-3 405B
+    over 4,096 GPUs that is 2.35 million tuples, 150 MB. Options added one by one (manual.py) come after the parts."""
+
+    def __init__(self) -> None:
+        self._pairs: list[Pair] = []
+        self._temps: list[list] = []  # per part, its templates: (fields, plan, class, edges)
+        self._ends: list[int] = []  # per part, the index after its last option
+        self._extra: list[tuple[Pair, SlicePlan]] = []
+
+    def add_part(self, pair: Pair, temps: list) -> None:
+        assert not self._extra, "parts come before options added one by one"
+        self._pairs.append(pair)
+        self._temps.append(temps)
+        self._ends.append((self._ends[-1] if self._ends else 0) + len(temps))
+
+    def append(self, source: tuple[Pair, SlicePlan]) -> None:
+        self._extra.append(source)
+
+    def __len__(self) -> int:
+        return (self._ends[-1] if self._ends else 0) + len(self._extra)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = self._ends[-1] if self._ends else 0
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < n + len(self._extra):
+            raise IndexError(i)
+        if i >= n:
+            return self._extra[i - n]
+        p = bisect.bisect_right(self._ends, i)
+        return self._pairs[p], self._temps[p][i - (self._ends[p - 1] if p else 0)][1]
+
+
 @dataclass
 class Candidates:
     """The composer's input for one micro-batch size b, and the way back from an option to its slice plan."""
@@ -47,7 +86,7 @@ class Candidates:
     links: LinkModel
     link_matrix: tuple[tuple[float, ...], ...]  # [a][b]: one-way p2p seconds per micro-batch, island a -> b
     options: list[Option] = field(default_factory=list)
-    sources: list[tuple[Pair, SlicePlan]] = field(default_factory=list)  # option -> (pair, unshifted slice plan)
+    sources: "OptionSources" = field(default_factory=lambda: OptionSources())  # option -> (pair, unshifted plan)
     groups: list[Hashable] = field(default_factory=list)  # option -> compatibility class (uniform-grid runtimes)
     # option -> its first and its last stage's forward + backward seconds (compose's edge_s); empty: not known
     edges: list[tuple[float, float]] = field(default_factory=list)
@@ -182,7 +221,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         if judged is not None:
             judged[key] = (res, templates[key], dropped)
     new = tuple.__new__  # Option._make without its Python frame and length check: the fields are Option's 8
-    built = judged if judged is not None else {}  # pair -> (its templates, its options, sources, classes)
+    built = judged if judged is not None else {}  # pair -> (its templates, its options, classes, edges)
     for pair in pairs:
         temps = templates.get(pair.key)
         if not temps:
@@ -190,12 +229,12 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
         hit = built.get(pair)
         if hit is None or hit[0] is not temps:
             where = (pair.layers[0], pair.layers[1], pair.island)
-            hit = built[pair] = (temps, [new(Option, where + t[0]) for t in temps],
-                                 [(pair, t[1]) for t in temps], [t[2] for t in temps], [t[3] for t in temps])
+            hit = built[pair] = (temps, [new(Option, where + t[0]) for t in temps], [t[2] for t in temps],
+                                 [t[3] for t in temps])
         cand.options.extend(hit[1])
-        cand.sources.extend(hit[2])
-        cand.groups.extend(hit[3])
-        cand.edges.extend(hit[4])
+        cand.sources.add_part(pair, temps)
+        cand.groups.extend(hit[2])
+        cand.edges.extend(hit[3])
         cand.parts.append((pair.island, pair.layers[1] - pair.layers[0], temps))
         cand.part_starts.append(pair.layers[0])
     return cand
