@@ -822,7 +822,13 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         # round's answers added only options no plan beating the best can hold)
         return None
     edges = _pick(cand.edges, idx) if len(cand.edges) == len(cand.options) else None
-    present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
+    if sub_rows is not None:
+        present = sorted(k for k in set(sub_rows[:, 2].astype(int).tolist())
+                         if allowed_mask is None or allowed_mask >> k & 1)
+    else:
+        present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
+    if allowed_mask is None and present:  # (what compose takes by default, from these options: every island)
+        allowed_mask = (1 << (1 + present[-1])) - 1
     if len(present) > opts.exact_islands and merged_states(cand.link_matrix, present) > MERGED_EXACT_STATES:
         # (where the exact search over every island set runs anyway, its floors per set of free islands prune what
         # an island left out would: on Llama-3 405B over 4,096 GPUs under megatron this pass cost 2.5 CPU-s, left
