@@ -274,3 +274,18 @@ def test_the_memory_floor_skips_grids_and_a_query_that_fits_nowhere_still_names_
             assert fast.configs_evaluated < plain.configs_evaluated / 2
         else:
             assert fast.infeasible == plain.infeasible and "needs at least" in fast.infeasible.reasons[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.floats(0.0, 10.0), st.floats(0.0, 5.0), st.floats(0.0, 5.0),
+       st.randoms(use_true_random=False))
+def test_a_one_kind_split_has_a_stage_of_ceil_layers_over_pp(layers, pp, w, emb, head, rng):
+    """The megatron search bounds a one-kind grid before splitting it by ceil(layers / pp) x the kind's floor: for
+    any split into pp stages, _heaviest_floor (what it would bound the split by) is at least that, as floats."""
+    from tangram_launch.parallelizers.megatron import _heaviest_floor
+
+    pp = min(pp, layers)
+    cuts = sorted(rng.sample(range(1, layers), pp - 1))
+    sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, layers]))
+    floor = ({"dense": w}, emb, head, 0.0, w)  # (per kind, embedding, head, total, the one kind's)
+    assert _heaviest_floor(None, sizes, floor) >= -(-layers // pp) * w

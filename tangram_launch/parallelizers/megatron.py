@@ -386,9 +386,17 @@ class MegatronParallelizer:
             if not allowed:
                 continue
             dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-            sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound:
                 grid_cut = pp_cut[index.pp_list[i]]
+                if grid.pp > 1 and floor[4] is not None:
+                    # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest
+                    # stage's floor (_heaviest_floor) is at least that many times the kind's (the same float
+                    # products, rounding monotone): a grid this already bounds needs no split
+                    least = -(-max_pp // grid.pp) * floor[4]
+                    if (m - 1) * least + floor[3] > lat_cut and m * least > grid_cut:
+                        bounded += 1
+                        continue
+            sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
             if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
                 heaviest = _heaviest_floor(coster, sizes, floor)
                 if (m - 1) * heaviest + floor[3] > lat_cut and m * heaviest > grid_cut:  # (q.beyond_bound)
