@@ -60,6 +60,8 @@ from tangram_launch.planner.slices import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+
     from tangram_launch.islands import Island
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import ModelSpec
@@ -797,7 +799,8 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                    required_mask: int = 0, incumbent_s: float = float("inf"),
                    score_incumbent_s: float = float("inf"),
                    schedules: tuple[str, ...] = SCORE_ANY,
-                   searched: Sequence[Option] | None = None, rows=None) -> Composition | None:
+                   searched: Sequence[Option] | None = None,
+                   rows: "np.ndarray | None" = None) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
     beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot

@@ -86,7 +86,7 @@ class Candidates:
     links: LinkModel
     link_matrix: tuple[tuple[float, ...], ...]  # [a][b]: one-way p2p seconds per micro-batch, island a -> b
     options: list[Option] = field(default_factory=list)
-    sources: "OptionSources" = field(default_factory=lambda: OptionSources())  # option -> (pair, unshifted plan)
+    sources: OptionSources = field(default_factory=OptionSources)  # option -> (pair, unshifted slice plan)
     groups: list[Hashable] = field(default_factory=list)  # option -> compatibility class (uniform-grid runtimes)
     # option -> its first and its last stage's forward + backward seconds (compose's edge_s); empty: not known
     edges: list[tuple[float, float]] = field(default_factory=list)
