@@ -224,10 +224,14 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
             # the split's first and largest stages with their micro-batches in flight and edges: a grid _stage_misfit
             # skips is one judge_columns finds no fitting combination for
             m, cap = q.num_microbatches, coster.capacity_bytes
-            parts = coster.stage_need_parts(grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind)
+            parts = (*coster.stage_need_parts(grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind), {})
             edges = (model.embedding_params() if q.has_embedding else 0, model.head_params() if q.has_head else 0)
             sigs = table.signatures(coster, *dims, sizes=sizes)
-            if _stage_misfit(parts, sizes, m, cap * (1.0 + 1e-9) - coster._overhead, edges, grid.tp):
+            room = cap * (1.0 + 1e-9) - coster._overhead
+            misfit = _stage_misfit(parts, sizes, m, room, edges, grid.tp)
+            # the needs it remembers (per grid and savers, shared by the grid list's queries) answer as before
+            assert parts[3] and _stage_misfit(parts, sizes, m, room, edges, grid.tp) == misfit
+            if misfit:
                 misfits += 1
                 assert judge_columns(table.stage_columns(sigs, allowed, m, cap), sigs, m) is None, grid
 

@@ -405,8 +405,8 @@ class MegatronParallelizer:
             if stage_parts is not None:  # one kind: the first stage (the most in flight) and the largest, as split
                 parts = stage_parts.get((index.fkey_list[i], skey))
                 if parts is None:
-                    parts = stage_parts[index.fkey_list[i], skey] = coster.stage_need_parts(
-                        grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind)
+                    parts = stage_parts[index.fkey_list[i], skey] = (*coster.stage_need_parts(
+                        grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind), {})
                 if _stage_misfit(parts, sizes, m, room, edges, grid.tp):
                     too_big += 1
                     continue
@@ -633,17 +633,22 @@ def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edg
     """Whether the split's first stage (its micro-batches in flight: min(stages, m), the embedding's parameters) or
     its largest one fits under no saver combination even by SliceCoster.stage_need_parts' floors: then
     judge_columns finds no combination that fits there (it judges a stage with at least that many in flight), and
-    the grid is not costed."""
-    rows, emb_act, head_act = parts
+    the grid is not costed. ``parts``: stage_need_parts' answer and a dict of the needs worked out so far (a grid
+    list's parts meet the same stages in many queries)."""
+    rows, emb_act, head_act, needs = parts
     pp = len(sizes)
     big = max(range(pp), key=sizes.__getitem__)
     for j in (0, big) if big else (0,):
         n, k = sizes[j], min(pp - j, m)
         first, last = j == 0 and edges[0], j == pp - 1 and edges[1]
-        edge = ((edges[0] if first else 0) + (edges[1] if last else 0)) / tp
-        extra = k * ((emb_act if first else 0.0) + (head_act if last else 0.0))
-        if min(n * (state + k * act) + edge * per_param + working for state, act, working, per_param in rows) \
-                + extra > room:
+        key = (n, k, first, last)  # (a stage's least need depends on these only: the grid's rows are its parts')
+        need = needs.get(key)
+        if need is None:
+            edge = ((edges[0] if first else 0) + (edges[1] if last else 0)) / tp
+            extra = k * ((emb_act if first else 0.0) + (head_act if last else 0.0))
+            need = needs[key] = min(n * (state + k * act) + edge * per_param + working
+                                    for state, act, working, per_param in rows) + extra
+        if need > room:
             return True
     return False
 
