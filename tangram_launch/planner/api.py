@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
@@ -39,7 +38,7 @@ from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s, group_minima, stage_totals
 from tangram_launch.planner.collector import no_collections
 from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, least_links,
-                                            merged_states, plain_1f1b_floor_s)
+                                            merged_states, pick, plain_1f1b_floor_s)
 from tangram_launch.planner.cover_floors import island_floors_s, promising
 from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import QueryPool, default_workers
@@ -717,7 +716,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
             continue  # its twin, composed or passed over this round under bounds no tighter, found its plans
         searched = None
         if memo is not None:
-            opts_of = _pick(cand.options, idx)
+            opts_of = pick(cand.options, idx)
             last = memo.composed.get((b, group))
             if last is not None and threshold <= last[1] and score_to_beat <= last[2]:
                 if last[0] == opts_of:
@@ -819,12 +818,12 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                     schedules=schedules if many else SCORE_ANY, fill_weight=weight if many else 0.0,
                     rows=rows[idx] if rows is not None else None)
     sub_rows = rows[idx] if rows is not None else None  # (the kept options' rows: compose prepares by them)
-    sub = _pick(cand.options, idx)
+    sub = pick(cand.options, idx)
     if searched is not None and set(sub) <= set(searched):
         # every plan that could beat the bounds holds only options searched before: it was found then (a later
         # round's answers added only options no plan beating the best can hold)
         return None
-    edges = _pick(cand.edges, idx) if len(cand.edges) == len(cand.options) else None
+    edges = pick(cand.edges, idx) if len(cand.edges) == len(cand.options) else None
     if sub_rows is not None:
         present = sorted(k for k in set(sub_rows[:, 2].astype(int).tolist())
                          if allowed_mask is None or allowed_mask >> k & 1)
@@ -930,13 +929,6 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     if best is None:
         return None
     return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s, best.score_s)
-
-
-def _pick(items: Sequence, idx: Sequence[int]) -> tuple:
-    """items[i] for i in idx, as a tuple (operator.itemgetter: one C call, not a comprehension per class)."""
-    if len(idx) > 1:
-        return operator.itemgetter(*idx)(items)
-    return tuple(items[i] for i in idx)
 
 
 def _hopeful_islands(sub: Sequence[Option], present: Sequence[int], required_mask: int, L: int, m: int,

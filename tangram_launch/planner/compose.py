@@ -594,6 +594,12 @@ def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int
     return out
 
 
+def pick(items: Sequence, idx: Sequence[int]) -> tuple:
+    """items[i] for i in idx, as a tuple: operator.itemgetter, one C call instead of a comprehension (a driver takes
+    a class's thousands of options, edges or memo entries this way, per class and round)."""
+    return operator.itemgetter(*idx)(items) if len(idx) > 1 else tuple(items[i] for i in idx)
+
+
 def row_minima(rows: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """pair_minima of options given as rows of Option's 8 fields (Candidates.option_rows): per (start, stop), in
     their order, the starts, the stops and the least (time, bottleneck, tail) as an (n, 3) array (minima are

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Hashable, Sequence
 
+from tangram_launch.planner.compose import pick
+
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.costmodel.slice_plan import SlicePlan
     from tangram_launch.planner.build import Candidates
@@ -51,9 +53,9 @@ class TwinClasses:
     def _twins(self, a: Sequence[int], b: Sequence[int]) -> bool:
         cand = self._cand
         options, edges, sources = cand.options, cand.edges, cand.sources
-        if [options[i] for i in a] != [options[j] for j in b]:
+        if len(a) != len(b) or pick(options, a) != pick(options, b):
             return False
-        if edges and [edges[i] for i in a] != [edges[j] for j in b]:
+        if edges and pick(edges, a) != pick(edges, b):
             return False
         same = self._same_plans
         for i, j in zip(a, b):
