@@ -178,3 +178,45 @@ def test_option_sources_read_from_parts_are_a_list_of_each_options_pair_and_plan
     assert sources[1:4] == want[1:4] and list(sources) == want
     with pytest.raises(IndexError):
         sources[len(want)]
+
+
+_CLASSES = st.one_of(st.sampled_from([(1, 2), (2, 1), None]),
+                     st.builds(GridClass, st.sampled_from([(1, 2), (2, 4)]),
+                               st.sampled_from([None, (1, 2, 1), (2, 1, 1), (1, 1, 2)]), st.booleans()))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(_CLASSES, max_size=6), min_size=1, max_size=4),
+       st.lists(st.integers(0, 3), max_size=10))
+def test_class_members_of_parts_is_class_members_of_every_options_class(lists, order):
+    """Candidates.class_members reads each distinct templates list once (parts share their answer's list): the
+    same classes, members and dict order as class_members over every option's class, for plain and GridClass
+    classes and lists repeated in any order."""
+    from tangram_launch.planner.templates import class_members_of_parts
+
+    temps = [[(None, None, g, None) for g in groups] for groups in lists]
+    parts = [temps[k % len(temps)] for k in order] or temps
+    every = [t[2] for part in parts for t in part]
+    assert list(class_members_of_parts(parts).items()) == list(class_members(every).items())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=8), st.lists(st.integers(0, 7), max_size=6),
+       st.data())
+def test_option_sources_slots_name_each_options_plan(sizes, shared, data):
+    """OptionSources.plan_slots and plan_at give back every option's plan; parts sharing a templates list (one
+    answer, several pairs) share its slots; an option added one by one has none."""
+    from tangram_launch.planner.build import OptionSources
+    from tangram_launch.planner.slices import Pair
+
+    lists = [[(None, f"plan{k}.{j}", None, None) for j in range(n)] for k, n in enumerate(sizes)]
+    sources = OptionSources()
+    for k, s in enumerate(list(range(len(lists))) + shared):
+        sources.add_part(Pair((k, k + 1), 0, (f"isl{k}",)), lists[s % len(lists)])
+    idx = sorted(data.draw(st.sets(st.integers(0, max(0, len(sources) - 1)), max_size=len(sources)))
+                 ) if len(sources) else []
+    slots = sources.plan_slots(idx)
+    assert slots.shape == (len(idx), 2)
+    assert [sources.plan_at(t, p) for t, p in slots.tolist()] == [sources[i][1] for i in idx]
+    sources.append((Pair((0, 1), 0, ("manual",)), "manual"))
+    assert sources.plan_slots([len(sources) - 1]) is None

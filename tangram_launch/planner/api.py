@@ -46,7 +46,7 @@ from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_stages
 from tangram_launch.planner.pair_floors import PairFloors, capacity
-from tangram_launch.planner.templates import GridClass, class_members
+from tangram_launch.planner.templates import GridClass
 from tangram_launch.planner.twins import TwinClasses
 from tangram_launch.planner.slices import (
     ModelAtoms,
@@ -245,7 +245,7 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
     _, b_best, group_best, comp_best, cand = best
-    group_idx = class_members(cand.groups)[group_best]
+    group_idx = cand.class_members()[group_best]
     dropped = dropped_islands(
         cand, group_idx, comp_best, all_islands, pairset, L, caps, opts.exact_islands,
         lambda k: _compose_group(cand, group_idx, L, cand.num_microbatches, caps, opts, ComposeStats(),
@@ -664,7 +664,7 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         if threshold <= last[1] and best[0] <= last[2]:
             counters["compose_s"] += time.perf_counter() - t_c
             return best, own_s
-    classes = class_members(cand.groups)
+    classes = cand.class_members()
     interleave_only: set = set()
     # each answer's group_minima, once per answer (its pairs share its templates) and kept across rounds at b
     # while the answer is the same (make_candidates' memo): the class floors read those, not every option

@@ -49,12 +49,42 @@ class OptionSources(SequenceABC):
         self._temps: list[list] = []  # per part, its templates: (fields, plan, class, edges)
         self._ends: list[int] = []  # per part, the index after its last option
         self._extra: list[tuple[Pair, SlicePlan]] = []
+        self._lists: dict[int, int] = {}  # id(a part's templates) -> its number among the distinct lists
+        self._numbers: list[int] = []  # per part, its templates' number
+        self._distinct: list[list] = []  # number -> the templates list
+        self._arrays: tuple | None = None  # (ends, starts, numbers) as int arrays, made on first use
 
     def add_part(self, pair: Pair, temps: list) -> None:
         assert not self._extra, "parts come before options added one by one"
         self._pairs.append(pair)
         self._temps.append(temps)
         self._ends.append((self._ends[-1] if self._ends else 0) + len(temps))
+        k = self._lists.get(id(temps))
+        if k is None:
+            k = self._lists[id(temps)] = len(self._distinct)
+            self._distinct.append(temps)  # (kept: its id stays its own)
+        self._numbers.append(k)
+        self._arrays = None
+
+    def plan_slots(self, idx: Sequence[int]) -> np.ndarray | None:
+        """Per option of ``idx``, (its templates list's number, its place in it) as an (n, 2) int array: options
+        of pairs that share an answer share their plans, so a caller compares each distinct slot once (plan_at).
+        None where an option was added one by one."""
+        n = self._ends[-1] if self._ends else 0
+        at = np.asarray(idx, dtype=np.int64)
+        if at.size and (at.min() < 0 or at.max() >= n):
+            return None
+        if self._arrays is None:
+            ends = np.array(self._ends, dtype=np.int64)
+            self._arrays = (ends, ends - np.array([len(t) for t in self._temps], dtype=np.int64),
+                            np.array(self._numbers, dtype=np.int64))
+        ends, starts, numbers = self._arrays
+        part = np.searchsorted(ends, at, side="right")
+        return np.stack([numbers[part], at - starts[part]], axis=1)
+
+    def plan_at(self, number: int, place: int) -> SlicePlan:
+        """The unshifted slice plan at a slot plan_slots gave."""
+        return self._distinct[number][place][1]
 
     def append(self, source: tuple[Pair, SlicePlan]) -> None:
         self._extra.append(source)
@@ -101,6 +131,12 @@ class Candidates:
     # answer changes)
     parts: list[tuple[int, int, list]] = field(default_factory=list)
     part_starts: list[int] = field(default_factory=list)  # per part, its pair's first layer
+
+    def class_members(self) -> dict[Hashable, list[int]]:
+        """templates.class_members of the options' classes, read from the parts where they hold every option."""
+        if sum(len(temps) for _k, _n, temps in self.parts) != len(self.groups):
+            return templates_mod.class_members(self.groups)
+        return templates_mod.class_members_of_parts([temps for _k, _n, temps in self.parts])
 
     def option_rows(self, fields: dict | None = None) -> np.ndarray | None:
         """Every option's 8 fields as one float array (a row per option, in option order), made from the parts:

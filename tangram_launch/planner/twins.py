@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Hashable, Sequence
 
+import numpy as np
+
 from tangram_launch.planner.compose import pick
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,8 +60,13 @@ class TwinClasses:
         if edges and pick(edges, a) != pick(edges, b):
             return False
         same = self._same_plans
-        for i, j in zip(a, b):
-            p, q = sources[i][1], sources[j][1]
+        slots_a, slots_b = sources.plan_slots(a), sources.plan_slots(b)
+        if slots_a is None or slots_b is None:  # options added one by one: each option's plan
+            pairs = ((sources[i][1], sources[j][1]) for i, j in zip(a, b))
+        else:  # pairs of one answer share its plans: each distinct pair of slots once
+            distinct = np.unique(np.concatenate([slots_a, slots_b], axis=1), axis=0).tolist()
+            pairs = ((sources.plan_at(s, i), sources.plan_at(t, j)) for s, i, t, j in distinct)
+        for p, q in pairs:
             key = (id(p), id(q))
             hit = same.get(key)
             if hit is None:
