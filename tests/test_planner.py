@@ -563,6 +563,7 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
     import json
 
     import tangram_launch.planner.api as api
+    from tangram_launch.planner.build import Candidates
     from tangram_launch.specs.model import load_model
 
     cluster = ClusterSpec.load(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
@@ -571,7 +572,7 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
     runs = []
     for memo in (True, False):
         calls = [0, 0]
-        inner, members = api._compose_group, api.class_members
+        inner, members = api._compose_group, Candidates.class_members
 
         def counting(*a, **k):
             calls[0] += 1
@@ -583,7 +584,7 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
 
         with monkeypatch.context() as mp:
             mp.setattr(api, "_compose_group", counting)
-            mp.setattr(api, "class_members", ranking)
+            mp.setattr(Candidates, "class_members", ranking)
             if not memo:
                 mp.setattr(api, "SizeMemo", lambda: None)
             r = search(cluster, model, training, runtime=runtime, islands=build_islands(cluster, dtype="fp16"),
