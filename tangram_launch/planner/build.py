@@ -49,22 +49,16 @@ class OptionSources(SequenceABC):
         self._temps: list[list] = []  # per part, its templates: (fields, plan, class, edges)
         self._ends: list[int] = []  # per part, the index after its last option
         self._extra: list[tuple[Pair, SlicePlan]] = []
-        self._lists: dict[int, int] = {}  # id(a part's templates) -> its number among the distinct lists
-        self._numbers: list[int] = []  # per part, its templates' number
-        self._distinct: list[list] = []  # number -> the templates list
-        self._arrays: tuple | None = None  # (ends, starts, numbers) as int arrays, made on first use
+        # (ends, starts, each part's templates list's number) as int arrays, and the distinct lists by number: made
+        # by plan_slots on first use
+        self._slots: tuple | None = None
 
     def add_part(self, pair: Pair, temps: list) -> None:
         assert not self._extra, "parts come before options added one by one"
         self._pairs.append(pair)
         self._temps.append(temps)
         self._ends.append((self._ends[-1] if self._ends else 0) + len(temps))
-        k = self._lists.get(id(temps))
-        if k is None:
-            k = self._lists[id(temps)] = len(self._distinct)
-            self._distinct.append(temps)  # (kept: its id stays its own)
-        self._numbers.append(k)
-        self._arrays = None
+        self._slots = None
 
     def plan_slots(self, idx: Sequence[int]) -> np.ndarray | None:
         """Per option of ``idx``, (its templates list's number, its place in it) as an (n, 2) int array: options
@@ -74,17 +68,21 @@ class OptionSources(SequenceABC):
         at = np.asarray(idx, dtype=np.int64)
         if at.size and (at.min() < 0 or at.max() >= n):
             return None
-        if self._arrays is None:
+        if self._slots is None:
+            number: dict[int, int] = {}  # id(a templates list) -> its number (every list is kept in _temps)
+            for temps in self._temps:
+                number.setdefault(id(temps), len(number))
             ends = np.array(self._ends, dtype=np.int64)
-            self._arrays = (ends, ends - np.array([len(t) for t in self._temps], dtype=np.int64),
-                            np.array(self._numbers, dtype=np.int64))
-        ends, starts, numbers = self._arrays
+            self._slots = (ends, ends - np.array([len(t) for t in self._temps], dtype=np.int64),
+                           np.array([number[id(t)] for t in self._temps], dtype=np.int64),
+                           list({id(t): t for t in self._temps}.values()))
+        ends, starts, numbers, _distinct = self._slots
         part = np.searchsorted(ends, at, side="right")
         return np.stack([numbers[part], at - starts[part]], axis=1)
 
     def plan_at(self, number: int, place: int) -> SlicePlan:
         """The unshifted slice plan at a slot plan_slots gave."""
-        return self._distinct[number][place][1]
+        return self._slots[3][number][place][1]
 
     def append(self, source: tuple[Pair, SlicePlan]) -> None:
         self._extra.append(source)
@@ -132,9 +130,13 @@ class Candidates:
     parts: list[tuple[int, int, list]] = field(default_factory=list)
     part_starts: list[int] = field(default_factory=list)  # per part, its pair's first layer
 
+    def _parts_hold_every_option(self) -> bool:
+        """Whether the parts make every option (none was added by hand, manual.py)."""
+        return sum(len(temps) for _k, _n, temps in self.parts) == len(self.options)
+
     def class_members(self) -> dict[Hashable, list[int]]:
         """templates.class_members of the options' classes, read from the parts where they hold every option."""
-        if sum(len(temps) for _k, _n, temps in self.parts) != len(self.groups):
+        if not self._parts_hold_every_option():
             return templates_mod.class_members(self.groups)
         return templates_mod.class_members_of_parts([temps for _k, _n, temps in self.parts])
 
@@ -143,9 +145,9 @@ class Candidates:
         their templates' fields once each (``fields``: a dict the caller keeps, id(templates) -> (templates, their
         fields as an array)), then the pairs' start, stop and island repeated. None where the parts do not hold
         every option (options added by hand, manual.py)."""
-        counts = [len(temps) for _k, _n, temps in self.parts]
-        if sum(counts) != len(self.options) or not self.options:
+        if not self.options or not self._parts_hold_every_option():
             return None
+        counts = [len(temps) for _k, _n, temps in self.parts]
         cache = fields if fields is not None else {}
         blocks = []
         for _k, _n, temps in self.parts:

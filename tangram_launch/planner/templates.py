@@ -60,14 +60,18 @@ def class_members(groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
         by_group.setdefault(g, []).append(i)
     parts: dict[Hashable, list[list[int]]] = {}
     for g, idx in by_group.items():
-        if isinstance(g, GridClass):
-            if g.in_base:
-                parts.setdefault(GridClass(g.base, None), []).append(idx)
-            if g.grid is None:
-                continue
-            g = g.key
-        parts.setdefault(g, []).append(idx)
+        for key in composed_in(g):
+            parts.setdefault(key, []).append(idx)
     return {g: idx[0] if len(idx) == 1 else sorted(itertools.chain.from_iterable(idx)) for g, idx in parts.items()}
+
+
+def composed_in(group: Hashable) -> tuple[Hashable, ...]:
+    """The classes the driver composes an option of class ``group`` in, in class_members' order: the class itself;
+    for a GridClass, the free class where ``in_base``, then its one-grid class where it names a grid."""
+    if not isinstance(group, GridClass):
+        return (group,)
+    free = (GridClass(group.base, None),) if group.in_base else ()
+    return free + ((group.key,) if group.grid is not None else ())
 
 
 def class_members_of_parts(parts: Sequence[Sequence[tuple]]) -> dict[Hashable, list[int]]:
@@ -77,21 +81,21 @@ def class_members_of_parts(parts: Sequence[Sequence[tuple]]) -> dict[Hashable, l
     its class's key (a GridClass: the free class's where ``in_base``) and, for a one-grid GridClass, its grid's."""
     keys: dict[Hashable, int] = {}  # a class the driver composes -> its code
     codes: dict[Hashable, tuple[int, int]] = {}  # an option's class -> (first key's code, second's), -1: none
-    lists: dict[int, tuple] = {}  # id(templates) -> (them, first codes, second codes)
+    lists: dict[int, tuple] = {}  # id(templates) -> (first codes, second codes) of its options
     firsts, seconds = [], []
-    for temps in parts:
+    for temps in parts:  # (all alive: an id names one list)
         hit = lists.get(id(temps))
-        if hit is None or hit[0] is not temps:
+        if hit is None:
             pairs = []
             for t in temps:
                 c = codes.get(t[2])
-                if c is None:
-                    c = codes[t[2]] = _class_codes(t[2], keys)
+                if c is None:  # the classes' codes as their first options come: class_members' order
+                    c = codes[t[2]] = (*(keys.setdefault(k, len(keys)) for k in composed_in(t[2])), -1, -1)[:2]
                 pairs.append(c)
             arr = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-            hit = lists[id(temps)] = (temps, arr[:, 0], arr[:, 1])
-        firsts.append(hit[1])
-        seconds.append(hit[2])
+            hit = lists[id(temps)] = (arr[:, 0], arr[:, 1])
+        firsts.append(hit[0])
+        seconds.append(hit[1])
     if not keys:
         return {}
     members: list[list] = [[] for _ in keys]
@@ -101,26 +105,10 @@ def class_members_of_parts(parts: Sequence[Sequence[tuple]]) -> dict[Hashable, l
         for k in range(len(keys)):
             if bounds[k + 2] > bounds[k + 1]:
                 members[k].append(order[bounds[k + 1]:bounds[k + 2]])
-    # codes go to classes as their first options come, the free class before the grid's: class_members' order
     out: dict[Hashable, list[int]] = {}
     for name, m in zip(keys, members):
         out[name] = (m[0] if len(m) == 1 else np.sort(np.concatenate(m))).tolist()
     return out
-
-
-def _class_codes(group: Hashable, keys: dict[Hashable, int]) -> tuple[int, int]:
-    """(code of the first class an option of class ``group`` is composed in, of the second; -1: none), as
-    class_members files it; new classes get the next codes."""
-    out = []
-    if isinstance(group, GridClass):
-        if group.in_base:
-            out.append(GridClass(group.base, None))
-        if group.grid is not None:
-            out.append(group.key)
-    else:
-        out.append(group)
-    codes = [keys.setdefault(k, len(keys)) for k in out] + [-1, -1]
-    return codes[0], codes[1]
 
 
 def compatibility_group(shapes: Sequence["StageShape"], caps: "RuntimeCapabilities") -> Hashable | None:
