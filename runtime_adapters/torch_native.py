@@ -56,6 +56,7 @@ from runtime_adapters.interleaved import (ChunkedStage, build_interleaved_schedu
 from runtime_adapters.model_source import BuiltinGPT, ModelSource
 from runtime_adapters.offload import HostOffloadOptimizer
 from runtime_adapters.schedule import GridSchedule
+from runtime_adapters.stage_timing import StageTimer, timer_from_env
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.plan import Place, Plan, Stage
@@ -178,9 +179,13 @@ class TorchAdapter(RuntimeAdapter):
         logger.info("rank %d |PP=%d|DP=%d|TP=%d| layers %s embedding=%s head=%s zero=%d recompute=%s", rank,
                     place.coords["pp"], place.coords["dp"], place.coords["tp"], list(stage.layers),
                     stage.has_embedding, stage.has_head, stage.zero_stage, stage.recompute)
+        timed = list(getattr(module, "chunk_modules", None) or [module])  # an interleaved stage: each chunk
+        timer = timer_from_env(timed, rank=rank, coords={"rank": rank, "stage": place.stage.index, **place.coords},
+                               microbatches=plan.num_microbatches, device=device)
         return TorchTrainingContext(plan=plan, place=place, groups=groups, module=module, optimizer=optimizer,
                                     schedule=schedule, device=device, manual_dp=manual_dp, last_stage_src=last_src,
-                                    owns_default_group=owns_default_group, scaler=scaler, experts=experts)
+                                    owns_default_group=owns_default_group, scaler=scaler, experts=experts,
+                                    timer=timer)
 
 
 def _expert_parallel_problems(plan: Plan) -> list[str]:
@@ -320,6 +325,8 @@ class TorchTrainingContext:
     owns_default_group: bool = False
     scaler: LossScaler | None = None  # fp16 plans only
     experts: ExpertGroups | None = None  # this rank's expert-parallel groups (stage.ep > 1 only)
+    timer: StageTimer | None = None  # per-step stage timings for the run report (launched with a run directory)
+    steps_done: int = 0
 
     @property
     def is_last_stage(self) -> bool:
@@ -342,6 +349,8 @@ class TorchTrainingContext:
         """
         import torch.distributed as dist
 
+        if self.timer is not None:
+            self.timer.start_step()
         losses: list[torch.Tensor] = []
         first, last = self.place.is_first_stage, self.place.is_last_stage
         if self.scaler is not None:  # MoE auxiliary losses join backward at the schedule's loss scale
@@ -371,7 +380,11 @@ class TorchTrainingContext:
                 dist.all_reduce(loss, group=self.groups.dp)
                 loss /= self.place.stage.dp
         dist.broadcast(loss, src=self.last_stage_src)
-        return float(loss.item())
+        value = float(loss.item())
+        self.steps_done += 1
+        if self.timer is not None:
+            self.timer.end_step(self.steps_done)
+        return value
 
     def _all_reduce_grads(self) -> None:
         """Average gradients over the stage's replicas (local shards under TP); under expert parallelism the routed

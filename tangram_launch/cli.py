@@ -5,6 +5,7 @@
     tangram-launch plan     --cluster FILE --model NAME ...    # the heterogeneous plan (table, JSON or YAML)
     tangram-launch profile  [torchrun args] -o cluster.yaml    # measure a live cluster, write its ClusterSpec
     tangram-launch export   CKPT_DIR --to hf OUT_DIR           # a checkpoint as a Hugging Face model folder
+    tangram-launch calibrate RUN_DIR/run-report.json --cluster FILE   # fold measured stage times into the cluster
     tangram-launch [torchrun args] [tangram args] script.py    # launch, exactly like torchrun (plus planning)
 
 User errors exit with status 2, infeasible requests with 3, both without a traceback.
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "plan": "tangram_launch.commands.plan",
     "profile": "tangram_launch.commands.profile",
     "export": "tangram_launch.commands.export",
+    "calibrate": "tangram_launch.commands.calibrate",
 }
 
 

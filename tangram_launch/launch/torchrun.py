@@ -51,6 +51,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-dir", "--checkpoint_dir", metavar="DIR", default=None,
                    help="The run's checkpoint directory (default: the --resume one): locked against other runs, and "
                         "a restart round (--max-restarts) resumes from its newest complete checkpoint.")
+    g.add_argument("--run-dir", "--run_dir", metavar="DIR", default=None,
+                   help="Where a planned launch writes its run report (run-report.json: predicted vs measured per "
+                        "stage) and the workers' timings (default: tangram-runs/<time>-<plan hash>).")
+    g.add_argument("--report-every", "--report_every", metavar="N", type=_positive_int, default=None,
+                   help="Also print the predicted-vs-measured table every N steps (default: at the end only).")
     return parser
 
 
@@ -129,6 +135,8 @@ class TangramOptions:
     node_name: str | None = None
     resume: str | None = None
     checkpoint_dir: str | None = None
+    run_dir: str | None = None
+    report_every: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TangramOptions":
@@ -453,7 +461,41 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
             from tangram_launch.launch.planning import report_resume
 
             report_resume(resume_info, planned.plan_dict, source=planned.source)
-        return _launch(route_through_boot(args, planned, opts.resume), planned)
+        with reporting(opts, planned):
+            return _launch(route_through_boot(args, planned, opts.resume), planned)
+
+
+@contextlib.contextmanager
+def reporting(opts: TangramOptions, planned: PlannedLaunch):
+    """Workers of a planned launch time their stages into the run directory (they inherit ``TANGRAM_RUN_DIR``); at
+    the end, and every ``--report-every`` steps, the launcher prints predicted against measured and writes
+    ``run-report.json`` there."""
+    from runtime_adapters.stage_timing import ENV_RUN_DIR
+    from tangram_launch.launch import run_report
+
+    run_dir = os.path.abspath(opts.run_dir or os.path.join(
+        "tangram-runs", f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{planned.plan_hash[:8]}"))
+    os.makedirs(run_dir, exist_ok=True)
+    previous = os.environ.get(ENV_RUN_DIR)
+    os.environ[ENV_RUN_DIR] = run_dir
+    watcher = None
+    if opts.report_every:
+        watcher = run_report.ReportEvery(run_dir, planned.plan_dict, planned.plan_hash, opts.report_every,
+                                         sys.stdout)
+        watcher.start()
+    try:
+        yield run_dir
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        if previous is None:
+            os.environ.pop(ENV_RUN_DIR, None)
+        else:
+            os.environ[ENV_RUN_DIR] = previous
+        try:
+            run_report.finish(run_dir, planned.plan_dict, planned.plan_hash, out=sys.stdout)
+        except (OSError, KeyError, ValueError, TypeError) as exc:  # the run's outcome stands without its report
+            logger.warning("no run report: %s", exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,166 @@
+"""Per-step stage timings on every worker: what the run measured, to set beside what the plan predicted.
+
+Each rank times its stage module's forward and backward with module hooks (no wrapper, so parameter names and
+checkpoints are unchanged) and appends one JSON line per step to ``$TANGRAM_RUN_DIR/timings/rank<R>.jsonl``:
+
+    {"rank": 0, "stage": 0, "dp": 0, "tp": 0, "step": 3, "microbatches": 4,
+     "forward_s": 0.0123, "backward_s": 0.0251, "step_s": 0.0712}
+
+``forward_s`` / ``backward_s`` are this rank's totals over the step's micro-batches (divide by ``microbatches`` for
+the plan's per-micro-batch figures); ``step_s`` is the whole ``train_step``, waits and optimizer included.
+
+Backward runs from the stage's output gradients being ready (a full-backward pre-hook) to the gradient of the stage's
+input (a tensor hook), or, on the first stage whose input is token ids, of its first activation that needs one (the
+embedding's output); a recompute forward inside it counts as backward, as the plan's ``backward_s`` does. Tensor
+hooks see activations, not parameters, so sharded (FSDP2) and offloaded parameters time alike. On CPU the clock is
+``perf_counter``; on a CUDA device the marks are CUDA events read once per step, so timing adds no synchronisation
+inside the step. The launcher reads the files (no collective on
+the training path) and writes ``run-report.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_RUN_DIR = "TANGRAM_RUN_DIR"
+
+
+def timings_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "timings", f"rank{rank}.jsonl")
+
+
+class _Clock:
+    """perf_counter marks on CPU; CUDA events (read once per step) on a GPU."""
+
+    def __init__(self, device: Any):
+        import torch
+
+        self.cuda = getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available()
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+@dataclass
+class StageTimer:
+    """Hooks on one stage module (or each model chunk of an interleaved stage); ``end_step`` writes the line."""
+
+    path: str
+    coords: dict
+    microbatches: int
+    clock: _Clock
+    _spans: dict = field(default_factory=lambda: {"forward": [], "backward": []})
+    _open: dict = field(default_factory=dict)
+    _handles: list = field(default_factory=list)
+    _step_start: Any = None
+
+    @classmethod
+    def attach(cls, modules: list, *, run_dir: str, rank: int, coords: dict, microbatches: int,
+               device: Any) -> "StageTimer":
+        os.makedirs(os.path.dirname(timings_path(run_dir, rank)), exist_ok=True)
+        timer = cls(path=timings_path(run_dir, rank), coords=dict(coords), microbatches=microbatches,
+                    clock=_Clock(device))
+        for module in modules:
+            timer._hook(module)
+        return timer
+
+    def _hook(self, module: Any) -> None:
+        import warnings
+
+        # the first stage's input is token ids: its backward pre-hook fires on the output gradients, which is the
+        # start this timer wants, so torch's note about it says nothing here
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                                  "respect to module outputs")
+        key = id(module)
+        want_mark: dict = {}  # set while a forward looks for the first tensor whose gradient ends the backward
+
+        def end_backward(_grad):
+            start = self._open.pop(("backward", key), None)
+            if start is not None:
+                self._spans["backward"].append((start, self.clock.mark()))
+
+        def forward_pre(_m, args):
+            if ("backward", key) in self._open:  # a recompute forward belongs to the backward around it
+                return
+            self._open[("forward", key)] = self.clock.mark()
+            marked = _first_grad_tensor(args)
+            if marked is not None:  # a later stage: the backward ends at its input's gradient
+                marked.register_hook(end_backward)
+            else:  # token ids in: it ends at the gradient of the first activation that needs one (the embedding's)
+                want_mark[key] = True
+
+        def child_post(_child, _args, out):
+            if want_mark.get(key):
+                marked = _first_grad_tensor(out if isinstance(out, (tuple, list)) else (out,))
+                if marked is not None:
+                    want_mark[key] = False
+                    marked.register_hook(end_backward)
+
+        def forward_post(_m, _args, _out):
+            want_mark[key] = False
+            start = self._open.pop(("forward", key), None)
+            if start is not None:
+                self._spans["forward"].append((start, self.clock.mark()))
+
+        def backward_pre(_m, _grad_out):
+            self._open[("backward", key)] = self.clock.mark()
+
+        self._handles += [module.register_forward_pre_hook(forward_pre),
+                          module.register_forward_hook(forward_post),
+                          module.register_full_backward_pre_hook(backward_pre)]
+        self._handles += [child.register_forward_hook(child_post) for child in module.modules() if child is not module]
+
+    def start_step(self) -> None:
+        self._step_start = self.clock.mark()
+
+    def end_step(self, step: int) -> dict:
+        """Close the step: total forward and backward seconds, the step's wall time; append them to the file."""
+        end = self.clock.mark()
+        line = {**self.coords, "step": step, "microbatches": self.microbatches,
+                "forward_s": sum(self.clock.seconds(a, b) for a, b in self._spans["forward"]),
+                "backward_s": sum(self.clock.seconds(a, b) for a, b in self._spans["backward"]),
+                "backward_spans": len(self._spans["backward"]),
+                "step_s": self.clock.seconds(self._step_start, end) if self._step_start is not None else None}
+        self._spans = {"forward": [], "backward": []}
+        self._open.clear()
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _first_grad_tensor(values: Any) -> Any:
+    import torch
+
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return value
+    return None
+
+
+def timer_from_env(modules: list, *, rank: int, coords: dict, microbatches: int, device: Any) -> StageTimer | None:
+    """A timer when the launcher asked for timings (``TANGRAM_RUN_DIR`` set), else None."""
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    if not run_dir:
+        return None
+    return StageTimer.attach(modules, run_dir=run_dir, rank=rank, coords=coords, microbatches=microbatches,
+                             device=device)

@@ -1,0 +1,190 @@
+"""Predicted against measured, per stage: the run report a planned launch writes into its run directory.
+
+Workers append per-step stage timings to ``RUN_DIR/timings/rank<R>.jsonl`` (``runtime_adapters.stage_timing``); the
+launcher reads them (every ``--report-every`` steps and at the end), prints one table and writes
+``RUN_DIR/run-report.json``:
+
+    {"plan_hash": ..., "runtime": ..., "num_microbatches": m, "steps_measured": n,
+     "iteration": {"predicted_s": ..., "measured_median_s": ...},
+     "stages": [{"stage": 0, "island": ..., "layers": [0, 3], "nodes": [...],
+                 "predicted": {"forward_s": ..., "backward_s": ...},          # per micro-batch
+                 "measured": {"forward_s": ..., "backward_s": ..., "steps": n}, # medians per micro-batch
+                 "ratio": measured / predicted (forward + backward),
+                 "ranks": [{"rank", "node", "local_gpu", "forward_s", "backward_s", "ratio"}, ...]}],
+     "step_s": [per step, the slowest rank's train_step]}
+
+The first step of a run (shape inference, warm-up) is left out of the medians when later steps exist.
+``tangram-launch calibrate`` folds a report into the cluster file, so the next plan uses what was measured.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "run-report.json"
+MAX_TIMING_FILE_BYTES = 64 << 20  # a week of steps is a few MB; anything larger is not ours
+
+
+def read_timings(run_dir: str) -> list[dict]:
+    """Every complete line of every rank's timing file (a line being written when we read is skipped)."""
+    folder = os.path.join(run_dir, "timings")
+    lines: list[dict] = []
+    if not os.path.isdir(folder):
+        return lines
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not (name.startswith("rank") and name.endswith(".jsonl")) or os.path.islink(path):
+            continue
+        if not os.path.isfile(path) or os.path.getsize(path) > MAX_TIMING_FILE_BYTES:
+            continue
+        with open(path, encoding="utf-8") as f:
+            for raw in f:
+                if not raw.endswith("\n"):
+                    break
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(line, dict) and isinstance(line.get("step"), int):
+                    lines.append(line)
+    return lines
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _stage_nodes(plan: Mapping, stage: int) -> list[str]:
+    return sorted({r["node"] for r in plan.get("rank_layout", []) if r.get("stage") == stage})
+
+
+def _rank_rows(plan: Mapping, mine: list[dict], predicted_s: float) -> list[dict]:
+    """Per rank of a stage: where it ran and its own medians (a slow GPU among fast ones shows here)."""
+    where = {r["rank"]: r for r in plan.get("rank_layout", [])}
+    rows = []
+    for rank in sorted({t["rank"] for t in mine if "rank" in t}):
+        lines = [t for t in mine if t.get("rank") == rank]
+        fwd = _median([t["forward_s"] / t["microbatches"] for t in lines])
+        bwd = _median([t["backward_s"] / t["microbatches"] for t in lines if t.get("backward_spans", 1)])
+        slot = where.get(rank, {})
+        rows.append({"rank": rank, "node": slot.get("node"), "local_gpu": slot.get("local_gpu"),
+                     "forward_s": fwd, "backward_s": bwd,
+                     "ratio": (fwd + bwd) / predicted_s if fwd is not None and bwd is not None and predicted_s > 0
+                     else None})
+    return rows
+
+
+def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
+    """The report of a plan (as a dict, the plan file's content) and its workers' timing lines."""
+    stages_pred = plan["predicted"]["stages"]
+    steps = sorted({t["step"] for t in timings})
+    kept = [s for s in steps if s != steps[0]] if len(steps) > 1 else steps
+    keep = set(kept)
+    stages = []
+    for i, stage in enumerate(plan["stages"]):
+        mine = [t for t in timings if t.get("stage") == i and t["step"] in keep and t.get("microbatches")]
+        fwd = _median([t["forward_s"] / t["microbatches"] for t in mine])
+        bwd = _median([t["backward_s"] / t["microbatches"] for t in mine if t.get("backward_spans", 1)])
+        pred_f, pred_b = float(stages_pred[i]["forward_s"]), float(stages_pred[i]["backward_s"])
+        ratio = (fwd + bwd) / (pred_f + pred_b) if fwd is not None and bwd is not None and pred_f + pred_b > 0 \
+            else None
+        stages.append({"stage": i, "island": stage.get("island"), "layers": list(stage["layers"]),
+                       "nodes": _stage_nodes(plan, i),
+                       "predicted": {"forward_s": pred_f, "backward_s": pred_b},
+                       "measured": {"forward_s": fwd, "backward_s": bwd, "steps": len({t["step"] for t in mine})},
+                       "ratio": ratio, "ranks": _rank_rows(plan, mine, pred_f + pred_b)})
+    step_s = []
+    for s in steps:
+        walls = [t["step_s"] for t in timings if t["step"] == s and t.get("step_s") is not None]
+        if walls:
+            step_s.append(max(walls))
+    steady = step_s[1:] if len(step_s) > 1 else step_s
+    return {"plan_hash": plan_hash, "runtime": plan.get("runtime"),
+            "num_microbatches": plan.get("num_microbatches"), "steps_measured": len(kept),
+            "iteration": {"predicted_s": float(plan["predicted"]["iteration_time_s"]),
+                          "measured_median_s": _median(steady)},
+            "stages": stages, "step_s": step_s}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f}"
+
+
+def format_report(report: Mapping) -> str:
+    """One table: per stage, predicted and measured forward and backward per micro-batch, and their ratio."""
+    rows = [("stage", "island", "layers", "fwd pred ms", "fwd meas ms", "bwd pred ms", "bwd meas ms", "meas/pred")]
+    for s in report["stages"]:
+        a, b = s["layers"]
+        rows.append((str(s["stage"]), str(s["island"]), f"{a}-{b - 1}", _ms(s["predicted"]["forward_s"]),
+                     _ms(s["measured"]["forward_s"]), _ms(s["predicted"]["backward_s"]),
+                     _ms(s["measured"]["backward_s"]), "-" if s["ratio"] is None else f"{s['ratio']:.2f}"))
+    it = report["iteration"]
+    rows.append(("iteration", "", "", _ms(it["predicted_s"]), _ms(it["measured_median_s"]), "", "",
+                 f"{it['measured_median_s'] / it['predicted_s']:.2f}"
+                 if it["measured_median_s"] and it["predicted_s"] > 0 else "-"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    n = report["steps_measured"]
+    head = f"predicted vs measured ({n} step{'s' if n != 1 else ''} measured, per micro-batch, medians):"
+    return "\n".join([head] + ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows])
+
+
+def write_report(run_dir: str, report: Mapping) -> str:
+    path = os.path.join(run_dir, REPORT_NAME)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def finish(run_dir: str, plan: Mapping, plan_hash: str, *, out: Any) -> str | None:
+    """At the end of a planned launch: the table on ``out`` and the report file; None when no worker timed."""
+    timings = read_timings(run_dir)
+    if not timings:
+        return None
+    report = build_report(plan, plan_hash, timings)
+    path = write_report(run_dir, report)
+    out.write(format_report(report) + f"\nrun report: {path}\n")
+    out.flush()
+    return path
+
+
+class ReportEvery(threading.Thread):
+    """Prints the table whenever every stage has passed another ``every`` steps (``--report-every N``)."""
+
+    def __init__(self, run_dir: str, plan: Mapping, plan_hash: str, every: int, out: Any, poll_s: float = 2.0):
+        super().__init__(name="tangram-report-every", daemon=True)
+        self.run_dir, self.plan, self.plan_hash, self.every, self.out = run_dir, plan, plan_hash, every, out
+        self.poll_s = poll_s
+        self._stop_event = threading.Event()
+        self._printed = 0
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.poll_s):
+            try:
+                self.poll()
+            except (OSError, KeyError, ValueError, TypeError) as exc:  # a report is never worth a failed run
+                logger.debug("run report: %s", exc)
+
+    def poll(self) -> None:
+        timings = read_timings(self.run_dir)
+        per_stage: dict[int, int] = {}
+        for t in timings:
+            per_stage[t["stage"]] = max(per_stage.get(t["stage"], 0), t["step"])
+        if len(per_stage) < len(self.plan["stages"]):
+            return
+        done = min(per_stage.values()) // self.every
+        if done > self._printed:
+            self._printed = done
+            self.out.write(format_report(build_report(self.plan, self.plan_hash, timings)) + "\n")
+            self.out.flush()
+
+    def stop(self) -> None:
+        self._stop_event.set()
