@@ -2,7 +2,7 @@
 iteration time and per-GPU peak memory, row by row, then the median absolute errors.
 
     PYTHONPATH=. python benchmarks/bench_costmodel_published.py [--data benchmarks/data/published_runs.yaml]
-        [--only TEXT] [--json] [--fit]
+        [--only TEXT] [--split all|dev|validation] [--json] [--fit]
 
 Each row of the data file (see its header) is costed through the project's public API, as
 `tangram-launch estimate` does for one configuration: a ModelSpec (preset or the file's `models:`), one island
@@ -20,13 +20,16 @@ in the data file): torch's reserved peak leaves out the CUDA context and NCCL's 
 Rows today's cost model cannot express (FP8, interleaved 1F1B, per-layer selective checkpointing, ...) are listed
 as `not expressible: <reason>` and left out of the medians; where only the schedule or the FP8 GEMMs are missing,
 the row is also costed as plain 1F1B / bf16 and that error is shown in brackets, to size what the missing feature is
-worth. Medians are given overall, for the rows the constants were fitted on (subset: fit) and for the held-out rest,
-and per GPU type, framework family, dense/MoE and technique. `--fit` re-fits each constant of the file's
+worth. Medians are given for the development and the validation split side by side (the rule that draws them is
+the data file's `validation_split`; validation is also shown by cohort: rows in the file when the split was drawn and
+rows added afterwards), then overall, for the rows the constants were fitted on (subset: fit) and for the held-out
+rest, and per GPU type, framework family, dense/MoE and technique. `--fit` re-fits each constant of the file's
 `fitted_constants:` on its named rows and prints the fitted next to the shipped value.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -101,6 +104,39 @@ def make_island(row: dict) -> Island:
     link = LinkSpec(float(row.get("inter_node_gbps", 25.0)), INTER_NODE_LATENCY_US) if len(nodes) > 1 else None
     return Island(name=row["gpu"], nodes=nodes, gpus=gpus, gpus_per_node=per_node,
                   gpu=gpu_spec(row["gpu"], row.get("gpu_overrides")), inter_node_link=link)
+
+
+# ------------------------------------------------------------------------------------------------ dev / validation
+SPLITS = ("dev", "validation")
+COHORTS = ("original", "unseen")
+
+
+def _id_digest(row_id: str) -> str:
+    return hashlib.sha256(row_id.encode("utf-8")).hexdigest()
+
+
+def original_ids_sha256(ids: list[str]) -> str:
+    """The fingerprint of the original cohort (`validation_split.original_ids_sha256`): sorted ids, newline-joined."""
+    return hashlib.sha256("\n".join(sorted(ids)).encode("utf-8")).hexdigest()
+
+
+def draw_split(runs: list[dict], generation_of_gpu: dict) -> dict[str, str]:
+    """Row id -> dev | validation by the data file's `validation_split` rule, which reads only a row's id, GPU,
+    subset and cohort: fit rows are dev, unseen rows validation, and the other original rows of each GPU generation,
+    ordered by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per generation)."""
+    split: dict[str, str] = {}
+    by_generation: dict[str, list[str]] = {}
+    for r in runs:
+        if r.get("subset") == "fit":
+            split[r["id"]] = "dev"
+        elif r.get("cohort") == "unseen":
+            split[r["id"]] = "validation"
+        else:
+            by_generation.setdefault(generation_of_gpu[r["gpu"]], []).append(r["id"])
+    for ids in by_generation.values():
+        for i, rid in enumerate(sorted(ids, key=_id_digest)):
+            split[rid] = "validation" if i % 3 == 0 else "dev"
+    return split
 
 
 # ------------------------------------------------------------------------------------------------ conventions
@@ -247,7 +283,8 @@ def pct(pred: float, pub: float) -> float:
 
 
 def evaluate(row: dict, data: dict) -> dict:
-    out: dict[str, Any] = {"id": row["id"], "subset": row.get("subset", "held-out"), "gpu": row["gpu"],
+    out: dict[str, Any] = {"id": row["id"], "subset": row.get("subset", "held-out"), "split": row.get("split", ""),
+                           "cohort": row.get("cohort", "original"), "gpu": row["gpu"],
                            "num_gpus": row["num_gpus"], "framework": row.get("framework", ""),
                            "verified": row.get("verified"), "source": row["source"]["ref"]}
     model = resolve_model(row["model"], data)
@@ -336,6 +373,26 @@ def coverage(rows: list[dict], results: list[dict]) -> str:
             f"{ver['partial']}, not verified (from memory): {ver[False]}")
 
 
+def split_label(r: dict) -> str:
+    return "val (unseen)" if r["split"] == "validation" and r["cohort"] == "unseen" else ("val" if r["split"] ==
+                                                                                        "validation" else r["split"])
+
+
+def print_split_medians(costed: list[dict]) -> None:
+    """Development and validation medians side by side; validation also by cohort (rows in the file when the split
+    was drawn, which the model's structure was tuned on before, and rows added afterwards, which it never saw)."""
+    cols = [("dev", [r for r in costed if r["split"] == "dev"]),
+            ("validation", [r for r in costed if r["split"] == "validation"]),
+            ("val: original", [r for r in costed if r["split"] == "validation" and r["cohort"] == "original"]),
+            ("val: unseen", [r for r in costed if r["split"] == "validation" and r["cohort"] == "unseen"])]
+    print("development vs validation (costed rows; median |error|, signed median: + = predicted slower / more memory)")
+    print(f"  {'':14}" + "".join(f"  {name:>17}" for name, _ in cols))
+    for label, key, fmt in (("time |err|", "time_err", median_abs), ("time signed", "time_err", median_signed),
+                            ("memory |err|", "mem_err", median_abs), ("memory signed", "mem_err", median_signed)):
+        print(f"  {label:14}" + "".join(f"  {fmt([r[key] for r in rows if r.get(key) is not None]):>17}"
+                                        for _, rows in cols))
+
+
 # Per-technique groups of the report (a row counts in every group it matches).
 TECHNIQUES = (
     ("TP>1", lambda p: p.get("tp", 1) > 1), ("PP>1", lambda p: p.get("pp", 1) > 1),
@@ -353,15 +410,17 @@ TECHNIQUES = (
 def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
     costed = [r for r in results if "time_err" in r]
     skipped = [r for r in results if "not_expressible" in r]
-    print("| id | source | config | published s | predicted s | time err | published GiB | predicted GiB | mem err |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| id | split | source | config | published s | predicted s | time err | published GiB | predicted GiB "
+          "| mem err |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         pub_mem = f"{r['published_gib']:.1f}" if r.get("published_gib") else ""
         if "time_err" in r:
             flag = "" if r["fits"] else " (> capacity)"
             mem = (f"{r['predicted_gib']:.1f}{flag} | {r['mem_err']:+.0f} %" if r.get("mem_err") is not None
                    else f"{r['predicted_gib']:.1f}{flag} | ")
-            print(f"| {r['id']} | {r['source']} | {r['config']} | {r['published_s']:.3f} | {r['predicted_s']:.3f} "
+            print(f"| {r['id']} | {split_label(r)} | {r['source']} | {r['config']} | {r['published_s']:.3f} "
+                  f"| {r['predicted_s']:.3f} "
                   f"| {r['time_err']:+.0f} % | {pub_mem} | {mem} |")
         else:
             extra = ""
@@ -371,7 +430,7 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
                 if a.get("mem_err") is not None:
                     extra += f"; memory {a['predicted_gib']:.1f} GiB, {a['mem_err']:+.0f} %"
                 extra += "]"
-            print(f"| {r['id']} | {r['source']} | {r['config']} | {r['published_s']:.3f} "
+            print(f"| {r['id']} | {split_label(r)} | {r['source']} | {r['config']} | {r['published_s']:.3f} "
                   f"| not expressible: {r['not_expressible']}{extra} | | {pub_mem} | | |")
     print()
     print(f"rows: {len(results)}; costed: {len(costed)}; not expressible: {len(skipped)}")
@@ -390,6 +449,8 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
                 by_reason[tag] = by_reason.get(tag, 0) + 1
     print("  not expressible, by reason (a row may have several): "
           + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())))
+    print()
+    print_split_medians(costed)
     print()
     print("median |error| (signed median: + = predicted slower / more memory)")
     groups: list[tuple[str, list[dict]]] = [
@@ -484,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=DATA, help="published runs YAML (default: benchmarks/data/published_runs.yaml)")
     ap.add_argument("--only", default="", help="only rows whose id contains this text")
+    ap.add_argument("--split", choices=("all",) + SPLITS, default="all",
+                    help="only the rows of one split; while changing the cost model, look at --split dev only")
     ap.add_argument("--json", action="store_true", help="print the per-row results as JSON instead of the table")
     ap.add_argument("--fit", action="store_true",
                     help="re-fit each constant of `fitted_constants` on its rows and print fitted vs shipped")
@@ -494,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{f['constant']}: fitted {f['fitted']:.3f}, shipped {f['shipped']:.3f}  ({f['where']}; "
                   f"rows: {', '.join(f['rows'])})")
         return 0
-    rows = [r for r in data["runs"] if args.only in r["id"]]
+    rows = [r for r in data["runs"] if args.only in r["id"] and args.split in ("all", r.get("split"))]
     results = [evaluate(r, data) for r in rows]
     if args.json:
         print(json.dumps(results, indent=2))

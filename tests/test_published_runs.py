@@ -1,10 +1,13 @@
 """The published-runs validation set (benchmarks/data/published_runs.yaml) is well formed: it parses, has at least
-30 rows, every row cites a source and a FLOP convention, every model and GPU name resolves, and the benchmark turns
-every published figure into seconds per iteration."""
+30 rows, every row cites a source and a FLOP convention, every model and GPU name resolves, the benchmark turns
+every published figure into seconds per iteration, and every row's dev/validation split is the one the file's rule
+draws (so no row is moved between the two by hand)."""
 import importlib.util
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram_launch.specs.catalog import default_catalog
 from tangram_launch.specs.model import ModelSpec
@@ -162,3 +165,73 @@ def test_runtime_variants_of_a_row_are_known_and_change_what_they_model(data, be
     assert as_run["predicted_gib"] > as_planner["predicted_gib"] + 5  # whole layer inputs on 4 TP ranks, bf16 grads
     with pytest.raises(SpecError, match="unknown runtime keys"):
         bench.predict({**bloom, "runtime": {"sequence_paralel": False}}, bench.resolve_model(bloom["model"], data))
+
+
+@pytest.mark.unit
+def test_every_row_has_a_split_and_a_cohort_and_fit_rows_are_dev(data, bench):
+    generation = data["validation_split"]["generation_of_gpu"]
+    for r in data["runs"]:
+        assert r.get("split") in bench.SPLITS, f"{r['id']}: split {r.get('split')!r} (valid: {bench.SPLITS})"
+        assert r.get("cohort") in bench.COHORTS, f"{r['id']}: cohort {r.get('cohort')!r} (valid: {bench.COHORTS})"
+        assert r["gpu"] in generation, f"{r['id']}: GPU {r['gpu']!r} has no generation in validation_split"
+        if r["subset"] == "fit":
+            assert r["split"] == "dev", f"{r['id']}: a constant was fitted on it, so it cannot validate"
+        if r["cohort"] == "unseen":
+            assert r["split"] == "validation" and r["subset"] == "held-out", r["id"]
+
+
+@pytest.mark.unit
+def test_the_rule_reproduces_every_recorded_split(data, bench):
+    drawn = bench.draw_split(data["runs"], data["validation_split"]["generation_of_gpu"])
+    relabelled = {r["id"]: (r["split"], drawn[r["id"]]) for r in data["runs"] if r["split"] != drawn[r["id"]]}
+    assert not relabelled, f"rows labelled (recorded, by the rule) otherwise than the rule draws: {relabelled}"
+
+
+@pytest.mark.unit
+def test_the_original_cohort_is_pinned(data, bench):
+    """No row moves between cohorts: the ids in the file when the split was drawn are fixed by count and digest."""
+    original = [r["id"] for r in data["runs"] if r["cohort"] == "original"]
+    assert len(original) == data["validation_split"]["original_rows"]
+    assert bench.original_ids_sha256(original) == data["validation_split"]["original_ids_sha256"]
+
+
+@pytest.mark.unit
+def test_a_third_of_each_generation_validates(data, bench):
+    generation = data["validation_split"]["generation_of_gpu"]
+    pool: dict[str, list[str]] = {}
+    for r in data["runs"]:
+        if r["cohort"] == "original" and r["subset"] != "fit":
+            pool.setdefault(generation[r["gpu"]], []).append(r["split"])
+    for gen, splits in pool.items():
+        assert splits.count("validation") == -(-len(splits) // 3), gen
+
+
+@pytest.mark.unit
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), extra=st.lists(st.text("abcdefgh-0123", min_size=1, max_size=12),
+                                                     max_size=6, unique=True))
+def test_the_draw_ignores_row_order_and_rows_added_later(data, bench, seed, extra):
+    """An original row's split depends on the original rows alone: shuffling the file or adding unseen rows leaves
+    it where it was."""
+    import random
+
+    generation = data["validation_split"]["generation_of_gpu"]
+    before = bench.draw_split(data["runs"], generation)
+    added = [{"id": f"new-{x}", "gpu": "h100-sxm", "subset": "held-out", "cohort": "unseen"} for x in extra]
+    runs = list(data["runs"]) + added
+    random.Random(seed).shuffle(runs)
+    after = bench.draw_split(runs, generation)
+    assert {k: after[k] for k in before} == before
+    assert all(after[a["id"]] == "validation" for a in added)
+
+
+@pytest.mark.unit
+def test_the_report_puts_dev_and_validation_medians_side_by_side(data, bench, capsys):
+    rows = {r["id"]: r for r in data["runs"]}
+    costed = [bench.evaluate(rows[rid], data) for rid in ("mpt-a100-80-7b-s2k-8", "mpt-a100-80-1b-s2k-8")]
+    assert {c["split"] for c in costed} == {"dev", "validation"}
+    bench.print_split_medians(costed)
+    out = capsys.readouterr().out.splitlines()
+    assert "dev" in out[1] and "validation" in out[1] and out[1].index("dev") < out[1].index("validation")
+    time_row = next(line for line in out if line.strip().startswith("time |err|"))
+    assert time_row.count("(n=1)") == 3 and time_row.endswith("(n=0)")  # dev, validation, its original cohort
