@@ -235,3 +235,13 @@ def test_the_report_puts_dev_and_validation_medians_side_by_side(data, bench, ca
     assert "dev" in out[1] and "validation" in out[1] and out[1].index("dev") < out[1].index("validation")
     time_row = next(line for line in out if line.strip().startswith("time |err|"))
     assert time_row.count("(n=1)") == 3 and time_row.endswith("(n=0)")  # dev, validation, its original cohort
+
+
+@pytest.mark.unit
+def test_unseen_rows_come_from_sources_the_original_rows_did_not_use(data):
+    """Rows added after the split are unseen data only if their sources are new: no unseen row may cite a source
+    that an original row (which the model's structure was tuned on) cites."""
+    original = {r["source"]["ref"] for r in data["runs"] if r["cohort"] == "original"}
+    reused = {r["id"]: r["source"]["ref"] for r in data["runs"]
+              if r["cohort"] == "unseen" and r["source"]["ref"] in original}
+    assert not reused, f"unseen rows citing a source of the original rows: {reused}"
