@@ -404,8 +404,8 @@ def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list
                     if x == y2:
                         continue
                     lk = cluster.link(x, y2)
-                    if bw is None or lk.bandwidth_gbps < bw:
-                        bw, lat = lk.bandwidth_gbps, lk.latency_us
+                    if bw is None or lk.bandwidth_GBps < bw:
+                        bw, lat = lk.bandwidth_GBps, lk.latency_us
             xa, xb = foot(a, b), foot(b, a)
             label = f"{bw:g} GB/s, {lat:g} us" if bw is not None else "same node"
             arcs.append((xa, xb, label, bw is not None and bw < SLOW_LINK_GBPS))
@@ -433,14 +433,14 @@ def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list
         items.append(Text(x0 + 12, top + 22, isl.name, 14, fill=_shade(c, -0.3), bold=True))
         inter = isl.inter_node_link
         sub = (f"{isl.num_gpus} GPUs, {isl.gpu.memory_gib:g} GiB each"
-               + (f", nodes linked at {inter.bandwidth_gbps:g} GB/s" if inter else ""))
+               + (f", nodes linked at {inter.bandwidth_GBps:g} GB/s" if inter else ""))
         items.append(Text(x0 + 12, top + 40, sub, 10, fill="#444"))
         y = top + 52
         for n in isl.nodes:
             node = cluster.node(n)
             h = node_h(node.num_gpus)
             items.append(Rect(x0 + pad, y, node_w + 12, h, "white", stroke="#888", rx=5))
-            items.append(Text(x0 + pad + 8, y + 16, f"{n} ({node.gpus[0].intra_node_bandwidth_gbps:g} GB/s "
+            items.append(Text(x0 + pad + 8, y + 16, f"{n} ({node.gpus[0].intra_node_bandwidth_GBps:g} GB/s "
                                                       f"intra-node)", 10, fill="#333"))
             mine = {g.local_index for g in isl.gpus if g.node == n}
             for i in range(node.num_gpus):
