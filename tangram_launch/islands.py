@@ -545,7 +545,7 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
     return IslandSet(tuple(islands), tuple(separations), tol)
 
 
-def _node_ranges(names: tuple[str, ...]) -> str:
+def node_ranges(names: tuple[str, ...]) -> str:
     """Node names as ranges: h100-0 ... h100-63 -> h100-[0-63]; names without a trailing number stay as they are.
     Groups keep the order of their first node; numbers with leading zeros are not merged."""
     groups: dict[str, list[int]] = {}
@@ -584,7 +584,7 @@ def format_islands_table(iset: IslandSet, dtype: str = "bf16", *, max_reasons: i
     rows = [("island", "gpu", "nodes", "gpus", "TFLOP/s", "mem GiB", "intra GB/s", "inter GB/s")]
     for isl in iset.islands:
         d = isl.to_dict(dtype)
-        rows.append((isl.name, isl.gpu.type, _node_ranges(isl.nodes), f"{isl.num_nodes}x{isl.gpus_per_node}",
+        rows.append((isl.name, isl.gpu.type, node_ranges(isl.nodes), f"{isl.num_nodes}x{isl.gpus_per_node}",
                      f"{d['compute_tflops']:g}", f"{isl.gpu.memory_gib:g}", f"{isl.gpu.intra_node_bandwidth_GBps:g}",
                      "-" if isl.inter_node_link is None else f"{isl.inter_node_link.bandwidth_GBps:g}"))
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]

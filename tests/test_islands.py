@@ -10,7 +10,7 @@ from helpers_islands import check_island_set, violations
 from timeouts import SUBPROCESS_TIMEOUT_S
 from tangram_launch.cli import main
 from tangram_launch.errors import SpecError
-from tangram_launch.islands import IslandTolerances, _node_ranges, build_islands, format_islands_table
+from tangram_launch.islands import IslandTolerances, node_ranges, build_islands, format_islands_table
 from tangram_launch.specs.cluster import ClusterSpec
 
 
@@ -242,7 +242,7 @@ def test_negative_tolerance_refused(field):
     (("head", "n3", "n4", "n01"), "head,n[3-4],n01"),  # a leading zero is a name, not a number
 ])
 def test_node_lists_print_as_ranges(names, text):
-    assert _node_ranges(names) == text
+    assert node_ranges(names) == text
 
 
 def test_large_cluster_table_stays_readable():
