@@ -27,6 +27,7 @@ from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.slices import Pair, dtype_problem
 from tangram_launch.planner.templates import class_members
 from tangram_launch.specs.cluster import GPUSpec, LinkSpec
+from tangram_launch.text import plural
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.planner.api import PlannerOptions, SearchResult
@@ -159,7 +160,7 @@ def uniform_split(result: "SearchResult", cluster: "ClusterSpec") -> Baseline:
     a = result.atoms
     L = a.num_layers
     total = sum(i.num_gpus for i in islands)
-    desc = f"layers split by GPU count over {len(islands)} island(s), {total} GPUs (Sailor-style)"
+    desc = f"layers split by GPU count over {plural(len(islands), 'island')}, {total} GPUs (Sailor-style)"
     if L < len(islands):
         return Baseline("uniform-split", desc, None, f"{L} layers cannot be split over {len(islands)} islands")
     exact = [L * i.num_gpus / total for i in islands]
