@@ -131,3 +131,12 @@ def test_custom_gpu_with_figures_in_either_unit():
                                           "intra_node_bandwidth_Gbps": 3200}]})
     g = c.nodes[0].gpus[0]
     assert (g.type, g.memory_bandwidth_GBps, g.intra_node_bandwidth_GBps) == ("custom", 3000, 400)
+
+
+@pytest.mark.parametrize("key, value", [("bandwidth_gbps", 25), ("bandwidth_Gbps", 200)])
+def test_the_cluster_hash_does_not_depend_on_how_the_unit_is_spelled(key, value):
+    """Plans record their cluster's hash: one made before the keys spelled their unit still matches."""
+    new = ClusterSpec.from_dict(cluster({"bandwidth_GBps": 25}, intra_node_bandwidth_GBps=300))
+    other = ClusterSpec.from_dict(cluster({key: value}, intra_node_bandwidth_gbps=300))
+    assert new.content_hash() == other.content_hash()
+    assert new.content_hash() != ClusterSpec.from_dict(cluster({"bandwidth_GBps": 26})).content_hash()

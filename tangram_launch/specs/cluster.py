@@ -220,11 +220,22 @@ class ClusterSpec:
         dump_yaml_file(self.to_dict(), path)
 
     def content_hash(self) -> str:
-        """Hash of the figures the planner reads (not of names' order in the file)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """Hash of the figures the planner reads (not of names' order in the file). It is taken over the bandwidth
+        keys as first named (``*_gbps``, the same GB/s), so plans made before the keys spelled their unit still
+        match their cluster."""
+        blob = json.dumps(_first_key_names(self.to_dict()), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+
+
+def _first_key_names(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {(k.removesuffix("_GBps") + "_gbps" if k.endswith("_GBps") else k): _first_key_names(v)
+                for k, v in d.items()}
+    if isinstance(d, list):
+        return [_first_key_names(v) for v in d]
+    return d
 
 
 # --- parsing -------------------------------------------------------------------------------------------------
