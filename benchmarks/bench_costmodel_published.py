@@ -81,7 +81,7 @@ def resolve_model(name: str, data: dict) -> ModelSpec:
     return load_model(name)
 
 
-GPU_OVERRIDE_KEYS = ("memory_gib", "memory_bandwidth_gbps")
+GPU_OVERRIDE_KEYS = ("memory_gib", "memory_bandwidth_GBps")
 
 
 def gpu_spec(gpu_type: str, overrides: dict | None = None):
@@ -90,7 +90,7 @@ def gpu_spec(gpu_type: str, overrides: dict | None = None):
     cluster file's node-level figures."""
     node = {"name": "n0", "gpu": gpu_type, "count": 1}
     node.update({k: v for k, v in (overrides or {}).items() if k in GPU_OVERRIDE_KEYS})
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}}, "nodes": [node]})
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}}, "nodes": [node]})
     return spec.nodes[0].gpus[0]
 
 

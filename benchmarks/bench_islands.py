@@ -34,19 +34,19 @@ def make_cluster(num_nodes: int, *, overrides: bool, pod_nodes: int = POD_NODES,
     pods = [names[k:k + pod_nodes] for k in range(0, num_nodes, pod_nodes)]
     nodes = [{"name": n, "gpu": ("h100-sxm" if p % 2 == 0 else "a100-80gb"), "count": 8}
              for p, pod in enumerate(pods) for n in pod]
-    fabrics = [{"name": f"ib{p}", "nodes": pod, "bandwidth_gbps": 50, "latency_us": 2} for p, pod in enumerate(pods)]
-    fabrics.append({"name": "spine", "nodes": names, "bandwidth_gbps": 12.5, "latency_us": 8})
+    fabrics = [{"name": f"ib{p}", "nodes": pod, "bandwidth_GBps": 50, "latency_us": 2} for p, pod in enumerate(pods)]
+    fabrics.append({"name": "spine", "nodes": names, "bandwidth_GBps": 12.5, "latency_us": 8})
     pairs = []
     if overrides:
         for p, pod in enumerate(pods):
             chosen = rng.sample(pod, 8)
             for a, b in zip(chosen[0::2], chosen[1::2]):
-                pairs.append({"nodes": [a, b], "bandwidth_gbps": round(50 * rng.uniform(0.96, 1.04), 2),
+                pairs.append({"nodes": [a, b], "bandwidth_GBps": round(50 * rng.uniform(0.96, 1.04), 2),
                               "latency_us": 2})
             if p % 4 == 0:
-                pairs[-1]["bandwidth_gbps"] = 20
+                pairs[-1]["bandwidth_GBps"] = 20
     return ClusterSpec.from_dict({"name": f"bench-{num_nodes}", "nodes": nodes, "network": {
-        "default": {"bandwidth_gbps": 3.125, "latency_us": 30}, "fabrics": fabrics, "pairs": pairs}})
+        "default": {"bandwidth_GBps": 3.125, "latency_us": 30}, "fabrics": fabrics, "pairs": pairs}})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ def _island(which: str):
         return build_islands(cluster, dtype="fp16").by_name("v100-32gb"), "fp16"
     cluster = ClusterSpec.from_dict({
         "name": "a100-2x4",
-        "network": {"default": {"bandwidth_gbps": 25, "latency_us": 2}},
+        "network": {"default": {"bandwidth_GBps": 25, "latency_us": 2}},
         "nodes": [{"name": f"a100-{i}", "gpu": "a100-80gb", "count": 4} for i in range(2)],
     })
     return build_islands(cluster).islands[0], "bf16"

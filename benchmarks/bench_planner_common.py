@@ -33,7 +33,7 @@ def synthetic_cluster(num_islands: int, num_gpus: int):
         for n in range(max(1, per // 8)):
             nodes.append({"name": f"{t}-{n}", "gpu": t, "count": min(8, per)})
     return ClusterSpec.from_dict({"name": f"sweep-{num_islands}x{num_gpus}",
-                                  "network": {"default": {"bandwidth_gbps": 50, "latency_us": 2}}, "nodes": nodes})
+                                  "network": {"default": {"bandwidth_GBps": 50, "latency_us": 2}}, "nodes": nodes})
 
 
 def synthetic_parallelizer(model, dtype: str = "fp16"):

@@ -8,7 +8,7 @@ launching anything. Conventions of the written file:
   (islands and the cost model prefer ``measured.gemm_tflops`` over the spec-sheet peak);
 * a GPU the catalog does not know is ``custom`` with measured figures;
 * a CPU device (one gloo process) is type ``cpu`` with the *measured* figures in ``tflops``,
-  ``memory_bandwidth_gbps`` and ``intra_node_bandwidth_gbps`` (the catalog's placeholders are kept in
+  ``memory_bandwidth_GBps`` and ``intra_node_bandwidth_GBps`` (the catalog's placeholders are kept in
   ``measured.catalog``), so islands and the planner see what the host really does;
 * intra-node bandwidth written from a measurement is 2 x all-reduce bus bandwidth: the catalog's figures are
   bidirectional per GPU (NVLink 900 GB/s on H100) while nccl-tests' busbw counts one direction;
@@ -134,8 +134,8 @@ def fingerprint(identity: Any) -> str:
 
 def _catalog_figures(gpu_type) -> dict:
     return {"tflops": dict(gpu_type.tflops), "memory_gib": gpu_type.memory_gib,
-            "memory_bandwidth_gbps": gpu_type.memory_bandwidth_gbps,
-            "intra_node_bandwidth_gbps": gpu_type.intra_node_bandwidth_gbps}
+            "memory_bandwidth_GBps": gpu_type.memory_bandwidth_GBps,
+            "intra_node_bandwidth_GBps": gpu_type.intra_node_bandwidth_GBps}
 
 
 def _p2p_row(node: NodeRecord, local: int) -> list[float | None]:
@@ -157,7 +157,7 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     if gemm:
         measured["gemm_tflops"] = gemm
     if dev.memory_bandwidth is not None:
-        measured["memory_bandwidth_gbps"] = round_sig(dev.memory_bandwidth.value)
+        measured["memory_bandwidth_GBps"] = round_sig(dev.memory_bandwidth.value)
     if node.allreduce is not None:
         measured["allreduce_busbw_gbps"] = round_sig(node.allreduce.value)
         measured["allreduce_group_size"] = len(node.ranks)
@@ -199,9 +199,9 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
             "tflops": tflops,
             # one CPU device is one process: it gets its share of the host's memory
             "memory_gib": round_sig(inv.memory_total_bytes / 2**30 / max(1, len(node.ranks))),
-            "memory_bandwidth_gbps": measured.get("memory_bandwidth_gbps", base.memory_bandwidth_gbps),
-            "intra_node_bandwidth_gbps": (round_sig(intra_measured) if intra_measured
-                                          else base.intra_node_bandwidth_gbps),
+            "memory_bandwidth_GBps": measured.get("memory_bandwidth_GBps", base.memory_bandwidth_GBps),
+            "intra_node_bandwidth_GBps": (round_sig(intra_measured) if intra_measured
+                                          else base.intra_node_bandwidth_GBps),
         }
         measured["intra_node_bandwidth_source"] = ("2 x measured all-reduce busbw" if intra_measured
                                                    else "catalog (one device on the node)")
@@ -234,8 +234,8 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
             "type": "custom",
             "tflops": {d: gemm.get(d) for d in STORAGE_DTYPES},
             "memory_gib": round_sig(memory_bytes / 2**30) if memory_bytes else 1.0,
-            "memory_bandwidth_gbps": measured.get("memory_bandwidth_gbps", 1.0),
-            "intra_node_bandwidth_gbps": round_sig(intra),
+            "memory_bandwidth_GBps": measured.get("memory_bandwidth_GBps", 1.0),
+            "intra_node_bandwidth_GBps": round_sig(intra),
         }
     if uuid:
         entry["uuid"] = str(uuid)
@@ -296,7 +296,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
             ia, ib = order.index(a), order.index(b)
             bw[ia][ib] = bw[ib][ia] = gbps
             lat[ia][ib] = lat[ib][ia] = lat_us
-            pairs.append({"nodes": [a, b], "bandwidth_gbps": gbps, "latency_us": lat_us})
+            pairs.append({"nodes": [a, b], "bandwidth_GBps": gbps, "latency_us": lat_us})
             details.append({"nodes": [a, b], "round": link.round_index, "rank_pairs": len(link.bandwidth),
                             "bandwidth": [m.to_dict() for m in link.bandwidth],
                             "latency_rtt": link.latency_rtt.to_dict()})
@@ -304,11 +304,11 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
         if missing:
             raise ValueError(f"inter-node links not measured for {missing}")
         spec["network"] = {
-            "default": {"bandwidth_gbps": min(p["bandwidth_gbps"] for p in pairs),
+            "default": {"bandwidth_GBps": min(p["bandwidth_GBps"] for p in pairs),
                         "latency_us": max(p["latency_us"] for p in pairs)},
             "pairs": pairs,
         }
-        inter = {"nodes": order, "bandwidth_gbps": bw, "latency_us": lat, "pairs": details,
+        inter = {"nodes": order, "bandwidth_GBps": bw, "latency_us": lat, "pairs": details,
                  "method": "point-to-point ping-pong between same-local-rank pairs of two nodes (bandwidth summed "
                            "over the pairs), latency between node leaders; rounds of a round-robin tournament",
                  "schedule": [[[name_of[a], name_of[b]] for a, b in rnd] for rnd in record.schedule]}
@@ -375,7 +375,7 @@ def format_summary(spec) -> str:
             node.name, node.host or "-", devices,
             _range([x.get("bf16") for x in gemm]), _range([x.get("fp32") for x in gemm]),
             _range([g.memory_gib for g in node.gpus]),
-            _range([m.get("memory_bandwidth_gbps") for m in ms]),
+            _range([m.get("memory_bandwidth_GBps") for m in ms]),
             _range([m.get("allreduce_busbw_gbps") for m in ms]),
             _range(p2p), _range(layer),
         ))
@@ -388,7 +388,7 @@ def format_summary(spec) -> str:
         for i, a in enumerate(order):
             cells = []
             for j, _ in enumerate(order):
-                bw, lat = inter["bandwidth_gbps"][i][j], inter["latency_us"][i][j]
+                bw, lat = inter["bandwidth_GBps"][i][j], inter["latency_us"][i][j]
                 cells.append("-" if bw is None else f"{bw:.3g} ({lat:.3g})")
             mrows.append((a,) + tuple(cells))
         lines += _table(mrows)

@@ -1,6 +1,6 @@
 """Pictures of a plan and of a cluster's islands, as SVG written by hand (no dependency), or PNG with matplotlib.
 
-    draw_timeline(plan, "plan.svg")                 # the predicted 1F1B schedule: a row per stage
+    draw_timeline(plan, "plan.svg")                 # the schedule the plan runs (1F1B or interleaved): a row per stage
     draw_islands(cluster, island_set, "c3.svg")     # nodes grouped into islands, with their links
 
 Both build a list of primitives (rectangles, lines, text) once and hand it to a writer: ``.svg`` needs nothing,
@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 from xml.sax.saxutils import escape
 
-from tangram_launch.costmodel.pipeline import Block, simulate_1f1b  # noqa: F401 (Block: the drawn blocks' type)
+from tangram_launch.costmodel.interleaved_schedule import simulate_interleaved_1f1b
+from tangram_launch.costmodel.pipeline import Block, simulate_1f1b
 from tangram_launch.errors import SpecError
+from tangram_launch.text import devices, on_cpu, plural
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.islands import IslandSet
@@ -198,24 +201,39 @@ def _nice_step(span: float, target: int = 8) -> float:
 
 
 def schedule_note(plan: "Plan", drawn_end_s: float) -> str:
-    """What the bars show. A plain 1F1B plan's prediction is this very simulation (costmodel.pipeline), so the bars
-    end at the title's figure; an interleaved plan is predicted by the closed form, and its bars are the plain
-    schedule of the same stage times."""
+    """What the bars show: the schedule the plan runs. A plain 1F1B plan's prediction is this very simulation
+    (costmodel.pipeline), so the bars end at the title's figure; an interleaved plan's bars are the event simulation
+    of its chunks (costmodel.interleaved_schedule), which ends where the closed-form prediction says when the
+    stages are equal and elsewhere within a few per cent of it: the note gives both figures."""
     if plan.virtual_stages > 1:
-        return (f"bars: plain 1F1B schedule of these stage times, ends at {drawn_end_s:.3f} s · the prediction is "
-                f"interleaved 1F1B with {plan.virtual_stages} chunks per stage (closed form)")
+        pred = plan.predicted.iteration_time_s
+        return (f"bars: the interleaved 1F1B schedule it runs, {plan.virtual_stages} chunks per stage (simulated), "
+                f"ends at {drawn_end_s:.3f} s · the prediction (closed form) {pred:.3f} s, "
+                f"{(drawn_end_s - pred) / pred * 100:+.1f} %")
     return f"bars: the simulated 1F1B schedule the prediction comes from, ends at {drawn_end_s:.3f} s"
+
+
+def schedule_blocks(plan: "Plan") -> list[Block]:
+    """The blocks of the schedule the plan runs: plain 1F1B, or interleaved 1F1B chunk by chunk."""
+    fwd = [p.forward_s for p in plan.predicted.stages]
+    bwd = [p.backward_s for p in plan.predicted.stages]
+    p2p = list(plan.planner.get("p2p_s") or [0.0] * (len(fwd) - 1))
+    if len(p2p) != len(fwd) - 1:
+        p2p = [0.0] * (len(fwd) - 1)
+    if plan.virtual_stages > 1:
+        return simulate_interleaved_1f1b(fwd, bwd, p2p, plan.num_microbatches, plan.virtual_stages)
+    return simulate_1f1b(fwd, bwd, p2p, plan.num_microbatches)
 
 
 def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float, float]:
     S = plan.num_stages
     m = plan.num_microbatches
+    v = plan.virtual_stages
     fwd = [p.forward_s for p in plan.predicted.stages]
-    bwd = [p.backward_s for p in plan.predicted.stages]
     p2p = list(plan.planner.get("p2p_s") or [0.0] * (S - 1))
     if len(p2p) != S - 1:
         p2p = [0.0] * (S - 1)
-    blocks = simulate_1f1b(fwd, bwd, p2p, m)
+    blocks = schedule_blocks(plan)
     tail = float(plan.predicted.breakdown.get("tail_s", 0.0))
     pipe_end = max(b.end_s for b in blocks)
     total = max(pipe_end + tail, plan.predicted.iteration_time_s)
@@ -230,9 +248,10 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
     tr = plan.training
     pr = plan.predicted
     schedule = "interleaved 1F1B" if plan.virtual_stages > 1 else "1F1B"
+    cpu = on_cpu(s.island for s in plan.stages)
     items.append(Text(left, 24, f"{plan.model.get('name')}: predicted {schedule} iteration {pr.iteration_time_s:.3f} s "
-                                f"({m} micro-batches, {S} stages, {plan.world_size} GPUs, {tr.get('dtype')})",
-                      15, bold=True))
+                                f"({plural(m, 'micro-batch', 'micro-batches')}, {plural(S, 'stage')}, "
+                                f"{devices(plan.world_size, cpu=cpu)}, {tr.get('dtype')})", 15, bold=True))
     # one space between words: SVG collapses runs of spaces, so separators carry the spacing
     items.append(Text(left, 44, f"tokens/s {pr.tokens_per_s:,.0f} · MFU {pr.mfu * 100:.1f} % · "
                                 f"gaps are the pipeline bubble and p2p · DP sync + optimizer at the end", 12,
@@ -252,18 +271,21 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
         c = colour[s.island]
         items.append(Rect(left, y, plot_w, row_h, "#f4f4f4"))  # idle (bubble) background
         items.append(Text(left - 10, y + 13, f"stage {k}: {s.island}", 12, "end", c, bold=True))
-        items.append(Text(left - 10, y + 26, f"layers {s.layers[0]}-{s.layers[1] - 1}, {s.num_gpus} GPUs "
-                                             f"(tp{s.tp} dp{s.dp})", 10, "end", "#555"))
-    show_numbers = min(fwd) * scale > 14
+        items.append(Text(left - 10, y + 26, f"layers {s.layers[0]}-{s.layers[1] - 1}, "
+                                             f"{devices(s.num_gpus, cpu=cpu)} (tp{s.tp} dp{s.dp})", 10, "end", "#555"))
+    show_numbers = min(fwd) / v * scale > 14
     for bl in blocks:
         y = top + bl.stage * (row_h + gap)
         c = colour[plan.stages[bl.stage].island]
-        fill = _shade(c, 0.45) if bl.kind == "F" else c
+        chunk = getattr(bl, "chunk", 0)
+        # chunks of one stage from dark to light, forwards lighter than backwards
+        fill = _shade(c, (0.45 if bl.kind == "F" else 0.0) + 0.3 * chunk / max(1, v - 1) * (1 if v > 1 else 0))
         x = left + bl.start_s * scale
         w = (bl.end_s - bl.start_s) * scale
         items.append(Rect(x, y, w, row_h, fill, stroke="white" if w > 3 else "none",
                           title=f"stage {bl.stage} {'forward' if bl.kind == 'F' else 'backward'} "
-                                f"micro-batch {bl.micro}: {bl.start_s:.4f}-{bl.end_s:.4f} s"))
+                                + (f"chunk {chunk} " if v > 1 else "")
+                                + f"micro-batch {bl.micro}: {bl.start_s:.4f}-{bl.end_s:.4f} s"))
         if show_numbers:
             items.append(Text(x + w / 2, y + row_h / 2 + 4, str(bl.micro), 9, "middle",
                               "#222" if bl.kind == "F" else "white"))
@@ -302,7 +324,8 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
     ly += 24
     bd = pr.breakdown
     if plan.virtual_stages > 1:
-        line = (f"m x period + (fill - period) / v: {bd.get('steady_s', 0):.3f} s steady, fill/drain "
+        line = (f"simulated pipeline {pipe_end:.3f} s + DP sync/optimizer {tail:.3f} s = {pipe_end + tail:.3f} s · "
+                f"the prediction, m x period + (fill - period) / v: {bd.get('steady_s', 0):.3f} s steady, fill/drain "
                 f"{bd.get('fill_s', 0):.3f} s, v = {plan.virtual_stages}; + DP sync/optimizer {tail:.3f} s = "
                 f"{pr.iteration_time_s:.3f} s")
     else:
@@ -313,7 +336,7 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
 
 
 def draw_timeline(plan: "Plan", path: str | os.PathLike, *, width: float = 1400.0, field: str = "output") -> str:
-    """Draw the plan's predicted 1F1B schedule (.svg, or .png with matplotlib); returns the absolute path written.
+    """Draw the schedule the plan runs, 1F1B or interleaved (.svg, or .png with matplotlib); returns the path written.
     ``field`` names the option that gave ``path`` in errors."""
     items, w, h = timeline_items(plan, width=width)
     return _write(items, w, h, path, field)
@@ -344,6 +367,16 @@ def _inside(pt: tuple[float, float], box: tuple[float, float, float, float], mar
     return x0 - margin <= x <= x1 + margin and y0 - margin <= y <= y1 + margin
 
 
+def _below(pt: tuple[float, float], box: tuple[float, float, float, float], margin: float = 4.0) -> bool:
+    """Whether the point is under the box's top edge (plus a margin) within its width."""
+    x, y = pt
+    return box[0] - margin <= x <= box[2] + margin and y > box[1] - margin
+
+
+def _spans(outer: tuple[float, float], inner: tuple[float, float]) -> bool:
+    return min(outer) <= min(inner) and max(inner) <= max(outer)
+
+
 def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
     return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
@@ -351,7 +384,9 @@ def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float,
 def _place_arcs(arcs: Sequence[tuple[float, float, float]]) -> tuple[list[float], list[tuple]]:
     """Lift of each arc (xa, xb, label width) and its label box (x0, y0, x1, y1), in coordinates where the island
     boxes' top edge is y = 0 and up is negative: narrow arcs first, each raised in 6 px steps until its label (just
-    above its apex) is crossed by no arc placed so far, overlaps no label, and its own curve crosses no label."""
+    above its apex) is crossed by no arc placed so far, overlaps no label, its own curve crosses no label, and it
+    passes above the label of every arc it spans, so that nested arcs never cross and each label stands in its own
+    row, on its arc's apex."""
     order = sorted(range(len(arcs)), key=lambda k: abs(arcs[k][1] - arcs[k][0]))
     lifts: list[float] = [0.0] * len(arcs)
     boxes: list[tuple] = [()] * len(arcs)
@@ -367,6 +402,8 @@ def _place_arcs(arcs: Sequence[tuple[float, float, float]]) -> tuple[list[float]
             clear = clear and not any(_inside(pt, box) for o in placed for pt in _curve_points(*arcs[o][:2],
                                                                                                  lifts[o]))
             clear = clear and not any(_inside(pt, boxes[o]) for o in placed for pt in curve)
+            clear = clear and not any(_below(pt, boxes[o]) for o in placed if _spans((xa, xb), arcs[o][:2])
+                                      for pt in curve)
             if clear or lift > 2000:
                 break
             lift += 6.0
@@ -375,48 +412,107 @@ def _place_arcs(arcs: Sequence[tuple[float, float, float]]) -> tuple[list[float]
     return lifts, boxes
 
 
-def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list, float, float]:
-    isls = list(island_set.islands)
-    node_w, gpu_s, pad = 190.0, 18.0, 14.0
-    col_w = node_w + 2 * pad + 40
-    box_w = col_w - 40
-    per_row_gpus = 8
+@dataclass(frozen=True)
+class NodeGroup:
+    """Consecutive nodes of an island that draw alike (GPU count, type, intra-node bandwidth, the GPUs the island
+    holds): one box, named by their range ("h100-[0-63]")."""
 
-    def node_h(n_gpus: int) -> float:
-        rows = math.ceil(n_gpus / per_row_gpus)
-        return 34 + rows * (gpu_s + 4)
+    names: tuple[str, ...]
+    num_gpus: int
+    mine: frozenset[int]
 
-    # links between islands: arcs above the boxes, labelled with the slowest link between their nodes. Each box has
-    # one spot per partner, ordered so that arcs nest (left partners nearest first, then right partners farthest
-    # first): a wider arc's feet lie outside a narrower one's. Labels are never crossed by an arc (_place_arcs).
-    K = len(isls)
 
-    def foot(a: int, b: int) -> float:
-        spots = list(range(a - 1, -1, -1)) + list(range(K - 1, a, -1))
-        return 20 + a * col_w + box_w * (spots.index(b) + 0.5) / max(1, K - 1)
+def node_groups(cluster: "ClusterSpec", nodes: Sequence[str], gpus) -> list[NodeGroup]:
+    """``nodes`` (in order) in runs that draw alike; ``gpus``: the island's GpuRefs."""
+    groups: list[NodeGroup] = []
+    last_key = None
+    for n in nodes:
+        node = cluster.node(n)
+        mine = frozenset(g.local_index for g in gpus if g.node == n)
+        key = (node.num_gpus, mine, node.gpus[0].type, node.gpus[0].intra_node_bandwidth_GBps)
+        if groups and key == last_key:
+            groups[-1] = NodeGroup(groups[-1].names + (n,), node.num_gpus, mine)
+        else:
+            groups.append(NodeGroup((n,), node.num_gpus, mine))
+        last_key = key
+    return groups
 
+
+MAX_ARC_ISLANDS = 4  # past this many islands, the links most island pairs share are one line, not an arc each
+GRID_COLUMNS = 4  # islands per row when no arc is left to draw
+
+
+def _island_arcs(cluster: "ClusterSpec", isls) -> list[tuple[int, int, str, bool]]:
+    """(a, b, label, slow) per island pair: the slowest link between their nodes."""
     arcs = []
-    for a in range(K):
-        for b in range(a + 1, K):
+    for a in range(len(isls)):
+        for b in range(a + 1, len(isls)):
             bw, lat = None, 0.0
             for x in isls[a].nodes:
                 for y2 in isls[b].nodes:
                     if x == y2:
                         continue
                     lk = cluster.link(x, y2)
-                    if bw is None or lk.bandwidth_gbps < bw:
-                        bw, lat = lk.bandwidth_gbps, lk.latency_us
-            xa, xb = foot(a, b), foot(b, a)
+                    if bw is None or lk.bandwidth_GBps < bw:
+                        bw, lat = lk.bandwidth_GBps, lk.latency_us
             label = f"{bw:g} GB/s, {lat:g} us" if bw is not None else "same node"
-            arcs.append((xa, xb, label, bw is not None and bw < SLOW_LINK_GBPS))
-    lifts, label_boxes = _place_arcs([(xa, xb, _label_width(label)) for xa, xb, label, _ in arcs])
-    top = LEGEND_Y + 16 + max((-bx[1] for bx in label_boxes), default=0.0)
+            arcs.append((a, b, label, bw is not None and bw < SLOW_LINK_GBPS))
+    return arcs
 
-    heights = [sum(node_h(cluster.node(n).num_gpus) + 10 for n in isl.nodes) + 64 for isl in isls]
-    width = 40 + col_w * len(isls)
-    box_h = max(heights)
-    height = top + box_h + 70 + 18 * min(len(island_set.separations), 12)
-    items: list = [Text(20, 28, f"{cluster.name}: {cluster.num_gpus} GPUs in {len(isls)} island(s)", 15, bold=True)]
+
+def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list, float, float]:
+    from tangram_launch.islands import node_ranges
+
+    isls = list(island_set.islands)
+    cpu = on_cpu(g.type for _, g in cluster.iter_gpus())
+    node_w, gpu_s, pad = 190.0, 18.0, 14.0
+    col_w = node_w + 2 * pad + 40
+    box_w = col_w - 40
+    per_row_gpus = 8
+    groups = [node_groups(cluster, isl.nodes, isl.gpus) for isl in isls]
+
+    def group_h(g: NodeGroup) -> float:
+        rows = math.ceil(g.num_gpus / per_row_gpus)
+        return (34 if len(g.names) == 1 else 48) + rows * (gpu_s + 4)
+
+    # Links between islands: arcs above the boxes, labelled with the slowest link between their nodes. Past
+    # MAX_ARC_ISLANDS islands, the label most pairs share is said once in a line, and only the other pairs get arcs.
+    K = len(isls)
+    arcs = _island_arcs(cluster, isls)
+    shared_note = ""
+    if K > MAX_ARC_ISLANDS and arcs:
+        common, count = Counter(label for _, _, label, _ in arcs).most_common(1)[0]
+        if count > 1:
+            shared_note = (f"{'every' if count == len(arcs) else 'every other'} pair of islands: {common} "
+                           f"(their slowest node pair)")
+            arcs = [arc for arc in arcs if arc[2] != common]
+    columns = K if arcs else min(K, GRID_COLUMNS)
+
+    # Each box has one spot per partner, ordered so that arcs nest (left partners nearest first, then right partners
+    # farthest first): a wider arc's feet lie outside a narrower one's. Labels are never crossed by an arc
+    # (_place_arcs).
+    def foot(a: int, b: int) -> float:
+        spots = list(range(a - 1, -1, -1)) + list(range(K - 1, a, -1))
+        return 20 + a * col_w + box_w * (spots.index(b) + 0.5) / max(1, K - 1)
+
+    feet = [(foot(a, b), foot(b, a)) for a, b, _, _ in arcs]
+    lifts, label_boxes = _place_arcs([(xa, xb, _label_width(label)) for (xa, xb), (_, _, label, _)
+                                      in zip(feet, arcs)])
+    note_y = LEGEND_Y + (18.0 if arcs else 0.0)
+    top = (note_y if shared_note else LEGEND_Y) + 16 + max((-bx[1] for bx in label_boxes), default=0.0)
+
+    heights = [sum(group_h(g) + 10 for g in gs) + 64 for gs in groups]
+    rows = [list(range(r, min(r + columns, K))) for r in range(0, K, columns)]
+    row_top = [top]
+    for row in rows[:-1]:
+        row_top.append(row_top[-1] + max(heights[k] for k in row) + 20)
+    width = 40 + col_w * columns
+    boxes_end = row_top[-1] + max(heights[k] for k in rows[-1])
+    shown = island_set.separations[:12]
+    hidden = len(island_set.separations) - len(shown)
+    height = boxes_end + 70 + 18 * (len(shown) + (1 if hidden else 0))
+    items: list = [Text(20, 28, f"{cluster.name}: {devices(cluster.num_gpus, cpu=cpu)} in {plural(K, 'island')}",
+                        15, bold=True)]
     if arcs:  # legend for the link styles
         items.append(Line(20, LEGEND_Y - 4, 50, LEGEND_Y - 4, stroke="#555", width=2.0))
         text = "link between two islands: their slowest node pair (bandwidth, latency)"
@@ -426,42 +522,58 @@ def islands_items(cluster: "ClusterSpec", island_set: "IslandSet") -> tuple[list
         text = f"slow link (under {SLOW_LINK_GBPS:g} GB/s)"
         items.append(Text(x + 36, LEGEND_Y, text, 11, fill=SLOW_LINK_COLOUR))
         width = max(width, x + 36 + _label_width(text) + 20)
-    for k, isl in enumerate(isls):
-        c = PALETTE[k % len(PALETTE)]
-        x0 = 20 + k * col_w
-        items.append(Rect(x0, top, box_w, heights[k], _shade(c, 0.85), stroke=c, rx=10))
-        items.append(Text(x0 + 12, top + 22, isl.name, 14, fill=_shade(c, -0.3), bold=True))
-        inter = isl.inter_node_link
-        sub = (f"{isl.num_gpus} GPUs, {isl.gpu.memory_gib:g} GiB each"
-               + (f", nodes linked at {inter.bandwidth_gbps:g} GB/s" if inter else ""))
-        items.append(Text(x0 + 12, top + 40, sub, 10, fill="#444"))
-        y = top + 52
-        for n in isl.nodes:
-            node = cluster.node(n)
-            h = node_h(node.num_gpus)
-            items.append(Rect(x0 + pad, y, node_w + 12, h, "white", stroke="#888", rx=5))
-            items.append(Text(x0 + pad + 8, y + 16, f"{n} ({node.gpus[0].intra_node_bandwidth_gbps:g} GB/s "
-                                                      f"intra-node)", 10, fill="#333"))
-            mine = {g.local_index for g in isl.gpus if g.node == n}
-            for i in range(node.num_gpus):
-                gx = x0 + pad + 8 + (i % per_row_gpus) * (gpu_s + 4)
-                gy = y + 24 + (i // per_row_gpus) * (gpu_s + 4)
-                items.append(Rect(gx, gy, gpu_s, gpu_s, c if i in mine else "#dddddd", rx=3,
-                                  title=f"{n}:{i} {node.gpus[i].type}"))
-            y += h + 10
-    for (xa, xb, _, slow), lift in zip(arcs, lifts):
+    if shared_note:
+        items.append(Text(20, note_y, shared_note, 11, fill="#333"))
+    for r, row in enumerate(rows):
+        for col, k in enumerate(row):
+            isl = isls[k]
+            c = PALETTE[k % len(PALETTE)]
+            x0, y0 = 20 + col * col_w, row_top[r]
+            items.append(Rect(x0, y0, box_w, heights[k], _shade(c, 0.85), stroke=c, rx=10))
+            items.append(Text(x0 + 12, y0 + 22, isl.name, 14, fill=_shade(c, -0.3), bold=True))
+            inter = isl.inter_node_link
+            sub = (f"{devices(isl.num_gpus, cpu=cpu)}, {isl.gpu.memory_gib:g} GiB each"
+                   + (f", nodes linked at {inter.bandwidth_GBps:g} GB/s" if inter else ""))
+            items.append(Text(x0 + 12, y0 + 40, sub, 10, fill="#444"))
+            y = y0 + 52
+            for g in groups[k]:
+                node = cluster.node(g.names[0])
+                h = group_h(g)
+                items.append(Rect(x0 + pad, y, node_w + 12, h, "white", stroke="#888", rx=5))
+                intra = f"{node.gpus[0].intra_node_bandwidth_GBps:g} GB/s intra-node"
+                if len(g.names) == 1:
+                    items.append(Text(x0 + pad + 8, y + 16, f"{g.names[0]} ({intra})", 10, fill="#333"))
+                    gy0 = y + 24
+                else:
+                    items.append(Text(x0 + pad + 8, y + 16, f"{node_ranges(g.names)}", 10, fill="#333", bold=True))
+                    items.append(Text(x0 + pad + 8, y + 30, f"{len(g.names)} nodes alike, {intra}", 10,
+                                      fill="#333"))
+                    gy0 = y + 38
+                for i in range(g.num_gpus):
+                    gx = x0 + pad + 8 + (i % per_row_gpus) * (gpu_s + 4)
+                    gy = gy0 + (i // per_row_gpus) * (gpu_s + 4)
+                    each = f" on each of {len(g.names)} nodes" if len(g.names) > 1 else ""
+                    items.append(Rect(gx, gy, gpu_s, gpu_s, c if i in g.mine else "#dddddd", rx=3,
+                                      title=f"{node_ranges(g.names)}:{i} {node.gpus[i].type}{each}"))
+                y += h + 10
+    for ((xa, xb), (_, _, _, slow)), lift in zip(zip(feet, arcs), lifts):
         items.append(Curve(xa, top, (xa + xb) / 2, top - 2 * lift, xb, top,
                            stroke=SLOW_LINK_COLOUR if slow else "#555", width=2.0, dash="6,4" if slow else ""))
     for (_, _, label, slow), (x0, y0, x1, y1) in zip(arcs, label_boxes):
         items.append(Rect(x0, top + y0, x1 - x0, y1 - y0, "white"))
         items.append(Text((x0 + x1) / 2, top + y1 - 4, label, 11, "middle", SLOW_LINK_COLOUR if slow else "#333"))
-    y = top + box_h + 30
+    y = boxes_end + 30
     if island_set.separations:
         items.append(Text(20, y, "why apart:", 12, bold=True))
-        for s in island_set.separations[:12]:
+        for sep in shown:
             y += 18
-            items.append(Text(30, y, f"{s.island_a} / {s.island_b}: {s.constraint}: {s.detail}", 11, fill="#444"))
-    width = max(width, 40 + 7.0 * max((len(s.detail) + 40 for s in island_set.separations), default=0))
+            items.append(Text(30, y, f"{sep.island_a} / {sep.island_b}: {sep.constraint}: {sep.detail}", 11,
+                              fill="#444"))
+        if hidden:
+            y += 18
+            items.append(Text(30, y, f"and {plural(hidden, 'pair')} more (tangram-launch islands lists them all)",
+                              11, fill="#444"))
+    width = max(width, 40 + 7.0 * max((len(sep.detail) + 40 for sep in shown), default=0))
     return items, width, height
 
 

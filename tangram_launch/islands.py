@@ -111,8 +111,8 @@ class Island:
             "num_gpus": self.num_gpus,
             "compute_tflops": round(compute_tflops(self.gpu, dtype), 3),
             "memory_gib": self.gpu.memory_gib,
-            "intra_node_bandwidth_gbps": self.gpu.intra_node_bandwidth_gbps,
-            "inter_node_bandwidth_gbps": self.inter_node_link.bandwidth_gbps if self.inter_node_link else None,
+            "intra_node_bandwidth_GBps": self.gpu.intra_node_bandwidth_GBps,
+            "inter_node_bandwidth_GBps": self.inter_node_link.bandwidth_GBps if self.inter_node_link else None,
             "gpus": [str(g) for g in self.gpus],
         }
 
@@ -174,7 +174,7 @@ class _Span:
 
 
 def _gpu_spans(gpu: GPUSpec, dtype: str) -> tuple[_Span, _Span, _Span]:
-    figs = (compute_tflops(gpu, dtype), gpu.memory_gib, gpu.intra_node_bandwidth_gbps)
+    figs = (compute_tflops(gpu, dtype), gpu.memory_gib, gpu.intra_node_bandwidth_GBps)
     return tuple(_Span(float(v), gpu.type, float(v), gpu.type) for v in figs)  # type: ignore[return-value]
 
 
@@ -242,7 +242,7 @@ class _Links:
         self.unit_nodes = unit_nodes
         self.names = cluster.node_names
         self.size = np.array([len(u) for u in unit_nodes])
-        bw = np.full((n_units, n_units), float(cluster.default_link.bandwidth_gbps))
+        bw = np.full((n_units, n_units), float(cluster.default_link.bandwidth_GBps))
         lat = np.full((n_units, n_units), float(cluster.default_link.latency_us))
         members: list[list[int]] = [[] for _ in cluster.fabrics]
         for g, fabs in enumerate(unit_fabrics):
@@ -250,17 +250,17 @@ class _Links:
                 members[f].append(g)
         # slowest first, so the fastest shared fabric is written last (stable sort: ties keep file order, and
         # equal keys carry equal figures)
-        order = sorted(range(len(cluster.fabrics)), key=lambda f: (cluster.fabrics[f].link.bandwidth_gbps,
+        order = sorted(range(len(cluster.fabrics)), key=lambda f: (cluster.fabrics[f].link.bandwidth_GBps,
                                                                    -cluster.fabrics[f].link.latency_us))
         for f in order:
             if members[f]:
                 idx = np.ix_(members[f], members[f])
-                bw[idx] = cluster.fabrics[f].link.bandwidth_gbps
+                bw[idx] = cluster.fabrics[f].link.bandwidth_GBps
                 lat[idx] = cluster.fabrics[f].link.latency_us
         index = {name: i for i, name in enumerate(self.names)}
         for pair, link in cluster.pair_links.items():
             a, b = (node_unit[index[x]] for x in pair)
-            bw[a, b] = bw[b, a] = link.bandwidth_gbps
+            bw[a, b] = bw[b, a] = link.bandwidth_GBps
             lat[a, b] = lat[b, a] = link.latency_us
         one = self.size == 1
         self.bw = bw
@@ -412,8 +412,8 @@ def _min_gpu(gpus: list[GPUSpec]) -> GPUSpec:
         type=types.most_common(1)[0][0],
         tflops=tflops,
         memory_gib=min(g.memory_gib for g in gpus),
-        memory_bandwidth_gbps=min(g.memory_bandwidth_gbps for g in gpus),
-        intra_node_bandwidth_gbps=min(g.intra_node_bandwidth_gbps for g in gpus),
+        memory_bandwidth_GBps=min(g.memory_bandwidth_GBps for g in gpus),
+        intra_node_bandwidth_GBps=min(g.intra_node_bandwidth_GBps for g in gpus),
         measured=measured,
     )
 
@@ -545,7 +545,7 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
     return IslandSet(tuple(islands), tuple(separations), tol)
 
 
-def _node_ranges(names: tuple[str, ...]) -> str:
+def node_ranges(names: tuple[str, ...]) -> str:
     """Node names as ranges: h100-0 ... h100-63 -> h100-[0-63]; names without a trailing number stay as they are.
     Groups keep the order of their first node; numbers with leading zeros are not merged."""
     groups: dict[str, list[int]] = {}
@@ -584,9 +584,9 @@ def format_islands_table(iset: IslandSet, dtype: str = "bf16", *, max_reasons: i
     rows = [("island", "gpu", "nodes", "gpus", "TFLOP/s", "mem GiB", "intra GB/s", "inter GB/s")]
     for isl in iset.islands:
         d = isl.to_dict(dtype)
-        rows.append((isl.name, isl.gpu.type, _node_ranges(isl.nodes), f"{isl.num_nodes}x{isl.gpus_per_node}",
-                     f"{d['compute_tflops']:g}", f"{isl.gpu.memory_gib:g}", f"{isl.gpu.intra_node_bandwidth_gbps:g}",
-                     "-" if isl.inter_node_link is None else f"{isl.inter_node_link.bandwidth_gbps:g}"))
+        rows.append((isl.name, isl.gpu.type, node_ranges(isl.nodes), f"{isl.num_nodes}x{isl.gpus_per_node}",
+                     f"{d['compute_tflops']:g}", f"{isl.gpu.memory_gib:g}", f"{isl.gpu.intra_node_bandwidth_GBps:g}",
+                     "-" if isl.inter_node_link is None else f"{isl.inter_node_link.bandwidth_GBps:g}"))
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     eps = iset.tolerances

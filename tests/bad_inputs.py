@@ -60,7 +60,7 @@ def hf_config() -> dict[str, Any]:
 def cluster_yaml(**node: Any) -> str:
     import yaml
 
-    entry = {"name": "n0", "gpu": "a100-80g", "count": 2, **node}
+    entry = {"name": "n0", "gpu": "a100-80gb", "count": 2, **node}
     return yaml.safe_dump({"name": "c", "nodes": [entry]})
 
 

@@ -15,7 +15,7 @@ def violations(cluster: ClusterSpec, gpus: list[GpuRef], tol: IslandTolerances, 
     specs = [cluster.gpu(r) for r in gpus]
     for name, values, eps in (("(1) compute", [compute_tflops(g, dtype) for g in specs], tol.compute),
                               ("(1) memory", [g.memory_gib for g in specs], tol.memory),
-                              ("(2) intra-node", [g.intra_node_bandwidth_gbps for g in specs], tol.interconnect)):
+                              ("(2) intra-node", [g.intra_node_bandwidth_GBps for g in specs], tol.interconnect)):
         if any(max(a, b) / min(a, b) > 1 + eps for a, b in combinations(values, 2)):
             out.add(name)
     per_node = Counter(r.node for r in gpus)
@@ -28,10 +28,10 @@ def violations(cluster: ClusterSpec, gpus: list[GpuRef], tol: IslandTolerances, 
         for v in nodes:
             if u == v:
                 continue
-            inside_gbps = cluster.link(u, v).bandwidth_gbps
-            if any(cluster.link(u, w).bandwidth_gbps / inside_gbps > limit for w in outside):
+            inside_gbps = cluster.link(u, v).bandwidth_GBps
+            if any(cluster.link(u, w).bandwidth_GBps / inside_gbps > limit for w in outside):
                 out.add("(3) inter-node")
-    links = [cluster.link(u, v).bandwidth_gbps for u, v in combinations(nodes, 2)]
+    links = [cluster.link(u, v).bandwidth_GBps for u, v in combinations(nodes, 2)]
     if links and max(links) / min(links) > limit:
         out.add("(4) inter-node parity")
     return out
@@ -48,7 +48,7 @@ def check_island_set(cluster: ClusterSpec, iset, tol: IslandTolerances, dtype: s
         assert isl.num_gpus == isl.num_nodes * isl.gpus_per_node
         pairs = [cluster.link(u, v) for u, v in combinations(isl.nodes, 2)]
         if pairs:
-            assert isl.inter_node_link.bandwidth_gbps == min(p.bandwidth_gbps for p in pairs)
+            assert isl.inter_node_link.bandwidth_GBps == min(p.bandwidth_GBps for p in pairs)
             assert isl.inter_node_link.latency_us == max(p.latency_us for p in pairs)
         else:
             assert isl.inter_node_link is None

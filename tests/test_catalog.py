@@ -77,7 +77,6 @@ def test_nvml_names_resolve(catalog, nvml_name, expected):
 @pytest.mark.parametrize("spelling, expected", [
     ("A100_80GB", "a100-80gb"),             # underscores
     ("a100 80gb", "a100-80gb"),             # spaces
-    ("A100-80G", "a100-80gb"),              # short memory suffix
     ("a100-sxm4-80gb", "a100-80gb"),        # SXM form dropped
     ("a100 pcie 80gb", "a100-pcie-80gb"),   # token order does not matter after the model
     ("H100-SXM5-80GB", "h100-sxm"),
@@ -91,6 +90,14 @@ def test_nvml_names_resolve(catalog, nvml_name, expected):
 ])
 def test_normalisation_variants(catalog, spelling, expected):
     assert catalog.lookup(spelling).name == expected
+
+
+def test_short_memory_suffix_is_suggested_not_matched(catalog):
+    # "80G" could be the SXM or the PCIe part: a suggestion of both, never a silent pick.
+    with pytest.raises(SpecError) as exc:
+        catalog.lookup("A100-80G")
+    assert "ambiguous" in str(exc.value) and "a100-80gb or a100-pcie-80gb" in str(exc.value)
+    assert "A100-80G" not in catalog and catalog.canonical_name("A100-80G") is None
 
 
 def test_unknown_name_keeps_normal_form():
@@ -169,24 +176,24 @@ def test_fp8_only_on_hopper_ada_and_blackwell_and_tf32_from_ampere(catalog):
 
 @pytest.mark.parametrize("name, figure, expected", [
     # /work/shared/GPU-FACTS.md
-    ("h100-sxm", "tflops.bf16", 989), ("h100-sxm", "memory_bandwidth_gbps", 3350),
-    ("h100-sxm", "intra_node_bandwidth_gbps", 900), ("h100-sxm", "memory_gib", 80),
-    ("h100-pcie", "tflops.bf16", 756), ("h100-pcie", "memory_bandwidth_gbps", 2000),
-    ("h100-pcie", "intra_node_bandwidth_gbps", 128),
+    ("h100-sxm", "tflops.bf16", 989), ("h100-sxm", "memory_bandwidth_GBps", 3350),
+    ("h100-sxm", "intra_node_bandwidth_GBps", 900), ("h100-sxm", "memory_gib", 80),
+    ("h100-pcie", "tflops.bf16", 756), ("h100-pcie", "memory_bandwidth_GBps", 2000),
+    ("h100-pcie", "intra_node_bandwidth_GBps", 128),
     ("h100-nvl", "memory_gib", 94), ("h100-nvl", "tflops.bf16", 835),
-    ("a100-40gb", "tflops.bf16", 312), ("a100-40gb", "memory_bandwidth_gbps", 1555),
-    ("a100-80gb", "tflops.bf16", 312), ("a100-80gb", "memory_bandwidth_gbps", 2039),
-    ("a100-80gb", "intra_node_bandwidth_gbps", 600), ("a100-pcie-80gb", "memory_bandwidth_gbps", 1935),
-    ("h200", "tflops.bf16", 989), ("h200", "memory_gib", 141), ("h200", "memory_bandwidth_gbps", 4800),
-    ("b200", "tflops.bf16", 2250), ("b200", "memory_gib", 180), ("b200", "memory_bandwidth_gbps", 8000),
-    ("b200", "intra_node_bandwidth_gbps", 1800),
-    ("t4", "tflops.fp16", 65), ("t4", "memory_bandwidth_gbps", 320), ("t4", "intra_node_bandwidth_gbps", 32),
-    ("v100-16gb", "tflops.fp16", 125), ("v100-16gb", "intra_node_bandwidth_gbps", 300),
+    ("a100-40gb", "tflops.bf16", 312), ("a100-40gb", "memory_bandwidth_GBps", 1555),
+    ("a100-80gb", "tflops.bf16", 312), ("a100-80gb", "memory_bandwidth_GBps", 2039),
+    ("a100-80gb", "intra_node_bandwidth_GBps", 600), ("a100-pcie-80gb", "memory_bandwidth_GBps", 1935),
+    ("h200", "tflops.bf16", 989), ("h200", "memory_gib", 141), ("h200", "memory_bandwidth_GBps", 4800),
+    ("b200", "tflops.bf16", 2250), ("b200", "memory_gib", 180), ("b200", "memory_bandwidth_GBps", 8000),
+    ("b200", "intra_node_bandwidth_GBps", 1800),
+    ("t4", "tflops.fp16", 65), ("t4", "memory_bandwidth_GBps", 320), ("t4", "intra_node_bandwidth_GBps", 32),
+    ("v100-16gb", "tflops.fp16", 125), ("v100-16gb", "intra_node_bandwidth_GBps", 300),
     ("v100-32gb", "memory_gib", 32), ("v100-pcie-16gb", "tflops.fp16", 112),
-    ("l4", "tflops.bf16", 121), ("l4", "memory_bandwidth_gbps", 300),
-    ("l40s", "tflops.bf16", 362), ("l40s", "memory_bandwidth_gbps", 864),
-    ("a10g", "memory_bandwidth_gbps", 600), ("rtx-4090", "tflops.fp16", 165),
-    ("rtx-4090", "memory_bandwidth_gbps", 1008),
+    ("l4", "tflops.bf16", 121), ("l4", "memory_bandwidth_GBps", 300),
+    ("l40s", "tflops.bf16", 362), ("l40s", "memory_bandwidth_GBps", 864),
+    ("a10g", "memory_bandwidth_GBps", 600), ("rtx-4090", "tflops.fp16", 165),
+    ("rtx-4090", "memory_bandwidth_GBps", 1008),
     # fp32 non-tensor, from the stored datasheet mirrors
     ("a100-80gb", "tflops.fp32", 19.5), ("h100-sxm", "tflops.fp32", 67), ("h100-pcie", "tflops.fp32", 51),
     ("b200", "tflops.fp32", 80), ("l40s", "tflops.fp32", 91.6), ("t4", "tflops.fp32", 8.1),
@@ -202,14 +209,14 @@ def test_figures_match_gpu_facts(catalog, name, figure, expected):
                                            ("h100-nvl", 5, 128), ("v100-pcie-32gb", 3, 32)])
 def test_pcie_parts_carry_pcie_x16_bidirectional(catalog, name, gen, bw):
     gpu = catalog.lookup(name)
-    assert (gpu.interconnect, gpu.pcie_gen, gpu.intra_node_bandwidth_gbps) == ("pcie", gen, bw)
+    assert (gpu.interconnect, gpu.pcie_gen, gpu.intra_node_bandwidth_GBps) == ("pcie", gen, bw)
 
 
 def test_nvlink_parts_beat_pcie(catalog):
     for gpu in catalog:
         if gpu.interconnect == "nvlink":
-            assert gpu.intra_node_bandwidth_gbps >= 300, gpu.name
-            assert gpu.intra_node_bandwidth_gbps > 16 * 2 ** gpu.pcie_gen, gpu.name
+            assert gpu.intra_node_bandwidth_GBps >= 300, gpu.name
+            assert gpu.intra_node_bandwidth_GBps > 16 * 2 ** gpu.pcie_gen, gpu.name
 
 
 def test_every_figure_has_a_resolved_source(catalog):
@@ -227,7 +234,7 @@ def test_unverified_figures_are_marked(catalog):
     # GPU-FACTS.md marks these as unverified; the catalog must say so too.
     assert "[unverified" in catalog.lookup("h100-nvl").sources["tflops.bf16"]
     assert "[unverified" in catalog.lookup("a10g").sources["tflops.bf16"]
-    assert "[unverified" in catalog.lookup("v100-16gb").sources["intra_node_bandwidth_gbps"]
+    assert "[unverified" in catalog.lookup("v100-16gb").sources["intra_node_bandwidth_GBps"]
     assert "placeholder" in catalog.lookup("cpu").sources["tflops.fp32"]
 
 
@@ -254,8 +261,8 @@ def test_data_file_loads_as_shipped():
 @pytest.mark.parametrize("path, value, field", [
     (("gpus", "t4", "memory_gib"), -16, "gpus.t4.memory_gib"),
     (("gpus", "t4", "memory_gib"), 0, "gpus.t4.memory_gib"),
-    (("gpus", "l4", "memory_bandwidth_gbps"), "fast", "gpus.l4.memory_bandwidth_gbps"),
-    (("gpus", "b200", "intra_node_bandwidth_gbps"), True, "gpus.b200.intra_node_bandwidth_gbps"),
+    (("gpus", "l4", "memory_bandwidth_GBps"), "fast", "gpus.l4.memory_bandwidth_GBps"),
+    (("gpus", "b200", "intra_node_bandwidth_GBps"), True, "gpus.b200.intra_node_bandwidth_GBps"),
     (("gpus", "h100-sxm", "tflops", "bf16"), -989, "gpus.h100-sxm.tflops.bf16"),
     (("gpus", "h100-sxm", "tflops", "fp64"), 34, "gpus.h100-sxm.tflops.fp64"),
     (("gpus", "a100-80gb", "interconnect"), "infiniband", "gpus.a100-80gb.interconnect"),
@@ -276,7 +283,7 @@ def test_bad_figures_are_spec_errors_naming_entry_and_field(raw, path, value, fi
     assert "gpu_catalog.yaml" in str(exc.value)
 
 
-@pytest.mark.parametrize("figure", ["tflops.fp16", "memory_gib", "intra_node_bandwidth_gbps", "pcie_gen",
+@pytest.mark.parametrize("figure", ["tflops.fp16", "memory_gib", "intra_node_bandwidth_GBps", "pcie_gen",
                                     "tflops.bf16"])
 def test_missing_source_is_an_error(raw, figure):
     del raw["gpus"]["t4"]["sources"][figure]
@@ -321,10 +328,10 @@ def test_bad_entry_name_and_top_level_key(raw):
 
 def test_gpu_type_validates_when_built_in_code():
     good = dict(name="x", display_name="X", tflops={"bf16": 1, "fp16": 1, "fp32": 1}, memory_gib=8,
-                memory_bandwidth_gbps=100, intra_node_bandwidth_gbps=10, interconnect="pcie", pcie_gen=4)
+                memory_bandwidth_GBps=100, intra_node_bandwidth_GBps=10, interconnect="pcie", pcie_gen=4)
     assert GpuType(**good).sources == {}
     for key, value in [("memory_gib", 0), ("interconnect", "nvswitch"), ("pcie_gen", 0),
-                       ("tflops", {"bf16": 1, "fp16": 1}), ("intra_node_bandwidth_gbps", float("nan"))]:
+                       ("tflops", {"bf16": 1, "fp16": 1}), ("intra_node_bandwidth_GBps", float("nan"))]:
         with pytest.raises(SpecError):
             GpuType(**{**good, key: value})
     with pytest.raises(SpecError, match="unknown figure"):
@@ -397,10 +404,10 @@ def test_c3_iii_v100_16gb_node_has_the_slow_link():
     spec = ClusterSpec.load(os.path.join(CLUSTER_DIR, "c3-full-het-iii.yaml"))
     by_type = {n.gpus[0].type: n.name for n in spec.nodes}
     ib = spec.link(by_type["a100-80gb"], by_type["v100-32gb"])
-    assert ib.bandwidth_gbps == 25  # HDR 200 Gb/s
+    assert ib.bandwidth_GBps == 25  # HDR 200 Gb/s
     for other in ("a100-80gb", "v100-32gb"):
         slow = spec.link(by_type["v100-16gb"], by_type[other])
-        assert slow.bandwidth_gbps < ib.bandwidth_gbps / 4
+        assert slow.bandwidth_GBps < ib.bandwidth_GBps / 4
         assert slow.latency_us > ib.latency_us
 
 
@@ -408,5 +415,5 @@ def test_c1_interconnects_differ_within_nodes():
     from tangram_launch.specs.cluster import ClusterSpec
 
     spec = ClusterSpec.load(os.path.join(CLUSTER_DIR, "c1-compute-het.yaml"))
-    bw = {n.gpus[0].type: n.gpus[0].intra_node_bandwidth_gbps for n in spec.nodes}
+    bw = {n.gpus[0].type: n.gpus[0].intra_node_bandwidth_GBps for n in spec.nodes}
     assert bw == {"t4": 32, "v100-16gb": 300}  # PCIe Gen3 vs NVLink 2

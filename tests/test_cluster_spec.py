@@ -19,7 +19,7 @@ def write(tmp_path, data, name="c.yaml"):
 
 def two_nodes(**net):
     return {
-        "network": {"default": {"bandwidth_gbps": 3.125, "latency_us": 30}, **net},
+        "network": {"default": {"bandwidth_GBps": 3.125, "latency_us": 30}, **net},
         "nodes": [{"name": "a", "gpu": "a100-80gb", "count": 4}, {"name": "b", "gpu": "v100-32gb", "count": 8}],
     }
 
@@ -46,11 +46,11 @@ def test_examples_load_and_round_trip(path, tmp_path):
 
 def test_catalog_fills_figures_and_overrides_win(tmp_path):
     d = two_nodes()
-    d["nodes"][0]["intra_node_bandwidth_gbps"] = 64  # an A100 PCIe-only box
+    d["nodes"][0]["intra_node_bandwidth_GBps"] = 64  # an A100 PCIe-only box
     c = ClusterSpec.load(write(tmp_path, d))
     a = c.node("a").gpus[0]
     assert a.type == "a100-80gb" and a.memory_gib == 80 and a.tflops["bf16"] == 312
-    assert a.intra_node_bandwidth_gbps == 64
+    assert a.intra_node_bandwidth_GBps == 64
     assert c.node("b").gpus[0].tflops["bf16"] is None  # V100 has no bf16
     with pytest.raises(SpecError, match="bf16"):
         c.node("b").gpus[0].peak_tflops("bf16")
@@ -67,22 +67,22 @@ def test_nvml_style_names_resolve(tmp_path):
 def test_links_pair_beats_fabric_beats_default(tmp_path):
     d = two_nodes()
     d["nodes"].append({"name": "c", "gpu": "t4", "count": 4})
-    d["network"]["fabrics"] = [{"name": "ib", "nodes": ["a", "b", "c"], "bandwidth_gbps": 25, "latency_us": 2}]
-    d["network"]["pairs"] = [{"nodes": ["a", "c"], "bandwidth_gbps": 12.5, "latency_us": 5}]
+    d["network"]["fabrics"] = [{"name": "ib", "nodes": ["a", "b", "c"], "bandwidth_GBps": 25, "latency_us": 2}]
+    d["network"]["pairs"] = [{"nodes": ["a", "c"], "bandwidth_GBps": 12.5, "latency_us": 5}]
     c = ClusterSpec.load(write(tmp_path, d))
-    assert c.link("a", "b").bandwidth_gbps == 25
-    assert c.link("c", "a").bandwidth_gbps == 12.5
-    assert c.bandwidth_gbps(GpuRef("a", 0), GpuRef("a", 1)) == c.node("a").gpus[0].intra_node_bandwidth_gbps
+    assert c.link("a", "b").bandwidth_GBps == 25
+    assert c.link("c", "a").bandwidth_GBps == 12.5
+    assert c.bandwidth_GBps(GpuRef("a", 0), GpuRef("a", 1)) == c.node("a").gpus[0].intra_node_bandwidth_GBps
     d["network"]["fabrics"] = []
     c2 = ClusterSpec.load(write(tmp_path, d, "c2.yaml"))
-    assert c2.link("a", "b").bandwidth_gbps == 3.125
+    assert c2.link("a", "b").bandwidth_GBps == 3.125
 
 
 def test_mixed_node_sizes_and_custom_gpu(tmp_path):
-    d = {"network": {"default": {"bandwidth_gbps": 12.5}},
+    d = {"network": {"default": {"bandwidth_GBps": 12.5}},
          "nodes": [{"name": "x", "gpu": "h100-sxm", "count": 8},
                    {"name": "y", "gpus": [{"type": "custom", "tflops": {"bf16": 100, "fp32": 10}, "memory_gib": 24,
-                                           "memory_bandwidth_gbps": 900, "intra_node_bandwidth_gbps": 32}]}]}
+                                           "memory_bandwidth_GBps": 900, "intra_node_bandwidth_GBps": 32}]}]}
     c = ClusterSpec.load(write(tmp_path, d))
     assert [n.num_gpus for n in c.nodes] == [8, 1]
     assert c.node("y").gpus[0].type == "custom" and c.node("y").gpus[0].peak_tflops("bf16") == 100
@@ -112,10 +112,10 @@ def test_missing_file():
     (lambda d: d["nodes"][0].update(memory_gib=-1), "memory_gib"),
     (lambda d: d["nodes"][0].update(colour="red"), "nodes[0].colour"),
     (lambda d: d.update(nodez=[]), "did you mean 'nodes'"),
-    (lambda d: d["network"]["default"].update(bandwidth_gbps=0), "bandwidth_gbps"),
-    (lambda d: d["network"].update(pairs=[{"nodes": ["a", "zz"], "bandwidth_gbps": 1}]), "unknown node"),
-    (lambda d: d["network"].update(pairs=[{"nodes": ["a", "b"], "bandwidth_gbps": 1},
-                                          {"nodes": ["b", "a"], "bandwidth_gbps": 2}]), "inconsistent bandwidths"),
+    (lambda d: d["network"]["default"].update(bandwidth_GBps=0), "bandwidth_GBps"),
+    (lambda d: d["network"].update(pairs=[{"nodes": ["a", "zz"], "bandwidth_GBps": 1}]), "unknown node"),
+    (lambda d: d["network"].update(pairs=[{"nodes": ["a", "b"], "bandwidth_GBps": 1},
+                                          {"nodes": ["b", "a"], "bandwidth_GBps": 2}]), "inconsistent bandwidths"),
     (lambda d: d["nodes"].append({"name": "a", "gpu": "t4"}), "duplicate node name"),
     (lambda d: d.pop("network"), "network.default"),
     (lambda d: d.update(nodes=[]), "at least one node"),

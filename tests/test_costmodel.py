@@ -34,7 +34,7 @@ ANY = RuntimeCapabilities(name="any")
 
 def gpu(gpu_type, **overrides):
     node = {"name": "x", "gpu": gpu_type, "count": 1, **overrides}
-    return ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}}, "nodes": [node]}).nodes[0].gpus[0]
+    return ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}}, "nodes": [node]}).nodes[0].gpus[0]
 
 
 def island(gpu_type, nodes=1, per_node=8, net_gbps=25.0, **overrides):
@@ -307,10 +307,10 @@ def test_nccl_tests_bus_factors():
 
 def test_groups_crossing_nodes_share_the_network():
     dev = DeviceModel.from_gpu(gpu("a100-80gb"), "bf16")
-    intra = comm.group_link(1, 8, stage_gpus=16, gpus_per_node=8, dev=dev, inter_bandwidth_gbps=25.0)
+    intra = comm.group_link(1, 8, stage_gpus=16, gpus_per_node=8, dev=dev, inter_bandwidth_GBps=25.0)
     assert not intra.inter_node and intra.busbw == dev.intra_busbw == pytest.approx(600 / 2 * 0.8 * 1e9)
     # dp group of a tp=8 stage over 2 nodes: 8 such groups share each node's 25 GB/s link
-    across = comm.group_link(8, 2, stage_gpus=16, gpus_per_node=8, dev=dev, inter_bandwidth_gbps=25.0)
+    across = comm.group_link(8, 2, stage_gpus=16, gpus_per_node=8, dev=dev, inter_bandwidth_GBps=25.0)
     assert across.inter_node and across.busbw == pytest.approx(25e9 * 0.9 / 8)
 
 
@@ -413,8 +413,8 @@ def test_measured_forward_backward_replaces_the_2x_rule():
 
     model = load_model("tiny")
     key = measured_layer_key(model.name, "dense", 64, 2, 1)
-    base = dict(type="cpu", tflops={"fp32": 0.1}, memory_gib=16, memory_bandwidth_gbps=10,
-                intra_node_bandwidth_gbps=10)
+    base = dict(type="cpu", tflops={"fp32": 0.1}, memory_gib=16, memory_bandwidth_GBps=10,
+                intra_node_bandwidth_GBps=10)
     both = GPUSpec(**base, measured={"layer_forward_s": {key: 0.010}, "layer_forward_backward_s": {key: 0.043}})
     fwd_only = GPUSpec(**base, measured={"layer_forward_s": {key: 0.010}})
     kw = dict(seq_len=64, mbs=2, tp=1, cp=1, ep=1)

@@ -50,11 +50,11 @@ def island(gpu_type, nodes, net_gbps, *, gemm_efficiency: float | None = None):
     """``nodes`` x 8 GPUs; ``gemm_efficiency`` replaces the shipped GEMM_EFFICIENCY (as a measured GEMM figure)."""
     from tangram_launch.costmodel.efficiency import peak_tflops_for
 
-    gpu = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+    gpu = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
                                  "nodes": [{"name": "x", "gpu": gpu_type, "count": 1}]}).nodes[0].gpus[0]
     if gemm_efficiency is not None:
         measured = {"gemm_tflops": {d: peak_tflops_for(gpu, d) * gemm_efficiency for d in ("fp16", "bf16")}}
-        gpu = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}}, "nodes": [
+        gpu = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}}, "nodes": [
             {"name": "x", "gpus": [{"type": gpu_type, "measured": measured}]}]}).nodes[0].gpus[0]
     names = tuple(f"n{i}" for i in range(nodes))
     return Island(name=gpu_type, nodes=names, gpus=tuple(GpuRef(n, k) for n in names for k in range(8)),
@@ -174,7 +174,7 @@ def test_layer_time_matches_h200_measurement(key):
     from tangram_launch.costmodel.efficiency import DeviceModel
 
     name, mbs, seq = key
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
                                   "nodes": [{"name": "x", "gpu": "h200", "count": 1}]}).nodes[0].gpus[0]
     lc = layer_compute(load_model(name), 0, seq_len=seq, mbs=mbs, tp=1, cp=1, ep=1,
                        dev=DeviceModel.from_gpu(spec, "bf16"))

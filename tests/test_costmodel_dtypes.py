@@ -63,7 +63,7 @@ def test_runtime_capabilities_say_who_runs_fp8_and_tf32():
     assert DEEPSPEED.dtype_problems("fp8") and DEEPSPEED.dtype_problems("tf32")
 
 
-H100_A100 = {"name": "h100-a100", "network": {"default": {"bandwidth_gbps": 25, "latency_us": 2}},
+H100_A100 = {"name": "h100-a100", "network": {"default": {"bandwidth_GBps": 25, "latency_us": 2}},
              "nodes": [{"name": "h0", "gpu": "h100-sxm", "count": 8}, {"name": "a0", "gpu": "a100-80gb", "count": 8}]}
 SMALL = {"name": "small-llama", "num_layers": 4, "hidden_size": 1024, "num_heads": 8, "num_kv_heads": 8,
          "ffn_hidden_size": 4096, "vocab_size": 8192, "max_seq_len": 1024}

@@ -54,7 +54,7 @@ def test_megatron_and_torch_run_interleaved_and_need_whole_microbatch_groups():
 
 
 # ------------------------------------------------------------------------------------------------ planner
-CLUSTER = {"name": "v100x8", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 5}},
+CLUSTER = {"name": "v100x8", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 5}},
            "nodes": [{"name": "v0", "gpu": "v100-16gb", "count": 4}, {"name": "v1", "gpu": "v100-16gb", "count": 4}]}
 
 

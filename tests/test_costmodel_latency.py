@@ -29,12 +29,12 @@ def test_measured_latency_is_per_ring_step():
 
 def test_intra_node_collectives_pay_the_measured_latency():
     dev = DeviceModel.from_gpu(_cpu(300.0), "fp32")
-    link = comm.group_link(1, 2, stage_gpus=2, gpus_per_node=2, dev=dev, inter_bandwidth_gbps=None)
+    link = comm.group_link(1, 2, stage_gpus=2, gpus_per_node=2, dev=dev, inter_bandwidth_GBps=None)
     assert link.latency_s == pytest.approx(300e-6)
     tiny = comm.collective_s(comm.ALL_TO_ALL, 8.0, 2, link)  # 8 bytes: the latency is all of it
     assert tiny == pytest.approx(300e-6, rel=1e-3)
     assert comm.p2p_stage_s(8.0, stage_gpus=1, gpus_per_node=2, same_node=True, dev=dev,
-                            inter_bandwidth_gbps=None) == pytest.approx(300e-6, rel=1e-3)
+                            inter_bandwidth_GBps=None) == pytest.approx(300e-6, rel=1e-3)
 
 
 def test_expert_parallel_forward_has_the_counts_exchange():

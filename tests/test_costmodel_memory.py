@@ -28,7 +28,7 @@ def test_headroom_is_a_validated_fraction_with_a_default():
     assert TrainingSpec.from_dict({"memory_headroom_fraction": 0.2}).memory_headroom_fraction == 0.2
 
 
-CLUSTER = {"name": "a100x8", "network": {"default": {"bandwidth_gbps": 25, "latency_us": 2}},
+CLUSTER = {"name": "a100x8", "network": {"default": {"bandwidth_GBps": 25, "latency_us": 2}},
            "nodes": [{"name": "a0", "gpu": "a100-40gb", "count": 8}]}
 
 

@@ -24,7 +24,7 @@ from tangram_launch.specs.training import TrainingSpec
 
 
 def _island(gpu_type: str = "a100-80gb", n: int = 8) -> Island:
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
                                   "nodes": [{"name": "n0", "gpu": gpu_type, "count": n}]})
     return Island(name=gpu_type, nodes=("n0",), gpus=tuple(GpuRef("n0", k) for k in range(n)), gpus_per_node=n,
                   gpu=spec.nodes[0].gpus[0], inter_node_link=None)

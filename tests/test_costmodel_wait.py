@@ -34,7 +34,7 @@ def test_absent_figures_charge_nothing():
 
 def test_wait_is_the_floor_of_each_intra_node_collective_call():
     dev = DeviceModel.from_gpu(gpu("cpu", measured=_measured(collective_wait_us=1500.0)), "fp32")
-    link = comm.group_link(1, 2, stage_gpus=2, gpus_per_node=2, dev=dev, inter_bandwidth_gbps=None)
+    link = comm.group_link(1, 2, stage_gpus=2, gpus_per_node=2, dev=dev, inter_bandwidth_GBps=None)
     assert link.wait_s == pytest.approx(1.5e-3)
     assert comm.collective_s(comm.ALL_TO_ALL, 8.0, 2, link) == pytest.approx(1.5e-3, rel=1e-3)
     big = 1e8  # bytes still take their bandwidth time on top of the per-call cost
@@ -43,7 +43,7 @@ def test_wait_is_the_floor_of_each_intra_node_collective_call():
     slow = dataclasses.replace(link, latency_s=1e-3)
     assert comm.collective_s(comm.ALL_REDUCE, 8.0, 4, slow) == pytest.approx(6 * 1e-3, rel=1e-3)
     # the wait was measured inside a node: a group across nodes pays the network's latency, not it
-    across = comm.group_link(1, 4, stage_gpus=4, gpus_per_node=2, dev=dev, inter_bandwidth_gbps=10.0)
+    across = comm.group_link(1, 4, stage_gpus=4, gpus_per_node=2, dev=dev, inter_bandwidth_GBps=10.0)
     assert across.inter_node and across.wait_s == 0.0
 
 

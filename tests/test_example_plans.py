@@ -5,6 +5,8 @@ Only the planner's wall-clock timings (``*_time_s`` under ``planner``) are zeroe
 byte, predicted times included, must match. Regenerate only for an intended change of plans, and say why:
 
     PYTHONPATH=. python tests/test_example_plans.py [NAME ...]   # rewrites tests/fixtures/plans/*.json (or NAME's)
+
+The example plans in examples/data/ (EXAMPLE_PLANS) are checked and rewritten the same way.
 """
 from __future__ import annotations
 
@@ -83,6 +85,31 @@ def plan_json(cluster: str, model: str, extra: list[str]) -> str:
 SCALE_CLUSTERS = {"opt350m-128gpu", "opt350m-320gpu", "opt350m-512gpu", "llama3-405b-4096gpu"}
 
 
+# The example plans the README and examples/train_gpt*.py launch: the stages of examples/data/plan-tiny-2cpu.stages.yaml
+# costed by the planner (`plan --plan`), so their model and training fields are whatever a planned plan holds and
+# checkpoints cross-resume between them and planned plans. (file name in examples/data, extra arguments)
+EXAMPLE_DATA = os.path.join(REPO, "examples", "data")
+STAGES = os.path.join("examples", "data", "plan-tiny-2cpu.stages.yaml")  # relative: it is recorded in the plan
+EXAMPLE_PLANS = [
+    ("plan-tiny-2cpu", ["--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--optimizer", "adamw",
+                        "--plan", STAGES]),
+    ("plan-tiny-2cpu-deepspeed", ["--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", "--optimizer",
+                                  "adamw", "--plan", STAGES, "--runtime", "deepspeed"]),
+]
+
+
+def example_plan_json(extra: list[str]) -> str:
+    with contextlib.chdir(REPO):
+        return plan_json("cpu-2", "tiny", extra)
+
+
+@pytest.mark.parametrize("name,extra", EXAMPLE_PLANS, ids=[c[0] for c in EXAMPLE_PLANS])
+def test_example_data_plan_is_what_the_planner_writes(name, extra):
+    with open(os.path.join(EXAMPLE_DATA, f"{name}.json"), encoding="utf-8") as f:
+        stored = f.read()
+    assert example_plan_json(extra) == stored
+
+
 def test_every_example_cluster_has_a_case():
     clusters = sorted(f[:-5] for f in os.listdir(CLUSTERS) if f.endswith(".yaml") and f[:-5] not in SCALE_CLUSTERS)
     assert sorted({c[1] for c in CASES}) == clusters
@@ -106,3 +133,10 @@ if __name__ == "__main__":  # regenerate the fixtures (see the module docstring)
         with open(os.path.join(FIXTURES, f"{name}.json"), "w", encoding="utf-8") as f:
             f.write(text)
         print(f"wrote {name}.json")
+    for name, extra in EXAMPLE_PLANS:
+        if only and name not in only:
+            continue
+        text = example_plan_json(extra)
+        with open(os.path.join(EXAMPLE_DATA, f"{name}.json"), "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote examples/data/{name}.json")

@@ -10,13 +10,13 @@ from helpers_islands import check_island_set, violations
 from timeouts import SUBPROCESS_TIMEOUT_S
 from tangram_launch.cli import main
 from tangram_launch.errors import SpecError
-from tangram_launch.islands import IslandTolerances, _node_ranges, build_islands, format_islands_table
+from tangram_launch.islands import IslandTolerances, node_ranges, build_islands, format_islands_table
 from tangram_launch.specs.cluster import ClusterSpec
 
 
 def cluster(nodes, default=3.125, fabrics=(), pairs=()):
     return ClusterSpec.from_dict({
-        "network": {"default": {"bandwidth_gbps": default, "latency_us": 30}, "fabrics": list(fabrics),
+        "network": {"default": {"bandwidth_GBps": default, "latency_us": 30}, "fabrics": list(fabrics),
                     "pairs": list(pairs)},
         "nodes": nodes,
     })
@@ -42,16 +42,16 @@ def test_c3_4_islands_has_20_gpus(cluster_path):
 
 def test_identical_nodes_on_one_fabric_form_one_island():
     c = cluster([{"name": f"h{i}", "gpu": "h100-sxm", "count": 8} for i in range(3)],
-                fabrics=[{"name": "ib", "nodes": ["h0", "h1", "h2"], "bandwidth_gbps": 50}])
+                fabrics=[{"name": "ib", "nodes": ["h0", "h1", "h2"], "bandwidth_GBps": 50}])
     iset = build_islands(c)
     assert summary(iset) == [("h100-sxm", ("h0", "h1", "h2"), 24)]
-    assert iset.islands[0].inter_node_link.bandwidth_gbps == 50
+    assert iset.islands[0].inter_node_link.bandwidth_GBps == 50
     assert iset.separations == ()
 
 
 def test_mixed_node_sizes_split_by_r1():
     c = cluster([{"name": "a", "gpu": "a100-80gb", "count": 8}, {"name": "b", "gpu": "a100-80gb", "count": 4}],
-                fabrics=[{"name": "ib", "nodes": ["a", "b"], "bandwidth_gbps": 25}])
+                fabrics=[{"name": "ib", "nodes": ["a", "b"], "bandwidth_GBps": 25}])
     iset = build_islands(c)
     assert [i.num_gpus for i in iset.islands] == [8, 4]
     assert iset.separations[0].constraint == "(1) GPUs per node"
@@ -59,8 +59,8 @@ def test_mixed_node_sizes_split_by_r1():
 
 def test_same_gpu_different_interconnect_split_by_2():
     c = cluster([{"name": "nv", "gpu": "a100-80gb", "count": 4},
-                 {"name": "pcie", "gpu": "a100-80gb", "count": 4, "intra_node_bandwidth_gbps": 64}],
-                fabrics=[{"name": "ib", "nodes": ["nv", "pcie"], "bandwidth_gbps": 25}])
+                 {"name": "pcie", "gpu": "a100-80gb", "count": 4, "intra_node_bandwidth_GBps": 64}],
+                fabrics=[{"name": "ib", "nodes": ["nv", "pcie"], "bandwidth_GBps": 25}])
     iset = build_islands(c)
     assert len(iset.islands) == 2
     assert iset.separations[0].constraint == "(2) intra-node"
@@ -72,7 +72,7 @@ def test_node_behind_a_slow_link_is_split_off():
     # (e(a0,a2) < e(a0,v)) and (4) (links of 25 and 3.125 GB/s); the cheaper parity check is named.
     c = cluster([{"name": n, "gpu": "a100-80gb", "count": 4} for n in ("a0", "a1", "a2")]
                 + [{"name": "v", "gpu": "v100-32gb", "count": 4}],
-                fabrics=[{"name": "ib", "nodes": ["a0", "a1", "v"], "bandwidth_gbps": 25}])
+                fabrics=[{"name": "ib", "nodes": ["a0", "a1", "v"], "bandwidth_GBps": 25}])
     iset = build_islands(c)
     assert summary(iset)[:2] == [("a100-80gb", ("a0", "a1"), 8), ("a100-80gb", ("a2",), 4)]
     names = [i.name for i in iset.islands]
@@ -88,8 +88,8 @@ def test_faster_link_to_an_outsider_splits_by_3():
     # holding a0 and another A100 node would have a link leaving it 2x faster than its own.
     c = cluster([{"name": n, "gpu": "a100-80gb", "count": 4} for n in ("a0", "a1", "a2")]
                 + [{"name": "v", "gpu": "v100-32gb", "count": 4}],
-                fabrics=[{"name": "ib", "nodes": ["a0", "a1", "a2", "v"], "bandwidth_gbps": 25}],
-                pairs=[{"nodes": ["a0", "v"], "bandwidth_gbps": 50}])
+                fabrics=[{"name": "ib", "nodes": ["a0", "a1", "a2", "v"], "bandwidth_GBps": 25}],
+                pairs=[{"nodes": ["a0", "v"], "bandwidth_GBps": 50}])
     iset = build_islands(c)
     assert summary(iset)[:2] == [("a100-80gb", ("a0",), 4), ("a100-80gb", ("a1", "a2"), 8)]
     sep = iset.separations[0]
@@ -102,7 +102,7 @@ def test_fabric_slower_than_the_default_is_cut_into_nodes():
     # u0, u1 share only a 1 GB/s fabric, slower than the 3.125 GB/s default that reaches x: as a pair they are not
     # an island ((3) at u0: x leaves at 3.125 > 1.25 x 1), so they start apart and x joins the first of them.
     c = cluster([{"name": n, "gpu": "a100-80gb", "count": 2} for n in ("u0", "u1", "x")],
-                fabrics=[{"name": "slow", "nodes": ["u0", "u1"], "bandwidth_gbps": 1}])
+                fabrics=[{"name": "slow", "nodes": ["u0", "u1"], "bandwidth_GBps": 1}])
     iset = build_islands(c)
     assert [i.nodes for i in iset.islands] == [("u0", "x"), ("u1",)]
     assert iset.separations[0].constraint == "(4) inter-node parity"
@@ -115,9 +115,9 @@ def test_issue_14_constraint_3_counterexample(eps_n):
     # returned {A, B} with C outside although e(A,B) = 10 < e(A,C) = 20. A-C together or each alone, never that.
     c = cluster([{"name": n, "gpu": "a100-80gb", "count": 4} for n in "ABC"] + [{"name": "D", "gpu": "v100-32gb",
                                                                                  "count": 4}],
-                default=5, pairs=[{"nodes": ["A", "B"], "bandwidth_gbps": 10},
-                                  {"nodes": ["A", "C"], "bandwidth_gbps": 20},
-                                  {"nodes": ["B", "C"], "bandwidth_gbps": 1}])
+                default=5, pairs=[{"nodes": ["A", "B"], "bandwidth_GBps": 10},
+                                  {"nodes": ["A", "C"], "bandwidth_GBps": 20},
+                                  {"nodes": ["B", "C"], "bandwidth_GBps": 1}])
     tol = IslandTolerances(network=eps_n)
     iset = build_islands(c, tol)
     a100 = [set(i.nodes) for i in iset.islands if i.gpu.type == "a100-80gb"]
@@ -130,7 +130,7 @@ def test_issue_14_two_pods_joined_by_a_slow_link_are_two_islands(cluster_path):
     c = ClusterSpec.load(cluster_path("two-pods-slow-link"))
     iset = build_islands(c)
     assert summary(iset) == [("a100-80gb", ("a0", "a1"), 16), ("a100-80gb", ("b0", "b1"), 16)]
-    assert [i.inter_node_link.bandwidth_gbps for i in iset.islands] == [25, 25]
+    assert [i.inter_node_link.bandwidth_GBps for i in iset.islands] == [25, 25]
     (sep,) = iset.separations
     assert sep.constraint == "(4) inter-node parity" and "0.125 GB/s (a0<->b0)" in sep.detail
     check_island_set(c, iset, iset.tolerances)
@@ -148,7 +148,7 @@ def test_cli_eps_network_and_drawing(cluster_path, capsys, tmp_path):
     data = json.loads(capsys.readouterr().out)
     assert data["tolerances"]["network"] == 200
     assert [i["nodes"] for i in data["islands"]] == [["a0", "a1", "b0", "b1"]]
-    assert data["islands"][0]["inter_node_bandwidth_gbps"] == 0.125  # the slowest of its links, as before
+    assert data["islands"][0]["inter_node_bandwidth_GBps"] == 0.125  # the slowest of its links, as before
     assert svg.read_text().startswith("<svg")
 
 
@@ -166,10 +166,10 @@ def test_two_pod_plan_uses_a_whole_pod(cluster_path, tmp_path):
 def test_mixed_link_island_without_outsiders_splits_by_parity():
     # Nothing is outside the three nodes, so (3) holds vacuously for all three; (4) parity splits the slow node off.
     c = cluster([{"name": n, "gpu": "a100-80gb", "count": 4} for n in ("a0", "a1", "a2")],
-                fabrics=[{"name": "ib", "nodes": ["a0", "a1"], "bandwidth_gbps": 25}])
+                fabrics=[{"name": "ib", "nodes": ["a0", "a1"], "bandwidth_GBps": 25}])
     iset = build_islands(c)
     assert summary(iset) == [("a100-80gb", ("a0", "a1"), 8), ("a100-80gb", ("a2",), 4)]
-    assert iset.islands[0].inter_node_link.bandwidth_gbps == 25
+    assert iset.islands[0].inter_node_link.bandwidth_GBps == 25
     (sep,) = iset.separations
     assert sep.constraint == "(4) inter-node parity"
     assert "3.125 GB/s" in sep.detail and "25 GB/s" in sep.detail and "ratio 8.00 > 1.25" in sep.detail
@@ -177,18 +177,18 @@ def test_mixed_link_island_without_outsiders_splits_by_parity():
 
 @pytest.mark.parametrize("ratio, together", [(1.15, True), (1.1501, False)])
 def test_compute_tolerance_boundary(ratio, together):
-    base = {"type": "custom", "memory_gib": 40, "memory_bandwidth_gbps": 1000, "intra_node_bandwidth_gbps": 300}
+    base = {"type": "custom", "memory_gib": 40, "memory_bandwidth_GBps": 1000, "intra_node_bandwidth_GBps": 300}
     c = cluster([
         {"name": "x", "gpus": [dict(base, tflops={"bf16": 100.0})] * 2},
         {"name": "y", "gpus": [dict(base, tflops={"bf16": 100.0 * ratio})] * 2},
-    ], fabrics=[{"name": "ib", "nodes": ["x", "y"], "bandwidth_gbps": 25}])
+    ], fabrics=[{"name": "ib", "nodes": ["x", "y"], "bandwidth_GBps": 25}])
     assert (len(build_islands(c).islands) == 1) is together
 
 
 @pytest.mark.parametrize("eps, together", [(0.0, False), (1.0, True)])
 def test_memory_tolerance_is_a_parameter(eps, together):
     c = cluster([{"name": "v32", "gpu": "v100-32gb", "count": 4}, {"name": "v16", "gpu": "v100-16gb", "count": 4}],
-                fabrics=[{"name": "ib", "nodes": ["v32", "v16"], "bandwidth_gbps": 25}])
+                fabrics=[{"name": "ib", "nodes": ["v32", "v16"], "bandwidth_GBps": 25}])
     iset = build_islands(c, IslandTolerances(memory=eps))
     assert (len(iset.islands) == 1) is together
 
@@ -204,9 +204,9 @@ def test_same_islands_whatever_the_hash_seed(tmp_path):
     # Fabric members are frozensets and pair overrides are keyed by them: iterating either in hash order would
     # make islands, their names or their order depend on PYTHONHASHSEED. Ties everywhere: equal GPUs and links.
     c = cluster([{"name": f"n{i}", "gpu": "a100-80gb", "count": 2} for i in range(8)],
-                fabrics=[{"name": "x", "nodes": ["n0", "n1", "n2", "n3"], "bandwidth_gbps": 25},
-                         {"name": "y", "nodes": ["n4", "n5", "n6", "n7"], "bandwidth_gbps": 25}],
-                pairs=[{"nodes": ["n3", "n4"], "bandwidth_gbps": 25}, {"nodes": ["n0", "n7"], "bandwidth_gbps": 25}])
+                fabrics=[{"name": "x", "nodes": ["n0", "n1", "n2", "n3"], "bandwidth_GBps": 25},
+                         {"name": "y", "nodes": ["n4", "n5", "n6", "n7"], "bandwidth_GBps": 25}],
+                pairs=[{"nodes": ["n3", "n4"], "bandwidth_GBps": 25}, {"nodes": ["n0", "n7"], "bandwidth_GBps": 25}])
     path = tmp_path / "c.yaml"
     c.dump(path)
     outputs = set()
@@ -223,7 +223,7 @@ def test_same_islands_whatever_the_hash_seed(tmp_path):
 def test_measured_compute_overrides_peak():
     c = cluster([{"name": "x", "gpus": [{"type": "cpu", "measured": {"gemm_tflops": {"bf16": 0.1}}}]},
                  {"name": "y", "gpus": [{"type": "cpu", "measured": {"gemm_tflops": {"bf16": 0.033}}}]}],
-                fabrics=[{"name": "lo", "nodes": ["x", "y"], "bandwidth_gbps": 10}])
+                fabrics=[{"name": "lo", "nodes": ["x", "y"], "bandwidth_GBps": 10}])
     iset = build_islands(c)
     assert len(iset.islands) == 2 and iset.separations[0].constraint == "(1) compute"
 
@@ -242,14 +242,14 @@ def test_negative_tolerance_refused(field):
     (("head", "n3", "n4", "n01"), "head,n[3-4],n01"),  # a leading zero is a name, not a number
 ])
 def test_node_lists_print_as_ranges(names, text):
-    assert _node_ranges(names) == text
+    assert node_ranges(names) == text
 
 
 def test_large_cluster_table_stays_readable():
     # 8 pods of 32 nodes on their own fabrics: 8 islands, 28 pairs; node lists as ranges, reasons counted.
     names = [f"h100-{i}" for i in range(256)]
     c = cluster([{"name": n, "gpu": "h100-sxm", "count": 8} for n in names],
-                fabrics=[{"name": f"pod{k}", "nodes": names[32 * k:32 * k + 32], "bandwidth_gbps": 50}
+                fabrics=[{"name": f"pod{k}", "nodes": names[32 * k:32 * k + 32], "bandwidth_GBps": 50}
                          for k in range(8)])
     iset = build_islands(c)
     assert [i.num_nodes for i in iset.islands] == [32] * 8
@@ -283,10 +283,10 @@ def test_cli_islands_json_and_errors(cluster_path, tmp_path):
 
 def test_island_carries_minimum_of_measured_figures():
     g = lambda t, bw, extra: dict({"type": "cpu", "measured": dict({"gemm_tflops": {"bf16": t, "fp32": t / 2},
-                                                                     "memory_bandwidth_gbps": bw}, **extra)})
+                                                                     "memory_bandwidth_GBps": bw}, **extra)})
     c = cluster([{"name": "x", "gpus": [g(0.10, 12.0, {"layer_s": 0.5}), g(0.095, 10.0, {})]}])
     (isl,) = build_islands(c).islands
-    assert isl.gpu.measured == {"gemm_tflops": {"bf16": 0.095, "fp32": 0.0475}, "memory_bandwidth_gbps": 10.0}
+    assert isl.gpu.measured == {"gemm_tflops": {"bf16": 0.095, "fp32": 0.0475}, "memory_bandwidth_GBps": 10.0}
 
 
 def test_benchmark_runs_and_splits_along_pods(capsys):

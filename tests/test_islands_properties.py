@@ -19,7 +19,7 @@ def gpu_entry(draw, kind: str) -> dict:
     if draw(st.booleans()):  # a profiled GPU: measured GEMM throughput with noise around the peak
         entry["measured"] = {"gemm_tflops": {"bf16": draw(st.floats(50.0, 1000.0))}}
     if draw(st.integers(0, 4)) == 0:
-        entry["intra_node_bandwidth_gbps"] = draw(st.sampled_from((64.0, 300.0, 600.0)))
+        entry["intra_node_bandwidth_GBps"] = draw(st.sampled_from((64.0, 300.0, 600.0)))
     return entry
 
 
@@ -40,16 +40,16 @@ def clusters(draw) -> tuple[ClusterSpec, IslandTolerances]:
         base = draw(st.sampled_from(BANDWIDTHS_GBPS))
         return round(base * draw(st.floats(0.8, 1.2)), 4) if draw(st.booleans()) else base  # measured noise
 
-    network: dict = {"default": {"bandwidth_gbps": bandwidth(), "latency_us": 30}, "fabrics": [], "pairs": []}
+    network: dict = {"default": {"bandwidth_GBps": bandwidth(), "latency_us": 30}, "fabrics": [], "pairs": []}
     if num_nodes >= 2:
         for f in range(draw(st.integers(0, 3))):
             members = draw(st.lists(st.sampled_from(names), min_size=2, max_size=num_nodes, unique=True))
-            network["fabrics"].append({"name": f"f{f}", "nodes": members, "bandwidth_gbps": bandwidth(),
+            network["fabrics"].append({"name": f"f{f}", "nodes": members, "bandwidth_GBps": bandwidth(),
                                        "latency_us": draw(st.sampled_from((1, 2, 5)))})
         pairs = draw(st.lists(st.lists(st.sampled_from(names), min_size=2, max_size=2, unique=True), max_size=6,
                               unique_by=lambda p: frozenset(p)))
         for p in pairs:
-            network["pairs"].append({"nodes": p, "bandwidth_gbps": bandwidth(), "latency_us": 3})
+            network["pairs"].append({"nodes": p, "bandwidth_GBps": bandwidth(), "latency_us": 3})
     tol = IslandTolerances(compute=draw(st.sampled_from((0.0, 0.15, 0.5))), memory=0.10,
                            interconnect=0.25, network=draw(st.sampled_from((0.0, 0.1, 0.25, 1.0))))
     return ClusterSpec.from_dict({"name": "random", "nodes": nodes, "network": network}), tol

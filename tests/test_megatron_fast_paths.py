@@ -27,7 +27,7 @@ GPUS = ("a100-80gb", "v100-32gb", "v100-16gb", "t4")
 
 def island(gpu: str, per_node: int, nodes: int):
     cl = ClusterSpec.from_dict({
-        "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
         "nodes": [{"name": f"n{i}", "gpu": gpu, "count": per_node} for i in range(nodes)]})
     (isl,) = build_islands(cl, dtype="fp16").islands
     return isl

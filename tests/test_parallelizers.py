@@ -26,7 +26,7 @@ ANY = RuntimeCapabilities(name="any")
 
 
 def island(gpu_type, nodes=1, per_node=8, net_gbps=25.0):
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
                                   "nodes": [{"name": "x", "gpu": gpu_type, "count": 1}]}).nodes[0].gpus[0]
     names = tuple(f"n{i}" for i in range(nodes))
     return Island(name=gpu_type, nodes=names, gpus=tuple(GpuRef(n, k) for n in names for k in range(per_node)),

@@ -35,9 +35,9 @@ PLAIN_1F1B = PlannerOptions(max_workers=1, schedule="1F1B")
 def cluster(*nodes, name="test", slow_link=None) -> ClusterSpec:
     """nodes: (name, gpu type, count); all on one 25 GB/s fabric unless slow_link names a node on 3 GB/s only."""
     fast = [n for n, _, _ in nodes if n != slow_link]
-    net = {"default": {"bandwidth_gbps": 3.125, "latency_us": 30}}
+    net = {"default": {"bandwidth_GBps": 3.125, "latency_us": 30}}
     if len(fast) > 1:
-        net["fabrics"] = [{"name": "ib", "nodes": fast, "bandwidth_gbps": 25, "latency_us": 2}]
+        net["fabrics"] = [{"name": "ib", "nodes": fast, "bandwidth_GBps": 25, "latency_us": 2}]
     return ClusterSpec.from_dict({"name": name, "network": net,
                                   "nodes": [{"name": n, "gpu": g, "count": c} for n, g, c in nodes]})
 

@@ -31,7 +31,7 @@ GPUS = ("a100-80gb", "v100-32gb", "v100-16gb", "t4")
 
 def make_cluster(nodes: list[tuple[str, int]]) -> ClusterSpec:
     return ClusterSpec.from_dict({
-        "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
         "nodes": [{"name": f"n{i}", "gpu": g, "count": c} for i, (g, c) in enumerate(nodes)]})
 
 

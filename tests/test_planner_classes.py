@@ -133,7 +133,7 @@ def test_the_floor_uses_each_island_once_where_compose_lower_bound_reuses_the_fa
 
 def _cluster(nodes):
     return ClusterSpec.from_dict({
-        "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
         "nodes": [{"name": f"n{i}", "gpu": g, "count": c} for i, (g, c) in enumerate(nodes)]})
 
 

@@ -21,8 +21,8 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 CLUSTER = {
     "name": "two-islands",
-    "network": {"default": {"bandwidth_gbps": 3.125, "latency_us": 30},
-                "fabrics": [{"name": "ib", "nodes": ["a100-0", "v100-0"], "bandwidth_gbps": 25, "latency_us": 2}]},
+    "network": {"default": {"bandwidth_GBps": 3.125, "latency_us": 30},
+                "fabrics": [{"name": "ib", "nodes": ["a100-0", "v100-0"], "bandwidth_GBps": 25, "latency_us": 2}]},
     "nodes": [{"name": "a100-0", "gpu": "a100-80gb", "count": 4},
               {"name": "v100-0", "gpu": "v100-32gb", "count": 4},
               {"name": "v100-1", "gpu": "v100-16gb", "count": 2}],

@@ -16,7 +16,7 @@ def _search(runtime: str = "torch"):
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.training import TrainingSpec
     cluster = ClusterSpec.from_dict({
-        "name": "three", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "name": "three", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
         "nodes": [{"name": "a", "gpu": "a100-80gb", "count": 2}, {"name": "b", "gpu": "v100-32gb", "count": 2},
                   {"name": "c", "gpu": "t4", "count": 2}]})
     training = TrainingSpec(global_batch=8, seq_len=64, dtype="fp16")

@@ -20,10 +20,10 @@ from tangram_launch.specs.cluster import ClusterSpec
 def test_slowest_transfer_is_the_slowest_over_every_pair(case):
     n, fabrics, pairs, a, b, act_bytes = case
     names = [f"n{i}" for i in range(n)]
-    net = {"default": {"bandwidth_gbps": 6.25, "latency_us": 20},
-           "fabrics": [{"name": f"f{k}", "nodes": [names[i] for i in sorted(nodes)], "bandwidth_gbps": bw,
+    net = {"default": {"bandwidth_GBps": 6.25, "latency_us": 20},
+           "fabrics": [{"name": f"f{k}", "nodes": [names[i] for i in sorted(nodes)], "bandwidth_GBps": bw,
                         "latency_us": lat} for k, (nodes, bw, lat) in enumerate(fabrics)],
-           "pairs": [{"nodes": [names[i], names[j]], "bandwidth_gbps": bw, "latency_us": 3}
+           "pairs": [{"nodes": [names[i], names[j]], "bandwidth_GBps": bw, "latency_us": 3}
                      for i, j, bw in {(min(i, j), max(i, j), bw) for i, j, bw in pairs if i != j}]}
     # pairs with the same two nodes twice would be a spec error: keep the first of each
     seen, kept = set(), []

@@ -232,7 +232,7 @@ def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_island
     pairs by their floor and the full search (branch_and_bound=False) find the same plan, under megatron (one
     grid) and torch (per-stage grids, interleaving one grid: ranked by the predicted iteration)."""
     cl = ClusterSpec.from_dict({
-        "name": "gen", "network": {"default": {"bandwidth_gbps": 12.5, "latency_us": 10}},
+        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
         "nodes": [{"name": f"n{i}", "gpu": g, "count": 4} for i, g in enumerate(("a100-80gb", "v100-16gb", "t4"))]})
     model = ModelSpec(name="t6", num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=1024,
                       vocab_size=1000, max_seq_len=256)

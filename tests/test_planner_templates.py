@@ -19,7 +19,7 @@ MODEL = load_model("gpt3-1.3b")  # 24 layers: slices of every kind (embedding, h
 
 
 def _island(gpu_type: str, nodes: int, per_node: int) -> Island:
-    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+    spec = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
                                   "nodes": [{"name": "x", "gpu": gpu_type, "count": 1}]}).nodes[0].gpus[0]
     names = tuple(f"n{i}" for i in range(nodes))
     return Island(name=gpu_type, nodes=names, gpus=tuple(GpuRef(n, k) for n in names for k in range(per_node)),
@@ -137,7 +137,7 @@ def test_every_class_the_driver_composes_is_already_undominated(runtime):
     from tangram_launch.planner.api import PlannerOptions, search
     from tangram_launch.planner.compose import _undominated
 
-    cluster = ClusterSpec.from_dict({"network": {"default": {"bandwidth_gbps": 25}},
+    cluster = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
                                      "nodes": [{"name": "a", "gpu": "a100-40gb", "count": 4},
                                                {"name": "v", "gpu": "v100-16gb", "count": 4}]})
     tr = TrainingSpec(global_batch=32, seq_len=1024, dtype="fp16")

@@ -190,7 +190,7 @@ def test_cpu_devices_carry_measured_figures():
     assert "network" not in spec_dict  # one node: no links to describe
     a, b = spec.nodes[0].gpus
     assert a.type == "cpu" and a.tflops == {"bf16": 0.4, "fp16": None, "fp32": 0.1, "tf32": 0.1, "fp8": None}
-    assert a.memory_bandwidth_gbps == 10.0 and a.intra_node_bandwidth_gbps == 3.0  # 2 x busbw 1.5
+    assert a.memory_bandwidth_GBps == 10.0 and a.intra_node_bandwidth_GBps == 3.0  # 2 x busbw 1.5
     assert a.measured["catalog"]["tflops"]["fp32"] == 1.0
     assert a.measured["p2p_gbps"] == [None, 2.0] and b.measured["p2p_gbps"] == [2.0, None]
     assert a.measured["collective_latency_us"] == 240.0  # a tiny all-to-all over the node's 2 ranks
@@ -240,7 +240,7 @@ def test_gpu_nodes_from_recorded_nvml():
     assert g0.tflops["bf16"] == 989  # catalog peak kept; the measurement beside it
     assert g0.measured["gemm_tflops"]["bf16"] == 650.0 and g0.measured["allreduce_busbw_gbps"] == 360.0
     link = spec.link("hgx-01", "l4-box")
-    assert link.bandwidth_gbps == 44.0 and link.latency_us == 4.25  # 4 rank pairs summed; half the median RTT
+    assert link.bandwidth_GBps == 44.0 and link.latency_us == 4.25  # 4 rank pairs summed; half the median RTT
     assert spec_dict["profile"]["inter_node"]["schedule"] == [[["hgx-01", "l4-box"]]]
     inv = spec_dict["profile"]["nodes"]["hgx-01"]["inventory"]
     assert inv["gpus"][0]["nvlinks"]["active"] == 18 and len(inv["pairs"]) == 28
@@ -263,7 +263,7 @@ def test_unknown_gpu_is_custom_with_measured_figures():
     g = spec.nodes[0].gpus[0]
     assert g.type == "custom" and g.uuid == "uuid-0"
     assert g.tflops == {"bf16": 200.0, "fp16": 210.0, "fp32": None}
-    assert g.memory_gib == 48.0 and g.memory_bandwidth_gbps == 1200.0 and g.intra_node_bandwidth_gbps == 40.0
+    assert g.memory_gib == 48.0 and g.memory_bandwidth_GBps == 1200.0 and g.intra_node_bandwidth_GBps == 40.0
     assert g.measured["name"] == "Contoso Accelerator X"
 
 
@@ -273,8 +273,8 @@ def test_two_agents_on_one_host_are_named_apart():
     assert len(set(name_nodes(["a", "a", "a-0"]))) == 3
     spec = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.4], hosts=["box", "box"])))
     assert spec.node_names == ("box-0", "box-1")
-    assert spec.link("box-0", "box-1").bandwidth_gbps == 3.0
-    assert spec.default_link.bandwidth_gbps == 3.0
+    assert spec.link("box-0", "box-1").bandwidth_GBps == 3.0
+    assert spec.default_link.bandwidth_GBps == 3.0
 
 
 def test_missing_inter_node_link_is_an_error():

@@ -69,9 +69,9 @@ def test_standalone_two_workers_write_a_cluster_spec(tmp_path: Path, capsys) -> 
         # the measured GEMM figure is what islands and the planner read, in tflops too
         assert m["gemm_tflops"]["fp32"] > 0 and g.tflops["fp32"] == m["gemm_tflops"]["fp32"]
         assert m["catalog"]["tflops"]["fp32"] == 1.0  # the catalog placeholder, kept beside the measurement
-        assert g.memory_bandwidth_gbps == m["memory_bandwidth_gbps"] > 0
+        assert g.memory_bandwidth_GBps == m["memory_bandwidth_GBps"] > 0
         assert m["allreduce_busbw_gbps"] > 0 and m["allreduce_group_size"] == 2
-        assert g.intra_node_bandwidth_gbps == pytest.approx(2 * m["allreduce_busbw_gbps"], rel=1e-3)
+        assert g.intra_node_bandwidth_GBps == pytest.approx(2 * m["allreduce_busbw_gbps"], rel=1e-3)
         assert len(m["p2p_gbps"]) == 2 and sum(v is not None for v in m["p2p_gbps"]) == 1
         assert "collective_wait_us" not in m  # without --model there is no layer to run before the all-to-all
         assert m["optimizer_tensor_us"] > 0
@@ -107,11 +107,11 @@ def test_two_agents_as_two_nodes_fill_the_node_matrix(tmp_path: Path) -> None:
     assert [n.name for n in spec.nodes] == [f"{host}-0", f"{host}-1"]  # two agents on one host
     a, b = spec.node_names
     link = spec.link(a, b)
-    assert link.bandwidth_gbps > 0 and link.latency_us > 0
+    assert link.bandwidth_GBps > 0 and link.latency_us > 0
     inter = spec.profile["inter_node"]
     assert inter["nodes"] == [a, b]
-    assert inter["bandwidth_gbps"][0][1] == inter["bandwidth_gbps"][1][0] == link.bandwidth_gbps
-    assert inter["bandwidth_gbps"][0][0] is None
+    assert inter["bandwidth_GBps"][0][1] == inter["bandwidth_GBps"][1][0] == link.bandwidth_GBps
+    assert inter["bandwidth_GBps"][0][0] is None
     assert inter["schedule"] == [[[a, b]]]
     # exactly one agent printed the summary (the node of global rank 0), the other says where the file went
     outs = [o for o, _ in results]

@@ -35,7 +35,7 @@ MODEL = ModelSpec(name="t8", num_layers=8, hidden_size=256, num_heads=4, num_kv_
                   vocab_size=1000, max_seq_len=128)
 TRAIN = TrainingSpec(global_batch=16, seq_len=128, dtype="fp16")
 HET = ClusterSpec.from_dict({
-    "name": "pool-test", "network": {"default": {"bandwidth_gbps": 3.125, "latency_us": 30}},
+    "name": "pool-test", "network": {"default": {"bandwidth_GBps": 3.125, "latency_us": 30}},
     "nodes": [{"name": "a100-0", "gpu": "a100-80gb", "count": 4}, {"name": "v100-0", "gpu": "v100-32gb", "count": 8},
               {"name": "v100-1", "gpu": "v100-16gb", "count": 4}]})
 ISLANDS = build_islands(HET, dtype="fp16").islands

@@ -278,7 +278,11 @@ def _coverage_problem(model_keys: Mapping[str, Any], num_layers: int) -> str | N
 
 
 def model_differences(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(field, saved value, new value) for every ModelSpec field that changes the model's tensors."""
+    """(field, saved value, new value) for every ModelSpec field that changes the model's tensors.
+
+    Both sides are compared as resolved ModelSpecs, so a field one plan leaves at its default (absent or None, e.g.
+    ``dropout``) equals the default the other spells out."""
+    saved, new = _resolved_model(saved), _resolved_model(new)
     out = []
     for key in sorted(set(saved) | set(new)):
         if key in _MODEL_FIELDS_IGNORED:
@@ -287,6 +291,16 @@ def model_differences(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[
         if a != b:
             out.append((key, a, b))
     return out
+
+
+def _resolved_model(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The model's fields with every default filled in (the mapping as it is when it is no valid ModelSpec)."""
+    from tangram_launch.specs.model import ModelSpec
+
+    try:
+        return ModelSpec.from_dict(d).to_dict()
+    except (SpecError, TypeError, ValueError):
+        return d
 
 
 # --- save -----------------------------------------------------------------------------------------------------------
@@ -488,7 +502,9 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
             if lost:
                 detail += f" (missing layers {format_layers(lost)})"
         raise SpecError(f"checkpoint {path} was written for a different model ({saved_plan.model.get('name')!r}, "
-                        f"the plan has {plan.model.get('name')!r}): {detail}", field=f"model.{diffs[0][0]}",
+                        f"the plan has {plan.model.get('name')!r}): {detail}; to resume it, plan for the model it "
+                        f"was written for (its plan: {os.path.join(path, store.PLAN_FILE)}), or start afresh in "
+                        "another checkpoint directory", field=f"model.{diffs[0][0]}",
                         value=diffs[0][2], valid=repr(diffs[0][1]))
     error = _owned_problem(state, plan, comm.rank) or _needs_problem(state, manifest, path)
 

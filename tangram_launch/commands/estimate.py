@@ -26,7 +26,7 @@ from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.constants import DTYPES, GIB, RECOMPUTE_MODES
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
-from tangram_launch.text import plural
+from tangram_launch.text import devices, on_cpu, plural
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         isl = q.island
         print(f"{q.model.name} layers {q.layers[0]}:{q.layers[1]} on island {isl.name} "
-              f"({isl.num_gpus} x {isl.gpu.type}, {isl.gpu.memory_gib:g} GiB; using {plan.num_gpus} GPUs)")
+              f"({isl.num_gpus} x {isl.gpu.type}, {isl.gpu.memory_gib:g} GiB; using "
+              f"{devices(plan.num_gpus, cpu=on_cpu([isl.gpu.type]))})")
         print(f"{cfg.describe()}  mbs={plan.stages[0].micro_batch_size}")
         print(f"global batch {q.training.global_batch} = {plural(m, 'micro-batch')} x "
               f"{plural(q.microbatch_sequences, 'sequence')}; "

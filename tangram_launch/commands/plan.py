@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", metavar="FILE", help="write the plan (.json: JSON, else YAML)")
     parser.add_argument("--format", choices=("table", "json", "yaml"), default="table")
     parser.add_argument("--compare", action="store_true", help="add baselines under the same cost model")
-    parser.add_argument("--timeline", metavar="FILE", help="draw the predicted 1F1B schedule (.svg, or .png with "
-                                                           "matplotlib)")
+    parser.add_argument("--timeline", metavar="FILE", help="draw the schedule the plan runs, 1F1B or interleaved "
+                                                           "(.svg, or .png with matplotlib)")
     parser.add_argument("--plan", metavar="FILE", dest="manual", help="cost a hand-written plan instead of searching")
     parser.add_argument("--workers", type=int, default=None, help="parallel parallelizer queries (default 2)")
     parser.add_argument("--microbatch-sequences", type=int, nargs="+", default=None, metavar="B",

@@ -219,7 +219,7 @@ class SliceCoster:
         else:
             self.dev = self._device(q, flash_attention, fused_elementwise)
         link = q.island.inter_node_link
-        self.inter_gbps = link.bandwidth_gbps if link is not None else None
+        self.inter_gbps = link.bandwidth_GBps if link is not None else None
         self.inter_latency_us = link.latency_us if link is not None else 0.0
         start, stop = q.layers
         # the query's properties, read per grid and stage
@@ -262,7 +262,7 @@ class SliceCoster:
         if hit is None:
             hit = self._edge_cache[key] = comm.group_link(
                 stride, size, stage_gpus=stage_gpus, gpus_per_node=self.island.gpus_per_node, dev=self.dev,
-                inter_bandwidth_gbps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
+                inter_bandwidth_GBps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
         return hit
 
     def layer_terms(self, kind: str, tp: int, cp: int, ep: int, dp: int, mbs: int) -> LayerTerms:
@@ -549,7 +549,7 @@ class SliceCoster:
             if hit is None:
                 hit = p2p_by_link[same] = comm.p2p_stage_s(
                     act_bytes_mb, stage_gpus=stage_gpus, gpus_per_node=g, same_node=same, dev=dev,
-                    inter_bandwidth_gbps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
+                    inter_bandwidth_GBps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
             return hit
 
         for j in range(pp) if stages is None else stages:

@@ -92,17 +92,17 @@ def group_span(stride: int, size: int, stage_gpus: int, gpus_per_node: int) -> t
 
 
 def group_link(stride: int, size: int, *, stage_gpus: int, gpus_per_node: int, dev: DeviceModel,
-               inter_bandwidth_gbps: float | None, inter_latency_us: float = 0.0) -> GroupLink:
+               inter_bandwidth_GBps: float | None, inter_latency_us: float = 0.0) -> GroupLink:
     """The link of a TP/CP/DP/EP group (see the module docstring)."""
     nodes, _members, sharing = group_span(stride, size, stage_gpus, gpus_per_node)
-    if nodes <= 1 or inter_bandwidth_gbps is None:
+    if nodes <= 1 or inter_bandwidth_GBps is None:
         return GroupLink(dev.intra_busbw, dev.intra_latency_s, wait_s=dev.collective_wait_s)
-    net = inter_bandwidth_gbps * GBPS * NET_EFFICIENCY / sharing
+    net = inter_bandwidth_GBps * GBPS * NET_EFFICIENCY / sharing
     return GroupLink(min(dev.intra_busbw, net), inter_latency_us * 1e-6, True, nodes)
 
 
 def p2p_stage_s(nbytes: float, *, stage_gpus: int, gpus_per_node: int, same_node: bool, dev: DeviceModel,
-                inter_bandwidth_gbps: float | None, inter_latency_us: float = 0.0) -> float:
+                inter_bandwidth_GBps: float | None, inter_latency_us: float = 0.0) -> float:
     """Send one micro-batch's activations (``nbytes`` in all) from one stage to the next inside an island.
 
     Every GPU of the stage sends its shard (SP/CP/DP shards; Megatron's scatter-gather optimisation for TP), so
@@ -112,8 +112,8 @@ def p2p_stage_s(nbytes: float, *, stage_gpus: int, gpus_per_node: int, same_node
     if nbytes <= 0:
         return 0.0
     per_gpu = nbytes / stage_gpus
-    if same_node or inter_bandwidth_gbps is None:
+    if same_node or inter_bandwidth_GBps is None:
         return per_gpu / dev.intra_busbw + dev.intra_latency_s
     nodes = max(1, stage_gpus // gpus_per_node)
-    net = inter_bandwidth_gbps * GBPS * NET_EFFICIENCY * nodes
+    net = inter_bandwidth_GBps * GBPS * NET_EFFICIENCY * nodes
     return max(nbytes / net, per_gpu / dev.intra_busbw) + inter_latency_us * 1e-6

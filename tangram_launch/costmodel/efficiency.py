@@ -38,7 +38,7 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   the SMs and sustained power draw.
 
 Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_tflops`` (the profiler's large-GEMM
-throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_gbps`` and ``allreduce_busbw_gbps``;
+throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_GBps`` and ``allreduce_busbw_gbps``;
 ``collective_wait_us``, ``optimizer_tensor_us`` and ``optimizer_param_ns`` add costs that only a measurement sets
 (absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's (and the embedding's
 and head's) computed time at the profiled shape.
@@ -187,18 +187,18 @@ class DeviceModel:
                 / GEMM_EFFICIENCY
         else:
             attn_scale = gemm_flops / (peak * GEMM_EFFICIENCY)
-        mem = _measured(gpu, "memory_bandwidth_gbps")
+        mem = _measured(gpu, "memory_bandwidth_GBps")
         if mem is not None:
-            sources.append("memory_bandwidth_gbps")
+            sources.append("memory_bandwidth_GBps")
             memory_bandwidth = mem * GBPS
         else:
-            memory_bandwidth = gpu.memory_bandwidth_gbps * GBPS * MEMORY_EFFICIENCY
+            memory_bandwidth = gpu.memory_bandwidth_GBps * GBPS * MEMORY_EFFICIENCY
         busbw = _measured(gpu, "allreduce_busbw_gbps")
         if busbw is not None:
             sources.append("allreduce_busbw_gbps")
             intra = busbw * GBPS
         else:
-            intra = gpu.intra_node_bandwidth_gbps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
+            intra = gpu.intra_node_bandwidth_GBps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
         intra_latency_s = INTRA_NODE_LATENCY_S
         latency_us = _measured(gpu, "collective_latency_us")
         if latency_us is not None:  # the profiler's tiny all-to-all over the node's n ranks takes n - 1 steps

@@ -86,7 +86,7 @@ class LinkModel:
         self.cluster = cluster
         self.islands = list(islands)
         self.act_bytes = act_bytes
-        self._node_intra = {n.name: min(g.intra_node_bandwidth_gbps for g in n.gpus) / 2.0 for n in cluster.nodes}
+        self._node_intra = {n.name: min(g.intra_node_bandwidth_GBps for g in n.gpus) / 2.0 for n in cluster.nodes}
         self._cache: dict[tuple[frozenset, frozenset], float] = {}
         self._fabrics_of: dict[str, frozenset] | None = None  # node -> indices of its fabrics (_special)
         self._overridden: frozenset = frozenset()
@@ -95,7 +95,7 @@ class LinkModel:
         if a == b:
             return self.act_bytes / (self._node_intra[a] * 1e9)
         link = self.cluster.link(a, b)
-        return self.act_bytes / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6
+        return self.act_bytes / (link.bandwidth_GBps * 1e9) + link.latency_us * 1e-6
 
     def nodes_s(self, nodes_a: Iterable[str], nodes_b: Iterable[str]) -> float:
         """Slowest transfer between any node of ``nodes_a`` and any node of ``nodes_b``."""

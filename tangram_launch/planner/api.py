@@ -48,6 +48,7 @@ from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_s
 from tangram_launch.planner.pair_floors import PairFloors, capacity
 from tangram_launch.planner.templates import GridClass
 from tangram_launch.planner.twins import TwinClasses
+from tangram_launch.text import plural
 from tangram_launch.planner.slices import (
     ModelAtoms,
     Pair,
@@ -979,19 +980,26 @@ def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: st
 def _infeasible_reasons(cands: dict[int, Candidates], pairset: PairSet, reasons: list[str],
                         caps: RuntimeCapabilities) -> list[str]:
     out = list(reasons) + [n for n in pairset.island_notes.values() if n not in reasons]
-    seen = set(out)
-    for cand in cands.values():
+    # One line per island and per drop reason, whatever the number of micro-batch sizes that failed alike.
+    first: dict[str, tuple[int, str]] = {}
+    sizes: dict[str, list[int]] = {}
+    dropped: dict[str, list[int]] = {}
+    for cand in sorted(cands.values(), key=lambda c: c.b):
         for isl, msgs in cand.infeasible.items():
-            for msg in msgs[:1]:
-                text = msg if msg.startswith(isl) else f"{isl}: {msg}"
-                if text not in seen:
-                    out.append(text)
-                    seen.add(text)
+            if msgs:
+                first.setdefault(isl, (cand.b, msgs[0]))  # the smallest micro-batch: the nearest to fitting
+                sizes.setdefault(isl, []).append(cand.b)
         for why, n in cand.dropped.items():
-            text = f"{n} slice plan(s) dropped at b={cand.b}: {why} ({caps.name})"
-            if text not in seen:
-                out.append(text)
-                seen.add(text)
+            dropped.setdefault(why, [0])[0] += n
+            dropped[why].append(cand.b)
+    for isl, (b, msg) in first.items():
+        text = msg if msg.startswith(isl) else f"{isl}: {msg}"
+        more = sizes[isl][1:]
+        text += f" (shown at b={b}, the smallest micro-batch; b={','.join(map(str, more))} fail too)" if more else ""
+        if text not in out:
+            out.append(text)
+    for why, (n, *bs) in dropped.items():
+        out.append(f"{plural(n, 'slice plan')} dropped at b={','.join(map(str, bs))}: {why} ({caps.name})")
     if not any(c.options for c in cands.values()):
         out.append("no slice plan of any pair fits in GPU memory")
     else:

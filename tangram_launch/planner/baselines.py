@@ -27,6 +27,7 @@ from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.slices import Pair, dtype_problem
 from tangram_launch.planner.templates import class_members
 from tangram_launch.specs.cluster import GPUSpec, LinkSpec
+from tangram_launch.text import plural
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.planner.api import PlannerOptions, SearchResult
@@ -61,15 +62,15 @@ def whole_cluster_island(cluster: "ClusterSpec", dtype: str) -> Island:
               for d in dtypes}
     slow = min(gpus, key=lambda g: (compute_tflops(g, dtype), g.memory_gib))
     rep = GPUSpec(type=slow.type, tflops=tflops, memory_gib=min(g.memory_gib for g in gpus),
-                  memory_bandwidth_gbps=min(g.memory_bandwidth_gbps for g in gpus),
-                  intra_node_bandwidth_gbps=min(g.intra_node_bandwidth_gbps for g in gpus))
+                  memory_bandwidth_GBps=min(g.memory_bandwidth_GBps for g in gpus),
+                  intra_node_bandwidth_GBps=min(g.intra_node_bandwidth_GBps for g in gpus))
     per_node = math.gcd(*[n.num_gpus for n in cluster.nodes])
     # an 8-GPU node next to 4-GPU nodes counts as two 4-GPU nodes (so TP stays inside a real node)
     nodes = tuple(n.name for n in cluster.nodes for _ in range(n.num_gpus // per_node))
     names = cluster.node_names
     links = [cluster.link(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
-    link = (LinkSpec(min(lk.bandwidth_gbps for lk in links), max(lk.latency_us for lk in links))
-            if links else (LinkSpec(rep.intra_node_bandwidth_gbps / 2, 0.0) if len(nodes) > 1 else None))
+    link = (LinkSpec(min(lk.bandwidth_GBps for lk in links), max(lk.latency_us for lk in links))
+            if links else (LinkSpec(rep.intra_node_bandwidth_GBps / 2, 0.0) if len(nodes) > 1 else None))
     return Island(name=f"all-as-{slow.type}", nodes=nodes, gpus=tuple(r for r, _ in cluster.iter_gpus()),
                   gpus_per_node=per_node, gpu=rep, inter_node_link=link)
 
@@ -159,7 +160,7 @@ def uniform_split(result: "SearchResult", cluster: "ClusterSpec") -> Baseline:
     a = result.atoms
     L = a.num_layers
     total = sum(i.num_gpus for i in islands)
-    desc = f"layers split by GPU count over {len(islands)} island(s), {total} GPUs (Sailor-style)"
+    desc = f"layers split by GPU count over {plural(len(islands), 'island')}, {total} GPUs (Sailor-style)"
     if L < len(islands):
         return Baseline("uniform-split", desc, None, f"{L} layers cannot be split over {len(islands)} islands")
     exact = [L * i.num_gpus / total for i in islands]

@@ -30,6 +30,7 @@ from typing import Sequence
 from tangram_launch.costmodel.slice_plan import (LazySlicePlan, SliceNumbers, latency_floor_s, numbers_fit,
                                                  score_floor_s)
 from tangram_launch.parallelizers.base import Parallelizer, SliceQuery, SliceResult, capacity_bytes
+from tangram_launch.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ class _Worker:
         code = self.process.exitcode
         how = ("still running" if code is None else f"killed by {signal.Signals(-code).name}" if code < 0
                else f"exit code {code}")
-        doing = (f"answering {n} queries on island(s) {', '.join(islands)}" if n
+        doing = (f"answering {n} queries on {plural(len(islands), 'island')} {', '.join(islands)}" if n
                  else "building the stage costs of one of its answers")
         return QueryWorkerError(f"query worker pid {self.process.pid} died ({how}) while {doing}; planning stopped")
 

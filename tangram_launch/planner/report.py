@@ -2,7 +2,7 @@
 logged by the launcher when it plans at launch time)."""
 from __future__ import annotations
 
-from tangram_launch.text import plural
+from tangram_launch.text import device_noun, on_cpu, plural
 
 
 def _grid(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
@@ -23,15 +23,19 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
     st0 = plan.stages
     b = st0[0].micro_batch_size * st0[0].dp
     where = cluster_name or plan.cluster.get("name")
+    cpu = on_cpu(s.island for s in plan.stages)
+    used = len({s.island for s in plan.stages})
     head = (f"{'manual plan' if manual else 'plan'} for {plan.model.get('name')} on {where}"
-            f" ({plan.world_size} of {sum(n['num_gpus'] for n in plan.cluster.get('nodes', []))} GPUs"
-            + (f", {num_islands} islands" if num_islands is not None else "") + ")"
+            f" ({plan.world_size} of {sum(n['num_gpus'] for n in plan.cluster.get('nodes', []))} "
+            f"{device_noun(cpu=cpu)}"
+            + (f", {used} of {plural(num_islands, 'island')} used" if num_islands is not None else "") + ")"
             f", runtime {plan.runtime}, parallelizer {plan.planner.get('parallelizer', '?')}")
     lines = [head,
-             f"global batch {tr['global_batch']} x {tr['seq_len']} tokens, {tr['dtype']}; {plan.num_microbatches} "
-             f"micro-batches of {plural(b, 'sequence')}, {plan.schedule}"
+             f"global batch {tr['global_batch']} x {tr['seq_len']} tokens, {tr['dtype']}; "
+             f"{plural(plan.num_microbatches, 'micro-batch', 'micro-batches')} of {plural(b, 'sequence')}, "
+             f"{plan.schedule}"
              + (f" ({plan.virtual_stages} model chunks per stage)" if plan.virtual_stages > 1 else ""), ""]
-    rows = [["stage", "layers", "island", "GPUs", "tp", "dp", "cp", "ep", "zero", "recompute", "mbs", "time/mb",
+    rows = [["stage", "layers", "island", "devices" if cpu else "GPUs", "tp", "dp", "cp", "ep", "zero", "recompute", "mbs", "time/mb",
              "memory GiB (of)"]]
     for s, p in zip(plan.stages, plan.predicted.stages):
         nodes = sorted({n for n, _ in s.gpus})
@@ -46,13 +50,13 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
         lines += [f"  {d['reason']}" for d in plan.islands_dropped]
     idle = plan.planner.get("gpus_idle") or {}
     if idle.get("islands"):
-        lines += ["", f"GPUs idle: {idle['total']}"]
+        lines += ["", f"{device_noun(cpu=cpu)} idle: {idle['total']}"]
         lines += [f"  {d['reason']}" for d in idle["islands"].values()]
     pr = plan.predicted
     bd = pr.breakdown
     lines += ["",
               f"iteration {pr.iteration_time_s:.3f} s   tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} % "
-              f"(model FLOPs, causal attention, over the peak of the GPUs used)"]
+              f"(model FLOPs, causal attention, over the peak of the {device_noun(cpu=cpu)} used)"]
     if bd and "pipeline_s" in bd and plan.virtual_stages == 1:
         lines.append(f"  = simulated 1F1B pipeline {bd['pipeline_s']:.3f} s (period {bd.get('period_s', 0):.3f} s, "
                      f"inter-island p2p {bd.get('p2p_s', 0):.3f} s per micro-batch) + DP sync/optimizer "

@@ -29,8 +29,8 @@ from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file, req
 INTERCONNECTS = ("nvlink", "pcie", "host")
 # Figures that need a citation; "pcie_gen" only when it is not null.
 FIGURES = (
-    "tflops.bf16", "tflops.fp16", "tflops.fp32", "tflops.tf32", "tflops.fp8", "memory_gib", "memory_bandwidth_gbps",
-    "intra_node_bandwidth_gbps", "pcie_gen",
+    "tflops.bf16", "tflops.fp16", "tflops.fp32", "tflops.tf32", "tflops.fp8", "memory_gib", "memory_bandwidth_GBps",
+    "intra_node_bandwidth_GBps", "pcie_gen",
 )
 _SOURCE_KEYS = FIGURES + ("interconnect",)
 
@@ -46,7 +46,7 @@ _LATER_DTYPES = ("tf32", "fp8")
 
 _CATALOG_FILE = "gpu_catalog.yaml"
 _ENTRY_KEYS = (
-    "display_name", "tflops", "memory_gib", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps", "interconnect",
+    "display_name", "tflops", "memory_gib", "memory_bandwidth_GBps", "intra_node_bandwidth_GBps", "interconnect",
     "pcie_gen", "aliases", "sources",
 )
 _CANONICAL_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
@@ -96,8 +96,8 @@ class GpuType:
     display_name: str
     tflops: Mapping[str, float | None]  # dense peak per dtype "bf16"/"fp16"/"fp32"; None = unsupported
     memory_gib: float
-    memory_bandwidth_gbps: float
-    intra_node_bandwidth_gbps: float  # per-GPU bidirectional: NVLink if present, else PCIe x16
+    memory_bandwidth_GBps: float
+    intra_node_bandwidth_GBps: float  # per-GPU bidirectional: NVLink if present, else PCIe x16
     interconnect: str  # "nvlink" | "pcie" | "host" (cpu placeholder)
     pcie_gen: int | None
     aliases: tuple[str, ...] = ()
@@ -110,7 +110,7 @@ class GpuType:
         if not isinstance(self.name, str) or not self.name:
             raise SpecError("a GPU type needs a name", field="name", value=self.name)
         object.__setattr__(self, "tflops", MappingProxyType(_check_tflops(self.tflops, where=where, source=None)))
-        for attr in ("memory_gib", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps"):
+        for attr in ("memory_gib", "memory_bandwidth_GBps", "intra_node_bandwidth_GBps"):
             object.__setattr__(self, attr, _positive(getattr(self, attr), field=f"{where}.{attr}", source=None))
         if self.interconnect not in INTERCONNECTS:
             raise SpecError("unknown interconnect", field=f"{where}.interconnect", value=self.interconnect,
@@ -133,7 +133,7 @@ class GpuType:
 
     def __hash__(self) -> int:  # the mapping fields are read-only proxies; hash their items
         return hash((self.name, self.display_name, tuple(sorted(self.tflops.items())), self.memory_gib,
-                     self.memory_bandwidth_gbps, self.intra_node_bandwidth_gbps, self.interconnect, self.pcie_gen,
+                     self.memory_bandwidth_GBps, self.intra_node_bandwidth_GBps, self.interconnect, self.pcie_gen,
                      self.aliases))
 
     def supported_dtypes(self) -> tuple[str, ...]:
@@ -157,6 +157,9 @@ _VENDOR_TOKENS = frozenset({"nvidia", "tesla", "geforce"})
 # Memory technology says nothing the memory size does not ("H100 80GB HBM3").
 _MEMORY_TYPE_TOKENS = frozenset({"hbm", "hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x", "gddr7"})
 _SIZE_RE = re.compile(r"(\d+)(?:gb|gib|g)")
+# "80g" is in no catalog spelling: a lookup refuses it, suggesting the entries of that size (A100 80GB SXM or
+# PCIe?), rather than match one silently. It still normalises to "80gb" so unknown hardware compares equal.
+_BARE_SIZE_RE = re.compile(r"(\d+)g")
 _SXM_RE = re.compile(r"sxm\d*")
 
 
@@ -186,8 +189,17 @@ def _key(tokens: list[str]) -> str:
     return "-".join([tokens[0]] + sorted(tokens[1:]))
 
 
+def _bare_sizes(name: str) -> list[str]:
+    """Memory sizes written without their unit ("80g" -> "80gb")."""
+    toks = re.split(r"[\s_\-/]+", str(name).strip().lower())
+    return [f"{m.group(1)}gb" for t in toks if (m := _BARE_SIZE_RE.fullmatch(t))]
+
+
 def _lookup_keys(name: str) -> list[str]:
-    """Keys to try, most specific first. SXM is the default form of V100/A100/H100, so 'sxm' may be dropped."""
+    """Keys to try, most specific first. SXM is the default form of V100/A100/H100, so 'sxm' may be dropped.
+    None for a name with a bare size: it is ambiguous, never matched."""
+    if _bare_sizes(name):
+        return []
     toks = _tokens(name)
     keys = [_key(toks)]
     if "sxm" in toks:
@@ -249,15 +261,21 @@ class GpuCatalog:
         return cls.from_dict(load_yaml_file(path), source=path)
 
     # -- queries --
-    def lookup(self, name: str, *, field: str | None = None, source: str | None = None) -> GpuType:
-        """The GpuType for a canonical name, alias or NVML name; unknown -> SpecError suggesting the closest."""
+    def lookup(self, name: str, *, field: str | None = None, source: str | None = None,
+               otherwise: str | None = None) -> GpuType:
+        """The GpuType for a canonical name, alias or NVML name; unknown -> SpecError suggesting the closest.
+
+        ``otherwise`` ends the error's hint (e.g. how to give explicit figures instead).
+        """
         if isinstance(name, GpuType):
             name = name.name
         for key in _lookup_keys(str(name)):
             canonical = self._index.get(key)
             if canonical is not None:
                 return self._types[canonical]
-        raise SpecError("unknown GPU type", source=source, field=field, value=name, valid=self._suggest(str(name)))
+        hint = self._suggest(str(name))
+        raise SpecError("unknown GPU type", source=source, field=field, value=name,
+                        valid=f"{hint}; {otherwise}" if otherwise else hint)
 
     def names(self) -> list[str]:
         return sorted(self._types)
@@ -285,6 +303,11 @@ class GpuCatalog:
         toks = _tokens(name)
         model = toks[0] if toks else ""
         family = [n for n in self.names() if n.split("-")[0] == model]
+        sizes = _bare_sizes(name)
+        sized = [n for n in family if all(size in self._types[n].name.split("-") for size in sizes)]
+        if sizes and sized:
+            return (f"'{name}' is ambiguous: did you mean {' or '.join(sized)}? (a suggestion, not a match; "
+                    f"sizes are written {sizes[0]})")
         if not family and len(model) >= 2:  # 'v100s' -> the v100 family
             family = [n for n in self.names()
                       if model.startswith(n.split("-")[0]) or n.split("-")[0].startswith(model)]
@@ -294,7 +317,10 @@ class GpuCatalog:
             return f"did you mean one of {', '.join(family)}?"
         hint = closest("-".join(toks), self.names())
         known = ", ".join(self.names())
-        return f"did you mean '{hint}'? known: {known}" if hint else f"known: {known}"
+        if hint:
+            return (f"not in the catalog: did you mean '{hint}'? (the closest spelling, a suggestion, not a match: "
+                    f"if yours is another model, give its figures); known: {known}")
+        return f"known: {known}"
 
 
 def _resolve_source(text: Any, refs: Mapping, *, field: str, source: str | None) -> str:
@@ -326,7 +352,7 @@ def _parse_entry(name: Any, entry: Any, refs: Mapping, *, source: str | None) ->
             raise SpecError("missing field", source=source, field=f"{where}.{key}")
     tflops = _check_tflops(entry["tflops"], where=where, source=source)
     figures = {k: _positive(entry[k], field=f"{where}.{k}", source=source)
-               for k in ("memory_gib", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps")}
+               for k in ("memory_gib", "memory_bandwidth_GBps", "intra_node_bandwidth_GBps")}
     interconnect = entry["interconnect"]
     if interconnect not in INTERCONNECTS:
         raise SpecError("unknown interconnect", source=source, field=f"{where}.interconnect", value=interconnect,

@@ -1,13 +1,16 @@
 """ClusterSpec: the GPUs of a cluster, their figures and the links between nodes, as data.
 
 A cluster file names GPUs by catalog type (figures filled from the catalog) or gives figures explicitly; the
-profiler writes the same format with measured figures beside the catalog ones. Bandwidths are in GB/s
-(``_gbps`` = 1e9 bytes per second; 200 Gb/s InfiniBand HDR is 25 GB/s), latencies in microseconds.
+profiler writes the same format with measured figures beside the catalog ones. Every bandwidth carries its unit in
+its key: ``*_GBps`` is gigabytes per second (1e9 bytes/s), ``*_Gbps`` gigabits per second (read as GB/s / 8, so NDR
+InfiniBand is ``bandwidth_Gbps: 400`` or ``bandwidth_GBps: 50``); latencies are in microseconds. The old
+``*_gbps`` keys, which meant GB/s though everyone reads them as gigabits, are still read as GB/s, with a warning.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -25,12 +28,17 @@ from tangram_launch.specs.yamlio import (
 )
 
 
-_GPU_KEYS = ("type", "tflops", "memory_gib", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps", "uuid", "measured")
-_NODE_KEYS = ("name", "host", "gpu", "count", "gpus", "tflops", "memory_gib", "memory_bandwidth_gbps",
-              "intra_node_bandwidth_gbps", "measured")
+_GPU_KEYS = ("type", "tflops", "memory_gib", "memory_bandwidth_GBps", "intra_node_bandwidth_GBps", "uuid", "measured")
+_NODE_KEYS = ("name", "host", "gpu", "count", "gpus", "tflops", "memory_gib", "memory_bandwidth_GBps",
+              "intra_node_bandwidth_GBps", "measured")
 _TOP_KEYS = ("name", "description", "network", "nodes", "fingerprint", "profile")
 _NET_KEYS = ("default", "fabrics", "pairs")
-_LINK_KEYS = ("bandwidth_gbps", "latency_us")
+_LINK_KEYS = ("bandwidth_GBps", "latency_us")
+# Keys "<stem>_GBps" (gigabytes/s), "<stem>_Gbps" (gigabits/s) or the old "<stem>_gbps" (gigabytes/s, warned).
+_BANDWIDTH_STEMS = ("bandwidth", "memory_bandwidth", "intra_node_bandwidth")
+BITS_PER_BYTE = 8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,8 +48,8 @@ class GPUSpec:
     type: str
     tflops: Mapping[str, float | None]  # dense peak per dtype; None = unsupported
     memory_gib: float
-    memory_bandwidth_gbps: float
-    intra_node_bandwidth_gbps: float  # per-GPU, to peers in its node (NVLink or PCIe)
+    memory_bandwidth_GBps: float
+    intra_node_bandwidth_GBps: float  # per-GPU, to peers in its node (NVLink or PCIe)
     uuid: str | None = None
     measured: Mapping[str, Any] = field(default_factory=dict)
 
@@ -59,8 +67,8 @@ class GPUSpec:
             "type": self.type,
             "tflops": dict(self.tflops),
             "memory_gib": self.memory_gib,
-            "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
-            "intra_node_bandwidth_gbps": self.intra_node_bandwidth_gbps,
+            "memory_bandwidth_GBps": self.memory_bandwidth_GBps,
+            "intra_node_bandwidth_GBps": self.intra_node_bandwidth_GBps,
         }
         if self.uuid:
             d["uuid"] = self.uuid
@@ -84,11 +92,11 @@ class NodeSpec:
 class LinkSpec:
     """A node-to-node link: bandwidth per direction in GB/s and one-way latency in microseconds."""
 
-    bandwidth_gbps: float
+    bandwidth_GBps: float
     latency_us: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"bandwidth_gbps": self.bandwidth_gbps, "latency_us": self.latency_us}
+        return {"bandwidth_GBps": self.bandwidth_GBps, "latency_us": self.latency_us}
 
 
 @dataclass(frozen=True)
@@ -161,14 +169,14 @@ class ClusterSpec:
             return pair
         shared = [f.link for f in self.fabrics if a in f.nodes and b in f.nodes]
         if shared:
-            return max(shared, key=lambda l: (l.bandwidth_gbps, -l.latency_us))
+            return max(shared, key=lambda l: (l.bandwidth_GBps, -l.latency_us))
         return self.default_link
 
-    def bandwidth_gbps(self, a: GpuRef, b: GpuRef) -> float:
+    def bandwidth_GBps(self, a: GpuRef, b: GpuRef) -> float:
         """Bandwidth between two GPUs: the slower intra-node link inside a node, the network across nodes."""
         if a.node == b.node:
-            return min(self.gpu(a).intra_node_bandwidth_gbps, self.gpu(b).intra_node_bandwidth_gbps)
-        return self.link(a.node, b.node).bandwidth_gbps
+            return min(self.gpu(a).intra_node_bandwidth_GBps, self.gpu(b).intra_node_bandwidth_GBps)
+        return self.link(a.node, b.node).bandwidth_GBps
 
     # --- serialisation -------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -212,21 +220,65 @@ class ClusterSpec:
         dump_yaml_file(self.to_dict(), path)
 
     def content_hash(self) -> str:
-        """Hash of the figures the planner reads (not of names' order in the file)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """Hash of the figures the planner reads (not of names' order in the file). It is taken over the bandwidth
+        keys as first named (``*_gbps``, the same GB/s), so plans made before the keys spelled their unit still
+        match their cluster."""
+        blob = json.dumps(_first_key_names(self.to_dict()), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
 
 
+def _first_key_names(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {(k.removesuffix("_GBps") + "_gbps" if k.endswith("_GBps") else k): _first_key_names(v)
+                for k, v in d.items()}
+    if isinstance(d, list):
+        return [_first_key_names(v) for v in d]
+    return d
+
+
 # --- parsing -------------------------------------------------------------------------------------------------
 
-def _parse_link(d: Any, *, where: str, source: str | None, extra: tuple[str, ...] = ()) -> LinkSpec:
+def bandwidth_in_GBps(d: Mapping, *, where: str, source: str | None, legacy: set[str]) -> dict:
+    """A copy of ``d`` with every bandwidth under its ``<stem>_GBps`` key.
+
+    ``<stem>_Gbps`` (gigabits) is divided by 8; the old ``<stem>_gbps`` is read as GB/s, as it always was, and
+    recorded in ``legacy`` so the caller warns once per file. Two keys for one bandwidth are refused: which one the
+    user meant cannot be guessed.
+    """
+    out = dict(d)
+    for stem in _BANDWIDTH_STEMS:
+        given = [k for k in (f"{stem}_GBps", f"{stem}_Gbps", f"{stem}_gbps") if k in out]
+        if len(given) > 1:
+            raise SpecError("one bandwidth given under two keys", source=source,
+                            field=f"{where}.{given[1]}" if where else given[1], value=given,
+                            valid=f"only one of {stem}_GBps (gigabytes/s) or {stem}_Gbps (gigabits/s)")
+        if given and given[0] == f"{stem}_Gbps":
+            field = f"{where}.{given[0]}" if where else given[0]
+            out[f"{stem}_GBps"] = positive_number(out.pop(given[0]), field=field, source=source) / BITS_PER_BYTE
+        elif given and given[0] == f"{stem}_gbps":
+            out[f"{stem}_GBps"] = out.pop(given[0])
+            legacy.add(given[0])
+    return out
+
+
+def _warn_legacy_units(legacy: set[str], source: str | None) -> None:
+    for key in sorted(legacy):
+        stem = key.removesuffix("_gbps")
+        logger.warning("%s%s is read as GB/s (gigabytes); write %s_GBps, or %s_Gbps for gigabits",
+                       f"{source}: " if source else "", key, stem, stem)
+
+
+def _parse_link(d: Any, *, where: str, source: str | None, legacy: set[str],
+                extra: tuple[str, ...] = ()) -> LinkSpec:
     if not isinstance(d, Mapping):
-        raise SpecError("expected a mapping with bandwidth_gbps and latency_us", source=source, field=where, value=d)
+        raise SpecError("expected a mapping with bandwidth_GBps (or bandwidth_Gbps) and latency_us", source=source,
+                        field=where, value=d)
+    d = bandwidth_in_GBps(d, where=where, source=source, legacy=legacy)
     check_keys(d, _LINK_KEYS + extra, where=where, source=source)
-    bw = positive_number(require(d, "bandwidth_gbps", where=where, source=source),
-                         field=f"{where}.bandwidth_gbps", source=source)
+    bw = positive_number(require(d, "bandwidth_GBps", where=where, source=source),
+                         field=f"{where}.bandwidth_GBps", source=source)
     lat = positive_number(d.get("latency_us", 0.0), field=f"{where}.latency_us", source=source, allow_zero=True)
     return LinkSpec(bw, lat)
 
@@ -244,17 +296,22 @@ def _parse_tflops(d: Any, *, where: str, source: str | None) -> dict[str, float 
     return out
 
 
+_CUSTOM_HINT = ("or, for a GPU the catalog lacks, '{key}: custom' with its figures: tflops: {{bf16: <TFLOP/s>, "
+                "fp16: ..., fp32: ...}}, memory_gib, memory_bandwidth_GBps, intra_node_bandwidth_GBps")
+
+
 def _parse_gpu(d: Mapping, *, where: str, source: str | None, catalog) -> GPUSpec:
-    type_name = d.get("type", d.get("gpu"))
+    key = "type" if "type" in d else "gpu"  # a 'gpus' list entry says type, a node says gpu
+    type_name = d.get(key)
     if type_name is None:
-        raise SpecError("missing GPU type", source=source, field=f"{where}.type",
+        raise SpecError("missing GPU type", source=source, field=f"{where}.{key}",
                         valid="a catalog name (e.g. a100-80gb) or 'custom' with explicit figures")
     type_name = str(type_name)
     if type_name.lower() == "custom":
-        for key in ("tflops", "memory_gib", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps"):
+        for key in ("tflops", "memory_gib", "memory_bandwidth_GBps", "intra_node_bandwidth_GBps"):
             if key not in d:
                 raise SpecError("a custom GPU needs every figure", source=source, field=f"{where}.{key}",
-                                valid="tflops, memory_gib, memory_bandwidth_gbps, intra_node_bandwidth_gbps")
+                                valid="tflops, memory_gib, memory_bandwidth_GBps, intra_node_bandwidth_GBps")
         canonical = "custom"
         base_tflops: dict[str, float | None] = {}
         base = None
@@ -263,7 +320,8 @@ def _parse_gpu(d: Mapping, *, where: str, source: str | None, catalog) -> GPUSpe
             from tangram_launch.specs.catalog import default_catalog
 
             catalog = default_catalog()
-        base = catalog.lookup(type_name, field=f"{where}.type", source=source)
+        base = catalog.lookup(type_name, field=f"{where}.{key}", source=source,
+                              otherwise=_CUSTOM_HINT.format(key=key))
         canonical = base.name
         base_tflops = dict(base.tflops)
     tflops = dict(base_tflops)
@@ -283,17 +341,18 @@ def _parse_gpu(d: Mapping, *, where: str, source: str | None, catalog) -> GPUSpe
         type=canonical,
         tflops=tflops,
         memory_gib=fig("memory_gib"),
-        memory_bandwidth_gbps=fig("memory_bandwidth_gbps"),
-        intra_node_bandwidth_gbps=fig("intra_node_bandwidth_gbps"),
+        memory_bandwidth_GBps=fig("memory_bandwidth_GBps"),
+        intra_node_bandwidth_GBps=fig("intra_node_bandwidth_GBps"),
         uuid=str(uuid) if uuid is not None else None,
         measured=dict(measured),
     )
 
 
-def _parse_node(d: Any, idx: int, *, source: str | None, catalog) -> NodeSpec:
+def _parse_node(d: Any, idx: int, *, source: str | None, catalog, legacy: set[str]) -> NodeSpec:
     where = f"nodes[{idx}]"
     if not isinstance(d, Mapping):
         raise SpecError("expected a mapping", source=source, field=where, value=d)
+    d = bandwidth_in_GBps(d, where=where, source=source, legacy=legacy)
     check_keys(d, _NODE_KEYS, where=where, source=source)
     name = str(require(d, "name", where=where, source=source))
     where = f"nodes[{idx}] ({name})"
@@ -308,6 +367,7 @@ def _parse_node(d: Any, idx: int, *, source: str | None, catalog) -> NodeSpec:
         for j, g in enumerate(entries):
             if not isinstance(g, Mapping):
                 raise SpecError("expected a mapping", source=source, field=f"{where}.gpus[{j}]", value=g)
+            g = bandwidth_in_GBps(g, where=f"{where}.gpus[{j}]", source=source, legacy=legacy)
             check_keys(g, _GPU_KEYS, where=f"{where}.gpus[{j}]", source=source)
             merged = {k: v for k, v in d.items() if k in _GPU_KEYS and k not in ("type", "uuid")}
             merged.update(g)
@@ -340,7 +400,8 @@ def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> Cluste
     raw_nodes = require(data, "nodes", where="", source=source)
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise SpecError("a cluster needs at least one node", source=source, field="nodes", value=raw_nodes)
-    nodes = tuple(_parse_node(n, i, source=source, catalog=catalog) for i, n in enumerate(raw_nodes))
+    legacy: set[str] = set()
+    nodes = tuple(_parse_node(n, i, source=source, catalog=catalog, legacy=legacy) for i, n in enumerate(raw_nodes))
     names = [n.name for n in nodes]
     for n in names:
         if names.count(n) > 1:
@@ -351,10 +412,11 @@ def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> Cluste
         raise SpecError("expected a mapping", source=source, field="network", value=net)
     check_keys(net, _NET_KEYS, where="network", source=source)
     if "default" in net:
-        default = _parse_link(net["default"], where="network.default", source=source)
+        default = _parse_link(net["default"], where="network.default", source=source, legacy=legacy)
     elif len(nodes) > 1:
         raise SpecError("a multi-node cluster needs a default node-to-node link", source=source,
-                        field="network.default", valid="{bandwidth_gbps: <GB/s>, latency_us: <us>}")
+                        field="network.default",
+                        valid="{bandwidth_GBps: <gigabytes/s>, latency_us: <us>} (or bandwidth_Gbps: <gigabits/s>)")
     else:
         default = LinkSpec(1.0, 0.0)
 
@@ -382,7 +444,7 @@ def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> Cluste
         if not isinstance(f, Mapping):
             raise SpecError("expected a mapping", source=source, field=where, value=f)
         members = check_members(require(f, "nodes", where=where, source=source), where)
-        link = _parse_link(f, where=where, source=source, extra=("name", "nodes"))
+        link = _parse_link(f, where=where, source=source, legacy=legacy, extra=("name", "nodes"))
         fabrics.append(Fabric(str(f.get("name", f"fabric{i}")), frozenset(members), link))
     pairs: dict[frozenset, LinkSpec] = {}
     for i, p in enumerate(net.get("pairs") or []):
@@ -390,7 +452,7 @@ def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> Cluste
         if not isinstance(p, Mapping):
             raise SpecError("expected a mapping", source=source, field=where, value=p)
         members = check_members(require(p, "nodes", where=where, source=source), where, exactly=2)
-        link = _parse_link(p, where=where, source=source, extra=("nodes",))
+        link = _parse_link(p, where=where, source=source, legacy=legacy, extra=("nodes",))
         key = frozenset(members)
         if key in pairs and pairs[key] != link:
             raise SpecError("inconsistent bandwidths: the same node pair is given twice with different links",
@@ -399,6 +461,7 @@ def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> Cluste
     profile = data.get("profile") or {}
     if not isinstance(profile, Mapping):
         raise SpecError("expected a mapping", source=source, field="profile", value=profile)
+    _warn_legacy_units(legacy, source)
     return ClusterSpec(
         nodes=nodes,
         default_link=default,
