@@ -86,3 +86,16 @@ def test_first_screen_commands_work_in_a_fresh_clone_with_an_empty_home(tmp_path
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert re.search(r"\b\d+ passed\b", out), out[-2000:]
+
+
+@pytest.mark.parametrize("doc", [README, REPO / "docs" / "inputs.md"], ids=lambda p: p.name)
+def test_the_cluster_files_shown_in_the_docs_load(doc, tmp_path):
+    from tangram_launch.specs.cluster import ClusterSpec
+
+    blocks = [b.split("```", 1)[0] for b in doc.read_text(encoding="utf-8").split("```yaml")[1:]]
+    clusters = [b for b in blocks if "\nnodes:" in b and "network:" in b]
+    assert clusters, doc.name
+    for i, block in enumerate(clusters):
+        path = tmp_path / f"c{i}.yaml"
+        path.write_text(block)
+        assert ClusterSpec.load(path).num_gpus > 0
