@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="FILE", dest="manual", help="cost a hand-written plan instead of searching")
     parser.add_argument("--workers", type=int, default=None, help="parallel parallelizer queries (default 2)")
     parser.add_argument("--microbatch-sequences", type=int, nargs="+", default=None, metavar="B",
-                        help="sequences per micro-batch to try (default: up to 4 divisors of the global batch)")
+                        help="sequences per micro-batch to try (default: every divisor of the global batch)")
     parser.add_argument("--no-prune", action="append", default=[], choices=PRUNING_POLICIES,
                         help="switch a pruning policy off (repeatable; for ablations)")
     parser.add_argument("--balance-tolerance", type=float, default=None,

@@ -6,11 +6,11 @@
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
 (compose.py; above five islands over a bounded set of island orders, orders.py, unless few link classes keep the
-exact search small, compose.front_classes; each ranked by the iteration
-the Plan reports: the simulated 1F1B, or interleaved where faster) -> the best over b. The sizes b: a
-spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
-moving. Branch and bound: the sizes are visited most promising first (a floor under any plan's latency at each
-size, from the parallelizer's compute floors), a size whose floor cannot beat the best plan so far is skipped, and
+exact search small, compose.front_classes; each ranked by the iteration the Plan reports: the simulated 1F1B, or
+interleaved where faster) -> the best over b. The sizes b: every divisor of the global batch (or those asked for),
+so the plan is the best over all of them. Branch and bound: the sizes are visited most promising first (a floor
+under any plan's latency at each size, from the parallelizer's compute floors; the order changes only the time),
+a size whose floor cannot beat the best plan so far is skipped, and
 every query carries the best latency so far so the parallelizer costs only what could beat it. Under megatron a
 pair whose floor (pair_floors.py: its layers on its island, the others on the other islands) cannot beat it is not
 asked at all. A size's compatibility classes are composed in the order of their floors (classes.py: each island
@@ -68,7 +68,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MICROBATCH_OPTIONS = 4
 # while only single-island plans bound the search, this share of a size's pairs (the lowest pair floors) is asked
 # and composed first (megatron): on Llama-3 405B / 256 GPUs its plan lets 171 of the other 216 go unasked
 FIRST_ROUND_SHARE = 0.25
@@ -80,9 +79,7 @@ MERGED_EXACT_STATES = 256
 @dataclass(frozen=True)
 class PlannerOptions:
     pruning: PruningPolicy = field(default_factory=PruningPolicy)
-    microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: spread divisors, refined
-    max_microbatch_options: int = DEFAULT_MAX_MICROBATCH_OPTIONS  # divisors in the first spread
-    refine_microbatches: bool = True  # then the best size's neighbouring divisors, until the best stops moving
+    microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: every divisor of the batch
     max_workers: int | None = None  # process pool size; default min(2, cpu count)
     progress: bool | None = None  # None: progress on stderr only when it is a terminal
     bound_step: float = 0.0  # > 0: the composer compares periods within this relative step as equal (faster, not exact)
@@ -104,8 +101,6 @@ class PlannerOptions:
             for b in self.microbatch_sequences:
                 if isinstance(b, bool) or not isinstance(b, int) or b < 1:
                     raise SpecError("must be positive integers", field="microbatch_sequences", value=b)
-        if isinstance(self.max_microbatch_options, bool) or self.max_microbatch_options < 1:
-            raise SpecError("must be >= 1", field="max_microbatch_options", value=self.max_microbatch_options)
         if self.atom_layers is not None and (isinstance(self.atom_layers, bool) or not isinstance(
                 self.atom_layers, int) or self.atom_layers < 1):
             raise SpecError("must be a positive integer", field="atom_layers", value=self.atom_layers)
@@ -152,15 +147,35 @@ def resolve_capabilities(runtime: str | RuntimeCapabilities) -> RuntimeCapabilit
     return runtime if isinstance(runtime, RuntimeCapabilities) else capabilities_for(runtime)
 
 
+def divisors(global_batch: int) -> tuple[int, ...]:
+    """Every divisor of the global batch, ascending: the micro-batch sizes the search considers by default."""
+    small = [d for d in range(1, math.isqrt(global_batch) + 1) if global_batch % d == 0]
+    return tuple(sorted({*small, *(global_batch // d for d in small)}))
+
+
 def microbatch_choices(global_batch: int, limit: int) -> tuple[int, ...]:
-    """Divisors of the global batch; when more than ``limit``, a spread from smallest to largest (log-spaced)."""
-    divs = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    """Divisors of the global batch; when more than ``limit``, a spread from smallest to largest (log-spaced).
+    Not the search's default (that is every divisor); kept for benchmarks and tests that compare against it."""
+    divs = list(divisors(global_batch))
     if len(divs) <= limit:
         return tuple(divs)
     if limit == 1:
         return (divs[0],)
     picks = sorted({divs[round(i * (len(divs) - 1) / (limit - 1))] for i in range(limit)})
     return tuple(picks)
+
+
+def candidate_sizes(global_batch: int, asked: Sequence[int] | None) -> tuple[int, ...]:
+    """The micro-batch sizes a search considers: ``asked`` (each must divide the global batch), else every divisor.
+    The search visits them most promising first and skips a size only where a floor under every plan at that size
+    cannot beat the best plan found (SizeFloor.beyond), so its plan is the best over all of them."""
+    if not asked:
+        return divisors(global_batch)
+    bad = [b for b in asked if global_batch % b]
+    if bad:
+        raise SpecError(f"must divide the global batch {global_batch}", field="microbatch_sequences",
+                        value=bad[0], valid=", ".join(str(d) for d in divisors(global_batch)))
+    return tuple(asked)
 
 
 def _memory_reasons(atoms: ModelAtoms, usable: Sequence["Island"], caps: RuntimeCapabilities) -> list[str]:
@@ -215,12 +230,7 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     if not pairset.pairs:
         raise InfeasibleError("every slice/island pair was pruned", list(pairset.island_notes.values()) or reasons)
 
-    divs = microbatch_choices(G, G)  # every divisor of the global batch
-    bs = opts.microbatch_sequences or microbatch_choices(G, opts.max_microbatch_options)
-    bad = [b for b in bs if G % b]
-    if bad:
-        raise SpecError(f"must divide the global batch {G}", field="microbatch_sequences", value=bad[0],
-                        valid=", ".join(str(d) for d in microbatch_choices(G, 64)))
+    bs = candidate_sizes(G, opts.microbatch_sequences)
 
     results: dict[int, dict[tuple, SliceResult]] = {}
     all_cands: dict[int, Candidates] = {}
@@ -230,17 +240,10 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     best: tuple[float, int, Hashable, Composition, Candidates] | None = None
     counters = {"queries": 0, "configs": 0, "bounded": 0, "sizes_skipped": 0, "pairs_skipped": 0, "query_s": 0.0,
                 "compose_s": 0.0}
-    tried: list[int] = []
-    while bs:
-        tried.extend(bs)
-        best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                                 training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
-                                 opts=opts, memo=memo)
-        if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
-            break
-        # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
-        k = divs.index(best[1])
-        bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
+    tried = list(bs)
+    best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                             training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
+                             opts=opts, memo=memo)
     t_c = time.perf_counter()
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))

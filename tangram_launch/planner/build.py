@@ -196,8 +196,12 @@ class Candidates:
         plain_s = self.simulated_s(seq, metrics)
         if schedule == "1F1B":
             return ScheduleChoice(1, plain_s)
-        return self.interleaved_choice(seq, metrics, schedule=schedule, capabilities=capabilities,
-                                       plain_latency_s=plain_s)
+        choice = self.interleaved_choice(seq, metrics, schedule=schedule, capabilities=capabilities,
+                                         plain_latency_s=plain_s)
+        if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
+            # insisted on, and this pipeline cannot interleave: build_plan would refuse it, so it wins nothing
+            return ScheduleChoice(1, math.inf, choice.rejected)
+        return choice
 
     def interleaved_choice(self, seq: Sequence[int], metrics: Metrics, *, schedule: str,
                            capabilities: "RuntimeCapabilities", plain_latency_s: float = math.inf) -> ScheduleChoice:

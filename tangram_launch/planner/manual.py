@@ -28,7 +28,7 @@ from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.plan import RECOMPUTE_MODES, Plan
-from tangram_launch.planner.api import PlannerOptions, microbatch_choices, resolve_capabilities, resolve_parallelizer
+from tangram_launch.planner.api import PlannerOptions, candidate_sizes, resolve_capabilities, resolve_parallelizer
 from tangram_launch.planner.build import Candidates, build_plan
 from tangram_launch.planner.compose import Composition, Option, evaluate
 from tangram_launch.planner.enumerate import run_queries
@@ -186,7 +186,7 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
                             value=manual.microbatch_sequences)
         bs: tuple[int, ...] = (manual.microbatch_sequences,)
     else:
-        bs = opts.microbatch_sequences or microbatch_choices(G, opts.max_microbatch_options)
+        bs = candidate_sizes(G, opts.microbatch_sequences)
     S = len(manual.stages)
     isl_of = [iset.by_name(st.island) for st in manual.stages]
     queries = []
