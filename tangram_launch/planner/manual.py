@@ -12,14 +12,18 @@ configuration of that stage's layers on that island that fits at the stage's pip
       - layers: [24, 40]             #           num_gpus
         island: v100-32gb
 
-Several stages may share an island if they are consecutive and its GPUs suffice. Each stage is costed as a
-one-stage slice plan (the parallelizer's answer filtered by the fields given; if the exact configuration is not
-among its answers, the cost model prices it directly), then stages, GPUs, p2p and the iteration time go through
+Several stages may share an island if they are consecutive and its GPUs suffice. A stage that gives any of tp, dp,
+cp and no num_gpus runs on tp x dp x cp GPUs (those left out count 1); without any, it takes its share of the
+island. Each stage is costed as a one-stage slice plan (the parallelizer's answer filtered by the fields given; if
+the exact configuration is not among its answers, the cost model prices it directly: any grid the runtime runs,
+such as dp 2 on two GPUs of a three-GPU node, which the search itself leaves out), and a stage that cannot run is
+refused naming its fields and why. Then stages, GPUs, p2p and the iteration time go through
 the same ``build_plan`` and latency formula as Tangram's plans, so the two compare like for like.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -55,6 +59,7 @@ class ManualStage:
     layers: tuple[int, int]
     island: str
     fixed: Mapping[str, Any]  # the configuration fields the user gave
+    num_gpus: int | None = None  # given, or implied by tp x dp x cp (_implied_gpus); None: left to the planner
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,25 @@ def parse_manual_plan(data: Mapping, *, num_layers: int, island_names: Sequence[
                                     valid="0, 1, 2, 3")
             elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError("must be a positive integer", source=source, field=f"{where}.{k}", value=v)
-        stages.append(ManualStage((start, stop), island, fixed))
+        stages.append(ManualStage((start, stop), island, fixed, _implied_gpus(fixed, where=where, source=source)))
     if expect != num_layers:
         raise SpecError(f"stages cover layers [0, {expect}) but the model has {num_layers}", source=source,
                         field=f"stages[{len(raw) - 1}].layers", value=expect, valid=str(num_layers))
     return ManualPlan(tuple(stages), b, source)
+
+
+def _implied_gpus(fixed: Mapping[str, Any], *, where: str, source: str | None) -> int | None:
+    """The stage's GPUs: num_gpus where given, else tp x dp x cp where any of them is given (those left out count
+    1), else None. A num_gpus that is not a multiple of the grid given is refused."""
+    grid = [k for k in ("tp", "dp", "cp") if k in fixed]
+    n = math.prod(fixed.get(k, 1) for k in ("tp", "dp", "cp"))
+    if "num_gpus" not in fixed:
+        return n if grid else None
+    if grid and fixed["num_gpus"] % n:
+        given = " x ".join(f"{k}={fixed[k]}" for k in grid)
+        raise SpecError(f"must be a multiple of {given} = {n} GPUs", source=source, field=f"{where}.num_gpus",
+                        value=fixed["num_gpus"], valid=f"{n}, or leave num_gpus out")
+    return fixed["num_gpus"]
 
 
 def load_manual_plan(path: str | os.PathLike, *, num_layers: int, island_names: Sequence[str]) -> ManualPlan:
@@ -150,24 +169,49 @@ def _describe(st: StageCost) -> str:
             f"micro_batch_size={st.micro_batch_size}")
 
 
-def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer") -> SlicePlan | None:
-    """Price the user's exact configuration with the cost model when the parallelizer's answer lacks it (needs at
-    least tp and dp, or dp derivable from micro_batch_size)."""
-    dp = fixed.get("dp")
-    if dp is None and "micro_batch_size" in fixed and q.microbatch_sequences % fixed["micro_batch_size"] == 0:
-        dp = q.microbatch_sequences // fixed["micro_batch_size"]
-    if dp is None or "tp" not in fixed or q.microbatch_sequences % dp:
-        return None
-    from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # floor 2: the shared cost model
+# SliceCoster.check's one rule that narrows the search rather than saying what a runtime runs: a stage's GPUs divide a
+# node or are whole nodes. A hand-written stage may take any GPUs (dp 2 on two GPUs of a three-GPU node).
+_SEARCH_ONLY_PREFIX = "a stage of "
 
-    cfg = ParallelConfig(tp=fixed["tp"], pp=1, dp=dp, cp=fixed.get("cp", 1), ep=fixed.get("ep", 1),
-                         zero_stage=fixed.get("zero_stage", 0), recompute=fixed.get("recompute", "none"),
-                         offload=fixed.get("offload", False))
-    coster = SliceCoster(q, flash_attention=getattr(parallelizer, "flash_attention", None))
-    if coster.check(cfg):
+
+def _exact_config(q: SliceQuery, fixed: Mapping[str, Any]):
+    """The one configuration ``fixed`` names at this query's micro-batch, or None where it leaves a grid size to the
+    parallelizer: dp from dp, micro_batch_size or num_gpus / (tp x cp); tp from tp or num_gpus / (dp x cp)."""
+    from tangram_launch.costmodel.breakdown import ParallelConfig  # floor 2: the shared cost model
+
+    b, cp, n = q.microbatch_sequences, fixed.get("cp", 1), fixed.get("num_gpus")
+    dp, tp = fixed.get("dp"), fixed.get("tp")
+    if dp is None and "micro_batch_size" in fixed and b % fixed["micro_batch_size"] == 0:
+        dp = b // fixed["micro_batch_size"]
+    if dp is None and tp is not None and n is not None and n % (tp * cp) == 0:
+        dp = n // (tp * cp)
+    if tp is None and dp is not None:
+        tp = n // (dp * cp) if n is not None and n % (dp * cp) == 0 else 1
+    if dp is None or tp is None:
         return None
-    plan = coster.plan(cfg, parallelizer=getattr(parallelizer, "name", ""))
-    return plan if all(_matches(s, fixed) for s in plan.stages) else None
+    return ParallelConfig(tp=tp, pp=1, dp=dp, cp=cp, ep=fixed.get("ep", 1), zero_stage=fixed.get("zero_stage", 0),
+                          recompute=fixed.get("recompute", "none"), offload=fixed.get("offload", False))
+
+
+def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer") -> tuple[SlicePlan | None, list[str]]:
+    """Price the user's exact configuration with the cost model when the parallelizer's answer lacks it (the
+    planner's search offers only grids that tile nodes; a hand-written stage may take any the runtime runs).
+    Returns the plan, or None and why the configuration cannot run (empty where ``fixed`` names none)."""
+    cfg = _exact_config(q, fixed)
+    if cfg is None:
+        return None, []
+    from tangram_launch.costmodel.breakdown import SliceCoster  # floor 2: the shared cost model
+
+    coster = SliceCoster(q, flash_attention=getattr(parallelizer, "flash_attention", None))
+    problems = [p for p in coster.check(cfg) if not p.startswith(_SEARCH_ONLY_PREFIX)]
+    if problems:
+        return None, problems
+    sums = coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
+    plan = coster.materialize(cfg, sums, parallelizer=getattr(parallelizer, "name", ""))
+    mismatch = [f"{k}={v}" for k, v in fixed.items() if not _matches(plan.stages[0], {k: v})]
+    if mismatch:
+        return None, [f"{', '.join(mismatch)} does not match tp={cfg.tp} dp={cfg.dp} cp={cfg.cp}"]
+    return plan, []
 
 
 def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
@@ -206,19 +250,26 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
             res = answers[bi * S + k]
             cap = capacity_bytes(isl, training)
             # stages sharing an island without saying how many GPUs each takes split it evenly
-            budget = st.fixed.get("num_gpus", isl.num_gpus // share[st.island])
+            budget = st.num_gpus or isl.num_gpus // share[st.island]
             cands = [p.stages[0] for p in res.plans if len(p.stages) == 1
                      and p.stages[0].micro_batch_size * p.stages[0].shape.dp == b and _matches(p.stages[0], st.fixed)
-                     and p.stages[0].num_gpus <= budget
+                     and p.stages[0].num_gpus <= budget and st.num_gpus in (None, p.stages[0].num_gpus)
                      and not caps.stage_problems(p.stages[0].shape, pipelined=S > 1)]
+            why: list[str] = []
             if not cands and st.fixed:
-                exact = _exact(q, st.fixed, par)
-                if exact is not None:
-                    cands = [exact.stages[0]]
+                exact, why = _exact(q, st.fixed, par)
+                if exact is not None and exact.stages[0].num_gpus > budget:
+                    why = [f"num_gpus={exact.stages[0].num_gpus}: the stage may take {budget} of {st.island}'s "
+                           f"{isl.num_gpus} GPUs"]
+                elif exact is not None:
+                    why = caps.stage_problems(exact.stages[0].shape, pipelined=S > 1)
+                    cands = [] if why else [exact.stages[0]]
             where = f"stages[{k}] (layers {st.layers[0]}-{st.layers[1]} on {st.island}, b={b})"
             if not cands:
                 offered = sorted({_describe(p.stages[0]) for p in res.plans if len(p.stages) == 1})
-                if res.infeasible is not None and not res.plans:
+                if why:
+                    problems.append(f"{where} {dict(st.fixed)}: " + "; ".join(why))
+                elif res.infeasible is not None and not res.plans:
                     problems.append(f"{where}: {res.infeasible.message()}")
                 else:
                     problems.append(f"{where}: no configuration with {dict(st.fixed)} on at most {budget} GPUs "
