@@ -5,14 +5,11 @@ with examples/train_gpt.py exactly as a single-process run of the same model and
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from timeouts import SUBPROCESS_TIMEOUT_S
+from helpers_cli import REPO, run_cli
 
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.planner.api import PlannerOptions
@@ -21,7 +18,6 @@ from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
 
-REPO = Path(__file__).resolve().parent.parent
 CPU3 = {"name": "cpu-3", "nodes": [{"name": "local", "host": "localhost", "gpu": "cpu", "count": 3}]}
 DP2_DP1 = {"stages": [{"layers": [0, 2], "island": "cpu", "dp": 2, "num_gpus": 2},
                       {"layers": [2, 4], "island": "cpu", "dp": 1}]}
@@ -75,22 +71,8 @@ def test_a_stage_grid_that_cannot_run_is_refused_with_the_field_and_why():
     assert "stages[0]" in "\n".join(err.value.reasons) and "GPUs" in "\n".join(err.value.reasons)
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TANGRAM_"))}
-    env.update(OMP_NUM_THREADS="1", TANGRAM_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
-    return env
-
-
-def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "tangram_launch.cli", *args], cwd=tmp_path, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def _train(tmp_path: Path, plan: str, nproc: int, out: str) -> list[float]:
-    _cli(tmp_path, "--standalone", "--nproc-per-node", str(nproc), "--plan", plan, str(REPO / "examples" /
+    run_cli(tmp_path, "--standalone", "--nproc-per-node", str(nproc), "--plan", plan, str(REPO / "examples" /
          "train_gpt.py"), "--steps", "4", "--data", "synthetic", "--quiet", "--out", out)
     return json.loads((tmp_path / out).read_text())["losses"]
 
@@ -107,7 +89,7 @@ def test_dp2_dp1_plan_from_yaml_or_json_trains_on_three_ranks_as_one_process(tmp
     costed = {}
     for src in ("manual.yaml", "manual.json"):  # the launcher runs costed plans: cost each, then launch the JSON
         out = src.replace("manual.", "costed-") + ".json"
-        _cli(tmp_path, "plan", "--cluster", "cpu3.yaml", "--model", "tiny", "--global-batch", "4", "--seq-len", "32",
+        run_cli(tmp_path, "plan", "--cluster", "cpu3.yaml", "--model", "tiny", "--global-batch", "4", "--seq-len", "32",
              "--dtype", "fp32", "--runtime", "torch", "--workers", "1", "--plan", src, "-o", out)
         costed[src] = Plan.load(str(tmp_path / out))
     yaml_plan, json_plan = costed["manual.yaml"], costed["manual.json"]
