@@ -95,3 +95,20 @@ def test_default_search_matches_the_best_single_size_search_quick(seed):
 @pytest.mark.parametrize("seed", range(3, CASES))
 def test_default_search_matches_the_best_single_size_search(seed):
     _assert_exact(seed)
+
+
+@pytest.mark.slow  # plans 512 GPUs end to end: seconds
+def test_opt350m_on_512_gpus_finds_the_pipeline_the_old_spread_missed():
+    """OPT-350M, 1024 x 2048, fp32, on 128 A100-40GB + 384 V100-16GB (6 GB/s), torch, 1F1B: the old spread of four
+    sizes returned the A100-only plan at b = 1024 (2.825 s); the pipeline at b = 32 is 2.490 s by the same model."""
+    from pathlib import Path
+
+    from tangram_launch.specs.model import load_model
+
+    cluster = ClusterSpec.load(str(Path(__file__).resolve().parent.parent / "examples" / "clusters" /
+                                   "opt350m-512gpu.yaml"))
+    training = TrainingSpec(global_batch=1024, seq_len=2048, dtype="fp32")
+    plan = search(cluster, load_model("opt-350m"), training, runtime="torch",
+                  options=PlannerOptions(max_workers=1, progress=False, schedule="1F1B")).plan
+    assert plan.predicted.iteration_time_s <= 2.490 + 1e-3
+    assert plan.planner["microbatch_sequences_tried"] == list(divisors(1024))
