@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable
 
-from tangram_launch.specs.constants import DTYPES, RECOMPUTE_MODES
+from tangram_launch.specs.constants import DEFAULT_RUNTIME, DTYPES, RECOMPUTE_MODES
 from tangram_launch.specs.shape import StageShape
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -200,7 +200,6 @@ BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}
 
 # --- the runtime registry: each runtime's capabilities with its adapter -----------------------------------------------
 
-DEFAULT_RUNTIME = "torch"
 # A third-party runtime registers its adapter class (a runtime_adapters.base.RuntimeAdapter with a ``capabilities``
 # class attribute) in its packaging metadata:
 #     [project.entry-points."tangram_launch.runtime_adapters"]
