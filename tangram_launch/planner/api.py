@@ -69,7 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 # while only single-island plans bound the search, this share of a size's pairs (the lowest pair floors) is asked
-# and composed first (megatron): on Llama-3 405B / 256 GPUs its plan lets 171 of the other 216 go unasked
+# and composed first (megatron): its plan lets most of the others go unasked (figures: benchmarks/README.md)
 FIRST_ROUND_SHARE = 0.25
 # above exact_islands, the search is still exact where its DP keys per layer, with front islands merged by link
 # class (compose.merged_states), are this few: up to 8 islands that talk over one spine
@@ -376,8 +376,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         if own_s is not None:
             first.append((own_s, floors[b].latency_s, b))
     # above exact_islands a class's composition is a search over island sets or orders costing seconds, and the
-    # first round's would be done again whole: there the queries the split saves cost less (Llama-3 405B over
-    # 4,096 GPUs at b = 8: megatron 44.4 -> 35.9 CPU-s, torch 23.6 -> 20.9 without it, the same plans)
+    # first round's would be done again whole: there the queries the split saves cost less than that (the same
+    # plans either way)
     split = len({p.island for p in rest}) <= opts.exact_islands
     for _own, _floor, b in sorted(first) if rest else ():
         left = rest
@@ -404,8 +404,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
 
 def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
     """The island orders of the seed round: island_orders over the fastest k islands, for every k from 2. A plan
-    over every island pays the bubble of all their stages, and the best plan often leaves the slow islands out
-    (Llama-3 405B on 4,096 GPUs: H200 and B200 only), which only a seed over the fast ones comes near."""
+    over every island pays the bubble of all their stages, and the best plan often leaves the slow islands out,
+    which only a seed over the fast ones comes near."""
     fast = fastest_first(islands, present, dtype)
     out: list[list[int]] = []
     for k in range(2, len(fast) + 1):
@@ -418,8 +418,8 @@ def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str
 def _seed_pairs(queries: Sequence[Pair], pairs: Sequence[Pair], floors: PairFloors,
                 orders: Sequence[Sequence[int]], num_layers: int) -> list[Pair]:
     """The queries (redundancy representatives) of _seed_chains' pipelines. A seed for the branch and bound: such
-    a plan is often close to the best one, so the rounds after it ask with a tighter bound (GPT-3 13B over four
-    islands under torch: 8 queries give 15.9 s, and the next round's 100 queries keep 41,550 options, not 58,115)."""
+    a plan is often close to the best one, so the rounds after it ask with a tighter bound (a few queries, after
+    which the next round keeps fewer options)."""
     rep = {q.key: q for q in queries}
     out: dict[Pair, None] = {}
     for chain in _seed_chains(pairs, floors, orders, num_layers):
@@ -553,9 +553,8 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     # per-pair floors need every island's floors for every kind (an island left out would lower the others' GPUs).
     # Only where a query costs a process grid per TP x DP x CP split (megatron, torch; under deepspeed, without TP,
     # queries are cheap and nothing was gained). A skipped pair's every pipeline has a closed form and a predicted
-    # iteration that cannot beat the bounds. (Under the bisection composer it had moved torch plans, 7.566 ->
-    # 7.598 s on C3 (iii) batch 64; since the Pareto composer takes every plan whose score floor can beat the best
-    # score as a candidate, every example plan is the same with and without it.)
+    # iteration that cannot beat the bounds. (The Pareto composer takes every plan whose score floor can beat the
+    # best score as a candidate: every example plan is the same with and without it.)
     pairs = (PairFloors(kinds, per_island, gpus, m, links)
              if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
     cap = capacity(kinds, per_island, gpus)  # <= their GPUs
@@ -609,8 +608,7 @@ def _score_extra_s(front_s: float, outside_s: float, num_layers: int = MAX_VIRTU
     fill) / v (the slice's own fill is at least its slowest stage), where v is at most MAX_VIRTUAL_STAGES and the
     fewest layers of any stage (interleave.choose_virtual_stages), so at most the slice's layers: a slice of one
     layer cannot interleave. The closed form adds both. A query's score bound is lowered by it, as its closed-form
-    bound is by the fill outside (on Llama-3 405B over 4,096 GPUs at b = 128, m = 8 micro-batches: up to a seventh
-    of the score floor)."""
+    bound is by the fill outside (with few micro-batches, a sizeable share of the score floor)."""
     v = most_virtual_stages(num_layers)
     if v < 2:
         return front_s
@@ -625,8 +623,7 @@ def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: S
     results[b][pair.key]. A pair's query carries the
     closed-form bound less the least fill the rest of any pipeline holding it adds (_outside_s), and the best
     predicted iteration less _score_extra_s, per number of layers its plan's least stage may have
-    (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front; on
-    Llama-3 405B over 4,096 GPUs under megatron, 989,082 -> 910,254 configurations costed)."""
+    (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front)."""
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[Pair] = []
@@ -670,9 +667,8 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     ``memo`` (SizeMemo) carries what earlier rounds at b did: answers judged once, and per class the options and
     bounds it was last composed with. Under bounds no looser, a class is composed again only if one of its options
     that could be in a plan beating them is new (_compose_group's ``searched``): that earlier composition's plan
-    already counts in the best plan (on GPT-3 13B over four islands under torch this skipped 0.7 of 6.6 CPU-s). A
-    round that left b's options as they were, under bounds no looser than at the end of its last round, ranks no
-    class at all (SizeMemo.rounds: on C3 (iii) under torch a round whose pairs were all skipped took 0.1 s)."""
+    already counts in the best plan. A round that left b's options as they were, under bounds no looser than at the
+    end of its last round, ranks no class at all (SizeMemo.rounds)."""
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b

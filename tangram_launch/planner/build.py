@@ -52,8 +52,8 @@ class AnswerTemplates(list):
 
 class OptionSources(SequenceABC):
     """option index -> (its pair, its unshifted slice plan), read from the parts a size's options are made of
-    (make_candidates: a pair's options are its answer's templates in order), not kept per option: on Llama-3 405B
-    over 4,096 GPUs that is 2.35 million tuples, 150 MB. Options added one by one (manual.py) come after the parts."""
+    (make_candidates: a pair's options are its answer's templates in order), not kept per option: at thousands of
+    GPUs that would be millions of tuples. Options added one by one (manual.py) come after the parts."""
 
     def __init__(self) -> None:
         self._pairs: list[Pair] = []
