@@ -88,6 +88,18 @@ def plan_and_place(plan_path: str | None):
     return plan, plan.place(rank)
 
 
+def plan_adapter(plan: Any) -> Any:
+    """The plan's runtime adapter: the launch's (``current_plan().adapter()``), else the one registered for the
+    runtime of the plan file given with --plan."""
+    from tangram_launch.worker import current_plan, in_tangram_launch
+
+    if in_tangram_launch():
+        return current_plan().adapter()
+    from tangram_launch.capabilities import runtime
+
+    return runtime(plan.runtime).adapter()
+
+
 class TokenBatches:
     """A stream of samples (seq_len + 1 int64 tokens each); sample i is a pure function of (seed, i).
 
@@ -208,9 +220,9 @@ def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str
     check_args(args)
     torch.manual_seed(args.seed)
     plan, place = plan_and_place(args.plan)
-    if plan.runtime != runtime:
-        logging.getLogger("train_gpt").warning("the plan was made for runtime '%s'; running it on '%s'",
-                                               plan.runtime, runtime)
+    if plan.runtime != runtime:  # the adapter is the plan's (plan_adapter): this script drives only its own
+        raise SpecError(f"the plan was made for runtime '{plan.runtime}'; this script runs '{runtime}' plans",
+                        field="runtime", value=plan.runtime, valid=runtime)
     gb, seq_len = int(plan.training["global_batch"]), int(plan.training["seq_len"])
     data = TokenBatches(args.data, global_batch=gb, seq_len=seq_len, vocab_size=int(plan.model["vocab_size"]),
                         seed=args.seed)
@@ -249,11 +261,10 @@ def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from runtime_adapters.registry import get_adapter
 
     def setup(plan, place):
-        return get_adapter("torch").setup(plan, place, seed=args.seed, timeout_s=args.timeout_s,
-                                    optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, foreach=False))
+        return plan_adapter(plan).setup(plan, place, seed=args.seed, timeout_s=args.timeout_s,
+                                        optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, foreach=False))
 
     try:
         return run(args, setup, "torch")

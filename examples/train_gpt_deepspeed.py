@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 import torch
 
 from tangram_launch.errors import SpecError, TangramError
-from train_gpt import build_parser, run
+from train_gpt import build_parser, plan_adapter, run
 
 
 def deepspeed_stage_state(ctx):
@@ -65,10 +65,9 @@ def main(argv=None) -> int:
     parser = build_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--ds-config", help="a DeepSpeed config (JSON or YAML) merged with the plan's")
     args = parser.parse_args(argv)
-    from runtime_adapters.registry import get_adapter
 
     def setup(plan, place):
-        return get_adapter("deepspeed").setup(plan, place, user_config=args.ds_config, seed=args.seed,
+        return plan_adapter(plan).setup(plan, place, user_config=args.ds_config, seed=args.seed,
                                         timeout_s=args.timeout_s,
                                         optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr, foreach=False))
 

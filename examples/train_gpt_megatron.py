@@ -28,7 +28,7 @@ import torch
 
 from runtime_adapters import megatron_adapter as MA  # the plan -> Megatron config translations
 from runtime_adapters.registry import get_adapter
-from tangram_launch.errors import TangramError
+from tangram_launch.errors import SpecError, TangramError
 
 logger = logging.getLogger("train_gpt_megatron")
 
@@ -96,7 +96,10 @@ def forward_step(data_iterator, model):
 
 def train(args: argparse.Namespace) -> dict:
     plan, place = plan_and_place(args)
-    adapter = get_adapter("megatron")
+    if plan.runtime != "megatron":
+        raise SpecError(f"the plan was made for runtime '{plan.runtime}'; this script runs 'megatron' plans",
+                        field="runtime", value=plan.runtime, valid="megatron")
+    adapter = get_adapter(plan.runtime)  # the plan's runtime, through the runtime registry
     adapter.check_plan(plan)  # refuse before any process group exists
     if not torch.cuda.is_available():
         raise TangramError("Megatron-core needs CUDA for forward/backward (its schedules, RNG tracker and "

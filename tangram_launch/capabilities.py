@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable
 
-from tangram_launch.specs.constants import DTYPES, RECOMPUTE_MODES
+from tangram_launch.specs.constants import DEFAULT_RUNTIME, DTYPES, RECOMPUTE_MODES
 from tangram_launch.specs.shape import StageShape
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -198,13 +198,87 @@ MEGATRON = RuntimeCapabilities(
 BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}
 
 
-def capabilities_for(runtime: str) -> RuntimeCapabilities:
-    from tangram_launch.errors import SpecError
-    from tangram_launch.specs.yamlio import closest
+# --- the runtime registry: each runtime's capabilities with its adapter -----------------------------------------------
 
+# A third-party runtime registers its adapter class (a runtime_adapters.base.RuntimeAdapter with a ``capabilities``
+# class attribute) in its packaging metadata:
+#     [project.entry-points."tangram_launch.runtime_adapters"]
+#     myrt = "my_package.adapter:MyAdapter"
+ADAPTER_ENTRY_POINT_GROUP = "tangram_launch.runtime_adapters"
+_BUILTIN_ADAPTERS = {
+    "torch": "runtime_adapters.torch_native:TorchAdapter",
+    "deepspeed": "runtime_adapters.deepspeed_adapter:DeepSpeedAdapter",
+    "megatron": "runtime_adapters.megatron_adapter:MegatronAdapter",
+}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One registered runtime: what it runs (read by the planner as data) and its adapter, named as
+    ``module:Class`` and imported only when a worker asks for it (the planner never imports a runtime)."""
+
+    capabilities: RuntimeCapabilities
+    adapter_target: str
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
+
+    def adapter_class(self) -> type:
+        import importlib
+
+        module, _, attr = self.adapter_target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def adapter(self):
+        """A new adapter instance (imports the adapter module, and through it the runtime, on first use)."""
+        return self.adapter_class()()
+
+
+BUILTIN_RUNTIMES = {name: Runtime(BUILTIN[name], target) for name, target in _BUILTIN_ADAPTERS.items()}
+
+
+def adapter_entry_points() -> dict:
+    # read only for a name that is not built in: importlib.metadata costs a planning run 15-20 ms of CPU
+    from importlib import metadata
+
+    return {ep.name: ep for ep in metadata.entry_points(group=ADAPTER_ENTRY_POINT_GROUP)}
+
+
+def runtime_names() -> list[str]:
+    """Built-in runtimes first, then the registered third-party ones (sorted)."""
+    return list(BUILTIN_RUNTIMES) + sorted(n for n in adapter_entry_points() if n not in BUILTIN_RUNTIMES)
+
+
+def runtime(name: str) -> Runtime:
+    """The registered runtime ``name``; unknown names list the registered ones. A third-party adapter class is
+    loaded to read its ``capabilities`` (its runtime itself should be imported lazily, as the built-ins do)."""
+    from tangram_launch.errors import SpecError
+
+    if name in BUILTIN_RUNTIMES:
+        return BUILTIN_RUNTIMES[name]
+    eps = adapter_entry_points() if isinstance(name, str) else {}
+    if name not in eps:
+        from tangram_launch.specs.yamlio import closest
+
+        names = runtime_names()
+        hint = closest(str(name), names)
+        raise SpecError("unknown runtime", field="runtime", value=name,
+                        valid=(f"did you mean '{hint}'? " if hint else "") + ", ".join(names)
+                        + f" (third-party adapters register under the entry point group "
+                          f"'{ADAPTER_ENTRY_POINT_GROUP}'; did you forget to install one?)")
+    entry = Runtime(RuntimeCapabilities(name), eps[name].value)
     try:
-        return BUILTIN[runtime]
-    except KeyError:
-        hint = closest(runtime, BUILTIN)
-        raise SpecError("unknown runtime", field="runtime", value=runtime,
-                        valid=(f"did you mean '{hint}'? " if hint else "") + ", ".join(BUILTIN)) from None
+        caps = entry.adapter_class().capabilities
+    except Exception as exc:  # a broken plugin is a user-environment problem, reported by name
+        raise SpecError(f"cannot load runtime adapter plugin ({type(exc).__name__}: {exc})", field="runtime",
+                        value=name, valid=f"entry point {eps[name].value} with a `capabilities` attribute") from exc
+    if not isinstance(caps, RuntimeCapabilities) or caps.name != name:
+        raise SpecError("the adapter's `capabilities` must be a RuntimeCapabilities named as its entry point",
+                        field="runtime", value=name, valid=f"RuntimeCapabilities(name={name!r}, ...)")
+    return Runtime(caps, eps[name].value)
+
+
+def capabilities_for(runtime_name: str) -> RuntimeCapabilities:
+    """What the registered runtime ``runtime_name`` runs."""
+    return runtime(runtime_name).capabilities

@@ -17,7 +17,7 @@ import yaml
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported: the Plan's recompute modes)
-from tangram_launch.specs.constants import SCHEDULES
+from tangram_launch.specs.constants import DEFAULT_RUNTIME, SCHEDULES
 from tangram_launch.specs.shape import StageShape, check_shape
 from tangram_launch.specs.yamlio import check_keys, dump_yaml_file, load_yaml_file, to_plain
 from tangram_launch.topology import Topology
@@ -209,7 +209,7 @@ class Plan:
     stages: tuple[Stage, ...]
     num_microbatches: int
     predicted: Prediction
-    runtime: str = "torch"
+    runtime: str = DEFAULT_RUNTIME
     schedule: str = "1F1B"  # or "interleaved-1F1B" (costmodel.pipeline.SCHEDULES)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B; 1 for plain 1F1B)
     islands_used: tuple[str, ...] = ()
@@ -370,7 +370,7 @@ class Plan:
         try:
             return cls(
                 version=int(d.get("version", PLAN_VERSION)),
-                runtime=str(d.get("runtime", "torch")),
+                runtime=str(d.get("runtime", DEFAULT_RUNTIME)),
                 schedule=str(d.get("schedule", "1F1B")),
                 virtual_stages=int(d.get("virtual_stages", 1)),
                 model=dict(d["model"]),

@@ -221,6 +221,13 @@ class WorkerPlan:
         """``Plan.place(rank)``: stage, coordinates and groups of this worker."""
         return self.plan.place(self.rank)
 
+    def adapter(self) -> Any:
+        """A new adapter for the plan's runtime (tangram_launch.capabilities.runtime: a built-in, or one registered
+        under the entry point group ``tangram_launch.runtime_adapters``), imported on first use."""
+        from tangram_launch.capabilities import DEFAULT_RUNTIME, runtime
+
+        return runtime(str(self.plan_dict.get("runtime") or DEFAULT_RUNTIME)).adapter()
+
 
 def current_plan() -> WorkerPlan:
     """The plan this worker was launched with, and its place in it.

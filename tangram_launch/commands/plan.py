@@ -26,21 +26,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", required=True, help="ClusterSpec YAML (tangram-launch profile writes one)")
     parser.add_argument("--model", required=True, help="preset name, model YAML, or Hugging Face config.json")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per iteration (default 8)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPES,
-                        help="training dtype: tf32 = fp32 storage with TF32 matmuls; fp8 = FP8 GEMMs, bf16 elsewhere "
-                             "(Transformer Engine; H100, H200, B200, L40S, L4)")
-    parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default: the model's, at most 2048; as launch-time planning)")
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
+                        help="training dtype (default bf16): tf32 = fp32 storage with TF32 matmuls; fp8 = FP8 GEMMs, "
+                             "bf16 elsewhere (Transformer Engine; H100, H200, B200, L40S, L4)")
+    parser.add_argument("--optimizer", default=None, choices=("adam", "adamw", "sgd"), help="default adam")
     parser.add_argument("--memory-headroom", type=float, default=None, metavar="FRACTION",
                         help="fraction of each GPU's memory a plan leaves free (default 0.05: the memory model is an "
                              "estimate and the allocator needs slack)")
-    parser.add_argument("--runtime", default="torch", choices=RUNTIMES,
-                        help="runtime that will execute the plan; the planner only proposes what it runs")
-    parser.add_argument("--schedule", default="auto", choices=("auto", "1F1B", "interleaved-1F1B"),
-                        help="pipeline schedule: auto interleaves (virtual stages) where the runtime runs it and it "
-                             "is faster; interleaved-1F1B insists")
-    parser.add_argument("--parallelizer", default="megatron", help="homogeneous parallelizer (megatron, uniform, "
-                                                                    "or a registered plugin)")
+    parser.add_argument("--runtime", default=None, metavar="NAME",
+                        help=f"runtime that will execute the plan (default torch; built in: {', '.join(RUNTIMES)}, or "
+                             "one registered under the entry point group tangram_launch.runtime_adapters); the "
+                             "planner only proposes what it runs")
+    parser.add_argument("--schedule", default=None, choices=("auto", "1F1B", "interleaved-1F1B"),
+                        help="pipeline schedule (default auto): auto interleaves (virtual stages) where the runtime "
+                             "runs it and it is faster; interleaved-1F1B insists")
+    parser.add_argument("--parallelizer", default=None, help="homogeneous parallelizer (default megatron; uniform, "
+                                                              "or a registered plugin)")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the plan (.json: JSON, else YAML)")
     parser.add_argument("--format", choices=("table", "json", "yaml"), default="table")
     parser.add_argument("--compare", action="store_true", help="add baselines under the same cost model")
@@ -49,23 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="FILE", dest="manual", help="cost a hand-written plan instead of searching")
     parser.add_argument("--workers", type=int, default=None, help="parallel parallelizer queries (default 2)")
     parser.add_argument("--microbatch-sequences", type=int, nargs="+", default=None, metavar="B",
-                        help="sequences per micro-batch to try (default: up to 4 divisors of the global batch)")
+                        help="sequences per micro-batch to try (default: every divisor of the global batch)")
     parser.add_argument("--no-prune", action="append", default=[], choices=PRUNING_POLICIES,
                         help="switch a pruning policy off (repeatable; for ablations)")
     parser.add_argument("--balance-tolerance", type=float, default=None,
                         help="unbalanced-pair pruning tolerance (default 1.0: up to 2x the compute share)")
-
-
-def _training(args: argparse.Namespace, model):
-    from tangram_launch.specs.training import TrainingSpec
-
-    kw = {"dtype": args.dtype, "optimizer": args.optimizer,
-          "seq_len": args.seq_len if args.seq_len is not None else model.max_seq_len}
-    if args.global_batch is not None:
-        kw["global_batch"] = args.global_batch
-    if args.memory_headroom is not None:
-        kw["memory_headroom_fraction"] = args.memory_headroom
-    return TrainingSpec(**kw)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,10 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_cli_args(args)  # bad numbers and output paths: exit 2 before any work
     from tangram_launch.islands import build_islands
-    from tangram_launch.planner.api import PlannerOptions, search
-    from tangram_launch.planner.slices import DEFAULT_BALANCE_TOLERANCE, PruningPolicy
+    from tangram_launch.launch.planning import planning_request
+    from tangram_launch.planner.api import search
     from tangram_launch.specs.cluster import ClusterSpec
-    from tangram_launch.specs.model import load_model
 
     if args.workers is not None and args.workers < 1:
         raise SpecError("must be >= 1", field="--workers", value=args.workers)
@@ -85,15 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
         check_picture_path(args.timeline, "--timeline")  # before planning, not after it
     cluster = ClusterSpec.load(args.cluster)
-    model = load_model(args.model)
-    training = _training(args, model)
+    req = planning_request(args, cluster=cluster)  # one set of defaults with launch-time planning
+    model, training, opts = req.model, req.training, req.options
     iset = build_islands(cluster, dtype=training.dtype)
-    pruning = PruningPolicy(redundant="redundant" not in args.no_prune, unbalanced="unbalanced" not in args.no_prune,
-                            infeasible="infeasible" not in args.no_prune,
-                            balance_tolerance=(DEFAULT_BALANCE_TOLERANCE if args.balance_tolerance is None
-                                               else args.balance_tolerance))
-    opts = PlannerOptions(pruning=pruning, max_workers=args.workers, schedule=args.schedule,
-                          microbatch_sequences=tuple(args.microbatch_sequences) if args.microbatch_sequences else None)
     result = None
     baselines = []
     if args.manual:
@@ -101,13 +85,13 @@ def run(args: argparse.Namespace) -> int:
 
         manual = load_manual_plan(args.manual, num_layers=model.num_layers,
                                   island_names=[i.name for i in iset.islands])
-        plan = cost_manual_plan(manual, cluster, model, training, runtime=args.runtime,
-                                parallelizer=args.parallelizer, islands=iset, options=opts)
+        plan = cost_manual_plan(manual, cluster, model, training, runtime=req.runtime,
+                                parallelizer=req.parallelizer, islands=iset, options=opts)
         if args.compare:
-            result = search(cluster, model, training, runtime=args.runtime, parallelizer=args.parallelizer,
+            result = search(cluster, model, training, runtime=req.runtime, parallelizer=req.parallelizer,
                             islands=iset, options=opts)
     else:
-        result = search(cluster, model, training, runtime=args.runtime, parallelizer=args.parallelizer,
+        result = search(cluster, model, training, runtime=req.runtime, parallelizer=req.parallelizer,
                         islands=iset, options=opts)
         plan = result.plan
     if args.compare and result is not None:

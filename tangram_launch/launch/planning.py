@@ -35,20 +35,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.constants import RUNTIMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.checkpoint.store import CheckpointInfo
     from tangram_launch.launch.torchrun import LaunchOptions, TangramOptions
     from tangram_launch.plan import Plan
+    from tangram_launch.planner.api import PlannerOptions
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import ModelSpec
+    from tangram_launch.specs.training import TrainingSpec
 
 logger = logging.getLogger(__name__)
 
 ENV_CACHE_DIR = "TANGRAM_CACHE_DIR"
-DEFAULT_RUNTIME = "torch"
-DEFAULT_PARALLELIZER = "megatron"
 # Planner statistics that differ from run to run (wall-clock times, pool size): logged, never in the plan's bytes.
 VOLATILE_PLANNER_KEYS = ("planning_time_s", "query_time_s", "compose_time_s", "workers")
 IDENTITY_VERSION = 1
@@ -227,56 +226,111 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
 
 # --- what to plan ----------------------------------------------------------------------------------------------------
 
+DEFAULT_PARALLELIZER = "megatron"
+
+
 @dataclass(frozen=True)
-class PlanInputs:
-    """Model, training shape and runtime of a launch-time plan (the command line's, else the checkpoint's)."""
+class PlanningRequest:
+    """Everything a plan is made from, whichever command line asked (``tangram-launch plan`` or launch-time planning):
+    built by :func:`planning_request` with one set of defaults, so the same arguments give the same plan bytes."""
 
     model: "ModelSpec"
-    global_batch: int
-    seq_len: int
-    dtype: str
-    optimizer: str
-    runtime: str
+    training: "TrainingSpec"  # global batch, sequence length, dtype, optimizer, memory headroom
+    runtime: str  # a registered runtime (tangram_launch.capabilities.runtime)
     parallelizer: str
+    options: "PlannerOptions"  # schedule, micro-batch sizes, pruning, workers
+    cluster: "ClusterSpec | None" = None  # where known when the request is built (launch: after --profile)
 
-    def __post_init__(self) -> None:
-        if self.runtime not in RUNTIMES:
-            raise SpecError("unknown runtime", field="--runtime", value=self.runtime, valid=", ".join(RUNTIMES))
-        self.training()  # TrainingSpec validates batch, sequence length and dtype
+    @property
+    def global_batch(self) -> int:
+        return self.training.global_batch
 
-    def training(self):
-        from tangram_launch.specs.training import TrainingSpec
+    @property
+    def seq_len(self) -> int:
+        return self.training.seq_len
 
-        return TrainingSpec(global_batch=self.global_batch, seq_len=self.seq_len, dtype=self.dtype,
-                            optimizer=self.optimizer)
+    @property
+    def dtype(self) -> str:
+        return self.training.dtype
+
+    @property
+    def optimizer(self) -> str:
+        return self.training.optimizer
+
+    @property
+    def schedule(self) -> str:
+        return self.options.schedule
 
 
-def plan_inputs(opts: "TangramOptions", resume: "CheckpointInfo | None" = None) -> PlanInputs:
-    """The command line's values; when resuming, the checkpoint's plan fills what was not given again."""
+PlanInputs = PlanningRequest  # (the launcher's earlier name)
+
+
+def default_seq_len(model: "ModelSpec") -> int:
+    """Tokens per sequence when none is given (nor a checkpoint's): the model's context, at most TrainingSpec's
+    default (2,048): a full long context (Llama-3's 8,192 or 131,072) is rarely what a first plan is for."""
+    from tangram_launch.specs.training import TrainingSpec
+
+    return min(model.max_seq_len, TrainingSpec().seq_len)
+
+
+def default_dtype(cluster: "ClusterSpec | None") -> str:
+    """The training dtype when none is given (nor a checkpoint's): the one place this default is decided."""
+    from tangram_launch.specs.training import TrainingSpec
+
+    return TrainingSpec().dtype
+
+
+def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, cluster: "ClusterSpec | None" = None,
+                     progress: bool | None = None) -> PlanningRequest:
+    """The request from either command line's values (an argparse namespace or TangramOptions: absent or None
+    attributes take the defaults); when resuming, the checkpoint's plan fills what was not given again."""
+    from tangram_launch.capabilities import DEFAULT_RUNTIME, runtime
+    from tangram_launch.planner.api import PlannerOptions
+    from tangram_launch.planner.slices import DEFAULT_BALANCE_TOLERANCE, PruningPolicy
     from tangram_launch.specs.model import ModelSpec, load_model
     from tangram_launch.specs.training import TrainingSpec
 
+    def given(name: str) -> Any:
+        return getattr(values, name, None)
+
     old = dict(resume.plan) if resume is not None else {}
     old_training = dict(old.get("training") or {})
-    if opts.model is not None:
-        model = load_model(opts.model)
+    if given("model") is not None:
+        model = load_model(given("model"))
     elif old.get("model"):
         model = ModelSpec.from_dict(old["model"], source=f"{resume.path}/plan.json")
     else:
-        raise SpecError("planning at launch needs a model", field="--model",
+        raise SpecError("planning needs a model", field="--model",
                         valid="a preset name, a model YAML or a Hugging Face config.json")
     default = TrainingSpec()
-    seq_len = opts.seq_len or old_training.get("seq_len") or min(model.max_seq_len, default.seq_len)
-    return PlanInputs(
-        model=model,
-        global_batch=int(opts.global_batch or old_training.get("global_batch") or default.global_batch),
-        seq_len=int(seq_len),
-        dtype=str(opts.dtype or old_training.get("dtype") or default.dtype),
-        optimizer=str(old_training.get("optimizer") or default.optimizer),
-        runtime=str(opts.runtime or old.get("runtime") or DEFAULT_RUNTIME),
-        parallelizer=str(opts.parallelizer or _registered((old.get("planner") or {}).get("parallelizer"))
+    training = {
+        "global_batch": int(given("global_batch") or old_training.get("global_batch") or default.global_batch),
+        "seq_len": int(given("seq_len") or old_training.get("seq_len") or default_seq_len(model)),
+        "dtype": str(given("dtype") or old_training.get("dtype") or default_dtype(cluster)),
+        "optimizer": str(given("optimizer") or old_training.get("optimizer") or default.optimizer)}
+    if given("memory_headroom") is not None:
+        training["memory_headroom_fraction"] = given("memory_headroom")
+    name = str(given("runtime") or old.get("runtime") or DEFAULT_RUNTIME)
+    runtime(name)  # a registered runtime, built in or third-party: else SpecError naming the registered ones
+    no_prune = tuple(given("no_prune") or ())
+    tolerance = given("balance_tolerance")
+    sizes = given("microbatch_sequences")
+    options = PlannerOptions(
+        pruning=PruningPolicy(redundant="redundant" not in no_prune, unbalanced="unbalanced" not in no_prune,
+                              infeasible="infeasible" not in no_prune,
+                              balance_tolerance=DEFAULT_BALANCE_TOLERANCE if tolerance is None else tolerance),
+        max_workers=given("workers"), schedule=given("schedule") or "auto", progress=progress,
+        microbatch_sequences=tuple(sizes) if sizes else None)
+    return PlanningRequest(
+        model=model, training=TrainingSpec(**training), runtime=name,
+        parallelizer=str(given("parallelizer") or _registered((old.get("planner") or {}).get("parallelizer"))
                          or DEFAULT_PARALLELIZER),
-    )
+        options=options, cluster=cluster)
+
+
+def plan_inputs(opts: "TangramOptions", resume: "CheckpointInfo | None" = None) -> PlanningRequest:
+    """Launch-time planning's request (planning_request without progress output)."""
+    return planning_request(opts, resume=resume, progress=False)
 
 
 def _registered(name: Any) -> str | None:
@@ -286,13 +340,12 @@ def _registered(name: Any) -> str | None:
     return name if isinstance(name, str) and name in registered_names() else None
 
 
-def make_launch_plan(cluster: "ClusterSpec", inputs: PlanInputs) -> "Plan":
-    """make_plan with the runtime's capabilities (the planner proposes only what that runtime executes)."""
-    from tangram_launch.capabilities import capabilities_for
-    from tangram_launch.planner.api import PlannerOptions, make_plan
+def make_launch_plan(cluster: "ClusterSpec", request: PlanningRequest) -> "Plan":
+    """The request's plan on ``cluster`` (the planner proposes only what the request's runtime executes)."""
+    from tangram_launch.planner.api import make_plan
 
-    return make_plan(cluster, inputs.model, inputs.training(), runtime=capabilities_for(inputs.runtime),
-                     parallelizer=inputs.parallelizer, options=PlannerOptions(progress=False))
+    return make_plan(cluster, request.model, request.training, runtime=request.runtime,
+                     parallelizer=request.parallelizer, options=request.options)
 
 
 def check_plan_fits_launch(plan: "Plan", cluster: "ClusterSpec", *, nproc_per_node: int, node: str | None = None,
@@ -351,6 +404,8 @@ def provide_plan(request: Any) -> str:
             logger.info("no --cluster given: profiling this node (--profile)")
         cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc,
                                              reprofile=opts.reprofile)
+    # again with the cluster, which only default_dtype reads (a dtype given or resumed wins)
+    inputs = planning_request(opts, resume=request.resume, cluster=cluster, progress=False)
     logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
@@ -467,5 +522,6 @@ def default_plan_dir() -> str:
 
 
 __all__ = ["canonical_plan_bytes", "write_plan", "cache_dir", "live_identity", "live_fingerprint", "cached_profile",
-           "profile_cluster", "PlanInputs", "plan_inputs", "make_launch_plan", "check_plan_fits_launch",
-           "provide_plan", "describe_resume", "plan_changes", "report_resume", "default_plan_dir"]
+           "profile_cluster", "PlanningRequest", "PlanInputs", "planning_request", "plan_inputs", "make_launch_plan",
+           "check_plan_fits_launch", "provide_plan", "describe_resume", "plan_changes", "report_resume",
+           "default_plan_dir"]

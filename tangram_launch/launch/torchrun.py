@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", "--seq_len", metavar="N", type=_positive_int, default=None,
                    help="Sequence length in tokens.")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="Training dtype.")
-    g.add_argument("--runtime", choices=RUNTIMES, default=None, help="Runtime the plan must run on.")
+    g.add_argument("--runtime", metavar="NAME", default=None,
+                   help=f"Runtime the plan must run on ({', '.join(RUNTIMES)} or a registered third-party one).")
     g.add_argument("--plan", metavar="FILE", default=None, help="Launch by this plan (JSON or YAML).")
     g.add_argument("--parallelizer", metavar="NAME", default=None, help="Per-island parallelizer to plan with.")
     g.add_argument("--node-name", "--node_name", metavar="NAME", default=None,

@@ -6,11 +6,11 @@
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
 candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
 (compose.py; above five islands over a bounded set of island orders, orders.py, unless few link classes keep the
-exact search small, compose.front_classes; each ranked by the iteration
-the Plan reports: the simulated 1F1B, or interleaved where faster) -> the best over b. The sizes b: a
-spread of the global batch's divisors first, then the best size's neighbouring divisors until the best size stops
-moving. Branch and bound: the sizes are visited most promising first (a floor under any plan's latency at each
-size, from the parallelizer's compute floors), a size whose floor cannot beat the best plan so far is skipped, and
+exact search small, compose.front_classes; each ranked by the iteration the Plan reports: the simulated 1F1B, or
+interleaved where faster) -> the best over b. The sizes b: every divisor of the global batch (or those asked for),
+so the plan is the best over all of them. Branch and bound: the sizes are visited most promising first (a floor
+under any plan's latency at each size, from the parallelizer's compute floors; the order changes only the time),
+a size whose floor cannot beat the best plan so far is skipped, and
 every query carries the best latency so far so the parallelizer costs only what could beat it. Under megatron a
 pair whose floor (pair_floors.py: its layers on its island, the others on the other islands) cannot beat it is not
 asked at all. A size's compatibility classes are composed in the order of their floors (classes.py: each island
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
 
-from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
+from tangram_launch.capabilities import DEFAULT_RUNTIME, RuntimeCapabilities, capabilities_for
 from tangram_launch.costmodel.pipeline import cycle_floor_1f1b_s
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import IslandSet, build_islands, compute_tflops
@@ -69,9 +69,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MICROBATCH_OPTIONS = 4
 # while only single-island plans bound the search, this share of a size's pairs (the lowest pair floors) is asked
-# and composed first (megatron): on Llama-3 405B / 256 GPUs its plan lets 171 of the other 216 go unasked
+# and composed first (megatron): its plan lets most of the others go unasked (figures: benchmarks/README.md)
 FIRST_ROUND_SHARE = 0.25
 # above exact_islands, the search is still exact where its DP keys per layer, with front islands merged by link
 # class (compose.merged_states), are this few: up to 8 islands that talk over one spine
@@ -81,9 +80,7 @@ MERGED_EXACT_STATES = 256
 @dataclass(frozen=True)
 class PlannerOptions:
     pruning: PruningPolicy = field(default_factory=PruningPolicy)
-    microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: spread divisors, refined
-    max_microbatch_options: int = DEFAULT_MAX_MICROBATCH_OPTIONS  # divisors in the first spread
-    refine_microbatches: bool = True  # then the best size's neighbouring divisors, until the best stops moving
+    microbatch_sequences: tuple[int, ...] | None = None  # b values to try; default: every divisor of the batch
     max_workers: int | None = None  # process pool size; default min(2, cpu count)
     progress: bool | None = None  # None: progress on stderr only when it is a terminal
     bound_step: float = 0.0  # > 0: the composer compares periods within this relative step as equal (faster, not exact)
@@ -105,8 +102,6 @@ class PlannerOptions:
             for b in self.microbatch_sequences:
                 if isinstance(b, bool) or not isinstance(b, int) or b < 1:
                     raise SpecError("must be positive integers", field="microbatch_sequences", value=b)
-        if isinstance(self.max_microbatch_options, bool) or self.max_microbatch_options < 1:
-            raise SpecError("must be >= 1", field="max_microbatch_options", value=self.max_microbatch_options)
         if self.atom_layers is not None and (isinstance(self.atom_layers, bool) or not isinstance(
                 self.atom_layers, int) or self.atom_layers < 1):
             raise SpecError("must be a positive integer", field="atom_layers", value=self.atom_layers)
@@ -138,6 +133,17 @@ class SearchResult:
     scored_s: tuple[float, ...] = ()  # predicted iteration of every composition the search scored
 
 
+class Incumbent(NamedTuple):
+    """The best plan found so far: its predicted iteration (what the Plan reports), its micro-batch size, its
+    compatibility class, its composition and the Candidates its option indices point into."""
+
+    latency_s: float
+    b: int
+    group: Hashable
+    composition: Composition
+    candidates: Candidates
+
+
 def resolve_parallelizer(parallelizer: str | Parallelizer) -> Parallelizer:
     if isinstance(parallelizer, str):
         from tangram_launch.parallelizers.registry import get_parallelizer  # floor 3, loaded on demand
@@ -153,15 +159,35 @@ def resolve_capabilities(runtime: str | RuntimeCapabilities) -> RuntimeCapabilit
     return runtime if isinstance(runtime, RuntimeCapabilities) else capabilities_for(runtime)
 
 
+def divisors(global_batch: int) -> tuple[int, ...]:
+    """Every divisor of the global batch, ascending: the micro-batch sizes the search considers by default."""
+    small = [d for d in range(1, math.isqrt(global_batch) + 1) if global_batch % d == 0]
+    return tuple(sorted({*small, *(global_batch // d for d in small)}))
+
+
 def microbatch_choices(global_batch: int, limit: int) -> tuple[int, ...]:
-    """Divisors of the global batch; when more than ``limit``, a spread from smallest to largest (log-spaced)."""
-    divs = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    """Divisors of the global batch; when more than ``limit``, a spread from smallest to largest (log-spaced).
+    Not the search's default (that is every divisor); kept for benchmarks and tests that compare against it."""
+    divs = list(divisors(global_batch))
     if len(divs) <= limit:
         return tuple(divs)
     if limit == 1:
         return (divs[0],)
     picks = sorted({divs[round(i * (len(divs) - 1) / (limit - 1))] for i in range(limit)})
     return tuple(picks)
+
+
+def candidate_sizes(global_batch: int, asked: Sequence[int] | None) -> tuple[int, ...]:
+    """The micro-batch sizes a search considers: ``asked`` (each must divide the global batch), else every divisor.
+    The search visits them most promising first and skips a size only where a floor under every plan at that size
+    cannot beat the best plan found (SizeFloor.beyond), so its plan is the best over all of them."""
+    if not asked:
+        return divisors(global_batch)
+    bad = [b for b in asked if global_batch % b]
+    if bad:
+        raise SpecError(f"must divide the global batch {global_batch}", field="microbatch_sequences",
+                        value=bad[0], valid=", ".join(str(d) for d in divisors(global_batch)))
+    return tuple(asked)
 
 
 def _memory_reasons(atoms: ModelAtoms, usable: Sequence["Island"], caps: RuntimeCapabilities) -> list[str]:
@@ -175,7 +201,7 @@ def _memory_reasons(atoms: ModelAtoms, usable: Sequence["Island"], caps: Runtime
 
 
 def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
-           runtime: str | RuntimeCapabilities = "torch", parallelizer: str | Parallelizer = "megatron",
+           runtime: str | RuntimeCapabilities = DEFAULT_RUNTIME, parallelizer: str | Parallelizer = "megatron",
            islands: IslandSet | None = None, options: PlannerOptions | None = None) -> SearchResult:
     """Plan, and keep everything that went into the plan."""
     opts = options or PlannerOptions()
@@ -200,52 +226,29 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     L = model.num_layers
     G = training.global_batch
 
-    if caps.dtype_problems(training.dtype):
-        raise InfeasibleError(f"the {caps.name} runtime cannot train in {training.dtype}",
-                              caps.dtype_problems(training.dtype))
-    usable = tuple(i for i in all_islands if dtype_problem(i, training.dtype) is None)
-    reasons = [p for i in all_islands if (p := dtype_problem(i, training.dtype))]
-    if not usable:
-        raise InfeasibleError("no island can train in " + training.dtype, reasons)
-    mem = _memory_reasons(atoms, usable, caps)
-    if mem:
-        raise InfeasibleError("no plan fits in memory", mem + reasons)
-
+    usable, reasons = _usable_islands(all_islands, atoms, caps, training.dtype)
     atom_layers = opts.atom_layers or auto_atom_layers(L)
     pairset = build_pairs(atoms, all_islands, caps, opts.pruning, atom_layers=atom_layers)
     if not pairset.pairs:
         raise InfeasibleError("every slice/island pair was pruned", list(pairset.island_notes.values()) or reasons)
 
-    divs = microbatch_choices(G, G)  # every divisor of the global batch
-    bs = opts.microbatch_sequences or microbatch_choices(G, opts.max_microbatch_options)
-    bad = [b for b in bs if G % b]
-    if bad:
-        raise SpecError(f"must divide the global batch {G}", field="microbatch_sequences", value=bad[0],
-                        valid=", ".join(str(d) for d in microbatch_choices(G, 64)))
+    bs = candidate_sizes(G, opts.microbatch_sequences)
 
     results: dict[int, dict[tuple, SliceResult]] = {}
     all_cands: dict[int, Candidates] = {}
     memo = SizeMemo()
     cstats = ComposeStats()
-    # (latency, b, group, composition, the Candidates its option indices point into)
-    best: tuple[float, int, Hashable, Composition, Candidates] | None = None
+    best: Incumbent | None = None
     counters = {"queries": 0, "configs": 0, "bounded": 0, "sizes_skipped": 0, "pairs_skipped": 0, "query_s": 0.0,
                 "compose_s": 0.0}
-    tried: list[int] = []
-    while bs:
-        tried.extend(bs)
-        best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                                 training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
-                                 opts=opts, memo=memo)
-        if opts.microbatch_sequences or not opts.refine_microbatches or best is None:
-            break
-        # bounded search over the divisors: try the untried neighbours of the best size until it stops moving
-        k = divs.index(best[1])
-        bs = tuple(d for d in divs[max(0, k - 1):k + 2] if d not in tried)
+    tried = list(bs)
+    best = _try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                             training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
+                             opts=opts, memo=memo)
     t_c = time.perf_counter()
     if best is None:
         raise InfeasibleError("no feasible plan", _infeasible_reasons(all_cands, pairset, reasons, caps))
-    _, b_best, group_best, comp_best, cand = best
+    b_best, group_best, comp_best, cand = best.b, best.group, best.composition, best.candidates
     group_idx = cand.class_members()[group_best]
     dropped = dropped_islands(
         cand, group_idx, comp_best, all_islands, pairset, L, caps, opts.exact_islands,
@@ -253,27 +256,8 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
                                  required_mask=1 << k))
     compose_s = counters["compose_s"] + time.perf_counter() - t_c
 
-    stats = {
-        "parallelizer": getattr(par, "name", type(par).__name__),
-        "planning_time_s": round(time.perf_counter() - t0, 4),
-        "pairs": pairset.counts["total"],
-        "queries": counters["queries"],
-        "pruned": {k: pairset.counts[k] for k in ("incompatible", "infeasible", "unbalanced", "redundant")},
-        "b": b_best,
-        "atom_layers": atom_layers,
-        "microbatch_sequences_tried": sorted(tried),
-        "configs_evaluated": counters["configs"],
-        "configs_bounded": counters["bounded"],
-        "microbatch_sizes_skipped": counters["sizes_skipped"],  # their floor could not beat the plan found
-        "pairs_skipped": counters["pairs_skipped"],  # not queried: part of no pipeline beating the plan found
-        "query_time_s": round(counters["query_s"], 4),
-        "compose_time_s": round(compose_s, 4),
-        "workers": opts.max_workers or default_workers(),
-        "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options),
-                    "simulated": len(cstats.scored), "best_closed_form_s": cstats.best_closed_s},
-        "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
-                    "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
-    }
+    stats = _search_stats(par, pairset, counters, cstats, cand, opts, planning_s=time.perf_counter() - t0,
+                          compose_s=compose_s, atom_layers=atom_layers, tried=tried)
     if opts.schedule == "interleaved-1F1B":
         problems = caps.schedule_problems("interleaved-1F1B")
         if problems:
@@ -292,8 +276,51 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
                         scored_s=tuple(c.objective_s for c in cstats.scored))
 
 
+def _usable_islands(all_islands: Sequence["Island"], atoms: ModelAtoms, caps: RuntimeCapabilities,
+                    dtype: str) -> tuple[tuple["Island", ...], list[str]]:
+    """The islands that can train in ``dtype``, and why the others cannot; InfeasibleError where the runtime cannot
+    train in it, no island can, or the model's state cannot fit in the usable islands' memory."""
+    if caps.dtype_problems(dtype):
+        raise InfeasibleError(f"the {caps.name} runtime cannot train in {dtype}", caps.dtype_problems(dtype))
+    usable = tuple(i for i in all_islands if dtype_problem(i, dtype) is None)
+    reasons = [p for i in all_islands if (p := dtype_problem(i, dtype))]
+    if not usable:
+        raise InfeasibleError("no island can train in " + dtype, reasons)
+    mem = _memory_reasons(atoms, usable, caps)
+    if mem:
+        raise InfeasibleError("no plan fits in memory", mem + reasons)
+    return usable, reasons
+
+
+def _search_stats(par: Parallelizer, pairset: PairSet, counters: dict, cstats: ComposeStats, cand: Candidates,
+                  opts: PlannerOptions, *, planning_s: float, compose_s: float, atom_layers: int,
+                  tried: Sequence[int]) -> dict:
+    """The search's figures for the Plan's ``planner`` block (cand: the chosen size's Candidates)."""
+    return {
+        "parallelizer": getattr(par, "name", type(par).__name__),
+        "planning_time_s": round(planning_s, 4),
+        "pairs": pairset.counts["total"],
+        "queries": counters["queries"],
+        "pruned": {k: pairset.counts[k] for k in ("incompatible", "infeasible", "unbalanced", "redundant")},
+        "b": cand.b,
+        "atom_layers": atom_layers,
+        "microbatch_sequences_tried": sorted(tried),
+        "configs_evaluated": counters["configs"],
+        "configs_bounded": counters["bounded"],
+        "microbatch_sizes_skipped": counters["sizes_skipped"],  # their floor could not beat the plan found
+        "pairs_skipped": counters["pairs_skipped"],  # not queried: part of no pipeline beating the plan found
+        "query_time_s": round(counters["query_s"], 4),
+        "compose_time_s": round(compose_s, 4),
+        "workers": opts.max_workers or default_workers(),
+        "compose": {"dp_runs": cstats.dp_runs, "states": cstats.states, "options": len(cand.options),
+                    "simulated": len(cstats.scored), "best_closed_form_s": cstats.best_closed_s},
+        "pruning": {"redundant": opts.pruning.redundant, "unbalanced": opts.pruning.unbalanced,
+                    "infeasible": opts.pruning.infeasible, "balance_tolerance": opts.pruning.balance_tolerance},
+    }
+
+
 def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
-              runtime: str | RuntimeCapabilities = "torch", parallelizer: str | Parallelizer = "megatron",
+              runtime: str | RuntimeCapabilities = DEFAULT_RUNTIME, parallelizer: str | Parallelizer = "megatron",
               islands: IslandSet | None = None, options: PlannerOptions | None = None) -> Plan:
     """The best heterogeneous plan; raises InfeasibleError (with reasons) when nothing fits."""
     return search(cluster, model, training, runtime=runtime, parallelizer=parallelizer, islands=islands,
@@ -306,8 +333,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
                       cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
                       pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool,
                       opts: PlannerOptions, memo: "SizeMemo | None" = None):
-    """Query and compose the micro-batch sizes ``bs``; returns the best (latency, b, group, composition,
-    candidates) so far.
+    """Query and compose the micro-batch sizes ``bs``; returns the best plan so far (Incumbent).
 
     Branch and bound over the queries: (1) every b's single-island pairs (the whole model on one island: few
     queries, bounded by earlier rounds' best) are composed first, which gives an incumbent and an order of the
@@ -329,7 +355,7 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
         if not bnb or best is None:
             return math.inf, math.inf
-        return cstats.threshold_s(best[0], opts.score_band), best[0]
+        return cstats.threshold_s(best.latency_s, opts.score_band), best.latency_s
 
     def visit(b: int, pairs: Sequence[Pair], use_incumbent: bool) -> float | None:
         """Ask size b's ``pairs`` and compose all of b's answers so far; b's own best, None if b was skipped."""
@@ -351,12 +377,12 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
         if own_s is not None:
             first.append((own_s, floors[b].latency_s, b))
     # above exact_islands a class's composition is a search over island sets or orders costing seconds, and the
-    # first round's would be done again whole: there the queries the split saves cost less (Llama-3 405B over
-    # 4,096 GPUs at b = 8: megatron 44.4 -> 35.9 CPU-s, torch 23.6 -> 20.9 without it, the same plans)
+    # first round's would be done again whole: there the queries the split saves cost less than that (the same
+    # plans either way)
     split = len({p.island for p in rest}) <= opts.exact_islands
     for _own, _floor, b in sorted(first) if rest else ():
         left = rest
-        if bnb and floors[b].pairs is not None and (best is None or len(best[3].options) == 1):
+        if bnb and floors[b].pairs is not None and (best is None or len(best.composition.options) == 1):
             # while only single-island plans bound the search: first a few pipelines over the fastest islands, each
             # island's layers in proportion to its speed (_seed_pairs: a plan near the best one, whose bound makes
             # the next round's queries cheaper and their options fewer), then (up to exact_islands islands) the
@@ -379,8 +405,8 @@ def _try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, c
 
 def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
     """The island orders of the seed round: island_orders over the fastest k islands, for every k from 2. A plan
-    over every island pays the bubble of all their stages, and the best plan often leaves the slow islands out
-    (Llama-3 405B on 4,096 GPUs: H200 and B200 only), which only a seed over the fast ones comes near."""
+    over every island pays the bubble of all their stages, and the best plan often leaves the slow islands out,
+    which only a seed over the fast ones comes near."""
     fast = fastest_first(islands, present, dtype)
     out: list[list[int]] = []
     for k in range(2, len(fast) + 1):
@@ -393,8 +419,8 @@ def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str
 def _seed_pairs(queries: Sequence[Pair], pairs: Sequence[Pair], floors: PairFloors,
                 orders: Sequence[Sequence[int]], num_layers: int) -> list[Pair]:
     """The queries (redundancy representatives) of _seed_chains' pipelines. A seed for the branch and bound: such
-    a plan is often close to the best one, so the rounds after it ask with a tighter bound (GPT-3 13B over four
-    islands under torch: 8 queries give 15.9 s, and the next round's 100 queries keep 41,550 options, not 58,115)."""
+    a plan is often close to the best one, so the rounds after it ask with a tighter bound (a few queries, after
+    which the next round keeps fewer options)."""
     rep = {q.key: q for q in queries}
     out: dict[Pair, None] = {}
     for chain in _seed_chains(pairs, floors, orders, num_layers):
@@ -446,8 +472,8 @@ class SizeMemo:
     # b -> (options, closed form and score bounds, classes) when a round at b ended: a round with the same options
     # under bounds no looser has nothing to find (every class was composed, or skipped, under bounds at least those)
     rounds: dict = field(default_factory=dict)
-    minima: dict = field(default_factory=dict)  # b -> id(an answer's templates) -> (them, classes.group_minima)
-    fields: dict = field(default_factory=dict)  # b -> id(an answer's templates) -> (them, their fields as an array)
+    minima: dict = field(default_factory=dict)  # b -> an answer's key -> (its templates, classes.group_minima)
+    fields: dict = field(default_factory=dict)  # b -> an answer's key -> (its templates, their fields as an array)
 
 
 class SizeFloor(NamedTuple):
@@ -528,9 +554,8 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     # per-pair floors need every island's floors for every kind (an island left out would lower the others' GPUs).
     # Only where a query costs a process grid per TP x DP x CP split (megatron, torch; under deepspeed, without TP,
     # queries are cheap and nothing was gained). A skipped pair's every pipeline has a closed form and a predicted
-    # iteration that cannot beat the bounds. (Under the bisection composer it had moved torch plans, 7.566 ->
-    # 7.598 s on C3 (iii) batch 64; since the Pareto composer takes every plan whose score floor can beat the best
-    # score as a candidate, every example plan is the same with and without it.)
+    # iteration that cannot beat the bounds. (The Pareto composer takes every plan whose score floor can beat the
+    # best score as a candidate: every example plan is the same with and without it.)
     pairs = (PairFloors(kinds, per_island, gpus, m, links)
              if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
     cap = capacity(kinds, per_island, gpus)  # <= their GPUs
@@ -584,8 +609,7 @@ def _score_extra_s(front_s: float, outside_s: float, num_layers: int = MAX_VIRTU
     fill) / v (the slice's own fill is at least its slowest stage), where v is at most MAX_VIRTUAL_STAGES and the
     fewest layers of any stage (interleave.choose_virtual_stages), so at most the slice's layers: a slice of one
     layer cannot interleave. The closed form adds both. A query's score bound is lowered by it, as its closed-form
-    bound is by the fill outside (on Llama-3 405B over 4,096 GPUs at b = 128, m = 8 micro-batches: up to a seventh
-    of the score floor)."""
+    bound is by the fill outside (with few micro-batches, a sizeable share of the score floor)."""
     v = most_virtual_stages(num_layers)
     if v < 2:
         return front_s
@@ -600,8 +624,7 @@ def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: S
     results[b][pair.key]. A pair's query carries the
     closed-form bound less the least fill the rest of any pipeline holding it adds (_outside_s), and the best
     predicted iteration less _score_extra_s, per number of layers its plan's least stage may have
-    (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front; on
-    Llama-3 405B over 4,096 GPUs under megatron, 989,082 -> 910,254 configurations costed)."""
+    (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front)."""
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[Pair] = []
@@ -639,15 +662,14 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
                islands: Sequence["Island"], caps: RuntimeCapabilities, opts: PlannerOptions,
                use_incumbent: bool = True, memo: "SizeMemo | None" = None):
     """Options of size b from its answers so far, composed per compatibility class (the most promising class
-    first, hopeless ones skipped); returns the best (latency, b, group, composition, candidates) and the best
-    latency composed at b itself (inf if none).
+    first, hopeless ones skipped); returns the best plan so far (Incumbent) and the best latency composed at b
+    itself (inf if none).
 
     ``memo`` (SizeMemo) carries what earlier rounds at b did: answers judged once, and per class the options and
     bounds it was last composed with. Under bounds no looser, a class is composed again only if one of its options
     that could be in a plan beating them is new (_compose_group's ``searched``): that earlier composition's plan
-    already counts in the best plan (on GPT-3 13B over four islands under torch this skipped 0.7 of 6.6 CPU-s). A
-    round that left b's options as they were, under bounds no looser than at the end of its last round, ranks no
-    class at all (SizeMemo.rounds: on C3 (iii) under torch a round whose pairs were all skipped took 0.1 s)."""
+    already counts in the best plan. A round that left b's options as they were, under bounds no looser than at the
+    end of its last round, ranks no class at all (SizeMemo.rounds)."""
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b
@@ -656,48 +678,19 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
     cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
                            training=training, judged=memo.judged.setdefault(b, {}) if memo is not None else None)
     all_cands[b] = cand
-    if best is not None and best[1] == b and best[4] is not cand:
+    if best is not None and best.b == b and best.candidates is not cand:
         best = _moved(best, cand)  # the incumbent of b's first options, in terms of its fuller option list
     own_s = math.inf
     last = memo.rounds.get(b) if memo is not None and use_incumbent else None
     if best is not None and last is not None and last[0] == cand.options and last[3] == cand.groups:
-        threshold = cstats.threshold_s(best[0], opts.score_band)
-        if threshold <= last[1] and best[0] <= last[2]:
+        threshold = cstats.threshold_s(best.latency_s, opts.score_band)
+        if threshold <= last[1] and best.latency_s <= last[2]:
             counters["compose_s"] += time.perf_counter() - t_c
             return best, own_s
     classes = cand.class_members()
-    interleave_only: set = set()
-    # each answer's group_minima, once per answer (its pairs share its templates) and kept across rounds at b
-    # while the answer is the same (make_candidates' memo): the class floors read those, not every option
-    kept = memo.minima.setdefault(b, {}) if memo is not None else {}
-    minima = []
-    for island, n, temps in cand.parts:
-        hit = kept.get(id(temps))
-        if hit is None or hit[0] is not temps:
-            hit = kept[id(temps)] = (temps, group_minima([t[0] for t in temps], [t[2] for t in temps]))
-        minima.append((hit[1], island, n))
-    if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
-        score_floors: dict = {}
-        floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors, minima=minima)
-    else:  # one-grid classes inside a free one (templates.GridClass): an option counts in two, so two passes
-        floors, score_floors = {}, {}
-        distinct = dict.fromkeys(cand.groups)  # (in their first options' order)
-        free = {g: GridClass(g.base, None) if g.in_base else None for g in distinct}
-        one = {g: g.key if g.grid is not None else None for g in distinct}
-        for to_class in (free, one):  # free, one-grid classes
-            plain: dict = {}
-            inter: dict = {}
-            floors.update(class_floors_s(cand.options, list(dict.fromkeys(to_class[g] for g in distinct)), L, m,
-                                         score_floors=plain, interleaved_floors=(inter, MAX_VIRTUAL_STAGES),
-                                         minima=minima, class_of=to_class.__getitem__))
-            for group in plain:
-                # its score floor: interleaved only where only interleaved schedules can win it
-                only = _score_schedules(group, caps, opts) == ("interleaved",)
-                score_floors[group] = (inter if only else plain).get(group, math.inf)
-                if only:
-                    interleave_only.add(group)
-        floors.pop(None, None)
-        score_floors.pop(None, None)
+    floors, score_floors, interleave_only = _class_floors(
+        cand, classes, _answer_minima(cand, memo.minima.setdefault(b, {}) if memo is not None else {}), L, m, caps,
+        opts)
     work = sorted(((floors.get(group, math.inf), group, idx) for group, idx in classes.items()), key=lambda w: w[0])
     twins = TwinClasses(cand)  # classes with another grid's very options (Megatron's dp x cp splits): once each
     rows: list = []  # every option's fields as an array (Candidates.option_rows), made when a class is composed
@@ -705,8 +698,9 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
         # the closed form to beat (compose.ComposeStats.threshold_s); none for a size's own first ranking, which
         # needs the size's own best exactly: there the best score among its classes so far bounds the rest (what
         # cannot beat it is not simulated)
-        threshold = cstats.threshold_s(best[0] if best is not None and use_incumbent else None, opts.score_band)
-        score_to_beat = best[0] if best is not None and use_incumbent else own_s
+        threshold = cstats.threshold_s(best.latency_s if best is not None and use_incumbent else None,
+                                       opts.score_band)
+        score_to_beat = best.latency_s if best is not None and use_incumbent else own_s
         if (lb >= threshold or group in interleave_only) and score_floors.get(group, math.inf) >= score_to_beat:
             continue  # neither its closed form nor its predicted iteration can beat the best plan
         if group in interleave_only and not any(
@@ -731,12 +725,57 @@ def _compose_b(b: int, best, results: dict, all_cands: dict, counters: dict, cst
                               rows=rows[0])
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
-            if best is None or comp.objective_s < best[0]:
-                best = (comp.objective_s, b, group, comp, cand)  # ranked by the iteration the Plan reports
+            if best is None or comp.objective_s < best.latency_s:
+                best = Incumbent(comp.objective_s, b, group, comp, cand)  # ranked by the iteration the Plan reports
     if memo is not None and use_incumbent and best is not None:
-        memo.rounds[b] = (cand.options, cstats.threshold_s(best[0], opts.score_band), best[0], cand.groups)
+        memo.rounds[b] = (cand.options, cstats.threshold_s(best.latency_s, opts.score_band), best.latency_s,
+                          cand.groups)
     counters["compose_s"] += time.perf_counter() - t_c
     return best, own_s
+
+
+def _answer_minima(cand: Candidates, kept: dict) -> list:
+    """Per part of ``cand``, (classes.group_minima of its answer's templates, its island, its layers): once per
+    answer (its pairs share its templates) and kept in ``kept`` across rounds at b while the answer is the same
+    (make_candidates' memo), keyed by the answer (AnswerTemplates.key)."""
+    minima = []
+    for island, n, temps in cand.parts:
+        hit = kept.get(temps.key)
+        if hit is None or hit[0] is not temps:
+            hit = kept[temps.key] = (temps, group_minima([t[0] for t in temps], [t[2] for t in temps]))
+        minima.append((hit[1], island, n))
+    return minima
+
+
+def _class_floors(cand: Candidates, classes: dict, minima: list, L: int, m: int, caps: RuntimeCapabilities,
+                  opts: PlannerOptions) -> tuple[dict, dict, set]:
+    """Per compatibility class: the floor under its closed form, the floor under its predicted iteration, and
+    whether only interleaved schedules can win it (classes.class_floors_s, from each answer's ``minima``)."""
+    interleave_only: set = set()
+    if not any(isinstance(g, GridClass) for g in classes):  # each option in one class: one pass over them all
+        score_floors: dict = {}
+        floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors, minima=minima)
+        return floors, score_floors, interleave_only
+    # one-grid classes inside a free one (templates.GridClass): an option counts in two, so two passes
+    floors, score_floors = {}, {}
+    distinct = dict.fromkeys(cand.groups)  # (in their first options' order)
+    free = {g: GridClass(g.base, None) if g.in_base else None for g in distinct}
+    one = {g: g.key if g.grid is not None else None for g in distinct}
+    for to_class in (free, one):  # free, one-grid classes
+        plain: dict = {}
+        inter: dict = {}
+        floors.update(class_floors_s(cand.options, list(dict.fromkeys(to_class[g] for g in distinct)), L, m,
+                                     score_floors=plain, interleaved_floors=(inter, MAX_VIRTUAL_STAGES),
+                                     minima=minima, class_of=to_class.__getitem__))
+        for group in plain:
+            # its score floor: interleaved only where only interleaved schedules can win it
+            only = _score_schedules(group, caps, opts) == ("interleaved",)
+            score_floors[group] = (inter if only else plain).get(group, math.inf)
+            if only:
+                interleave_only.add(group)
+    floors.pop(None, None)
+    score_floors.pop(None, None)
+    return floors, score_floors, interleave_only
 
 
 def _score_schedules(group, caps: RuntimeCapabilities, opts: PlannerOptions) -> tuple[str, ...]:
@@ -750,18 +789,18 @@ def _score_schedules(group, caps: RuntimeCapabilities, opts: PlannerOptions) -> 
     return ("plain", "interleaved") if interleaves else ("plain",)
 
 
-def _moved(best: tuple, cand: Candidates) -> tuple:
-    """An incumbent (latency, b, group, composition, old candidates) re-indexed into ``cand``, a later option list
-    of the same size b (every old option is in it: the same answers, more of them), so that the plan, the dropped
-    islands' reasons and the search result all read one option list."""
-    lat, b, group, comp, old = best
+def _moved(best: Incumbent, cand: Candidates) -> Incumbent:
+    """An incumbent re-indexed into ``cand``, a later option list of the same size b (every old option is in it:
+    the same answers, more of them), so that the plan, the dropped islands' reasons and the search result all read
+    one option list."""
+    comp, old = best.composition, best.candidates
     wanted = {old.options[i] for i in comp.options}
     index: dict = {}
     for i, o in enumerate(cand.options):
         if o in wanted:  # (hashing the few wanted options' tuples, not every option's with its class)
             index.setdefault((o, cand.groups[i]), i)
     moved = tuple(index[(old.options[i], old.groups[i])] for i in comp.options)
-    return (lat, b, group, Composition(moved, comp.metrics, comp.bound_s, comp.score_s), cand)
+    return best._replace(composition=Composition(moved, comp.metrics, comp.bound_s, comp.score_s), candidates=cand)
 
 
 def _with_planner(plan: Plan, stats: dict) -> Plan:
@@ -794,6 +833,128 @@ def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
     return new if old is None or (not old.plans and new.plans) else old
 
 
+@dataclass
+class ClassScores:
+    """How the composer ranks the pipelines of one compatibility class (``idx``: its options in ``cand``; ``sub``:
+    those options, which a pipeline ``seq`` indexes): the predicted iteration build_plan will report, and floors
+    under it for pruning. ``schedules``: the schedules whose predictions can matter in this class
+    (_score_schedules); ``fill_weight``: 1 / MAX_VIRTUAL_STAGES where interleaved ones do, else 0."""
+
+    cand: Candidates
+    idx: Sequence[int]
+    sub: Sequence[Option]
+    m: int
+    caps: RuntimeCapabilities
+    opts: PlannerOptions
+    schedules: tuple[str, ...]
+    fill_weight: float
+    scores: dict = field(default_factory=dict)  # the island orders meet the same plans again and again
+
+    def predicted_s(self, seq: tuple[int, ...], metrics) -> float:
+        """What build_plan will report for the pipeline (Candidates.schedule_choice)."""
+        hit = self.scores.get(seq)
+        if hit is None:
+            hit = self.scores[seq] = self.cand.schedule_choice([self.idx[i] for i in seq], metrics,
+                                                               schedule=self.opts.schedule,
+                                                               capabilities=self.caps).latency_s
+        return hit
+
+    def one_grid(self, seq: tuple[int, ...]) -> bool:
+        """Whether build_plan may interleave the sequence although only its plain 1F1B counts in this class (a free
+        torch class under "auto": a pipeline whose stages share one grid)."""
+        if self.opts.schedule == "1F1B" or "interleaved-1F1B" not in self.caps.schedules:
+            return False
+        grids = {getattr(self.cand.groups[self.idx[i]], "grid", None) for i in seq}
+        return len(grids) == 1 and None not in grids
+
+    def plain_floor_s(self, seq: tuple[int, ...], metrics, *, round_trips: bool) -> float:
+        """Under the plain 1F1B simulation + tail: compose.plain_1f1b_floor_s, with ``round_trips`` the larger of
+        it and costmodel.pipeline.cycle_floor_1f1b_s over the sequence's stages."""
+        floor = plain_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.tail_s)
+        if round_trips:
+            stage_times = self.cand.stage_times([self.idx[i] for i in seq])
+            floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s)
+        return floor
+
+    def floor_s(self, seq: tuple[int, ...], metrics) -> float:
+        """Under predicted_s where it can matter: plain 1F1B, the larger of compose.plain_1f1b_floor_s and the
+        round trips across its stage boundaries (costmodel.pipeline.cycle_floor_1f1b_s: where a slow link lies
+        between islands, most candidates' simulations are far above the former); interleaved, m x period + (fill -
+        period) / v + tail with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the slowest stage's m
+        forwards and backwards and the tail."""
+        if self.schedules == SCORE_ANY:
+            return self.m * max(self.sub[i].bottleneck_s for i in seq) + metrics.tail_s
+        floor = math.inf
+        if "plain" in self.schedules:
+            # (with only plain counted, a one-grid pipeline's score may be interleaved: not under the round trips;
+            # nor for a plan of one slice plan, whose stages would have to be built: the fine floor reads them,
+            # for those this floor lets through, and a size's first ranking meets thousands of such plans)
+            floor = self.plain_floor_s(seq, metrics, round_trips=len(seq) > 1 and (
+                "interleaved" in self.schedules or not self.one_grid(seq)))
+        if "interleaved" in self.schedules:
+            w = self.fill_weight
+            floor = min(floor, (self.m - w) * metrics.period_s + w * metrics.fill_s + metrics.tail_s)
+        return floor
+
+    def fine_floor_s(self, seq: tuple[int, ...], metrics) -> float:
+        """Under predicted_s, asked only before scoring: the lesser of the plain 1F1B's floors (compose's and the
+        round trips across its stage boundaries) and the best interleaved schedule's own prediction, which needs no
+        simulation. Under any schedule and class (an interleaved score is the interleaved prediction): floor_s's
+        interleaved floor is the least over every number of virtual stages and memory, this one the schedule
+        build_plan would choose, so far fewer candidates are simulated."""
+        plain = self.plain_floor_s(seq, metrics, round_trips=True)
+        if self.opts.schedule == "1F1B":
+            return plain
+        inter = self.cand.interleaved_choice([self.idx[i] for i in seq], metrics, schedule=self.opts.schedule,
+                                             capabilities=self.caps)
+        return min(plain, inter.latency_s) if inter.virtual_stages > 1 else plain
+
+
+class ClassOptions(NamedTuple):
+    """The options of a class worth composing (_class_options): their indices in the Candidates, those options,
+    their rows (Candidates.option_rows) where known, and the islands a pipeline may use, as a list and a mask."""
+
+    idx: Sequence[int]
+    sub: Sequence[Option]
+    rows: "np.ndarray | None"
+    present: list[int]
+    allowed_mask: int | None
+
+
+def _class_options(cand: Candidates, idx: Sequence[int], L: int, m: int, opts: PlannerOptions, *,
+                   allowed_mask: int | None, required_mask: int, incumbent_s: float, score_incumbent_s: float,
+                   schedules: tuple[str, ...], searched: Sequence[Option] | None,
+                   rows: "np.ndarray | None") -> ClassOptions | None:
+    """The class's options that some plan beating the incumbents can hold (cover_floors.promising: compose would
+    prune the others at every use, but they cost it time in each of up to hundreds of island orders), and the
+    islands to compose over; None where every promising option was ``searched`` before (every plan that could beat
+    the bounds holds only options searched before: it was found then)."""
+    # with the floors of the class's own schedules where it is composed in many island orders or by the merged exact
+    # search (above exact_islands): there an option dropped saves more than its floors cost
+    weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
+    many = len(cand.islands) > opts.exact_islands
+    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix,
+                    schedules=schedules if many else SCORE_ANY, fill_weight=weight if many else 0.0,
+                    rows=rows[idx] if rows is not None else None)
+    sub_rows = rows[idx] if rows is not None else None  # (the kept options' rows: compose prepares by them)
+    sub = pick(cand.options, idx)
+    if searched is not None and set(sub) <= set(searched):
+        return None
+    if sub_rows is not None:
+        present = sorted(k for k in set(sub_rows[:, 2].astype(int).tolist())
+                         if allowed_mask is None or allowed_mask >> k & 1)
+    else:
+        present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
+    if allowed_mask is None and present:  # (what compose takes by default, from these options: every island)
+        allowed_mask = (1 << (1 + present[-1])) - 1
+    if len(present) > opts.exact_islands and merged_states(cand.link_matrix, present) > MERGED_EXACT_STATES:
+        # (where the exact search over every island set runs anyway, its floors per set of free islands prune what
+        # an island left out would)
+        present = _hopeful_islands(sub, present, required_mask, L, m, score_incumbent_s)
+        allowed_mask = sum(1 << k for k in present)
+    return ClassOptions(idx, sub, sub_rows, present, allowed_mask)
+
+
 def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,
                    opts: PlannerOptions, stats: ComposeStats, *, allowed_mask: int | None = None,
                    required_mask: int = 0, incumbent_s: float = float("inf"),
@@ -808,107 +969,29 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     so that the composer prunes by their floors; ``searched``: options of this class already composed under bounds
     no tighter, whose plans already count in the incumbents: None is returned unless a promising option is new.
     ``rows``: every option of ``cand`` as Candidates.option_rows (promising then reads the class's rows), or None."""
-    # options no plan beating the incumbents can hold (cover_floors.promising): compose would prune them at every
-    # use, but they cost it time in each of up to hundreds of island orders
-    weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
-    # with the floors of the class's own schedules where it is composed in many island orders or by the merged exact
-    # search (above exact_islands): there an option dropped saves more than its floors cost (Llama-3 405B over
-    # 4,096 GPUs under megatron: 1,355,984 -> 1,061,554 options kept); on four islands they cost 2 % more instructions
-    many = len(cand.islands) > opts.exact_islands
-    idx = promising(cand.options, idx, L, m, incumbent_s, score_incumbent_s, cand.link_matrix,
-                    schedules=schedules if many else SCORE_ANY, fill_weight=weight if many else 0.0,
-                    rows=rows[idx] if rows is not None else None)
-    sub_rows = rows[idx] if rows is not None else None  # (the kept options' rows: compose prepares by them)
-    sub = pick(cand.options, idx)
-    if searched is not None and set(sub) <= set(searched):
-        # every plan that could beat the bounds holds only options searched before: it was found then (a later
-        # round's answers added only options no plan beating the best can hold)
+    chosen = _class_options(cand, idx, L, m, opts, allowed_mask=allowed_mask, required_mask=required_mask,
+                            incumbent_s=incumbent_s, score_incumbent_s=score_incumbent_s, schedules=schedules,
+                            searched=searched, rows=rows)
+    if chosen is None:
         return None
+    idx, sub, present = chosen.idx, chosen.sub, chosen.present
     edges = pick(cand.edges, idx) if len(cand.edges) == len(cand.options) else None
-    if sub_rows is not None:
-        present = sorted(k for k in set(sub_rows[:, 2].astype(int).tolist())
-                         if allowed_mask is None or allowed_mask >> k & 1)
-    else:
-        present = sorted({o.island for o in sub if allowed_mask is None or allowed_mask >> o.island & 1})
-    if allowed_mask is None and present:  # (what compose takes by default, from these options: every island)
-        allowed_mask = (1 << (1 + present[-1])) - 1
-    if len(present) > opts.exact_islands and merged_states(cand.link_matrix, present) > MERGED_EXACT_STATES:
-        # (where the exact search over every island set runs anyway, its floors per set of free islands prune what
-        # an island left out would: on Llama-3 405B over 4,096 GPUs under megatron this pass cost 2.5 CPU-s, left
-        # islands out in 5 of 120 classes, and saved 13 of 282,037 DP entries)
-        present = _hopeful_islands(sub, present, required_mask, L, m, score_incumbent_s)
-        allowed_mask = sum(1 << k for k in present)
+    weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
+    scorer = ClassScores(cand, idx, sub, m, caps, opts, schedules, weight)
     best = None
-
-    scores: dict[tuple[int, ...], float] = {}  # the island orders meet the same plans again and again
-
-    def predicted_s(seq: tuple[int, ...], metrics) -> float:  # what build_plan will report for it
-        hit = scores.get(seq)
-        if hit is None:
-            hit = scores[seq] = cand.schedule_choice([idx[i] for i in seq], metrics, schedule=opts.schedule,
-                                                     capabilities=caps).latency_s
-        return hit
-
-    def one_grid(seq: tuple[int, ...]) -> bool:
-        """Whether build_plan may interleave the sequence although only its plain 1F1B counts in this class (a free
-        torch class under "auto": a pipeline whose stages share one grid)."""
-        if opts.schedule == "1F1B" or "interleaved-1F1B" not in caps.schedules:
-            return False
-        grids = {getattr(cand.groups[idx[i]], "grid", None) for i in seq}
-        return len(grids) == 1 and None not in grids
-
-    def plain_floor_s(seq: tuple[int, ...], metrics, *, round_trips: bool) -> float:
-        """Under the plain 1F1B simulation + tail: compose.plain_1f1b_floor_s, with ``round_trips`` the larger of
-        it and costmodel.pipeline.cycle_floor_1f1b_s over the sequence's stages."""
-        floor = plain_1f1b_floor_s(seq, sub, cand.link_matrix, m, metrics.tail_s)
-        if round_trips:
-            floor = max(floor, cycle_floor_1f1b_s(*cand.stage_times([idx[i] for i in seq]), m) + metrics.tail_s)
-        return floor
-
-    def predicted_floor_s(seq: tuple[int, ...], metrics) -> float:
-        """Under predicted_s where it can matter: plain 1F1B, the larger of compose.plain_1f1b_floor_s and the
-        round trips across its stage boundaries (costmodel.pipeline.cycle_floor_1f1b_s: on Llama-3 405B over
-        4,096 GPUs a slow link between pods puts most candidates' simulations far above the former); interleaved,
-        m x period + (fill - period) / v + tail with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the
-        slowest stage's m forwards and backwards and the tail."""
-        if schedules == SCORE_ANY:
-            return m * max(sub[i].bottleneck_s for i in seq) + metrics.tail_s
-        floor = math.inf
-        if "plain" in schedules:
-            # (with only plain counted, a one-grid pipeline's score may be interleaved: not under the round trips;
-            # nor for a plan of one slice plan, whose stages would have to be built: the fine floor reads them,
-            # for those this floor lets through, and a size's first ranking meets thousands of such plans)
-            floor = plain_floor_s(seq, metrics, round_trips=len(seq) > 1 and (
-                "interleaved" in schedules or not one_grid(seq)))
-        if "interleaved" in schedules:
-            floor = min(floor, (m - weight) * metrics.period_s + weight * metrics.fill_s + metrics.tail_s)
-        return floor
-
-    def predicted_fine_floor_s(seq: tuple[int, ...], metrics) -> float:
-        """Under predicted_s, asked only before scoring: the lesser of the plain 1F1B's floors (compose's and the
-        round trips across its stage boundaries) and the best interleaved schedule's own prediction, which needs no
-        simulation. Under any schedule and class (an interleaved score is the interleaved prediction). On Llama-3
-        405B over 4,096 GPUs at b = 8 it took the simulations from 6,375 to 74 under megatron (52 -> 44 CPU-s) and
-        from 2,905 to 22 under torch (29 -> 24 CPU-s): predicted_floor_s's interleaved floor is the least over
-        every number of virtual stages and memory, this one the schedule build_plan would choose."""
-        plain = plain_floor_s(seq, metrics, round_trips=True)
-        if opts.schedule == "1F1B":
-            return plain
-        inter = cand.interleaved_choice([idx[i] for i in seq], metrics, schedule=opts.schedule, capabilities=caps)
-        return min(plain, inter.latency_s) if inter.virtual_stages > 1 else plain
 
     def run(order: list[int] | None, merge_fronts: bool = False, quick_plan: bool = True) -> float | None:
         nonlocal best
-        comp = compose(sub, cand.link_matrix, L, m, allowed_mask=allowed_mask, required_mask=required_mask,
+        comp = compose(sub, cand.link_matrix, L, m, allowed_mask=chosen.allowed_mask, required_mask=required_mask,
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
                        incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None,
                                                                       opts.score_band)),
-                       stats=stats, score=predicted_s, score_band=opts.score_band, score_floor=predicted_floor_s,
-                       score_floor_fine=predicted_fine_floor_s,
+                       stats=stats, score=scorer.predicted_s, score_band=opts.score_band,
+                       score_floor=scorer.floor_s, score_floor_fine=scorer.fine_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
                        undominated=True, edge_s=edges,  # templates.undominated judged each class
-                       quick_plan=quick_plan, rows=sub_rows)
+                       quick_plan=quick_plan, rows=chosen.rows)
         if comp is None:
             return None
         if best is None or comp.objective_s < best.objective_s:  # without the band, compose gates nothing
@@ -919,10 +1002,8 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
         run(None)
     elif merged_states(cand.link_matrix, present) <= MERGED_EXACT_STATES:
         # the exact DP over every island set and order (compose.front_classes), after one seed order whose plan
-        # bounds it: unbounded, it took 7x the CPU (265 against 38 s on the main class of Llama-3 405B on 4,096
-        # GPUs at b = 8). The seed's plan bounds it as the DP's quick plan would, so it has none: on that cluster the
-        # quick plan's pass cost 2.2 of 26 compose CPU-s under megatron and 1.3 of 15 under torch, and the exact
-        # pass expanded the same entries without it (267,768 and 120,053), to the same plans
+        # bounds it (unbounded, it costs several times the CPU); the seed's plan bounds it as the DP's quick plan
+        # would, so it has none
         run(island_orders(cand.islands, present, cand.training_dtype)[0])
         run(None, merge_fronts=True, quick_plan=False)
     else:

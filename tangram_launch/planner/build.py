@@ -39,14 +39,25 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
+class AnswerTemplates(list):
+    """One answer's templates, in order: per template (its Option fields after (start, stop, island), its plan,
+    its class, its edge times). The same object for every pair of the answer, and in every round at one size b
+    until the answer changes (make_candidates' memo); ``key`` is the answer's (Pair.key), which caches of what is
+    derived from the templates are keyed by (with an identity check: a changed answer has a new list)."""
+
+    def __init__(self, key: tuple, items) -> None:
+        super().__init__(items)
+        self.key = key
+
+
 class OptionSources(SequenceABC):
     """option index -> (its pair, its unshifted slice plan), read from the parts a size's options are made of
-    (make_candidates: a pair's options are its answer's templates in order), not kept per option: on Llama-3 405B
-    over 4,096 GPUs that is 2.35 million tuples, 150 MB. Options added one by one (manual.py) come after the parts."""
+    (make_candidates: a pair's options are its answer's templates in order), not kept per option: at thousands of
+    GPUs that would be millions of tuples. Options added one by one (manual.py) come after the parts."""
 
     def __init__(self) -> None:
         self._pairs: list[Pair] = []
-        self._temps: list[list] = []  # per part, its templates: (fields, plan, class, edges)
+        self._temps: list[AnswerTemplates] = []  # per part, its templates: (fields, plan, class, edges)
         self._ends: list[int] = []  # per part, the index after its last option
         self._extra: list[tuple[Pair, SlicePlan]] = []
         # (ends, starts, each part's templates list's number) as int arrays, and the distinct lists by number: made
@@ -55,6 +66,8 @@ class OptionSources(SequenceABC):
 
     def add_part(self, pair: Pair, temps: list) -> None:
         assert not self._extra, "parts come before options added one by one"
+        if not isinstance(temps, AnswerTemplates):  # a list of no answer: a part of its own
+            temps = AnswerTemplates(("part", len(self._temps)), temps)
         self._pairs.append(pair)
         self._temps.append(temps)
         self._ends.append((self._ends[-1] if self._ends else 0) + len(temps))
@@ -69,13 +82,13 @@ class OptionSources(SequenceABC):
         if at.size and (at.min() < 0 or at.max() >= n):
             return None
         if self._slots is None:
-            number: dict[int, int] = {}  # id(a templates list) -> its number (every list is kept in _temps)
+            number: dict[tuple, int] = {}  # an answer's key -> its templates list's number
             for temps in self._temps:
-                number.setdefault(id(temps), len(number))
+                number.setdefault(temps.key, len(number))
             ends = np.array(self._ends, dtype=np.int64)
             self._slots = (ends, ends - np.array([len(t) for t in self._temps], dtype=np.int64),
-                           np.array([number[id(t)] for t in self._temps], dtype=np.int64),
-                           list({id(t): t for t in self._temps}.values()))
+                           np.array([number[t.key] for t in self._temps], dtype=np.int64),
+                           list({t.key: t for t in self._temps}.values()))
         ends, starts, numbers, _distinct = self._slots
         part = np.searchsorted(ends, at, side="right")
         return np.stack([numbers[part], at - starts[part]], axis=1)
@@ -127,7 +140,7 @@ class Candidates:
     # Option fields after (start, stop, island) and classes its options take in their order: the list
     # make_candidates' memo keeps, the same object for every pair of the answer, in every round at b until the
     # answer changes)
-    parts: list[tuple[int, int, list]] = field(default_factory=list)
+    parts: list[tuple[int, int, AnswerTemplates]] = field(default_factory=list)
     part_starts: list[int] = field(default_factory=list)  # per part, its pair's first layer
 
     def _parts_hold_every_option(self) -> bool:
@@ -142,8 +155,8 @@ class Candidates:
 
     def option_rows(self, fields: dict | None = None) -> np.ndarray | None:
         """Every option's 8 fields as one float array (a row per option, in option order), made from the parts:
-        their templates' fields once each (``fields``: a dict the caller keeps, id(templates) -> (templates, their
-        fields as an array)), then the pairs' start, stop and island repeated. None where the parts do not hold
+        their templates' fields once each (``fields``: a dict the caller keeps, an answer's key -> (its templates,
+        their fields as an array)), then the pairs' start, stop and island repeated. None where the parts do not hold
         every option (options added by hand, manual.py)."""
         if not self.options or not self._parts_hold_every_option():
             return None
@@ -151,9 +164,9 @@ class Candidates:
         cache = fields if fields is not None else {}
         blocks = []
         for _k, _n, temps in self.parts:
-            hit = cache.get(id(temps))
+            hit = cache.get(temps.key)
             if hit is None or hit[0] is not temps:
-                hit = cache[id(temps)] = (temps, np.array([t[0] for t in temps], dtype=np.float64).reshape(-1, 5))
+                hit = cache[temps.key] = (temps, np.array([t[0] for t in temps], dtype=np.float64).reshape(-1, 5))
             blocks.append(hit[1])
         rows = np.empty((len(self.options), 8))
         starts = np.repeat(np.array(self.part_starts, dtype=np.float64), counts)
@@ -196,8 +209,12 @@ class Candidates:
         plain_s = self.simulated_s(seq, metrics)
         if schedule == "1F1B":
             return ScheduleChoice(1, plain_s)
-        return self.interleaved_choice(seq, metrics, schedule=schedule, capabilities=capabilities,
-                                       plain_latency_s=plain_s)
+        choice = self.interleaved_choice(seq, metrics, schedule=schedule, capabilities=capabilities,
+                                         plain_latency_s=plain_s)
+        if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
+            # insisted on, and this pipeline cannot interleave: build_plan would refuse it, so it wins nothing
+            return ScheduleChoice(1, math.inf, choice.rejected)
+        return choice
 
     def interleaved_choice(self, seq: Sequence[int], metrics: Metrics, *, schedule: str,
                            capabilities: "RuntimeCapabilities", plain_latency_s: float = math.inf) -> ScheduleChoice:
@@ -254,8 +271,8 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
             cand.dropped[why] = cand.dropped.get(why, 0) + n
         # per template: the Option fields after (start, stop, island), its plan, its class, its edge times (the
         # same for every pair of the answer)
-        templates[key] = [((t.num_stages, t.max_after, t.time_s, t.bottleneck_s, t.tail_s), plan, t.group,
-                           _edges(plan)) for t in kept for plan in (res.plans[t.index],)]
+        templates[key] = AnswerTemplates(key, [((t.num_stages, t.max_after, t.time_s, t.bottleneck_s, t.tail_s), plan,
+                                                t.group, _edges(plan)) for t in kept for plan in (res.plans[t.index],)])
         if judged is not None:
             judged[key] = (res, templates[key], dropped)
     new = tuple.__new__  # Option._make without its Python frame and length check: the fields are Option's 8
@@ -284,19 +301,14 @@ def _edges(plan: SlicePlan) -> tuple[float, float]:
     return times[0], times[-1]
 
 
-def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", model: "ModelSpec",
-               training: "TrainingSpec", runtime: str, islands_dropped: Sequence[Mapping[str, str]] = (),
-               planner: Mapping | None = None, schedule: str = "1F1B",
-               capabilities: "RuntimeCapabilities | None" = None) -> Plan:
-    """The frozen Plan for a composition: stages in pipeline order with GPUs, and the predicted iteration.
-
-    ``schedule`` "auto" or "interleaved-1F1B" lets planner/interleave.py give the pipeline virtual stages."""
-    m = cand.num_microbatches
-    L = model.num_layers
+def _stage_layout(cand: Candidates, comp: Composition) -> tuple[list[tuple[StageCost, "Island"]], list, list[float]]:
+    """The composition's stages front to back: each with its island, its GPUs (allocation.allocate_gpus, islands
+    holding several slice plans give each its own), and the one-way p2p seconds per boundary (inside a slice plan
+    the parallelizer's stage times hold it: 0 there)."""
     slice_plans = [(cand.options[oi], cand.slice_plan(oi)) for oi in comp.options]
     stage_costs: list[tuple[StageCost, "Island"]] = []
     stage_gpus = []
-    p2p: list[float] = []  # one-way seconds per boundary; inside a slice plan the parallelizer's stage times hold it
+    p2p: list[float] = []
     taken: dict[str, set] = {}
     for n, (opt, sp) in enumerate(slice_plans):
         isl = cand.islands[opt.island]
@@ -307,6 +319,19 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
         p2p.extend([0.0] * (len(sp.stages) - 1))
         stage_gpus.extend(gpus)
         stage_costs.extend((s, isl) for s in sp.stages)
+    return stage_costs, stage_gpus, p2p
+
+
+def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", model: "ModelSpec",
+               training: "TrainingSpec", runtime: str, islands_dropped: Sequence[Mapping[str, str]] = (),
+               planner: Mapping | None = None, schedule: str = "1F1B",
+               capabilities: "RuntimeCapabilities | None" = None) -> Plan:
+    """The frozen Plan for a composition: stages in pipeline order with GPUs, and the predicted iteration.
+
+    ``schedule`` "auto" or "interleaved-1F1B" lets planner/interleave.py give the pipeline virtual stages."""
+    m = cand.num_microbatches
+    L = model.num_layers
+    stage_costs, stage_gpus, p2p = _stage_layout(cand, comp)
     S = len(stage_costs)
     metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
     assert metrics is not None

@@ -12,23 +12,28 @@ configuration of that stage's layers on that island that fits at the stage's pip
       - layers: [24, 40]             #           num_gpus
         island: v100-32gb
 
-Several stages may share an island if they are consecutive and its GPUs suffice. Each stage is costed as a
-one-stage slice plan (the parallelizer's answer filtered by the fields given; if the exact configuration is not
-among its answers, the cost model prices it directly), then stages, GPUs, p2p and the iteration time go through
+Several stages may share an island if they are consecutive and its GPUs suffice. A stage that gives any of tp, dp,
+cp and no num_gpus runs on tp x dp x cp GPUs (those left out count 1); without any, it takes its share of the
+island. Each stage is costed as a one-stage slice plan (the parallelizer's answer filtered by the fields given; if
+the exact configuration is not among its answers, the cost model prices it directly: any grid the runtime runs,
+such as dp 2 on two GPUs of a three-GPU node, which the search itself leaves out), and a stage that cannot run is
+refused naming its fields and why. Then stages, GPUs, p2p and the iteration time go through
 the same ``build_plan`` and latency formula as Tangram's plans, so the two compare like for like.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
+from tangram_launch.capabilities import DEFAULT_RUNTIME
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import IslandSet, build_islands
-from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceQuery, StageCost, capacity_bytes
+from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceQuery, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import RECOMPUTE_MODES, Plan
-from tangram_launch.planner.api import PlannerOptions, microbatch_choices, resolve_capabilities, resolve_parallelizer
+from tangram_launch.planner.api import PlannerOptions, candidate_sizes, resolve_capabilities, resolve_parallelizer
 from tangram_launch.planner.build import Candidates, build_plan
 from tangram_launch.planner.compose import Composition, Option, evaluate
 from tangram_launch.planner.enumerate import run_queries
@@ -55,6 +60,7 @@ class ManualStage:
     layers: tuple[int, int]
     island: str
     fixed: Mapping[str, Any]  # the configuration fields the user gave
+    num_gpus: int | None = None  # given, or implied by tp x dp x cp (_implied_gpus); None: left to the planner
 
 
 @dataclass(frozen=True)
@@ -124,11 +130,25 @@ def parse_manual_plan(data: Mapping, *, num_layers: int, island_names: Sequence[
                                     valid="0, 1, 2, 3")
             elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError("must be a positive integer", source=source, field=f"{where}.{k}", value=v)
-        stages.append(ManualStage((start, stop), island, fixed))
+        stages.append(ManualStage((start, stop), island, fixed, _implied_gpus(fixed, where=where, source=source)))
     if expect != num_layers:
         raise SpecError(f"stages cover layers [0, {expect}) but the model has {num_layers}", source=source,
                         field=f"stages[{len(raw) - 1}].layers", value=expect, valid=str(num_layers))
     return ManualPlan(tuple(stages), b, source)
+
+
+def _implied_gpus(fixed: Mapping[str, Any], *, where: str, source: str | None) -> int | None:
+    """The stage's GPUs: num_gpus where given, else tp x dp x cp where any of them is given (those left out count
+    1), else None. A num_gpus that is not a multiple of the grid given is refused."""
+    grid = [k for k in ("tp", "dp", "cp") if k in fixed]
+    n = math.prod(fixed.get(k, 1) for k in ("tp", "dp", "cp"))
+    if "num_gpus" not in fixed:
+        return n if grid else None
+    if grid and fixed["num_gpus"] % n:
+        given = " x ".join(f"{k}={fixed[k]}" for k in grid)
+        raise SpecError(f"must be a multiple of {given} = {n} GPUs", source=source, field=f"{where}.num_gpus",
+                        value=fixed["num_gpus"], valid=f"{n}, or leave num_gpus out")
+    return fixed["num_gpus"]
 
 
 def load_manual_plan(path: str | os.PathLike, *, num_layers: int, island_names: Sequence[str]) -> ManualPlan:
@@ -150,29 +170,86 @@ def _describe(st: StageCost) -> str:
             f"micro_batch_size={st.micro_batch_size}")
 
 
-def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer") -> SlicePlan | None:
-    """Price the user's exact configuration with the cost model when the parallelizer's answer lacks it (needs at
-    least tp and dp, or dp derivable from micro_batch_size)."""
-    dp = fixed.get("dp")
-    if dp is None and "micro_batch_size" in fixed and q.microbatch_sequences % fixed["micro_batch_size"] == 0:
-        dp = q.microbatch_sequences // fixed["micro_batch_size"]
-    if dp is None or "tp" not in fixed or q.microbatch_sequences % dp:
-        return None
-    from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # floor 2: the shared cost model
+# SliceCoster.check's one rule that narrows the search rather than saying what a runtime runs: a stage's GPUs divide a
+# node or are whole nodes. A hand-written stage may take any GPUs (dp 2 on two GPUs of a three-GPU node).
+_SEARCH_ONLY_PREFIX = "a stage of "
 
-    cfg = ParallelConfig(tp=fixed["tp"], pp=1, dp=dp, cp=fixed.get("cp", 1), ep=fixed.get("ep", 1),
-                         zero_stage=fixed.get("zero_stage", 0), recompute=fixed.get("recompute", "none"),
-                         offload=fixed.get("offload", False))
-    coster = SliceCoster(q, flash_attention=getattr(parallelizer, "flash_attention", None))
-    if coster.check(cfg):
+
+def _exact_config(q: SliceQuery, fixed: Mapping[str, Any]):
+    """The one configuration ``fixed`` names at this query's micro-batch, or None where it leaves a grid size to the
+    parallelizer: dp from dp, micro_batch_size or num_gpus / (tp x cp); tp from tp or num_gpus / (dp x cp)."""
+    from tangram_launch.costmodel.breakdown import ParallelConfig  # floor 2: the shared cost model
+
+    b, cp, n = q.microbatch_sequences, fixed.get("cp", 1), fixed.get("num_gpus")
+    dp, tp = fixed.get("dp"), fixed.get("tp")
+    if dp is None and "micro_batch_size" in fixed and b % fixed["micro_batch_size"] == 0:
+        dp = b // fixed["micro_batch_size"]
+    if dp is None and tp is not None and n is not None and n % (tp * cp) == 0:
+        dp = n // (tp * cp)
+    if tp is None and dp is not None:
+        tp = n // (dp * cp) if n is not None and n % (dp * cp) == 0 else 1
+    if dp is None or tp is None:
         return None
-    plan = coster.plan(cfg, parallelizer=getattr(parallelizer, "name", ""))
-    return plan if all(_matches(s, fixed) for s in plan.stages) else None
+    return ParallelConfig(tp=tp, pp=1, dp=dp, cp=cp, ep=fixed.get("ep", 1), zero_stage=fixed.get("zero_stage", 0),
+                          recompute=fixed.get("recompute", "none"), offload=fixed.get("offload", False))
+
+
+def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer") -> tuple[SlicePlan | None, list[str]]:
+    """Price the user's exact configuration with the cost model when the parallelizer's answer lacks it (the
+    planner's search offers only grids that tile nodes; a hand-written stage may take any the runtime runs).
+    Returns the plan, or None and why the configuration cannot run (empty where ``fixed`` names none)."""
+    cfg = _exact_config(q, fixed)
+    if cfg is None:
+        return None, []
+    from tangram_launch.costmodel.breakdown import SliceCoster  # floor 2: the shared cost model
+
+    coster = SliceCoster(q, flash_attention=getattr(parallelizer, "flash_attention", None))
+    problems = [p for p in coster.check(cfg) if not p.startswith(_SEARCH_ONLY_PREFIX)]
+    if problems:
+        return None, problems
+    sums = coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
+    plan = coster.materialize(cfg, sums, parallelizer=getattr(parallelizer, "name", ""))
+    mismatch = [f"{k}={v}" for k, v in fixed.items() if not _matches(plan.stages[0], {k: v})]
+    if mismatch:
+        return None, [f"{', '.join(mismatch)} does not match tp={cfg.tp} dp={cfg.dp} cp={cfg.cp}"]
+    return plan, []
+
+
+@dataclass(frozen=True)
+class _Manual:
+    """What costing one manual plan reads at every size: the plan, its islands, the specs and the runtime."""
+
+    manual: ManualPlan
+    isl_of: tuple  # per stage, its Island
+    cluster: "ClusterSpec"
+    model: "ModelSpec"
+    training: "TrainingSpec"
+    caps: "RuntimeCapabilities"
+    parallelizer: "Parallelizer"
+    schedule: str
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.manual.stages)
+
+    def budget(self, k: int) -> int:
+        """The GPUs stage k may take: its own (given or implied), else an even split of its island among the stages
+        that share it."""
+        st = self.manual.stages[k]
+        share = sum(1 for x in self.manual.stages if x.island == st.island)
+        return st.num_gpus or self.isl_of[k].num_gpus // share
+
+
+class _ManualBest(NamedTuple):
+    score_s: float  # what the Plan reports (Candidates.schedule_choice)
+    candidates: Candidates
+    composition: Composition
 
 
 def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
-                     runtime: "str | RuntimeCapabilities" = "torch", parallelizer: "str | Parallelizer" = "megatron",
-                     islands: IslandSet | None = None, options: PlannerOptions | None = None) -> Plan:
+                     runtime: "str | RuntimeCapabilities" = DEFAULT_RUNTIME,
+                     parallelizer: "str | Parallelizer" = "megatron", islands: IslandSet | None = None,
+                     options: PlannerOptions | None = None) -> Plan:
     """The Plan for a manual layout, costed like Tangram's; InfeasibleError names the stage that does not fit."""
     opts = options or PlannerOptions()
     caps = resolve_capabilities(runtime).for_model(model.num_experts)
@@ -186,88 +263,105 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
                             value=manual.microbatch_sequences)
         bs: tuple[int, ...] = (manual.microbatch_sequences,)
     else:
-        bs = opts.microbatch_sequences or microbatch_choices(G, opts.max_microbatch_options)
-    S = len(manual.stages)
-    isl_of = [iset.by_name(st.island) for st in manual.stages]
-    queries = []
-    for b in bs:
-        for st, isl in zip(manual.stages, isl_of):
-            queries.append(SliceQuery(model=model, training=training, layers=st.layers, island=isl,
-                                      microbatch_sequences=b, capabilities=caps, max_stages=1, pipelined=S > 1))
+        bs = candidate_sizes(G, opts.microbatch_sequences)
+    ctx = _Manual(manual, tuple(iset.by_name(st.island) for st in manual.stages), cluster, model, training, caps,
+                  par, opts.schedule)
+    S = ctx.num_stages
+    queries = [SliceQuery(model=model, training=training, layers=st.layers, island=isl, microbatch_sequences=b,
+                          capabilities=caps, max_stages=1, pipelined=S > 1)
+               for b in bs for st, isl in zip(manual.stages, ctx.isl_of)]
     answers = run_queries(par, queries, max_workers=opts.max_workers, progress=opts.progress, label="manual plan")
-    best: tuple[float, Candidates, Composition] | None = None
+    best: _ManualBest | None = None
     problems: list[str] = []
-    share = {st.island: sum(1 for x in manual.stages if x.island == st.island) for st in manual.stages}
     for bi, b in enumerate(bs):
-        m = G // b
         per_stage: list[list[StageCost]] = []
-        for k, (st, isl) in enumerate(zip(manual.stages, isl_of)):
-            q = queries[bi * S + k]
-            res = answers[bi * S + k]
-            cap = capacity_bytes(isl, training)
-            # stages sharing an island without saying how many GPUs each takes split it evenly
-            budget = st.fixed.get("num_gpus", isl.num_gpus // share[st.island])
-            cands = [p.stages[0] for p in res.plans if len(p.stages) == 1
-                     and p.stages[0].micro_batch_size * p.stages[0].shape.dp == b and _matches(p.stages[0], st.fixed)
-                     and p.stages[0].num_gpus <= budget
-                     and not caps.stage_problems(p.stages[0].shape, pipelined=S > 1)]
-            if not cands and st.fixed:
-                exact = _exact(q, st.fixed, par)
-                if exact is not None:
-                    cands = [exact.stages[0]]
-            where = f"stages[{k}] (layers {st.layers[0]}-{st.layers[1]} on {st.island}, b={b})"
-            if not cands:
-                offered = sorted({_describe(p.stages[0]) for p in res.plans if len(p.stages) == 1})
-                if res.infeasible is not None and not res.plans:
-                    problems.append(f"{where}: {res.infeasible.message()}")
-                else:
-                    problems.append(f"{where}: no configuration with {dict(st.fixed)} on at most {budget} GPUs "
-                                    f"that {caps.name} can run"
-                                    + (f"; the parallelizer offers: {'; '.join(offered[:4])}" if offered else ""))
-                break
-            fits = [c for c in cands if c.memory_bytes(S - 1 - k, m) <= cap]
-            if not fits:
-                c = min(cands, key=lambda c: c.memory_bytes(S - 1 - k, m))
-                problems.append(f"{where}: needs {c.memory_bytes(S - 1 - k, m) / GIB:.1f} GiB per GPU at pipeline "
-                                f"position {k} of {S} ({_describe(c)}) > {cap / GIB:.1f} GiB")
+        for k in range(S):
+            fits = _stage_fits(ctx, k, queries[bi * S + k], answers[bi * S + k], G // b)
+            if isinstance(fits, str):
+                problems.append(fits)
                 break
             per_stage.append(fits)
-        if len(per_stage) < S:
-            continue
-        # the runtime's cross-stage constraints: pick every stage's fastest configuration within one class
-        classes = {compatibility_group((c.shape,), caps) for fits in per_stage for c in fits}
-        for cls in classes:
-            chosen = []
-            for fits in per_stage:
-                mine = [c for c in fits if compatibility_group((c.shape,), caps) == cls]
-                if not mine:
-                    break
-                # a stage's own share of the iteration: m micro-batches, then its DP sync and optimizer step (an
-                # offloaded optimizer saves little per micro-batch and costs seconds per iteration)
-                chosen.append(min(mine, key=lambda c: (m * c.time_s + c.dp_sync_s + c.optimizer_s, c.time_s)))
-            if len(chosen) < S:
-                continue
-            cand = _manual_candidates(b, m, manual, isl_of, chosen, cluster, model, training, caps)
-            if isinstance(cand, str):
-                problems.append(cand)
-                continue
-            seq = tuple(range(S))
-            metrics = evaluate(seq, cand.options, cand.link_matrix, m)
-            assert metrics is not None  # every stage was chosen to fit at its position
-            # ranked as the search ranks: by what the Plan reports (the simulated 1F1B, or interleaved where the
-            # runtime runs it and it is faster)
-            score = cand.schedule_choice(seq, metrics, schedule=opts.schedule, capabilities=caps).latency_s
-            if best is None or score < best[0]:
-                best = (score, cand, Composition(seq, metrics, metrics.period_s, score))
-        if best is None and len(classes) > 1 and not any(p.startswith(f"b={b}") for p in problems):
-            problems.append(f"b={b}: the stages' configurations cannot share one {caps.name} pipeline "
-                            f"(cross-stage constraints: one grid/TP/DP size)")
+        if len(per_stage) == S:
+            best = _best_in_classes(ctx, b, G // b, per_stage, best, problems)
     if best is None:
         raise InfeasibleError(f"the manual plan {src or ''} cannot run".replace("  ", " "), problems)
-    _, cand, comp = best
-    return build_plan(cand, comp, cluster=cluster, model=model, training=training, runtime=caps.name,
+    cand = best.candidates
+    return build_plan(cand, best.composition, cluster=cluster, model=model, training=training, runtime=caps.name,
                       planner={"parallelizer": getattr(par, "name", ""), "manual": src or True, "b": cand.b,
                                "microbatch_sequences_tried": list(bs)}, schedule=opts.schedule)
+
+
+def _stage_fits(ctx: _Manual, k: int, q: SliceQuery, res: SliceResult, m: int) -> list[StageCost] | str:
+    """Stage k's configurations at q's micro-batch size that match its fields, run under the runtime and fit at its
+    pipeline position: the parallelizer's, else the exact one its fields name, priced by the cost model; or why
+    there are none (naming the stage and its fields)."""
+    st, isl, caps, S = ctx.manual.stages[k], ctx.isl_of[k], ctx.caps, ctx.num_stages
+    b, budget = q.microbatch_sequences, ctx.budget(k)
+    cands = [p.stages[0] for p in res.plans if len(p.stages) == 1
+             and p.stages[0].micro_batch_size * p.stages[0].shape.dp == b and _matches(p.stages[0], st.fixed)
+             and p.stages[0].num_gpus <= budget and st.num_gpus in (None, p.stages[0].num_gpus)
+             and not caps.stage_problems(p.stages[0].shape, pipelined=S > 1)]
+    why: list[str] = []
+    if not cands and st.fixed:
+        exact, why = _exact(q, st.fixed, ctx.parallelizer)
+        if exact is not None and exact.stages[0].num_gpus > budget:
+            why = [f"num_gpus={exact.stages[0].num_gpus}: the stage may take {budget} of {st.island}'s "
+                   f"{isl.num_gpus} GPUs"]
+        elif exact is not None:
+            why = caps.stage_problems(exact.stages[0].shape, pipelined=S > 1)
+            cands = [] if why else [exact.stages[0]]
+    where = f"stages[{k}] (layers {st.layers[0]}-{st.layers[1]} on {st.island}, b={b})"
+    if not cands:
+        offered = sorted({_describe(p.stages[0]) for p in res.plans if len(p.stages) == 1})
+        if why:
+            return f"{where} {dict(st.fixed)}: " + "; ".join(why)
+        if res.infeasible is not None and not res.plans:
+            return f"{where}: {res.infeasible.message()}"
+        return (f"{where}: no configuration with {dict(st.fixed)} on at most {budget} GPUs that {caps.name} can run"
+                + (f"; the parallelizer offers: {'; '.join(offered[:4])}" if offered else ""))
+    cap = capacity_bytes(isl, ctx.training)
+    fits = [c for c in cands if c.memory_bytes(S - 1 - k, m) <= cap]
+    if not fits:
+        c = min(cands, key=lambda c: c.memory_bytes(S - 1 - k, m))
+        return (f"{where}: needs {c.memory_bytes(S - 1 - k, m) / GIB:.1f} GiB per GPU at pipeline position {k} of "
+                f"{S} ({_describe(c)}) > {cap / GIB:.1f} GiB")
+    return fits
+
+
+def _best_in_classes(ctx: _Manual, b: int, m: int, per_stage: Sequence[Sequence[StageCost]],
+                     best: _ManualBest | None, problems: list[str]) -> _ManualBest | None:
+    """The runtime's cross-stage constraints: per compatibility class, every stage's fastest configuration in it,
+    as one pipeline scored as the search scores; the better of ``best`` and those. Appends why a class cannot
+    run to ``problems``."""
+    caps, S = ctx.caps, ctx.num_stages
+    classes = {compatibility_group((c.shape,), caps) for fits in per_stage for c in fits}
+    for cls in classes:
+        chosen = []
+        for fits in per_stage:
+            mine = [c for c in fits if compatibility_group((c.shape,), caps) == cls]
+            if not mine:
+                break
+            # a stage's own share of the iteration: m micro-batches, then its DP sync and optimizer step (an
+            # offloaded optimizer saves little per micro-batch and costs seconds per iteration)
+            chosen.append(min(mine, key=lambda c: (m * c.time_s + c.dp_sync_s + c.optimizer_s, c.time_s)))
+        if len(chosen) < S:
+            continue
+        cand = _manual_candidates(b, m, ctx.manual, ctx.isl_of, chosen, ctx.cluster, ctx.model, ctx.training, caps)
+        if isinstance(cand, str):
+            problems.append(cand)
+            continue
+        seq = tuple(range(S))
+        metrics = evaluate(seq, cand.options, cand.link_matrix, m)
+        assert metrics is not None  # every stage was chosen to fit at its position
+        # ranked as the search ranks: by what the Plan reports (the simulated 1F1B, or interleaved where the
+        # runtime runs it and it is faster)
+        score = cand.schedule_choice(seq, metrics, schedule=ctx.schedule, capabilities=caps).latency_s
+        if best is None or score < best.score_s:
+            best = _ManualBest(score, cand, Composition(seq, metrics, metrics.period_s, score))
+    if best is None and len(classes) > 1 and not any(p.startswith(f"b={b}") for p in problems):
+        problems.append(f"b={b}: the stages' configurations cannot share one {caps.name} pipeline "
+                        f"(cross-stage constraints: one grid/TP/DP size)")
+    return best
 
 
 def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, chosen: Sequence[StageCost],

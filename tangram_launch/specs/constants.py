@@ -18,4 +18,5 @@ ZERO_STAGES = (0, 1, 2, 3)  # ZeRO optimizer/gradient/parameter sharding (Rajbha
 # estimates (benchmarks/bench_costmodel_published.py reports their error), and the allocator needs slack.
 DEFAULT_MEMORY_HEADROOM_FRACTION = 0.05
 SCHEDULES = ("1F1B", "interleaved-1F1B")  # pipeline schedules (Narayanan et al. 2021, sec. 2.2)
-RUNTIMES = ("torch", "deepspeed", "megatron")  # runtimes with an adapter and declared capabilities
+RUNTIMES = ("torch", "deepspeed", "megatron")  # built-in runtimes (capabilities.runtime adds registered ones)
+DEFAULT_RUNTIME = "torch"  # where none is given: the command lines, the planner, a Plan without one
