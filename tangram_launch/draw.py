@@ -204,7 +204,8 @@ def schedule_note(plan: "Plan", drawn_end_s: float) -> str:
     """What the bars show: the schedule the plan runs. A plain 1F1B plan's prediction is this very simulation
     (costmodel.pipeline), so the bars end at the title's figure; an interleaved plan's bars are the event simulation
     of its chunks (costmodel.interleaved_schedule), which ends where the closed-form prediction says when the
-    stages are equal and elsewhere within a few per cent of it: the note gives both figures."""
+    stages are equal; with unequal stages it ends later than the closed form (the planner ranks interleaved plans by
+    the closed form), and the note gives both figures and the gap."""
     if plan.virtual_stages > 1:
         pred = plan.predicted.iteration_time_s
         return (f"bars: the interleaved 1F1B schedule it runs, {plan.virtual_stages} chunks per stage (simulated), "

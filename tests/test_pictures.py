@@ -132,7 +132,9 @@ def test_an_interleaved_timeline_draws_every_chunk_and_says_where_it_ends(name):
     drawn = float(re.search(r"ends at ([0-9.]+) s", note).group(1))
     assert _bars_end(items) == pytest.approx(drawn, abs=1e-3)
     assert f"the prediction (closed form) {plan.predicted.iteration_time_s:.3f} s" in note
-    assert abs(drawn - plan.predicted.iteration_time_s) <= 0.1 * plan.predicted.iteration_time_s
+    # the closed form is what the planner ranks by; the gap to the simulation of unequal stages is stated, signed
+    gap = (_bars_end(items) - plan.predicted.iteration_time_s) / plan.predicted.iteration_time_s * 100
+    assert note.endswith(f"{gap:+.1f} %")
 
 
 @pytest.mark.parametrize("S, m, v", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (3, 9, 3), (2, 16, 8), (4, 4, 2)])

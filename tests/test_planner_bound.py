@@ -197,7 +197,7 @@ def test_size_floor_is_zero_for_a_parallelizer_without_compute_floors():
 
 def test_an_incumbent_moved_into_a_fuller_option_list_keeps_its_options_and_score():
     """A size's first (single-island) incumbent is re-indexed when the rest of its pairs are answered."""
-    from tangram_launch.planner.api import _moved
+    from tangram_launch.planner.api import Incumbent, _moved
     from tangram_launch.planner.build import Candidates
     from tangram_launch.planner.compose import Composition, Metrics, Option
 
@@ -209,6 +209,6 @@ def test_an_incumbent_moved_into_a_fuller_option_list_keeps_its_options_and_scor
     new = Candidates(b=4, num_microbatches=4, islands=(), links=None, link_matrix=((0.0,),), options=[b, c, a],
                      groups=[None, None, None])
     comp = Composition((0,), Metrics(4.1, 1.0, 1.0, 0.1, ()), 1.0, score_s=3.9)
-    lat, size, group, moved, cand = _moved((3.9, 4, None, comp, old), new)
+    lat, size, group, moved, cand = _moved(Incumbent(3.9, 4, None, comp, old), new)
     assert cand is new and moved.options == (2,) and new.options[moved.options[0]] == a
     assert moved.objective_s == 3.9 and (lat, size, group) == (3.9, 4, None)
