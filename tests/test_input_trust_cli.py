@@ -114,7 +114,7 @@ def test_another_models_checkpoint_found_by_the_workers_ends_the_launch_with_2(t
 
     other = plan_of([(4, 1)])  # a 16-wide model, not "tiny"
     save_checkpoint(tmp_path / "other", plan=other, state=whole_state(other)[2], position=TrainingPosition(2, 8))
-    proc = _cli(tmp_path, "--standalone", "--nproc-per-node", "2", str(TRAIN_GPT), "--plan", _plan(tmp_path),
+    proc = _cli(tmp_path, "--standalone", "--nproc-per-node", "2", "--plan", _plan(tmp_path), str(TRAIN_GPT),
                 "--resume", str(tmp_path / "other"), "--steps", "2")
     _refused(proc, "train_gpt: error:", "refused its input")
 

@@ -160,3 +160,17 @@ def test_a_restart_round_resumes_from_the_scripts_save_directory(tmp_path):
     assert resume_dir_for_script(old, save, env=restarted) == save  # step 4 beats --resume's step 2
     assert resume_dir_for_script(None, save, env={**restarted, ENV_RESUME_DIR: old, ENV_CHECKPOINT_DIR: old}) == save
     assert resume_dir_for_script(None, str(tmp_path / "none"), env=restarted) is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "deep", "huge"])
+def test_a_lock_file_that_is_not_one_is_an_unknown_owner_read_without_blocking(tmp_path, kind):
+    lock = tmp_path / checkpoint_lock.LOCK_FILE
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").write_text(json.dumps({"host": "h", "pid": 1, "token": "t"}))
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        lock.write_text("[" * 100_000 + "]" * 100_000 if kind == "deep" else " " * (1 << 20))
+    owner = checkpoint_lock.read_owner(str(tmp_path))
+    assert owner.pid == -1 and owner.token == ""

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -92,15 +93,26 @@ def lock_path(directory: str) -> str:
 
 def read_owner(directory: str) -> LockOwner | None:
     try:
-        with open(lock_path(directory), encoding="utf-8") as f:
-            d = json.load(f)
+        d = json.loads(_read_small_regular_file(lock_path(directory)))
         return LockOwner(host=str(d["host"]), pid=int(d["pid"]), token=str(d["token"]), start=d.get("start"),
                          created_unix_s=float(d.get("created_unix_s", 0.0)), command=str(d.get("command", "")),
                          boot_id=d.get("boot_id") if isinstance(d.get("boot_id"), str) else None)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError):  # half-written or foreign: unknown owner
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # half-written or foreign: unknown owner
         return LockOwner(host="?", pid=-1, token="")
+
+
+def _read_small_regular_file(path: str, limit_bytes: int = 64 << 10) -> bytes:
+    """The lock file's bytes: not through a symlink, never a FIFO or device (a reader would block), bounded."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit_bytes:
+            raise ValueError("not a small regular file")
+        return os.read(fd, limit_bytes)
+    finally:
+        os.close(fd)
 
 
 def _create(path: str) -> str | None:

@@ -14,11 +14,16 @@ torchrun set (MASTER_ADDR/PORT, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_*) is left 
 with ``env://`` works unchanged: torch's agents host the TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``), so which
 worker holds rank 0 does not matter to the store.
 
+Before anything else, boot ties the worker's life to its launcher (:mod:`tangram_launch.launch.lifetime`: a
+``kill -9`` of tangram-launch takes its workers with it). A typed error (:class:`TangramError`) out of the script
+is reported in one line, without a traceback; bad input exits with the status the launcher turns into its own
+exit 2 (:mod:`tangram_launch.launch.worker_exit`).
+
 Agents agree on the plan before the script runs (only when there is more than one agent): each worker connects
 to that agent-hosted TCPStore at MASTER_ADDR:MASTER_PORT as a client, publishes ``<plan sha256> <agent id>`` under
 ``tangram/<run id>/plan/<node>``, waits for every plan node's key and compares.  A different plan on any agent, or
-two agents claiming one node (which leaves another node missing), fails every worker with exit status 2 and a
-message naming the node and host, before any collective is attempted.
+two agents claiming one node (which leaves another node missing), fails every worker as bad input, with a
+message naming the node and host, before any collective is attempted (the launcher then exits 2).
 """
 from __future__ import annotations
 

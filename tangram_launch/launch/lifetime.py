@@ -36,8 +36,9 @@ EXIT_ORPHANED = 1
 
 @contextlib.contextmanager
 def worker_environment() -> Iterator[None]:
-    """Launcher, around torch's run: export this process's pid and the status workers exit with on bad input
-    (:mod:`.worker_exit`); torch's agent passes its environment on to the workers. Restored afterwards."""
+    """Launcher, around torch's run of a planned launch (a plain one keeps torchrun's worker environment): export
+    this process's pid and the status workers exit with on bad input (:mod:`.worker_exit`); torch's agent passes
+    its environment on to the workers. Restored afterwards."""
     from tangram_launch.launch.worker_exit import ENV_INPUT_ERROR_EXIT, EXIT_WORKER_INPUT_ERROR
 
     told = {ENV_LAUNCHER_PID: str(os.getpid()), ENV_INPUT_ERROR_EXIT: str(EXIT_WORKER_INPUT_ERROR)}

@@ -388,8 +388,9 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
 
     from tangram_launch.launch.lifetime import worker_environment
 
+    told = worker_environment() if planned is not None else contextlib.nullcontext()  # plain torchrun: its env
     try:
-        with worker_environment():  # workers die with this process; their bad-input status becomes exit 2
+        with told:  # planned workers die with this process; their bad-input status becomes exit 2
             record(torch_run)(args)
     except SignalException as exc:  # SIGTERM/SIGINT/SIGHUP/SIGQUIT to the agent: its workers were stopped
         from tangram_launch.launch.signals import stopped_line

@@ -4,10 +4,11 @@ A worker finds some mistakes only once it runs: another model's checkpoint, a sh
 that does not fit the world. Without this the launcher saw "a worker exited with 1" and exited 1 like any crash.
 
 * Worker side (:func:`exit_status_for`, called by boot and by the example scripts on a :class:`TangramError`, and
-  :func:`usage_status` for their argparse usage errors):
-  one line on stderr, no traceback, and exit status :data:`EXIT_WORKER_INPUT_ERROR` when the error is the user's
-  input (``exit_code == 2``: SpecError and its subclasses) and the worker runs under tangram-launch (which exports
-  :data:`ENV_INPUT_ERROR_EXIT`, :func:`tangram_launch.launch.lifetime.worker_environment`); the error's own ``exit_code`` otherwise (``python script.py`` still exits 2).
+  :func:`usage_status` for their argparse usage errors): one line on stderr, no traceback, and exit status
+  :data:`EXIT_WORKER_INPUT_ERROR` when the error is the user's input (``exit_code == 2``: SpecError and its
+  subclasses) and the worker runs in a planned tangram-launch, which exports :data:`ENV_INPUT_ERROR_EXIT`
+  (:func:`tangram_launch.launch.lifetime.worker_environment`); the error's own ``exit_code`` otherwise
+  (``python script.py`` still exits 2, and a plain torchrun-style launch keeps torchrun's exit 1).
 * Launcher side (:func:`launcher_status`): a launch whose failed workers include one that exited with that status
   ends with exit status 2 and a line naming the rank; any other failure keeps torchrun's 1.
 
