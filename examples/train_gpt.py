@@ -43,8 +43,15 @@ from tangram_launch.errors import SpecError, TangramError
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
 
 
+class _Parser(argparse.ArgumentParser):
+    def exit(self, status: int = 0, message: str | None = None):
+        from tangram_launch.launch.worker_exit import usage_status
+
+        super().exit(usage_status(status), message)  # a usage error ends tangram-launch with exit 2 too
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
+    p = _Parser(description=description or __doc__.split("\n\n")[0])
     p.add_argument("--plan", help="plan file; default: the plan tangram-launch started this worker with")
     p.add_argument("--steps", type=int, default=20, help="train up to this step (a resumed run continues to it)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -62,6 +69,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    from tangram_launch.launch.numbers import MAX_LEARNING_RATE, check_hyperparameter
+
+    check_hyperparameter(args.lr, flag="--lr", high=MAX_LEARNING_RATE)  # 1e30, nan, -1: refused before any step
+    check_hyperparameter(args.timeout_s, flag="--timeout-s")
     for name in ("steps", "save_every"):
         if getattr(args, name) < 0:
             raise SpecError("must be >= 0", field="--" + name.replace("_", "-"), value=getattr(args, name))
@@ -145,11 +156,13 @@ class Checkpointing:
 
     def __init__(self, args: argparse.Namespace, plan: Any, state: Any, data: TokenBatches,
                  extra: dict | None = None) -> None:
-        from tangram_launch.checkpoint import resume_directory
+        from tangram_launch.launch.restart import resume_dir_for_script
 
         self.args, self.plan, self.state, self.data = args, plan, state, data
         self.extra = dict(extra or {})  # saved in position.json "extra" (train_hf.py: the HF config)
-        self.resume_dir = args.resume or resume_directory()
+        # --resume, tangram-launch's --resume, or in a restart round the newest of the run's checkpoints (--save-dir
+        # included: a restart without tangram-launch --checkpoint-dir continues instead of starting again)
+        self.resume_dir = resume_dir_for_script(args.resume, args.save_dir)
 
     def resume(self) -> tuple[int, int, dict]:
         """(steps done, samples consumed, what was loaded) from the resume directory; (0, 0, {}) without one."""
@@ -178,8 +191,13 @@ class Checkpointing:
 
 
 def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bool, tokens_per_step: int,
-          first_step: int = 0, consumed: int = 0, checkpointing: Checkpointing | None = None) -> dict:
-    """Run steps ``first_step+1 .. steps`` of ``ctx.train_step``; returns losses, per-step wall times, position."""
+          first_step: int = 0, consumed: int = 0, checkpointing: Checkpointing | None = None,
+          stage: int | None = None) -> dict:
+    """Run steps ``first_step+1 .. steps`` of ``ctx.train_step``; returns losses, per-step wall times, position.
+
+    A non-finite loss stops the run before that step is saved (NonFiniteLossError naming the step and stage)."""
+    from tangram_launch.launch.numbers import check_loss
+
     losses, times, step_ids, saved = [], [], [], []
     moe_stats = getattr(ctx, "moe_stats", None)  # MoE routing figures (torch runtime), collective
     for step in range(first_step + 1, steps + 1):  # step k consumes samples [(k-1) * B, k * B) when B is fixed
@@ -187,6 +205,7 @@ def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bo
         t0 = time.perf_counter()
         loss = ctx.train_step(batch)  # ends with a collective: the time is the iteration's, on every rank
         dt = time.perf_counter() - t0
+        check_loss(loss, step=step, stage=stage)  # the same loss on every rank: all stop here, nothing saved
         consumed += batch.shape[0]
         losses.append(loss)
         times.append(dt)
@@ -243,7 +262,7 @@ def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str
                      if loaded["saved_global_batch"] != gb else "")
                   + ("; layout changed" if loaded["layout_changed"] else ""), flush=True)
     result = train(ctx, data, steps=args.steps, reporter=reporter, quiet=args.quiet, tokens_per_step=gb * seq_len,
-                   first_step=first_step, consumed=consumed, checkpointing=ckpt)
+                   first_step=first_step, consumed=consumed, checkpointing=ckpt, stage=place.stage.index)
     if reporter:
         if result["losses"]:
             print(f"[{runtime}] steps {first_step + 1}-{args.steps}: loss {result['losses'][0]:.4f} -> "
@@ -268,9 +287,10 @@ def main(argv=None) -> int:
 
     try:
         return run(args, setup, "torch")
-    except TangramError as exc:
-        print(f"train_gpt: {exc}", file=sys.stderr)
-        return exc.exit_code
+    except TangramError as exc:  # one line; bad input ends tangram-launch with exit 2
+        from tangram_launch.launch.worker_exit import exit_status_for
+
+        return exit_status_for(exc, prog="train_gpt")
 
 
 if __name__ == "__main__":

@@ -51,9 +51,10 @@ def main(argv=None) -> int:
 
         hf_config = {k: v for k, v in source.config.to_dict().items() if not k.startswith("_")}
         return run(args, setup, "torch", checkpoint_extra={"hf_config": hf_config})
-    except TangramError as exc:
-        print(f"train_hf: {exc}", file=sys.stderr)
-        return exc.exit_code
+    except TangramError as exc:  # one line; bad input ends tangram-launch with exit 2
+        from tangram_launch.launch.worker_exit import exit_status_for
+
+        return exit_status_for(exc, prog="train_hf")
 
 
 if __name__ == "__main__":

@@ -96,34 +96,48 @@ def family_of(config: Any) -> HFLayout:
 
 
 def load_config(path: str | os.PathLike, *, attn_implementation: str = "eager") -> Any:
-    """A transformers config from a config.json or the folder that holds it (local files only)."""
-    from transformers import AutoConfig
+    """A transformers config from a config.json or the folder that holds it (local files only).
+
+    The file is read through :mod:`tangram_launch.specs.limits` (bounded, control characters refused) and its
+    ``model_type`` checked against ``FAMILIES`` before transformers sees it, so a folder's own code (``auto_map``)
+    is never imported and transformers never asks whether to run it."""
+    from tangram_launch.specs.limits import parse_json, read_text
 
     path = os.fspath(path)
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if not os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(path):
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
         raise SpecError("no config.json there", field="hf model", value=path,
                         valid="a local Hugging Face model folder or its config.json")
+    data = parse_json(read_text(config_file, what="Hugging Face config.json"), source=config_file)
+    if not isinstance(data, dict):
+        raise SpecError("expected a JSON object at the top level", source=config_file, value=type(data).__name__)
+    config = config_from_dict(data, source=config_file)
     if os.path.isdir(path):
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    else:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        config = config_from_dict(data)
+        config._name_or_path = path  # as from_pretrained names it (the model's name in its spec)
     config._attn_implementation = attn_implementation
     return config
 
 
-def config_from_dict(data: Mapping[str, Any]) -> Any:
-    """A transformers config from its dict form (``config.to_dict()`` / a config.json's content)."""
+def config_from_dict(data: Mapping[str, Any], *, source: str | None = None) -> Any:
+    """A transformers config from its dict form (``config.to_dict()`` / a config.json's content).
+
+    Only the built-in config class of a supported family is used (``AutoConfig.for_model`` reads transformers' own
+    registry, never ``auto_map``): another ``model_type`` is refused with the supported list."""
     from transformers import AutoConfig
 
     data = dict(data)
     model_type = data.pop("model_type", None)
-    if not model_type:
-        raise SpecError("a Hugging Face config names its model_type", field="config.model_type", value=None,
-                        valid=", ".join(sorted(FAMILIES)))
+    check_model_type(model_type, source=source)
+    data.pop("auto_map", None)  # a pointer to the folder's own code: never followed, not kept in the config
     return AutoConfig.for_model(model_type, **data)
+
+
+def check_model_type(model_type: Any, *, source: str | None = None) -> None:
+    """``model_type`` names a supported family (before transformers is asked anything about it)."""
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise SpecError("this Hugging Face model_type is not supported (its folder's own code is never run)",
+                        source=source, field="model_type", value=model_type,
+                        valid=", ".join(sorted(FAMILIES)))
 
 
 def _get(root: nn.Module, path: str) -> nn.Module | None:
@@ -325,7 +339,7 @@ class HFSource:
             raise SpecError("layer range must be [start, stop) inside the model", field="layers",
                             value=list(stage.layers), valid=f"0 <= start < stop <= {n}")
         with torch.device("meta"):
-            whole = AutoModelForCausalLM.from_config(self.config)  # meta: no memory, no init
+            whole = AutoModelForCausalLM.from_config(self.config, trust_remote_code=False)  # meta: no memory
         layout = self.layout
 
         def parts(paths: Mapping[str, str]) -> nn.ModuleDict:

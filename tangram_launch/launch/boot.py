@@ -14,11 +14,16 @@ torchrun set (MASTER_ADDR/PORT, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_*) is left 
 with ``env://`` works unchanged: torch's agents host the TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``), so which
 worker holds rank 0 does not matter to the store.
 
+Before anything else, boot ties the worker's life to its launcher (:mod:`tangram_launch.launch.lifetime`: a
+``kill -9`` of tangram-launch takes its workers with it). A typed error (:class:`TangramError`) out of the script
+is reported in one line, without a traceback; bad input exits with the status the launcher turns into its own
+exit 2 (:mod:`tangram_launch.launch.worker_exit`).
+
 Agents agree on the plan before the script runs (only when there is more than one agent): each worker connects
 to that agent-hosted TCPStore at MASTER_ADDR:MASTER_PORT as a client, publishes ``<plan sha256> <agent id>`` under
 ``tangram/<run id>/plan/<node>``, waits for every plan node's key and compares.  A different plan on any agent, or
-two agents claiming one node (which leaves another node missing), fails every worker with exit status 2 and a
-message naming the node and host, before any collective is attempted.
+two agents claiming one node (which leaves another node missing), fails every worker as bad input, with a
+message naming the node and host, before any collective is attempted (the launcher then exits 2).
 """
 from __future__ import annotations
 
@@ -30,9 +35,9 @@ from datetime import timedelta
 from typing import Mapping, Sequence
 
 from tangram_launch import worker as W
-from tangram_launch.errors import SpecError
+from tangram_launch.errors import SpecError, TangramError
+from tangram_launch.launch.worker_exit import exit_status_for
 
-EXIT_PLAN_ERROR = 2  # SpecError.exit_code: a plan/world mismatch is a user error
 ENV_CHECK_TIMEOUT_S = "TANGRAM_PLAN_CHECK_TIMEOUT_S"  # how long workers wait for every agent to publish its plan
 DEFAULT_CHECK_TIMEOUT_S = 120.0
 
@@ -202,19 +207,18 @@ def run_target(boot: BootArgs) -> None:
     runpy.run_path(os.path.abspath(script), run_name="__main__")
 
 
-def _report(exc: SpecError, boot: BootArgs | None) -> None:
-    """stderr for the user; the elastic error file so the agent's failure summary shows the reason."""
+def _report(exc: TangramError, boot: BootArgs | None, *, prog: str = "tangram-launch boot") -> int:
+    """stderr for the user (one line, no traceback) and the elastic error file, so the agent's failure summary shows
+    the reason. Returns the exit status (bad input: the one the launcher turns into 2, :mod:`.worker_exit`)."""
     where = f" (plan node {boot.node}, local rank {os.environ.get('LOCAL_RANK', '?')})" if boot else ""
-    sys.stderr.write(f"tangram-launch boot{where}: error: {exc}\n")
-    sys.stderr.flush()
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-        get_error_handler().record_exception(exc)
+    return exit_status_for(exc, prog=f"{prog}{where}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from tangram_launch.launch.lifetime import die_with_launcher
+
+    die_with_launcher()  # first: a worker never outlives the launcher that started it
     boot = None
     try:
         boot = parse_boot_args(argv)
@@ -225,9 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
             _check_across_agents(os.environ, boot)
     except SpecError as exc:
-        _report(exc, boot)
-        return EXIT_PLAN_ERROR
-    run_target(boot)
+        return _report(exc, boot)
+    try:
+        run_target(boot)
+    except TangramError as exc:  # the script's own typed error (another model's checkpoint, a shape mismatch)
+        return _report(exc, boot, prog=os.path.basename(boot.target))
     return 0
 
 

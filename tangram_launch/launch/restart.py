@@ -13,14 +13,17 @@ torch.distributed.run has the same behaviour; Tangram fixes it for planned launc
   ``tangram/<run id>/round/<r>/store_port``; every worker of the round waits for that key and sets MASTER_PORT to
   it, so ``init_process_group("env://")`` meets only this round's keys.
 
-Resuming from the newest checkpoint in a restart round: :mod:`tangram_launch.checkpoint.rounds`.
+Resuming from the newest checkpoint in a restart round: :mod:`tangram_launch.checkpoint.rounds` for the launcher's
+``--checkpoint-dir``, and :func:`resume_dir_for_script` for a script's own save directory: a run restarted without
+``--checkpoint-dir`` used to begin again at step 1 and die at "step_N already exists".
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Mapping
 
-from tangram_launch.checkpoint.rounds import ENV_CHECKPOINT_DIR, restart_round
+from tangram_launch.checkpoint.rounds import ENV_CHECKPOINT_DIR, resume_dir_for_round, restart_round
 
 ROUND_STORE_TIMEOUT_S = 300.0
 
@@ -46,4 +49,37 @@ def fresh_round_store(env: Mapping[str, str], *, torchrun_rank: int) -> dict[str
     return {"MASTER_PORT": agent.get(key).decode()}
 
 
-__all__ = ["ENV_CHECKPOINT_DIR", "fresh_round_store"]
+def resume_dir_for_script(script_resume: str | None, save_dir: str | None,
+                          env: Mapping[str, str] | None = None) -> str | None:
+    """Where a training script resumes from (None: a fresh start).
+
+    Round 0: the script's own ``--resume``, else the launcher's (``tangram-launch --resume``). A restart round
+    (``--max-restarts``) continues the run: the directory with the newest complete checkpoint among the script's
+    save directory, the launcher's ``--checkpoint-dir`` and those two (every rank reads the same files, so every
+    rank picks the same one)."""
+    env = os.environ if env is None else env
+    launcher = resume_dir_for_round(env)
+    if restart_round(env) == 0:
+        return script_resume or launcher
+    best, best_step = None, -1
+    for directory in dict.fromkeys(os.path.abspath(d) for d in (save_dir, env.get(ENV_CHECKPOINT_DIR), script_resume,
+                                                                 launcher) if d):
+        step = _newest_step(directory)
+        if step is not None and step > best_step:
+            best, best_step = directory, step
+    return best or script_resume or launcher
+
+
+def _newest_step(directory: str) -> int | None:
+    from tangram_launch.checkpoint.store import find_latest
+    from tangram_launch.errors import SpecError
+
+    if not os.path.isdir(directory):
+        return None
+    try:
+        return find_latest(directory, checksums=False).step  # sizes only: loading verifies the checksums
+    except SpecError:
+        return None
+
+
+__all__ = ["ENV_CHECKPOINT_DIR", "fresh_round_store", "resume_dir_for_script"]

@@ -395,8 +395,12 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import run as torch_run
 
+    from tangram_launch.launch.lifetime import worker_environment
+
+    told = worker_environment() if planned is not None else contextlib.nullcontext()  # plain torchrun: its env
     try:
-        record(torch_run)(args)
+        with told:  # planned workers die with this process; their bad-input status becomes exit 2
+            record(torch_run)(args)
     except SignalException as exc:  # SIGTERM/SIGINT/SIGHUP/SIGQUIT to the agent: its workers were stopped
         from tangram_launch.launch.signals import stopped_line
 
@@ -404,10 +408,15 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
         sys.stderr.flush()
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
+        from tangram_launch.launch.worker_exit import launcher_status
+
         sys.stderr.write(f"{exc}\n")  # torchrun's failure table
         sys.stderr.write(f"tangram-launch: {failure_summary(exc, planned)}\n")
+        bad_input = launcher_status(exc.failures)  # a worker refused its input: exit 2, as the launcher would
+        if bad_input is not None:
+            sys.stderr.write(bad_input[1] + "\n")
         sys.stderr.flush()
-        return EXIT_WORKER_FAILED
+        return bad_input[0] if bad_input is not None else EXIT_WORKER_FAILED
     return 0
 
 
@@ -415,8 +424,8 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     """Launch like torchrun; by a plan when ``--plan`` is given or ``plan_provider`` plans from the options.
 
     ``plan_provider=None`` turns planning at launch off (``--cluster`` ... is then refused).  Returns 0, or 1 when
-    a worker failed (as torchrun exits).  User errors raise SpecError (exit 2) before any worker starts; argparse
-    errors exit 2 as torchrun's do.
+    a worker failed (as torchrun exits), or 2 when a worker refused its input (:mod:`.worker_exit`).  User errors
+    raise SpecError (exit 2) before any worker starts; argparse errors exit 2 as torchrun's do.
     """
     options = LaunchOptions.from_argv(argv)
     args, opts = options.torchrun, options.tangram

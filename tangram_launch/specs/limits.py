@@ -154,8 +154,9 @@ def parse_yaml(text: str, *, source: str) -> Any:
 
     if not _json_depth_ok(text, quotes="\"'"):
         raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source)
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # its reader refuses control characters (NUL, \x01, ...) right here
         try:
             node = loader.get_single_node()
         except RecursionError:
@@ -167,15 +168,26 @@ def parse_yaml(text: str, *, source: str) -> Any:
             data = loader.construct_document(node)
         except (ValueError, OverflowError) as exc:  # 5,000-digit integers (Python's int limit), ...
             raise SpecError(f"malformed YAML value: {str(exc).splitlines()[0][:200]}", source=source) from None
+    except yaml.reader.ReaderError as exc:
+        line, column = _line_column(text, exc.position)
+        raise SpecError(f"malformed YAML at line {line}, column {column}: control character {exc.character:#06x} "
+                        "(YAML allows tab, newline and printable characters only)", source=source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise SpecError(f"malformed YAML{where}: {problem}", source=source) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     check_values(data, source=source)
     return data
+
+
+def _line_column(text: str, position: int) -> tuple[int, int]:
+    """1-based line and column of a character offset."""
+    before = text[:position]
+    return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
 
 
 def _check_yaml_nodes(root: Any, source: str) -> None:

@@ -517,6 +517,10 @@ _UNSUPPORTED_HF_KEYS = {"kv_lora_rank": "multi-head latent attention (DeepSeek-V
                         "q_lora_rank": "multi-head latent attention (DeepSeek-V2/V3)",
                         "first_k_dense_replace": "leading dense layers (DeepSeek)",
                         "n_routed_experts": "DeepSeek-style routed/shared experts"}
+# The model_types whose config.json this translation knows (the families above); any other is refused at planning:
+# its parameters may differ in ways the keys do not show, and its folder may carry code (auto_map) never to be run.
+HF_MODEL_TYPES = frozenset(_GATED_TYPES | _UNTIED_BY_DEFAULT | _QK_NORM_TYPES | _QKV_BIAS_TYPES
+                           | _LEARNED_POSITION_TYPES)
 _HF_MARKERS = ("model_type", "architectures", "num_hidden_layers", "n_layer", "n_embd", "num_attention_heads",
                "transformers_version")
 
@@ -546,6 +550,10 @@ def from_hf_config(cfg: Mapping, *, name: str | None = None, source: str | None 
         if cfg.get(key):
             raise SpecError(f"{what} is not supported by ModelSpec", source=source, field=key, value=cfg[key],
                             valid="a Llama/Mixtral/Qwen/GPT-2/OPT-style config, or write a model YAML")
+    if "model_type" in cfg and (not isinstance(cfg["model_type"], str) or cfg["model_type"] not in HF_MODEL_TYPES):
+        raise SpecError("unknown Hugging Face model_type (a folder's own code, auto_map, is never run)",
+                        source=source, field="model_type", value=cfg["model_type"],
+                        valid=", ".join(sorted(HF_MODEL_TYPES)) + "; or write a model YAML")
     model_type = str(cfg.get("model_type", "")).lower()
     # transformers' own defaults when the key is absent: silu for the gated (Llama-style) families, gelu otherwise
     act = str(pick("ffn_type", "hidden_act", "activation_function", "hidden_activation",
