@@ -73,9 +73,10 @@ def main(argv=None) -> int:
 
     try:
         return run(args, setup, "deepspeed", stage_state=deepspeed_stage_state)
-    except TangramError as exc:
-        print(f"train_gpt_deepspeed: {exc}", file=sys.stderr)
-        return exc.exit_code
+    except TangramError as exc:  # one line; bad input ends tangram-launch with exit 2
+        from tangram_launch.launch.worker_exit import exit_status_for
+
+        return exit_status_for(exc, prog="train_gpt_deepspeed")
 
 
 if __name__ == "__main__":

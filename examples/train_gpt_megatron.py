@@ -170,9 +170,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         result = train(args)
-    except TangramError as exc:
-        sys.stderr.write(f"train_gpt_megatron: error: {exc}\n")
-        return exc.exit_code
+    except TangramError as exc:  # one line; bad input ends tangram-launch with exit 2
+        from tangram_launch.launch.worker_exit import exit_status_for
+
+        return exit_status_for(exc, prog="train_gpt_megatron")
     if args.out and result["writer"]:  # every last-stage rank holds the same (dp-averaged) losses: one writes
         with open(f"{args.out}.tmp.{os.getpid()}", "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
