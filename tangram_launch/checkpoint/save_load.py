@@ -44,8 +44,9 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from tangram_launch.checkpoint import guard
+from tangram_launch.checkpoint import confined, guard
 from tangram_launch.checkpoint import store
+from tangram_launch.checkpoint.fields import check_tensor_meta
 from tangram_launch.checkpoint.keys import (LayerKeyMap, NamedOptimizerState, format_layers, layer_of,
                                             load_optimizer_state_by_name, optimizer_state_by_name, part_of)
 from tangram_launch.checkpoint.store import CheckpointInfo, Skipped, TrainingPosition, describe
@@ -229,6 +230,15 @@ class _Comm:
                              for e, rs in by_text.items())
             raise SpecError(f"{what}: {text}")
 
+    def raise_first(self, error: SpecError | None, what: str) -> None:
+        """Collective: a rank with an error raises it as it is; the others raise a SpecError naming it."""
+        texts = self.all_gather(None if error is None else str(error))
+        if error is not None:
+            raise error
+        failed = [(r, t) for r, t in enumerate(texts) if t]
+        if failed:
+            raise SpecError(f"{what}: " + "; ".join(f"rank {r}: {t}" for r, t in failed))
+
 
 @contextlib.contextmanager
 def _single_process_quiet(comm: _Comm) -> Iterator[None]:
@@ -368,12 +378,12 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, store.STATE_DIR), sync_files=True),
                      process_group=group, no_dist=not comm.distributed)
         rng = capture_rng_state()
-        store.write_json(os.path.join(tmp, store.RNG_DIR, f"rank_{comm.rank}.json"), rng)
+        store.write_json(tmp, f"{store.RNG_DIR}/rank_{comm.rank}.json", rng)
         if comm.rank == 0:
-            store.write_json(os.path.join(tmp, store.RNG_DIR, "global.json"), rng)
-            store.write_json(os.path.join(tmp, store.PLAN_FILE), plan.to_dict())
-            store.write_json(os.path.join(tmp, store.POSITION_FILE), gathered[0]["position"])
-            store.write_json(os.path.join(tmp, store.OPTIMIZER_FILE), optim_json)
+            store.write_json(tmp, f"{store.RNG_DIR}/global.json", rng)
+            store.write_json(tmp, store.PLAN_FILE, plan.to_dict())
+            store.write_json(tmp, store.POSITION_FILE, gathered[0]["position"])
+            store.write_json(tmp, store.OPTIMIZER_FILE, optim_json)
     except (OSError, CheckpointException) as exc:  # a full disk: a message, not a traceback; no temporary left
         error = guard.failed_save(exc, directory=directory, tmp=None, needed_bytes=needed)
     try:
@@ -456,6 +466,86 @@ def _needs_problem(state: StageState, manifest: Mapping[str, Any], path: str) ->
     return "; ".join(problems) or None
 
 
+def read_saved_plan(path: str) -> Plan:
+    """plan.json of checkpoint ``path`` (confined, size-capped, every field checked by Plan.from_dict)."""
+    return Plan.from_dict(store.read_plan_dict(path), source=os.path.join(path, store.PLAN_FILE))
+
+
+def _optimizer_templates(state: StageState, manifest: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
+    """Tensors to load this rank's optimizer state into: each saved state's shape must be its parameter's, or a
+    scalar (Adam's step); anything else (a crafted [4e18] or [-1]) is refused before anything is allocated."""
+    saved_optim: Mapping[str, Any] = manifest.get("optimizer", {})
+    templates: dict[str, dict[str, torch.Tensor]] = {}
+    if state.optimizer is None:
+        return templates
+    for param, name in state.param_names.items():
+        for k, meta in saved_optim.get(name, {}).items():
+            shape, dtype_name = check_tensor_meta(meta, source=source, field=f"optimizer.{name}.{k}")
+            dtype = getattr(torch, dtype_name)
+            if shape not in (tuple(param.shape), ()):
+                raise SpecError("optimizer state whose shape is neither its parameter's nor a scalar's",
+                                source=source, field=f"optimizer.{name}.{k}.shape", value=list(shape),
+                                valid=f"{list(param.shape)} or []")
+            if not (dtype.is_floating_point or dtype in (torch.int64, torch.int32)):
+                raise SpecError("optimizer state of a non-numeric dtype", source=source,
+                                field=f"optimizer.{name}.{k}.dtype", value=dtype_name)
+            templates.setdefault(name, {})[k] = (torch.empty_like(param, dtype=dtype) if shape == tuple(param.shape)
+                                                 else torch.empty(shape, dtype=dtype))  # e.g. Adam's 0-dim step
+    return templates
+
+
+def _check_saved_hparams(state: StageState, extra: Mapping[str, Any], source: str) -> None:
+    """Each saved hyperparameter of this rank's parameters against its group's own (before anything is loaded)."""
+    from tangram_launch.checkpoint.state_fields import ABSENT, check_hparam
+
+    if state.optimizer is None:
+        return
+    group_of = {id(p): g for g in state.optimizer.param_groups for p in g["params"]}
+    for param, name in state.param_names.items():
+        group = group_of.get(id(param))
+        for k, v in (extra.get(name) or {}).get("hparams", {}).items():
+            if group is not None:
+                check_hparam(k, v, group.get(k, ABSENT), source=source, field=f"{name}.hparams.{k}")
+
+
+def _read_and_check(path: str, manifest: Mapping[str, Any], state: StageState, rank: int,
+                    rng_mode: str) -> dict[str, Any]:
+    """Every file a load reads besides the shards, read through the confined layer and checked field by field."""
+    from tangram_launch.checkpoint.safe_load import check_dcp_directory, listed_in
+    from tangram_launch.checkpoint.state_fields import check_optimizer_file, check_rng_state
+
+    out: dict[str, Any] = {"position": store.read_position(path),
+                           "optim_templates": _optimizer_templates(state, manifest,
+                                                                   os.path.join(path, store.MANIFEST)),
+                           "optimizer_file": {}, "rng": None, "rng_source": None}
+    if state.optimizer is not None:
+        source = os.path.join(path, store.OPTIMIZER_FILE)
+        out["optimizer_file"] = check_optimizer_file(store.read_json(path, store.OPTIMIZER_FILE), source=source)
+        _check_saved_hparams(state, out["optimizer_file"], source)
+    if rng_mode != "none":
+        rel = f"{store.RNG_DIR}/rank_{rank}.json" if rng_mode == "per_rank" else f"{store.RNG_DIR}/global.json"
+        try:
+            out["rng"] = store.read_json(path, rel)
+        except confined.CheckpointFileError as exc:
+            if exc.missing and rng_mode == "per_rank":
+                raise SpecError(f"{path} has no RNG state for rank {rank} (written on {manifest.get('world_size')} "
+                                "ranks)", field="rng", value=rng_mode, valid="global, none") from None
+            raise
+        out["rng_source"] = os.path.join(path, rel)
+        check_rng_state(out["rng"], source=out["rng_source"], torch_bytes=torch.get_rng_state().numel())
+    out["metadata"] = check_dcp_directory(os.path.join(path, store.STATE_DIR),
+                                          listed=listed_in(manifest, store.STATE_DIR))
+    return out
+
+
+def _restore_rng_checked(state: Mapping[str, Any], source: str) -> None:
+    """restore_rng_state of a checked state; what torch or numpy still refuse is a SpecError naming the file."""
+    try:
+        restore_rng_state(state)
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+        raise SpecError(f"the RNG state does not restore ({str(exc)[:200]})", source=source, field="rng") from None
+
+
 def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageState, step: int | None = None,
                     rng: str = "auto", restore_hparams: bool = True, group: Any = None) -> LoadedCheckpoint:
     """Load the newest complete checkpoint (or ``step``) into this rank's state under ``plan``; collective.
@@ -477,8 +567,7 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
                         "checkpoints load with runtime_adapters.megatron_checkpoint)", field="state_format",
                         value=fmt, valid=STATE_FORMAT)
 
-    saved_plan = Plan.from_dict(store.read_json(os.path.join(path, store.PLAN_FILE)),
-                                source=os.path.join(path, store.PLAN_FILE))
+    saved_plan = read_saved_plan(path)
     diffs = model_differences(saved_plan.model, plan.model)
     if diffs:
         detail = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} in the plan" for k, a, b in diffs)
@@ -491,61 +580,52 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
                         f"the plan has {plan.model.get('name')!r}): {detail}", field=f"model.{diffs[0][0]}",
                         value=diffs[0][2], valid=repr(diffs[0][1]))
     error = _owned_problem(state, plan, comm.rank) or _needs_problem(state, manifest, path)
-
-    # templates for the optimizer state this rank's parameters have in the checkpoint
-    saved_optim: Mapping[str, Any] = manifest.get("optimizer", {})
-    optim_templates: dict[str, dict[str, torch.Tensor]] = {}
-    if state.optimizer is not None and error is None:
-        for param, name in state.param_names.items():
-            for k, meta in saved_optim.get(name, {}).items():
-                dtype = getattr(torch, meta["dtype"], None)
-                if not isinstance(dtype, torch.dtype):
-                    error = f"optimizer state {name}.{k} has an unknown dtype {meta['dtype']!r}"
-                    break
-                shape = tuple(meta["shape"])
-                optim_templates.setdefault(name, {})[k] = (
-                    torch.empty_like(param, dtype=dtype) if shape == tuple(param.shape)
-                    else torch.empty(shape, dtype=dtype))  # e.g. Adam's 0-dim step, kept on the CPU
     comm.raise_any(error, f"cannot load checkpoint {path} under this plan")
 
-    import torch.distributed.checkpoint as dcp
+    # every small file and the DCP metadata checked on every rank before any state changes
+    same_layout = _layout(saved_plan) == _layout(plan)
+    mode = rng if rng != "auto" else ("per_rank" if same_layout else "global")
+    checked: dict[str, Any] = {}
+    failure: SpecError | None = None
+    try:
+        checked = _read_and_check(path, manifest, state, comm.rank, mode)
+    except SpecError as exc:
+        failure = exc
+    comm.raise_first(failure, f"cannot load checkpoint {path}")
 
     flat: dict[str, Any] = {_MODEL_PREFIX + k: t for k, t in state.model.items()}
-    for n, d in optim_templates.items():
+    for n, d in checked["optim_templates"].items():
         flat.update({f"{_OPTIM_PREFIX}{n}.{k}": t for k, t in d.items()})
     targets = dict(flat)
-    from tangram_launch.checkpoint.safe_load import check_dcp_directory, safe_planner, safe_reader
+    from tangram_launch.checkpoint.safe_load import check_request, load_tensors
 
-    check_dcp_directory(os.path.join(path, store.STATE_DIR))  # every rank: nothing from the checkpoint runs code
+    failure = None
+    try:
+        check_request(checked["metadata"], flat, source=os.path.join(path, store.STATE_DIR, ".metadata"))
+    except SpecError as exc:
+        failure = exc
+    comm.raise_first(failure, f"cannot load checkpoint {path}")
     with _single_process_quiet(comm):
-        dcp.load(flat, storage_reader=safe_reader(os.path.join(path, store.STATE_DIR)), planner=safe_planner(),
-                 process_group=group, no_dist=not comm.distributed)
+        load_tensors(flat, os.path.join(path, store.STATE_DIR), checked["metadata"], group=group,
+                     no_dist=not comm.distributed)
     with torch.no_grad():
         for key, t in flat.items():  # DCP loads tensors in place; copy should it ever have replaced one
             if t is not targets[key]:
                 targets[key].copy_(t)
 
     if state.optimizer is not None:
-        if not saved_optim and comm.rank == 0:
+        if not manifest.get("optimizer") and comm.rank == 0:
             logger.warning("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
-        extra = store.read_json(os.path.join(path, store.OPTIMIZER_FILE))
+        extra = checked["optimizer_file"]
         named = NamedOptimizerState(
-            tensors={n: {k: flat[f"{_OPTIM_PREFIX}{n}.{k}"] for k in d} for n, d in optim_templates.items()},
+            tensors={n: {k: flat[f"{_OPTIM_PREFIX}{n}.{k}"] for k in d} for n, d in checked["optim_templates"].items()},
             scalars={n: e.get("scalars", {}) for n, e in extra.items()},
             hparams={n: e["hparams"] for n, e in extra.items() if "hparams" in e})
-        load_optimizer_state_by_name(state.optimizer, state.param_names, named, restore_hparams=restore_hparams)
-
-    same_layout = _layout(saved_plan) == _layout(plan)
-    mode = rng if rng != "auto" else ("per_rank" if same_layout else "global")
+        load_optimizer_state_by_name(state.optimizer, state.param_names, named, restore_hparams=restore_hparams,
+                                     source=os.path.join(path, store.OPTIMIZER_FILE))
     if mode != "none":
-        name = f"rank_{comm.rank}.json" if mode == "per_rank" else "global.json"
-        rng_path = os.path.join(path, store.RNG_DIR, name)
-        if mode == "per_rank" and not os.path.exists(rng_path):
-            raise SpecError(f"{path} has no RNG state for rank {comm.rank} (written on {manifest.get('world_size')} "
-                            "ranks)", field="rng", value=rng, valid="global, none")
-        restore_rng_state(store.read_json(rng_path))
-    position = TrainingPosition.from_dict(store.read_json(os.path.join(path, store.POSITION_FILE)),
-                                          source=os.path.join(path, store.POSITION_FILE))
+        _restore_rng_checked(checked["rng"], checked["rng_source"])
+    position = checked["position"]
     if comm.rank == 0:
         logger.info("loaded checkpoint %s (step %d, written on %d ranks in %d stages, now %d ranks in %d stages; "
                     "RNG: %s) in %.2f s", path, found_step, saved_plan.world_size, saved_plan.num_stages,
