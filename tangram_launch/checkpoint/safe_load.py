@@ -218,13 +218,14 @@ def load_tensors(request: dict[str, Any], state_dir: str, metadata: Any, *, grou
     and :func:`check_request` (DCP is handed that object: the file is not read again). A shard that still fails to
     read (altered bytes) is a SpecError naming the directory, not a traceback."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
         dcp.load(request, storage_reader=safe_reader(state_dir, metadata), planner=safe_planner(),
                  process_group=group, no_dist=no_dist)
     except SpecError:
         raise
-    except Exception as exc:  # DCP's CheckpointException and what a damaged shard makes torch.load raise
+    except (Exception, CheckpointException) as exc:  # what a damaged shard makes torch.load raise, on any rank
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise SpecError(f"cannot read the checkpoint's tensors ({type(exc).__name__}: {first}); a shard is "
                         "damaged or does not match its metadata", source=state_dir, field="state") from None

@@ -185,14 +185,16 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 # --- collectives (nothing when there is no process group) ---------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Comm:
+class Comm:
+    """This rank within ``group`` and the few collectives a save or load needs (nothing without a process group)."""
+
     rank: int
     world_size: int
     group: Any
     distributed: bool
 
     @classmethod
-    def create(cls, group: Any) -> "_Comm":
+    def create(cls, group: Any) -> "Comm":
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -241,7 +243,7 @@ class _Comm:
 
 
 @contextlib.contextmanager
-def _single_process_quiet(comm: _Comm) -> Iterator[None]:
+def _single_process_quiet(comm: Comm) -> Iterator[None]:
     """DCP warns on every single-process call that it assumes one process; here that is the intent."""
     with warnings.catch_warnings():
         if not comm.distributed:
@@ -249,7 +251,7 @@ def _single_process_quiet(comm: _Comm) -> Iterator[None]:
         yield
 
 
-def _check_world(comm: _Comm, plan: Plan) -> None:
+def _check_world(comm: Comm, plan: Plan) -> None:
     if comm.world_size != plan.world_size:
         raise SpecError("the job's world size differs from the plan's", field="world_size", value=comm.world_size,
                         valid=str(plan.world_size))
@@ -313,7 +315,7 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     directory = os.fspath(directory)
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise SpecError("must be a positive integer or None (keep all)", field="keep_last", value=keep_last)
-    comm = _Comm.create(group)
+    comm = Comm.create(group)
     _check_world(comm, plan)
     t0 = time.perf_counter()
     step = position.step
@@ -422,7 +424,7 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
 
 # --- load -----------------------------------------------------------------------------------------------------------
 
-def _find(directory: str, comm: _Comm, step: int | None) -> tuple[str, int, dict[str, Any], list[Skipped]]:
+def _find(directory: str, comm: Comm, step: int | None) -> tuple[str, int, dict[str, Any], list[Skipped]]:
     """Collective: the newest complete checkpoint, its files verified with the work spread over the ranks."""
     cands = comm.broadcast(store.list_candidates(directory) if comm.rank == 0 else None)
     skipped: list[Skipped] = []
@@ -512,7 +514,7 @@ def _read_and_check(path: str, manifest: Mapping[str, Any], state: StageState, r
                     rng_mode: str) -> dict[str, Any]:
     """Every file a load reads besides the shards, read through the confined layer and checked field by field."""
     from tangram_launch.checkpoint.safe_load import check_dcp_directory, listed_in
-    from tangram_launch.checkpoint.state_fields import check_optimizer_file, check_rng_state
+    from tangram_launch.checkpoint.state_fields import check_optimizer_file
 
     out: dict[str, Any] = {"position": store.read_position(path),
                            "optim_templates": _optimizer_templates(state, manifest,
@@ -523,22 +525,30 @@ def _read_and_check(path: str, manifest: Mapping[str, Any], state: StageState, r
         out["optimizer_file"] = check_optimizer_file(store.read_json(path, store.OPTIMIZER_FILE), source=source)
         _check_saved_hparams(state, out["optimizer_file"], source)
     if rng_mode != "none":
-        rel = f"{store.RNG_DIR}/rank_{rank}.json" if rng_mode == "per_rank" else f"{store.RNG_DIR}/global.json"
-        try:
-            out["rng"] = store.read_json(path, rel)
-        except confined.CheckpointFileError as exc:
-            if exc.missing and rng_mode == "per_rank":
-                raise SpecError(f"{path} has no RNG state for rank {rank} (written on {manifest.get('world_size')} "
-                                "ranks)", field="rng", value=rng_mode, valid="global, none") from None
-            raise
-        out["rng_source"] = os.path.join(path, rel)
-        check_rng_state(out["rng"], source=out["rng_source"], torch_bytes=torch.get_rng_state().numel())
+        out["rng"], out["rng_source"] = read_rng_state(path, manifest, rank, rng_mode)
     out["metadata"] = check_dcp_directory(os.path.join(path, store.STATE_DIR),
                                           listed=listed_in(manifest, store.STATE_DIR))
     return out
 
 
-def _restore_rng_checked(state: Mapping[str, Any], source: str) -> None:
+def read_rng_state(path: str, manifest: Mapping[str, Any], rank: int, mode: str) -> tuple[dict[str, Any], str]:
+    """(RNG state, its file) for ``mode`` per_rank or global, every field checked."""
+    from tangram_launch.checkpoint.state_fields import check_rng_state
+
+    rel = f"{store.RNG_DIR}/rank_{rank}.json" if mode == "per_rank" else f"{store.RNG_DIR}/global.json"
+    try:
+        state = store.read_json(path, rel)
+    except confined.CheckpointFileError as exc:
+        if exc.missing and mode == "per_rank":
+            raise SpecError(f"{path} has no RNG state for rank {rank} (written on {manifest.get('world_size')} "
+                            "ranks)", field="rng", value=mode, valid="global, none") from None
+        raise
+    source = os.path.join(path, rel)
+    check_rng_state(state, source=source, torch_bytes=torch.get_rng_state().numel())
+    return state, source
+
+
+def restore_checked_rng(state: Mapping[str, Any], source: str) -> None:
     """restore_rng_state of a checked state; what torch or numpy still refuse is a SpecError naming the file."""
     try:
         restore_rng_state(state)
@@ -557,7 +567,7 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     directory = os.fspath(directory)
     if rng not in RNG_MODES:
         raise SpecError("unknown RNG restore mode", field="rng", value=rng, valid=", ".join(RNG_MODES))
-    comm = _Comm.create(group)
+    comm = Comm.create(group)
     _check_world(comm, plan)
     t0 = time.perf_counter()
     path, found_step, manifest, skipped = _find(directory, comm, step)
@@ -624,7 +634,7 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
         load_optimizer_state_by_name(state.optimizer, state.param_names, named, restore_hparams=restore_hparams,
                                      source=os.path.join(path, store.OPTIMIZER_FILE))
     if mode != "none":
-        _restore_rng_checked(checked["rng"], checked["rng_source"])
+        restore_checked_rng(checked["rng"], checked["rng_source"])
     position = checked["position"]
     if comm.rank == 0:
         logger.info("loaded checkpoint %s (step %d, written on %d ranks in %d stages, now %d ranks in %d stages; "
