@@ -506,3 +506,51 @@ def test_export_refuses_each_crafted_checkpoint_with_exit_2(saved, outside, tmp_
     assert "Traceback" not in err and "step_1" in err
     assert_not_opened(paths, outside)
     assert not (tmp_path / "out").exists()
+
+
+# --- Hugging Face files: safetensors in, safetensors out ------------------------------------------------------
+
+TINY_LLAMA = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny-llama"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "malformed header"])
+def test_truncated_or_malformed_safetensors_weights_are_refused_naming_the_file(tmp_path, damage):
+    transformers = pytest.importorskip("transformers")
+    from runtime_adapters.hf_model import HFSource, load_config
+    from tangram_launch.plan import Stage
+
+    transformers.AutoModelForCausalLM.from_config(load_config(TINY_LLAMA)).save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x10\x00\x00\x00\x00\x00\x00\x00{[[[")
+    source = HFSource.from_pretrained(tmp_path / "m")
+    stage = Stage(index=0, layers=(0, 1), island="i", gpus=(("n0", 0),), micro_batch_size=1, has_embedding=True,
+                  has_head=False)
+    with pytest.raises(SpecError, match="not a readable safetensors file") as err:
+        source.build_stage(None, stage, 0)
+    assert "model.safetensors" in str(err.value)
+
+
+def test_export_writes_files_with_the_mode_the_umask_gives(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from helpers_plans import make_plan
+    from runtime_adapters.hf_model import HFSource
+    from tangram_launch.checkpoint import LayerKeyMap, StageState
+    from tangram_launch.cli import main
+
+    source = HFSource.from_pretrained(TINY_LLAMA)
+    plan = make_plan(source.model_spec(), [(4, "n0")], global_batch=2, num_microbatches=1, seq_len=8)
+    module = source.build_stage(None, plan.stages[0], 0)
+    state = StageState.from_module(module, LayerKeyMap.for_stage(plan.stages[0], local_numbering="global"))
+    old = os.umask(0o022)
+    try:
+        save_checkpoint(tmp_path / "ckpt", plan=plan, state=state, position=TrainingPosition(1, 2))
+        assert main(["export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "out"),
+                     "--config", str(TINY_LLAMA)]) == 0, capsys.readouterr().err
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o644, name
+    for path in (tmp_path / "ckpt" / "step_1").rglob("*"):
+        if path.is_file():
+            assert path.stat().st_mode & 0o044 == 0o044, path  # readable by group and others, as the umask allows
