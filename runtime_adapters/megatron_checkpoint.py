@@ -200,7 +200,17 @@ def sharded_state_dict(model: Any, optimizer: Any = None, *, is_loading: bool = 
     return out
 
 
-def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict, restore_hparams: bool) -> None:
+def _checked_groups(saved: list, current: list, source: str) -> list:
+    """The saved param groups' hyperparameters, each checked against this optimizer's own (lr "abc" is refused)."""
+    from tangram_launch.checkpoint.state_fields import ABSENT, check_hparam
+
+    return [{k: (v if k == "params" else check_hparam(k, v, c.get(k, ABSENT), source=source,
+                                                      field=f"param_groups[{i}].{k}"))
+             for k, v in g.items()} for i, (g, c) in enumerate(zip(saved, current))]
+
+
+def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict, restore_hparams: bool,
+                          source: str = "optimizer state") -> None:
     state = dict(loaded["state"])
     step = state.pop("common_step", None)
     per_param = {}
@@ -218,7 +228,7 @@ def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict, restor
                        "optimizer's hyperparameters", len(groups), len(current))
         groups = current
     else:  # the saved hyperparameters, this rank's parameters
-        groups = [dict(g, params=c["params"]) for g, c in zip(groups, current)]
+        groups = [dict(g, params=c["params"]) for g, c in zip(_checked_groups(groups, current, source), current)]
     optimizer.load_state_dict({"state": per_param, "param_groups": groups})
 
 
@@ -426,7 +436,8 @@ def load_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
         if _is_megatron_optimizer(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
         else:
-            _load_torch_optimizer(optimizer, loaded["optimizer"], restore_hparams)
+            _load_torch_optimizer(optimizer, loaded["optimizer"], restore_hparams,
+                                  source=os.path.join(path, MEGATRON_DIR))
 
     if rng_state is not None:
         restore_checked_rng(*rng_state)

@@ -554,3 +554,17 @@ def test_export_writes_files_with_the_mode_the_umask_gives(tmp_path, capsys):
     for path in (tmp_path / "ckpt" / "step_1").rglob("*"):
         if path.is_file():
             assert path.stat().st_mode & 0o044 == 0o044, path  # readable by group and others, as the umask allows
+
+
+def test_megatron_optimizer_groups_with_crafted_hyperparameters_are_refused():
+    from runtime_adapters.megatron_checkpoint import _load_torch_optimizer
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    group = {k: v for k, v in opt.state_dict()["param_groups"][0].items()}
+    for key, value in (("lr", "abc"), ("lr", float("nan")), ("betas", (0.9,)), ("eps", torch.tensor(-1.0))):
+        with pytest.raises(SpecError) as err:
+            _load_torch_optimizer(opt, {"state": {}, "param_groups": [dict(group, **{key: value})]}, True,
+                                  source="ckpt/step_1/megatron")
+        assert "ckpt/step_1/megatron" in str(err.value) and f"param_groups[0].{key}" in str(err.value)
+    _load_torch_optimizer(opt, {"state": {}, "param_groups": [dict(group, lr=torch.tensor(0.5))]}, True)
+    assert float(opt.param_groups[0]["lr"]) == 0.5

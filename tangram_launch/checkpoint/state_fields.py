@@ -129,6 +129,12 @@ def check_hparam(key: str, saved: Any, current: Any, *, source: str, field: str)
     current value."""
     import torch
 
+    if isinstance(saved, torch.Tensor):  # Megatron's format keeps torch values: check the number, keep the tensor
+        if saved.numel() != 1 or saved.is_complex():
+            raise _refuse("an optimizer hyper-parameter must be one number", source=source, field=field,
+                          value=f"tensor of shape {list(saved.shape)}")
+        check_hparam(key, saved.item(), current, source=source, field=field)
+        return saved
     if current is ABSENT:  # a key this optimizer's group lacks (an LR scheduler's initial_lr, another class's)
         if key in _NONNEGATIVE and not (_finite(saved) and saved >= 0):
             raise _refuse("must be a finite number >= 0", source=source, field=field, value=saved)
@@ -151,7 +157,7 @@ def check_hparam(key: str, saved: Any, current: Any, *, source: str, field: str)
             raise _refuse("must be in [0, 1)", source=source, field=field, value=saved)
         return saved
     if isinstance(current, (tuple, list)):
-        if not isinstance(saved, list) or len(saved) != len(current):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
             raise _refuse(f"must be a list of {len(current)} values", source=source, field=field, value=saved)
         return type(current)(check_hparam(key, s, c, source=source, field=f"{field}[{i}]")
                              for i, (s, c) in enumerate(zip(saved, current)))

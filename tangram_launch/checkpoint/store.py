@@ -167,7 +167,7 @@ def fsync_tree(root: str) -> None:
 
 def commit(tmp_path: str, final_path: str) -> None:
     """Make a finished checkpoint visible: fsync the tree, rename atomically, fsync the parent directory."""
-    if os.path.exists(final_path):
+    if os.path.lexists(final_path):
         raise SpecError("a checkpoint already exists under that name; complete checkpoints are never overwritten",
                         field="step", value=final_path)
     fsync_tree(tmp_path)
@@ -391,9 +391,17 @@ def describe(directory: str, *, step: int | None = None, checksums: bool = False
 
 
 def read_plan_dict(path: str) -> dict[str, Any]:
+    """plan.json of checkpoint ``path`` as a dict, every field checked as a Plan (what the launcher compares)."""
+    from tangram_launch.plan import Plan
+
+    source = os.path.join(path, PLAN_FILE)
     plan = read_json(path, PLAN_FILE)
-    if not isinstance(plan, dict):
-        raise SpecError("a plan is a JSON object", source=os.path.join(path, PLAN_FILE), value=type(plan).__name__)
+    try:
+        Plan.from_dict(plan, source=source)
+    except SpecError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SpecError(f"not a valid plan ({type(exc).__name__}: {str(exc)[:200]})", source=source) from None
     return plan
 
 
