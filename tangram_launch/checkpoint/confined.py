@@ -46,10 +46,10 @@ class CheckpointFileError(SpecError):
     ``missing`` tells a file that is simply absent (an interrupted save) from one that is refused.
     """
 
-    def __init__(self, message: str, *, source: str, field: str | None = None, value: Any = None,
-                 valid: str | None = None, missing: bool = False) -> None:
-        super().__init__(message, source=source, field=field, value=value, valid=valid)
+    def __init__(self, message: str, *, missing: bool = False, **where: Any) -> None:
+        super().__init__(message, **where)  # source, field, value, valid as SpecError takes them
         self.missing = missing
+        self.reason = message
 
 
 def parts_of(rel: Any, *, root: str, field: str = "path") -> tuple[str, ...]:
@@ -73,6 +73,8 @@ def _where(root: str, rel: str) -> str:
 
 
 def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "a regular file"
     for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
@@ -89,10 +91,12 @@ def _refuse_entry(dir_fd: int, name: str, *, root: str, rel: str, field: str, ex
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
         st = None
-    if st is not None and (stat.S_ISLNK(st.st_mode) or exc.errno in (errno.ELOOP, errno.ENOTDIR)):
-        what = _kind(st.st_mode)
-        return CheckpointFileError(f"refusing {what} (links are not followed inside a checkpoint)",
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        return CheckpointFileError("refusing a symbolic link (links are not followed inside a checkpoint)",
                                    source=_where(root, rel), field=field, valid="a regular file")
+    if exc.errno == errno.ENOTDIR:
+        return CheckpointFileError(f"refusing a path through {_kind(st.st_mode) if st else 'something'} that is "
+                                   "not a directory", source=_where(root, rel), field=field)
     return CheckpointFileError(f"cannot open ({exc.strerror})", source=_where(root, rel), field=field)
 
 

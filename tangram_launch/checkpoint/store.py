@@ -209,7 +209,7 @@ def check_files(path: str, manifest: Mapping[str, Any], rel_paths: Iterable[str]
                 with confined.open_regular(path, rel, size_bytes=entry["bytes"], field=rel):
                     ok = True
         except confined.CheckpointFileError as exc:
-            problems.append(f"missing file {rel}" if exc.missing else f"{rel}: {exc.args[0].split(': ', 2)[-1]}")
+            problems.append(f"missing file {rel}" if exc.missing else f"{rel}: {exc.reason}")
             continue
         if not ok:
             problems.append(f"checksum mismatch in {rel}")
