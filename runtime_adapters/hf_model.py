@@ -25,13 +25,14 @@ via torch's selective activation checkpointing).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import glob
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -387,6 +388,20 @@ def stage_hf_names(module: HFStage) -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def _safetensors_refusal(path: str) -> Iterator[None]:
+    """A truncated or malformed safetensors file is bad input (SpecError naming it), not a traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError(f"not a readable safetensors file ({type(exc).__name__}: {str(exc)[:200]})", source=path,
+                        field="weights", valid="a file written by save_pretrained / safetensors") from None
+
+
 def load_stage_weights(module: HFStage, folder: str) -> None:
     """Copy the stage's tensors from a folder of safetensors (reads only the tensors this stage holds)."""
     from safetensors import safe_open
@@ -395,7 +410,7 @@ def load_stage_weights(module: HFStage, folder: str) -> None:
     params = dict(module.named_parameters())
     found: set[str] = set()
     for path in _safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
+        with _safetensors_refusal(path), safe_open(path, framework="pt") as f:
             for key in f.keys():
                 if key in wanted:
                     value = f.get_tensor(key)

@@ -35,8 +35,8 @@ from typing import Any, Mapping
 import torch
 
 from tangram_launch.checkpoint import store
-from tangram_launch.checkpoint import (LoadedCheckpoint, StageState, capture_rng_state, model_differences,
-                                       restore_rng_state)
+from tangram_launch.checkpoint import LoadedCheckpoint, StageState, capture_rng_state, model_differences
+from tangram_launch.checkpoint.save_load import Comm, read_rng_state, read_saved_plan, restore_checked_rng
 from tangram_launch.checkpoint.keys import LayerKeyMap
 from tangram_launch.checkpoint.store import TrainingPosition
 from tangram_launch.errors import SpecError, TangramError
@@ -200,7 +200,17 @@ def sharded_state_dict(model: Any, optimizer: Any = None, *, is_loading: bool = 
     return out
 
 
-def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict, restore_hparams: bool) -> None:
+def _checked_groups(saved: list, current: list, source: str) -> list:
+    """The saved param groups' hyperparameters, each checked against this optimizer's own (lr "abc" is refused)."""
+    from tangram_launch.checkpoint.state_fields import ABSENT, check_hparam
+
+    return [{k: (v if k == "params" else check_hparam(k, v, c.get(k, ABSENT), source=source,
+                                                      field=f"param_groups[{i}].{k}"))
+             for k, v in g.items()} for i, (g, c) in enumerate(zip(saved, current))]
+
+
+def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict, restore_hparams: bool,
+                          source: str = "optimizer state") -> None:
     state = dict(loaded["state"])
     step = state.pop("common_step", None)
     per_param = {}
@@ -218,7 +228,7 @@ def _load_torch_optimizer(optimizer: torch.optim.Optimizer, loaded: dict, restor
                        "optimizer's hyperparameters", len(groups), len(current))
         groups = current
     else:  # the saved hyperparameters, this rank's parameters
-        groups = [dict(g, params=c["params"]) for g, c in zip(groups, current)]
+        groups = [dict(g, params=c["params"]) for g, c in zip(_checked_groups(groups, current, source), current)]
     optimizer.load_state_dict({"state": per_param, "param_groups": groups})
 
 
@@ -320,11 +330,11 @@ def save_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     error = None
     try:
         rng = capture_rng_state()
-        store.write_json(os.path.join(tmp, store.RNG_DIR, f"rank_{rank}.json"), rng)
+        store.write_json(tmp, f"{store.RNG_DIR}/rank_{rank}.json", rng)
         if rank == 0:
-            store.write_json(os.path.join(tmp, store.RNG_DIR, "global.json"), rng)
-            store.write_json(os.path.join(tmp, store.PLAN_FILE), plan.to_dict())
-            store.write_json(os.path.join(tmp, store.POSITION_FILE), position.to_dict())
+            store.write_json(tmp, f"{store.RNG_DIR}/global.json", rng)
+            store.write_json(tmp, store.PLAN_FILE, plan.to_dict())
+            store.write_json(tmp, store.POSITION_FILE, position.to_dict())
     except OSError as exc:
         error = str(exc)
     _raise_any(dist, error, f"checkpoint step {step} not saved (left in {tmp})")
@@ -390,8 +400,7 @@ def load_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
         raise SpecError(f"{path} is not in Megatron's dist_checkpointing layout (load it with "
                         "tangram_launch.checkpoint.load_checkpoint)", field="state_format",
                         value=manifest.get("state_format"), valid=STATE_FORMAT)
-    saved_plan = Plan.from_dict(store.read_json(os.path.join(path, store.PLAN_FILE)),
-                                source=os.path.join(path, store.PLAN_FILE))
+    saved_plan = read_saved_plan(path)
     diffs = model_differences(saved_plan.model, plan.model)
     if diffs:
         detail = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} in the plan" for k, a, b in diffs)
@@ -403,10 +412,20 @@ def load_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
     with_optimizer = optimizer is not None and bool(manifest.get("has_optimizer"))
     if optimizer is not None and not with_optimizer and rank == 0:
         logger.warning("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
-    request = sharded_state_dict(model, optimizer if with_optimizer else None, is_loading=True)
-    from tangram_launch.checkpoint.safe_load import check_dcp_directory
+    same_layout = _layout(saved_plan) == _layout(plan)
+    mode = rng if rng != "auto" else ("per_rank" if same_layout else "global")
+    from tangram_launch.checkpoint.safe_load import check_dcp_directory, listed_in
 
-    check_dcp_directory(os.path.join(path, MEGATRON_DIR), allow_bytes=True)  # Megatron unpickles: prove it is data
+    failure = None
+    try:  # Megatron unpickles and opens what .metadata names: prove it is data inside the directory, check the rest
+        check_dcp_directory(os.path.join(path, MEGATRON_DIR), allow_bytes=True,
+                            listed=listed_in(manifest, MEGATRON_DIR))
+        rng_state = read_rng_state(path, manifest, rank, mode) if mode != "none" else None
+        position = store.read_position(path)
+    except SpecError as exc:
+        failure = exc
+    Comm.create(None).raise_first(failure, f"cannot load checkpoint {path}")
+    request = sharded_state_dict(model, optimizer if with_optimizer else None, is_loading=True)
     try:
         loaded = dist_checkpointing.load(request, os.path.join(path, MEGATRON_DIR))
     except CheckpointingException as exc:
@@ -417,18 +436,11 @@ def load_megatron_checkpoint(directory: str | os.PathLike, *, plan: Plan, model:
         if _is_megatron_optimizer(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
         else:
-            _load_torch_optimizer(optimizer, loaded["optimizer"], restore_hparams)
+            _load_torch_optimizer(optimizer, loaded["optimizer"], restore_hparams,
+                                  source=os.path.join(path, MEGATRON_DIR))
 
-    same_layout = _layout(saved_plan) == _layout(plan)
-    mode = rng if rng != "auto" else ("per_rank" if same_layout else "global")
-    if mode != "none":
-        rng_path = os.path.join(path, store.RNG_DIR, f"rank_{rank}.json" if mode == "per_rank" else "global.json")
-        if not os.path.exists(rng_path):
-            raise SpecError(f"{path} has no RNG state for rank {rank} (written on {manifest.get('world_size')} "
-                            "ranks)", field="rng", value=rng, valid="global, none")
-        restore_rng_state(store.read_json(rng_path))
-    position = TrainingPosition.from_dict(store.read_json(os.path.join(path, store.POSITION_FILE)),
-                                          source=os.path.join(path, store.POSITION_FILE))
+    if rng_state is not None:
+        restore_checked_rng(*rng_state)
     if rank == 0:  # skipped checkpoints were logged by store.find_latest
         logger.info("loaded megatron checkpoint %s (step %d, written on %d ranks in %d stages, now %d ranks in %d "
                     "stages; RNG: %s) in %.2f s", path, found_step, saved_plan.world_size, saved_plan.num_stages,

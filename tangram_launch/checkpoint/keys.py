@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 import torch
 
+from tangram_launch.checkpoint.state_fields import ABSENT, check_hparam
 from tangram_launch.errors import SpecError
 from tangram_launch.plan import Stage
 
@@ -254,13 +255,15 @@ def _restore_type(saved: Any, current: Any) -> Any:
 
 
 def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, param_names: Mapping[torch.Tensor, str],
-                                 state: NamedOptimizerState, *, restore_hparams: bool = True) -> None:
+                                 state: NamedOptimizerState, *, restore_hparams: bool = True,
+                                 source: str = "optimizer state") -> None:
     """Load state keyed by global names into an optimizer built over a (possibly different) set of parameters.
 
     Parameters with no saved state start fresh (as they would before their first step). Through
     ``Optimizer.load_state_dict``, so the optimizer's own dtype/device rules apply. Group hyperparameters are taken
     from the first parameter of each group that has them; a group whose parameters were saved with different
-    hyperparameters is logged.
+    hyperparameters is logged. Every saved hyperparameter is checked against the group's own (``source``: the
+    file named in errors).
     """
     ids = {id(p): n for p, n in param_names.items()}
     current = optimizer.state_dict()
@@ -289,7 +292,9 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, param_names: 
                 if any(s != saved[0] for s in saved[1:]):
                     logger.warning("optimizer group %d: its parameters were saved with different hyperparameters; "
                                    "using those of %s", gi, next(n for n in names if n in state.hparams))
+                first = next(n for n in names if n in state.hparams)
                 for k, v in saved[0].items():
-                    new_group[k] = _restore_type(v, group.get(k))
+                    checked = check_hparam(k, v, group.get(k, ABSENT), source=source, field=f"{first}.hparams.{k}")
+                    new_group[k] = _restore_type(checked, group.get(k))
         new_groups.append(new_group)
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})

@@ -1,19 +1,18 @@
-"""Reading torch DCP checkpoints without running code from them.
+"""Reading torch DCP checkpoints without running code from them or reading outside their directory.
 
-torch's ``FileSystemReader.read_metadata`` reads ``.metadata`` with plain ``pickle.load``, and the default load
-planner reads byte entries with ``torch.load(weights_only=False)``: whoever can write a checkpoint directory could
-plant a pickle that runs a command on the next resume (the manifest's checksums do not help: it is plain JSON, so
-the attacker rewrites it too). torch's weights-only unpickler cannot read DCP's metadata (it has no FRAME opcode,
-which protocol 4 writes), so this module reads it with a restricted unpickler of its own:
+torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load``, opens every ``relative_path`` the
+metadata names under its directory with ``Path.open`` (``../x`` and ``/etc/passwd`` included, links followed), and
+the default load planner reads byte entries with ``torch.load(weights_only=False)``. The manifest's checksums do not
+help against a planted file: the manifest is plain JSON, rewritten by whoever plants one. So:
 
-* every opcode is checked before anything is built (``pickletools``): no ``INST``/``OBJ`` (they call any class),
-  no persistent ids, no extension codes;
-* ``find_class`` answers only the names a DCP metadata file needs: DCP's metadata dataclasses and enum,
-  ``_StorageInfo``, ``torch.Size``, torch dtypes, ``torch.serialization._get_layout`` and pure paths. Anything
-  else (``os.system``, ``builtins.eval``, ``subprocess.Popen``, ...) is refused before it is looked up.
-  ``builtins.getattr`` answers as a getattr that only looks up an enum member by name (``_enum_member``): some
-  Python builds (Debian's 3.11.2 among them) pickle enum members as ``getattr(EnumClass, name)``, and the enum
-  classes it can reach are those find_class allowed;
+* ``.metadata`` is read as data by :mod:`tangram_launch.checkpoint.dcp_metadata` (a pickle interpreter of ours
+  that builds only plain data and fresh DCP metadata objects), through the confined file layer, size-capped;
+* :func:`check_dcp_directory` checks every storage entry before DCP opens anything: its ``relative_path`` is one
+  file name inside the directory, a regular file listed in the manifest (so its size and sha256 were verified), and
+  ``offset + length`` lies within it; with a request (:func:`check_request`), every tensor asked for is in the
+  metadata with the same shape and dtype and its chunks cover it exactly once;
+* :func:`safe_reader` is DCP's FileSystemReader whose file system opens through :mod:`~tangram_launch.checkpoint.
+  confined` (no links, regular files only, nothing outside the directory) and whose metadata comes from above;
 * the result must be a ``Metadata`` whose entries are all tensors (``BytesStorageMetadata`` is refused: Tangram
   never writes byte entries, and they would load with a full unpickler), and the planner refuses byte reads.
 
@@ -24,148 +23,112 @@ data that cannot run code. Refusals are :class:`UnsafeCheckpointError` (a SpecEr
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import io
 import os
-import pickle
-import pickletools
-from typing import Any
+import pathlib
+from typing import Any, Iterator, Mapping
 
+from tangram_launch.checkpoint import confined
+from tangram_launch.checkpoint.dcp_metadata import UnsafeCheckpointError, loads_metadata
 from tangram_launch.errors import SpecError
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 256 << 20  # a DCP metadata file is a few KiB per tensor; bigger than this is not one of ours
-
-# Opcodes a pickled DCP Metadata uses (protocol 2-5), and nothing that calls arbitrary classes or external hooks.
-_ALLOWED_OPCODES = frozenset({
-    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT",
-    "GET", "BINGET", "LONG_BINGET", "NONE", "NEWTRUE", "NEWFALSE", "INT", "BININT", "BININT1", "BININT2", "LONG",
-    "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
-    "SHORT_BINUNICODE", "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "EMPTY_TUPLE", "TUPLE",
-    "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "APPEND", "APPENDS", "LIST", "EMPTY_DICT", "DICT", "SETITEM",
-    "SETITEMS", "EMPTY_SET", "ADDITEMS", "FROZENSET", "GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "NEWOBJ",
-    "NEWOBJ_EX",
-})
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_NAMES = {
-    _DCP_METADATA: frozenset({"Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                              "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size"}),  # and dtypes, checked by value below
-    "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}),
-    "collections": frozenset({"OrderedDict"}),
-}
-_BYTES_NAME = "BytesStorageMetadata"
+_MAX_CHUNKS_PAIRWISE = 1024  # overlap is checked pair by pair up to this many chunks of one tensor
 
 
-def _enum_member(cls: Any, name: Any, *, source: str) -> Any:
-    """``getattr`` as a restricted unpickle may call it: a member of an enum class, by name, and nothing else."""
-    import enum
-
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
-        return cls.__members__[name]
-    raise UnsafeCheckpointError(
-        f"refusing getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}): checkpoint metadata may look "
-        "up enum members only (nothing was executed)", source=source, field="pickle getattr",
-        value=repr(name)[:80])
+def read_metadata_file(state_dir: str, name: str = METADATA_FILE, *, allow_bytes: bool = False) -> Any:
+    """The Metadata of DCP directory ``state_dir`` (confined, size-capped, read as data)."""
+    data = confined.read_bytes(state_dir, name, max_bytes=MAX_METADATA_BYTES, field="DCP metadata")
+    return loads_metadata(data, source=os.path.join(state_dir, name), allow_bytes=allow_bytes)
 
 
-class UnsafeCheckpointError(SpecError):
-    """A checkpoint file that would run code or is not what the format allows: refused, nothing was executed."""
+def check_storage(state_dir: str, metadata: Any, *, listed: Mapping[str, Any] | None = None) -> None:
+    """Every storage entry names a regular file of ``state_dir`` that holds its bytes (and, with ``listed``, one
+    the manifest lists: {file name: {"bytes": ...}})."""
+    sizes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        rel = info.relative_path
+        field = f"storage_data[{getattr(index, 'fqn', '?')}].relative_path"
+        parts = confined.parts_of(rel, root=os.path.join(state_dir, METADATA_FILE), field=field)
+        if len(parts) != 1:
+            raise UnsafeCheckpointError("a shard must be a file of the checkpoint's own directory",
+                                        source=os.path.join(state_dir, METADATA_FILE), field=field, value=rel)
+        if listed is not None and rel not in listed:
+            raise UnsafeCheckpointError("a shard the manifest does not list (its bytes were never verified)",
+                                        source=os.path.join(state_dir, METADATA_FILE), field=field, value=rel)
+        if rel not in sizes:
+            sizes[rel] = confined.file_size(state_dir, rel, field=field)
+        if info.offset + info.length > sizes[rel]:
+            raise UnsafeCheckpointError(f"bytes [{info.offset}, {info.offset + info.length}) lie outside {rel} "
+                                        f"({sizes[rel]} bytes): a truncated or altered shard",
+                                        source=os.path.join(state_dir, METADATA_FILE),
+                                        field=f"storage_data[{getattr(index, 'fqn', '?')}]", value=rel)
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, *, source: str, allow_bytes: bool) -> None:
-        super().__init__(file)
-        self._source = source
-        self._allow_bytes = allow_bytes
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _ALLOWED_NAMES.get(module, frozenset())
-        if module == _DCP_METADATA and name == _BYTES_NAME and self._allow_bytes:
-            allowed = allowed | {_BYTES_NAME}
-        if name in allowed:
-            return super().find_class(module, name)
-        if module == "builtins" and name == "getattr":
-            return functools.partial(_enum_member, source=self._source)
-        if module == "torch":
-            import torch
-
-            value = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
-            if isinstance(value, torch.dtype):
-                return value
-        raise UnsafeCheckpointError(
-            f"refusing to load {module}.{name}: a checkpoint's metadata may only name DCP's metadata classes, "
-            "torch.Size and dtypes (someone may have planted code in this checkpoint; nothing was executed)",
-            source=self._source, field="pickle global", value=f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeCheckpointError("refusing a persistent id in checkpoint metadata", source=self._source,
-                                    field="pickle", value=repr(pid)[:80])
-
-
-def _check_opcodes(data: bytes, source: str) -> None:
-    try:
-        for op, _, pos in pickletools.genops(data):
-            if op.name not in _ALLOWED_OPCODES:
-                raise UnsafeCheckpointError(
-                    f"refusing pickle opcode {op.name} at byte {pos} (not used by checkpoint metadata; nothing was "
-                    "executed)", source=source, field="pickle opcode", value=op.name)
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # ValueError and friends from a malformed stream
-        raise UnsafeCheckpointError(f"not a readable pickle ({type(exc).__name__}: {exc})", source=source) from None
-
-
-def loads_metadata(data: bytes, *, source: str, allow_bytes: bool = False) -> Any:
-    """A DCP ``Metadata`` from the bytes of a ``.metadata`` file, without running anything the file names."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-
-    _check_opcodes(data, source)
-    try:
-        metadata = _RestrictedUnpickler(io.BytesIO(data), source=source, allow_bytes=allow_bytes).load()
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # a restricted object built with odd arguments, a truncated stream, ...
-        raise UnsafeCheckpointError(f"unreadable checkpoint metadata ({type(exc).__name__}: {exc})",
-                                    source=source) from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise UnsafeCheckpointError("not a DCP Metadata object", source=source, value=type(metadata).__name__)
-    kinds = (TensorStorageMetadata, BytesStorageMetadata) if allow_bytes else (TensorStorageMetadata,)
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, kinds):
-            raise UnsafeCheckpointError("checkpoint metadata lists a non-tensor entry (Tangram checkpoints hold "
-                                        "tensors only)", source=source, field=str(key), value=type(entry).__name__)
-    return metadata
-
-
-def read_metadata_file(path: str, *, allow_bytes: bool = False) -> Any:
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_METADATA_BYTES:
-            raise UnsafeCheckpointError(f"checkpoint metadata is {size} bytes, more than the "
-                                        f"{MAX_METADATA_BYTES} allowed", source=path)
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise SpecError("checkpoint metadata is missing", source=path) from None
-    except OSError as exc:
-        raise SpecError(f"cannot read checkpoint metadata: {exc.strerror}", source=path) from None
-    return loads_metadata(data, source=path, allow_bytes=allow_bytes)
-
-
-def check_dcp_directory(state_dir: str, *, allow_bytes: bool = False) -> Any:
-    """Prove that loading ``state_dir`` (a DCP directory) runs no code from it; returns its Metadata.
-
-    With ``allow_bytes`` (Megatron), each byte entry must load with ``torch.load(weights_only=True)``.
-    """
-    path = os.path.join(state_dir, METADATA_FILE)
-    metadata = read_metadata_file(path, allow_bytes=allow_bytes)
+def check_dcp_directory(state_dir: str, *, allow_bytes: bool = False,
+                        listed: Mapping[str, Any] | None = None) -> Any:
+    """Prove that loading ``state_dir`` (a DCP directory) runs no code from it and reads nothing outside it;
+    returns its Metadata. With ``allow_bytes`` (Megatron), each byte entry must load with
+    ``torch.load(weights_only=True)``."""
+    metadata = read_metadata_file(state_dir, allow_bytes=allow_bytes)
+    check_storage(state_dir, metadata, listed=listed)
     if allow_bytes:
         _check_byte_entries(state_dir, metadata)
     return metadata
+
+
+def listed_in(manifest: Mapping[str, Any], subdir: str) -> dict[str, Any]:
+    """The manifest's files under ``subdir/``, by name within it."""
+    prefix = subdir.rstrip("/") + "/"
+    return {k[len(prefix):]: v for k, v in manifest.get("files", {}).items() if k.startswith(prefix)}
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def check_request(metadata: Any, request: Mapping[str, Any], *, source: str) -> None:
+    """Every tensor of ``request`` (name -> tensor to load into) is in ``metadata`` with the same shape and dtype,
+    and its chunks lie inside it and cover it exactly once (else DCP would leave part of it unloaded)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = {(i.fqn, tuple(i.offset or ())) for i in (metadata.storage_data or {})}
+    for key, target in request.items():
+        entry = metadata.state_dict_metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UnsafeCheckpointError("the checkpoint's metadata lacks a tensor its manifest lists", source=source,
+                                        field=key)
+        shape = tuple(target.shape)
+        if tuple(entry.size) != shape or entry.properties.dtype != target.dtype:
+            raise UnsafeCheckpointError("the checkpoint's metadata disagrees with its manifest", source=source,
+                                        field=f"{key}.size", value=f"{list(entry.size)} {entry.properties.dtype}",
+                                        valid=f"{list(shape)} {target.dtype}")
+        volume = 0
+        for chunk in entry.chunks:
+            if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape) or any(
+                    o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, shape)):
+                raise UnsafeCheckpointError("a chunk outside its tensor", source=source, field=f"{key}.chunks",
+                                            value=f"offsets {list(chunk.offsets)} sizes {list(chunk.sizes)}",
+                                            valid=f"inside {list(shape)}")
+            if (key, tuple(chunk.offsets)) not in stored:
+                raise UnsafeCheckpointError("a chunk with no storage entry", source=source, field=f"{key}.chunks",
+                                            value=list(chunk.offsets))
+            n = 1
+            for s in chunk.sizes:
+                n *= s
+            volume += n
+        chunks = entry.chunks
+        overlapping = len(chunks) <= _MAX_CHUNKS_PAIRWISE and any(
+            _overlap(a, b) for i, a in enumerate(chunks) for b in chunks[i + 1:])
+        total = 1
+        for d in shape:
+            total *= d
+        if volume != total or overlapping:
+            raise UnsafeCheckpointError("the chunks do not cover the tensor exactly once", source=source,
+                                        field=f"{key}.chunks", value=f"{len(chunks)} chunks, {volume} elements",
+                                        valid=f"{total} elements, no overlap")
 
 
 def _check_byte_entries(state_dir: str, metadata: Any) -> None:
@@ -178,37 +141,61 @@ def _check_byte_entries(state_dir: str, metadata: Any) -> None:
     for index, info in (metadata.storage_data or {}).items():
         if getattr(index, "fqn", None) not in byte_keys:
             continue
-        rel = str(info.relative_path)
-        full = os.path.realpath(os.path.join(state_dir, rel))
-        if os.path.dirname(full) != os.path.realpath(state_dir):
-            raise UnsafeCheckpointError("checkpoint metadata points outside its directory", source=state_dir,
-                                        field=index.fqn, value=rel)
-        with open(full, "rb") as f:
-            f.seek(int(info.offset))
-            blob = f.read(int(info.length))
+        blob = confined.read_range(state_dir, info.relative_path, info.offset, info.length, field=index.fqn)
         try:
             torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise UnsafeCheckpointError(f"byte entry does not load as plain data ({type(exc).__name__}: "
                                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); nothing was "
-                                        "executed", source=full, field=index.fqn) from None
+                                        "executed", source=os.path.join(state_dir, info.relative_path),
+                                        field=index.fqn) from None
 
 
-def safe_reader(state_dir: str) -> Any:
-    """A DCP FileSystemReader whose metadata comes through the restricted unpickler (tensor entries only)."""
+def _confined_file_system(root: str) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class ConfinedFileSystem(FileSystem):
+        """DCP's local file system for reading only, every open confined to ``root`` (see the module doc)."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+            if mode != "rb":
+                raise UnsafeCheckpointError("a checkpoint is opened for reading only", source=root, value=mode)
+            full, prefix = str(path), str(pathlib.Path(root)).rstrip("/") + "/"
+            if not full.startswith(prefix):
+                raise UnsafeCheckpointError("refusing a shard outside the checkpoint directory", source=root,
+                                            field="relative_path", value=full)
+            with confined.open_regular(root, full[len(prefix):], field="DCP shard") as (f, _):
+                yield f
+
+    return ConfinedFileSystem()
+
+
+def safe_reader(state_dir: str, metadata: Any = None) -> Any:
+    """A DCP FileSystemReader that opens through the confined layer and reads its metadata as data (or answers
+    ``metadata``, already read and checked)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class _SafeFileSystemReader(FileSystemReader):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.fs = _confined_file_system(os.fspath(path))
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             rank = kwargs.get("rank")
             name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-            metadata = read_metadata_file(os.path.join(os.fspath(self.path), name))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            if metadata is not None and rank is None:
+                checked = metadata
+            else:
+                checked = read_metadata_file(os.fspath(self.path), name)
+                check_storage(os.fspath(self.path), checked)
+            metadata_out = checked
+            if getattr(metadata_out, "storage_meta", None) is None:
+                metadata_out.storage_meta = StorageMeta()
+            metadata_out.storage_meta.load_id = self.load_id
+            return metadata_out
 
     return _SafeFileSystemReader(state_dir)
 
@@ -225,17 +212,37 @@ def safe_planner() -> Any:
     return _TensorOnlyLoadPlanner()
 
 
-__all__ = ["UnsafeCheckpointError", "loads_metadata", "read_metadata_file", "check_dcp_directory", "safe_reader",
-           "safe_planner"]
+def load_tensors(request: dict[str, Any], state_dir: str, metadata: Any, *, group: Any = None,
+                 no_dist: bool = False) -> None:
+    """``dcp.load`` of ``request`` from ``state_dir`` with ``metadata`` as checked by :func:`check_dcp_directory`
+    and :func:`check_request` (DCP is handed that object: the file is not read again). A shard that still fails to
+    read (altered bytes) is a SpecError naming the directory, not a traceback."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        dcp.load(request, storage_reader=safe_reader(state_dir, metadata), planner=safe_planner(),
+                 process_group=group, no_dist=no_dist)
+    except SpecError:
+        raise
+    except (Exception, CheckpointException) as exc:  # what a damaged shard makes torch.load raise, on any rank
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise SpecError(f"cannot read the checkpoint's tensors ({type(exc).__name__}: {first}); a shard is "
+                        "damaged or does not match its metadata", source=state_dir, field="state") from None
+
+
+__all__ = ["UnsafeCheckpointError", "loads_metadata", "read_metadata_file", "check_dcp_directory", "check_storage",
+           "check_request", "safe_reader", "safe_planner", "load_tensors", "listed_in"]
 
 
 def check_checkpoint(path: str, manifest: Any) -> None:
-    """What a resume of checkpoint ``path`` will unpickle is data only (the launcher's pre-check; by state format)."""
+    """What a resume of checkpoint ``path`` will unpickle is data only and lies inside it (the launcher's
+    pre-check; by state format)."""
     fmt = manifest.get("state_format", "tangram-dcp") if isinstance(manifest, dict) else None
     if fmt == "megatron-dist-checkpointing":
-        check_dcp_directory(os.path.join(path, "megatron"), allow_bytes=True)
+        check_dcp_directory(os.path.join(path, "megatron"), allow_bytes=True, listed=listed_in(manifest, "megatron"))
     elif fmt == "tangram-dcp":
-        check_dcp_directory(os.path.join(path, "state"))
+        check_dcp_directory(os.path.join(path, "state"), listed=listed_in(manifest, "state"))
     else:
         raise SpecError("unknown checkpoint state format", source=os.path.join(path, "manifest.json"),
                         field="state_format", value=fmt, valid="tangram-dcp, megatron-dist-checkpointing")

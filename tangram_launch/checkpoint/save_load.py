@@ -44,8 +44,9 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from tangram_launch.checkpoint import guard
+from tangram_launch.checkpoint import confined, guard
 from tangram_launch.checkpoint import store
+from tangram_launch.checkpoint.fields import check_tensor_meta
 from tangram_launch.checkpoint.keys import (LayerKeyMap, NamedOptimizerState, format_layers, layer_of,
                                             load_optimizer_state_by_name, optimizer_state_by_name, part_of)
 from tangram_launch.checkpoint.store import CheckpointInfo, Skipped, TrainingPosition, describe
@@ -184,14 +185,16 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 # --- collectives (nothing when there is no process group) ---------------------------------------------------------
 
 @dataclass(frozen=True)
-class _Comm:
+class Comm:
+    """This rank within ``group`` and the few collectives a save or load needs (nothing without a process group)."""
+
     rank: int
     world_size: int
     group: Any
     distributed: bool
 
     @classmethod
-    def create(cls, group: Any) -> "_Comm":
+    def create(cls, group: Any) -> "Comm":
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -229,9 +232,18 @@ class _Comm:
                              for e, rs in by_text.items())
             raise SpecError(f"{what}: {text}")
 
+    def raise_first(self, error: SpecError | None, what: str) -> None:
+        """Collective: a rank with an error raises it as it is; the others raise a SpecError naming it."""
+        texts = self.all_gather(None if error is None else str(error))
+        if error is not None:
+            raise error
+        failed = [(r, t) for r, t in enumerate(texts) if t]
+        if failed:
+            raise SpecError(f"{what}: " + "; ".join(f"rank {r}: {t}" for r, t in failed))
+
 
 @contextlib.contextmanager
-def _single_process_quiet(comm: _Comm) -> Iterator[None]:
+def _single_process_quiet(comm: Comm) -> Iterator[None]:
     """DCP warns on every single-process call that it assumes one process; here that is the intent."""
     with warnings.catch_warnings():
         if not comm.distributed:
@@ -239,7 +251,7 @@ def _single_process_quiet(comm: _Comm) -> Iterator[None]:
         yield
 
 
-def _check_world(comm: _Comm, plan: Plan) -> None:
+def _check_world(comm: Comm, plan: Plan) -> None:
     if comm.world_size != plan.world_size:
         raise SpecError("the job's world size differs from the plan's", field="world_size", value=comm.world_size,
                         valid=str(plan.world_size))
@@ -317,7 +329,7 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     directory = os.fspath(directory)
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise SpecError("must be a positive integer or None (keep all)", field="keep_last", value=keep_last)
-    comm = _Comm.create(group)
+    comm = Comm.create(group)
     _check_world(comm, plan)
     t0 = time.perf_counter()
     step = position.step
@@ -382,12 +394,12 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(os.path.join(tmp, store.STATE_DIR), sync_files=True),
                      process_group=group, no_dist=not comm.distributed)
         rng = capture_rng_state()
-        store.write_json(os.path.join(tmp, store.RNG_DIR, f"rank_{comm.rank}.json"), rng)
+        store.write_json(tmp, f"{store.RNG_DIR}/rank_{comm.rank}.json", rng)
         if comm.rank == 0:
-            store.write_json(os.path.join(tmp, store.RNG_DIR, "global.json"), rng)
-            store.write_json(os.path.join(tmp, store.PLAN_FILE), plan.to_dict())
-            store.write_json(os.path.join(tmp, store.POSITION_FILE), gathered[0]["position"])
-            store.write_json(os.path.join(tmp, store.OPTIMIZER_FILE), optim_json)
+            store.write_json(tmp, f"{store.RNG_DIR}/global.json", rng)
+            store.write_json(tmp, store.PLAN_FILE, plan.to_dict())
+            store.write_json(tmp, store.POSITION_FILE, gathered[0]["position"])
+            store.write_json(tmp, store.OPTIMIZER_FILE, optim_json)
     except (OSError, CheckpointException) as exc:  # a full disk: a message, not a traceback; no temporary left
         error = guard.failed_save(exc, directory=directory, tmp=None, needed_bytes=needed)
     try:
@@ -426,7 +438,7 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
 
 # --- load -----------------------------------------------------------------------------------------------------------
 
-def _find(directory: str, comm: _Comm, step: int | None) -> tuple[str, int, dict[str, Any], list[Skipped]]:
+def _find(directory: str, comm: Comm, step: int | None) -> tuple[str, int, dict[str, Any], list[Skipped]]:
     """Collective: the newest complete checkpoint, its files verified with the work spread over the ranks."""
     cands = comm.broadcast(store.list_candidates(directory) if comm.rank == 0 else None)
     skipped: list[Skipped] = []
@@ -470,6 +482,94 @@ def _needs_problem(state: StageState, manifest: Mapping[str, Any], path: str) ->
     return "; ".join(problems) or None
 
 
+def read_saved_plan(path: str) -> Plan:
+    """plan.json of checkpoint ``path`` (confined, size-capped, every field checked by Plan.from_dict)."""
+    return Plan.from_dict(store.read_plan_dict(path), source=os.path.join(path, store.PLAN_FILE))
+
+
+def _optimizer_templates(state: StageState, manifest: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
+    """Tensors to load this rank's optimizer state into: each saved state's shape must be its parameter's, or a
+    scalar (Adam's step); anything else (a crafted [4e18] or [-1]) is refused before anything is allocated."""
+    saved_optim: Mapping[str, Any] = manifest.get("optimizer", {})
+    templates: dict[str, dict[str, torch.Tensor]] = {}
+    if state.optimizer is None:
+        return templates
+    for param, name in state.param_names.items():
+        for k, meta in saved_optim.get(name, {}).items():
+            shape, dtype_name = check_tensor_meta(meta, source=source, field=f"optimizer.{name}.{k}")
+            dtype = getattr(torch, dtype_name)
+            if shape not in (tuple(param.shape), ()):
+                raise SpecError("optimizer state whose shape is neither its parameter's nor a scalar's",
+                                source=source, field=f"optimizer.{name}.{k}.shape", value=list(shape),
+                                valid=f"{list(param.shape)} or []")
+            if not (dtype.is_floating_point or dtype in (torch.int64, torch.int32)):
+                raise SpecError("optimizer state of a non-numeric dtype", source=source,
+                                field=f"optimizer.{name}.{k}.dtype", value=dtype_name)
+            templates.setdefault(name, {})[k] = (torch.empty_like(param, dtype=dtype) if shape == tuple(param.shape)
+                                                 else torch.empty(shape, dtype=dtype))  # e.g. Adam's 0-dim step
+    return templates
+
+
+def _check_saved_hparams(state: StageState, extra: Mapping[str, Any], source: str) -> None:
+    """Each saved hyperparameter of this rank's parameters against its group's own (before anything is loaded)."""
+    from tangram_launch.checkpoint.state_fields import ABSENT, check_hparam
+
+    if state.optimizer is None:
+        return
+    group_of = {id(p): g for g in state.optimizer.param_groups for p in g["params"]}
+    for param, name in state.param_names.items():
+        group = group_of.get(id(param))
+        for k, v in (extra.get(name) or {}).get("hparams", {}).items():
+            if group is not None:
+                check_hparam(k, v, group.get(k, ABSENT), source=source, field=f"{name}.hparams.{k}")
+
+
+def _read_and_check(path: str, manifest: Mapping[str, Any], state: StageState, rank: int,
+                    rng_mode: str) -> dict[str, Any]:
+    """Every file a load reads besides the shards, read through the confined layer and checked field by field."""
+    from tangram_launch.checkpoint.safe_load import check_dcp_directory, listed_in
+    from tangram_launch.checkpoint.state_fields import check_optimizer_file
+
+    out: dict[str, Any] = {"position": store.read_position(path),
+                           "optim_templates": _optimizer_templates(state, manifest,
+                                                                   os.path.join(path, store.MANIFEST)),
+                           "optimizer_file": {}, "rng": None, "rng_source": None}
+    if state.optimizer is not None:
+        source = os.path.join(path, store.OPTIMIZER_FILE)
+        out["optimizer_file"] = check_optimizer_file(store.read_json(path, store.OPTIMIZER_FILE), source=source)
+        _check_saved_hparams(state, out["optimizer_file"], source)
+    if rng_mode != "none":
+        out["rng"], out["rng_source"] = read_rng_state(path, manifest, rank, rng_mode)
+    out["metadata"] = check_dcp_directory(os.path.join(path, store.STATE_DIR),
+                                          listed=listed_in(manifest, store.STATE_DIR))
+    return out
+
+
+def read_rng_state(path: str, manifest: Mapping[str, Any], rank: int, mode: str) -> tuple[dict[str, Any], str]:
+    """(RNG state, its file) for ``mode`` per_rank or global, every field checked."""
+    from tangram_launch.checkpoint.state_fields import check_rng_state
+
+    rel = f"{store.RNG_DIR}/rank_{rank}.json" if mode == "per_rank" else f"{store.RNG_DIR}/global.json"
+    try:
+        state = store.read_json(path, rel)
+    except confined.CheckpointFileError as exc:
+        if exc.missing and mode == "per_rank":
+            raise SpecError(f"{path} has no RNG state for rank {rank} (written on {manifest.get('world_size')} "
+                            "ranks)", field="rng", value=mode, valid="global, none") from None
+        raise
+    source = os.path.join(path, rel)
+    check_rng_state(state, source=source, torch_bytes=torch.get_rng_state().numel())
+    return state, source
+
+
+def restore_checked_rng(state: Mapping[str, Any], source: str) -> None:
+    """restore_rng_state of a checked state; what torch or numpy still refuse is a SpecError naming the file."""
+    try:
+        restore_rng_state(state)
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+        raise SpecError(f"the RNG state does not restore ({str(exc)[:200]})", source=source, field="rng") from None
+
+
 def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageState, step: int | None = None,
                     rng: str = "auto", restore_hparams: bool = True, group: Any = None) -> LoadedCheckpoint:
     """Load the newest complete checkpoint (or ``step``) into this rank's state under ``plan``; collective.
@@ -481,7 +581,7 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     directory = os.fspath(directory)
     if rng not in RNG_MODES:
         raise SpecError("unknown RNG restore mode", field="rng", value=rng, valid=", ".join(RNG_MODES))
-    comm = _Comm.create(group)
+    comm = Comm.create(group)
     _check_world(comm, plan)
     t0 = time.perf_counter()
     path, found_step, manifest, skipped = _find(directory, comm, step)
@@ -491,8 +591,7 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
                         "checkpoints load with runtime_adapters.megatron_checkpoint)", field="state_format",
                         value=fmt, valid=STATE_FORMAT)
 
-    saved_plan = Plan.from_dict(store.read_json(os.path.join(path, store.PLAN_FILE)),
-                                source=os.path.join(path, store.PLAN_FILE))
+    saved_plan = read_saved_plan(path)
     diffs = model_differences(saved_plan.model, plan.model)
     if diffs:
         detail = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} in the plan" for k, a, b in diffs)
@@ -507,61 +606,52 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
                         "another checkpoint directory", field=f"model.{diffs[0][0]}",
                         value=diffs[0][2], valid=repr(diffs[0][1]))
     error = _owned_problem(state, plan, comm.rank) or _needs_problem(state, manifest, path)
-
-    # templates for the optimizer state this rank's parameters have in the checkpoint
-    saved_optim: Mapping[str, Any] = manifest.get("optimizer", {})
-    optim_templates: dict[str, dict[str, torch.Tensor]] = {}
-    if state.optimizer is not None and error is None:
-        for param, name in state.param_names.items():
-            for k, meta in saved_optim.get(name, {}).items():
-                dtype = getattr(torch, meta["dtype"], None)
-                if not isinstance(dtype, torch.dtype):
-                    error = f"optimizer state {name}.{k} has an unknown dtype {meta['dtype']!r}"
-                    break
-                shape = tuple(meta["shape"])
-                optim_templates.setdefault(name, {})[k] = (
-                    torch.empty_like(param, dtype=dtype) if shape == tuple(param.shape)
-                    else torch.empty(shape, dtype=dtype))  # e.g. Adam's 0-dim step, kept on the CPU
     comm.raise_any(error, f"cannot load checkpoint {path} under this plan")
 
-    import torch.distributed.checkpoint as dcp
+    # every small file and the DCP metadata checked on every rank before any state changes
+    same_layout = _layout(saved_plan) == _layout(plan)
+    mode = rng if rng != "auto" else ("per_rank" if same_layout else "global")
+    checked: dict[str, Any] = {}
+    failure: SpecError | None = None
+    try:
+        checked = _read_and_check(path, manifest, state, comm.rank, mode)
+    except SpecError as exc:
+        failure = exc
+    comm.raise_first(failure, f"cannot load checkpoint {path}")
 
     flat: dict[str, Any] = {_MODEL_PREFIX + k: t for k, t in state.model.items()}
-    for n, d in optim_templates.items():
+    for n, d in checked["optim_templates"].items():
         flat.update({f"{_OPTIM_PREFIX}{n}.{k}": t for k, t in d.items()})
     targets = dict(flat)
-    from tangram_launch.checkpoint.safe_load import check_dcp_directory, safe_planner, safe_reader
+    from tangram_launch.checkpoint.safe_load import check_request, load_tensors
 
-    check_dcp_directory(os.path.join(path, store.STATE_DIR))  # every rank: nothing from the checkpoint runs code
+    failure = None
+    try:
+        check_request(checked["metadata"], flat, source=os.path.join(path, store.STATE_DIR, ".metadata"))
+    except SpecError as exc:
+        failure = exc
+    comm.raise_first(failure, f"cannot load checkpoint {path}")
     with _single_process_quiet(comm):
-        dcp.load(flat, storage_reader=safe_reader(os.path.join(path, store.STATE_DIR)), planner=safe_planner(),
-                 process_group=group, no_dist=not comm.distributed)
+        load_tensors(flat, os.path.join(path, store.STATE_DIR), checked["metadata"], group=group,
+                     no_dist=not comm.distributed)
     with torch.no_grad():
         for key, t in flat.items():  # DCP loads tensors in place; copy should it ever have replaced one
             if t is not targets[key]:
                 targets[key].copy_(t)
 
     if state.optimizer is not None:
-        if not saved_optim and comm.rank == 0:
+        if not manifest.get("optimizer") and comm.rank == 0:
             logger.warning("checkpoint %s has no optimizer state; the optimizer starts fresh", path)
-        extra = store.read_json(os.path.join(path, store.OPTIMIZER_FILE))
+        extra = checked["optimizer_file"]
         named = NamedOptimizerState(
-            tensors={n: {k: flat[f"{_OPTIM_PREFIX}{n}.{k}"] for k in d} for n, d in optim_templates.items()},
+            tensors={n: {k: flat[f"{_OPTIM_PREFIX}{n}.{k}"] for k in d} for n, d in checked["optim_templates"].items()},
             scalars={n: e.get("scalars", {}) for n, e in extra.items()},
             hparams={n: e["hparams"] for n, e in extra.items() if "hparams" in e})
-        load_optimizer_state_by_name(state.optimizer, state.param_names, named, restore_hparams=restore_hparams)
-
-    same_layout = _layout(saved_plan) == _layout(plan)
-    mode = rng if rng != "auto" else ("per_rank" if same_layout else "global")
+        load_optimizer_state_by_name(state.optimizer, state.param_names, named, restore_hparams=restore_hparams,
+                                     source=os.path.join(path, store.OPTIMIZER_FILE))
     if mode != "none":
-        name = f"rank_{comm.rank}.json" if mode == "per_rank" else "global.json"
-        rng_path = os.path.join(path, store.RNG_DIR, name)
-        if mode == "per_rank" and not os.path.exists(rng_path):
-            raise SpecError(f"{path} has no RNG state for rank {comm.rank} (written on {manifest.get('world_size')} "
-                            "ranks)", field="rng", value=rng, valid="global, none")
-        restore_rng_state(store.read_json(rng_path))
-    position = TrainingPosition.from_dict(store.read_json(os.path.join(path, store.POSITION_FILE)),
-                                          source=os.path.join(path, store.POSITION_FILE))
+        restore_checked_rng(checked["rng"], checked["rng_source"])
+    position = checked["position"]
     if comm.rank == 0:
         logger.info("loaded checkpoint %s (step %d, written on %d ranks in %d stages, now %d ranks in %d stages; "
                     "RNG: %s) in %.2f s", path, found_step, saved_plan.world_size, saved_plan.num_stages,

@@ -18,22 +18,23 @@ library only, so the launcher (``--resume``) can look at a checkpoint without im
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from tangram_launch.checkpoint import confined, fields
 from tangram_launch.errors import SpecError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "tangram-checkpoint"
-FORMAT_VERSION = 1
+FORMAT = fields.FORMAT
+FORMAT_VERSION = fields.FORMAT_VERSION
 MANIFEST = "manifest.json"
 PLAN_FILE = "plan.json"
 POSITION_FILE = "position.json"
@@ -43,7 +44,6 @@ STATE_DIR = "state"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^step_(\d+)\.tmp-([0-9a-f]+)$")
-_HASH_CHUNK_BYTES = 1 << 20
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -76,7 +76,10 @@ class Skipped:
 
 
 def list_candidates(directory: str) -> list[Candidate]:
-    """Checkpoint-like entries of ``directory``, newest step first (committed before tmp at equal steps)."""
+    """Checkpoint-like entries of ``directory``, newest step first (committed before tmp at equal steps).
+
+    Only real directories count: a ``step_<N>`` that is a symlink is not followed (and is named in a warning).
+    """
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -85,16 +88,20 @@ def list_candidates(directory: str) -> list[Candidate]:
         raise SpecError("checkpoint path is not a directory", field="checkpoint directory", value=directory) from None
     out = []
     for name in names:
+        m_step, m_tmp = _STEP_DIR.match(name), _TMP_DIR.match(name)
+        m = m_step or m_tmp
+        if not m or len(m.group(1)) > confined.MAX_JSON_INT_DIGITS:
+            continue
         path = os.path.join(directory, name)
-        if not os.path.isdir(path):
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
             continue
-        m = _STEP_DIR.match(name)
-        if m:
-            out.append(Candidate(path, int(m.group(1)), True))
+        if stat.S_ISLNK(mode):
+            logger.warning("ignoring %s: a symbolic link (links are not followed in a checkpoint directory)", path)
             continue
-        m = _TMP_DIR.match(name)
-        if m:
-            out.append(Candidate(path, int(m.group(1)), False))
+        if stat.S_ISDIR(mode):
+            out.append(Candidate(path, int(m.group(1)), m_step is not None))
     return sorted(out, key=lambda c: (-c.step, not c.committed, c.path))
 
 
@@ -108,40 +115,27 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json(path: str, obj: Any) -> None:
-    """Write JSON and fsync it (the directory entry is fsynced by ``commit``)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+def write_json(root: str, rel: str, obj: Any) -> None:
+    """Write ``root/rel`` (JSON) and fsync it (the directory entry is fsynced by ``commit``)."""
+    confined.write_json(root, rel, obj)
 
 
-def read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise SpecError("checkpoint file is missing", source=path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError(f"checkpoint file is not valid JSON ({exc})", source=path) from None
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
+def read_json(root: str, rel: str) -> Any:
+    """A JSON file of a checkpoint: confined to ``root``, a regular file, size-capped, bounded numbers and depth."""
+    return confined.read_json(root, rel, field=rel)
 
 
 def list_files(root: str) -> list[str]:
-    """Every regular file under ``root`` as a '/'-separated relative path, sorted; the manifest excluded."""
+    """Every regular file under ``root`` as a '/'-separated relative path, sorted; the manifest excluded.
+
+    Links are neither followed nor listed (the writers of a checkpoint make none).
+    """
     out = []
     for dirpath, _, files in os.walk(root):
         for name in files:
-            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            if rel != MANIFEST:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if rel != MANIFEST and stat.S_ISREG(os.lstat(full).st_mode):
                 out.append(rel)
     return sorted(out)
 
@@ -150,8 +144,8 @@ def hash_files(root: str, rel_paths: Iterable[str]) -> dict[str, dict[str, Any]]
     """{relative path: {"sha256", "bytes"}} for the given files (one rank's share of a checkpoint)."""
     out = {}
     for rel in rel_paths:
-        path = os.path.join(root, rel)
-        out[rel] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
+        size = confined.file_size(root, rel, field=rel)
+        out[rel] = {"sha256": confined.sha256(root, rel, size_bytes=size, field=rel), "bytes": size}
     return out
 
 
@@ -162,7 +156,7 @@ def share(items: list[str], rank: int, world_size: int) -> list[str]:
 
 def write_manifest(root: str, manifest: Mapping[str, Any]) -> None:
     """The manifest goes last: its presence is what makes a directory a checkpoint."""
-    write_json(os.path.join(root, MANIFEST), dict(manifest))
+    write_json(root, MANIFEST, dict(manifest))
 
 
 def fsync_tree(root: str) -> None:
@@ -173,7 +167,7 @@ def fsync_tree(root: str) -> None:
 
 def commit(tmp_path: str, final_path: str) -> None:
     """Make a finished checkpoint visible: fsync the tree, rename atomically, fsync the parent directory."""
-    if os.path.exists(final_path):
+    if os.path.lexists(final_path):
         raise SpecError("a checkpoint already exists under that name; complete checkpoints are never overwritten",
                         field="step", value=final_path)
     fsync_tree(tmp_path)
@@ -184,46 +178,40 @@ def commit(tmp_path: str, final_path: str) -> None:
 # --- reading and verifying ---------------------------------------------------------------------------------------
 
 def read_manifest(path: str) -> dict[str, Any]:
-    """The manifest of a checkpoint directory; SpecError if absent, unreadable or not ours."""
-    m = read_json(os.path.join(path, MANIFEST))
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise SpecError("not a tangram checkpoint manifest", source=os.path.join(path, MANIFEST),
-                        field="format", value=m.get("format") if isinstance(m, dict) else type(m).__name__,
-                        valid=FORMAT)
-    if m.get("version") != FORMAT_VERSION:
-        raise SpecError("unsupported checkpoint format version", source=os.path.join(path, MANIFEST),
-                        field="version", value=m.get("version"), valid=str(FORMAT_VERSION))
-    if not isinstance(m.get("files"), dict):
-        raise SpecError("manifest lists no files", source=os.path.join(path, MANIFEST), field="files")
-    return m
+    """The manifest of a checkpoint directory, every field checked; SpecError if absent, unreadable or not ours."""
+    return fields.check_manifest(confined.read_json(path, MANIFEST, field=MANIFEST), source=os.path.join(path, MANIFEST))
 
 
 def manifest_problem(path: str) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None) or (None, why this directory is not a checkpoint)."""
-    if not os.path.exists(os.path.join(path, MANIFEST)):
-        return None, "no manifest (an interrupted save)"
     try:
         return read_manifest(path), None
+    except confined.CheckpointFileError as exc:
+        if exc.missing:
+            return None, "no manifest (an interrupted save)"
+        return None, f"unreadable manifest ({exc})"
     except SpecError as exc:
         return None, f"unreadable manifest ({exc})"
 
 
 def check_files(path: str, manifest: Mapping[str, Any], rel_paths: Iterable[str] | None = None,
                 *, checksums: bool = True) -> list[str]:
-    """Problems with the listed files (default: all in the manifest): missing, wrong size, wrong sha256."""
+    """Problems with the listed files (default: all in the manifest): missing, wrong size, wrong sha256, or not a
+    regular file inside ``path`` (a link, a FIFO, a device: refused, never followed or read)."""
     files: Mapping[str, Mapping[str, Any]] = manifest["files"]
     problems = []
     for rel in (sorted(files) if rel_paths is None else rel_paths):
         entry = files[rel]
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full):
-            problems.append(f"missing file {rel}")
+        try:
+            if checksums:
+                ok = confined.sha256(path, rel, size_bytes=entry["bytes"], field=rel) == entry["sha256"]
+            else:
+                with confined.open_regular(path, rel, size_bytes=entry["bytes"], field=rel):
+                    ok = True
+        except confined.CheckpointFileError as exc:
+            problems.append(f"missing file {rel}" if exc.missing else f"{rel}: {exc.reason}")
             continue
-        size = os.path.getsize(full)
-        if size != entry.get("bytes"):
-            problems.append(f"{rel} has {size} bytes, the manifest says {entry.get('bytes')}")
-            continue
-        if checksums and sha256_file(full) != entry.get("sha256"):
+        if not ok:
             problems.append(f"checksum mismatch in {rel}")
     return problems
 
@@ -290,7 +278,7 @@ def prune(directory: str, keep_last: int, *, keep: str) -> list[str]:
     """
     removed = []
     complete = [c for c in list_candidates(directory)
-                if c.committed and os.path.exists(os.path.join(c.path, MANIFEST))]
+                if c.committed and os.path.lexists(os.path.join(c.path, MANIFEST))]
     keep_abs = os.path.abspath(keep)
     if len(complete) > keep_last:  # something may go: count verified checkpoints from the newest down
         verified = 0
@@ -320,11 +308,18 @@ def prune(directory: str, keep_last: int, *, keep: str) -> list[str]:
 
 # --- the training position ------------------------------------------------------------------------------------------
 
-def _check_jsonable(value: Any, where: str) -> None:
+MAX_COUNT = fields.MAX_INT  # steps and samples are int64 wherever they end up (samplers, tensors, Megatron)
+
+
+def _check_jsonable(value: Any, where: str, source: str | None = None) -> None:
     try:
         json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise SpecError(f"must be JSON-serialisable ({exc})", field=where, value=type(value).__name__) from None
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise SpecError(f"must be JSON-serialisable ({str(exc)[:200]})", source=source, field=where,
+                        value=type(value).__name__) from None
+    problem = confined.depth_problem(value)
+    if problem:
+        raise SpecError(f"must be JSON of reasonable depth ({problem})", source=source, field=where)
 
 
 @dataclass(frozen=True)
@@ -333,22 +328,28 @@ class TrainingPosition:
 
     ``step``: optimizer steps completed. ``consumed_samples``: sequences consumed so far (the layout-agnostic data
     position: with a changed global batch the next sample is still exact). ``data``: the data loader's own position
-    (epoch, index, shuffling seed, ...), ``extra``: anything else (an LR scheduler's state_dict()); both JSON.
+    (epoch, index, shuffling seed, ...), ``extra``: anything else (an LR scheduler's state_dict()); both JSON objects.
     """
 
     step: int
     consumed_samples: int
     data: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    source: str | None = field(default=None, compare=False, repr=False)  # the file it was read from, for errors
 
     def __post_init__(self) -> None:
         for name in ("step", "consumed_samples"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise SpecError("must be an integer >= 0", field=f"position.{name}", value=v)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+                raise SpecError("must be an integer >= 0 (and below 2**63)", source=self.source,
+                                field=f"position.{name}", value=v, valid=f"0..{MAX_COUNT}")
         for name in ("data", "extra"):
-            v = dict(getattr(self, name))
-            _check_jsonable(v, f"position.{name}")
+            v = getattr(self, name)
+            if not isinstance(v, Mapping):
+                raise SpecError("must be a JSON object", source=self.source, field=f"position.{name}",
+                                value=type(v).__name__)
+            v = dict(v)
+            _check_jsonable(v, f"position.{name}", self.source)
             object.__setattr__(self, name, v)
 
     def to_dict(self) -> dict[str, Any]:
@@ -356,12 +357,19 @@ class TrainingPosition:
                 "extra": dict(self.extra)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingPosition":
-        try:
-            return cls(step=d["step"], consumed_samples=d["consumed_samples"], data=d.get("data") or {},
-                       extra=d.get("extra") or {})
-        except (KeyError, TypeError) as exc:
-            raise SpecError(f"malformed training position ({exc!r})", source=source) from None
+    def from_dict(cls, d: Any, *, source: str | None = None) -> "TrainingPosition":
+        if not isinstance(d, Mapping):
+            raise SpecError("a training position is a JSON object", source=source, value=type(d).__name__)
+        for key in ("step", "consumed_samples"):
+            if key not in d:
+                raise SpecError("missing", source=source, field=f"position.{key}")
+        unknown = sorted(set(d) - {"step", "consumed_samples", "data", "extra"})
+        if unknown:
+            raise SpecError("unknown field in a training position", source=source, field=f"position.{unknown[0]}",
+                            valid="step, consumed_samples, data, extra")
+        return cls(step=d["step"], consumed_samples=d["consumed_samples"],
+                   data={} if d.get("data") is None else d["data"],
+                   extra={} if d.get("extra") is None else d["extra"], source=source)
 
 
 @dataclass(frozen=True)
@@ -378,10 +386,28 @@ class CheckpointInfo:
 def describe(directory: str, *, step: int | None = None, checksums: bool = False) -> CheckpointInfo:
     """The newest complete checkpoint's summary without torch (``checksums=True`` to verify every byte as well)."""
     found = find_latest(directory, step=step, checksums=checksums)
-    plan = read_json(os.path.join(found.path, PLAN_FILE))
-    position = TrainingPosition.from_dict(read_json(os.path.join(found.path, POSITION_FILE)),
-                                          source=os.path.join(found.path, POSITION_FILE))
-    return CheckpointInfo(found.path, found.step, plan, position, found.skipped)
+    return CheckpointInfo(found.path, found.step, read_plan_dict(found.path), read_position(found.path),
+                          found.skipped)
+
+
+def read_plan_dict(path: str) -> dict[str, Any]:
+    """plan.json of checkpoint ``path`` as a dict, every field checked as a Plan (what the launcher compares)."""
+    from tangram_launch.plan import Plan
+
+    source = os.path.join(path, PLAN_FILE)
+    plan = read_json(path, PLAN_FILE)
+    try:
+        Plan.from_dict(plan, source=source)
+    except SpecError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SpecError(f"not a valid plan ({type(exc).__name__}: {str(exc)[:200]})", source=source) from None
+    return plan
+
+
+def read_position(path: str) -> "TrainingPosition":
+    """position.json of checkpoint ``path``, every field checked."""
+    return TrainingPosition.from_dict(read_json(path, POSITION_FILE), source=os.path.join(path, POSITION_FILE))
 
 
 def finish(tmp_path: str, final_path: str, manifest: Mapping[str, Any], *, directory: str,

@@ -15,39 +15,36 @@ import torch
 
 from tangram_launch.checkpoint import store
 from tangram_launch.checkpoint.save_load import STATE_FORMAT, _MODEL_PREFIX
-from tangram_launch.checkpoint.store import CheckpointInfo, TrainingPosition
+from tangram_launch.checkpoint.fields import check_tensor_meta
+from tangram_launch.checkpoint.store import CheckpointInfo
 from tangram_launch.errors import SpecError
 
 
 def read_model_state(directory: str | os.PathLike, *, step: int | None = None) -> tuple[dict[str, torch.Tensor],
                                                                                         CheckpointInfo]:
     """Every model tensor of the checkpoint under its global name, and the checkpoint's summary."""
-    import torch.distributed.checkpoint as dcp
-
-    from tangram_launch.checkpoint.safe_load import check_dcp_directory, safe_planner, safe_reader
+    from tangram_launch.checkpoint.safe_load import check_dcp_directory, check_request, listed_in, load_tensors
 
     directory = os.fspath(directory)
-    found = store.find_latest(directory, step=step, checksums=True)
+    found = store.find_latest(directory, step=step, checksums=True)  # the manifest's every field checked
     fmt = found.manifest.get("state_format", STATE_FORMAT)
     if fmt != STATE_FORMAT:
         raise SpecError(f"checkpoint {found.path} holds '{fmt}' state, which this reader does not read",
                         field="state_format", value=fmt, valid=STATE_FORMAT)
+    source = os.path.join(found.path, store.MANIFEST)
     flat: dict[str, Any] = {}
     for name, meta in found.manifest.get("model", {}).items():
-        dtype = getattr(torch, str(meta.get("dtype")), None)
-        if not isinstance(dtype, torch.dtype):
-            raise SpecError("unknown dtype in the manifest", source=found.path, field=f"model.{name}.dtype",
-                            value=meta.get("dtype"))
-        flat[_MODEL_PREFIX + name] = torch.empty(tuple(meta["shape"]), dtype=dtype)
+        shape, dtype = check_tensor_meta(meta, source=source, field=f"model.{name}")
+        flat[_MODEL_PREFIX + name] = torch.empty(shape, dtype=getattr(torch, dtype))
     if not flat:
-        raise SpecError("the checkpoint's manifest lists no model tensors", source=found.path, field="model")
+        raise SpecError("the checkpoint's manifest lists no model tensors", source=source, field="model")
+    plan = store.read_plan_dict(found.path)
+    position = store.read_position(found.path)
     state_dir = os.path.join(found.path, store.STATE_DIR)
-    check_dcp_directory(state_dir)
+    metadata = check_dcp_directory(state_dir, listed=listed_in(found.manifest, store.STATE_DIR))
+    check_request(metadata, flat, source=os.path.join(state_dir, ".metadata"))
     with warnings.catch_warnings():  # DCP warns that it assumes one process: here that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(flat, storage_reader=safe_reader(state_dir), planner=safe_planner(), no_dist=True)
-    plan = store.read_json(os.path.join(found.path, store.PLAN_FILE))
-    position = TrainingPosition.from_dict(store.read_json(os.path.join(found.path, store.POSITION_FILE)),
-                                          source=os.path.join(found.path, store.POSITION_FILE))
+        load_tensors(flat, state_dir, metadata, no_dist=True)
     info = CheckpointInfo(found.path, found.step, plan, position, found.skipped)
     return {k[len(_MODEL_PREFIX):]: v for k, v in flat.items()}, info

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Callable, TypeVar
 
 from tangram_launch.errors import SpecError
 
 FORMATS = ("hf",)
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,27 +31,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from runtime_adapters.hf_model import config_from_dict, load_config, save_hf
     from tangram_launch.checkpoint import model_differences
+    from tangram_launch.checkpoint.confined import make_readable_as_created
     from tangram_launch.checkpoint.whole import read_model_state
     from tangram_launch.specs.model import from_hf_config
 
     if not os.path.isdir(args.checkpoint):
         raise SpecError("no such checkpoint directory", field="CKPT_DIR", value=args.checkpoint)
-    state, info = read_model_state(args.checkpoint, step=args.step)
+    state, info = read_model_state(args.checkpoint, step=args.step)  # every file and field checked
     if args.config:
         config = load_config(args.config)
+        source, field = args.config, "--config"
     else:
         carried = info.position.extra.get("hf_config")
+        source, field = os.path.join(info.path, "position.json"), "extra.hf_config"
         if not carried:
             raise SpecError(f"checkpoint {info.path} carries no Hugging Face config", field="--config",
                             valid="the config.json (or folder) of the model that was trained")
-        config = config_from_dict(carried)
-    diffs = model_differences(from_hf_config(config.to_dict()).to_dict(), info.plan.get("model", {}))
+        if not isinstance(carried, dict):
+            raise SpecError("a Hugging Face config is a JSON object", source=source, field=field,
+                            value=type(carried).__name__)
+        config = _checked(lambda: config_from_dict(carried), source=source, field=field)
+    spec = _checked(lambda: from_hf_config(config.to_dict()), source=source, field=field)
+    saved_model = info.plan.get("model", {})
+    diffs = model_differences(spec.to_dict(), saved_model if isinstance(saved_model, dict) else {})
     if diffs:
         k, a, b = diffs[0]
         detail = "; ".join(f"{f}: {x!r} in the config, {y!r} in the checkpoint" for f, x, y in diffs)
         raise SpecError(f"the Hugging Face config does not describe the checkpoint's model ({detail})",
                         field=f"model.{k}", value=a, valid=repr(b))
     files = save_hf(args.out, config, state)
+    for path in files:  # safetensors writes 0600 through a temporary file: give it the mode a plain open would
+        make_readable_as_created(path)
     print(f"exported {info.path} (step {info.step}, {len(state)} tensors) to {args.out}: "
           + ", ".join(os.path.basename(f) for f in files))
     return 0
+
+
+def _checked(build: Callable[[], T], *, source: str, field: str) -> T:
+    """``build()``, where transformers' own refusal of a config (ValueError, TypeError, KeyError) is a SpecError
+    naming the file and field it came from."""
+    try:
+        return build()
+    except SpecError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise SpecError(f"not a usable Hugging Face config ({type(exc).__name__}: {str(exc)[:200]})", source=source,
+                        field=field) from None
