@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec.load(args.cluster)
     model = load_model(args.model)
     training = _training(args, model)
+    from tangram_launch.launch.preflight import check_seq_len
+
+    check_seq_len(model, training.seq_len, field="--seq-len")  # the workers would refuse it
     iset = build_islands(cluster, dtype=training.dtype)
     pruning = PruningPolicy(redundant="redundant" not in args.no_prune, unbalanced="unbalanced" not in args.no_prune,
                             infeasible="infeasible" not in args.no_prune,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -213,6 +214,13 @@ def _report(exc: SpecError, boot: BootArgs | None) -> None:
         get_error_handler().record_exception(exc)
 
 
+def stop_quietly_on_sigint() -> None:
+    """The agent forwards Ctrl-C to each worker as SIGINT: stop as on SIGTERM, without a KeyboardInterrupt
+    traceback per worker. A script that wants to clean up on it installs its own handler."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     boot = None
@@ -227,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as exc:
         _report(exc, boot)
         return EXIT_PLAN_ERROR
+    stop_quietly_on_sigint()
     run_target(boot)
     return 0
 
