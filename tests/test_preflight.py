@@ -239,3 +239,24 @@ def test_the_plan_file_is_checked_before_the_script(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
         _check(["--resume", str(tmp_path / "ckpt"), "no-such-script.py"])
     _check(["--cluster", str(tmp_path / "nope.yaml"), str(TRAIN_GPT)], can_plan=False)  # refused later, as ever
+
+
+# --- export says what it is doing ------------------------------------------------------------------------------------
+
+def test_export_reports_each_phase(tmp_path, caplog):
+    pytest.importorskip("transformers")
+    from helpers_plans import make_plan
+    from runtime_adapters.hf_model import HFSource
+    from tangram_launch.checkpoint import LayerKeyMap, StageState, TrainingPosition, save_checkpoint
+
+    source = HFSource.from_pretrained(REPO / "examples" / "models" / "tiny-llama")
+    plan = make_plan(source.model_spec(), [(4, "n0")], global_batch=2, num_microbatches=1, seq_len=8)
+    module = source.build_stage(None, plan.stages[0], 7)
+    state = StageState.from_module(module, LayerKeyMap.for_stage(plan.stages[0], local_numbering="global"))
+    save_checkpoint(tmp_path / "ckpt", plan=plan, state=state, position=TrainingPosition(1, 2))
+    with caplog.at_level("INFO", logger="tangram_launch.commands.export"):
+        assert main(["export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "out"), "--config",
+                     str(REPO / "examples" / "models" / "tiny-llama")]) == 0
+    phases = [r.getMessage().split(":", 1)[0] for r in caplog.records]
+    assert phases == ["export 1/4", "export 2/4", "export 3/4", "export 4/4"]
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -18,7 +18,11 @@ would; workers read their place with :func:`tangram_launch.worker.current_plan`:
         --plan plan.json --node-name a100-0 train.py
 
 A plan that does not fit the world (node count, this node's GPU count, unknown node) is refused before any worker
-starts (SpecError, exit 2).
+starts (SpecError, exit 2), as is every mistake :mod:`tangram_launch.launch.preflight` checks (a missing script,
+plan or cluster file, a sequence longer than the model's positions, a runtime whose packages are not installed):
+read without torch where :func:`tangram_launch.launch.options.parse_early` can, so they answer in well under a
+second.  A hand-written plan (stages by island, no rank layout) is costed first, as ``tangram-launch plan --plan
+FILE`` does, with ``--cluster`` (or ``--profile``) and ``--model``, and the launch goes by the full plan.
 
 Planning at launch time: with ``--cluster FILE`` or ``--profile`` (measure this node first; the ClusterSpec is
 cached by hardware fingerprint and reused while the hardware is unchanged), ``--model``, ``--global-batch``,
@@ -38,6 +42,8 @@ batch unless given again, logs what changed between the two plans, and starts th
         --steps 100 --save-dir ckpt/ --save-every 10
 
 Tangram options come before the script, like torchrun's; everything after the script belongs to the script.
+Ctrl-C (SIGINT) stops the workers and prints one line (exit 130); a planned launch's workers stop without a
+traceback (:mod:`tangram_launch.launch.signals`).
 """
 from __future__ import annotations
 
