@@ -257,6 +257,6 @@ def test_export_reports_each_phase(tmp_path, caplog):
     with caplog.at_level("INFO", logger="tangram_launch.commands.export"):
         assert main(["export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "out"), "--config",
                      str(REPO / "examples" / "models" / "tiny-llama")]) == 0
-    phases = [r.getMessage().split(":", 1)[0] for r in caplog.records]
+    phases = [r.getMessage().split(":", 1)[0] for r in caplog.records if r.name == "tangram_launch.commands.export"]
     assert phases == ["export 1/4", "export 2/4", "export 3/4", "export 4/4"]
     assert (tmp_path / "out" / "model.safetensors").exists()
