@@ -16,7 +16,6 @@ import os
 import sys
 
 from tangram_launch.errors import SpecError
-from tangram_launch.planner.report import format_compare_table, format_plan_table
 from tangram_launch.specs.constants import DTYPES, RUNTIMES
 
 PRUNING_POLICIES = ("redundant", "unbalanced", "infeasible")
@@ -74,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     check_cli_args(args)  # bad numbers and output paths: exit 2 before any work
     from tangram_launch.islands import build_islands
     from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner.report import format_compare_table, format_plan_table  # here: --help stays fast
     from tangram_launch.planner.slices import DEFAULT_BALANCE_TOLERANCE, PruningPolicy
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model
