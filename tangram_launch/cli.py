@@ -8,7 +8,8 @@
     tangram-launch calibrate RUN_DIR/run-report.json --cluster FILE   # fold measured stage times into the cluster
     tangram-launch [torchrun args] [tangram args] script.py    # launch, exactly like torchrun (plus planning)
 
-User errors exit with status 2, infeasible requests with 3, both without a traceback.
+User errors exit with status 2, infeasible requests with 3, both without a traceback; Ctrl-C exits with 130.
+``--help`` and every refusal that needs no planning answer without importing torch.
 """
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ SUBCOMMANDS = {
     "export": "tangram_launch.commands.export",
     "calibrate": "tangram_launch.commands.calibrate",
 }
+COMMANDS = (  # what `tangram-launch --help` lists
+    ("islands", "GPU islands of a cluster file, and why GPUs were split apart"),
+    ("estimate", "cost breakdown of one configuration on one island"),
+    ("plan", "the heterogeneous plan (table, JSON, YAML), or a hand-written one costed"),
+    ("profile", "measure a live cluster, write its ClusterSpec"),
+    ("export", "a checkpoint as a Hugging Face model folder"),
+)
+HELP_TORCHRUN = "--help-torchrun"
 
 
 def _run_subcommand(name: str, argv: list[str]) -> int:
@@ -39,6 +48,21 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
     return int(module.run(args) or 0)
 
 
+def _help(argv: list[str]) -> int:
+    """``--help``: Tangram's options first, without torch; ``--help-torchrun``: torch's own parser's help."""
+    if argv[0] == HELP_TORCHRUN:
+        from torch.distributed.run import get_args_parser
+
+        parser = get_args_parser()
+        parser.prog = "tangram-launch"
+        parser.print_help()
+        return 0
+    from tangram_launch.launch.options import quick_help
+
+    print(quick_help(COMMANDS), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="[tangram] %(message)s")
@@ -46,19 +70,23 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in SUBCOMMANDS:
             return _run_subcommand(argv[0], argv[1:])
         if not argv:  # torchrun would only say "training_script is required": show the commands first
-            print("usage:" + __doc__.strip().split("\n", 1)[1], file=sys.stderr)
-            print("\nThe launcher's options (torchrun's and Tangram's): tangram-launch --help; a command's: "
-                  "tangram-launch COMMAND --help", file=sys.stderr)
+            print("usage:" + __doc__.strip().split("\n", 1)[1].split("\n\n")[0], file=sys.stderr)
+            print("\nThe launcher's options (Tangram's and the common torchrun ones): tangram-launch --help; a "
+                  "command's: tangram-launch COMMAND --help", file=sys.stderr)
             return 2
-        if argv and argv[0] in ("-h", "--help"):
-            print(__doc__.strip())
-            print()
+        if argv[0] in ("-h", "--help", HELP_TORCHRUN):
+            return _help(argv)
         from tangram_launch.launch import torchrun as launch
 
         return int(launch.run(argv) or 0)
     except TangramError as exc:
         print(f"tangram-launch: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before or after the workers ran (planning, profiling): no traceback
+        from tangram_launch.launch.signals import INTERRUPTED_LINE
+
+        print(INTERRUPTED_LINE, file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

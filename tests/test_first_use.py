@@ -179,7 +179,7 @@ def test_plan_timeline_and_output_say_where_they_wrote(tmp_path, capsys, fmt, mo
 
 def test_plan_table_says_1_sequence():
     from helpers_plans import make_plan
-    from tangram_launch.commands.plan import format_plan_table
+    from tangram_launch.planner.report import format_plan_table
 
     one = make_plan("tiny", [(2, "n0"), (2, "n1")], global_batch=4, num_microbatches=4)
     assert "4 micro-batches of 1 sequence," in format_plan_table(one)

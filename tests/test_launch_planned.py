@@ -135,7 +135,7 @@ def test_a_plan_that_leaves_gpus_out_is_refused_with_what_to_launch(tmp_path):
 
 def test_planning_refusals(tmp_path, monkeypatch):
     monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path))
-    tail = ["--nproc-per-node", "2", "script.py"]
+    tail = ["--nproc-per-node", "2", str(REPO / "examples" / "train_gpt.py")]  # a script that exists (pre-flight)
     with pytest.raises(SpecError, match="single node only") as info:
         launch.run(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--profile", "--model", "tiny", *tail])
     assert info.value.field == "--profile"

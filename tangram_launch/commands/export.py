@@ -10,10 +10,14 @@ checkpoint's model (same layers, widths, vocabulary), else the export is refused
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import time
 from typing import Callable, TypeVar
 
 from tangram_launch.errors import SpecError
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("hf",)
 T = TypeVar("T")
@@ -29,15 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.checkpoint):
+        raise SpecError("no such checkpoint directory", field="CKPT_DIR", value=args.checkpoint)
+    t0 = time.perf_counter()
+    log.info("export 1/4: loading torch and the checkpoint reader")  # each phase can take seconds: say which runs
     from runtime_adapters.hf_model import config_from_dict, load_config, save_hf
     from tangram_launch.checkpoint import model_differences
     from tangram_launch.checkpoint.confined import make_readable_as_created
     from tangram_launch.checkpoint.whole import read_model_state
     from tangram_launch.specs.model import from_hf_config
 
-    if not os.path.isdir(args.checkpoint):
-        raise SpecError("no such checkpoint directory", field="CKPT_DIR", value=args.checkpoint)
+    log.info("export 2/4: reading and verifying the checkpoint in %s (%.1f s)", args.checkpoint,
+             time.perf_counter() - t0)
     state, info = read_model_state(args.checkpoint, step=args.step)  # every file and field checked
+    log.info("export 3/4: step %d, %d tensors read; loading the Hugging Face config (transformers) (%.1f s)",
+             info.step, len(state), time.perf_counter() - t0)
     if args.config:
         config = load_config(args.config)
         source, field = args.config, "--config"
@@ -59,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
         detail = "; ".join(f"{f}: {x!r} in the config, {y!r} in the checkpoint" for f, x, y in diffs)
         raise SpecError(f"the Hugging Face config does not describe the checkpoint's model ({detail})",
                         field=f"model.{k}", value=a, valid=repr(b))
+    log.info("export 4/4: writing %s (%.1f s)", args.out, time.perf_counter() - t0)
     files = save_hf(args.out, config, state)
     for path in files:  # safetensors writes 0600 through a temporary file: give it the mode a plain open would
         make_readable_as_created(path)
     print(f"exported {info.path} (step {info.step}, {len(state)} tensors) to {args.out}: "
-          + ", ".join(os.path.basename(f) for f in files))
+          + ", ".join(os.path.basename(f) for f in files) + f" in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -16,7 +16,6 @@ import os
 import sys
 
 from tangram_launch.errors import SpecError
-from tangram_launch.planner.report import format_compare_table, format_plan_table
 from tangram_launch.specs.constants import DTYPES, RUNTIMES
 
 PRUNING_POLICIES = ("redundant", "unbalanced", "infeasible")
@@ -66,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from tangram_launch.islands import build_islands
     from tangram_launch.launch.planning import planning_request
     from tangram_launch.planner.api import search
+    from tangram_launch.planner.report import format_compare_table, format_plan_table  # here: --help stays fast
     from tangram_launch.specs.cluster import ClusterSpec
 
     if args.workers is not None and args.workers < 1:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -214,6 +215,13 @@ def _report(exc: TangramError, boot: BootArgs | None, *, prog: str = "tangram-la
     return exit_status_for(exc, prog=f"{prog}{where}")
 
 
+def stop_quietly_on_sigint() -> None:
+    """The agent forwards Ctrl-C to each worker as SIGINT: stop as on SIGTERM, without a KeyboardInterrupt
+    traceback per worker. A script that wants to clean up on it installs its own handler."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from tangram_launch.launch.lifetime import die_with_launcher
@@ -230,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_across_agents(os.environ, boot)
     except SpecError as exc:
         return _report(exc, boot)
+    stop_quietly_on_sigint()
     try:
         run_target(boot)
     except TangramError as exc:  # the script's own typed error (another model's checkpoint, a shape mismatch)

@@ -241,6 +241,11 @@ class PlanningRequest:
     options: "PlannerOptions"  # schedule, micro-batch sizes, pruning, workers
     cluster: "ClusterSpec | None" = None  # where known when the request is built (launch: after --profile)
 
+    def __post_init__(self) -> None:
+        from tangram_launch.launch.preflight import check_seq_len
+
+        check_seq_len(self.model, self.seq_len, field="--seq-len")  # the workers would refuse it
+
     @property
     def global_batch(self) -> int:
         return self.training.global_batch
@@ -409,10 +414,16 @@ def provide_plan(request: Any) -> str:
     logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
-    plan = make_launch_plan(cluster, inputs)
+    if request.hand_written:  # costed as `tangram-launch plan --plan FILE` does, not searched
+        from tangram_launch.launch.hand_written import cost_hand_written
+
+        plan = cost_hand_written(request.hand_written, cluster, inputs)
+    else:
+        plan = make_launch_plan(cluster, inputs)
     from tangram_launch.planner.report import format_plan_table
 
-    for line in format_plan_table(plan, cluster_name=cluster.name).splitlines():
+    table = format_plan_table(plan, cluster_name=cluster.name, manual=bool(request.hand_written))
+    for line in table.splitlines():
         logger.info("%s", line)
     check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=_this_node(cluster, opts.node_name),
                            source=source)
@@ -430,12 +441,9 @@ def describe_resume(directory: str) -> "CheckpointInfo":
     from tangram_launch.checkpoint.store import describe, read_manifest
     from tangram_launch.checkpoint.safe_load import check_checkpoint
 
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise SpecError(f"{os.path.abspath(directory)} is a file, not a checkpoint directory", field="--resume",
-                        value=directory, valid="a directory holding step_<N>/ checkpoints")
-    if not os.path.isdir(directory):
-        raise SpecError(f"checkpoint directory {os.path.abspath(directory)} does not exist", field="--resume",
-                        value=directory, valid="a directory holding step_<N>/ checkpoints")
+    from tangram_launch.launch.preflight import check_resume_dir
+
+    check_resume_dir(directory)
     info = describe(directory, checksums=True)
     check_checkpoint(info.path, read_manifest(info.path))
     pos = info.position

@@ -18,7 +18,11 @@ would; workers read their place with :func:`tangram_launch.worker.current_plan`:
         --plan plan.json --node-name a100-0 train.py
 
 A plan that does not fit the world (node count, this node's GPU count, unknown node) is refused before any worker
-starts (SpecError, exit 2).
+starts (SpecError, exit 2), as is every mistake :mod:`tangram_launch.launch.preflight` checks (a missing script,
+plan or cluster file, a sequence longer than the model's positions, a runtime whose packages are not installed):
+read without torch where :func:`tangram_launch.launch.options.parse_early` can, so they answer in well under a
+second.  A hand-written plan (stages by island, no rank layout) is costed first, as ``tangram-launch plan --plan
+FILE`` does, with ``--cluster`` (or ``--profile``) and ``--model``, and the launch goes by the full plan.
 
 Planning at launch time: with ``--cluster FILE`` or ``--profile`` (measure this node first; the ClusterSpec is
 cached by hardware fingerprint and reused while the hardware is unchanged), ``--model``, ``--global-batch``,
@@ -38,6 +42,8 @@ batch unless given again, logs what changed between the two plans, and starts th
         --steps 100 --save-dir ckpt/ --save-every 10
 
 Tangram options come before the script, like torchrun's; everything after the script belongs to the script.
+Ctrl-C (SIGINT) stops the workers and prints one line (exit 130); a planned launch's workers stop without a
+traceback (:mod:`tangram_launch.launch.signals`).
 """
 from __future__ import annotations
 
@@ -58,7 +64,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tangram_launch import worker as W
 from tangram_launch.errors import SpecError, TangramError
-from tangram_launch.specs.constants import DTYPES, RUNTIMES
+from tangram_launch.launch import preflight
+from tangram_launch.launch.options import add_tangram_options, literal_nproc, parse_early
+from tangram_launch.launch.preflight import check_world, resolve_node_name  # noqa: F401  (their home before)
 
 logger = logging.getLogger(__name__)
 
@@ -68,16 +76,6 @@ PLANNING_OPTIONS = ("cluster", "profile", "reprofile", "profile_quick", "model",
 EXIT_WORKER_FAILED = 1  # what torchrun exits with when a worker fails (an uncaught ChildFailedError)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """torch's torchrun parser, unchanged, plus a "tangram" group.  Built per call: PET_* defaults read the env."""
     from torch.distributed.run import get_args_parser
@@ -85,36 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
     parser.prog = "tangram-launch"
     parser.description = "Tangram launcher: torchrun, plus launching by a plan for heterogeneous GPU clusters."
-    g = parser.add_argument_group("tangram", "Planning and planned launch (before the training script, like "
-                                             "torchrun's options; without them, tangram-launch is torchrun).")
-    g.add_argument("--cluster", metavar="FILE", default=None, help="Cluster spec YAML (plan at launch time).")
-    g.add_argument("--profile", action="store_true",
-                   help="Profile this node before planning (cached by hardware fingerprint, reused while unchanged).")
-    g.add_argument("--reprofile", action="store_true",
-                   help="Profile this node again even if a cached profile matches (implies --profile).")
-    g.add_argument("--profile-quick", "--profile_quick", action="store_true",
-                   help="With --profile: small sizes and few repetitions (a quick profile).")
-    g.add_argument("--model", metavar="NAME|FILE", default=None, help="Model preset, YAML or HF config.json.")
-    g.add_argument("--global-batch", "--global_batch", metavar="N", type=_positive_int, default=None,
-                   help="Global batch size in sequences.")
-    g.add_argument("--seq-len", "--seq_len", metavar="N", type=_positive_int, default=None,
-                   help="Sequence length in tokens.")
-    g.add_argument("--dtype", choices=DTYPES, default=None, help="Training dtype.")
-    g.add_argument("--runtime", metavar="NAME", default=None,
-                   help=f"Runtime the plan must run on ({', '.join(RUNTIMES)} or a registered third-party one).")
-    g.add_argument("--plan", metavar="FILE", default=None, help="Launch by this plan (JSON or YAML).")
-    g.add_argument("--parallelizer", metavar="NAME", default=None, help="Per-island parallelizer to plan with.")
-    g.add_argument("--node-name", "--node_name", metavar="NAME", default=None,
-                   help="Which plan node this agent is (default: matched by host name).")
-    g.add_argument("--resume", metavar="DIR", default=None, help="Resume from this checkpoint directory.")
-    g.add_argument("--checkpoint-dir", "--checkpoint_dir", metavar="DIR", default=None,
-                   help="The run's checkpoint directory (default: the --resume one): locked against other runs, and "
-                        "a restart round (--max-restarts) resumes from its newest complete checkpoint.")
-    g.add_argument("--run-dir", "--run_dir", metavar="DIR", default=None,
-                   help="Where a planned launch writes its run report (run-report.json: predicted vs measured per "
-                        "stage) and the workers' timings (default: tangram-runs/<time>-<plan hash>).")
-    g.add_argument("--report-every", "--report_every", metavar="N", type=_positive_int, default=None,
-                   help="Also print the predicted-vs-measured table every N steps (default: at the end only).")
+    add_tangram_options(parser.add_argument_group(
+        "tangram", "Planning and planned launch (before the training script, like torchrun's options; without "
+                   "them, tangram-launch is torchrun)."))
     return parser
 
 
@@ -189,12 +160,13 @@ class LaunchOptions:
 @dataclass(frozen=True)
 class PlanRequest:
     """What a plan provider plans from: the launch's options (Tangram's, and torchrun's for --profile), the
-    checkpoint being resumed (``tangram_launch.checkpoint.store.CheckpointInfo``) and the directory to write the
-    plan file into."""
+    checkpoint being resumed (``tangram_launch.checkpoint.store.CheckpointInfo``), the directory to write the
+    plan file into, and a hand-written plan to cost instead of searching (``--plan`` without a rank layout)."""
 
     options: LaunchOptions
     out_dir: str
     resume: Any = None
+    hand_written: str | None = None
 
     @property
     def opts(self) -> TangramOptions:
@@ -234,93 +206,18 @@ class PlannedLaunch:
         return self.layout.slot_for(self.node, local_rank)
 
 
-def _host_names() -> set[str]:
-    names = {socket.gethostname(), socket.getfqdn()}
-    return names | {n.split(".", 1)[0] for n in names if n}
-
-
-def _node_hosts(plan: Mapping, layout: W.RankLayout) -> dict[str, set[str]]:
-    """Host names each plan node answers to: its own name, ``host`` in its layout rows or its cluster entry."""
-    hosts: dict[str, set[str]] = {n: {n} for n in layout.nodes}
-    for row in plan.get("rank_layout") or ():
-        if isinstance(row, Mapping) and row.get("host") and row.get("node") in hosts:
-            hosts[row["node"]].add(str(row["host"]))
-    cluster = plan.get("cluster")
-    for entry in (cluster.get("nodes") or ()) if isinstance(cluster, Mapping) else ():
-        if isinstance(entry, Mapping) and entry.get("name") in hosts and entry.get("host"):
-            hosts[entry["name"]].add(str(entry["host"]))
-    return hosts
-
-
-def resolve_node_name(layout: W.RankLayout, plan: Mapping, requested: str | None, *,
-                      host_names: set[str], source: str | None = None) -> str:
-    """``--node-name`` if given (must be a plan node), else the one plan node whose name or host is this host."""
-    if requested is not None:
-        if requested not in layout.nodes:
-            from tangram_launch.specs.yamlio import closest
-
-            hint = closest(requested, layout.nodes)
-            valid = (f"did you mean '{hint}'? " if hint else "") + "plan nodes: " + ", ".join(layout.nodes)
-            raise SpecError("no such node in the plan", source=source, field="--node-name", value=requested,
-                            valid=valid)
-        return requested
-    if len(layout.nodes) == 1:
-        return layout.nodes[0]
-    matches = [n for n, hosts in _node_hosts(plan, layout).items() if hosts & host_names]
-    if len(matches) == 1:
-        return matches[0]
-    why = "matches several plan nodes" if matches else "matches no plan node"
-    raise SpecError(f"this host ({', '.join(sorted(host_names))}) {why}; say which node this agent is",
-                    source=source, field="--node-name", valid="plan nodes: " + ", ".join(layout.nodes))
-
-
-def check_world(layout: W.RankLayout, node: str, *, nnodes: str, nproc_per_node: int,
-                source: str | None = None) -> None:
-    """Refuse a plan that does not fit what the agents will start (before any worker does)."""
-    from torch.distributed.run import parse_min_max_nnodes
-
-    min_nodes, max_nodes = parse_min_max_nnodes(nnodes)
-    plan_nodes = len(layout.nodes)
-    if not (min_nodes == max_nodes == plan_nodes):
-        raise SpecError(f"the plan has {plan_nodes} node(s) ({', '.join(layout.nodes)}); a planned launch is not "
-                        "elastic", source=source, field="--nnodes", value=nnodes, valid=str(plan_nodes))
-    gpus = layout.local_slots(node)
-    if nproc_per_node != len(gpus):
-        raise SpecError(f"plan node {node!r} has {len(gpus)} GPU(s) (local GPUs "
-                        f"{', '.join(str(s.local_gpu) for s in gpus)})", source=source, field="--nproc-per-node",
-                        value=nproc_per_node, valid=str(len(gpus)))
-    if plan_nodes > 1 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1":
-        raise SpecError("a planned multi-node launch needs torch's shared agent store (the plan's rank 0 may sit on "
-                        "any node)", field="TORCH_DISABLE_SHARE_RDZV_TCP_STORE", value="1", valid="unset or 0")
-
-
-def _validate_full_plan(plan: Mapping, layout: W.RankLayout, source: str) -> None:
-    """A file with ``stages`` claims to be a Plan: it must load as one, so workers' ``current_plan().plan`` works."""
-    if "stages" not in plan:
-        return
-    from tangram_launch.plan import Plan
-
-    full = Plan.from_dict(plan, source=source)
-    derived = [(r.rank, r.node, r.local_gpu) for r in full.rank_layout]
-    if derived != [(s.rank, s.node, s.local_gpu) for s in layout.slots]:
-        raise SpecError("rank_layout rows differ from the Plan's", source=source, field="rank_layout")
-
-
 def prepare_planned_launch(args: argparse.Namespace, plan_file: str | os.PathLike, *, node_name: str | None,
                            staging_dir: str) -> PlannedLaunch:
     """Read and check the plan, pick this agent's node, check the world, and write the copy workers read."""
     source = os.fspath(plan_file)
     from tangram_launch.specs.limits import read_bytes  # a FIFO, /dev/zero, a huge file: refused, not read
-
-    data = read_bytes(source, what="plan file")
-    plan = W.read_plan_dict(source, data)
-    layout = W.RankLayout.from_plan_dict(plan, source=source)
-    _validate_full_plan(plan, layout, source)
-    node = resolve_node_name(layout, plan, node_name, host_names=_host_names(), source=source)
     from torch.distributed.run import determine_local_world_size
 
-    check_world(layout, node, nnodes=args.nnodes, nproc_per_node=determine_local_world_size(args.nproc_per_node),
-                source=source)
+    data = read_bytes(source, what="plan file")
+    checked = preflight.read_plan_file(source, data, node_name=node_name, nnodes=args.nnodes,
+                                       nproc_per_node=determine_local_world_size(args.nproc_per_node))
+    if checked.hand_written:  # costed by the plan provider before it gets here
+        W.RankLayout.from_plan_dict(checked.plan, source=source)  # "missing or empty rank layout"
     digest = W.sha256_bytes(data)
     ext = ".json" if source.endswith(".json") else ".yaml"
     copy_path = os.path.join(os.path.abspath(staging_dir), f"plan-{digest[:16]}{ext}")
@@ -329,10 +226,11 @@ def prepare_planned_launch(args: argparse.Namespace, plan_file: str | os.PathLik
         f.write(data)
     os.replace(tmp, copy_path)
     agent_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    layout = checked.layout
     logger.info("planned launch: plan %s (sha256 %s), this agent is plan node %r with %d worker(s)", source,
-                digest[:12], node, layout.gpu_count(node))
-    return PlannedLaunch(source=source, plan_path=copy_path, plan_hash=digest, node=node, layout=layout,
-                         plan_dict=plan, agent_id=agent_id)
+                digest[:12], checked.node, layout.gpu_count(checked.node))
+    return PlannedLaunch(source=source, plan_path=copy_path, plan_hash=digest, node=checked.node, layout=layout,
+                         plan_dict=checked.plan, agent_id=agent_id)
 
 
 def route_through_boot(args: argparse.Namespace, planned: PlannedLaunch,
@@ -396,14 +294,13 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
     from torch.distributed.run import run as torch_run
 
     from tangram_launch.launch.lifetime import worker_environment
+    from tangram_launch.launch.signals import quiet_agent_shutdown, stopped_line
 
     told = worker_environment() if planned is not None else contextlib.nullcontext()  # plain torchrun: its env
     try:
-        with told:  # planned workers die with this process; their bad-input status becomes exit 2
+        with told, quiet_agent_shutdown():  # planned workers die with this process; bad input becomes exit 2
             record(torch_run)(args)
     except SignalException as exc:  # SIGTERM/SIGINT/SIGHUP/SIGQUIT to the agent: its workers were stopped
-        from tangram_launch.launch.signals import stopped_line
-
         sys.stderr.write(stopped_line(exc.sigval, args, planned) + "\n")
         sys.stderr.flush()
         return 128 + int(exc.sigval)
@@ -420,15 +317,32 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
     return 0
 
 
+def _preflight(argv: Sequence[str], *, can_plan: bool) -> tuple[LaunchOptions, preflight.CheckedPlan | None]:
+    """The command line, read once by torch's parser, and pre-flight's checks of it: before torch is imported
+    when the early reading is certain to read it as torch will (:func:`options.parse_early`), else just after."""
+    early = parse_early(argv)
+    checked = None
+    if early is not None:
+        checked = preflight.check_launch(early, nproc_per_node=lambda: literal_nproc(early.nproc_per_node),
+                                         can_plan=can_plan)
+    options = LaunchOptions.from_argv(argv)
+    if early is None:
+        checked = preflight.check_launch(options.torchrun, nproc_per_node=lambda: options.nproc_per_node,
+                                         can_plan=can_plan)
+    return options, checked
+
+
 def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_launch) -> int:
     """Launch like torchrun; by a plan when ``--plan`` is given or ``plan_provider`` plans from the options.
 
     ``plan_provider=None`` turns planning at launch off (``--cluster`` ... is then refused).  Returns 0, or 1 when
     a worker failed (as torchrun exits), or 2 when a worker refused its input (:mod:`.worker_exit`).  User errors
-    raise SpecError (exit 2) before any worker starts; argparse errors exit 2 as torchrun's do.
+    raise SpecError (exit 2) before any worker starts (:mod:`tangram_launch.launch.preflight`); argparse errors exit
+    2 as torchrun's do.
     """
-    options = LaunchOptions.from_argv(argv)
+    options, checked = _preflight(argv, can_plan=plan_provider is not None)
     args, opts = options.torchrun, options.tangram
+    hand_written = checked is not None and checked.hand_written
     planning = opts.planning_given()
     if opts.node_name and opts.plan is None and not planning and not opts.resume:
         raise SpecError("needs a plan (--plan FILE or --cluster FILE ...)", field="--node-name")
@@ -437,7 +351,7 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
         from tangram_launch.launch.planning import describe_resume
 
         resume_info = describe_resume(opts.resume)  # missing or empty: SpecError naming the directory
-    if opts.plan is not None and planning:
+    if opts.plan is not None and planning and not hand_written:
         logger.warning("ignoring %s: the plan %s fixes them",
                        ", ".join("--" + p.replace("_", "-") for p in planning), opts.plan)
     ckpt_dir = opts.checkpoint_dir or opts.resume
@@ -454,19 +368,21 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
         else:
             staging = tempfile.mkdtemp(prefix="tangram-plan-")
             stack.callback(shutil.rmtree, staging, ignore_errors=True)
-        plan_file = opts.plan
+        plan_file = None if hand_written else opts.plan
         if plan_file is None:
             if plan_provider is None:
+                field = "--plan" if hand_written else "--" + (planning[0].replace("_", "-") if planning else "resume")
                 raise SpecError("planning at launch time is not available in this launcher; write a plan with "
-                                "`tangram-launch plan ... -o plan.json` and launch with --plan plan.json",
-                                field="--" + (planning[0].replace("_", "-") if planning else "resume"))
+                                "`tangram-launch plan ... -o plan.json` and launch with --plan plan.json", field=field)
             out_dir = staging
             if not args.log_dir:
                 from tangram_launch.launch.planning import default_plan_dir
 
                 out_dir = default_plan_dir()
-            plan_file = plan_provider(PlanRequest(options=options, out_dir=out_dir, resume=resume_info))
+            plan_file = plan_provider(PlanRequest(options=options, out_dir=out_dir, resume=resume_info,
+                                                  hand_written=opts.plan if hand_written else None))
         planned = prepare_planned_launch(args, plan_file, node_name=opts.node_name, staging_dir=staging)
+        preflight.check_runtime_packages(planned.plan_dict.get("runtime"), field="runtime", source=planned.source)
         if resume_info is not None:
             from tangram_launch.launch.planning import report_resume
 
@@ -516,6 +432,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TangramError as exc:
         sys.stderr.write(f"tangram-launch: error: {exc}\n")
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while planning or profiling, before torch's agent handles signals
+        from tangram_launch.launch.signals import INTERRUPTED_LINE
+
+        sys.stderr.write(INTERRUPTED_LINE + "\n")
+        return 130
 
 
 if __name__ == "__main__":
