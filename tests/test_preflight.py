@@ -212,7 +212,7 @@ def test_a_plan_files_sequence_length_is_checked_against_its_model(tmp_path):
 
 
 def test_a_plan_for_another_world_is_refused_before_torch_counts_workers():
-    with pytest.raises(SpecError, match=r"plan node 'cpu0' has 2 GPU\(s\) .*\(got 3\); valid: 2") as info:
+    with pytest.raises(SpecError, match=r"plan node 'local' has 2 GPU\(s\) .*\(got 3\); valid: 2") as info:
         _check(["--standalone", "--nproc-per-node", "3", "--plan", str(EXAMPLE_PLAN), str(TRAIN_GPT)])
     assert info.value.field == "--nproc-per-node"
     # gpu/cpu/auto need torch to count devices: left to the check after torch's parser

@@ -64,7 +64,7 @@ def test_each_mistake_is_refused_with_one_line_before_any_worker(tmp_path):
     _refused(_cli(tmp_path, *launch, "--no-python", "no-such-command-x"), "command not found: no-such-command-x")
     _refused(_cli(tmp_path, *launch, "--plan", "nope.json", str(script)), "nope.json: plan file not found")
     _refused(_cli(tmp_path, "--standalone", "--nproc-per-node", "3", "--plan", EXAMPLE_PLAN, str(script)),
-             "field '--nproc-per-node': plan node 'cpu0' has 2 GPU(s)", "(got 3); valid: 2")
+             "field '--nproc-per-node': plan node 'local' has 2 GPU(s)", "(got 3); valid: 2")
     _refused(_cli(tmp_path, *launch, "--cluster", CPU2, "--model", "tiny", "--seq-len", "128", str(script)),
              "field '--seq-len': model tiny has 64 learned positions", "(got 128); valid: at most 64")
     _refused(_cli(tmp_path, *launch, "--plan", DEEPSPEED_PLAN, str(script), blocked=("deepspeed",)),
@@ -76,7 +76,7 @@ def test_each_mistake_is_refused_with_one_line_before_any_worker(tmp_path):
              "a hand-written plan", "add --model NAME and --cluster FILE")
     # the early reading gives up on PET_* defaults: the same refusal comes after torch's parser
     _refused(_cli(tmp_path, "--standalone", "--plan", EXAMPLE_PLAN, str(script), PET_NPROC_PER_NODE="3"),
-             "plan node 'cpu0' has 2 GPU(s)", "(got 3)")
+             "plan node 'local' has 2 GPU(s)", "(got 3)")
     # `plan` refuses the sequence length the workers would
     proc = _cli(tmp_path, "plan", "--cluster", CPU2, "--model", "tiny", "--seq-len", "128")
     assert proc.returncode == 2 and "model tiny has 64 learned positions" in proc.stderr, proc.stderr[-2000:]
@@ -134,5 +134,5 @@ def test_ctrl_c_stops_a_planned_launch_with_one_line_and_no_traceback(tmp_path):
     assert proc.returncode == 130, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     about_it = [line for line in text.splitlines() if "SIGINT" in line or "signal" in line]
-    assert about_it == [f"tangram-launch: stopped by SIGINT: plan node cpu0's workers (2 per node, {TRAIN_GPT}) "
+    assert about_it == [f"tangram-launch: stopped by SIGINT: plan node local's workers (2 per node, {TRAIN_GPT}) "
                         "were terminated; exit status 130"], text[-3000:]
