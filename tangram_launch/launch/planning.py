@@ -25,6 +25,7 @@ checkpoint's plan and the new one is logged before any worker starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -351,13 +352,20 @@ def provide_plan(request: Any) -> str:
             logger.info("no --cluster given: profiling this node (--profile)")
         cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc,
                                              reprofile=opts.reprofile)
+    from tangram_launch.launch.dtype_choice import launch_dtype_choice, mfu_peak_label
+
+    dtype = launch_dtype_choice(cluster, default=inputs.dtype, given=opts.dtype,
+                                resumed_plan=request.resume.plan if request.resume is not None else None)
+    logger.info("%s", dtype.reason)
+    inputs = dataclasses.replace(inputs, dtype=dtype.dtype)
     logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
     plan = make_launch_plan(cluster, inputs)
     from tangram_launch.planner.report import format_plan_table
 
-    for line in format_plan_table(plan, cluster_name=cluster.name).splitlines():
+    for line in format_plan_table(plan, cluster_name=cluster.name,
+                                  mfu_peak=mfu_peak_label(cluster, inputs.dtype)).splitlines():
         logger.info("%s", line)
     check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=_this_node(cluster, opts.node_name),
                            source=source)
