@@ -125,7 +125,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", help="folder for per-rank status files (the parent command reads them)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="wall seconds each local benchmark may take (default: 1.5 on CPU, 10 on GPU; --quick 0.4 / 2)")
+                   help="wall seconds each local benchmark may take (default: 1 on CPU, 10 on GPU; --quick 0.4 / 2)")
     p.add_argument("--name", help="cluster name in the written file")
     p.add_argument("--model", help="time one transformer layer of this model (preset, YAML or config.json)")
     p.add_argument("--seq-len", type=int, help="sequence length for --model (default: the model's, capped)")

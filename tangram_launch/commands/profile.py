@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quick", action="store_true", help="a shorter budget per benchmark (seconds in all)")
     g.add_argument("--budget-s", type=float, metavar="S",
                    help="wall seconds each benchmark of a device may take: the GEMM grows, and repetitions are "
-                        "added, while it allows (default 1.5 on CPU, 10 on GPU; with --quick 0.4 and 2)")
+                        "added, while it allows (default 1 on CPU, 10 on GPU; with --quick 0.4 and 2)")
     g.add_argument("--name", help="cluster name written into the file")
     g.add_argument("--model", metavar="NAME|FILE",
                    help="also time one transformer layer of this model (forward and backward) on every device")
