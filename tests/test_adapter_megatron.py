@@ -205,6 +205,7 @@ def test_ddp_and_optimizer_configs_validate_in_megatron():
     assert opt.optimizer == "adam" and opt.lr == 3e-4
 
 
+@pytest.mark.slow  # imports megatron.core (3-4 s of CPU), like the validations it is the reference for
 def test_megatron_rejects_a_layout_that_does_not_cover_the_model():
     """The reference check works: Megatron refuses a layout whose layer count differs from num_layers."""
     kwargs = MA.transformer_config_kwargs(make_plan("tiny", (3, 1)), 0)
