@@ -302,14 +302,15 @@ def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflo
         def step(a=a, b=b, out=out) -> None:
             torch.mm(a, b, out=out)
 
-        once = warm_once_s(step, sync, calibration_clock(device))
-        rate = 2.0 * m * k * n / max(once, 1e-9) / 1e12
+        once = warm_once_s(step, sync, calibration_clock(device))  # calibrates repetitions (CPU: process time)
+        wall = warm_once_s(step, sync)  # compares with the figures before it, which are wall time too
+        rate = 2.0 * m * k * n / wall / 1e12
         if i == 0 and best_tflops and rate * HOPELESS_RATIO < best_tflops:
             stopped = f"{best_tflops / rate:.0f}x slower than the fastest dtype at {m}x{k}x{n}: not grown"
             break
         left = cfg.budget_s - (time.perf_counter() - started)
-        next_rep = max(8.0 * once, cfg.min_rep_s)  # one repetition at the next size
-        if i + 1 == len(sizes) or 16.0 * once + 3 * next_rep > left:  # its warm-up, then three repetitions
+        next_rep = max(8.0 * wall, cfg.min_rep_s)  # one repetition at the next size
+        if i + 1 == len(sizes) or 24.0 * wall + 3 * next_rep > left:  # its three warm-up calls, three repetitions
             break
     left = max(cfg.budget_s - (time.perf_counter() - started), 0.0)
     timing = time_within(step, once_s=once, budget_s=left, min_rep_s=cfg.min_rep_s, max_reps=cfg.reps, sync=sync)
