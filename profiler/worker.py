@@ -11,6 +11,8 @@ Phases (each rank logs and records its phase, so a failure names where it stoppe
   (round-robin over nodes) -> gather; global rank 0 assembles and writes the ClusterSpec atomically.
 On CPU nodes a model layer is timed with a tiny all-to-all over the node's processes after each call, as training
 runs it (bench.time_interleaved).
+Each local benchmark takes about ``--budget-s`` (bench.BenchConfig.budget_s), so every phase logs within seconds
+on any device; counts of collectives that follow a budget are agreed over the node (their minimum).
 
 Test hooks (environment, for the profiler's own tests): ``TANGRAM_PROFILE_TEST_EXIT_RANK=<global rank>`` makes that
 rank exit with status 1 when the benchmarks start (a killed worker); ``TANGRAM_PROFILE_TEST_CGROUP=<cgroup dir>``
