@@ -13,6 +13,7 @@ phases are cut at the lines that open them. ``--emulate-no-bf16`` caps oneDNN an
 of times slower than fp32, as on a Zen 3 CPU. Output format:
 
     first run: 30.6 s wall (exit 0), longest silence 4.1 s, emulate no bf16: yes
+    longest silence after: [tangram] planned launch: plan /tmp/...
     dtype fp32: fastest measured on this cluster (fp32 0.0748 TFLOP/s, bf16 0.000657); pass --dtype to choose
     | phase                                   | s     |
     |-----------------------------------------|-------|
@@ -124,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.show_output or r["rc"] != 0:
         for t, text in lines:
             print(f"{t:7.2f}  {text}")
-    stamps = [0.0] + [t for t, _ in lines] + [r["wall_s"]]
-    silence = max(b - a for a, b in zip(stamps, stamps[1:]))
+    stamps = [(0.0, "(start)")] + lines + [(r["wall_s"], "(exit)")]
+    silence, after = max((b[0] - a[0], a[1]) for a, b in zip(stamps, stamps[1:]))
     print(f"first run: {r['wall_s']:.1f} s wall (exit {r['rc']}), longest silence {silence:.1f} s, "
           f"emulate no bf16: {'yes' if args.emulate_no_bf16 else 'no'}")
+    print(f"longest silence after: {after[:110]}")
     for _, text in lines:
         if re.search(r"\] dtype \w+:|MFU", text):
             print(text.split("] ", 1)[-1])
