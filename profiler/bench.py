@@ -10,6 +10,12 @@ Timed repetitions of local work last at least ``min_rep_s`` (on CPUs: of CPU tim
 time-sliced neighbour only shows over whole scheduler periods (100 ms), so a 2 ms repetition would read full speed
 on a core that delivers a third of it. Collectives and point-to-point tests run fixed counts (every rank must issue
 the same number of calls) on messages large enough to reach the link's bandwidth.
+
+Local benchmarks are sized by a time budget (``BenchConfig.budget_s`` each), not by a fixed shape or count: the
+same profile must finish in seconds on a CPU where a dtype has no hardware support (bf16 matmul on a CPU without
+AVX-512 BF16 or AMX runs tens of times slower than fp32) and use the full shape on a GPU. The GEMM starts small and
+grows while the budget allows; a dtype whose first product is already far slower than the best dtype measured
+before it is reported at that size (``stopped``). Repetitions are as many as fit in what is left of the budget.
 """
 from __future__ import annotations
 
@@ -98,6 +104,7 @@ class BenchConfig:
     latency_reps: int
     min_rep_s: float
     wait_reps: int = 200  # collective_wait_us: (layer forward, tiny all-to-all) pairs, in blocks of WAIT_BLOCK
+    budget_s: float = 2.0  # wall seconds each local benchmark may take (a GEMM dtype, the copy, a layer kind)
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -105,31 +112,38 @@ class BenchConfig:
         for name in ("warmup", "reps", "comm_reps", "latency_reps", "wait_reps"):
             if getattr(self, name) < (0 if name == "warmup" else 1):
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
+        if not self.budget_s > 0:
+            raise ValueError(f"budget_s must be positive, got {self.budget_s}")
         unknown = [d for d in self.gemm_dtypes if d not in DTYPES]
         if unknown:
             raise ValueError(f"unknown GEMM dtypes {unknown}; valid: {', '.join(DTYPES)}")
 
     @classmethod
-    def for_device(cls, device_type: str, *, quick: bool) -> "BenchConfig":
+    def for_device(cls, device_type: str, *, quick: bool, budget_s: float | None = None) -> "BenchConfig":
+        """The sizes for ``device_type``; ``budget_s`` replaces the default budget of each local benchmark."""
         if device_type == "cuda":
             # 8192^3: 1.1 TFLOP per bf16 GEMM, ~1.4 ms on an H100; a training layer's FFN GEMM at 8k tokens x 8k hidden.
             return cls(device_type, quick, gemm_shape=(8192, 8192, 8192), gemm_dtypes=("bf16", "fp16", "fp32"),
                        copy_bytes=(512 if quick else 2048) * MiB, allreduce_bytes=(128 if quick else 512) * MiB,
                        p2p_bytes=(64 if quick else 256) * MiB, warmup=2 if quick else 5, reps=5 if quick else 20,
                        comm_reps=5 if quick else 20, latency_reps=20 if quick else 100,
-                       min_rep_s=0.02 if quick else 0.1, wait_reps=50 if quick else 100)
-        # One CPU "device" is one process; torchrun gives each OMP_NUM_THREADS=1 when it starts several.
+                       min_rep_s=0.02 if quick else 0.1, wait_reps=50 if quick else 100,
+                       budget_s=budget_s or (2.0 if quick else 10.0))
+        # One CPU "device" is one process; torchrun gives each OMP_NUM_THREADS=1 when it starts several. The 1024^3
+        # GEMM is the largest tried; a CPU whose GEMM is slow stops growing it before that.
         return cls(device_type, quick, gemm_shape=(1024, 1024, 1024), gemm_dtypes=("fp32", "bf16"),
                    copy_bytes=(64 if quick else 256) * MiB, allreduce_bytes=(8 if quick else 32) * MiB,
                    p2p_bytes=(8 if quick else 32) * MiB, warmup=1 if quick else 2, reps=9 if quick else 11,
                    comm_reps=5 if quick else 11, latency_reps=20 if quick else 50,
-                   min_rep_s=0.05 if quick else 0.25, wait_reps=200 if quick else 400)
+                   min_rep_s=0.05 if quick else 0.25, wait_reps=200 if quick else 400,
+                   budget_s=budget_s or (0.4 if quick else 1.0))
 
     def to_dict(self) -> dict:
         return {"gemm_shape_mkn": list(self.gemm_shape), "gemm_dtypes": list(self.gemm_dtypes),
                 "copy_bytes": self.copy_bytes, "allreduce_bytes": self.allreduce_bytes, "p2p_bytes": self.p2p_bytes,
                 "warmup": self.warmup, "reps": self.reps, "comm_reps": self.comm_reps,
-                "latency_reps": self.latency_reps, "min_rep_s": self.min_rep_s, "wait_reps": self.wait_reps}
+                "latency_reps": self.latency_reps, "min_rep_s": self.min_rep_s, "wait_reps": self.wait_reps,
+                "budget_s": self.budget_s}
 
 
 def device_sync(device: torch.device) -> Callable[[], None]:
@@ -185,17 +199,60 @@ def calibrate_inner(fn: Callable[[], Any], *, min_rep_s: float, sync: Callable[[
     """Calls per repetition so that one repetition lasts at least ``min_rep_s`` on ``clock`` (the first call
     also warms up). CPU devices calibrate on process CPU time: a call that happened to run inside its quota would
     otherwise look cheap, and a repetition that fits one quota period reads full speed on a throttled core."""
+    return _inner_for(warm_once_s(fn, sync, clock), min_rep_s, max_inner)
+
+
+def _inner_for(once_s: float, min_rep_s: float, max_inner: int = 10_000) -> int:
+    return max(1, min(max_inner, math.ceil(min_rep_s / max(once_s, 1e-7))))
+
+
+def calibration_clock(device: torch.device) -> Callable[[], float]:
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
+def time_within(fn: Callable[[], Any], *, once_s: float, budget_s: float, min_rep_s: float, max_reps: int,
+                sync: Callable[[], None] = lambda: None) -> Timing:
+    """Seconds per call of an already warm ``fn`` (one call took ``once_s``): repetitions of at least ``min_rep_s``,
+    as many as fit in ``budget_s`` of wall time (at least one, at most ``max_reps``).
+
+    The count follows the budget, so a slow call gives a figure from fewer repetitions instead of a profile that
+    runs for minutes; the budget is checked after each repetition, so calls that turn out slower than ``once_s``
+    (a throttled core) stop the repetitions early too."""
+    inner = _inner_for(once_s, min_rep_s)
+    deadline = time.perf_counter() + budget_s
+    samples: list[float] = []
+    while len(samples) < max_reps:
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        now = time.perf_counter()
+        samples.append((now - t0) / inner)
+        if now + (now - t0) > deadline:  # another repetition would end past the budget
+            break
+    return Timing(tuple(samples))
+
+
+def warm_once_s(fn: Callable[[], Any], sync: Callable[[], None] = lambda: None,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call on ``clock`` after a first, untimed one (allocation, kernel selection, a JIT). CPU
+    devices pass process time (``calibration_clock``): a call that a CFS quota paused would look slow in wall time
+    and give repetitions too short to span a quota period."""
     fn()
     sync()
     t0 = clock()
     fn()
     sync()
-    once = max(clock() - t0, 1e-7)
-    return max(1, min(max_inner, math.ceil(min_rep_s / once)))
+    return max(clock() - t0, 1e-7)
 
 
-def calibration_clock(device: torch.device) -> Callable[[], float]:
-    return time.process_time if device.type == "cpu" else time.perf_counter
+def time_budgeted(fn: Callable[[], Any], budget_s: float, *, min_rep_s: float, max_reps: int,
+                  sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter) -> Timing:
+    """Warm ``fn`` up and time it within ``budget_s`` wall seconds in all (``warm_once_s`` then ``time_within``)."""
+    started = time.perf_counter()
+    once = warm_once_s(fn, sync, clock)
+    left = max(budget_s - (time.perf_counter() - started), 0.0)
+    return time_within(fn, once_s=once, budget_s=left, min_rep_s=min_rep_s, max_reps=max_reps, sync=sync)
 
 
 # --------------------------------------------------------------------------------------------- local work
@@ -210,25 +267,57 @@ def dtype_supported(device: torch.device, dtype: str) -> bool:
         return False
 
 
-def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig) -> Measured:
-    """Dense GEMM throughput: C(m,n) = A(m,k) @ B(k,n), 2mkn FLOPs per product."""
-    m, k, n = cfg.gemm_shape
+HOPELESS_RATIO = 20.0  # a dtype this many times slower than the best before it is not grown past its first size
+
+
+def gemm_sizes(shape: tuple[int, int, int], steps: int = 3) -> list[tuple[int, int, int]]:
+    """Shapes tried in order, smallest first: ``shape`` halved ``steps - 1`` times per dimension (at least 1 each),
+    then doubled back up to ``shape`` (8x the work at each step)."""
+    out = [tuple(shape)]
+    for _ in range(steps - 1):
+        out.insert(0, tuple(max(1, d // 2) for d in out[0]))
+    return [s for i, s in enumerate(out) if i == 0 or s != out[i - 1]]
+
+
+def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflops: float | None = None) -> Measured:
+    """Dense GEMM throughput: C(m,n) = A(m,k) @ B(k,n), 2mkn FLOPs per product, within ``cfg.budget_s``.
+
+    The product grows from a quarter of ``cfg.gemm_shape`` per dimension while the next size (8x the work) still
+    fits in the budget left; the figure is that of the last size reached (``shape_mkn``). With ``best_tflops``
+    (the fastest dtype measured before this one), a dtype whose first product is ``HOPELESS_RATIO`` times slower
+    is timed at that size only and says so (``stopped``): a dtype without hardware support, which training on
+    this device should not use, measured in a second instead of minutes."""
     t = DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(0)
-    # Random data: zeros or constants let some GPUs skip work (and read ~10 % faster than real training).
-    a = torch.randn(m, k, device=device, dtype=torch.float32, generator=gen).to(t)  # (m, k)
-    b = torch.randn(k, n, device=device, dtype=torch.float32, generator=gen).to(t)  # (k, n)
-    out = torch.empty(m, n, device=device, dtype=t)  # (m, n)
-
-    def step() -> None:
-        torch.mm(a, b, out=out)
-
     sync = device_sync(device)
-    inner = calibrate_inner(step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
-    timing = time_repeated(step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
-    flops = 2.0 * m * k * n
-    return Measured(flops / timing.median_s / 1e12, "TFLOP/s", timing,
-                    (("shape_mkn", [m, k, n]), ("dtype", dtype)))
+    started = time.perf_counter()
+    stopped = None
+    sizes = gemm_sizes(cfg.gemm_shape)
+    for i, (m, k, n) in enumerate(sizes):
+        # Random data: zeros or constants let some GPUs skip work (and read ~10 % faster than real training).
+        a = torch.randn(m, k, device=device, dtype=torch.float32, generator=gen).to(t)  # (m, k)
+        b = torch.randn(k, n, device=device, dtype=torch.float32, generator=gen).to(t)  # (k, n)
+        out = torch.empty(m, n, device=device, dtype=t)  # (m, n)
+
+        def step(a=a, b=b, out=out) -> None:
+            torch.mm(a, b, out=out)
+
+        once = warm_once_s(step, sync, calibration_clock(device))  # calibrates repetitions (CPU: process time)
+        wall = warm_once_s(step, sync)  # compares with the figures before it, which are wall time too
+        rate = 2.0 * m * k * n / wall / 1e12
+        if i == 0 and best_tflops and rate * HOPELESS_RATIO < best_tflops:
+            stopped = f"{best_tflops / rate:.0f}x slower than the fastest dtype at {m}x{k}x{n}: not grown"
+            break
+        left = cfg.budget_s - (time.perf_counter() - started)
+        next_rep = max(8.0 * wall, cfg.min_rep_s)  # one repetition at the next size
+        if i + 1 == len(sizes) or 24.0 * wall + 3 * next_rep > left:  # its three warm-up calls, three repetitions
+            break
+    left = max(cfg.budget_s - (time.perf_counter() - started), 0.0)
+    timing = time_within(step, once_s=once, budget_s=left, min_rep_s=cfg.min_rep_s, max_reps=cfg.reps, sync=sync)
+    detail: tuple[tuple[str, Any], ...] = (("shape_mkn", [m, k, n]), ("dtype", dtype))
+    if stopped:
+        detail += (("stopped", stopped),)
+    return Measured(2.0 * m * k * n / timing.median_s / 1e12, "TFLOP/s", timing, detail)
 
 
 def copy_bandwidth_gbps(device: torch.device, cfg: BenchConfig) -> Measured:
@@ -240,9 +329,8 @@ def copy_bandwidth_gbps(device: torch.device, cfg: BenchConfig) -> Measured:
     def step() -> None:
         dst.copy_(src)
 
-    sync = device_sync(device)
-    inner = calibrate_inner(step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
-    timing = time_repeated(step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+    timing = time_budgeted(step, cfg.budget_s, min_rep_s=cfg.min_rep_s, max_reps=cfg.reps, sync=device_sync(device),
+                           clock=calibration_clock(device))
     moved = 2.0 * numel * 4
     return Measured(moved / timing.median_s / 1e9, "GB/s", timing, (("bytes", numel * 4), ("counted", "read+write")))
 
@@ -326,7 +414,7 @@ WAIT_BLOCK = 10  # collectives per block of collective_wait_us: a training step 
 
 
 def collective_wait_us(group: Any, group_size: int, device: torch.device, cfg: BenchConfig,
-                       compute: Callable[[], Any]) -> Measured:
+                       compute: Callable[[], Any], *, agree: Callable[[int], int] = lambda n: n) -> Measured:
     """Time of one tiny all-to-all over ``group`` right after ``compute`` (one transformer layer's forward at the
     planned shape) on every member, no barrier in between: what each collective of a training step costs.
 
@@ -339,8 +427,14 @@ def collective_wait_us(group: Any, group_size: int, device: torch.device, cfg: B
     members: a block is like the collectives of one training step, whose slow calls the step pays (a mean), while
     a burst of other work on the host spoils a few blocks, not the figure (a median, like a run's median step).
     The cost model charges it per collective call on the node. value = microseconds.
+
+    The call count fits ``cfg.budget_s`` (at least three blocks, at most ``cfg.wait_reps`` calls), the same on every
+    member: ``agree`` gives the smallest count any member can afford.
     """
-    samples = _tiny_all_to_all_after(compute, group, group_size, device, cfg.wait_reps, warmup=1, warm_compute=True)
+    once = warm_once_s(compute, device_sync(device))
+    affordable = int(cfg.budget_s / once) // WAIT_BLOCK * WAIT_BLOCK
+    reps = agree(max(3 * WAIT_BLOCK, min(cfg.wait_reps, affordable)))
+    samples = _tiny_all_to_all_after(compute, group, group_size, device, reps, warmup=1, warm_compute=True)
     timing = Timing(tuple(samples))
     blocks = [samples[i:i + WAIT_BLOCK] for i in range(0, len(samples), WAIT_BLOCK)]
     means = torch.tensor([statistics.fmean(b) for b in blocks], dtype=torch.float64, device=device)
@@ -360,9 +454,9 @@ def _adamw_step_timing(device: torch.device, cfg: BenchConfig, tensors: int, num
     for q in params:
         q.grad = torch.randn(numel, device=device, generator=gen)
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-    sync = device_sync(device)
-    inner = calibrate_inner(opt.step, min_rep_s=cfg.min_rep_s, sync=sync, clock=calibration_clock(device))
-    return time_repeated(opt.step, warmup=cfg.warmup, reps=cfg.reps, inner=inner, sync=sync)
+    # two figures (per tensor, per parameter) share one benchmark's budget
+    return time_budgeted(opt.step, cfg.budget_s / 2, min_rep_s=cfg.min_rep_s, max_reps=cfg.reps,
+                         sync=device_sync(device), clock=calibration_clock(device))
 
 
 def optimizer_tensor_us(device: torch.device, cfg: BenchConfig, *, tensors: int = 256, numel: int = 64) -> Measured:

@@ -31,8 +31,10 @@ from profiler.bench import (
     calibrate_inner,
     calibration_clock,
     device_sync,
+    time_budgeted,
     time_interleaved,
     time_repeated,
+    warm_once_s,
 )
 
 
@@ -305,13 +307,17 @@ def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
 
 
 def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, warmup: int, reps: int,
-               min_rep_s: float, between: Callable[[], Any] | None = None) -> dict[str, Measured]:
+               min_rep_s: float, between: Callable[[], Any] | None = None, budget_s: float | None = None,
+               agree: Callable[[int], int] = lambda n: n) -> dict[str, Measured]:
     """Forward and forward+backward seconds of one layer of ``kind`` at ``shape`` (or of the embedding, or of the
     head with the loss: ``EDGE_KINDS``); value = achieved TFLOP/s.
 
     With ``between`` (a collective over the node's processes, CPU devices), each call is followed by it, ``reps``
     blocks of WAIT_BLOCK calls (bench.time_interleaved: a layer computed the way a training step meets it);
-    without, calibrated back-to-back repetitions."""
+    without, calibrated back-to-back repetitions. With ``budget_s``, each pass (forward, forward+backward) takes
+    about half of it: as many repetitions as fit, at most ``reps``; with ``between`` the block count is the
+    smallest any member can afford (``agree``: the minimum over the node's processes, so every member issues the
+    same collectives)."""
     torch.manual_seed(0)
     sync = device_sync(device)
     if kind in EDGE_KINDS:
@@ -333,7 +339,14 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
 
     out = {}
     for name, fn, flops in (("forward", forward, fwd_flops), ("forward_backward", forward_backward, 3 * fwd_flops)):
-        if between is not None:
+        if budget_s is not None and between is not None:
+            once = warm_once_s(fn, sync)
+            blocks = agree(max(1, min(reps, int(budget_s / 2 / (WAIT_BLOCK * once)))))
+            timing = time_interleaved(fn, between, warmup=1, blocks=blocks, calls=WAIT_BLOCK)
+        elif budget_s is not None:
+            timing = time_budgeted(fn, budget_s / 2, min_rep_s=min_rep_s, max_reps=reps, sync=sync,
+                                   clock=calibration_clock(device))
+        elif between is not None:
             timing = time_interleaved(fn, between, warmup=max(1, warmup), blocks=reps, calls=WAIT_BLOCK)
         else:
             inner = calibrate_inner(fn, min_rep_s=min_rep_s, sync=sync, clock=calibration_clock(device))

@@ -11,6 +11,8 @@ Phases (each rank logs and records its phase, so a failure names where it stoppe
   (round-robin over nodes) -> gather; global rank 0 assembles and writes the ClusterSpec atomically.
 On CPU nodes a model layer is timed with a tiny all-to-all over the node's processes after each call, as training
 runs it (bench.time_interleaved).
+Each local benchmark takes about ``--budget-s`` (bench.BenchConfig.budget_s), so every phase logs within seconds
+on any device; counts of collectives that follow a budget are agreed over the node (their minimum).
 
 Test hooks (environment, for the profiler's own tests): ``TANGRAM_PROFILE_TEST_EXIT_RANK=<global rank>`` makes that
 rank exit with status 1 when the benchmarks start (a killed worker); ``TANGRAM_PROFILE_TEST_CGROUP=<cgroup dir>``
@@ -124,6 +126,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="ClusterSpec YAML to write (global rank 0, atomically)")
     p.add_argument("--run-dir", help="folder for per-rank status files (the parent command reads them)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds each local benchmark may take (default: 1 on CPU, 10 on GPU; --quick 0.4 / 2)")
     p.add_argument("--name", help="cluster name in the written file")
     p.add_argument("--model", help="time one transformer layer of this model (preset, YAML or config.json)")
     p.add_argument("--seq-len", type=int, help="sequence length for --model (default: the model's, capped)")
@@ -189,7 +193,8 @@ class _Run:
 def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progress) -> dict:
     started_at, t_start = _now(), time.perf_counter()
     device, backend = _pick_device(env)
-    run = _Run(args, env, host, progress, device, backend, bench.BenchConfig.for_device(device.type, quick=args.quick))
+    run = _Run(args, env, host, progress, device, backend, bench.BenchConfig.for_device(device.type, quick=args.quick,
+                                                                             budget_s=args.budget_s))
     progress.phase(f"rendezvous ({backend}, {env.world_size} ranks)")
     init_kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **init_kwargs)
@@ -248,18 +253,22 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     resources (host cores and their matrix units, power, PCIe) are loaded alike for all of them.
     """
     cfg, device = run.cfg, run.device
-    gemm = {}
-    for i, dtype in enumerate(cfg.gemm_dtypes):  # a phase per dtype: each is tens of seconds on a busy CPU
-        run.progress.phase(f"GEMM {dtype} {cfg.gemm_shape} ({i + 1} of {len(cfg.gemm_dtypes)})")
+    gemm: dict[str, bench.Measured] = {}
+    for i, dtype in enumerate(cfg.gemm_dtypes):  # a phase per dtype, each within the budget
+        run.progress.phase(f"GEMM {dtype} up to {'x'.join(map(str, cfg.gemm_shape))} within {cfg.budget_s:g} s "
+                           f"({i + 1} of {len(cfg.gemm_dtypes)})")
         if i == 0 and os.environ.get(EXIT_RANK_ENV) == str(run.env.rank):
             log.error("test hook: rank %d exits now", run.env.rank)
             logging.shutdown()
             os._exit(1)
         run.barrier()
         if bench.dtype_supported(device, dtype):
-            gemm[dtype] = bench.gemm_tflops(device, dtype, cfg)
+            best = max((m.value for m in gemm.values()), default=None)
+            gemm[dtype] = bench.gemm_tflops(device, dtype, cfg, best_tflops=best)
     if run.env.rank == 0:
-        log.info("GEMM TFLOP/s on rank 0: %s", ", ".join(f"{d} {m.value:.3g}" for d, m in gemm.items()))
+        log.info("GEMM TFLOP/s on rank 0: %s", ", ".join(
+            f"{d} {m.value:.3g} at {'x'.join(map(str, dict(m.detail)['shape_mkn']))}"
+            + (f" ({dict(m.detail)['stopped']})" if "stopped" in dict(m.detail) else "") for d, m in gemm.items()))
     run.progress.phase(f"memory copy {cfg.copy_bytes // bench.MiB} MiB")
     run.barrier()
     copy = bench.copy_bandwidth_gbps(device, cfg)
@@ -268,20 +277,35 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     run.progress.phase("optimizer step per parameter tensor")
     run.barrier()
     optimizer = bench.optimizer_tensor_us(device, cfg)
+    run.progress.phase("optimizer step per parameter")
+    run.barrier()
     optimizer_param = bench.optimizer_param_ns(device, cfg, optimizer.value)
     if run.env.rank == 0:
         log.info("AdamW step on rank 0: %.3g us per parameter tensor + %.3g ns per parameter", optimizer.value,
                  optimizer_param.value)
     run.barrier()
     between = None
+    agree = _group_min(node_group, device)
     if node_group is not None and device.type == "cpu":  # CPU processes share cores: time layers as training runs
         buf, out = torch.ones(run.env.local_world_size), torch.empty(run.env.local_world_size)
 
         def between() -> None:
             dist.all_to_all_single(out, buf, group=node_group)
-    layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between)
+    layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between, agree)
     run.barrier()
     return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param)
+
+
+def _group_min(group: Any, device: torch.device) -> Callable[[int], int]:
+    """The smallest of a count over ``group``'s members (a count of collectives every member must issue alike)."""
+    if group is None:
+        return lambda n: n
+
+    def smallest(n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return int(t.item())
+    return smallest
 
 
 def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None) -> tuple:
@@ -302,7 +326,8 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
                      allreduce.value, latency.value)
         if stand_in is not None:
             run.progress.phase("intra-node collective wait after a layer forward")
-            wait = bench.collective_wait_us(groups[env.node_rank], size, run.device, run.cfg, stand_in)
+            wait = bench.collective_wait_us(groups[env.node_rank], size, run.device, run.cfg, stand_in,
+                                            agree=_group_min(groups[env.node_rank], run.device))
             if env.local_rank == 0:
                 log.info("tiny all-to-all after a layer forward on %s: %.4g us (mean)", layout.name_of[env.node_rank],
                          wait.value)
@@ -473,7 +498,7 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
 
 
 def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress,
-                   between: Callable[[], Any] | None = None):
+                   between: Callable[[], Any] | None = None, agree: Callable[[int], int] = lambda n: n):
     """Each layer kind timed at the planned shape; also returns the stand-in forward the collective-wait benchmark
     runs before each all-to-all (the model's MoE layer where it has one: what precedes expert-parallel dispatch)."""
     if not args.model:
@@ -488,7 +513,7 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
     for kind in layer_kinds(model) + list(EDGE_KINDS):  # the embedding and the head + loss too, like a layer kind
         progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
         out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
-                               between=between)
+                               between=between, budget_s=cfg.budget_s, agree=agree)
     info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
             "layer_kinds": [k for k in out if k not in EDGE_KINDS], "edge_kinds": list(EDGE_KINDS),
             "note": "one transformer layer's forward and forward+backward, per device, with the torch runtime's "

@@ -83,6 +83,7 @@ SCENARIOS = {
 
 
 # ------------------------------------------------------------------------------------------- pure translation
+@pytest.mark.slow  # imports megatron.core (3-4 s of CPU): the slow tier, keeping the unit tier under a minute
 def test_interleaved_layout_lists_every_chunk_chunk_major():
     plan = make_plan(six_layer_tiny(8), (5, 3), schedule="interleaved-1F1B", virtual_stages=2)
     assert [s.chunks for s in plan.stages] == [((0, 3), (5, 7)), ((3, 5), (7, 8))]
@@ -165,6 +166,7 @@ def _megatron_config(kwargs):
         return TransformerConfig(**kwargs)
 
 
+@pytest.mark.slow  # imports megatron.core (3-4 s of CPU): the slow tier, keeping the unit tier under a minute
 @pytest.mark.parametrize("name, plan_fn, stage", [
     ("dense tp2 pp2 uneven, selective", lambda: make_plan("tiny", (3, 1), tp=2, recompute="selective"), 0),
     ("dense pp4 uneven, full recompute", lambda: make_plan(six_layer_tiny(), (3, 1, 1, 1), recompute="full"), 2),
@@ -191,6 +193,7 @@ def test_generated_config_validates_in_megatron(name, plan_fn, stage):
     assert cfg.num_query_groups == kwargs["num_query_groups"]
 
 
+@pytest.mark.slow  # imports megatron.core (3-4 s of CPU): the slow tier, keeping the unit tier under a minute
 def test_ddp_and_optimizer_configs_validate_in_megatron():
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -202,6 +205,7 @@ def test_ddp_and_optimizer_configs_validate_in_megatron():
     assert opt.optimizer == "adam" and opt.lr == 3e-4
 
 
+@pytest.mark.slow  # imports megatron.core (3-4 s of CPU), like the validations it is the reference for
 def test_megatron_rejects_a_layout_that_does_not_cover_the_model():
     """The reference check works: Megatron refuses a layout whose layer count differs from num_layers."""
     kwargs = MA.transformer_config_kwargs(make_plan("tiny", (3, 1)), 0)

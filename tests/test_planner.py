@@ -231,6 +231,7 @@ def test_nothing_fits_anywhere_is_infeasible_with_reasons():
     assert err.value.reasons and any("fit" in r for r in err.value.reasons)
 
 
+@pytest.mark.slow  # one search per pruning rule switched off (seconds)
 def test_pruning_counts_and_ablation_never_worsen_the_plan():
     atoms = ModelAtoms(MODEL, TRAIN)
     islands = build_islands(HET, dtype="fp16").islands

@@ -53,7 +53,9 @@ def assert_same_optimum(on, off):
     assert off.stats["configs_bounded"] == 0
 
 
-@pytest.mark.parametrize("runtime", [TORCH, DEEPSPEED, MEGATRON], ids=lambda c: c.name)
+# the quick tier keeps one runtime; the others are the same search with other capabilities (seconds each)
+@pytest.mark.parametrize("runtime", [pytest.param(TORCH, marks=pytest.mark.slow),
+                                     pytest.param(DEEPSPEED, marks=pytest.mark.slow), MEGATRON], ids=lambda c: c.name)
 def test_bounded_search_finds_the_full_searchs_optimum_with_the_synthetic_parallelizer(runtime):
     cl = make_cluster([("a100-80gb", 4), ("v100-32gb", 8), ("v100-16gb", 4)])
     par = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.004, "v100-32gb": 0.01, "v100-16gb": 0.01},

@@ -62,7 +62,9 @@ def test_a_callers_frozen_objects_stay_frozen():
         gc.unfreeze()
 
 
-@pytest.mark.parametrize("runtime", ["torch", "deepspeed", "megatron"])
+# the quick tier keeps one runtime: each full gc pass over the planner's heap takes seconds
+@pytest.mark.parametrize("runtime", ["torch", pytest.param("deepspeed", marks=pytest.mark.slow),
+                                     pytest.param("megatron", marks=pytest.mark.slow)])
 def test_a_search_leaves_no_cyclic_garbage(runtime):
     # what no_collections relies on: every object a search drops is freed by its reference count
     was_on = gc.isenabled()

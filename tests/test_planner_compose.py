@@ -144,6 +144,7 @@ def test_each_island_at_most_once():
     assert brute_force(opts, [[0.0]], 2, 4) is None
 
 
+@pytest.mark.slow  # a brute force over every split (about a second)
 def test_ordered_mode_matches_brute_force_over_that_order():
     rng = random.Random(23)
     for _ in range(400):
@@ -444,7 +445,7 @@ def test_front_classes_are_islands_with_the_same_links_from_every_other_island(K
     assert merged_states(link, members) <= len(members) << max(0, len(members) - 1)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, 1] + [pytest.param(s, marks=pytest.mark.slow) for s in (2, 3)])  # ~1 s a seed
 def test_merged_fronts_find_the_brute_force_optimum(seed):
     """merge_fronts shares DP states between front islands of one link class: the closed form's optimum is the
     brute force's, on links with few classes (where states merge) and on random ones."""
@@ -466,7 +467,7 @@ def test_merged_fronts_find_the_brute_force_optimum(seed):
     assert merged > 20  # the instances do merge fronts
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in (1, 2)])  # 1-2 s a seed
 def test_without_the_quick_plan_the_exact_pass_alone_finds_the_optimum(seed):
     """quick_plan=False (the driver's merged pass after a seed order): one DP pass instead of two, and the plan is
     still the brute force's optimum, with merged fronts or without, and under an incumbent."""
@@ -667,7 +668,7 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
     walk(0, 0, 0.0, 0.0, 0.0, 0.0, -1)
 
 
-@pytest.mark.unit
+@pytest.mark.slow  # 150 simulated pipelines (seconds)
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 10**6))
 def test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not(seed):

@@ -226,7 +226,8 @@ def test_capacity_counts_a_slower_island_at_its_slowdown():
     assert score == pytest.approx(8 * max(1.2 / 16, 1.2 / (4 / 2 + 4)))
 
 
-@pytest.mark.parametrize("runtime", [MEGATRON, TORCH], ids=["megatron", "torch"])
+# the quick tier keeps one runtime; the others are the same search with other capabilities (seconds each)
+@pytest.mark.parametrize("runtime", [MEGATRON, pytest.param(TORCH, marks=pytest.mark.slow)], ids=["megatron", "torch"])
 def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands(runtime):
     """The real megatron parallelizer (which gives compute floors) on a 3-island cluster: the search that skips
     pairs by their floor and the full search (branch_and_bound=False) find the same plan, under megatron (one

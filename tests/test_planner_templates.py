@@ -128,7 +128,9 @@ def test_torch_templates_name_their_one_grid_and_the_driver_composes_it_apart():
     assert sorted(i for idx in class_members(mgroups).values() for i in idx) == list(range(len(mgroups)))
 
 
-@pytest.mark.parametrize("runtime", ["torch", "megatron", "deepspeed"])
+# the quick tier keeps one runtime; the others are the same search with other capabilities (seconds each)
+@pytest.mark.parametrize("runtime", [pytest.param("torch", marks=pytest.mark.slow), "megatron",
+                                     pytest.param("deepspeed", marks=pytest.mark.slow)])
 def test_every_class_the_driver_composes_is_already_undominated(runtime):
     """The driver tells compose its options are undominated (compose(undominated=True) skips its own pairwise
     check): on a real two-island search, for every micro-batch size and every class the driver composes, the

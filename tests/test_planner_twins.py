@@ -39,6 +39,7 @@ def _stage_numbers(cand, i):
              s.shape.offload) for s in cand.slice_plan(i).stages]
 
 
+@pytest.mark.slow  # planner searches on the paper's C3 clusters, twice each (seconds)
 def test_twins_built_stages_are_the_same_forward_and_backward():
     """What twins.py takes on trust: the numbers a twin check reads (a stage's forward + backward as one sum) hide
     no difference the simulation would see. Every twin option's built stages are compared."""
@@ -60,6 +61,7 @@ def test_twins_built_stages_are_the_same_forward_and_backward():
     assert grids >= 5 and compared >= 500  # C3 (iii) under megatron has twins at several micro-batch sizes
 
 
+@pytest.mark.slow  # planner searches on the paper's C3 clusters, twice each (seconds)
 @pytest.mark.parametrize("cluster_name", ["c3-full-het-iii", "c3-4-islands-20gpu"])
 def test_composing_each_set_of_twins_once_keeps_the_plan(cluster_name, monkeypatch):
     """The same plan, to the byte, with fewer DP passes: a twin can only tie what its first twin found."""
@@ -74,6 +76,7 @@ def test_composing_each_set_of_twins_once_keeps_the_plan(cluster_name, monkeypat
     assert runs < runs_every
 
 
+@pytest.mark.slow  # planner searches on the paper's C3 clusters, twice each (seconds)
 def test_classes_with_other_numbers_are_not_twins():
     r, _ = _search("c3-full-het-iii", "gpt3-13b", 128, 2048)
     cand = r.all_candidates[r.plan.planner["b"]]

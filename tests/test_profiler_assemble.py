@@ -358,3 +358,31 @@ def test_failure_message_names_node_rank_and_phase(tmp_path):
     empty.mkdir()
     assert "before any worker started" in profile_cmd.failure_message(str(empty), 1, None)
     assert profile_cmd.failure_message(str(empty), 1, "rendezvous of 2 node(s)") == "rendezvous of 2 node(s)"
+
+
+def test_gemm_grows_from_a_quarter_of_its_shape_and_a_hopeless_dtype_stops_at_the_first():
+    assert bench.gemm_sizes((1024, 1024, 1024)) == [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]
+    assert bench.gemm_sizes((2, 1, 3)) == [(1, 1, 1), (2, 1, 3)]  # halved to at least 1, no size twice
+    cfg = bench.BenchConfig("cpu", True, gemm_shape=(64, 32, 48), gemm_dtypes=("fp32",), copy_bytes=2**20,
+                            allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
+                            latency_reps=3, min_rep_s=0.005, budget_s=0.5)
+    # a "fastest dtype" no CPU reaches: this one is hopeless next to it, timed at the first size only, and says so
+    g = bench.gemm_tflops(torch.device("cpu"), "fp32", cfg, best_tflops=1e6)
+    detail = dict(g.detail)
+    assert detail["shape_mkn"] == [16, 8, 12] and "slower than the fastest dtype" in detail["stopped"]
+    assert g.value == pytest.approx(2 * 16 * 8 * 12 / g.timing.median_s / 1e12)
+    assert 1 <= len(g.timing.samples_s) <= cfg.reps
+
+
+def test_repetitions_stop_at_the_budget():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.01)
+
+    t = bench.time_within(fn, once_s=0.01, budget_s=0.05, min_rep_s=0.0, max_reps=100)
+    assert 1 <= len(t.samples_s) <= 5 and len(calls) == len(t.samples_s)  # ~10 ms each: the budget, not max_reps
+    assert len(bench.time_within(fn, once_s=0.01, budget_s=10.0, min_rep_s=0.0, max_reps=3).samples_s) == 3
+    with pytest.raises(ValueError):
+        bench.BenchConfig.for_device("cpu", quick=True, budget_s=-1.0)

@@ -200,7 +200,9 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
     spec = ClusterSpec.load(out)
     node = spec.profile["nodes"][spec.nodes[0].name]
     wait = node["collective_wait"]
-    assert wait["reps"] == spec.profile["bench"]["wait_reps"] and wait["group_size"] == 2
+    # as many calls as the budget affords on the slower member, the same on both: whole blocks, at least three
+    assert 30 <= wait["reps"] <= spec.profile["bench"]["wait_reps"] and wait["reps"] % 10 == 0
+    assert wait["group_size"] == 2
     for g in spec.nodes[0].gpus:
         m = g.measured
         assert m["collective_wait_us"] == wait["value"] > 0  # one node figure, on each of its devices

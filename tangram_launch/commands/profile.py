@@ -29,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         tr._add_action(action)
     g = parser.add_argument_group("profile")
     g.add_argument("-o", "--output", default="cluster.yaml", help="ClusterSpec YAML to write (default cluster.yaml)")
-    g.add_argument("--quick", action="store_true", help="small sizes and few repetitions (under a minute)")
+    g.add_argument("--quick", action="store_true", help="a shorter budget per benchmark (seconds in all)")
+    g.add_argument("--budget-s", type=float, metavar="S",
+                   help="wall seconds each benchmark of a device may take: the GEMM grows, and repetitions are "
+                        "added, while it allows (default 1 on CPU, 10 on GPU; with --quick 0.4 and 2)")
     g.add_argument("--name", help="cluster name written into the file")
     g.add_argument("--model", metavar="NAME|FILE",
                    help="also time one transformer layer of this model (forward and backward) on every device")
@@ -47,6 +50,8 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError("must be a positive integer", field="--micro-batch", value=args.micro_batch)
     if args.timeout_s <= 0:
         raise SpecError("must be positive", field="--timeout-s", value=args.timeout_s)
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise SpecError("must be positive", field="--budget-s", value=args.budget_s, valid="seconds, e.g. 2")
     if args.model:
         from tangram_launch.specs.model import load_model
 
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     outcome = profile_cluster(ProfileRequest(
         output=args.output, torchrun_argv=tuple(torchrun_argv(args)), quick=args.quick, name=args.name,
         model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch, layer_dtype=args.layer_dtype,
-        timeout_s=args.timeout_s, nnodes=str(getattr(args, "nnodes", "?")),
+        timeout_s=args.timeout_s, budget_s=args.budget_s, nnodes=str(getattr(args, "nnodes", "?")),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", "") or ""))
     if outcome.written:
         _report(outcome.output)

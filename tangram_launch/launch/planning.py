@@ -279,10 +279,16 @@ def default_seq_len(model: "ModelSpec") -> int:
 
 
 def default_dtype(cluster: "ClusterSpec | None") -> str:
-    """The training dtype when none is given (nor a checkpoint's): the one place this default is decided."""
+    """The training dtype when none is given (nor a checkpoint's): the one place this default is decided. On a
+    cluster of profiled CPU processes, the dtype the profile measured fastest (:mod:`.dtype_choice`); else the
+    training spec's default."""
+    from tangram_launch.launch.dtype_choice import choose_dtype, measured_cpu_tflops
     from tangram_launch.specs.training import TrainingSpec
 
-    return TrainingSpec().dtype
+    default = TrainingSpec().dtype
+    if cluster is None:
+        return default
+    return choose_dtype(None, default, measured_cpu_tflops(cluster)).dtype
 
 
 def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, cluster: "ClusterSpec | None" = None,
@@ -411,6 +417,12 @@ def provide_plan(request: Any) -> str:
                                              reprofile=opts.reprofile)
     # again with the cluster, which only default_dtype reads (a dtype given or resumed wins)
     inputs = planning_request(opts, resume=request.resume, cluster=cluster, progress=False)
+    from tangram_launch.launch.dtype_choice import launch_dtype_choice, mfu_peak_label
+
+    dtype = launch_dtype_choice(cluster, default=default_dtype(None), given=opts.dtype,
+                                resumed_plan=request.resume.plan if request.resume is not None else None)
+    assert dtype.dtype == inputs.dtype, (dtype, inputs.dtype)  # one rule: default_dtype applies choose_dtype
+    logger.info("%s", dtype.reason)
     logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
@@ -422,7 +434,8 @@ def provide_plan(request: Any) -> str:
         plan = make_launch_plan(cluster, inputs)
     from tangram_launch.planner.report import format_plan_table
 
-    table = format_plan_table(plan, cluster_name=cluster.name, manual=bool(request.hand_written))
+    table = format_plan_table(plan, cluster_name=cluster.name, manual=bool(request.hand_written),
+                              mfu_peak=mfu_peak_label(cluster, inputs.dtype))
     for line in table.splitlines():
         logger.info("%s", line)
     check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=_this_node(cluster, opts.node_name),

@@ -71,6 +71,7 @@ class ProfileRequest:
     micro_batch: int = 1
     layer_dtype: str | None = None
     timeout_s: float = 300.0
+    budget_s: float | None = None  # wall seconds per local benchmark (None: the profiler's default for the device)
     nnodes: str = "1"  # for the rendezvous failure message
     rdzv_endpoint: str = ""
 
@@ -95,6 +96,8 @@ def profile_cluster(request: ProfileRequest) -> ProfileOutcome:
               str(request.timeout_s)]
     if request.quick:
         worker.append("--quick")
+    if request.budget_s:
+        worker += ["--budget-s", str(request.budget_s)]
     if request.name:
         worker += ["--name", request.name]
     if request.model:

@@ -18,7 +18,9 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None = None, manual: bool = False) -> str:
+def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None = None, manual: bool = False,
+                      mfu_peak: str | None = None) -> str:
+    """``mfu_peak`` says what MFU is a fraction of (a measured CPU rate is no hardware peak)."""
     tr = plan.training
     st0 = plan.stages
     b = st0[0].micro_batch_size * st0[0].dp
@@ -56,7 +58,7 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
     bd = pr.breakdown
     lines += ["",
               f"iteration {pr.iteration_time_s:.3f} s   tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} % "
-              f"(model FLOPs, causal attention, over the peak of the {device_noun(cpu=cpu)} used)"]
+              f"(model FLOPs, causal attention, over {mfu_peak or f'the peak of the {device_noun(cpu=cpu)} used'})"]
     if bd and "pipeline_s" in bd and plan.virtual_stages == 1:
         lines.append(f"  = simulated 1F1B pipeline {bd['pipeline_s']:.3f} s (period {bd.get('period_s', 0):.3f} s, "
                      f"inter-island p2p {bd.get('p2p_s', 0):.3f} s per micro-batch) + DP sync/optimizer "
