@@ -423,8 +423,11 @@ def provide_plan(request: Any) -> str:
                                 resumed_plan=request.resume.plan if request.resume is not None else None)
     assert dtype.dtype == inputs.dtype, (dtype, inputs.dtype)  # one rule: default_dtype applies choose_dtype
     logger.info("%s", dtype.reason)
-    logger.info("planning %s on %s (%d GPUs): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
-                inputs.model.name, cluster.name, cluster.num_gpus, inputs.global_batch, inputs.seq_len, inputs.dtype,
+    from tangram_launch.text import device_noun
+
+    logger.info("planning %s on %s (%d %s): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
+                inputs.model.name, cluster.name, cluster.num_gpus,
+                device_noun(cpu=all(g.type == "cpu" for _, g in cluster.iter_gpus())), inputs.global_batch, inputs.seq_len, inputs.dtype,
                 inputs.runtime, inputs.parallelizer)
     if request.hand_written:  # costed as `tangram-launch plan --plan FILE` does, not searched
         from tangram_launch.launch.hand_written import cost_hand_written
