@@ -43,7 +43,11 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
     module = importlib.import_module(SUBCOMMANDS[name])
     parser = argparse.ArgumentParser(prog=f"tangram-launch {name}", description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(parser)
+    fast_help = getattr(module, "add_help_arguments", None)
+    if fast_help is not None and any(a in ("-h", "--help") for a in argv):
+        fast_help(parser)  # the same options, described without importing torch
+    else:
+        module.add_arguments(parser)
     args = parser.parse_args(argv)
     return int(module.run(args) or 0)
 

@@ -27,6 +27,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for action in torchrun_actions():
         # torch's own Action objects, so names, aliases, env-variable defaults and checks stay exactly torchrun's
         tr._add_action(action)
+    _add_profile_arguments(parser)
+
+
+def add_help_arguments(parser: argparse.ArgumentParser) -> None:
+    """For ``--help`` only: torchrun's options from the table ``tangram-launch --help`` prints, so the help comes
+    without importing torch (a run still parses with torch's own actions, :func:`add_arguments`)."""
+    from tangram_launch.launch.options import TORCHRUN_OPTIONS
+
+    tr = parser.add_argument_group("torchrun options", "as for torchrun (same names, defaults and PET_* variables; "
+                                                       "`tangram-launch --help-torchrun` lists them all)")
+    for strings, metavar, text in TORCHRUN_OPTIONS:
+        if text is None or {"--module", "--no-python", "--run-path"} & set(strings):
+            continue
+        if metavar is None:
+            tr.add_argument(*strings, action="store_true", help=text)
+        else:
+            tr.add_argument(*strings, metavar=metavar, help=text)
+    _add_profile_arguments(parser)
+
+
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("profile")
     g.add_argument("-o", "--output", default="cluster.yaml", help="ClusterSpec YAML to write (default cluster.yaml)")
     g.add_argument("--quick", action="store_true", help="a shorter budget per benchmark (seconds in all)")
