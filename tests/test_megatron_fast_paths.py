@@ -214,20 +214,20 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
         dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
         rows = table.stage_rows(coster, dims, table.signatures(coster, *dims, sizes=sizes), allowed, sizes)
         heaviest = max(min(static + act for _t, static, act, _tail in row) for row in rows)
-        assert floor <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, floor, heaviest)
+        assert floor <= (heaviest - coster.overhead_bytes) * (1 + 1e-12), (grid, floor, heaviest)
         if len(coster.layer_counts()) == 1:  # one kind: the stage with the most layers, under its best combination
             ((kind, n),) = coster.layer_counts()
             most = -(-n // grid.pp)
             least = min(a * most + b for a, b in coster.stage_need_terms(grid.tp, grid.cp, grid.ep, grid.dp, allowed,
                                                                          kind))
-            assert least <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, least, heaviest)
+            assert least <= (heaviest - coster.overhead_bytes) * (1 + 1e-12), (grid, least, heaviest)
             # the split's first and largest stages with their micro-batches in flight and edges: a grid _stage_misfit
             # skips is one judge_columns finds no fitting combination for
             m, cap = q.num_microbatches, coster.capacity_bytes
             parts = (*coster.stage_need_parts(grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind), {})
             edges = (model.embedding_params() if q.has_embedding else 0, model.head_params() if q.has_head else 0)
             sigs = table.signatures(coster, *dims, sizes=sizes)
-            room = cap * (1.0 + 1e-9) - coster._overhead
+            room = cap * (1.0 + 1e-9) - coster.overhead_bytes
             misfit = _stage_misfit(parts, sizes, m, room, edges, grid.tp)
             # the needs it remembers (per grid and savers, shared by the grid list's queries) answer as before
             assert parts[3] and _stage_misfit(parts, sizes, m, room, edges, grid.tp) == misfit

@@ -243,7 +243,8 @@ class SliceCoster:
         self._split_cache: dict = {}
         self._edge_cache: dict = {}
         self._frag = 1.0 + FRAGMENTATION_FRACTION
-        self._overhead = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
+        # the runtime's own bytes on each GPU (CUDA context, allocator pools); none on a CPU "device"
+        self.overhead_bytes = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
 
     def _device(self, q: SliceQuery, flash_attention: bool | None, fused_elementwise: bool) -> DeviceModel | None:
         """The island GPU's DeviceModel; None (and device_error says why) where the GPU cannot run the dtype."""
@@ -344,6 +345,11 @@ class SliceCoster:
         }
         self._edge_cache[key] = out
         return out
+
+    def clear_grid_cache(self) -> None:
+        """Drop the per-grid stage sums (a caller that keeps this coster, e.g. in lazy plans, and has the sums
+        elsewhere frees them)."""
+        self._grid_cache = {}
 
     def layer_counts(self) -> list[tuple[str, int]]:
         """(kind, layers of that kind) over the slice."""
@@ -771,7 +777,7 @@ class SliceCoster:
         """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage)."""
         out = []
         fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
-        frag, overhead = self._frag, self._overhead
+        frag, overhead = self._frag, self.overhead_bytes
         zero_parts, rec_parts = st.zero_parts, st.rec_parts
         for zero, r, off in savers:
             zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
@@ -812,7 +818,7 @@ class SliceCoster:
             "gradients_bytes": dense.gradients + expert.gradients,
             "optimizer_bytes": dense.optimizer + expert.optimizer,
             "working_bytes": (zworking + rworking) * self._frag,
-            "overhead_bytes": self._overhead,
+            "overhead_bytes": self.overhead_bytes,
             "activations_bytes": act,
             "host_offload_bytes": dense.host + expert.host,
             "offload_pcie_bytes": zp.offload_pcie_bytes,  # per iteration (runtime_adapters/offload.py moves these)
