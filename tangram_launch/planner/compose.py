@@ -53,6 +53,8 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
+from tangram_launch.planner.bounds import (PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms)
+from tangram_launch.planner.bounds import least_links, plain_1f1b_floor_s  # noqa: F401 (api.py reads them here)
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -62,21 +64,6 @@ SCORE_ANY = ("any",)  # compose's score may be anything: its floor is m x period
 # once, the simulation reads them apart (an ulp's difference must not prune a plan that ties)
 _EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
-
-
-def plain_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
-                       num_microbatches: int, tail_s: float) -> float:
-    """A floor under the plain 1F1B simulation of a sequence (costmodel.pipeline.simulated_1f1b_s + tail):
-    each option's slowest stage runs m forwards and backwards, after micro-batch 0's forward got through the
-    stages in front of it and before the last backward went back through them, so the iteration is at least
-    max over options o of (m x o's bottleneck + the times and both-way links of the options in front) + tail."""
-    best = front = 0.0
-    for k, oi in enumerate(seq):
-        o = options[oi]
-        best = max(best, front + num_microbatches * o.bottleneck_s)
-        if k + 1 < len(seq):
-            front += o.time_s + 2.0 * link_s[o.island][options[seq[k + 1]].island]
-    return best + tail_s
 
 
 class Option(NamedTuple):
@@ -221,7 +208,7 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
     else:
         m1, period_lb, prefix, link_s = floor_terms
         pre_fill, pre_period, _, _ = prefix(mask)
-        lk = _front_link_s(link_s, mask, options[idx[0]].island, cache)
+        lk = front_link_s(link_s, mask, options[idx[0]].island, cache)
         # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
         rows = sorted(((m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, lk if o.start else 0.0) if m1
                         else 0.0) + pre_fill[o.start] + (2.0 * lk if o.start else 0.0) + o.time_s, k)
@@ -232,51 +219,6 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
     return out
-
-
-def _round_trips_s(link_s: float, behind: int, num_microbatches: int) -> float:
-    """A floor under the plain 1F1B simulation from one stage boundary with ``behind`` stages after it and a link
-    of ``link_s`` seconds one way: costmodel.pipeline.cycle_floor_1f1b_s's round trips, c = (m - behind) // 2 of
-    them and one more, each at least the link there and back (the stage times dropped). Not m x the link: the
-    simulation takes a link as latency, and with many stages behind it the schedule's warm-up hides some trips."""
-    if link_s <= 0.0 or behind > num_microbatches:
-        return 0.0
-    return ((num_microbatches - behind) // 2 + 1) * 2.0 * link_s
-
-
-def _cycles_s(link_s: float, behind: int, num_microbatches: int, front_s: float, back_s: float) -> float:
-    """_round_trips_s with the stage times the round trips pass: costmodel.pipeline.cycle_floor_1f1b_s's path
-    across one boundary, c = (m - behind) // 2 cycles of the link both ways, the stage behind it (forward and
-    backward, ``back_s``) and the stage in front of it (``front_s``), then one more trip, without the forwards
-    and backwards it drops (micro-batch 0's way there, the warm-up, the way back): each is >= 0. The DP reads it
-    as tables over n (its c1 and c0)."""
-    if behind > num_microbatches:
-        return 0.0
-    c = (num_microbatches - behind) // 2
-    return _round_trips_s(link_s, behind, num_microbatches) + (c + 1) * back_s + c * front_s
-
-
-def least_links(link_s: Sequence[Sequence[float]], present: Iterable[int],
-                default: float = math.inf) -> tuple[dict[int, float], dict[int, float]]:
-    """Per island of ``present``: the least link into it from another island of ``present``, and the least out of
-    it (``default`` where there is no other). A slice that does not start at layer 0 crosses at least the first in
-    any pipeline, one that does not end at L at least the second."""
-    present = list(present)
-    into = {k: min((link_s[x][k] for x in present if x != k), default=default) for k in present}
-    out_of = {k: min((link_s[k][x] for x in present if x != k), default=default) for k in present}
-    return into, out_of
-
-
-def _front_link_s(link_s: Sequence[Sequence[float]], mask: int, island: int, cache: dict) -> float:
-    """The least link into ``island`` from an island of ``mask``: an option that does not start at layer 0 has the
-    last island of its front's cover in front of it, so its pipeline's slowest stage is at least that link and its
-    fill at least twice that (inf: no island in the mask)."""
-    key = ("link", mask, island)
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = min((link_s[x][island] for x in range(len(link_s)) if mask >> x & 1 and x != island),
-                               default=math.inf)
-    return hit
 
 
 def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
@@ -304,17 +246,6 @@ def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
         bisect.insort(earlier, (-max_after, time_s, tail_s, stages, bottleneck_s))
         out.append(room)
     return out
-
-
-def score_floor_terms(schedules: tuple[str, ...], fill_weight: float) -> tuple[bool, bool, float]:
-    """How the DP's score floor reads compose's ``score_schedules`` and ``score_fill_weight``: (plain, only_plain,
-    w). plain: the plain 1F1B floor counts (plain_s); only_plain: nothing else does; w: the fill's weight in the
-    interleaved floor (m - w) x period + w x fill + tail (0: m x period + tail, under every score). With "any", or
-    both schedules and no weight, m x period + tail is all (it lies under the plain floor too)."""
-    plain = "plain" in schedules
-    if "any" in schedules or (plain and "interleaved" in schedules and fill_weight == 0.0):
-        return False, False, 0.0
-    return plain, plain and "interleaved" not in schedules, fill_weight
 
 
 class Entry(NamedTuple):
@@ -348,8 +279,8 @@ class Prepared(NamedTuple):
     n_cap: int  # "after" is capped here: beyond it no memory check changes
     fill_lb: float  # least fill of any cover of [0, L)
     period_lb: float  # least period of any cover of [0, L)
-    prefix: "_PrefixBounds"  # per prefix and set of islands
-    cache: dict  # the groups' orders by floor and the least links in front (_by_floor, _front_link_s)
+    prefix: "PrefixBounds"  # per prefix and set of islands
+    cache: dict  # the groups' orders by floor and the least links in front (_by_floor, front_link_s)
     cls: list[int]  # front_classes over every island with options
     stage_lb: float  # least slowest stage of any cover of [0, L), without links
 
@@ -382,7 +313,7 @@ class _Group(NamedTuple):
     link: float  # the link from this island into that front
     tkey: tuple  # the key of the entries it makes, in tables[start]
     lk: float  # the least link into this island from an island free in front of it
-    pre_fill: list[float]  # the least of any cover of [0, start) by those free islands (_PrefixBounds)
+    pre_fill: list[float]  # the least of any cover of [0, start) by those free islands (PrefixBounds)
     pre_period: list[float]
     pre_tail: list[float]
     pre_stage: list[float]
@@ -440,13 +371,13 @@ class _Pass:
             self.before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
         self.stage_cap = max_stages if max_stages is not None else _INF
         span = range(prep.n_cap + num_layers + 1)
-        # trips[n] x a link = _round_trips_s(link, n, m), the same product (a link is >= 0)
-        self.trips = [_round_trips_s(1.0, n, m) for n in span] if self.plain else None
+        # trips[n] x a link = round_trips_s(link, n, m), the same product (a link is >= 0)
+        self.trips = [round_trips_s(1.0, n, m) for n in span] if self.plain else None
         self.edged = self.plain and edge_s is not None
         self.c1 = self.c0 = self.t_first = self.t_last = None
-        if self.edged:  # _cycles_s(link, n, m, front, back) = trips[n] x link + c1[n] x back + c0[n] x front
-            self.c1 = [_cycles_s(0.0, n, m, 0.0, 1.0) for n in span]
-            self.c0 = [_cycles_s(0.0, n, m, 1.0, 0.0) for n in span]
+        if self.edged:  # cycles_s(link, n, m, front, back) = trips[n] x link + c1[n] x back + c0[n] x front
+            self.c1 = [cycles_s(0.0, n, m, 0.0, 1.0) for n in span]
+            self.c0 = [cycles_s(0.0, n, m, 1.0, 0.0) for n in span]
             self.t_first = [e[0] * _EDGE_SHRINK for e in edge_s]
             self.t_last = [e[1] * _EDGE_SHRINK for e in edge_s]
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
@@ -535,7 +466,7 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         if prune:
             mask = (~(used | bit) if rank is None else run.before[island]) & prefix.islands
             pre = prefix(mask)
-            lk = _front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
+            lk = front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
             group = _Group(f, link, tkey, lk, *pre)
         else:
             group = _Group(f, link, tkey, 0.0, (), (), (), ())
@@ -629,11 +560,11 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, oi: int, fits:
     ne = front.entries[fits - 1][2]  # the most stages behind, of the entries it fits
     if ne < run.prep.n_cap:  # (exact below the cap)
         link, lk, edged = group.link, group.lk, run.edged
-        r = run.trips[ne] * link  # _round_trips_s(link, ne, m)
-        if edged and group.front_island >= 0:  # + _cycles_s's stage times (non-increasing in n)
+        r = run.trips[ne] * link  # round_trips_s(link, ne, m)
+        if edged and group.front_island >= 0:  # + cycles_s's stage times (non-increasing in n)
             r += run.c1[ne] * front.least_tf[fits - 1] + run.c0[ne] * run.t_last[oi]
         if start:
-            r2 = run.trips[ne + ns] * lk  # _round_trips_s(lk, ne + ns, m)
+            r2 = run.trips[ne + ns] * lk  # round_trips_s(lk, ne + ns, m)
             if edged:
                 r2 += run.c1[ne + ns] * run.t_first[oi]
             r = r2 if r2 > r else r
@@ -730,196 +661,10 @@ def _candidates(run: _Pass) -> list[Candidate]:
     return out
 
 
-class Covers(NamedTuple):
-    """Per layer boundary j: the least fill, period and tail of any cover of [0, j) (front) or [j, L) (back)."""
-
-    fill_s: list[float]
-    period_s: list[float]
-    tail_s: list[float]
-
-
-def covers(options: Sequence[Option], idx: Sequence[int], num_layers: int, *, back: bool) -> Covers:
-    """Least fill, period and tail of any cover by ``options[idx]`` of [0, j) (back=False) or [j, L) (back=True),
-    each minimised on its own; inf where there is no cover."""
-    return covers_of(pair_minima(options, idx), num_layers, back=back)
-
-
-def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int, int], list[float]]:
-    """Per layers (start, stop): the least time, bottleneck and tail of ``options[idx]`` there, each on its own.
-    That is all a least cover reads of them, so covers over several sets of options (front and back, or many sets
-    of islands) pass over the options once: a few thousand pairs stand for up to hundreds of thousands of options."""
-    out: dict[tuple[int, int], list[float]] = {}
-    for oi in idx:
-        start, stop, _island, _stages, _after, time_s, bottleneck_s, tail_s = options[oi]
-        cur = out.get((start, stop))
-        if cur is None:
-            out[start, stop] = [time_s, bottleneck_s, tail_s]
-            continue
-        if time_s < cur[0]:
-            cur[0] = time_s
-        if bottleneck_s < cur[1]:
-            cur[1] = bottleneck_s
-        if tail_s < cur[2]:
-            cur[2] = tail_s
-    return out
-
-
 def pick(items: Sequence, idx: Sequence[int]) -> tuple:
     """items[i] for i in idx, as a tuple: operator.itemgetter, one C call instead of a comprehension (a driver takes
     a class's thousands of options, edges or memo entries this way, per class and round)."""
     return operator.itemgetter(*idx)(items) if len(idx) > 1 else tuple(items[i] for i in idx)
-
-
-def row_minima(rows: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """pair_minima of options given as rows of Option's 8 fields (Candidates.option_rows): per (start, stop), in
-    their order, the starts, the stops and the least (time, bottleneck, tail) as an (n, 3) array (minima are
-    exact in any order)."""
-    s_at, t_at = rows[:, 0].astype(np.intp), rows[:, 1].astype(np.intp)
-    key = s_at * (num_layers + 1) + t_at
-    order = np.argsort(key, kind="stable")
-    k = key[order]
-    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(k) else np.zeros(0, dtype=np.intp)
-    least = (np.minimum.reduceat(rows[order][:, 5:8], first, axis=0) if len(k)
-             else np.zeros((0, 3), dtype=np.float64))
-    return s_at[order][first], t_at[order][first], least
-
-
-def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, back: bool) -> Covers:
-    """covers from pair_minima."""
-    fill = [float("inf")] * (num_layers + 1)
-    period = [float("inf")] * (num_layers + 1)
-    tail = [float("inf")] * (num_layers + 1)
-    edge = num_layers if back else 0
-    fill[edge] = period[edge] = tail[edge] = 0.0
-    by_end: dict[int, list[tuple]] = {}
-    for (start, stop), (time_s, bottleneck_s, tail_s) in minima.items():
-        if back:
-            by_end.setdefault(start, []).append((stop, time_s, bottleneck_s, tail_s))
-        else:
-            by_end.setdefault(stop, []).append((start, time_s, bottleneck_s, tail_s))
-    for j in (range(num_layers - 1, -1, -1) if back else range(1, num_layers + 1)):
-        best_f = best_p = best_t = float("inf")
-        for rest, time_s, bottleneck_s, tail_s in by_end.get(j, ()):
-            v = fill[rest] + time_s
-            if v < best_f:
-                best_f = v
-            v = period[rest] if period[rest] > bottleneck_s else bottleneck_s
-            if v < best_p:
-                best_p = v
-            v = tail[rest] if tail[rest] > tail_s else tail_s
-            if v < best_t:
-                best_t = v
-        fill[j], period[j], tail[j] = best_f, best_p, best_t
-    return Covers(fill, period, tail)
-
-
-class PrefixCovers(NamedTuple):
-    """_PrefixBounds' covers of [0, j): least fill and period with the links crossed (the closed form's), least
-    tail, and the least slowest stage without links (what the plain 1F1B simulation's m x slowest stage reads:
-    it takes a link as latency, not as a stage)."""
-
-    fill_s: list[float]
-    period_s: list[float]
-    tail_s: list[float]
-    stage_period_s: list[float]
-
-
-class _PrefixBounds:
-    """Per set of islands (a bit mask), computed on first use: the least fill, period and tail of any cover of
-    [0, j) by DISTINCT islands of the set (each island holds one contiguous slice, as in a pipeline), each
-    minimised on its own. The layers in front of an option can be covered only by the islands the sequence behind
-    it leaves free, once each: when the fast islands are already behind, or when one fast island would have to
-    hold the whole front, that cover is much slower than the least over all islands.
-
-        G[S][j] = min over islands k in S and options o of k with o.stop = j of G[S - k][o.start] (+) o
-        G[S][0] = 0
-
-    where (+) adds times and takes the larger bottleneck and tail: the last slice of the cover is some island's,
-    the rest covers [0, o.start) with the other islands. Where o.start > 0 a link from one of S - k into k lies
-    between them, so (+) also takes the larger of the period and the least such link, and adds twice that link to
-    the fill (as the DP does per boundary). Each island's options are reduced to their pair_minima once, so a set
-    costs its islands' (start, stop) pairs."""
-
-    def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int,
-                 link_s: Sequence[Sequence[float]] | None = None, rows: np.ndarray | None = None):
-        """``rows``: the options as Candidates.option_rows (rows[i] is options[i]), where the caller has them: each
-        island's pair minima are then taken over its rows at once (row_minima)."""
-        self._num_layers = num_layers
-        self._link_s = link_s
-        self._links: dict = {}  # _front_link_s' cache
-        # island -> (start, stop, least time, least bottleneck, least tail) of its (start, stop) pairs, as arrays,
-        # and where start > 0
-        self._pairs: dict[int, tuple] = {}
-        if rows is not None:
-            sub = rows[np.asarray(idx, dtype=np.intp)]
-            island = sub[:, 2].astype(np.intp)
-            for k in np.unique(island).tolist():
-                starts, stops, least = row_minima(sub[island == k], num_layers)
-                self._pairs[k] = (starts, stops, least[:, 0].copy(), least[:, 1].copy(), least[:, 2].copy(),
-                                  starts > 0)
-        else:
-            by_island: dict[int, list[int]] = {}
-            for oi in idx:
-                by_island.setdefault(options[oi].island, []).append(oi)
-            for k, lst in sorted(by_island.items()):
-                minima = [(a, b, *v) for (a, b), v in pair_minima(options, lst).items()]
-                starts, stops = (np.array([r[i] for r in minima], dtype=np.intp) for i in (0, 1))
-                times, bottlenecks, tails = (np.array([r[i] for r in minima], dtype=np.float64) for i in (2, 3, 4))
-                self._pairs[k] = (starts, stops, times, bottlenecks, tails, starts > 0)
-        self.islands = sum(1 << k for k in self._pairs)  # the islands with options, as a mask
-        none = np.full(num_layers + 1, np.inf)
-        none[0] = 0.0
-        self._arrays: dict[int, tuple] = {0: (none,) * 4}  # mask -> the covers as arrays (fill, period, tail, stage)
-        self._cache: dict[int, PrefixCovers] = {0: PrefixCovers(*(none.tolist() for _ in range(4)))}
-
-    def __call__(self, mask: int) -> "PrefixCovers":
-        mask &= self.islands
-        hit = self._cache.get(mask)
-        if hit is not None:
-            return hit
-        self._covers(mask)
-        return self._cache[mask]
-
-    def _covers(self, mask: int) -> tuple:
-        """The covers by ``mask`` as arrays (and, in the cache, as the lists the DP reads): per island k of the
-        set, its pairs (+) the covers by the rest, the least per stop (the same float operations, element by
-        element, as a loop over the pairs, and min is exact in any order)."""
-        hit = self._arrays.get(mask)
-        if hit is not None:
-            return hit
-        fill, period, tail, stage = (a.copy() for a in self._arrays[0])
-        for k, (starts, stops, times, bottlenecks, tails, later) in self._pairs.items():
-            if not mask >> k & 1:
-                continue
-            rest = mask & ~(1 << k)
-            sf, sp, st, ss = self._covers(rest)
-            # (inf with no island left in front: then sf[start] is inf for every start > 0 too)
-            lk = 0.0 if self._link_s is None else _front_link_s(self._link_s, rest, k, self._links)
-            np.minimum.at(fill, stops, sf[starts] + times + np.where(later, 2.0 * lk, 0.0))
-            sps = sp[starts]
-            v = np.where(sps > bottlenecks, sps, bottlenecks)
-            np.minimum.at(period, stops, np.where(later & (lk > v), lk, v))
-            sss = ss[starts]
-            np.minimum.at(stage, stops, np.where(sss > bottlenecks, sss, bottlenecks))
-            sts = st[starts]
-            np.minimum.at(tail, stops, np.where(sts > tails, sts, tails))
-        hit = self._arrays[mask] = (fill, period, tail, stage)
-        self._cache[mask] = PrefixCovers(fill.tolist(), period.tolist(), tail.tolist(), stage.tolist())
-        return hit
-
-
-def lower_bound(options: Sequence[Option], num_layers: int, num_microbatches: int,
-                allowed_mask: int | None = None) -> float:
-    """A cheap lower bound on the latency of any plan from these options: (m - 1) x the least period of any cover
-    + the least fill of any cover (both ignoring islands and memory). Lets a driver try the most promising option
-    sets first and skip those that cannot beat a plan already found."""
-    idx = [i for i, o in enumerate(options)
-           if (allowed_mask is None or allowed_mask >> o.island & 1) and o.max_after >= 0
-           and 0 <= o.start < o.stop <= num_layers]
-    if not idx:
-        return float("inf")
-    whole = covers(options, idx, num_layers, back=False)
-    return (num_microbatches - 1) * whole.period_s[num_layers] + whole.fill_s[num_layers]
 
 
 def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) -> list[int]:
@@ -979,7 +724,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         n_cap = min(saturated, 1 + max(finite, default=-1))
     else:
         n_cap = max(saturated, max_stages)
-    prefix = _PrefixBounds(options, idx, num_layers, link_s, rows)
+    prefix = PrefixBounds(options, idx, num_layers, link_s, rows)
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return Prepared(idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
@@ -1262,7 +1007,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no option is beaten by
     another of the same layers and island in every respect the kernel sees (the planner's options are: each class
     was judged by templates.undominated), so the kernel does not look for such pairs; ``edge_s``: per option, its
-    first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (_cycles_s);
+    first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (cycles_s);
     ``quick_plan`` False: no quick plan before the exact pass (a driver whose incumbents already hold a plan of
     these options, composed in one island order just before, has the bound it would give); ``rows``: the options as
     Candidates.option_rows (rows[i] is options[i]), where the caller has them: the preparation reads columns.
