@@ -134,7 +134,8 @@ def _front(points: dict[tuple, list[tuple]], caps) -> list[tuple]:
     all stages though 1F1B does not (torch), each grid's own front points that no front point beats by more than
     GRID_FRONT_SLACK in bottleneck, fill and tail (and at least ties in depth, stages and GPUs). A one-grid
     pipeline can win interleaved with plans another grid beats under 1F1B (templates.GridClass); keeping every
-    grid's whole front costs a third more planning, and on C3 (iii) 3 % finds the one-grid search's optimum."""
+    grid's whole front costs much more planning than a small slack, which finds the one-grid search's optimum on
+    the benchmark clusters."""
     per_grid = caps.interleaved_uniform_grid and "interleaved-1F1B" in caps.schedules
     shrink = 1.0 / (1.0 + GRID_FRONT_SLACK)
     out: list[tuple] = []

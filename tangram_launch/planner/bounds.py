@@ -11,23 +11,121 @@ side: latency_floor_of / score_floor_of take floats or numpy arrays alike, beyon
 m micro-batches; a pipeline's closed form is (m - 1) x period + fill + tail (compose.py), its score the Plan's
 simulated iteration (plain or interleaved 1F1B).
 
-| bound | floor | prunes where | why it is safe | test against brute force |
-|---|---|---|---|---|
-| slice closed form | latency_floor_of: (m - 1) x bottleneck + fill + tail | SliceQuery.beyond_bound (enumerate.py), megatron _GridSearch (per grid: floor / pp, heaviest stage; per saver combination), grid.least_floors | a pipeline's period is at least any stage's time, its fill the sum of its stages', its tail any stage's tail | test_planner_bound.py::test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound, ::test_bounded_search_finds_the_full_searchs_optimum_on_generated_clusters; tests/test_planner_bounds.py::test_a_slice_plans_floors_are_under_every_pipeline_holding_it |
-| slice score | score_floor_of: m x bottleneck + tail | as above (beyond: both must fail) | the slowest stage runs m forwards and backwards in any schedule, then the tail | test_planner_bound.py::test_a_bounded_answer_reads_the_score_bound_at_each_plans_stages; tests/test_planner_bounds.py::test_a_slice_plans_floors_are_under_every_pipeline_holding_it |
-| grid compute floors | SliceCoster.time_floors(with_comm): compute + TP/CP/EP comm per layer kind | megatron bound_grids, _heaviest_floor | stage times only add recompute, p2p and exposed ZeRO to these | test_planner_bound.py::test_compute_floors_are_below_every_stage_time; test_megatron_fast_paths.py::test_a_one_kind_split_has_a_stage_of_ceil_layers_over_pp |
-| grid memory floors | SliceCoster.memory_floor_bytes, stage_need_terms / _parts | megatron too_big_grids, _stage_misfit | least model-state and activation bytes per layer under the savers; working sets and edges only add | test_megatron_fast_paths.py::test_memory_floors_are_under_the_heaviest_stages_least_need, ::test_answers_with_the_memory_floor_are_the_answers_without |
-| size floor | api.SizeFloor: closed form and score of any plan at one micro-batch size | api (micro-batch sizes skipped) | least compute per layer over every grid and island, spread over all GPUs | test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size |
-| pair floors | pair_floors.PairFloors.floor / beyond | api (queries skipped) | the pair's GPU-seconds on its island, the rest's on the others' capacity; links at its ends | test_planner_pair_floors.py::test_pair_floors_are_under_every_pipeline_holding_the_pair, ::test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands |
-| class floors | classes.class_floors_s: (m - 1) x P* + F + least tail | api (classes composed most promising first, skipped) | distinct islands' slices must add up to L layers | test_planner_classes.py::test_class_floor_is_under_every_composition_the_class_admits, ::test_class_score_floor_is_under_every_compositions_predicted_floor |
-| cover floors | cover_floors.island_floors_s, promising | api / dropped.py (islands and options left out) | covers of the layers in front and behind, ignoring islands, links, memory | test_planner_dropped.py::test_island_floor_is_under_every_plan_using_the_island, ::test_options_left_out_as_unpromising_change_no_composition |
-| option-set floor | lower_bound: (m - 1) x least cover period + least cover fill | api (option sets tried best first, skipped) | any plan is a cover of [0, L) | tests/test_planner_bounds.py::test_lower_bound_is_under_every_composition |
-| compose early out | (m - 1) x period_lb + max(period_lb, fill_lb); m x stage_lb | compose (no DP run) | the same covers over every island; fill >= period | test_planner_compose.py::test_incumbent_prunes_without_changing_the_optimum |
-| DP prefix covers | PrefixBounds(mask), front_link_s | DP option and entry floors (in front of an option) | the layers in front are covered by the free islands, once each, across a link | test_planner_compose.py::test_covers_per_island_set_are_the_least_over_every_cover, ::test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_islands |
-| DP option | (m - 1) x max(period_lb, pre_period, own, link) + pre_fill + own + least fill behind + max tail | compose._by_floor (group cut), _option_floor | the entries it fits in front of have at least the least fill and tail of the front's prefix | test_planner_compose.py::test_dp_matches_brute_force_on_random_instances, ::test_incumbent_prunes_without_changing_the_optimum |
-| DP entry | the same with the entry's own fill, tail and period (its bucket's least with a quantum) | compose._add_entries | a completion adds only what the prefix covers floor | test_planner_compose.py::test_dp_matches_brute_force_on_random_instances, ::test_bound_step_is_never_better_than_exact_and_close |
-| DP score floors | score_floor_terms: m x period + tail; (m - w) x period + w x fill + tail | _option_floor / _option_score_floor, _add_entries | under any score; interleaving with at most 1/w chunks per stage hides at most that much fill | test_planner_compose.py::test_the_chosen_plan_has_the_least_score_of_every_candidate, ::test_an_interleaved_only_score_with_its_fill_weight_finds_the_least_score, ::test_each_option_caps_the_chunks_of_any_pipeline_holding_it |
-| plain 1F1B floor | plain_1f1b_floor_s; round_trips_s, cycles_s per boundary | _option_score_floor, _add_entries (schedules "plain") | each stage's m micro-batches after the fill in front; the round trips the simulation waits for | test_planner_compose.py::test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wins, ::test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not, ::test_cycles_across_a_boundary_lie_under_the_plain_simulation, ::test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same |
+Each bound: its floor; where it prunes; why it is safe; the test that checks it against brute force.
+
+slice closed form: latency_floor_of: (m - 1) x bottleneck + fill + tail
+    prunes: SliceQuery.beyond_bound (enumerate.py), megatron _GridSearch (per grid: floor / pp, heaviest stage; per
+            saver combination), grid.least_floors
+    safe:   a pipeline's period is at least any stage's time, its fill the sum of its stages', its tail any stage's tail
+    test:   test_planner_bound.py::test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound,
+            ::test_bounded_search_finds_the_full_searchs_optimum_on_generated_clusters;
+            tests/test_planner_bounds.py::test_a_slice_plans_floors_are_under_every_pipeline_holding_it
+
+slice score: score_floor_of: m x bottleneck + tail
+    prunes: as above (beyond: both must fail)
+    safe:   the slowest stage runs m forwards and backwards in any schedule, then the tail
+    test:   test_planner_bound.py::test_a_bounded_answer_reads_the_score_bound_at_each_plans_stages;
+            tests/test_planner_bounds.py::test_a_slice_plans_floors_are_under_every_pipeline_holding_it
+
+grid compute floors: SliceCoster.time_floors(with_comm): compute + TP/CP/EP comm per layer kind
+    prunes: megatron bound_grids, _heaviest_floor
+    safe:   stage times only add recompute, p2p and exposed ZeRO to these
+    test:   test_planner_bound.py::test_compute_floors_are_below_every_stage_time;
+            test_megatron_fast_paths.py::test_a_one_kind_split_has_a_stage_of_ceil_layers_over_pp
+
+grid memory floors: SliceCoster.memory_floor_bytes, stage_need_terms / _parts
+    prunes: megatron too_big_grids, _stage_misfit
+    safe:   least model-state and activation bytes per layer under the savers; working sets and edges only add
+    test:   test_megatron_fast_paths.py::test_memory_floors_are_under_the_heaviest_stages_least_need,
+            ::test_answers_with_the_memory_floor_are_the_answers_without
+
+size floor: api.SizeFloor: closed form and score of any plan at one micro-batch size
+    prunes: api (micro-batch sizes skipped)
+    safe:   least compute per layer over every grid and island, spread over all GPUs
+    test:   test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size
+
+pair floors: pair_floors.PairFloors.floor / beyond
+    prunes: api (queries skipped)
+    safe:   the pair's GPU-seconds on its island, the rest's on the others' capacity; links at its ends
+    test:   test_planner_pair_floors.py::test_pair_floors_are_under_every_pipeline_holding_the_pair,
+            ::test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands
+
+class floors: classes.class_floors_s: (m - 1) x P* + F + least tail
+    prunes: api (classes composed most promising first, skipped)
+    safe:   distinct islands' slices must add up to L layers
+    test:   test_planner_classes.py::test_class_floor_is_under_every_composition_the_class_admits,
+            ::test_class_score_floor_is_under_every_compositions_predicted_floor
+
+cover floors: cover_floors.island_floors_s, promising
+    prunes: api / dropped.py (islands and options left out)
+    safe:   covers of the layers in front and behind, ignoring islands, links, memory
+    test:   test_planner_dropped.py::test_island_floor_is_under_every_plan_using_the_island,
+            ::test_options_left_out_as_unpromising_change_no_composition
+
+option-set floor: lower_bound: (m - 1) x least cover period + least cover fill
+    prunes: api (option sets tried best first, skipped)
+    safe:   any plan is a cover of [0, L)
+    test:   tests/test_planner_bounds.py::test_lower_bound_is_under_every_composition
+
+compose early out: (m - 1) x period_lb + max(period_lb, fill_lb); m x stage_lb
+    prunes: compose (no DP run)
+    safe:   the same covers over every island; fill >= period
+    test:   test_planner_compose.py::test_incumbent_prunes_without_changing_the_optimum
+
+DP prefix covers: PrefixBounds(mask), front_link_s
+    prunes: DP option and entry floors (in front of an option)
+    safe:   the layers in front are covered by the free islands, once each, across a link
+    test:   test_planner_compose.py::test_covers_per_island_set_are_the_least_over_every_cover,
+            ::test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_islands
+
+DP option: (m - 1) x max(period_lb, pre_period, own, link) + pre_fill + own + least fill behind + max tail
+    prunes: compose._by_floor (group cut), _option_floor
+    safe:   the entries it fits in front of have at least the least fill and tail of the front's prefix
+    test:   test_planner_compose.py::test_dp_matches_brute_force_on_random_instances,
+            ::test_incumbent_prunes_without_changing_the_optimum
+
+DP entry: the same with the entry's own fill, tail and period (its bucket's least with a quantum)
+    prunes: compose._add_entries
+    safe:   a completion adds only what the prefix covers floor
+    test:   test_planner_compose.py::test_dp_matches_brute_force_on_random_instances,
+            ::test_bound_step_is_never_better_than_exact_and_close
+
+DP score floors: score_floor_terms: m x period + tail; (m - w) x period + w x fill + tail
+    prunes: _option_floor / _option_score_floor, _add_entries
+    safe:   under any score; interleaving with at most 1/w chunks per stage hides at most that much fill
+    test:   test_planner_compose.py::test_the_chosen_plan_has_the_least_score_of_every_candidate,
+            ::test_an_interleaved_only_score_with_its_fill_weight_finds_the_least_score,
+            ::test_each_option_caps_the_chunks_of_any_pipeline_holding_it
+
+plain 1F1B floor: plain_1f1b_floor_s; round_trips_s, cycles_s per boundary
+    prunes: _option_score_floor, _add_entries (schedules "plain")
+    safe:   each stage's m micro-batches after the fill in front; the round trips the simulation waits for
+    test:   test_planner_compose.py::test_the_plain_1f1b_floor_is_under_the_simulation_and_prunes_nothing_that_wins,
+            ::test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not,
+            ::test_cycles_across_a_boundary_lie_under_the_plain_simulation,
+            ::test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same
+
+The DP's floors in full (compose._option_floor, _option_score_floor, _add_entries). A sequence covering [j, L) is
+dropped as soon as even its cheapest completion cannot beat the closed form to beat:
+  (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])
+where the pre_* are the least of any cover of [0, start) by distinct islands free in front of it (PrefixBounds).
+With a score to beat a sequence is kept too while m x its period + its tail can beat it: that floor lies under any
+score (compose's score_floor), and a score can rank a plan well below its closed form (the interleaved schedule
+shrinks the bubble); with a fill weight w, (m - w) x period + w x fill + tail (a score that only interleaved
+schedules with at most 1/w chunks per stage can reach), where an option of n layers in s stages weighs more: a chunk
+holds a layer at least, so a pipeline holding it interleaves in at most n // s chunks (its least stage has no more
+layers), and not at all below 2, where the plain floor alone holds. Where the score is the plain 1F1B simulation
+(schedules hold "plain"), its floor is instead the largest of pre_fill[start] + plain_s (a stage runs its m forwards
+and backwards after the first micro-batch's forward reached it and before the last one's backward left the stages in
+front: plain_1f1b_floor_s), m x the least slowest stage of any cover (PrefixCovers.stage_period_s, without links: the
+simulation takes a link as latency, so m x a link is not under it) and the round trips across the boundary an
+option adds and the one in front of it (round_trips_s), + tail; with both schedules the lesser of that and the
+interleaved floor. With edge times (per option: its first and its last stage's forward + backward seconds) each such
+boundary's round trips count the stage times they pass too (cycles_s): per two micro-batches the two stages beside
+it and the link both ways, so a slow link between islands costs a plain 1F1B pipeline what it costs in the
+simulation. With such a known score and a score to beat, the score floor alone prunes (the closed form is only a
+proxy). Exact: a sequence that beats the bound is represented at every step by an entry with no more of anything,
+whose completion with the same front part beats it too.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ A plan holding option o (layers [s, t)) covers [0, s) and [t, L) with other opti
     closed form    >= (m - 1) x slowest stage + fill + tail          (compose's objective)
     iteration      >= m x slowest stage + tail                       (compose's score floor: plain or interleaved)
 
-Above ``exact_islands`` islands the driver composes one option set in many island orders (a second or more each on
-4,096 GPUs, with 265,000 options); dropping first the options no plan beating the incumbent can hold makes every
+Above ``exact_islands`` islands the driver composes one option set in many island orders, each a full DP over
+the options on a large cluster; dropping first the options no plan beating the incumbent can hold makes every
 order cheaper and can leave few enough islands for the exact search. The same covers, without the island's own
 options, give the floor a dropped island's reason quotes (dropped.py).
 """
