@@ -59,6 +59,7 @@ from tangram_launch.costmodel.grid import (
     peak_memory,
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
+from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
 from tangram_launch.costmodel.slice_bounds import (beyond, beyond_array, latency_floor_of, score_floor_of,
                                                    slack_cut)
 from tangram_launch.parallelizers.base import (
@@ -266,7 +267,7 @@ class MegatronParallelizer:
     def compute_floors(self, q: SliceQuery) -> dict[str, tuple[float, float]]:
         """Per layer kind, and for "embedding" / "head": the least (GPU-seconds, seconds) of forward + backward
         compute per micro-batch, with the TP / CP / EP communication every stage pays whatever its memory savers
-        (SliceCoster.time_floors with_comm), over every grid this parallelizer offers for q's island and
+        (slice_floors.time_floors with_comm), over every grid this parallelizer offers for q's island and
         micro-batch size (no recompute, no p2p: floors that every slice plan's stage times are at least). The
         planner turns them into floors under any plan at one micro-batch size (api._size_floor) and under any
         pipeline holding a pair (pair_floors.py)."""
@@ -285,7 +286,7 @@ class MegatronParallelizer:
             if f not in fits:
                 continue
             n = key[0] * key[1] * key[3]
-            per_kind, emb_s, head_s = coster.time_floors(*key, with_comm=True)
+            per_kind, emb_s, head_s = time_floors(coster, *key, with_comm=True)
             for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
                 gs, ts = out.get(k, (math.inf, math.inf))
                 out[k] = (min(gs, t * n), min(ts, t))
@@ -297,7 +298,7 @@ class MegatronParallelizer:
 
     def _search(self, q: SliceQuery, grids, savers, *, memory_floor: bool = True) -> SliceResult:
         """The query's answer over ``grids`` x ``savers``. ``memory_floor``: skip, before costing its stages, a grid
-        that fits no saver combination by a floor: its stages on average (SliceCoster.memory_floor_bytes), a
+        that fits no saver combination by a floor: its stages on average (slice_floors.memory_floor_bytes), a
         one-kind slice's stage of ceil(layers / pp) layers (stage_need_terms), or, once split, its first or
         largest stage (_stage_misfit); off when nothing fits, to name the least memory needed (the answer's reason
         reads every grid's).
@@ -512,7 +513,7 @@ class _GridSearch:
             if pp <= self.max_pp:
                 self.shape_reasons.update(problems)
         self.keep = self.index.pp <= self.max_pp  # the problem-free grids this slice can hold, in listed order
-        self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> SliceCoster.stage_need_parts, one kind
+        self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> slice_floors.stage_need_parts, one kind
         self.room = math.inf
 
     def bound_grids(self) -> None:
@@ -625,8 +626,8 @@ class _GridSearch:
         f = self.index.fkey_list[i]
         parts = self.stage_parts.get((f, skey))
         if parts is None:
-            parts = self.stage_parts[f, skey] = (*self.coster.stage_need_parts(
-                grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind), {})
+            parts = self.stage_parts[f, skey] = (*stage_need_parts(
+                self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind), {})
         return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
 
     def _keep_points(self, grid: ParallelConfig, allowed: tuple, stages: StagesCosted, judged, grid_cut: float) -> None:
@@ -668,7 +669,7 @@ class _GridSearch:
 
 
 def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, floor_key: tuple) -> tuple:
-    """SliceCoster.time_floors (with communication) of every (tp, cp, ep, dp) of a grid list, for slices alike in
+    """slice_floors.time_floors (with communication) of every (tp, cp, ep, dp) of a grid list, for slices alike in
     what those floors read (``floor_key``: layer kinds, embedding, head): the answers, and per layer kind, for the
     embedding and for the head, the floors as arrays over GridIndex.fkeys."""
     hit = table.floor_arrays.get((gkey, floor_key))
@@ -679,7 +680,7 @@ def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey
             tkey = (b, fkey, floor_key)
             floors = table.floors.get(tkey)
             if floors is None:
-                floors = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
+                floors = table.floors[tkey] = time_floors(coster, *fkey, with_comm=True)
             hits.append(floors)
         kinds = {k: np.array([h[0][k] for h in hits], dtype=np.float64) for k in coster.prefix}
         hit = table.floor_arrays[gkey, floor_key] = (
@@ -690,7 +691,7 @@ def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey
 
 def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, saver_key: tuple,
                    saver_cache: dict, savers) -> tuple:
-    """SliceCoster.memory_floor_bytes of every grid of a grid list under its saver combinations, for slices alike in
+    """slice_floors.memory_floor_bytes of every grid of a grid list under its saver combinations, for slices alike in
     their layer kinds: per layer kind, for the embedding and for the head, as arrays over the grids (0 for a grid
     no combination is allowed on: the search skips it anyway)."""
     key = (gkey, saver_key, tuple(coster.prefix))
@@ -698,16 +699,16 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
     if hit is None:
         q = coster.q
         rows = []  # per GridIndex.pairs
-        terms = []  # per pair, a one-kind slice's SliceCoster.stage_need_terms
+        terms = []  # per pair, a one-kind slice's slice_floors.stage_need_terms
         (one,) = coster.prefix if len(coster.prefix) == 1 else (None,)
         for f, skey, g in index.pairs:
             allowed = saver_cache.get(skey)
             if allowed is None:
                 allowed = saver_cache[skey] = tuple(savers(q, g))
-            rows.append(coster.memory_floor_bytes(*index.fkeys[f], allowed) if allowed
+            rows.append(memory_floor_bytes(coster, *index.fkeys[f], allowed) if allowed
                         else ({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
             if one is not None:
-                terms.append(coster.stage_need_terms(*index.fkeys[f], allowed, one) if allowed else [(0.0, 0.0)])
+                terms.append(stage_need_terms(coster, *index.fkeys[f], allowed, one) if allowed else [(0.0, 0.0)])
         ids = index.pair_ids
         stage = None
         if one is not None:  # (a, b) as (grids x most combinations) arrays, padded with combinations that never fit
@@ -728,7 +729,7 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
 def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edges: tuple[int, int],
                   tp: int) -> bool:
     """Whether the split's first stage (its micro-batches in flight: min(stages, m), the embedding's parameters) or
-    its largest one fits under no saver combination even by SliceCoster.stage_need_parts' floors: then
+    its largest one fits under no saver combination even by slice_floors.stage_need_parts' floors: then
     judge_columns finds no combination that fits there (it judges a stage with at least that many in flight), and
     the grid is not costed. ``parts``: stage_need_parts' answer and a dict of the needs worked out so far (a grid
     list's parts meet the same stages in many queries)."""
@@ -751,7 +752,7 @@ def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edg
 
 
 def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -> float:
-    """The largest compute floor of the split's stages (layers per stage: ``sizes``; SliceCoster.time_floors per
+    """The largest compute floor of the split's stages (layers per stage: ``sizes``; slice_floors.time_floors per
     layer kind, the embedding's on the slice's first stage, the head's on its last), added up as the general loop
     always did."""
     per_kind, emb_s, head_s, _total, w = floor

@@ -27,13 +27,13 @@ slice score: score_floor_of: m x bottleneck + tail
     test:   test_planner_bound.py::test_a_bounded_answer_reads_the_score_bound_at_each_plans_stages;
             tests/test_planner_bounds.py::test_a_slice_plans_floors_are_under_every_pipeline_holding_it
 
-grid compute floors: SliceCoster.time_floors(with_comm): compute + TP/CP/EP comm per layer kind
+grid compute floors: slice_floors.time_floors(with_comm): compute + TP/CP/EP comm per layer kind
     prunes: megatron bound_grids, _heaviest_floor
     safe:   stage times only add recompute, p2p and exposed ZeRO to these
     test:   test_planner_bound.py::test_compute_floors_are_below_every_stage_time;
             test_megatron_fast_paths.py::test_a_one_kind_split_has_a_stage_of_ceil_layers_over_pp
 
-grid memory floors: SliceCoster.memory_floor_bytes, stage_need_terms / _parts
+grid memory floors: slice_floors.memory_floor_bytes, stage_need_terms / _parts
     prunes: megatron too_big_grids, _stage_misfit
     safe:   least model-state and activation bytes per layer under the savers; working sets and edges only add
     test:   test_megatron_fast_paths.py::test_memory_floors_are_under_the_heaviest_stages_least_need,
