@@ -24,7 +24,12 @@ best plan: (m - 1) x max(its period, the least period of the layers in front) + 
 beats the bound is represented at every step by an entry with no more fill, tail, stages or period). The bound comes
 first from the single-island plans and a quick plan (the same DP keeping two entries per state), so the exact pass
 prunes hard from its first layer. ``bound_step`` > 0 compares periods by bucket on a geometric grid (fewer
-entries, not exact: at most (m - 1) x bound_step x the period slower). ``reference.py`` checks it by brute force.
+entries, not exact: at most (m - 1) x bound_step x the period slower). ``reference.py`` checks it by brute force;
+``bounds.py`` holds every floor it prunes by, with why each is safe.
+
+Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
+plan, the exact pass, each offering plans to the best so far), _dp (one pass: _state_front, _expand_state,
+_add_options, _option_floor, _add_entries, _candidates over Entry tuples), _pareto (a state's front).
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
@@ -48,12 +53,12 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
-from tangram_launch.planner.bounds import (PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms)
+from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
 from tangram_launch.planner.bounds import least_links, plain_1f1b_floor_s  # noqa: F401 (api.py reads them here)
 
 _AFTER = operator.itemgetter(2)
