@@ -36,6 +36,14 @@ def beyond(latency_floor_s: float, score_floor_s: float, latency_cut_s: float, s
     return latency_floor_s > latency_cut_s and score_floor_s > score_cut_s
 
 
+def beyond_floors(bottleneck_s: float, fill_s: float, tail_s: float, num_microbatches: int, latency_cut_s: float,
+                  score_cut_s: float) -> bool:
+    """beyond(latency_floor_of(...), score_floor_of(...), ...) in one call, the score floor only where the closed
+    form's is beyond (the same float operations): for loops that judge many plans."""
+    return ((num_microbatches - 1) * bottleneck_s + fill_s + tail_s > latency_cut_s
+            and num_microbatches * bottleneck_s + tail_s > score_cut_s)
+
+
 def beyond_array(latency_floor_s: np.ndarray, score_floor_s: np.ndarray, latency_cut_s,
                  score_cut_s) -> np.ndarray:
     """beyond, element by element over arrays of floors (cuts: floats or arrays of the same length)."""

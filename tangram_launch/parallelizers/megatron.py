@@ -60,8 +60,7 @@ from tangram_launch.costmodel.grid import (
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
-from tangram_launch.costmodel.slice_bounds import (beyond, beyond_array, latency_floor_of, score_floor_of,
-                                                   slack_cut)
+from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_floors, slack_cut
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
     LazySlicePlan,
@@ -568,7 +567,7 @@ class _GridSearch:
 
     def judge(self, i: int) -> None:
         """Grid i of the list: skipped by its bounds or memory floors, else costed and its combinations judged."""
-        index, coster, q = self.index, self.coster, self.q
+        index, coster, q, m = self.index, self.coster, self.q, self.m
         grid = index.grids[i]
         skey = index.saver_keys[i]
         allowed = self.saver_cache.get(skey)
@@ -576,16 +575,22 @@ class _GridSearch:
             allowed = self.saver_cache[skey] = tuple(self.savers(q, grid))
         if not allowed:
             return
-        floor = self._floor(i) if self.bound else None
-        if floor is not None and grid.pp > 1 and floor[4] is not None and self._beyond_grid(
-                i, -(-self.max_pp // grid.pp) * floor[4], floor):
+        grid_cut = math.inf
+        if self.bound:
+            grid_cut = self.pp_cut[index.pp_list[i]]
+            floor = self.floors.get(index.fkey_list[i]) or self._floor(index.fkey_list[i])
             # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
             # floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
             # monotone): a grid this already bounds needs no split
-            return
+            if grid.pp > 1 and floor[4] is not None and beyond_floors(
+                    -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
+                self.bounded += 1
+                return
         sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, q.microbatch_sequences // grid.dp)
         # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
-        if floor is not None and grid.pp > 1 and self._beyond_grid(i, _heaviest_floor(coster, sizes, floor), floor):
+        if self.bound and grid.pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
+                                                        self.lat_cut, grid_cut):
+            self.bounded += 1
             return
         if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
             self.too_big += 1
@@ -593,33 +598,21 @@ class _GridSearch:
         sigs = self.table.signatures(coster, grid.tp, grid.pp, grid.dp, grid.cp, grid.ep, sizes=sizes)
         dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
         by_sid = self.table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
-        columns = self.table.stage_columns(sigs, allowed, self.m, self.cap)
+        columns = self.table.stage_columns(sigs, allowed, m, self.cap)
         if self.bound and len(allowed) > 1:
-            lat_floor, score_floor = least_floors(columns, sigs, self.m)
-            if lat_floor > self.lat_cut and score_floor > self.pp_cut[index.pp_list[i]]:
+            if beyond(*least_floors(columns, sigs, m), self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, self.m),
-                          self.pp_cut[index.pp_list[i]] if self.bound else math.inf)
+        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m),
+                          grid_cut)
 
-    def _floor(self, i: int) -> tuple:
-        """Grid i's compute floors: (per-kind, embedding, head, the slice's total, its one kind's or None)."""
-        f = self.index.fkey_list[i]
-        floor = self.floors.get(f)
-        if floor is None:
-            per_kind = self.hits[f][0]
-            one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
-            floor = self.floors[f] = (*self.hits[f], float(self.totals[f]), one_kind)
+    def _floor(self, f: int) -> tuple:
+        """The compute floors of GridIndex.fkeys[f]: (per-kind, embedding, head, the slice's total, its one kind's
+        or None)."""
+        per_kind = self.hits[f][0]
+        one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
+        floor = self.floors[f] = (*self.hits[f], float(self.totals[f]), one_kind)
         return floor
-
-    def _beyond_grid(self, i: int, heaviest: float, floor: tuple) -> bool:
-        """Whether grid i, whose heaviest stage takes at least ``heaviest``, can beat neither bound (counted)."""
-        m = self.m
-        if beyond(latency_floor_of(heaviest, floor[3], 0.0, m), score_floor_of(heaviest, 0.0, m), self.lat_cut,
-                  self.pp_cut[self.index.pp_list[i]]):
-            self.bounded += 1
-            return True
-        return False
 
     def _stage_misfit(self, i: int, skey, allowed: tuple, sizes: tuple[int, ...], grid: ParallelConfig) -> bool:
         """One kind: whether the first stage (the most in flight) or the largest, as split, fits no combination."""
@@ -647,8 +640,7 @@ class _GridSearch:
         for s, (zero, r, off) in enumerate(allowed):
             if depth[s] < 0:
                 continue
-            if bound and beyond(latency_floor_of(bottleneck[s], fill[s], tail[s], m),
-                                score_floor_of(bottleneck[s], tail[s], m), lat_cut, grid_cut):
+            if bound and beyond_floors(bottleneck[s], fill[s], tail[s], m, lat_cut, grid_cut):
                 self.bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
                 continue
             bucket.append(FrontPoint(bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off,

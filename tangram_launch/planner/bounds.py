@@ -4,9 +4,10 @@ enumerates every composition of a small instance) or against the search without 
 
 The slice-level floors (``costmodel/slice_bounds.py``) sit below the parallelizers, which prune with them and cannot
 import the planner; they are re-exported here. The DP's per-option and per-entry floors are the rows "DP option" and
-"DP entry": compose._option_floor and compose._add_entries compute them inline (the DP's hot loop), from the terms
+"DP entry": compose._add_options and compose._add_entries compute them inline (the DP's hot loop), from the terms
 below (PrefixBounds, front_link_s, round_trips_s, cycles_s, score_floor_terms). Scalar and array forms stand side by
-side: latency_floor_of / score_floor_of take floats or numpy arrays alike, beyond / beyond_array.
+side: latency_floor_of / score_floor_of take floats or numpy arrays alike, beyond / beyond_array (beyond_floors:
+both floors and beyond in one call, for loops over many plans).
 
 m micro-batches; a pipeline's closed form is (m - 1) x period + fill + tail (compose.py), its score the Plan's
 simulated iteration (plain or interleaved 1F1B).
@@ -79,7 +80,7 @@ DP prefix covers: PrefixBounds(mask), front_link_s
             ::test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_islands
 
 DP option: (m - 1) x max(period_lb, pre_period, own, link) + pre_fill + own + least fill behind + max tail
-    prunes: compose._by_floor (group cut), _option_floor
+    prunes: compose._by_floor (group cut), _add_options
     safe:   the entries it fits in front of have at least the least fill and tail of the front's prefix
     test:   test_planner_compose.py::test_dp_matches_brute_force_on_random_instances,
             ::test_incumbent_prunes_without_changing_the_optimum
@@ -91,7 +92,7 @@ DP entry: the same with the entry's own fill, tail and period (its bucket's leas
             ::test_bound_step_is_never_better_than_exact_and_close
 
 DP score floors: score_floor_terms: m x period + tail; (m - w) x period + w x fill + tail
-    prunes: _option_floor / _option_score_floor, _add_entries
+    prunes: _add_options / _option_score_floor, _add_entries
     safe:   under any score; interleaving with at most 1/w chunks per stage hides at most that much fill
     test:   test_planner_compose.py::test_the_chosen_plan_has_the_least_score_of_every_candidate,
             ::test_an_interleaved_only_score_with_its_fill_weight_finds_the_least_score,
@@ -105,7 +106,7 @@ plain 1F1B floor: plain_1f1b_floor_s; round_trips_s, cycles_s per boundary
             ::test_cycles_across_a_boundary_lie_under_the_plain_simulation,
             ::test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same
 
-The DP's floors in full (compose._option_floor, _option_score_floor, _add_entries). A sequence covering [j, L) is
+The DP's floors in full (compose._add_options, _option_score_floor, _add_entries). A sequence covering [j, L) is
 dropped as soon as even its cheapest completion cannot beat the closed form to beat:
   (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])
 where the pre_* are the least of any cover of [0, start) by distinct islands free in front of it (PrefixBounds).
@@ -134,13 +135,14 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from tangram_launch.costmodel.slice_bounds import (BOUND_SLACK, beyond, beyond_array, latency_floor_of,
-                                                   score_floor_of, slack_cut)
+from tangram_launch.costmodel.slice_bounds import (BOUND_SLACK, beyond, beyond_array, beyond_floors,
+                                                   latency_floor_of, score_floor_of, slack_cut)
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.planner.compose import Option
 
-__all__ = ["BOUND_SLACK", "Covers", "PrefixBounds", "PrefixCovers", "beyond", "beyond_array", "covers", "covers_of",
+__all__ = ["BOUND_SLACK", "Covers", "PrefixBounds", "PrefixCovers", "beyond", "beyond_array", "beyond_floors", "covers",
+           "covers_of",
            "cycles_s", "front_link_s", "latency_floor_of", "least_links", "lower_bound", "pair_minima",
            "plain_1f1b_floor_s", "round_trips_s", "row_minima", "score_floor_of", "score_floor_terms", "slack_cut"]
 

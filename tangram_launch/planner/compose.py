@@ -29,7 +29,7 @@ entries, not exact: at most (m - 1) x bound_step x the period slower). ``referen
 
 Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
 plan, the exact pass, each offering plans to the best so far), _dp (one pass: _state_front, _expand_state,
-_add_options, _option_floor, _add_entries, _candidates over Entry tuples), _pareto (a state's front).
+_add_options, _option_score_floor, _add_entries, _candidates over Entry tuples), _pareto (a state's front).
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
@@ -345,7 +345,7 @@ class _Pass:
     __slots__ = ("options", "link_s", "num_layers", "m", "m1", "required", "beat", "score_beat", "stats", "rank",
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "mw", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
-                 "edged", "c1", "c0", "t_first", "t_last", "tables")
+                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -387,6 +387,12 @@ class _Pass:
             self.t_last = [e[1] * _EDGE_SHRINK for e in edge_s]
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
+        # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
+        self.option_terms = (options, m, self.m1, self.w, self.mw, self.only_plain, self.plain, self.prune,
+                             self.score_only, beat, self.edged, prep.period_lb, prep.stage_lb)
+        self.entry_terms = (self.m1, beat, score_beat, self.score_only, self.shrink, self.plain, self.trips, self.c1,
+                            self.c0, self.t_first, self.t_last, self.edged, self.stage_cap, prep.n_cap, quantum,
+                            self.tables)
 
 
 def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]], num_layers: int,
@@ -405,7 +411,7 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
                front: island of the sequence's first option, -1 for the empty sequence at j = L; with
                ``merge_fronts`` (not in island-order mode) its class, front_classes)
     to the Pareto front of their Entry tuples. The steps: _state_front (reduce a state to its front), _expand_state
-    (each group of options that may go in front of it), _option_floor (drop an option no completion of which can
+    (each group of options that may go in front of it), _add_options (drop an option no completion of which can
     beat the bounds), _add_entries (the entries it makes, each judged by its own floor), _candidates (the complete
     sequences, read back through the parents). The floors are bounds.py's DP rows.
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
@@ -485,9 +491,12 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
 
 def _add_options(run: _Pass, key: tuple, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> None:
     """Each option of a group in front of the entries it fits in front of, unless an earlier option covers them
-    (_covered_room) or no completion can beat the bounds (_option_floor)."""
-    options, afters, prune, m = run.options, front.afters, run.prune, run.m
-    link = group.link
+    (_covered_room) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
+    + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
+    floors (an _OptionFloor, built as a plain tuple) go on to _add_entries, which judges each entry by them."""
+    options, m, m1, w, mw, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
+    afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
+    f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
     for oi, room in zip(gidx, covered):
         start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
         fits = bisect.bisect_right(afters, max_after)  # entries it fits in front of: a prefix
@@ -500,53 +509,36 @@ def _add_options(run: _Pass, key: tuple, front: _Front, group: _Group, gidx: lis
         per = bn if bn > link else link  # the period it adds
         floor = None
         if prune:
-            floor = _option_floor(run, front, group, oi, fits, add, per)
-            if floor is None:
-                continue
+            wo, mwo, plain_only = w, mw, only_plain
+            if w > 0.0:  # its least stage has at most q layers: v <= q chunks, none below 2
+                q = (stop - start) // ns
+                if q * w < 1.0:
+                    if q >= 2:
+                        wo = 1.0 / q
+                        mwo = m - wo
+                    elif plain:
+                        plain_only = True
+            if start:
+                per_lb = max(period_lb, pre_period[start], per, lk) if m1 else 0.0
+                base = pre_fill[start] + add + 2.0 * lk
+            else:
+                per_lb = max(period_lb, pre_period[start], per) if m1 else 0.0
+                base = pre_fill[start] + add
+            in_front = base - add  # (as the floors below always summed it)
+            if base == _INF:
+                continue  # the islands free in front of it cannot cover [0, start)
+            tail_lb = tail if tail > pre_tail[start] else pre_tail[start]
+            ps = trips_on = 0.0
+            if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
+                ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
+                trips_on = link or start or (edged and f >= 0)  # a boundary with a link or stages
+            floor = (per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, plain_only)
+            lf = least_f[fits - 1] + tail_lb
+            lft = least_ft[fits - 1]
+            if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
+                    _option_score_floor(run, front, group, oi, fits, add, floor) >= run.score_beat:
+                continue  # no entry it fits in front of can beat: the check in _add_entries fails for each
         _add_entries(run, key, front, group, oi, lo, fits, add, per, m * bn, floor)
-
-
-def _option_floor(run: _Pass, front: _Front, group: _Group, oi: int, fits: int, add: float,
-                  per: float) -> _OptionFloor | None:
-    """The floors of any completion of an option in front of the first ``fits`` entries of a state; None when no
-    entry it fits in front of can beat the bounds (the entry check in _add_entries fails for each): the closed
-    form (m - 1) x period + fill + tail against ``beat``, else the score floor against ``score_beat``
-    (_option_score_floor)."""
-    start, stop, _, ns, _, _, bn, tail = run.options[oi]
-    m, m1, w, plain, prep = run.m, run.m1, run.w, run.plain, run.prep
-    wo, mwo, plain_only = w, run.mw, run.only_plain
-    if w > 0.0:  # its least stage has at most q layers: v <= q chunks, none below 2
-        q = (stop - start) // ns
-        if q * w < 1.0:
-            if q >= 2:
-                wo = 1.0 / q
-                mwo = m - wo
-            elif plain:
-                plain_only = True
-    lk = group.lk
-    if start:
-        per_lb = max(prep.period_lb, group.pre_period[start], per, lk) if m1 else 0.0
-        base = group.pre_fill[start] + add + 2.0 * lk
-    else:
-        per_lb = max(prep.period_lb, group.pre_period[start], per) if m1 else 0.0
-        base = group.pre_fill[start] + add
-    in_front = base - add  # (as the floors below always summed it)
-    if base == _INF:
-        return None  # the islands free in front of it cannot cover [0, start)
-    pre_tail = group.pre_tail[start]
-    tail_lb = tail if tail > pre_tail else pre_tail
-    ps = trips_on = 0.0
-    if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
-        pre_stage = group.pre_stage[start]
-        ps = m * (prep.stage_lb if prep.stage_lb > pre_stage else pre_stage)
-        trips_on = group.link or start or (run.edged and group.front_island >= 0)  # a boundary with a link or stages
-    floor = _OptionFloor(per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, plain_only)
-    lf = front.least_f[fits - 1] + tail_lb
-    least_ft = front.least_ft[fits - 1]
-    if run.score_only or m1 * per_lb + base + (lf if lf > least_ft else least_ft) >= run.beat:
-        if _option_score_floor(run, front, group, oi, fits, add, floor) >= run.score_beat:
-            return None
-    return floor
 
 
 def _option_score_floor(run: _Pass, front: _Front, group: _Group, oi: int, fits: int, add: float,
@@ -583,15 +575,12 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, group: _Group, oi: int, 
     """The entries option ``oi`` makes in front of entries lo .. fits - 1 of the state ``key``, each kept while its
     closed form can beat ``beat`` or (with a score) its score floor can beat ``score_beat``."""
     start, _, _, ns, _, _, _, tail = run.options[oi]
-    entries, prune, stage_cap, n_cap, quantum = front.entries, run.prune, run.stage_cap, run.prep.n_cap, run.quantum
-    tables, tkey = run.tables, group.tkey
+    (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
+     tables) = run.entry_terms
+    entries, tkey, prune = front.entries, group.tkey, floor is not None
     if prune:
         per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, plain_only = floor
-        m1, beat, score_beat, score_only, shrink, plain = run.m1, run.beat, run.score_beat, run.score_only, \
-            run.shrink, run.plain
-        trips, c1, c0, t_first, t_last = run.trips, run.c1, run.c0, run.t_first, run.t_last
-        link, lk, edged_front = group.link, group.lk, run.edged and group.front_island >= 0
-        edged = run.edged
+        link, lk, edged_front = group.link, group.lk, edged and group.front_island >= 0
     tgt = None
     # the least fill of the entries this option made in front of earlier (no later) entries with its own tail and
     # period, the least any can have: one dominates a later entry of no less fill (stages behind grow with pos),
