@@ -486,10 +486,12 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
             gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
         else:
             gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
-        _add_options(run, key, front, group, gidx, covered)
+        offers = _add_options(run, front, group, gidx, covered)
+        if offers:
+            _add_entries(run, key, front, group, offers)
 
 
-def _add_options(run: _Pass, key: tuple, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> None:
+def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[tuple]:
     """Each option of a group in front of the entries it fits in front of, unless an earlier option covers them
     (_covered_room) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
     + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
@@ -497,6 +499,7 @@ def _add_options(run: _Pass, key: tuple, front: _Front, group: _Group, gidx: lis
     options, m, m1, w, mw, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
     f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
+    offers = []
     for oi, room in zip(gidx, covered):
         start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
         fits = bisect.bisect_right(afters, max_after)  # entries it fits in front of: a prefix
@@ -538,7 +541,8 @@ def _add_options(run: _Pass, key: tuple, front: _Front, group: _Group, gidx: lis
             if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
                     _option_score_floor(run, front, group, oi, fits, add, floor) >= run.score_beat:
                 continue  # no entry it fits in front of can beat: the check in _add_entries fails for each
-        _add_entries(run, key, front, group, oi, lo, fits, add, per, m * bn, floor)
+        offers.append((oi, lo, fits, add, per, m * bn, floor))
+    return offers
 
 
 def _option_score_floor(run: _Pass, front: _Front, group: _Group, oi: int, fits: int, add: float,
@@ -570,72 +574,74 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, oi: int, fits:
     return pf if plain_only or pf < sf else sf
 
 
-def _add_entries(run: _Pass, key: tuple, front: _Front, group: _Group, oi: int, lo: int, fits: int, add: float,
-                 per: float, mb: float, floor: _OptionFloor | None) -> None:
-    """The entries option ``oi`` makes in front of entries lo .. fits - 1 of the state ``key``, each kept while its
-    closed form can beat ``beat`` or (with a score) its score floor can beat ``score_beat``."""
-    start, _, _, ns, _, _, _, tail = run.options[oi]
+def _add_entries(run: _Pass, key: tuple, front: _Front, group: _Group, offers: list[tuple]) -> None:
+    """The entries each offered option makes in front of the state ``key`` (offers: (option, lo, fits, add, per,
+    m x its bottleneck, its _OptionFloor or None) from _add_options), in front of entries lo .. fits - 1, each kept
+    while its closed form can beat ``beat`` or (with a score) its score floor can beat ``score_beat``."""
+    options = run.options
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
-    entries, tkey, prune = front.entries, group.tkey, floor is not None
-    if prune:
-        per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, plain_only = floor
-        link, lk, edged_front = group.link, group.lk, edged and group.front_island >= 0
-    tgt = None
-    # the least fill of the entries this option made in front of earlier (no later) entries with its own tail and
-    # period, the least any can have: one dominates a later entry of no less fill (stages behind grow with pos),
-    # which _pareto would drop. Those with more tail or period are left to _pareto: checking each new entry against
-    # all made ones cost more than it saved
-    made = _INF
-    for pos in range(lo, fits):
-        e = entries[pos]
-        e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
-        n2 = e2 + ns
-        if n2 > stage_cap:
-            continue
-        nf = e0 + add
-        nt = e1 if e1 > tail else tail
-        np_ = e3 if e3 > per else per
-        if made <= nf:
-            continue
-        a = add + e[7]
-        if a < mb:
-            a = mb
+    entries, tkey, prune = front.entries, group.tkey, run.prune
+    link, lk, edged_front = group.link, group.lk, edged and group.front_island >= 0
+    for oi, lo, fits, add, per, mb, floor in offers:
+        start, _, _, ns, _, _, _, tail = options[oi]
         if prune:
-            p = e3 * shrink
-            if p < per_lb:
-                p = per_lb
-            t = e1 if e1 > tail_lb else tail_lb
-            if score_only or m1 * p + base + e0 + t >= beat:
-                sf = mwo * p + wo * (base + e0) + t
-                if plain:
-                    pf = a + in_front
-                    if ps > pf:
-                        pf = ps
-                    if e2 < n_cap and trips_on:
-                        r = trips[e2] * link
-                        if edged_front:
-                            r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
-                        if start:
-                            r2 = trips[e2 + ns] * lk
-                            if edged:
-                                r2 += c1[e2 + ns] * t_first[oi]
-                            r = r2 if r2 > r else r
-                        if r > pf:
-                            pf = r
-                    pf += t
-                    sf = pf if plain_only or pf < sf else sf
-                if sf >= score_beat:
-                    continue
-        if tgt is None:
-            tgt = tables[start].get(tkey)
+            per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, plain_only = floor
+        tgt = None
+        # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
+        # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
+        # pos), which _pareto would drop. Those with more tail or period are left to _pareto: checking each new
+        # entry against all made ones cost more than it saved
+        made = _INF
+        for pos in range(lo, fits):
+            e = entries[pos]
+            e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
+            n2 = e2 + ns
+            if n2 > stage_cap:
+                continue
+            nf = e0 + add
+            nt = e1 if e1 > tail else tail
+            np_ = e3 if e3 > per else per
+            if made <= nf:
+                continue
+            a = add + e[7]
+            if a < mb:
+                a = mb
+            if prune:
+                p = e3 * shrink
+                if p < per_lb:
+                    p = per_lb
+                t = e1 if e1 > tail_lb else tail_lb
+                if score_only or m1 * p + base + e0 + t >= beat:
+                    sf = mwo * p + wo * (base + e0) + t
+                    if plain:
+                        pf = a + in_front
+                        if ps > pf:
+                            pf = ps
+                        if e2 < n_cap and trips_on:
+                            r = trips[e2] * link
+                            if edged_front:
+                                r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
+                            if start:
+                                r2 = trips[e2 + ns] * lk
+                                if edged:
+                                    r2 += c1[e2 + ns] * t_first[oi]
+                                r = r2 if r2 > r else r
+                            if r > pf:
+                                pf = r
+                        pf += t
+                        sf = pf if plain_only or pf < sf else sf
+                    if sf >= score_beat:
+                        continue
             if tgt is None:
-                tgt = tables[start][tkey] = []
-            elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
-                tgt[:] = _pareto(tgt, quantum)
-        tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
-        if nf < made and nt == tail and np_ == per:
-            made = nf
+                tgt = tables[start].get(tkey)
+                if tgt is None:
+                    tgt = tables[start][tkey] = []
+                elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
+                    tgt[:] = _pareto(tgt, quantum)
+            tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
+            if nf < made and nt == tail and np_ == per:
+                made = nf
 
 
 def _candidates(run: _Pass) -> list[Candidate]:
