@@ -69,6 +69,7 @@ SCORE_ANY = ("any",)  # compose's score may be anything: its floor is m x period
 # once, the simulation reads them apart (an ulp's difference must not prune a plan that ties)
 _EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
+_NO_FLOOR = (0.0,) * 9  # an offer's _OptionFloor fields where nothing prunes (never read)
 
 
 class Option(NamedTuple):
@@ -495,7 +496,7 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
     """Each option of a group in front of the entries it fits in front of, unless an earlier option covers them
     (_covered_room) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
     + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
-    floors (an _OptionFloor, built as a plain tuple) go on to _add_entries, which judges each entry by them."""
+    floors (an _OptionFloor's fields) go on to _add_entries in its offer, flat, which judges each entry by them."""
     options, m, m1, w, mw, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
     f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
@@ -510,7 +511,6 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
             continue
         add = time_s + 2.0 * link
         per = bn if bn > link else link  # the period it adds
-        floor = None
         if prune:
             wo, mwo, plain_only = w, mw, only_plain
             if w > 0.0:  # its least stage has at most q layers: v <= q chunks, none below 2
@@ -541,7 +541,9 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
             if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
                     _option_score_floor(run, front, group, oi, fits, add, floor) >= run.score_beat:
                 continue  # no entry it fits in front of can beat: the check in _add_entries fails for each
-        offers.append((oi, lo, fits, add, per, m * bn, floor))
+            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn, *floor))
+        else:
+            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)
     return offers
 
 
@@ -575,18 +577,16 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, oi: int, fits:
 
 
 def _add_entries(run: _Pass, key: tuple, front: _Front, group: _Group, offers: list[tuple]) -> None:
-    """The entries each offered option makes in front of the state ``key`` (offers: (option, lo, fits, add, per,
-    m x its bottleneck, its _OptionFloor or None) from _add_options), in front of entries lo .. fits - 1, each kept
-    while its closed form can beat ``beat`` or (with a score) its score floor can beat ``score_beat``."""
-    options = run.options
+    """The entries each offered option makes in front of the state ``key`` (offers from _add_options: option, lo,
+    fits, its start, stages and tail, add, per, m x its bottleneck, then its _OptionFloor's fields, flat), in front of
+    entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a score) its score floor can
+    beat ``score_beat``."""
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
     entries, tkey, prune = front.entries, group.tkey, run.prune
     link, lk, edged_front = group.link, group.lk, edged and group.front_island >= 0
-    for oi, lo, fits, add, per, mb, floor in offers:
-        start, _, _, ns, _, _, _, tail = options[oi]
-        if prune:
-            per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, plain_only = floor
+    for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, \
+            plain_only in offers:
         tgt = None
         # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
         # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
