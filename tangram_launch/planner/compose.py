@@ -535,28 +535,26 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
             if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
                 ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
                 trips_on = link or start or (edged and f >= 0)  # a boundary with a link or stages
-            floor = (per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, plain_only)
+            offer = (oi, lo, fits, start, ns, tail, add, per, m * bn, per_lb, base, in_front, tail_lb, ps, trips_on, wo,
+                     mwo, plain_only)
             lf = least_f[fits - 1] + tail_lb
             lft = least_ft[fits - 1]
             if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
-                    _option_score_floor(run, front, group, oi, fits, add, floor) >= run.score_beat:
+                    _option_score_floor(run, front, group, offer) >= run.score_beat:
                 continue  # no entry it fits in front of can beat: the check in _add_entries fails for each
-            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn, *floor))
+            offers.append(offer)
         else:
             offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)
     return offers
 
 
-def _option_score_floor(run: _Pass, front: _Front, group: _Group, oi: int, fits: int, add: float,
-                        floor: _OptionFloor) -> float:
-    """The least score floor of an option in front of any of the first ``fits`` entries of a state: the
+def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) -> float:
+    """The least score floor of an offer (_add_options) in front of any of the first ``fits`` entries of a state: the
     interleaved floor (m - w) x period + w x fill + tail, or (and) the plain 1F1B floor (bounds.py)."""
-    per_lb, base, in_front, tail_lb, ps, _, wo, mwo, plain_only = floor
+    oi, _, fits, start, ns, _, add, _, mb, per_lb, base, in_front, tail_lb, ps, _, wo, mwo, plain_only = offer
     sf = mwo * per_lb + wo * (base + front.least_f[fits - 1]) + tail_lb
     if not run.plain:
         return sf
-    start, _, _, ns, _, _, bn, _ = run.options[oi]
-    mb = run.m * bn
     a = add + front.least_a[fits - 1]
     a = in_front + (a if a > mb else mb)
     a = ps if ps > a else a
