@@ -466,6 +466,7 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
     used, f = key
     if f >= 0 and run.merge:  # the key holds the front's class: any entry's front island has the same links
         f = options[front.entries[0][4]].island  # from every island not in ``used``
+    batches = []  # (group, its offers)
     for island, bit, gidx in groups:
         if used & bit:
             continue
@@ -489,7 +490,9 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
             gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
         offers = _add_options(run, front, group, gidx, covered)
         if offers:
-            _add_entries(run, key, front, group, offers)
+            batches.append((group, offers))
+    if batches:
+        _add_entries(run, key, front, batches)
 
 
 def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[tuple]:
@@ -574,72 +577,73 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) 
     return pf if plain_only or pf < sf else sf
 
 
-def _add_entries(run: _Pass, key: tuple, front: _Front, group: _Group, offers: list[tuple]) -> None:
-    """The entries each offered option makes in front of the state ``key`` (offers from _add_options: option, lo,
-    fits, its start, stages and tail, add, per, m x its bottleneck, then its _OptionFloor's fields, flat), in front of
-    entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a score) its score floor can
-    beat ``score_beat``."""
+def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) -> None:
+    """The entries each offered option makes in front of the state ``key`` (per group, its offers from _add_options:
+    option, lo, fits, its start, stages and tail, add, per, m x its bottleneck, then its _OptionFloor's fields, flat),
+    in front of entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a score) its score
+    floor can beat ``score_beat``."""
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
-    entries, tkey, prune = front.entries, group.tkey, run.prune
-    link, lk, edged_front = group.link, group.lk, edged and group.front_island >= 0
-    for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, \
-            plain_only in offers:
-        tgt = None
-        # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
-        # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
-        # pos), which _pareto would drop. Those with more tail or period are left to _pareto: checking each new
-        # entry against all made ones cost more than it saved
-        made = _INF
-        for pos in range(lo, fits):
-            e = entries[pos]
-            e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
-            n2 = e2 + ns
-            if n2 > stage_cap:
-                continue
-            nf = e0 + add
-            nt = e1 if e1 > tail else tail
-            np_ = e3 if e3 > per else per
-            if made <= nf:
-                continue
-            a = add + e[7]
-            if a < mb:
-                a = mb
-            if prune:
-                p = e3 * shrink
-                if p < per_lb:
-                    p = per_lb
-                t = e1 if e1 > tail_lb else tail_lb
-                if score_only or m1 * p + base + e0 + t >= beat:
-                    sf = mwo * p + wo * (base + e0) + t
-                    if plain:
-                        pf = a + in_front
-                        if ps > pf:
-                            pf = ps
-                        if e2 < n_cap and trips_on:
-                            r = trips[e2] * link
-                            if edged_front:
-                                r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
-                            if start:
-                                r2 = trips[e2 + ns] * lk
-                                if edged:
-                                    r2 += c1[e2 + ns] * t_first[oi]
-                                r = r2 if r2 > r else r
-                            if r > pf:
-                                pf = r
-                        pf += t
-                        sf = pf if plain_only or pf < sf else sf
-                    if sf >= score_beat:
-                        continue
-            if tgt is None:
-                tgt = tables[start].get(tkey)
+    entries, prune = front.entries, run.prune
+    for group, offers in batches:
+        tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
+        for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, \
+                plain_only in offers:
+            tgt = None
+            # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
+            # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
+            # pos), which _pareto would drop. Those with more tail or period are left to _pareto: checking each new
+            # entry against all made ones cost more than it saved
+            made = _INF
+            for pos in range(lo, fits):
+                e = entries[pos]
+                e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
+                n2 = e2 + ns
+                if n2 > stage_cap:
+                    continue
+                nf = e0 + add
+                nt = e1 if e1 > tail else tail
+                np_ = e3 if e3 > per else per
+                if made <= nf:
+                    continue
+                a = add + e[7]
+                if a < mb:
+                    a = mb
+                if prune:
+                    p = e3 * shrink
+                    if p < per_lb:
+                        p = per_lb
+                    t = e1 if e1 > tail_lb else tail_lb
+                    if score_only or m1 * p + base + e0 + t >= beat:
+                        sf = mwo * p + wo * (base + e0) + t
+                        if plain:
+                            pf = a + in_front
+                            if ps > pf:
+                                pf = ps
+                            if e2 < n_cap and trips_on:
+                                r = trips[e2] * link
+                                if edged_front:
+                                    r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
+                                if start:
+                                    r2 = trips[e2 + ns] * lk
+                                    if edged:
+                                        r2 += c1[e2 + ns] * t_first[oi]
+                                    r = r2 if r2 > r else r
+                                if r > pf:
+                                    pf = r
+                            pf += t
+                            sf = pf if plain_only or pf < sf else sf
+                        if sf >= score_beat:
+                            continue
                 if tgt is None:
-                    tgt = tables[start][tkey] = []
-                elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
-                    tgt[:] = _pareto(tgt, quantum)
-            tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
-            if nf < made and nt == tail and np_ == per:
-                made = nf
+                    tgt = tables[start].get(tkey)
+                    if tgt is None:
+                        tgt = tables[start][tkey] = []
+                    elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
+                        tgt[:] = _pareto(tgt, quantum)
+                tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
+                if nf < made and nt == tail and np_ == per:
+                    made = nf
 
 
 def _candidates(run: _Pass) -> list[Candidate]:
