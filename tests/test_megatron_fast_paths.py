@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.costmodel.breakdown import SliceCoster
 from tangram_launch.costmodel.partition import _smooth
+from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
@@ -46,7 +47,7 @@ def plain_compute_floors(par: MegatronParallelizer, q: SliceQuery) -> dict:
             continue
         seen.add(key)
         n = grid.tp * grid.cp * grid.dp
-        per_kind, emb_s, head_s = coster.time_floors(*key, with_comm=True)
+        per_kind, emb_s, head_s = time_floors(coster, *key, with_comm=True)
         for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
             gs, ts = out.get(k, (math.inf, math.inf))
             out[k] = (min(gs, t * n), min(ts, t))
@@ -170,8 +171,8 @@ WIDE_TRAIN = TrainingSpec(global_batch=16, seq_len=1024, dtype="fp16")
 
 
 def _memory_need_floor(coster: SliceCoster, grid, allowed) -> float:
-    """The sum over a pipeline's stages that SliceCoster.memory_floor_bytes bounds, from its per-layer terms."""
-    per_kind, emb_b, head_b = coster.memory_floor_bytes(grid.tp, grid.cp, grid.ep, grid.dp, allowed)
+    """The sum over a pipeline's stages that slice_floors.memory_floor_bytes bounds, from its per-layer terms."""
+    per_kind, emb_b, head_b = memory_floor_bytes(coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed)
     need = sum(c * per_kind[k] for k, c in coster.layer_counts())
     return need + (emb_b if coster.has_embedding else 0.0) + (head_b if coster.has_head else 0.0)
 
@@ -186,7 +187,7 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
     ceil(layers / pp) layers, are at most the heaviest stage's least static + activation bytes for one micro-batch
     over the allowed savers (less the runtime overhead): a grid skipped by either fits no combination
     (megatron._search). And where the split's first or largest stage, with its micro-batches in flight and its
-    edges, fits under no saver by SliceCoster.stage_need_parts, judge_columns finds no fitting combination."""
+    edges, fits under no saver by slice_floors.stage_need_parts, judge_columns finds no fitting combination."""
     from tangram_launch.costmodel.grid import StageTable, judge_columns
     from tangram_launch.parallelizers.megatron import _stage_misfit
 
@@ -214,20 +215,20 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
         dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
         rows = table.stage_rows(coster, dims, table.signatures(coster, *dims, sizes=sizes), allowed, sizes)
         heaviest = max(min(static + act for _t, static, act, _tail in row) for row in rows)
-        assert floor <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, floor, heaviest)
+        assert floor <= (heaviest - coster.overhead_bytes) * (1 + 1e-12), (grid, floor, heaviest)
         if len(coster.layer_counts()) == 1:  # one kind: the stage with the most layers, under its best combination
             ((kind, n),) = coster.layer_counts()
             most = -(-n // grid.pp)
-            least = min(a * most + b for a, b in coster.stage_need_terms(grid.tp, grid.cp, grid.ep, grid.dp, allowed,
-                                                                         kind))
-            assert least <= (heaviest - coster._overhead) * (1 + 1e-12), (grid, least, heaviest)
+            least = min(a * most + b for a, b in stage_need_terms(coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed,
+                                                                  kind))
+            assert least <= (heaviest - coster.overhead_bytes) * (1 + 1e-12), (grid, least, heaviest)
             # the split's first and largest stages with their micro-batches in flight and edges: a grid _stage_misfit
             # skips is one judge_columns finds no fitting combination for
             m, cap = q.num_microbatches, coster.capacity_bytes
-            parts = (*coster.stage_need_parts(grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind), {})
+            parts = (*stage_need_parts(coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind), {})
             edges = (model.embedding_params() if q.has_embedding else 0, model.head_params() if q.has_head else 0)
             sigs = table.signatures(coster, *dims, sizes=sizes)
-            room = cap * (1.0 + 1e-9) - coster._overhead
+            room = cap * (1.0 + 1e-9) - coster.overhead_bytes
             misfit = _stage_misfit(parts, sizes, m, room, edges, grid.tp)
             # the needs it remembers (per grid and savers, shared by the grid list's queries) answer as before
             assert parts[3] and _stage_misfit(parts, sizes, m, room, edges, grid.tp) == misfit

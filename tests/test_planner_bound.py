@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
+from tangram_launch.costmodel.slice_floors import time_floors
 from tangram_launch.costmodel.slice_plan import latency_floor_s, score_floor_s
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import GIB
@@ -99,7 +100,7 @@ def test_compute_floors_are_below_every_stage_time(gpu, per_node, nodes, start, 
     par = MegatronParallelizer()
     sums = coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
     for with_comm in (False, True):  # compute only, and with TP/CP/EP (the size, pair and grid floors)
-        per_kind, emb_s, head_s = coster.time_floors(cfg.tp, cfg.cp, cfg.ep, cfg.dp, with_comm=with_comm)
+        per_kind, emb_s, head_s = time_floors(coster, cfg.tp, cfg.cp, cfg.ep, cfg.dp, with_comm=with_comm)
         for zero, r, off in par.savers(q, cfg):
             for s in sums:
                 a, z = s.layers

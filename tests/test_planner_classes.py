@@ -18,7 +18,8 @@ from tangram_launch.parallelizers.base import GIB
 from tangram_launch.planner import api
 from tangram_launch.planner.api import PlannerOptions, search
 from tangram_launch.planner.classes import class_floors_s, stage_totals
-from tangram_launch.planner.compose import Option, lower_bound
+from tangram_launch.planner.bounds import lower_bound
+from tangram_launch.planner.compose import Option
 from tangram_launch.planner.reference import brute_force, every_composition
 from tangram_launch.planner.synthetic import SyntheticParallelizer
 from tangram_launch.specs.cluster import ClusterSpec
@@ -119,7 +120,7 @@ def test_each_class_gets_its_own_floor_from_one_pass():
 
 def test_the_floor_uses_each_island_once_where_compose_lower_bound_reuses_the_fastest():
     """Island 0 is fast but holds one slice only: covering 4 layers takes a 3-layer slice of it and one slow
-    layer of island 1. compose.lower_bound covers the model with island 0's one-layer slices four times."""
+    layer of island 1. bounds.lower_bound covers the model with island 0's one-layer slices four times."""
     L, m = 4, 16
     options = [Option(a, b, 0, 1, ALWAYS, 1.0 * (b - a), 1.0 * (b - a), 0.0)
                for a in range(L) for b in range(a + 1, L + 1)]

@@ -11,8 +11,8 @@ from tangram_launch.costmodel.pipeline import pipeline_latency_s as pipeline_lat
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.planner.compose import (ComposeStats, Option, compose, evaluate, front_classes, merged_states,
-                                            plain_1f1b_floor_s)
+from tangram_launch.planner.bounds import plain_1f1b_floor_s
+from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate, front_classes, merged_states
 from tangram_launch.planner.reference import brute_force, every_composition
 
 from helpers_compose import scheduled, simulated, with_bottleneck
@@ -574,9 +574,9 @@ def test_covered_room_is_the_most_room_of_an_earlier_option_no_worse(rows):
 @settings(max_examples=60, deadline=None)
 def test_covers_per_island_set_are_the_least_over_every_cover(seed):
     """covers (from pair_minima) equal a brute force over every chain of options, and the DP's prefix bounds per
-    set of islands (_PrefixBounds) one over every chain whose islands are distinct members of the set: the least
+    set of islands (PrefixBounds) one over every chain whose islands are distinct members of the set: the least
     fill, period and tail of a cover of [0, j) (and covers' of [j, L)), each on its own."""
-    from tangram_launch.planner.compose import _PrefixBounds, covers
+    from tangram_launch.planner.bounds import PrefixBounds, covers
 
     rng = random.Random(seed)
     options, _link, L, _m, K = random_instance(rng, max_layers=5)
@@ -599,7 +599,7 @@ def test_covers_per_island_set_are_the_least_over_every_cover(seed):
         return best
 
     front, back = covers(options, idx, L, back=False), covers(options, idx, L, back=True)
-    prefix = _PrefixBounds(options, idx, L)
+    prefix = PrefixBounds(options, idx, L)
     for j in range(1, L + 1):
         assert [front.fill_s[j], front.period_s[j], front.tail_s[j]] == pytest.approx(brute(idx, 0, j), rel=1e-12)
         for mask in range(1 << K):
@@ -638,14 +638,14 @@ def test_a_fine_score_floor_scores_fewer_and_chooses_the_same(seed):
 @settings(max_examples=80, deadline=None)
 @given(st.integers(0, 10**6))
 def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_islands(seed):
-    """_PrefixBounds(mask)[j] is under the fill (times + 2 x each link crossed), the period (slowest bottleneck or
+    """PrefixBounds(mask)[j] is under the fill (times + 2 x each link crossed), the period (slowest bottleneck or
     link) and the tail of every cover of [0, j) by distinct islands of the mask, links between its slices included,
-    and the least link into the next island (_front_link_s) is under the link that cover's last island crosses."""
-    from tangram_launch.planner.compose import _PrefixBounds, _front_link_s
+    and the least link into the next island (front_link_s) is under the link that cover's last island crosses."""
+    from tangram_launch.planner.bounds import PrefixBounds, front_link_s
 
     rng = random.Random(seed)
     options, link, L, m, K = random_instance(rng, max_layers=6)
-    prefix = _PrefixBounds(options, range(len(options)), L, link)
+    prefix = PrefixBounds(options, range(len(options)), L, link)
 
     def walk(pos, used, fill, period, tail, stage, last):
         for mask in range(1 << K):
@@ -661,7 +661,7 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
                 continue
             lk = link[last][o.island] if last >= 0 else 0.0
             if last >= 0:
-                assert _front_link_s(link, used, o.island, {}) <= lk
+                assert front_link_s(link, used, o.island, {}) <= lk
             walk(o.stop, used | 1 << o.island, fill + o.time_s + 2.0 * lk, max(period, o.bottleneck_s, lk),
                  max(tail, o.tail_s), max(stage, o.bottleneck_s), o.island)
 
@@ -672,11 +672,11 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 10**6))
 def test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not(seed):
-    """compose._round_trips_s for each stage boundary (its link, the stages behind it) is under the plain 1F1B
+    """bounds.round_trips_s for each stage boundary (its link, the stages behind it) is under the plain 1F1B
     simulation, whatever the stage times; m x the link is not, once the warm-up of many stages behind the link
     hides some of its round trips (which is why the DP's plain floor reads the former)."""
     from tangram_launch.costmodel.pipeline import simulated_1f1b_s
-    from tangram_launch.planner.compose import _round_trips_s
+    from tangram_launch.planner.bounds import round_trips_s
 
     rng = random.Random(seed)
     S = rng.randint(2, 24)
@@ -686,7 +686,7 @@ def test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not(
     p2p = [rng.choice([0.0, rng.uniform(0.0, 3.0)]) for _ in range(S - 1)]
     sim = simulated_1f1b_s(fwd, bwd, p2p, m)
     for k, p in enumerate(p2p):
-        assert _round_trips_s(p, S - k - 1, m) <= sim * (1 + 1e-12)
+        assert round_trips_s(p, S - k - 1, m) <= sim * (1 + 1e-12)
     # 32 stages of 0.03 s, a 1 s link after the 16th, 128 micro-batches: the simulation is under 128 x 1 s
     assert simulated_1f1b_s([0.01] * 32, [0.02] * 32, [0.0] * 15 + [1.0] + [0.0] * 15, 128) < 128 * 1.0
 
@@ -695,11 +695,11 @@ def test_round_trips_floor_lies_under_the_plain_simulation_but_m_links_need_not(
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 10**6))
 def test_cycles_across_a_boundary_lie_under_the_plain_simulation(seed):
-    """compose._cycles_s for each stage boundary (its link, the stages behind it, the stage times beside it) is under
+    """bounds.cycles_s for each stage boundary (its link, the stages behind it, the stage times beside it) is under
     the plain 1F1B simulation, whatever the stage times and their forward / backward split, and never under the
-    round trips alone (_round_trips_s) it adds the stage times to."""
+    round trips alone (round_trips_s) it adds the stage times to."""
     from tangram_launch.costmodel.pipeline import simulated_1f1b_s
-    from tangram_launch.planner.compose import _cycles_s, _round_trips_s
+    from tangram_launch.planner.bounds import cycles_s, round_trips_s
 
     rng = random.Random(seed)
     S = rng.randint(2, 24)
@@ -710,9 +710,9 @@ def test_cycles_across_a_boundary_lie_under_the_plain_simulation(seed):
     sim = simulated_1f1b_s(fwd, bwd, p2p, m)
     for k, p in enumerate(p2p):
         behind = S - k - 1
-        got = _cycles_s(p, behind, m, fwd[k] + bwd[k], fwd[k + 1] + bwd[k + 1])
+        got = cycles_s(p, behind, m, fwd[k] + bwd[k], fwd[k + 1] + bwd[k + 1])
         assert got <= sim * (1 + 1e-12)
-        assert got >= _round_trips_s(p, behind, m)
+        assert got >= round_trips_s(p, behind, m)
 
 
 def _fixed_stages(o, seq):
@@ -727,7 +727,7 @@ def _fixed_stages(o, seq):
 @pytest.mark.parametrize("seed", range(3))
 def test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same(seed):
     """With ``edge_s`` (each option's first and last stage's forward + backward) the DP's plain 1F1B floor counts
-    the stage times its round trips pass (_cycles_s): on random instances scored by the 1F1B simulation compose
+    the stage times its round trips pass (cycles_s): on random instances scored by the 1F1B simulation compose
     returns a plan of the same score as without them, never worse than the closed form's optimum (brute force),
     while its DP keeps fewer states."""
     rng = random.Random(9300 + seed)

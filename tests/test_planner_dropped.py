@@ -58,7 +58,7 @@ def test_island_floor_is_under_every_plan_using_the_island(seed):
 def test_island_floors_read_the_other_islands_minima_as_one_pass_over_their_options_would(seed, islands):
     """island_floors_s merges the other islands' pair minima from the islands before and after each island: the
     same floors, bit for bit, as the least over the other islands' options taken directly."""
-    from tangram_launch.planner.compose import covers_of, pair_minima
+    from tangram_launch.planner.bounds import covers_of, pair_minima
     from tangram_launch.planner.cover_floors import island_floors_s, usable
 
     rng = random.Random(seed)

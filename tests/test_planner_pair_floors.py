@@ -66,7 +66,7 @@ def _instance(seed: int):
     period = max(stage_s + links)
     fill = sum(stage_s) + 2 * sum(links)
     closed = pipeline_latency_s(m, period, fill, rng.choice([0.0, 0.3]))
-    # the plain 1F1B's floor (compose.plain_1f1b_floor_s): each stage's m micro-batches after the fill in front
+    # the plain 1F1B's floor (bounds.plain_1f1b_floor_s): each stage's m micro-batches after the fill in front
     plain, front, crossed = 0.0, 0.0, iter(links)
     for j, t in enumerate(stage_s):
         if j in first_of:
@@ -89,7 +89,7 @@ def _instance(seed: int):
 def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
     """With the least links into and out of each island (a matrix holding the pipeline's own links, the others
     slower or not: the floors are then as tight as the links allow) and without."""
-    from tangram_launch.planner.compose import least_links
+    from tangram_launch.planner.bounds import least_links
 
     floors, gpus, kinds, m, slices, closed, predicted, (_, links, _, _) = _instance(seed)
     rng = random.Random(seed + 1)
@@ -119,7 +119,7 @@ def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_p
     slice plan's slowest stage, with the chunks capped by the slice's length, or by the layers per stage of its
     plan (SliceQuery.score_bounds_s: a plan of s stages over n layers has a stage of at most n // s)."""
     from tangram_launch.planner.api import SizeFloor, _front_s, _outside_s, _score_extra_s
-    from tangram_launch.planner.compose import least_links
+    from tangram_launch.planner.bounds import least_links
     from tangram_launch.planner.slices import Pair
 
     floors, gpus, kinds, m, slices, _closed, predicted, (slice_s, links, slowest, counts) = _instance(seed)
@@ -193,7 +193,7 @@ def test_the_pair_floors_count_the_links_at_the_slices_ends():
     front of it bounds the period (3) and adds twice itself to the fill (10) and to what is in front (8): closed
     form 3 x 3 + 10 = 19, plain 4 x 2 + 8 = 16, interleaved 4 x 3 + (10 - 3) / 2 = 15.5. The pair [0, 2) on island
     0 has the link behind it: the same closed form and interleaved floor, nothing in front for the plain one."""
-    from tangram_launch.planner.compose import least_links
+    from tangram_launch.planner.bounds import least_links
 
     f = {"dense": (2.0, 1.0), "embedding": (0.0, 0.0), "head": (0.0, 0.0)}
     kinds = ["dense"] * 4

@@ -242,8 +242,9 @@ class SliceCoster:
         self._grid_cache: dict = {}
         self._split_cache: dict = {}
         self._edge_cache: dict = {}
-        self._frag = 1.0 + FRAGMENTATION_FRACTION
-        self._overhead = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
+        self.fragmentation = 1.0 + FRAGMENTATION_FRACTION  # allocator fragmentation on activation bytes
+        # the runtime's own bytes on each GPU (CUDA context, allocator pools); none on a CPU "device"
+        self.overhead_bytes = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
 
     def _device(self, q: SliceQuery, flash_attention: bool | None, fused_elementwise: bool) -> DeviceModel | None:
         """The island GPU's DeviceModel; None (and device_error says why) where the GPU cannot run the dtype."""
@@ -317,7 +318,7 @@ class SliceCoster:
         self._layer_cache[key] = terms
         return terms
 
-    def _edges(self, tp: int, cp: int, dp: int, mbs: int) -> dict:
+    def edges(self, tp: int, cp: int, dp: int, mbs: int) -> dict:
         key = (tp, cp, dp, mbs)
         hit = self._edge_cache.get(key)
         if hit is not None:
@@ -345,110 +346,18 @@ class SliceCoster:
         self._edge_cache[key] = out
         return out
 
+    def clear_grid_cache(self) -> None:
+        """Drop the per-grid stage sums (a caller that keeps this coster, e.g. in lazy plans, and has the sums
+        elsewhere frees them)."""
+        self._grid_cache = {}
+
     def layer_counts(self) -> list[tuple[str, int]]:
         """(kind, layers of that kind) over the slice."""
         return [(k, pre[-1]) for k, pre in self.prefix.items() if pre[-1]]
 
-    def time_floors(self, tp: int, cp: int, ep: int, dp: int, *, with_comm: bool = False) -> tuple[
-            dict[str, float], float, float]:
-        """Floors under stage times on this grid: forward + backward compute per layer of each kind, of the
-        embedding and of the head (0 where the slice has none). fast_stage only adds to these (recompute, TP/CP/EP
-        and p2p communication, exposed ZeRO collectives), so a stage takes at least the sum of its layers' floors:
-        the planner's incumbent bound skips grids with them before costing their stages. ``with_comm``: plus the
-        TP / CP / EP communication every stage pays whatever its memory savers (fast_stage's fixed terms less p2p;
-        the split's weights): the tighter floor the parallelizer skips a grid by."""
-        mbs = self.q.microbatch_sequences // dp
-        per_kind = {}
-        for k in self.prefix:
-            t = self.layer_terms(k, tp, cp, ep, dp, mbs)
-            per_kind[k] = t.fwd_s + t.bwd_s
-            if with_comm:
-                per_kind[k] += 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
-        emb_s = head_s = 0.0
-        if self.has_embedding or self.has_head:
-            e = self._edges(tp, cp, dp, mbs)
-            if self.has_embedding:
-                emb_s = e["emb_fwd_s"] + e["emb_bwd_s"] + (e["emb_tp_s"] if with_comm else 0.0)
-            if self.has_head:
-                head_s = e["head_fwd_s"] + e["head_bwd_s"] + (2 * e["head_tp_s"] if with_comm else 0.0)
-        return per_kind, emb_s, head_s
 
-    def memory_floor_bytes(self, tp: int, cp: int, ep: int, dp: int,
-                           savers: Sequence[tuple[int, int, bool]]) -> tuple[dict[str, float], float, float]:
-        """Floors under a pipeline's memory for one micro-batch in flight under ``savers``, per layer of each kind
-        and for the embedding and the head: a pipeline of this grid whose stages hold these needs, summed, at
-        least what they add up to (static + activation bytes; runtime overhead left out). Over its stages that sum
-        is under the heaviest stage's need, so a grid whose floor / pp is over the capacity fits no combination.
 
-        Model-state bytes are linear in a stage's parameters under each saver, and activations in its layers under
-        each recompute mode: the least coefficient of each (dense and expert states apart) times the layer's count
-        is under every split's sum of per-stage least needs (working sets, edge activations and a tied head's
-        copy only add)."""
-        mbs = self.q.microbatch_sequences // dp
-        tr = self.training
-        pb, ob = tr.param_bytes, tr.optimizer_state_bytes
-        gb = tr.grad_bytes + pb if self.keeps_param_dtype_grads else tr.grad_bytes
-        shard, eshard = dp * cp, dp * cp // ep
 
-        states = {(z, off) for z, _r, off in savers}
-
-        def per_param(n: int) -> float:  # the least model-state bytes per parameter over the savers
-            return min(model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
-                                         optimizer_bytes=ob).total for z, off in states)
-
-        dense_b, expert_b = per_param(shard), per_param(eshard)
-        recomputes = {r for _zero, r, _off in savers}
-        per_kind = {}
-        for k in self.prefix:
-            t = self.layer_terms(k, tp, cp, ep, dp, mbs)
-            per_kind[k] = (t.dense_params * dense_b + t.expert_params * expert_b
-                           + min(t.act_bytes[r] for r in recomputes) * self._frag)
-        return (per_kind, self.model.embedding_params() / tp * dense_b, self.model.head_params() / tp * dense_b)
-
-    def stage_need_terms(self, tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
-                         kind: str) -> list[tuple[float, float]]:
-        """Per saver combination (a, b): a stage of n >= 1 layers of ``kind`` on this grid needs at least a x n + b
-        bytes for one micro-batch in flight (model states and activations by the layer; the working sets of
-        ZeRO-3 and full recompute; the embedding, head and runtime overhead left out, which only add). The stage
-        with the most layers of a one-kind slice holds at least ceil(layers / pp) of them."""
-        return [(state + act, working)
-                for state, act, working, _per_param in self.stage_need_parts(tp, cp, ep, dp, savers, kind)[0]]
-
-    def stage_need_parts(self, tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
-                         kind: str) -> tuple[list[tuple[float, float, float, float]], float, float]:
-        """Per saver combination, what stage_need_terms adds up: a layer's model-state bytes, its activation bytes
-        per micro-batch in flight, the working sets (ZeRO-3's gathered layer; full recompute's one layer rebuilt,
-        where the stage holds a layer), and the model-state bytes per dense parameter (for the embedding's or the
-        head's on a stage); then the embedding's and the head's activation bytes per micro-batch in flight. A stage
-        of n >= 1 layers with k micro-batches in flight and e dense edge parameters needs at least
-        n x (state + k x act) + e x per_param + working (+ k x the edges' activations it holds)."""
-        mbs = self.q.microbatch_sequences // dp
-        tr = self.training
-        pb, ob = tr.param_bytes, tr.optimizer_state_bytes
-        gb = tr.grad_bytes + pb if self.keeps_param_dtype_grads else tr.grad_bytes
-        t = self.layer_terms(kind, tp, cp, ep, dp, mbs)
-        shard, eshard = dp * cp, dp * cp // ep
-        states: dict[tuple[int, bool], tuple[float, float]] = {}  # (zero, offload) -> (layer's, per parameter)
-        out = []
-        for z, r, off in savers:
-            hit = states.get((z, off))
-            if hit is None:
-                per_param = model_state_bytes(1.0, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
-                                              grad_bytes=gb, optimizer_bytes=ob).total
-                state = model_state_bytes(t.dense_params, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
-                                          grad_bytes=gb, optimizer_bytes=ob).total
-                if t.expert_params:
-                    state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=z, offload=off,
-                                               param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob).total
-                hit = states[z, off] = (state, per_param)
-            working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 else 0.0
-            if RECOMPUTE_MODES[r] == "full":  # _rec_part's working set: one layer's activations, rebuilt
-                working += t.act_bytes[0]
-            elif RECOMPUTE_MODES[r] == "selective" and self.selective_policy == "op-sac":
-                working += t.act_bytes[0] - t.act_bytes[1]
-            out.append((hit[0], t.act_bytes[r] * self._frag, working * self._frag, hit[1]))
-        e = self._edges(tp, cp, dp, mbs)
-        return out, e["emb_act"] * self._frag, e["head_act"] * self._frag
 
     # ------------------------------------------------------------------------------------------ per grid
     def split(self, pp: int, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple[tuple[int, int], ...]:
@@ -502,7 +411,7 @@ class SliceCoster:
         for k in self.rep:
             t = self.layer_terms(k, tp, cp, ep, dp, mbs)
             per_kind[k] = t.fwd_s + t.bwd_s + 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
-        e = self._edges(tp, cp, dp, mbs)
+        e = self.edges(tp, cp, dp, mbs)
         unit = max(per_kind.values()) or 1.0
         first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.has_embedding else 0.0
         last = (e["head_fwd_s"] + e["head_bwd_s"] + 2 * e["head_tp_s"]) if self.has_head else 0.0
@@ -533,7 +442,7 @@ class SliceCoster:
             for j in stages:
                 a = start + sum(sizes[:j])
                 ranges[j] = (a, a + sizes[j])
-        edges = self._edges(tp, cp, dp, mbs)
+        edges = self.edges(tp, cp, dp, mbs)
         dp_link = self._link(tp, dp * cp, stage_gpus)
         edp = dp * cp // ep
         edp_link = self._link(tp * ep, edp, stage_gpus)
@@ -754,7 +663,7 @@ class SliceCoster:
         working = st.max_layer_act_none if full else 0.0  # one layer's activations, rebuilt during its backward
         if RECOMPUTE_MODES[r] == "selective" and self.selective_policy == "op-sac":
             working = st.max_layer_act_rebuilt_sel  # the tensors op-level SAC rebuilds for one layer's backward
-        out = RecomputePart(st.recompute_s[r], rec_comm, st.act_bytes[r] * self._frag, working)
+        out = RecomputePart(st.recompute_s[r], rec_comm, st.act_bytes[r] * self.fragmentation, working)
         st.rec_parts[r] = out
         return out
 
@@ -771,7 +680,7 @@ class SliceCoster:
         """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage)."""
         out = []
         fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
-        frag, overhead = self._frag, self._overhead
+        frag, overhead = self.fragmentation, self.overhead_bytes
         zero_parts, rec_parts = st.zero_parts, st.rec_parts
         for zero, r, off in savers:
             zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
@@ -811,8 +720,8 @@ class SliceCoster:
             "parameters_bytes": dense.parameters + expert.parameters,
             "gradients_bytes": dense.gradients + expert.gradients,
             "optimizer_bytes": dense.optimizer + expert.optimizer,
-            "working_bytes": (zworking + rworking) * self._frag,
-            "overhead_bytes": self._overhead,
+            "working_bytes": (zworking + rworking) * self.fragmentation,
+            "overhead_bytes": self.overhead_bytes,
             "activations_bytes": act,
             "host_offload_bytes": dense.host + expert.host,
             "offload_pcie_bytes": zp.offload_pcie_bytes,  # per iteration (runtime_adapters/offload.py moves these)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from tangram_launch.capabilities import RuntimeCapabilities
+from tangram_launch.costmodel.slice_bounds import beyond, latency_floor_of, score_floor_of, slack_cut
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import DEFAULT_MEMORY_HEADROOM_FRACTION, GIB
 from tangram_launch.specs.shape import StageShape
@@ -67,13 +68,13 @@ def latency_floor_s(numbers: SliceNumbers, num_microbatches: int) -> float:
     """The least 1F1B latency of any pipeline holding this slice plan: (m - 1) x its bottleneck + its stage times +
     its tail (the pipeline's period, fill and tail are at least these; compose.py's closed form)."""
     times = numbers.time_s
-    return (num_microbatches - 1) * max(times) + sum(times) + max(numbers.tail_s)
+    return latency_floor_of(max(times), sum(times), max(numbers.tail_s), num_microbatches)
 
 
 def score_floor_s(numbers: SliceNumbers, num_microbatches: int) -> float:
     """The least predicted iteration of any pipeline holding this slice plan: its slowest stage runs m forwards and
     m backwards (the simulated 1F1B, and interleaving's m x period, are at least that), then the tail."""
-    return num_microbatches * max(numbers.time_s) + max(numbers.tail_s)
+    return score_floor_of(max(numbers.time_s), max(numbers.tail_s), num_microbatches)
 
 
 def numbers_fit(numbers: SliceNumbers, stages_after: int, num_microbatches: int, capacity_bytes: float) -> bool:
@@ -129,8 +130,7 @@ class SliceQuery:
         pipeline that beats either bound (a relative 1e-9 of slack keeps plans that tie a bound up to float
         rounding)."""
         score_bound_s = self.score_bound_s if num_stages is None else self.score_bound_at(num_stages)
-        return (latency_floor_s > self.latency_bound_s * (1.0 + 1e-9)
-                and score_floor_s > score_bound_s * (1.0 + 1e-9))
+        return beyond(latency_floor_s, score_floor_s, slack_cut(self.latency_bound_s), slack_cut(score_bound_s))
 
     @property
     def has_embedding(self) -> bool:

@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import math
 import pickle
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -59,6 +59,8 @@ from tangram_launch.costmodel.grid import (
     peak_memory,
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
+from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
+from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_floors, slack_cut
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
     LazySlicePlan,
@@ -132,7 +134,8 @@ def _front(points: dict[tuple, list[tuple]], caps) -> list[tuple]:
     all stages though 1F1B does not (torch), each grid's own front points that no front point beats by more than
     GRID_FRONT_SLACK in bottleneck, fill and tail (and at least ties in depth, stages and GPUs). A one-grid
     pipeline can win interleaved with plans another grid beats under 1F1B (templates.GridClass); keeping every
-    grid's whole front costs a third more planning, and on C3 (iii) 3 % finds the one-grid search's optimum."""
+    grid's whole front costs much more planning than a small slack, which finds the one-grid search's optimum on
+    the benchmark clusters."""
     per_grid = caps.interleaved_uniform_grid and "interleaved-1F1B" in caps.schedules
     shrink = 1.0 / (1.0 + GRID_FRONT_SLACK)
     out: list[tuple] = []
@@ -263,7 +266,7 @@ class MegatronParallelizer:
     def compute_floors(self, q: SliceQuery) -> dict[str, tuple[float, float]]:
         """Per layer kind, and for "embedding" / "head": the least (GPU-seconds, seconds) of forward + backward
         compute per micro-batch, with the TP / CP / EP communication every stage pays whatever its memory savers
-        (SliceCoster.time_floors with_comm), over every grid this parallelizer offers for q's island and
+        (slice_floors.time_floors with_comm), over every grid this parallelizer offers for q's island and
         micro-batch size (no recompute, no p2p: floors that every slice plan's stage times are at least). The
         planner turns them into floors under any plan at one micro-batch size (api._size_floor) and under any
         pipeline holding a pair (pair_floors.py)."""
@@ -282,7 +285,7 @@ class MegatronParallelizer:
             if f not in fits:
                 continue
             n = key[0] * key[1] * key[3]
-            per_kind, emb_s, head_s = coster.time_floors(*key, with_comm=True)
+            per_kind, emb_s, head_s = time_floors(coster, *key, with_comm=True)
             for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
                 gs, ts = out.get(k, (math.inf, math.inf))
                 out[k] = (min(gs, t * n), min(ts, t))
@@ -294,10 +297,14 @@ class MegatronParallelizer:
 
     def _search(self, q: SliceQuery, grids, savers, *, memory_floor: bool = True) -> SliceResult:
         """The query's answer over ``grids`` x ``savers``. ``memory_floor``: skip, before costing its stages, a grid
-        that fits no saver combination by a floor: its stages on average (SliceCoster.memory_floor_bytes), a
+        that fits no saver combination by a floor: its stages on average (slice_floors.memory_floor_bytes), a
         one-kind slice's stage of ceil(layers / pp) layers (stage_need_terms), or, once split, its first or
         largest stage (_stage_misfit); off when nothing fits, to name the least memory needed (the answer's reason
-        reads every grid's)."""
+        reads every grid's).
+
+        The steps: _GridSearch.bound_grids (the grids whose floors cannot beat the planner's bounds, at once),
+        .too_big_grids (those that fit no combination by a memory floor), .judge (each remaining grid's
+        combinations, kept as FrontPoints), then the answer from the points (_answer)."""
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
         key = query_key(q, kinds)
@@ -309,160 +316,35 @@ class MegatronParallelizer:
         if b < 1 or q.training.global_batch % b:
             return SliceResult(key, (), InfeasibleSlice(
                 (f"global batch {q.training.global_batch} is not a multiple of the micro-batch of {b} sequences",)))
-        m = max(1, q.num_microbatches)
-        cap = coster.capacity_bytes
         table.attach(coster)
-        points: dict[tuple, list[tuple]] = {}
-        evaluated = 0
-        misfits: list[tuple] = []  # judged grids with combinations that fit nowhere (depth None: all of them)
-        shape_reasons: set[str] = set()
-        saver_cache_key = (getattr(savers, "__qualname__", None), q.pipelined)
-        saver_cache = table.saver_lists.setdefault(saver_cache_key, {})
-        bounded = 0
-        too_big = 0  # grids skipped by their memory floor
-        bound = q.bounded  # skip what cannot beat the planner's bounds so far
-        lat_cut = q.latency_bound_s * (1.0 + 1e-9)  # SliceQuery.beyond_bound's thresholds
-        floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind floors, embedding, head, slice's, its one kind's)
-        floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads of the slice
-        gkey, index = self._grid_index(table, q, coster, grids)
-        max_pp = q.num_layers
-        for pp, problems in index.problems:
-            if pp <= max_pp:
-                shape_reasons.update(problems)
-        keep = index.pp <= max_pp  # the problem-free grids this slice can hold, in the order they were listed
-        if bound:
-            # (m - 1) x bottleneck + fill >= (m - 1) x floor / pp + floor, for every memory saver: the grids whose
-            # floor cannot beat either bound are skipped at once (the same float operations as one by one)
-            hits, kind_floors, emb_floors, head_floors = _floor_arrays(table, index, coster, gkey, floor_key)
-            totals = 0  # per (tp, cp, ep, dp): the slice's floor, summed as sum() over its layer kinds would
-            for k, c in coster.layer_counts():
-                totals = totals + c * kind_floors[k]
-            totals = totals + emb_floors + head_floors
-            tot = totals[index.fkey_ids]
-            # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
-            pp_cut = [q.score_bound_at(pp) * (1.0 + 1e-9) for pp in index.pp_values]
-            score_cut = np.array(pp_cut)[index.pp_ids]
-            beyond = ((m - 1) * tot / index.pp + tot > lat_cut) & (m * tot / index.pp > score_cut) & keep
-            bounded += int(np.count_nonzero(beyond))
-            keep &= ~beyond
-        stage_parts = None  # (GridIndex.fkeys' index, saver key) -> SliceCoster.stage_need_parts, one-kind slices
-        if memory_floor:  # the grids none of whose combinations fits, on average over their stages
-            kind_mem, emb_mem, head_mem, stage_terms = _memory_arrays(table, index, coster, gkey, saver_cache_key,
-                                                                      saver_cache, savers)
-            need = 0
-            counts = coster.layer_counts()
-            for k, c in counts:
-                need = need + c * kind_mem[k]
-            if coster.has_embedding:
-                need = need + emb_mem
-            if coster.has_head:
-                need = need + head_mem
-            room = cap * (1.0 + 1e-9) - coster._overhead  # a margin: the floors are summed in other orders
-            over = need > room * index.pp
-            if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
-                most = np.ceil(counts[0][1] / index.pp)
-                over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
-                kind = counts[0][0]
-                stage_parts = table.memory_floors.setdefault(("parts", gkey, saver_cache_key, kind), {})
-                model = q.model  # the edges' dense parameters a first or last stage holds (before TP)
-                edges = (model.embedding_params() if coster.has_embedding else 0,
-                         model.head_params() if coster.has_head else 0)
-            over &= keep
-            too_big = int(np.count_nonzero(over))
-            keep &= ~over
-        for i in np.flatnonzero(keep).tolist():
-            grid = index.grids[i]
-            if bound:
-                f = index.fkey_list[i]
-                floor = floors.get(f)
-                if floor is None:
-                    per_kind = hits[f][0]
-                    one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
-                    floor = floors[f] = (*hits[f], float(totals[f]), one_kind)
-            skey = index.saver_keys[i]
-            allowed = saver_cache.get(skey)
-            if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
-                allowed = saver_cache[skey] = tuple(savers(q, grid))
-            if not allowed:
-                continue
-            dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-            if bound:
-                grid_cut = pp_cut[index.pp_list[i]]
-                if grid.pp > 1 and floor[4] is not None:
-                    # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest
-                    # stage's floor (_heaviest_floor) is at least that many times the kind's (the same float
-                    # products, rounding monotone): a grid this already bounds needs no split
-                    least = -(-max_pp // grid.pp) * floor[4]
-                    if (m - 1) * least + floor[3] > lat_cut and m * least > grid_cut:
-                        bounded += 1
-                        continue
-            sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
-            if bound and grid.pp > 1:  # the split's heaviest stage bounds the bottleneck more tightly than floor/pp
-                heaviest = _heaviest_floor(coster, sizes, floor)
-                if (m - 1) * heaviest + floor[3] > lat_cut and m * heaviest > grid_cut:  # (q.beyond_bound)
-                    bounded += 1
-                    continue
-            if stage_parts is not None:  # one kind: the first stage (the most in flight) and the largest, as split
-                parts = stage_parts.get((index.fkey_list[i], skey))
-                if parts is None:
-                    parts = stage_parts[index.fkey_list[i], skey] = (*coster.stage_need_parts(
-                        grid.tp, grid.cp, grid.ep, grid.dp, allowed, kind), {})
-                if _stage_misfit(parts, sizes, m, room, edges, grid.tp):
-                    too_big += 1
-                    continue
-            sigs = table.signatures(coster, *dims, sizes=sizes)
-            by_sid = table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
-            columns = table.stage_columns(sigs, allowed, m, cap)
-            if bound and len(allowed) > 1:
-                lat_floor, score_floor = least_floors(columns, sigs, m)
-                if lat_floor > lat_cut and score_floor > grid_cut:  # no combination can beat either bound: not judged
-                    bounded += 1
-                    continue
-            judged = judge_columns(columns, sigs, m)
-            evaluated += len(allowed)
-            bucket = points.setdefault(cross_stage_class(q, grid), [])  # classes in the order grids are judged
-            if judged is None:  # no combination fits
-                misfits.append((grid, sigs, by_sid, allowed, None))
-                continue
-            bottleneck, fill, tail, depth = judged
-            if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
-                misfits.append((grid, sigs, by_sid, allowed, depth))
-                if fill is None:
-                    continue
-            stage = (sizes, sigs, by_sid)
-            n_gpus = grid.num_gpus
-            for s, (zero, r, off) in enumerate(allowed):
-                if depth[s] < 0:
-                    continue
-                if bound and ((m - 1) * bottleneck[s] + fill[s] + tail[s] > lat_cut
-                              and m * bottleneck[s] + tail[s] > grid_cut):
-                    bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
-                    continue
-                bucket.append((bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off, stage,
-                               s))
-        points = {k: v for k, v in points.items() if v}
+        search = _GridSearch(q, table, coster, grids, savers)
+        if search.bound:
+            search.bound_grids()
+        if memory_floor:
+            search.too_big_grids()
+        for i in np.flatnonzero(search.keep).tolist():
+            search.judge(i)
+        return self._answer(search, key, memory_floor)
+
+    def _answer(self, search: "_GridSearch", key: tuple, memory_floor: bool) -> SliceResult:
+        """The query's answer from a finished search: its front points as lazy slice plans, or why there are none."""
+        q, coster, m, cap = search.q, search.coster, search.m, search.cap
+        points = {k: v for k, v in search.points.items() if v}
         if not points:
-            if bounded:  # something fits, nothing beats the bound
-                return SliceResult(key, (), None, evaluated, bounded=bounded)
-            if too_big:  # nothing fits: judge every grid for the least memory the answer names
-                return self._search(q, grids, savers, memory_floor=False)
-            best_mem = None  # the first of the least peak memories, in the order the grids were judged
-            for grid, sigs, by_sid, allowed, depth in misfits:
-                rows = [by_sid[sid] for sid in sigs]
-                for s, (zero, r, off) in enumerate(allowed):
-                    if depth is None or depth[s] < 0:
-                        peak0 = peak_memory(rows, s, m)
-                        if best_mem is None or peak0 < best_mem[0]:
-                            best_mem = (peak0, grid, zero, r, off)
-            return SliceResult(key, (), self._infeasible(q, coster, best_mem, shape_reasons, m, cap), evaluated)
+            if search.bounded:  # something fits, nothing beats the bound
+                return SliceResult(key, (), None, search.evaluated, bounded=search.bounded)
+            if search.too_big:  # nothing fits: judge every grid for the least memory the answer names
+                return self._search(q, search.grids, search.savers, memory_floor=False)
+            reason = self._infeasible(q, coster, search.least_memory(), search.shape_reasons, m, cap)
+            return SliceResult(key, (), reason, search.evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
         front = sorted(_front(points, q.capabilities), key=lambda pt: (pt[0], pt[5]))
         layers = tuple(q.layers)
-        plans = tuple(self._lazy_plan(table, coster, layers, (m, cap), pt) for pt in front)
-        coster._grid_cache = {}  # lazy plans keep the coster; its per-grid sums are in the table already
+        plans = tuple(self._lazy_plan(search.table, coster, layers, (m, cap), pt) for pt in front)
+        coster.clear_grid_cache()  # lazy plans keep the coster; its per-grid sums are in the table already
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
-                     q.island.name, evaluated, len(plans))
-        return SliceResult(key, plans, None, evaluated, bounded=bounded)
+                     q.island.name, search.evaluated, len(plans))
+        return SliceResult(key, plans, None, search.evaluated, bounded=search.bounded)
 
     @staticmethod
     def _grid_index(table: StageTable, q: SliceQuery, coster: SliceCoster, grids) -> tuple[tuple, GridIndex]:
@@ -570,8 +452,216 @@ class MegatronParallelizer:
         return InfeasibleSlice((reason,), peak, bd)
 
 
+class StagesCosted(NamedTuple):
+    """A grid's costed stages: layers per stage, each stage's signature, and per signature its judged rows."""
+
+    sizes: tuple[int, ...]
+    sigs: tuple
+    by_sid: dict
+
+
+class FrontPoint(NamedTuple):
+    """One saver combination of one grid, judged: the six criteria pareto_front compares, then what the plan is."""
+
+    bottleneck_s: float
+    fill_s: float
+    tail_s: float
+    depth: int  # following stages it still fits with (grid.fit_depth)
+    num_stages: int
+    num_gpus: int
+    grid: ParallelConfig
+    zero: int
+    recompute: int  # index into RECOMPUTE_MODES
+    offload: bool
+    stages: StagesCosted
+    saver: int  # its index among the grid's allowed combinations (the judged rows' column)
+
+
+class _Misfit(NamedTuple):
+    """A judged grid with combinations that fit nowhere (depth None: all of them)."""
+
+    grid: ParallelConfig
+    sigs: tuple
+    by_sid: dict
+    allowed: tuple
+    depth: list[int] | None
+
+
+class _GridSearch:
+    """One query's search over a grid list (MegatronParallelizer._search): the query's context, the bounds it
+    prunes by (bounds.py's slice rows), and what it has found so far."""
+
+    def __init__(self, q: SliceQuery, table: StageTable, coster: SliceCoster, grids, savers) -> None:
+        self.q, self.table, self.coster, self.grids, self.savers = q, table, coster, grids, savers
+        self.m = max(1, q.num_microbatches)
+        self.cap = coster.capacity_bytes
+        self.points: dict[tuple, list[FrontPoint]] = {}  # by cross-stage class, in the order grids are judged
+        self.misfits: list[_Misfit] = []
+        self.shape_reasons: set[str] = set()
+        self.evaluated = 0  # combinations judged
+        self.bounded = 0  # grids and combinations skipped by the bounds
+        self.too_big = 0  # grids skipped by their memory floor
+        self.saver_cache_key = (getattr(savers, "__qualname__", None), q.pipelined)
+        self.saver_cache = table.saver_lists.setdefault(self.saver_cache_key, {})
+        self.bound = q.bounded  # skip what cannot beat the planner's bounds so far
+        self.lat_cut = slack_cut(q.latency_bound_s)
+        self.floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind, embedding, head, slice's, one kind's)
+        self.gkey, self.index = MegatronParallelizer._grid_index(table, q, coster, grids)
+        self.max_pp = q.num_layers
+        for pp, problems in self.index.problems:
+            if pp <= self.max_pp:
+                self.shape_reasons.update(problems)
+        self.keep = self.index.pp <= self.max_pp  # the problem-free grids this slice can hold, in listed order
+        self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> slice_floors.stage_need_parts, one kind
+        self.room = math.inf
+
+    def bound_grids(self) -> None:
+        """Drop the grids whose floor cannot beat either bound, at once: (m - 1) x floor / pp + floor and
+        m x floor / pp, for every memory saver (the same float operations as one by one)."""
+        q, coster, index, m = self.q, self.coster, self.index, self.m
+        floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads
+        self.hits, kind_floors, emb_floors, head_floors = _floor_arrays(self.table, index, coster, self.gkey,
+                                                                        floor_key)
+        totals = 0  # per (tp, cp, ep, dp): the slice's floor, summed as sum() over its layer kinds would
+        for k, c in coster.layer_counts():
+            totals = totals + c * kind_floors[k]
+        self.totals = totals = totals + emb_floors + head_floors
+        tot = totals[index.fkey_ids]
+        # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
+        self.pp_cut = [slack_cut(q.score_bound_at(pp)) for pp in index.pp_values]
+        score_cut = np.array(self.pp_cut)[index.pp_ids]
+        # (the grid's floor spread over its stages, as the floors always summed it)
+        beyond = beyond_array((m - 1) * tot / index.pp + tot, m * tot / index.pp, self.lat_cut, score_cut) & self.keep
+        self.bounded += int(np.count_nonzero(beyond))
+        self.keep &= ~beyond
+
+    def too_big_grids(self) -> None:
+        """Drop the grids none of whose combinations fits, on average over their stages (and, for a one-kind slice,
+        at the stage with the most layers under its best combination)."""
+        coster, index = self.coster, self.index
+        kind_mem, emb_mem, head_mem, stage_terms = _memory_arrays(self.table, index, coster, self.gkey,
+                                                                  self.saver_cache_key, self.saver_cache,
+                                                                  self.savers)
+        need = 0
+        counts = coster.layer_counts()
+        for k, c in counts:
+            need = need + c * kind_mem[k]
+        if coster.has_embedding:
+            need = need + emb_mem
+        if coster.has_head:
+            need = need + head_mem
+        room = self.room = self.cap * (1.0 + 1e-9) - coster.overhead_bytes  # the floors sum in other orders
+        over = need > room * index.pp
+        if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
+            most = np.ceil(counts[0][1] / index.pp)
+            over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
+            self.kind = counts[0][0]
+            self.stage_parts = self.table.memory_floors.setdefault(
+                ("parts", self.gkey, self.saver_cache_key, self.kind), {})
+            model = self.q.model  # the edges' dense parameters a first or last stage holds (before TP)
+            self.edges = (model.embedding_params() if coster.has_embedding else 0,
+                          model.head_params() if coster.has_head else 0)
+        over &= self.keep
+        self.too_big = int(np.count_nonzero(over))
+        self.keep &= ~over
+
+    def judge(self, i: int) -> None:
+        """Grid i of the list: skipped by its bounds or memory floors, else costed and its combinations judged."""
+        index, coster, q, m = self.index, self.coster, self.q, self.m
+        grid = index.grids[i]
+        skey = index.saver_keys[i]
+        allowed = self.saver_cache.get(skey)
+        if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
+            allowed = self.saver_cache[skey] = tuple(self.savers(q, grid))
+        if not allowed:
+            return
+        grid_cut = math.inf
+        if self.bound:
+            grid_cut = self.pp_cut[index.pp_list[i]]
+            floor = self.floors.get(index.fkey_list[i]) or self._floor(index.fkey_list[i])
+            # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
+            # floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
+            # monotone): a grid this already bounds needs no split
+            if grid.pp > 1 and floor[4] is not None and beyond_floors(
+                    -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
+                self.bounded += 1
+                return
+        sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, q.microbatch_sequences // grid.dp)
+        # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
+        if self.bound and grid.pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
+                                                        self.lat_cut, grid_cut):
+            self.bounded += 1
+            return
+        if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
+            self.too_big += 1
+            return
+        sigs = self.table.signatures(coster, grid.tp, grid.pp, grid.dp, grid.cp, grid.ep, sizes=sizes)
+        dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+        by_sid = self.table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
+        columns = self.table.stage_columns(sigs, allowed, m, self.cap)
+        if self.bound and len(allowed) > 1:
+            if beyond(*least_floors(columns, sigs, m), self.lat_cut, grid_cut):
+                self.bounded += 1  # no combination can beat either bound: not judged
+                return
+        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m),
+                          grid_cut)
+
+    def _floor(self, f: int) -> tuple:
+        """The compute floors of GridIndex.fkeys[f]: (per-kind, embedding, head, the slice's total, its one kind's
+        or None)."""
+        per_kind = self.hits[f][0]
+        one_kind = next(iter(per_kind.values())) if len(per_kind) == 1 else None
+        floor = self.floors[f] = (*self.hits[f], float(self.totals[f]), one_kind)
+        return floor
+
+    def _stage_misfit(self, i: int, skey, allowed: tuple, sizes: tuple[int, ...], grid: ParallelConfig) -> bool:
+        """One kind: whether the first stage (the most in flight) or the largest, as split, fits no combination."""
+        f = self.index.fkey_list[i]
+        parts = self.stage_parts.get((f, skey))
+        if parts is None:
+            parts = self.stage_parts[f, skey] = (*stage_need_parts(
+                self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind), {})
+        return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
+
+    def _keep_points(self, grid: ParallelConfig, allowed: tuple, stages: StagesCosted, judged, grid_cut: float) -> None:
+        """A judged grid's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class."""
+        self.evaluated += len(allowed)
+        bucket = self.points.setdefault(cross_stage_class(self.q, grid), [])  # classes in the order judged
+        if judged is None:  # no combination fits
+            self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, None))
+            return
+        bottleneck, fill, tail, depth = judged
+        if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
+            self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, depth))
+            if fill is None:
+                return
+        m, bound, lat_cut = self.m, self.bound, self.lat_cut
+        n_gpus = grid.num_gpus
+        for s, (zero, r, off) in enumerate(allowed):
+            if depth[s] < 0:
+                continue
+            if bound and beyond_floors(bottleneck[s], fill[s], tail[s], m, lat_cut, grid_cut):
+                self.bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
+                continue
+            bucket.append(FrontPoint(bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off,
+                                     stages, s))
+
+    def least_memory(self) -> tuple | None:
+        """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
+        as (peak bytes, grid, zero, recompute, offload)."""
+        best_mem = None
+        for grid, sigs, by_sid, allowed, depth in self.misfits:
+            rows = [by_sid[sid] for sid in sigs]
+            for s, (zero, r, off) in enumerate(allowed):
+                if depth is None or depth[s] < 0:
+                    peak0 = peak_memory(rows, s, self.m)
+                    if best_mem is None or peak0 < best_mem[0]:
+                        best_mem = (peak0, grid, zero, r, off)
+        return best_mem
+
+
 def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, floor_key: tuple) -> tuple:
-    """SliceCoster.time_floors (with communication) of every (tp, cp, ep, dp) of a grid list, for slices alike in
+    """slice_floors.time_floors (with communication) of every (tp, cp, ep, dp) of a grid list, for slices alike in
     what those floors read (``floor_key``: layer kinds, embedding, head): the answers, and per layer kind, for the
     embedding and for the head, the floors as arrays over GridIndex.fkeys."""
     hit = table.floor_arrays.get((gkey, floor_key))
@@ -582,7 +672,7 @@ def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey
             tkey = (b, fkey, floor_key)
             floors = table.floors.get(tkey)
             if floors is None:
-                floors = table.floors[tkey] = coster.time_floors(*fkey, with_comm=True)
+                floors = table.floors[tkey] = time_floors(coster, *fkey, with_comm=True)
             hits.append(floors)
         kinds = {k: np.array([h[0][k] for h in hits], dtype=np.float64) for k in coster.prefix}
         hit = table.floor_arrays[gkey, floor_key] = (
@@ -593,7 +683,7 @@ def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey
 
 def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, saver_key: tuple,
                    saver_cache: dict, savers) -> tuple:
-    """SliceCoster.memory_floor_bytes of every grid of a grid list under its saver combinations, for slices alike in
+    """slice_floors.memory_floor_bytes of every grid of a grid list under its saver combinations, for slices alike in
     their layer kinds: per layer kind, for the embedding and for the head, as arrays over the grids (0 for a grid
     no combination is allowed on: the search skips it anyway)."""
     key = (gkey, saver_key, tuple(coster.prefix))
@@ -601,16 +691,16 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
     if hit is None:
         q = coster.q
         rows = []  # per GridIndex.pairs
-        terms = []  # per pair, a one-kind slice's SliceCoster.stage_need_terms
+        terms = []  # per pair, a one-kind slice's slice_floors.stage_need_terms
         (one,) = coster.prefix if len(coster.prefix) == 1 else (None,)
         for f, skey, g in index.pairs:
             allowed = saver_cache.get(skey)
             if allowed is None:
                 allowed = saver_cache[skey] = tuple(savers(q, g))
-            rows.append(coster.memory_floor_bytes(*index.fkeys[f], allowed) if allowed
+            rows.append(memory_floor_bytes(coster, *index.fkeys[f], allowed) if allowed
                         else ({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
             if one is not None:
-                terms.append(coster.stage_need_terms(*index.fkeys[f], allowed, one) if allowed else [(0.0, 0.0)])
+                terms.append(stage_need_terms(coster, *index.fkeys[f], allowed, one) if allowed else [(0.0, 0.0)])
         ids = index.pair_ids
         stage = None
         if one is not None:  # (a, b) as (grids x most combinations) arrays, padded with combinations that never fit
@@ -631,7 +721,7 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
 def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edges: tuple[int, int],
                   tp: int) -> bool:
     """Whether the split's first stage (its micro-batches in flight: min(stages, m), the embedding's parameters) or
-    its largest one fits under no saver combination even by SliceCoster.stage_need_parts' floors: then
+    its largest one fits under no saver combination even by slice_floors.stage_need_parts' floors: then
     judge_columns finds no combination that fits there (it judges a stage with at least that many in flight), and
     the grid is not costed. ``parts``: stage_need_parts' answer and a dict of the needs worked out so far (a grid
     list's parts meet the same stages in many queries)."""
@@ -654,7 +744,7 @@ def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edg
 
 
 def _heaviest_floor(coster: SliceCoster, sizes: tuple[int, ...], floor: tuple) -> float:
-    """The largest compute floor of the split's stages (layers per stage: ``sizes``; SliceCoster.time_floors per
+    """The largest compute floor of the split's stages (layers per stage: ``sizes``; slice_floors.time_floors per
     layer kind, the embedding's on the slice's first stage, the head's on its last), added up as the general loop
     always did."""
     per_kind, emb_s, head_s, _total, w = floor

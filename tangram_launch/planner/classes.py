@@ -2,11 +2,11 @@
 skips those that cannot beat the plan found so far (uniform-grid runtimes: Megatron splits its options into one
 class per (tp, dp, cp); composing a class costs a preparation and at least one DP run, and most classes fail).
 
-``compose.lower_bound`` relaxes a pipeline to a cover of [0, L) that may use one island many times, so its period
-is that of the fastest island's shortest slices: on C3 (iii) it reads 6 s under 15 s plans. Here the relaxation
-keeps what makes a class expensive: each island holds one contiguous option (compose.py's used-island mask), so the
-islands' slices must add up to L layers. Per island and slice length n, take the least bottleneck and the least
-time of its options of that length (any start, ignoring memory, links and stage caps); then
+``bounds.lower_bound`` relaxes a pipeline to a cover of [0, L) that may use one island many times, so its period
+is that of the fastest island's shortest slices, far under the plans of a cluster of unlike islands. Here the
+relaxation keeps what makes a class expensive: each island holds one contiguous option (compose.py's used-island
+mask), so the islands' slices must add up to L layers. Per island and slice length n, take the least bottleneck and
+the least time of its options of that length (any start, ignoring memory, links and stage caps); then
 
     closed form >= (m - 1) x P* + F + least tail
 

@@ -4,11 +4,10 @@ A search allocates millions of short-lived tuples (composer entries, options, fr
 thousands of long-lived ones (answers, lazy plans), and it makes no reference cycles: every object it drops is
 freed by its reference count (tests/test_planner_collector.py collects after a search and finds nothing). The
 cyclic collector then only rescans the long-lived objects to find nothing:
-- With CPython's default thresholds (700, 10, 10): 10-30 % of planning CPU on the planner-scale rows (OPT-350M on
-  512 GPUs under torch, 4.8 -> 3.2 CPU-s with thresholds of (50,000, 20, 100)).
-- With those raised thresholds it still cost 3.0 CPU-s (gen 0 1.5, gen 1 1.5) of 56 on Llama-3 405B over 4,096
-  GPUs under megatron, and 1.6 of 33 under torch. Raising the thresholds further (10^6) moved nothing: each
-  long-lived object is scanned about twice whatever the thresholds.
+- With CPython's default thresholds (700, 10, 10) that is a sizeable share of planning CPU on the planner-scale rows
+  (benchmarks/bench_planner_scale.py).
+- With raised thresholds it still costs some: raising them further moves nothing, as each long-lived object is
+  scanned about twice whatever the thresholds.
 
 So the collector is off for the search, and back on afterwards as it was, with what the search kept moved to the
 oldest generation unscanned (no_collections). Worker processes forked meanwhile inherit that: they serve this
@@ -27,9 +26,8 @@ def no_collections() -> Iterator[None]:
 
     What the block allocated and kept joins the oldest generation unscanned (gc.freeze then gc.unfreeze, where
     nothing was frozen before): left in the youngest, the first collection afterwards would scan it all at once
-    (2.5 CPU-s after Llama-3 405B on 4,096 GPUs under megatron, 0.08 after GPT-3 13B on 4 islands, more than the
-    raised thresholds' collections cost there). Like every long-lived object, it is scanned by the next full
-    collection, which also frees any cycle among it."""
+    (after a large search, more than raised thresholds' collections cost). Like every long-lived object, it is
+    scanned by the next full collection, which also frees any cycle among it."""
     was_on = gc.isenabled()
     gc.disable()
     try:

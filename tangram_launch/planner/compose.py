@@ -24,7 +24,12 @@ best plan: (m - 1) x max(its period, the least period of the layers in front) + 
 beats the bound is represented at every step by an entry with no more fill, tail, stages or period). The bound comes
 first from the single-island plans and a quick plan (the same DP keeping two entries per state), so the exact pass
 prunes hard from its first layer. ``bound_step`` > 0 compares periods by bucket on a geometric grid (fewer
-entries, not exact: at most (m - 1) x bound_step x the period slower). ``reference.py`` checks it by brute force.
+entries, not exact: at most (m - 1) x bound_step x the period slower). ``reference.py`` checks it by brute force;
+``bounds.py`` holds every floor it prunes by, with why each is safe.
+
+Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
+plan, the exact pass, each offering plans to the best so far), _dp (one pass: _state_front, _expand_state,
+_add_options, _option_score_floor, _add_entries, _candidates over Entry tuples), _pareto (a state's front).
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
@@ -48,11 +53,13 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
+from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
+from tangram_launch.planner.bounds import least_links, plain_1f1b_floor_s  # noqa: F401 (api.py reads them here)
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -62,21 +69,7 @@ SCORE_ANY = ("any",)  # compose's score may be anything: its floor is m x period
 # once, the simulation reads them apart (an ulp's difference must not prune a plan that ties)
 _EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
-
-
-def plain_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
-                       num_microbatches: int, tail_s: float) -> float:
-    """A floor under the plain 1F1B simulation of a sequence (costmodel.pipeline.simulated_1f1b_s + tail):
-    each option's slowest stage runs m forwards and backwards, after micro-batch 0's forward got through the
-    stages in front of it and before the last backward went back through them, so the iteration is at least
-    max over options o of (m x o's bottleneck + the times and both-way links of the options in front) + tail."""
-    best = front = 0.0
-    for k, oi in enumerate(seq):
-        o = options[oi]
-        best = max(best, front + num_microbatches * o.bottleneck_s)
-        if k + 1 < len(seq):
-            front += o.time_s + 2.0 * link_s[o.island][options[seq[k + 1]].island]
-    return best + tail_s
+_NO_FLOOR = (0.0,) * 9  # an offer's _OptionFloor fields where nothing prunes (never read)
 
 
 class Option(NamedTuple):
@@ -130,7 +123,7 @@ class ComposeStats:
     best_closed_s: float = float("inf")  # the least closed-form latency of any composition found
     # the last option set's preparation (_prepare), for the next call on the same set: above five islands the
     # driver composes one set in up to a few hundred island orders (orders.py), and preparing it is most of a call
-    prepared: tuple | None = field(default=None, repr=False, compare=False)
+    prepared: PreparedSet | None = field(default=None, repr=False, compare=False)
 
     def threshold_s(self, best_score_s: float | None, band: bool = False) -> float:
         """What a driver passes on as ``incumbent_s`` once it holds a plan scored ``best_score_s``: the least
@@ -221,7 +214,7 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
     else:
         m1, period_lb, prefix, link_s = floor_terms
         pre_fill, pre_period, _, _ = prefix(mask)
-        lk = _front_link_s(link_s, mask, options[idx[0]].island, cache)
+        lk = front_link_s(link_s, mask, options[idx[0]].island, cache)
         # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
         rows = sorted(((m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, lk if o.start else 0.0) if m1
                         else 0.0) + pre_fill[o.start] + (2.0 * lk if o.start else 0.0) + o.time_s, k)
@@ -232,51 +225,6 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
     return out
-
-
-def _round_trips_s(link_s: float, behind: int, num_microbatches: int) -> float:
-    """A floor under the plain 1F1B simulation from one stage boundary with ``behind`` stages after it and a link
-    of ``link_s`` seconds one way: costmodel.pipeline.cycle_floor_1f1b_s's round trips, c = (m - behind) // 2 of
-    them and one more, each at least the link there and back (the stage times dropped). Not m x the link: the
-    simulation takes a link as latency, and with many stages behind it the schedule's warm-up hides some trips."""
-    if link_s <= 0.0 or behind > num_microbatches:
-        return 0.0
-    return ((num_microbatches - behind) // 2 + 1) * 2.0 * link_s
-
-
-def _cycles_s(link_s: float, behind: int, num_microbatches: int, front_s: float, back_s: float) -> float:
-    """_round_trips_s with the stage times the round trips pass: costmodel.pipeline.cycle_floor_1f1b_s's path
-    across one boundary, c = (m - behind) // 2 cycles of the link both ways, the stage behind it (forward and
-    backward, ``back_s``) and the stage in front of it (``front_s``), then one more trip, without the forwards
-    and backwards it drops (micro-batch 0's way there, the warm-up, the way back): each is >= 0. The DP reads it
-    as tables over n (its c1 and c0)."""
-    if behind > num_microbatches:
-        return 0.0
-    c = (num_microbatches - behind) // 2
-    return _round_trips_s(link_s, behind, num_microbatches) + (c + 1) * back_s + c * front_s
-
-
-def least_links(link_s: Sequence[Sequence[float]], present: Iterable[int],
-                default: float = math.inf) -> tuple[dict[int, float], dict[int, float]]:
-    """Per island of ``present``: the least link into it from another island of ``present``, and the least out of
-    it (``default`` where there is no other). A slice that does not start at layer 0 crosses at least the first in
-    any pipeline, one that does not end at L at least the second."""
-    present = list(present)
-    into = {k: min((link_s[x][k] for x in present if x != k), default=default) for k in present}
-    out_of = {k: min((link_s[k][x] for x in present if x != k), default=default) for k in present}
-    return into, out_of
-
-
-def _front_link_s(link_s: Sequence[Sequence[float]], mask: int, island: int, cache: dict) -> float:
-    """The least link into ``island`` from an island of ``mask``: an option that does not start at layer 0 has the
-    last island of its front's cover in front of it, so its pipeline's slowest stage is at least that link and its
-    fill at least twice that (inf: no island in the mask)."""
-    key = ("link", mask, island)
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = min((link_s[x][island] for x in range(len(link_s)) if mask >> x & 1 and x != island),
-                               default=math.inf)
-    return hit
 
 
 def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
@@ -306,246 +254,401 @@ def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
     return out
 
 
-def score_floor_terms(schedules: tuple[str, ...], fill_weight: float) -> tuple[bool, bool, float]:
-    """How the DP's score floor reads compose's ``score_schedules`` and ``score_fill_weight``: (plain, only_plain,
-    w). plain: the plain 1F1B floor counts (plain_s); only_plain: nothing else does; w: the fill's weight in the
-    interleaved floor (m - w) x period + w x fill + tail (0: m x period + tail, under every score). With "any", or
-    both schedules and no weight, m x period + tail is all (it lies under the plain floor too)."""
-    plain = "plain" in schedules
-    if "any" in schedules or (plain and "interleaved" in schedules and fill_weight == 0.0):
-        return False, False, 0.0
-    return plain, plain and "interleaved" not in schedules, fill_weight
+class Entry(NamedTuple):
+    """One DP entry: a sequence covering [j, L), by what its completion reads. The DP builds entries as plain
+    tuples of these fields in this order (its hottest line) and reads them by position or by unpacking."""
+
+    fill_s: float
+    tail_s: float
+    after: int  # stages in the sequence, capped at the pass's n_cap
+    period_s: float  # its slowest stage or link
+    option: int  # the option added in front (index into options); -1: the empty sequence at j = L
+    parent: tuple | None  # its parent's key in tables[option.stop]
+    pos: int  # its parent's position in that key's front
+    plain_s: float  # max over its options o of m x o's bottleneck + the fill in front of o within the sequence
 
 
-def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]], num_layers: int,
+class Candidate(NamedTuple):
+    """A complete sequence the DP returns (fill, tail, period of its closed form; the option indices front to back)."""
+
+    fill_s: float
+    tail_s: float
+    period_s: float
+    options: tuple[int, ...]
+
+
+class Prepared(NamedTuple):
+    """What compose needs of an option set before any DP run, whatever the island order (_prepare)."""
+
+    idx: list[int]  # the usable undominated options
+    by_stop: list[list[tuple]]  # per stop j: (island, 1 << island, that group's option indices), by island
+    n_cap: int  # "after" is capped here: beyond it no memory check changes
+    fill_lb: float  # least fill of any cover of [0, L)
+    period_lb: float  # least period of any cover of [0, L)
+    prefix: "PrefixBounds"  # per prefix and set of islands
+    cache: dict  # the groups' orders by floor and the least links in front (_by_floor, front_link_s)
+    cls: list[int]  # front_classes over every island with options
+    stage_lb: float  # least slowest stage of any cover of [0, L), without links
+
+
+class PreparedSet(NamedTuple):
+    """ComposeStats.prepared: the last option set's preparation and what identifies that set."""
+
+    key: tuple
+    options: Sequence[Option]
+    link_s: Sequence[Sequence[float]]
+    prepared: Prepared | None
+
+
+class _Front(NamedTuple):
+    """One DP state's Pareto front (sorted by ``after``) and its running minima over the first k entries, at k - 1:
+    what an option's floor reads of the entries it fits in front of (a prefix of the front)."""
+
+    entries: list
+    afters: list[int]  # following stages costing memory, capped at m - 1
+    least_ft: list[float]  # least fill + tail
+    least_f: list[float]  # least fill
+    least_a: list[float]  # least plain_s (least_f where the plain floor does not count)
+    least_tf: list[float] | None  # least first-stage time of the entries' front options (edge_s)
+
+
+class _Group(NamedTuple):
+    """What the options of one (stop, island) group share in front of one DP state."""
+
+    front_island: int  # the state's front island (-1: the empty sequence)
+    link: float  # the link from this island into that front
+    tkey: tuple  # the key of the entries it makes, in tables[start]
+    lk: float  # the least link into this island from an island free in front of it
+    pre_fill: list[float]  # the least of any cover of [0, start) by those free islands (PrefixBounds)
+    pre_period: list[float]
+    pre_tail: list[float]
+    pre_stage: list[float]
+
+
+class _OptionFloor(NamedTuple):
+    """What one option's entries are judged by: the floors of any completion in front of the option."""
+
+    per_lb: float  # least period of any completion
+    base: float  # least fill in front of the option and the option's own (with its link)
+    in_front: float  # base less the option's own
+    tail_lb: float  # least tail
+    ps: float  # m x the least slowest stage (plain floor)
+    trips_on: bool  # the boundaries it adds have a link or stages (plain floor's round trips)
+    wo: float  # the fill's weight in the interleaved floor for this option
+    mwo: float  # the period's weight (m - wo)
+    plain_only: bool  # the plain floor alone counts
+
+
+class _Pass:
+    """One DP pass over a prepared option set: the constants every step of _dp reads (see _dp for what they mean),
+    and the tables. Bound once per pass; the steps copy what their loops read into locals."""
+
+    __slots__ = ("options", "link_s", "num_layers", "m", "m1", "required", "beat", "score_beat", "stats", "rank",
+                 "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "mw", "score_only",
+                 "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
+                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms")
+
+    def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
+                 num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
+                 stats: ComposeStats, rank: Sequence[int] | None, beam: int | None, quantum: float,
+                 score_beat: float, fill_weight: float, schedules: tuple[str, ...], merge_fronts: bool,
+                 edge_s: Sequence[tuple[float, float]] | None) -> None:
+        self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
+        self.beat, self.score_beat, self.stats, self.rank, self.beam = beat, score_beat, stats, rank, beam
+        self.quantum, self.prep = quantum, prep
+        self.merge = merge_fronts and rank is None
+        self.cls = prep.cls if self.merge else range(len(prep.cls))
+        m = self.m = num_microbatches
+        self.m1 = m - 1
+        self.plain, self.only_plain, self.w = score_floor_terms(schedules, fill_weight)
+        self.mw = m - self.w  # the score floor's weights of fill and period
+        # with a known score (its floor holds) and a best score to beat, an entry is kept only while its score floor
+        # can beat it: the closed form is a proxy, and what the closed form alone would keep scores no better
+        self.score_only = (self.plain or self.w > 0.0) and score_beat < _INF
+        self.by_score = score_beat < _INF
+        self.keep = -1 if rank is None else required  # bits of "used" that the key remembers
+        self.prune = beat < _INF or self.score_only
+        self.floor_terms = (self.m1, prep.period_lb, prep.prefix, link_s)
+        # the skips sum in another order than the check: keep, not skip
+        self.slack = 1e-9 * abs(beat) if beat < _INF else 0.0
+        self.shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
+        self.before = None
+        if rank is not None:  # island k's option may have in front only islands ranked before k
+            self.before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
+        self.stage_cap = max_stages if max_stages is not None else _INF
+        span = range(prep.n_cap + num_layers + 1)
+        # trips[n] x a link = round_trips_s(link, n, m), the same product (a link is >= 0)
+        self.trips = [round_trips_s(1.0, n, m) for n in span] if self.plain else None
+        self.edged = self.plain and edge_s is not None
+        self.c1 = self.c0 = self.t_first = self.t_last = None
+        if self.edged:  # cycles_s(link, n, m, front, back) = trips[n] x link + c1[n] x back + c0[n] x front
+            self.c1 = [cycles_s(0.0, n, m, 0.0, 1.0) for n in span]
+            self.c0 = [cycles_s(0.0, n, m, 1.0, 0.0) for n in span]
+            self.t_first = [e[0] * _EDGE_SHRINK for e in edge_s]
+            self.t_last = [e[1] * _EDGE_SHRINK for e in edge_s]
+        self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
+        self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
+        # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
+        self.option_terms = (options, m, self.m1, self.w, self.mw, self.only_plain, self.plain, self.prune,
+                             self.score_only, beat, self.edged, prep.period_lb, prep.stage_lb)
+        self.entry_terms = (self.m1, beat, score_beat, self.score_only, self.shrink, self.plain, self.trips, self.c1,
+                            self.c0, self.t_first, self.t_last, self.edged, self.stage_cap, prep.n_cap, quantum,
+                            self.tables)
+
+
+def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]], num_layers: int,
         num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
         score_beat: float = float("inf"), fill_weight: float = 0.0,
         schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
-        edge_s: Sequence[tuple[float, float]] | None = None) -> list[tuple]:
-    """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``,
-    as (fill_s, tail_s, period_s, option indices front to back). With ``beam``, each state keeps only that many
-    entries, those of least (m - 1) x period + fill + tail (a quick plan, not exact).
+        edge_s: Sequence[tuple[float, float]] | None = None) -> list[Candidate]:
+    """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``.
+    With ``beam``, each state keeps only that many entries, those of least (m - 1) x period + fill + tail (a quick
+    plan, not exact).
 
     Sequences are built from the BACK of the pipeline, adding options in front; tables[j] maps the sequences
     covering [j, L) by
       key   = (used: bitmask of islands in the sequence (in island-order mode only the required ones),
                front: island of the sequence's first option, -1 for the empty sequence at j = L; with
                ``merge_fronts`` (not in island-order mode) its class, front_classes)
-    to the Pareto front of
-      entry = (fill_s, tail_s, after: stages in the sequence capped at n_cap, period_s: its slowest stage or link,
-               option index added in front, parent key in tables[option.stop], parent position in that front,
-               plain_s: max over its options o of m x o's bottleneck + the fill in front of o within the sequence).
-    A sequence is dropped as soon as even its cheapest completion cannot beat ``beat``:
-      (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])
-    where the pre_* are the least of any cover of [0, start) by distinct islands free in front of it (_PrefixBounds).
-    With ``score_beat`` (a score to beat) a sequence is kept too while m x its period + its tail can beat it: that
-    floor lies under any score (compose's score_floor), and a score can rank a plan well below its closed form
-    (the interleaved schedule shrinks the bubble); with ``fill_weight`` w, (m - w) x period + w x fill + tail
-    (a score that only interleaved schedules with at most 1/w chunks per stage can reach), where an option of n
-    layers in s stages weighs more: a chunk holds a layer at least, so a pipeline holding it interleaves in at most
-    n // s chunks (its least stage has no more layers), and not at all below 2, where the plain floor alone
-    holds (Llama-3 405B over 4,096 GPUs under megatron: 282,000 -> 80,000 entries, the same plan). Where the score is
-    the plain 1F1B simulation (``schedules`` holds "plain"), its floor is instead the largest of pre_fill[start] +
-    plain_s (a stage runs its m forwards and backwards after the first micro-batch's forward reached it and
-    before the last one's backward left the stages in front: plain_1f1b_floor_s), m x the least slowest stage of
-    any cover (PrefixCovers.stage_period_s, without links: the simulation takes a link as latency, so m x a link
-    is not under it) and the round trips across the boundary an option adds and the one in front of it
-    (_round_trips_s), + tail; with both schedules the lesser of that and the interleaved floor. With ``edge_s``
-    (per option: its first and its last stage's forward + backward seconds) each such boundary's round trips count
-    the stage times they pass too (_cycles_s): per two micro-batches the two stages beside it and the link both
-    ways, so a slow link between islands costs a plain 1F1B pipeline what it costs in the simulation.
-    With such a known score and a score to beat, the score floor alone prunes (the closed form is only a proxy).
+    to the Pareto front of their Entry tuples. The steps: _state_front (reduce a state to its front), _expand_state
+    (each group of options that may go in front of it), _add_options (drop an option no completion of which can
+    beat the bounds), _add_entries (the entries it makes, each judged by its own floor), _candidates (the complete
+    sequences, read back through the parents). The floors are bounds.py's DP rows.
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
     judges an entry by the least period of its bucket."""
-    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, cls, stage_lb = prep
-    merge = merge_fronts and rank is None
-    if not merge:
-        cls = range(len(cls))
-    m1 = num_microbatches - 1
-    m = num_microbatches
-    plain, only_plain, w = score_floor_terms(schedules, fill_weight)
-    mw = m - w  # the score floor's weights of fill and period
-    # with a known score (its floor holds) and a best score to beat, an entry is kept only while its score floor can
-    # beat it: the closed form is a proxy, and what the closed form alone would keep scores no better
-    score_only = (plain or w > 0.0) and score_beat < float("inf")
-    saturated = m1
-    by_score = score_beat < float("inf")
-    keep = -1 if rank is None else required  # bits of "used" that the key remembers
-    prune = beat < float("inf") or score_only
-    floor_terms = (m1, period_lb, prefix, link_s)
-    slack = 1e-9 * abs(beat) if beat < _INF else 0.0  # the skips sum in another order than the check: keep, not skip
-    shrink = 1.0 / (1.0 + quantum)  # least period in an entry's bucket, relative to its own
-    if rank is not None:  # island k's option may have in front only islands ranked before k
-        before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
-    stage_cap = max_stages if max_stages is not None else _INF
-    if plain:  # trips[n] x a link = _round_trips_s(link, n, m), the same product (a link is >= 0)
-        trips = [_round_trips_s(1.0, n, m) for n in range(n_cap + num_layers + 1)]
-    edged = plain and edge_s is not None
-    if edged:  # _cycles_s(link, n, m, front, back) = trips[n] x link + c1[n] x back + c0[n] x front, the same products
-        c1 = [_cycles_s(0.0, n, m, 0.0, 1.0) for n in range(n_cap + num_layers + 1)]
-        c0 = [_cycles_s(0.0, n, m, 1.0, 0.0) for n in range(n_cap + num_layers + 1)]
-        t_first = [e[0] * _EDGE_SHRINK for e in edge_s]
-        t_last = [e[1] * _EDGE_SHRINK for e in edge_s]
-    tables: list[dict] = [dict() for _ in range(num_layers + 1)]
-    tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
+    run = _Pass(options, prep, link_s, num_layers, num_microbatches, required, max_stages, beat, stats, rank, beam,
+                quantum, score_beat, fill_weight, schedules, merge_fronts, edge_s)
     stats.dp_runs += 1
+    tables, by_stop = run.tables, prep.by_stop
     for j in range(num_layers, 0, -1):
         layer = tables[j]
         groups = by_stop[j]
         if not layer or not groups:
             continue
         for key in list(layer):
-            front = _pareto(layer[key], quantum)
-            if beam is not None and len(front) > beam:
-                front = sorted(front, key=lambda e: m1 * e[3] + e[0] + e[1])[:beam]
-                front.sort(key=_AFTER)
-            layer[key] = front
-            if not front:
+            front = _state_front(run, layer, key)
+            if front is not None:
+                _expand_state(run, key, front, groups)
+    return _candidates(run)
+
+
+def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
+    """Reduce a state's entries to their Pareto front (the quick plan's beam: its best few), with the running
+    minima its options' floors read; None when it holds nothing."""
+    front = _pareto(layer[key], run.quantum)
+    beam, m1 = run.beam, run.m1
+    if beam is not None and len(front) > beam:
+        front = sorted(front, key=lambda e: m1 * e[3] + e[0] + e[1])[:beam]
+        front.sort(key=_AFTER)
+    layer[key] = front
+    if not front:
+        return None
+    run.stats.states += len(front)
+    saturated = m1
+    afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
+    least_ft = least_f = least_a = least_tf = None
+    if run.prune:
+        least_ft = list(itertools.accumulate([e[0] + e[1] for e in front], min))
+        least_f = list(itertools.accumulate([e[0] for e in front], min))
+        least_a = list(itertools.accumulate([e[7] for e in front], min)) if run.plain else least_f
+    if run.edged and key[1] >= 0:
+        t_first = run.t_first
+        least_tf = list(itertools.accumulate([t_first[e[4]] for e in front], min))
+    return _Front(front, afters, least_ft, least_f, least_a, least_tf)
+
+
+def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) -> None:
+    """Put each (stop, island) group of options that may go in front of the state ``key`` in front of it."""
+    options, link_s, rank, prep = run.options, run.link_s, run.rank, run.prep
+    prefix, cache, prune = prep.prefix, prep.cache, run.prune
+    used, f = key
+    if f >= 0 and run.merge:  # the key holds the front's class: any entry's front island has the same links
+        f = options[front.entries[0][4]].island  # from every island not in ``used``
+    batches = []  # (group, its offers)
+    for island, bit, gidx in groups:
+        if used & bit:
+            continue
+        link = 0.0
+        if f >= 0:
+            if rank is not None and rank[island] >= rank[f]:
                 continue
-            stats.states += len(front)
-            afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
-            if prune:  # least fill + tail and least fill of the first k entries, at k - 1
-                least_ft = list(itertools.accumulate([e[0] + e[1] for e in front], min))
-                least_f = list(itertools.accumulate([e[0] for e in front], min))
-                least_a = list(itertools.accumulate([e[7] for e in front], min)) if plain else least_f
-            used, f = key
-            if edged and f >= 0:  # the least first-stage time of the first k entries' fronts, at k - 1
-                least_tf = list(itertools.accumulate([t_first[e[4]] for e in front], min))
-            if f >= 0 and merge:  # the key holds the front's class: any entry's front island has the same links
-                f = options[front[0][4]].island  # from every island not in ``used``
-            for island, bit, gidx in groups:
-                if used & bit:
+            link = link_s[island][f]
+        tkey = ((used | bit) & run.keep, run.cls[island])
+        if prune:
+            mask = (~(used | bit) if rank is None else run.before[island]) & prefix.islands
+            pre = prefix(mask)
+            lk = front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
+            group = _Group(f, link, tkey, lk, *pre)
+        else:
+            group = _Group(f, link, tkey, 0.0, (), (), (), ())
+        if prune and not run.by_score:  # (the score's floor does not follow this order: no cut, no sort)
+            gidx, floors, covered = _by_floor(options, gidx, mask, run.floor_terms, cache)
+            gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
+        else:
+            gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
+        offers = _add_options(run, front, group, gidx, covered)
+        if offers:
+            batches.append((group, offers))
+    if batches:
+        _add_entries(run, key, front, batches)
+
+
+def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[tuple]:
+    """Each option of a group in front of the entries it fits in front of, unless an earlier option covers them
+    (_covered_room) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
+    + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
+    floors (an _OptionFloor's fields) go on to _add_entries in its offer, flat, which judges each entry by them."""
+    options, m, m1, w, mw, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
+    afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
+    f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
+    offers = []
+    for oi, room in zip(gidx, covered):
+        start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
+        fits = bisect.bisect_right(afters, max_after)  # entries it fits in front of: a prefix
+        if not fits:
+            continue
+        lo = bisect.bisect_right(afters, room) if room >= 0 else 0  # entries an earlier option covers
+        if lo >= fits:
+            continue
+        add = time_s + 2.0 * link
+        per = bn if bn > link else link  # the period it adds
+        if prune:
+            wo, mwo, plain_only = w, mw, only_plain
+            if w > 0.0:  # its least stage has at most q layers: v <= q chunks, none below 2
+                q = (stop - start) // ns
+                if q * w < 1.0:
+                    if q >= 2:
+                        wo = 1.0 / q
+                        mwo = m - wo
+                    elif plain:
+                        plain_only = True
+            if start:
+                per_lb = max(period_lb, pre_period[start], per, lk) if m1 else 0.0
+                base = pre_fill[start] + add + 2.0 * lk
+            else:
+                per_lb = max(period_lb, pre_period[start], per) if m1 else 0.0
+                base = pre_fill[start] + add
+            in_front = base - add  # (as the floors below always summed it)
+            if base == _INF:
+                continue  # the islands free in front of it cannot cover [0, start)
+            tail_lb = tail if tail > pre_tail[start] else pre_tail[start]
+            ps = trips_on = 0.0
+            if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
+                ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
+                trips_on = link or start or (edged and f >= 0)  # a boundary with a link or stages
+            offer = (oi, lo, fits, start, ns, tail, add, per, m * bn, per_lb, base, in_front, tail_lb, ps, trips_on, wo,
+                     mwo, plain_only)
+            lf = least_f[fits - 1] + tail_lb
+            lft = least_ft[fits - 1]
+            if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
+                    _option_score_floor(run, front, group, offer) >= run.score_beat:
+                continue  # no entry it fits in front of can beat: the check in _add_entries fails for each
+            offers.append(offer)
+        else:
+            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)
+    return offers
+
+
+def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) -> float:
+    """The least score floor of an offer (_add_options) in front of any of the first ``fits`` entries of a state: the
+    interleaved floor (m - w) x period + w x fill + tail, or (and) the plain 1F1B floor (bounds.py)."""
+    oi, _, fits, start, ns, _, add, _, mb, per_lb, base, in_front, tail_lb, ps, _, wo, mwo, plain_only = offer
+    sf = mwo * per_lb + wo * (base + front.least_f[fits - 1]) + tail_lb
+    if not run.plain:
+        return sf
+    a = add + front.least_a[fits - 1]
+    a = in_front + (a if a > mb else mb)
+    a = ps if ps > a else a
+    ne = front.entries[fits - 1][2]  # the most stages behind, of the entries it fits
+    if ne < run.prep.n_cap:  # (exact below the cap)
+        link, lk, edged = group.link, group.lk, run.edged
+        r = run.trips[ne] * link  # round_trips_s(link, ne, m)
+        if edged and group.front_island >= 0:  # + cycles_s's stage times (non-increasing in n)
+            r += run.c1[ne] * front.least_tf[fits - 1] + run.c0[ne] * run.t_last[oi]
+        if start:
+            r2 = run.trips[ne + ns] * lk  # round_trips_s(lk, ne + ns, m)
+            if edged:
+                r2 += run.c1[ne + ns] * run.t_first[oi]
+            r = r2 if r2 > r else r
+        a = r if r > a else a
+    pf = a + tail_lb
+    return pf if plain_only or pf < sf else sf
+
+
+def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) -> None:
+    """The entries each offered option makes in front of the state ``key`` (per group, its offers from _add_options:
+    option, lo, fits, its start, stages and tail, add, per, m x its bottleneck, then its _OptionFloor's fields, flat),
+    in front of entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a score) its score
+    floor can beat ``score_beat``."""
+    (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
+     tables) = run.entry_terms
+    entries, prune = front.entries, run.prune
+    for group, offers in batches:
+        tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
+        for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, \
+                plain_only in offers:
+            tgt = None
+            # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
+            # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
+            # pos), which _pareto would drop. Those with more tail or period are left to _pareto: checking each new
+            # entry against all made ones cost more than it saved
+            made = _INF
+            for pos in range(lo, fits):
+                e = entries[pos]
+                e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
+                n2 = e2 + ns
+                if n2 > stage_cap:
                     continue
-                link = 0.0
-                if f >= 0:
-                    if rank is not None and rank[island] >= rank[f]:
-                        continue
-                    link = link_s[island][f]
-                tkey = ((used | bit) & keep, cls[island])
+                nf = e0 + add
+                nt = e1 if e1 > tail else tail
+                np_ = e3 if e3 > per else per
+                if made <= nf:
+                    continue
+                a = add + e[7]
+                if a < mb:
+                    a = mb
                 if prune:
-                    mask = (~(used | bit) if rank is None else before[island]) & prefix.islands
-                    pre_fill, pre_period, pre_tail, pre_stage = prefix(mask)
-                    lk = _front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
-                if prune and not by_score:  # (the score's floor does not follow this order: no cut, no sort)
-                    gidx, floors, covered = _by_floor(options, gidx, mask, floor_terms, cache)
-                    gidx = gidx[:bisect.bisect_left(floors, beat - least_ft[-1] - 2.0 * link + slack)]
-                else:
-                    gidx, _, covered = _by_floor(options, gidx, None, floor_terms, cache)
-                for oi, room in zip(gidx, covered):
-                    start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
-                    fits = bisect.bisect_right(afters, max_after)  # entries it fits in front of: a prefix
-                    if not fits:
-                        continue
-                    lo = bisect.bisect_right(afters, room) if room >= 0 else 0  # entries an earlier option covers
-                    if lo >= fits:
-                        continue
-                    add = time_s + 2.0 * link
-                    per = bn if bn > link else link  # the period it adds
-                    mb = m * bn  # its slowest stage's m micro-batches (plain_s)
-                    if prune:
-                        wo, mwo, plain_only = w, mw, only_plain
-                        if w > 0.0:  # its least stage has at most q layers: v <= q chunks, none below 2
-                            q = (stop - start) // ns
-                            if q * w < 1.0:
-                                if q >= 2:
-                                    wo = 1.0 / q
-                                    mwo = m - wo
-                                elif plain:
-                                    plain_only = True
-                        if start:
-                            per_lb = max(period_lb, pre_period[start], per, lk) if m1 else 0.0
-                            base = pre_fill[start] + add + 2.0 * lk
-                        else:
-                            per_lb = max(period_lb, pre_period[start], per) if m1 else 0.0
-                            base = pre_fill[start] + add
-                        in_front = base - add  # (as the floors below always summed it)
-                        if base == _INF:
-                            continue  # the islands free in front of it cannot cover [0, start)
-                        tail_lb = tail if tail > pre_tail[start] else pre_tail[start]
-                        if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
-                            ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
-                            trips_on = link or start or (edged and f >= 0)  # a boundary with a link or stages
-                        lf = least_f[fits - 1] + tail_lb
-                        if score_only or m1 * per_lb + base + (lf if lf > least_ft[fits - 1] else least_ft[fits - 1]) \
-                                >= beat:
-                            sf = mwo * per_lb + wo * (base + least_f[fits - 1]) + tail_lb
-                            if plain:
-                                a = add + least_a[fits - 1]
-                                a = in_front + (a if a > mb else mb)
-                                a = ps if ps > a else a
-                                ne = front[fits - 1][2]  # the most stages behind, of the entries it fits
-                                if ne < n_cap:  # (exact below the cap)
-                                    r = trips[ne] * link  # _round_trips_s(link, ne, m)
-                                    if edged and f >= 0:  # + _cycles_s's stage times (non-increasing in n)
-                                        r += c1[ne] * least_tf[fits - 1] + c0[ne] * t_last[oi]
-                                    if start:
-                                        r2 = trips[ne + ns] * lk  # _round_trips_s(lk, ne + ns, m)
-                                        if edged:
-                                            r2 += c1[ne + ns] * t_first[oi]
-                                        r = r2 if r2 > r else r
-                                    a = r if r > a else a
-                                pf = a + tail_lb
-                                sf = pf if plain_only or pf < sf else sf
-                            if sf >= score_beat:
-                                continue  # no entry it fits in front of can beat: the check below fails for each
-                    tgt = None
-                    # the least fill of the entries this option made in front of earlier (no later) entries with
-                    # its own tail and period, the least any can have: one dominates a later entry of no less fill
-                    # (stages behind grow with pos), which _pareto would drop. Those with more tail or period are
-                    # left to _pareto: checking each new entry against all made ones cost more than it saved
-                    # (Llama-3 405B over 4,096 GPUs: this DP 7 % faster under megatron, the same fronts)
-                    made = _INF
-                    for pos in range(lo, fits):
-                        e = front[pos]
-                        e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
-                        n2 = e2 + ns
-                        if n2 > stage_cap:
+                    p = e3 * shrink
+                    if p < per_lb:
+                        p = per_lb
+                    t = e1 if e1 > tail_lb else tail_lb
+                    if score_only or m1 * p + base + e0 + t >= beat:
+                        sf = mwo * p + wo * (base + e0) + t
+                        if plain:
+                            pf = a + in_front
+                            if ps > pf:
+                                pf = ps
+                            if e2 < n_cap and trips_on:
+                                r = trips[e2] * link
+                                if edged_front:
+                                    r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
+                                if start:
+                                    r2 = trips[e2 + ns] * lk
+                                    if edged:
+                                        r2 += c1[e2 + ns] * t_first[oi]
+                                    r = r2 if r2 > r else r
+                                if r > pf:
+                                    pf = r
+                            pf += t
+                            sf = pf if plain_only or pf < sf else sf
+                        if sf >= score_beat:
                             continue
-                        nf = e0 + add
-                        nt = e1 if e1 > tail else tail
-                        np_ = e3 if e3 > per else per
-                        if made <= nf:
-                            continue
-                        a = add + e[7]
-                        if a < mb:
-                            a = mb
-                        if prune:
-                            p = e3 * shrink
-                            if p < per_lb:
-                                p = per_lb
-                            t = e1 if e1 > tail_lb else tail_lb
-                            if score_only or m1 * p + base + e0 + t >= beat:
-                                sf = mwo * p + wo * (base + e0) + t
-                                if plain:
-                                    pf = a + in_front
-                                    if ps > pf:
-                                        pf = ps
-                                    if e2 < n_cap and trips_on:
-                                        r = trips[e2] * link
-                                        if edged and f >= 0:
-                                            r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
-                                        if start:
-                                            r2 = trips[e2 + ns] * lk
-                                            if edged:
-                                                r2 += c1[e2 + ns] * t_first[oi]
-                                            r = r2 if r2 > r else r
-                                        if r > pf:
-                                            pf = r
-                                    pf += t
-                                    sf = pf if plain_only or pf < sf else sf
-                                if sf >= score_beat:
-                                    continue
-                        if tgt is None:
-                            tgt = tables[start].get(tkey)
-                            if tgt is None:
-                                tgt = tables[start][tkey] = []
-                            elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
-                                tgt[:] = _pareto(tgt, quantum)
-                        tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))
-                        if nf < made and nt == tail and np_ == per:
-                            made = nf
+                if tgt is None:
+                    tgt = tables[start].get(tkey)
+                    if tgt is None:
+                        tgt = tables[start][tkey] = []
+                    elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
+                        tgt[:] = _pareto(tgt, quantum)
+                tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
+                if nf < made and nt == tail and np_ == per:
+                    made = nf
+
+
+def _candidates(run: _Pass) -> list[Candidate]:
+    """The complete sequences in tables[0] that use every required island, each read back through its parents."""
+    options, quantum, required, tables = run.options, run.quantum, run.required, run.tables
     out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
@@ -556,41 +659,7 @@ def _dp(options: Sequence[Option], prep: tuple, link_s: Sequence[Sequence[float]
             while e[4] >= 0:
                 seq.append(e[4])
                 e = tables[options[e[4]].stop][e[5]][e[6]]
-            out.append((fill, tail, period, tuple(seq)))
-    return out
-
-
-class Covers(NamedTuple):
-    """Per layer boundary j: the least fill, period and tail of any cover of [0, j) (front) or [j, L) (back)."""
-
-    fill_s: list[float]
-    period_s: list[float]
-    tail_s: list[float]
-
-
-def covers(options: Sequence[Option], idx: Sequence[int], num_layers: int, *, back: bool) -> Covers:
-    """Least fill, period and tail of any cover by ``options[idx]`` of [0, j) (back=False) or [j, L) (back=True),
-    each minimised on its own; inf where there is no cover."""
-    return covers_of(pair_minima(options, idx), num_layers, back=back)
-
-
-def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int, int], list[float]]:
-    """Per layers (start, stop): the least time, bottleneck and tail of ``options[idx]`` there, each on its own.
-    That is all a least cover reads of them, so covers over several sets of options (front and back, or many sets
-    of islands) pass over the options once: a few thousand pairs stand for up to hundreds of thousands of options."""
-    out: dict[tuple[int, int], list[float]] = {}
-    for oi in idx:
-        start, stop, _island, _stages, _after, time_s, bottleneck_s, tail_s = options[oi]
-        cur = out.get((start, stop))
-        if cur is None:
-            out[start, stop] = [time_s, bottleneck_s, tail_s]
-            continue
-        if time_s < cur[0]:
-            cur[0] = time_s
-        if bottleneck_s < cur[1]:
-            cur[1] = bottleneck_s
-        if tail_s < cur[2]:
-            cur[2] = tail_s
+            out.append(Candidate(fill, tail, period, tuple(seq)))
     return out
 
 
@@ -598,158 +667,6 @@ def pick(items: Sequence, idx: Sequence[int]) -> tuple:
     """items[i] for i in idx, as a tuple: operator.itemgetter, one C call instead of a comprehension (a driver takes
     a class's thousands of options, edges or memo entries this way, per class and round)."""
     return operator.itemgetter(*idx)(items) if len(idx) > 1 else tuple(items[i] for i in idx)
-
-
-def row_minima(rows: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """pair_minima of options given as rows of Option's 8 fields (Candidates.option_rows): per (start, stop), in
-    their order, the starts, the stops and the least (time, bottleneck, tail) as an (n, 3) array (minima are
-    exact in any order)."""
-    s_at, t_at = rows[:, 0].astype(np.intp), rows[:, 1].astype(np.intp)
-    key = s_at * (num_layers + 1) + t_at
-    order = np.argsort(key, kind="stable")
-    k = key[order]
-    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(k) else np.zeros(0, dtype=np.intp)
-    least = (np.minimum.reduceat(rows[order][:, 5:8], first, axis=0) if len(k)
-             else np.zeros((0, 3), dtype=np.float64))
-    return s_at[order][first], t_at[order][first], least
-
-
-def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, back: bool) -> Covers:
-    """covers from pair_minima."""
-    fill = [float("inf")] * (num_layers + 1)
-    period = [float("inf")] * (num_layers + 1)
-    tail = [float("inf")] * (num_layers + 1)
-    edge = num_layers if back else 0
-    fill[edge] = period[edge] = tail[edge] = 0.0
-    by_end: dict[int, list[tuple]] = {}
-    for (start, stop), (time_s, bottleneck_s, tail_s) in minima.items():
-        if back:
-            by_end.setdefault(start, []).append((stop, time_s, bottleneck_s, tail_s))
-        else:
-            by_end.setdefault(stop, []).append((start, time_s, bottleneck_s, tail_s))
-    for j in (range(num_layers - 1, -1, -1) if back else range(1, num_layers + 1)):
-        best_f = best_p = best_t = float("inf")
-        for rest, time_s, bottleneck_s, tail_s in by_end.get(j, ()):
-            v = fill[rest] + time_s
-            if v < best_f:
-                best_f = v
-            v = period[rest] if period[rest] > bottleneck_s else bottleneck_s
-            if v < best_p:
-                best_p = v
-            v = tail[rest] if tail[rest] > tail_s else tail_s
-            if v < best_t:
-                best_t = v
-        fill[j], period[j], tail[j] = best_f, best_p, best_t
-    return Covers(fill, period, tail)
-
-
-class PrefixCovers(NamedTuple):
-    """_PrefixBounds' covers of [0, j): least fill and period with the links crossed (the closed form's), least
-    tail, and the least slowest stage without links (what the plain 1F1B simulation's m x slowest stage reads:
-    it takes a link as latency, not as a stage)."""
-
-    fill_s: list[float]
-    period_s: list[float]
-    tail_s: list[float]
-    stage_period_s: list[float]
-
-
-class _PrefixBounds:
-    """Per set of islands (a bit mask), computed on first use: the least fill, period and tail of any cover of
-    [0, j) by DISTINCT islands of the set (each island holds one contiguous slice, as in a pipeline), each
-    minimised on its own. The layers in front of an option can be covered only by the islands the sequence behind
-    it leaves free, once each: when the fast islands are already behind, or when one fast island would have to
-    hold the whole front, that cover is much slower than the least over all islands.
-
-        G[S][j] = min over islands k in S and options o of k with o.stop = j of G[S - k][o.start] (+) o
-        G[S][0] = 0
-
-    where (+) adds times and takes the larger bottleneck and tail: the last slice of the cover is some island's,
-    the rest covers [0, o.start) with the other islands. Where o.start > 0 a link from one of S - k into k lies
-    between them, so (+) also takes the larger of the period and the least such link, and adds twice that link to
-    the fill (as the DP does per boundary). Each island's options are reduced to their pair_minima once, so a set
-    costs its islands' (start, stop) pairs."""
-
-    def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int,
-                 link_s: Sequence[Sequence[float]] | None = None, rows: np.ndarray | None = None):
-        """``rows``: the options as Candidates.option_rows (rows[i] is options[i]), where the caller has them: each
-        island's pair minima are then taken over its rows at once (row_minima)."""
-        self._num_layers = num_layers
-        self._link_s = link_s
-        self._links: dict = {}  # _front_link_s' cache
-        # island -> (start, stop, least time, least bottleneck, least tail) of its (start, stop) pairs, as arrays,
-        # and where start > 0
-        self._pairs: dict[int, tuple] = {}
-        if rows is not None:
-            sub = rows[np.asarray(idx, dtype=np.intp)]
-            island = sub[:, 2].astype(np.intp)
-            for k in np.unique(island).tolist():
-                starts, stops, least = row_minima(sub[island == k], num_layers)
-                self._pairs[k] = (starts, stops, least[:, 0].copy(), least[:, 1].copy(), least[:, 2].copy(),
-                                  starts > 0)
-        else:
-            by_island: dict[int, list[int]] = {}
-            for oi in idx:
-                by_island.setdefault(options[oi].island, []).append(oi)
-            for k, lst in sorted(by_island.items()):
-                minima = [(a, b, *v) for (a, b), v in pair_minima(options, lst).items()]
-                starts, stops = (np.array([r[i] for r in minima], dtype=np.intp) for i in (0, 1))
-                times, bottlenecks, tails = (np.array([r[i] for r in minima], dtype=np.float64) for i in (2, 3, 4))
-                self._pairs[k] = (starts, stops, times, bottlenecks, tails, starts > 0)
-        self.islands = sum(1 << k for k in self._pairs)  # the islands with options, as a mask
-        none = np.full(num_layers + 1, np.inf)
-        none[0] = 0.0
-        self._arrays: dict[int, tuple] = {0: (none,) * 4}  # mask -> the covers as arrays (fill, period, tail, stage)
-        self._cache: dict[int, PrefixCovers] = {0: PrefixCovers(*(none.tolist() for _ in range(4)))}
-
-    def __call__(self, mask: int) -> "PrefixCovers":
-        mask &= self.islands
-        hit = self._cache.get(mask)
-        if hit is not None:
-            return hit
-        self._covers(mask)
-        return self._cache[mask]
-
-    def _covers(self, mask: int) -> tuple:
-        """The covers by ``mask`` as arrays (and, in the cache, as the lists the DP reads): per island k of the
-        set, its pairs (+) the covers by the rest, the least per stop (the same float operations, element by
-        element, as a loop over the pairs, and min is exact in any order)."""
-        hit = self._arrays.get(mask)
-        if hit is not None:
-            return hit
-        fill, period, tail, stage = (a.copy() for a in self._arrays[0])
-        for k, (starts, stops, times, bottlenecks, tails, later) in self._pairs.items():
-            if not mask >> k & 1:
-                continue
-            rest = mask & ~(1 << k)
-            sf, sp, st, ss = self._covers(rest)
-            # (inf with no island left in front: then sf[start] is inf for every start > 0 too)
-            lk = 0.0 if self._link_s is None else _front_link_s(self._link_s, rest, k, self._links)
-            np.minimum.at(fill, stops, sf[starts] + times + np.where(later, 2.0 * lk, 0.0))
-            sps = sp[starts]
-            v = np.where(sps > bottlenecks, sps, bottlenecks)
-            np.minimum.at(period, stops, np.where(later & (lk > v), lk, v))
-            sss = ss[starts]
-            np.minimum.at(stage, stops, np.where(sss > bottlenecks, sss, bottlenecks))
-            sts = st[starts]
-            np.minimum.at(tail, stops, np.where(sts > tails, sts, tails))
-        hit = self._arrays[mask] = (fill, period, tail, stage)
-        self._cache[mask] = PrefixCovers(fill.tolist(), period.tolist(), tail.tolist(), stage.tolist())
-        return hit
-
-
-def lower_bound(options: Sequence[Option], num_layers: int, num_microbatches: int,
-                allowed_mask: int | None = None) -> float:
-    """A cheap lower bound on the latency of any plan from these options: (m - 1) x the least period of any cover
-    + the least fill of any cover (both ignoring islands and memory). Lets a driver try the most promising option
-    sets first and skip those that cannot beat a plan already found."""
-    idx = [i for i, o in enumerate(options)
-           if (allowed_mask is None or allowed_mask >> o.island & 1) and o.max_after >= 0
-           and 0 <= o.start < o.stop <= num_layers]
-    if not idx:
-        return float("inf")
-    whole = covers(options, idx, num_layers, back=False)
-    return (num_microbatches - 1) * whole.period_s[num_layers] + whole.fill_s[num_layers]
 
 
 def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) -> list[int]:
@@ -779,7 +696,7 @@ def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) 
 
 def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
              allowed_mask: int, max_stages: int | None, undominated: bool = False,
-             rows: np.ndarray | None = None) -> tuple | None:
+             rows: np.ndarray | None = None) -> Prepared | None:
     """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
     options, grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
     of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
@@ -809,11 +726,11 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         n_cap = min(saturated, 1 + max(finite, default=-1))
     else:
         n_cap = max(saturated, max_stages)
-    prefix = _PrefixBounds(options, idx, num_layers, link_s, rows)
+    prefix = PrefixBounds(options, idx, num_layers, link_s, rows)
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
-    return (idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
-            whole.stage_period_s[num_layers])
+    return Prepared(idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
+                    whole.stage_period_s[num_layers])
 
 
 def merged_states(link_s: Sequence[Sequence[float]], present: Sequence[int]) -> int:
@@ -853,6 +770,201 @@ def front_classes(link_s: Sequence[Sequence[float]], islands: int) -> list[int]:
         else:
             groups.append([k])
     return cls
+
+
+class Scoring(NamedTuple):
+    """How compose ranks candidates where the driver gives a score (see compose's keywords of the same names)."""
+
+    score: Callable[[tuple[int, ...], Metrics], float] | None = None
+    band: bool = False
+    floor: Callable[[tuple[int, ...], Metrics], float] | None = None
+    floor_fine: Callable[[tuple[int, ...], Metrics], float] | None = None
+    incumbent_s: float = float("inf")
+    fill_weight: float = 0.0
+    schedules: tuple[str, ...] = SCORE_ANY
+
+
+class _Best(NamedTuple):
+    """The best plan so far and the order of its offer (among equal objectives the first offered wins)."""
+
+    comp: Composition
+    k: int
+
+
+class _Search:
+    """One compose call's search: its inputs, the best plan so far, and the steps that offer plans to it (single-island
+    plans, the quick plan, the exact pass's candidates)."""
+
+    def __init__(self, options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, m: int,
+                 prep: Prepared, *, required_mask: int, max_stages: int | None, incumbent_s: float,
+                 rank: list[int] | None, stats: ComposeStats, scoring: Scoring, merge_fronts: bool,
+                 edge_s: Sequence[tuple[float, float]] | None) -> None:
+        self.options, self.link_s, self.num_layers, self.m, self.prep = options, link_s, num_layers, m, prep
+        self.required_mask, self.max_stages, self.incumbent_s, self.rank = required_mask, max_stages, incumbent_s, rank
+        self.stats, self.scoring, self.merge_fronts, self.edge_s = stats, scoring, merge_fronts, edge_s
+        self.best: _Best | None = None
+        self.closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
+        self.band = scoring.score is not None and scoring.band
+        # what a returned plan must beat
+        self.gate_s = incumbent_s if scoring.score is None or self.band else float("inf")
+        self.offered: set = set()
+        self.order = itertools.count()  # offers in order: among equal objectives the first offered wins
+
+    # ------------------------------------------------------------------------------------------ what to beat
+    def beat_s(self) -> float:
+        """Prune what cannot beat this (closed-form units): the incumbent, or the least closed form found (the
+        best plan's, without a score); with ``score_band`` the larger of that and the best score."""
+        if self.band:
+            best = self.best
+            return min(self.incumbent_s, max(best.comp.objective_s, self.closed_s) if best else float("inf"))
+        return min(self.incumbent_s, self.closed_s)
+
+    def score_beat_s(self) -> float:
+        """The score a candidate must beat (inf without a score): the best here or elsewhere."""
+        if self.scoring.score is None:
+            return float("inf")
+        best = self.best
+        return min(self.scoring.incumbent_s, best.comp.objective_s if best is not None else float("inf"))
+
+    def may_win(self, floor: float, k: int) -> bool:
+        """Whether the k-th offer, whose score floor is ``floor``, can still beat the best score (ties: by order)."""
+        if floor >= self.scoring.incumbent_s:
+            return False
+        best = self.best
+        return best is None or floor < best.comp.objective_s or (floor == best.comp.objective_s and k < best.k)
+
+    # ------------------------------------------------------------------------------------------ offers
+    def measured(self, seq: tuple[int, ...]) -> Metrics | None:
+        """``seq``'s closed form, recorded (trace, least closed form); None if offered before or unfit."""
+        if seq in self.offered:
+            return None
+        self.offered.add(seq)
+        metrics = evaluate(seq, self.options, self.link_s, self.m)
+        if metrics is None:
+            return None
+        self.stats.trace.append((metrics.period_s, metrics.latency_s))
+        self.closed_s = min(self.closed_s, metrics.latency_s)
+        self.stats.best_closed_s = min(self.stats.best_closed_s, metrics.latency_s)
+        return metrics
+
+    def consider(self, seq: tuple[int, ...], metrics: Metrics, k: int) -> None:
+        """Keep the k-th offer if it beats the best plan so far (by score where there is one; scored once)."""
+        score = self.scoring.score
+        comp = Composition(seq, metrics, metrics.period_s)
+        if score is not None:
+            comp = Composition(seq, metrics, metrics.period_s, score(seq, metrics))
+            self.stats.scored.append(comp)
+        o, best = comp.objective_s, self.best
+        if o < self.gate_s and (best is None or o < best.comp.objective_s
+                                or (o == best.comp.objective_s and k < best.k)):
+            self.best = _Best(comp, k)
+
+    def scored_if_hopeful(self, seq: tuple[int, ...], metrics: Metrics, k: int) -> None:
+        """consider the k-th offer unless the fine floor says it cannot beat the best score."""
+        sc = self.scoring
+        if sc.score is None or sc.floor_fine is None or self.may_win(sc.floor_fine(seq, metrics), k):
+            self.consider(seq, metrics, k)
+
+    def offer(self, seq: tuple[int, ...]) -> None:
+        metrics = self.measured(seq)
+        if metrics is None:
+            return
+        k = next(self.order)
+        sc = self.scoring
+        if sc.score is None or sc.floor is None or self.may_win(sc.floor(seq, metrics), k):
+            self.scored_if_hopeful(seq, metrics, k)  # else it cannot beat the best score: not simulated
+
+    def offer_all(self, seqs: Sequence[tuple[int, ...]]) -> None:
+        """offer each of ``seqs``, in that order as to ties, but scored by increasing score floor: the likely
+        winners first, so that once a floor cannot beat the best score no later one can (a simulation is dear,
+        and an exact pass on a large cluster offers thousands of plans)."""
+        sc = self.scoring
+        if sc.score is None or sc.floor is None:
+            for seq in seqs:
+                self.offer(seq)
+            return
+        pending = []
+        for seq in seqs:
+            metrics = self.measured(seq)
+            if metrics is not None:
+                pending.append((sc.floor(seq, metrics), next(self.order), seq, metrics))
+        pending.sort(key=lambda p: (p[0], p[1]))
+        for floor, k, seq, metrics in pending:
+            if not self.may_win(floor, k):
+                break  # nor can any later one: no lower floor, and at an equal floor a later offer
+            self.scored_if_hopeful(seq, metrics, k)
+
+    # ------------------------------------------------------------------------------------------ the steps
+    def run(self, beat: float, **kw) -> list[Candidate]:
+        """The DP's plans that can beat ``beat``, by increasing closed form."""
+        m = self.m
+        found = _dp(self.options, self.prep, self.link_s, self.num_layers, m, self.required_mask, self.max_stages,
+                    beat, self.stats, self.rank, merge_fronts=self.merge_fronts, edge_s=self.edge_s, **kw)
+        return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
+
+    def single_island_plans(self) -> None:
+        """Offer the plans of one option (a whole-model slice plan on one island): they need no DP; with a score
+        each is always a candidate (its closed form can rank it out while its simulation, with no p2p on the
+        cycle, ranks it first)."""
+        options, score = self.options, self.scoring.score
+        for oi in self.prep.idx:
+            o = options[oi]
+            if o.start == 0 and o.stop == self.num_layers and self.required_mask & ~(1 << o.island) == 0 \
+                    and (self.max_stages is None or o.num_stages <= self.max_stages):
+                metrics = evaluate((oi,), options, self.link_s, self.m)
+                if metrics is not None and (score is not None or metrics.latency_s < self.incumbent_s):
+                    self.offer((oi,))
+
+    def quick_plan(self) -> None:
+        """Offer the best plan of the DP keeping a few entries per state: its closed form then prunes the exact DP
+        (not where only interleaved scores count and a best score elsewhere already bounds them: the closed form
+        prunes nothing)."""
+        sc = self.scoring
+        if sc.schedules == ("interleaved",) and sc.fill_weight > 0.0 and sc.incumbent_s < float("inf"):
+            return
+        quick = self.run(self.beat_s(), beam=_BEAM)
+        if quick:
+            self.offer(quick[0][3])
+
+    def exact_pass(self, bound_step: float) -> None:
+        """Offer every plan that can beat the best so far (its closed form, or with a score its score floor),
+        non-dominated within its state: a superset of what a DP under each bound on the slowest stage (the paper's
+        relaxation) finds, the closed form's optimum among them; the score decides (interleaving and the p2p on the
+        1F1B cycle rank plans the closed form does not see)."""
+        sc = self.scoring
+        candidates = self.run(self.beat_s(), quantum=bound_step, score_beat=self.score_beat_s(),
+                              fill_weight=sc.fill_weight, schedules=sc.schedules)
+        self.stats.candidates += len(candidates)
+        self.offer_all([f[3] for f in candidates])
+
+    def result(self) -> Composition | None:
+        """The best plan, if it beats what a returned plan must beat."""
+        if self.best is None or self.best.comp.objective_s >= self.gate_s:
+            return None
+        return self.best.comp
+
+
+def _prepared(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
+              allowed_mask: int, max_stages: int | None, undominated: bool, stats: ComposeStats,
+              rows: np.ndarray | None) -> Prepared | None:
+    """_prepare's answer for this option set, from ``stats.prepared`` where the last call prepared the same set."""
+    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages, undominated)
+    prep = stats.prepared
+    if prep is None or prep.key != key or prep.options is not options or prep.link_s is not link_s:
+        prep = stats.prepared = PreparedSet(key, options, link_s, _prepare(options, link_s, num_layers, saturated,
+                                                                           allowed_mask, max_stages, undominated,
+                                                                           rows))
+    return prep.prepared
+
+
+def _island_rank(island_order: Sequence[int] | None, options: Sequence[Option], idx: list[int]) -> list[int] | None:
+    """rank[k]: island k's place in ``island_order`` (islands not in it: after all); None without an order."""
+    if island_order is None:
+        return None
+    rank = [len(island_order)] * (1 + max(max(island_order), max(options[oi].island for oi in idx)))
+    for r, k in enumerate(island_order):
+        rank[k] = r
+    return rank
 
 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
@@ -897,150 +1009,30 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no option is beaten by
     another of the same layers and island in every respect the kernel sees (the planner's options are: each class
     was judged by templates.undominated), so the kernel does not look for such pairs; ``edge_s``: per option, its
-    first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (_cycles_s);
+    first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (cycles_s);
     ``quick_plan`` False: no quick plan before the exact pass (a driver whose incumbents already hold a plan of
     these options, composed in one island order just before, has the bound it would give); ``rows``: the options as
     Candidates.option_rows (rows[i] is options[i]), where the caller has them: the preparation reads columns.
     """
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
-    saturated = m - 1
     if allowed_mask is None:
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
-    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages, undominated)
-    prep = stats.prepared
-    if prep is None or prep[0] != key or prep[1] is not options or prep[2] is not link_s:
-        prep = stats.prepared = (key, options, link_s, _prepare(options, link_s, num_layers, saturated, allowed_mask,
-                                                                max_stages, undominated, rows))
-    if prep[3] is None:
+    prep = _prepared(options, link_s, num_layers, m - 1, allowed_mask, max_stages, undominated, stats, rows)
+    if prep is None:
         return None
-    idx, by_stop, n_cap, fill_lb, period_lb, prefix, cache, _cls, stage_lb = prep[3]
-    if period_lb == float("inf"):
+    if prep.period_lb == float("inf"):
         return None  # no cover of [0, L) at all
-    if (m - 1) * period_lb + max(period_lb, fill_lb) >= incumbent_s and (
-            score is None or m * stage_lb >= score_incumbent_s):
+    if (m - 1) * prep.period_lb + max(prep.period_lb, prep.fill_lb) >= incumbent_s and (
+            score is None or m * prep.stage_lb >= score_incumbent_s):
         return None  # cannot beat the incumbent (nor, with a score, the best score): not even one DP run
-    rank = None
-    if island_order is not None:
-        rank = [len(island_order)] * (1 + max(max(island_order), max(options[oi].island for oi in idx)))
-        for r, k in enumerate(island_order):
-            rank[k] = r
-
-    best: Composition | None = None
-    closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
-    band = score is not None and score_band
-    gate_s = incumbent_s if score is None or band else float("inf")  # what a returned plan must beat
-    offered: set = set()
-
-    def beat_s() -> float:
-        """Prune what cannot beat this (closed-form units): the incumbent, or the least closed form found (the
-        best plan's, without a score); with ``score_band`` the larger of that and the best score."""
-        if band:
-            return min(incumbent_s, max(best.objective_s, closed_s) if best else float("inf"))
-        return min(incumbent_s, closed_s)
-
-    order = itertools.count()  # offers in order: among equal objectives the first offered wins
-    best_k = -1
-
-    def measured(seq: tuple[int, ...]) -> Metrics | None:
-        """``seq``'s closed form, recorded (trace, least closed form); None if offered before or unfit."""
-        nonlocal closed_s
-        if seq in offered:
-            return None
-        offered.add(seq)
-        metrics = evaluate(seq, options, link_s, m)
-        if metrics is None:
-            return None
-        stats.trace.append((metrics.period_s, metrics.latency_s))
-        closed_s = min(closed_s, metrics.latency_s)
-        stats.best_closed_s = min(stats.best_closed_s, metrics.latency_s)
-        return metrics
-
-    def may_win(floor: float, k: int) -> bool:
-        """Whether the k-th offer, whose score floor is ``floor``, can still beat the best score (ties: by order)."""
-        if floor >= score_incumbent_s:
-            return False
-        return best is None or floor < best.objective_s or (floor == best.objective_s and k < best_k)
-
-    def consider(seq: tuple[int, ...], metrics: Metrics, k: int) -> None:
-        """Keep the k-th offer if it beats the best plan so far (by score where there is one; scored once)."""
-        nonlocal best, best_k
-        comp = Composition(seq, metrics, metrics.period_s)
-        if score is not None:
-            comp = Composition(seq, metrics, metrics.period_s, score(seq, metrics))
-            stats.scored.append(comp)
-        o = comp.objective_s
-        if o < gate_s and (best is None or o < best.objective_s or (o == best.objective_s and k < best_k)):
-            best, best_k = comp, k
-
-    def offer(seq: tuple[int, ...]) -> None:
-        metrics = measured(seq)
-        if metrics is None:
-            return
-        k = next(order)
-        if score is None or score_floor is None or may_win(score_floor(seq, metrics), k):
-            scored_if_hopeful(seq, metrics, k)  # else it cannot beat the best score: not simulated
-
-    def scored_if_hopeful(seq: tuple[int, ...], metrics: Metrics, k: int) -> None:
-        """consider the k-th offer unless the fine floor says it cannot beat the best score."""
-        if score is None or score_floor_fine is None or may_win(score_floor_fine(seq, metrics), k):
-            consider(seq, metrics, k)
-
-    def offer_all(seqs: Sequence[tuple[int, ...]]) -> None:
-        """offer each of ``seqs``, in that order as to ties, but scored by increasing score floor: the likely
-        winners first, so that once a floor cannot beat the best score no later one can (a simulation costs
-        milliseconds, and an exact pass on 4,096 GPUs offers thousands of plans)."""
-        if score is None or score_floor is None:
-            for seq in seqs:
-                offer(seq)
-            return
-        pending = []
-        for seq in seqs:
-            metrics = measured(seq)
-            if metrics is not None:
-                pending.append((score_floor(seq, metrics), next(order), seq, metrics))
-        pending.sort(key=lambda p: (p[0], p[1]))
-        for floor, k, seq, metrics in pending:
-            if not may_win(floor, k):
-                break  # nor can any later one: no lower floor, and at an equal floor a later offer
-            scored_if_hopeful(seq, metrics, k)
-
-    def score_beat_s() -> float:
-        """The score a candidate must beat (inf without a score): the best here or elsewhere."""
-        if score is None:
-            return float("inf")
-        return min(score_incumbent_s, best.objective_s if best is not None else float("inf"))
-
-    def run(beat: float, **kw) -> list[tuple]:
-        """The DP's plans that can beat ``beat``, by increasing closed form."""
-        found = _dp(options, prep[3], link_s, num_layers, m, required_mask, max_stages, beat, stats, rank,
-                    merge_fronts=merge_fronts, edge_s=edge_s, **kw)
-        return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
-
-    # a plan of one option (a whole-model slice plan on one island) needs no DP; with a score it is always a
-    # candidate (its closed form can rank it out while its simulation, with no p2p on the cycle, ranks it first)
-    for oi in idx:
-        o = options[oi]
-        if o.start == 0 and o.stop == num_layers and required_mask & ~(1 << o.island) == 0 \
-                and (max_stages is None or o.num_stages <= max_stages):
-            metrics = evaluate((oi,), options, link_s, m)
-            if metrics is not None and (score is not None or metrics.latency_s < incumbent_s):
-                offer((oi,))
-    # a quick plan: the DP keeping a few entries per state; its closed form then prunes the exact DP (not where
-    # only interleaved scores count and a best score elsewhere already bounds them: the closed form prunes nothing)
-    if quick_plan and not (score_schedules == ("interleaved",) and score_fill_weight > 0.0
-                           and score_incumbent_s < float("inf")):
-        quick = run(beat_s(), beam=_BEAM)
-        if quick:
-            offer(quick[0][3])
-    # every plan that can beat the best so far (its closed form, or with a score its score floor), non-dominated
-    # within its state: a superset of what a DP under each bound on the slowest stage (the paper's relaxation)
-    # finds, the closed form's optimum among them; the score decides (interleaving and the p2p on the 1F1B cycle
-    # rank plans the closed form does not see)
-    candidates = run(beat_s(), quantum=bound_step, score_beat=score_beat_s(), fill_weight=score_fill_weight,
-                     schedules=score_schedules)
-    stats.candidates += len(candidates)
-    offer_all([f[3] for f in candidates])
-    if best is not None and best.objective_s >= gate_s:
-        return None
-    return best
+    scoring = Scoring(score, score_band, score_floor, score_floor_fine, score_incumbent_s, score_fill_weight,
+                      score_schedules)
+    search = _Search(options, link_s, num_layers, m, prep, required_mask=required_mask, max_stages=max_stages,
+                     incumbent_s=incumbent_s, rank=_island_rank(island_order, options, prep.idx), stats=stats,
+                     scoring=scoring, merge_fronts=merge_fronts, edge_s=edge_s)
+    search.single_island_plans()
+    if quick_plan:
+        search.quick_plan()
+    search.exact_pass(bound_step)
+    return search.result()

@@ -9,8 +9,8 @@ A plan holding option o (layers [s, t)) covers [0, s) and [t, L) with other opti
     closed form    >= (m - 1) x slowest stage + fill + tail          (compose's objective)
     iteration      >= m x slowest stage + tail                       (compose's score floor: plain or interleaved)
 
-Above ``exact_islands`` islands the driver composes one option set in many island orders (a second or more each on
-4,096 GPUs, with 265,000 options); dropping first the options no plan beating the incumbent can hold makes every
+Above ``exact_islands`` islands the driver composes one option set in many island orders, each a full DP over
+the options on a large cluster; dropping first the options no plan beating the incumbent can hold makes every
 order cheaper and can leave few enough islands for the exact search. The same covers, without the island's own
 options, give the floor a dropped island's reason quotes (dropped.py).
 """
@@ -21,8 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from tangram_launch.planner.compose import (SCORE_ANY, Option, covers_of, least_links, pair_minima, row_minima,
-                                            score_floor_terms)
+from tangram_launch.planner.bounds import covers_of, least_links, pair_minima, row_minima, score_floor_terms
+from tangram_launch.planner.compose import SCORE_ANY, Option
 
 
 def usable(options: Sequence[Option], idx: Sequence[int], num_layers: int) -> list[int]:
@@ -104,7 +104,7 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
 
     ``schedules`` and ``fill_weight``: what the score can be, as compose's ``score_schedules`` and
     ``score_fill_weight`` (compose._dp's floors). With "plain", the option's slowest stage runs its m micro-batches
-    after the least fill in front of it (compose.plain_1f1b_floor_s); with "interleaved", (m - w) x period +
+    after the least fill in front of it (bounds.plain_1f1b_floor_s); with "interleaved", (m - w) x period +
     w x fill + tail, the links in both, with w the larger of ``fill_weight`` and 1 / (n // s) for the option's n
     layers in s stages, and none below 2 layers per stage (a chunk holds a layer); with both, the lesser."""
     if rows is not None:
@@ -234,6 +234,6 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
 
 
 def _row_minima(rows: np.ndarray, num_layers: int) -> dict:
-    """pair_minima of ``rows`` (compose.row_minima, as the dict covers_of reads)."""
+    """pair_minima of ``rows`` (bounds.row_minima, as the dict covers_of reads)."""
     starts, stops, least = row_minima(rows, num_layers)
     return {(a, b): v for a, b, v in zip(starts.tolist(), stops.tolist(), least.tolist())}

@@ -5,8 +5,8 @@ lost, the reason quotes a floor under the predicted iteration of every plan usin
 m x slowest stage + tail, the layers around each of its options covered by the other islands), computed from the
 options alone. Only when that floor is below the chosen plan does the reason need the search itself: up to
 ``exact_islands`` islands one exact composition that must use the island prices its best plan; beyond that (an
-island-order search per dropped island cost 104 CPU-s on 4,096 GPUs) the reason says the floor and that the search
-found nothing faster.
+island-order search per dropped island would cost as much as the planning itself) the reason says the floor and
+that the search found nothing faster.
 """
 from __future__ import annotations
 

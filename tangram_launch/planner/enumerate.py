@@ -39,16 +39,14 @@ _PROGRESS_EVERY_S = 0.25
 
 # workers start in a batch of _POOL_FROM queries or more, once its queries left look worth _POOL_WORTH_S CPU seconds
 # (at its CPU seconds per query so far): below that, forking and sending answers back cost more than the parallel
-# queries save (GPT-3 13B on C3 (iii) under deepspeed, batches of 229 queries under 0.1 CPU-s each: 0.40 CPU-s in
-# one process, 0.46-0.73 with a worker; OPT-350M on 128 GPUs, batches of 1-33 queries: 0.8 CPU-s in one process, 1.8
-# with a pool per batch). Small searches (tests, examples) never fork.
+# queries save (many cheap queries, or small batches, run faster in one process). Small searches (tests, examples)
+# never fork.
 _POOL_FROM = 128
 _POOL_WORTH_S = 0.5
 _POOL_AFTER_S = 0.1  # the batch's CPU seconds measured before judging (one slow query, a collection, is no trend)
 # and only while a CPU is idle: on a busy machine a worker takes turns with the other work and saves no wall time,
-# and each process runs slower beside the other (2 cores, two other busy jobs, load 2.8: Llama-3 405B on 256 GPUs
-# under deepspeed planned in 1.2x the CPU of one process with a worker, in 1.04x with the same split of its queries
-# answered one process after the other)
+# and each process runs slower beside the other (on a loaded machine a worker costs more CPU than answering the
+# same queries one process after the other)
 _IDLE_CPUS = 0.5  # of a CPU: the planning process itself is in the load
 _STOP = b""  # the message that ends a worker
 _JOIN_S = 5.0  # a stopped worker gets this long to exit before it is terminated
@@ -140,8 +138,7 @@ def _picklable(obj: object) -> bool:
 class _Shipped:
     """A lazy slice plan as it travels from a worker: its numbers and its place in the answer. Its StageCosts are
     built only for the few plans the planning process places, on request (_Reanswer): building and pickling every
-    answered plan's cost almost half as much CPU as answering (Llama-3 405B on 256 GPUs under torch, batches of
-    126+ queries: 0.9 CPU-s against 1.9)."""
+    answered plan's cost almost half as much CPU as answering."""
 
     island: str
     layers: tuple[int, int]
@@ -168,9 +165,8 @@ class _Build:
 class _Reanswer:
     """Builds a shipped plan's StageCosts: the worker that answered the query builds them from the answer it kept,
     while the pool lives and the worker is idle; else the query is answered again in this process (answers are
-    deterministic, so the same plan at the same place; its numbers are checked), once for all its plans. On
-    Llama-3 405B over 4,096 GPUs under megatron the planning process answered 244 queries again (3.2 CPU-s) before
-    the workers built the few placed plans' stages from their own answers."""
+    deterministic, so the same plan at the same place; its numbers are checked), once for all its plans. Asking the
+    worker first spares the planning process answering its placed queries again on a large cluster."""
 
     def __init__(self, parallelizer: Parallelizer, query: SliceQuery, worker: "_Worker | None" = None,
                  serial: int = -1) -> None:

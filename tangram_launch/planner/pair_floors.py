@@ -31,9 +31,9 @@ import itertools
 import math
 from typing import Mapping, Sequence
 
+from tangram_launch.planner.bounds import beyond, slack_cut
 from tangram_launch.planner.interleave import most_virtual_stages
 
-_SLACK = 1e-9  # as SliceQuery.beyond_bound: plans that tie a bound up to float rounding are kept
 
 
 def capacity(kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float, float]]],
@@ -61,7 +61,7 @@ class PairFloors:
         """``kinds``: layer kind of each layer; ``floors``: island index -> kind (and "embedding", "head") ->
         (GPU-seconds, seconds), for every island that can hold a slice; ``gpus``: island index -> GPUs;
         ``links``: per island the least one-way link into it and out of it from another island a pipeline may
-        use (compose.least_links; default none)."""
+        use (bounds.least_links; default none)."""
         self.m = num_microbatches
         self.L = len(kinds)
         self.gpus = dict(gpus)
@@ -129,7 +129,7 @@ class PairFloors:
             front += 2.0 * into
         m = self.m
         # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
-        # (compose.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v at most
+        # (bounds.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v at most
         # interleave.most_virtual_stages of the slice's layers (none below 2: no interleaving; the fill is at least
         # the period); the closed form is above both
         plain = max(m * own_period + front, m * rest_period)
@@ -142,7 +142,7 @@ class PairFloors:
     def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:
         """Whether no pipeline holding the pair can beat either bound."""
         lat, score = self.floor(island, start, stop)
-        return lat > latency_bound_s * (1.0 + _SLACK) and score > score_bound_s * (1.0 + _SLACK)
+        return beyond(lat, score, slack_cut(latency_bound_s), slack_cut(score_bound_s))
 
     def front_s(self, island: int, start: int) -> float | None:
         """Least seconds of layers [0, start) and the embedding on the other islands (None: no floors for it)."""

@@ -77,7 +77,7 @@ def composed_in(group: Hashable) -> tuple[Hashable, ...]:
 def class_members_of_parts(parts: Sequence[Sequence[tuple]]) -> dict[Hashable, list[int]]:
     """class_members of the options that ``parts`` make in their order (make_candidates: a pair's options are its
     answer's templates, (fields, plan, class, edges) each), the same dict in the same order, from each distinct
-    list's classes read once (on Llama-3 405B over 4,096 GPUs, 780,260 options from 1,136 lists): an option is in
+    list's classes read once (a large cluster's options come from far fewer distinct lists): an option is in
     its class's key (a GridClass: the free class's where ``in_base``) and, for a one-grid GridClass, its grid's."""
     keys: dict[Hashable, int] = {}  # a class the driver composes -> its code
     codes: dict[Hashable, tuple[int, int]] = {}  # an option's class -> (first key's code, second's), -1: none

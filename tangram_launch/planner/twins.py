@@ -1,13 +1,13 @@
 """Twin compatibility classes: classes whose options are the same numbers under other process grids.
 
-A uniform-grid runtime (Megatron) has one compatibility class per (tp, dp, cp), and the driver composes each. Grids
-with the same tp and the same dp x cp give every GPU the same tokens (b / dp sequences of seq / cp tokens); where
-the context-parallel exchange hides under attention, the cost model prices their slices the same to the bit, and
-the classes hold the same options: on Llama-3 405B over 4,096 GPUs at b = 8, 18 of 78 classes repeat another's
-(161,695 options). Every pipeline of a twin has the same closed form, the same simulated 1F1B and the same
-interleaving choice as the same pipeline of the class it repeats; composed after that class, under bounds no
-looser, it can only find plans that tie the ones found there, and a tie does not replace the best plan. So each
-set of twins is composed once, and the plan is the one the full search picks.
+A uniform-grid runtime (Megatron) has one compatibility class per (tp, dp, cp), and the driver composes each. Grids with
+the same tp and the same dp x cp give every GPU the same tokens (b / dp sequences of seq / cp tokens); where the
+context-parallel exchange hides under attention, the cost model prices their slices the same to the bit, and the classes
+hold the same options (on a large cluster a good share of the classes repeat another's). Every pipeline of a twin has
+the same closed form, the same simulated 1F1B and the same interleaving choice as the same pipeline of the class it
+repeats; composed after that class, under bounds no looser, it can only find plans that tie the ones found there, and a
+tie does not replace the best plan. So each set of twins is composed once, and the plan is the one the full search
+picks.
 
 Twins: the same options (compose.Option and edge times) in the same order, with the same score schedules, whose
 slice plans have the same numbers (SliceNumbers: stage times, memory, tails; shapes with the same tp, ep, memory

@@ -1,0 +1,119 @@
+"""Floors a parallelizer prunes grids by, from a SliceCoster's per-layer terms: the least compute time of a stage's
+layers, and the least memory a pipeline's stages need. The coster computes costs; these read its terms
+(SliceCoster.layer_terms, edges) and say what no configuration of a grid can go below. planner/bounds.py lists them
+with the test that checks each.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from tangram_launch.costmodel.memory import model_state_bytes
+from tangram_launch.specs.constants import RECOMPUTE_MODES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.costmodel.breakdown import SliceCoster
+
+
+def time_floors(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, *, with_comm: bool = False) -> tuple[
+        dict[str, float], float, float]:
+    """Floors under stage times on this grid: forward + backward compute per layer of each kind, of the
+    embedding and of the head (0 where the slice has none). SliceCoster.fast_stage only adds to these (recompute,
+    TP/CP/EP and p2p communication, exposed ZeRO collectives), so a stage takes at least the sum of its layers'
+    floors: the planner's incumbent bound skips grids with them before costing their stages. ``with_comm``: plus the
+    TP / CP / EP communication every stage pays whatever its memory savers (SliceCoster.fast_stage's fixed terms
+    less p2p; the split's weights): the tighter floor the parallelizer skips a grid by."""
+    mbs = coster.q.microbatch_sequences // dp
+    per_kind = {}
+    for k in coster.prefix:
+        t = coster.layer_terms(k, tp, cp, ep, dp, mbs)
+        per_kind[k] = t.fwd_s + t.bwd_s
+        if with_comm:
+            per_kind[k] += 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
+    emb_s = head_s = 0.0
+    if coster.has_embedding or coster.has_head:
+        e = coster.edges(tp, cp, dp, mbs)
+        if coster.has_embedding:
+            emb_s = e["emb_fwd_s"] + e["emb_bwd_s"] + (e["emb_tp_s"] if with_comm else 0.0)
+        if coster.has_head:
+            head_s = e["head_fwd_s"] + e["head_bwd_s"] + (2 * e["head_tp_s"] if with_comm else 0.0)
+    return per_kind, emb_s, head_s
+
+
+def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int,
+                       savers: Sequence[tuple[int, int, bool]]) -> tuple[dict[str, float], float, float]:
+    """Floors under a pipeline's memory for one micro-batch in flight under ``savers``, per layer of each kind
+    and for the embedding and the head: a pipeline of this grid whose stages hold these needs, summed, at
+    least what they add up to (static + activation bytes; runtime overhead left out). Over its stages that sum
+    is under the heaviest stage's need, so a grid whose floor / pp is over the capacity fits no combination.
+
+    Model-state bytes are linear in a stage's parameters under each saver, and activations in its layers under
+    each recompute mode: the least coefficient of each (dense and expert states apart) times the layer's count
+    is under every split's sum of per-stage least needs (working sets, edge activations and a tied head's
+    copy only add)."""
+    mbs = coster.q.microbatch_sequences // dp
+    tr = coster.training
+    pb, ob = tr.param_bytes, tr.optimizer_state_bytes
+    gb = tr.grad_bytes + pb if coster.keeps_param_dtype_grads else tr.grad_bytes
+    shard, eshard = dp * cp, dp * cp // ep
+
+    states = {(z, off) for z, _r, off in savers}
+
+    def per_param(n: int) -> float:  # the least model-state bytes per parameter over the savers
+        return min(model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
+                                     optimizer_bytes=ob).total for z, off in states)
+
+    dense_b, expert_b = per_param(shard), per_param(eshard)
+    recomputes = {r for _zero, r, _off in savers}
+    per_kind = {}
+    for k in coster.prefix:
+        t = coster.layer_terms(k, tp, cp, ep, dp, mbs)
+        per_kind[k] = (t.dense_params * dense_b + t.expert_params * expert_b
+                       + min(t.act_bytes[r] for r in recomputes) * coster.fragmentation)
+    return (per_kind, coster.model.embedding_params() / tp * dense_b, coster.model.head_params() / tp * dense_b)
+
+
+def stage_need_terms(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
+                     kind: str) -> list[tuple[float, float]]:
+    """Per saver combination (a, b): a stage of n >= 1 layers of ``kind`` on this grid needs at least a x n + b
+    bytes for one micro-batch in flight (model states and activations by the layer; the working sets of
+    ZeRO-3 and full recompute; the embedding, head and runtime overhead left out, which only add). The stage
+    with the most layers of a one-kind slice holds at least ceil(layers / pp) of them."""
+    return [(state + act, working)
+            for state, act, working, _per_param in stage_need_parts(coster, tp, cp, ep, dp, savers, kind)[0]]
+
+
+def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
+                     kind: str) -> tuple[list[tuple[float, float, float, float]], float, float]:
+    """Per saver combination, what stage_need_terms adds up: a layer's model-state bytes, its activation bytes
+    per micro-batch in flight, the working sets (ZeRO-3's gathered layer; full recompute's one layer rebuilt,
+    where the stage holds a layer), and the model-state bytes per dense parameter (for the embedding's or the
+    head's on a stage); then the embedding's and the head's activation bytes per micro-batch in flight. A stage
+    of n >= 1 layers with k micro-batches in flight and e dense edge parameters needs at least
+    n x (state + k x act) + e x per_param + working (+ k x the edges' activations it holds)."""
+    mbs = coster.q.microbatch_sequences // dp
+    tr = coster.training
+    pb, ob = tr.param_bytes, tr.optimizer_state_bytes
+    gb = tr.grad_bytes + pb if coster.keeps_param_dtype_grads else tr.grad_bytes
+    t = coster.layer_terms(kind, tp, cp, ep, dp, mbs)
+    shard, eshard = dp * cp, dp * cp // ep
+    states: dict[tuple[int, bool], tuple[float, float]] = {}  # (zero, offload) -> (layer's, per parameter)
+    out = []
+    for z, r, off in savers:
+        hit = states.get((z, off))
+        if hit is None:
+            per_param = model_state_bytes(1.0, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
+                                          grad_bytes=gb, optimizer_bytes=ob).total
+            state = model_state_bytes(t.dense_params, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
+                                      grad_bytes=gb, optimizer_bytes=ob).total
+            if t.expert_params:
+                state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=z, offload=off,
+                                           param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob).total
+            hit = states[z, off] = (state, per_param)
+        working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 else 0.0
+        if RECOMPUTE_MODES[r] == "full":  # _rec_part's working set: one layer's activations, rebuilt
+            working += t.act_bytes[0]
+        elif RECOMPUTE_MODES[r] == "selective" and coster.selective_policy == "op-sac":
+            working += t.act_bytes[0] - t.act_bytes[1]
+        out.append((hit[0], t.act_bytes[r] * coster.fragmentation, working * coster.fragmentation, hit[1]))
+    e = coster.edges(tp, cp, dp, mbs)
+    return out, e["emb_act"] * coster.fragmentation, e["head_act"] * coster.fragmentation

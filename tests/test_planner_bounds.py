@@ -1,0 +1,95 @@
+"""planner/bounds.py's floors against brute force (reference.every_composition on small random instances), and the
+slice bounds' scalar and array forms against each other. The other rows of bounds.py's table are checked where
+their search is (the table names each test)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.planner.bounds import (beyond, beyond_array, beyond_floors, latency_floor_of, lower_bound,
+                                           score_floor_of, slack_cut)
+from tangram_launch.planner.compose import Option
+from tangram_launch.planner.reference import every_composition
+
+from helpers_compose import scheduled
+
+
+def _instance(rng: random.Random):
+    """A small random option set: up to 6 layers, 3 islands, options of 1-3 stages, links between islands."""
+    L, K = rng.randint(1, 6), rng.randint(1, 3)
+    m = rng.choice([1, 2, 3, 4, 8])
+    options = []
+    for a in range(L):
+        for b in range(a + 1, L + 1):
+            for k in range(K):
+                for _ in range(rng.choice([0, 1, 2])):
+                    ns = rng.choice([1, 2, 3])
+                    bn = rng.uniform(0.1, 2.0) * (b - a) / ns
+                    options.append(Option(a, b, k, ns, rng.choice([-1, 0, 2, 1 << 30]), bn * rng.uniform(1.0, ns),
+                                          bn, rng.choice([0.0, rng.uniform(0, 3)])))
+    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.5)]) for j in range(K)] for i in range(K)]
+    return options, link, L, m
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lower_bound_is_under_every_composition(seed):
+    """lower_bound (an option set is tried, or skipped, by it) lies under the closed form of every composition of
+    the set, and is reached by some instance's optimum (it is not vacuous)."""
+    rng = random.Random(seed)
+    compositions = tight = 0
+    for _ in range(120):
+        options, link, L, m = _instance(rng)
+        floor = lower_bound(options, L, m)
+        every = every_composition(options, link, L, m)
+        compositions += len(every)
+        for c in every:
+            assert floor <= c.latency_s * (1 + 1e-12), (seed, floor, c)
+        if every and floor == pytest.approx(min(c.latency_s for c in every), rel=1e-12):
+            tight += 1
+    assert compositions > 100 and tight > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_slice_plans_floors_are_under_every_pipeline_holding_it(seed):
+    """An option's own (m - 1) x bottleneck + time + tail and m x bottleneck + tail (the slice floors a parallelizer
+    drops a plan by) lie under the closed form, and under the plain 1F1B simulation and the interleaved iteration of
+    every composition holding it (helpers_compose.scheduled: stage times consistent with each option's numbers)."""
+    rng = random.Random(100 + seed)
+    held = 0
+    for _ in range(80):
+        options, link, L, m = _instance(rng)
+        score = scheduled(options, link, m)
+        for c in every_composition(options, link, L, m):
+            sim = score(c.options, c.metrics)
+            for oi in c.options:
+                o = options[oi]
+                held += 1
+                assert latency_floor_of(o.bottleneck_s, o.time_s, o.tail_s, m) <= c.latency_s * (1 + 1e-12)
+                assert score_floor_of(o.bottleneck_s, o.tail_s, m) <= sim * (1 + 1e-12)
+    assert held > 100
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e3), st.floats(0, 1e3), st.floats(0, 1e3)), min_size=1, max_size=20),
+       st.integers(1, 64), st.floats(0, 1e5), st.floats(0, 1e5))
+@settings(max_examples=200, deadline=None)
+def test_the_array_forms_give_the_scalar_forms_answers_bit_for_bit(rows, m, lat_bound, score_bound):
+    """latency_floor_of / score_floor_of over arrays are the scalar floors element by element (the same float
+    operations), and beyond_array is beyond per element at the same cuts (and beyond_floors, the fused scalar form)."""
+    bn, fill, tail = (np.array(col, dtype=np.float64) for col in zip(*rows))
+    lat, score = latency_floor_of(bn, fill, tail, m), score_floor_of(bn, tail, m)
+    lat_cut, score_cut = slack_cut(lat_bound), slack_cut(score_bound)
+    got = beyond_array(lat, score, lat_cut, score_cut)
+    for i, (b, f, t) in enumerate(rows):
+        assert lat[i] == latency_floor_of(b, f, t, m) and score[i] == score_floor_of(b, t, m)
+        assert bool(got[i]) == beyond(latency_floor_of(b, f, t, m), score_floor_of(b, t, m), lat_cut, score_cut)
+        assert bool(got[i]) == beyond_floors(b, f, t, m, lat_cut, score_cut)
+
+
+def test_a_floor_that_ties_a_bound_up_to_rounding_is_not_beyond_it():
+    assert not beyond(1.0 + 1e-12, 1.0 + 1e-12, slack_cut(1.0), slack_cut(1.0))
+    assert beyond(1.0 + 1e-6, 1.0 + 1e-6, slack_cut(1.0), slack_cut(1.0))
+    assert not beyond(1.0 + 1e-6, 0.5, slack_cut(1.0), slack_cut(1.0))  # the score can still beat its bound
