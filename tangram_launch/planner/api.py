@@ -37,8 +37,9 @@ from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s, group_minima, stage_totals
 from tangram_launch.planner.collector import no_collections
-from tangram_launch.planner.compose import (SCORE_ANY, Composition, ComposeStats, Option, compose, least_links,
-                                            merged_states, pick, plain_1f1b_floor_s)
+from tangram_launch.planner import bounds
+from tangram_launch.planner.bounds import least_links, plain_1f1b_floor_s
+from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states, pick
 from tangram_launch.planner.cover_floors import island_floors_s, promising
 from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.enumerate import QueryPool, default_workers
@@ -490,7 +491,8 @@ class SizeFloor(NamedTuple):
 
     def beyond(self, latency_bound_s: float, score_bound_s: float) -> bool:
         """Whether no plan at this size can beat either bound (as SliceQuery.beyond_bound)."""
-        return (self.latency_s > latency_bound_s * (1.0 + 1e-9) and self.score_s > score_bound_s * (1.0 + 1e-9))
+        return bounds.beyond(self.latency_s, self.score_s, bounds.slack_cut(latency_bound_s),
+                             bounds.slack_cut(score_bound_s))
 
     def outside_s(self, start: int, stop: int) -> float:
         """Least fill of the layers (and embedding, head) outside [start, stop): what the rest of any pipeline
@@ -507,7 +509,7 @@ class SizeFloor(NamedTuple):
 def _least_links_at(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
                     islands: Sequence["Island"], present: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
     """Per island of ``present``, the least one-way link into it and out of it from another, at micro-batch size b
-    (compose.least_links; 0 where there is no other)."""
+    (bounds.least_links; 0 where there is no other)."""
     return least_links(LinkModel(cluster, islands, activation_bytes(
         b, training.seq_len, model.hidden_size, training.param_bytes)).island_matrix(), present, default=0.0)
 
@@ -567,7 +569,7 @@ def _outside_s(floor: SizeFloor, pair: Pair, into: dict[int, float], out_of: dic
                num_layers: int) -> float:
     """The least fill that the rest of any pipeline holding ``pair`` adds: the least seconds of the layers outside
     its slice, on the other islands where the pair floors have them (else on any island), and, where the slice
-    does not start at layer 0 (end at L), the least link into its island (out of it; compose.least_links), twice
+    does not start at layer 0 (end at L), the least link into its island (out of it; bounds.least_links), twice
     (compose counts each boundary's link forward and backward). The same for every pair of its
     redundancy class (as long, the same layer kinds, the same edges), whose answer this query's is."""
     a, z = pair.layers
@@ -604,7 +606,7 @@ def _front_s(floor: SizeFloor, pair: Pair, into: dict[int, float]) -> float:
 def _score_extra_s(front_s: float, outside_s: float, num_layers: int = MAX_VIRTUAL_STAGES) -> float:
     """What any predicted iteration of a pipeline holding a slice plan of ``num_layers`` layers adds to m x its
     slowest stage + its tail, at least: the plain 1F1B runs that stage's m micro-batches after the first one's
-    forward reached it and before the last one's backward left the stages in front (compose.plain_1f1b_floor_s:
+    forward reached it and before the last one's backward left the stages in front (bounds.plain_1f1b_floor_s:
     + the fill in front); interleaved with v chunks, m x period + (fill - period) / v >= m x the stage + (the rest's
     fill) / v (the slice's own fill is at least its slowest stage), where v is at most MAX_VIRTUAL_STAGES and the
     fewest layers of any stage (interleave.choose_virtual_stages), so at most the slice's layers: a slice of one
@@ -868,7 +870,7 @@ class ClassScores:
         return len(grids) == 1 and None not in grids
 
     def plain_floor_s(self, seq: tuple[int, ...], metrics, *, round_trips: bool) -> float:
-        """Under the plain 1F1B simulation + tail: compose.plain_1f1b_floor_s, with ``round_trips`` the larger of
+        """Under the plain 1F1B simulation + tail: bounds.plain_1f1b_floor_s, with ``round_trips`` the larger of
         it and costmodel.pipeline.cycle_floor_1f1b_s over the sequence's stages."""
         floor = plain_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.tail_s)
         if round_trips:
@@ -877,7 +879,7 @@ class ClassScores:
         return floor
 
     def floor_s(self, seq: tuple[int, ...], metrics) -> float:
-        """Under predicted_s where it can matter: plain 1F1B, the larger of compose.plain_1f1b_floor_s and the
+        """Under predicted_s where it can matter: plain 1F1B, the larger of bounds.plain_1f1b_floor_s and the
         round trips across its stage boundaries (costmodel.pipeline.cycle_floor_1f1b_s: where a slow link lies
         between islands, most candidates' simulations are far above the former); interleaved, m x period + (fill -
         period) / v + tail with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the slowest stage's m

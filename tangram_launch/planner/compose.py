@@ -59,7 +59,6 @@ import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
-from tangram_launch.planner.bounds import least_links, plain_1f1b_floor_s  # noqa: F401 (api.py reads them here)
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
