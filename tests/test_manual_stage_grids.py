@@ -71,9 +71,9 @@ def test_a_stage_grid_that_cannot_run_is_refused_with_the_field_and_why():
     assert "stages[0]" in "\n".join(err.value.reasons) and "GPUs" in "\n".join(err.value.reasons)
 
 
-def _train(tmp_path: Path, plan: str, nproc: int, out: str) -> list[float]:
-    run_cli(tmp_path, "--standalone", "--nproc-per-node", str(nproc), "--plan", plan, str(REPO / "examples" /
-         "train_gpt.py"), "--steps", "4", "--data", "synthetic", "--quiet", "--out", out)
+def _train(tmp_path: Path, plan: str, nproc: int, out: str, *planning: str) -> list[float]:
+    run_cli(tmp_path, "--standalone", "--nproc-per-node", str(nproc), "--plan", plan, *planning,
+            str(REPO / "examples" / "train_gpt.py"), "--steps", "4", "--data", "synthetic", "--quiet", "--out", out)
     return json.loads((tmp_path / out).read_text())["losses"]
 
 
@@ -102,4 +102,8 @@ def test_dp2_dp1_plan_from_yaml_or_json_trains_on_three_ranks_as_one_process(tmp
     for src in ("costed-yaml.json", "costed-json.json"):
         got = _train(tmp_path, src, 3, f"{src}-out.json")
         assert got == pytest.approx(reference, abs=2e-5), src
+    # and the hand-written YAML as it is: the launcher costs it from the same planning request, then launches it
+    got = _train(tmp_path, "manual.yaml", 3, "direct-yaml-out.json", "--cluster", "cpu3.yaml", "--model", "tiny",
+                 "--global-batch", "4", "--seq-len", "32", "--dtype", "fp32", "--runtime", "torch")
+    assert got == pytest.approx(reference, abs=2e-5), "manual.yaml launched directly"
     assert abs(reference[-1] - reference[0]) > 1e-2  # the steps trained: equal losses are not equal inits
