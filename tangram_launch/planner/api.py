@@ -220,6 +220,10 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
     t0 = time.perf_counter()
     opts = options
     caps = resolve_capabilities(runtime).for_model(model.num_experts)  # MoE: per-stage grids where the runtime has them
+    if opts.schedule == "interleaved-1F1B":  # insisted on where the runtime has no such schedule: say so first
+        problems = caps.schedule_problems("interleaved-1F1B")
+        if problems:
+            raise InfeasibleError(f"the {caps.name} runtime cannot run interleaved 1F1B", problems)
     par = pool.parallelizer
     iset = islands or build_islands(cluster, dtype=training.dtype)
     all_islands = tuple(iset.islands)
@@ -259,10 +263,6 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
 
     stats = _search_stats(par, pairset, counters, cstats, cand, opts, planning_s=time.perf_counter() - t0,
                           compose_s=compose_s, atom_layers=atom_layers, tried=tried)
-    if opts.schedule == "interleaved-1F1B":
-        problems = caps.schedule_problems("interleaved-1F1B")
-        if problems:
-            raise InfeasibleError(f"the {caps.name} runtime cannot run interleaved 1F1B", problems)
     plan = build_plan(cand, comp_best, cluster=cluster, model=model, training=training, runtime=caps.name,
                       islands_dropped=dropped, planner=stats, schedule=opts.schedule, capabilities=caps)
     stats["gpus_idle"] = _idle_gpus(plan, all_islands, b_best)
