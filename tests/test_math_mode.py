@@ -162,3 +162,22 @@ def test_each_rank_switches_tf32_from_its_own_stage(mixed_plans):
         del s["math_mode"]
     bare_plan = Plan.from_dict(bare)
     assert {tf32_matmuls_allowed(bare_plan, bare_plan.place(r)) for r in range(bare_plan.world_size)} == {True}
+
+
+def test_every_catalog_gpu_trains_tf32_in_its_own_math_mode_and_fp32_strictly():
+    """Over the whole catalog: tf32 is priced at the TF32 peak where the GPU has one, else at its FP32 peak, and is
+    refused nowhere fp32 runs; fp32 and the other dtypes are untouched by the rule."""
+    from tangram_launch.specs.catalog import default_catalog
+    from test_costmodel import gpu, island
+
+    for entry in default_catalog():
+        g = gpu(entry.name)
+        has_tf32 = bool(g.tflops.get("tf32"))
+        assert math_mode(g, "tf32") == ("tf32" if has_tf32 else "fp32"), entry.name
+        if g.tflops.get("fp32"):
+            assert peak_tflops_for(g, "tf32") == g.tflops["tf32" if has_tf32 else "fp32"], entry.name
+            assert peak_tflops_for(g, "fp32") == g.tflops["fp32"], entry.name
+            assert dtype_problem(island(entry.name), "tf32") is None, entry.name
+        for dtype in ("bf16", "fp16", "fp32", "fp8"):
+            assert math_mode(g, dtype) == dtype
+            assert (dtype_problem(island(entry.name), dtype) is None) == bool(g.tflops.get(dtype)), (entry.name, dtype)
