@@ -37,7 +37,7 @@ from runtime_adapters.base import RuntimeAdapter
 from tangram_launch import worker as W
 from tangram_launch.capabilities import MEGATRON
 from tangram_launch.errors import InfeasibleError, SpecError, TangramError
-from tangram_launch.plan import Place, Plan, Stage
+from tangram_launch.plan import Place, Plan, Stage, tf32_matmuls_allowed
 from tangram_launch.specs.model import ModelSpec
 from tangram_launch.specs.training import TrainingSpec
 
@@ -201,12 +201,13 @@ def dtype_kwargs(dtype: str) -> dict[str, Any]:
     return out
 
 
-def tf32_matmuls(dtype: str) -> None:
-    """tf32 plans: let fp32 matmuls and convolutions use TF32 tensor cores (a process-wide torch switch; Megatron-core
-    has no config field for it)."""
-    if dtype == "tf32":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+def tf32_matmuls(plan: Plan, place: Place) -> None:
+    """tf32 plans: let this rank's fp32 matmuls and convolutions use TF32 tensor cores unless its stage runs strict
+    FP32 (a process-wide torch switch, so per rank; Megatron-core has no config field for it)."""
+    allow = tf32_matmuls_allowed(plan, place)
+    if allow is not None:
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        torch.backends.cudnn.allow_tf32 = allow
 
 
 def moe_kwargs(model: ModelSpec, ep: int) -> dict[str, Any]:
@@ -545,7 +546,7 @@ class MegatronAdapter(RuntimeAdapter):
         if _training(plan).dtype == "fp8" and not te:
             raise InfeasibleError(f"the {self.name} runtime cannot execute this plan",
                                   [p for p in self.environment_problems(plan) if p.startswith("fp8")])
-        tf32_matmuls(_training(plan).dtype)
+        tf32_matmuls(plan, place)
         kwargs = transformer_config_kwargs(plan, place.stage.index, sequence_parallel=sequence_parallel)
         kwargs.update(overrides)
         return TransformerConfig(**kwargs)

@@ -59,7 +59,7 @@ from runtime_adapters.schedule import GridSchedule
 from runtime_adapters.stage_timing import StageTimer, timer_from_env
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
 from tangram_launch.errors import InfeasibleError, SpecError
-from tangram_launch.plan import Place, Plan, Stage
+from tangram_launch.plan import Place, Plan, Stage, tf32_matmuls_allowed
 from tangram_launch.specs.model import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -161,9 +161,10 @@ class TorchAdapter(RuntimeAdapter):
         _apply_tensor_parallel(module, stage, groups)
         _apply_recompute(module, stage)
         dtype = COMPUTE_DTYPES[str(plan.training.get("dtype", "fp32"))]
-        if plan.training.get("dtype") == "tf32":  # fp32 parameters, TF32 tensor-core matmuls (process-wide switch)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        allow_tf32 = tf32_matmuls_allowed(plan, place)  # tf32 plans: per rank, from its stage's math mode
+        if allow_tf32 is not None:  # a process-wide switch, so it is this rank's alone
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            torch.backends.cudnn.allow_tf32 = allow_tf32
         if dtype is not None:
             if not hasattr(module, "set_compute_dtype"):
                 raise SpecError("a bf16/fp16 plan needs a module with set_compute_dtype(dtype)",

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.cluster import ClusterSpec, GPUSpec, GpuRef, LinkSpec
+from tangram_launch.specs.cluster import ClusterSpec, GPUSpec, GpuRef, LinkSpec, math_mode
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,10 @@ class IslandTolerances:
 
 def compute_tflops(gpu: GPUSpec, dtype: str = "bf16") -> float:
     """Compute capacity c_g: measured GEMM throughput when profiled, else the dense peak; falls back to fp16/fp32
-    for GPUs without the dtype (T4/V100 have no bf16) so islands are defined on every cluster."""
+    for GPUs without the dtype (T4/V100 have no bf16) so islands are defined on every cluster; tf32 is priced in
+    the GPU's math mode (TF32 where it has it, else FP32)."""
     measured = gpu.measured.get("gemm_tflops") if gpu.measured else None
-    for d in (dtype, "fp16", "fp32"):
+    for d in (math_mode(gpu, dtype), "fp16", "fp32"):
         if isinstance(measured, dict) and measured.get(d):
             return float(measured[d])
         if gpu.tflops.get(d):

@@ -17,7 +17,7 @@ import yaml
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported: the Plan's recompute modes)
-from tangram_launch.specs.constants import DEFAULT_RUNTIME, SCHEDULES
+from tangram_launch.specs.constants import DEFAULT_RUNTIME, MATH_MODES, SCHEDULES
 from tangram_launch.specs.shape import StageShape, check_shape
 from tangram_launch.specs.yamlio import check_keys, dump_yaml_file, load_yaml_file, to_plain
 from tangram_launch.topology import Topology
@@ -44,6 +44,9 @@ class Stage(StageShape):
     # order (interleaved_chunks). ``layers`` then gives the stage's share of layers in the plain order (its count
     # and what its time and memory were costed on); the chunks are what the stage holds.
     chunks: tuple[tuple[int, int], ...] = ()
+    # tf32 plans only: "tf32" (TF32 tensor-core matmuls) or "fp32" (strict FP32, GPUs without TF32), the mode this
+    # stage was priced in and its ranks run (allow_tf32); None elsewhere, so other plans' JSON has no such key
+    math_mode: str | None = None
 
     def __post_init__(self) -> None:
         where = f"stages[{self.index}]"
@@ -56,6 +59,9 @@ class Stage(StageShape):
         v = self.micro_batch_size
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise SpecError("must be a positive integer", field=f"{where}.micro_batch_size", value=v)
+        if self.math_mode is not None and self.math_mode not in MATH_MODES:
+            raise SpecError("unknown math mode", field=f"{where}.math_mode", value=self.math_mode,
+                            valid=", ".join(MATH_MODES))
         if len(self.gpus) != self.tp * self.dp * self.cp:
             raise SpecError(f"a stage needs tp*dp*cp = {self.tp * self.dp * self.cp} GPUs",
                             field=f"{where}.gpus", value=len(self.gpus))
@@ -88,6 +94,7 @@ class Stage(StageShape):
             "has_embedding": self.has_embedding,
             "has_head": self.has_head,
             **({"chunks": [list(c) for c in self.chunks]} if self.chunks else {}),
+            **({"math_mode": self.math_mode} if self.math_mode is not None else {}),
         }
 
     @classmethod
@@ -95,7 +102,7 @@ class Stage(StageShape):
         idx = d.get("index", "?")
         where = f"stages[{idx}]"
         check_keys(d, ("index", "layers", "island", "num_gpus", "gpus", "tp", "dp", "cp", "ep", "zero_stage",
-                       "recompute", "micro_batch_size", "offload", "has_embedding", "has_head", "chunks"),
+                       "recompute", "micro_batch_size", "offload", "has_embedding", "has_head", "chunks", "math_mode"),
                    where=where, source=source)
         from tangram_launch.specs.limits import check_plan_stage
 
@@ -110,7 +117,8 @@ class Stage(StageShape):
             raise SpecError("layers must be [start, stop)", source=source, field=f"{where}.layers", value=d["layers"])
         kw = {k: d[k] for k in ("tp", "dp", "cp", "ep", "zero_stage", "recompute", "micro_batch_size", "offload",
                                 "has_embedding", "has_head") if k in d}
-        stage = cls(index=int(d["index"]), layers=layers, island=str(d["island"]), gpus=gpus, chunks=chunks, **kw)
+        stage = cls(index=int(d["index"]), layers=layers, island=str(d["island"]), gpus=gpus, chunks=chunks,
+                    math_mode=d.get("math_mode"), **kw)
         if "num_gpus" in d and int(d["num_gpus"]) != stage.num_gpus:
             raise SpecError("num_gpus differs from the gpus list", source=source, field=f"{where}.num_gpus",
                             value=d["num_gpus"], valid=str(stage.num_gpus))
@@ -251,6 +259,13 @@ class Plan:
                     raise SpecError(f"GPU {g[0]}:{g[1]} is used by stages {seen[g]} and {s.index}",
                                     field=f"stages[{s.index}].gpus", value=f"{g[0]}:{g[1]}")
                 seen[g] = s.index
+        if self.training.get("dtype") != "tf32":
+            for s in self.stages:
+                if s.math_mode is not None:
+                    raise SpecError("math_mode is for tf32 plans only (it says whether a stage's matmuls run TF32)",
+                                    field=f"stages[{s.index}].math_mode", value=s.math_mode,
+                                    valid=f"no math_mode, or training.dtype tf32 (this plan trains in "
+                                          f"{self.training.get('dtype')})")
         gb = int(self.training.get("global_batch", 0))
         if self.num_microbatches < 1:
             raise SpecError("must be >= 1", field="num_microbatches", value=self.num_microbatches)
@@ -418,6 +433,15 @@ class Plan:
     def content_hash(self) -> str:
         """sha256 of the canonical JSON: agents compare it to agree on one plan."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def tf32_matmuls_allowed(plan: Plan, place: Place) -> bool | None:
+    """What a rank sets ``torch.backends.cuda.matmul.allow_tf32`` to: on a tf32 plan, True unless its stage runs
+    strict FP32 (``math_mode: fp32``, priced at the FP32 peak); None (leave torch's default, strict FP32) on
+    every other plan. A tf32 plan written by hand without math modes runs TF32 wherever the GPU has it."""
+    if plan.training.get("dtype") != "tf32":
+        return None
+    return place.stage.math_mode != "fp32"
 
 
 def interleaved_chunks(layer_counts: list[int] | tuple[int, ...], virtual_stages: int

@@ -50,7 +50,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.cluster import GPUSpec
+from tangram_launch.specs.cluster import GPUSpec, math_mode
 from tangram_launch.specs.constants import GIB  # noqa: F401 (re-exported for the cost model's users)
 
 TFLOPS = 1e12
@@ -100,7 +100,8 @@ CPU_ADAM_PARAMS_PER_S_PER_NODE = 2.0e9
 
 
 def peak_tflops_for(gpu: GPUSpec, dtype: str) -> float:
-    """Dense peak for the training dtype (SpecError names the supported dtypes, e.g. V100 has no bf16)."""
+    """Dense peak for the training dtype in the GPU's math mode (tf32 runs FP32 where the GPU lacks TF32);
+    SpecError names the supported dtypes (V100 has no bf16)."""
     return gpu.peak_tflops(dtype)
 
 
@@ -172,7 +173,7 @@ class DeviceModel:
 
         peak = peak_tflops_for(gpu, dtype) * TFLOPS
         sources = []
-        gemm = _measured(gpu, "gemm_tflops", dtype)
+        gemm = _measured(gpu, "gemm_tflops", math_mode(gpu, dtype))
         if gemm is not None:
             sources.append("gemm_tflops")
             gemm_flops = gemm * TFLOPS

@@ -28,6 +28,7 @@ from tangram_launch.planner import templates as templates_mod
 from tangram_launch.planner.allocation import LinkModel, allocate_gpus
 from tangram_launch.planner.interleave import ScheduleChoice, choose_virtual_stages
 from tangram_launch.planner.slices import Pair
+from tangram_launch.specs.cluster import math_mode
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.capabilities import RuntimeCapabilities
@@ -360,7 +361,8 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
                             tp=sh.tp, dp=sh.dp, cp=sh.cp, ep=sh.ep, zero_stage=sh.zero_stage, recompute=sh.recompute,
                             micro_batch_size=st.micro_batch_size, offload=sh.offload,
                             has_embedding=st.layers[0] == 0, has_head=st.layers[1] == L,
-                            chunks=chunks[k] if chunks else ()))
+                            chunks=chunks[k] if chunks else (),
+                            math_mode=math_mode(isl.gpu, training.dtype) if training.dtype == "tf32" else None))
         preds.append(StagePrediction(forward_s=st.forward_s, backward_s=st.backward_s,
                                      peak_memory_gib=stage_memory_bytes(st, S - 1 - k, S, m, v) / GIB,
                                      capacity_gib=isl.gpu.memory_gib))
@@ -393,9 +395,9 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
 
 
 def gpu_peak_flops(cluster: "ClusterSpec", node: str, local: int, dtype: str) -> float:
-    """Peak FLOP/s of one GPU in the training dtype (falls back like island compute when unsupported)."""
+    """Peak FLOP/s of one GPU in the training dtype's math mode (falls back like island compute when unsupported)."""
     from tangram_launch.specs.cluster import GpuRef
 
     g = cluster.gpu(GpuRef(node, local))
-    v = g.tflops.get(dtype)
+    v = g.tflops.get(math_mode(g, dtype))
     return float(v if v else compute_tflops(g, dtype)) * 1e12

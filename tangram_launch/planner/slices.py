@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Sequence
 from tangram_launch.errors import SpecError
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB
+from tangram_launch.specs.cluster import math_mode
 from tangram_launch.specs.constants import DTYPE_NEEDS, DTYPES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -170,8 +171,9 @@ def island_compute_tflops(island: "Island", dtype: str) -> float:
 
 
 def dtype_problem(island: "Island", dtype: str) -> str | None:
-    """Why the island cannot train in ``dtype`` (no bf16 on T4/V100), else None."""
-    if island.gpu.tflops.get(dtype):
+    """Why the island cannot train in ``dtype`` (no bf16 on T4/V100), else None; tf32 runs everywhere (FP32
+    matmuls where the GPU lacks TF32, specs.cluster.math_mode)."""
+    if island.gpu.tflops.get(math_mode(island.gpu, dtype)):
         return None
     supported = [d for d in DTYPES if island.gpu.tflops.get(d)]
     need = f", which needs {DTYPE_NEEDS[dtype]}" if dtype in DTYPE_NEEDS else ""

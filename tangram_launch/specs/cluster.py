@@ -41,6 +41,18 @@ BITS_PER_BYTE = 8
 logger = logging.getLogger(__name__)
 
 
+def math_mode(gpu: "GPUSpec", dtype: str) -> str:
+    """The mode a GPU runs a training dtype's matmuls in: the one rule every peak and dtype check reads.
+
+    ``tf32`` is fp32 storage with TF32 tensor-core matmuls where the GPU has them and strict FP32 elsewhere (V100,
+    T4), as people who train "in fp32" run it: ``allow_tf32`` is a per-process switch, so each rank sets its own.
+    It never makes a GPU unusable. ``fp32`` stays strict FP32 (torch's default); every other dtype runs as itself.
+    """
+    if dtype == "tf32" and not gpu.tflops.get("tf32"):
+        return "fp32"
+    return dtype
+
+
 @dataclass(frozen=True)
 class GPUSpec:
     """One GPU's figures (catalog values unless overridden or measured)."""
@@ -54,7 +66,8 @@ class GPUSpec:
     measured: Mapping[str, Any] = field(default_factory=dict)
 
     def peak_tflops(self, dtype: str) -> float:
-        value = self.tflops.get(dtype)
+        """Dense matmul peak for a training dtype, in the math mode this GPU runs it in (:func:`math_mode`)."""
+        value = self.tflops.get(math_mode(self, dtype))
         if value is None:
             supported = [d for d in DTYPES if self.tflops.get(d)]
             need = f" (it needs {DTYPE_NEEDS[dtype]})" if dtype in DTYPE_NEEDS else ""

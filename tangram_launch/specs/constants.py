@@ -8,6 +8,9 @@ GIB = 1024**3  # bytes per GiB (memory figures are GiB; link figures are GB/s, 1
 DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")  # training dtypes, in the order tables print them
 # tf32: fp32 storage, TF32 tensor-core matmuls (torch.backends.cuda.matmul.allow_tf32). fp8: FP8 GEMMs with bf16
 # storage and everything else in bf16, as Transformer Engine runs it. What a GPU needs for each, for refusals:
+# A tf32 plan's stages record their math mode (specs.cluster.math_mode): TF32 tensor-core matmuls, or strict FP32
+# on GPUs without TF32. The adapters set allow_tf32 per rank from it.
+MATH_MODES = ("tf32", "fp32")
 STORAGE_DTYPES = ("bf16", "fp16", "fp32")  # what tensors are stored in (gradients, the profiler's GEMM timings)
 DTYPE_NEEDS = {"tf32": "TF32 tensor cores (Ampere or newer)",
                "fp8": "FP8 tensor cores (H100, H200, B200, L40S, L4)",
