@@ -733,9 +733,11 @@ class SliceCoster:
         }
         return numbers, bd
 
-    def check(self, cfg: ParallelConfig, *, slice_layers: bool = True) -> list[str]:
+    def check(self, cfg: ParallelConfig, *, slice_layers: bool = True, search_space: bool = True) -> list[str]:
         """Why ``cfg`` cannot run this slice on this island (shape problems; memory is judged separately).
-        ``slice_layers=False`` leaves out the one check that depends on the slice (pp within its layers)."""
+        ``slice_layers=False`` leaves out the one check that depends on the slice (pp within its layers);
+        ``search_space=False`` the one rule that narrows the planner's search rather than saying what a runtime runs
+        (a stage's GPUs divide a node or are whole nodes), for a hand-written stage that may take any GPUs."""
         out = []
         if self.device_error:
             return [self.device_error]
@@ -747,7 +749,7 @@ class SliceCoster:
         if g % cfg.tp:
             out.append(f"tp={cfg.tp} must divide the {g} GPUs per node (TP stays inside a node)")
         sg = cfg.stage_gpus
-        if sg % g and g % sg:
+        if search_space and sg % g and g % sg:
             out.append(f"a stage of {sg} GPUs must divide or be a multiple of the {g} GPUs per node")
         if b % cfg.dp:
             out.append(f"dp={cfg.dp} must divide the {b} sequences of a micro-batch")

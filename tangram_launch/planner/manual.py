@@ -170,11 +170,6 @@ def _describe(st: StageCost) -> str:
             f"micro_batch_size={st.micro_batch_size}")
 
 
-# SliceCoster.check's one rule that narrows the search rather than saying what a runtime runs: a stage's GPUs divide a
-# node or are whole nodes. A hand-written stage may take any GPUs (dp 2 on two GPUs of a three-GPU node).
-_SEARCH_ONLY_PREFIX = "a stage of "
-
-
 def _exact_config(q: SliceQuery, fixed: Mapping[str, Any]):
     """The one configuration ``fixed`` names at this query's micro-batch, or None where it leaves a grid size to the
     parallelizer: dp from dp, micro_batch_size or num_gpus / (tp x cp); tp from tp or num_gpus / (dp x cp)."""
@@ -204,7 +199,7 @@ def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer"
     from tangram_launch.costmodel.breakdown import SliceCoster  # floor 2: the shared cost model
 
     coster = SliceCoster(q, flash_attention=getattr(parallelizer, "flash_attention", None))
-    problems = [p for p in coster.check(cfg) if not p.startswith(_SEARCH_ONLY_PREFIX)]
+    problems = coster.check(cfg, search_space=False)  # a hand-written stage may take any GPUs (dp 2 of 3 on a node)
     if problems:
         return None, problems
     sums = coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep)
