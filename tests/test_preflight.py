@@ -260,3 +260,13 @@ def test_export_reports_each_phase(tmp_path, caplog):
     phases = [r.getMessage().split(":", 1)[0] for r in caplog.records if r.name == "tangram_launch.commands.export"]
     assert phases == ["export 1/4", "export 2/4", "export 3/4", "export 4/4"]
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_estimate_refuses_a_sequence_longer_than_the_models_learned_positions(capsys):
+    from tangram_launch.cli import main
+
+    cluster = str(REPO / "examples" / "clusters" / "cpu-2.yaml")
+    assert main(["estimate", "--cluster", cluster, "--model", "tiny", "--island", "cpu", "--seq-len", "128",
+                 "--dtype", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq-len" in err and "at most 64" in err and "Traceback" not in err

@@ -98,6 +98,9 @@ def build(args: argparse.Namespace):
     b = args.mbs * dp
     global_batch = args.global_batch or b * 4 * pp
     seq_len = args.seq_len or model.max_seq_len
+    from tangram_launch.launch.preflight import check_seq_len
+
+    check_seq_len(model, seq_len, field="--seq-len")  # as plan and the launcher refuse it
     training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                             **({} if args.memory_headroom is None else
                                {"memory_headroom_fraction": args.memory_headroom}))
