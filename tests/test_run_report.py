@@ -149,3 +149,36 @@ def test_a_planned_launch_writes_a_run_report_with_every_stage_measured(tmp_path
         assert [r["rank"] for r in stage["ranks"]] == [stage["stage"]]
     assert report["iteration"]["measured_median_s"] > 0
     assert "predicted vs measured" in done.stdout and f"run report: {run_dir / 'run-report.json'}" in done.stdout
+
+
+def test_report_every_prints_once_each_time_every_stage_passes_another_n_steps(tmp_path):
+    plan = {"stages": [{"layers": [0, 2], "island": "a"}, {"layers": [2, 4], "island": "b"}],
+            "rank_layout": [{"rank": 0, "node": "n", "local_gpu": 0, "stage": 0},
+                            {"rank": 1, "node": "n", "local_gpu": 1, "stage": 1}],
+            "predicted": {"iteration_time_s": 0.1, "stages": [{"forward_s": 0.01, "backward_s": 0.02}] * 2},
+            "num_microbatches": 2}
+    out = io.StringIO()
+    watcher = run_report.ReportEvery(str(tmp_path), plan, "h", every=2, out=out)
+    folder = tmp_path / "timings"
+    folder.mkdir()
+
+    def steps(rank: int, upto: int, partial: bool = False) -> None:
+        lines = [json.dumps({"rank": rank, "stage": rank, "step": s, "microbatches": 2, "forward_s": 0.02,
+                             "backward_s": 0.04, "step_s": 0.1}) + "\n" for s in range(1, upto + 1)]
+        text = "".join(lines) + ('{"rank": 0, "step": 9' if partial else "")  # a line being written is skipped
+        (folder / f"rank{rank}.jsonl").write_text(text)
+
+    steps(0, 3, partial=True)
+    watcher.poll()
+    assert out.getvalue() == ""  # stage 1 has not timed a step yet
+    steps(1, 1)
+    watcher.poll()
+    assert out.getvalue() == ""  # every stage past 1 step, not 2
+    steps(1, 2)
+    watcher.poll()
+    watcher.poll()
+    assert out.getvalue().count("predicted vs measured") == 1
+    steps(0, 4)
+    steps(1, 4)
+    watcher.poll()
+    assert out.getvalue().count("predicted vs measured") == 2
