@@ -22,6 +22,12 @@ from timeouts import SUBPROCESS_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parent.parent
 CPU2 = str(REPO / "examples" / "clusters" / "cpu-2.yaml")
+# a plan file's content, as much of it as the report reads: two stages, one rank each
+TWO_STAGES = {"stages": [{"layers": [0, 2], "island": "a"}, {"layers": [2, 4], "island": "b"}],
+              "rank_layout": [{"rank": 0, "node": "n", "local_gpu": 0, "stage": 0},
+                              {"rank": 1, "node": "n", "local_gpu": 1, "stage": 1}],
+              "predicted": {"iteration_time_s": 0.1, "stages": [{"forward_s": 0.01, "backward_s": 0.02}] * 2},
+              "num_microbatches": 2}
 
 
 def _plan(tmp_path: Path, cluster: str, name: str) -> dict:
@@ -99,11 +105,7 @@ def test_calibrate_refuses_a_file_that_is_not_a_run_report(tmp_path, capsys):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.floats(0, 1), st.floats(0, 1)), max_size=30))
 def test_report_never_fails_on_any_set_of_timing_lines(rows):
-    plan = {"stages": [{"layers": [0, 2], "island": "a"}, {"layers": [2, 4], "island": "b"}],
-            "rank_layout": [{"rank": 0, "node": "n", "local_gpu": 0, "stage": 0},
-                            {"rank": 1, "node": "n", "local_gpu": 1, "stage": 1}],
-            "predicted": {"iteration_time_s": 0.1, "stages": [{"forward_s": 0.01, "backward_s": 0.02}] * 2},
-            "num_microbatches": 2}
+    plan = TWO_STAGES
     lines = [{"rank": s % 2, "stage": s, "step": step, "microbatches": 2, "forward_s": f, "backward_s": b,
               "step_s": f + b} for s, step, f, b in rows]
     report = run_report.build_report(plan, "h", lines)
@@ -152,11 +154,7 @@ def test_a_planned_launch_writes_a_run_report_with_every_stage_measured(tmp_path
 
 
 def test_report_every_prints_once_each_time_every_stage_passes_another_n_steps(tmp_path):
-    plan = {"stages": [{"layers": [0, 2], "island": "a"}, {"layers": [2, 4], "island": "b"}],
-            "rank_layout": [{"rank": 0, "node": "n", "local_gpu": 0, "stage": 0},
-                            {"rank": 1, "node": "n", "local_gpu": 1, "stage": 1}],
-            "predicted": {"iteration_time_s": 0.1, "stages": [{"forward_s": 0.01, "backward_s": 0.02}] * 2},
-            "num_microbatches": 2}
+    plan = TWO_STAGES
     out = io.StringIO()
     watcher = run_report.ReportEvery(str(tmp_path), plan, "h", every=2, out=out)
     folder = tmp_path / "timings"

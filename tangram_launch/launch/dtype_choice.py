@@ -49,16 +49,16 @@ def choose_dtype(explicit: str | None, default: str, measured_tflops: Mapping[st
                              f"{', ' + others if others else ''}); pass --dtype to choose")
 
 
-def launch_dtype_choice(cluster: "ClusterSpec", *, default: str, given: str | None,
+def launch_dtype_choice(cluster: "ClusterSpec | None", *, default: str, given: str | None,
                         resumed_plan: Mapping | None = None) -> DtypeChoice:
-    """The dtype of a launch-time plan: ``--dtype`` (``given``), else the resumed checkpoint's, else the fastest
-    measured on a CPU cluster, else ``default``."""
+    """The dtype of a plan: ``--dtype`` (``given``), else the resumed checkpoint's, else the fastest measured on a
+    CPU cluster (none before the cluster is known), else ``default``."""
     if given:
         return DtypeChoice(given, f"dtype {given}: given with --dtype")
     resumed = ((resumed_plan or {}).get("training") or {}).get("dtype")
     if resumed:
         return DtypeChoice(str(resumed), f"dtype {resumed}: the checkpoint's; pass --dtype to change it")
-    return choose_dtype(None, default, measured_cpu_tflops(cluster))
+    return choose_dtype(None, default, measured_cpu_tflops(cluster) if cluster is not None else None)
 
 
 def _measured_gemm(gpu, dtype: str) -> float | None:

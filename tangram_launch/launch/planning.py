@@ -240,6 +240,7 @@ class PlanningRequest:
     parallelizer: str
     options: "PlannerOptions"  # schedule, micro-batch sizes, pruning, workers
     cluster: "ClusterSpec | None" = None  # where known when the request is built (launch: after --profile)
+    dtype_reason: str = ""  # one line: why this dtype (given, the checkpoint's, fastest measured, the default)
 
     def __post_init__(self) -> None:
         from tangram_launch.launch.preflight import check_seq_len
@@ -267,8 +268,6 @@ class PlanningRequest:
         return self.options.schedule
 
 
-PlanInputs = PlanningRequest  # (the launcher's earlier name)
-
 
 def default_seq_len(model: "ModelSpec") -> int:
     """Tokens per sequence when none is given (nor a checkpoint's): the model's context, at most TrainingSpec's
@@ -278,24 +277,12 @@ def default_seq_len(model: "ModelSpec") -> int:
     return min(model.max_seq_len, TrainingSpec().seq_len)
 
 
-def default_dtype(cluster: "ClusterSpec | None") -> str:
-    """The training dtype when none is given (nor a checkpoint's): the one place this default is decided. On a
-    cluster of profiled CPU processes, the dtype the profile measured fastest (:mod:`.dtype_choice`); else the
-    training spec's default."""
-    from tangram_launch.launch.dtype_choice import choose_dtype, measured_cpu_tflops
-    from tangram_launch.specs.training import TrainingSpec
-
-    default = TrainingSpec().dtype
-    if cluster is None:
-        return default
-    return choose_dtype(None, default, measured_cpu_tflops(cluster)).dtype
-
-
 def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, cluster: "ClusterSpec | None" = None,
                      progress: bool | None = None) -> PlanningRequest:
     """The request from either command line's values (an argparse namespace or TangramOptions: absent or None
     attributes take the defaults); when resuming, the checkpoint's plan fills what was not given again."""
     from tangram_launch.capabilities import DEFAULT_RUNTIME, runtime
+    from tangram_launch.launch.dtype_choice import launch_dtype_choice
     from tangram_launch.planner.api import PlannerOptions
     from tangram_launch.planner.slices import DEFAULT_BALANCE_TOLERANCE, PruningPolicy
     from tangram_launch.specs.model import ModelSpec, load_model
@@ -314,10 +301,12 @@ def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, clu
         raise SpecError("planning needs a model", field="--model",
                         valid="a preset name, a model YAML or a Hugging Face config.json")
     default = TrainingSpec()
+    # the one place the dtype is decided: given, else the checkpoint's, else on profiled CPUs the fastest measured
+    dtype = launch_dtype_choice(cluster, default=default.dtype, given=given("dtype"), resumed_plan=old)
     training = {
         "global_batch": int(given("global_batch") or old_training.get("global_batch") or default.global_batch),
         "seq_len": int(given("seq_len") or old_training.get("seq_len") or default_seq_len(model)),
-        "dtype": str(given("dtype") or old_training.get("dtype") or default_dtype(cluster)),
+        "dtype": dtype.dtype,
         "optimizer": str(given("optimizer") or old_training.get("optimizer") or default.optimizer)}
     if given("memory_headroom") is not None:
         training["memory_headroom_fraction"] = given("memory_headroom")
@@ -336,7 +325,7 @@ def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, clu
         model=model, training=TrainingSpec(**training), runtime=name,
         parallelizer=str(given("parallelizer") or _registered((old.get("planner") or {}).get("parallelizer"))
                          or DEFAULT_PARALLELIZER),
-        options=options, cluster=cluster)
+        options=options, cluster=cluster, dtype_reason=dtype.reason)
 
 
 def plan_inputs(opts: "TangramOptions", resume: "CheckpointInfo | None" = None) -> PlanningRequest:
@@ -415,14 +404,11 @@ def provide_plan(request: Any) -> str:
             logger.info("no --cluster given: profiling this node (--profile)")
         cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc,
                                              reprofile=opts.reprofile)
-    # again with the cluster, which only default_dtype reads (a dtype given or resumed wins)
+    # again with the cluster, whose measured figures can decide the dtype (a dtype given or resumed wins)
     inputs = planning_request(opts, resume=request.resume, cluster=cluster, progress=False)
-    from tangram_launch.launch.dtype_choice import launch_dtype_choice, mfu_peak_label
+    from tangram_launch.launch.dtype_choice import mfu_peak_label
 
-    dtype = launch_dtype_choice(cluster, default=default_dtype(None), given=opts.dtype,
-                                resumed_plan=request.resume.plan if request.resume is not None else None)
-    assert dtype.dtype == inputs.dtype, (dtype, inputs.dtype)  # one rule: default_dtype applies choose_dtype
-    logger.info("%s", dtype.reason)
+    logger.info("%s", inputs.dtype_reason)
     from tangram_launch.text import device_noun
 
     logger.info("planning %s on %s (%d %s): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
@@ -546,6 +532,6 @@ def default_plan_dir() -> str:
 
 
 __all__ = ["canonical_plan_bytes", "write_plan", "cache_dir", "live_identity", "live_fingerprint", "cached_profile",
-           "profile_cluster", "PlanningRequest", "PlanInputs", "planning_request", "plan_inputs", "make_launch_plan",
+           "profile_cluster", "PlanningRequest", "planning_request", "plan_inputs", "make_launch_plan",
            "check_plan_fits_launch", "provide_plan", "describe_resume", "plan_changes", "report_resume",
            "default_plan_dir"]
