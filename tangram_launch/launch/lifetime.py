@@ -41,9 +41,16 @@ def worker_environment() -> Iterator[None]:
     its environment on to the workers. Restored afterwards."""
     from tangram_launch.launch.worker_exit import ENV_INPUT_ERROR_EXIT, EXIT_WORKER_INPUT_ERROR
 
-    told = {ENV_LAUNCHER_PID: str(os.getpid()), ENV_INPUT_ERROR_EXIT: str(EXIT_WORKER_INPUT_ERROR)}
-    before = {k: os.environ.get(k) for k in told}
-    os.environ.update(told)
+    with exported({ENV_LAUNCHER_PID: str(os.getpid()), ENV_INPUT_ERROR_EXIT: str(EXIT_WORKER_INPUT_ERROR)}):
+        yield
+
+
+@contextlib.contextmanager
+def exported(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment, which torch's agent passes on to the workers; restored
+    afterwards (a launcher run in-process, as tests do, leaves the environment as it found it)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:

@@ -398,26 +398,22 @@ def reporting(opts: TangramOptions, planned: PlannedLaunch):
     ``run-report.json`` there."""
     from runtime_adapters.stage_timing import ENV_RUN_DIR
     from tangram_launch.launch import run_report
+    from tangram_launch.launch.lifetime import exported
 
     run_dir = os.path.abspath(opts.run_dir or os.path.join(
         "tangram-runs", f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{planned.plan_hash[:8]}"))
     os.makedirs(run_dir, exist_ok=True)
-    previous = os.environ.get(ENV_RUN_DIR)
-    os.environ[ENV_RUN_DIR] = run_dir
     watcher = None
     if opts.report_every:
         watcher = run_report.ReportEvery(run_dir, planned.plan_dict, planned.plan_hash, opts.report_every,
                                          sys.stdout)
         watcher.start()
     try:
-        yield run_dir
+        with exported({ENV_RUN_DIR: run_dir}):
+            yield run_dir
     finally:
         if watcher is not None:
             watcher.stop()
-        if previous is None:
-            os.environ.pop(ENV_RUN_DIR, None)
-        else:
-            os.environ[ENV_RUN_DIR] = previous
         try:
             run_report.finish(run_dir, planned.plan_dict, planned.plan_hash, out=sys.stdout)
         except (OSError, KeyError, ValueError, TypeError) as exc:  # the run's outcome stands without its report
