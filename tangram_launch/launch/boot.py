@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 
 from tangram_launch import worker as W
 from tangram_launch.errors import SpecError, TangramError
-from tangram_launch.launch.worker_exit import exit_status_for
+from tangram_launch.launch.worker_exit import EXIT_WORKER_INPUT_ERROR, end_worker, exit_status_for
 
 ENV_CHECK_TIMEOUT_S = "TANGRAM_PLAN_CHECK_TIMEOUT_S"  # how long workers wait for every agent to publish its plan
 DEFAULT_CHECK_TIMEOUT_S = 120.0
@@ -243,10 +243,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_target(boot)
     except TangramError as exc:  # the script's own typed error (another model's checkpoint, a shape mismatch)
         return _report(exc, boot, prog=os.path.basename(boot.target))
+    except SystemExit as exc:  # the script reported its bad input itself (the example scripts do)
+        if exc.code == EXIT_WORKER_INPUT_ERROR:
+            return EXIT_WORKER_INPUT_ERROR
+        raise
     return 0
 
 
 if __name__ == "__main__":
     _status = main()
+    if _status == EXIT_WORKER_INPUT_ERROR:  # without teardown: a gloo group whose peer left may abort in it
+        end_worker(_status)
     if _status:  # no SystemExit(0): under --run-path this file runs inside torch's worker function
         sys.exit(_status)

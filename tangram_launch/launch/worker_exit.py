@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 ENV_INPUT_ERROR_EXIT = "TANGRAM_INPUT_ERROR_EXIT"  # set by tangram-launch: the status its workers use for bad input
 EXIT_WORKER_INPUT_ERROR = 65  # sysexits.h EX_DATAERR
@@ -59,6 +59,20 @@ def _record_for_agent(exc: BaseException, env: Mapping[str, str]) -> None:
             json.dump(data, f)
     except OSError:
         pass  # the message is on stderr already
+
+
+def end_worker(status: int) -> NoReturn:
+    """Exit a worker that refused its input with ``status``, flushing stdio but skipping interpreter teardown.
+
+    The message and the error file are written already. Tearing the interpreter down with a live gloo process group
+    whose peer has exited first can abort in its destructor (SIGABRT), which the launcher reads as a crash, not as
+    bad input; nothing is left to release that the process's exit does not release."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def launcher_status(failures: Mapping[int, Any]) -> tuple[int, str] | None:
