@@ -6,6 +6,7 @@ launching anything. Conventions of the written file:
 * nodes are named by host, or ``host-<k>`` when several agents share a host (k in node-rank order);
 * a GPU the catalog knows keeps its catalog type and figures, with the measurements in ``measured``
   (islands and the cost model prefer ``measured.gemm_tflops`` over the spec-sheet peak);
+* the GEMM sweep is ``measured.gemm_sweep_tflops``: per dtype, rows [m, n, k, TFLOP/s] (the large GEMM among them);
 * a GPU the catalog does not know is ``custom`` with measured figures;
 * a CPU device (one gloo process) is type ``cpu`` with the *measured* figures in ``tflops``,
   ``memory_bandwidth_GBps`` and ``intra_node_bandwidth_GBps`` (the catalog's placeholders are kept in
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -49,6 +51,7 @@ class DeviceRecord:
     layer: Mapping[str, Mapping[str, Measured]] = field(default_factory=dict)  # kind -> forward/forward_backward
     optimizer_tensor: Measured | None = None  # AdamW step's fixed cost per parameter tensor, us
     optimizer_param: Measured | None = None  # AdamW step's cost per parameter beyond the per-tensor cost, ns
+    gemm_sweep: Mapping[str, Sequence[Measured]] = field(default_factory=dict)  # dtype -> TFLOP/s per (m, n, k)
 
     @property
     def is_cpu(self) -> bool:
@@ -148,6 +151,22 @@ def _p2p_row(node: NodeRecord, local: int) -> list[float | None]:
     return row
 
 
+def gemm_sweep_table(dev: DeviceRecord) -> dict[str, list[list]]:
+    """``measured.gemm_sweep_tflops``: per swept dtype, rows [m, n, k, TFLOP/s] of the sweep and of the large GEMM
+    (a point of the same curve), each shape once, fewest FLOPs first."""
+    table = {}
+    for dtype, points in dev.gemm_sweep.items():
+        rows = {tuple(dict(p.detail)["shape_mnk"]): p.value for p in points}
+        large = dev.gemm.get(dtype)
+        if large is not None:
+            m, k, n = dict(large.detail)["shape_mkn"]
+            rows.setdefault((m, n, k), large.value)
+        if rows:
+            ordered = sorted(rows.items(), key=lambda row: (math.prod(row[0]), row[0]))
+            table[dtype] = [[*shape, round_sig(v)] for shape, v in ordered]
+    return table
+
+
 def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | None = None) -> dict:
     from tangram_launch.specs.catalog import normalize_gpu_name
 
@@ -156,6 +175,9 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     gemm = {d: round_sig(m.value) for d, m in dev.gemm.items()}
     if gemm:
         measured["gemm_tflops"] = gemm
+    sweep = gemm_sweep_table(dev)
+    if sweep:
+        measured["gemm_sweep_tflops"] = sweep
     if dev.memory_bandwidth is not None:
         measured["memory_bandwidth_GBps"] = round_sig(dev.memory_bandwidth.value)
     if node.allreduce is not None:
@@ -328,6 +350,8 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
         "devices": [
             {"node": name_of[d.node_rank], "local_index": d.local_rank, "rank": d.rank, "device": d.device,
              "gemm": {k: m.to_dict() for k, m in d.gemm.items()},
+             **({"gemm_sweep": {k: [m.to_dict() for m in v] for k, v in d.gemm_sweep.items()}} if d.gemm_sweep
+                else {}),
              "memory_bandwidth": d.memory_bandwidth.to_dict() if d.memory_bandwidth else None,
              **({"optimizer_tensor": d.optimizer_tensor.to_dict()} if d.optimizer_tensor else {}),
              **({"optimizer_param": d.optimizer_param.to_dict()} if d.optimizer_param else {}),

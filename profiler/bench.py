@@ -16,6 +16,8 @@ same profile must finish in seconds on a CPU where a dtype has no hardware suppo
 AVX-512 BF16 or AMX runs tens of times slower than fp32) and use the full shape on a GPU. The GEMM starts small and
 grows while the budget allows; a dtype whose first product is already far slower than the best dtype measured
 before it is reported at that size (``stopped``). Repetitions are as many as fit in what is left of the budget.
+The GEMM sweep (``gemm_sweep``: the model's layer shapes, the cost model's table) shares one budget among its
+shapes, fewest FLOPs first, and leaves out the shapes that would not fit.
 """
 from __future__ import annotations
 
@@ -287,21 +289,13 @@ def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflo
     (the fastest dtype measured before this one), a dtype whose first product is ``HOPELESS_RATIO`` times slower
     is timed at that size only and says so (``stopped``): a dtype without hardware support, which training on
     this device should not use, measured in a second instead of minutes."""
-    t = DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(0)
     sync = device_sync(device)
     started = time.perf_counter()
     stopped = None
     sizes = gemm_sizes(cfg.gemm_shape)
     for i, (m, k, n) in enumerate(sizes):
-        # Random data: zeros or constants let some GPUs skip work (and read ~10 % faster than real training).
-        a = torch.randn(m, k, device=device, dtype=torch.float32, generator=gen).to(t)  # (m, k)
-        b = torch.randn(k, n, device=device, dtype=torch.float32, generator=gen).to(t)  # (k, n)
-        out = torch.empty(m, n, device=device, dtype=t)  # (m, n)
-
-        def step(a=a, b=b, out=out) -> None:
-            torch.mm(a, b, out=out)
-
+        step = _gemm_step(device, dtype, m, k, n, gen)
         once = warm_once_s(step, sync, calibration_clock(device))  # calibrates repetitions (CPU: process time)
         wall = warm_once_s(step, sync)  # compares with the figures before it, which are wall time too
         rate = 2.0 * m * k * n / wall / 1e12
@@ -318,6 +312,54 @@ def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflo
     if stopped:
         detail += (("stopped", stopped),)
     return Measured(2.0 * m * k * n / timing.median_s / 1e12, "TFLOP/s", timing, detail)
+
+
+def _gemm_step(device: torch.device, dtype: str, m: int, k: int, n: int,
+               gen: torch.Generator) -> Callable[[], None]:
+    """One product C(m, n) = A(m, k) @ B(k, n) in ``dtype`` into a preallocated output."""
+    t = DTYPES[dtype]
+    # Random data: zeros or constants let some GPUs skip work (and read ~10 % faster than real training).
+    a = torch.randn(m, k, device=device, dtype=torch.float32, generator=gen).to(t)  # (m, k)
+    b = torch.randn(k, n, device=device, dtype=torch.float32, generator=gen).to(t)  # (k, n)
+    out = torch.empty(m, n, device=device, dtype=t)  # (m, n)
+
+    def step() -> None:
+        torch.mm(a, b, out=out)
+
+    return step
+
+
+def gemm_sweep(device: torch.device, dtype: str, shapes: Sequence[tuple[int, int, int]], cfg: BenchConfig, *,
+               budget_s: float | None = None, tflops_hint: float | None = None) -> list[Measured]:
+    """Achieved TFLOP/s of each (m, n, k) of ``shapes`` (C(m, n) = A(m, k) @ B(k, n); give them fewest FLOPs
+    first) within ``budget_s`` wall seconds in all (default ``cfg.budget_s``): the table the cost model
+    interpolates (costmodel.gemm_curve).
+
+    Each shape gets an equal share of the budget left, its repetitions at least a third of that share long (or
+    ``cfg.min_rep_s`` if shorter). A shape whose one product, predicted from the rate of the shape before it (the
+    first: ``tflops_hint``, the dtype's large-GEMM figure), would take more than a third of its share is not run,
+    nor are the larger ones after it: past the measured range the cost model follows the catalog curve."""
+    budget = cfg.budget_s if budget_s is None else budget_s
+    gen = torch.Generator(device=device).manual_seed(0)
+    sync = device_sync(device)
+    started = time.perf_counter()
+    rate = tflops_hint
+    out: list[Measured] = []
+    for i, (m, n, k) in enumerate(shapes):
+        share = (budget - (time.perf_counter() - started)) / (len(shapes) - i)
+        flops = 2.0 * m * n * k
+        if share <= 0 or (rate and flops / (rate * 1e12) > share / 3):
+            break
+        t0 = time.perf_counter()
+        step = _gemm_step(device, dtype, m, k, n, gen)
+        once = warm_once_s(step, sync, calibration_clock(device))
+        left = max(share - (time.perf_counter() - t0), 0.0)
+        timing = time_within(step, once_s=once, budget_s=left, min_rep_s=min(cfg.min_rep_s, share / 3),
+                             max_reps=cfg.reps, sync=sync)
+        out.append(Measured(flops / timing.median_s / 1e12, "TFLOP/s", timing,
+                            (("shape_mnk", [m, n, k]), ("dtype", dtype))))
+        rate = out[-1].value
+    return out
 
 
 def copy_bandwidth_gbps(device: torch.device, cfg: BenchConfig) -> Measured:

@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -244,6 +244,7 @@ class _Local:
     optimizer: bench.Measured | None = None  # AdamW's fixed cost per parameter tensor, us
     stand_in: Callable[[], Any] | None = None  # one layer's forward at the planned shape (collective_wait_us)
     optimizer_param: bench.Measured | None = None  # AdamW's cost per parameter beyond the per-tensor cost, ns
+    gemm_sweep: dict = field(default_factory=dict)  # dtype -> tuple of Measured TFLOP/s, one per (m, n, k)
 
 
 def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
@@ -269,6 +270,7 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
         log.info("GEMM TFLOP/s on rank 0: %s", ", ".join(
             f"{d} {m.value:.3g} at {'x'.join(map(str, dict(m.detail)['shape_mkn']))}"
             + (f" ({dict(m.detail)['stopped']})" if "stopped" in dict(m.detail) else "") for d, m in gemm.items()))
+    sweep = _gemm_sweep(run, gemm)
     run.progress.phase(f"memory copy {cfg.copy_bytes // bench.MiB} MiB")
     run.barrier()
     copy = bench.copy_bandwidth_gbps(device, cfg)
@@ -293,7 +295,30 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
             dist.all_to_all_single(out, buf, group=node_group)
     layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between, agree)
     run.barrier()
-    return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param)
+    return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param, gemm_sweep=sweep)
+
+
+def _gemm_sweep(run: _Run, gemm: dict) -> dict:
+    """The GEMM sweep (bench.gemm_sweep) of each dtype measured at full size: with --model its layer shapes at the
+    planner's TP degrees for one micro-batch at the layer profile's sequence length, the small squares always."""
+    from tangram_launch.costmodel.gemm_curve import SMALL_SHAPES, sweep_shapes
+
+    shapes = list(SMALL_SHAPES)
+    if run.args.model:
+        from tangram_launch.specs.model import load_model
+
+        model = load_model(run.args.model)
+        seq_len = run.args.seq_len or min(model.max_seq_len, 512 if run.args.quick or run.device.type == "cpu"
+                                          else 4096)
+        shapes = sweep_shapes(model, tokens=run.args.micro_batch * seq_len)
+    out = {}
+    run.barrier()  # once: which dtypes are swept may differ between ranks (a dtype `stopped` on one of them)
+    for dtype, large in gemm.items():
+        if "stopped" in dict(large.detail):  # no hardware support: training should not use it
+            continue
+        run.progress.phase(f"GEMM sweep {dtype}: {len(shapes)} shapes within {run.cfg.budget_s:g} s")
+        out[dtype] = tuple(bench.gemm_sweep(run.device, dtype, shapes, run.cfg, tflops_hint=large.value))
+    return out
 
 
 def _group_min(group: Any, device: torch.device) -> Callable[[int], int]:
@@ -396,7 +421,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank, host=run.host, device=me["device"],
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
-        optimizer_param=local.optimizer_param,
+        optimizer_param=local.optimizer_param, gemm_sweep=local.gemm_sweep,
     )
     node_part = (collectives if env.local_rank == 0 else (None, None, None), p2p)  # (all-reduce, latency, wait), p2p
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None

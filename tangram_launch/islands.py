@@ -47,6 +47,7 @@ import numpy as np
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import ClusterSpec, GPUSpec, GpuRef, LinkSpec, math_mode
+from tangram_launch.specs.gemm_sweep import SWEEP_KEY, slowest_sweep
 
 
 @dataclass(frozen=True)
@@ -393,6 +394,8 @@ def _min_measured(all_measured: list, *, times: bool = False) -> dict:
         is_time = times or str(key).endswith(_TIME_SUFFIXES)
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
             out[key] = max(vals) if is_time else min(vals)
+        elif key == SWEEP_KEY and all(isinstance(v, dict) for v in vals):  # rows [m, n, k, TFLOP/s] per dtype
+            out[key] = slowest_sweep(vals)
         elif all(isinstance(v, dict) for v in vals):
             nested = _min_measured(vals, times=is_time)
             if nested:

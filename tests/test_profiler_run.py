@@ -215,3 +215,10 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
         for kind in ("dense", "moe", "embedding", "head"):
             key = f"tiny-moe|{kind}|seq=32|mbs=1|tp=1"
             assert m["layer_forward_backward_s"][key] > m["layer_forward_s"][key] > 0
+        # the GEMM sweep: the model's own layer shapes (as many as the budget allows) and the large GEMM
+        from tangram_launch.costmodel.gemm_curve import sweep_shapes
+        from tangram_launch.specs.model import load_model
+
+        swept = {tuple(r[:3]) for r in m["gemm_sweep_tflops"]["fp32"]}
+        assert len(swept) >= 3 and len(swept - set(sweep_shapes(load_model("tiny-moe"), tokens=32))) <= 1
+        assert dev.gemm_curve is not None and "gemm_sweep_tflops" in dev.sources

@@ -37,8 +37,9 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   an isolated layer on an idle GPU; the H100 figure is whole training jobs, with communication kernels sharing
   the SMs and sustained power draw.
 
-Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_tflops`` (the profiler's large-GEMM
-throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_GBps`` and ``allreduce_busbw_gbps``;
+Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_sweep_tflops`` (the profiler's GEMM-shape
+sweep, which prices every GEMM of its dtype instead of the roofline and e_gemm: ``costmodel.gemm_curve``),
+``gemm_tflops`` (the large-GEMM throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_GBps`` and ``allreduce_busbw_gbps``;
 ``collective_wait_us``, ``optimizer_tensor_us`` and ``optimizer_param_ns`` add costs that only a measurement sets
 (absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's (and the embedding's
 and head's) computed time at the profiled shape.
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from tangram_launch.costmodel.gemm_curve import MeasuredGemmCurve
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import GPUSpec, math_mode
 from tangram_launch.specs.constants import GIB  # noqa: F401 (re-exported for the cost model's users)
@@ -165,6 +167,8 @@ class DeviceModel:
     # foreach=False makes about ten passes over each tensor); the optimizer step pays the larger of it and the
     # memory-bound term
     optimizer_param_s: float = 0.0
+    # the profiler's GEMM sweep for this math mode (measured.gemm_sweep_tflops): replaces the roofline in gemm_s
+    gemm_curve: MeasuredGemmCurve | None = None
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None,
@@ -215,6 +219,9 @@ class DeviceModel:
         param_ns = _measured(gpu, "optimizer_param_ns")
         if param_ns is not None:
             sources.append("optimizer_param_ns")
+        sweep = (gpu.measured.get("gemm_sweep_tflops") or {}).get(math_mode(gpu, dtype)) if gpu.measured else None
+        if sweep:
+            sources.append("gemm_sweep_tflops")
         flash = supports_flash_attention(gpu) if flash_attention is None else bool(flash_attention)
         layer_times = gpu.measured.get("layer_forward_s", {}) if gpu.measured else {}
         layer_fb_times = gpu.measured.get("layer_forward_backward_s", {}) if gpu.measured else {}
@@ -239,17 +246,27 @@ class DeviceModel:
             collective_wait_s=(wait_us or 0.0) * 1e-6,
             optimizer_tensor_s=(tensor_us or 0.0) * 1e-6,
             optimizer_param_s=(param_ns or 0.0) * 1e-9,
+            gemm_curve=MeasuredGemmCurve.from_rows(sweep) if sweep else None,
         )
 
     # ------------------------------------------------------------------ kernels
     def gemm_s(self, m: float, n: float, k: float, count: float = 1.0) -> float:
-        """Additive roofline time of ``count`` GEMMs of shape (M x K) @ (K x N)."""
+        """Time of ``count`` GEMMs of shape (M x K) @ (K x N): from the measured sweep where there is one (see
+        gemm_curve), else the catalog curve, the additive roofline."""
         if m <= 0 or n <= 0 or k <= 0 or count <= 0:
             return 0.0
-        flops = 2.0 * m * n * k
+        if self.gemm_curve is not None:
+            return count * 2.0 * m * n * k / self.gemm_curve.flops_per_s(m, n, k, self.roofline_flops_per_s)
+        return count * self._roofline_s(m, n, k)
+
+    def _roofline_s(self, m: float, n: float, k: float) -> float:
         inputs = self.gemm_input_bytes or self.dtype_bytes
         traffic = inputs * (m * k + k * n) + self.dtype_bytes * m * n
-        return count * (flops / self.gemm_flops + traffic / self.memory_bandwidth)
+        return 2.0 * m * n * k / self.gemm_flops + traffic / self.memory_bandwidth
+
+    def roofline_flops_per_s(self, m: float, n: float, k: float) -> float:
+        """The catalog curve: achieved FLOP/s of one GEMM by the additive roofline (no measured sweep)."""
+        return 2.0 * m * n * k / self._roofline_s(m, n, k)
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """Achieved fraction of the dense peak for one GEMM (for explanations and tests)."""

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import DTYPE_NEEDS, DTYPES
+from tangram_launch.specs.gemm_sweep import parse_gemm_sweep
 from tangram_launch.specs.yamlio import (
     check_keys,
     dump_yaml_file,
@@ -349,6 +350,7 @@ def _parse_gpu(d: Mapping, *, where: str, source: str | None, catalog) -> GPUSpe
     measured = d.get("measured") or {}
     if not isinstance(measured, Mapping):
         raise SpecError("expected a mapping", source=source, field=f"{where}.measured", value=measured)
+    parse_gemm_sweep(measured, where=where, source=source)
     uuid = d.get("uuid")
     return GPUSpec(
         type=canonical,
