@@ -335,10 +335,12 @@ def gemm_sweep(device: torch.device, dtype: str, shapes: Sequence[tuple[int, int
     first) within ``budget_s`` wall seconds in all (default ``cfg.budget_s``): the table the cost model
     interpolates (costmodel.gemm_curve).
 
-    Each shape gets an equal share of the budget left, its repetitions at least a third of that share long (or
-    ``cfg.min_rep_s`` if shorter). A shape whose one product, predicted from the rate of the shape before it (the
-    first: ``tflops_hint``, the dtype's large-GEMM figure), would take more than a third of its share is not run,
-    nor are the larger ones after it: past the measured range the cost model follows the catalog curve."""
+    Shapes are timed in order while the budget left holds one more repetition and the two warm-up calls, the time
+    of one product predicted from the rate of the shape before it (the first: ``tflops_hint``, the dtype's
+    large-GEMM figure); the larger shapes left over are not run: past the measured range the cost model follows
+    the catalog curve. On a GPU each shape gets an equal share of the budget left. A CPU's repetitions last
+    ``cfg.min_rep_s`` of CPU time as every CPU benchmark's do (a CFS quota shows only over whole periods), so a
+    short budget measures the smaller shapes only."""
     budget = cfg.budget_s if budget_s is None else budget_s
     gen = torch.Generator(device=device).manual_seed(0)
     sync = device_sync(device)
@@ -346,16 +348,18 @@ def gemm_sweep(device: torch.device, dtype: str, shapes: Sequence[tuple[int, int
     rate = tflops_hint
     out: list[Measured] = []
     for i, (m, n, k) in enumerate(shapes):
-        share = (budget - (time.perf_counter() - started)) / (len(shapes) - i)
+        left = budget - (time.perf_counter() - started)
+        share = left / (len(shapes) - i)
+        min_rep_s = cfg.min_rep_s if device.type == "cpu" else min(cfg.min_rep_s, share / 3)
         flops = 2.0 * m * n * k
-        if share <= 0 or (rate and flops / (rate * 1e12) > share / 3):
+        once_s = flops / (rate * 1e12) if rate else 0.0
+        if left < max(min_rep_s, once_s) + 2 * once_s:
             break
         t0 = time.perf_counter()
         step = _gemm_step(device, dtype, m, k, n, gen)
         once = warm_once_s(step, sync, calibration_clock(device))
-        left = max(share - (time.perf_counter() - t0), 0.0)
-        timing = time_within(step, once_s=once, budget_s=left, min_rep_s=min(cfg.min_rep_s, share / 3),
-                             max_reps=cfg.reps, sync=sync)
+        timing = time_within(step, once_s=once, budget_s=max(share - (time.perf_counter() - t0), 0.0),
+                             min_rep_s=min_rep_s, max_reps=cfg.reps, sync=sync)
         out.append(Measured(flops / timing.median_s / 1e12, "TFLOP/s", timing,
                             (("shape_mnk", [m, n, k]), ("dtype", dtype))))
         rate = out[-1].value

@@ -220,5 +220,5 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
         from tangram_launch.specs.model import load_model
 
         swept = {tuple(r[:3]) for r in m["gemm_sweep_tflops"]["fp32"]}
-        assert len(swept) >= 3 and len(swept - set(sweep_shapes(load_model("tiny-moe"), tokens=32))) <= 1
+        assert len(swept) >= 2 and len(swept - set(sweep_shapes(load_model("tiny-moe"), tokens=32))) <= 1
         assert dev.gemm_curve is not None and "gemm_sweep_tflops" in dev.sources
