@@ -181,7 +181,8 @@ def test_tf32_on_32_a100_and_96_v100_plans_on_both_kinds(mixed):
 
 def test_a_searched_plan_written_by_hand_costs_its_boundaries_identically(mixed):
     """The searched plan's stages, written as a hand-written plan and costed by ``plan --plan``: the stages get the
-    same GPUs, and every boundary between islands is priced the same (one function on the same GPUs)."""
+    same GPUs, every boundary between islands is priced the same (one function on the same GPUs), and so is the
+    iteration."""
     d, searched = mixed
     stages = searched["stages"]
     manual = {"microbatch_sequences": searched["planner"]["b"],
@@ -197,6 +198,8 @@ def test_a_searched_plan_written_by_hand_costs_its_boundaries_identically(mixed)
     assert crossings
     for k in crossings:
         assert hand["planner"]["p2p_s"][k] == searched["planner"]["p2p_s"][k] > 0.0
+    # the same stages at the same boundaries: the same predicted iteration
+    assert hand["predicted"]["iteration_time_s"] == pytest.approx(searched["predicted"]["iteration_time_s"], rel=1e-9)
 
 
 @pytest.mark.parametrize("stage_gpus,same_node", [(4, False), (2, True)])
