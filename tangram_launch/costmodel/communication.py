@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tangram_launch.costmodel import boundary
 from tangram_launch.costmodel.efficiency import GBPS, NET_EFFICIENCY, DeviceModel
 
 ALL_REDUCE = "all_reduce"
@@ -103,17 +104,10 @@ def group_link(stride: int, size: int, *, stage_gpus: int, gpus_per_node: int, d
 
 def p2p_stage_s(nbytes: float, *, stage_gpus: int, gpus_per_node: int, same_node: bool, dev: DeviceModel,
                 inter_bandwidth_GBps: float | None, inter_latency_us: float = 0.0) -> float:
-    """Send one micro-batch's activations (``nbytes`` in all) from one stage to the next inside an island.
-
-    Every GPU of the stage sends its shard (SP/CP/DP shards; Megatron's scatter-gather optimisation for TP), so
-    inside a node the shards travel in parallel over each GPU's link; across nodes the node's network interface
-    carries them all (one interface per node, as the cluster spec describes links between nodes).
-    """
-    if nbytes <= 0:
-        return 0.0
-    per_gpu = nbytes / stage_gpus
-    if same_node or inter_bandwidth_GBps is None:
-        return per_gpu / dev.intra_busbw + dev.intra_latency_s
-    nodes = max(1, stage_gpus // gpus_per_node)
-    net = inter_bandwidth_GBps * GBPS * NET_EFFICIENCY * nodes
-    return max(nbytes / net, per_gpu / dev.intra_busbw) + inter_latency_us * 1e-6
+    """Send one micro-batch's activations (``nbytes`` in all) from one stage to the next inside an island: the
+    stage-boundary p2p of costmodel/boundary.py for two stages of one grid laid node by node (each GPU sends its
+    shard; inside a node over its own link, across nodes through the node's network interface)."""
+    net = boundary.UniformNetwork(
+        inter_bandwidth_GBps * GBPS * NET_EFFICIENCY if inter_bandwidth_GBps is not None else None,
+        inter_latency_us * 1e-6, dev.intra_busbw, dev.intra_latency_s)
+    return boundary.uniform_boundary_s(nbytes, stage_gpus, gpus_per_node, same_node, net)

@@ -115,6 +115,19 @@ def peak_tflops_for(gpu: GPUSpec, dtype: str) -> float:
     return gpu.peak_tflops(dtype)
 
 
+def intra_link(gpu: GPUSpec) -> tuple[float, float]:
+    """(bus bandwidth bytes/s, per-step latency s) of the GPU's link to its node's peers: measured where profiled
+    (``allreduce_busbw_gbps``; ``collective_latency_us``, a tiny all-to-all over the node's n ranks, n - 1 steps),
+    else half the catalog's bidirectional NVLink/PCIe figure x NCCL_INTRA_EFFICIENCY and INTRA_NODE_LATENCY_S."""
+    busbw = _measured(gpu, "allreduce_busbw_gbps")
+    intra = busbw * GBPS if busbw is not None else gpu.intra_node_bandwidth_GBps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
+    latency_us = _measured(gpu, "collective_latency_us")
+    if latency_us is None:
+        return intra, INTRA_NODE_LATENCY_S
+    steps = max(1, int(_measured(gpu, "allreduce_group_size") or 2) - 1)
+    return intra, latency_us * 1e-6 / steps
+
+
 def gemm_efficiency_for(gpu_type: str) -> float:
     """Sustained fraction of the dense peak that large GEMMs reach on this GPU type (GEMM_EFFICIENCY_BY_GPU)."""
     return GEMM_EFFICIENCY_BY_GPU.get(gpu_type, GEMM_EFFICIENCY)
@@ -206,18 +219,8 @@ class DeviceModel:
             memory_bandwidth = mem * GBPS
         else:
             memory_bandwidth = gpu.memory_bandwidth_GBps * GBPS * MEMORY_EFFICIENCY
-        busbw = _measured(gpu, "allreduce_busbw_gbps")
-        if busbw is not None:
-            sources.append("allreduce_busbw_gbps")
-            intra = busbw * GBPS
-        else:
-            intra = gpu.intra_node_bandwidth_GBps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
-        intra_latency_s = INTRA_NODE_LATENCY_S
-        latency_us = _measured(gpu, "collective_latency_us")
-        if latency_us is not None:  # the profiler's tiny all-to-all over the node's n ranks takes n - 1 steps
-            sources.append("collective_latency_us")
-            steps = max(1, int(_measured(gpu, "allreduce_group_size") or 2) - 1)
-            intra_latency_s = latency_us * 1e-6 / steps
+        intra, intra_latency_s = intra_link(gpu)
+        sources.extend(k for k in ("allreduce_busbw_gbps", "collective_latency_us") if _measured(gpu, k) is not None)
         wait_us = _measured(gpu, "collective_wait_us")
         if wait_us is not None:
             sources.append("collective_wait_us")

@@ -6,11 +6,12 @@ first node with ``tp`` free GPUs. Because the assignment depends on the slice pl
 p2p transfers inside a slice plan exactly before it knows the rest of the pipeline.
 
 p2p between slice plans, per micro-batch and direction (activations forward, their gradients backward; links are
-full duplex): ``bytes / bandwidth + latency`` with bytes = b x s x h x dtype bytes. Across nodes the bandwidth is
-the cluster's node-to-node link (GB/s per direction); inside a node it is half the catalog's per-GPU bidirectional
-NVLink/PCIe figure. Between two islands the slowest link between their nodes is used: conservative, and the same
-number in the composer, the reference and the Plan. p2p between the stages *inside* a slice plan is the
-parallelizer's to cost (it knows how its stages tile the island) and is part of its stage times.
+full duplex), is costmodel/boundary.py's ``boundary_s`` of the two stages at the boundary, on their GPUs: each DP
+replica's rows (each TP/CP rank's share) over its own node pair, a node's network interface shared by the ranks it
+hosts, NVLink/PCIe inside a node (``LinkModel.stage_s``). The composer's island matrix holds a floor under it
+(``LinkModel.island_matrix``: the least any two stages of the two islands can take), which its pruning needs; the
+Plan, the score the search ranks by, and hand-written plans use the exact boundary. p2p between the stages *inside*
+a slice plan is the parallelizer's to cost (it knows how its stages tile the island) and is part of its stage times.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import itertools
 
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from tangram_launch.costmodel import boundary
+from tangram_launch.costmodel.efficiency import GBPS, NET_EFFICIENCY, intra_link
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,62 +82,103 @@ def activation_bytes(micro_batch_sequences: int, seq_len: int, hidden_size: int,
     return float(micro_batch_sequences) * seq_len * hidden_size * dtype_bytes
 
 
+class ClusterNetwork:
+    """boundary.Network over a cluster spec: node pairs at their link's bandwidth x NET_EFFICIENCY (what NCCL
+    achieves of line rate), each GPU on its NVLink/PCIe link (efficiency.intra_link: measured where profiled)."""
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        self._intra = {n.name: min((intra_link(g) for g in n.gpus), key=lambda x: x[0]) for n in cluster.nodes}
+        self._links: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def link(self, a: str, b: str) -> tuple[float, float]:
+        hit = self._links.get((a, b))
+        if hit is None:
+            spec = self.cluster.link(a, b)
+            hit = self._links[(a, b)] = (spec.bandwidth_GBps * GBPS * NET_EFFICIENCY, spec.latency_us * 1e-6)
+        return hit
+
+    def intra(self, node: str) -> tuple[float, float]:
+        return self._intra[node]
+
+
 class LinkModel:
-    """One-way p2p time of one micro-batch's activations between stages, islands or node sets."""
+    """One-way p2p time of one micro-batch's activations at a stage boundary (exact), or between islands (floor)."""
 
     def __init__(self, cluster: ClusterSpec, islands: Sequence["Island"], act_bytes: float) -> None:
         self.cluster = cluster
         self.islands = list(islands)
         self.act_bytes = act_bytes
-        self._node_intra = {n.name: min(g.intra_node_bandwidth_GBps for g in n.gpus) / 2.0 for n in cluster.nodes}
+        self.net = ClusterNetwork(cluster)
         self._cache: dict[tuple[frozenset, frozenset], float] = {}
+        self._stage_cache: dict[tuple, float] = {}
         self._fabrics_of: dict[str, frozenset] | None = None  # node -> indices of its fabrics (_special)
         self._overridden: frozenset = frozenset()
 
-    def _pair_s(self, a: str, b: str) -> float:
-        if a == b:
-            return self.act_bytes / (self._node_intra[a] * 1e9)
-        link = self.cluster.link(a, b)
-        return self.act_bytes / (link.bandwidth_GBps * 1e9) + link.latency_us * 1e-6
+    def stage_s(self, shape_a: "StageShape", gpus_a: Sequence[GpuRef], shape_b: "StageShape",
+                gpus_b: Sequence[GpuRef]) -> float:
+        """boundary.boundary_s from a stage of ``shape_a`` on ``gpus_a`` (rank order) to one of ``shape_b``."""
+        a = boundary.Port(shape_a.tp, shape_a.cp, shape_a.dp, tuple(g.node for g in gpus_a))
+        b = boundary.Port(shape_b.tp, shape_b.cp, shape_b.dp, tuple(g.node for g in gpus_b))
+        key = (a, b)
+        hit = self._stage_cache.get(key)
+        if hit is None:
+            hit = self._stage_cache[key] = boundary.boundary_s(self.act_bytes, a, b, self.net)
+        return hit
 
     def nodes_s(self, nodes_a: Iterable[str], nodes_b: Iterable[str]) -> float:
-        """Slowest transfer between any node of ``nodes_a`` and any node of ``nodes_b``."""
+        """A floor under stage_s for any stage on nodes of ``nodes_a`` and any on nodes of ``nodes_b``
+        (boundary.boundary_floor_s over their fastest link; through each GPU's own link where they share a node)."""
         key = (frozenset(nodes_a), frozenset(nodes_b))
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._slowest_s(*key)
+            hit = self._cache[key] = self._floor_s(*key)
         return hit
 
-    def _slowest_s(self, nodes_a: frozenset, nodes_b: frozenset) -> float:
-        """max of _pair_s over every pair, from one representative pair per class of alike pairs: nodes in the
-        same fabrics with no pair override reach each other over the same link (ClusterSpec.link), so two pools of
-        512 nodes cost a few fabric-set pairs instead of 262,144 link lookups."""
+    def _floor_s(self, nodes_a: frozenset, nodes_b: frozenset) -> float:
+        links = self.pair_links(nodes_a, nodes_b)
+        gpus_a = sum(self.cluster.node(n).num_gpus for n in nodes_a)
+        gpus_b = sum(self.cluster.node(n).num_gpus for n in nodes_b)
+        shared = nodes_a & nodes_b
+        intra = [self.net.intra(n) for n in nodes_a | nodes_b]
+        # each byte leaves through some sending GPU's own link and enters through a receiving GPU's
+        busy = self.act_bytes / (min(gpus_a, gpus_b) * max(bw for bw, _lat in intra))
+        if not shared:
+            busy = max(busy, boundary.boundary_floor_s(self.act_bytes, len(nodes_a), len(nodes_b),
+                                                       max(bw for bw, _lat in links), 0.0))
+        latencies = [lat for _bw, lat in links] + [self.net.intra(n)[1] for n in shared]
+        return busy + min(latencies)
+
+    def pair_links(self, nodes_a: frozenset, nodes_b: frozenset) -> set[tuple[float, float]]:
+        """The (bandwidth, latency) of every link between a node of ``nodes_a`` and another node of ``nodes_b``,
+        from one representative pair per class of alike pairs: nodes in the same fabrics with no pair override reach
+        each other over the same link (ClusterSpec.link), so two pools of 512 nodes cost a few fabric-set pairs
+        instead of 262,144 link lookups."""
         special = self._special()
-        slowest = 0.0
+        out: set[tuple[float, float]] = set()
         plain_a: dict[frozenset, str] = {}
         plain_b: dict[frozenset, str] = {}
         for nodes, plain in ((nodes_a, plain_a), (nodes_b, plain_b)):
             for n in nodes:
                 if n in special:  # a pair override: each of its pairs apart
                     for o in (nodes_b if plain is plain_a else nodes_a):
-                        slowest = max(slowest, self._pair_s(n, o))
+                        if o != n:
+                            out.add(self.net.link(n, o))
                 else:
                     plain.setdefault(self._fabrics_of[n], n)
-        for n in nodes_a & nodes_b:  # a node in both sets: its GPUs talk inside it
-            slowest = max(slowest, self._pair_s(n, n))
         for fa, a in plain_a.items():
             for fb, b in plain_b.items():
                 if a != b:
-                    slowest = max(slowest, self._pair_s(a, b))
+                    out.add(self.net.link(a, b))
                 else:  # the representatives coincide: another node of the class on either side stands for them
                     other = next((x for x in itertools.chain(nodes_b, nodes_a) if x != a and x not in special
                                   and self._fabrics_of[x] == fb), None)
                     if other is not None:  # (a is in both sets: other pairs with it across them)
-                        slowest = max(slowest, self._pair_s(a, other))
-        return slowest
+                        out.add(self.net.link(a, other))
+        return out
 
     def _special(self) -> frozenset:
-        """Nodes named in a pair override; and, once, each node's set of fabrics (the classes _slowest_s uses)."""
+        """Nodes named in a pair override; and, once, each node's set of fabrics (the classes pair_links uses)."""
         if self._fabrics_of is None:
             self._fabrics_of = {n.name: frozenset(i for i, f in enumerate(self.cluster.fabrics) if n.name in f.nodes)
                                 for n in self.cluster.nodes}
@@ -147,6 +191,3 @@ class LinkModel:
     def island_matrix(self) -> tuple[tuple[float, ...], ...]:
         k = len(self.islands)
         return tuple(tuple(self.island_s(a, b) if a != b else 0.0 for b in range(k)) for a in range(k))
-
-    def stage_s(self, gpus_a: Iterable[GpuRef], gpus_b: Iterable[GpuRef]) -> float:
-        return self.nodes_s({g.node for g in gpus_a}, {g.node for g in gpus_b})

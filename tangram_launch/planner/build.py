@@ -33,7 +33,7 @@ from tangram_launch.specs.cluster import math_mode
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.capabilities import RuntimeCapabilities
     from tangram_launch.islands import Island
-    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.cluster import ClusterSpec, GpuRef
     from tangram_launch.specs.model import ModelSpec
     from tangram_launch.specs.training import TrainingSpec
 
@@ -143,6 +143,7 @@ class Candidates:
     # answer changes)
     parts: list[tuple[int, int, AnswerTemplates]] = field(default_factory=list)
     part_starts: list[int] = field(default_factory=list)  # per part, its pair's first layer
+    _gpus: dict = field(default_factory=dict, repr=False)  # option -> its stages' GPUs (stage_gpus)
 
     def _parts_hold_every_option(self) -> bool:
         """Whether the parts make every option (none was added by hand, manual.py)."""
@@ -188,14 +189,54 @@ class Candidates:
         fwd: list[float] = []
         bwd: list[float] = []
         p2p: list[float] = []
+        links = self.boundaries_s(seq)
         for n, oi in enumerate(seq):
             stages = self.sources[oi][1].stages  # shifting layers changes no time
             if n:
-                p2p.append(self.link_matrix[self.options[seq[n - 1]].island][self.options[oi].island])
+                p2p.append(links[n - 1])
             p2p.extend([0.0] * (len(stages) - 1))
             fwd.extend(st.forward_s for st in stages)
             bwd.extend(st.backward_s for st in stages)
         return fwd, bwd, p2p
+
+    def stage_gpus(self, seq: Sequence[int]) -> list[list[tuple[GpuRef, ...]]]:
+        """Per option of a sequence, its stages' GPUs (allocation.allocate_gpus; an island holding several slice
+        plans, as a hand-written plan's may, gives each its own, front to back). An option alone on its island gets
+        the same GPUs in every sequence: kept per option."""
+        taken: dict[str, set] = {}
+        out = []
+        for oi in seq:
+            isl = self.islands[self.options[oi].island]
+            mine = taken.get(isl.name)
+            hit = self._gpus.get(oi) if not mine else None
+            if hit is None:
+                hit = allocate_gpus(isl, [s.shape for s in self.sources[oi][1].stages],
+                                    taken=taken.setdefault(isl.name, set()))
+                assert hit is not None, "options are only made for slice plans whose stages fit the island"
+                if not mine:
+                    self._gpus[oi] = hit
+            else:
+                taken.setdefault(isl.name, set()).update(g for stage in hit for g in stage)
+            out.append(hit)
+        return out
+
+    def boundaries_s(self, seq: Sequence[int]) -> list[float]:
+        """One-way p2p seconds per micro-batch at each boundary between consecutive options of a sequence: the last
+        stage of one to the first of the next, on their GPUs (LinkModel.stage_s; link_matrix holds a floor)."""
+        if len(seq) < 2:
+            return []
+        gpus = self.stage_gpus(seq)
+        out = []
+        for n in range(1, len(seq)):
+            a, b = self.sources[seq[n - 1]][1].stages[-1], self.sources[seq[n]][1].stages[0]
+            out.append(self.links.stage_s(a.shape, gpus[n - 1][-1], b.shape, gpus[n][0]))
+        return out
+
+    def exact_metrics(self, seq: Sequence[int], metrics: Metrics) -> Metrics:
+        """The closed form of a sequence with its exact boundaries (the composer's ``metrics`` price them at the
+        island matrix's floor)."""
+        exact = evaluate(seq, self.options, self.link_matrix, self.num_microbatches, links_s=self.boundaries_s(seq))
+        return metrics if exact is None else exact
 
     def simulated_s(self, seq: Sequence[int], metrics: Metrics) -> float:
         """The plain-1F1B iteration the Plan reports for this sequence: the event simulation + the tail."""
@@ -207,6 +248,7 @@ class Candidates:
         """The schedule build_plan gives this sequence and the iteration it predicts: plain 1F1B (the event
         simulation) or, under "auto" / "interleaved-1F1B", virtual stages where they are faster (interleave.py).
         The composer's ``score``, so the search picks by the number build_plan prints."""
+        metrics = self.exact_metrics(seq, metrics)
         plain_s = self.simulated_s(seq, metrics)
         if schedule == "1F1B":
             return ScheduleChoice(1, plain_s)
@@ -310,13 +352,11 @@ def _stage_layout(cand: Candidates, comp: Composition) -> tuple[list[tuple[Stage
     stage_costs: list[tuple[StageCost, "Island"]] = []
     stage_gpus = []
     p2p: list[float] = []
-    taken: dict[str, set] = {}
-    for n, (opt, sp) in enumerate(slice_plans):
+    links = cand.boundaries_s(comp.options)
+    for n, ((opt, sp), gpus) in enumerate(zip(slice_plans, cand.stage_gpus(comp.options))):
         isl = cand.islands[opt.island]
-        gpus = allocate_gpus(isl, [s.shape for s in sp.stages], taken=taken.setdefault(isl.name, set()))
-        assert gpus is not None, "options are only made for slice plans whose stages fit the island"
         if n:
-            p2p.append(cand.link_matrix[slice_plans[n - 1][0].island][opt.island])
+            p2p.append(links[n - 1])
         p2p.extend([0.0] * (len(sp.stages) - 1))
         stage_gpus.extend(gpus)
         stage_costs.extend((s, isl) for s in sp.stages)
@@ -334,7 +374,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     L = model.num_layers
     stage_costs, stage_gpus, p2p = _stage_layout(cand, comp)
     S = len(stage_costs)
-    metrics = evaluate(comp.options, cand.options, cand.link_matrix, m)
+    metrics = evaluate(comp.options, cand.options, cand.link_matrix, m, links_s=cand.boundaries_s(comp.options))
     assert metrics is not None
     # plain 1F1B as predicted: the event simulation of the stage times (the timeline draws the same run)
     plain_s = cand.simulated_s(comp.options, metrics)

@@ -134,14 +134,16 @@ class ComposeStats:
 
 
 def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
-             num_microbatches: int) -> Metrics | None:
-    """Latency of a front-to-back sequence of options; None if some option does not fit at its position."""
+             num_microbatches: int, *, links_s: Sequence[float] | None = None) -> Metrics | None:
+    """Latency of a front-to-back sequence of options; None if some option does not fit at its position.
+    ``links_s``: the p2p at each boundary where known exactly (build.Candidates.boundaries_s), else link_s's."""
     after = 0
     for oi in reversed(seq):
         if options[oi].max_after < min(after, num_microbatches - 1):
             return None
         after += options[oi].num_stages
-    links = tuple(link_s[options[a].island][options[b].island] for a, b in zip(seq, seq[1:]))
+    links = tuple(links_s) if links_s is not None else tuple(
+        link_s[options[a].island][options[b].island] for a, b in zip(seq, seq[1:]))
     period = max([options[oi].bottleneck_s for oi in seq] + list(links))
     fill = sum(options[oi].time_s for oi in seq) + 2.0 * sum(links)
     tail = max(options[oi].tail_s for oi in seq)

@@ -382,7 +382,7 @@ def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, cho
         gpus.append(g[0])
     matrix = [[0.0] * S for _ in range(S)]
     for k in range(S - 1):
-        matrix[k][k + 1] = matrix[k + 1][k] = links.stage_s(gpus[k], gpus[k + 1])
+        matrix[k][k + 1] = matrix[k + 1][k] = links.stage_s(shapes[k], gpus[k], shapes[k + 1], gpus[k + 1])
     cand = Candidates(b=b, num_microbatches=m, islands=tuple(isl_of), links=links,
                       link_matrix=tuple(tuple(r) for r in matrix))
     for k, (st, isl, c) in enumerate(zip(manual.stages, isl_of, chosen)):
