@@ -57,7 +57,9 @@ def test_a_callers_frozen_objects_stay_frozen():
         frozen = gc.get_freeze_count()
         with no_collections():
             kept = [[i] for i in range(10_000)]
-        assert gc.get_freeze_count() == frozen and kept
+        # not unfrozen (that would read 0) and the block's objects not frozen with them (that would add 10,000);
+        # a frozen object another thread frees meanwhile leaves the permanent generation, so not exactly equal
+        assert frozen // 2 <= gc.get_freeze_count() <= frozen and kept
     finally:
         gc.unfreeze()
 
