@@ -318,8 +318,7 @@ class _HeadLoss(nn.Module):
 
 
 def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
-    """(forward, forward_backward, forward FLOPs, the module, a forward with autograd's graph) of the embedding or
-    the head + loss at ``shape``.
+    """(forward, forward_backward, forward FLOPs, the module) of the embedding or the head + loss at ``shape``.
 
     Why time them: at small shapes their cost is per-operator overhead (tiny-moe on a CPU: 0.5 ms forward+backward
     per micro-batch against ~0.15 ms from bytes and FLOPs), paid once per micro-batch like a layer's."""
@@ -348,18 +347,19 @@ def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
     else:
         raise ValueError(f"edge kind must be one of {', '.join(EDGE_KINDS)}, got {kind!r}")
 
-    def forward() -> None:
-        with torch.no_grad():
-            run(False)
+    def forward() -> None:  # with autograd's graph, as training runs it (the graph is dropped)
+        run(False)
 
-    return forward, (lambda: run(True)), flops, module, (lambda: run(False))
+    return forward, (lambda: run(True)), flops, module
 
 
 def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, warmup: int, reps: int,
                min_rep_s: float, between: Callable[[], Any] | None = None, budget_s: float | None = None,
                agree: Callable[[int], int] = lambda n: n) -> dict[str, Measured]:
     """Forward and forward+backward seconds of one layer of ``kind`` at ``shape`` (or of the embedding, or of the
-    head with the loss: ``EDGE_KINDS``); value = achieved TFLOP/s.
+    head with the loss: ``EDGE_KINDS``); value = achieved TFLOP/s. The forward builds autograd's graph, as a
+    training step's does (no_grad's forward reads faster, and the backward taken as the difference slower); the
+    detail also has the activation bytes autograd saves (``saved_activation_bytes``).
 
     With ``between`` (a collective over the node's processes, CPU devices), each call is followed by it, ``reps``
     blocks of WAIT_BLOCK calls (bench.time_interleaved: a layer computed the way a training step meets it);
@@ -372,7 +372,7 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
     if kind in EDGE_KINDS:
         if shape.tp != 1:
             raise ValueError(f"the {kind} is timed whole (tp 1), got tp {shape.tp}")
-        forward, forward_backward, fwd_flops, module, graph_forward = _edge_calls(model, kind, shape, device)
+        forward, forward_backward, fwd_flops, module = _edge_calls(model, kind, shape, device)
     else:
         layer = module = build_layer(model, kind, device, shape.dtype, shape.tp)
         x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device,
@@ -382,17 +382,13 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
         fwd_flops = (model.layer_forward_flops_per_token(index, shape.seq_len) * shape.micro_batch * shape.seq_len
                      / shape.tp)
 
-        def forward() -> None:
-            with torch.no_grad():
-                layer(x)
+        def forward() -> None:  # with autograd's graph, as training runs it (the graph is dropped)
+            layer(x)
 
         def forward_backward() -> None:
             layer(x).backward(grad)
 
-        def graph_forward() -> None:
-            layer(x)
-
-    activation = saved_activation_bytes(graph_forward, module)
+    activation = saved_activation_bytes(forward, module)
     out = {}
     for name, fn, flops in (("forward", forward, fwd_flops), ("forward_backward", forward_backward, 3 * fwd_flops)):
         if budget_s is not None and between is not None:
