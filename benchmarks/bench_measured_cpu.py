@@ -1,24 +1,29 @@
 """Measured layer costs against a real run: a plan priced from ``profile --model`` layer times, and the same plan
 priced by the analytic model, each set beside what the run's ``run-report.json`` measured, per stage.
 
-    sudo python benchmarks/bench_measured_cpu.py [--quota 0.33] [--model tiny] [--seq-len 64] [--global-batch 16]
-        [--micro-batches 1,2,4,8] [--layer-budget-s 20] [--steps 30] [--cluster FILE] [--keep DIR] [--json FILE]
+    sudo python benchmarks/bench_measured_cpu.py [--quota 0.33] [--fast-quota 0] [--period-us 3000] [--model tiny]
+        [--seq-len 64] [--global-batch 64] [--micro-batches 2,4,8,16,32] [--layer-budget-s 20] [--steps 30]
+        [--cluster FILE] [--keep DIR] [--json FILE]
+    sudo python benchmarks/bench_measured_cpu.py --quota 1 ...      # three devices alike (none throttled)
 
-Three CPU processes are the devices; local rank 2 runs in a cgroup-v1 ``cpu`` group with ``--quota`` of a core (the
-groups of ``benchmarks/bench_hetero_cpu.py``: a parent group with raised cpu.shares holds every worker, its child
-``slow`` the throttled one). Without a writable cgroup-v1 controller the benchmark says so and runs the three
-devices unthrottled.
+Three CPU processes are the devices, in the groups of ``benchmarks/bench_hetero_cpu.py``: a parent group with raised
+cpu.shares holds every process (the host's other work yields to it), and local rank 2 runs in its child ``slow``
+whose CFS quota gives it ``--quota`` of a fast device's core share (``--fast-quota``: each fast device's own quota,
+0 for none). A CFS quota caps a duty cycle, not a speed: a call shorter than the quota left in its period runs at
+full speed, so the period is short (3 ms) and the micro-batches large enough that a layer call lasts milliseconds.
+Without a writable cgroup-v1 controller the benchmark says so and runs the three devices unthrottled.
 
 1. Profile, for real: ``tangram-launch profile --standalone --nproc-per-node 3 --model M --seq-len S
-   --micro-batch 1,2,4,8 --layer-dtype fp32``, local rank 2 moved into ``slow`` by the profiler's own hook. Every
-   device gets its layer kinds', embedding's and head's forward and forward+backward times at each micro-batch size.
-2. Plan with the torch runtime (any micro-batch size: the cost model interpolates between the measured ones). The
-   same stages, GPUs and grids are priced again by the analytic model alone (the manual-plan path on the cluster
-   with its layer times removed), so the two predictions differ only in how layers are priced.
-3. Train the plan: ``tangram-launch --standalone --nproc-per-node 3 --plan P --run-dir D examples/train_gpt.py``
-   in the bench group, the worker whose plan rank sits on the throttled device moved into ``slow`` as soon as it
-   appears (seconds before its first step). The launcher writes ``D/run-report.json``: per stage, the measured
-   median forward and backward per micro-batch.
+   --micro-batch 2,4,8,16,32 --layer-dtype fp32``, each worker moved into its device's group as soon as it appears.
+   Every device gets its layer kinds', embedding's and head's forward and forward+backward times at each size.
+2. Plan with the torch runtime (any micro-batch size: the cost model interpolates between the measured ones); where
+   the planner leaves a device out, the best plan (by the same cost model) that gives every device a stage. The same
+   stages, GPUs and grids are priced again by the analytic model alone (the manual-plan path on the cluster with its
+   layer times removed), so the two predictions differ only in how layers are priced.
+3. Train the plan: ``tangram-launch --standalone --nproc-per-node N --plan P --run-dir D examples/train_gpt.py``
+   in the bench group, each worker moved into its device's group as soon as it appears (seconds before its first
+   step). The launcher writes ``D/run-report.json``: per stage, the measured median forward and backward per
+   micro-batch.
 4. Print per stage: predicted (measured-priced), predicted (analytic), measured, and each prediction's error.
 
 Exit status: 0 when it ran (the figures say how well each prediction did), 1 when a step failed.
@@ -38,7 +43,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import bench_hetero_cpu as base  # noqa: E402  (the cgroup and load helpers)
+import bench_hetero_cpu as base  # noqa: E402  (the cgroup and load helpers; puts the repository on the path)
+from tangram_launch.errors import InfeasibleError  # noqa: E402
+from tangram_launch.islands import build_islands  # noqa: E402
+from tangram_launch.planner.api import PlannerOptions, make_plan  # noqa: E402
+from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan  # noqa: E402
+from tangram_launch.specs.cluster import ClusterSpec  # noqa: E402
+from tangram_launch.specs.model import load_model  # noqa: E402
+from tangram_launch.specs.training import TrainingSpec  # noqa: E402
 
 REPO = base.REPO
 THROTTLED = 2  # local rank (and cluster local GPU index) of the throttled device
@@ -134,8 +146,6 @@ def profile(args, devices: Devices | None, out: str) -> None:
 
 def without_layer_times(cluster):
     """The cluster as the analytic model sees it: every measured figure but the layer times."""
-    from tangram_launch.specs.cluster import ClusterSpec
-
     data = cluster.to_dict()
     for node in data["nodes"]:
         for gpu in node["gpus"]:
@@ -145,8 +155,6 @@ def without_layer_times(cluster):
 
 
 def _manual(layout: list[dict], iset, model, b: int, source: str):
-    from tangram_launch.planner.manual import parse_manual_plan
-
     return parse_manual_plan({"stages": layout, "microbatch_sequences": b}, num_layers=model.num_layers,
                              island_names=[i.name for i in iset.islands], source=source)
 
@@ -155,9 +163,6 @@ def all_devices_plan(cluster, model, training, iset, opts, b_values):
     """The best plan by the measured-priced cost model among those that give each device (island) a stage of its
     own: every split of the layers into one contiguous stage per island, in every island order, at every
     micro-batch size (the manual-plan path prices each like the planner)."""
-    from tangram_launch.errors import InfeasibleError
-    from tangram_launch.planner.manual import cost_manual_plan
-
     names, n, best = [i.name for i in iset.islands], model.num_layers, None
     for order in itertools.permutations(names):
         for cuts in itertools.combinations(range(1, n), len(order) - 1):
@@ -176,19 +181,10 @@ def all_devices_plan(cluster, model, training, iset, opts, b_values):
 
 def plans(args, cluster_path: str):
     """(measured-priced plan on every device, the same plan priced analytically, a note on how it was chosen)."""
-    from tangram_launch.islands import build_islands
-    from tangram_launch.planner.api import PlannerOptions, make_plan
-    from tangram_launch.planner.manual import cost_manual_plan
-    from tangram_launch.specs.cluster import ClusterSpec
-    from tangram_launch.specs.model import load_model
-    from tangram_launch.specs.training import TrainingSpec
-
-    cluster = ClusterSpec.load(cluster_path)
-    model = load_model(args.model)
+    cluster, model = ClusterSpec.load(cluster_path), load_model(args.model)
     training = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq_len, dtype="fp32", optimizer="adamw",
                             grad_dtype="fp32")
-    opts = PlannerOptions(max_workers=1, progress=False)
-    iset = build_islands(cluster, dtype="fp32")
+    opts, iset = PlannerOptions(max_workers=1, progress=False), build_islands(cluster, dtype="fp32")
     measured = make_plan(cluster, model, training, runtime="torch", islands=iset, options=opts)
     note = "the planner's plan"
     if measured.world_size < 3:
@@ -261,17 +257,17 @@ def format_table(table: list[dict], report, measured_plan, analytic_plan) -> str
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quota", type=float, default=0.33, help="the throttled device's speed, of a fast device's")
-    p.add_argument("--fast-quota", type=float, default=0.8,
+    p.add_argument("--fast-quota", type=float, default=0.0,
                    help="CPU share of each fast device, of one core (0: unlimited, as bench_hetero_cpu.py runs them); "
                         "below 1 the three devices fit the host's two cores and each keeps its speed")
-    p.add_argument("--period-us", type=int, default=6000,
+    p.add_argument("--period-us", type=int, default=3000,
                    help="CFS period of the throttled device's cgroup: short against one layer's time, so the quota slows each "
                         "call (a period of 100 ms lets a whole step of the tiny model run at full speed, then wait)")
     p.add_argument("--shares", type=int, default=262144, help="cpu.shares of the benchmark's group")
     p.add_argument("--model", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--micro-batches", default="1,2,4,8", help="the micro-batch sizes the profile measures")
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--micro-batches", default="2,4,8,16,32", help="the micro-batch sizes the profile measures")
     p.add_argument("--layer-budget-s", type=float, default=20.0, help="the profile's layer budget per device")
     p.add_argument("--steps", type=int, default=30, help="training steps (the first is left out of the report)")
     p.add_argument("--cluster", help="reuse this profile instead of profiling")
