@@ -105,6 +105,11 @@ def _check(args: argparse.Namespace) -> None:
         model = load_model(args.model)  # a bad name fails here, before any worker starts
         for seq_len in _int_list(args, "--seq-len"):
             check_seq_len(model, seq_len, field="--seq-len")  # as plan and the launcher refuse it
+        kv = model.num_kv_heads or model.num_heads
+        for tp in _int_list(args, "--tp"):
+            if model.num_heads % tp or (kv % tp and tp % kv):
+                raise SpecError(f"must divide model {model.name}'s {model.num_heads} attention heads ({kv} KV heads)",
+                                field="--tp", value=tp, valid="a divisor of the heads")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise SpecError("output folder does not exist", field="--output", value=args.output)
