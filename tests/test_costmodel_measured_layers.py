@@ -64,16 +64,14 @@ def test_a_measured_shape_prices_at_its_measurement_and_between_two_at_a_value_b
 def test_measurements_proportional_to_the_analytic_model_price_every_shape_as_it_does(
         mbs_list, tps, seq, target_mbs, target_tp, target_seq, scale):
     """Where measured times are the analytic model's times a constant factor (framework overhead as a factor),
-    scaling from the nearest point reproduces that factor at any shape, and interpolation stays within the
-    measured neighbours (the analytic model is convex in mbs only through its fixed cost: linear here)."""
+    every shape is priced at that factor times the analytic time: scaling from the nearest point keeps the factor,
+    and interpolating in the micro-batch is exact where time is linear in it (as the stand-in analytic model is)."""
     points = [Point(seq, m, t, scale * _analytic(seq, m, t), None) for m in mbs_list for t in tps]
     got = price(points, seq_len=target_seq, mbs=target_mbs, tp=target_tp, analytic_s=_analytic)
     assert got.backward_s is None
-    if target_seq == seq:  # linear in mbs at the measured sequence: interpolation is exact too
-        assert got.forward_s == pytest.approx(scale * _analytic(target_seq, target_mbs, target_tp))
-    else:
+    assert got.forward_s == pytest.approx(scale * _analytic(target_seq, target_mbs, target_tp))
+    if target_seq != seq or target_tp not in tps:
         assert got.how == "scaled" and got.distance > 0
-        assert got.forward_s == pytest.approx(scale * _analytic(target_seq, target_mbs, target_tp), rel=0.5)
     assert got.distance == distance(points, seq_len=target_seq, mbs=target_mbs, tp=target_tp) >= 0
 
 
@@ -132,3 +130,17 @@ def test_a_plan_marks_the_stages_priced_from_measurement_and_a_plan_without_has_
     plain = make_plan(_cpu_cluster(None), model, training)
     assert all(p.measured is None for p in plain.predicted.stages)
     assert "measured" not in json.dumps(json.loads(plain.to_json())["predicted"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(seqs=st.lists(st.sampled_from([32, 64, 128, 256, 512, 1024, 2048]), min_size=2, max_size=4, unique=True)
+       .map(sorted), data=st.data())
+def test_between_two_measured_sequence_lengths_the_price_lies_between_theirs(seqs, data):
+    fwd = {s: data.draw(times) for s in seqs}
+    points = [Point(s, 2, 1, f, None) for s, f in fwd.items()]
+    target = data.draw(st.integers(seqs[0], seqs[-1]))
+    got = price(points, seq_len=target, mbs=2, tp=1, analytic_s=_analytic)
+    lo = max(s for s in seqs if s <= target)
+    hi = min(s for s in seqs if s >= target)
+    assert min(fwd[lo], fwd[hi]) * (1 - 1e-9) <= got.forward_s <= max(fwd[lo], fwd[hi]) * (1 + 1e-9)
+    assert (got.distance == 0) == (target in seqs) and (got.how == "measured") == (target in seqs)
