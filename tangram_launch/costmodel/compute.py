@@ -20,10 +20,11 @@ in large transformer models", sec. 5): full = one extra forward of the layer; se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel.efficiency import DeviceModel
-from tangram_launch.costmodel.measured_layers import (Priced, measured_layer_key, measured_points, price,
+from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
+from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, price,
                                                        stage_measurement as summarize_stage)
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported for the cost model's users)
 
@@ -177,8 +178,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                                           model, layer, seq_len=s, mbs=b, tp=t, cp=1, ep=ep, dev=dev,
                                           use_measured=False).forward_s)
     if priced is not None:
-        # The measured backward replaces the 2x rule where the profile has it: on CPUs and small shapes the
-        # backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x.
+        # The measured backward (priced.backward_s) replaces the 2x rule where the profile has it: on CPUs and small
+        # shapes the backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x.
         forward_s = priced.forward_s
     return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, forward_s=forward_s, gemm_s=gemm,
                         attention_core_s=core_s, attention_core_flops=core_flops, elementwise_s=elementwise_s,
@@ -222,7 +223,7 @@ class EdgeCompute:
 
 
 def measured_layer_price(model: "ModelSpec", kind: str, *, seq_len: int, mbs: int, tp: int, dev: DeviceModel,
-                         analytic_s) -> Priced | None:
+                         analytic_s: AnalyticS) -> Priced | None:
     """A layer kind's (or the embedding's, or the head's: ``profiler.layer.EDGE_KINDS``) time from the profile's
     measurements of it on this GPU (measured_layers.price), None where it has none. At small shapes their cost is
     per-operator overhead that bytes and FLOPs do not see (tiny-moe on a CPU: the embedding and head 0.5 ms
@@ -233,7 +234,7 @@ def measured_layer_price(model: "ModelSpec", kind: str, *, seq_len: int, mbs: in
     return price(points, seq_len=seq_len, mbs=mbs, tp=tp, analytic_s=analytic_s) if points else None
 
 
-def _edge(model: "ModelSpec", kind: str, flops: float, analytic: Callable[..., float], *,
+def _edge(model: "ModelSpec", kind: str, flops: float, analytic: AnalyticS, *,
           seq_len: int, mbs: int, tp: int, cp: int, dev: DeviceModel, use_measured: bool) -> EdgeCompute:
     """The embedding's or head's EdgeCompute: measured where the profile has the kind and ``cp`` is 1 (the profiler
     times the whole sequence on one device), else analytic."""
@@ -248,8 +249,8 @@ def _edge(model: "ModelSpec", kind: str, flops: float, analytic: Callable[..., f
 def embedding_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int,
                       dev: DeviceModel, use_measured: bool = True) -> EdgeCompute:
     """Lookup (writes M x h) plus OPT's project_in GEMM; vocab-parallel lookups all-reduce (see communication)."""
-    def analytic(s: int, b: int, t: int, c: int = cp) -> float:
-        m_tok = b * s / c
+    def analytic(s: int, b: int, t: int) -> float:
+        m_tok = b * s / cp
         out = dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / t)  # read rows, write output (+ pos.)
         if model.embedding_dim != model.hidden_size:
             out += dev.gemm_s(m_tok, model.hidden_size / t, model.embedding_dim)
@@ -266,8 +267,8 @@ def head_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int
     logits, write fp32 softmax, read it back: ~3 x 4 bytes per logit)."""
     e = model.embedding_dim
 
-    def analytic(s: int, b: int, t: int, c: int = cp) -> float:
-        m_tok = b * s / c
+    def analytic(s: int, b: int, t: int) -> float:
+        m_tok = b * s / cp
         out = dev.gemm_s(m_tok, model.vocab_size / t, e)
         out += dev.memory_s(12.0 * model.vocab_size / t * m_tok)
         out += dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / t)  # final norm
