@@ -552,9 +552,13 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
             log.warning("layer budget %.0f s spent: %d of %d shape(s) x kind(s) measured", budget_s, i, len(jobs))
             break
         progress.phase(f"model layer {model.name} ({kind}) {shape.label()} ({i + 1} of {len(jobs)})")
-        out[f"{kind}|{shape.label()}"] = time_layer(
-            model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s, between=between,
-            budget_s=each_s, agree=agree)
+        try:
+            out[f"{kind}|{shape.label()}"] = time_layer(
+                model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
+                between=between, budget_s=each_s, agree=agree)
+        except torch.OutOfMemoryError:  # a shape this GPU cannot hold: the planner cannot use it either
+            log.warning("%s (%s) at %s does not fit on %s: left out", model.name, kind, shape.label(), device)
+            torch.cuda.empty_cache()
     first = shapes[0]
     info = {"name": model.name, "micro_batch": first.micro_batch, "seq_len": first.seq_len, "dtype": first.dtype,
             "micro_batches": sorted({s.micro_batch for s in shapes}), "seq_lens": list(seq_lens),
