@@ -194,18 +194,22 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:
-        # Keyed as the cost model looks them up (model, layer kind and shape; measured on one GPU, so tp=1).
+        # Keyed as the cost model looks them up (model, layer kind and shape; a TP shard on one device).
         from tangram_launch.costmodel.compute import measured_layer_key
 
-        def key(kind: str, m: Measured) -> str:
-            detail = dict(m.detail)
-            return measured_layer_key(model_name, kind, int(detail["seq_len"]), int(detail["micro_batch"]), 1)
+        def key(m: Measured) -> str:
+            d = dict(m.detail)
+            return measured_layer_key(model_name, d["layer_kind"], int(d["seq_len"]), int(d["micro_batch"]),
+                                      int(d.get("tp", 1)))
 
-        measured["layer_forward_s"] = {key(k, v["forward"]): round_sig(v["forward"].timing.median_s)
-                                       for k, v in dev.layer.items()}
-        measured["layer_forward_backward_s"] = {key(k, v["forward_backward"]):
+        measured["layer_forward_s"] = {key(v["forward"]): round_sig(v["forward"].timing.median_s)
+                                       for v in dev.layer.values()}
+        measured["layer_forward_backward_s"] = {key(v["forward_backward"]):
                                                 round_sig(v["forward_backward"].timing.median_s)
-                                                for k, v in dev.layer.items()}
+                                                for v in dev.layer.values()}
+        activation = {key(v["forward"]): dict(v["forward"].detail).get("activation_bytes") for v in dev.layer.values()}
+        if any(activation.values()):
+            measured["layer_activation_bytes"] = {k: int(b) for k, b in activation.items() if b}
     intra_measured = 2 * node.allreduce.value if node.allreduce is not None else None
 
     if dev.is_cpu:

@@ -40,15 +40,42 @@ from profiler.bench import (
 
 @dataclass(frozen=True)
 class LayerShape:
+    """One shape a layer is timed at; ``tp``: the layer's share under that TP degree (heads and FFN width split),
+    on one device, without the TP collectives (the cost model's own term)."""
+
     micro_batch: int
     seq_len: int
     dtype: str
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        if self.micro_batch < 1 or self.seq_len < 1:
-            raise ValueError(f"micro_batch and seq_len must be >= 1, got {self.micro_batch}, {self.seq_len}")
+        if self.micro_batch < 1 or self.seq_len < 1 or self.tp < 1:
+            raise ValueError(f"micro_batch, seq_len and tp must be >= 1, got {self.micro_batch}, {self.seq_len}, "
+                             f"{self.tp}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def label(self) -> str:
+        return f"b={self.micro_batch} s={self.seq_len} tp={self.tp} {self.dtype}"
+
+
+def tp_shards(model, gpus_per_node: int) -> list[int]:
+    """The TP degrees the planner considers for ``model`` on a node of ``gpus_per_node`` devices: powers of two that
+    divide the node and the attention heads (and the KV heads, or are divided by them)."""
+    heads, kv = model.num_heads, model.num_kv_heads or model.num_heads
+    out, t = [], 1
+    while t <= gpus_per_node:
+        if gpus_per_node % t == 0 and heads % t == 0 and (kv % t == 0 or t % kv == 0):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def planned_shapes(model, *, micro_batches: list[int], seq_lens: list[int], tps: list[int],
+                   dtype: str) -> list[LayerShape]:
+    """Every shape to time, the most useful first (a budget that runs out drops the last): tp 1 before the
+    shards, then each sequence length by micro-batch size ascending."""
+    return [LayerShape(b, s, dtype, t) for t in sorted(set(tps)) for s in seq_lens for b in sorted(set(micro_batches))]
 
 
 class _FFN(nn.Module):
@@ -197,22 +224,43 @@ def active_ffn_width(model, kind: str) -> int:
     return model.top_k * expert + shared
 
 
-def build_layer(model, kind: str, device: torch.device, dtype: str) -> nn.Module:
+def build_layer(model, kind: str, device: torch.device, dtype: str, tp: int = 1) -> nn.Module:
+    """One layer of ``kind``, or its share on one of ``tp`` devices (Megatron's split: heads and FFN widths / tp,
+    K/V heads / tp or one where tp exceeds them; the hidden size whole)."""
     heads = model.num_heads
     head_dim = model.head_dim or model.hidden_size // heads
+    kv_heads = model.num_kv_heads or heads
     swiglu, bias = model.ffn_type in ("swiglu", "geglu"), bool(getattr(model, "linear_bias", True))
     routed = None
     if kind == "moe":
         expert = model.expert_ffn_hidden_size or model.ffn_hidden_size
         shared = getattr(model, "num_shared_experts", 0) * (getattr(model, "shared_expert_ffn_hidden_size", None)
                                                              or expert)
-        routed = _RoutedFFN(model, model.hidden_size, expert, shared, swiglu, bias)
+        routed = _RoutedFFN(model, model.hidden_size, max(1, expert // tp), shared // tp, swiglu, bias)
     layer = _Layer(
-        hidden=model.hidden_size, heads=heads, kv_heads=model.num_kv_heads or heads, head_dim=head_dim,
-        ffn=active_ffn_width(model, kind), swiglu=swiglu, rmsnorm=model.norm_type == "rmsnorm", bias=bias,
-        rotary=getattr(model, "position_embedding", None) == "rotary", routed=routed,
+        hidden=model.hidden_size, heads=max(1, heads // tp), kv_heads=max(1, kv_heads // tp), head_dim=head_dim,
+        ffn=max(1, active_ffn_width(model, kind) // tp), swiglu=swiglu, rmsnorm=model.norm_type == "rmsnorm",
+        bias=bias, rotary=getattr(model, "position_embedding", None) == "rotary", routed=routed,
     )
     return layer.to(device=device, dtype=DTYPES[dtype])
+
+
+def saved_activation_bytes(forward: Callable[[], Any], module: nn.Module | None = None) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward during ``forward()`` (a forward with grad
+    enabled), ``module``'s parameters left out: the activation memory one micro-batch holds until its backward,
+    counted the same on any device."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()} if module is not None else set()
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[(t.device.type, storage.data_ptr())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return int(sum(seen.values()))
 
 
 def layer_kinds(model) -> list[str]:
@@ -270,7 +318,7 @@ class _HeadLoss(nn.Module):
 
 
 def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
-    """(forward, forward_backward, forward FLOPs) of the embedding or the head + loss at ``shape``.
+    """(forward, forward_backward, forward FLOPs, the module) of the embedding or the head + loss at ``shape``.
 
     Why time them: at small shapes their cost is per-operator overhead (tiny-moe on a CPU: 0.5 ms forward+backward
     per micro-batch against ~0.15 ms from bytes and FLOPs), paid once per micro-batch like a layer's."""
@@ -299,18 +347,19 @@ def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
     else:
         raise ValueError(f"edge kind must be one of {', '.join(EDGE_KINDS)}, got {kind!r}")
 
-    def forward() -> None:
-        with torch.no_grad():
-            run(False)
+    def forward() -> None:  # with autograd's graph, as training runs it (the graph is dropped)
+        run(False)
 
-    return forward, (lambda: run(True)), flops
+    return forward, (lambda: run(True)), flops, module
 
 
 def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, warmup: int, reps: int,
                min_rep_s: float, between: Callable[[], Any] | None = None, budget_s: float | None = None,
                agree: Callable[[int], int] = lambda n: n) -> dict[str, Measured]:
     """Forward and forward+backward seconds of one layer of ``kind`` at ``shape`` (or of the embedding, or of the
-    head with the loss: ``EDGE_KINDS``); value = achieved TFLOP/s.
+    head with the loss: ``EDGE_KINDS``); value = achieved TFLOP/s. The forward builds autograd's graph, as a
+    training step's does (no_grad's forward reads faster, and the backward taken as the difference slower); the
+    detail also has the activation bytes autograd saves (``saved_activation_bytes``).
 
     With ``between`` (a collective over the node's processes, CPU devices), each call is followed by it, ``reps``
     blocks of WAIT_BLOCK calls (bench.time_interleaved: a layer computed the way a training step meets it);
@@ -321,22 +370,25 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
     torch.manual_seed(0)
     sync = device_sync(device)
     if kind in EDGE_KINDS:
-        forward, forward_backward, fwd_flops = _edge_calls(model, kind, shape, device)
+        if shape.tp != 1:
+            raise ValueError(f"the {kind} is timed whole (tp 1), got tp {shape.tp}")
+        forward, forward_backward, fwd_flops, module = _edge_calls(model, kind, shape, device)
     else:
-        layer = build_layer(model, kind, device, shape.dtype)
+        layer = module = build_layer(model, kind, device, shape.dtype, shape.tp)
         x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device,
                         dtype=DTYPES[shape.dtype], requires_grad=True)  # (B, T, H)
         grad = torch.randn_like(x)
         index = next(i for i in range(model.num_layers) if model.layer_kind(i) == kind)
-        fwd_flops = model.layer_forward_flops_per_token(index, shape.seq_len) * shape.micro_batch * shape.seq_len
+        fwd_flops = (model.layer_forward_flops_per_token(index, shape.seq_len) * shape.micro_batch * shape.seq_len
+                     / shape.tp)
 
-        def forward() -> None:
-            with torch.no_grad():
-                layer(x)
+        def forward() -> None:  # with autograd's graph, as training runs it (the graph is dropped)
+            layer(x)
 
         def forward_backward() -> None:
             layer(x).backward(grad)
 
+    activation = saved_activation_bytes(forward, module)
     out = {}
     for name, fn, flops in (("forward", forward, fwd_flops), ("forward_backward", forward_backward, 3 * fwd_flops)):
         if budget_s is not None and between is not None:
@@ -353,7 +405,8 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
             timing = time_repeated(fn, warmup=warmup, reps=reps, inner=inner, sync=sync)
         out[name] = Measured(flops / timing.median_s / 1e12, "TFLOP/s", timing,
                              (("micro_batch", shape.micro_batch), ("seq_len", shape.seq_len),
-                              ("dtype", shape.dtype), ("layer_kind", kind),
+                              ("dtype", shape.dtype), ("layer_kind", kind), ("tp", shape.tp),
+                              ("activation_bytes", activation),
                               ("timed", "each call followed by an all-to-all" if between is not None
                                else "back to back")))
     return out

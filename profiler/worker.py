@@ -129,13 +129,40 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds each local benchmark may take (default: 1 on CPU, 10 on GPU; --quick 0.4 / 2)")
     p.add_argument("--name", help="cluster name in the written file")
-    p.add_argument("--model", help="time one transformer layer of this model (preset, YAML or config.json)")
-    p.add_argument("--seq-len", type=int, help="sequence length for --model (default: the model's, capped)")
-    p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for --model")
+    p.add_argument("--model", help="time each layer kind, the embedding and the head of this model (preset, YAML or "
+                                    "config.json)")
+    p.add_argument("--seq-len", type=_int_list, help="sequence length(s) for --model, comma-separated (default: the "
+                                                      "model's, capped)")
+    p.add_argument("--micro-batch", type=_int_list, default=None,
+                   help=f"micro-batch sizes for --model, comma-separated (default {_csv(DEFAULT_MICRO_BATCHES)})")
+    p.add_argument("--tp", type=_int_list, default=None,
+                   help="TP shards for --model, comma-separated (default: powers of two dividing the node's devices "
+                        "and the heads)")
+    p.add_argument("--layer-budget-s", type=float, default=None,
+                   help=f"wall seconds all --model shapes may take on a device (default {LAYER_BUDGET_S:g}; --quick "
+                        f"{LAYER_BUDGET_QUICK_S:g}); shapes that do not fit are left out, the last first")
     p.add_argument("--layer-dtype", default=None, choices=sorted(bench.DTYPES),
                    help="dtype for --model (default bf16)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout")
     return p.parse_args(argv)
+
+
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)  # the planner's micro-batch sizes between and beyond are priced from these
+LAYER_BUDGET_S, LAYER_BUDGET_QUICK_S = 60.0, 15.0  # wall seconds for every --model shape on one device
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _csv(values) -> str:
+    return ",".join(map(str, values))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +320,8 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
 
         def between() -> None:
             dist.all_to_all_single(out, buf, group=node_group)
-    layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between, agree)
+    layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between, agree,
+                                                 run.env.local_world_size)
     run.barrier()
     return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param, gemm_sweep=sweep)
 
@@ -523,31 +551,52 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
 
 
 def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress,
-                   between: Callable[[], Any] | None = None, agree: Callable[[int], int] = lambda n: n):
-    """Each layer kind timed at the planned shape; also returns the stand-in forward the collective-wait benchmark
-    runs before each all-to-all (the model's MoE layer where it has one: what precedes expert-parallel dispatch)."""
+                   between: Callable[[], Any] | None = None, agree: Callable[[int], int] = lambda n: n,
+                   gpus_per_node: int = 1):
+    """Each layer kind, the embedding and the head timed at every planned shape (micro-batch sizes, sequence
+    lengths, TP shards; edges at tp 1) within the layer budget; also returns the stand-in forward the
+    collective-wait benchmark runs before each all-to-all (the model's MoE layer where it has one: what precedes
+    expert-parallel dispatch)."""
     if not args.model:
         return {}, None, None
-    from profiler.layer import EDGE_KINDS, LayerShape, build_layer, layer_kinds, time_layer
+    from profiler.layer import EDGE_KINDS, build_layer, layer_kinds, planned_shapes, time_layer, tp_shards
     from tangram_launch.specs.model import load_model
 
     model = load_model(args.model)
-    seq_len = args.seq_len or min(model.max_seq_len, 512 if args.quick or device.type == "cpu" else 4096)
-    shape = LayerShape(micro_batch=args.micro_batch, seq_len=seq_len, dtype=args.layer_dtype or "bf16")
-    out = {}
-    for kind in layer_kinds(model) + list(EDGE_KINDS):  # the embedding and the head + loss too, like a layer kind
-        progress.phase(f"model layer {model.name} ({kind}) b={shape.micro_batch} s={shape.seq_len} {shape.dtype}")
-        out[kind] = time_layer(model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
-                               between=between, budget_s=cfg.budget_s, agree=agree)
-    info = {"name": model.name, "micro_batch": shape.micro_batch, "seq_len": shape.seq_len, "dtype": shape.dtype,
-            "layer_kinds": [k for k in out if k not in EDGE_KINDS], "edge_kinds": list(EDGE_KINDS),
-            "note": "one transformer layer's forward and forward+backward, per device, with the torch runtime's "
-                    "operators; MoE layers with their routing on one device; the embedding, and the head with the "
-                    "loss, likewise"}
-    kind = "moe" if "moe" in out else layer_kinds(model)[0]
+    seq_lens = args.seq_len or [min(model.max_seq_len, 512 if args.quick or device.type == "cpu" else 4096)]
+    shapes = planned_shapes(model, micro_batches=args.micro_batch or list(DEFAULT_MICRO_BATCHES), seq_lens=seq_lens,
+                            tps=args.tp or tp_shards(model, gpus_per_node), dtype=args.layer_dtype or "bf16")
+    budget_s = args.layer_budget_s or (LAYER_BUDGET_QUICK_S if args.quick else LAYER_BUDGET_S)
+    kinds = layer_kinds(model)
+    jobs = [(kind, shape) for shape in shapes for kind in kinds + (list(EDGE_KINDS) if shape.tp == 1 else [])]
+    each_s, started = budget_s / len(jobs), time.perf_counter()
+    out: dict[str, dict] = {}
+    for i, (kind, shape) in enumerate(jobs):
+        # every member of the node stops at the same job (their collectives must match): the first to run out
+        if agree(int(time.perf_counter() - started + each_s <= budget_s * 1.05)) == 0:
+            log.warning("layer budget %.0f s spent: %d of %d shape(s) x kind(s) measured", budget_s, i, len(jobs))
+            break
+        progress.phase(f"model layer {model.name} ({kind}) {shape.label()} ({i + 1} of {len(jobs)})")
+        try:
+            out[f"{kind}|{shape.label()}"] = time_layer(
+                model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
+                between=between, budget_s=each_s, agree=agree)
+        except torch.OutOfMemoryError:  # a shape this GPU cannot hold: the planner cannot use it either
+            log.warning("%s (%s) at %s does not fit on %s: left out", model.name, kind, shape.label(), device)
+            torch.cuda.empty_cache()
+    first = shapes[0]
+    info = {"name": model.name, "micro_batch": first.micro_batch, "seq_len": first.seq_len, "dtype": first.dtype,
+            "micro_batches": sorted({s.micro_batch for s in shapes}), "seq_lens": list(seq_lens),
+            "tp": sorted({s.tp for s in shapes}), "budget_s": budget_s, "measured": len(out), "planned": len(jobs),
+            "layer_kinds": kinds, "edge_kinds": list(EDGE_KINDS),
+            "note": "each layer kind's forward and forward+backward (and the activation bytes autograd saves), per "
+                    "device, with the torch runtime's operators, at each shape; a TP shard is the layer's share on "
+                    "one device without its collectives; MoE layers with their routing on one device; the "
+                    "embedding, and the head with the loss, likewise at tp 1"}
+    kind = "moe" if "moe" in kinds else kinds[0]
     torch.manual_seed(0)
-    layer = build_layer(model, kind, device, shape.dtype)
-    x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device, dtype=bench.DTYPES[shape.dtype])
+    layer = build_layer(model, kind, device, first.dtype)
+    x = torch.randn(first.micro_batch, first.seq_len, model.hidden_size, device=device, dtype=bench.DTYPES[first.dtype])
 
     def stand_in() -> None:
         with torch.no_grad():

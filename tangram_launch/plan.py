@@ -146,6 +146,9 @@ class StagePrediction:
     backward_s: float  # per micro-batch (incl. recompute)
     peak_memory_gib: float
     capacity_gib: float
+    # priced from the profile's measured layer times: {"parts", "how", "distance"[, "analytic_parts"]}
+    # (costmodel/measured_layers.py); None: priced by the analytic model alone
+    measured: Mapping | None = None
 
     @property
     def time_s(self) -> float:
@@ -153,7 +156,8 @@ class StagePrediction:
 
     def to_dict(self) -> dict:
         return {"time_s": self.time_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "peak_memory_gib": self.peak_memory_gib, "capacity_gib": self.capacity_gib}
+                "peak_memory_gib": self.peak_memory_gib, "capacity_gib": self.capacity_gib,
+                **({"measured": dict(self.measured)} if self.measured is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,7 @@ class Prediction:
             iteration_time_s=float(d["iteration_time_s"]), tokens_per_s=float(d["tokens_per_s"]),
             mfu=float(d["mfu"]),
             stages=tuple(StagePrediction(float(s["forward_s"]), float(s["backward_s"]), float(s["peak_memory_gib"]),
-                                         float(s["capacity_gib"])) for s in d["stages"]),
+                                         float(s["capacity_gib"]), s.get("measured")) for s in d["stages"]),
             breakdown={k: float(v) for k, v in (d.get("breakdown") or {}).items()},
         )
 

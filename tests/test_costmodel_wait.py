@@ -109,7 +109,8 @@ def test_tensor_count_matches_the_torch_runtime(model, ep):
 
 def test_measured_embedding_and_head_replace_their_bytes_and_flops_estimate():
     """The profiler times the embedding and the head + loss like layer kinds; the cost model charges those times
-    on the stages that hold them, forward and backward, and only at the profiled shape with tp = 1."""
+    on the stages that hold them, forward and backward; at a shape not profiled, the profiled time scaled by the
+    analytic ratio between the two shapes."""
     from tangram_launch.costmodel.compute import embedding_compute, head_compute, measured_layer_key
 
     model = load_model("tiny-moe")
@@ -121,10 +122,13 @@ def test_measured_embedding_and_head_replace_their_bytes_and_flops_estimate():
     emb, head = (f(model, seq_len=64, mbs=1, tp=1, cp=1, dev=dev) for f in (embedding_compute, head_compute))
     assert (emb.forward_s, emb.backward_s) == pytest.approx((1e-4, 2e-4))
     assert (head.forward_s, head.backward_s) == pytest.approx((4e-4, 5e-4))
-    for shape in ({"mbs": 2, "tp": 1}, {"mbs": 1, "tp": 2}):  # not profiled there: bytes and FLOPs as before
+    h1 = head_compute(model, seq_len=64, mbs=1, tp=1, cp=1, dev=plain)
+    for shape in ({"mbs": 2, "tp": 1}, {"mbs": 1, "tp": 2}):  # not profiled there: scaled as bytes and FLOPs scale
         a = head_compute(model, seq_len=64, cp=1, dev=dev, **shape)
         b = head_compute(model, seq_len=64, cp=1, dev=plain, **shape)
-        assert (a.forward_s, a.backward_s) == (b.forward_s, b.backward_s)
+        ratio = b.forward_s / h1.forward_s
+        assert (a.forward_s, a.backward_s) == pytest.approx((4e-4 * ratio, 5e-4 * ratio))
+        assert a.priced.how == "scaled" and a.priced.distance == 1.0
     cfg = ParallelConfig(tp=1, dp=2, ep=2, zero_stage=0, recompute="none", pp=1)
     s_plain = coster(model, island("cpu", per_node=2, measured=_measured()), b=2, gb=8, seq=64,
                      dtype="fp32").plan(cfg).stages[0]

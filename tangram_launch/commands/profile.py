@@ -56,19 +56,43 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                         "added, while it allows (default 1 on CPU, 10 on GPU; with --quick 0.4 and 2)")
     g.add_argument("--name", help="cluster name written into the file")
     g.add_argument("--model", metavar="NAME|FILE",
-                   help="also time one transformer layer of this model (forward and backward) on every device")
-    g.add_argument("--seq-len", type=int, help="sequence length for --model (default: the model's, capped)")
-    g.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for --model (default 1)")
+                   help="also time each layer kind of this model, its embedding and its head (forward, backward "
+                        "and activation bytes) on every device, at every shape below; the cost model interpolates "
+                        "between them")
+    g.add_argument("--seq-len", metavar="N[,N...]",
+                   help="sequence length(s) for --model (default: the model's, capped at 512 on CPU, 4096 on GPU)")
+    g.add_argument("--micro-batch", metavar="N[,N...]", help="micro-batch sizes for --model (default 1,2,4,8)")
+    g.add_argument("--tp", metavar="N[,N...]",
+                   help="TP shards for --model, each timed as its share of a layer on one device (default: powers "
+                        "of two dividing the devices per node and the heads)")
+    g.add_argument("--layer-budget-s", type=float, metavar="S",
+                   help="wall seconds all --model shapes may take on a device (default 60; with --quick 15); the "
+                        "shapes that do not fit are left out, largest first")
     g.add_argument("--layer-dtype", choices=("bf16", "fp16", "fp32"), help="dtype for --model (default bf16)")
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="process-group timeout: a silent peer fails the profile after this long (default 300)")
 
 
+def _int_list(args: argparse.Namespace, flag: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (None: empty, the profiler's default)."""
+    text = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if text is None:
+        return ()
+    try:
+        values = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise SpecError("must be positive integers separated by commas", field=flag, value=text, valid="e.g. 1,2,4")
+    return values
+
+
 def _check(args: argparse.Namespace) -> None:
-    if args.seq_len is not None and args.seq_len < 1:
-        raise SpecError("must be a positive integer", field="--seq-len", value=args.seq_len)
-    if args.micro_batch < 1:
-        raise SpecError("must be a positive integer", field="--micro-batch", value=args.micro_batch)
+    for flag in ("--seq-len", "--micro-batch", "--tp"):
+        _int_list(args, flag)
+    if args.layer_budget_s is not None and not args.layer_budget_s > 0:
+        raise SpecError("must be positive", field="--layer-budget-s", value=args.layer_budget_s,
+                        valid="seconds, e.g. 60")
     if args.timeout_s <= 0:
         raise SpecError("must be positive", field="--timeout-s", value=args.timeout_s)
     if args.budget_s is not None and not args.budget_s > 0:
@@ -76,7 +100,16 @@ def _check(args: argparse.Namespace) -> None:
     if args.model:
         from tangram_launch.specs.model import load_model
 
-        load_model(args.model)  # a bad name fails here, before any worker starts
+        from tangram_launch.launch.preflight import check_seq_len
+
+        model = load_model(args.model)  # a bad name fails here, before any worker starts
+        for seq_len in _int_list(args, "--seq-len"):
+            check_seq_len(model, seq_len, field="--seq-len")  # as plan and the launcher refuse it
+        kv = model.num_kv_heads or model.num_heads
+        for tp in _int_list(args, "--tp"):
+            if model.num_heads % tp or (kv % tp and tp % kv):
+                raise SpecError(f"must divide model {model.name}'s {model.num_heads} attention heads ({kv} KV heads)",
+                                field="--tp", value=tp, valid="a divisor of the heads")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise SpecError("output folder does not exist", field="--output", value=args.output)
@@ -86,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     outcome = profile_cluster(ProfileRequest(
         output=args.output, torchrun_argv=tuple(torchrun_argv(args)), quick=args.quick, name=args.name,
-        model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch, layer_dtype=args.layer_dtype,
+        model=args.model, seq_len=_int_list(args, "--seq-len"), micro_batch=_int_list(args, "--micro-batch"),
+        tp=_int_list(args, "--tp"), layer_budget_s=args.layer_budget_s, layer_dtype=args.layer_dtype,
         timeout_s=args.timeout_s, budget_s=args.budget_s, nnodes=str(getattr(args, "nnodes", "?")),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", "") or ""))
     if outcome.written:

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel.efficiency import DeviceModel
+from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
+from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, price,
+                                                       stage_measurement as summarize_stage)
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported for the cost model's users)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,6 +93,7 @@ class LayerCompute:
     elementwise_s: float
     measured: bool = False
     measured_backward_s: float | None = None  # profiled forward+backward minus forward, when the profile has it
+    priced: Priced | None = None  # how the measured time was found (measured_layers), None: analytic
     op_sac_recompute_s: float = 0.0  # torchtitan's op-level SAC: every second mm + all element-wise work again
     op_sac_recompute_flops: float = 0.0
 
@@ -119,15 +123,11 @@ class LayerCompute:
         return 0.0
 
 
-def measured_layer_key(model_name: str, kind: str, seq_len: int, mbs: int, tp: int) -> str:
-    """Key of a measured forward time in ``GPUSpec.measured['layer_forward_s']`` (written by the profiler's
-    optional model-layer profile): e.g. ``"llama3-8b|dense|seq=4096|mbs=1|tp=2"``."""
-    return f"{model_name}|{kind}|seq={seq_len}|mbs={mbs}|tp={tp}"
-
-
 def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int, cp: int, ep: int,
-                  dev: DeviceModel) -> LayerCompute:
-    """Forward compute of transformer layer ``layer`` per GPU and micro-batch (see the module docstring)."""
+                  dev: DeviceModel, use_measured: bool = True) -> LayerCompute:
+    """Forward compute of transformer layer ``layer`` per GPU and micro-batch (see the module docstring); where the
+    profile measured the layer's kind (``use_measured``), its time comes from those measurements
+    (measured_layers.price), the analytic terms only scaling them to shapes not measured."""
     h = model.hidden_size
     t = tp
     p = dev.dtype_bytes
@@ -171,22 +171,20 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
 
     sac_s, sac_flops = _op_sac_recompute(model, layer, m_tok, t, dev)
     sac_s += elementwise_s
-    measured = False
-    measured_backward_s = None
-    if dev.measured_layer_forward_s and cp == 1:
-        key = measured_layer_key(model.name, model.layer_kind(layer), seq_len, mbs, tp)
-        value = dev.measured_layer_forward_s.get(key)
-        if isinstance(value, (int, float)) and value > 0:
-            forward_s, measured = float(value), True
-            # The measured backward replaces the 2x rule where the profile has it: on CPUs and small shapes the
-            # backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x.
-            both = dev.measured_layer_forward_backward_s.get(key)
-            if isinstance(both, (int, float)) and both > forward_s:
-                measured_backward_s = float(both) - forward_s
+    priced = None
+    if use_measured and cp == 1:
+        priced = measured_layer_price(model, model.layer_kind(layer), seq_len=seq_len, mbs=mbs, tp=tp, dev=dev,
+                                      analytic_s=lambda s, b, t: layer_compute(
+                                          model, layer, seq_len=s, mbs=b, tp=t, cp=1, ep=ep, dev=dev,
+                                          use_measured=False).forward_s)
+    if priced is not None:
+        # The measured backward (priced.backward_s) replaces the 2x rule where the profile has it: on CPUs and small
+        # shapes the backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x.
+        forward_s = priced.forward_s
     return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, forward_s=forward_s, gemm_s=gemm,
                         attention_core_s=core_s, attention_core_flops=core_flops, elementwise_s=elementwise_s,
-                        measured=measured, measured_backward_s=measured_backward_s,
-                        op_sac_recompute_s=sac_s, op_sac_recompute_flops=sac_flops)
+                        measured=priced is not None, measured_backward_s=priced.backward_s if priced else None,
+                        priced=priced, op_sac_recompute_s=sac_s, op_sac_recompute_flops=sac_flops)
 
 
 def _op_sac_recompute(model: "ModelSpec", layer: int, m_tok: float, t: int, dev: DeviceModel) -> tuple[float, float]:
@@ -215,6 +213,7 @@ class EdgeCompute:
     forward_flops: float
     forward_s: float
     measured_backward_s: float | None = None  # profiled forward+backward minus forward, when the profile has it
+    priced: Priced | None = None  # how the measured time was found (measured_layers), None: analytic
 
     @property
     def backward_s(self) -> float:
@@ -223,51 +222,80 @@ class EdgeCompute:
         return BACKWARD_FACTOR * self.forward_s
 
 
-def _measured_edge(model: "ModelSpec", kind: str, *, seq_len: int, mbs: int, tp: int, cp: int,
-                   dev: DeviceModel) -> tuple[float, float | None] | None:
-    """(forward_s, backward_s or None) of the embedding or the head + loss where the profile timed them at this
-    shape (``profiler.layer.EDGE_KINDS``; one GPU, so tp = 1 and cp = 1 only), else None. At small shapes their
-    cost is per-operator overhead that bytes and FLOPs do not see (tiny-moe on a CPU: 0.5 ms forward+backward per
-    micro-batch against ~0.15 ms)."""
-    if not dev.measured_layer_forward_s or tp != 1 or cp != 1:
+def measured_layer_price(model: "ModelSpec", kind: str, *, seq_len: int, mbs: int, tp: int, dev: DeviceModel,
+                         analytic_s: AnalyticS) -> Priced | None:
+    """A layer kind's (or the embedding's, or the head's: ``profiler.layer.EDGE_KINDS``) time from the profile's
+    measurements of it on this GPU (measured_layers.price), None where it has none. At small shapes their cost is
+    per-operator overhead that bytes and FLOPs do not see (tiny-moe on a CPU: the embedding and head 0.5 ms
+    forward+backward per micro-batch against ~0.15 ms)."""
+    if not dev.measured_layer_forward_s:
         return None
-    key = measured_layer_key(model.name, kind, seq_len, mbs, tp)
-    fwd = dev.measured_layer_forward_s.get(key)
-    if not isinstance(fwd, (int, float)) or fwd <= 0:
-        return None
-    both = dev.measured_layer_forward_backward_s.get(key)
-    return float(fwd), (float(both) - float(fwd) if isinstance(both, (int, float)) and both > fwd else None)
+    points = measured_points(dev.measured_layer_forward_s, dev.measured_layer_forward_backward_s, model.name, kind)
+    return price(points, seq_len=seq_len, mbs=mbs, tp=tp, analytic_s=analytic_s) if points else None
+
+
+def _edge(model: "ModelSpec", kind: str, flops: float, analytic: AnalyticS, *,
+          seq_len: int, mbs: int, tp: int, cp: int, dev: DeviceModel, use_measured: bool) -> EdgeCompute:
+    """The embedding's or head's EdgeCompute: measured where the profile has the kind and ``cp`` is 1 (the profiler
+    times the whole sequence on one device), else analytic."""
+    priced = None
+    if use_measured and cp == 1:
+        priced = measured_layer_price(model, kind, seq_len=seq_len, mbs=mbs, tp=tp, dev=dev, analytic_s=analytic)
+    if priced is None:
+        return EdgeCompute(flops, analytic(seq_len, mbs, tp))
+    return EdgeCompute(flops, priced.forward_s, priced.backward_s, priced)
 
 
 def embedding_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int,
-                      dev: DeviceModel) -> EdgeCompute:
+                      dev: DeviceModel, use_measured: bool = True) -> EdgeCompute:
     """Lookup (writes M x h) plus OPT's project_in GEMM; vocab-parallel lookups all-reduce (see communication)."""
-    m_tok = mbs * seq_len / cp
-    t = dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / tp)  # read rows, write output (+ positions)
-    if model.embedding_dim != model.hidden_size:
-        t += dev.gemm_s(m_tok, model.hidden_size / tp, model.embedding_dim)
-    flops = model.embedding_forward_flops_per_token() * m_tok / tp
-    measured = _measured_edge(model, "embedding", seq_len=seq_len, mbs=mbs, tp=tp, cp=cp, dev=dev)
-    if measured is not None:
-        return EdgeCompute(flops, *measured)
-    return EdgeCompute(flops, t)
+    def analytic(s: int, b: int, t: int) -> float:
+        m_tok = b * s / cp
+        out = dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / t)  # read rows, write output (+ pos.)
+        if model.embedding_dim != model.hidden_size:
+            out += dev.gemm_s(m_tok, model.hidden_size / t, model.embedding_dim)
+        return out
+
+    flops = model.embedding_forward_flops_per_token() * (mbs * seq_len / cp) / tp
+    return _edge(model, "embedding", flops, analytic, seq_len=seq_len, mbs=mbs, tp=tp, cp=cp, dev=dev,
+                 use_measured=use_measured)
 
 
-def head_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int, dev: DeviceModel) -> EdgeCompute:
+def head_compute(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int, cp: int, dev: DeviceModel,
+                 use_measured: bool = True) -> EdgeCompute:
     """Final norm, logits GEMM (vocab-parallel: (M x e) @ (e x V/t)) and fp32 cross-entropy (memory-bound: read the
     logits, write fp32 softmax, read it back: ~3 x 4 bytes per logit)."""
-    m_tok = mbs * seq_len / cp
     e = model.embedding_dim
-    t = dev.gemm_s(m_tok, model.vocab_size / tp, e)
-    t += dev.memory_s(12.0 * model.vocab_size / tp * m_tok)
-    t += dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / tp)  # final norm
-    if e != model.hidden_size:
-        t += dev.gemm_s(m_tok, e / tp, model.hidden_size)
-    flops = model.head_forward_flops_per_token() * m_tok / tp
-    measured = _measured_edge(model, "head", seq_len=seq_len, mbs=mbs, tp=tp, cp=cp, dev=dev)
-    if measured is not None:  # the head and the loss, as the profiler times them
-        return EdgeCompute(flops, *measured)
-    return EdgeCompute(flops, t)
+
+    def analytic(s: int, b: int, t: int) -> float:
+        m_tok = b * s / cp
+        out = dev.gemm_s(m_tok, model.vocab_size / t, e)
+        out += dev.memory_s(12.0 * model.vocab_size / t * m_tok)
+        out += dev.memory_s(dev.dtype_bytes * 2 * model.hidden_size * m_tok / t)  # final norm
+        if e != model.hidden_size:
+            out += dev.gemm_s(m_tok, e / t, model.hidden_size)
+        return out
+
+    flops = model.head_forward_flops_per_token() * (mbs * seq_len / cp) / tp
+    return _edge(model, "head", flops, analytic, seq_len=seq_len, mbs=mbs, tp=tp, cp=cp, dev=dev,
+                 use_measured=use_measured)
+
+
+def stage_measurement(model: "ModelSpec", layers: tuple[int, int], *, has_embedding: bool, has_head: bool,
+                      seq_len: int, mbs: int, tp: int, cp: int, ep: int, dev: DeviceModel) -> dict | None:
+    """What a plan records about a stage priced from measured layer times (measured_layers.stage_measurement):
+    which of its layer kinds, embedding and head were, how, and how far from a measured shape; None where the
+    GPU has no measured layer times (plans without a profile stay as they were)."""
+    if not dev.measured_layer_forward_s:
+        return None
+    kw = dict(seq_len=seq_len, mbs=mbs, tp=tp, cp=cp, dev=dev)
+    first = {model.layer_kind(i): i for i in reversed(range(*layers))}
+    parts = {kind: layer_compute(model, i, ep=ep, **kw).priced for kind, i in first.items()}
+    if has_embedding:
+        parts["embedding"] = embedding_compute(model, **kw).priced
+    if has_head:
+        parts["head"] = head_compute(model, **kw).priced
+    return summarize_stage(parts)
 
 
 def layer_param_tensors(model: "ModelSpec", layer: int, *, ep: int = 1) -> float:

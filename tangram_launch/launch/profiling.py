@@ -67,8 +67,10 @@ class ProfileRequest:
     quick: bool = False
     name: str | None = None
     model: str | None = None
-    seq_len: int | None = None
-    micro_batch: int = 1
+    seq_len: tuple[int, ...] = ()  # --model's shapes (empty: the profiler's defaults)
+    micro_batch: tuple[int, ...] = ()
+    tp: tuple[int, ...] = ()
+    layer_budget_s: float | None = None  # wall seconds for every --model shape on a device
     layer_dtype: str | None = None
     timeout_s: float = 300.0
     budget_s: float | None = None  # wall seconds per local benchmark (None: the profiler's default for the device)
@@ -101,9 +103,13 @@ def profile_cluster(request: ProfileRequest) -> ProfileOutcome:
     if request.name:
         worker += ["--name", request.name]
     if request.model:
-        worker += ["--model", request.model, "--micro-batch", str(request.micro_batch)]
-        if request.seq_len:
-            worker += ["--seq-len", str(request.seq_len)]
+        worker += ["--model", request.model]
+        for flag, values in (("--micro-batch", request.micro_batch), ("--seq-len", request.seq_len),
+                             ("--tp", request.tp)):
+            if values:
+                worker += [flag, ",".join(map(str, values))]
+        if request.layer_budget_s:
+            worker += ["--layer-budget-s", str(request.layer_budget_s)]
         if request.layer_dtype:
             worker += ["--layer-dtype", request.layer_dtype]
     argv = list(request.torchrun_argv) + worker

@@ -405,7 +405,8 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
                             math_mode=math_mode(isl.gpu, training.dtype) if training.dtype == "tf32" else None))
         preds.append(StagePrediction(forward_s=st.forward_s, backward_s=st.backward_s,
                                      peak_memory_gib=stage_memory_bytes(st, S - 1 - k, S, m, v) / GIB,
-                                     capacity_gib=isl.gpu.memory_gib))
+                                     capacity_gib=isl.gpu.memory_gib,
+                                     measured=_stage_measurement(st, isl, model, training)))
     peak = sum(gpu_peak_flops(cluster, node, idx, training.dtype) for st in stages for node, idx in st.gpus)
     tokens = training.global_batch * training.seq_len
     flops = 3.0 * model.forward_flops_per_token(training.seq_len, causal=True) * tokens
@@ -432,6 +433,20 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
         planner={**dict(planner or {}), "p2p_s": p2p,
                  **({"schedule_notes": list(interleave_notes)} if interleave_notes else {}),
                  **({"plain_1f1b_iteration_s": plain_s} if v > 1 else {})})
+
+
+def _stage_measurement(st: StageCost, isl, model: "ModelSpec", training: "TrainingSpec") -> dict | None:
+    """The plan's note on a stage priced from measured layer times (None without any: plans unchanged)."""
+    if not (isl.gpu.measured or {}).get("layer_forward_s"):
+        return None
+    from tangram_launch.costmodel.compute import stage_measurement
+    from tangram_launch.costmodel.efficiency import DeviceModel
+
+    sh = st.shape
+    return stage_measurement(model, st.layers, has_embedding=st.layers[0] == 0,
+                             has_head=st.layers[1] == model.num_layers, seq_len=training.seq_len,
+                             mbs=st.micro_batch_size, tp=sh.tp, cp=sh.cp, ep=sh.ep,
+                             dev=DeviceModel.from_gpu(isl.gpu, training.dtype))
 
 
 def gpu_peak_flops(cluster: "ClusterSpec", node: str, local: int, dtype: str) -> float:
