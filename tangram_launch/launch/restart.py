@@ -64,13 +64,13 @@ def resume_dir_for_script(script_resume: str | None, save_dir: str | None,
     best, best_step = None, -1
     for directory in dict.fromkeys(os.path.abspath(d) for d in (save_dir, env.get(ENV_CHECKPOINT_DIR), script_resume,
                                                                  launcher) if d):
-        step = _newest_step(directory)
+        step = newest_step(directory)
         if step is not None and step > best_step:
             best, best_step = directory, step
     return best or script_resume or launcher
 
 
-def _newest_step(directory: str) -> int | None:
+def newest_step(directory: str) -> int | None:
     from tangram_launch.checkpoint.store import find_latest
     from tangram_launch.errors import SpecError
 
@@ -82,4 +82,4 @@ def _newest_step(directory: str) -> int | None:
         return None
 
 
-__all__ = ["ENV_CHECKPOINT_DIR", "fresh_round_store", "resume_dir_for_script"]
+__all__ = ["ENV_CHECKPOINT_DIR", "fresh_round_store", "resume_dir_for_script", "newest_step"]
