@@ -309,6 +309,10 @@ def launch_elastic(options: Any, *, staging: str, resume: Any, launch: Callable[
 
     ckpt_dir = os.environ.get(ENV_CHECKPOINT_DIR)
     gate = GrowAtCheckpoint(ckpt_dir) if ckpt_dir else None
+    if gate is None:
+        logger.warning("no --checkpoint-dir: a node that joins restarts the workers at once, and the steps since "
+                       "the last checkpoint are trained again; with --checkpoint-dir DIR (the script's save "
+                       "directory) it joins at the next checkpoint")
     rounds: list[RoundPlan] = []
 
     def on_round(rp: RoundPlan) -> None:
@@ -340,6 +344,6 @@ def _log_round(rp: RoundPlan, before: RoundPlan | None) -> None:
             logger.info("  %s", line)
 
 
-__all__ = ["launch_elastic", "ENV_ROUND", "ENV_ROUND_PLAN_FILE", "ENV_ROUND_PLAN_HASH", "ROUND_ENV", "subset_cluster", "RoundPlan",
-           "ElasticPlanner", "agree_on_round", "GrowAtCheckpoint", "PlannedRendezvous", "register_backend",
-           "check_elastic_launch"]
+__all__ = ["launch_elastic", "ENV_ROUND", "ENV_ROUND_PLAN_FILE", "ENV_ROUND_PLAN_HASH", "ROUND_ENV", "subset_cluster",
+           "RoundPlan", "ElasticPlanner", "agree_on_round", "newest_committed_step", "GrowAtCheckpoint",
+           "PlannedRendezvous", "same_worker_store", "register_backend", "check_elastic_launch"]

@@ -8,8 +8,10 @@ closed port (or waits for a barrier count that round 1 already advanced: the han
 torch.distributed.run has the same behaviour; Tangram fixes it for planned launches, in boot, before the script:
 
 * round 0 is left exactly as torchrun sets it up;
-* in round r > 0 the worker with torchrun rank 0 (on the agent that hosts MASTER_ADDR) starts a new TCPStore on a
-  free port, held for the life of the process, and publishes the port in the agent's store under
+* in round r > 0 (torch's restart count; in an elastic launch, the round ordinal every agent agreed on:
+  :func:`tangram_launch.checkpoint.rounds.restart_round`) the worker with torchrun rank 0 (on the agent that hosts
+  MASTER_ADDR) starts a new TCPStore on a free port, held for the life of the process, and publishes the port in
+  the agent's store under
   ``tangram/<run id>/round/<r>/store_port``; every worker of the round waits for that key and sets MASTER_PORT to
   it, so ``init_process_group("env://")`` meets only this round's keys.
 

@@ -41,6 +41,14 @@ batch unless given again, logs what changed between the two plans, and starts th
     tangram-launch --standalone --nproc-per-node 3 --cluster cluster.yaml --resume ckpt/ examples/train_gpt.py \\
         --steps 100 --save-dir ckpt/ --save-every 10
 
+Elastic: with ``--nnodes MIN:MAX`` and ``--cluster FILE`` (every node the job may have), each rendezvous round is
+planned for the nodes present and resumes from the newest checkpoint; a node that returns joins at the next
+checkpoint (:mod:`tangram_launch.launch.elastic`)::
+
+    tangram-launch --nnodes 1:2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint head:29500 --max-restarts 3 \
+        --cluster cluster.yaml --node-name a100-0 --checkpoint-dir ckpt --model llama3-8b ... \
+        train.py --save-dir ckpt --save-every 100
+
 Tangram options come before the script, like torchrun's; everything after the script belongs to the script.
 Ctrl-C (SIGINT) stops the workers and prints one line (exit 130); a planned launch's workers stop without a
 traceback (:mod:`tangram_launch.launch.signals`).
