@@ -206,6 +206,28 @@ def test_an_elastic_launch_that_cannot_run_is_refused_before_any_rendezvous(tmp_
         elastic.check_elastic_launch(_cluster(tmp_path), **args)
 
 
+def test_the_launcher_refuses_an_elastic_launch_it_cannot_plan_before_any_rendezvous(tmp_path, monkeypatch):
+    from helpers_plans import make_plan
+
+    from tangram_launch.launch import torchrun as launch
+
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    _cluster(tmp_path)
+    elastic_world = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     "127.0.0.1:1"]
+    script = str(REPO / "examples" / "train_gpt.py")
+    with pytest.raises(SpecError, match="plans each round for the nodes present, from a cluster file") as info:
+        launch.run([*elastic_world, "--model", "tiny", "--global-batch", "8", script])
+    assert info.value.field == "--cluster"
+    with pytest.raises(SpecError, match="the cluster has 2 node.*MAX <= 2"):
+        launch.run([*elastic_world[:1], "1:3", *elastic_world[2:], "--cluster", str(tmp_path / "cluster.yaml"),
+                    "--node-name", "a", *TRAIN, script])
+    plan = tmp_path / "plan.json"
+    make_plan("tiny", [(4, "local")], global_batch=8, num_microbatches=1).dump(str(plan))
+    with pytest.raises(SpecError, match="a fixed plan is not elastic.*give --cluster FILE instead of --plan"):
+        launch.run([*elastic_world, "--plan", str(plan), script])
+
+
 def test_the_round_ordinal_is_the_round_of_restart_and_resume_and_boot_reads_the_round_plan(tmp_path):
     from tangram_launch.checkpoint.rounds import restart_round
     from tangram_launch.launch import boot
