@@ -25,8 +25,9 @@ At each round (:meth:`PlannedRendezvous.next_rendezvous`, in the agent, before i
 A lost node: the survivors' workers fail, torch's agent restarts them (``--max-restarts``), and the next round has
 the nodes left. A node that returns waits in the rendezvous; torch's agent restarts the workers as soon as it
 sees a waiting node, but :class:`GrowAtCheckpoint` shows it the waiting node only once the run's checkpoint
-directory holds a checkpoint newer than the one there when the node arrived, so the job grows back at the next
-checkpoint and loses no step. The agent hosting the rendezvous endpoint (torch's c10d store) must stay up.
+directory holds a checkpoint newer than the one there when the node arrived, so the job grows back right after the
+next checkpoint (only the steps the workers finish before the agent stops them, about a second's, are trained
+again). The agent hosting the rendezvous endpoint (torch's c10d store) must stay up.
 """
 from __future__ import annotations
 
