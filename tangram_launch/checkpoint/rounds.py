@@ -12,11 +12,15 @@ from typing import Mapping
 ENV_CHECKPOINT_DIR = "TANGRAM_CHECKPOINT_DIR"  # the run's checkpoint directory (absolute), set by the launcher
 ENV_RESUME_DIR = "TANGRAM_RESUME_DIR"  # same name as tangram_launch.worker.ENV_RESUME_DIR
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+# An elastic launch's round ordinal, agreed by the agents of the round (tangram_launch.launch.elastic): torch's
+# restart count is per agent, and a node that joins later starts counting at 0.
+ENV_ROUND = "TANGRAM_ROUND"
 
 
 def restart_round(env: Mapping[str, str]) -> int:
+    """The round the workers run in: 0 is the run's first (an elastic launch's ordinal, else torch's count)."""
     try:
-        return int(env.get(ENV_RESTART_COUNT, "0") or 0)
+        return int(env.get(ENV_ROUND) or env.get(ENV_RESTART_COUNT, "0") or 0)
     except ValueError:
         return 0
 

@@ -21,7 +21,10 @@ exit 2 (:mod:`tangram_launch.launch.worker_exit`).
 
 Agents agree on the plan before the script runs (only when there is more than one agent): each worker connects
 to that agent-hosted TCPStore at MASTER_ADDR:MASTER_PORT as a client, publishes ``<plan sha256> <agent id>`` under
-``tangram/<run id>/plan/<node>``, waits for every plan node's key and compares.  A different plan on any agent, or
+``tangram/<run id>/plan/<node>`` (``tangram/<run id>/round/<r>/plan/<node>`` in round r > 0: torch keeps one store
+across rounds), waits for every plan node's key and compares. An elastic launch plans anew at every round
+(:mod:`tangram_launch.launch.elastic`): boot then reads the round's plan file and hash from the environment the
+agent set for the round, and the check compares the plans of the nodes present.  A different plan on any agent, or
 two agents claiming one node (which leaves another node missing), fails every worker as bad input, with a
 message naming the node and host, before any collective is attempted (the launcher then exits 2).
 """
@@ -59,8 +62,9 @@ class BootArgs:
             raise SpecError("unknown boot mode", field="mode", value=self.mode, valid="script, module, exec")
 
 
-def parse_boot_args(argv: Sequence[str]) -> BootArgs:
-    """Boot's own options end at ``--``; everything after belongs to the target, untouched."""
+def parse_boot_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> BootArgs:
+    """Boot's own options end at ``--``; everything after belongs to the target, untouched. Without
+    ``--plan-file``/``--plan-hash``, the plan is the round's (an elastic launch: :mod:`.elastic`, from ``env``)."""
     argv = list(argv)
     if "--" not in argv:
         raise SpecError("missing '--' between boot options and the target", field="argv", value=argv)
@@ -74,6 +78,12 @@ def parse_boot_args(argv: Sequence[str]) -> BootArgs:
             raise SpecError("unknown or incomplete boot option", field="argv", value=own[i], valid=", ".join(known))
         opts[own[i]] = own[i + 1]
         i += 2
+    from tangram_launch.launch.elastic import ENV_ROUND_PLAN_FILE, ENV_ROUND_PLAN_HASH
+
+    env = os.environ if env is None else env
+    for key, name in (("--plan-file", ENV_ROUND_PLAN_FILE), ("--plan-hash", ENV_ROUND_PLAN_HASH)):
+        if key not in opts and env.get(name):
+            opts[key] = env[name]
     for key in known[:4]:
         if key not in opts:
             raise SpecError("missing boot option", field=key)
@@ -187,7 +197,10 @@ def _check_across_agents(env: Mapping[str, str], boot: BootArgs) -> None:
     store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                      timeout=timedelta(seconds=timeout_s))
     layout = W.RankLayout.from_plan_dict(W.read_plan_dict(boot.plan_file), source=boot.plan_file)
-    check_agents_agree(store=store, run_id=env.get("TORCHELASTIC_RUN_ID", "none"), node=boot.node,
+    from tangram_launch.checkpoint.rounds import restart_round
+
+    run_id, rnd = env.get("TORCHELASTIC_RUN_ID", "none"), restart_round(env)
+    check_agents_agree(store=store, run_id=run_id if rnd == 0 else f"{run_id}/round/{rnd}", node=boot.node,
                        plan_hash=boot.plan_hash, agent_id=boot.agent_id, plan_nodes=layout.nodes,
                        timeout_s=timeout_s)
 

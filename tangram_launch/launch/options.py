@@ -23,7 +23,8 @@ from tangram_launch.specs.constants import DTYPES, RUNTIMES
 # torchrun's options, as torch's parser defines them: (option strings, metavar or None for a flag, help shown by
 # `tangram-launch --help`, or None: not shown there).
 TORCHRUN_OPTIONS: tuple[tuple[tuple[str, ...], str | None, str | None], ...] = (
-    (("--nnodes",), "N|MIN:MAX", "nodes (a planned launch: the plan's node count, not elastic)"),
+    (("--nnodes",), "N|MIN:MAX",
+     "nodes (a fixed plan: its node count; MIN:MAX with --cluster: planned for the nodes of each round)"),
     (("--nproc-per-node", "--nproc_per_node"), "N",
      "workers on this node: a number, or gpu, cpu, auto (a planned launch: the plan node's GPU count)"),
     (("--rdzv-backend", "--rdzv_backend"), "NAME", "rendezvous backend (c10d for multi-node jobs)"),

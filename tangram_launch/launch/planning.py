@@ -371,7 +371,7 @@ def check_plan_fits_launch(plan: "Plan", cluster: "ClusterSpec", *, nproc_per_no
                     valid=str(mine) if mine else None)
 
 
-def _this_node(cluster: "ClusterSpec", requested: str | None) -> str | None:
+def this_node(cluster: "ClusterSpec", requested: str | None) -> str | None:
     if requested is not None:
         return requested
     if len(cluster.nodes) == 1:
@@ -427,7 +427,7 @@ def provide_plan(request: Any) -> str:
                               mfu_peak=mfu_peak_label(cluster, inputs.dtype))
     for line in table.splitlines():
         logger.info("%s", line)
-    check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=_this_node(cluster, opts.node_name),
+    check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=this_node(cluster, opts.node_name),
                            source=source)
     path = write_plan(plan, request.out_dir)
     logger.info("plan written to %s (sha256 of its bytes is what every agent compares; relaunch with --plan %s to "

@@ -116,8 +116,10 @@ def check_world(layout: W.RankLayout, node: str, *, nnodes: str, nproc_per_node:
     min_nodes, max_nodes = nnodes_range(nnodes)
     plan_nodes = len(layout.nodes)
     if not (min_nodes == max_nodes == plan_nodes):
-        raise SpecError(f"the plan has {plan_nodes} node(s) ({', '.join(layout.nodes)}); a planned launch is not "
-                        "elastic", source=source, field="--nnodes", value=nnodes, valid=str(plan_nodes))
+        raise SpecError(f"the plan has {plan_nodes} node(s) ({', '.join(layout.nodes)}); a fixed plan is not "
+                        "elastic (for --nnodes MIN:MAX, give --cluster FILE instead of --plan: the launcher plans "
+                        "each rendezvous round for the nodes present)", source=source, field="--nnodes",
+                        value=nnodes, valid=str(plan_nodes))
     gpus = layout.local_slots(node)
     if nproc_per_node != len(gpus):
         raise SpecError(f"plan node {node!r} has {len(gpus)} GPU(s) (local GPUs "

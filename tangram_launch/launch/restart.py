@@ -8,8 +8,10 @@ closed port (or waits for a barrier count that round 1 already advanced: the han
 torch.distributed.run has the same behaviour; Tangram fixes it for planned launches, in boot, before the script:
 
 * round 0 is left exactly as torchrun sets it up;
-* in round r > 0 the worker with torchrun rank 0 (on the agent that hosts MASTER_ADDR) starts a new TCPStore on a
-  free port, held for the life of the process, and publishes the port in the agent's store under
+* in round r > 0 (torch's restart count; in an elastic launch, the round ordinal every agent agreed on:
+  :func:`tangram_launch.checkpoint.rounds.restart_round`) the worker with torchrun rank 0 (on the agent that hosts
+  MASTER_ADDR) starts a new TCPStore on a free port, held for the life of the process, and publishes the port in
+  the agent's store under
   ``tangram/<run id>/round/<r>/store_port``; every worker of the round waits for that key and sets MASTER_PORT to
   it, so ``init_process_group("env://")`` meets only this round's keys.
 
@@ -64,13 +66,13 @@ def resume_dir_for_script(script_resume: str | None, save_dir: str | None,
     best, best_step = None, -1
     for directory in dict.fromkeys(os.path.abspath(d) for d in (save_dir, env.get(ENV_CHECKPOINT_DIR), script_resume,
                                                                  launcher) if d):
-        step = _newest_step(directory)
+        step = newest_step(directory)
         if step is not None and step > best_step:
             best, best_step = directory, step
     return best or script_resume or launcher
 
 
-def _newest_step(directory: str) -> int | None:
+def newest_step(directory: str) -> int | None:
     from tangram_launch.checkpoint.store import find_latest
     from tangram_launch.errors import SpecError
 
@@ -82,4 +84,4 @@ def _newest_step(directory: str) -> int | None:
         return None
 
 
-__all__ = ["ENV_CHECKPOINT_DIR", "fresh_round_store", "resume_dir_for_script"]
+__all__ = ["ENV_CHECKPOINT_DIR", "fresh_round_store", "resume_dir_for_script", "newest_step"]

@@ -41,6 +41,14 @@ batch unless given again, logs what changed between the two plans, and starts th
     tangram-launch --standalone --nproc-per-node 3 --cluster cluster.yaml --resume ckpt/ examples/train_gpt.py \\
         --steps 100 --save-dir ckpt/ --save-every 10
 
+Elastic: with ``--nnodes MIN:MAX`` and ``--cluster FILE`` (every node the job may have), each rendezvous round is
+planned for the nodes present and resumes from the newest checkpoint; a node that returns joins at the next
+checkpoint (:mod:`tangram_launch.launch.elastic`)::
+
+    tangram-launch --nnodes 1:2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint head:29500 --max-restarts 3 \
+        --cluster cluster.yaml --node-name a100-0 --checkpoint-dir ckpt --model llama3-8b ... \
+        train.py --save-dir ckpt --save-every 100
+
 Tangram options come before the script, like torchrun's; everything after the script belongs to the script.
 Ctrl-C (SIGINT) stops the workers and prints one line (exit 130); a planned launch's workers stop without a
 traceback (:mod:`tangram_launch.launch.signals`).
@@ -144,6 +152,14 @@ class LaunchOptions:
         return determine_local_world_size(self.torchrun.nproc_per_node)
 
     @property
+    def fixed_nodes(self) -> bool:
+        """``--nnodes N`` (or MIN = MAX): not an elastic launch."""
+        from torch.distributed.run import parse_min_max_nnodes
+
+        low, high = parse_min_max_nnodes(self.torchrun.nnodes)
+        return bool(getattr(self.torchrun, "standalone", False)) or low == high
+
+    @property
     def single_node(self) -> bool:
         from torch.distributed.run import parse_min_max_nnodes
 
@@ -240,11 +256,16 @@ def route_through_boot(args: argparse.Namespace, planned: PlannedLaunch,
     torch still builds the command (PYTHON_EXEC, ``-u``, ``--run-path``), so nothing of torchrun's worker start is
     re-implemented; only the target changes.
     """
-    routed = copy.copy(args)
     boot_opts = ["--plan-file", planned.plan_path, "--plan-hash", planned.plan_hash, "--node", planned.node,
                  "--agent-id", planned.agent_id]
     if resume_dir:
         boot_opts += ["--resume", os.path.abspath(resume_dir)]
+    return route_to_boot(args, boot_opts)
+
+
+def route_to_boot(args: argparse.Namespace, boot_opts: Sequence[str]) -> argparse.Namespace:
+    """torchrun args whose target is boot with ``boot_opts``, then ``--`` and the user's target (see above)."""
+    routed = copy.copy(args)
     if args.no_python and args.module:
         raise SpecError("use either --no-python or -m/--module", field="--no-python")
     if args.run_path:  # in-process worker: torch's run_script_path runs boot.py, which runs the script
@@ -355,10 +376,11 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
         logger.warning("ignoring %s: the plan %s fixes them",
                        ", ".join("--" + p.replace("_", "-") for p in planning), opts.plan)
     ckpt_dir = opts.checkpoint_dir or opts.resume
+    elastic = opts.plan is None and (bool(planning) or resume_info is not None) and not options.fixed_nodes
     if ckpt_dir:  # one run per checkpoint directory; workers inherit the token and the directory
         from tangram_launch.launch.checkpoint_dir import hold_checkpoint_dir
 
-        hold_checkpoint_dir(ckpt_dir)
+        hold_checkpoint_dir(ckpt_dir, shared_by_agents=elastic)
     if opts.plan is None and not planning and resume_info is None:
         return _launch(args, None)
     with contextlib.ExitStack() as stack:
@@ -379,6 +401,11 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
                 from tangram_launch.launch.planning import default_plan_dir
 
                 out_dir = default_plan_dir()
+            if elastic:  # planned at every rendezvous round, for the nodes present
+                from tangram_launch.launch.elastic import launch_elastic
+
+                return launch_elastic(options, staging=staging, resume=resume_info, launch=_launch,
+                                      route=route_to_boot)
             plan_file = plan_provider(PlanRequest(options=options, out_dir=out_dir, resume=resume_info,
                                                   hand_written=opts.plan if hand_written else None))
         planned = prepare_planned_launch(args, plan_file, node_name=opts.node_name, staging_dir=staging)
