@@ -1,0 +1,124 @@
+"""An interleaved plan's prediction is the event simulation of the schedule the runtime runs
+(costmodel/interleaved_schedule.py): the op order is torch's ScheduleInterleaved1F1B's, the fast sweep is the
+simulation bit for bit, its floor holds for any timings (the closed form does not), and choosing the number of
+chunks by floors picks what simulating every number would."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tangram_launch.costmodel.interleaved_schedule import (_rank_order, interleaved_floor_s,
+                                                           simulate_interleaved_1f1b, simulated_interleaved_1f1b_s)
+from tangram_launch.costmodel.pipeline import pipeline_latency_s
+from tangram_launch.planner.interleave import ScheduleChoice, fastest_virtual_stages
+
+_SECONDS = st.one_of(st.just(0.0), st.floats(0.0, 4.0, allow_nan=False, allow_infinity=False))
+
+
+@st.composite
+def pipelines(draw, most_v: int = 5):
+    """(forward, backward, p2p seconds, m, v): S ranks, m a multiple of S (as the runtimes require)."""
+    S = draw(st.integers(1, 6))
+    m = S * draw(st.integers(1, 4))
+    v = draw(st.integers(2, most_v))
+    fwd = draw(st.lists(_SECONDS, min_size=S, max_size=S))
+    bwd = draw(st.lists(_SECONDS, min_size=S, max_size=S))
+    p2p = draw(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 2.0)), min_size=S - 1, max_size=S - 1))
+    return fwd, bwd, p2p, m, v
+
+
+@pytest.mark.parametrize("S, m, v", [(2, 4, 2), (4, 8, 3), (3, 12, 4), (1, 3, 2), (4, 4, 8)])
+def test_each_ranks_op_order_is_torchs_interleaved_1f1b(S, m, v):
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    torch_schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)  # its order needs no stages
+    torch_schedule.pp_group_size, torch_schedule.n_local_stages, torch_schedule._n_microbatches = S, v, m
+    torch_schedule.number_of_rounds = max(1, m // S)
+    torch_schedule.microbatches_per_round = m // torch_schedule.number_of_rounds
+    for k in range(S):
+        theirs = [(a.computation_type == _ComputationType.FORWARD, a.stage_index // S, a.microbatch_index)
+                  for a in torch_schedule._calculate_single_rank_operations(k) if a is not None]
+        nxt: dict = {}
+        ours = []
+        for forward, c in _rank_order(k, S, m, v):
+            i = nxt[(forward, c)] = nxt.get((forward, c), -1) + 1
+            ours.append((forward, c, i))
+        assert ours == theirs
+        assert all(a.stage_index % S == k for a in torch_schedule._calculate_single_rank_operations(k) if a)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipelines())
+def test_the_sweep_is_the_simulation_bit_for_bit_and_runs_each_rank_in_its_order(case):
+    fwd, bwd, p2p, m, v = case
+    S = len(fwd)
+    blocks = simulate_interleaved_1f1b(fwd, bwd, p2p, m, v)
+    assert simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v) == max(b.end_s for b in blocks)
+    assert len(blocks) == 2 * S * m * v
+    for k in range(S):
+        mine = [b for b in blocks if b.stage == k]  # in the order the sweep ran them
+        assert [(b.kind == "F", b.chunk) for b in mine] == _rank_order(k, S, m, v)
+        assert all(a.end_s <= b.start_s for a, b in zip(mine, mine[1:]))
+        assert all(b.end_s - b.start_s == pytest.approx((fwd[k] if b.kind == "F" else bwd[k]) / v, abs=1e-12)
+                   for b in mine)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pipelines(), st.data())
+def test_the_floor_is_under_the_simulation_of_every_v_up_to_its_own(case, data):
+    fwd, bwd, p2p, m, v = case
+    fewer = data.draw(st.integers(2, v))
+    assert interleaved_floor_s(fwd, bwd, p2p, m, v) <= simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, fewer)
+
+
+def test_the_floor_is_the_simulation_when_stages_are_equal():
+    S, m, v, t = 4, 8, 2, 3.0
+    sim = simulated_interleaved_1f1b_s([1.0] * S, [2.0] * S, [0.0] * (S - 1), m, v)
+    assert sim == pytest.approx(m * t + (S - 1) * t / v)
+    assert interleaved_floor_s([1.0] * S, [2.0] * S, [0.0] * (S - 1), m, v) == pytest.approx(sim, rel=1e-8)
+
+
+def test_the_closed_form_is_no_floor_of_the_simulation_nor_a_ceiling():
+    """A first stage slower than the rest never idles: the run is its m micro-batches, under the closed form's
+    m x period + (the rest) / v. A link is crossed v times per micro-batch each way: above the closed form, which
+    divides it by v."""
+    fwd, bwd, m, v = [1.0, 0.5], [2.0, 1.0], 4, 2
+    sim = simulated_interleaved_1f1b_s(fwd, bwd, [0.0], m, v)
+    assert sim == m * 3.0 < pipeline_latency_s(m, 3.0, 4.5, 0.0, v)
+    fwd, bwd, p2p = [1.0, 1.0], [2.0, 2.0], [1.0]
+    sim = simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v)
+    assert sim > pipeline_latency_s(m, 3.0, 6.0 + 2.0, 0.0, v)
+
+
+def _every_v(fwd, bwd, p2p, m, tail, most, beat) -> ScheduleChoice | None:
+    """The reference: every v simulated, the least below ``beat`` (the smaller v on ties)."""
+    best = None
+    for v in range(2, most + 1):
+        t = simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v) + tail
+        if t < beat and (best is None or t < best.latency_s):
+            best = ScheduleChoice(v, t)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(pipelines(most_v=8), st.floats(0.0, 2.0), st.one_of(st.just(math.inf), st.floats(0.0, 80.0)))
+def test_choosing_v_by_floors_picks_what_simulating_every_v_picks(case, tail, beat):
+    fwd, bwd, p2p, m, most = case
+    assert fastest_virtual_stages(fwd, bwd, p2p, m, tail, most, beat_s=beat) == \
+        _every_v(fwd, bwd, p2p, m, tail, most, beat)
+    floor = fastest_virtual_stages(fwd, bwd, p2p, m, tail, most, beat_s=beat, floor_only=True)
+    exact = _every_v(fwd, bwd, p2p, m, tail, most, beat)
+    if exact is not None:  # the floor-only answer is under the real one
+        assert floor is not None and floor.latency_s <= exact.latency_s
+
+
+def test_a_uniform_plain_plan_beaten_by_interleaving_only_where_the_simulation_says():
+    S, m = 4, 8
+    fwd, bwd, p2p = [1.0] * S, [2.0] * S, [0.0] * (S - 1)
+    plain = m * 3.0 + (S - 1) * 3.0  # 1F1B: (m + S - 1) slots
+    best = fastest_virtual_stages(fwd, bwd, p2p, m, 0.0, 4, beat_s=plain)
+    assert best == ScheduleChoice(4, simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, 4))
+    assert fastest_virtual_stages(fwd, bwd, p2p, m, 0.0, 4, beat_s=m * 3.0) is None  # none beats the busy time
