@@ -4,7 +4,9 @@ simulation bit for bit, its floor holds for any timings (the closed form does no
 chunks by floors picks what simulating every number would."""
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -122,3 +124,22 @@ def test_a_uniform_plain_plan_beaten_by_interleaving_only_where_the_simulation_s
     best = fastest_virtual_stages(fwd, bwd, p2p, m, 0.0, 4, beat_s=plain)
     assert best == ScheduleChoice(4, simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, 4))
     assert fastest_virtual_stages(fwd, bwd, p2p, m, 0.0, 4, beat_s=m * 3.0) is None  # none beats the busy time
+
+
+def _fixtures() -> list[str]:
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "plans")
+    return sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".json"))
+
+
+@pytest.mark.parametrize("path", _fixtures(), ids=os.path.basename)
+def test_the_plan_table_breaks_the_prediction_down_into_the_simulated_schedule(path):
+    from tangram_launch.plan import Plan
+    from tangram_launch.planner.report import format_plan_table
+
+    with open(path, encoding="utf-8") as f:
+        plan = Plan.from_dict(json.load(f))
+    v, bd = plan.virtual_stages, plan.predicted.breakdown
+    schedule = f"interleaved 1F1B ({v} chunks per stage)" if v > 1 else "1F1B"
+    assert bd["pipeline_s"] + bd["tail_s"] == pytest.approx(plan.predicted.iteration_time_s, rel=1e-12)
+    assert (f"= simulated {schedule} pipeline {bd['pipeline_s']:.3f} s" in
+            format_plan_table(plan, cluster_name=plan.cluster["name"], num_islands=len(plan.islands_used)))
