@@ -24,9 +24,11 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+import numpy as np
+
 from tangram_launch.costmodel.blocks import ChunkBlock
 
-_ORDER_MAX_OPS = 40_000  # orders of longer schedules are made again per call (a kept order costs ~100 bytes an op)
+_ORDER_MAX_OPS = 40_000  # orders of longer schedules are made again per call (a kept order costs ~150 bytes an op)
 # the floor sums each rank's time in another order than the simulation's chunk by chunk: keep it strictly under
 FLOOR_ROUNDING = 1e-9
 
@@ -50,51 +52,39 @@ def _check(S: int, m: int) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _order(S: int, m: int, v: int) -> tuple[tuple[int, int, int, int, int, int, int], ...]:
+def _order(S: int, m: int, v: int) -> tuple[list[int], ...]:
     """Every op of the schedule in an order where each comes after what it waits for (its dependency and the op
-    before it on its rank), as (its end slot, rank, duration index, its dependency's end slot, link index,
-    chunk, micro-batch); the 64 most recent shapes are kept.
+    before it on its rank), as columns: its end slot, rank, duration index, its dependency's end slot, link index,
+    chunk, micro-batch; the 64 most recent shapes are kept.
 
-    Made once per shape by advancing every rank through its own order as far as its dependencies have run, round
-    after round (the schedule has no deadlock). Slot (2 (vs m + i) + backward) holds the end of virtual stage vs's
-    forward or backward of micro-batch i; the slot 2 S v m stays 0.0, the dependency of virtual stage 0's forwards.
-    Duration index k: rank k's chunk forward, S + k: its chunk backward; link index k: the link in front of rank k
-    (0: none, as on the wrap), S: none."""
-    orders = [_rank_order(k, S, m, v) for k in range(S)]
-    none = 2 * S * v * m
-    done = bytearray(none + 1)
-    done[none] = 1
-    nxt = [[0] * (2 * v) for _ in range(S)]  # [k][2 c + backward]: that chunk's next micro-batch
-    pos = [0] * S
-    out: list[tuple[int, int, int, int, int, int, int]] = []
-    last_vs = v * S - 1
-    while len(out) < none:
-        progressed = False
-        for k in range(S):
-            ops, p, seen = orders[k], pos[k], nxt[k]
-            while p < len(ops):
-                forward, c = ops[p]
-                vs = c * S + k
-                i = seen[2 * c + (not forward)]
-                if forward:
-                    dep, link = (2 * ((vs - 1) * m + i) if vs else none), k
-                elif vs == last_vs:
-                    dep, link = 2 * (vs * m + i), S  # its own forward
-                else:
-                    dep, link = 2 * ((vs + 1) * m + i) + 1, (k + 1 if k < S - 1 else S)
-                if not done[dep]:
-                    break
-                slot = 2 * (vs * m + i) + (not forward)
-                done[slot] = 1
-                out.append((slot, k, k if forward else S + k, dep, link, c, i))
-                seen[2 * c + (not forward)] = i + 1
-                p += 1
-            if p != pos[k]:
-                pos[k] = p
-                progressed = True
-        if not progressed:  # pragma: no cover - the schedule has no deadlock; guard against a bad input
-            raise RuntimeError("interleaved 1F1B simulation stalled")
-    return tuple(out)
+    The order is the runtime's own lockstep (torch's ``_get_1f1b_rank_ops`` pads each rank's list so that the ranks
+    move together): rank k runs its warm-up forward i at step k + i, and from step s0 = v S + 2 (S - 1 - k) its
+    1F1B forward W + j at s0 + 2 j and its backward j at s0 + 2 j + 1 (W its warm-up forwards). Each op's dependency
+    runs at an earlier step (tests/test_interleaved_prediction.py checks every shape up to 8 ranks), so sorting by
+    step is such an order, made with a few array operations. Slot (2 (vs m + i) + backward) holds the end of virtual
+    stage vs's forward or backward of micro-batch i; the slot 2 S v m stays 0.0, the dependency of virtual stage
+    0's forwards. Duration index k: rank k's chunk forward, S + k: its chunk backward; link index k: the link in
+    front of rank k (0: none, as on the wrap), S: none."""
+    g = m // max(1, m // S)
+    M = m * v  # each rank's forwards (and backwards)
+    none = 2 * S * M
+    k = np.repeat(np.arange(S, dtype=np.int64), M)
+    i = np.tile(np.arange(M, dtype=np.int64), S)  # the rank's i-th forward, and its i-th backward
+    warm = np.minimum((v - 1) * g + 2 * (S - k - 1), M)
+    s0 = v * S + 2 * (S - 1 - k)
+    micro = (i // (g * v)) * g + i % g  # op i's micro-batch: each chunk takes g of them in turn
+    chunk_f = (i // g) % v
+    chunk_b = v - 1 - chunk_f
+    vs_f, vs_b = chunk_f * S + k, chunk_b * S + k
+    slot_f, slot_b = 2 * (vs_f * m + micro), 2 * (vs_b * m + micro) + 1
+    dep_f = np.where(vs_f > 0, 2 * ((vs_f - 1) * m + micro), none)  # the previous virtual stage's forward
+    last = vs_b == v * S - 1
+    dep_b = np.where(last, slot_b - 1, 2 * ((vs_b + 1) * m + micro) + 1)  # the next one's backward, or its forward
+    link_b = np.where(last | (k == S - 1), S, k + 1)
+    step = np.concatenate((np.where(i < warm, k + i, s0 + 2 * (i - warm)), s0 + 2 * i + 1))
+    pick = np.argsort(step, kind="stable")
+    return tuple(np.concatenate(pair)[pick].tolist() for pair in (
+        (slot_f, slot_b), (k, k), (k, k + S), (dep_f, dep_b), (k, link_b), (chunk_f, chunk_b), (micro, micro)))
 
 
 def _run(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int, v: int,
@@ -106,20 +96,21 @@ def _run(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float],
         return 0.0
     m = max(1, m)
     _check(S, m)
-    order = _order(S, m, v) if 2 * S * v * m <= _ORDER_MAX_OPS else _order.__wrapped__(S, m, v)
+    slots, ranks, ops, deps, link_at, chunks, micros = (_order(S, m, v) if 2 * S * v * m <= _ORDER_MAX_OPS
+                                                        else _order.__wrapped__(S, m, v))
     durations = [f / v for f in fwd_s] + [b / v for b in bwd_s]
     links = (0.0, *p2p_s, 0.0)
     end = [0.0] * (2 * S * v * m + 1)
     free = [0.0] * S
     if blocks is None:
-        for slot, k, op, dep, link, _, _ in order:
+        for slot, k, op, dep, link in zip(slots, ranks, ops, deps, link_at):
             t = free[k]
             d = end[dep] + links[link]  # x + 0.0 is x (no link)
             if d > t:
                 t = d
             end[slot] = free[k] = t + durations[op]
         return max(free)
-    for slot, k, op, dep, link, c, i in order:
+    for slot, k, op, dep, link, c, i in zip(slots, ranks, ops, deps, link_at, chunks, micros):
         t = free[k]
         d = end[dep] + links[link]
         if d > t:
@@ -146,14 +137,18 @@ def simulated_interleaved_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float],
 
 def interleaved_floor_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
                         v: int) -> float:
-    """A floor under :func:`simulated_interleaved_1f1b_s` for any v' <= ``v`` chunks per stage, in O(S).
+    """A floor under :func:`simulated_interleaved_1f1b_s` with ``v`` chunks per stage, in O(S): the larger of
 
-    Rank k starts with chunk 0's forward of micro-batch 0, which waits for that micro-batch's chunk-0 forwards on
-    ranks 0 .. k - 1 and the links between them; it then runs m v chunk forwards and backwards, m (f_k + b_k) in
-    all, one at a time; its last op is chunk 0's backward of the last micro-batch (the last backward op's chunk is
-    v - 1 - (m v / g - 1) mod v = 0, g dividing m), whose gradient then passes the chunk-0 backwards of ranks
-    k - 1 .. 0 and their links. A chunk takes (f + b) / v' >= (f + b) / v of a rank's time, so the run takes at
-    least max over k of m (f_k + b_k) + sum over j < k of ((f_j + b_j) / v + 2 p_j) (less FLOOR_ROUNDING)."""
+    - per rank k: it starts with chunk 0's forward of micro-batch 0, which waits for that micro-batch's chunk-0
+      forwards on ranks 0 .. k - 1 and the links between them; it then runs m v chunk forwards and backwards,
+      m (f_k + b_k) in all, one at a time; its last op is chunk 0's backward of the last micro-batch (the last
+      backward op's chunk is v - 1 - (m v / g - 1) mod v = 0, g dividing m), whose gradient then passes the chunk-0
+      backwards of ranks k - 1 .. 0 and their links: m (f_k + b_k) + sum over j < k of ((f_j + b_j) / v + 2 p_j)
+      (with fewer chunks per stage, no less);
+    - micro-batch 0's way through all v S virtual stages and back: every stage's f + b, and each link v times each
+      way (none on the wrap): sum of (f_j + b_j) + 2 v sum of p_j;
+
+    less FLOOR_ROUNDING."""
     best = 0.0
     front = 0.0  # ranks 0 .. k - 1: their chunk's forward and backward, and the links both ways
     for k, (f, b) in enumerate(zip(fwd_s, bwd_s)):
@@ -162,4 +157,5 @@ def interleaved_floor_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: S
             best = t
         if k < len(p2p_s):
             front += (f + b) / v + 2.0 * p2p_s[k]
-    return best * (1.0 - FLOOR_ROUNDING)
+    way = sum(fwd_s) + sum(bwd_s) + 2.0 * v * sum(p2p_s)
+    return (way if way > best else best) * (1.0 - FLOOR_ROUNDING)
