@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import math
 
-from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
-from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s
 
 
 def even(o, seq):
@@ -21,33 +20,27 @@ def with_bottleneck(o, seq):
     return times
 
 
-def stage_times_of(options, link, seq, stage_times=even):
-    """Forward, backward and p2p seconds of a sequence's stages (``stage_times``, a third forward), with the
-    links' p2p between options."""
-    fwd, bwd, p2p = [], [], []
-    for n, oi in enumerate(seq):
-        o = options[oi]
-        if n:
-            p2p.append(link[options[seq[n - 1]].island][o.island])
-        p2p.extend([0.0] * (o.num_stages - 1))
-        times = stage_times(o, seq)
-        fwd.extend(t / 3 for t in times)
-        bwd.extend(2 * t / 3 for t in times)
-    return fwd, bwd, p2p
-
-
 def simulated(options, link, m, stage_times=even):
-    """A score as the planner's: the 1F1B event simulation of the options' stages (stage_times_of), plus the
-    tail."""
+    """A score as the planner's: the 1F1B event simulation of the options' stages (``stage_times``, a third
+    forward) with the links' p2p between options, plus the tail."""
     def score(seq, metrics):
-        return simulated_1f1b_s(*stage_times_of(options, link, seq, stage_times), m) + metrics.tail_s
+        fwd, bwd, p2p = [], [], []
+        for n, oi in enumerate(seq):
+            o = options[oi]
+            if n:
+                p2p.append(link[options[seq[n - 1]].island][o.island])
+            p2p.extend([0.0] * (o.num_stages - 1))
+            times = stage_times(o, seq)
+            fwd.extend(t / 3 for t in times)
+            bwd.extend(2 * t / 3 for t in times)
+        return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
     return score
 
 
 def scheduled(options, link, m, schedules=("plain", "interleaved"), most_chunks=8):
     """A score as the planner's under ``schedules``: the plain 1F1B simulation (``simulated``, one stage of each
-    option at its bottleneck) and/or the interleaved 1F1B simulation of the same stages with 2..min(``most_chunks``,
-    the fewest layers per stage) chunks, where the stages divide the micro-batches (capabilities.schedule_problems); the least of them (inf for
+    option at its bottleneck) and/or interleaved 1F1B with 2..min(``most_chunks``, the fewest layers per stage)
+    chunks, where the stages divide the micro-batches (capabilities.schedule_problems); the least of them (inf for
     a pipeline that cannot interleave where only interleaved schedules count)."""
     plain = simulated(options, link, m, with_bottleneck)
 
@@ -56,9 +49,8 @@ def scheduled(options, link, m, schedules=("plain", "interleaved"), most_chunks=
         fewest = min((options[oi].stop - options[oi].start) // options[oi].num_stages for oi in seq)
         if m % sum(options[oi].num_stages for oi in seq):  # the stages must divide the micro-batches
             fewest = 1
-        if "interleaved" in schedules and min(most_chunks, fewest) >= 2:
-            fwd, bwd, p2p = stage_times_of(options, link, seq, with_bottleneck)
+        if "interleaved" in schedules:
             for v in range(2, min(most_chunks, fewest) + 1):
-                best = min(best, simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v) + metrics.tail_s)
+                best = min(best, pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))
         return best
     return score

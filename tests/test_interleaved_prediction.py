@@ -17,7 +17,7 @@ from tangram_launch.costmodel.interleaved_schedule import (_order, _rank_order, 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.planner.interleave import ScheduleChoice, fastest_virtual_stages
 
-_SECONDS = st.one_of(st.just(0.0), st.floats(0.0, 4.0, allow_nan=False, allow_infinity=False))
+_SECONDS = st.one_of(st.just(0.0), st.floats(0.0, 4.0, allow_nan=False, allow_infinity=False, allow_subnormal=False))
 
 
 @st.composite
@@ -28,7 +28,8 @@ def pipelines(draw, most_v: int = 5):
     v = draw(st.integers(2, most_v))
     fwd = draw(st.lists(_SECONDS, min_size=S, max_size=S))
     bwd = draw(st.lists(_SECONDS, min_size=S, max_size=S))
-    p2p = draw(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 2.0)), min_size=S - 1, max_size=S - 1))
+    p2p = draw(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 2.0, allow_subnormal=False)), min_size=S - 1,
+                        max_size=S - 1))
     return fwd, bwd, p2p, m, v
 
 
