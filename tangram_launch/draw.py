@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Sequence
 from xml.sax.saxutils import escape
 
 from tangram_launch.costmodel.interleaved_schedule import simulate_interleaved_1f1b
-from tangram_launch.costmodel.pipeline import Block, simulate_1f1b
+from tangram_launch.costmodel.blocks import Block
+from tangram_launch.costmodel.pipeline import simulate_1f1b
 from tangram_launch.errors import SpecError
 from tangram_launch.text import devices, on_cpu, plural
 
@@ -201,17 +202,19 @@ def _nice_step(span: float, target: int = 8) -> float:
 
 
 def schedule_note(plan: "Plan", drawn_end_s: float) -> str:
-    """What the bars show: the schedule the plan runs. A plain 1F1B plan's prediction is this very simulation
-    (costmodel.pipeline), so the bars end at the title's figure; an interleaved plan's bars are the event simulation
-    of its chunks (costmodel.interleaved_schedule), which ends where the closed-form prediction says when the
-    stages are equal; with unequal stages it ends later than the closed form (the planner ranks interleaved plans by
-    the closed form), and the note gives both figures and the gap."""
+    """What the bars show: the schedule the plan runs, simulated. A plan's prediction is this very simulation
+    (costmodel.pipeline for 1F1B, costmodel.interleaved_schedule chunk by chunk for interleaved 1F1B), so the bars
+    end at the title's figure; a plan predicted otherwise (hand-written, or by an older planner) gets the gap."""
+    pred = plan.predicted.iteration_time_s
     if plan.virtual_stages > 1:
-        pred = plan.predicted.iteration_time_s
-        return (f"bars: the interleaved 1F1B schedule it runs, {plan.virtual_stages} chunks per stage (simulated), "
-                f"ends at {drawn_end_s:.3f} s · the prediction (closed form) {pred:.3f} s, "
-                f"{(drawn_end_s - pred) / pred * 100:+.1f} %")
-    return f"bars: the simulated 1F1B schedule the prediction comes from, ends at {drawn_end_s:.3f} s"
+        note = (f"bars: the simulated interleaved 1F1B schedule the prediction comes from, {plan.virtual_stages} "
+                f"chunks per stage, ends at {drawn_end_s:.3f} s")
+    else:
+        note = f"bars: the simulated 1F1B schedule the prediction comes from, ends at {drawn_end_s:.3f} s"
+    if pred > 0 and abs(drawn_end_s - pred) > 1e-9 * pred:
+        gap = (drawn_end_s - pred) / pred * 100
+        note += f" · the plan's prediction {pred:.3f} s is not this simulation ({gap:+.1f} %)"
+    return note
 
 
 def schedule_blocks(plan: "Plan") -> list[Block]:
@@ -325,10 +328,9 @@ def timeline_items(plan: "Plan", *, width: float = 1400.0) -> tuple[list, float,
     ly += 24
     bd = pr.breakdown
     if plan.virtual_stages > 1:
-        line = (f"simulated pipeline {pipe_end:.3f} s + DP sync/optimizer {tail:.3f} s = {pipe_end + tail:.3f} s · "
-                f"the prediction, m x period + (fill - period) / v: {bd.get('steady_s', 0):.3f} s steady, fill/drain "
-                f"{bd.get('fill_s', 0):.3f} s, v = {plan.virtual_stages}; + DP sync/optimizer {tail:.3f} s = "
-                f"{pr.iteration_time_s:.3f} s")
+        line = (f"simulated pipeline {pipe_end:.3f} s + DP sync/optimizer {tail:.3f} s = {pipe_end + tail:.3f} s "
+                f"· the closed form m x period + (fill - period) / v, v = {plan.virtual_stages}: "
+                f"{bd.get('formula_s', pr.iteration_time_s):.3f} s")
     else:
         line = (f"simulated pipeline {pipe_end:.3f} s + DP sync/optimizer {tail:.3f} s = {pr.iteration_time_s:.3f} s "
                 f"· the composer's closed-form bound: {bd.get('formula_s', pr.iteration_time_s):.3f} s")

@@ -1,5 +1,5 @@
 """The 1F1B models in costmodel/pipeline.py: the planner's formula and the event simulation the timeline draws,
-how they relate, and a timeline whose title and bars say the same numbers."""
+how they relate, and a timeline whose title and bars say the same numbers (interleaved plans too)."""
 from __future__ import annotations
 
 import json
@@ -58,10 +58,9 @@ def test_simulation_keeps_every_stage_busy_with_one_block_at_a_time_and_respects
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(FIXTURES) if f.endswith(".json")))
 def test_timeline_title_and_bars_say_the_same_iteration_time(name):
-    """Every example plan's timeline: the title is the plan's predicted iteration time; under plain 1F1B the bars
-    (last block + DP sync/optimizer) end there, because both are the one 1F1B simulation. An interleaved plan
-    (the README's C3 (iii) example is one) draws its interleaved schedule, chunk by chunk, and says where that
-    simulation ends beside the closed-form prediction."""
+    """Every example plan's timeline: the title is the plan's predicted iteration time, and the bars (last block +
+    DP sync/optimizer) end there, because both are the one simulation of the schedule the plan runs: plain 1F1B,
+    or interleaved 1F1B chunk by chunk (the README's C3 (iii) example is one)."""
     with open(os.path.join(FIXTURES, f"{name}.json"), encoding="utf-8") as f:
         plan = Plan.from_dict(json.load(f))
     items, _, _ = timeline_items(plan)
@@ -71,19 +70,10 @@ def test_timeline_title_and_bars_say_the_same_iteration_time(name):
     schedule = "interleaved 1F1B" if plan.virtual_stages > 1 else "1F1B"
     assert f"predicted {schedule} iteration" in title  # the schedule the prediction is of
     note = next(t for t in texts if t.startswith("bars: "))
+    assert note.startswith(f"bars: the simulated {schedule} schedule the prediction comes from")
+    assert "is not this simulation" not in note
     drawn = float(re.search(r"ends at ([0-9.]+) s", note).group(1))
-    if plan.virtual_stages > 1:
-        assert note.startswith(f"bars: the interleaved 1F1B schedule it runs, {plan.virtual_stages} chunks per "
-                               "stage (simulated)")
-        assert f"the prediction (closed form) {plan.predicted.iteration_time_s:.3f} s" in note
-        fwd = [p.forward_s for p in plan.predicted.stages]
-        bwd = [p.backward_s for p in plan.predicted.stages]
-        end = _end(simulate_interleaved_1f1b(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches,
-                                             plan.virtual_stages))
-        assert drawn == pytest.approx(end + plan.predicted.breakdown["tail_s"], abs=5e-4)
-    else:
-        assert note.startswith("bars: the simulated 1F1B schedule")
-        assert drawn == pytest.approx(plan.predicted.iteration_time_s, abs=5e-4)
+    assert drawn == pytest.approx(plan.predicted.iteration_time_s, abs=5e-4)
 
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(FIXTURES) if f.endswith(".json")))
@@ -92,17 +82,18 @@ def test_every_example_plans_prediction_is_the_simulation_of_its_stage_times(nam
         plan = Plan.from_dict(json.load(f))
     fwd = [p.forward_s for p in plan.predicted.stages]
     bwd = [p.backward_s for p in plan.predicted.stages]
+    tail = plan.predicted.breakdown["tail_s"]
     end = _end(simulate_1f1b(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches))
     if plan.virtual_stages > 1:
-        # interleaved plans are predicted by the closed form (no interleaved simulation yet); the plain 1F1B
-        # figure they beat is the simulation of the same stages
-        b = plan.predicted.breakdown
-        assert plan.predicted.iteration_time_s == pytest.approx(pipeline_latency_s(
-            plan.num_microbatches, b["period_s"], b["fill_s"], b["tail_s"], plan.virtual_stages), rel=1e-12)
-        assert plan.planner["plain_1f1b_iteration_s"] == pytest.approx(end + b["tail_s"], rel=1e-12)
+        # interleaved plans are predicted by the simulation of their chunks; the plain 1F1B figure they beat is the
+        # simulation of the same stages
+        chunked = _end(simulate_interleaved_1f1b(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches,
+                                                 plan.virtual_stages))
+        assert plan.predicted.iteration_time_s == chunked + tail
+        assert plan.planner["plain_1f1b_iteration_s"] == pytest.approx(end + tail, rel=1e-12)
         assert plan.predicted.iteration_time_s < plan.planner["plain_1f1b_iteration_s"]
         return
-    assert plan.predicted.iteration_time_s == pytest.approx(end + plan.predicted.breakdown["tail_s"], rel=1e-12)
+    assert plan.predicted.iteration_time_s == pytest.approx(end + tail, rel=1e-12)
     assert simulated_1f1b_s(fwd, bwd, plan.planner["p2p_s"], plan.num_microbatches) == end
 
 

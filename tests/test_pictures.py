@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tangram_launch.costmodel.interleaved_schedule import simulate_interleaved_1f1b
+from tangram_launch.costmodel.interleaved_schedule import simulate_interleaved_1f1b, simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
-from tangram_launch.draw import Curve, Rect, Text, islands_items, timeline_items
+from tangram_launch.draw import Curve, Rect, Text, islands_items, schedule_blocks, timeline_items
 from tangram_launch.islands import build_islands
 from tangram_launch.plan import Plan
 from tangram_launch.specs.cluster import ClusterSpec
@@ -118,23 +121,72 @@ def test_a_1f1b_timeline_ends_at_its_titles_figure(name):
     assert f"predicted 1F1B iteration {plan.predicted.iteration_time_s:.3f} s" in title
 
 
+def _last_bar_px(items) -> float:
+    """Where the rightmost block or DP sync bar ends, in pixels."""
+    return max(it.x + it.w for it in items if isinstance(it, Rect)
+               and re.match(r"(stage \d+ (forward|backward)|DP sync)", it.title))
+
+
+def _assert_bars_end_at_the_title(plan: Plan) -> None:
+    """The drawn schedule ends at the plan's predicted iteration: to the bit in seconds (its blocks + the tail), to
+    float rounding in pixels, and the title and note say so."""
+    items, width, _ = timeline_items(plan)
+    tail = plan.predicted.breakdown["tail_s"]
+    pred = plan.predicted.iteration_time_s
+    assert max(b.end_s for b in schedule_blocks(plan)) + tail == pred
+    right = 30.0  # timeline_items' right margin: the plot spans the predicted iteration
+    assert _last_bar_px(items) == pytest.approx(width - right, abs=1e-6)
+    texts = [it.text for it in items if isinstance(it, Text)]
+    title = next(t for t in texts if " iteration " in t)
+    assert f"iteration {pred:.3f} s" in title
+    note = next(t for t in texts if t.startswith("bars: "))
+    assert f"ends at {pred:.3f} s" in note and "is not this simulation" not in note
+
+
 @pytest.mark.parametrize("name", INTERLEAVED)
-def test_an_interleaved_timeline_draws_every_chunk_and_says_where_it_ends(name):
+def test_an_interleaved_timeline_draws_every_chunk_and_ends_at_its_titles_figure(name):
     plan = _fixture(name)
     S, m, v = plan.num_stages, plan.num_microbatches, plan.virtual_stages
     items, _, _ = timeline_items(plan)
     blocks = [it for it in items if isinstance(it, Rect) and re.match(r"stage \d+ (forward|backward) chunk", it.title)]
     assert len(blocks) == 2 * S * m * v
     assert {int(re.search(r"chunk (\d+)", b.title).group(1)) for b in blocks} == set(range(v))
-    texts = [it.text for it in items if isinstance(it, Text)]
-    note = next(t for t in texts if t.startswith("bars: "))
-    assert note.startswith(f"bars: the interleaved 1F1B schedule it runs, {v} chunks per stage")
-    drawn = float(re.search(r"ends at ([0-9.]+) s", note).group(1))
-    assert _bars_end(items) == pytest.approx(drawn, abs=1e-3)
-    assert f"the prediction (closed form) {plan.predicted.iteration_time_s:.3f} s" in note
-    # the closed form is what the planner ranks by; the gap to the simulation of unequal stages is stated, signed
-    gap = (_bars_end(items) - plan.predicted.iteration_time_s) / plan.predicted.iteration_time_s * 100
-    assert note.endswith(f"{gap:+.1f} %")
+    note = next(it.text for it in items if isinstance(it, Text) and it.text.startswith("bars: "))
+    assert note.startswith(f"bars: the simulated interleaved 1F1B schedule the prediction comes from, {v} chunks "
+                           "per stage")
+    _assert_bars_end_at_the_title(plan)
+
+
+_TIMES = st.floats(0.0, 3.0, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_bars_end_at_the_title_for_any_stage_timings(data):
+    """Any stage times and links on an interleaved example plan's shape, predicted as build_plan predicts (its
+    choice's simulation + the tail): the picture ends at the title's figure."""
+    plan = _fixture(INTERLEAVED[0])
+    S, m, v = plan.num_stages, plan.num_microbatches, plan.virtual_stages
+    fwd = data.draw(st.lists(st.floats(0.01, 3.0), min_size=S, max_size=S))
+    bwd = data.draw(st.lists(_TIMES, min_size=S, max_size=S))
+    p2p = data.draw(st.lists(st.floats(0.0, 0.5), min_size=S - 1, max_size=S - 1))
+    tail = data.draw(st.floats(0.0, 1.0))
+    pred = simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v) + tail
+    stages = tuple(replace(p, forward_s=f, backward_s=b) for p, f, b in zip(plan.predicted.stages, fwd, bwd))
+    predicted = replace(plan.predicted, iteration_time_s=pred, stages=stages,
+                        breakdown={**plan.predicted.breakdown, "tail_s": tail})
+    _assert_bars_end_at_the_title(replace(plan, predicted=predicted, planner={**plan.planner, "p2p_s": p2p}))
+
+
+def test_a_plan_predicted_otherwise_gets_the_gap_to_its_bars():
+    """A hand-written or older plan whose prediction is not the simulation of its schedule: the note says by how
+    much the bars differ."""
+    plan = _fixture(INTERLEAVED[0])
+    drawn = max(b.end_s for b in schedule_blocks(plan)) + plan.predicted.breakdown["tail_s"]
+    older = replace(plan, predicted=replace(plan.predicted, iteration_time_s=drawn * 0.9))
+    note = next(it.text for it in timeline_items(older)[0] if isinstance(it, Text) and it.text.startswith("bars: "))
+    assert note.endswith(f"ends at {drawn:.3f} s · the plan's prediction {drawn * 0.9:.3f} s is not this simulation "
+                         f"({(drawn - drawn * 0.9) / (drawn * 0.9) * 100:+.1f} %)")
 
 
 @pytest.mark.parametrize("S, m, v", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (3, 9, 3), (2, 16, 8), (4, 4, 2)])

@@ -20,21 +20,24 @@ micro-batch visits the ranks v times, so the fill and drain shrink by v while th
 
     iteration = m x period + (fill - period) / v + tail          (v = 1: the formula above)
 
+That closed form is exact for equal stages without links only; an interleaved plan's prediction is the event
+simulation of the schedule the runtime runs (costmodel/interleaved_schedule.py), which the closed form does not
+bound either way (a slow first stage is never idle: less; links crossed v times: more).
+
 It costs activation memory: rank k of p starts with 2 (p - k - 1) + (v - 1) p warm-up chunk forwards (Megatron-core's
 ``get_num_warmup_microbatches`` for the interleaved schedule), each 1/v of the stage's activations, so the first
 rank holds about p (1 + 1/v) micro-batches' worth instead of p. Point-to-point sends grow v-fold; Megatron-core
 overlaps them with compute in this schedule (``overlap_p2p_comm``), so they are not added to the period.
-
-The interleaved schedule has no event simulation yet: its predictions are the closed form.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from tangram_launch.costmodel.blocks import Block
+from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.slice_plan import StageCost
 from tangram_launch.specs.constants import SCHEDULES  # noqa: F401 (re-exported)
 
@@ -73,30 +76,20 @@ def stage_memory_bytes(stage: StageCost, stages_after: int, num_stages: int, num
 
 
 def iteration_time_s(stages: Sequence[StageCost], num_microbatches: int, virtual_stages: int = 1) -> dict:
-    """One slice plan's iteration (no links between its stages beyond what the stages' times hold): the 1F1B
-    event simulation of its stage times plus the slowest stage's DP sync and optimizer step; the closed form for
-    the interleaved schedule."""
+    """One slice plan's iteration (no links between its stages beyond what the stages' times hold): the event
+    simulation of its stage times under 1F1B or interleaved 1F1B plus the slowest stage's DP sync and optimizer
+    step."""
     m = max(1, num_microbatches)
     bottleneck = max(s.time_s for s in stages)
-    fill = sum(s.time_s for s in stages)
     tail = max(s.dp_sync_s + s.optimizer_s for s in stages)
+    times = ([s.forward_s for s in stages], [s.backward_s for s in stages], [0.0] * (len(stages) - 1))
     if virtual_stages <= 1:
-        iteration = simulated_1f1b_s([s.forward_s for s in stages], [s.backward_s for s in stages],
-                                     [0.0] * (len(stages) - 1), m) + tail
+        iteration = simulated_1f1b_s(*times, m) + tail
     else:
-        iteration = pipeline_latency_s(m, bottleneck, fill, tail, virtual_stages)
+        iteration = simulated_interleaved_1f1b_s(*times, m, virtual_stages) + tail
     pipeline = iteration - tail
     return {"iteration_s": iteration, "pipeline_s": pipeline, "bubble_s": pipeline - m * bottleneck,
             "sync_s": tail, "bottleneck_s": bottleneck}
-
-
-@dataclass(frozen=True)
-class Block:
-    stage: int
-    kind: str  # "F" | "B"
-    micro: int
-    start_s: float
-    end_s: float
 
 
 def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int) -> list[Block]:

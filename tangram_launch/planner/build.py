@@ -253,21 +253,23 @@ class Candidates:
         if schedule == "1F1B":
             return ScheduleChoice(1, plain_s)
         choice = self.interleaved_choice(seq, metrics, schedule=schedule, capabilities=capabilities,
-                                         plain_latency_s=plain_s)
+                                         plain_latency_s=plain_s, floor_only=False)
         if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
             # insisted on, and this pipeline cannot interleave: build_plan would refuse it, so it wins nothing
             return ScheduleChoice(1, math.inf, choice.rejected)
         return choice
 
     def interleaved_choice(self, seq: Sequence[int], metrics: Metrics, *, schedule: str,
-                           capabilities: "RuntimeCapabilities", plain_latency_s: float = math.inf) -> ScheduleChoice:
-        """choose_virtual_stages for this sequence against a plain 1F1B of ``plain_latency_s``; by default none
-        (no simulation: the best interleaved schedule alone, virtual_stages 1 if there is none)."""
+                           capabilities: "RuntimeCapabilities", plain_latency_s: float = math.inf,
+                           floor_only: bool = True) -> ScheduleChoice:
+        """choose_virtual_stages for this sequence against a plain 1F1B of ``plain_latency_s``; by default none,
+        and a floor (no simulation: the interleaved schedules' floor alone, virtual_stages 1 if there is none)."""
         stages = [(st, self.islands[self.options[oi].island]) for oi in seq for st in self.slice_plan(oi).stages]
         return choose_virtual_stages(stages, num_microbatches=self.num_microbatches, period_s=metrics.period_s,
                                      fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
                                      capabilities=capabilities, training=self.training,
-                                     plain_latency_s=plain_latency_s)
+                                     plain_latency_s=plain_latency_s, p2p_s=self.stage_times(seq)[2],
+                                     floor_only=floor_only)
 
 
 def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
@@ -378,7 +380,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     assert metrics is not None
     # plain 1F1B as predicted: the event simulation of the stage times (the timeline draws the same run)
     plain_s = cand.simulated_s(comp.options, metrics)
-    v, interleave_notes = 1, ()
+    v, interleave_notes, t = 1, (), plain_s
     if schedule != "1F1B":
         from tangram_launch.capabilities import capabilities_for
         from tangram_launch.errors import InfeasibleError
@@ -386,11 +388,12 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
         choice = choose_virtual_stages(stage_costs, num_microbatches=m, period_s=metrics.period_s,
                                        fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
                                        capabilities=capabilities or capabilities_for(runtime), training=training,
-                                       plain_latency_s=plain_s)
+                                       plain_latency_s=plain_s, p2p_s=p2p)
         if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
             raise InfeasibleError("no interleaved 1F1B schedule for the best pipeline",
                                   list(choice.rejected) or ["no number of virtual stages fits"])
-        v, interleave_notes = choice.virtual_stages, choice.rejected
+        # an interleaved choice's latency: its event simulation + the tail (the timeline draws the same run)
+        v, interleave_notes, t = choice.virtual_stages, choice.rejected, choice.latency_s
     chunks = interleaved_chunks([st.layers[1] - st.layers[0] for st, _ in stage_costs], v) if v > 1 else None
     stages = []
     preds = []
@@ -411,7 +414,6 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     tokens = training.global_batch * training.seq_len
     flops = 3.0 * model.forward_flops_per_token(training.seq_len, causal=True) * tokens
     formula_s = pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v)
-    t = plain_s if v == 1 else formula_s  # no interleaved simulation yet: the closed form (costmodel/pipeline.py)
     prediction = Prediction(
         iteration_time_s=t, tokens_per_s=tokens / t, mfu=flops / (t * peak) if peak > 0 else 0.0,
         stages=tuple(preds),

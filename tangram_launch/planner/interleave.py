@@ -1,19 +1,25 @@
 """Interleaved 1F1B for a composed pipeline: how many model chunks per stage (virtual stages) to give it.
 
 The composer (compose.py) builds the pipeline under plain 1F1B; this step then costs the same stages with v = 2, 3,
-... chunks per stage (costmodel/pipeline.py: the fill and drain shrink by v, early stages hold more activations)
-and keeps the fastest v that the runtime runs, that every stage has the layers for (one layer per chunk at
-least) and whose memory fits under the plan's headroom. Under ``schedule="1F1B"`` nothing changes; under
-``"interleaved-1F1B"`` v >= 2 is required (an error with reasons when none fits); under ``"auto"`` v = 1 competes.
+... chunks per stage and keeps the fastest v that the runtime runs, that every stage has the layers for (one layer
+per chunk at least) and whose memory fits under the plan's headroom (costmodel/pipeline.py: early stages hold more
+activations). Under ``schedule="1F1B"`` nothing changes; under ``"interleaved-1F1B"`` v >= 2 is required (an error
+with reasons when none fits); under ``"auto"`` v = 1 competes.
+
+A v is costed by the event simulation of the schedule the runtime runs (costmodel/interleaved_schedule.py), the
+figure the Plan reports and the timeline draws. It is simulated only where its floor
+(``interleaved_floor_s``) beats the best found so far: the choice is the one simulating every v would make.
 
 Limitation: the composer itself does not know the interleaved bubble, so it may prefer shallower pipelines than an
 interleaving-aware search would; the choice here only improves the plan it found.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from tangram_launch.costmodel.interleaved_schedule import interleaved_floor_s, simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.pipeline import pipeline_latency_s, stage_memory_bytes
 from tangram_launch.costmodel.slice_plan import capacity_bytes
 
@@ -48,11 +54,14 @@ class ScheduleChoice:
 def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num_microbatches: int,
                           period_s: float, fill_s: float, tail_s: float, schedule: str,
                           capabilities: "RuntimeCapabilities", training: "TrainingSpec",
-                          plain_latency_s: float | None = None) -> ScheduleChoice:
-    """The best number of virtual stages for a composed pipeline (``stages`` front to back with their islands).
+                          plain_latency_s: float | None = None, p2p_s: Sequence[float] | None = None,
+                          floor_only: bool = False) -> ScheduleChoice:
+    """The best number of virtual stages for a composed pipeline (``stages`` front to back with their islands,
+    ``p2p_s`` the one-way link seconds at each boundary, default none).
 
     ``plain_latency_s``: the plain 1F1B prediction to beat (the Plan's: the event simulation); default the closed
-    form."""
+    form. A v's latency is its simulation + ``tail_s``; with ``floor_only``, a floor under it (no simulation), so
+    the choice's latency is a floor under the choice's."""
     if schedule not in PLANNER_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r} (known: {', '.join(PLANNER_SCHEDULES)})")
     m, S = num_microbatches, len(stages)
@@ -67,8 +76,8 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
         problems = ["a single pipeline stage has nothing to interleave"]
     if problems:  # under auto a runtime without the schedule is no news; when insisted on, say why
         return ScheduleChoice(1, plain.latency_s, tuple(problems) if schedule == "interleaved-1F1B" else ())
-    best: ScheduleChoice | None = None
     fewest_layers = min(st.layers[1] - st.layers[0] for st, _ in stages)
+    fitting = 1  # the most chunks per stage whose memory fits
     for v in range(2, most_virtual_stages(fewest_layers) + 1):
         over = [f"stage {k} needs {stage_memory_bytes(st, S - 1 - k, S, m, v) / 2**30:.1f} GiB with {v} virtual "
                 f"stages > {capacity_bytes(isl, training) / 2**30:.1f} GiB usable on {isl.name}"
@@ -77,9 +86,10 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
         if over:
             rejected.append(over[0])
             break  # memory only grows with v
-        t = pipeline_latency_s(m, period_s, fill_s, tail_s, v)
-        if best is None or t < best.latency_s:
-            best = ScheduleChoice(v, t)
+        fitting = v
+    best = fastest_virtual_stages([st.forward_s for st, _ in stages], [st.backward_s for st, _ in stages],
+                                  list(p2p_s) if p2p_s is not None else [0.0] * (S - 1), m, tail_s, fitting,
+                                  beat_s=plain.latency_s if schedule == "auto" else math.inf, floor_only=floor_only)
     if fewest_layers < 2:
         rejected.append(f"a stage with {fewest_layers} layer cannot be split into chunks")
     if best is None:
@@ -87,3 +97,24 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
     if schedule == "auto" and plain.latency_s <= best.latency_s:
         return plain
     return ScheduleChoice(best.virtual_stages, best.latency_s, tuple(rejected))
+
+
+def fastest_virtual_stages(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
+                           tail_s: float, most: int, *, beat_s: float = math.inf,
+                           floor_only: bool = False) -> ScheduleChoice | None:
+    """The v in 2 .. ``most`` whose interleaved simulation + ``tail_s`` is least (the smaller v on ties), if it
+    is less than ``beat_s``; None if none is. Each v is simulated only while its floor (interleaved_floor_s) is
+    less than both ``beat_s`` and the best v so far, else its simulation could not win: the answer is the one
+    simulating every v gives. With ``floor_only`` a v's floor stands for its simulation (none is run): the
+    answer's latency is then a floor under the real answer's, or under ``beat_s``."""
+    best: ScheduleChoice | None = None
+    for v in range(2, most + 1):
+        t = interleaved_floor_s(fwd_s, bwd_s, p2p_s, m, v) + tail_s
+        if t >= beat_s:
+            continue  # its simulation is no less: it cannot win
+        if not floor_only:
+            t = simulated_interleaved_1f1b_s(fwd_s, bwd_s, p2p_s, m, v) + tail_s
+            if t >= beat_s:
+                continue
+        best, beat_s = ScheduleChoice(v, t), t
+    return best

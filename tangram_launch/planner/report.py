@@ -59,10 +59,13 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
     lines += ["",
               f"iteration {pr.iteration_time_s:.3f} s   tokens/s {pr.tokens_per_s:,.0f}   MFU {pr.mfu * 100:.1f} % "
               f"(model FLOPs, causal attention, over {mfu_peak or f'the peak of the {device_noun(cpu=cpu)} used'})"]
-    if bd and "pipeline_s" in bd and plan.virtual_stages == 1:
-        lines.append(f"  = simulated 1F1B pipeline {bd['pipeline_s']:.3f} s (period {bd.get('period_s', 0):.3f} s, "
-                     f"inter-island p2p {bd.get('p2p_s', 0):.3f} s per micro-batch) + DP sync/optimizer "
-                     f"{bd.get('tail_s', 0):.3f} s; the composer's closed-form bound: {bd['formula_s']:.3f} s")
+    if bd and "pipeline_s" in bd:
+        v = plan.virtual_stages
+        schedule = f"interleaved 1F1B ({v} chunks per stage)" if v > 1 else "1F1B"
+        closed = "the closed form m x period + (fill - period) / v" if v > 1 else "the composer's closed-form bound"
+        lines.append(f"  = simulated {schedule} pipeline {bd['pipeline_s']:.3f} s (period {bd.get('period_s', 0):.3f} "
+                     f"s, inter-island p2p {bd.get('p2p_s', 0):.3f} s per micro-batch) + DP sync/optimizer "
+                     f"{bd.get('tail_s', 0):.3f} s; {closed}: {bd['formula_s']:.3f} s")
     elif bd:
         lines.append(f"  = (m-1) x period {bd.get('steady_s', 0):.3f} s + fill/drain {bd.get('fill_s', 0):.3f} s "
                      f"(incl. inter-island p2p {bd.get('p2p_s', 0):.3f} s) "
