@@ -126,3 +126,35 @@ def test_interleaving_needs_the_micro_batches_to_be_a_multiple_of_the_stages(run
     assert caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=6)
     assert caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=2)
     assert not caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=8)
+
+
+@given(st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10), st.floats(0, 3)), min_size=2, max_size=6),
+       st.integers(1, 24), st.sampled_from(["auto", "interleaved-1F1B"]), st.floats(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_the_schedule_the_plan_reports_lies_above_the_compute_chain(stages, m, schedule, tail_s):
+    """chain_score_floor_s under the schedule build_plan reports (interleave.choose_virtual_stages, given the plain
+    1F1B simulation as the plain prediction), whatever it counts the interleaved pipeline as: the same claim as
+    above, through the function that chooses."""
+    from tangram_launch.capabilities import StageShape
+    from tangram_launch.islands import build_islands
+    from tangram_launch.parallelizers.base import StageCost
+    from tangram_launch.planner.interleave import choose_virtual_stages
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+    cluster = ClusterSpec.from_dict({"name": "one", "network": {"default": {"bandwidth_GBps": 50, "latency_us": 2}},
+                                     "nodes": [{"name": "n0", "gpu": "a100-80gb", "count": 8}]})
+    island = build_islands(cluster, dtype="bf16").islands[0]
+    fwd = [f for f, _b, _p in stages]
+    bwd = [b for _f, b, _p in stages]
+    p2p = [p for _f, _b, p in stages[:-1]]
+    times = [f + b for f, b in zip(fwd, bwd)]
+    costs = [(StageCost(layers=(8 * k, 8 * k + 8), shape=StageShape(), micro_batch_size=1, forward_s=f,
+                        backward_s=b, static_bytes=0.0, activation_bytes=0.0), island)
+             for k, (f, b) in enumerate(zip(fwd, bwd))]
+    choice = choose_virtual_stages(costs, num_microbatches=m, period_s=max(times + p2p),
+                                   fill_s=sum(times) + 2.0 * sum(p2p), tail_s=tail_s, schedule=schedule,
+                                   capabilities=capabilities_for("megatron"),
+                                   training=TrainingSpec(global_batch=m, seq_len=128, dtype="bf16"),
+                                   plain_latency_s=simulated_1f1b_s(fwd, bwd, p2p, m) + tail_s)
+    assert chain_score_floor_s(m * max(times), sum(times)) <= choice.latency_s * (1 + 1e-12)

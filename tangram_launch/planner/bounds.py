@@ -50,7 +50,8 @@ compute chain: chain_score_floor_s: a score floor, or the layers' least forward 
     safe:   micro-batch 0 runs every layer's forward and backward in turn (plain 1F1B); an interleaved pipeline
             has m >= S stages (m a multiple of S), so m x its period covers every stage's time
     test:   test_planner_bounds.py::test_one_micro_batch_chain_is_under_every_schedules_score,
-            ::test_interleaving_needs_the_micro_batches_to_be_a_multiple_of_the_stages;
+            ::test_interleaving_needs_the_micro_batches_to_be_a_multiple_of_the_stages,
+            ::test_the_schedule_the_plan_reports_lies_above_the_compute_chain;
             test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size
 
 pair floors: pair_floors.PairFloors.floor / beyond
