@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.planner.bounds import (beyond, beyond_array, beyond_floors, latency_floor_of, lower_bound,
-                                           score_floor_of, slack_cut)
+from tangram_launch.capabilities import capabilities_for
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s
+from tangram_launch.planner.bounds import (beyond, beyond_array, beyond_floors, chain_score_floor_s, latency_floor_of,
+                                           lower_bound, score_floor_of, slack_cut)
 from tangram_launch.planner.compose import Option
 from tangram_launch.planner.reference import every_composition
 
@@ -93,3 +95,66 @@ def test_a_floor_that_ties_a_bound_up_to_rounding_is_not_beyond_it():
     assert not beyond(1.0 + 1e-12, 1.0 + 1e-12, slack_cut(1.0), slack_cut(1.0))
     assert beyond(1.0 + 1e-6, 1.0 + 1e-6, slack_cut(1.0), slack_cut(1.0))
     assert not beyond(1.0 + 1e-6, 0.5, slack_cut(1.0), slack_cut(1.0))  # the score can still beat its bound
+
+
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 10), st.floats(0, 3)), min_size=1, max_size=8),
+       st.integers(1, 24), st.integers(2, 8), st.floats(0, 5))
+@settings(max_examples=300, deadline=None)
+def test_one_micro_batch_chain_is_under_every_schedules_score(stages, m, v, tail_s):
+    """chain_score_floor_s(m x the slowest stage, the stages' forward + backward seconds) lies under the plain 1F1B
+    simulation and, where the runtime may interleave (m a multiple of the stages), under the interleaved
+    prediction: what lets a micro-batch size with few micro-batches be skipped by its compute alone."""
+    fwd = [f for f, _b, _p in stages]
+    bwd = [b for _f, b, _p in stages]
+    p2p = [p for _f, _b, p in stages[:-1]]
+    times = [f + b for f, b in zip(fwd, bwd)]
+    floor = chain_score_floor_s(m * max(times), sum(times))
+    assert floor <= (simulated_1f1b_s(fwd, bwd, p2p, m) + tail_s) * (1 + 1e-12)
+    S = len(stages)
+    if S > 1 and m % S == 0:
+        period = max(times + p2p)
+        fill = sum(times) + 2.0 * sum(p2p)
+        assert floor <= pipeline_latency_s(m, period, fill, tail_s, v) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("runtime", ["torch", "megatron"])
+def test_interleaving_needs_the_micro_batches_to_be_a_multiple_of_the_stages(runtime):
+    """What chain_score_floor_s's interleaved case rests on (m >= S): each runtime that interleaves refuses it
+    otherwise."""
+    caps = capabilities_for(runtime)
+    assert "interleaved-1F1B" in caps.schedules
+    assert caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=6)
+    assert caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=2)
+    assert not caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=8)
+
+
+@given(st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10), st.floats(0, 3)), min_size=2, max_size=6),
+       st.integers(1, 24), st.sampled_from(["auto", "interleaved-1F1B"]), st.floats(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_the_schedule_the_plan_reports_lies_above_the_compute_chain(stages, m, schedule, tail_s):
+    """chain_score_floor_s under the schedule build_plan reports (interleave.choose_virtual_stages, given the plain
+    1F1B simulation as the plain prediction), whatever it counts the interleaved pipeline as: the same claim as
+    above, through the function that chooses."""
+    from tangram_launch.capabilities import StageShape
+    from tangram_launch.islands import build_islands
+    from tangram_launch.parallelizers.base import StageCost
+    from tangram_launch.planner.interleave import choose_virtual_stages
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+    cluster = ClusterSpec.from_dict({"name": "one", "network": {"default": {"bandwidth_GBps": 50, "latency_us": 2}},
+                                     "nodes": [{"name": "n0", "gpu": "a100-80gb", "count": 8}]})
+    island = build_islands(cluster, dtype="bf16").islands[0]
+    fwd = [f for f, _b, _p in stages]
+    bwd = [b for _f, b, _p in stages]
+    p2p = [p for _f, _b, p in stages[:-1]]
+    times = [f + b for f, b in zip(fwd, bwd)]
+    costs = [(StageCost(layers=(8 * k, 8 * k + 8), shape=StageShape(), micro_batch_size=1, forward_s=f,
+                        backward_s=b, static_bytes=0.0, activation_bytes=0.0), island)
+             for k, (f, b) in enumerate(zip(fwd, bwd))]
+    choice = choose_virtual_stages(costs, num_microbatches=m, period_s=max(times + p2p),
+                                   fill_s=sum(times) + 2.0 * sum(p2p), tail_s=tail_s, schedule=schedule,
+                                   capabilities=capabilities_for("megatron"),
+                                   training=TrainingSpec(global_batch=m, seq_len=128, dtype="bf16"),
+                                   plain_latency_s=simulated_1f1b_s(fwd, bwd, p2p, m) + tail_s)
+    assert chain_score_floor_s(m * max(times), sum(times)) <= choice.latency_s * (1 + 1e-12)

@@ -524,7 +524,9 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     at least the sum of the layers' floors:
 
         closed form >= (m - 1) x sum(GPU-seconds floors) / capacity + sum(seconds floors)
-        predicted iteration >= m x sum(GPU-seconds floors) / capacity
+        predicted iteration >= max(m x sum(GPU-seconds floors) / capacity, sum(seconds floors))
+
+    (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through)
     """
     L = model.num_layers
     none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0, links=links)
@@ -561,7 +563,8 @@ def _size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands
     pairs = (PairFloors(kinds, per_island, gpus, m, links)
              if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
     cap = capacity(kinds, per_island, gpus)  # <= their GPUs
-    return SizeFloor((m - 1) * gpu_s / cap + fill_s, m * gpu_s / cap, prefix, best["embedding"][1],
+    return SizeFloor((m - 1) * gpu_s / cap + fill_s, bounds.chain_score_floor_s(m * gpu_s / cap, fill_s), prefix,
+                     best["embedding"][1],
                      best["head"][1], pairs, links)
 
 

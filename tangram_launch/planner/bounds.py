@@ -45,6 +45,15 @@ size floor: api.SizeFloor: closed form and score of any plan at one micro-batch 
     safe:   least compute per layer over every grid and island, spread over all GPUs
     test:   test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size
 
+compute chain: chain_score_floor_s: a score floor, or the layers' least forward + backward seconds if larger
+    prunes: api.SizeFloor.score_s, pair_floors.PairFloors.floor (sizes with few micro-batches)
+    safe:   micro-batch 0 runs every layer's forward and backward in turn (plain 1F1B); an interleaved pipeline
+            has m >= S stages (m a multiple of S), so m x its period covers every stage's time
+    test:   test_planner_bounds.py::test_one_micro_batch_chain_is_under_every_schedules_score,
+            ::test_interleaving_needs_the_micro_batches_to_be_a_multiple_of_the_stages,
+            ::test_the_schedule_the_plan_reports_lies_above_the_compute_chain;
+            test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size
+
 pair floors: pair_floors.PairFloors.floor / beyond
     prunes: api (queries skipped)
     safe:   the pair's GPU-seconds on its island, the rest's on the others' capacity; links at its ends
@@ -141,8 +150,8 @@ from tangram_launch.costmodel.slice_bounds import (BOUND_SLACK, beyond, beyond_a
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.planner.compose import Option
 
-__all__ = ["BOUND_SLACK", "Covers", "PrefixBounds", "PrefixCovers", "beyond", "beyond_array", "beyond_floors", "covers",
-           "covers_of",
+__all__ = ["BOUND_SLACK", "Covers", "PrefixBounds", "PrefixCovers", "beyond", "beyond_array", "beyond_floors",
+           "chain_score_floor_s", "covers", "covers_of",
            "cycles_s", "front_link_s", "latency_floor_of", "least_links", "lower_bound", "pair_minima",
            "plain_1f1b_floor_s", "round_trips_s", "row_minima", "score_floor_of", "score_floor_terms", "slack_cut"]
 
@@ -160,6 +169,16 @@ def plain_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Se
         if k + 1 < len(seq):
             front += o.time_s + 2.0 * link_s[o.island][options[seq[k + 1]].island]
     return best + tail_s
+
+
+def chain_score_floor_s(score_floor_s: float, compute_fill_s: float) -> float:
+    """A score floor raised to the floor under the sum of a pipeline's stages' forward + backward seconds (links
+    left out), which lies under any pipeline's predicted iteration: plain 1F1B runs micro-batch 0's forwards and
+    backwards through every stage one after another; interleaved 1F1B needs the m micro-batches to be a multiple
+    of the S stages (RuntimeCapabilities.schedule_problems), so its prediction m x period + (fill - period) / v is
+    at least S x period, at least the stages' seconds. With many micro-batches m x the period dominates and this
+    adds nothing; with few, the compute of one micro-batch's way is the larger."""
+    return score_floor_s if score_floor_s > compute_fill_s else compute_fill_s
 
 
 def round_trips_s(link_s: float, behind: int, num_microbatches: int) -> float:

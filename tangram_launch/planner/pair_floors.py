@@ -31,7 +31,7 @@ import itertools
 import math
 from typing import Mapping, Sequence
 
-from tangram_launch.planner.bounds import beyond, slack_cut
+from tangram_launch.planner.bounds import beyond, chain_score_floor_s, slack_cut
 from tangram_launch.planner.interleave import most_virtual_stages
 
 
@@ -119,6 +119,8 @@ class PairFloors:
             rest_period = rg / self.rest_capacity[island]
             period = max(period, rest_period)
             t += rt
+        compute_s = t  # every layer's least forward + backward seconds, links left out (chain_score_floor_s)
+        if (start, stop) != (0, self.L):
             front = self.front_s(island, start)  # layers [0, start) and the embedding, in front of it
             # the links at its ends (compose: a boundary's link bounds the period and adds twice itself to the fill;
             # the one in front delays the first micro-batch's arrival as much)
@@ -131,13 +133,14 @@ class PairFloors:
         # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
         # (bounds.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v at most
         # interleave.most_virtual_stages of the slice's layers (none below 2: no interleaving; the fill is at least
-        # the period); the closed form is above both
+        # the period); the closed form is above both. Either is at least micro-batch 0's way through every layer's
+        # compute (bounds.chain_score_floor_s)
         plain = max(m * own_period + front, m * rest_period)
         v = most_virtual_stages(stop - start)
-        if v < 2:
-            return (m - 1) * period + t, plain
-        inter = m * period + max(0.0, t - period) / v
-        return (m - 1) * period + t, plain if plain < inter else inter
+        if v >= 2:
+            inter = m * period + max(0.0, t - period) / v
+            plain = plain if plain < inter else inter
+        return (m - 1) * period + t, chain_score_floor_s(plain, compute_s)
 
     def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:
         """Whether no pipeline holding the pair can beat either bound."""
