@@ -2,6 +2,8 @@
 (costmodel/communication.py) and FSDP2's memory under pipelining (costmodel/breakdown.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -9,6 +11,7 @@ from hypothesis import strategies as hs
 from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel.breakdown import ParallelConfig
 from tangram_launch.costmodel.efficiency import GBPS, NET_EFFICIENCY
+from tangram_launch.specs.cluster import LinkSpec
 from tangram_launch.specs.model import load_model
 from test_costmodel import coster, gpt, island
 
@@ -114,9 +117,8 @@ def opt350m_dp128(dtype, dp=128):
     """The issue's case: OPT-350M, global batch 1024 x 2048 tokens, ZeRO-3 over 4-GPU A100-40GB nodes on one
     6 GB/s, 50 us network, one micro-batch per step."""
     model = load_model("opt-350m")
-    cost = coster(model, island("a100-40gb", nodes=dp // 4, per_node=4, net_gbps=6.0), b=1024, gb=1024, seq=2048,
-                  dtype=dtype)
-    cost.inter_latency_us = 50.0
+    isl = dataclasses.replace(island("a100-40gb", nodes=dp // 4, per_node=4), inter_node_link=LinkSpec(6.0, 50.0))
+    cost = coster(model, isl, b=1024, gb=1024, seq=2048, dtype=dtype)
     cfg = ParallelConfig(dp=dp, zero_stage=3)
     return cost, cfg, cost.plan(cfg).stages[0]
 
@@ -188,3 +190,24 @@ def test_fsdp_under_pipelining_holds_whole_parameters_and_gradients():
                                            params * tr.optimizer_state_bytes / 16))
     assert states[2] == pytest.approx(states[1])
     assert states[3][:3] == pytest.approx(states[1][:3]) and states[3][3] >= states[1][3]
+
+
+@pytest.mark.parametrize("span, pps", [((1, 3), (1, 2)), ((0, 8), (1, 2, 4))])
+def test_stage_memory_floor_stays_under_a_pipelined_fsdp_stage(span, pps):
+    """slice_floors.stage_need_parts is a floor the planner prunes by: a pipelined ZeRO-2/3 stage of one or two
+    layers on dp 2 holds ZeRO-1's states and no gathered working set, which may be less than ZeRO-3's sharded states
+    plus its working set; the floor must stay under either."""
+    from tangram_launch.costmodel.slice_floors import stage_need_parts
+    from tangram_launch.specs.constants import RECOMPUTE_MODES
+
+    model = gpt("g", 2048, 16, 8, vocab=1024)
+    cost = coster(model, island("a100-80gb"), b=2, gb=8, layers=span)
+    savers = [(z, RECOMPUTE_MODES.index("none"), False) for z in (0, 1, 2, 3)]
+    rows, _, _ = stage_need_parts(cost, 1, 1, 1, 2, savers, "dense")
+    for pp in pps:
+        for (zero, _r, _off), (state, act, working, _per_param) in zip(savers, rows):
+            plan = cost.plan(ParallelConfig(dp=2, pp=pp, zero_stage=zero))
+            for stage in plan.stages:
+                n = stage.layers[1] - stage.layers[0]
+                held = stage.static_bytes - stage.breakdown["overhead_bytes"]  # the floor leaves the overhead out
+                assert n * (state + act) + working <= held + stage.activation_bytes, (zero, pp, stage.layers)

@@ -49,6 +49,7 @@ from tangram_launch.costmodel.memory import (
     ModelStateBytes,
     embedding_activation_bytes,
     head_activation_bytes,
+    held_under_pipelining,
     layer_activation_bytes,
     layer_param_split,
     model_state_bytes,
@@ -623,7 +624,7 @@ class SliceCoster:
         kept_gb = gb + pb if self.keeps_param_dtype_grads else gb  # gradient bytes held per parameter
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
         # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward
-        held = zero >= 2 and not off and not (st.has_embedding and st.has_head)
+        held = held_under_pipelining(zero, off) and not (st.has_embedding and st.has_head)
         mem_zero = 1 if held else zero
         dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=mem_zero, offload=off, param_bytes=pb,
                                   grad_bytes=kept_gb, optimizer_bytes=ob)
