@@ -36,6 +36,8 @@ def test_zero3_time_per_gpu_falls_as_dp_grows_over_a_slow_network_with_a_small_b
         c = coster(model, island("a100-80gb", nodes=nodes, net_gbps=25.0), b=dp, gb=dp, seq=2048)
         st = c.plan(ParallelConfig(tp=1, pp=1, dp=dp, zero_stage=3)).stages[0]
         times[nodes] = (st.forward_s + st.backward_s, st.breakdown["zero_comm_exposed_s"])
-    assert times[1][1] < 0.05 * times[1][0]  # NVLink: only the first layer's collectives show
+    # NVLink: only the first unit's gather and the last reduce-scatters show (the root unit, embedding and output
+    # layer, is 1.05 B of the model's 8 B parameters)
+    assert times[1][1] < 0.06 * times[1][0]
     assert times[8][0] > 1.5 * times[1][0]  # across nodes the gathers no longer hide
     assert times[8][1] > 0.3 * times[8][0]

@@ -197,7 +197,8 @@ def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: 
     add("-- time per micro-batch (ms)", ["" for _ in st])
     for key, label in (("compute_forward_s", "compute forward"), ("compute_backward_s", "compute backward"),
                        ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"), ("cp_comm_s", "CP comm (exposed)"),
-                       ("ep_comm_s", "EP all-to-all"), ("zero_comm_exposed_s", "ZeRO comm (exposed)"),
+                       ("ep_comm_s", "EP all-to-all"), ("zero_comm_s", "ZeRO comm (transfers)"),
+                       ("zero_comm_exposed_s", "ZeRO comm (exposed)"),
                        ("p2p_s", "pipeline p2p")):
         add("  " + label, [ms(s.breakdown.get(key, 0.0)) for s in st])
     add("  forward", [ms(s.forward_s) for s in st])

@@ -12,8 +12,14 @@ Per stage and micro-batch (forward_s / backward_s include what runs on the criti
     backward = compute_bwd + recompute + exposed ZeRO-2/3 reduce-scatters (+ ZeRO-3 all-gathers) + TP + exposed CP + EP
                (+ the forward's TP/CP/EP again under full recompute) + p2p send of the input gradient
 
-ZeRO-2/3 traffic overlaps the computation of the same micro-batch layer by layer (DeepSpeed ``overlap_comm``, FSDP
-prefetch): a layer's collective hides under a layer's compute only when it is shorter (``zero_exposed_s``); TP
+ZeRO-2/3 traffic overlaps the computation of the same micro-batch unit by unit (DeepSpeed ``overlap_comm``, FSDP
+prefetch): a unit's collective hides only under the compute of the unit before it (``zero_exposed_s``,
+costmodel/overlap.py). Under pipelining (a stage that does not hold the whole model) FSDP2 runs as
+torch.distributed.pipelining drives it: each micro-batch's backward leaves the parameters gathered and the gradients
+unsharded (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``), and one reduce-scatter per
+iteration follows the last backward; so the stage holds its whole parameters and gradients (ZeRO-1's memory), ZeRO-3
+re-gathers only for each backward (its forward resharded them), and the gradient reduce-scatter and the parameter
+gather are per-iteration terms, as ZeRO-1's. TP
 communication is on the critical path (Megatron's default); ring attention overlaps K/V exchange with the attention
 core (Liu et al. 2023, "Ring attention"). Per iteration: the data-parallel gradient synchronisation (ZeRO 0/1:
 all-reduce or reduce-scatter + all-gather, not overlapped) and the optimizer step (memory-bound on the GPU; PCIe
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from tangram_launch.costmodel import communication as comm
+from tangram_launch.costmodel import overlap
 from tangram_launch.costmodel.compute import (
     edge_param_tensors,
     embedding_compute,
@@ -42,6 +49,7 @@ from tangram_launch.costmodel.memory import (
     ModelStateBytes,
     embedding_activation_bytes,
     head_activation_bytes,
+    held_under_pipelining,
     layer_activation_bytes,
     layer_param_split,
     model_state_bytes,
@@ -70,26 +78,44 @@ class ZeroPart(NamedTuple):
     layer_bwd_s: float = 0.0  # one layer's backward all-gather + reduce-scatter
     num_layers: int = 1  # layers of the stage, each with its own collectives
     offload_pcie_bytes: float = 0.0  # per iteration with offload: gradients down + updated parameters up
+    layer_rs_s: float = 0.0  # of layer_bwd_s, the reduce-scatter
+    root_gather_s: float = 0.0  # the embedding, gathered first in the forward
+    root_rs_s: float = 0.0  # ... and reduce-scattered last in the backward
+    head_gather_s: float = 0.0  # the output layer, gathered while the last layer computes
+    head_rs_s: float = 0.0  # ... and reduce-scattered while the last layer's backward runs
 
 
-def zero_exposed_s(zp: ZeroPart, fwd_compute_s: float, bwd_compute_s: float) -> tuple[float, float]:
-    """ZeRO/FSDP communication left on the critical path of one micro-batch, (forward, backward).
+class EdgeCompute(NamedTuple):
+    """A stage's compute outside its layers, where ZeRO-3 collectives can hide too (0.0 where the stage has none)."""
 
-    FSDP and ZeRO-3 gather layer i+1's parameters while layer i computes (prefetch) and reduce-scatter layer i's
-    gradients while layer i-1's backward runs: per layer, the collective hides under the compute only when it is
-    shorter; the excess is exposed. The first layer's gather of each pass has nothing to hide under, nor has the
-    last reduce-scatter of the backward: one layer's collective is always exposed per pass::
+    emb_fwd_s: float = 0.0
+    emb_bwd_s: float = 0.0
+    head_fwd_s: float = 0.0
+    head_bwd_s: float = 0.0
 
-        exposed = g + (n - 1) x max(0, g - c)        g, c: one layer's collective and compute time, n layers
-    """
+
+NO_EDGES = EdgeCompute()
+
+
+def zero_exposed_s(zp: ZeroPart, fwd_compute_s: float, bwd_compute_s: float,
+                   edges: EdgeCompute = NO_EDGES) -> tuple[float, float]:
+    """ZeRO/FSDP communication left on the critical path of one micro-batch, (forward, backward): a unit's gather
+    hides only under the previous unit's compute, the first gather and the last reduce-scatter never hide
+    (costmodel/overlap.py). ``fwd_compute_s``/``bwd_compute_s``: the stage's compute per pass, ``edges``' part of it
+    included."""
     n = max(1, zp.num_layers)
     fwd = bwd = 0.0
     if zp.layer_fwd_s > 0.0:
-        c = fwd_compute_s / n
-        fwd = zp.layer_fwd_s + (n - 1) * max(0.0, zp.layer_fwd_s - c)
+        fwd = overlap.forward_exposed_s(
+            root_gather_s=zp.root_gather_s, layer_gather_s=zp.layer_fwd_s, lead_compute_s=edges.emb_fwd_s,
+            head_gather_s=zp.head_gather_s,
+            layer_compute_s=(fwd_compute_s - edges.emb_fwd_s - edges.head_fwd_s) / n, num_layers=n)
     if zp.layer_bwd_s > 0.0:
-        c = bwd_compute_s / n
-        bwd = zp.layer_bwd_s + (n - 1) * max(0.0, zp.layer_bwd_s - c)
+        bwd = overlap.backward_exposed_s(
+            layer_gather_s=zp.layer_bwd_s - zp.layer_rs_s, layer_rs_s=zp.layer_rs_s, root_rs_s=zp.root_rs_s,
+            head_rs_s=zp.head_rs_s,
+            layer_compute_s=(bwd_compute_s - edges.emb_bwd_s - edges.head_bwd_s) / n,
+            head_compute_s=edges.head_bwd_s, tail_compute_s=edges.emb_bwd_s, num_layers=n)
     return fwd, bwd
 
 
@@ -158,6 +184,9 @@ class StageSums:
     expert_params: float = 0.0
     max_layer_params: float = 0.0  # ZeRO-3 gathers one layer at a time (+ a prefetched one)
     max_edge_params: float = 0.0  # ... and the embedding / output layer whole, each as one unit
+    edge_params: float = 0.0  # of dense_params, those outside the layers (the embedding's and output layer's)
+    head_params: float = 0.0  # ... of which the output layer's (and a tied copy of its weights)
+    edge_compute: EdgeCompute = NO_EDGES  # of fwd_s / bwd_s, the embedding's and the output layer's
     param_tensors: float = 0.0  # parameter tensors per GPU (layers, embedding, head, a tied output copy)
     p2p_fwd_s: float = 0.0  # send activations to the next stage of this slice
     p2p_bwd_s: float = 0.0  # send input gradients to the previous stage of this slice
@@ -480,6 +509,7 @@ class SliceCoster:
                 st.tp_fwd_s += edges["emb_tp_s"]
                 emb_act = edges["emb_act"]
                 st.dense_params += model.embedding_params() / tp
+                st.edge_params += model.embedding_params() / tp
                 # ZeRO-3 / FSDP gather the embedding's weight whole, like a layer's (with a 128k vocabulary and a
                 # 4k hidden size it is 2.4 layers of Llama 3 8B)
                 st.max_edge_params = max(st.max_edge_params, model.embedding_params() / tp)
@@ -491,6 +521,8 @@ class SliceCoster:
                 st.tp_bwd_s += edges["head_tp_s"]
                 head_act = edges["head_act"]
                 st.dense_params += model.head_params() / tp
+                st.edge_params += model.head_params() / tp
+                st.head_params += model.head_params() / tp
                 st.max_edge_params = max(st.max_edge_params, model.head_params() / tp)
                 if model.tied_embeddings and not has_emb:
                     # the last stage keeps its own copy of the tied output weights (Megatron's embedding group);
@@ -498,6 +530,8 @@ class SliceCoster:
                     # between stage 0 and this one inside the slice, else (first stage elsewhere) the network
                     out_w = model.output_embedding_params() / tp
                     st.dense_params += out_w
+                    st.edge_params += out_w
+                    st.head_params += out_w
                     st.max_edge_params = max(st.max_edge_params, out_w)
                     if self.has_embedding:  # stage 0 of this slice, j * stage_gpus ranks away
                         link = self._link(j * stage_gpus, 2, stage_gpus)
@@ -507,6 +541,11 @@ class SliceCoster:
                         link = self._link(1, 2, stage_gpus)
                     st.tied_sync_s = comm.collective_s(comm.ALL_REDUCE, out_w * self.training.grad_bytes, 2, link)
             st.param_tensors += edge_param_tensors(model, has_embedding=has_emb, has_head=has_head)
+            if has_emb or has_head:
+                st.edge_compute = EdgeCompute(edges["emb_fwd_s"] if has_emb else 0.0,
+                                              edges["emb_bwd_s"] if has_emb else 0.0,
+                                              edges["head_fwd_s"] if has_head else 0.0,
+                                              edges["head_bwd_s"] if has_head else 0.0)
             st.recompute_s = tuple(rec)
             st.recompute_flops = tuple(rec_f)
             st.act_bytes = tuple(x + emb_act + head_act for x in acts)
@@ -583,29 +622,38 @@ class SliceCoster:
         pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes
         shard, eshard = st.shard, st.eshard
         kept_gb = gb + pb if self.keeps_param_dtype_grads else gb  # gradient bytes held per parameter
-        dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=zero, offload=off, param_bytes=pb,
+        # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
+        # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward
+        held = held_under_pipelining(zero, off) and not (st.has_embedding and st.has_head)
+        mem_zero = 1 if held else zero
+        dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=mem_zero, offload=off, param_bytes=pb,
                                   grad_bytes=kept_gb, optimizer_bytes=ob)
-        expert = model_state_bytes(st.expert_params, shard=eshard, zero_stage=zero, offload=off, param_bytes=pb,
-                                   grad_bytes=kept_gb, optimizer_bytes=ob)
+        expert = model_state_bytes(st.expert_params, shard=eshard, zero_stage=mem_zero, offload=off,
+                                   param_bytes=pb, grad_bytes=kept_gb, optimizer_bytes=ob)
         c = st.collectives or self._collectives(st)
-        # per micro-batch ZeRO-2/3 traffic, layer by layer, overlapped with the same pass's compute (zero_exposed_s)
+        # per micro-batch ZeRO-2/3 traffic, unit by unit, overlapped with the same pass's compute (zero_exposed_s)
         z_fwd = z_bwd = 0.0
         n_layers = max(1, st.layers[1] - st.layers[0])
-        l_fwd = l_bwd = 0.0
-        if zero >= 2:
+        l_fwd = l_rs = l_gather = root_ag = root_rs = head_ag = head_rs = 0.0
+        if zero >= 2 and not held:
             z_bwd += c["rs_grads"]
-            l_bwd += c["rs_layer"]
+            l_rs, root_rs, head_rs = c["rs_layer"], c["rs_root"], c["rs_head"]
         if zero >= 3:
-            gather, l_gather = c["ag_params"], c["ag_layer"]
+            gather, l_gather, root_ag, head_ag = c["ag_params"], c["ag_layer"], c["ag_root"], c["ag_head"]
             if off:  # ZeRO-Infinity: parameters come from host memory first
                 host = (st.dense_params / shard + st.expert_params / eshard) * pb / dev.host_link_bandwidth
                 gather += host
-                l_gather += host / n_layers
-            z_fwd += gather
-            z_bwd += gather
-            l_fwd += l_gather
-            l_bwd += l_gather
-        # per iteration: gradient synchronisation (ZeRO 0/1; ZeRO-2 re-gathers parameters) and optimizer step
+                l_gather += host * (1.0 - st.edge_params / max(st.dense_params, 1.0)) / n_layers
+                root_ag += host * (st.edge_params - st.head_params) / max(st.dense_params, 1.0)
+                head_ag += host * st.head_params / max(st.dense_params, 1.0)
+            z_bwd += gather - root_ag - head_ag  # the backward finds the edges gathered (kept from the forward)
+            if held:  # the forward finds the parameters the previous backward left gathered
+                root_ag = head_ag = 0.0
+            else:
+                z_fwd += gather
+                l_fwd = l_gather
+        # per iteration: gradient synchronisation (ZeRO 0/1, pipelined FSDP2; ZeRO-2 re-gathers parameters) and
+        # optimizer step
         sync = st.tied_sync_s
         # the runtime's per-step loss report (runtime_adapters/torch_native.py): an all-reduce over the last stage's
         # replicas and a broadcast to every rank, each right after the optimizer step: a measured wait per call
@@ -614,7 +662,7 @@ class SliceCoster:
             sync += ((shard > 1) + (shard > 1 or not st.has_embedding)) * st.dp_link.wait_s
         if zero == 0:
             sync += c["ar_grads"]
-        elif zero == 1:
+        elif zero == 1 or held:
             sync += c["rs_grads"] + c["ag_params"]
         elif zero == 2:
             sync += c["ag_params"]
@@ -629,11 +677,13 @@ class SliceCoster:
             opt_s = max(opt_s, local * dev.optimizer_param_s)  # or the runtime's measured cost per parameter
         # plus a measured fixed cost per tensor where the device has one (torch AdamW without foreach, per tensor)
         opt_s += st.param_tensors * dev.optimizer_tensor_s
-        working = st.max_layer_params * (2 * pb + gb) if zero >= 3 else 0.0  # gathered + prefetched layer, grads
-        if zero >= 3 and st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
-            working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
-        out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd, l_bwd,
-                       n_layers, pcie)
+        working = 0.0
+        if zero >= 3 and not held:
+            working = st.max_layer_params * (2 * pb + gb)  # gathered + prefetched layer, grads
+            if st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
+                working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
+        out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd,
+                       l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs)
         st.zero_parts[key] = out
         return out
 
@@ -646,10 +696,15 @@ class SliceCoster:
                                  ("ag_params", comm.ALL_GATHER, pb)):
             out[name] = (comm.collective_s(op, st.dense_params * nbytes, st.shard, st.dp_link)
                          + comm.collective_s(op, st.expert_params * nbytes, st.eshard, st.edp_link))
-        # ZeRO-3/FSDP: one collective per layer (its share of the stage's parameters, its own ring latency)
-        for name, op, nbytes in (("rs_layer", comm.REDUCE_SCATTER, gb), ("ag_layer", comm.ALL_GATHER, pb)):
-            out[name] = (comm.collective_s(op, st.dense_params * nbytes / n, st.shard, st.dp_link)
-                         + comm.collective_s(op, st.expert_params * nbytes / n, st.eshard, st.edp_link))
+        # ZeRO-3/FSDP: one collective per layer (its share of the layers' parameters, its own ring latency) and one
+        # each for the embedding ("root") and the output layer ("head")
+        layer_dense = st.dense_params - st.edge_params
+        for name, op, nbytes in (("rs", comm.REDUCE_SCATTER, gb), ("ag", comm.ALL_GATHER, pb)):
+            out[name + "_layer"] = (comm.collective_s(op, layer_dense * nbytes / n, st.shard, st.dp_link)
+                                    + comm.collective_s(op, st.expert_params * nbytes / n, st.eshard, st.edp_link))
+            out[name + "_root"] = comm.collective_s(op, (st.edge_params - st.head_params) * nbytes, st.shard,
+                                                    st.dp_link)
+            out[name + "_head"] = comm.collective_s(op, st.head_params * nbytes, st.shard, st.dp_link)
         st.collectives = out
         return out
 
@@ -687,7 +742,7 @@ class SliceCoster:
             rp = rec_parts[r] or self._rec_part(st, r)
             b = bwd_s + rp.recompute_s
             if zp.layer_bwd_s > 0.0:
-                z_fwd, z_bwd = zero_exposed_s(zp, fwd_s, b)
+                z_fwd, z_bwd = zero_exposed_s(zp, fwd_s, b, st.edge_compute)
                 fwd = fwd_s + z_fwd + fixed_fwd
                 bwd = b + z_bwd + fixed_bwd + rp.comm_s
             else:
@@ -713,7 +768,8 @@ class SliceCoster:
             "tp_comm_s": st.tp_fwd_s + st.tp_bwd_s + (st.tp_fwd_s if full else 0.0),
             "cp_comm_s": st.cp_fwd_s + st.cp_bwd_s + (st.cp_fwd_s if full else 0.0),
             "ep_comm_s": st.ep_fwd_s + st.ep_bwd_s + (st.ep_fwd_s if full else 0.0),
-            "zero_comm_exposed_s": sum(zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s)),
+            "zero_comm_exposed_s": sum(zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s, st.edge_compute)),
+            "zero_comm_s": zp.zero_fwd_s + zp.zero_bwd_s,  # the transfers of one micro-batch, hidden or not
             "p2p_s": st.p2p_fwd_s + st.p2p_bwd_s,
             "dp_sync_s": sync,
             "optimizer_s": opt_s,

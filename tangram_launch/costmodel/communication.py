@@ -14,8 +14,15 @@ is t = S x factor / busbw (+ a latency term alpha per ring step). ``busbw`` come
 
 Which link a group uses follows the plan's rank order inside a stage (plan.py: TP fastest, then CP, then DP, whole
 stages tiling the island's GPUs node by node). A group whose ranks sit on one node uses the intra-node link; a group
-spanning nodes uses the island's inter-node link, whose bandwidth is shared by all groups of the stage that cross
-the node's network interface at the same time.
+spanning nodes is hierarchical: its members on one node talk over NVLink/PCIe, and the nodes over the island's
+inter-node link, one network interface per node shared by all groups of the stage that cross it at the same time.
+
+Hierarchical collectives. The bytes pass both levels, chunk after chunk (NCCL pipelines its rings and trees), so the
+slower level sets the rate: a group of m members on each of M nodes, k groups per node, moves S x factor(n) over
+min(intra busbw, NIC / k). A node's members need the same gathered buffer, so the interface carries it once per node
+(the ring enters and leaves each node once), not once per GPU. The fixed cost follows NCCL's own latency model: of a
+ring's steps, those crossing nodes (M - 1 per pass; two passes for an all-reduce) pay the inter-node latency, the
+others the intra-node one.
 """
 from __future__ import annotations
 
@@ -46,6 +53,7 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def ring_steps(op: str, n: int) -> int:
+    """Steps of a ring collective over ``n`` ranks (two passes for an all-reduce)."""
     if n <= 1:
         return 0
     if op == ALL_REDUCE:
@@ -55,15 +63,31 @@ def ring_steps(op: str, n: int) -> int:
     return n - 1
 
 
+def inter_node_steps(op: str, nodes: int) -> int:
+    """Steps of a ring collective that cross a node boundary, for a group spread over ``nodes`` nodes."""
+    return ring_steps(op, nodes) if op != SEND_RECV else int(nodes > 1)
+
+
 @dataclass(frozen=True)
 class GroupLink:
-    """The link a communication group sees: bus bandwidth (bytes/s), per-step latency, whether it leaves the node."""
+    """The link a communication group sees: bus bandwidth (bytes/s), per-step latency, whether it leaves the node.
+    A group spanning nodes pays ``latency_s`` (the network's) on the steps that cross nodes and
+    ``intra_latency_s`` on the others (module docstring)."""
 
     busbw: float
     latency_s: float
     inter_node: bool = False
     nodes: int = 1
     wait_s: float = 0.0  # measured cost of one call after a layer's compute on every member (0: not measured)
+    intra_latency_s: float = 0.0
+
+    def step_latency_s(self, op: str, n: int) -> float:
+        """The fixed cost of one collective over ``n`` ranks: its ring steps, each at its own level's latency."""
+        steps = ring_steps(op, n)
+        if not self.inter_node:
+            return steps * self.latency_s
+        crossing = min(steps, inter_node_steps(op, self.nodes))
+        return crossing * self.latency_s + (steps - crossing) * self.intra_latency_s
 
     def describe(self) -> str:
         where = f"{self.nodes} nodes" if self.inter_node else "intra-node"
@@ -72,11 +96,12 @@ class GroupLink:
 
 def collective_s(op: str, nbytes: float, n: int, link: GroupLink) -> float:
     """Time of one collective on ``nbytes`` (nccl-tests buffer size) over ``n`` ranks: S x factor / busbw + alpha
-    per ring step, or the link's measured cost per call after compute where that is larger (``GroupLink.wait_s``:
-    in a training step every collective follows some compute, and the members arrive at different times)."""
+    per ring step at its level's latency, or the link's measured cost per call after compute where that is larger
+    (``GroupLink.wait_s``: in a training step every collective follows some compute, and the members arrive at
+    different times)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return nbytes * bus_factor(op, n) / link.busbw + max(ring_steps(op, n) * link.latency_s, link.wait_s)
+    return nbytes * bus_factor(op, n) / link.busbw + max(link.step_latency_s(op, n), link.wait_s)
 
 
 @lru_cache(maxsize=4096)
@@ -99,7 +124,8 @@ def group_link(stride: int, size: int, *, stage_gpus: int, gpus_per_node: int, d
     if nodes <= 1 or inter_bandwidth_GBps is None:
         return GroupLink(dev.intra_busbw, dev.intra_latency_s, wait_s=dev.collective_wait_s)
     net = inter_bandwidth_GBps * GBPS * NET_EFFICIENCY / sharing
-    return GroupLink(min(dev.intra_busbw, net), inter_latency_us * 1e-6, True, nodes)
+    return GroupLink(min(dev.intra_busbw, net), inter_latency_us * 1e-6, True, nodes,
+                     intra_latency_s=dev.intra_latency_s)
 
 
 def p2p_stage_s(nbytes: float, *, stage_gpus: int, gpus_per_node: int, same_node: bool, dev: DeviceModel,

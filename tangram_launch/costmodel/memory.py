@@ -227,6 +227,14 @@ class ModelStateBytes(NamedTuple):
         return self.parameters + self.gradients + self.optimizer
 
 
+def held_under_pipelining(zero_stage: int, offload: bool) -> bool:
+    """Whether FSDP2 under torch.distributed.pipelining holds a stage's whole parameters and unsharded gradients
+    across the micro-batches (each backward runs with ``set_reshard_after_backward(False)`` and
+    ``set_requires_gradient_sync(False)``; one reduce-scatter follows the last): ZeRO-2/3 then hold ZeRO-1's model
+    states. With offload the runtime's own optimizer keeps the states on the host (runtime_adapters/offload.py)."""
+    return zero_stage >= 2 and not offload
+
+
 def model_state_bytes(num_params: float, *, shard: int, zero_stage: int, offload: bool = False,
                       param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
     """ZeRO stages 0-3 over a data-parallel shard group of ``shard`` GPUs (Rajbhandari et al. 2020, Fig. 1).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from tangram_launch.costmodel.memory import model_state_bytes
+from tangram_launch.costmodel.memory import held_under_pipelining, model_state_bytes
 from tangram_launch.specs.constants import RECOMPUTE_MODES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,6 +82,19 @@ def stage_need_terms(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
             for state, act, working, _per_param in stage_need_parts(coster, tp, cp, ep, dp, savers, kind)[0]]
 
 
+def _layer_states(t, shard: int, eshard: int, zero: int, offload: bool, pb: float, gb: float,
+                  ob: float) -> tuple[float, float]:
+    """(a layer's model-state bytes, bytes per dense parameter) under one ZeRO stage."""
+    per_param = model_state_bytes(1.0, shard=shard, zero_stage=zero, offload=offload, param_bytes=pb, grad_bytes=gb,
+                                  optimizer_bytes=ob).total
+    state = model_state_bytes(t.dense_params, shard=shard, zero_stage=zero, offload=offload, param_bytes=pb,
+                              grad_bytes=gb, optimizer_bytes=ob).total
+    if t.expert_params:
+        state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=zero, offload=offload, param_bytes=pb,
+                                   grad_bytes=gb, optimizer_bytes=ob).total
+    return state, per_param
+
+
 def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
                      kind: str) -> tuple[list[tuple[float, float, float, float]], float, float]:
     """Per saver combination, what stage_need_terms adds up: a layer's model-state bytes, its activation bytes
@@ -97,19 +110,16 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
     t = coster.layer_terms(kind, tp, cp, ep, dp, mbs)
     shard, eshard = dp * cp, dp * cp // ep
     states: dict[tuple[int, bool], tuple[float, float]] = {}  # (zero, offload) -> (layer's, per parameter)
+    whole = coster.has_embedding and coster.has_head  # a slice of the whole model: its stages may or may not pipeline
     out = []
     for z, r, off in savers:
+        held = held_under_pipelining(z, off)  # a pipelined stage holds ZeRO-1's states and no gathered working set
         hit = states.get((z, off))
-        if hit is None:
-            per_param = model_state_bytes(1.0, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
-                                          grad_bytes=gb, optimizer_bytes=ob).total
-            state = model_state_bytes(t.dense_params, shard=shard, zero_stage=z, offload=off, param_bytes=pb,
-                                      grad_bytes=gb, optimizer_bytes=ob).total
-            if t.expert_params:
-                state += model_state_bytes(t.expert_params, shard=eshard, zero_stage=z, offload=off,
-                                           param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob).total
-            hit = states[z, off] = (state, per_param)
-        working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 else 0.0
+        if hit is None:  # a whole-model slice's stages pipeline (ZeRO-1's states) or not: the lesser of each part
+            choices = (1,) if held and not whole else (z, 1) if held else (z,)
+            parts = [_layer_states(t, shard, eshard, zs, off, pb, gb, ob) for zs in choices]
+            hit = states[z, off] = (min(x for x, _ in parts), min(y for _, y in parts))
+        working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 and not held else 0.0
         if RECOMPUTE_MODES[r] == "full":  # _rec_part's working set: one layer's activations, rebuilt
             working += t.act_bytes[0]
         elif RECOMPUTE_MODES[r] == "selective" and coster.selective_policy == "op-sac":

@@ -1,0 +1,56 @@
+"""How much ZeRO-3 / FSDP communication a pass of one micro-batch leaves exposed after overlapping it with compute.
+
+FSDP2 (as torchtitan wraps a model) and DeepSpeed ZeRO-3 gather parameters unit by unit: the embedding, one unit per
+layer, the output layer (with the final norm). A unit's gather is issued when the unit before it starts computing
+(prefetch depth one), and a unit's gradients are reduce-scattered when its backward ends. Gathers and
+reduce-scatters share the node's network interface, so one link carries them in turn.
+
+Forward, units in order: the embedding's gather has nothing before it to hide under; layer 1's gather hides under
+the embedding's forward; layer i's under layer i - 1's; the output layer's under layer n's (and stays gathered for
+its backward, the first)::
+
+    exposed_fwd = e + max(0, g - c_emb) + (n - 1) max(0, g - c) + max(0, h - c)
+
+Backward, layers in reverse: layer n's gather hides under the output layer's backward; while layer i computes, the
+link carries the reduce-scatter of the unit after it (the output layer's for layer n), then layer i - 1's gather
+(the next layer waits for it); while layer 1 computes, only layer 2's reduce-scatter, whose excess (the backlog)
+delays layer 1's; that one hides under the embedding's backward, and the embedding's reduce-scatter comes last::
+
+    exposed_bwd = max(0, g - c_head) + max(0, g + h_r - b) + (n - 2) max(0, g + r - b)
+                  + max(0, max(0, r - b) + r - b_emb) + e_r
+
+(e, e_r: the embedding's gather and reduce-scatter; h, h_r: the output layer's; g, r: a layer's; c, b: a layer's
+forward and backward compute; with n = 1 the output layer's reduce-scatter is the backlog under layer 1.) The sum is what an event simulation of these units
+on one link gives (tests/test_dp_exposure.py), and each term is a part that cannot overlap: the first gather, the
+last reduce-scatter, a layer's communication beyond the compute it runs beside.
+"""
+from __future__ import annotations
+
+
+def forward_exposed_s(*, root_gather_s: float, layer_gather_s: float, layer_compute_s: float,
+                      lead_compute_s: float, num_layers: int, head_gather_s: float = 0.0) -> float:
+    """Exposed gathers of one forward pass (module docstring); ``lead_compute_s``: the embedding's forward."""
+    if num_layers < 1:
+        return 0.0
+    g, c = layer_gather_s, layer_compute_s
+    return (root_gather_s + max(0.0, g - lead_compute_s) + (num_layers - 1) * max(0.0, g - c)
+            + max(0.0, head_gather_s - c))
+
+
+def backward_exposed_s(*, layer_gather_s: float, layer_rs_s: float, root_rs_s: float, layer_compute_s: float,
+                       head_compute_s: float, tail_compute_s: float, num_layers: int,
+                       head_rs_s: float = 0.0) -> float:
+    """Exposed gathers and reduce-scatters of one backward pass (module docstring); ``head_compute_s``: the output
+    layer's backward (before the layers'), ``tail_compute_s``: the embedding's (after them)."""
+    n, g, r, b = num_layers, layer_gather_s, layer_rs_s, layer_compute_s
+    if n < 1:
+        return 0.0
+    if g <= 0.0:  # reduce-scatters only (ZeRO-2): nothing waits for them, they queue on the link
+        queued = max(head_rs_s + n * r, b + n * r, n * b + r)  # from the backward's first layer
+        return max(0.0, queued - n * b - tail_compute_s) + root_rs_s
+    out = max(0.0, g - head_compute_s) + root_rs_s
+    backlog = max(0.0, head_rs_s - b)  # the reduce-scatter beside layer 1's backward, beyond it
+    if n >= 2:
+        out += max(0.0, g + head_rs_s - b) + (n - 2) * max(0.0, g + r - b)
+        backlog = max(0.0, r - b)
+    return out + max(0.0, backlog + r - tail_compute_s)
