@@ -1,11 +1,15 @@
 """Whether to re-plan and switch: the gain over the horizon against the measured cost of switching.
 
 When a window flags a straggler (:mod:`.detect`), the run is re-planned with every GPU's measured rate (``replan``,
-passed in: the launcher's planner on a calibrated cluster, or a model in tests). The two step times are compared in
-one frame: the new plan's predicted iteration times the run's own model error (``iteration_bias``: measured over
-predicted step time of the current plan while it was healthy), against the current plan's measured step time::
+passed in: the launcher's planner on the cluster with each GPU's figures divided by its slowdown, or a model in
+tests). A slowdown is relative to the segment's first window, GPU by GPU: the cost model's own error (compute
+against communication, a stage it prices roughly) stays as it was when the current plan was chosen, and is
+``tangram-launch calibrate``'s business. Both plans are then priced in that frame (the current one by
+:func:`iteration_under`: its pipeline follows its slowest stage) and the ratio is applied to the step time the run
+measures now, so the cost model's error common to both plans cancels::
 
-    gain_s_per_step = current_step_s - new_predicted_s * iteration_bias
+    new_step_s      = current_step_s * new_predicted_s / current_predicted_s      (both with the measured rates)
+    gain_s_per_step = current_step_s - new_step_s
     switch  <=>  gain_s_per_step * horizon_steps > switch_cost_s
                  and gain_s_per_step >= min_relative_gain * current_step_s     (the cost model's noise)
                  and the new plan differs from the current one
@@ -19,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from tangram_launch.launch.adapt.detect import DetectConfig, GpuKey, Window, baseline, last_window
+from tangram_launch.launch.adapt.detect import (DetectConfig, GpuKey, Window, baseline, last_window, rank_places,
+                                                stage_predicted_s)
 
-DEFAULT_MIN_RELATIVE_GAIN = 0.05
+DEFAULT_MIN_RELATIVE_GAIN = 0.10  # below it, a re-plan's gain is within the cost model's error
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class Candidate:
     plan: Mapping[str, Any]
     plan_hash: str
     predicted_iteration_s: float
+    same_as_current: bool = False  # the same layout (only predictions differ): nothing to switch to
+    plan_path: str | None = None  # where the launcher wrote it, and the calibrated cluster it was made from
+    cluster_path: str | None = None
 
 
 Replan = Callable[[Mapping[GpuKey, float]], Candidate]  # per-GPU slowdown (1.0: as believed) -> the best plan
@@ -54,10 +62,11 @@ class Decision:
     predicted_step_s: float  # the new plan's, in the run's seconds
     horizon_steps: int
     switch_cost_s: float
-    factors: Mapping[GpuKey, float]  # per GPU, slowdown relative to the cost model (what the re-plan used)
+    factors: Mapping[GpuKey, float]  # per GPU, slowdown since the segment's first window (what the re-plan used)
     old_plan_hash: str
     new_plan_hash: str
     new_plan: Mapping[str, Any] | None = None
+    candidate: Candidate | None = None
 
     @property
     def gain_s_per_step(self) -> float:
@@ -95,6 +104,19 @@ def should_switch(*, current_step_s: float, predicted_step_s: float, horizon_ste
                   f"({switch_cost_s:.1f} s)")
 
 
+def iteration_under(plan: Mapping[str, Any], factors: Mapping[GpuKey, float]) -> float:
+    """The plan's predicted iteration with every stage's compute scaled by its slowest GPU's factor: the
+    pipeline's period is its slowest stage, so the iteration scales with the slowest scaled stage."""
+    times = stage_predicted_s(plan)
+    slowest: dict[int, float] = {}
+    for gpu, stage in rank_places(plan).values():
+        slowest[stage] = max(slowest.get(stage, 0.0), factors.get(gpu, 1.0))
+    if not times or max(times) <= 0:
+        return 0.0
+    scaled = max(t * slowest.get(i, 1.0) for i, t in enumerate(times))
+    return float(plan["predicted"]["iteration_time_s"]) * scaled / max(times)
+
+
 @dataclass
 class Controller:
     """One segment (one plan) of a run: feed it the timings as they grow; it answers a Decision when a window
@@ -105,8 +127,8 @@ class Controller:
     replan: Replan
     policy: Policy = Policy()
     expected: dict[GpuKey, float] = field(default_factory=dict)  # per GPU: the normal measured/predicted ratio
-    common: float | None = None  # the cost model's error common to all ranks (the first window's median)
-    iteration_bias: float | None = None  # measured / predicted step time while healthy
+    baseline_step_s: float | None = None  # the segment's first window: its measured step time
+    base: dict[GpuKey, float] = field(default_factory=dict)  # and each GPU's measured / predicted then
     next_step: int = 0  # the first step the next window may end at
     decisions: list[Decision] = field(default_factory=list)
 
@@ -115,11 +137,10 @@ class Controller:
         window = last_window(timings, self.plan, self.expected, self.policy.detect)
         if window is None or window.last_step < self.next_step:
             return None
-        if self.common is None:  # the segment's first window: what normal is
+        if self.baseline_step_s is None:  # the segment's first window: what normal is
             self.expected = baseline(window)
-            self.common = next(iter(self.expected.values()))
-            predicted = float(self.plan["predicted"]["iteration_time_s"])
-            self.iteration_bias = window.step_s / predicted if predicted > 0 else 1.0
+            self.base = dict(self.expected)
+            self.baseline_step_s = window.step_s
             self.next_step = window.last_step + 1
             return None
         if not window.stragglers:
@@ -139,20 +160,21 @@ class Controller:
         return window.last_step
 
     def _decide(self, window: Window, switch_cost_s: float, remaining_steps: int | None) -> Decision:
-        assert self.common is not None and self.iteration_bias is not None
-        # per GPU, slowdown against the cost model's frame (the common error divided out)
-        factors = {r.gpu: r.ratio * self.expected.get(r.gpu, 1.0) / self.common for r in window.rates}
+        factors = {r.gpu: r.ratio * self.expected.get(r.gpu, 1.0) / self.base.get(r.gpu, 1.0) for r in window.rates}
         slow = sorted(window.stragglers, key=lambda r: -r.ratio)
         cause = "straggler: " + ", ".join(f"rank {r.rank} ({r.gpu[0]}:{r.gpu[1]}, stage {r.stage}) "
                                           f"{r.ratio:.2f}x its expected time" for r in slow)
         candidate = self.replan(factors)
-        predicted_s = candidate.predicted_iteration_s * self.iteration_bias
+        current = iteration_under(self.plan, factors)
+        predicted_s = window.step_s * candidate.predicted_iteration_s / current if current > 0 else float("inf")
         horizon = self.horizon(window, remaining_steps)
         switch, reason = should_switch(current_step_s=window.step_s, predicted_step_s=predicted_s,
                                        horizon_steps=horizon, switch_cost_s=switch_cost_s,
                                        min_relative_gain=self.policy.min_relative_gain,
-                                       same_plan=candidate.plan_hash == self.plan_hash)
+                                       same_plan=candidate.same_as_current
+                                       or candidate.plan_hash == self.plan_hash)
         return Decision(step=window.last_step, cause=cause, switch=switch, reason=reason,
                         current_step_s=window.step_s, predicted_step_s=predicted_s, horizon_steps=horizon,
                         switch_cost_s=switch_cost_s, factors=factors, old_plan_hash=self.plan_hash,
-                        new_plan_hash=candidate.plan_hash, new_plan=candidate.plan if switch else None)
+                        new_plan_hash=candidate.plan_hash, new_plan=candidate.plan if switch else None,
+                        candidate=candidate)

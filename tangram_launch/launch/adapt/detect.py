@@ -3,8 +3,9 @@
 Each timing line (``runtime_adapters.stage_timing``) gives one rank's forward and backward seconds of one step. Its
 *ratio* is that time per micro-batch over the plan's prediction for the rank's stage, divided by the rank's
 *expected* ratio: what the run has learned is normal for that GPU (1 where nothing was learned yet). The cost
-model's error common to every rank is not a straggler, so the first full window of a segment sets every rank's
-expectation to the median ratio over the ranks (:func:`baseline`).
+model's error is not a straggler (a placeholder cluster file, a stage whose head or embedding the model prices
+roughly), so the first full window of a segment sets each rank's expectation to its own ratio (:func:`baseline`):
+detection acts on changes, and a GPU slow from the start is what ``tangram-launch calibrate`` is for.
 
 A rank is a straggler when the lower quartile of its ratios over the last ``window_steps`` steps exceeds
 ``1 + threshold``: at least three steps in four were slow, so a one-off spike (a page fault, a checkpoint, another
@@ -125,7 +126,5 @@ def last_window(timings: list[Mapping], plan: Mapping, expected: Mapping[GpuKey,
 
 
 def baseline(window: Window) -> dict[GpuKey, float]:
-    """Every rank's expectation after a segment's first window: the median ratio over the ranks (the cost
-    model's error common to all of them)."""
-    common = statistics.median(r.ratio for r in window.rates)
-    return {r.gpu: common for r in window.rates}
+    """Every rank's expectation after a segment's first window (read with no expectation): its own ratio."""
+    return {r.gpu: r.ratio for r in window.rates}
