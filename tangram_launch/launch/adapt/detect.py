@@ -9,8 +9,9 @@ detection acts on changes, and a GPU slow from the start is what ``tangram-launc
 
 A rank is a straggler when the lower quartile of its ratios over the last ``window_steps`` steps exceeds
 ``1 + threshold``: at least three steps in four were slow, so a one-off spike (a page fault, a checkpoint, another
-process) never flags it. Its effective rate is the median of the window: the factor the re-plan divides that GPU's
-figures by, per GPU (per rank on CPU), so a slow GPU becomes its own island.
+process) never flags it. Its effective rate is the median of the window's later half (a slowdown that began inside
+the window is measured at its full size): the factor the re-plan divides that GPU's figures by, per GPU (per rank
+on CPU), so a slow GPU becomes its own island.
 
 Per-rank attribution needs per-rank spans: in a pipeline, a stage's hooks time its own compute (receives happen
 between them). Replicas whose collectives run inside the stage's forward (ZeRO-3 gathers) wait for the slowest
@@ -45,7 +46,7 @@ class RankRate:
     rank: int
     gpu: GpuKey
     stage: int
-    ratio: float  # median over the window of measured / (predicted x expected)
+    ratio: float  # median over the window's later half of measured / (predicted x expected)
     low_quartile: float
     slow: bool
 
@@ -111,12 +112,12 @@ def last_window(timings: list[Mapping], plan: Mapping, expected: Mapping[GpuKey,
     rates = []
     for rank in sorted(places):
         gpu, stage = places[rank]
-        values = [v / expected.get(gpu, 1.0) for s, v in ratios[rank].items() if first <= s <= last]
+        values = [v / expected.get(gpu, 1.0) for s, v in sorted(ratios[rank].items()) if first <= s <= last]
         if len(values) < config.window_steps:
             return None
         low = _quartile(values)
-        rates.append(RankRate(rank=rank, gpu=gpu, stage=stage, ratio=statistics.median(values), low_quartile=low,
-                              slow=low > 1.0 + config.threshold))
+        rates.append(RankRate(rank=rank, gpu=gpu, stage=stage, ratio=statistics.median(values[len(values) // 2:]),
+                              low_quartile=low, slow=low > 1.0 + config.threshold))
     walls: dict[int, float] = {}
     for t in timings:
         if first <= t.get("step", 0) <= last and t.get("step_s") is not None:
