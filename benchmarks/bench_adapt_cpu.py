@@ -1,11 +1,13 @@
 """Tokens trained in a fixed wall-clock window while one device is throttled mid-run: static plan, --adapt, oracle.
 
     sudo python benchmarks/bench_adapt_cpu.py [--window-s 240] [--throttle-at-s 70] [--quota 0.33]
-        [--adapt-window 20] [--adapt-horizon 200] [--model examples/models/bench-cpu.yaml] [--global-batch 12]
-        [--seq-len 64] [--save-every 20] [--only static|adapt|oracle ...] [--keep DIR] [--json FILE]
+        [--adapt-window 20] [--adapt-horizon 200] [--adapt-threshold 0.15]
+        [--model examples/models/bench-cpu.yaml] [--global-batch 12] [--seq-len 32] [--save-every 20]
+        [--only static|adapt|oracle ...] [--keep DIR] [--json FILE]
 
-Three CPU processes are three devices of one node (``gpu: cpu, count: 3``); the run starts on a three-stage pipeline
-that puts work on all of them (the planner's plan for three alike devices). ``--throttle-at-s`` seconds after each
+Three CPU processes are three devices of one node (``CPU3``: the figures measured on this machine kind); the run
+starts on a three-stage pipeline that puts work on all of them (the planner's plan for three alike devices).
+``--throttle-at-s`` seconds after each
 launch starts, device 1 is throttled to ``--quota`` of a core, as ``benchmarks/bench_hetero_cpu.py`` throttles: a
 cgroup-v1 ``cpu`` group with a CFS quota, every worker process on that device moved into it as it appears (a
 restarted worker too). Without a writable cgroup-v1 controller it falls back to stopping and continuing the process
@@ -254,9 +256,11 @@ def main(argv=None) -> int:
     p.add_argument("--quota", type=float, default=0.33, help="the slow device's share of one core (0.33)")
     p.add_argument("--adapt-window", type=int, default=20, help="--adapt-window of the adapt launch (steps)")
     p.add_argument("--adapt-horizon", type=int, default=200, help="--adapt-horizon of the adapt launch (steps)")
+    p.add_argument("--adapt-threshold", type=float, default=0.15, help="--adapt-threshold of the adapt launch")
     p.add_argument("--model", default=os.path.join(REPO, "examples", "models", "bench-cpu.yaml"))
     p.add_argument("--global-batch", type=int, default=12)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=32, help="(global batch 12 x 32: the planner's plan is a pipeline "
+                                                           "over the three devices, 6 micro-batches)")
     p.add_argument("--save-every", type=int, default=20, help="periodic checkpoints (their save times price a "
                                                                "switch; the switch saves its own)")
     p.add_argument("--only", choices=("static", "adapt", "oracle"), action="append",
@@ -279,7 +283,7 @@ def main(argv=None) -> int:
         "static": launcher_argv(args, workdir, "static", plan_args=pipeline, nproc=3, steps=steps, extra=[]),
         "adapt": launcher_argv(args, workdir, "adapt", plan_args=pipeline, nproc=3, steps=steps,
                                extra=["--adapt", "--adapt-window", str(args.adapt_window), "--adapt-horizon",
-                                      str(args.adapt_horizon)]),
+                                      str(args.adapt_horizon), "--adapt-threshold", str(args.adapt_threshold)]),
         "oracle": launcher_argv(args, workdir, "oracle", plan_args=["--plan", oracle_path],
                                 nproc=len(oracle_devices), steps=steps, extra=[]),
     }

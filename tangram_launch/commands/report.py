@@ -4,8 +4,8 @@
 
 Reads the report a planned launch writes (``RUN_DIR/adapt/history.json`` while the run still goes works too) and
 prints the last plan's predicted-vs-measured table, one row per adaptation (cause, old and new plan, predicted and
-measured gain, downtime) and a small timeline: one row per plan, start-up ``-``, training ``#``, a decision that
-kept the plan ``|``, a switch ``>``.
+measured gain, downtime) and a small timeline: one row per plan, start-up ``-``, training ``#``, a switch ``>``, a
+switch a launch without ``--adapt`` would have made ``?``, a decision that kept the plan ``|``.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def timeline(segments: Sequence[Mapping[str, Any]], adaptations: Sequence[Mappin
         return min(width - 1, max(0, int((t - t0) / span * width)))
 
     lines = [f"timeline: {span:.0f} s, one column = {span / width:.1f} s "
-             "(- start-up, # training, | decision kept the plan, > switch)"]
+             "(- start-up, # training, > switch, ? would switch (no --adapt), | kept the plan)"]
     for seg in segments:
         row = [" "] * width
         start = col(seg["started_unix_s"])
@@ -73,7 +73,7 @@ def timeline(segments: Sequence[Mapping[str, Any]], adaptations: Sequence[Mappin
         for a in adaptations:
             at = a.get("decided_unix_s")
             if a.get("old_plan_hash") == seg["plan_hash"] and at is not None and start <= col(at) <= end:
-                row[col(at)] = ">" if a.get("switched") else "|"
+                row[col(at)] = ">" if a.get("switched") else ("?" if a.get("switch") else "|")
         lines.append(f"  plan {seg['plan_hash'][:8]} |{''.join(row)}|")
     return lines
 

@@ -267,8 +267,9 @@ def run_adaptive(ctx: AdaptiveLaunch) -> int:
     env: dict[str, str] = {}
     stopped_unix_s = None
     while True:
+        nproc = nproc0 if args is ctx.options.torchrun else int(args.nproc_per_node)  # the first: maybe "auto"
         segment = {"index": len(history.segments), "plan_hash": planned.plan_hash, "plan_path": planned.plan_path,
-                   "nproc": int(args.nproc_per_node), "start_step": start_step, "started_unix_s": time.time(),
+                   "nproc": nproc, "start_step": start_step, "started_unix_s": time.time(),
                    "stopped_unix_s": stopped_unix_s, "first_step_unix_s": None, "ended_unix_s": None,
                    "step_s_median": None}
         history.segments.append(segment)
