@@ -124,3 +124,13 @@ def test_report_refuses_a_file_that_is_not_a_run_report(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps([1, 2]))
     assert main(["report", str(tmp_path / "r.json")]) == 2
     assert "r.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--adapt-window", "2"), ("--adapt-threshold", "0"),
+                                         ("--adapt-horizon", "-5")])
+def test_adapt_settings_out_of_range_are_refused_by_the_parser(flag, value, capsys):
+    from tangram_launch.launch.torchrun import LaunchOptions
+
+    with pytest.raises(SystemExit) as done:
+        LaunchOptions.from_argv(["--standalone", "--adapt", flag, value, "train.py"])
+    assert done.value.code == 2 and flag in capsys.readouterr().err

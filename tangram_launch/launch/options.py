@@ -85,6 +85,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _window(text: str) -> int:
+    value = _positive_int(text)
+    if value < 4:  # a window's lower quartile must be able to leave a spike out
+        raise argparse.ArgumentTypeError(f"expected at least 4 steps, got {value}")
+    return value
+
+
 def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) -> None:
     """Tangram's options (``aliases``: also the underscore spellings torchrun accepts for its own options)."""
 
@@ -130,8 +137,8 @@ def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) 
                    help="Steps a switch must pay off over (default: the steps left, as the script announces them).")
     g.add_argument(*names("--adapt-threshold", "--adapt_threshold"), metavar="FRACTION", type=_fraction,
                    default=None, help="A straggler runs this much slower than expected (default 0.15).")
-    g.add_argument(*names("--adapt-window", "--adapt_window"), metavar="STEPS", type=_positive_int, default=None,
-                   help="...for this many steps (default 20; one-off spikes do not count).")
+    g.add_argument(*names("--adapt-window", "--adapt_window"), metavar="STEPS", type=_window, default=None,
+                   help="Steps a straggler must stay slow (default 20, at least 4; one-off spikes do not count).")
 
 
 class _Undecided(Exception):
