@@ -163,6 +163,9 @@ class Checkpointing:
         # --resume, tangram-launch's --resume, or in a restart round the newest of the run's checkpoints (--save-dir
         # included: a restart without tangram-launch --checkpoint-dir continues instead of starting again)
         self.resume_dir = resume_dir_for_script(args.resume, args.save_dir)
+        from tangram_launch.launch.adapt.handshake import SwitchWatch
+
+        self.switch = SwitchWatch()  # tangram-launch --adapt: checkpoint at the step it names, then stop
 
     def resume(self) -> tuple[int, int, dict]:
         """(steps done, samples consumed, what was loaded) from the resume directory; (0, 0, {}) without one."""
@@ -178,16 +181,27 @@ class Checkpointing:
         return pos.step, pos.consumed_samples, info
 
     def after_step(self, step: int, consumed: int) -> str | None:
-        """Save when ``step`` (steps done) is a multiple of --save-every; returns the checkpoint path."""
-        if not (self.args.save_dir and self.args.save_every) or step % self.args.save_every:
+        """Save when ``step`` (steps done) is a multiple of --save-every, or the launcher asked for a checkpoint
+        at this step to switch plans (into its --checkpoint-dir); returns the checkpoint path."""
+        from tangram_launch.checkpoint.rounds import ENV_CHECKPOINT_DIR
+
+        switching = self.stopping(step) and os.environ.get(ENV_CHECKPOINT_DIR)
+        if not switching and (not (self.args.save_dir and self.args.save_every) or step % self.args.save_every):
             return None
         from tangram_launch.checkpoint import TrainingPosition, save_checkpoint
 
         position = TrainingPosition(step=step, consumed_samples=consumed,
                                     data={"seed": self.args.seed, "source": os.path.basename(self.args.data)},
                                     extra=self.extra)
-        return save_checkpoint(self.args.save_dir, plan=self.plan, state=self.state, position=position,
+        t0 = time.perf_counter()
+        path = save_checkpoint(switching or self.args.save_dir, plan=self.plan, state=self.state, position=position,
                                keep_last=self.args.keep_last)
+        self.switch.record_save(step, time.perf_counter() - t0)
+        return path
+
+    def stopping(self, step: int) -> bool:
+        """Whether the launcher asked the run to stop after this step (saved) to restart under a new plan."""
+        return self.switch.stop_at(step)
 
 
 def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bool, tokens_per_step: int,
@@ -221,6 +235,10 @@ def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bo
                 saved.append(path)
                 if reporter:
                     print(f"saved {path} (step {step}, {consumed} samples)", flush=True)
+            if checkpointing.stopping(step):
+                if reporter:
+                    print(f"stopping after step {step}: tangram-launch switches plans", flush=True)
+                break
     steady = times[1:] or times or [float("nan")]  # the first step includes shape inference and warm-up
     median = statistics.median(steady)
     moe = moe_stats() if moe_stats is not None and step_ids else None
@@ -248,9 +266,12 @@ def run(args: argparse.Namespace, setup: Callable[[Any, Any], Any], runtime: str
     ctx = setup(plan, place)
     reporter = place.is_last_stage and place.coords["dp"] == 0 and place.coords["tp"] == 0
     ckpt = None
-    if args.save_dir or args.resume or os.environ.get("TANGRAM_RESUME_DIR"):
+    if args.save_dir or args.resume or os.environ.get("TANGRAM_RESUME_DIR") \
+            or os.environ.get("TANGRAM_CHECKPOINT_DIR"):  # tangram-launch --adapt saves there to switch plans
         ckpt = Checkpointing(args, plan, stage_state(ctx), data, extra=checkpoint_extra)
     first_step, consumed, loaded = ckpt.resume() if ckpt is not None else (0, 0, {})
+    if reporter and ckpt is not None:
+        ckpt.switch.announce_steps(args.steps)  # the launcher's horizon: the steps left
     if reporter:
         print(f"[{runtime}] plan: {plan.num_stages} stage(s) "
               + " | ".join(f"layers {s.layers[0]}-{s.layers[1] - 1} tp{s.tp} dp{s.dp} zero{s.zero_stage} "

@@ -6,6 +6,7 @@
     tangram-launch profile  [torchrun args] -o cluster.yaml    # measure a live cluster, write its ClusterSpec
     tangram-launch export   CKPT_DIR --to hf OUT_DIR           # a checkpoint as a Hugging Face model folder
     tangram-launch calibrate RUN_DIR/run-report.json --cluster FILE   # fold measured stage times into the cluster
+    tangram-launch report   RUN_DIR/run-report.json            # a run's adaptations: table and timeline
     tangram-launch [torchrun args] [tangram args] script.py    # launch, exactly like torchrun (plus planning)
 
 User errors exit with status 2, infeasible requests with 3, both without a traceback; Ctrl-C exits with 130.
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "profile": "tangram_launch.commands.profile",
     "export": "tangram_launch.commands.export",
     "calibrate": "tangram_launch.commands.calibrate",
+    "report": "tangram_launch.commands.report",
 }
 COMMANDS = (  # what `tangram-launch --help` lists
     ("islands", "GPU islands of a cluster file, and why GPUs were split apart"),
@@ -34,6 +36,7 @@ COMMANDS = (  # what `tangram-launch --help` lists
     ("plan", "the heterogeneous plan (table, JSON, YAML), or a hand-written one costed"),
     ("profile", "measure a live cluster, write its ClusterSpec"),
     ("export", "a checkpoint as a Hugging Face model folder"),
+    ("report", "a run's history: predicted vs measured, adaptations, a timeline"),
 )
 HELP_TORCHRUN = "--help-torchrun"
 

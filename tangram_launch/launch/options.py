@@ -76,6 +76,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 10:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 10), got {value}")
+    return value
+
+
+def _window(text: str) -> int:
+    value = _positive_int(text)
+    if value < 4:  # a window's lower quartile must be able to leave a spike out
+        raise argparse.ArgumentTypeError(f"expected at least 4 steps, got {value}")
+    return value
+
+
 def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) -> None:
     """Tangram's options (``aliases``: also the underscore spellings torchrun accepts for its own options)."""
 
@@ -113,6 +130,16 @@ def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) 
                         "stage) and the workers' timings (default: tangram-runs/<time>-<plan hash>).")
     g.add_argument(*names("--report-every", "--report_every"), metavar="N", type=_positive_int, default=None,
                    help="Also print the predicted-vs-measured table every N steps (default: at the end only).")
+    g.add_argument("--adapt", action="store_true",
+                   help="Re-plan while training: when a GPU runs slower than planned (a straggler) and the new plan's "
+                        "gain over the horizon pays for a switch, checkpoint, restart under it and resume. Needs "
+                        "--cluster and --checkpoint-dir. Without it the launcher only logs what it would do.")
+    g.add_argument(*names("--adapt-horizon", "--adapt_horizon"), metavar="STEPS", type=_positive_int, default=None,
+                   help="Steps a switch must pay off over (default: the steps left, as the script announces them).")
+    g.add_argument(*names("--adapt-threshold", "--adapt_threshold"), metavar="FRACTION", type=_fraction,
+                   default=None, help="A straggler runs this much slower than expected (default 0.15).")
+    g.add_argument(*names("--adapt-window", "--adapt_window"), metavar="STEPS", type=_window, default=None,
+                   help="Steps a straggler must stay slow (default 20, at least 4; one-off spikes do not count).")
 
 
 class _Undecided(Exception):

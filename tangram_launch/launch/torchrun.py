@@ -117,6 +117,10 @@ class TangramOptions:
     checkpoint_dir: str | None = None
     run_dir: str | None = None
     report_every: int | None = None
+    adapt: bool = False
+    adapt_horizon: int | None = None
+    adapt_threshold: float | None = None
+    adapt_window: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TangramOptions":
@@ -363,6 +367,10 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     """
     options, checked = _preflight(argv, can_plan=plan_provider is not None)
     args, opts = options.torchrun, options.tangram
+    if opts.adapt:
+        from tangram_launch.launch.adapt.switch import check_adapt_options
+
+        check_adapt_options(opts, single_node=options.single_node)
     hand_written = checked is not None and checked.hand_written
     planning = opts.planning_given()
     if opts.node_name and opts.plan is None and not planning and not opts.resume:
@@ -414,8 +422,27 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
             from tangram_launch.launch.planning import report_resume
 
             report_resume(resume_info, planned.plan_dict, source=planned.source)
-        with reporting(opts, planned):
-            return _launch(route_through_boot(args, planned, opts.resume), planned)
+        if opts.cluster or opts.adapt:  # a straggler is re-planned for (--adapt), or what would be done is logged
+            from tangram_launch.launch.adapt.switch import AdaptiveLaunch, run_adaptive
+
+            return run_adaptive(AdaptiveLaunch(
+                options=options, planned=planned, staging=staging, resume=resume_info,
+                prepare=lambda a, f: prepare_planned_launch(a, f, node_name=opts.node_name, staging_dir=staging),
+                launch=lambda a, p, resume_dir, run_dir: launch_segment(
+                    a, dataclasses.replace(opts, run_dir=run_dir), p, resume_dir),
+                default_run_dir=default_run_dir))
+        return launch_segment(args, opts, planned, opts.resume)
+
+
+def launch_segment(args: argparse.Namespace, opts: TangramOptions, planned: PlannedLaunch,
+                   resume_dir: str | None) -> int:
+    """The workers of one plan, started through boot, with their timings reported."""
+    with reporting(opts, planned):
+        return _launch(route_through_boot(args, planned, resume_dir), planned)
+
+
+def default_run_dir(plan_hash: str) -> str:
+    return os.path.join("tangram-runs", f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{plan_hash[:8]}")
 
 
 @contextlib.contextmanager
@@ -427,8 +454,7 @@ def reporting(opts: TangramOptions, planned: PlannedLaunch):
     from tangram_launch.launch import run_report
     from tangram_launch.launch.lifetime import exported
 
-    run_dir = os.path.abspath(opts.run_dir or os.path.join(
-        "tangram-runs", f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{planned.plan_hash[:8]}"))
+    run_dir = os.path.abspath(opts.run_dir or default_run_dir(planned.plan_hash))
     os.makedirs(run_dir, exist_ok=True)
     watcher = None
     if opts.report_every:
