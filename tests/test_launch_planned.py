@@ -131,6 +131,30 @@ def test_a_plan_that_leaves_gpus_out_is_refused_with_what_to_launch(tmp_path):
         planned.check_plan_fits_launch(plan, cluster, nproc_per_node=2, node="local")
     assert info.value.field == "--nproc-per-node" and info.value.exit_code == 2
     planned.check_plan_fits_launch(plan, cluster, nproc_per_node=1, node="local")  # what the message suggests
+    # a single-node launch of a one-node cluster starts only the workers the plan uses, on its GPUs
+    planned.check_plan_fits_launch(plan, cluster, nproc_per_node=2, node="local", single_node=True)
+    layout = json.loads(plan.to_json())
+    assert planned.workers_for_plan(layout, "local", 2, None) == (1, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert planned.workers_for_plan(layout, "local", 1, None) is None  # already what the plan uses
+    layout["rank_layout"][0]["local_gpu"] = 1  # the plan's GPU is the node's second, in the numbering given
+    assert planned.workers_for_plan(layout, "local", 2, "4,5") == (1, {"CUDA_VISIBLE_DEVICES": "5"})
+
+
+@pytest.mark.distributed
+def test_a_single_node_launch_starts_only_the_workers_the_plan_uses(tmp_path):
+    cluster = tmp_path / "cluster.yaml"  # the second device is 1,000 times slower: the planner leaves it out
+    cluster.write_text(HETERO_CPU.replace("name: cpu-het-3", "name: cpu-one-slow").split("      - {type: cpu, tflops: {bf16: 0.2")[0]
+                       + "      - {type: cpu, tflops: {bf16: 0.0004, fp16: 0.0004, fp32: 0.0002}}\n")
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    proc = _cli("--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--cluster", str(cluster),
+                "--model", "tiny", "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", PLAN_WORKER,
+                str(out), cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = Plan.load(sorted((logs / "tangram").glob("plan-*.json"))[0])
+    assert plan.world_size == 1, plan.rank_layout
+    assert "the plan uses 1 of this node's 2 devices: starting 1 worker(s)" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("rank*.json")) == ["rank0.json"]
 
 
 def test_planning_refusals(tmp_path, monkeypatch):

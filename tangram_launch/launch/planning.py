@@ -349,10 +349,15 @@ def make_launch_plan(cluster: "ClusterSpec", request: PlanningRequest) -> "Plan"
 
 
 def check_plan_fits_launch(plan: "Plan", cluster: "ClusterSpec", *, nproc_per_node: int, node: str | None = None,
-                           source: str | None = None) -> None:
-    """Refuse a plan that leaves out GPUs this launch would start workers on, saying what to launch instead."""
+                           source: str | None = None, single_node: bool = False) -> None:
+    """Refuse a plan that leaves out GPUs this launch would start workers on, saying what to launch instead.
+
+    A single-node launch of a one-node cluster is not refused: the launcher starts only the workers the plan uses
+    (:func:`workers_for_plan`)."""
     used = plan.node_gpu_counts()
     if sum(used.values()) == cluster.num_gpus:
+        return
+    if single_node and len(cluster.nodes) == 1 and used.get(cluster.nodes[0].name, 0) > 0:
         return
     dropped = "; ".join(d.get("reason", d.get("island", "?")) for d in plan.islands_dropped) or "no island dropped"
     per_node = ", ".join(
@@ -369,6 +374,25 @@ def check_plan_fits_launch(plan: "Plan", cluster: "ClusterSpec", *, nproc_per_no
                     f"so {hint} (with CUDA_VISIBLE_DEVICES selecting the GPUs used), or give a cluster file without "
                     "the left-out GPUs", source=source, field="--nproc-per-node", value=nproc_per_node,
                     valid=str(mine) if mine else None)
+
+
+def visible_devices(plan: Mapping[str, Any], node: str, before: str | None, nproc_before: int) -> str:
+    """CUDA_VISIBLE_DEVICES for the plan's GPUs on ``node``, in the numbering the launch started with: worker i
+    (LOCAL_RANK i) then sees the plan's i-th local GPU of the node as its device 0 + i, as boot places it."""
+    devices = [d.strip() for d in before.split(",")] if before else [str(i) for i in range(nproc_before)]
+    used = sorted(int(r["local_gpu"]) for r in plan.get("rank_layout", ()) if r.get("node") == node)
+    return ",".join(devices[g] for g in used if g < len(devices))
+
+
+def workers_for_plan(plan: Mapping[str, Any], node: str, nproc_per_node: int,
+                     visible_before: str | None) -> tuple[int, dict[str, str]] | None:
+    """(workers to start, environment) when the plan uses fewer of ``node``'s GPUs than the launch would start
+    workers on; None when it uses them all. The planner may leave GPUs out (a GPU that would only slow the pipeline
+    down); a single-node launch then starts one worker per GPU the plan uses, on those GPUs."""
+    used = sum(1 for r in plan.get("rank_layout", ()) if r.get("node") == node)
+    if used == nproc_per_node or used == 0:
+        return None
+    return used, {"CUDA_VISIBLE_DEVICES": visible_devices(plan, node, visible_before, nproc_per_node)}
 
 
 def this_node(cluster: "ClusterSpec", requested: str | None) -> str | None:
@@ -428,7 +452,7 @@ def provide_plan(request: Any) -> str:
     for line in table.splitlines():
         logger.info("%s", line)
     check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=this_node(cluster, opts.node_name),
-                           source=source)
+                           source=source, single_node=request.options.single_node)
     path = write_plan(plan, request.out_dir)
     logger.info("plan written to %s (sha256 of its bytes is what every agent compares; relaunch with --plan %s to "
                 "skip planning)", path, path)
@@ -533,5 +557,5 @@ def default_plan_dir() -> str:
 
 __all__ = ["canonical_plan_bytes", "write_plan", "cache_dir", "live_identity", "live_fingerprint", "cached_profile",
            "profile_cluster", "PlanningRequest", "planning_request", "plan_inputs", "make_launch_plan",
-           "check_plan_fits_launch", "provide_plan", "describe_resume", "plan_changes", "report_resume",
+           "check_plan_fits_launch", "workers_for_plan", "visible_devices", "provide_plan", "describe_resume", "plan_changes", "report_resume",
            "default_plan_dir"]

@@ -416,6 +416,12 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
                                       route=route_to_boot)
             plan_file = plan_provider(PlanRequest(options=options, out_dir=out_dir, resume=resume_info,
                                                   hand_written=opts.plan if hand_written else None))
+            if options.single_node:  # the plan may leave GPUs out: start workers on the ones it uses
+                from tangram_launch.launch.lifetime import exported
+
+                options, narrowed = _narrowed_to_plan(options, plan_file)
+                args = options.torchrun
+                stack.enter_context(exported(narrowed))
         planned = prepare_planned_launch(args, plan_file, node_name=opts.node_name, staging_dir=staging)
         preflight.check_runtime_packages(planned.plan_dict.get("runtime"), field="runtime", source=planned.source)
         if resume_info is not None:
@@ -432,6 +438,26 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
                     a, dataclasses.replace(opts, run_dir=run_dir), p, resume_dir),
                 default_run_dir=default_run_dir))
         return launch_segment(args, opts, planned, opts.resume)
+
+
+def _narrowed_to_plan(options: LaunchOptions, plan_file: str) -> tuple[LaunchOptions, dict[str, str]]:
+    """The launch options and environment that start one worker per GPU of this node the plan uses (a plan made at
+    launch for one node may leave GPUs out); the options unchanged and no environment when it uses them all."""
+    from tangram_launch.launch.planning import workers_for_plan
+
+    plan = W.read_plan_dict(plan_file)
+    nodes = {r.get("node") for r in plan.get("rank_layout", ())}
+    nproc = options.nproc_per_node
+    narrowed = workers_for_plan(plan, next(iter(nodes)), nproc, os.environ.get("CUDA_VISIBLE_DEVICES")) \
+        if len(nodes) == 1 else None
+    if narrowed is None:
+        return options, {}
+    workers, env = narrowed
+    logger.info("the plan uses %d of this node's %d devices: starting %d worker(s) (CUDA_VISIBLE_DEVICES=%s)",
+                workers, nproc, workers, env["CUDA_VISIBLE_DEVICES"])
+    args = copy.copy(options.torchrun)
+    args.nproc_per_node = str(workers)
+    return dataclasses.replace(options, torchrun=args), env
 
 
 def launch_segment(args: argparse.Namespace, opts: TangramOptions, planned: PlannedLaunch,

@@ -239,13 +239,6 @@ def _archive_segment(run_dir: str, index: int) -> None:
             shutil.move(src, os.path.join(dest, name))
 
 
-def _visible_devices(plan: Mapping[str, Any], node: str, before: str | None, nproc_before: int) -> str:
-    """CUDA_VISIBLE_DEVICES for the plan's GPUs on this node, in the numbering the launch started with."""
-    devices = [d.strip() for d in before.split(",")] if before else [str(i) for i in range(nproc_before)]
-    used = sorted(int(r["local_gpu"]) for r in plan.get("rank_layout", ()) if r.get("node") == node)
-    return ",".join(devices[g] for g in used if g < len(devices))
-
-
 def run_adaptive(ctx: AdaptiveLaunch) -> int:
     """Run segments until one ends without a switch; returns the last segment's exit status."""
     from tangram_launch.launch.lifetime import exported
@@ -305,8 +298,9 @@ def run_adaptive(ctx: AdaptiveLaunch) -> int:
         nproc = sum(1 for r in candidate.plan.get("rank_layout", ()) if r.get("node") == node)
         args = copy.copy(args)
         args.nproc_per_node = str(nproc)
-        env = {"CUDA_VISIBLE_DEVICES": _visible_devices(candidate.plan, node, visible0, nproc0)}
-        from tangram_launch.launch.planning import plan_changes
+        from tangram_launch.launch.planning import plan_changes, visible_devices
+
+        env = {"CUDA_VISIBLE_DEVICES": visible_devices(candidate.plan, node, visible0, nproc0)}
 
         for line in plan_changes(planned.plan_dict, candidate.plan):
             logger.info("adapt:   %s", line)
