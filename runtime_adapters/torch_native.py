@@ -93,10 +93,6 @@ class TorchAdapter(RuntimeAdapter):
         problems = super().plan_problems(plan)
         if plan.schedule not in SCHEDULES:
             problems.append(f"torch runs schedules {', '.join(SCHEDULES)} (plan has '{plan.schedule}')")
-        if (plan.num_stages > 1 and plan.num_microbatches < plan.num_stages and plan.schedule == "1F1B"
-                and plan.topology.uniform_grid):  # the per-stage-grid executor runs any number
-            problems.append(f"torch's Schedule1F1B needs num_microbatches >= stages "
-                            f"({plan.num_microbatches} < {plan.num_stages})")
         return (problems + (model_source or BuiltinGPT()).plan_problems(plan) + _expert_parallel_problems(plan)
                 + chunk_problems(plan) + _stage_grid_problems(plan))
 

@@ -34,6 +34,7 @@ class RuntimeCapabilities:
     schedules: tuple[str, ...] = ("1F1B",)  # pipeline schedules the runtime runs (interleaved-1F1B: virtual stages)
     interleaved_uniform_grid: bool = False  # interleaved 1F1B only when every stage has the same (tp, dp, cp)
     interleaved_expert_parallel: bool = True  # interleaved 1F1B with ep > 1 stages
+    plain_needs_stage_microbatches: bool = False  # one-grid 1F1B needs micro-batches >= stages (torch's Schedule1F1B)
     stage_grids_moe: bool = True  # MoE models too may have stages with their own TP/DP sizes
     dtypes: tuple[str, ...] = DTYPES  # training dtypes the runtime runs
     dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
@@ -58,6 +59,9 @@ class RuntimeCapabilities:
         if schedule == "interleaved-1F1B" and not self.interleaved_expert_parallel and any(s.ep > 1 for s in shapes):
             return [f"{self.name} runs interleaved 1F1B without expert parallelism (plan has ep="
                     f"{max(s.ep for s in shapes)})"]
+        if (schedule == "1F1B" and self.plain_needs_stage_microbatches and 1 < num_stages
+                and num_microbatches < num_stages and len(grids) <= 1):  # a per-stage-grid executor runs any number
+            return [f"{self.name}'s 1F1B needs num_microbatches >= stages ({num_microbatches} < {num_stages})"]
         if schedule == "interleaved-1F1B" and num_stages > 1 and num_microbatches % num_stages:
             # Megatron-core groups micro-batches by pipeline size (microbatch_group_size_per_vp_stage = pp) and
             # refuses a remainder smaller than pp
@@ -126,7 +130,7 @@ class RuntimeCapabilities:
         shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
         out = list(caps.dtype_problems(str(plan.training.get("dtype", "fp32"))))
-        if plan.schedule == "interleaved-1F1B":  # plain schedules (1F1B, GPipe) are each adapter's own check
+        if plan.schedule in ("1F1B", "interleaved-1F1B"):  # GPipe is each adapter's own check
             out.extend(caps.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages,
                                               num_stages=len(shapes), num_microbatches=plan.num_microbatches,
                                               shapes=shapes))
@@ -157,6 +161,7 @@ TORCH = RuntimeCapabilities(
     # GPipe for hand-written plans (the planner costs 1F1B); interleaved 1F1B: ScheduleInterleaved1F1B over one
     # PipelineStage per model chunk (runtime_adapters/interleaved.py), tested exact on 2 CPU ranks
     schedules=("1F1B", "GPipe", "interleaved-1F1B"),
+    plain_needs_stage_microbatches=True,
     interleaved_uniform_grid=True,  # the per-stage-grid executor (runtime_adapters/schedule.py) runs 1F1B/GPipe
     interleaved_expert_parallel=False,  # model chunks are built without expert-parallel groups
     # MoE routing groups and auxiliary losses per re-split micro-batch are untested there: one grid for MoE models

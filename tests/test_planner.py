@@ -672,3 +672,24 @@ def test_each_options_edge_times_are_its_first_and_last_stages_forward_and_backw
             first, last = cand.edges[i]
             assert first == pytest.approx(stages[0].forward_s + stages[0].backward_s, rel=1e-12)
             assert last == pytest.approx(stages[-1].forward_s + stages[-1].backward_s, rel=1e-12)
+
+
+def test_torch_one_grid_1f1b_needs_as_many_micro_batches_as_stages_and_the_planner_reads_it():
+    """torch's Schedule1F1B refuses fewer micro-batches than stages on one grid; the planner proposed such a plan
+    once (a 2-stage tiny pipeline with 1 micro-batch of 8 sequences), which every worker then refused."""
+    from tangram_launch.specs.model import load_model
+    from tangram_launch.specs.shape import StageShape
+
+    one_grid, two_grids = [StageShape()] * 2, [StageShape(dp=2), StageShape()]
+    assert TORCH.schedule_problems("1F1B", num_stages=2, num_microbatches=1, shapes=one_grid)
+    assert not TORCH.schedule_problems("1F1B", num_stages=2, num_microbatches=2, shapes=one_grid)
+    assert not TORCH.schedule_problems("1F1B", num_stages=2, num_microbatches=1, shapes=two_grids)  # grid executor
+    assert not MEGATRON.schedule_problems("1F1B", num_stages=2, num_microbatches=1, shapes=one_grid)
+    # the profile that met it: 2 CPU processes of this machine with the tiny model's layers measured
+    profiled = ClusterSpec.load(os.path.join(os.path.dirname(__file__), "fixtures", "clusters",
+                                             "profiled-cpu-2-layers.yaml"))
+    for schedule in ("1F1B", "auto"):
+        plan = make_plan(profiled, load_model("tiny"), TrainingSpec(global_batch=8, seq_len=64, dtype="bf16"),
+                         runtime="torch", options=PlannerOptions(schedule=schedule))
+        check_invariants(plan, profiled, TORCH)  # runtime_caps.plan_problems(plan) == [] among them
+        assert plan.num_stages == 1 or plan.num_microbatches >= plan.num_stages, (plan.num_stages, plan.num_microbatches)

@@ -250,8 +250,6 @@ class Candidates:
         The composer's ``score``, so the search picks by the number build_plan prints."""
         metrics = self.exact_metrics(seq, metrics)
         plain_s = self.simulated_s(seq, metrics)
-        if schedule == "1F1B":
-            return ScheduleChoice(1, plain_s)
         choice = self.interleaved_choice(seq, metrics, schedule=schedule, capabilities=capabilities,
                                          plain_latency_s=plain_s, floor_only=False)
         if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
@@ -380,20 +378,21 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     assert metrics is not None
     # plain 1F1B as predicted: the event simulation of the stage times (the timeline draws the same run)
     plain_s = cand.simulated_s(comp.options, metrics)
-    v, interleave_notes, t = 1, (), plain_s
-    if schedule != "1F1B":
-        from tangram_launch.capabilities import capabilities_for
-        from tangram_launch.errors import InfeasibleError
+    # plain 1F1B too goes through the choice: the runtime may not run it (torch's one-grid 1F1B needs m >= stages)
+    from tangram_launch.capabilities import capabilities_for
+    from tangram_launch.errors import InfeasibleError
 
-        choice = choose_virtual_stages(stage_costs, num_microbatches=m, period_s=metrics.period_s,
-                                       fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
-                                       capabilities=capabilities or capabilities_for(runtime), training=training,
-                                       plain_latency_s=plain_s, p2p_s=p2p)
-        if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
-            raise InfeasibleError("no interleaved 1F1B schedule for the best pipeline",
-                                  list(choice.rejected) or ["no number of virtual stages fits"])
-        # an interleaved choice's latency: its event simulation + the tail (the timeline draws the same run)
-        v, interleave_notes, t = choice.virtual_stages, choice.rejected, choice.latency_s
+    choice = choose_virtual_stages(stage_costs, num_microbatches=m, period_s=metrics.period_s,
+                                   fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
+                                   capabilities=capabilities or capabilities_for(runtime), training=training,
+                                   plain_latency_s=plain_s, p2p_s=p2p)
+    if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
+        raise InfeasibleError("no interleaved 1F1B schedule for the best pipeline",
+                              list(choice.rejected) or ["no number of virtual stages fits"])
+    if math.isinf(choice.latency_s):
+        raise InfeasibleError(f"{runtime} cannot run the best pipeline's schedule", list(choice.rejected))
+    # an interleaved choice's latency: its event simulation + the tail (the timeline draws the same run)
+    v, interleave_notes, t = choice.virtual_stages, choice.rejected, choice.latency_s
     chunks = interleaved_chunks([st.layers[1] - st.layers[0] for st, _ in stage_costs], v) if v > 1 else None
     stages = []
     preds = []

@@ -65,13 +65,14 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
     if schedule not in PLANNER_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r} (known: {', '.join(PLANNER_SCHEDULES)})")
     m, S = num_microbatches, len(stages)
-    plain = ScheduleChoice(1, plain_latency_s if plain_latency_s is not None
-                           else pipeline_latency_s(m, period_s, fill_s, tail_s))
+    shapes = [st.shape for st, _ in stages]
+    plain_problems = tuple(capabilities.schedule_problems("1F1B", num_stages=S, num_microbatches=m, shapes=shapes))
+    plain = ScheduleChoice(1, math.inf if plain_problems else plain_latency_s if plain_latency_s is not None
+                           else pipeline_latency_s(m, period_s, fill_s, tail_s), plain_problems)
     if schedule == "1F1B":
         return plain
-    rejected: list[str] = []
-    problems = capabilities.schedule_problems("interleaved-1F1B", num_stages=S, num_microbatches=m,
-                                              shapes=[st.shape for st, _ in stages])
+    rejected: list[str] = list(plain_problems)
+    problems = capabilities.schedule_problems("interleaved-1F1B", num_stages=S, num_microbatches=m, shapes=shapes)
     if S < 2:
         problems = ["a single pipeline stage has nothing to interleave"]
     if problems:  # under auto a runtime without the schedule is no news; when insisted on, say why
