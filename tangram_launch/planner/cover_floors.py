@@ -104,9 +104,10 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
 
     ``schedules`` and ``fill_weight``: what the score can be, as compose's ``score_schedules`` and
     ``score_fill_weight`` (compose._dp's floors). With "plain", the option's slowest stage runs its m micro-batches
-    after the least fill in front of it (bounds.plain_1f1b_floor_s); with "interleaved", (m - w) x period +
-    w x fill + tail, the links in both, with w the larger of ``fill_weight`` and 1 / (n // s) for the option's n
-    layers in s stages, and none below 2 layers per stage (a chunk holds a layer); with both, the lesser."""
+    after the least fill in front of it (bounds.plain_1f1b_floor_s); with "interleaved", after w x that fill, or the
+    fill (the links in it), or m x the slowest stage of the covers, + tail (bounds.score_floor_terms), with w the
+    larger of ``fill_weight`` and 1 / (n // s) for the option's n layers in s stages, and none below 2 layers per
+    stage (a chunk holds a layer); with both, the lesser."""
     if rows is not None:
         return _promising_rows(rows, idx, num_layers, num_microbatches, closed_to_beat_s, score_to_beat_s, link_s,
                                schedules, fill_weight)
@@ -161,7 +162,8 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
         q = (t - s) // ns
         if inter and (q >= 2 or not plain):  # (interleaved only: below 2, the fill weight's floor, as _dp)
             wo = 1.0 / q if q >= 2 and q * w < 1.0 else w
-            v = (m - wo) * period + wo * fill + tail
+            v = m * bn + wo * (ff[s] + 2.0 * lk_in)
+            v = max(v, m * stage, fill) + tail
             score = v if v < score else score
         if score < score_to_beat_s:
             out.append(oi)
@@ -225,7 +227,7 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
         q = (t_at - s_at) // rows[:, 3].astype(np.intp)
         chunked = q >= 2
         wo = np.where(chunked & (q * w < 1.0), 1.0 / np.maximum(q, 1), w)
-        v = (m - wo) * period + wo * fill + tail
+        v = np.maximum(np.maximum(m * bn + wo * (ff[s_at] + 2.0 * lk_in), m * stage), fill) + tail
         inter = chunked | (not plain)
         score = np.where(inter & (v < score), v, score)
     keep |= (least < score_to_beat_s) & (score < score_to_beat_s)

@@ -14,9 +14,8 @@ the least GPU-seconds and the least seconds of forward + backward per micro-batc
 their total over all their GPUs). An island o whose every kind takes at least r_o times the least GPU-seconds
 of any island does at most period x GPUs_o / r_o of least GPU-seconds, so the capacity is the sum of GPUs_o / r_o
 (``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least
-(m - 1) x period + fill and its predicted iteration at least m x period, and more where m is small: the lesser of
-plain 1F1B's (m x the slice's period + the fill in front of it) and interleaved 1F1B's (+ (fill - period) / the most
-virtual stages; ``floor``). With the least links into and out of each island (``links``), a slice that does not
+(m - 1) x period + fill and its predicted iteration at least m x the slice's period + the fill in front of it
+(plain 1F1B), or 1/v of that fill (interleaved with v chunks, at most the most virtual stages; ``floor``). With the least links into and out of each island (``links``), a slice that does not
 start at layer 0 has one in front of it and one that does not end at L one behind it: each bounds the period and
 adds twice itself to the fill, the one in front to what is in front too (compose.py counts links so). A query is
 skipped only when both cannot
@@ -131,15 +130,12 @@ class PairFloors:
             front += 2.0 * into
         m = self.m
         # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
-        # (bounds.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v at most
-        # interleave.most_virtual_stages of the slice's layers (none below 2: no interleaving; the fill is at least
-        # the period); the closed form is above both. Either is at least micro-batch 0's way through every layer's
-        # compute (bounds.chain_score_floor_s)
-        plain = max(m * own_period + front, m * rest_period)
+        # (bounds.plain_1f1b_floor_s); interleaved, after 1/v of it (interleaved_schedule.interleaved_floor_s),
+        # with v at most interleave.most_virtual_stages of the slice's layers (none below 2: no interleaving). Not
+        # m x period: the period may be a link, which the simulations take as latency. Either is at least
+        # micro-batch 0's way through every layer's compute (bounds.chain_score_floor_s)
         v = most_virtual_stages(stop - start)
-        if v >= 2:
-            inter = m * period + max(0.0, t - period) / v
-            plain = plain if plain < inter else inter
+        plain = max(m * own_period + (front / v if v >= 2 else front), m * rest_period)
         return (m - 1) * period + t, chain_score_floor_s(plain, compute_s)
 
     def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:
