@@ -182,16 +182,20 @@ def interleaved_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link
     """A floor under the interleaved 1F1B simulation of a sequence with at most ``most_chunks`` chunks per stage
     (and at most n // s for an option of n layers in s stages: a chunk holds a layer) + tail, from the options'
     numbers: interleaved_schedule.interleaved_floor_s, each option's slowest stage running its m micro-batches after
-    1/v of the times and links in front of it, and ``fill_s`` (micro-batch 0's way, each link at least twice)."""
-    best, front = fill_s, 0.0
+    1/v of the times and links in front of it, and micro-batch 0's way: ``fill_s`` (the stages, each link twice),
+    each link twice more (v >= 2 chunks cross it each way)."""
+    best, front, links = 0.0, 0.0, 0.0
     for k, oi in enumerate(seq):
         o = options[oi]
         q = (o.stop - o.start) // o.num_stages
         v = q if 2 <= q < most_chunks else most_chunks
         best = max(best, num_microbatches * o.bottleneck_s + front / v)
         if k + 1 < len(seq):
-            front += o.time_s + 2.0 * link_s[o.island][options[seq[k + 1]].island]
-    return (best + tail_s) * (1.0 - FLOOR_ROUNDING)
+            link = link_s[o.island][options[seq[k + 1]].island]
+            front += o.time_s + 2.0 * link
+            links += link
+    way = fill_s + 2.0 * links
+    return ((way if way > best else best) + tail_s) * (1.0 - FLOOR_ROUNDING)
 
 
 def chain_score_floor_s(score_floor_s: float, compute_fill_s: float) -> float:

@@ -7,7 +7,7 @@ A plan holding option o (layers [s, t)) covers [0, s) and [t, L) with other opti
     fill           >= least fill of a cover of [0, s) + o's time + least fill of a cover of [t, L)
     tail           >= max(o's tail, least tail of either cover)
     closed form    >= (m - 1) x slowest stage + fill + tail          (compose's objective)
-    iteration      >= m x slowest stage + tail                       (compose's score floor: plain or interleaved)
+    iteration      >= m x slowest stage + tail                       (under any score: plain or interleaved)
 
 Above ``exact_islands`` islands the driver composes one option set in many island orders, each a full DP over
 the options on a large cluster; dropping first the options no plan beating the incumbent can hold makes every
@@ -142,13 +142,13 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
             out.append(oi)
             continue
         period, fill = stage, ff[s] + time_s + bf[t]
-        lk_in = 0.0
+        lk_in = lk_out = 0.0
         if links:
             if s:
                 lk_in = lk = into[island]
                 period, fill = (lk if lk > period else period), fill + 2.0 * lk
             if t < L:
-                lk = out_of[island]
+                lk = lk_out = out_of[island]
                 period, fill = (lk if lk > period else period), fill + 2.0 * lk
         if m1 * period + fill + tail < closed_to_beat_s:
             out.append(oi)
@@ -163,7 +163,7 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
         if inter and (q >= 2 or not plain):  # (interleaved only: below 2, the fill weight's floor, as _dp)
             wo = 1.0 / q if q >= 2 and q * w < 1.0 else w
             v = m * bn + wo * (ff[s] + 2.0 * lk_in)
-            v = max(v, m * stage, fill) + tail
+            v = max(v, m * stage, fill + 2.0 * (lk_in + lk_out)) + tail  # (v >= 2 chunks cross each link twice more)
             score = v if v < score else score
         if score < score_to_beat_s:
             out.append(oi)
@@ -199,7 +199,7 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
     least = m * stage + tail
     plain, only_plain, w = score_floor_terms(schedules, fill_weight)
     period, fill = stage, ff[s_at] + time_s + bf[t_at]
-    lk_in = np.zeros(len(idx))
+    lk_in = lk_out = np.zeros(len(idx))
     if link_s is not None:
         into, out_of = least_links(link_s, set(island.tolist()))
         if any(into.values()) or any(out_of.values()):
@@ -214,9 +214,10 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
             lk = out_of_k[island]
             period = np.where(behind, np.maximum(lk, period), period)
             fill = np.where(behind, fill + 2.0 * lk, fill)
+            lk_out = np.where(behind, lk, 0.0)
     with np.errstate(invalid="ignore"):  # 0 x inf (m = 1, no cover in front): nan, not below it, as in the loop
         keep = m1 * period + fill + tail < closed_to_beat_s
-    if not (plain or w > 0.0):  # m x period + tail is all the score's floor
+    if not (plain or w > 0.0):  # m x the slowest stage + tail is all the score's floor
         keep |= least < score_to_beat_s
         return [idx[i] for i in np.flatnonzero(keep).tolist()]
     score = np.full(len(idx), math.inf)
@@ -227,7 +228,8 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
         q = (t_at - s_at) // rows[:, 3].astype(np.intp)
         chunked = q >= 2
         wo = np.where(chunked & (q * w < 1.0), 1.0 / np.maximum(q, 1), w)
-        v = np.maximum(np.maximum(m * bn + wo * (ff[s_at] + 2.0 * lk_in), m * stage), fill) + tail
+        v = np.maximum(np.maximum(m * bn + wo * (ff[s_at] + 2.0 * lk_in), m * stage), fill + 2.0 * (lk_in + lk_out))
+        v = v + tail
         inter = chunked | (not plain)
         score = np.where(inter & (v < score), v, score)
     keep |= (least < score_to_beat_s) & (score < score_to_beat_s)
