@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s
+from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
+from tangram_launch.costmodel.pipeline import simulated_1f1b_s
 
 
 def even(o, seq):
@@ -20,27 +21,33 @@ def with_bottleneck(o, seq):
     return times
 
 
+def stage_seconds(options, link, seq, stage_times=even):
+    """Forward, backward (a third and two thirds of each of ``stage_times``) and one-way p2p seconds of a
+    sequence's stages, with the links' p2p between options (build.Candidates.stage_times)."""
+    fwd, bwd, p2p = [], [], []
+    for n, oi in enumerate(seq):
+        o = options[oi]
+        if n:
+            p2p.append(link[options[seq[n - 1]].island][o.island])
+        p2p.extend([0.0] * (o.num_stages - 1))
+        times = stage_times(o, seq)
+        fwd.extend(t / 3 for t in times)
+        bwd.extend(2 * t / 3 for t in times)
+    return fwd, bwd, p2p
+
+
 def simulated(options, link, m, stage_times=even):
     """A score as the planner's: the 1F1B event simulation of the options' stages (``stage_times``, a third
     forward) with the links' p2p between options, plus the tail."""
     def score(seq, metrics):
-        fwd, bwd, p2p = [], [], []
-        for n, oi in enumerate(seq):
-            o = options[oi]
-            if n:
-                p2p.append(link[options[seq[n - 1]].island][o.island])
-            p2p.extend([0.0] * (o.num_stages - 1))
-            times = stage_times(o, seq)
-            fwd.extend(t / 3 for t in times)
-            bwd.extend(2 * t / 3 for t in times)
-        return simulated_1f1b_s(fwd, bwd, p2p, m) + metrics.tail_s
+        return simulated_1f1b_s(*stage_seconds(options, link, seq, stage_times), m) + metrics.tail_s
     return score
 
 
 def scheduled(options, link, m, schedules=("plain", "interleaved"), most_chunks=8):
     """A score as the planner's under ``schedules``: the plain 1F1B simulation (``simulated``, one stage of each
     option at its bottleneck) and/or interleaved 1F1B with 2..min(``most_chunks``, the fewest layers per stage)
-    chunks, where the stages divide the micro-batches (capabilities.schedule_problems); the least of them (inf for
+    chunks (the event simulation of the op order the runtime runs, as build_plan's), where the stages divide the micro-batches (capabilities.schedule_problems); the least of them (inf for
     a pipeline that cannot interleave where only interleaved schedules count)."""
     plain = simulated(options, link, m, with_bottleneck)
 
@@ -50,7 +57,8 @@ def scheduled(options, link, m, schedules=("plain", "interleaved"), most_chunks=
         if m % sum(options[oi].num_stages for oi in seq):  # the stages must divide the micro-batches
             fewest = 1
         if "interleaved" in schedules:
+            times = stage_seconds(options, link, seq, with_bottleneck)
             for v in range(2, min(most_chunks, fewest) + 1):
-                best = min(best, pipeline_latency_s(m, metrics.period_s, metrics.fill_s, metrics.tail_s, v))
+                best = min(best, simulated_interleaved_1f1b_s(*times, m, v) + metrics.tail_s)
         return best
     return score

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram_launch.capabilities import capabilities_for
-from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s
+from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
+from tangram_launch.costmodel.pipeline import simulated_1f1b_s
 from tangram_launch.planner.bounds import (beyond, beyond_array, beyond_floors, chain_score_floor_s, latency_floor_of,
                                            lower_bound, score_floor_of, slack_cut)
 from tangram_launch.planner.compose import Option
@@ -103,7 +104,8 @@ def test_a_floor_that_ties_a_bound_up_to_rounding_is_not_beyond_it():
 def test_one_micro_batch_chain_is_under_every_schedules_score(stages, m, v, tail_s):
     """chain_score_floor_s(m x the slowest stage, the stages' forward + backward seconds) lies under the plain 1F1B
     simulation and, where the runtime may interleave (m a multiple of the stages), under the interleaved
-    prediction: what lets a micro-batch size with few micro-batches be skipped by its compute alone."""
+    prediction (its event simulation): what lets a micro-batch size with few micro-batches be skipped by its
+    compute alone."""
     fwd = [f for f, _b, _p in stages]
     bwd = [b for _f, b, _p in stages]
     p2p = [p for _f, _b, p in stages[:-1]]
@@ -112,15 +114,13 @@ def test_one_micro_batch_chain_is_under_every_schedules_score(stages, m, v, tail
     assert floor <= (simulated_1f1b_s(fwd, bwd, p2p, m) + tail_s) * (1 + 1e-12)
     S = len(stages)
     if S > 1 and m % S == 0:
-        period = max(times + p2p)
-        fill = sum(times) + 2.0 * sum(p2p)
-        assert floor <= pipeline_latency_s(m, period, fill, tail_s, v) * (1 + 1e-12)
+        assert floor <= (simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v) + tail_s) * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("runtime", ["torch", "megatron"])
 def test_interleaving_needs_the_micro_batches_to_be_a_multiple_of_the_stages(runtime):
-    """What chain_score_floor_s's interleaved case rests on (m >= S): each runtime that interleaves refuses it
-    otherwise."""
+    """What the interleaved simulation (and so chain_score_floor_s's interleaved case) assumes: each runtime that
+    interleaves refuses m not a multiple of S."""
     caps = capabilities_for(runtime)
     assert "interleaved-1F1B" in caps.schedules
     assert caps.schedule_problems("interleaved-1F1B", num_stages=4, num_microbatches=6)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram_launch.capabilities import MEGATRON, TORCH
+from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
 from tangram_launch.planner.api import PlannerOptions, search
@@ -76,7 +77,10 @@ def _instance(seed: int):
     # under every predicted iteration: the plain 1F1B's and the interleaved one's with any v <= 8 chunks that every
     # stage has the layers for, where the stages divide the micro-batches (capabilities.schedule_problems)
     chunks = range(2, min(8, fewest) + 1) if m % len(stage_s) == 0 else ()
-    predicted = min([plain, *(pipeline_latency_s(m, period, fill, 0.0, v) for v in chunks)])
+    crossed = iter(links)
+    p2p = [next(crossed) if j in first_of else 0.0 for j in range(1, len(stage_s))]
+    fwd, bwd = [t / 3 for t in stage_s], [2 * t / 3 for t in stage_s]
+    predicted = min([plain, *(simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v) for v in chunks)])
     spans = list(zip(slice_s, [*slice_s[1:], len(stage_s)]))
     slowest = [max(stage_s[i:j]) for i, j in spans]  # per slice, its slowest stage
     counts = [j - i for i, j in spans]  # per slice, its stages
@@ -164,11 +168,11 @@ def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
     """By hand: two islands of 2 GPUs, four dense layers; island 1 takes twice island 0's floors. The pair (island
     1, layers 2-3 and the head): own GPU-seconds 8.4 on 2 GPUs (period 4.2), seconds 4.2; the rest (layers 0-1 and
     the embedding on island 0) 4.2 GPU-seconds on 2 GPUs, 2.1 s, all of it in front. m = 4: plain 1F1B's floor
-    max(4 x 4.2 + 2.1, 4 x 2.1) = 18.9; interleaved, at most 2 chunks (2 layers), 4 x 4.2 + (6.3 - 4.2) / 2 = 17.85;
-    the lesser. m = 1: plain 4.2 + 2.1 = 6.3; interleaved 4.2 + 2.1 / 2 would be less, but one micro-batch's way
-    through every layer's compute (6.3, bounds.chain_score_floor_s) lies under any score. A slice of one layer cannot
-    interleave: with island 0 on 8 GPUs, island 1's layer 3 and the head take plain 1F1B's 4 x 2.2 + 3.1. The
-    query's own term (api._score_extra_s) is the lesser of the fill in front and the rest's fill / its chunks."""
+    max(4 x 4.2 + 2.1, 4 x 2.1) = 18.9; interleaved, at most 2 chunks (2 layers), max(4 x 4.2 + 2.1 / 2, 4 x 2.1) =
+    17.85; the lesser. m = 1: plain 4.2 + 2.1 = 6.3; interleaved 4.2 + 2.1 / 2 would be less, but one micro-batch's
+    way through every layer's compute (6.3, bounds.chain_score_floor_s) lies under any score. A slice of one layer
+    cannot interleave: with island 0 on 8 GPUs, island 1's layer 3 and the head take plain 1F1B's 4 x 2.2 + 3.1. The
+    query's own term (api._score_extra_s) is the fill in front / its chunks."""
     from tangram_launch.planner.api import _score_extra_s
 
     f0 = {"dense": (2.0, 1.0), "embedding": (0.2, 0.1), "head": (0.2, 0.1)}
@@ -180,9 +184,10 @@ def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
     # island 0's layers 2-3: the rest (island 1's layers 0-1, 8.4 GPU-seconds on 2 GPUs) is the slowest: m x it
     assert PairFloors(kinds, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(0, 2, 4)[1] == pytest.approx(4 * 4.2)
     assert PairFloors(kinds, {0: f0, 1: f1}, {0: 8, 1: 2}, 4).floor(1, 3, 4)[1] == pytest.approx(4 * 2.2 + 3.1)
-    assert _score_extra_s(1.0, 16.0) == 1.0 and _score_extra_s(3.0, 16.0) == 2.0 and _score_extra_s(0.0, 8.0) == 0.0
+    # 1/8 of the fill in front (8 chunks at most), whatever the fill behind (the slowest stage may come first)
+    assert _score_extra_s(1.0, 16.0) == 0.125 and _score_extra_s(3.0, 0.0) == 0.375 and _score_extra_s(0.0, 8.0) == 0.0
     # a slice of 4 layers interleaves in 4 chunks at most, one of 1 layer not at all
-    assert _score_extra_s(3.0, 16.0, 4) == 3.0 and _score_extra_s(5.0, 16.0, 4) == 4.0
+    assert _score_extra_s(3.0, 16.0, 4) == 0.75 and _score_extra_s(5.0, 16.0, 4) == 1.25
     assert _score_extra_s(9.0, 16.0, 1) == 9.0
 
 
@@ -190,10 +195,12 @@ def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
 def test_the_pair_floors_count_the_links_at_the_slices_ends():
     """Four dense layers of 1 s (2 GPU-s) on two islands of 2 GPUs, m = 4, a 3 s link from island 0 to island 1
     (1.5 s back). Without links the pair [2, 4) on island 1 has period 2, fill 2 + 2, 2 s in front: closed form
-    3 x 2 + 4 = 10, plain 4 x 2 + 2 = 10, interleaved (2 layers: 2 chunks) 4 x 2 + (4 - 2) / 2 = 9. The link in
-    front of it bounds the period (3) and adds twice itself to the fill (10) and to what is in front (8): closed
-    form 3 x 3 + 10 = 19, plain 4 x 2 + 8 = 16, interleaved 4 x 3 + (10 - 3) / 2 = 15.5. The pair [0, 2) on island
-    0 has the link behind it: the same closed form and interleaved floor, nothing in front for the plain one."""
+    3 x 2 + 4 = 10, plain 4 x 2 + 2 = 10, interleaved (2 layers: 2 chunks) 4 x 2 + 2 / 2 = 9. The link in front
+    of it bounds the period (3) and adds twice itself to the fill (10) and to what is in front (8): closed form
+    3 x 3 + 10 = 19, plain 4 x 2 + 8 = 16, interleaved the larger of 4 x 2 + 8 / 2 = 12 (not m x the link: the
+    simulation takes it as latency) and micro-batch 0's way, 4 s of compute and the link twice each way (2 chunks),
+    16. The pair [0, 2) on island 0 has the link behind it: the same closed form, nothing in front for the plain
+    one (8, the lesser)."""
     from tangram_launch.planner.bounds import least_links
 
     f = {"dense": (2.0, 1.0), "embedding": (0.0, 0.0), "head": (0.0, 0.0)}
@@ -203,7 +210,7 @@ def test_the_pair_floors_count_the_links_at_the_slices_ends():
     links = least_links([[0.0, 3.0], [1.5, 0.0]], [0, 1])
     assert links == ({0: 1.5, 1: 3.0}, {0: 3.0, 1: 1.5})
     linked = PairFloors(kinds, {0: f, 1: f}, {0: 2, 1: 2}, 4, links)
-    assert linked.floor(1, 2, 4) == pytest.approx((19.0, 15.5))
+    assert linked.floor(1, 2, 4) == pytest.approx((19.0, 16.0))
     assert linked.floor(0, 0, 2) == pytest.approx((19.0, 8.0))
     assert linked.floor(1, 0, 4) == plain.floor(1, 0, 4)  # the whole model: no link
 

@@ -38,7 +38,7 @@ from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s, group_minima, stage_totals
 from tangram_launch.planner.collector import no_collections
 from tangram_launch.planner import bounds
-from tangram_launch.planner.bounds import least_links, plain_1f1b_floor_s
+from tangram_launch.planner.bounds import interleaved_1f1b_floor_s, least_links, plain_1f1b_floor_s
 from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states, pick
 from tangram_launch.planner.cover_floors import island_floors_s, promising
 from tangram_launch.planner.dropped import dropped_islands
@@ -610,16 +610,13 @@ def _score_extra_s(front_s: float, outside_s: float, num_layers: int = MAX_VIRTU
     """What any predicted iteration of a pipeline holding a slice plan of ``num_layers`` layers adds to m x its
     slowest stage + its tail, at least: the plain 1F1B runs that stage's m micro-batches after the first one's
     forward reached it and before the last one's backward left the stages in front (bounds.plain_1f1b_floor_s:
-    + the fill in front); interleaved with v chunks, m x period + (fill - period) / v >= m x the stage + (the rest's
-    fill) / v (the slice's own fill is at least its slowest stage), where v is at most MAX_VIRTUAL_STAGES and the
-    fewest layers of any stage (interleave.choose_virtual_stages), so at most the slice's layers: a slice of one
-    layer cannot interleave. The closed form adds both. A query's score bound is lowered by it, as its closed-form
-    bound is by the fill outside (with few micro-batches, a sizeable share of the score floor)."""
+    + the fill in front); interleaved with v chunks, 1/v of that fill (interleaved_schedule.interleaved_floor_s),
+    where v is at most MAX_VIRTUAL_STAGES and the fewest layers of any stage (interleave.choose_virtual_stages), so
+    at most the slice's layers: a slice of one layer cannot interleave. The closed form adds both. A query's score
+    bound is lowered by it, as its closed-form bound is by the fill outside (``outside_s``, which a score need not
+    add: a slice's slowest stage at the front of an interleaved pipeline never idles)."""
     v = most_virtual_stages(num_layers)
-    if v < 2:
-        return front_s
-    inter = outside_s / v
-    return front_s if front_s < inter else inter
+    return front_s if v < 2 else front_s / v
 
 
 def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor, results: dict,
@@ -843,7 +840,7 @@ class ClassScores:
     """How the composer ranks the pipelines of one compatibility class (``idx``: its options in ``cand``; ``sub``:
     those options, which a pipeline ``seq`` indexes): the predicted iteration build_plan will report, and floors
     under it for pruning. ``schedules``: the schedules whose predictions can matter in this class
-    (_score_schedules); ``fill_weight``: 1 / MAX_VIRTUAL_STAGES where interleaved ones do, else 0."""
+    (_score_schedules)."""
 
     cand: Candidates
     idx: Sequence[int]
@@ -852,7 +849,6 @@ class ClassScores:
     caps: RuntimeCapabilities
     opts: PlannerOptions
     schedules: tuple[str, ...]
-    fill_weight: float
     scores: dict = field(default_factory=dict)  # the island orders meet the same plans again and again
 
     def predicted_s(self, seq: tuple[int, ...], metrics) -> float:
@@ -884,9 +880,9 @@ class ClassScores:
     def floor_s(self, seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s where it can matter: plain 1F1B, the larger of bounds.plain_1f1b_floor_s and the
         round trips across its stage boundaries (costmodel.pipeline.cycle_floor_1f1b_s: where a slow link lies
-        between islands, most candidates' simulations are far above the former); interleaved, m x period + (fill -
-        period) / v + tail with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the slowest stage's m
-        forwards and backwards and the tail."""
+        between islands, most candidates' simulations are far above the former); interleaved,
+        bounds.interleaved_1f1b_floor_s with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the slowest
+        stage's m forwards and backwards and the tail."""
         if self.schedules == SCORE_ANY:
             return self.m * max(self.sub[i].bottleneck_s for i in seq) + metrics.tail_s
         floor = math.inf
@@ -897,14 +893,14 @@ class ClassScores:
             floor = self.plain_floor_s(seq, metrics, round_trips=len(seq) > 1 and (
                 "interleaved" in self.schedules or not self.one_grid(seq)))
         if "interleaved" in self.schedules:
-            w = self.fill_weight
-            floor = min(floor, (self.m - w) * metrics.period_s + w * metrics.fill_s + metrics.tail_s)
+            floor = min(floor, interleaved_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.fill_s,
+                                                        metrics.tail_s, MAX_VIRTUAL_STAGES))
         return floor
 
     def fine_floor_s(self, seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s, asked only before scoring: the lesser of the plain 1F1B's floors (compose's and the
-        round trips across its stage boundaries) and the best interleaved schedule's own prediction, which needs no
-        simulation. Under any schedule and class (an interleaved score is the interleaved prediction): floor_s's
+        round trips across its stage boundaries) and the best interleaved schedule's own floor
+        (interleaved_schedule.interleaved_floor_s of its stages), which needs no simulation. Under any schedule and class (an interleaved score is the interleaved prediction): floor_s's
         interleaved floor is the least over every number of virtual stages and memory, this one the schedule
         build_plan would choose, so far fewer candidates are simulated."""
         plain = self.plain_floor_s(seq, metrics, round_trips=True)
@@ -982,7 +978,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
     idx, sub, present = chosen.idx, chosen.sub, chosen.present
     edges = pick(cand.edges, idx) if len(cand.edges) == len(cand.options) else None
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
-    scorer = ClassScores(cand, idx, sub, m, caps, opts, schedules, weight)
+    scorer = ClassScores(cand, idx, sub, m, caps, opts, schedules)
     best = None
 
     def run(order: list[int] | None, merge_fronts: bool = False, quick_plan: bool = True) -> float | None:

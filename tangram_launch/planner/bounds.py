@@ -47,8 +47,8 @@ size floor: api.SizeFloor: closed form and score of any plan at one micro-batch 
 
 compute chain: chain_score_floor_s: a score floor, or the layers' least forward + backward seconds if larger
     prunes: api.SizeFloor.score_s, pair_floors.PairFloors.floor (sizes with few micro-batches)
-    safe:   micro-batch 0 runs every layer's forward and backward in turn (plain 1F1B); an interleaved pipeline
-            has m >= S stages (m a multiple of S), so m x its period covers every stage's time
+    safe:   micro-batch 0 runs every layer's forward and backward in turn, plain 1F1B or every chunk of every
+            stage interleaved (interleaved_schedule.interleaved_floor_s)
     test:   test_planner_bounds.py::test_one_micro_batch_chain_is_under_every_schedules_score,
             ::test_interleaving_needs_the_micro_batches_to_be_a_multiple_of_the_stages,
             ::test_the_schedule_the_plan_reports_lies_above_the_compute_chain;
@@ -100,9 +100,11 @@ DP entry: the same with the entry's own fill, tail and period (its bucket's leas
     test:   test_planner_compose.py::test_dp_matches_brute_force_on_random_instances,
             ::test_bound_step_is_never_better_than_exact_and_close
 
-DP score floors: score_floor_terms: m x period + tail; (m - w) x period + w x fill + tail
+DP score floors: score_floor_terms: max(m x stage, fill, m x stage + w x fill in front) + tail
     prunes: _add_options / _option_score_floor, _add_entries
-    safe:   under any score; interleaving with at most 1/w chunks per stage hides at most that much fill
+    safe:   every rank runs m micro-batches; micro-batch 0 passes every stage and link both ways; interleaved with
+            at most 1/w chunks per stage, a stage waits for 1/v of the stages in front (interleaved_floor_s).
+            Not m x period: a period may be a link, and the simulations take a link as latency
     test:   test_planner_compose.py::test_the_chosen_plan_has_the_least_score_of_every_candidate,
             ::test_an_interleaved_only_score_with_its_fill_weight_finds_the_least_score,
             ::test_each_option_caps_the_chunks_of_any_pipeline_holding_it
@@ -119,12 +121,15 @@ The DP's floors in full (compose._add_options, _option_score_floor, _add_entries
 dropped as soon as even its cheapest completion cannot beat the closed form to beat:
   (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])
 where the pre_* are the least of any cover of [0, start) by distinct islands free in front of it (PrefixBounds).
-With a score to beat a sequence is kept too while m x its period + its tail can beat it: that floor lies under any
-score (compose's score_floor), and a score can rank a plan well below its closed form (the interleaved schedule
-shrinks the bubble); with a fill weight w, (m - w) x period + w x fill + tail (a score that only interleaved
-schedules with at most 1/w chunks per stage can reach), where an option of n layers in s stages weighs more: a chunk
-holds a layer at least, so a pipeline holding it interleaves in at most n // s chunks (its least stage has no more
-layers), and not at all below 2, where the plain floor alone holds. Where the score is the plain 1F1B simulation
+With a score to beat a sequence is kept too while the largest of m x the least slowest stage of any cover
+(PrefixCovers.stage_period_s), its fill (micro-batch 0's way through every stage and link and back) and m x the
+option's slowest stage + w x the fill in front of it, + its tail, can beat it: that floor lies under any score
+(compose's score_floor; w = 0), and a score can rank a plan well below its closed form (the interleaved schedule
+shrinks the bubble). A fill weight w > 0 holds for scores that only interleaved schedules with at most 1/w chunks
+per stage can reach (a stage waits for 1/v of each stage in front and each link both ways: interleaved_floor_s),
+where an option of n layers in s stages weighs more: a chunk holds a layer at least, so a pipeline holding it
+interleaves in at most n // s chunks (its least stage has no more layers), and not at all below 2, where the plain
+floor alone holds. Not m x the period: the period may be a link, which the simulations take as latency. Where the score is the plain 1F1B simulation
 (schedules hold "plain"), its floor is instead the largest of pre_fill[start] + plain_s (a stage runs its m forwards
 and backwards after the first micro-batch's forward reached it and before the last one's backward left the stages in
 front: plain_1f1b_floor_s), m x the least slowest stage of any cover (PrefixCovers.stage_period_s, without links: the
@@ -144,6 +149,7 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.costmodel.slice_bounds import (BOUND_SLACK, beyond, beyond_array, beyond_floors,
                                                    latency_floor_of, score_floor_of, slack_cut)
 
@@ -151,7 +157,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.planner.compose import Option
 
 __all__ = ["BOUND_SLACK", "Covers", "PrefixBounds", "PrefixCovers", "beyond", "beyond_array", "beyond_floors",
-           "chain_score_floor_s", "covers", "covers_of",
+           "chain_score_floor_s", "covers", "covers_of", "interleaved_1f1b_floor_s",
            "cycles_s", "front_link_s", "latency_floor_of", "least_links", "lower_bound", "pair_minima",
            "plain_1f1b_floor_s", "round_trips_s", "row_minima", "score_floor_of", "score_floor_terms", "slack_cut"]
 
@@ -171,12 +177,32 @@ def plain_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Se
     return best + tail_s
 
 
+def interleaved_1f1b_floor_s(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Sequence[float]],
+                             num_microbatches: int, fill_s: float, tail_s: float, most_chunks: int) -> float:
+    """A floor under the interleaved 1F1B simulation of a sequence with at most ``most_chunks`` chunks per stage
+    (and at most n // s for an option of n layers in s stages: a chunk holds a layer) + tail, from the options'
+    numbers: interleaved_schedule.interleaved_floor_s, each option's slowest stage running its m micro-batches after
+    1/v of the times and links in front of it, and micro-batch 0's way: ``fill_s`` (the stages, each link twice),
+    each link twice more (v >= 2 chunks cross it each way)."""
+    best, front, links = 0.0, 0.0, 0.0
+    for k, oi in enumerate(seq):
+        o = options[oi]
+        q = (o.stop - o.start) // o.num_stages
+        v = q if 2 <= q < most_chunks else most_chunks
+        best = max(best, num_microbatches * o.bottleneck_s + front / v)
+        if k + 1 < len(seq):
+            link = link_s[o.island][options[seq[k + 1]].island]
+            front += o.time_s + 2.0 * link
+            links += link
+    way = fill_s + 2.0 * links
+    return ((way if way > best else best) + tail_s) * (1.0 - FLOOR_ROUNDING)
+
+
 def chain_score_floor_s(score_floor_s: float, compute_fill_s: float) -> float:
     """A score floor raised to the floor under the sum of a pipeline's stages' forward + backward seconds (links
     left out), which lies under any pipeline's predicted iteration: plain 1F1B runs micro-batch 0's forwards and
-    backwards through every stage one after another; interleaved 1F1B needs the m micro-batches to be a multiple
-    of the S stages (RuntimeCapabilities.schedule_problems), so its prediction m x period + (fill - period) / v is
-    at least S x period, at least the stages' seconds. With many micro-batches m x the period dominates and this
+    backwards through every stage one after another, and interleaved 1F1B every chunk of every stage (the second
+    term of interleaved_schedule.interleaved_floor_s). With many micro-batches m x the period dominates and this
     adds nothing; with few, the compute of one micro-batch's way is the larger."""
     return score_floor_s if score_floor_s > compute_fill_s else compute_fill_s
 
@@ -228,9 +254,10 @@ def front_link_s(link_s: Sequence[Sequence[float]], mask: int, island: int, cach
 
 def score_floor_terms(schedules: tuple[str, ...], fill_weight: float) -> tuple[bool, bool, float]:
     """How the DP's score floor reads compose's ``score_schedules`` and ``score_fill_weight``: (plain, only_plain,
-    w). plain: the plain 1F1B floor counts (plain_s); only_plain: nothing else does; w: the fill's weight in the
-    interleaved floor (m - w) x period + w x fill + tail (0: m x period + tail, under every score). With "any", or
-    both schedules and no weight, m x period + tail is all (it lies under the plain floor too)."""
+    w). plain: the plain 1F1B floor counts (plain_s); only_plain: nothing else does; w: the weight of the fill in
+    front of a stage in the floor under every score, max(m x slowest stage, fill, m x a stage + w x the fill in
+    front of it) + tail (interleaved_schedule.interleaved_floor_s with at most 1 / w chunks; 0: under every
+    score). With "any", or both schedules and no weight, w = 0 is all (it lies under the plain floor too)."""
     plain = "plain" in schedules
     if "any" in schedules or (plain and "interleaved" in schedules and fill_weight == 0.0):
         return False, False, 0.0

@@ -69,8 +69,9 @@ def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_la
     ``score_floors``, if given, receives per class m x P* + least tail: under any predicted iteration (the slowest
     stage runs m micro-batches, plain or interleaved, then the tail), which a schedule's score can reach where the
     closed form does not. ``interleaved_floors`` = (dict, V) receives per class a floor under the interleaved
-    iteration with 2..V virtual stages, m x P + (F - P) / v + T >= (m - 1/V) x P* + F* / V + least tail
-    (costmodel.pipeline.pipeline_latency_s). An option whose class is None counts in none.
+    iteration with 2..V virtual stages, max(m x P*, F*) + least tail: every rank runs its m micro-batches, and
+    micro-batch 0 passes every stage both ways (interleaved_schedule.interleaved_floor_s; not the closed form
+    m x P + (F - P) / v, which a slow first stage undercuts). An option whose class is None counts in none.
 
     ``minima``: the options as option_minima's (minima, island, length) parts (a driver's, per pair), their minima
     keyed by groups that ``class_of`` maps to the classes (None: in none); the options are then not read."""
@@ -107,8 +108,8 @@ def class_floors_s(options: Sequence[Option], groups: Sequence[Hashable], num_la
         if score_floors is not None:
             score_floors[g] = (num_microbatches * period + tails[g]) * (1.0 - _ROUNDING)
         if interleaved_floors is not None:
-            floors, v = interleaved_floors
-            floors[g] = ((num_microbatches - 1.0 / v) * period + fill / v + tails[g]) * (1.0 - _ROUNDING)
+            floors = interleaved_floors[0]
+            floors[g] = (max(num_microbatches * period, fill) + tails[g]) * (1.0 - _ROUNDING)
     return out
 
 

@@ -58,17 +58,18 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
+from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
 _INF = float("inf")
-SCORE_ANY = ("any",)  # compose's score may be anything: its floor is m x period + tail
+SCORE_ANY = ("any",)  # compose's score may be anything: its floor is bounds.score_floor_terms's with w = 0
 # stage times in the DP's cycle floors are taken this much lower: a slice plan's numbers sum forward and backward
 # once, the simulation reads them apart (an ulp's difference must not prune a plan that ties)
 _EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
-_NO_FLOOR = (0.0,) * 9  # an offer's _OptionFloor fields where nothing prunes (never read)
+_NO_FLOOR = (0.0,) * 8  # an offer's _OptionFloor fields where nothing prunes (never read)
 
 
 class Option(NamedTuple):
@@ -333,10 +334,9 @@ class _OptionFloor(NamedTuple):
     base: float  # least fill in front of the option and the option's own (with its link)
     in_front: float  # base less the option's own
     tail_lb: float  # least tail
-    ps: float  # m x the least slowest stage (plain floor)
+    ps: float  # m x the least slowest stage (under any score)
     trips_on: bool  # the boundaries it adds have a link or stages (plain floor's round trips)
-    wo: float  # the fill's weight in the interleaved floor for this option
-    mwo: float  # the period's weight (m - wo)
+    stage_s: float  # max(ps, m x its bottleneck + wo x in_front): the score floor's part but for the fill
     plain_only: bool  # the plain floor alone counts
 
 
@@ -345,7 +345,7 @@ class _Pass:
     and the tables. Bound once per pass; the steps copy what their loops read into locals."""
 
     __slots__ = ("options", "link_s", "num_layers", "m", "m1", "required", "beat", "score_beat", "stats", "rank",
-                 "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "mw", "score_only",
+                 "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms")
 
@@ -355,6 +355,8 @@ class _Pass:
                  score_beat: float, fill_weight: float, schedules: tuple[str, ...], merge_fronts: bool,
                  edge_s: Sequence[tuple[float, float]] | None) -> None:
         self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
+        # the score floors sum in another order than the simulations: a floor prunes only FLOOR_ROUNDING above it
+        score_beat = score_beat / (1.0 - FLOOR_ROUNDING)
         self.beat, self.score_beat, self.stats, self.rank, self.beam = beat, score_beat, stats, rank, beam
         self.quantum, self.prep = quantum, prep
         self.merge = merge_fronts and rank is None
@@ -362,7 +364,6 @@ class _Pass:
         m = self.m = num_microbatches
         self.m1 = m - 1
         self.plain, self.only_plain, self.w = score_floor_terms(schedules, fill_weight)
-        self.mw = m - self.w  # the score floor's weights of fill and period
         # with a known score (its floor holds) and a best score to beat, an entry is kept only while its score floor
         # can beat it: the closed form is a proxy, and what the closed form alone would keep scores no better
         self.score_only = (self.plain or self.w > 0.0) and score_beat < _INF
@@ -390,7 +391,7 @@ class _Pass:
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
         # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
-        self.option_terms = (options, m, self.m1, self.w, self.mw, self.only_plain, self.plain, self.prune,
+        self.option_terms = (options, m, self.m1, self.w, self.only_plain, self.plain, self.prune,
                              self.score_only, beat, self.edged, prep.period_lb, prep.stage_lb)
         self.entry_terms = (self.m1, beat, score_beat, self.score_only, self.shrink, self.plain, self.trips, self.c1,
                             self.c0, self.t_first, self.t_last, self.edged, self.stage_cap, prep.n_cap, quantum,
@@ -501,7 +502,7 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
     (_covered_room) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
     + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
     floors (an _OptionFloor's fields) go on to _add_entries in its offer, flat, which judges each entry by them."""
-    options, m, m1, w, mw, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
+    options, m, m1, w, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
     f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
     offers = []
@@ -516,13 +517,12 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
         add = time_s + 2.0 * link
         per = bn if bn > link else link  # the period it adds
         if prune:
-            wo, mwo, plain_only = w, mw, only_plain
+            wo, plain_only = w, only_plain
             if w > 0.0:  # its least stage has at most q layers: v <= q chunks, none below 2
                 q = (stop - start) // ns
                 if q * w < 1.0:
                     if q >= 2:
                         wo = 1.0 / q
-                        mwo = m - wo
                     elif plain:
                         plain_only = True
             if start:
@@ -535,12 +535,12 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
             if base == _INF:
                 continue  # the islands free in front of it cannot cover [0, start)
             tail_lb = tail if tail > pre_tail[start] else pre_tail[start]
-            ps = trips_on = 0.0
-            if plain:  # any stage's m micro-batches: the slowest of any cover, or of those in front
-                ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
-                trips_on = link or start or (edged and f >= 0)  # a boundary with a link or stages
-            offer = (oi, lo, fits, start, ns, tail, add, per, m * bn, per_lb, base, in_front, tail_lb, ps, trips_on, wo,
-                     mwo, plain_only)
+            # any stage's m micro-batches: the slowest of any cover, or of those in front
+            ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])
+            trips_on = plain and (link or start or (edged and f >= 0))  # a boundary with a link or stages
+            stage_s = m * bn + wo * in_front  # its slowest stage after the front's chunks (1/v of each, v <= 1/wo)
+            offer = (oi, lo, fits, start, ns, tail, add, per, m * bn, per_lb, base, in_front, tail_lb, ps, trips_on,
+                     stage_s if stage_s > ps else ps, plain_only)
             lf = least_f[fits - 1] + tail_lb
             lft = least_ft[fits - 1]
             if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
@@ -554,9 +554,10 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
 
 def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) -> float:
     """The least score floor of an offer (_add_options) in front of any of the first ``fits`` entries of a state: the
-    interleaved floor (m - w) x period + w x fill + tail, or (and) the plain 1F1B floor (bounds.py)."""
-    oi, _, fits, start, ns, _, add, _, mb, per_lb, base, in_front, tail_lb, ps, _, wo, mwo, plain_only = offer
-    sf = mwo * per_lb + wo * (base + front.least_f[fits - 1]) + tail_lb
+    floor under any score (bounds.score_floor_terms), or (and) the plain 1F1B floor (bounds.py)."""
+    oi, _, fits, start, ns, _, add, _, mb, per_lb, base, in_front, tail_lb, ps, _, stage_s, plain_only = offer
+    sf = base + front.least_f[fits - 1]
+    sf = (stage_s if stage_s > sf else sf) + tail_lb
     if not run.plain:
         return sf
     a = add + front.least_a[fits - 1]
@@ -588,7 +589,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
     entries, prune = front.entries, run.prune
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
-        for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, wo, mwo, \
+        for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
                 plain_only in offers:
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
@@ -616,7 +617,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
                         p = per_lb
                     t = e1 if e1 > tail_lb else tail_lb
                     if score_only or m1 * p + base + e0 + t >= beat:
-                        sf = mwo * p + wo * (base + e0) + t
+                        sf = base + e0
+                        sf = (stage_s if stage_s > sf else sf) + t
                         if plain:
                             pf = a + in_front
                             if ps > pf:
@@ -998,10 +1000,10 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     milliseconds and an island-order search meets tens of thousands of candidates); ``score_floor_fine``: a
     tighter, dearer floor under ``score``, asked only of a candidate ``score_floor`` lets through (the score is
     computed only if this one can beat the best score too); ``score_fill_weight`` w:
-    the DP's floor under the score is (m - w) x period + w x fill + tail (default m x period + tail; 1/V where
-    only interleaved schedules of at most V chunks per stage are scored, costmodel.pipeline_latency_s), and a
-    score's interleaved schedules must hold a layer per chunk at least (interleave.most_virtual_stages): an
-    option of n layers in s stages raises w to 1 / (n // s);
+    the DP's floor under the score is the largest of m x the slowest stage, the fill and m x a stage + w x the
+    fill in front of it, + tail (default w = 0; 1/V where only interleaved schedules of at most V chunks per stage
+    are scored: interleaved_schedule.interleaved_floor_s), and a score's interleaved schedules must hold a layer
+    per chunk at least (interleave.most_virtual_stages): an option of n layers in s stages raises w to 1 / (n // s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
     the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``); ``merge_fronts``:
     the sequences of one island set whose front islands have the same links from every other island

@@ -7,7 +7,7 @@ A plan holding option o (layers [s, t)) covers [0, s) and [t, L) with other opti
     fill           >= least fill of a cover of [0, s) + o's time + least fill of a cover of [t, L)
     tail           >= max(o's tail, least tail of either cover)
     closed form    >= (m - 1) x slowest stage + fill + tail          (compose's objective)
-    iteration      >= m x slowest stage + tail                       (compose's score floor: plain or interleaved)
+    iteration      >= m x slowest stage + tail                       (under any score: plain or interleaved)
 
 Above ``exact_islands`` islands the driver composes one option set in many island orders, each a full DP over
 the options on a large cluster; dropping first the options no plan beating the incumbent can hold makes every
@@ -104,9 +104,10 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
 
     ``schedules`` and ``fill_weight``: what the score can be, as compose's ``score_schedules`` and
     ``score_fill_weight`` (compose._dp's floors). With "plain", the option's slowest stage runs its m micro-batches
-    after the least fill in front of it (bounds.plain_1f1b_floor_s); with "interleaved", (m - w) x period +
-    w x fill + tail, the links in both, with w the larger of ``fill_weight`` and 1 / (n // s) for the option's n
-    layers in s stages, and none below 2 layers per stage (a chunk holds a layer); with both, the lesser."""
+    after the least fill in front of it (bounds.plain_1f1b_floor_s); with "interleaved", after w x that fill, or the
+    fill (the links in it), or m x the slowest stage of the covers, + tail (bounds.score_floor_terms), with w the
+    larger of ``fill_weight`` and 1 / (n // s) for the option's n layers in s stages, and none below 2 layers per
+    stage (a chunk holds a layer); with both, the lesser."""
     if rows is not None:
         return _promising_rows(rows, idx, num_layers, num_microbatches, closed_to_beat_s, score_to_beat_s, link_s,
                                schedules, fill_weight)
@@ -141,13 +142,13 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
             out.append(oi)
             continue
         period, fill = stage, ff[s] + time_s + bf[t]
-        lk_in = 0.0
+        lk_in = lk_out = 0.0
         if links:
             if s:
                 lk_in = lk = into[island]
                 period, fill = (lk if lk > period else period), fill + 2.0 * lk
             if t < L:
-                lk = out_of[island]
+                lk = lk_out = out_of[island]
                 period, fill = (lk if lk > period else period), fill + 2.0 * lk
         if m1 * period + fill + tail < closed_to_beat_s:
             out.append(oi)
@@ -161,7 +162,8 @@ def promising(options: Sequence[Option], idx: Sequence[int], num_layers: int, nu
         q = (t - s) // ns
         if inter and (q >= 2 or not plain):  # (interleaved only: below 2, the fill weight's floor, as _dp)
             wo = 1.0 / q if q >= 2 and q * w < 1.0 else w
-            v = (m - wo) * period + wo * fill + tail
+            v = m * bn + wo * (ff[s] + 2.0 * lk_in)
+            v = max(v, m * stage, fill + 2.0 * (lk_in + lk_out)) + tail  # (v >= 2 chunks cross each link twice more)
             score = v if v < score else score
         if score < score_to_beat_s:
             out.append(oi)
@@ -197,7 +199,7 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
     least = m * stage + tail
     plain, only_plain, w = score_floor_terms(schedules, fill_weight)
     period, fill = stage, ff[s_at] + time_s + bf[t_at]
-    lk_in = np.zeros(len(idx))
+    lk_in = lk_out = np.zeros(len(idx))
     if link_s is not None:
         into, out_of = least_links(link_s, set(island.tolist()))
         if any(into.values()) or any(out_of.values()):
@@ -212,9 +214,10 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
             lk = out_of_k[island]
             period = np.where(behind, np.maximum(lk, period), period)
             fill = np.where(behind, fill + 2.0 * lk, fill)
+            lk_out = np.where(behind, lk, 0.0)
     with np.errstate(invalid="ignore"):  # 0 x inf (m = 1, no cover in front): nan, not below it, as in the loop
         keep = m1 * period + fill + tail < closed_to_beat_s
-    if not (plain or w > 0.0):  # m x period + tail is all the score's floor
+    if not (plain or w > 0.0):  # m x the slowest stage + tail is all the score's floor
         keep |= least < score_to_beat_s
         return [idx[i] for i in np.flatnonzero(keep).tolist()]
     score = np.full(len(idx), math.inf)
@@ -225,7 +228,8 @@ def _promising_rows(rows: np.ndarray, idx: Sequence[int], num_layers: int, num_m
         q = (t_at - s_at) // rows[:, 3].astype(np.intp)
         chunked = q >= 2
         wo = np.where(chunked & (q * w < 1.0), 1.0 / np.maximum(q, 1), w)
-        v = (m - wo) * period + wo * fill + tail
+        v = np.maximum(np.maximum(m * bn + wo * (ff[s_at] + 2.0 * lk_in), m * stage), fill + 2.0 * (lk_in + lk_out))
+        v = v + tail
         inter = chunked | (not plain)
         score = np.where(inter & (v < score), v, score)
     keep |= (least < score_to_beat_s) & (score < score_to_beat_s)

@@ -14,9 +14,9 @@ the least GPU-seconds and the least seconds of forward + backward per micro-batc
 their total over all their GPUs). An island o whose every kind takes at least r_o times the least GPU-seconds
 of any island does at most period x GPUs_o / r_o of least GPU-seconds, so the capacity is the sum of GPUs_o / r_o
 (``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least
-(m - 1) x period + fill and its predicted iteration at least m x period, and more where m is small: the lesser of
-plain 1F1B's (m x the slice's period + the fill in front of it) and interleaved 1F1B's (+ (fill - period) / the most
-virtual stages; ``floor``). With the least links into and out of each island (``links``), a slice that does not
+(m - 1) x period + fill and its predicted iteration at least m x the slice's period + the fill in front of it
+(plain 1F1B), or 1/v of that fill or the compute + each link at its ends four times (interleaved with 2 <= v
+chunks, at most the most virtual stages; ``floor``). With the least links into and out of each island (``links``), a slice that does not
 start at layer 0 has one in front of it and one that does not end at L one behind it: each bounds the period and
 adds twice itself to the fill, the one in front to what is in front too (compose.py counts links so). A query is
 skipped only when both cannot
@@ -110,7 +110,7 @@ class PairFloors:
             return 0.0, 0.0
         g, t = self._part(own, start, stop, True)
         own_period = period = g / self.gpus[island]
-        rest_period = front = 0.0
+        rest_period = front = into = out = 0.0
         if (start, stop) != (0, self.L):
             rest = self.rest[island]
             if rest is None:
@@ -131,14 +131,15 @@ class PairFloors:
             front += 2.0 * into
         m = self.m
         # predicted iteration: plain 1F1B runs the slice's slowest stage m times after the fill in front of it
-        # (bounds.plain_1f1b_floor_s); interleaved, m x period + (fill - period) / v with v at most
-        # interleave.most_virtual_stages of the slice's layers (none below 2: no interleaving; the fill is at least
-        # the period); the closed form is above both. Either is at least micro-batch 0's way through every layer's
-        # compute (bounds.chain_score_floor_s)
+        # (bounds.plain_1f1b_floor_s); interleaved, after 1/v of it, or micro-batch 0's way through every chunk,
+        # each link v >= 2 times each way (interleaved_schedule.interleaved_floor_s), with v at most
+        # interleave.most_virtual_stages of the slice's layers (none below 2: no interleaving); the lesser. Not
+        # m x period: the period may be a link, which the simulations take as latency. Either is at least
+        # micro-batch 0's way through every layer's compute (bounds.chain_score_floor_s)
         plain = max(m * own_period + front, m * rest_period)
         v = most_virtual_stages(stop - start)
         if v >= 2:
-            inter = m * period + max(0.0, t - period) / v
+            inter = max(m * own_period + front / v, m * rest_period, compute_s + 4.0 * (into + out))
             plain = plain if plain < inter else inter
         return (m - 1) * period + t, chain_score_floor_s(plain, compute_s)
 
