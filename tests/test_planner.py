@@ -693,3 +693,23 @@ def test_torch_one_grid_1f1b_needs_as_many_micro_batches_as_stages_and_the_plann
                          runtime="torch", options=PlannerOptions(schedule=schedule))
         check_invariants(plan, profiled, TORCH)  # runtime_caps.plan_problems(plan) == [] among them
         assert plan.num_stages == 1 or plan.num_microbatches >= plan.num_stages, (plan.num_stages, plan.num_microbatches)
+
+
+def test_one_class_never_mixes_what_the_runtime_keeps_uniform():
+    """Megatron runs one EP size and one optimizer, DeepSpeed one ZeRO stage: slice plans that differ there are never
+    composed into one pipeline (Qwen3-30B-A3B on C2 under megatron once composed ep 1 with ep 2 stages)."""
+    from tangram_launch.planner.templates import compatibility_group
+    from tangram_launch.specs.model import load_model
+    from tangram_launch.specs.shape import StageShape
+
+    ep1, ep2 = StageShape(dp=2, ep=1), StageShape(dp=2, ep=2)
+    z1, z0 = StageShape(zero_stage=1), StageShape(zero_stage=0)
+    assert compatibility_group((ep1, ep2), MEGATRON) is None
+    assert compatibility_group((ep1,), MEGATRON) != compatibility_group((ep2,), MEGATRON)
+    assert compatibility_group((z1,), DEEPSPEED) != compatibility_group((z0,), DEEPSPEED)
+    assert compatibility_group((ep1, ep2), TORCH) is not None and compatibility_group((z1, z0), TORCH) is not None
+    c2 = ClusterSpec.load(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "c2-modern-het.yaml"))
+    plan = make_plan(c2, load_model("qwen3-30b-a3b-24l"), TrainingSpec(global_batch=256, seq_len=4096, dtype="bf16"),
+                     runtime="megatron")
+    check_invariants(plan, c2, MEGATRON)
+    assert len({s.ep for s in plan.stages}) == 1 and len({s.zero_stage for s in plan.stages}) == 1

@@ -114,13 +114,17 @@ def class_members_of_parts(parts: Sequence[Sequence[tuple]]) -> dict[Hashable, l
 def compatibility_group(shapes: Sequence["StageShape"], caps: "RuntimeCapabilities") -> Hashable | None:
     """The class of slice plans that may share one pipeline under ``caps``; None if the plan itself mixes grids.
 
-    uniform_grid: one (tp, dp, cp) for all stages; uniform_tp: one tp; uniform_dp: one dp*cp. A free runtime puts
-    everything in one class.
+    uniform_grid: one (tp, dp, cp) for all stages; uniform_tp: one tp; uniform_dp: one dp*cp; uniform_ep: one ep;
+    uniform_zero: one ZeRO stage. A free runtime puts everything in one class.
     """
-    if caps.uniform_grid:
-        keys = {(s.tp, s.dp, s.cp) for s in shapes}
-    else:
-        keys = {(s.tp if caps.uniform_tp else None, s.dp * s.cp if caps.uniform_dp else None) for s in shapes}
+    def key(s: "StageShape") -> tuple:
+        grid = (s.tp, s.dp, s.cp) if caps.uniform_grid else (s.tp if caps.uniform_tp else None,
+                                                             s.dp * s.cp if caps.uniform_dp else None)
+        if caps.uniform_ep or caps.uniform_zero:  # the runtime's one EP size or one optimizer for the whole job
+            grid += (s.ep if caps.uniform_ep else None, s.zero_stage if caps.uniform_zero else None)
+        return grid
+
+    keys = {key(s) for s in shapes}
     return next(iter(keys)) if len(keys) == 1 else None
 
 
