@@ -17,7 +17,7 @@ ones the per-configuration loop found.
 from __future__ import annotations
 
 from functools import reduce
-from operator import add, itemgetter, or_
+from operator import add, itemgetter
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
@@ -290,7 +290,8 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    return times, tails, most, term, max(most), min(times), min(tails), []  # []: _arrays fills it on first need
+    # []: _arrays fills it on first need; {}: _head_depths', by the stage's distance from the pipeline's end
+    return times, tails, most, term, max(most), min(times), min(tails), [], {}
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
@@ -316,18 +317,14 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         heads.append((col, after, inflight))
     if len(heads) >= _ARRAY_HEADS and len(heads[0][0][0]) >= _ARRAY_SAVERS:
         return _judge_arrays(columns, sids, heads)
-    bn = tail = depth = over = None
-    for (times, tails, most, term, *_least), after, inflight in heads:
-        d = [x - after for x in term]
-        o = [inflight > k for k in most]
-        if bn is None:
-            bn, tail, depth, over = times, tails, d, o
-        else:
-            bn = list(map(max, bn, times))
-            tail = list(map(max, tail, tails))
-            depth = list(map(min, depth, d))
-            over = list(map(or_, over, o))
-    depth = [-1 if ov else (d if d < SATURATED else SATURATED) for d, ov in zip(depth, over)]
+    col, after, inflight = heads[0]
+    bn, tail = col[0], col[1]
+    depth = col[8].get(after) or _head_depths(col, after, inflight)
+    for col, after, inflight in heads[1:]:
+        bn = list(map(max, bn, col[0]))
+        tail = list(map(max, tail, col[1]))
+        depth = list(map(min, depth, col[8].get(after) or _head_depths(col, after, inflight)))
+    depth = [-1 if d == _OVER else (d if d < SATURATED else SATURATED) for d in depth]
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
         return bn, None, tail, depth
@@ -340,13 +337,21 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
                 f += t[s]
             fill[s] = f
         return bn, fill, tail, depth
-    if n > _ACCUMULATE_STAGES:  # ufunc.accumulate adds row after row: the same front-to-back sums
-        fill = np.add.accumulate(np.array([columns[sid][0] for sid in sids]), axis=0)[-1].tolist()
-        return bn, fill, tail, depth
-    fill = columns[sids[0]][0]
-    for sid in sids[1:]:
-        fill = list(map(add, fill, columns[sid][0]))
+    # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11)
+    fill = [reduce(add, times) for times in zip(*[columns[sid][0] for sid in sids])]
     return bn, fill, tail, depth
+
+
+_OVER = -(1 << 62)  # _head_depths' mark of a combination that does not fit where the stage is
+
+
+def _head_depths(col: tuple, after: int, inflight: int) -> list[int]:
+    """A distinct stage's share of judge_columns' depth, ``after`` stages from the pipeline's end (``inflight``
+    micro-batches in flight there): per combination fit_depth's term - after, or _OVER where the stage does not
+    fit (the least of these over the stages is the depth, _OVER its "fits nowhere"). Remembered in the column:
+    the same signature sits at the same distance from the end in many grids and queries."""
+    hit = col[8][after] = [_OVER if inflight > k else x - after for x, k in zip(col[3], col[2])]
+    return hit
 
 
 def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list[tuple]) -> tuple:
