@@ -198,8 +198,20 @@ class StageTable:
                     savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> dict[int, list]:
         """stage_rows' numbers made where missing, by signature: the dict that holds every stage's rows under
         these savers (a caller that reads few of them takes them from it instead of a list per stage)."""
-        sums = self.sums
+        return self._cost(coster, grid, sids, set(sids), savers, sizes)
+
+    def costed_columns(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
+                       savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int], m: int,
+                       cap: float) -> tuple[dict[int, list], dict[int, tuple]]:
+        """cost_stages, then stage_columns, in one pass over the distinct signatures: (rows, columns) by signature."""
         distinct = set(sids)
+        by_sid = self._cost(coster, grid, sids, distinct, savers, sizes)
+        return by_sid, self._columns_of(distinct, by_sid, savers, m, cap)
+
+    def _cost(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
+              distinct: set[int], savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None) -> dict:
+        """cost_stages of the signatures ``distinct`` (those of ``sids``)."""
+        sums = self.sums
         missing = distinct.difference(sums)
         if missing:  # cost those stages only, each once (at its first stage); later queries reuse them by signature
             new = sorted(map(sids.index, missing))
@@ -222,12 +234,16 @@ class StageTable:
         judge_columns: (time_s list, tail_s list, the most micro-batches in flight that fit, the fit_depth term
         int((cap - static) // act) where m of them do not fit, else _UNLIMITED; the largest of those most, the
         least time_s and the least tail_s)."""
+        return self._columns_of(set(sids), self.rows[savers], savers, m, cap)
+
+    def _columns_of(self, distinct: set[int], rows: Mapping[int, list], savers: tuple[tuple[int, int, bool], ...],
+                    m: int, cap: float) -> dict[int, tuple]:
+        """stage_columns of the signatures ``distinct``, from their rows under ``savers``."""
         key = (savers, m, cap)
         by_sid = self.columns.get(key)
         if by_sid is None:
             by_sid = self.columns[key] = {}
-        rows = self.rows[savers]
-        for sid in set(sids).difference(by_sid):
+        for sid in distinct.difference(by_sid):
             by_sid[sid] = _columns(rows[sid], m, cap)
         return by_sid
 

@@ -597,8 +597,8 @@ class _GridSearch:
             return
         sigs = self.table.signatures(coster, grid.tp, grid.pp, grid.dp, grid.cp, grid.ep, sizes=sizes)
         dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-        by_sid = self.table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
-        columns = self.table.stage_columns(sigs, allowed, m, self.cap)
+        # each stage's rows (by_sid[its sig]) and their columns
+        by_sid, columns = self.table.costed_columns(coster, dims, sigs, allowed, sizes, m, self.cap)
         if self.bound and len(allowed) > 1:
             if beyond(*least_floors(columns, sigs, m), self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
@@ -697,10 +697,13 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
             allowed = saver_cache.get(skey)
             if allowed is None:
                 allowed = saver_cache[skey] = tuple(savers(q, g))
-            rows.append(memory_floor_bytes(coster, *index.fkeys[f], allowed) if allowed
-                        else ({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
-            if one is not None:
-                terms.append(stage_need_terms(coster, *index.fkeys[f], allowed, one) if allowed else [(0.0, 0.0)])
+            if not allowed:
+                rows.append(({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
+                terms.append([(0.0, 0.0)])
+                continue
+            row, term = _pair_floors(table, coster, index.fkeys[f], allowed, one)
+            rows.append(row)
+            terms.append(term)
         ids = index.pair_ids
         stage = None
         if one is not None:  # (a, b) as (grids x most combinations) arrays, padded with combinations that never fit
@@ -718,6 +721,18 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
     return hit
 
 
+def _pair_floors(table: StageTable, coster: SliceCoster, fkey: tuple, allowed: tuple, one: str | None) -> tuple:
+    """slice_floors.memory_floor_bytes of one (tp, cp, ep, dp) under ``allowed``, and a one-kind slice's
+    stage_need_terms (else None): what they read is the micro-batch size, the slice's layer kinds and these, so
+    the grid lists of one micro-batch size (under different caps on stages, pipelined or not) share them."""
+    key = ("pair", coster.q.microbatch_sequences, fkey, allowed, tuple(coster.prefix))
+    hit = table.memory_floors.get(key)
+    if hit is None:
+        hit = table.memory_floors[key] = (memory_floor_bytes(coster, *fkey, allowed),
+                                          stage_need_terms(coster, *fkey, allowed, one) if one is not None else None)
+    return hit
+
+
 def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edges: tuple[int, int],
                   tp: int) -> bool:
     """Whether the split's first stage (its micro-batches in flight: min(stages, m), the embedding's parameters) or
@@ -727,7 +742,7 @@ def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edg
     list's parts meet the same stages in many queries)."""
     rows, emb_act, head_act, needs = parts
     pp = len(sizes)
-    big = max(range(pp), key=sizes.__getitem__)
+    big = sizes.index(max(sizes))  # the first of the largest
     for j in (0, big) if big else (0,):
         n, k = sizes[j], min(pp - j, m)
         first, last = j == 0 and edges[0], j == pp - 1 and edges[1]
