@@ -39,6 +39,7 @@ class GridIndex:
         self.problems = [(g.pp, p) for g, p in checked if p]  # (pp, problems) of the grids no slice can run
         self.grids = [g for g, p in checked if not p]
         self.pp = np.array([g.pp for g in self.grids], dtype=np.float64)
+        self.dims = [(g.tp, g.pp, g.dp, g.cp, g.ep) for g in self.grids]  # what StageTable's methods take of a grid
         # the distinct pp, and each grid's among them: per-pp numbers (a query's score bound) read per grid at once
         self.pp_values = sorted({g.pp for g in self.grids})
         self.pp_list = [self.pp_values.index(g.pp) for g in self.grids]

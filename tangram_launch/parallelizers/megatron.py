@@ -586,17 +586,17 @@ class _GridSearch:
                     -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
                 self.bounded += 1
                 return
-        sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, q.microbatch_sequences // grid.dp)
+        tp, pp, dp, cp, ep = dims = index.dims[i]
+        sizes = coster.split_sizes(pp, tp, cp, ep, dp, q.microbatch_sequences // dp)
         # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
-        if self.bound and grid.pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
-                                                        self.lat_cut, grid_cut):
+        if self.bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
+                                                   self.lat_cut, grid_cut):
             self.bounded += 1
             return
         if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
             self.too_big += 1
             return
-        sigs = self.table.signatures(coster, grid.tp, grid.pp, grid.dp, grid.cp, grid.ep, sizes=sizes)
-        dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+        sigs = self.table.signatures(coster, tp, pp, dp, cp, ep, sizes=sizes)
         # each stage's rows (by_sid[its sig]) and their columns
         by_sid, columns = self.table.costed_columns(coster, dims, sigs, allowed, sizes, m, self.cap)
         if self.bound and len(allowed) > 1:
