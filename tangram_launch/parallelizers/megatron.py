@@ -528,8 +528,9 @@ class _GridSearch:
         self.totals = totals = totals + emb_floors + head_floors
         tot = totals[index.fkey_ids]
         # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
-        self.pp_cut = [slack_cut(q.score_bound_at(pp)) for pp in index.pp_values]
-        score_cut = np.array(self.pp_cut)[index.pp_ids]
+        cuts = slack_cut(np.array(q.score_bounds_at(index.pp_values), dtype=np.float64))
+        self.pp_cut = cuts.tolist()
+        score_cut = cuts[index.pp_ids]
         # (the grid's floor spread over its stages, as the floors always summed it)
         beyond = beyond_array((m - 1) * tot / index.pp + tot, m * tot / index.pp, self.lat_cut, score_cut) & self.keep
         self.bounded += int(np.count_nonzero(beyond))
