@@ -558,7 +558,7 @@ class _GridSearch:
             over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
             self.kind = counts[0][0]
             self.stage_parts = self.table.memory_floors.setdefault(
-                ("parts", self.gkey, self.saver_cache_key, self.kind), {})
+                ("parts", self.gkey, self.saver_cache_key, self.kind, _whole(coster)), {})
             model = self.q.model  # the edges' dense parameters a first or last stage holds (before TP)
             self.edges = (model.embedding_params() if coster.has_embedding else 0,
                           model.head_params() if coster.has_head else 0)
@@ -685,9 +685,9 @@ def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey
 def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, saver_key: tuple,
                    saver_cache: dict, savers) -> tuple:
     """slice_floors.memory_floor_bytes of every grid of a grid list under its saver combinations, for slices alike in
-    their layer kinds: per layer kind, for the embedding and for the head, as arrays over the grids (0 for a grid
-    no combination is allowed on: the search skips it anyway)."""
-    key = (gkey, saver_key, tuple(coster.prefix))
+    their layer kinds and in being the whole model or not (_whole): per layer kind, for the embedding and for the
+    head, as arrays over the grids (0 for a grid no combination is allowed on: the search skips it anyway)."""
+    key = (gkey, saver_key, tuple(coster.prefix), _whole(coster))
     hit = table.memory_floors.get(key)
     if hit is None:
         q = coster.q
@@ -722,11 +722,18 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
     return hit
 
 
+def _whole(coster: SliceCoster) -> bool:
+    """Whether the slice is the whole model: the memory floors of its stages read that (a whole model's stages may
+    or may not pipeline), so their caches are keyed by it."""
+    return coster.has_embedding and coster.has_head
+
+
 def _pair_floors(table: StageTable, coster: SliceCoster, fkey: tuple, allowed: tuple, one: str | None) -> tuple:
     """slice_floors.memory_floor_bytes of one (tp, cp, ep, dp) under ``allowed``, and a one-kind slice's
     stage_need_terms (else None): what they read is the micro-batch size, the slice's layer kinds and these, so
-    the grid lists of one micro-batch size (under different caps on stages, pipelined or not) share them."""
-    key = ("pair", coster.q.microbatch_sequences, fkey, allowed, tuple(coster.prefix))
+    the grid lists of one micro-batch size (under different caps on stages, pipelined or not) share them; and
+    whether the slice is the whole model (its stages may not pipeline: held_under_pipelining)."""
+    key = ("pair", coster.q.microbatch_sequences, fkey, allowed, tuple(coster.prefix), _whole(coster))
     hit = table.memory_floors.get(key)
     if hit is None:
         hit = table.memory_floors[key] = (memory_floor_bytes(coster, *fkey, allowed),
