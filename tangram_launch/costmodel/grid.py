@@ -17,7 +17,7 @@ ones the per-configuration loop found.
 from __future__ import annotations
 
 from functools import reduce
-from operator import add, itemgetter, or_
+from operator import add, itemgetter
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
@@ -39,6 +39,7 @@ class GridIndex:
         self.problems = [(g.pp, p) for g, p in checked if p]  # (pp, problems) of the grids no slice can run
         self.grids = [g for g, p in checked if not p]
         self.pp = np.array([g.pp for g in self.grids], dtype=np.float64)
+        self.dims = [(g.tp, g.pp, g.dp, g.cp, g.ep) for g in self.grids]  # what StageTable's methods take of a grid
         # the distinct pp, and each grid's among them: per-pp numbers (a query's score bound) read per grid at once
         self.pp_values = sorted({g.pp for g in self.grids})
         self.pp_list = [self.pp_values.index(g.pp) for g in self.grids]
@@ -198,8 +199,20 @@ class StageTable:
                     savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> dict[int, list]:
         """stage_rows' numbers made where missing, by signature: the dict that holds every stage's rows under
         these savers (a caller that reads few of them takes them from it instead of a list per stage)."""
-        sums = self.sums
+        return self._cost(coster, grid, sids, set(sids), savers, sizes)
+
+    def costed_columns(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
+                       savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int], m: int,
+                       cap: float) -> tuple[dict[int, list], dict[int, tuple]]:
+        """cost_stages, then stage_columns, in one pass over the distinct signatures: (rows, columns) by signature."""
         distinct = set(sids)
+        by_sid = self._cost(coster, grid, sids, distinct, savers, sizes)
+        return by_sid, self._columns_of(distinct, by_sid, savers, m, cap)
+
+    def _cost(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
+              distinct: set[int], savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None) -> dict:
+        """cost_stages of the signatures ``distinct`` (those of ``sids``)."""
+        sums = self.sums
         missing = distinct.difference(sums)
         if missing:  # cost those stages only, each once (at its first stage); later queries reuse them by signature
             new = sorted(map(sids.index, missing))
@@ -222,12 +235,16 @@ class StageTable:
         judge_columns: (time_s list, tail_s list, the most micro-batches in flight that fit, the fit_depth term
         int((cap - static) // act) where m of them do not fit, else _UNLIMITED; the largest of those most, the
         least time_s and the least tail_s)."""
+        return self._columns_of(set(sids), self.rows[savers], savers, m, cap)
+
+    def _columns_of(self, distinct: set[int], rows: Mapping[int, list], savers: tuple[tuple[int, int, bool], ...],
+                    m: int, cap: float) -> dict[int, tuple]:
+        """stage_columns of the signatures ``distinct``, from their rows under ``savers``."""
         key = (savers, m, cap)
         by_sid = self.columns.get(key)
         if by_sid is None:
             by_sid = self.columns[key] = {}
-        rows = self.rows[savers]
-        for sid in set(sids).difference(by_sid):
+        for sid in distinct.difference(by_sid):
             by_sid[sid] = _columns(rows[sid], m, cap)
         return by_sid
 
@@ -290,7 +307,8 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    return times, tails, most, term, max(most), min(times), min(tails), []  # []: _arrays fills it on first need
+    # []: _arrays fills it on first need; {}: _head_depths', by the stage's distance from the pipeline's end
+    return times, tails, most, term, max(most), min(times), min(tails), [], {}
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
@@ -316,18 +334,14 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         heads.append((col, after, inflight))
     if len(heads) >= _ARRAY_HEADS and len(heads[0][0][0]) >= _ARRAY_SAVERS:
         return _judge_arrays(columns, sids, heads)
-    bn = tail = depth = over = None
-    for (times, tails, most, term, *_least), after, inflight in heads:
-        d = [x - after for x in term]
-        o = [inflight > k for k in most]
-        if bn is None:
-            bn, tail, depth, over = times, tails, d, o
-        else:
-            bn = list(map(max, bn, times))
-            tail = list(map(max, tail, tails))
-            depth = list(map(min, depth, d))
-            over = list(map(or_, over, o))
-    depth = [-1 if ov else (d if d < SATURATED else SATURATED) for d, ov in zip(depth, over)]
+    col, after, inflight = heads[0]
+    bn, tail = col[0], col[1]
+    depth = col[8].get(after) or _head_depths(col, after, inflight)
+    for col, after, inflight in heads[1:]:
+        bn = list(map(max, bn, col[0]))
+        tail = list(map(max, tail, col[1]))
+        depth = list(map(min, depth, col[8].get(after) or _head_depths(col, after, inflight)))
+    depth = [-1 if d == _OVER else (d if d < SATURATED else SATURATED) for d in depth]
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
         return bn, None, tail, depth
@@ -340,13 +354,21 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
                 f += t[s]
             fill[s] = f
         return bn, fill, tail, depth
-    if n > _ACCUMULATE_STAGES:  # ufunc.accumulate adds row after row: the same front-to-back sums
-        fill = np.add.accumulate(np.array([columns[sid][0] for sid in sids]), axis=0)[-1].tolist()
-        return bn, fill, tail, depth
-    fill = columns[sids[0]][0]
-    for sid in sids[1:]:
-        fill = list(map(add, fill, columns[sid][0]))
+    # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11)
+    fill = [reduce(add, times) for times in zip(*[columns[sid][0] for sid in sids])]
     return bn, fill, tail, depth
+
+
+_OVER = -(1 << 62)  # _head_depths' mark of a combination that does not fit where the stage is
+
+
+def _head_depths(col: tuple, after: int, inflight: int) -> list[int]:
+    """A distinct stage's share of judge_columns' depth, ``after`` stages from the pipeline's end (``inflight``
+    micro-batches in flight there): per combination fit_depth's term - after, or _OVER where the stage does not
+    fit (the least of these over the stages is the depth, _OVER its "fits nowhere"). Remembered in the column:
+    the same signature sits at the same distance from the end in many grids and queries."""
+    hit = col[8][after] = [_OVER if inflight > k else x - after for x, k in zip(col[3], col[2])]
+    return hit
 
 
 def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list[tuple]) -> tuple:

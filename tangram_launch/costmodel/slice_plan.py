@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.costmodel.slice_bounds import beyond, latency_floor_of, score_floor_of, slack_cut
@@ -122,8 +122,16 @@ class SliceQuery:
         """The score bound for a slice plan of ``num_stages`` stages: its least stage has at most layers //
         stages layers, and with more stages than micro-batches no pipeline holding it interleaves
         (score_bounds_s)."""
-        i = self.num_layers // num_stages if num_stages <= self.num_microbatches else 0
-        return self.score_bounds_s[i] if i < len(self.score_bounds_s) else self.score_bound_s
+        return self.score_bounds_at((num_stages,))[0]
+
+    def score_bounds_at(self, stage_counts: Sequence[int]) -> list[float]:
+        """score_bound_at of each of ``stage_counts`` (a grid list's distinct pp: the query's numbers read once)."""
+        layers, m, bounds, rest = self.num_layers, self.num_microbatches, self.score_bounds_s, self.score_bound_s
+        out = []
+        for num_stages in stage_counts:
+            i = layers // num_stages if num_stages <= m else 0
+            out.append(bounds[i] if i < len(bounds) else rest)
+        return out
 
     def beyond_bound(self, latency_floor_s: float, score_floor_s: float, num_stages: int | None = None) -> bool:
         """Whether a slice plan with these floors (of ``num_stages`` stages, where known) can be part of no

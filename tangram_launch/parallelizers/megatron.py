@@ -528,8 +528,9 @@ class _GridSearch:
         self.totals = totals = totals + emb_floors + head_floors
         tot = totals[index.fkey_ids]
         # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
-        self.pp_cut = [slack_cut(q.score_bound_at(pp)) for pp in index.pp_values]
-        score_cut = np.array(self.pp_cut)[index.pp_ids]
+        cuts = slack_cut(np.array(q.score_bounds_at(index.pp_values), dtype=np.float64))
+        self.pp_cut = cuts.tolist()
+        score_cut = cuts[index.pp_ids]
         # (the grid's floor spread over its stages, as the floors always summed it)
         beyond = beyond_array((m - 1) * tot / index.pp + tot, m * tot / index.pp, self.lat_cut, score_cut) & self.keep
         self.bounded += int(np.count_nonzero(beyond))
@@ -557,7 +558,7 @@ class _GridSearch:
             over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
             self.kind = counts[0][0]
             self.stage_parts = self.table.memory_floors.setdefault(
-                ("parts", self.gkey, self.saver_cache_key, self.kind), {})
+                ("parts", self.gkey, self.saver_cache_key, self.kind, _whole(coster)), {})
             model = self.q.model  # the edges' dense parameters a first or last stage holds (before TP)
             self.edges = (model.embedding_params() if coster.has_embedding else 0,
                           model.head_params() if coster.has_head else 0)
@@ -586,19 +587,19 @@ class _GridSearch:
                     -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
                 self.bounded += 1
                 return
-        sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, q.microbatch_sequences // grid.dp)
+        tp, pp, dp, cp, ep = dims = index.dims[i]
+        sizes = coster.split_sizes(pp, tp, cp, ep, dp, q.microbatch_sequences // dp)
         # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
-        if self.bound and grid.pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
-                                                        self.lat_cut, grid_cut):
+        if self.bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
+                                                   self.lat_cut, grid_cut):
             self.bounded += 1
             return
         if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
             self.too_big += 1
             return
-        sigs = self.table.signatures(coster, grid.tp, grid.pp, grid.dp, grid.cp, grid.ep, sizes=sizes)
-        dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
-        by_sid = self.table.cost_stages(coster, dims, sigs, allowed, sizes)  # each stage's rows: by_sid[its sig]
-        columns = self.table.stage_columns(sigs, allowed, m, self.cap)
+        sigs = self.table.signatures(coster, tp, pp, dp, cp, ep, sizes=sizes)
+        # each stage's rows (by_sid[its sig]) and their columns
+        by_sid, columns = self.table.costed_columns(coster, dims, sigs, allowed, sizes, m, self.cap)
         if self.bound and len(allowed) > 1:
             if beyond(*least_floors(columns, sigs, m), self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
@@ -684,9 +685,9 @@ def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey
 def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, saver_key: tuple,
                    saver_cache: dict, savers) -> tuple:
     """slice_floors.memory_floor_bytes of every grid of a grid list under its saver combinations, for slices alike in
-    their layer kinds: per layer kind, for the embedding and for the head, as arrays over the grids (0 for a grid
-    no combination is allowed on: the search skips it anyway)."""
-    key = (gkey, saver_key, tuple(coster.prefix))
+    their layer kinds and in being the whole model or not (_whole): per layer kind, for the embedding and for the
+    head, as arrays over the grids (0 for a grid no combination is allowed on: the search skips it anyway)."""
+    key = (gkey, saver_key, tuple(coster.prefix), _whole(coster))
     hit = table.memory_floors.get(key)
     if hit is None:
         q = coster.q
@@ -697,10 +698,13 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
             allowed = saver_cache.get(skey)
             if allowed is None:
                 allowed = saver_cache[skey] = tuple(savers(q, g))
-            rows.append(memory_floor_bytes(coster, *index.fkeys[f], allowed) if allowed
-                        else ({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
-            if one is not None:
-                terms.append(stage_need_terms(coster, *index.fkeys[f], allowed, one) if allowed else [(0.0, 0.0)])
+            if not allowed:
+                rows.append(({k: 0.0 for k in coster.prefix}, 0.0, 0.0))
+                terms.append([(0.0, 0.0)])
+                continue
+            row, term = _pair_floors(table, coster, index.fkeys[f], allowed, one)
+            rows.append(row)
+            terms.append(term)
         ids = index.pair_ids
         stage = None
         if one is not None:  # (a, b) as (grids x most combinations) arrays, padded with combinations that never fit
@@ -718,6 +722,25 @@ def _memory_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gke
     return hit
 
 
+def _whole(coster: SliceCoster) -> bool:
+    """Whether the slice is the whole model: the memory floors of its stages read that (a whole model's stages may
+    or may not pipeline), so their caches are keyed by it."""
+    return coster.has_embedding and coster.has_head
+
+
+def _pair_floors(table: StageTable, coster: SliceCoster, fkey: tuple, allowed: tuple, one: str | None) -> tuple:
+    """slice_floors.memory_floor_bytes of one (tp, cp, ep, dp) under ``allowed``, and a one-kind slice's
+    stage_need_terms (else None): what they read is the micro-batch size, the slice's layer kinds and these, so
+    the grid lists of one micro-batch size (under different caps on stages, pipelined or not) share them; and
+    whether the slice is the whole model (its stages may not pipeline: held_under_pipelining)."""
+    key = ("pair", coster.q.microbatch_sequences, fkey, allowed, tuple(coster.prefix), _whole(coster))
+    hit = table.memory_floors.get(key)
+    if hit is None:
+        hit = table.memory_floors[key] = (memory_floor_bytes(coster, *fkey, allowed),
+                                          stage_need_terms(coster, *fkey, allowed, one) if one is not None else None)
+    return hit
+
+
 def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edges: tuple[int, int],
                   tp: int) -> bool:
     """Whether the split's first stage (its micro-batches in flight: min(stages, m), the embedding's parameters) or
@@ -727,7 +750,7 @@ def _stage_misfit(parts: tuple, sizes: tuple[int, ...], m: int, room: float, edg
     list's parts meet the same stages in many queries)."""
     rows, emb_act, head_act, needs = parts
     pp = len(sizes)
-    big = max(range(pp), key=sizes.__getitem__)
+    big = sizes.index(max(sizes))  # the first of the largest
     for j in (0, big) if big else (0,):
         n, k = sizes[j], min(pp - j, m)
         first, last = j == 0 and edges[0], j == pp - 1 and edges[1]
