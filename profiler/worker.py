@@ -336,9 +336,8 @@ def _gemm_sweep(run: _Run, gemm: dict) -> dict:
         from tangram_launch.specs.model import load_model
 
         model = load_model(run.args.model)
-        seq_len = run.args.seq_len or min(model.max_seq_len, 512 if run.args.quick or run.device.type == "cpu"
-                                          else 4096)
-        shapes = sweep_shapes(model, tokens=run.args.micro_batch * seq_len)
+        micro_batch = min(run.args.micro_batch or DEFAULT_MICRO_BATCHES)  # the layer profile's smallest shape
+        shapes = sweep_shapes(model, tokens=micro_batch * min(_layer_seq_lens(run.args, model, run.device)))
     out = {}
     run.barrier()  # once: which dtypes are swept may differ between ranks (a dtype `stopped` on one of them)
     for dtype, large in gemm.items():
@@ -550,6 +549,12 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     )
 
 
+def _layer_seq_lens(args, model, device: torch.device) -> list[int]:
+    """The sequence lengths layers are profiled at: ``--seq-len``'s, or the model's, capped (512 on CPU or with
+    --quick, 4,096 otherwise)."""
+    return list(args.seq_len or [min(model.max_seq_len, 512 if args.quick or device.type == "cpu" else 4096)])
+
+
 def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress: Progress,
                    between: Callable[[], Any] | None = None, agree: Callable[[int], int] = lambda n: n,
                    gpus_per_node: int = 1):
@@ -563,7 +568,7 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
     from tangram_launch.specs.model import load_model
 
     model = load_model(args.model)
-    seq_lens = args.seq_len or [min(model.max_seq_len, 512 if args.quick or device.type == "cpu" else 4096)]
+    seq_lens = _layer_seq_lens(args, model, device)
     shapes = planned_shapes(model, micro_batches=args.micro_batch or list(DEFAULT_MICRO_BATCHES), seq_lens=seq_lens,
                             tps=args.tp or tp_shards(model, gpus_per_node), dtype=args.layer_dtype or "bf16")
     budget_s = args.layer_budget_s or (LAYER_BUDGET_QUICK_S if args.quick else LAYER_BUDGET_S)
