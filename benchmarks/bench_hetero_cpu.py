@@ -71,14 +71,19 @@ class Groups:
     slow: str
 
     def remove(self) -> list[str]:
-        problems = []
-        for path in (self.slow, self.bench):  # empty once the workers have exited; child first
-            try:
-                if os.path.isdir(path):
-                    os.rmdir(path)
-            except OSError as exc:
-                problems.append(f"could not remove {path}: {exc}")
-        return problems
+        return remove_groups((self.slow, self.bench))  # empty once the workers have exited; child first
+
+
+def remove_groups(paths) -> list[str]:
+    """Remove each cgroup directory in order (children before their parent); what could not be removed, and why."""
+    problems = []
+    for path in paths:
+        try:
+            if os.path.isdir(path):
+                os.rmdir(path)
+        except OSError as exc:
+            problems.append(f"could not remove {path}: {exc}")
+    return problems
 
 
 def make_groups(quota: float, period_us: int, shares: int) -> tuple[Groups | None, str]:

@@ -66,14 +66,7 @@ class Devices:
     group_of: dict  # local device index -> its cgroup (absent: stays in bench)
 
     def remove(self) -> list[str]:
-        problems = []
-        for path in [*self.group_of.values(), self.bench]:  # empty once the workers have exited; children first
-            try:
-                if os.path.isdir(path):
-                    os.rmdir(path)
-            except OSError as exc:
-                problems.append(f"could not remove {path}: {exc}")
-        return problems
+        return base.remove_groups([*self.group_of.values(), self.bench])  # children first
 
 
 def make_devices(args) -> tuple[Devices | None, str]:
