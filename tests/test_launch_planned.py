@@ -34,6 +34,16 @@ nodes:
       - {type: cpu, tflops: {bf16: 0.2, fp16: 0.2, fp32: 0.1}}
 """
 
+ONE_SLOW_CPU = """\
+name: cpu-one-slow
+nodes:
+  - name: local
+    host: localhost
+    gpus:
+      - {type: cpu, tflops: {bf16: 0.4, fp16: 0.4, fp32: 0.2}}
+      - {type: cpu, tflops: {bf16: 0.0004, fp16: 0.0004, fp32: 0.0002}}
+"""  # the second device is 1,000 times slower: the planner leaves it out
+
 
 def _env(cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TANGRAM_"))}
@@ -46,15 +56,22 @@ def _cli(*args: str, cache: Path, timeout: float = SUBPROCESS_TIMEOUT_S) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.distributed
-def test_planned_launch_from_a_cluster_file_places_workers_by_the_plan(tmp_path):
+def _launch_plan_worker(tmp_path: Path, cluster_text: str, *, nproc: int):
+    """tests/scripts/plan_worker.py launched on ``nproc`` workers, planned for the tiny model on this cluster:
+    (the process, the cluster file, the workers' output dir, the log dir holding the plan)."""
     cluster = tmp_path / "cluster.yaml"
-    cluster.write_text(HETERO_CPU)
+    cluster.write_text(cluster_text)
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
-    proc = _cli("--standalone", "--nproc-per-node", "3", "--log-dir", str(logs), "--cluster", str(cluster),
+    proc = _cli("--standalone", "--nproc-per-node", str(nproc), "--log-dir", str(logs), "--cluster", str(cluster),
                 "--model", "tiny", "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", PLAN_WORKER,
                 str(out), cache=tmp_path / "cache")
+    return proc, cluster, out, logs
+
+
+@pytest.mark.distributed
+def test_planned_launch_from_a_cluster_file_places_workers_by_the_plan(tmp_path):
+    proc, cluster, out, logs = _launch_plan_worker(tmp_path, HETERO_CPU, nproc=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted((logs / "tangram").glob("plan-*.json"))
     assert len(files) == 1, files
@@ -142,14 +159,7 @@ def test_a_plan_that_leaves_gpus_out_is_refused_with_what_to_launch(tmp_path):
 
 @pytest.mark.distributed
 def test_a_single_node_launch_starts_only_the_workers_the_plan_uses(tmp_path):
-    cluster = tmp_path / "cluster.yaml"  # the second device is 1,000 times slower: the planner leaves it out
-    cluster.write_text(HETERO_CPU.replace("name: cpu-het-3", "name: cpu-one-slow").split("      - {type: cpu, tflops: {bf16: 0.2")[0]
-                       + "      - {type: cpu, tflops: {bf16: 0.0004, fp16: 0.0004, fp32: 0.0002}}\n")
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    out.mkdir()
-    proc = _cli("--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--cluster", str(cluster),
-                "--model", "tiny", "--global-batch", "8", "--seq-len", "64", "--dtype", "fp32", PLAN_WORKER,
-                str(out), cache=tmp_path / "cache")
+    proc, _, out, logs = _launch_plan_worker(tmp_path, ONE_SLOW_CPU, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = Plan.load(sorted((logs / "tangram").glob("plan-*.json"))[0])
     assert plan.world_size == 1, plan.rank_layout
