@@ -15,7 +15,7 @@ from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.planner.enumerate import answer
+from tangram_launch.planner.query_pool import answer
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
 from tangram_launch.specs.training import TrainingSpec

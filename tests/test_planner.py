@@ -267,11 +267,11 @@ def test_island_shares_cover_single_and_all_island_plans():
 
 @pytest.mark.distributed
 def test_process_pool_gives_the_same_plan_as_one_process(monkeypatch):
-    from tangram_launch.planner import enumerate as enumerate_mod
-    monkeypatch.setattr(enumerate_mod, "_POOL_FROM", 2)  # this small search's batches go to the pool too
-    monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)
-    monkeypatch.setattr(enumerate_mod, "_POOL_AFTER_S", 0.0)
-    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 64.0)  # however busy the machine
+    from tangram_launch.planner import query_pool as query_pool_mod
+    monkeypatch.setattr(query_pool_mod, "_POOL_FROM", 2)  # this small search's batches go to the pool too
+    monkeypatch.setattr(query_pool_mod, "_POOL_WORTH_S", 0.0)
+    monkeypatch.setattr(query_pool_mod, "_POOL_AFTER_S", 0.0)
+    monkeypatch.setattr(query_pool_mod, "idle_cpus", lambda: 64.0)  # however busy the machine
     one = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=SERIAL).to_dict()
     two = make_plan(HET, MODEL, TRAIN, parallelizer=PAR, options=PlannerOptions(max_workers=2)).to_dict()
     for d in (one, two):
@@ -430,7 +430,7 @@ def test_closed_form_depth_agrees_with_the_bisection(stages, m, cap_gib):
     """templates.max_stages_after (closed form) answers exactly what SlicePlan.max_stages_after (bisection) does."""
     from tangram_launch.capabilities import StageShape
     from tangram_launch.parallelizers.base import SlicePlan, StageCost
-    from tangram_launch.planner.templates import max_stages_after
+    from tangram_launch.planner.grid_classes import max_stages_after
 
     shape = StageShape()
     plan = SlicePlan("i", (0, len(stages)), tuple(
@@ -698,7 +698,7 @@ def test_torch_one_grid_1f1b_needs_as_many_micro_batches_as_stages_and_the_plann
 def test_one_class_never_mixes_what_the_runtime_keeps_uniform():
     """Megatron runs one EP size and one optimizer, DeepSpeed one ZeRO stage: slice plans that differ there are never
     composed into one pipeline (Qwen3-30B-A3B on C2 under megatron once composed ep 1 with ep 2 stages)."""
-    from tangram_launch.planner.templates import compatibility_group
+    from tangram_launch.planner.grid_classes import compatibility_group
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.shape import StageShape
 

@@ -17,7 +17,7 @@ from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import GIB
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
 from tangram_launch.planner.api import PlannerOptions, _size_floor, search
-from tangram_launch.planner.enumerate import answer
+from tangram_launch.planner.query_pool import answer
 from tangram_launch.planner.synthetic import SyntheticParallelizer
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.specs.cluster import ClusterSpec

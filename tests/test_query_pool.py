@@ -1,4 +1,4 @@
-"""The search's query pool (planner/enumerate.py): answers equal to one process's, each island's queries in one
+"""The search's query pool (planner/query_pool.py): answers equal to one process's, each island's queries in one
 process, workers that live as long as the pool and no longer, and clear errors when a worker fails or dies.
 
 Multi-process tests start real forked workers (``distributed``); the parallelizer is the real megatron one, so the
@@ -24,9 +24,9 @@ from tangram_launch.capabilities import MEGATRON, TORCH
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.planner import enumerate as enumerate_mod
+from tangram_launch.planner import query_pool as query_pool_mod
 from tangram_launch.planner.api import PlannerOptions, search
-from tangram_launch.planner.enumerate import QueryPool, QueryWorkerError, answer, worth_workers
+from tangram_launch.planner.query_pool import QueryPool, QueryWorkerError, answer, worth_workers
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
 from tangram_launch.specs.training import TrainingSpec
@@ -73,16 +73,16 @@ def no_children_left() -> bool:
 def eager(monkeypatch):
     """Workers start at the first query of a batch over two islands (however small and cheap the batch, however
     busy the machine)."""
-    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 64.0)
-    monkeypatch.setattr(enumerate_mod, "_POOL_FROM", 1)
-    monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)
-    monkeypatch.setattr(enumerate_mod, "_POOL_AFTER_S", 0.0)
+    monkeypatch.setattr(query_pool_mod, "idle_cpus", lambda: 64.0)
+    monkeypatch.setattr(query_pool_mod, "_POOL_FROM", 1)
+    monkeypatch.setattr(query_pool_mod, "_POOL_WORTH_S", 0.0)
+    monkeypatch.setattr(query_pool_mod, "_POOL_AFTER_S", 0.0)
 
 
 # --- in this process (unit) ----------------------------------------------------------------------------------------
 
 def test_workers_start_only_for_what_looks_worth_them():
-    assert (enumerate_mod._POOL_AFTER_S, enumerate_mod._POOL_WORTH_S) == (0.1, 0.5)  # the figures below
+    assert (query_pool_mod._POOL_AFTER_S, query_pool_mod._POOL_WORTH_S) == (0.1, 0.5)  # the figures below
     assert not worth_workers(0.05, 10, 100_000)  # too early to judge: one slow query is no trend
     assert not worth_workers(0.2, 100, 200)  # 0.4 s left at 2 ms a query: less than a fork and the answers' trip
     assert worth_workers(0.2, 100, 250)  # 0.5 s left
@@ -90,22 +90,22 @@ def test_workers_start_only_for_what_looks_worth_them():
 
 
 def test_small_batches_stay_in_the_planning_process(monkeypatch):
-    monkeypatch.setattr(enumerate_mod, "_POOL_WORTH_S", 0.0)  # however costly they look
-    monkeypatch.setattr(enumerate_mod, "_POOL_AFTER_S", 0.0)
+    monkeypatch.setattr(query_pool_mod, "_POOL_WORTH_S", 0.0)  # however costly they look
+    monkeypatch.setattr(query_pool_mod, "_POOL_AFTER_S", 0.0)
     with QueryPool(MegatronParallelizer(), 2) as pool:
         pool.run(queries())
         assert pool.worker_pids == ()
 
 
 def test_no_worker_starts_while_no_cpu_is_idle(eager, monkeypatch):
-    monkeypatch.setattr(enumerate_mod, "idle_cpus", lambda: 0.3)  # 2 CPUs, load 1.7
+    monkeypatch.setattr(query_pool_mod, "idle_cpus", lambda: 0.3)  # 2 CPUs, load 1.7
     with QueryPool(MegatronParallelizer(), 2) as pool:
         pool.run(queries())
         assert pool.worker_pids == ()
 
 
 def test_idle_cpus_are_at_most_those_this_process_may_use():
-    assert enumerate_mod.idle_cpus() <= len(os.sched_getaffinity(0))
+    assert query_pool_mod.idle_cpus() <= len(os.sched_getaffinity(0))
 
 
 def test_one_worker_never_forks(eager):
@@ -156,8 +156,8 @@ def test_workers_stay_warm_across_batches_and_answer_as_one_process(eager):
 def test_a_worker_builds_its_answers_stage_costs_while_the_pool_lives(eager, monkeypatch):
     qs = queries(2)
     again: list = []  # queries answered a second time in this process
-    answered_here = enumerate_mod.answer
-    monkeypatch.setattr(enumerate_mod, "answer", lambda par, q: again.append(q) or answered_here(par, q))
+    answered_here = query_pool_mod.answer
+    monkeypatch.setattr(query_pool_mod, "answer", lambda par, q: again.append(q) or answered_here(par, q))
     with QueryPool(MegatronParallelizer(), 2) as pool:
         got = pool.run(qs)
         (worker,) = pool._workers
@@ -297,8 +297,8 @@ def test_ctrl_c_while_workers_answer_stops_them(eager):
 
 def _killed_planning_process() -> None:
     """Planning-process mode: start two workers, print their pids, then die at once (SIGKILL: no clean-up)."""
-    enumerate_mod._POOL_FROM, enumerate_mod._POOL_WORTH_S, enumerate_mod._POOL_AFTER_S = 1, 0.0, 0.0
-    enumerate_mod.idle_cpus = lambda: 64.0
+    query_pool_mod._POOL_FROM, query_pool_mod._POOL_WORTH_S, query_pool_mod._POOL_AFTER_S = 1, 0.0, 0.0
+    query_pool_mod.idle_cpus = lambda: 64.0
     pool = QueryPool(MegatronParallelizer(), 3)
     pool.run(queries())
     print(*pool.worker_pids, flush=True)

@@ -133,7 +133,7 @@ def _front(points: dict[tuple, list[tuple]], caps) -> list[tuple]:
     """The answer's points: the Pareto front of each cross-stage class and, where interleaving needs one grid for
     all stages though 1F1B does not (torch), each grid's own front points that no front point beats by more than
     GRID_FRONT_SLACK in bottleneck, fill and tail (and at least ties in depth, stages and GPUs). A one-grid
-    pipeline can win interleaved with plans another grid beats under 1F1B (templates.GridClass); keeping every
+    pipeline can win interleaved with plans another grid beats under 1F1B (grid_classes.GridClass); keeping every
     grid's whole front costs much more planning than a small slack, which finds the one-grid search's optimum on
     the benchmark clusters."""
     per_grid = caps.interleaved_uniform_grid and "interleaved-1F1B" in caps.schedules
@@ -380,7 +380,7 @@ class MegatronParallelizer:
 
     def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
-        queries (templates.judge_templates judges a shared pair once)."""
+        queries (grid_classes.judge_templates judges a shared pair once)."""
         key = (grid.tp, grid.dp, grid.cp, grid.ep, zero, r, off, pp, mbs)
         hit = self.__dict__.get("_shape_cache", {}).get(key)
         if hit is not None:

@@ -4,7 +4,7 @@
     plan = make_plan(cluster, model, training, runtime="megatron", parallelizer="megatron")
 
 Steps (paper §5): islands (§4) -> slice/island pairs, pruned (slices.py) -> parallel parallelizer queries for each
-candidate micro-batch size b (enumerate.py) -> options (build.py) -> composition per runtime compatibility class
+candidate micro-batch size b (query_pool.py) -> options (build.py) -> composition per runtime compatibility class
 (compose.py; above five islands over a bounded set of island orders, orders.py, unless few link classes keep the
 exact search small, compose.front_classes; each ranked by the iteration the Plan reports: the simulated 1F1B, or
 interleaved where faster) -> the best over b. The sizes b: every divisor of the global batch (or those asked for),
@@ -36,19 +36,19 @@ from tangram_launch.parallelizers.base import GIB, Parallelizer, SliceQuery, Sli
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, make_candidates
 from tangram_launch.planner.classes import class_floors_s, group_minima, stage_totals
-from tangram_launch.planner.collector import no_collections
+from tangram_launch.planner.gc_pause import no_collections
 from tangram_launch.planner import bounds
 from tangram_launch.planner.bounds import interleaved_1f1b_floor_s, least_links, plain_1f1b_floor_s
 from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states, pick
 from tangram_launch.planner.cover_floors import island_floors_s, promising
 from tangram_launch.planner.dropped import dropped_islands
-from tangram_launch.planner.enumerate import QueryPool, default_workers
+from tangram_launch.planner.query_pool import QueryPool, default_workers
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.orders import search_orders
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_stages
 from tangram_launch.planner.pair_floors import PairFloors, capacity
-from tangram_launch.planner.templates import GridClass
-from tangram_launch.planner.twins import TwinClasses
+from tangram_launch.planner.grid_classes import GridClass
+from tangram_launch.planner.twin_classes import TwinClasses
 from tangram_launch.text import plural
 from tangram_launch.planner.slices import (
     ModelAtoms,
@@ -206,8 +206,8 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
            islands: IslandSet | None = None, options: PlannerOptions | None = None) -> SearchResult:
     """Plan, and keep everything that went into the plan."""
     opts = options or PlannerOptions()
-    # collector.py: the search makes no reference cycles, and collections only rescanned its many long-lived
-    # objects. One query pool for all the search's batches (enumerate.py): its workers keep their caches warm,
+    # gc_pause.py: the search makes no reference cycles, and collections only rescanned its many long-lived
+    # objects. One query pool for all the search's batches (query_pool.py): its workers keep their caches warm,
     # and stop when the search ends.
     with no_collections(), QueryPool(resolve_parallelizer(parallelizer), opts.max_workers,
                                       progress=opts.progress, label=f"planning {model.name}") as pool:
@@ -758,7 +758,7 @@ def _class_floors(cand: Candidates, classes: dict, minima: list, L: int, m: int,
         score_floors: dict = {}
         floors = class_floors_s(cand.options, cand.groups, L, m, score_floors=score_floors, minima=minima)
         return floors, score_floors, interleave_only
-    # one-grid classes inside a free one (templates.GridClass): an option counts in two, so two passes
+    # one-grid classes inside a free one (grid_classes.GridClass): an option counts in two, so two passes
     floors, score_floors = {}, {}
     distinct = dict.fromkeys(cand.groups)  # (in their first options' order)
     free = {g: GridClass(g.base, None) if g.in_base else None for g in distinct}
@@ -782,7 +782,7 @@ def _class_floors(cand: Candidates, classes: dict, minima: list, L: int, m: int,
 
 def _score_schedules(group, caps: RuntimeCapabilities, opts: PlannerOptions) -> tuple[str, ...]:
     """The schedules whose predictions can pick a plan of this class. Under "auto" with one-grid classes inside a
-    free one (templates.GridClass): a one-grid class adds only interleaved pipelines (its plain ones are the free
+    free one (grid_classes.GridClass): a one-grid class adds only interleaved pipelines (its plain ones are the free
     class's, or beaten there option by option), and the free class only plain ones (its one-grid pipelines
     interleave in their own class)."""
     interleaves = opts.schedule != "1F1B" and "interleaved-1F1B" in caps.schedules
@@ -991,7 +991,7 @@ def _compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: R
                        score_floor=scorer.floor_s, score_floor_fine=scorer.fine_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
-                       undominated=True, edge_s=edges,  # templates.undominated judged each class
+                       undominated=True, edge_s=edges,  # grid_classes.undominated judged each class
                        quick_plan=quick_plan, rows=chosen.rows)
         if comp is None:
             return None

@@ -22,10 +22,10 @@ from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, gpu_peak_flops, make_candidates
 from tangram_launch.planner.compose import ComposeStats, Composition, compose
-from tangram_launch.planner.enumerate import run_queries
+from tangram_launch.planner.query_pool import run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
 from tangram_launch.planner.slices import Pair, dtype_problem
-from tangram_launch.planner.templates import class_members
+from tangram_launch.planner.grid_classes import class_members
 from tangram_launch.specs.cluster import GPUSpec, LinkSpec
 from tangram_launch.text import plural
 

@@ -15,7 +15,7 @@ simulated iteration (plain or interleaved 1F1B).
 Each bound: its floor; where it prunes; why it is safe; the test that checks it against brute force.
 
 slice closed form: latency_floor_of: (m - 1) x bottleneck + fill + tail
-    prunes: SliceQuery.beyond_bound (enumerate.py), megatron _GridSearch (per grid: floor / pp, heaviest stage; per
+    prunes: SliceQuery.beyond_bound (query_pool.py), megatron _GridSearch (per grid: floor / pp, heaviest stage; per
             saver combination), grid.least_floors
     safe:   a pipeline's period is at least any stage's time, its fill the sum of its stages', its tail any stage's tail
     test:   test_planner_bound.py::test_a_bounded_answer_keeps_exactly_the_plans_that_can_beat_the_bound,

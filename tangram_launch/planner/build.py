@@ -2,7 +2,7 @@
 
 ``make_candidates`` turns every surviving pair's slice plans (reused across a redundancy class by shifting layer
 indices) into ``compose.Option`` tuples, dropping plans the runtime cannot run, plans whose micro-batch arithmetic
-is inconsistent, and plans whose stages do not fit the island's nodes (``templates.judge_templates``, from the
+is inconsistent, and plans whose stages do not fit the island's nodes (``grid_classes.judge_templates``, from the
 plans' numbers: lazy plans stay unbuilt). ``build_plan`` turns the chosen options back
 into stages with GPUs (layout.allocate_gpus), the rank layout (plan.py derives it), and predictions computed by the
 same numbers the composer's driver ranked it by (``Candidates.schedule_choice``).
@@ -24,7 +24,7 @@ from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
 from tangram_launch.planner.compose import Composition, Metrics, Option, evaluate
-from tangram_launch.planner import templates as templates_mod
+from tangram_launch.planner import grid_classes as grid_classes_mod
 from tangram_launch.planner.allocation import LinkModel, allocate_gpus
 from tangram_launch.planner.interleave import ScheduleChoice, choose_virtual_stages
 from tangram_launch.planner.slices import Pair
@@ -150,10 +150,10 @@ class Candidates:
         return sum(len(temps) for _k, _n, temps in self.parts) == len(self.options)
 
     def class_members(self) -> dict[Hashable, list[int]]:
-        """templates.class_members of the options' classes, read from the parts where they hold every option."""
+        """grid_classes.class_members of the options' classes, read from the parts where they hold every option."""
         if not self._parts_hold_every_option():
-            return templates_mod.class_members(self.groups)
-        return templates_mod.class_members_of_parts([temps for _k, _n, temps in self.parts])
+            return grid_classes_mod.class_members(self.groups)
+        return grid_classes_mod.class_members_of_parts([temps for _k, _n, temps in self.parts])
 
     def option_rows(self, fields: dict | None = None) -> np.ndarray | None:
         """Every option's 8 fields as one float array (a row per option, in option order), made from the parts:
@@ -283,7 +283,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
                     num_microbatches: int, *, dtype: str = "bf16",
                     training: "TrainingSpec | None" = None, judged: dict | None = None) -> Candidates:
     """Options for every pair from the answer of its redundancy class (``results`` keyed by Pair.key): the plans
-    templates.judge_templates keeps, judged by their numbers (lazy plans are built only when placed). ``judged``:
+    grid_classes.judge_templates keeps, judged by their numbers (lazy plans are built only when placed). ``judged``:
     a dict the caller keeps across calls with the same b (the driver rebuilds a size's options after each round of
     answers), holding answers judged by their key and each pair's options by the pair: an answer judged before is
     not judged again, nor are a pair's options made again from the same templates."""
@@ -306,7 +306,7 @@ def make_candidates(b: int, num_layers: int, pairs: Sequence[Pair], results: Map
                 cand.dropped[why] = cand.dropped.get(why, 0) + n
             continue
         dropped: dict[str, int] = {}
-        kept = templates_mod.judge_templates(
+        kept = grid_classes_mod.judge_templates(
             [p.numbers() for p in res.plans], island=isl, b=b, num_microbatches=num_microbatches,
             capacity=capacity_bytes(isl, training), caps=caps, full_model=key[3] and key[4], dropped=dropped,
             shape_cache=shape_caches.setdefault((isl.name, key[3] and key[4]), {}))

@@ -1011,7 +1011,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
     layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no option is beaten by
     another of the same layers and island in every respect the kernel sees (the planner's options are: each class
-    was judged by templates.undominated), so the kernel does not look for such pairs; ``edge_s``: per option, its
+    was judged by grid_classes.undominated), so the kernel does not look for such pairs; ``edge_s``: per option, its
     first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (cycles_s);
     ``quick_plan`` False: no quick plan before the exact pass (a driver whose incumbents already hold a plan of
     these options, composed in one island order just before, has the bound it would give); ``rows``: the options as

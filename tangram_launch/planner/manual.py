@@ -36,10 +36,10 @@ from tangram_launch.plan import RECOMPUTE_MODES, Plan
 from tangram_launch.planner.api import PlannerOptions, candidate_sizes, resolve_capabilities, resolve_parallelizer
 from tangram_launch.planner.build import Candidates, build_plan
 from tangram_launch.planner.compose import Composition, Option, evaluate
-from tangram_launch.planner.enumerate import run_queries
+from tangram_launch.planner.query_pool import run_queries
 from tangram_launch.planner.allocation import LinkModel, activation_bytes, allocate_gpus
 from tangram_launch.planner.slices import Pair
-from tangram_launch.planner.templates import compatibility_group
+from tangram_launch.planner.grid_classes import compatibility_group
 from tangram_launch.specs.yamlio import check_keys, closest, load_yaml_file
 
 if TYPE_CHECKING:  # pragma: no cover

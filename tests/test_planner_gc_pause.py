@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from tangram_launch.planner.collector import no_collections
+from tangram_launch.planner.gc_pause import no_collections
 
 
 def _search(runtime: str = "torch"):

@@ -12,7 +12,7 @@ picks.
 Twins: the same options (compose.Option and edge times) in the same order, with the same score schedules, whose
 slice plans have the same numbers (SliceNumbers: stage times, memory, tails; shapes with the same tp, ep, memory
 savers and dp x cp). The plain 1F1B simulation reads a stage's forward and backward apart, which the numbers hold
-as one sum: the cost model splits the same tokens the same way (tests/test_planner_twins.py builds twins' stages
+as one sum: the cost model splits the same tokens the same way (tests/test_planner_twin_classes.py builds twins' stages
 and checks it).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""planner/twins.py: a class whose options repeat another's (Megatron's grids with the same tp and dp x cp) is
+"""planner/twin_classes.py: a class whose options repeat another's (Megatron's grids with the same tp and dp x cp) is
 composed once, and the plan stays the one the full search picks."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import pytest
 
 from tangram_launch.planner import api
-from tangram_launch.planner.templates import class_members
-from tangram_launch.planner.twins import TwinClasses
+from tangram_launch.planner.grid_classes import class_members
+from tangram_launch.planner.twin_classes import TwinClasses
 
 CLUSTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "clusters")
 
@@ -41,7 +41,7 @@ def _stage_numbers(cand, i):
 
 @pytest.mark.slow  # planner searches on the paper's C3 clusters, twice each (seconds)
 def test_twins_built_stages_are_the_same_forward_and_backward():
-    """What twins.py takes on trust: the numbers a twin check reads (a stage's forward + backward as one sum) hide
+    """What twin_classes.py takes on trust: the numbers a twin check reads (a stage's forward + backward as one sum) hide
     no difference the simulation would see. Every twin option's built stages are compared."""
     r, _ = _search("c3-full-het-iii", "gpt3-13b", 128, 2048)
     compared = grids = 0

@@ -2,7 +2,7 @@
 
 A search allocates millions of short-lived tuples (composer entries, options, front points) and holds hundreds of
 thousands of long-lived ones (answers, lazy plans), and it makes no reference cycles: every object it drops is
-freed by its reference count (tests/test_planner_collector.py collects after a search and finds nothing). The
+freed by its reference count (tests/test_planner_gc_pause.py collects after a search and finds nothing). The
 cyclic collector then only rescans the long-lived objects to find nothing:
 - With CPython's default thresholds (700, 10, 10) that is a sizeable share of planning CPU on the planner-scale rows
   (benchmarks/bench_planner_scale.py).

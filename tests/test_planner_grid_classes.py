@@ -1,4 +1,4 @@
-"""The composer's choice of slice plans (planner/templates.py) from lazy plans' numbers, before any plan is built,
+"""The composer's choice of slice plans (planner/grid_classes.py) from lazy plans' numbers, before any plan is built,
 gives the same templates, in the same order, as building every front plan first (the old eager path)."""
 import pickle
 
@@ -10,7 +10,7 @@ from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.islands import Island
 from tangram_launch.parallelizers.base import LazySlicePlan, SlicePlan, SliceQuery, capacity_bytes
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.planner.templates import GridClass, class_members, judge_templates, max_stages_after
+from tangram_launch.planner.grid_classes import GridClass, class_members, judge_templates, max_stages_after
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef, LinkSpec
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
@@ -194,7 +194,7 @@ def test_class_members_of_parts_is_class_members_of_every_options_class(lists, o
     """Candidates.class_members reads each distinct templates list once (parts share their answer's list): the
     same classes, members and dict order as class_members over every option's class, for plain and GridClass
     classes and lists repeated in any order."""
-    from tangram_launch.planner.templates import class_members_of_parts
+    from tangram_launch.planner.grid_classes import class_members_of_parts
 
     temps = [[(None, None, g, None) for g in groups] for groups in lists]
     parts = [temps[k % len(temps)] for k in order] or temps
