@@ -55,11 +55,33 @@ RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
 FRAGMENTATION_FRACTION = 0.05
 SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (module docstring)
-CROSS_ENTROPY_KINDS = ("fused", "eager")  # the loss's implementation (head_activation_bytes)
-# Eager PyTorch cross-entropy over fp32 logits (F.cross_entropy = log_softmax + nll_loss; torchtitan's loss): at the
-# start of the backward a GPU holds, per logit, the saved fp32 log-softmax output, the fp32 gradient nll_loss hands
-# back and the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the forward).
+# The loss's implementation (head_activation_bytes): what one logit costs at the loss's peak, the start of its backward.
+#   fused           Megatron's vocab-parallel kernel: the 16-bit logits, their fp32 softmax kept for the backward and
+#                   the fp32 gradient being formed: p + 8 bytes.
+#   eager           eager PyTorch F.cross_entropy over fp32 logits (log_softmax + nll_loss on logits.float();
+#                   torchtitan's loss): the saved fp32 log-softmax output, the fp32 gradient nll_loss hands back and
+#                   the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the
+#                   forward): 12 bytes.
+#   eager-16bit     the same F.cross_entropy on the 16-bit logits, not upcast (NeMo AutoModel's MaskedCrossEntropy
+#                   with fp32_upcast off): the same three tensors in the logits' dtype, 3 p bytes.
+#   flash-xentropy  flash-attn's CUDA cross-entropy (flash_attn.losses.cross_entropy, the default loss of
+#                   llm-foundry's MPT): it saves the logits themselves (plus one fp32 log-sum-exp per token) and its
+#                   backward writes a gradient of the logits' dtype beside them (inplace_backward off): 2 p bytes.
+CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy")
 EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
+
+
+def cross_entropy_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
+    """Bytes one logit holds at the loss's peak under implementation ``cross_entropy`` (CROSS_ENTROPY_KINDS)."""
+    if cross_entropy == "fused":
+        return dtype_bytes + 8.0
+    if cross_entropy == "eager":
+        return EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT
+    if cross_entropy == "eager-16bit":
+        return 3.0 * dtype_bytes
+    if cross_entropy == "flash-xentropy":
+        return 2.0 * dtype_bytes
+    raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
 
 
 def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none",
@@ -188,11 +210,9 @@ def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int
     backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
     (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
     s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank;
-    an eager (unfused) cross-entropy holds EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT instead of p + 8."""
-    if cross_entropy not in CROSS_ENTROPY_KINDS:
-        raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
+    other implementations of the loss hold other amounts per logit (CROSS_ENTROPY_KINDS)."""
+    per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
     tokens = mbs * seq_len / cp
-    per_logit = EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT if cross_entropy == "eager" else dtype_bytes + 8.0
     if sequence_parallel:
         return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size) / tp
     return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size / tp)
