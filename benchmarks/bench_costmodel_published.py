@@ -62,8 +62,9 @@ SCHEDULES = ("1F1B", "interleaved-1F1B")
 KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.compile) or eager PyTorch
 # What the source's runtime did that the planner's defaults do not assume (SliceCoster's keywords of the same names):
 # TP without sequence parallelism, torchtitan's op-level selective checkpointing, 16-bit .grad tensors kept all step,
-# an eager PyTorch cross-entropy.
-RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy")
+# the loss's implementation, FP8 GEMM inputs kept in 16 bit (torchao's Float8Linear; default in FP8: Transformer
+# Engine).
+RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -241,7 +242,8 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          sequence_parallel=bool(runtime.get("sequence_parallel", True)),
                          selective_policy=runtime.get("selective_policy", "megatron"),
                          keeps_param_dtype_grads=bool(runtime.get("keeps_param_dtype_grads", False)),
-                         cross_entropy=runtime.get("cross_entropy", "fused"))
+                         cross_entropy=runtime.get("cross_entropy", "fused"),
+                         fp8_gemm_inputs=bool(runtime.get("fp8_gemm_inputs", True)))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),

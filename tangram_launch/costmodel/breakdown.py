@@ -212,7 +212,7 @@ class SliceCoster:
 
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
-                 keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused",
+                 keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -220,9 +220,11 @@ class SliceCoster:
         the runtime keeps the parameter-dtype .grad tensors besides the grad_dtype accumulation buffer all
         iteration (DeepSpeed's BF16_Optimizer under pipeline parallelism calls update_hp_grads(clear_lp_grads=False)
         after each micro-batch's backward). ``cross_entropy``: the loss as Megatron's fused vocab-parallel kernel or
-        eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.head_activation_bytes).
-        The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the
-        caller has them already (model.layer_kind of each; a parallelizer asks about the same model many times).
+        eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.CROSS_ENTROPY_KINDS).
+        ``fp8_gemm_inputs``: under dtype fp8 the runtime keeps its FP8 GEMMs' inputs in FP8 for the backward
+        (Transformer Engine, Megatron's FP8; off: torchao's Float8Linear keeps them in 16 bit). The defaults are
+        what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has them
+        already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:
@@ -235,6 +237,7 @@ class SliceCoster:
         self.sequence_parallel = bool(sequence_parallel)
         self.selective_policy = selective_policy
         self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
+        self.fp8_gemm_inputs = bool(fp8_gemm_inputs) and q.training.dtype == "fp8"
         self.q = q
         self.model = q.model
         self.training = q.training
@@ -333,7 +336,8 @@ class SliceCoster:
         flash = dev.flash_attention
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
                                             dtype_bytes=p, sequence_parallel=self.sequence_parallel,
-                                            selective_policy=self.selective_policy) for m in RECOMPUTE_MODES)
+                                            selective_policy=self.selective_policy,
+                                            fp8_gemm_inputs=self.fp8_gemm_inputs) for m in RECOMPUTE_MODES)
         dense, experts = layer_param_split(model, i)
         terms = LayerTerms(
             fwd_s=lc.forward_s, bwd_s=lc.backward_s,

@@ -27,6 +27,12 @@ caller says the runtime runs TP without it: then the norms' and dropouts' tensor
 GEMMs are kept whole on every TP rank (Korthikanti's 10 s b h of the 34, Table 2 row "tensor parallel"). Context
 parallelism shards the tokens (s / cp per GPU), while each query chunk still meets all s keys.
 
+FP8 GEMM inputs: Transformer Engine, the FP8 path of Megatron (and of this project's Megatron runtime), keeps the input
+of each FP8 GEMM in FP8 for the weight gradient (its Linear saves the FP8 cast of the input, its LayerNormLinear the
+FP8 normalised output beside the 16-bit norm input): the inputs of the QKV, output-projection, first FFN and down
+GEMMs then take 1 byte an element instead of p, while the norms' inputs, Q, K, V and the up/gate outputs stay 16-bit.
+torchao's Float8Linear (torchtitan) saves its 16-bit inputs and casts again in the backward: no saving there.
+
 Selective recompute has two policies (SELECTIVE_POLICIES): Megatron's (Korthikanti sec. 4.3: recompute the attention
 core only) and torchtitan's op-level selective activation checkpointing ("op-sac", torchtitan
 torchtitan/parallelisms/parallelize_llama.py, Dec. 2024: a torch.utils.checkpoint policy per transformer block that
@@ -55,11 +61,33 @@ RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
 FRAGMENTATION_FRACTION = 0.05
 SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (module docstring)
-CROSS_ENTROPY_KINDS = ("fused", "eager")  # the loss's implementation (head_activation_bytes)
-# Eager PyTorch cross-entropy over fp32 logits (F.cross_entropy = log_softmax + nll_loss; torchtitan's loss): at the
-# start of the backward a GPU holds, per logit, the saved fp32 log-softmax output, the fp32 gradient nll_loss hands
-# back and the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the forward).
+# The loss's implementation (head_activation_bytes): what one logit costs at the loss's peak, the start of its backward.
+#   fused           Megatron's vocab-parallel kernel: the 16-bit logits, their fp32 softmax kept for the backward and
+#                   the fp32 gradient being formed: p + 8 bytes.
+#   eager           eager PyTorch F.cross_entropy over fp32 logits (log_softmax + nll_loss on logits.float();
+#                   torchtitan's loss): the saved fp32 log-softmax output, the fp32 gradient nll_loss hands back and
+#                   the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the
+#                   forward): 12 bytes.
+#   eager-16bit     the same F.cross_entropy on the 16-bit logits, not upcast (NeMo AutoModel's MaskedCrossEntropy
+#                   with fp32_upcast off): the same three tensors in the logits' dtype, 3 p bytes.
+#   flash-xentropy  flash-attn's CUDA cross-entropy (flash_attn.losses.cross_entropy, the default loss of
+#                   llm-foundry's MPT): it saves the logits themselves (plus one fp32 log-sum-exp per token) and its
+#                   backward writes a gradient of the logits' dtype beside them (inplace_backward off): 2 p bytes.
+CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy")
 EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
+
+
+def cross_entropy_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
+    """Bytes one logit holds at the loss's peak under implementation ``cross_entropy`` (CROSS_ENTROPY_KINDS)."""
+    if cross_entropy == "fused":
+        return dtype_bytes + 8.0
+    if cross_entropy == "eager":
+        return EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT
+    if cross_entropy == "eager-16bit":
+        return 3.0 * dtype_bytes
+    if cross_entropy == "flash-xentropy":
+        return 2.0 * dtype_bytes
+    raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
 
 
 def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none",
@@ -73,33 +101,44 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, 
     return s * b * h * (10.0 + 24.0 / t + scores / t)
 
 
-def _ffn_activation_bytes(model: "ModelSpec", width: int, p: int) -> float:
-    """Per token: the outputs of the (m-1) up/gate GEMMs and the activation output (the down GEMM's input)."""
-    return p * model.ffn_matrices * width
+def _ffn_activation_bytes(model: "ModelSpec", width: int, p: int, g: float | None = None) -> float:
+    """Per token: the outputs of the (m-1) up/gate GEMMs (p bytes) and the activation output, the down GEMM's input
+    (g bytes: p, or 1 where the runtime keeps FP8 GEMM inputs in FP8)."""
+    return p * (model.ffn_matrices - 1) * width + (p if g is None else g) * width
+
+
+def gemm_input_bytes(dtype_bytes: int, fp8_gemm_inputs: bool) -> int:
+    """Bytes per element of a GEMM input kept for the weight gradient (module docstring: FP8 GEMM inputs)."""
+    return 1 if fp8_gemm_inputs else dtype_bytes
 
 
 def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len: int, recompute: str, flash: bool,
-                                     dtype_bytes: int = 2) -> tuple[float, float]:
+                                     dtype_bytes: int = 2, fp8_gemm_inputs: bool = False) -> tuple[float, float]:
     """Bytes per token of layer ``layer`` kept for backward, split as (token-local, score) parts before sharding.
 
     The score part (unfused attention only) is (2p + 1) bytes per head and key: softmax output, dropout mask and
-    dropout output (Korthikanti's 5 a s with p = 2).
+    dropout output (Korthikanti's 5 a s with p = 2). ``fp8_gemm_inputs``: the inputs of the QKV, output-projection,
+    first and down GEMMs are kept in FP8 (module docstring); a flash kernel without recompute still keeps its own
+    16-bit output for its backward beside the projection's FP8 copy.
     """
     p = dtype_bytes
+    g = gemm_input_bytes(p, fp8_gemm_inputs)
     h = model.hidden_size
     if recompute == "full":
         return p * h, 0.0
     mask = MASK_BYTES if model.dropout else 0  # no dropout, no masks (Llama-style models)
-    attn = p * h + p * (model.q_dim + 2 * model.kv_dim) + p * model.q_dim + mask * h
+    out_proj = g * model.q_dim + (p * model.q_dim if fp8_gemm_inputs and flash and recompute == "none" else 0)
+    attn = g * h + p * (model.q_dim + 2 * model.kv_dim) + out_proj + mask * h
     norms = 2 * p * h
     if model.is_moe_layer(layer):
         k = model.top_k
         mlp = p * h + mask * h + 4 * model.num_experts  # input, mask, router probabilities (fp32)
-        mlp += k * (p * h + _ffn_activation_bytes(model, model.expert_ffn_hidden_size, p))
+        mlp += k * (g * h + _ffn_activation_bytes(model, model.expert_ffn_hidden_size, p, g))
         if model.num_shared_experts:
-            mlp += _ffn_activation_bytes(model, model.num_shared_experts * model.shared_expert_ffn_hidden_size, p)
+            width = model.num_shared_experts * model.shared_expert_ffn_hidden_size
+            mlp += _ffn_activation_bytes(model, width, p, g)
     else:
-        mlp = p * h + _ffn_activation_bytes(model, model.ffn_hidden_size, p) + mask * h
+        mlp = g * h + _ffn_activation_bytes(model, model.ffn_hidden_size, p, g) + mask * h
     if flash:
         attn += 4 * model.num_heads  # log-sum-exp statistics, fp32
         scores = 0.0
@@ -109,7 +148,8 @@ def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len:
     return attn + mlp + norms, scores
 
 
-def tp_replicated_bytes_per_token(model: "ModelSpec", layer: int, *, recompute: str, dtype_bytes: int = 2) -> float:
+def tp_replicated_bytes_per_token(model: "ModelSpec", layer: int, *, recompute: str, dtype_bytes: int = 2,
+                                  fp8_gemm_inputs: bool = False) -> float:
     """Bytes per token of a layer's kept activations that TP without sequence parallelism keeps whole on every TP
     rank: the layer input (full recompute), else the two norms' inputs, the inputs of the QKV and first FFN GEMMs and
     the two dropout masks (Korthikanti et al. 2022, Table 2: the 10 s b h not divided by t)."""
@@ -117,7 +157,7 @@ def tp_replicated_bytes_per_token(model: "ModelSpec", layer: int, *, recompute: 
     if recompute == "full":
         return p * h
     mask = MASK_BYTES if model.dropout else 0
-    return 2 * p * h + 2 * p * h + 2 * mask * h
+    return 2 * p * h + 2 * gemm_input_bytes(p, fp8_gemm_inputs) * h + 2 * mask * h
 
 
 def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int = 2,
@@ -154,9 +194,12 @@ def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int =
 
 def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
                            recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
-                           sequence_parallel: bool = True, selective_policy: str = "megatron") -> float:
+                           sequence_parallel: bool = True, selective_policy: str = "megatron",
+                           fp8_gemm_inputs: bool = False) -> float:
     """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
-    ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says)."""
+    ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says; GEMM inputs in FP8 where
+    ``fp8_gemm_inputs``: Megatron's selective recompute only, op-level SAC is torchtitan's, whose FP8 keeps them
+    in 16 bit)."""
     tokens = mbs * seq_len / cp
     if recompute == "selective" and selective_policy == "op-sac":
         sharded, whole = op_sac_bytes_per_token(model, layer, dtype_bytes=dtype_bytes,
@@ -165,10 +208,11 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
     if selective_policy not in SELECTIVE_POLICIES:
         raise ValueError(f"selective_policy {selective_policy!r} (known: {', '.join(SELECTIVE_POLICIES)})")
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
-                                                     dtype_bytes=dtype_bytes)
+                                                     dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs)
     out = tokens * (local + scores) / tp
     if not sequence_parallel and tp > 1:
-        replicated = tp_replicated_bytes_per_token(model, layer, recompute=recompute, dtype_bytes=dtype_bytes)
+        replicated = tp_replicated_bytes_per_token(model, layer, recompute=recompute, dtype_bytes=dtype_bytes,
+                                                   fp8_gemm_inputs=fp8_gemm_inputs)
         out += tokens * replicated * (1.0 - 1.0 / tp)
     return out
 
@@ -188,11 +232,9 @@ def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int
     backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
     (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
     s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank;
-    an eager (unfused) cross-entropy holds EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT instead of p + 8."""
-    if cross_entropy not in CROSS_ENTROPY_KINDS:
-        raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
+    other implementations of the loss hold other amounts per logit (CROSS_ENTROPY_KINDS)."""
+    per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
     tokens = mbs * seq_len / cp
-    per_logit = EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT if cross_entropy == "eager" else dtype_bytes + 8.0
     if sequence_parallel:
         return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size) / tp
     return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size / tp)
