@@ -199,6 +199,7 @@ def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: 
                        ("recompute_s", "recompute"), ("tp_comm_s", "TP comm"), ("cp_comm_s", "CP comm (exposed)"),
                        ("ep_comm_s", "EP all-to-all"), ("zero_comm_s", "ZeRO comm (transfers)"),
                        ("zero_comm_exposed_s", "ZeRO comm (exposed)"),
+                       ("zero_contention_s", "ZeRO comm (slows compute)"),
                        ("p2p_s", "pipeline p2p")):
         add("  " + label, [ms(s.breakdown.get(key, 0.0)) for s in st])
     add("  forward", [ms(s.forward_s) for s in st])

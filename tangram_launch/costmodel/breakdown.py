@@ -747,6 +747,9 @@ class SliceCoster:
             b = bwd_s + rp.recompute_s
             if zp.layer_bwd_s > 0.0:
                 z_fwd, z_bwd = zero_exposed_s(zp, fwd_s, b, st.edge_compute)
+                # the compute that hides the rest runs slower beside it (overlap.contention_s)
+                z_fwd += overlap.contention_s(zp.zero_fwd_s, z_fwd)
+                z_bwd += overlap.contention_s(zp.zero_bwd_s, z_bwd)
                 fwd = fwd_s + z_fwd + fixed_fwd
                 bwd = b + z_bwd + fixed_bwd + rp.comm_s
             else:
@@ -765,6 +768,8 @@ class SliceCoster:
         rp = self._rec_part(st, r)
         rec_s, act, rworking = rp.recompute_s, rp.activation_bytes, rp.working_bytes
         full = cfg.recompute == "full"
+        exposed = zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s, st.edge_compute)
+        exposed_s = sum(exposed)
         bd = {
             "compute_forward_s": st.fwd_s,
             "compute_backward_s": st.bwd_s,
@@ -772,7 +777,9 @@ class SliceCoster:
             "tp_comm_s": st.tp_fwd_s + st.tp_bwd_s + (st.tp_fwd_s if full else 0.0),
             "cp_comm_s": st.cp_fwd_s + st.cp_bwd_s + (st.cp_fwd_s if full else 0.0),
             "ep_comm_s": st.ep_fwd_s + st.ep_bwd_s + (st.ep_fwd_s if full else 0.0),
-            "zero_comm_exposed_s": sum(zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s, st.edge_compute)),
+            "zero_comm_exposed_s": exposed_s,
+            "zero_contention_s": (overlap.contention_s(zp.zero_fwd_s, exposed[0])
+                                  + overlap.contention_s(zp.zero_bwd_s, exposed[1])) if zp.layer_bwd_s > 0 else 0.0,
             "zero_comm_s": zp.zero_fwd_s + zp.zero_bwd_s,  # the transfers of one micro-batch, hidden or not
             "p2p_s": st.p2p_fwd_s + st.p2p_bwd_s,
             "dp_sync_s": sync,

@@ -14,8 +14,11 @@ causal, GQA-aware; MoE counts top-k experts). Times come from the kernels that e
                      fused kernels by default, eager PyTorch's separate passes with DeviceModel.fused_elementwise off
 
 Backward = 2 x forward (Narayanan et al. 2021, sec. 3.5: each forward GEMM has two backward GEMMs, for the input
-and the weight gradient). Recompute adds forward work (Korthikanti et al. 2022, "Reducing activation recomputation
-in large transformer models", sec. 5): full = one extra forward of the layer; selective = the attention core only.
+and the weight gradient), except fused attention: FlashAttention's backward recomputes the scores and runs five
+matmuls against the forward's two, 2.5 x the forward's FLOPs (Dao 2023, sec. 4.1, which counts its fwd+bwd
+throughput that way, so FLASH_ATTENTION_EFFICIENCY applies to those 2.5 x). Recompute adds forward work
+(Korthikanti et al. 2022, "Reducing activation recomputation in large transformer models", sec. 5): full = one
+extra forward of the layer; selective = the attention core only.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0  # backward / forward work (Narayanan et al. 2021, sec. 3.5)
+FLASH_BACKWARD_FACTOR = 2.5  # fused attention's backward / forward FLOPs (Dao 2023, sec. 4.1: 5 matmuls against 2)
 # Bytes moved per attention-score element by unfused attention, in units of the dtype size p, plus a 1-byte
 # dropout mask: QK^T writes (p), fused scale-mask-softmax reads and writes (2p), dropout reads and writes (2p) and
 # stores the mask (1), P V reads (p): 6p + 1 (Megatron-LM's unfused path; the 5 bytes Korthikanti et al. 2022 store
@@ -96,12 +100,14 @@ class LayerCompute:
     priced: Priced | None = None  # how the measured time was found (measured_layers), None: analytic
     op_sac_recompute_s: float = 0.0  # torchtitan's op-level SAC: every second mm + all element-wise work again
     op_sac_recompute_flops: float = 0.0
+    # backward beyond BACKWARD_FACTOR x forward_s: fused attention's recomputed scores (FLASH_BACKWARD_FACTOR)
+    attention_backward_extra_s: float = 0.0
 
     @property
     def backward_s(self) -> float:
         if self.measured_backward_s is not None:
             return self.measured_backward_s
-        return BACKWARD_FACTOR * self.forward_s
+        return BACKWARD_FACTOR * self.forward_s + self.attention_backward_extra_s
 
     @property
     def backward_flops(self) -> float:
@@ -156,9 +162,11 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
         ffn_traffic = ffn_elementwise_bytes_per_token(model, f, p, dev.fused_elementwise) / p
 
     # Attention core per GPU: heads are split by TP, queries by CP (each query chunk meets all keys in the ring).
+    attn_bwd_extra_s = 0.0
     if dev.flash_attention:
         core_flops = model.layer_flops_breakdown(layer, seq_len, causal=True)["attention"] * m_tok / t
         core_s = core_flops / dev.attention_flops
+        attn_bwd_extra_s = (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * core_s
     else:  # unfused: the full s x s product is computed, then masked
         core_flops = model.layer_flops_breakdown(layer, seq_len, causal=False)["attention"] * m_tok / t
         scores = mbs * (model.num_heads / t) * (seq_len / cp) * seq_len
@@ -179,12 +187,15 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                                           use_measured=False).forward_s)
     if priced is not None:
         # The measured backward (priced.backward_s) replaces the 2x rule where the profile has it: on CPUs and small
-        # shapes the backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x.
+        # shapes the backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x. Without it, the
+        # backward keeps the analytic backward/forward ratio.
+        attn_bwd_extra_s *= priced.forward_s / forward_s if forward_s > 0 else 0.0
         forward_s = priced.forward_s
     return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, forward_s=forward_s, gemm_s=gemm,
                         attention_core_s=core_s, attention_core_flops=core_flops, elementwise_s=elementwise_s,
                         measured=priced is not None, measured_backward_s=priced.backward_s if priced else None,
-                        priced=priced, op_sac_recompute_s=sac_s, op_sac_recompute_flops=sac_flops)
+                        priced=priced, op_sac_recompute_s=sac_s, op_sac_recompute_flops=sac_flops,
+                        attention_backward_extra_s=attn_bwd_extra_s)
 
 
 def _op_sac_recompute(model: "ModelSpec", layer: int, m_tok: float, t: int, dev: DeviceModel) -> tuple[float, float]:

@@ -23,8 +23,15 @@ delays layer 1's; that one hides under the embedding's backward, and the embeddi
 forward and backward compute; with n = 1 the output layer's reduce-scatter is the backlog under layer 1.) The sum is what an event simulation of these units
 on one link gives (tests/test_dp_exposure.py), and each term is a part that cannot overlap: the first gather, the
 last reduce-scatter, a layer's communication beyond the compute it runs beside.
+
+What hides is not free: while a collective runs, its kernels hold a share of the SMs (``COLLECTIVE_SM_SHARE``), so
+the compute beside it runs slower by that share. A hidden transfer of h seconds under compute C (h <= C) stretches
+it to C + share x h (``contention_s``); where the transfer is longer than the compute, the charge is at most
+share x C too high. This holds for every GPU and stack that overlaps its collectives with compute (FSDP, ZeRO-2/3).
 """
 from __future__ import annotations
+
+from tangram_launch.costmodel.efficiency import COLLECTIVE_SM_SHARE
 
 
 def forward_exposed_s(*, root_gather_s: float, layer_gather_s: float, layer_compute_s: float,
@@ -54,3 +61,9 @@ def backward_exposed_s(*, layer_gather_s: float, layer_rs_s: float, root_rs_s: f
         out += max(0.0, g + head_rs_s - b) + (n - 2) * max(0.0, g + r - b)
         backlog = max(0.0, r - b)
     return out + max(0.0, backlog + r - tail_compute_s)
+
+
+def contention_s(transfers_s: float, exposed_s: float, sm_share: float = COLLECTIVE_SM_SHARE) -> float:
+    """Compute time lost to collectives hidden beside it (module docstring): ``sm_share`` x the part of
+    ``transfers_s`` that is not exposed."""
+    return sm_share * max(0.0, transfers_s - exposed_s)
