@@ -35,7 +35,7 @@ import math
 import os
 import statistics
 import sys
-from typing import Any
+from typing import Any, Collection
 
 import yaml
 
@@ -121,14 +121,16 @@ def original_ids_sha256(ids: list[str]) -> str:
     return hashlib.sha256("\n".join(sorted(ids)).encode("utf-8")).hexdigest()
 
 
-def draw_split(runs: list[dict], generation_of_gpu: dict) -> dict[str, str]:
-    """Row id -> dev | validation by the data file's `validation_split` rule, which reads only a row's id, GPU,
-    subset and cohort: fit rows are dev, unseen rows validation, and the other original rows of each GPU generation,
-    ordered by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per generation)."""
+def draw_split(runs: list[dict], generation_of_gpu: dict, fit_when_drawn: Collection[str]) -> dict[str, str]:
+    """Row id -> dev | validation by the data file's `validation_split` rule, which reads only a row's id, GPU and
+    cohort: the rows a constant was fitted on when the split was drawn (`fit_rows_when_drawn`: a constant retired
+    since does not move its rows) are dev, unseen rows validation, and the other original rows of each GPU
+    generation, ordered by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per
+    generation)."""
     split: dict[str, str] = {}
     by_generation: dict[str, list[str]] = {}
     for r in runs:
-        if r.get("subset") == "fit":
+        if r["id"] in fit_when_drawn:
             split[r["id"]] = "dev"
         elif r.get("cohort") == "unseen":
             split[r["id"]] = "validation"
@@ -503,18 +505,16 @@ def _set_constant(name: str, spec: dict, value: float) -> None:
         table = dict(efficiency.GEMM_EFFICIENCY_BY_GPU)
         table.update({g: value for g in spec["gpu_types"]})
         efficiency.GEMM_EFFICIENCY_BY_GPU = MappingProxyType(table)
-    elif name == "fp8_gemm_efficiency":
-        efficiency.FP8_GEMM_EFFICIENCY = value
     else:
-        raise ValueError(f"fitted_constants.{name}: no setter (known: gemm_efficiency.<gpu>, fp8_gemm_efficiency)")
+        raise ValueError(f"fitted_constants.{name}: no setter (known: gemm_efficiency.<gpu>)")
 
 
 def _get_constant(name: str, spec: dict) -> float:
     from tangram_launch.costmodel import efficiency
 
-    if name.startswith("gemm_efficiency."):
-        return efficiency.gemm_efficiency_for(spec["gpu_types"][0])
-    return efficiency.FP8_GEMM_EFFICIENCY
+    if not name.startswith("gemm_efficiency."):
+        raise ValueError(f"fitted_constants.{name}: no getter (known: gemm_efficiency.<gpu>)")
+    return efficiency.gemm_efficiency_for(spec["gpu_types"][0])
 
 
 def fit_constants(data: dict) -> list[dict]:

@@ -41,10 +41,7 @@ def test_fp8_speeds_up_the_gemms_only_and_keeps_bf16_memory_but_the_gemm_inputs(
     assert fp8.peak_flops == 2 * bf16.peak_flops + 1e12  # 1,979 vs 989 TFLOP/s dense
     assert fp8.attention_flops == pytest.approx(bf16.attention_flops)  # attention stays in bf16
     big = fp8.gemm_s(8192, 8192, 8192), bf16.gemm_s(8192, 8192, 8192)
-    # FP8 GEMMs are faster; the catalog's two figures come from different stacks (FP8: a 2025 Megatron-Bridge run,
-    # bf16: 2024 Megatron-core runs; efficiency.py), so their ratio is bounded by the figures' ratio, and the
-    # FP8 cast traffic keeps it under that
-    assert 1.2 < big[1] / big[0] < fp8.gemm_flops / bf16.gemm_flops
+    assert 1.2 < big[1] / big[0] < 2.0  # FP8 GEMMs are faster, never the full 2x of the spec sheet
     # on one GPU whose FP8 tensor cores measure exactly 2x its bf16 ones, the cast traffic keeps FP8 GEMMs under 2x
     profiled = gpu("h100-sxm", measured={"gemm_tflops": {"bf16": 700.0, "fp8": 1400.0}})
     p16, p8 = DeviceModel.from_gpu(profiled, "bf16"), DeviceModel.from_gpu(profiled, "fp8")

@@ -77,13 +77,10 @@ GEMM_EFFICIENCY = 0.70
 GEMM_EFFICIENCY_BY_GPU: Mapping[str, float] = MappingProxyType({"a100-80gb": 0.77, "a100-40gb": 0.77,
                                                                  "h100-sxm": 0.59, "h100-pcie": 0.59,
                                                                  "h100-nvl": 0.59})
-# FP8 GEMMs (Transformer Engine on H100), as a fraction of the FP8 peak. Fit row: bridge-h100-llama3-8b-fp8 of
-# benchmarks/data/published_runs.yaml (Megatron-Bridge 25.11, TE current scaling): 0.785, with fused attention in
-# bf16 at the H100's sustained bf16 rate. That is 2.7x the H100 bf16 GEMM figure, beyond the FP8 tensor cores' 2x:
-# the bf16 figure, fitted on Megatron-core 0.6 (FlagPerf) jobs, carries overheads a 2025 stack no longer has, and
-# the one FP8 row carries the rest of its stack's speed (its bf16 attention, its collectives) into this figure.
-# Held-out FP8 rows (torchtitan Float8, torch.compile) in the benchmark.
-FP8_GEMM_EFFICIENCY = 0.78
+# FP8 GEMMs have no figure of their own: FP8 tensor cores do twice the bf16 rate on the same datapath, so a GEMM
+# reaches the same share of the FP8 peak as the GPU's bf16 GEMMs reach of the bf16 peak (gemm_efficiency_for), and the
+# FP8 casts (FP8_INPUT_BYTES) keep FP8 GEMMs under 2x bf16 ones. A figure fitted on one FP8 run (0.78 of the FP8 peak
+# on Megatron-Bridge's Llama 3 8B) would be 2.6x the H100's bf16 figure: that run's stack, not its tensor cores.
 # Bytes per GEMM input element with FP8: Transformer Engine reads the bf16 tensor and writes its FP8 copy (cast +
 # amax), then the GEMM reads the FP8 copy: 2 + 1 + 1.
 FP8_INPUT_BYTES = 4.0
@@ -210,7 +207,7 @@ class DeviceModel:
             sources.append("gemm_tflops")
             gemm_flops = gemm * TFLOPS
         else:
-            gemm_flops = peak * (FP8_GEMM_EFFICIENCY if dtype == "fp8" else gemm_efficiency_for(gpu.type))
+            gemm_flops = peak * gemm_efficiency_for(gpu.type)  # fp8: the same share of the FP8 peak
         # fused attention runs in the storage dtype's tensor mode: bf16 under fp8 (Transformer Engine keeps
         # attention in bf16); the GPU's sustained (or measured) GEMM rate scales it by the same achieved/peak ratio
         attn_peak = peak_tflops_for(gpu, "bf16") * TFLOPS if dtype == "fp8" else peak
