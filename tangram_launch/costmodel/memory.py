@@ -8,6 +8,10 @@ gradients, stage 3 also the parameters: (2 + 2 + K) Psi -> 2 Psi + 2 Psi + K Psi
 -> (2 + 2 + K) Psi / N_d. Offload (Ren et al. 2021, "ZeRO-Offload"; Rajbhandari et al. 2021, "ZeRO-Infinity") moves
 the optimizer state to host memory, with ZeRO >= 2 the gradients as well, and with ZeRO-3 the parameters too.
 
+What a runtime stores per parameter differs from the paper's mixed-precision layout (MODEL_STATE_KINDS,
+state_bytes_per_param); what it communicates is apart from it (all-gathers in the compute dtype, reductions in the
+gradient dtype), so a runtime's storage kind changes memory only.
+
 Activations (Korthikanti et al. 2022, "Reducing activation recomputation in large transformer models", sec. 4,
 Table 2), per layer and micro-batch, 16-bit activations and 1-byte dropout masks::
 
@@ -253,6 +257,42 @@ def layer_param_split(model: "ModelSpec", layer: int) -> tuple[float, float]:
         per_expert = (total - model.layer_active_params(layer)) / (e - k)
     experts = per_expert * e
     return total - experts, experts
+
+
+# What the runtime stores per parameter (state_bytes_per_param), as (parameter, gradient, optimizer state) bytes
+# with p the compute dtype's bytes, g the gradient dtype's and K the optimizer's states incl. an fp32 master copy:
+#   mixed        p, g, K: 16-bit parameters, fp32 main gradients and the optimizer's fp32 master copy beside its
+#                moments (ZeRO's 2 + 2 + 12 with 16-bit gradients; Megatron's distributed optimizer with fp32 main
+#                grads: 2 + 4 + 12). The planner's assumption.
+#   fp32-params  4, 4, K - 4: FSDP2 under a MixedPrecisionPolicy over a model built in fp32 (torchtitan: its model is
+#                created in fp32 and fully_shard'ed with param_dtype bf16, reduce_dtype fp32): the sharded parameters
+#                stay fp32 and are the optimizer's own (no separate master copy), the sharded gradients take their
+#                dtype; the bf16 copies exist only gathered, for compute.
+#   param-dtype  p, p, (K - 4) p / 4: every state in the compute dtype: the model cast to bf16 before the optimizer
+#                is built, whose moments torch.optim.Adam creates as zeros_like(param) (NeMo AutoModel's custom
+#                models: initialize_weights casts to bf16 by default), and FSDP2 casts its reduced gradients to the
+#                sharded parameter's dtype. Adam: 2 + 2 + 4 = 8 bytes.
+MODEL_STATE_KINDS = ("mixed", "fp32-params", "param-dtype")
+FP32_BYTES = 4
+
+
+def state_bytes_per_param(model_states: str, *, dtype_bytes: float, grad_bytes: float, optimizer_bytes: float,
+                          keeps_param_dtype_grads: bool = False) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer-state) bytes the runtime stores per parameter under ``model_states``
+    (MODEL_STATE_KINDS). ``optimizer_bytes`` is TrainingSpec.optimizer_state_bytes: the moments plus an fp32 master
+    copy where the compute dtype is 16 bit. ``keeps_param_dtype_grads``: a compute-dtype copy of each gradient is
+    held beside the accumulation buffer (SliceCoster's keyword of that name)."""
+    moments = optimizer_bytes - FP32_BYTES if dtype_bytes < FP32_BYTES else optimizer_bytes
+    if model_states == "mixed":
+        out = (dtype_bytes, grad_bytes, optimizer_bytes)
+    elif model_states == "fp32-params":
+        out = (FP32_BYTES, FP32_BYTES, moments)
+    elif model_states == "param-dtype":
+        out = (dtype_bytes, dtype_bytes, moments * dtype_bytes / FP32_BYTES)
+    else:
+        raise ValueError(f"model_states {model_states!r} (known: {', '.join(MODEL_STATE_KINDS)})")
+    p, g, o = out
+    return p, g + dtype_bytes if keeps_param_dtype_grads else g, o
 
 
 class ModelStateBytes(NamedTuple):
