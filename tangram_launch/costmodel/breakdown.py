@@ -215,7 +215,7 @@ class SliceCoster:
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
-                 model_states: str = "mixed", layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
+                 model_states: str = "mixed", whole_column_inputs: bool = False, layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -226,7 +226,9 @@ class SliceCoster:
         ``fp8_gemm_inputs``: under dtype fp8 the runtime keeps its FP8 GEMMs' inputs in FP8 for the backward
         (Transformer Engine, Megatron's FP8; off: torchao's Float8Linear keeps them in 16 bit). ``model_states``: what
         the runtime stores per parameter (memory.MODEL_STATE_KINDS: FSDP2 over fp32 parameters, everything in bf16;
-        storage only, its collectives keep their dtypes). The defaults are
+        storage only, its collectives keep their dtypes). ``whole_column_inputs``: under SP the column-parallel
+        GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py). The
+        defaults are
         what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has them
         already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
@@ -245,6 +247,7 @@ class SliceCoster:
         self.selective_policy = selective_policy
         self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
         self.fp8_gemm_inputs = bool(fp8_gemm_inputs) and q.training.dtype == "fp8"
+        self.whole_column_inputs = bool(whole_column_inputs)
         # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
         self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
                                                  grad_bytes=q.training.grad_bytes,
@@ -349,7 +352,8 @@ class SliceCoster:
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
                                             dtype_bytes=p, sequence_parallel=self.sequence_parallel,
                                             selective_policy=self.selective_policy,
-                                            fp8_gemm_inputs=self.fp8_gemm_inputs) for m in RECOMPUTE_MODES)
+                                            fp8_gemm_inputs=self.fp8_gemm_inputs,
+                                            whole_column_inputs=self.whole_column_inputs) for m in RECOMPUTE_MODES)
         dense, experts = layer_param_split(model, i)
         terms = LayerTerms(
             fwd_s=lc.forward_s, bwd_s=lc.backward_s,
@@ -386,7 +390,8 @@ class SliceCoster:
             "head_tp_s": comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link),
             "head_act": head_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p,
                                               sequence_parallel=self.sequence_parallel,
-                                              cross_entropy=self.cross_entropy),
+                                              cross_entropy=self.cross_entropy,
+                                              whole_column_inputs=self.whole_column_inputs),
         }
         self._edge_cache[key] = out
         return out

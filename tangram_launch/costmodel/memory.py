@@ -31,6 +31,13 @@ caller says the runtime runs TP without it: then the norms' and dropouts' tensor
 GEMMs are kept whole on every TP rank (Korthikanti's 10 s b h of the 34, Table 2 row "tensor parallel"). Context
 parallelism shards the tokens (s / cp per GPU), while each query chunk still meets all s keys.
 
+DTensor tensor parallelism (torch.distributed.tensor.parallel, torchtitan's plan) runs sequence parallelism for the
+norms but hands each column-parallel GEMM the all-gathered input: PrepareModuleInput(Shard(1) -> Replicate()) on the
+attention and on the feed-forward module, whose wq/wk/wv and w1/w3 Linears save that whole tensor for their weight
+gradient, and the output layer's ColwiseParallel(input_layouts=Shard(1)) likewise. Megatron saves the sharded
+tensor and all-gathers it again in the backward. With ``whole_column_inputs`` the attention's and the MLP's inputs
+(2 g h per token) and the output layer's input (p h) are kept whole on every TP rank.
+
 FP8 GEMM inputs: Transformer Engine, the FP8 path of Megatron (and of this project's Megatron runtime), keeps the input
 of each FP8 GEMM in FP8 for the weight gradient (its Linear saves the FP8 cast of the input, its LayerNormLinear the
 FP8 normalised output beside the 16-bit norm input): the inputs of the QKV, output-projection, first FFN and down
@@ -199,11 +206,12 @@ def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int =
 def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
                            recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
                            sequence_parallel: bool = True, selective_policy: str = "megatron",
-                           fp8_gemm_inputs: bool = False) -> float:
+                           fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False) -> float:
     """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
     ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says; GEMM inputs in FP8 where
     ``fp8_gemm_inputs``: Megatron's selective recompute only, op-level SAC is torchtitan's, whose FP8 keeps them
-    in 16 bit)."""
+    in 16 bit; the column-parallel GEMMs' inputs whole under SP where ``whole_column_inputs``, module docstring:
+    DTensor; op-level SAC recomputes them from the block input)."""
     tokens = mbs * seq_len / cp
     if recompute == "selective" and selective_policy == "op-sac":
         sharded, whole = op_sac_bytes_per_token(model, layer, dtype_bytes=dtype_bytes,
@@ -214,6 +222,8 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
                                                      dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs)
     out = tokens * (local + scores) / tp
+    if whole_column_inputs and sequence_parallel and tp > 1 and recompute != "full":
+        out += tokens * 2 * gemm_input_bytes(dtype_bytes, fp8_gemm_inputs) * model.hidden_size * (1.0 - 1.0 / tp)
     if not sequence_parallel and tp > 1:
         replicated = tp_replicated_bytes_per_token(model, layer, recompute=recompute, dtype_bytes=dtype_bytes,
                                                    fp8_gemm_inputs=fp8_gemm_inputs)
@@ -230,15 +240,20 @@ def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp
 
 
 def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
-                          dtype_bytes: int = 2, sequence_parallel: bool = True, cross_entropy: str = "fused") -> float:
+                          dtype_bytes: int = 2, sequence_parallel: bool = True, cross_entropy: str = "fused",
+                          whole_column_inputs: bool = False) -> float:
     """Last stage: final norm and output-layer inputs (4 s b h) and the loss's logit tensors, vocab-parallel
     (Korthikanti et al. 2022, sec. 4.3, count the fp32 logits, 4 s b v). At the loss's peak, the start of its
     backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
     (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
     s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank;
-    other implementations of the loss hold other amounts per logit (CROSS_ENTROPY_KINDS)."""
+    other implementations of the loss hold other amounts per logit (CROSS_ENTROPY_KINDS). ``whole_column_inputs``:
+    the output layer keeps its all-gathered input whole beside the final norm's sharded one (module docstring:
+    DTensor)."""
     per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
     tokens = mbs * seq_len / cp
+    if sequence_parallel and whole_column_inputs:
+        return tokens * (dtype_bytes * model.hidden_size * (1 + 1 / tp) + per_logit * model.vocab_size / tp)
     if sequence_parallel:
         return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size) / tp
     return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size / tp)
