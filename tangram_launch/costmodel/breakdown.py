@@ -53,6 +53,7 @@ from tangram_launch.costmodel.memory import (
     held_under_pipelining,
     layer_activation_bytes,
     layer_param_split,
+    measured_activation_factor,
     model_state_bytes,
     state_bytes_per_param,
 )
@@ -354,6 +355,11 @@ class SliceCoster:
                                             selective_policy=self.selective_policy,
                                             fp8_gemm_inputs=self.fp8_gemm_inputs,
                                             whole_column_inputs=self.whole_column_inputs) for m in RECOMPUTE_MODES)
+        # the profile's saved bytes of this kind, where it has them, correct the kept tensors (memory.py: Measured)
+        measured = measured_activation_factor(self.island.gpu.measured, model, i, seq_len=s, mbs=mbs, tp=tp,
+                                              flash=flash, dtype_bytes=p)
+        if measured is not None:
+            acts = (acts[0] * measured, acts[1] * measured, acts[2])
         dense, experts = layer_param_split(model, i)
         terms = LayerTerms(
             fwd_s=lc.forward_s, bwd_s=lc.backward_s,

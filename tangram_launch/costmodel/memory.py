@@ -49,12 +49,20 @@ core only) and torchtitan's op-level selective activation checkpointing ("op-sac
 torchtitan/parallelisms/parallelize_llama.py, Dec. 2024: a torch.utils.checkpoint policy per transformer block that
 saves the outputs of aten.mm except every second mm of the block, and of the scaled-dot-product-attention kernels;
 everything else -- norms, rotary embedding, activation function -- is recomputed from the block's input).
+
+Measured: where the cluster's profile has the bytes autograd saved for a layer kind (``layer_activation_bytes`` in a
+GPU's measured figures, written by ``profile --model``: one micro-batch, no recompute, the TP shard on one device with
+the whole sequence), the layer's kept bytes without and with selective recompute are the analytic ones times the
+measured-over-analytic ratio at that shape (measured_activation_factor); what the analytic model does not see --
+eager kernels' extra saved tensors, upcasts, rotary tables -- is kept under selective recompute as well. Full
+recompute keeps the layer input only, which needs no measurement.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from tangram_launch.costmodel.efficiency import GIB
+from tangram_launch.costmodel.measured_layers import measured_points, price
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
@@ -229,6 +237,27 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
                                                    fp8_gemm_inputs=fp8_gemm_inputs)
         out += tokens * replicated * (1.0 - 1.0 / tp)
     return out
+
+
+def measured_activation_factor(measured: Mapping[str, Any] | None, model: "ModelSpec", layer: int, *, seq_len: int,
+                               mbs: int, tp: int, flash: bool, dtype_bytes: int = 2) -> float | None:
+    """The profile's saved bytes of layer ``layer``'s kind at (seq_len, mbs, tp) over the analytic figure for what the
+    profiler ran (no recompute, the TP shard holding the whole sequence: TP without SP), None where the GPU's
+    ``measured`` figures have none for this model and kind. Between measured shapes the bytes are interpolated,
+    beyond them the nearest measured shape is scaled by the analytic ratio (measured_layers.price: a per-shape
+    quantity, here bytes where it usually prices seconds)."""
+    table = (measured or {}).get("layer_activation_bytes")
+    if not table:
+        return None
+    points = measured_points(table, {}, model.name, model.layer_kind(layer))
+    if not points:
+        return None
+
+    def analytic(s: int, b: int, t: int) -> float:
+        return layer_activation_bytes(model, layer, seq_len=s, mbs=b, tp=t, flash=flash, dtype_bytes=dtype_bytes,
+                                      sequence_parallel=False)
+
+    return price(points, seq_len=seq_len, mbs=mbs, tp=tp, analytic_s=analytic).forward_s / analytic(seq_len, mbs, tp)
 
 
 def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
