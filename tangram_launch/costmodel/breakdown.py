@@ -216,7 +216,8 @@ class SliceCoster:
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
-                 model_states: str = "mixed", whole_column_inputs: bool = False, layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
+                 model_states: str = "mixed", whole_column_inputs: bool = False,
+                 layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -229,9 +230,8 @@ class SliceCoster:
         the runtime stores per parameter (memory.MODEL_STATE_KINDS: FSDP2 over fp32 parameters, everything in bf16;
         storage only, its collectives keep their dtypes). ``whole_column_inputs``: under SP the column-parallel
         GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py). The
-        defaults are
-        what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has them
-        already (model.layer_kind of each; a parallelizer asks about the same model many times).
+        defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
+        them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:

@@ -51,7 +51,6 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
     is under every split's sum of per-stage least needs (working sets, edge activations and a tied head's
     copy only add)."""
     mbs = coster.q.microbatch_sequences // dp
-    tr = coster.training
     pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     shard, eshard = dp * cp, dp * cp // ep
 
