@@ -63,8 +63,10 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # What the source's runtime did that the planner's defaults do not assume (SliceCoster's keywords of the same names):
 # TP without sequence parallelism, torchtitan's op-level selective checkpointing, 16-bit .grad tensors kept all step,
 # the loss's implementation, FP8 GEMM inputs kept in 16 bit (torchao's Float8Linear; default in FP8: Transformer
-# Engine).
-RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs")
+# Engine), what the runtime stores per parameter (memory.MODEL_STATE_KINDS), column-parallel GEMM inputs saved whole
+# (DTensor TP).
+RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
+                "model_states", "whole_column_inputs")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -245,7 +247,9 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          selective_policy=runtime.get("selective_policy", "megatron"),
                          keeps_param_dtype_grads=bool(runtime.get("keeps_param_dtype_grads", False)),
                          cross_entropy=runtime.get("cross_entropy", "fused"),
-                         fp8_gemm_inputs=bool(runtime.get("fp8_gemm_inputs", True)))
+                         fp8_gemm_inputs=bool(runtime.get("fp8_gemm_inputs", True)),
+                         model_states=runtime.get("model_states", "mixed"),
+                         whole_column_inputs=bool(runtime.get("whole_column_inputs", False)))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),

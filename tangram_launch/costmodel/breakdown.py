@@ -44,6 +44,7 @@ from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, 
 from tangram_launch.costmodel.memory import (
     CROSS_ENTROPY_KINDS,
     FRAGMENTATION_FRACTION,
+    MODEL_STATE_KINDS,
     RUNTIME_OVERHEAD_BYTES,
     SELECTIVE_POLICIES,
     ModelStateBytes,
@@ -52,7 +53,9 @@ from tangram_launch.costmodel.memory import (
     held_under_pipelining,
     layer_activation_bytes,
     layer_param_split,
+    measured_activation_factor,
     model_state_bytes,
+    state_bytes_per_param,
 )
 from tangram_launch.costmodel.partition import balanced_split
 from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
@@ -213,6 +216,7 @@ class SliceCoster:
     def __init__(self, q: SliceQuery, *, flash_attention: bool | None = None, fused_elementwise: bool = True,
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
+                 model_states: str = "mixed", whole_column_inputs: bool = False,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -222,9 +226,12 @@ class SliceCoster:
         after each micro-batch's backward). ``cross_entropy``: the loss as Megatron's fused vocab-parallel kernel or
         eager PyTorch's F.cross_entropy (torchtitan), which holds more per logit (memory.CROSS_ENTROPY_KINDS).
         ``fp8_gemm_inputs``: under dtype fp8 the runtime keeps its FP8 GEMMs' inputs in FP8 for the backward
-        (Transformer Engine, Megatron's FP8; off: torchao's Float8Linear keeps them in 16 bit). The defaults are
-        what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has them
-        already (model.layer_kind of each; a parallelizer asks about the same model many times).
+        (Transformer Engine, Megatron's FP8; off: torchao's Float8Linear keeps them in 16 bit). ``model_states``: what
+        the runtime stores per parameter (memory.MODEL_STATE_KINDS: FSDP2 over fp32 parameters, everything in bf16;
+        storage only, its collectives keep their dtypes). ``whole_column_inputs``: under SP the column-parallel
+        GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py). The
+        defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
+        them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:
@@ -233,11 +240,20 @@ class SliceCoster:
         if cross_entropy not in CROSS_ENTROPY_KINDS:
             raise SpecError("unknown cross-entropy implementation", field="cross_entropy", value=cross_entropy,
                             valid=", ".join(CROSS_ENTROPY_KINDS))
+        if model_states not in MODEL_STATE_KINDS:
+            raise SpecError("unknown model-state storage", field="model_states", value=model_states,
+                            valid=", ".join(MODEL_STATE_KINDS))
         self.cross_entropy = cross_entropy
         self.sequence_parallel = bool(sequence_parallel)
         self.selective_policy = selective_policy
         self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
         self.fp8_gemm_inputs = bool(fp8_gemm_inputs) and q.training.dtype == "fp8"
+        self.whole_column_inputs = bool(whole_column_inputs)
+        # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
+        self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
+                                                 grad_bytes=q.training.grad_bytes,
+                                                 optimizer_bytes=q.training.optimizer_state_bytes,
+                                                 keeps_param_dtype_grads=keeps_param_dtype_grads)
         self.q = q
         self.model = q.model
         self.training = q.training
@@ -337,7 +353,13 @@ class SliceCoster:
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
                                             dtype_bytes=p, sequence_parallel=self.sequence_parallel,
                                             selective_policy=self.selective_policy,
-                                            fp8_gemm_inputs=self.fp8_gemm_inputs) for m in RECOMPUTE_MODES)
+                                            fp8_gemm_inputs=self.fp8_gemm_inputs,
+                                            whole_column_inputs=self.whole_column_inputs) for m in RECOMPUTE_MODES)
+        # the profile's saved bytes of this kind, where it has them, correct the kept tensors (memory.py: Measured)
+        measured = measured_activation_factor(self.island.gpu.measured, model, i, seq_len=s, mbs=mbs, tp=tp,
+                                              flash=flash, dtype_bytes=p)
+        if measured is not None:
+            acts = (acts[0] * measured, acts[1] * measured, acts[2])
         dense, experts = layer_param_split(model, i)
         terms = LayerTerms(
             fwd_s=lc.forward_s, bwd_s=lc.backward_s,
@@ -374,7 +396,8 @@ class SliceCoster:
             "head_tp_s": comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link),
             "head_act": head_activation_bytes(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p,
                                               sequence_parallel=self.sequence_parallel,
-                                              cross_entropy=self.cross_entropy),
+                                              cross_entropy=self.cross_entropy,
+                                              whole_column_inputs=self.whole_column_inputs),
         }
         self._edge_cache[key] = out
         return out
@@ -623,17 +646,17 @@ class SliceCoster:
         if hit is not None:
             return hit
         tr, dev = self.training, self.dev
-        pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes
+        pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes  # moved and updated (time)
         shard, eshard = st.shard, st.eshard
-        kept_gb = gb + pb if self.keeps_param_dtype_grads else gb  # gradient bytes held per parameter
+        kept_pb, kept_gb, kept_ob = self.state_bytes  # what the GPU stores per parameter (memory)
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
         # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward
         held = held_under_pipelining(zero, off) and not (st.has_embedding and st.has_head)
         mem_zero = 1 if held else zero
-        dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=mem_zero, offload=off, param_bytes=pb,
-                                  grad_bytes=kept_gb, optimizer_bytes=ob)
+        dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=mem_zero, offload=off,
+                                  param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob)
         expert = model_state_bytes(st.expert_params, shard=eshard, zero_stage=mem_zero, offload=off,
-                                   param_bytes=pb, grad_bytes=kept_gb, optimizer_bytes=ob)
+                                   param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob)
         c = st.collectives or self._collectives(st)
         # per micro-batch ZeRO-2/3 traffic, unit by unit, overlapped with the same pass's compute (zero_exposed_s)
         z_fwd = z_bwd = 0.0

@@ -8,6 +8,10 @@ gradients, stage 3 also the parameters: (2 + 2 + K) Psi -> 2 Psi + 2 Psi + K Psi
 -> (2 + 2 + K) Psi / N_d. Offload (Ren et al. 2021, "ZeRO-Offload"; Rajbhandari et al. 2021, "ZeRO-Infinity") moves
 the optimizer state to host memory, with ZeRO >= 2 the gradients as well, and with ZeRO-3 the parameters too.
 
+What a runtime stores per parameter differs from the paper's mixed-precision layout (MODEL_STATE_KINDS,
+state_bytes_per_param); what it communicates is apart from it (all-gathers in the compute dtype, reductions in the
+gradient dtype), so a runtime's storage kind changes memory only.
+
 Activations (Korthikanti et al. 2022, "Reducing activation recomputation in large transformer models", sec. 4,
 Table 2), per layer and micro-batch, 16-bit activations and 1-byte dropout masks::
 
@@ -27,6 +31,13 @@ caller says the runtime runs TP without it: then the norms' and dropouts' tensor
 GEMMs are kept whole on every TP rank (Korthikanti's 10 s b h of the 34, Table 2 row "tensor parallel"). Context
 parallelism shards the tokens (s / cp per GPU), while each query chunk still meets all s keys.
 
+DTensor tensor parallelism (torch.distributed.tensor.parallel, torchtitan's plan) runs sequence parallelism for the
+norms but hands each column-parallel GEMM the all-gathered input: PrepareModuleInput(Shard(1) -> Replicate()) on the
+attention and on the feed-forward module, whose wq/wk/wv and w1/w3 Linears save that whole tensor for their weight
+gradient, and the output layer's ColwiseParallel(input_layouts=Shard(1)) likewise. Megatron saves the sharded
+tensor and all-gathers it again in the backward. With ``whole_column_inputs`` the attention's and the MLP's inputs
+(2 g h per token) and the output layer's input (p h) are kept whole on every TP rank.
+
 FP8 GEMM inputs: Transformer Engine, the FP8 path of Megatron (and of this project's Megatron runtime), keeps the input
 of each FP8 GEMM in FP8 for the weight gradient (its Linear saves the FP8 cast of the input, its LayerNormLinear the
 FP8 normalised output beside the 16-bit norm input): the inputs of the QKV, output-projection, first FFN and down
@@ -38,12 +49,20 @@ core only) and torchtitan's op-level selective activation checkpointing ("op-sac
 torchtitan/parallelisms/parallelize_llama.py, Dec. 2024: a torch.utils.checkpoint policy per transformer block that
 saves the outputs of aten.mm except every second mm of the block, and of the scaled-dot-product-attention kernels;
 everything else -- norms, rotary embedding, activation function -- is recomputed from the block's input).
+
+Measured: where the cluster's profile has the bytes autograd saved for a layer kind (``layer_activation_bytes`` in a
+GPU's measured figures, written by ``profile --model``: one micro-batch, no recompute, the TP shard on one device with
+the whole sequence), the layer's kept bytes without and with selective recompute are the analytic ones times the
+measured-over-analytic ratio at that shape (measured_activation_factor); what the analytic model does not see --
+eager kernels' extra saved tensors, upcasts, rotary tables -- is kept under selective recompute as well. Full
+recompute keeps the layer input only, which needs no measurement.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from tangram_launch.costmodel.efficiency import GIB
+from tangram_launch.costmodel.measured_layers import measured_points, price
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
@@ -195,11 +214,12 @@ def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int =
 def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
                            recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
                            sequence_parallel: bool = True, selective_policy: str = "megatron",
-                           fp8_gemm_inputs: bool = False) -> float:
+                           fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False) -> float:
     """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
     ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says; GEMM inputs in FP8 where
     ``fp8_gemm_inputs``: Megatron's selective recompute only, op-level SAC is torchtitan's, whose FP8 keeps them
-    in 16 bit)."""
+    in 16 bit; the column-parallel GEMMs' inputs whole under SP where ``whole_column_inputs``, module docstring:
+    DTensor; op-level SAC recomputes them from the block input)."""
     tokens = mbs * seq_len / cp
     if recompute == "selective" and selective_policy == "op-sac":
         sharded, whole = op_sac_bytes_per_token(model, layer, dtype_bytes=dtype_bytes,
@@ -210,11 +230,34 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
                                                      dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs)
     out = tokens * (local + scores) / tp
+    if whole_column_inputs and sequence_parallel and tp > 1 and recompute != "full":
+        out += tokens * 2 * gemm_input_bytes(dtype_bytes, fp8_gemm_inputs) * model.hidden_size * (1.0 - 1.0 / tp)
     if not sequence_parallel and tp > 1:
         replicated = tp_replicated_bytes_per_token(model, layer, recompute=recompute, dtype_bytes=dtype_bytes,
                                                    fp8_gemm_inputs=fp8_gemm_inputs)
         out += tokens * replicated * (1.0 - 1.0 / tp)
     return out
+
+
+def measured_activation_factor(measured: Mapping[str, Any] | None, model: "ModelSpec", layer: int, *, seq_len: int,
+                               mbs: int, tp: int, flash: bool, dtype_bytes: int = 2) -> float | None:
+    """The profile's saved bytes of layer ``layer``'s kind at (seq_len, mbs, tp) over the analytic figure for what the
+    profiler ran (no recompute, the TP shard holding the whole sequence: TP without SP), None where the GPU's
+    ``measured`` figures have none for this model and kind. Between measured shapes the bytes are interpolated,
+    beyond them the nearest measured shape is scaled by the analytic ratio (measured_layers.price: a per-shape
+    quantity, here bytes where it usually prices seconds)."""
+    table = (measured or {}).get("layer_activation_bytes")
+    if not table:
+        return None
+    points = measured_points(table, {}, model.name, model.layer_kind(layer))
+    if not points:
+        return None
+
+    def analytic(s: int, b: int, t: int) -> float:
+        return layer_activation_bytes(model, layer, seq_len=s, mbs=b, tp=t, flash=flash, dtype_bytes=dtype_bytes,
+                                      sequence_parallel=False)
+
+    return price(points, seq_len=seq_len, mbs=mbs, tp=tp, analytic_s=analytic).forward_s / analytic(seq_len, mbs, tp)
 
 
 def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
@@ -226,15 +269,20 @@ def embedding_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp
 
 
 def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
-                          dtype_bytes: int = 2, sequence_parallel: bool = True, cross_entropy: str = "fused") -> float:
+                          dtype_bytes: int = 2, sequence_parallel: bool = True, cross_entropy: str = "fused",
+                          whole_column_inputs: bool = False) -> float:
     """Last stage: final norm and output-layer inputs (4 s b h) and the loss's logit tensors, vocab-parallel
     (Korthikanti et al. 2022, sec. 4.3, count the fp32 logits, 4 s b v). At the loss's peak, the start of its
     backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
     (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
     s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank;
-    other implementations of the loss hold other amounts per logit (CROSS_ENTROPY_KINDS)."""
+    other implementations of the loss hold other amounts per logit (CROSS_ENTROPY_KINDS). ``whole_column_inputs``:
+    the output layer keeps its all-gathered input whole beside the final norm's sharded one (module docstring:
+    DTensor)."""
     per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
     tokens = mbs * seq_len / cp
+    if sequence_parallel and whole_column_inputs:
+        return tokens * (dtype_bytes * model.hidden_size * (1 + 1 / tp) + per_logit * model.vocab_size / tp)
     if sequence_parallel:
         return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size) / tp
     return tokens * (2 * dtype_bytes * model.hidden_size + per_logit * model.vocab_size / tp)
@@ -253,6 +301,42 @@ def layer_param_split(model: "ModelSpec", layer: int) -> tuple[float, float]:
         per_expert = (total - model.layer_active_params(layer)) / (e - k)
     experts = per_expert * e
     return total - experts, experts
+
+
+# What the runtime stores per parameter (state_bytes_per_param), as (parameter, gradient, optimizer state) bytes
+# with p the compute dtype's bytes, g the gradient dtype's and K the optimizer's states incl. an fp32 master copy:
+#   mixed        p, g, K: 16-bit parameters, fp32 main gradients and the optimizer's fp32 master copy beside its
+#                moments (ZeRO's 2 + 2 + 12 with 16-bit gradients; Megatron's distributed optimizer with fp32 main
+#                grads: 2 + 4 + 12). The planner's assumption.
+#   fp32-params  4, 4, K - 4: FSDP2 under a MixedPrecisionPolicy over a model built in fp32 (torchtitan: its model is
+#                created in fp32 and fully_shard'ed with param_dtype bf16, reduce_dtype fp32): the sharded parameters
+#                stay fp32 and are the optimizer's own (no separate master copy), the sharded gradients take their
+#                dtype; the bf16 copies exist only gathered, for compute.
+#   param-dtype  p, p, (K - 4) p / 4: every state in the compute dtype: the model cast to bf16 before the optimizer
+#                is built, whose moments torch.optim.Adam creates as zeros_like(param) (NeMo AutoModel's custom
+#                models: initialize_weights casts to bf16 by default), and FSDP2 casts its reduced gradients to the
+#                sharded parameter's dtype. Adam: 2 + 2 + 4 = 8 bytes.
+MODEL_STATE_KINDS = ("mixed", "fp32-params", "param-dtype")
+FP32_BYTES = 4
+
+
+def state_bytes_per_param(model_states: str, *, dtype_bytes: float, grad_bytes: float, optimizer_bytes: float,
+                          keeps_param_dtype_grads: bool = False) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer-state) bytes the runtime stores per parameter under ``model_states``
+    (MODEL_STATE_KINDS). ``optimizer_bytes`` is TrainingSpec.optimizer_state_bytes: the moments plus an fp32 master
+    copy where the compute dtype is 16 bit. ``keeps_param_dtype_grads``: a compute-dtype copy of each gradient is
+    held beside the accumulation buffer (SliceCoster's keyword of that name)."""
+    moments = optimizer_bytes - FP32_BYTES if dtype_bytes < FP32_BYTES else optimizer_bytes
+    if model_states == "mixed":
+        out = (dtype_bytes, grad_bytes, optimizer_bytes)
+    elif model_states == "fp32-params":
+        out = (FP32_BYTES, FP32_BYTES, moments)
+    elif model_states == "param-dtype":
+        out = (dtype_bytes, dtype_bytes, moments * dtype_bytes / FP32_BYTES)
+    else:
+        raise ValueError(f"model_states {model_states!r} (known: {', '.join(MODEL_STATE_KINDS)})")
+    p, g, o = out
+    return p, g + dtype_bytes if keeps_param_dtype_grads else g, o
 
 
 class ModelStateBytes(NamedTuple):

@@ -51,9 +51,7 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
     is under every split's sum of per-stage least needs (working sets, edge activations and a tied head's
     copy only add)."""
     mbs = coster.q.microbatch_sequences // dp
-    tr = coster.training
-    pb, ob = tr.param_bytes, tr.optimizer_state_bytes
-    gb = tr.grad_bytes + pb if coster.keeps_param_dtype_grads else tr.grad_bytes
+    pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     shard, eshard = dp * cp, dp * cp // ep
 
     states = {(z, off) for z, _r, off in savers}
@@ -105,8 +103,7 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
     n x (state + k x act) + e x per_param + working (+ k x the edges' activations it holds)."""
     mbs = coster.q.microbatch_sequences // dp
     tr = coster.training
-    pb, ob = tr.param_bytes, tr.optimizer_state_bytes
-    gb = tr.grad_bytes + pb if coster.keeps_param_dtype_grads else tr.grad_bytes
+    pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     t = coster.layer_terms(kind, tp, cp, ep, dp, mbs)
     shard, eshard = dp * cp, dp * cp // ep
     states: dict[tuple[int, bool], tuple[float, float]] = {}  # (zero, offload) -> (layer's, per parameter)
@@ -119,7 +116,8 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
             choices = (1,) if held and not whole else (z, 1) if held else (z,)
             parts = [_layer_states(t, shard, eshard, zs, off, pb, gb, ob) for zs in choices]
             hit = states[z, off] = (min(x for x, _ in parts), min(y for _, y in parts))
-        working = (t.dense_params + t.expert_params) * (2 * pb + tr.grad_bytes) if z >= 3 and not held else 0.0
+        working = ((t.dense_params + t.expert_params) * (2 * tr.param_bytes + tr.grad_bytes) if z >= 3 and not held
+                   else 0.0)
         if RECOMPUTE_MODES[r] == "full":  # _rec_part's working set: one layer's activations, rebuilt
             working += t.act_bytes[0]
         elif RECOMPUTE_MODES[r] == "selective" and coster.selective_policy == "op-sac":
