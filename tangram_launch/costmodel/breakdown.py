@@ -103,20 +103,31 @@ def zero_exposed_s(zp: ZeroPart, fwd_compute_s: float, bwd_compute_s: float,
     hides only under the previous unit's compute, the first gather and the last reduce-scatter never hide
     (costmodel/overlap.py). ``fwd_compute_s``/``bwd_compute_s``: the stage's compute per pass, ``edges``' part of it
     included."""
-    n = max(1, zp.num_layers)
-    fwd = bwd = 0.0
+    return _exposed_fwd_s(zp, fwd_compute_s, edges), _exposed_bwd_s(zp, bwd_compute_s, edges)
+
+
+def _exposed_fwd_s(zp: ZeroPart, fwd_compute_s: float, edges: EdgeCompute) -> float:
+    """zero_exposed_s' forward: it does not read the backward's compute, so the recompute modes of one (ZeRO stage,
+    offload) share it."""
     if zp.layer_fwd_s > 0.0:
-        fwd = overlap.forward_exposed_s(
+        n = max(1, zp.num_layers)
+        return overlap.forward_exposed_s(
             root_gather_s=zp.root_gather_s, layer_gather_s=zp.layer_fwd_s, lead_compute_s=edges.emb_fwd_s,
             head_gather_s=zp.head_gather_s,
             layer_compute_s=(fwd_compute_s - edges.emb_fwd_s - edges.head_fwd_s) / n, num_layers=n)
+    return 0.0
+
+
+def _exposed_bwd_s(zp: ZeroPart, bwd_compute_s: float, edges: EdgeCompute) -> float:
+    """zero_exposed_s' backward."""
     if zp.layer_bwd_s > 0.0:
-        bwd = overlap.backward_exposed_s(
+        n = max(1, zp.num_layers)
+        return overlap.backward_exposed_s(
             layer_gather_s=zp.layer_bwd_s - zp.layer_rs_s, layer_rs_s=zp.layer_rs_s, root_rs_s=zp.root_rs_s,
             head_rs_s=zp.head_rs_s,
             layer_compute_s=(bwd_compute_s - edges.emb_bwd_s - edges.head_bwd_s) / n,
             head_compute_s=edges.head_bwd_s, tail_compute_s=edges.emb_bwd_s, num_layers=n)
-    return fwd, bwd
+    return 0.0
 
 
 class RecomputePart(NamedTuple):
@@ -732,21 +743,27 @@ class SliceCoster:
         return [(f + b, static, act, sync + opt) for f, b, static, act, sync, opt in self._stage_terms(st, savers)]
 
     def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
-        """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage)."""
+        """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage).
+        What one (ZeRO stage, offload) gives every recompute mode (its exposed forward, its static bytes but the
+        recompute's working set) is worked out once per pair: the same float operations, in the same order."""
         out = []
         fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
         frag, overhead = self.fragmentation, self.overhead_bytes
-        zero_parts, rec_parts = st.zero_parts, st.rec_parts
+        zero_parts, rec_parts, edges = st.zero_parts, st.rec_parts, st.edge_compute
+        per_pair: dict = {}
         for zero, r, off in savers:
-            zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
+            pair = per_pair.get((zero, off))
+            if pair is None:
+                zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
+                exposed = zp.layer_bwd_s > 0.0
+                fwd = fwd_s + _exposed_fwd_s(zp, fwd_s, edges) + fixed_fwd if exposed else fwd_s + fixed_fwd
+                pair = per_pair[zero, off] = (zp, exposed, fwd)
+            zp, exposed, fwd = pair
             rp = rec_parts[r] or self._rec_part(st, r)
             b = bwd_s + rp.recompute_s
-            if zp.layer_bwd_s > 0.0:
-                z_fwd, z_bwd = zero_exposed_s(zp, fwd_s, b, st.edge_compute)
-                fwd = fwd_s + z_fwd + fixed_fwd
-                bwd = b + z_bwd + fixed_bwd + rp.comm_s
+            if exposed:
+                bwd = b + _exposed_bwd_s(zp, b, edges) + fixed_bwd + rp.comm_s
             else:
-                fwd = fwd_s + fixed_fwd
                 bwd = b + fixed_bwd + rp.comm_s
             static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
             out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
