@@ -337,10 +337,11 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     col, after, inflight = heads[0]
     bn, tail = col[0], col[1]
     depth = col[8].get(after) or _head_depths(col, after, inflight)
+    # per combination max / min of two, as the builtins pick them (the second only where strictly beyond the first)
     for col, after, inflight in heads[1:]:
-        bn = list(map(max, bn, col[0]))
-        tail = list(map(max, tail, col[1]))
-        depth = list(map(min, depth, col[8].get(after) or _head_depths(col, after, inflight)))
+        bn = [y if y > x else x for x, y in zip(bn, col[0])]
+        tail = [y if y > x else x for x, y in zip(tail, col[1])]
+        depth = [y if y < x else x for x, y in zip(depth, col[8].get(after) or _head_depths(col, after, inflight))]
     depth = [-1 if d == _OVER else (d if d < SATURATED else SATURATED) for d in depth]
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
