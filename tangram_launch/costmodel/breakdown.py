@@ -735,38 +735,45 @@ class SliceCoster:
 
     def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> StageNumbers:
         """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
-        return StageNumbers(*self._stage_terms(st, ((zero, r, off),))[0])
+        return StageNumbers(*self._stage_terms(st, ((zero, r, off),), rows=False)[0])
 
     def fast_rows(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
         """fast_stage under each (ZeRO stage, recompute index, offload) of ``savers``, as the rows the grid's stage
         table keeps: (forward_s + backward_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s)."""
-        return [(f + b, static, act, sync + opt) for f, b, static, act, sync, opt in self._stage_terms(st, savers)]
+        return self._stage_terms(st, savers, rows=True)
 
-    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
-        """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage).
-        What one (ZeRO stage, offload) gives every recompute mode (its exposed forward, its static bytes but the
-        recompute's working set) is worked out once per pair: the same float operations, in the same order."""
+    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]], *, rows: bool) -> list[tuple]:
+        """fast_stage's six numbers per saver combination (``rows``: fast_rows' four), in one loop (a grid costs ~20
+        combinations per stage). What one (ZeRO stage, offload) gives every recompute mode (its exposed forward,
+        its per-iteration time) and what one recompute mode gives every pair (its backward without ZeRO
+        collectives) are worked out once: the same float operations, in the same order."""
         out = []
         fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
         frag, overhead = self.fragmentation, self.overhead_bytes
         zero_parts, rec_parts, edges = st.zero_parts, st.rec_parts, st.edge_compute
         per_pair: dict = {}
+        per_rec: dict = {}
         for zero, r, off in savers:
             pair = per_pair.get((zero, off))
             if pair is None:
                 zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
                 exposed = zp.layer_bwd_s > 0.0
                 fwd = fwd_s + _exposed_fwd_s(zp, fwd_s, edges) + fixed_fwd if exposed else fwd_s + fixed_fwd
-                pair = per_pair[zero, off] = (zp, exposed, fwd)
-            zp, exposed, fwd = pair
-            rp = rec_parts[r] or self._rec_part(st, r)
-            b = bwd_s + rp.recompute_s
+                pair = per_pair[zero, off] = (zp, exposed, fwd, zp.sync_s + zp.optimizer_s)
+            zp, exposed, fwd, tail = pair
+            rec = per_rec.get(r)
+            if rec is None:
+                rp = rec_parts[r] or self._rec_part(st, r)
+                b = bwd_s + rp.recompute_s
+                rec = per_rec[r] = (rp, b, b + fixed_bwd + rp.comm_s)
+            rp, b, bwd = rec
             if exposed:
                 bwd = b + _exposed_bwd_s(zp, b, edges) + fixed_bwd + rp.comm_s
-            else:
-                bwd = b + fixed_bwd + rp.comm_s
             static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
-            out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
+            if rows:
+                out.append((fwd + bwd, static, rp.activation_bytes, tail))
+            else:
+                out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
         return out
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
