@@ -176,11 +176,19 @@ def pareto_front(points: list[tuple]) -> list[tuple]:
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3], p[4], p[5]))
     kept: list[tuple] = []
     crit: list[tuple] = []  # kept points' other criteria, unpacked once (the loop below is the hot path)
+    # the kept point that dominated the last dominated one is tried first: dominated points come in runs (a grid's
+    # saver combinations), and which dominator is found does not change whether there is one
+    last = (math.inf, math.inf, -math.inf, math.inf, math.inf)
     for p in pts:
         fill, tail, depth, stages, gpus = p[1], p[2], p[3], p[4], p[5]
-        for kf, kt, kd, ks, kg in crit:
+        kf, kt, kd, ks, kg = last
+        if kf <= fill and kt <= tail and kd >= depth and ks <= stages and kg <= gpus:
+            continue
+        for c in crit:
+            kf, kt, kd, ks, kg = c
             if kf <= fill and kt <= tail and kd >= depth and ks <= stages and kg <= gpus:
-                break  # an earlier point (bottleneck <=) is at least as good on every other criterion
+                last = c  # an earlier point (bottleneck <=) is at least as good on every other criterion
+                break
         else:
             kept.append(p)
             crit.append((fill, tail, depth, stages, gpus))
