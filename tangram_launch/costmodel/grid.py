@@ -341,8 +341,8 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
         return bn, None, tail, depth
+    stage_times = [columns[sid][0] for sid in sids]
     if len(fits) * 4 < len(depth):  # few fit: add up only theirs, stage by stage, front to back
-        stage_times = [columns[sid][0] for sid in sids]
         fill = [INFEASIBLE_FILL] * len(depth)
         for s in fits:
             f = stage_times[0][s]
@@ -350,8 +350,14 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
                 f += t[s]
             fill[s] = f
         return bn, fill, tail, depth
-    # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11)
-    fill = [reduce(add, times) for times in zip(*[columns[sid][0] for sid in sids])]
+    # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11): a pass
+    # per combination, or where stages are fewer than combinations a pass per stage (the same adds, fewer calls)
+    if n < len(depth):
+        fill = list(stage_times[0])
+        for times in stage_times[1:]:
+            fill = list(map(add, fill, times))
+    else:
+        fill = [reduce(add, times) for times in zip(*stage_times)]
     return bn, fill, tail, depth
 
 
