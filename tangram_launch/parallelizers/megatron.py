@@ -153,8 +153,12 @@ def _front(points: dict[tuple, list[tuple]], caps) -> list[tuple]:
                 if id(pt) in kept:
                     continue
                 bn, fill, tail = pt[0] * shrink, pt[1] * shrink, pt[2] * shrink
-                if not any(c[0] <= bn and c[1] <= fill and c[2] <= tail and c[3] >= pt[3] and c[4] <= pt[4]
-                           and c[5] <= pt[5] for c in front):
+                depth, stages, gpus = pt[3], pt[4], pt[5]
+                for c in front:  # (a loop, not any() over a generator: this runs per point of every grid)
+                    if (c[0] <= bn and c[1] <= fill and c[2] <= tail and c[3] >= depth and c[4] <= stages
+                            and c[5] <= gpus):
+                        break
+                else:
                     out.append(pt)
     return out
 
