@@ -8,7 +8,8 @@ planner asks, then answers that same stream again with fresh parallelizers (``co
 in a planning run; the least CPU seconds over ``--reps``) and once more on a parallelizer that has answered it
 (``warm``: stage costs cached, what is left is judging grids; CPU microseconds per query, least over ``--reps``).
 CPU time (``time.process_time``) is robust to other processes on a shared machine; the least of a few repetitions
-more so. ``digest`` hashes every answer's numbers: two versions of the parallelizer that print the same digest
+more so. Replays run with the cyclic garbage collector off, as planning runs (planner/gc_pause.py): its
+collections would otherwise land in whichever query allocates when they fall due. ``digest`` hashes every answer's numbers: two versions of the parallelizer that print the same digest
 answer the stream bit for bit alike (and so plan alike).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bench_planner_scale import CASES, RUNTIMES
 from tangram_launch.islands import build_islands  # noqa: E402 (bench_planner_common puts the repo on the path)
 from tangram_launch.parallelizers.megatron import MegatronParallelizer  # noqa: E402
 from tangram_launch.planner.api import PlannerOptions, search  # noqa: E402
+from tangram_launch.planner.gc_pause import no_collections  # noqa: E402
 from tangram_launch.planner.query_pool import answer  # noqa: E402
 from tangram_launch.specs.cluster import ClusterSpec  # noqa: E402
 from tangram_launch.specs.model import load_model  # noqa: E402
@@ -51,6 +53,11 @@ def digest(answers) -> str:
 
 def replay(queries, reps: int) -> tuple[float, float, str]:
     """(least cold CPU seconds for the stream, least warm CPU microseconds per query, digest)."""
+    with no_collections():
+        return _replay(queries, reps)
+
+
+def _replay(queries, reps: int) -> tuple[float, float, str]:
     cold, answers, par = float("inf"), None, None
     for _ in range(reps):
         par = MegatronParallelizer()

@@ -106,20 +106,31 @@ def zero_exposed_s(zp: ZeroPart, fwd_compute_s: float, bwd_compute_s: float,
     hides only under the previous unit's compute, the first gather and the last reduce-scatter never hide
     (costmodel/overlap.py). ``fwd_compute_s``/``bwd_compute_s``: the stage's compute per pass, ``edges``' part of it
     included."""
-    n = max(1, zp.num_layers)
-    fwd = bwd = 0.0
+    return _exposed_fwd_s(zp, fwd_compute_s, edges), _exposed_bwd_s(zp, bwd_compute_s, edges)
+
+
+def _exposed_fwd_s(zp: ZeroPart, fwd_compute_s: float, edges: EdgeCompute) -> float:
+    """zero_exposed_s' forward: it does not read the backward's compute, so the recompute modes of one (ZeRO stage,
+    offload) share it."""
     if zp.layer_fwd_s > 0.0:
-        fwd = overlap.forward_exposed_s(
+        n = max(1, zp.num_layers)
+        return overlap.forward_exposed_s(
             root_gather_s=zp.root_gather_s, layer_gather_s=zp.layer_fwd_s, lead_compute_s=edges.emb_fwd_s,
             head_gather_s=zp.head_gather_s,
             layer_compute_s=(fwd_compute_s - edges.emb_fwd_s - edges.head_fwd_s) / n, num_layers=n)
+    return 0.0
+
+
+def _exposed_bwd_s(zp: ZeroPart, bwd_compute_s: float, edges: EdgeCompute) -> float:
+    """zero_exposed_s' backward."""
     if zp.layer_bwd_s > 0.0:
-        bwd = overlap.backward_exposed_s(
+        n = max(1, zp.num_layers)
+        return overlap.backward_exposed_s(
             layer_gather_s=zp.layer_bwd_s - zp.layer_rs_s, layer_rs_s=zp.layer_rs_s, root_rs_s=zp.root_rs_s,
             head_rs_s=zp.head_rs_s,
             layer_compute_s=(bwd_compute_s - edges.emb_bwd_s - edges.head_bwd_s) / n,
             head_compute_s=edges.head_bwd_s, tail_compute_s=edges.emb_bwd_s, num_layers=n)
-    return fwd, bwd
+    return 0.0
 
 
 class RecomputePart(NamedTuple):
@@ -751,35 +762,51 @@ class SliceCoster:
 
     def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> StageNumbers:
         """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
-        return StageNumbers(*self._stage_terms(st, ((zero, r, off),))[0])
+        return StageNumbers(*self._stage_terms(st, ((zero, r, off),), rows=False)[0])
 
     def fast_rows(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
         """fast_stage under each (ZeRO stage, recompute index, offload) of ``savers``, as the rows the grid's stage
         table keeps: (forward_s + backward_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s)."""
-        return [(f + b, static, act, sync + opt) for f, b, static, act, sync, opt in self._stage_terms(st, savers)]
+        return self._stage_terms(st, savers, rows=True)
 
-    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
-        """fast_stage's six numbers per saver combination, in one loop (a grid costs ~20 combinations per stage)."""
+    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]], *, rows: bool) -> list[tuple]:
+        """fast_stage's six numbers per saver combination (``rows``: fast_rows' four), in one loop (a grid costs ~20
+        combinations per stage). What one (ZeRO stage, offload) gives every recompute mode (its exposed forward,
+        its per-iteration time) and what one recompute mode gives every pair (its backward without ZeRO
+        collectives) are worked out once: the same float operations, in the same order."""
         out = []
         fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
         frag, overhead = self.fragmentation, self.overhead_bytes
-        zero_parts, rec_parts = st.zero_parts, st.rec_parts
+        zero_parts, rec_parts, edges = st.zero_parts, st.rec_parts, st.edge_compute
+        per_pair: dict = {}
+        per_rec: dict = {}
         for zero, r, off in savers:
-            zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
-            rp = rec_parts[r] or self._rec_part(st, r)
-            b = bwd_s + rp.recompute_s
-            if zp.layer_bwd_s > 0.0:
-                z_fwd, z_bwd = zero_exposed_s(zp, fwd_s, b, st.edge_compute)
-                # the compute that hides the rest runs slower beside it (overlap.contention_s)
-                z_fwd += overlap.contention_s(zp.zero_fwd_s, z_fwd)
-                z_bwd += overlap.contention_s(zp.zero_bwd_s, z_bwd)
-                fwd = fwd_s + z_fwd + fixed_fwd
-                bwd = b + z_bwd + fixed_bwd + rp.comm_s
-            else:
-                fwd = fwd_s + fixed_fwd
-                bwd = b + fixed_bwd + rp.comm_s
+            pair = per_pair.get((zero, off))
+            if pair is None:
+                zp = zero_parts.get((zero, off)) or self._zero_part(st, zero, off)
+                exposed = zp.layer_bwd_s > 0.0
+                if exposed:
+                    z_fwd = _exposed_fwd_s(zp, fwd_s, edges)
+                    # the compute that hides the rest runs slower beside it (overlap.contention_s)
+                    fwd = fwd_s + (z_fwd + overlap.contention_s(zp.zero_fwd_s, z_fwd)) + fixed_fwd
+                else:
+                    fwd = fwd_s + fixed_fwd
+                pair = per_pair[zero, off] = (zp, exposed, fwd, zp.sync_s + zp.optimizer_s)
+            zp, exposed, fwd, tail = pair
+            rec = per_rec.get(r)
+            if rec is None:
+                rp = rec_parts[r] or self._rec_part(st, r)
+                b = bwd_s + rp.recompute_s
+                rec = per_rec[r] = (rp, b, b + fixed_bwd + rp.comm_s)
+            rp, b, bwd = rec
+            if exposed:
+                z_bwd = _exposed_bwd_s(zp, b, edges)
+                bwd = b + (z_bwd + overlap.contention_s(zp.zero_bwd_s, z_bwd)) + fixed_bwd + rp.comm_s
             static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
-            out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
+            if rows:
+                out.append((fwd + bwd, static, rp.activation_bytes, tail))
+            else:
+                out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
         return out
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:

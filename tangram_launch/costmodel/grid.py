@@ -277,14 +277,11 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
-_ARRAY_HEADS = 2  # judge_columns: from this many distinct stages on, the columns' arrays are the faster path ...
-_ARRAY_SAVERS = 8  # ... and this many saver combinations (megatron's 6 and deepspeed's 4 judge faster as lists)
-_ACCUMULATE_STAGES = 16  # _judge_arrays: longer pipelines add up their stage times in one accumulate
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
 def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
-    """stage_columns of one signature (see there), and room for its four lists as arrays (_arrays). A stage
+    """stage_columns of one signature (see there), and room for its depth terms (_head_depths). A stage
     holding k micro-batches needs static + act * k bytes, which never decreases with k (nor does its float
     rounding), so the most that fit is a threshold."""
     times, tails, most, term = [], [], [], []
@@ -307,8 +304,8 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    # []: _arrays fills it on first need; {}: _head_depths', by the stage's distance from the pipeline's end
-    return times, tails, most, term, max(most), min(times), min(tails), [], {}
+    # {}: _head_depths', by the stage's distance from the pipeline's end
+    return times, tails, most, term, max(most), min(times), min(tails), {}
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
@@ -332,21 +329,20 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
             return None
         heads.append((col, after, inflight))
-    if len(heads) >= _ARRAY_HEADS and len(heads[0][0][0]) >= _ARRAY_SAVERS:
-        return _judge_arrays(columns, sids, heads)
     col, after, inflight = heads[0]
     bn, tail = col[0], col[1]
-    depth = col[8].get(after) or _head_depths(col, after, inflight)
+    depth = col[7].get(after) or _head_depths(col, after, inflight)
+    # per combination max / min of two, as the builtins pick them (the second only where strictly beyond the first)
     for col, after, inflight in heads[1:]:
-        bn = list(map(max, bn, col[0]))
-        tail = list(map(max, tail, col[1]))
-        depth = list(map(min, depth, col[8].get(after) or _head_depths(col, after, inflight)))
+        bn = [y if y > x else x for x, y in zip(bn, col[0])]
+        tail = [y if y > x else x for x, y in zip(tail, col[1])]
+        depth = [y if y < x else x for x, y in zip(depth, col[7].get(after) or _head_depths(col, after, inflight))]
     depth = [-1 if d == _OVER else (d if d < SATURATED else SATURATED) for d in depth]
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
         return bn, None, tail, depth
+    stage_times = [columns[sid][0] for sid in sids]
     if len(fits) * 4 < len(depth):  # few fit: add up only theirs, stage by stage, front to back
-        stage_times = [columns[sid][0] for sid in sids]
         fill = [INFEASIBLE_FILL] * len(depth)
         for s in fits:
             f = stage_times[0][s]
@@ -354,8 +350,14 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
                 f += t[s]
             fill[s] = f
         return bn, fill, tail, depth
-    # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11)
-    fill = [reduce(add, times) for times in zip(*[columns[sid][0] for sid in sids])]
+    # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11): a pass
+    # per combination, or where stages are fewer than combinations a pass per stage (the same adds, fewer calls)
+    if n < len(depth):
+        fill = list(stage_times[0])
+        for times in stage_times[1:]:
+            fill = list(map(add, fill, times))
+    else:
+        fill = [reduce(add, times) for times in zip(*stage_times)]
     return bn, fill, tail, depth
 
 
@@ -367,44 +369,11 @@ def _head_depths(col: tuple, after: int, inflight: int) -> list[int]:
     micro-batches in flight there): per combination fit_depth's term - after, or _OVER where the stage does not
     fit (the least of these over the stages is the depth, _OVER its "fits nowhere"). Remembered in the column:
     the same signature sits at the same distance from the end in many grids and queries."""
-    hit = col[8][after] = [_OVER if inflight > k else x - after for x, k in zip(col[3], col[2])]
+    hit = col[7][after] = [_OVER if inflight > k else x - after for x, k in zip(col[3], col[2])]
     return hit
 
 
-def _judge_arrays(columns: Mapping[int, tuple], sids: Sequence[int], heads: list[tuple]) -> tuple:
-    """judge_columns over many distinct stages with the columns' arrays: max, min and a front-to-back sum per
-    combination are the same float operations, so the answer is the list path's to the last bit (fill: every
-    combination's sum, which the list path leaves as INFEASIBLE_FILL where few fit; nobody reads those)."""
-    (times, tails, most, term), after, inflight = heads[0][0][7] or _arrays(heads[0][0]), heads[0][1], heads[0][2]
-    bn, tail, depth, over = times, tails, term - after, most < inflight
-    for col, after, inflight in heads[1:]:  # a few distinct stages: one array operation per criterion each
-        times, tails, most, term = col[7] or _arrays(col)
-        bn = np.maximum(bn, times)
-        tail = np.maximum(tail, tails)
-        depth = np.minimum(depth, term - after)
-        over |= most < inflight
-    depth = np.where(over, -1, np.minimum(depth, SATURATED))
-    if not (depth >= 0).any():
-        return bn.tolist(), None, tail.tolist(), depth.tolist()
-    times = {sid: columns[sid][7][0] for sid in dict.fromkeys(sids)}  # every distinct stage's, made above
-    if len(sids) > _ACCUMULATE_STAGES:  # ufunc.accumulate adds row after row: the same front-to-back sums
-        fill = np.add.accumulate(np.array([times[sid] for sid in sids]), axis=0)[-1]
-    else:
-        fill = times[sids[0]].copy()
-        for sid in sids[1:]:
-            fill += times[sid]
-    return bn.tolist(), fill.tolist(), tail.tolist(), depth.tolist()
-
-
 _LEAST_TIME, _LEAST_TAIL = itemgetter(5), itemgetter(6)  # a stage_columns entry's least time_s and tail_s
-
-
-def _arrays(col: tuple) -> list:
-    """A signature's columns (times, tails, most, term) as arrays, made the first time they are needed."""
-    arrays = col[7]
-    if not arrays:
-        arrays.extend(np.array(x) for x in col[:4])
-    return arrays
 
 
 def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[float, float]:

@@ -153,8 +153,12 @@ def _front(points: dict[tuple, list[tuple]], caps) -> list[tuple]:
                 if id(pt) in kept:
                     continue
                 bn, fill, tail = pt[0] * shrink, pt[1] * shrink, pt[2] * shrink
-                if not any(c[0] <= bn and c[1] <= fill and c[2] <= tail and c[3] >= pt[3] and c[4] <= pt[4]
-                           and c[5] <= pt[5] for c in front):
+                depth, stages, gpus = pt[3], pt[4], pt[5]
+                for c in front:  # (a loop, not any() over a generator: this runs per point of every grid)
+                    if (c[0] <= bn and c[1] <= fill and c[2] <= tail and c[3] >= depth and c[4] <= stages
+                            and c[5] <= gpus):
+                        break
+                else:
                     out.append(pt)
     return out
 
@@ -176,11 +180,19 @@ def pareto_front(points: list[tuple]) -> list[tuple]:
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3], p[4], p[5]))
     kept: list[tuple] = []
     crit: list[tuple] = []  # kept points' other criteria, unpacked once (the loop below is the hot path)
+    # the kept point that dominated the last dominated one is tried first: dominated points come in runs (a grid's
+    # saver combinations), and which dominator is found does not change whether there is one
+    last = (math.inf, math.inf, -math.inf, math.inf, math.inf)
     for p in pts:
         fill, tail, depth, stages, gpus = p[1], p[2], p[3], p[4], p[5]
-        for kf, kt, kd, ks, kg in crit:
+        kf, kt, kd, ks, kg = last
+        if kf <= fill and kt <= tail and kd >= depth and ks <= stages and kg <= gpus:
+            continue
+        for c in crit:
+            kf, kt, kd, ks, kg = c
             if kf <= fill and kt <= tail and kd >= depth and ks <= stages and kg <= gpus:
-                break  # an earlier point (bottleneck <=) is at least as good on every other criterion
+                last = c  # an earlier point (bottleneck <=) is at least as good on every other criterion
+                break
         else:
             kept.append(p)
             crit.append((fill, tail, depth, stages, gpus))
