@@ -28,8 +28,9 @@ entries, not exact: at most (m - 1) x bound_step x the period slower). ``referen
 ``bounds.py`` holds every floor it prunes by, with why each is safe.
 
 Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
-plan, the exact pass, each offering plans to the best so far), _dp (one pass: _state_front, _expand_state,
-_add_options, _option_score_floor, _add_entries, _candidates over Entry tuples), _pareto (a state's front).
+plan, the exact pass, the complete pass where the score interleaves, each offering plans to the best so far), _dp
+(one pass: _state_front, _expand_state, _add_options, _option_score_floor, _add_entries, _candidates over Entry
+tuples), _pareto (a state's front).
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
@@ -39,8 +40,13 @@ sequence: the simulation, or the interleaved schedule where faster) gets the pla
 candidates: the complete plans the exact pass keeps (non-dominated in fill, tail, stages and period within their
 state, so they include what the paper's DP finds at every bound) whose closed form can beat the best closed form,
 or whose score floor (m x period + tail, under any score: interleaving can put a score well below the closed
-form) can beat the best score; the closed form's optimum is always among them. With ``score_band`` the closed forms are pruned against the larger of the
-best score and the least closed form instead.
+form) can beat the best score; the closed form's optimum is always among them. With ``score_band`` the closed
+forms are pruned against the larger of the best score and the least closed form instead. Where the score can be an
+interleaved simulation (``score_schedules`` holding "interleaved") no dominance orders it: it reads each stage's
+time, needs the stage count to divide m and gives a chunk one layer at least, so a sequence with more fill, stages
+or period, or an option another beats in all the DP sees, can score less. There a complete pass follows (no
+dominance, no option standing for another; only the score floors prune, against the best score the exact pass
+found), and the plan has the least score of every composition.
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -347,14 +353,18 @@ class _Pass:
     __slots__ = ("options", "link_s", "num_layers", "m", "m1", "required", "beat", "score_beat", "stats", "rank",
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
-                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms")
+                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
                  stats: ComposeStats, rank: Sequence[int] | None, beam: int | None, quantum: float,
                  score_beat: float, fill_weight: float, schedules: tuple[str, ...], merge_fronts: bool,
-                 edge_s: Sequence[tuple[float, float]] | None) -> None:
+                 edge_s: Sequence[tuple[float, float]] | None, complete: bool = False) -> None:
         self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
+        # complete: no entry stands for another (no dominance), only the score floors prune (see _dp)
+        self.complete = complete
+        if complete:
+            beat = _INF
         # the score floors sum in another order than the simulations: a floor prunes only FLOOR_ROUNDING above it
         score_beat = score_beat / (1.0 - FLOOR_ROUNDING)
         self.beat, self.score_beat, self.stats, self.rank, self.beam = beat, score_beat, stats, rank, beam
@@ -366,7 +376,7 @@ class _Pass:
         self.plain, self.only_plain, self.w = score_floor_terms(schedules, fill_weight)
         # with a known score (its floor holds) and a best score to beat, an entry is kept only while its score floor
         # can beat it: the closed form is a proxy, and what the closed form alone would keep scores no better
-        self.score_only = (self.plain or self.w > 0.0) and score_beat < _INF
+        self.score_only = (self.plain or self.w > 0.0 or complete) and score_beat < _INF
         self.by_score = score_beat < _INF
         self.keep = -1 if rank is None else required  # bits of "used" that the key remembers
         self.prune = beat < _INF or self.score_only
@@ -403,7 +413,7 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
         score_beat: float = float("inf"), fill_weight: float = 0.0,
         schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
-        edge_s: Sequence[tuple[float, float]] | None = None) -> list[Candidate]:
+        edge_s: Sequence[tuple[float, float]] | None = None, complete: bool = False) -> list[Candidate]:
     """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``.
     With ``beam``, each state keeps only that many entries, those of least (m - 1) x period + fill + tail (a quick
     plan, not exact).
@@ -419,9 +429,14 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
     sequences, read back through the parents). The floors are bounds.py's DP rows.
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
-    judges an entry by the least period of its bucket."""
+    judges an entry by the least period of its bucket.
+
+    ``complete``: no entry or option stands for another (no Pareto front, no covered options): every sequence whose
+    score floor can beat ``score_beat`` is returned (all of them while it is inf), ``beat`` is not read. Exact for
+    any score the floors lie under, however it ranks sequences of equal fill, tail, stages and period: the
+    interleaved simulation (the stages must divide m; a chunk's share of each stage) ranks them its own way."""
     run = _Pass(options, prep, link_s, num_layers, num_microbatches, required, max_stages, beat, stats, rank, beam,
-                quantum, score_beat, fill_weight, schedules, merge_fronts, edge_s)
+                quantum, score_beat, fill_weight, schedules, merge_fronts, edge_s, complete)
     stats.dp_runs += 1
     tables, by_stop = run.tables, prep.by_stop
     for j in range(num_layers, 0, -1):
@@ -436,10 +451,19 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
     return _candidates(run)
 
 
+def _front_of(entries: list, run: _Pass) -> list:
+    """A state's entries as its front: their Pareto front (_pareto), or in a complete pass every entry, sorted by
+    ``after`` (no entry stands for another there)."""
+    if run.complete:
+        entries.sort(key=_AFTER)
+        return entries
+    return _pareto(entries, run.quantum)
+
+
 def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
     """Reduce a state's entries to their Pareto front (the quick plan's beam: its best few), with the running
     minima its options' floors read; None when it holds nothing."""
-    front = _pareto(layer[key], run.quantum)
+    front = _front_of(layer[key], run)
     beam, m1 = run.beam, run.m1
     if beam is not None and len(front) > beam:
         front = sorted(front, key=lambda e: m1 * e[3] + e[0] + e[1])[:beam]
@@ -490,6 +514,8 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
             gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
         else:
             gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
+        if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
+            covered = [-1] * len(gidx)
         offers = _add_options(run, front, group, gidx, covered)
         if offers:
             batches.append((group, offers))
@@ -586,7 +612,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
     floor can beat ``score_beat``."""
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
-    entries, prune = front.entries, run.prune
+    entries, prune, dominate = front.entries, run.prune, not run.complete
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
         for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
@@ -642,21 +668,21 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
                     tgt = tables[start].get(tkey)
                     if tgt is None:
                         tgt = tables[start][tkey] = []
-                    elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
+                    elif dominate and len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
                         tgt[:] = _pareto(tgt, quantum)
                 tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
-                if nf < made and nt == tail and np_ == per:
+                if dominate and nf < made and nt == tail and np_ == per:
                     made = nf
 
 
 def _candidates(run: _Pass) -> list[Candidate]:
     """The complete sequences in tables[0] that use every required island, each read back through its parents."""
-    options, quantum, required, tables = run.options, run.quantum, run.required, run.tables
+    options, required, tables = run.options, run.required, run.tables
     out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
             continue
-        for e in _pareto(entries, quantum):
+        for e in _front_of(entries, run):
             seq = []
             fill, tail, period = e[0], e[1], e[3]
             while e[4] >= 0:
@@ -785,6 +811,12 @@ class Scoring(NamedTuple):
     incumbent_s: float = float("inf")
     fill_weight: float = 0.0
     schedules: tuple[str, ...] = SCORE_ANY
+
+    @property
+    def complete(self) -> bool:
+        """Whether the score can be an interleaved simulation, which no dominance of the DP orders: the search
+        then ends with a complete pass (_Search.complete_pass)."""
+        return self.score is not None and "interleaved" in self.schedules
 
 
 class _Best(NamedTuple):
@@ -940,6 +972,17 @@ class _Search:
         self.stats.candidates += len(candidates)
         self.offer_all([f[3] for f in candidates])
 
+    def complete_pass(self) -> None:
+        """Where the score interleaves (Scoring.complete), offer every plan whose score floor can beat the best
+        score so far, dominated or not: the exact pass's best bounds it, so this pass builds only what the floors
+        cannot rule out. The interleaved simulation reads each stage's time, the stage count (it must divide m) and
+        the layers per stage (a chunk holds one), none of which the exact pass's dominance respects."""
+        sc = self.scoring
+        candidates = self.run(_INF, score_beat=self.score_beat_s(), fill_weight=sc.fill_weight,
+                              schedules=sc.schedules, complete=True)
+        self.stats.candidates += len(candidates)
+        self.offer_all([f[3] for f in candidates])
+
     def result(self) -> Composition | None:
         """The best plan, if it beats what a returned plan must beat."""
         if self.best is None or self.best.comp.objective_s >= self.gate_s:
@@ -1005,7 +1048,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     are scored: interleaved_schedule.interleaved_floor_s), and a score's interleaved schedules must hold a layer
     per chunk at least (interleave.most_virtual_stages): an option of n layers in s stages raises w to 1 / (n // s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
-    the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``); ``merge_fronts``:
+    the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``; with ``bound_step`` 0
+    no option is dropped as dominated and a complete pass ends the search: the plan has the least score of every
+    composition, provided the score floors lie under the score); ``merge_fronts``:
     the sequences of one island set whose front islands have the same links from every other island
     (front_classes) share a DP state. The closed form's optimum is the same; the candidates offered to the score
     are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
@@ -1021,6 +1066,10 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     m = num_microbatches
     if allowed_mask is None:
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
+    scoring = Scoring(score, score_band, score_floor, score_floor_fine, score_incumbent_s, score_fill_weight,
+                      score_schedules)
+    # an option beaten in all the DP sees can still score better interleaved: none is dropped where that counts
+    undominated = undominated or (scoring.complete and bound_step == 0.0)
     prep = _prepared(options, link_s, num_layers, m - 1, allowed_mask, max_stages, undominated, stats, rows)
     if prep is None:
         return None
@@ -1029,8 +1078,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     if (m - 1) * prep.period_lb + max(prep.period_lb, prep.fill_lb) >= incumbent_s and (
             score is None or m * prep.stage_lb >= score_incumbent_s):
         return None  # cannot beat the incumbent (nor, with a score, the best score): not even one DP run
-    scoring = Scoring(score, score_band, score_floor, score_floor_fine, score_incumbent_s, score_fill_weight,
-                      score_schedules)
     search = _Search(options, link_s, num_layers, m, prep, required_mask=required_mask, max_stages=max_stages,
                      incumbent_s=incumbent_s, rank=_island_rank(island_order, options, prep.idx), stats=stats,
                      scoring=scoring, merge_fronts=merge_fronts, edge_s=edge_s)
@@ -1038,4 +1085,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     if quick_plan:
         search.quick_plan()
     search.exact_pass(bound_step)
+    if scoring.complete and bound_step == 0.0:
+        search.complete_pass()
     return search.result()
