@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING, interleaved_floor_s
 from tangram_launch.planner.bounds import plain_1f1b_floor_s
-from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate, front_classes, merged_states
+from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate
+from tangram_launch.planner.dominance import covered_rooms
+from tangram_launch.planner.front_classes import front_classes, merged_states
 from tangram_launch.planner.reference import brute_force, every_composition
 
 from helpers_compose import scheduled, simulated, stage_seconds, with_bottleneck
@@ -584,7 +586,7 @@ def _memory_variants(rng: random.Random):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
-    """compose._covered_room lets the DP skip an option in front of the entries that an earlier option of the
+    """dominance.covered_rooms lets the DP skip an option in front of the entries that an earlier option of the
     same layers and island, no worse in time, tail, stages and bottleneck, fits: on instances full of such memory
     variants, the DP keeps the same fronts (same states), offers the same candidates and returns the same plan as
     without the skip, and that plan is the brute-force optimum."""
@@ -597,7 +599,7 @@ def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
         runs = []
         for skip in (True, False):
             if not skip:
-                monkeypatch.setattr(kernel, "_covered_room", lambda opts, order: [-1] * len(order))
+                monkeypatch.setattr(kernel, "covered_rooms", lambda opts, order: [-1] * len(order))
             st_ = ComposeStats()
             comp = compose(options, link, L, m, stats=st_, score=lambda seq, met: met.latency_s * 0.97,
                            score_schedules=("plain",))
@@ -612,7 +614,7 @@ def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
         prep = kernel._prepare(options, link, L, m - 1, (1 << 3) - 1, None)
         if prep is not None:
             for _island, _bit, group in (g for groups in prep[1] for g in groups):
-                skipped_somewhere |= any(r >= 0 for r in kernel._covered_room(options, group))
+                skipped_somewhere |= any(r >= 0 for r in covered_rooms(options, group))
     assert skipped_somewhere
 
 
@@ -620,10 +622,9 @@ def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
                           st.integers(1, 4), st.integers(1, 4)), max_size=40))
 @settings(max_examples=200, deadline=None)
 def test_covered_room_is_the_most_room_of_an_earlier_option_no_worse(rows):
-    """compose._covered_room against its definition: per option, the largest max_after of an option before it on
+    """dominance.covered_rooms against its definition: per option, the largest max_after of an option before it on
     the same layers with no more time, tail, stages and bottleneck (-1: none). Small integer fields, so ties and
     equal options are common."""
-    from tangram_launch.planner.compose import _covered_room
 
     options = [Option(start, 8, 0, stages, after, float(t), float(bn), float(tail))
                for start, stages, after, t, bn, tail in rows]
@@ -635,7 +636,7 @@ def test_covered_room_is_the_most_room_of_an_earlier_option_no_worse(rows):
                  and options[p].time_s <= o.time_s and options[p].tail_s <= o.tail_s
                  and options[p].num_stages <= o.num_stages and options[p].bottleneck_s <= o.bottleneck_s]
         want.append(max(rooms, default=-1))
-    assert _covered_room(options, order) == want
+    assert covered_rooms(options, order) == want
 
 
 @given(st.integers(0, 2 ** 32 - 1))

@@ -30,7 +30,8 @@ entries, not exact: at most (m - 1) x bound_step x the period slower). ``referen
 Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
 plan, the exact pass, the complete pass where the score interleaves, each offering plans to the best so far), _dp
 (one pass: _state_front, _expand_state, _add_options, _option_score_floor, _add_entries, _candidates over Entry
-tuples), _pareto (a state's front).
+tuples). dominance.py holds what stands for what (a state's Pareto front, the options another covers or beats),
+front_classes.py the islands a merged state keys together.
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
@@ -56,7 +57,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
@@ -66,6 +66,8 @@ import numpy as np
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
+from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
+from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -157,68 +159,18 @@ def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Seq
     return Metrics(pipeline_latency_s(num_microbatches, period, fill, tail), period, fill, tail, links)
 
 
-_FILL = operator.itemgetter(0, 1, 2, 3)  # sort key of DP entries: fill, tail, after, period
-
-
-def _pareto(entries: list, quantum: float) -> list:
-    """Entries not dominated in (fill_s, tail_s, after, period): lower is better in each (fewer stages behind
-    leave more memory for the options in front; a lower period lowers every completion's steady state). Returned
-    sorted by ``after`` so that the entries an option fits in front of form a prefix.
-
-    quantum > 0 compares periods by their bucket on a geometric grid of ratio 1 + quantum instead (compose's
-    ``bound_step``): buckets compare transitively, so the plan kept has a period less than (1 + quantum) x that
-    of any plan it stands for, and no more fill and tail."""
-    if len(entries) == 1:
-        return entries
-    entries.sort(key=_FILL)
-    scale = 1.0 / math.log1p(quantum) if quantum > 0 else 0.0
-    kept: list = []
-    # per "after" value, a staircase of the kept entries' (tail, period): tail ascending, period strictly
-    # descending, so "a kept entry with tail <= t and period <= p" is one bisection per after value <= a
-    stairs: dict[int, tuple[list, list]] = {}
-    afters: list[int] = []
-    for e in entries:
-        tail, after, per = e[1], e[2], e[3]
-        if scale:
-            per = math.floor(math.log(per) * scale) if per > 0 else -math.inf
-        dominated = False
-        for a in afters:
-            if a > after:
-                break
-            tails, pers = stairs[a]
-            i = bisect.bisect_right(tails, tail)
-            if i and pers[i - 1] <= per:
-                dominated = True
-                break
-        if not dominated:
-            kept.append(e)
-            st = stairs.get(after)
-            if st is None:
-                st = stairs[after] = ([], [])
-                bisect.insort(afters, after)
-            tails, pers = st
-            i = bisect.bisect_right(tails, tail)
-            k = i
-            while k < len(tails) and pers[k] >= per:  # points e now dominates within this after value
-                k += 1
-            tails[i:k] = [tail]
-            pers[i:k] = [per]
-    kept.sort(key=_AFTER)
-    return kept
-
-
 def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor_terms: tuple,
               cache: dict) -> tuple[list[int], list[float], list[int]]:
     """A (stop, island) group's options by increasing floor when the layers in front are covered by the islands
     in ``mask``: (m - 1) x max(period_lb, pre_period[start], bottleneck) + pre_fill[start] + time, the prune's
     floor without the link and the sequence behind (so the DP cuts a group's hopeless tail by one bisection);
-    mask None: in their own order. Third, per option in that order, _covered_room."""
+    mask None: in their own order. Third, per option in that order, covered_rooms."""
     key = (id(idx), mask)
     hit = cache.get(key)
     if hit is not None and hit[0] is idx:
         return hit[1]
     if mask is None:
-        out = (idx, [], _covered_room(options, idx))
+        out = (idx, [], covered_rooms(options, idx))
     else:
         m1, period_lb, prefix, link_s = floor_terms
         pre_fill, pre_period, _, _ = prefix(mask)
@@ -232,33 +184,6 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         rooms = _by_floor(options, idx, None, floor_terms, cache)[2]
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
-    return out
-
-
-def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
-    """Per option of one (stop, island) group, in the DP's order: the largest ``max_after`` of an option before it
-    on the same layers with no more time, tail, stages and bottleneck (-1: none); computed in the group's own
-    order, which _by_floor's orders keep for such pairs. In front of every entry that
-    earlier option fits, it adds an entry with no more fill, tail, stages, period or plain_s, appended first, and
-    every prune that keeps this option's entry keeps that one (the floors grow with those four numbers): _pareto
-    would drop this option's entry there, so the DP does not build it. Options differ mostly in memory (recompute,
-    ZeRO): the faster one covers the entries near the back, the leaner one is needed only further forward."""
-    out = []
-    # start -> (-max_after, time, tail, stages, bottleneck) of earlier options, most room first: the first that
-    # covers an option has the most room of those that do
-    seen: dict[int, list[tuple]] = {}
-    for oi in order:
-        start, _stop, _island, stages, max_after, time_s, bottleneck_s, tail_s = options[oi]
-        room = -1
-        earlier = seen.get(start)
-        if earlier is None:
-            earlier = seen[start] = []
-        for neg_room, t, tl, ns, bn in earlier:
-            if t <= time_s and tl <= tail_s and ns <= stages and bn <= bottleneck_s:
-                room = -neg_room
-                break
-        bisect.insort(earlier, (-max_after, time_s, tail_s, stages, bottleneck_s))
-        out.append(room)
     return out
 
 
@@ -414,7 +339,7 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
         score_beat: float = float("inf"), fill_weight: float = 0.0,
         schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
         edge_s: Sequence[tuple[float, float]] | None = None, complete: bool = False) -> list[Candidate]:
-    """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``.
+    """Every sequence covering [0, L) that is not dominated (see pareto_front) and whose closed form can beat ``beat``.
     With ``beam``, each state keeps only that many entries, those of least (m - 1) x period + fill + tail (a quick
     plan, not exact).
 
@@ -452,12 +377,12 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
 
 
 def _front_of(entries: list, run: _Pass) -> list:
-    """A state's entries as its front: their Pareto front (_pareto), or in a complete pass every entry, sorted by
+    """A state's entries as its front: their Pareto front (pareto_front), or in a complete pass every entry, sorted by
     ``after`` (no entry stands for another there)."""
     if run.complete:
         entries.sort(key=_AFTER)
         return entries
-    return _pareto(entries, run.quantum)
+    return pareto_front(entries, run.quantum)
 
 
 def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
@@ -525,7 +450,7 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
 
 def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[tuple]:
     """Each option of a group in front of the entries it fits in front of, unless an earlier option covers them
-    (_covered_room) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
+    (covered_rooms) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
     + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
     floors (an _OptionFloor's fields) go on to _add_entries in its offer, flat, which judges each entry by them."""
     options, m, m1, w, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
@@ -620,8 +545,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
-            # pos), which _pareto would drop. Those with more tail or period are left to _pareto: checking each new
-            # entry against all made ones cost more than it saved
+            # pos), which pareto_front would drop. Those with more tail or period are left to pareto_front: checking
+            # each new entry against all made ones cost more than it saved
             made = _INF
             for pos in range(lo, fits):
                 e = entries[pos]
@@ -669,7 +594,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
                     if tgt is None:
                         tgt = tables[start][tkey] = []
                     elif dominate and len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
-                        tgt[:] = _pareto(tgt, quantum)
+                        tgt[:] = pareto_front(tgt, quantum)
                 tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
                 if dominate and nf < made and nt == tail and np_ == per:
                     made = nf
@@ -698,38 +623,13 @@ def pick(items: Sequence, idx: Sequence[int]) -> tuple:
     return operator.itemgetter(*idx)(items) if len(idx) > 1 else tuple(items[i] for i in idx)
 
 
-def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) -> list[int]:
-    """Drop options that another option on the same layers and island beats in every respect: bottleneck, time,
-    tail, stages and room for following stages. Such an option is never needed at any bound."""
-    by_pair: dict[tuple[int, int, int], list[int]] = {}
-    for oi in idx:
-        o = options[oi]
-        by_pair.setdefault((o.start, o.stop, o.island), []).append(oi)
-    out = []
-    for lst in by_pair.values():
-        # by (bottleneck, time, tail), ties in list order (a stable sort), so an option's dominators come first
-        order = sorted(((o.bottleneck_s, o.time_s, o.tail_s), pos, oi)
-                       for pos, oi in enumerate(lst) for o in (options[oi],))
-        kept: list[tuple] = []  # kept options' (time, tail, stages, room), unpacked once: this loop is hot
-        for (_, time_s, tail_s), _, oi in order:
-            o = options[oi]
-            stages, room = o.num_stages, min(o.max_after, saturated)
-            for k_time, k_tail, k_stages, k_room in kept:
-                if k_time <= time_s and k_tail <= tail_s and k_stages <= stages and k_room >= room:
-                    break
-            else:
-                kept.append((time_s, tail_s, stages, room))
-                out.append(oi)
-    return out
-
-
 def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
              allowed_mask: int, max_stages: int | None, undominated: bool = False,
              rows: np.ndarray | None = None) -> Prepared | None:
     """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
     options, grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
     of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
-    is usable. ``undominated``: the caller's options are known to be undominated already (_undominated would
+    is usable. ``undominated``: the caller's options are known to be undominated already (undominated_options would
     return them all). ``rows``: the options as Candidates.option_rows, where the caller has them."""
     if rows is not None:  # the same test over the columns
         island = rows[:, 2].astype(np.int64)
@@ -740,7 +640,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         idx = [i for i, o in enumerate(options)
                if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
     if not undominated:
-        idx = _undominated(options, idx, saturated)
+        idx = undominated_options(options, idx, saturated)
     if not idx:
         return None
     grouped: dict[tuple[int, int], list[int]] = {}
@@ -760,45 +660,6 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return Prepared(idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
                     whole.stage_period_s[num_layers])
-
-
-def merged_states(link_s: Sequence[Sequence[float]], present: Sequence[int]) -> int:
-    """DP keys per layer of the exact search with ``merge_fronts`` over the islands ``present``: the island sets
-    times the front classes each meets."""
-    cls = front_classes(link_s, sum(1 << k for k in present))
-    sizes: dict[int, int] = {}
-    for k in present:
-        sizes[cls[k]] = sizes.get(cls[k], 0) + 1
-    n = len(present)
-    return sum((1 << n) - (1 << (n - c)) for c in sizes.values())  # a class of c islands misses 2^(n - c) sets
-
-
-def front_classes(link_s: Sequence[Sequence[float]], islands: int) -> list[int]:
-    """cls[k]: the island standing for k's class among the islands in the mask ``islands``: islands whose links
-    from every other island are the same.
-
-    The exact DP keys a sequence by the set of islands it uses and its front island; the front matters only
-    through the link from the island added in front of it, which is never in the set. Fronts f and g of one set
-    are interchangeable when link[x][f] == link[x][g] for every island x other than f and g, so with
-    ``merge_fronts`` the DP keys by class and reads the link through an entry's actual front. Classes are cliques
-    of that relation, built greedily in index order (it is not transitive: link[g][f] and link[g][h] may differ).
-    Islands that all talk over one spine form one class: about 2^K keys per layer instead of K x 2^(K-1)."""
-    members = [k for k in range(len(link_s)) if islands >> k & 1]
-    cls = list(range(len(link_s)))
-    groups: list[list[int]] = []
-
-    def alike(f: int, g: int) -> bool:
-        return all(link_s[x][f] == link_s[x][g] for x in members if x != f and x != g)
-
-    for k in members:
-        for group in groups:
-            if all(alike(k, g) for g in group):
-                group.append(k)
-                cls[k] = group[0]
-                break
-        else:
-            groups.append([k])
-    return cls
 
 
 class Scoring(NamedTuple):
