@@ -77,7 +77,7 @@ SCORE_ANY = ("any",)  # compose's score may be anything: its floor is bounds.sco
 # once, the simulation reads them apart (an ulp's difference must not prune a plan that ties)
 _EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
-_NO_FLOOR = (0.0,) * 8  # an offer's _OptionFloor fields where nothing prunes (never read)
+_NO_FLOOR = (0.0,) * 8  # an _Offer's floor fields where nothing prunes (never read)
 
 
 class Option(NamedTuple):
@@ -258,9 +258,20 @@ class _Group(NamedTuple):
     pre_stage: list[float]
 
 
-class _OptionFloor(NamedTuple):
-    """What one option's entries are judged by: the floors of any completion in front of the option."""
+class _Offer(NamedTuple):
+    """One option offered in front of a DP state (_add_options), with what its entries are judged by: the floors of
+    any completion in front of the option (zeros where nothing prunes, never read). The DP builds offers as plain
+    tuples of these fields in this order (building this type cost a tenth of a DP-heavy compose) and unpacks them."""
 
+    option: int  # index into options
+    lo: int  # the first entry it goes in front of (those before, an earlier option covers: covered_rooms)
+    fits: int  # one past the last entry it fits in front of
+    start: int  # its first layer
+    num_stages: int
+    tail_s: float
+    add_s: float  # the fill it adds: its time and the link into the state's front, both ways
+    period_s: float  # the period it adds: its bottleneck or that link
+    m_bottleneck_s: float  # m x its bottleneck
     per_lb: float  # least period of any completion
     base: float  # least fill in front of the option and the option's own (with its link)
     in_front: float  # base less the option's own
@@ -417,7 +428,7 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
     used, f = key
     if f >= 0 and run.merge:  # the key holds the front's class: any entry's front island has the same links
         f = options[front.entries[0][4]].island  # from every island not in ``used``
-    batches = []  # (group, its offers)
+    batches: list[tuple[_Group, list[_Offer]]] = []
     for island, bit, gidx in groups:
         if used & bit:
             continue
@@ -448,11 +459,11 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         _add_entries(run, key, front, batches)
 
 
-def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[tuple]:
+def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[_Offer]:
     """Each option of a group in front of the entries it fits in front of, unless an earlier option covers them
     (covered_rooms) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
     + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
-    floors (an _OptionFloor's fields) go on to _add_entries in its offer, flat, which judges each entry by them."""
+    floors go on to _add_entries in its _Offer, which judges each entry by them."""
     options, m, m1, w, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
     f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
@@ -491,7 +502,7 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
             trips_on = plain and (link or start or (edged and f >= 0))  # a boundary with a link or stages
             stage_s = m * bn + wo * in_front  # its slowest stage after the front's chunks (1/v of each, v <= 1/wo)
             offer = (oi, lo, fits, start, ns, tail, add, per, m * bn, per_lb, base, in_front, tail_lb, ps, trips_on,
-                     stage_s if stage_s > ps else ps, plain_only)
+                     stage_s if stage_s > ps else ps, plain_only)  # an _Offer
             lf = least_f[fits - 1] + tail_lb
             lft = least_ft[fits - 1]
             if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
@@ -499,11 +510,11 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
                 continue  # no entry it fits in front of can beat: the check in _add_entries fails for each
             offers.append(offer)
         else:
-            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)
+            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)  # an _Offer
     return offers
 
 
-def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) -> float:
+def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer) -> float:
     """The least score floor of an offer (_add_options) in front of any of the first ``fits`` entries of a state: the
     floor under any score (bounds.score_floor_terms), or (and) the plain 1F1B floor (bounds.py)."""
     oi, _, fits, start, ns, _, add, _, mb, per_lb, base, in_front, tail_lb, ps, _, stage_s, plain_only = offer
@@ -530,11 +541,10 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) 
     return pf if plain_only or pf < sf else sf
 
 
-def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) -> None:
-    """The entries each offered option makes in front of the state ``key`` (per group, its offers from _add_options:
-    option, lo, fits, its start, stages and tail, add, per, m x its bottleneck, then its _OptionFloor's fields, flat),
-    in front of entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a score) its score
-    floor can beat ``score_beat``."""
+def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Group, list[_Offer]]]) -> None:
+    """The entries each offered option makes in front of the state ``key`` (per group, its offers from
+    _add_options), in front of entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a
+    score) its score floor can beat ``score_beat``."""
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
