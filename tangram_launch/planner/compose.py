@@ -45,9 +45,11 @@ form) can beat the best score; the closed form's optimum is always among them. W
 forms are pruned against the larger of the best score and the least closed form instead. Where the score can be an
 interleaved simulation (``score_schedules`` holding "interleaved") no dominance orders it: it reads each stage's
 time, needs the stage count to divide m and gives a chunk one layer at least, so a sequence with more fill, stages
-or period, or an option another beats in all the DP sees, can score less. There a complete pass follows (no
-dominance, no option standing for another; only the score floors prune, against the best score the exact pass
-found), and the plan has the least score of every composition.
+or period, or an option another beats in all the DP sees, can score less. There a complete pass follows over the
+sequences that can interleave (no dominance, no option standing for another; only the score floors prune, against
+the best score the exact pass found): the plan's score is no more than any composition's interleaved score. The
+plain simulation's ranking is met as in a plain-only search (the exact pass's candidates): making it exact too
+costs a complete pass over every sequence, many times dearer than over those that can interleave.
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -289,7 +291,8 @@ class _Pass:
     __slots__ = ("options", "link_s", "num_layers", "m", "m1", "required", "beat", "score_beat", "stats", "rank",
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
-                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete")
+                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
+                 "chunked")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -299,6 +302,7 @@ class _Pass:
         self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
         # complete: no entry stands for another (no dominance), only the score floors prune (see _dp)
         self.complete = complete
+        self.chunked: dict = {}  # per group: its options that can interleave (_interleavable)
         if complete:
             beat = _INF
         # the score floors sum in another order than the simulations: a floor prunes only FLOOR_ROUNDING above it
@@ -451,12 +455,23 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         else:
             gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
         if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
+            gidx = _interleavable(options, gidx, run.chunked)
             covered = [-1] * len(gidx)
         offers = _add_options(run, front, group, gidx, covered)
         if offers:
             batches.append((group, offers))
     if batches:
         _add_entries(run, key, front, batches)
+
+
+def _interleavable(options: Sequence[Option], gidx: list[int], memo: dict) -> list[int]:
+    """The options of a group whose stages hold 2 layers at least (a chunk per layer, 2 chunks at least: a pipeline
+    holding any other cannot interleave); once per group and pass, in ``memo``."""
+    hit = memo.get(id(gidx))
+    if hit is None or hit[0] is not gidx:
+        hit = memo[id(gidx)] = (gidx, [oi for oi in gidx if options[oi].stop - options[oi].start
+                                        >= 2 * options[oi].num_stages])
+    return hit[1]
 
 
 def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[_Offer]:
@@ -844,13 +859,17 @@ class _Search:
         self.offer_all([f[3] for f in candidates])
 
     def complete_pass(self) -> None:
-        """Where the score interleaves (Scoring.complete), offer every plan whose score floor can beat the best
-        score so far, dominated or not: the exact pass's best bounds it, so this pass builds only what the floors
-        cannot rule out. The interleaved simulation reads each stage's time, the stage count (it must divide m) and
-        the layers per stage (a chunk holds one), none of which the exact pass's dominance respects."""
-        sc = self.scoring
+        """Where the score interleaves (Scoring.complete), offer every plan that can interleave (2 layers a stage
+        at least, stages dividing m) and whose score floor can beat the best score so far, dominated or not: the
+        exact pass's best bounds it, so this pass builds only what the floors cannot rule out. The interleaved
+        simulation reads each stage's time, the stage count and the layers per stage, none of which the exact
+        pass's dominance respects. (Plans that cannot interleave score their plain simulation: the exact pass
+        offered those as a plain-only search does.)"""
+        sc, options, m = self.scoring, self.options, self.m
         candidates = self.run(_INF, score_beat=self.score_beat_s(), fill_weight=sc.fill_weight,
                               schedules=sc.schedules, complete=True)
+        # only those that can interleave: the stages divide the micro-batches
+        candidates = [f for f in candidates if m % sum(options[oi].num_stages for oi in f[3]) == 0]
         self.stats.candidates += len(candidates)
         self.offer_all([f[3] for f in candidates])
 
@@ -920,8 +939,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     per chunk at least (interleave.most_virtual_stages): an option of n layers in s stages raises w to 1 / (n // s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
     the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``; with ``bound_step`` 0
-    no option is dropped as dominated and a complete pass ends the search: the plan has the least score of every
-    composition, provided the score floors lie under the score); ``merge_fronts``:
+    no option is dropped as dominated and a complete pass over the sequences that can interleave ends the search:
+    the plan scores no more than any composition's interleaved schedules, provided the score floors lie under the
+    score); ``merge_fronts``:
     the sequences of one island set whose front islands have the same links from every other island
     (front_classes) share a DP state. The closed form's optimum is the same; the candidates offered to the score
     are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per

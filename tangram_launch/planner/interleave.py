@@ -11,8 +11,8 @@ figure the Plan reports and the timeline draws. It is simulated only where its f
 (``interleaved_floor_s``) beats the best found so far: the choice is the one simulating every v would make.
 
 The planner's composer ranks pipelines by this choice's latency (its score) and, where that can interleave, ends its
-search with a pass no dominance prunes (compose.py): a compose call returns the least such latency of every
-composition of the options (and island order) it is given.
+search with a pass no dominance prunes over the pipelines that can interleave (compose.py): a compose call returns
+a plan no slower than any interleaved schedule of every composition of the options (and island order) it is given.
 """
 from __future__ import annotations
 
