@@ -263,7 +263,8 @@ class _Group(NamedTuple):
 class _Offer(NamedTuple):
     """One option offered in front of a DP state (_add_options), with what its entries are judged by: the floors of
     any completion in front of the option (zeros where nothing prunes, never read). The DP builds offers as plain
-    tuples of these fields in this order (building this type cost a tenth of a DP-heavy compose) and unpacks them."""
+    tuples of these fields in this order (building this type costs measurably more in the hot loop) and unpacks
+    them."""
 
     option: int  # index into options
     lo: int  # the first entry it goes in front of (those before, an earlier option covers: covered_rooms)
@@ -371,10 +372,11 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
     judges an entry by the least period of its bucket.
 
-    ``complete``: no entry or option stands for another (no Pareto front, no covered options): every sequence whose
-    score floor can beat ``score_beat`` is returned (all of them while it is inf), ``beat`` is not read. Exact for
-    any score the floors lie under, however it ranks sequences of equal fill, tail, stages and period: the
-    interleaved simulation (the stages must divide m; a chunk's share of each stage) ranks them its own way."""
+    ``complete``: no entry or option stands for another (no Pareto front, no covered options), and only options
+    whose stages hold 2 layers at least take part (_interleavable): every such sequence whose score floor can beat
+    ``score_beat`` is returned (all of them while it is inf), ``beat`` is not read. Exact for any score the floors
+    lie under, however it ranks sequences of equal fill, tail, stages and period: the interleaved simulation (the
+    stages must divide m; a chunk's share of each stage) ranks them its own way."""
     run = _Pass(options, prep, link_s, num_layers, num_microbatches, required, max_stages, beat, stats, rank, beam,
                 quantum, score_beat, fill_weight, schedules, merge_fronts, edge_s, complete)
     stats.dp_runs += 1
