@@ -49,7 +49,9 @@ or period, or an option another beats in all the DP sees, can score less. There 
 sequences that can interleave (no dominance, no option standing for another; only the score floors prune, against
 the best score the exact pass found): the plan's score is no more than any composition's interleaved score. The
 plain simulation's ranking is met as in a plain-only search (the exact pass's candidates): making it exact too
-costs a complete pass over every sequence, many times dearer than over those that can interleave.
+costs a complete pass over every sequence, many times dearer than over those that can interleave. With merged
+fronts (the driver's search over many islands) there is no complete pass: without dominance it would enumerate
+every island set's sequences.
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -941,9 +943,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     per chunk at least (interleave.most_virtual_stages): an option of n layers in s stages raises w to 1 / (n // s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
     the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``; with ``bound_step`` 0
-    no option is dropped as dominated and a complete pass over the sequences that can interleave ends the search:
-    the plan scores no more than any composition's interleaved schedules, provided the score floors lie under the
-    score); ``merge_fronts``:
+    and without ``merge_fronts`` no option is dropped as dominated and a complete pass over the sequences that can
+    interleave ends the search: the plan scores no more than any composition's interleaved schedules, provided the
+    score floors lie under the score); ``merge_fronts``:
     the sequences of one island set whose front islands have the same links from every other island
     (front_classes) share a DP state. The closed form's optimum is the same; the candidates offered to the score
     are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
@@ -961,8 +963,12 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
     scoring = Scoring(score, score_band, score_floor, score_floor_fine, score_incumbent_s, score_fill_weight,
                       score_schedules)
+    # a complete pass (exact against an interleaved score) ends the search unless periods are bucketed or fronts
+    # merged: without dominance a merged search enumerates every island set's sequences, which on the driver's
+    # many-island clusters (where it merges) is tens of millions of entries
+    complete = scoring.complete and bound_step == 0.0 and not merge_fronts
     # an option beaten in all the DP sees can still score better interleaved: none is dropped where that counts
-    undominated = undominated or (scoring.complete and bound_step == 0.0)
+    undominated = undominated or complete
     prep = _prepared(options, link_s, num_layers, m - 1, allowed_mask, max_stages, undominated, stats, rows)
     if prep is None:
         return None
@@ -978,6 +984,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     if quick_plan:
         search.quick_plan()
     search.exact_pass(bound_step)
-    if scoring.complete and bound_step == 0.0:
+    if complete:
         search.complete_pass()
     return search.result()
