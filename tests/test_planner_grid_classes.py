@@ -134,10 +134,10 @@ def test_torch_templates_name_their_one_grid_and_the_driver_composes_it_apart():
 def test_every_class_the_driver_composes_is_already_undominated(runtime):
     """The driver tells compose its options are undominated (compose(undominated=True) skips its own pairwise
     check): on a real two-island search, for every micro-batch size and every class the driver composes, the
-    kernel's check (compose._undominated) keeps every option."""
+    kernel's check (dominance.undominated_options) keeps every option."""
     from tangram_launch.islands import build_islands
     from tangram_launch.planner.api import PlannerOptions, search
-    from tangram_launch.planner.compose import _undominated
+    from tangram_launch.planner.dominance import undominated_options as _undominated
 
     cluster = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
                                      "nodes": [{"name": "a", "gpu": "a100-40gb", "count": 4},

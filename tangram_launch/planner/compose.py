@@ -28,8 +28,10 @@ entries, not exact: at most (m - 1) x bound_step x the period slower). ``referen
 ``bounds.py`` holds every floor it prunes by, with why each is safe.
 
 Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
-plan, the exact pass, each offering plans to the best so far), _dp (one pass: _state_front, _expand_state,
-_add_options, _option_score_floor, _add_entries, _candidates over Entry tuples), _pareto (a state's front).
+plan, the exact pass, the complete pass where the score interleaves, each offering plans to the best so far), _dp
+(one pass: _state_front, _expand_state, _add_options, _option_score_floor, _add_entries, _candidates over Entry
+tuples). dominance.py holds what stands for what (a state's Pareto front, the options another covers or beats),
+front_classes.py the islands a merged state keys together.
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
@@ -39,8 +41,17 @@ sequence: the simulation, or the interleaved schedule where faster) gets the pla
 candidates: the complete plans the exact pass keeps (non-dominated in fill, tail, stages and period within their
 state, so they include what the paper's DP finds at every bound) whose closed form can beat the best closed form,
 or whose score floor (m x period + tail, under any score: interleaving can put a score well below the closed
-form) can beat the best score; the closed form's optimum is always among them. With ``score_band`` the closed forms are pruned against the larger of the
-best score and the least closed form instead.
+form) can beat the best score; the closed form's optimum is always among them. With ``score_band`` the closed
+forms are pruned against the larger of the best score and the least closed form instead. Where the score can be an
+interleaved simulation (``score_schedules`` holding "interleaved") no dominance orders it: it reads each stage's
+time, needs the stage count to divide m and gives a chunk one layer at least, so a sequence with more fill, stages
+or period, or an option another beats in all the DP sees, can score less. There a complete pass follows over the
+sequences that can interleave (no dominance, no option standing for another; only the score floors prune, against
+the best score the exact pass found): the plan's score is no more than any composition's interleaved score. The
+plain simulation's ranking is met as in a plain-only search (the exact pass's candidates): making it exact too
+costs a complete pass over every sequence, many times dearer than over those that can interleave. With merged
+fronts (the driver's search over many islands) there is no complete pass: without dominance it would enumerate
+every island set's sequences.
 
 The state includes the set of islands used, so the exact search grows as 2^K with K islands (the paper's K is
 2-6). ``island_order`` restricts pipelines to one order of islands (islands may be skipped): the set drops out of
@@ -50,7 +61,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
@@ -60,6 +70,8 @@ import numpy as np
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
+from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
+from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -69,7 +81,7 @@ SCORE_ANY = ("any",)  # compose's score may be anything: its floor is bounds.sco
 # once, the simulation reads them apart (an ulp's difference must not prune a plan that ties)
 _EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
-_NO_FLOOR = (0.0,) * 8  # an offer's _OptionFloor fields where nothing prunes (never read)
+_NO_FLOOR = (0.0,) * 8  # an _Offer's floor fields where nothing prunes (never read)
 
 
 class Option(NamedTuple):
@@ -151,68 +163,18 @@ def evaluate(seq: Sequence[int], options: Sequence[Option], link_s: Sequence[Seq
     return Metrics(pipeline_latency_s(num_microbatches, period, fill, tail), period, fill, tail, links)
 
 
-_FILL = operator.itemgetter(0, 1, 2, 3)  # sort key of DP entries: fill, tail, after, period
-
-
-def _pareto(entries: list, quantum: float) -> list:
-    """Entries not dominated in (fill_s, tail_s, after, period): lower is better in each (fewer stages behind
-    leave more memory for the options in front; a lower period lowers every completion's steady state). Returned
-    sorted by ``after`` so that the entries an option fits in front of form a prefix.
-
-    quantum > 0 compares periods by their bucket on a geometric grid of ratio 1 + quantum instead (compose's
-    ``bound_step``): buckets compare transitively, so the plan kept has a period less than (1 + quantum) x that
-    of any plan it stands for, and no more fill and tail."""
-    if len(entries) == 1:
-        return entries
-    entries.sort(key=_FILL)
-    scale = 1.0 / math.log1p(quantum) if quantum > 0 else 0.0
-    kept: list = []
-    # per "after" value, a staircase of the kept entries' (tail, period): tail ascending, period strictly
-    # descending, so "a kept entry with tail <= t and period <= p" is one bisection per after value <= a
-    stairs: dict[int, tuple[list, list]] = {}
-    afters: list[int] = []
-    for e in entries:
-        tail, after, per = e[1], e[2], e[3]
-        if scale:
-            per = math.floor(math.log(per) * scale) if per > 0 else -math.inf
-        dominated = False
-        for a in afters:
-            if a > after:
-                break
-            tails, pers = stairs[a]
-            i = bisect.bisect_right(tails, tail)
-            if i and pers[i - 1] <= per:
-                dominated = True
-                break
-        if not dominated:
-            kept.append(e)
-            st = stairs.get(after)
-            if st is None:
-                st = stairs[after] = ([], [])
-                bisect.insort(afters, after)
-            tails, pers = st
-            i = bisect.bisect_right(tails, tail)
-            k = i
-            while k < len(tails) and pers[k] >= per:  # points e now dominates within this after value
-                k += 1
-            tails[i:k] = [tail]
-            pers[i:k] = [per]
-    kept.sort(key=_AFTER)
-    return kept
-
-
 def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor_terms: tuple,
               cache: dict) -> tuple[list[int], list[float], list[int]]:
     """A (stop, island) group's options by increasing floor when the layers in front are covered by the islands
     in ``mask``: (m - 1) x max(period_lb, pre_period[start], bottleneck) + pre_fill[start] + time, the prune's
     floor without the link and the sequence behind (so the DP cuts a group's hopeless tail by one bisection);
-    mask None: in their own order. Third, per option in that order, _covered_room."""
+    mask None: in their own order. Third, per option in that order, covered_rooms."""
     key = (id(idx), mask)
     hit = cache.get(key)
     if hit is not None and hit[0] is idx:
         return hit[1]
     if mask is None:
-        out = (idx, [], _covered_room(options, idx))
+        out = (idx, [], covered_rooms(options, idx))
     else:
         m1, period_lb, prefix, link_s = floor_terms
         pre_fill, pre_period, _, _ = prefix(mask)
@@ -226,33 +188,6 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         rooms = _by_floor(options, idx, None, floor_terms, cache)[2]
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
-    return out
-
-
-def _covered_room(options: Sequence[Option], order: Sequence[int]) -> list[int]:
-    """Per option of one (stop, island) group, in the DP's order: the largest ``max_after`` of an option before it
-    on the same layers with no more time, tail, stages and bottleneck (-1: none); computed in the group's own
-    order, which _by_floor's orders keep for such pairs. In front of every entry that
-    earlier option fits, it adds an entry with no more fill, tail, stages, period or plain_s, appended first, and
-    every prune that keeps this option's entry keeps that one (the floors grow with those four numbers): _pareto
-    would drop this option's entry there, so the DP does not build it. Options differ mostly in memory (recompute,
-    ZeRO): the faster one covers the entries near the back, the leaner one is needed only further forward."""
-    out = []
-    # start -> (-max_after, time, tail, stages, bottleneck) of earlier options, most room first: the first that
-    # covers an option has the most room of those that do
-    seen: dict[int, list[tuple]] = {}
-    for oi in order:
-        start, _stop, _island, stages, max_after, time_s, bottleneck_s, tail_s = options[oi]
-        room = -1
-        earlier = seen.get(start)
-        if earlier is None:
-            earlier = seen[start] = []
-        for neg_room, t, tl, ns, bn in earlier:
-            if t <= time_s and tl <= tail_s and ns <= stages and bn <= bottleneck_s:
-                room = -neg_room
-                break
-        bisect.insort(earlier, (-max_after, time_s, tail_s, stages, bottleneck_s))
-        out.append(room)
     return out
 
 
@@ -327,9 +262,21 @@ class _Group(NamedTuple):
     pre_stage: list[float]
 
 
-class _OptionFloor(NamedTuple):
-    """What one option's entries are judged by: the floors of any completion in front of the option."""
+class _Offer(NamedTuple):
+    """One option offered in front of a DP state (_add_options), with what its entries are judged by: the floors of
+    any completion in front of the option (zeros where nothing prunes, never read). The DP builds offers as plain
+    tuples of these fields in this order (building this type costs measurably more in the hot loop) and unpacks
+    them."""
 
+    option: int  # index into options
+    lo: int  # the first entry it goes in front of (those before, an earlier option covers: covered_rooms)
+    fits: int  # one past the last entry it fits in front of
+    start: int  # its first layer
+    num_stages: int
+    tail_s: float
+    add_s: float  # the fill it adds: its time and the link into the state's front, both ways
+    period_s: float  # the period it adds: its bottleneck or that link
+    m_bottleneck_s: float  # m x its bottleneck
     per_lb: float  # least period of any completion
     base: float  # least fill in front of the option and the option's own (with its link)
     in_front: float  # base less the option's own
@@ -347,14 +294,20 @@ class _Pass:
     __slots__ = ("options", "link_s", "num_layers", "m", "m1", "required", "beat", "score_beat", "stats", "rank",
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
-                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms")
+                 "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
+                 "chunked")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
                  stats: ComposeStats, rank: Sequence[int] | None, beam: int | None, quantum: float,
                  score_beat: float, fill_weight: float, schedules: tuple[str, ...], merge_fronts: bool,
-                 edge_s: Sequence[tuple[float, float]] | None) -> None:
+                 edge_s: Sequence[tuple[float, float]] | None, complete: bool = False) -> None:
         self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
+        # complete: no entry stands for another (no dominance), only the score floors prune (see _dp)
+        self.complete = complete
+        self.chunked: dict = {}  # per group: its options that can interleave (_interleavable)
+        if complete:
+            beat = _INF
         # the score floors sum in another order than the simulations: a floor prunes only FLOOR_ROUNDING above it
         score_beat = score_beat / (1.0 - FLOOR_ROUNDING)
         self.beat, self.score_beat, self.stats, self.rank, self.beam = beat, score_beat, stats, rank, beam
@@ -366,7 +319,7 @@ class _Pass:
         self.plain, self.only_plain, self.w = score_floor_terms(schedules, fill_weight)
         # with a known score (its floor holds) and a best score to beat, an entry is kept only while its score floor
         # can beat it: the closed form is a proxy, and what the closed form alone would keep scores no better
-        self.score_only = (self.plain or self.w > 0.0) and score_beat < _INF
+        self.score_only = (self.plain or self.w > 0.0 or complete) and score_beat < _INF
         self.by_score = score_beat < _INF
         self.keep = -1 if rank is None else required  # bits of "used" that the key remembers
         self.prune = beat < _INF or self.score_only
@@ -403,8 +356,8 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
         score_beat: float = float("inf"), fill_weight: float = 0.0,
         schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
-        edge_s: Sequence[tuple[float, float]] | None = None) -> list[Candidate]:
-    """Every sequence covering [0, L) that is not dominated (see _pareto) and whose closed form can beat ``beat``.
+        edge_s: Sequence[tuple[float, float]] | None = None, complete: bool = False) -> list[Candidate]:
+    """Every sequence covering [0, L) that is not dominated (see pareto_front) and whose closed form can beat ``beat``.
     With ``beam``, each state keeps only that many entries, those of least (m - 1) x period + fill + tail (a quick
     plan, not exact).
 
@@ -419,9 +372,15 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
     sequences, read back through the parents). The floors are bounds.py's DP rows.
     Exact: a sequence that beats ``beat`` is represented at every step by an entry with no more of anything, whose
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
-    judges an entry by the least period of its bucket."""
+    judges an entry by the least period of its bucket.
+
+    ``complete``: no entry or option stands for another (no Pareto front, no covered options), and only options
+    whose stages hold 2 layers at least take part (_interleavable): every such sequence whose score floor can beat
+    ``score_beat`` is returned (all of them while it is inf), ``beat`` is not read. Exact for any score the floors
+    lie under, however it ranks sequences of equal fill, tail, stages and period: the interleaved simulation (the
+    stages must divide m; a chunk's share of each stage) ranks them its own way."""
     run = _Pass(options, prep, link_s, num_layers, num_microbatches, required, max_stages, beat, stats, rank, beam,
-                quantum, score_beat, fill_weight, schedules, merge_fronts, edge_s)
+                quantum, score_beat, fill_weight, schedules, merge_fronts, edge_s, complete)
     stats.dp_runs += 1
     tables, by_stop = run.tables, prep.by_stop
     for j in range(num_layers, 0, -1):
@@ -436,10 +395,19 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
     return _candidates(run)
 
 
+def _front_of(entries: list, run: _Pass) -> list:
+    """A state's entries as its front: their Pareto front (pareto_front), or in a complete pass every entry, sorted by
+    ``after`` (no entry stands for another there)."""
+    if run.complete:
+        entries.sort(key=_AFTER)
+        return entries
+    return pareto_front(entries, run.quantum)
+
+
 def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
     """Reduce a state's entries to their Pareto front (the quick plan's beam: its best few), with the running
     minima its options' floors read; None when it holds nothing."""
-    front = _pareto(layer[key], run.quantum)
+    front = _front_of(layer[key], run)
     beam, m1 = run.beam, run.m1
     if beam is not None and len(front) > beam:
         front = sorted(front, key=lambda e: m1 * e[3] + e[0] + e[1])[:beam]
@@ -468,7 +436,7 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
     used, f = key
     if f >= 0 and run.merge:  # the key holds the front's class: any entry's front island has the same links
         f = options[front.entries[0][4]].island  # from every island not in ``used``
-    batches = []  # (group, its offers)
+    batches: list[tuple[_Group, list[_Offer]]] = []
     for island, bit, gidx in groups:
         if used & bit:
             continue
@@ -490,6 +458,9 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
             gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
         else:
             gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
+        if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
+            gidx = _interleavable(options, gidx, run.chunked)
+            covered = [-1] * len(gidx)
         offers = _add_options(run, front, group, gidx, covered)
         if offers:
             batches.append((group, offers))
@@ -497,11 +468,21 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         _add_entries(run, key, front, batches)
 
 
-def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[tuple]:
+def _interleavable(options: Sequence[Option], gidx: list[int], memo: dict) -> list[int]:
+    """The options of a group whose stages hold 2 layers at least (a chunk per layer, 2 chunks at least: a pipeline
+    holding any other cannot interleave); once per group and pass, in ``memo``."""
+    hit = memo.get(id(gidx))
+    if hit is None or hit[0] is not gidx:
+        hit = memo[id(gidx)] = (gidx, [oi for oi in gidx if options[oi].stop - options[oi].start
+                                        >= 2 * options[oi].num_stages])
+    return hit[1]
+
+
+def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], covered: list[int]) -> list[_Offer]:
     """Each option of a group in front of the entries it fits in front of, unless an earlier option covers them
-    (_covered_room) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
+    (covered_rooms) or no completion in front of any of them can beat the bounds: the closed form (m - 1) x period
     + fill + tail against ``beat``, else the score floor against ``score_beat`` (_option_score_floor). The option's
-    floors (an _OptionFloor's fields) go on to _add_entries in its offer, flat, which judges each entry by them."""
+    floors go on to _add_entries in its _Offer, which judges each entry by them."""
     options, m, m1, w, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
     f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
@@ -540,7 +521,7 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
             trips_on = plain and (link or start or (edged and f >= 0))  # a boundary with a link or stages
             stage_s = m * bn + wo * in_front  # its slowest stage after the front's chunks (1/v of each, v <= 1/wo)
             offer = (oi, lo, fits, start, ns, tail, add, per, m * bn, per_lb, base, in_front, tail_lb, ps, trips_on,
-                     stage_s if stage_s > ps else ps, plain_only)
+                     stage_s if stage_s > ps else ps, plain_only)  # an _Offer
             lf = least_f[fits - 1] + tail_lb
             lft = least_ft[fits - 1]
             if (score_only or m1 * per_lb + base + (lf if lf > lft else lft) >= beat) and \
@@ -548,11 +529,11 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
                 continue  # no entry it fits in front of can beat: the check in _add_entries fails for each
             offers.append(offer)
         else:
-            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)
+            offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)  # an _Offer
     return offers
 
 
-def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) -> float:
+def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer) -> float:
     """The least score floor of an offer (_add_options) in front of any of the first ``fits`` entries of a state: the
     floor under any score (bounds.score_floor_terms), or (and) the plain 1F1B floor (bounds.py)."""
     oi, _, fits, start, ns, _, add, _, mb, per_lb, base, in_front, tail_lb, ps, _, stage_s, plain_only = offer
@@ -579,14 +560,13 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: tuple) 
     return pf if plain_only or pf < sf else sf
 
 
-def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) -> None:
-    """The entries each offered option makes in front of the state ``key`` (per group, its offers from _add_options:
-    option, lo, fits, its start, stages and tail, add, per, m x its bottleneck, then its _OptionFloor's fields, flat),
-    in front of entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a score) its score
-    floor can beat ``score_beat``."""
+def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Group, list[_Offer]]]) -> None:
+    """The entries each offered option makes in front of the state ``key`` (per group, its offers from
+    _add_options), in front of entries lo .. fits - 1, each kept while its closed form can beat ``beat`` or (with a
+    score) its score floor can beat ``score_beat``."""
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
-    entries, prune = front.entries, run.prune
+    entries, prune, dominate = front.entries, run.prune, not run.complete
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
         for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
@@ -594,8 +574,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
-            # pos), which _pareto would drop. Those with more tail or period are left to _pareto: checking each new
-            # entry against all made ones cost more than it saved
+            # pos), which pareto_front would drop. Those with more tail or period are left to pareto_front: checking
+            # each new entry against all made ones cost more than it saved
             made = _INF
             for pos in range(lo, fits):
                 e = entries[pos]
@@ -642,21 +622,21 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple]) ->
                     tgt = tables[start].get(tkey)
                     if tgt is None:
                         tgt = tables[start][tkey] = []
-                    elif len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
-                        tgt[:] = _pareto(tgt, quantum)
+                    elif dominate and len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
+                        tgt[:] = pareto_front(tgt, quantum)
                 tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
-                if nf < made and nt == tail and np_ == per:
+                if dominate and nf < made and nt == tail and np_ == per:
                     made = nf
 
 
 def _candidates(run: _Pass) -> list[Candidate]:
     """The complete sequences in tables[0] that use every required island, each read back through its parents."""
-    options, quantum, required, tables = run.options, run.quantum, run.required, run.tables
+    options, required, tables = run.options, run.required, run.tables
     out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
             continue
-        for e in _pareto(entries, quantum):
+        for e in _front_of(entries, run):
             seq = []
             fill, tail, period = e[0], e[1], e[3]
             while e[4] >= 0:
@@ -672,38 +652,13 @@ def pick(items: Sequence, idx: Sequence[int]) -> tuple:
     return operator.itemgetter(*idx)(items) if len(idx) > 1 else tuple(items[i] for i in idx)
 
 
-def _undominated(options: Sequence[Option], idx: Sequence[int], saturated: int) -> list[int]:
-    """Drop options that another option on the same layers and island beats in every respect: bottleneck, time,
-    tail, stages and room for following stages. Such an option is never needed at any bound."""
-    by_pair: dict[tuple[int, int, int], list[int]] = {}
-    for oi in idx:
-        o = options[oi]
-        by_pair.setdefault((o.start, o.stop, o.island), []).append(oi)
-    out = []
-    for lst in by_pair.values():
-        # by (bottleneck, time, tail), ties in list order (a stable sort), so an option's dominators come first
-        order = sorted(((o.bottleneck_s, o.time_s, o.tail_s), pos, oi)
-                       for pos, oi in enumerate(lst) for o in (options[oi],))
-        kept: list[tuple] = []  # kept options' (time, tail, stages, room), unpacked once: this loop is hot
-        for (_, time_s, tail_s), _, oi in order:
-            o = options[oi]
-            stages, room = o.num_stages, min(o.max_after, saturated)
-            for k_time, k_tail, k_stages, k_room in kept:
-                if k_time <= time_s and k_tail <= tail_s and k_stages <= stages and k_room >= room:
-                    break
-            else:
-                kept.append((time_s, tail_s, stages, room))
-                out.append(oi)
-    return out
-
-
 def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
              allowed_mask: int, max_stages: int | None, undominated: bool = False,
              rows: np.ndarray | None = None) -> Prepared | None:
     """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
     options, grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
     of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
-    is usable. ``undominated``: the caller's options are known to be undominated already (_undominated would
+    is usable. ``undominated``: the caller's options are known to be undominated already (undominated_options would
     return them all). ``rows``: the options as Candidates.option_rows, where the caller has them."""
     if rows is not None:  # the same test over the columns
         island = rows[:, 2].astype(np.int64)
@@ -714,7 +669,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         idx = [i for i, o in enumerate(options)
                if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
     if not undominated:
-        idx = _undominated(options, idx, saturated)
+        idx = undominated_options(options, idx, saturated)
     if not idx:
         return None
     grouped: dict[tuple[int, int], list[int]] = {}
@@ -736,45 +691,6 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
                     whole.stage_period_s[num_layers])
 
 
-def merged_states(link_s: Sequence[Sequence[float]], present: Sequence[int]) -> int:
-    """DP keys per layer of the exact search with ``merge_fronts`` over the islands ``present``: the island sets
-    times the front classes each meets."""
-    cls = front_classes(link_s, sum(1 << k for k in present))
-    sizes: dict[int, int] = {}
-    for k in present:
-        sizes[cls[k]] = sizes.get(cls[k], 0) + 1
-    n = len(present)
-    return sum((1 << n) - (1 << (n - c)) for c in sizes.values())  # a class of c islands misses 2^(n - c) sets
-
-
-def front_classes(link_s: Sequence[Sequence[float]], islands: int) -> list[int]:
-    """cls[k]: the island standing for k's class among the islands in the mask ``islands``: islands whose links
-    from every other island are the same.
-
-    The exact DP keys a sequence by the set of islands it uses and its front island; the front matters only
-    through the link from the island added in front of it, which is never in the set. Fronts f and g of one set
-    are interchangeable when link[x][f] == link[x][g] for every island x other than f and g, so with
-    ``merge_fronts`` the DP keys by class and reads the link through an entry's actual front. Classes are cliques
-    of that relation, built greedily in index order (it is not transitive: link[g][f] and link[g][h] may differ).
-    Islands that all talk over one spine form one class: about 2^K keys per layer instead of K x 2^(K-1)."""
-    members = [k for k in range(len(link_s)) if islands >> k & 1]
-    cls = list(range(len(link_s)))
-    groups: list[list[int]] = []
-
-    def alike(f: int, g: int) -> bool:
-        return all(link_s[x][f] == link_s[x][g] for x in members if x != f and x != g)
-
-    for k in members:
-        for group in groups:
-            if all(alike(k, g) for g in group):
-                group.append(k)
-                cls[k] = group[0]
-                break
-        else:
-            groups.append([k])
-    return cls
-
-
 class Scoring(NamedTuple):
     """How compose ranks candidates where the driver gives a score (see compose's keywords of the same names)."""
 
@@ -785,6 +701,12 @@ class Scoring(NamedTuple):
     incumbent_s: float = float("inf")
     fill_weight: float = 0.0
     schedules: tuple[str, ...] = SCORE_ANY
+
+    @property
+    def complete(self) -> bool:
+        """Whether the score can be an interleaved simulation, which no dominance of the DP orders: the search
+        then ends with a complete pass (_Search.complete_pass)."""
+        return self.score is not None and "interleaved" in self.schedules
 
 
 class _Best(NamedTuple):
@@ -940,6 +862,21 @@ class _Search:
         self.stats.candidates += len(candidates)
         self.offer_all([f[3] for f in candidates])
 
+    def complete_pass(self) -> None:
+        """Where the score interleaves (Scoring.complete), offer every plan that can interleave (2 layers a stage
+        at least, stages dividing m) and whose score floor can beat the best score so far, dominated or not: the
+        exact pass's best bounds it, so this pass builds only what the floors cannot rule out. The interleaved
+        simulation reads each stage's time, the stage count and the layers per stage, none of which the exact
+        pass's dominance respects. (Plans that cannot interleave score their plain simulation: the exact pass
+        offered those as a plain-only search does.)"""
+        sc, options, m = self.scoring, self.options, self.m
+        candidates = self.run(_INF, score_beat=self.score_beat_s(), fill_weight=sc.fill_weight,
+                              schedules=sc.schedules, complete=True)
+        # only those that can interleave: the stages divide the micro-batches
+        candidates = [f for f in candidates if m % sum(options[oi].num_stages for oi in f[3]) == 0]
+        self.stats.candidates += len(candidates)
+        self.offer_all([f[3] for f in candidates])
+
     def result(self) -> Composition | None:
         """The best plan, if it beats what a returned plan must beat."""
         if self.best is None or self.best.comp.objective_s >= self.gate_s:
@@ -1005,7 +942,10 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     are scored: interleaved_schedule.interleaved_floor_s), and a score's interleaved schedules must hold a layer
     per chunk at least (interleave.most_virtual_stages): an option of n layers in s stages raises w to 1 / (n // s);
     ``score_schedules``: what the score can be, ("any",) (default) or some of "plain" (the plain 1F1B simulation:
-    the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``); ``merge_fronts``:
+    the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``; with ``bound_step`` 0
+    and without ``merge_fronts`` no option is dropped as dominated and a complete pass over the sequences that can
+    interleave ends the search: the plan scores no more than any composition's interleaved schedules, provided the
+    score floors lie under the score); ``merge_fronts``:
     the sequences of one island set whose front islands have the same links from every other island
     (front_classes) share a DP state. The closed form's optimum is the same; the candidates offered to the score
     are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
@@ -1021,6 +961,14 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     m = num_microbatches
     if allowed_mask is None:
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
+    scoring = Scoring(score, score_band, score_floor, score_floor_fine, score_incumbent_s, score_fill_weight,
+                      score_schedules)
+    # a complete pass (exact against an interleaved score) ends the search unless periods are bucketed or fronts
+    # merged: without dominance a merged search enumerates every island set's sequences, which on the driver's
+    # many-island clusters (where it merges) is tens of millions of entries
+    complete = scoring.complete and bound_step == 0.0 and not merge_fronts
+    # an option beaten in all the DP sees can still score better interleaved: none is dropped where that counts
+    undominated = undominated or complete
     prep = _prepared(options, link_s, num_layers, m - 1, allowed_mask, max_stages, undominated, stats, rows)
     if prep is None:
         return None
@@ -1029,8 +977,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     if (m - 1) * prep.period_lb + max(prep.period_lb, prep.fill_lb) >= incumbent_s and (
             score is None or m * prep.stage_lb >= score_incumbent_s):
         return None  # cannot beat the incumbent (nor, with a score, the best score): not even one DP run
-    scoring = Scoring(score, score_band, score_floor, score_floor_fine, score_incumbent_s, score_fill_weight,
-                      score_schedules)
     search = _Search(options, link_s, num_layers, m, prep, required_mask=required_mask, max_stages=max_stages,
                      incumbent_s=incumbent_s, rank=_island_rank(island_order, options, prep.idx), stats=stats,
                      scoring=scoring, merge_fronts=merge_fronts, edge_s=edge_s)
@@ -1038,4 +984,6 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     if quick_plan:
         search.quick_plan()
     search.exact_pass(bound_step)
+    if complete:
+        search.complete_pass()
     return search.result()

@@ -54,8 +54,8 @@ def dropped_islands(cand: "Candidates", idx: Sequence[int], best: Composition, i
                              "plan)" if any(cand.bounded.values()) else ""))
             elif floor_s > best.objective_s:
                 reason = (f"{isl.name}: every plan using it is slower: each takes at least {floor_s:.3g} s per "
-                          f"iteration (m x its slowest stage + DP sync and optimizer step, at the least the other islands allow), the "
-                          f"chosen plan takes {best.objective_s:.3g} s" + costed)
+                          f"iteration (m x its slowest stage + DP sync and optimizer step, at the least the other "
+                          f"islands allow), the chosen plan takes {best.objective_s:.3g} s" + costed)
             elif len(present) > exact_islands:
                 reason = (f"{isl.name}: every plan using it is slower: the search over more than {exact_islands} "
                           f"islands (exact over island sets where their links allow it, else over island orders) "

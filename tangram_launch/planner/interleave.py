@@ -10,8 +10,9 @@ A v is costed by the event simulation of the schedule the runtime runs (costmode
 figure the Plan reports and the timeline draws. It is simulated only where its floor
 (``interleaved_floor_s``) beats the best found so far: the choice is the one simulating every v would make.
 
-Limitation: the composer itself does not know the interleaved bubble, so it may prefer shallower pipelines than an
-interleaving-aware search would; the choice here only improves the plan it found.
+The planner's composer ranks pipelines by this choice's latency (its score) and, where that can interleave, ends its
+search with a pass no dominance prunes over the pipelines that can interleave (compose.py): a compose call returns
+a plan no slower than any interleaved schedule of every composition of the options (and island order) it is given.
 """
 from __future__ import annotations
 
