@@ -94,6 +94,11 @@ class StageTimer:
         key = id(module)
         first_stage: set = set()  # {key} once the module is seen taking token ids
         want_mark: dict = {}  # set while a forward looks for the first tensor whose gradient ends the backward
+        child_hooks: dict = {}  # child module -> its forward hook, kept only while they may be needed
+
+        def drop_child_hooks(keep: Any = None) -> None:  # a Python call per child and forward is not free
+            for child in [c for c in child_hooks if c is not keep]:
+                child_hooks.pop(child).remove()
 
         def end_backward(_grad):
             start = self._open.pop(("backward", key), None)
@@ -113,10 +118,11 @@ class StageTimer:
             marked = _first_grad_tensor(args)
             if marked is not None:  # a later stage: the backward ends at its input's gradient
                 marked.register_hook(end_backward)
+                drop_child_hooks()
             else:  # token ids in: it ends at the gradient of the first activation that needs one (the embedding's)
                 want_mark[key] = True
 
-        def child_post(_child, _args, out):
+        def child_post(child, _args, out):
             if want_mark.get(key):
                 marked = _first_grad_tensor(out if isinstance(out, (tuple, list)) else (out,))
                 if marked is not None:
@@ -124,6 +130,7 @@ class StageTimer:
                     marked.register_hook(end_backward)
                     if key not in first_stage:
                         first_stage.add(key)
+                        drop_child_hooks(keep=child)  # the same child marks every later micro-batch
                         self._handles += [p.register_post_accumulate_grad_hook(param_grad)
                                           for p in module.parameters() if p.requires_grad]
 
@@ -143,7 +150,9 @@ class StageTimer:
         self._handles += [module.register_forward_pre_hook(forward_pre),
                           module.register_forward_hook(forward_post),
                           module.register_full_backward_pre_hook(backward_pre)]
-        self._handles += [child.register_forward_hook(child_post) for child in module.modules() if child is not module]
+        child_hooks.update({child: child.register_forward_hook(child_post)
+                            for child in module.modules() if child is not module})
+        self._handles += list(child_hooks.values())
 
     def timed_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn`` timed as part of this stage: its forward is added to the stage's forward, and its backward (from
