@@ -105,7 +105,7 @@ def make_groups(quota: float, period_us: int, shares: int) -> tuple[Groups | Non
     return groups, ""
 
 
-def _write(path: str, value: int) -> None:
+def _write(path: str, value: int | str) -> None:
     with open(path, "w") as f:
         f.write(str(value))
 

@@ -1,30 +1,41 @@
 """Measured layer costs against a real run: a plan priced from ``profile --model`` layer times, and the same plan
 priced by the analytic model, each set beside what the run's ``run-report.json`` measured, per stage.
 
-    sudo python benchmarks/bench_measured_cpu.py [--quota 0.33] [--fast-quota 0] [--period-us 3000] [--model tiny]
-        [--seq-len 64] [--global-batch 64] [--micro-batches 2,4,8,16,32] [--layer-budget-s 20] [--steps 30]
-        [--cluster FILE] [--keep DIR] [--json FILE]
-    sudo python benchmarks/bench_measured_cpu.py --quota 1 ...      # three devices alike (none throttled)
+    sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--cores 0,0,1] [--period-us 24000]
+        [--no-filler] [--model tiny] [--seq-len 64] [--global-batch 256] [--micro-batches 8,16,32] [--min-micro-batch 8]
+        [--layer-budget-s 30] [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
 
-Three CPU processes are the devices, in the groups of ``benchmarks/bench_hetero_cpu.py``: a parent group with raised
-cpu.shares holds every process (the host's other work yields to it), and local rank 2 runs in its child ``slow``
-whose CFS quota gives it ``--quota`` of a fast device's core share (``--fast-quota``: each fast device's own quota,
-0 for none). A CFS quota caps a duty cycle, not a speed: a call shorter than the quota left in its period runs at
-full speed, so the period is short (3 ms) and the micro-batches large enough that a layer call lasts milliseconds.
-Without a writable cgroup-v1 controller the benchmark says so and runs the three devices unthrottled.
+Three CPU processes are the devices. Every process runs in a cgroup-v1 ``cpu`` group with raised cpu.shares (the
+host's other work yields to it; ``bench_hetero_cpu.make_groups``), and each device in a ``cpuset`` of its own core
+(``--cores``: by default the two fast devices share one core, half a core each while both compute, as the data-
+parallel replicas of one stage do; the throttled device has the other core). Local rank 2 is throttled: its child
+``cpu`` group has a CFS quota of ``--quota`` times a fast device's core share (⅓ of a fast device: 0.165 of a core).
+
+How a CFS quota behaves on such a host: the kernel enforces it at its tick (4 ms here), so whatever the period the
+device runs in bursts of whole ticks (4 ms on, 20 ms off at 0.165 of a core, period 24 ms), and a quota under 1 ms
+is refused. The mean speed over many periods is exact, but a device that waits leaves its quota unspent and then
+computes at full speed until it is spent: a throttled stage that waits part of each step reads faster than its
+profile (benchmarks/README.md). So a busy loop at SCHED_IDLE (the filler; ``--no-filler`` leaves it out) runs in
+the throttled device's groups: it spends the quota only while the worker waits, and the worker computes at its
+quota's speed whenever it computes, as a slower device would.
 
 1. Profile, for real: ``tangram-launch profile --standalone --nproc-per-node 3 --model M --seq-len S
-   --micro-batch 2,4,8,16,32 --layer-dtype fp32``, each worker moved into its device's group as soon as it appears.
-   Every device gets its layer kinds', embedding's and head's forward and forward+backward times at each size.
+   --micro-batch 8,16,32 --layer-dtype fp32 --layer-timing back-to-back``, each worker moved into its device's
+   groups as soon as it appears. Back-to-back: blocks of calls of at least 0.1 s of process time (tens of quota
+   periods), an all-to-all after each block, so every device is timed computing without pause and the two fast
+   devices share their core while they are timed.
 2. Plan with the torch runtime (any micro-batch size: the cost model interpolates between the measured ones); where
    the planner leaves a device out, the best plan (by the same cost model) that gives every device a stage. The same
    stages, GPUs and grids are priced again by the analytic model alone (the manual-plan path on the cluster with its
    layer times removed), so the two predictions differ only in how layers are priced.
-3. Train the plan: ``tangram-launch --standalone --nproc-per-node N --plan P --run-dir D examples/train_gpt.py``
-   in the bench group, each worker moved into its device's group as soon as it appears (seconds before its first
-   step). The launcher writes ``D/run-report.json``: per stage, the measured median forward and backward per
-   micro-batch.
-4. Print per stage: predicted (measured-priced), predicted (analytic), measured, and each prediction's error.
+3. Train the plan: ``tangram-launch --standalone --nproc-per-node N --plan P --run-dir D examples/train_gpt.py``,
+   each worker moved into its device's groups as soon as it appears (by LOCAL_RANK: local rank i runs the plan's
+   i-th local GPU). The launcher writes ``D/run-report.json``: per stage, the median over steps of forward and of
+   backward per micro-batch; the last stage's loss and the first stage's embedding backward included, as the plan
+   prices them.
+4. Print per run and stage: predicted (measured-priced), predicted (analytic), measured, each prediction's error;
+   then, for each pricing, how many runs had every stage within 10 %, the median and the worst stage error.
+``--runs N`` repeats 1-3 (a new profile each time); one run takes about 2 minutes.
 
 Exit status: 0 when it ran (the figures say how well each prediction did), 1 when a step failed.
 """
@@ -35,6 +46,7 @@ import dataclasses
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,50 +69,114 @@ THROTTLED = 2  # local rank (and cluster local GPU index) of the throttled devic
 LAYER_KEYS = ("layer_forward_s", "layer_forward_backward_s", "layer_activation_bytes")
 
 
+CPUSET_ROOT = "/sys/fs/cgroup/cpuset"
+
+
 @dataclasses.dataclass(frozen=True)
 class Devices:
-    """The benchmark's cgroup-v1 ``cpu`` groups: ``bench`` (every process; cpu.shares above the host's other work)
-    and one child per device with its CFS quota (none for an unlimited device)."""
+    """The benchmark's cgroup-v1 groups: ``bench`` (``cpu``: every process, cpu.shares above the host's other work),
+    a ``cpu`` child for the throttled device (its CFS quota), and a ``cpuset`` group per device (its core)."""
 
     bench: str
-    group_of: dict  # local device index -> its cgroup (absent: stays in bench)
+    group_of: dict  # local device index -> its cpu group (absent: stays in bench)
+    cpuset_of: dict  # local device index -> its cpuset group (absent: not pinned)
+    core_of: dict  # local device index -> the CPU it runs on
+    cpuset_root: str | None = None
+    filler: subprocess.Popen | None = None  # spends the throttled device's quota while its worker waits
 
     def remove(self) -> list[str]:
-        return base.remove_groups([*self.group_of.values(), self.bench])  # children first
+        if self.filler is not None:
+            self.filler.kill()
+            self.filler.wait()
+        cpusets = [*self.cpuset_of.values(), *([self.cpuset_root] if self.cpuset_root else [])]
+        return base.remove_groups([*self.group_of.values(), self.bench, *cpusets])  # children first
+
+    def groups_of(self, device: int) -> list[str]:
+        return [g for g in (self.group_of.get(device), self.cpuset_of.get(device)) if g is not None]
+
+
+def fast_core_share(cores: list[int]) -> float:
+    """A fast device's share of its core while every device computes: one over the devices pinned to that core
+    (the fast devices are the data-parallel replicas of one stage, so they compute at the same time)."""
+    fast = [c for dev, c in enumerate(cores) if dev != THROTTLED]
+    return 1.0 / max(cores.count(c) for c in fast)
 
 
 def make_devices(args) -> tuple[Devices | None, str]:
-    """Device 2 at ``quota`` of a fast device's speed; devices 0 and 1 at ``fast_quota`` of a core each (0: as much
-    as they get), every quota over a period short against one layer's time."""
-    slow_quota = args.quota * (args.fast_quota or 1.0)
+    """Device 2 at ``quota`` of a fast device's speed (a CFS quota of ``quota`` x the fast device's core share),
+    each device pinned to its core by a cpuset (``--cores``); the fast devices without a quota."""
+    cores = _cores(args)
+    slow_quota = args.quota * fast_core_share(cores) if cores else args.quota
     groups, why = base.make_groups(slow_quota, args.period_us, args.shares)
     if groups is None:
         return None, why
-    devices = Devices(groups.bench, {THROTTLED: groups.slow})
-    try:
-        for dev in (0, 1):
-            if args.fast_quota:
-                path = os.path.join(groups.bench, f"device{dev}")
-                os.mkdir(path)
-                devices.group_of[dev] = path
-                base._write(os.path.join(path, "cpu.cfs_period_us"), args.period_us)
-                base._write(os.path.join(path, "cpu.cfs_quota_us"), int(args.fast_quota * args.period_us))
-    except OSError as exc:
-        devices.remove()
-        return None, f"cannot create the fast devices' cgroups ({exc})"
+    devices = Devices(groups.bench, {THROTTLED: groups.slow}, {}, dict(enumerate(cores)))
+    if cores:
+        devices = dataclasses.replace(devices, cpuset_root=os.path.join(CPUSET_ROOT, os.path.basename(groups.bench)))
+        try:
+            _pin(devices)
+        except OSError as exc:
+            devices.remove()
+            return None, f"cannot create the devices' cpusets under {CPUSET_ROOT} ({exc})"
+    if args.filler:
+        devices = dataclasses.replace(devices, filler=start_filler(devices.groups_of(THROTTLED)))
     return devices, ""
 
 
+def _pin(devices: Devices) -> None:
+    """A cpuset per device under ``devices.cpuset_root``: its core, the host's memory nodes."""
+    root = devices.cpuset_root
+    with open(os.path.join(CPUSET_ROOT, "cpuset.mems")) as f:
+        mems = f.read().strip()
+    os.mkdir(root)
+    base._write(os.path.join(root, "cpuset.cpus"), ",".join(map(str, sorted(set(devices.core_of.values())))))
+    base._write(os.path.join(root, "cpuset.mems"), mems)
+    for dev, core in devices.core_of.items():
+        path = os.path.join(root, f"device{dev}")
+        os.mkdir(path)
+        devices.cpuset_of[dev] = path
+        base._write(os.path.join(path, "cpuset.cpus"), str(core))
+        base._write(os.path.join(path, "cpuset.mems"), mems)
+
+
+def start_filler(groups: list[str]) -> subprocess.Popen:
+    """A busy loop at SCHED_IDLE in the throttled device's groups: it takes the device's CPU only while the worker
+    waits, so the CFS quota is spent on a fixed clock, as if the device were always busy.
+
+    Why: a quota caps a duty cycle, enforced at the kernel's tick, not a speed. A worker that waits (for its
+    pipeline neighbour) leaves its quota unspent, and its next calls run at full speed until the quota is spent:
+    a stage that is not the pipeline's busiest reads faster than the profile measured it. With the filler the
+    worker gets the quota's share of the core whenever it computes, busy or not, as a slower device would."""
+    def enter() -> None:
+        for group in groups:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=enter,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _cores(args) -> list[int]:
+    """The CPU of each device (``--cores``: indices into the CPUs this process may use), [] for none."""
+    if not args.cores:
+        return []
+    avail = sorted(os.sched_getaffinity(0))
+    picks = [int(x) for x in args.cores.split(",")]
+    if len(picks) != 3 or any(not 0 <= i < len(avail) for i in picks):
+        raise SystemExit(f"--cores: three indices into this process's {len(avail)} CPUs, got {args.cores!r}")
+    return [avail[i] for i in picks]
+
+
 def _place_workers(root: int, device_of, devices: Devices, done: threading.Event, placed: dict) -> None:
-    """Move each worker of ``root``'s process tree into its device's group as soon as it appears (every 20 ms: a
+    """Move each worker of ``root``'s process tree into its device's groups as soon as it appears (every 20 ms: a
     worker spends seconds importing torch and meeting its peers before its first measured call)."""
     while not done.is_set():
         for pid in base._descendants(root):
             if pid in placed or _env_int(pid, b"LOCAL_RANK") is None:
                 continue
-            group = devices.group_of.get(device_of(pid))
             try:
-                if group is not None:
+                for group in devices.groups_of(device_of(pid)):
                     with open(os.path.join(group, "cgroup.procs"), "w") as f:
                         f.write(str(pid))
                 placed[pid] = device_of(pid)
@@ -133,7 +209,8 @@ def run_placed(cmd: list[str], cwd: str, devices: Devices | None, device_of, tim
 def profile(args, devices: Devices | None, out: str) -> None:
     cmd = [sys.executable, "-m", "tangram_launch.cli", "profile", "--standalone", "--nproc-per-node", "3",
            "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", args.micro_batches,
-           "--layer-budget-s", str(args.layer_budget_s), "--layer-dtype", "fp32", "--timeout-s", "300", "-o", out]
+           "--layer-budget-s", str(args.layer_budget_s), "--layer-dtype", "fp32", "--layer-timing", args.layer_timing,
+           "--timeout-s", "300", "-o", out]
     run_placed(cmd, REPO, devices, lambda pid: _env_int(pid, b"LOCAL_RANK"), args.timeout_s, "profile")
 
 
@@ -152,10 +229,11 @@ def _manual(layout: list[dict], iset, model, b: int, source: str):
                              island_names=[i.name for i in iset.islands], source=source)
 
 
-def all_devices_plan(cluster, model, training, iset, opts, b_values):
+def all_devices_plan(cluster, model, training, iset, opts, b_values, min_mbs: int = 1):
     """The best plan by the measured-priced cost model among those that give each device (island) a stage of its
     own: every split of the layers into one contiguous stage per island, in every island order, at every
-    micro-batch size (the manual-plan path prices each like the planner)."""
+    micro-batch size whose rows per replica are at least ``min_mbs`` (the manual-plan path prices each like the
+    planner)."""
     names, n, best = [i.name for i in iset.islands], model.num_layers, None
     for order in itertools.permutations(names):
         for cuts in itertools.combinations(range(1, n), len(order) - 1):
@@ -166,6 +244,8 @@ def all_devices_plan(cluster, model, training, iset, opts, b_values):
                     plan = cost_manual_plan(_manual(layout, iset, model, b, "every device"), cluster, model,
                                             training, runtime="torch", islands=iset, options=opts)
                 except InfeasibleError:
+                    continue
+                if min(s.micro_batch_size for s in plan.stages) < min_mbs:
                     continue
                 if best is None or plan.predicted.iteration_time_s < best.predicted.iteration_time_s:
                     best = plan
@@ -183,9 +263,9 @@ def plans(args, cluster_path: str):
     if measured.world_size < 3:
         dropped = "; ".join(d.get("island", "?") for d in measured.islands_dropped)
         b_values = [b for b in range(1, args.global_batch + 1) if args.global_batch % b == 0]
-        measured = all_devices_plan(cluster, model, training, iset, opts, b_values)
+        measured = all_devices_plan(cluster, model, training, iset, opts, b_values, args.min_micro_batch)
         note = (f"the planner's plan leaves out {dropped or 'a device'}; the best plan with a stage on every device "
-                f"(measured-priced) instead")
+                f"and at least {args.min_micro_batch} rows per replica and micro-batch (measured-priced) instead")
     plain = without_layer_times(cluster)
     plain_iset = build_islands(plain, dtype="fp32")
     stages = [{"layers": list(s.layers), "island": s.island, "tp": s.tp, "dp": s.dp, "cp": s.cp,
@@ -209,8 +289,9 @@ def train(args, plan, devices: Devices | None, workdir: str) -> dict:
            "--plan", path,
            "--run-dir", run_dir, os.path.join(REPO, "examples", "train_gpt.py"), "--steps", str(args.steps),
            "--data", "synthetic", "--quiet", "--timeout-s", "300"]
-    device_of_rank = {e.rank: e.local_gpu for e in plan.rank_layout}
-    run_placed(cmd, workdir, devices, lambda pid: device_of_rank.get(_env_int(pid, b"RANK")), args.timeout_s,
+    # one node: local rank i runs the plan's i-th local GPU (the plan's rank is set later, by the worker's boot)
+    gpus = sorted(e.local_gpu for e in plan.rank_layout)
+    run_placed(cmd, workdir, devices, lambda pid: gpus[_env_int(pid, b"LOCAL_RANK")], args.timeout_s,
                "training run")
     with open(os.path.join(run_dir, "run-report.json"), encoding="utf-8") as f:
         return json.load(f)
@@ -247,24 +328,81 @@ def format_table(table: list[dict], report, measured_plan, analytic_plan) -> str
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
 
 
+def summarize(runs: list[dict], limit: float = 0.10) -> list[str]:
+    """Per run and over all runs: stages within ``limit`` and the worst stage's error, for each pricing."""
+    lines = []
+    for col, name in (("error_measured", "measured-priced"), ("error_analytic", "analytic")):
+        errs = [[abs(r[col]) for r in run["stages"]] for run in runs]
+        every = sum(all(e <= limit for e in run) for run in errs)
+        flat = sorted(e for run in errs for e in run)
+        per_run = "; ".join(f"run {i + 1}: {sum(e <= limit for e in run)}/{len(run)} within {limit:.0%}, worst "
+                            f"{max(run):.1%}" for i, run in enumerate(errs))
+        lines.append(f"{name}: {every} of {len(runs)} runs with every stage within {limit:.0%}; median |error| per "
+                     f"stage {statistics.median(flat):.1%}, worst {flat[-1]:.1%} ({per_run})")
+    return lines
+
+
+def one_run(args, devices: Devices | None, workdir: str) -> dict:
+    """Profile (unless ``--cluster``), plan, train once; the per-stage rows and what the run was like."""
+    os.makedirs(workdir, exist_ok=True)
+    cluster_path = args.cluster or os.path.join(workdir, "cluster.yaml")
+    load0, started = base.load_avg(), time.perf_counter()
+    if not args.cluster:
+        profile(args, devices, cluster_path)
+    profile_s = time.perf_counter() - started
+    measured_plan, analytic_plan, note = plans(args, cluster_path)
+    measured_plan.dump(os.path.join(workdir, "plan-measured.json"))
+    analytic_plan.dump(os.path.join(workdir, "plan-analytic.json"))
+    started = time.perf_counter()
+    report = train(args, measured_plan, devices, workdir)
+    return {"stages": rows(measured_plan, analytic_plan, report), "iteration": report["iteration"],
+            "steps_measured": report["steps_measured"], "num_microbatches": measured_plan.num_microbatches,
+            "note": note, "profile_s": profile_s, "train_s": time.perf_counter() - started,
+            "load_avg": [load0, base.load_avg()], "workdir": workdir,
+            "table": format_table(rows(measured_plan, analytic_plan, report), report, measured_plan, analytic_plan)}
+
+
+def describe(args, devices: Devices | None) -> str:
+    if devices is None:
+        return "the three devices unthrottled, not pinned"
+    cores = [devices.core_of.get(d) for d in range(3)]
+    share = fast_core_share(cores) if devices.core_of else 1.0
+    return (f"device {THROTTLED} at {args.quota:.0%} of a fast device's speed (CFS quota {args.quota * share:.3f} of "
+            f"a core, period {args.period_us} us); fast devices {share:g} core each"
+            + (f"; devices on CPUs {cores}" if devices.core_of else "; not pinned")
+            + ("; a SCHED_IDLE filler spends the throttled device's idle quota" if devices.filler else ""))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quota", type=float, default=0.33, help="the throttled device's speed, of a fast device's")
-    p.add_argument("--fast-quota", type=float, default=0.0,
-                   help="CPU share of each fast device, of one core (0: unlimited, as bench_hetero_cpu.py runs them); "
-                        "below 1 the three devices fit the host's two cores and each keeps its speed")
-    p.add_argument("--period-us", type=int, default=3000,
-                   help="CFS period of the throttled device's cgroup: short against one layer's time, so the quota slows each "
-                        "call (a period of 100 ms lets a whole step of the tiny model run at full speed, then wait)")
+    p.add_argument("--cores", default="0,0,1",
+                   help="each device's CPU, as indices into the CPUs this process may use (cpusets; '' : not "
+                        "pinned). The default puts the two fast devices (one stage's data-parallel replicas, busy "
+                        "at the same time) on one core, half a core each, and the throttled device alone on the other")
+    p.add_argument("--period-us", type=int, default=24000,
+                   help="CFS period of the throttled device's cgroup. The kernel enforces a quota at its tick (4 ms "
+                        "here): whatever the period, the device runs in bursts of whole ticks, so only figures "
+                        "summed over many periods (a step, a block of calls) see its mean speed")
     p.add_argument("--shares", type=int, default=262144, help="cpu.shares of the benchmark's group")
+    p.add_argument("--no-filler", dest="filler", action="store_false",
+                   help="no busy loop at SCHED_IDLE in the throttled device's groups (its worker then runs at full "
+                        "speed after each wait, until its quota is spent)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--micro-batches", default="2,4,8,16,32", help="the micro-batch sizes the profile measures")
-    p.add_argument("--layer-budget-s", type=float, default=20.0, help="the profile's layer budget per device")
-    p.add_argument("--steps", type=int, default=30, help="training steps (the first is left out of the report)")
+    p.add_argument("--global-batch", type=int, default=256)
+    p.add_argument("--micro-batches", default="8,16,32", help="the micro-batch sizes the profile measures")
+    p.add_argument("--min-micro-batch", type=int, default=8,
+                   help="where the planner leaves a device out: the plan on every device has at least this many "
+                        "rows per replica and micro-batch (a tiny layer call on fewer is mostly per-operator overhead)")
+    p.add_argument("--layer-budget-s", type=float, default=30.0, help="the profile's layer budget per device")
+    p.add_argument("--layer-timing", default="back-to-back", choices=("back-to-back", "interleaved"),
+                   help="how the profile times the layers (profile --layer-timing): back to back, each device busy "
+                        "throughout, as the throttled device is in training when its stage is the pipeline's busiest")
+    p.add_argument("--steps", type=int, default=20, help="training steps (the first is left out of the report)")
+    p.add_argument("--runs", type=int, default=1, help="profile, plan and train this many times")
     p.add_argument("--cluster", help="reuse this profile instead of profiling")
-    p.add_argument("--keep", help="keep the profile, plans and run directory here")
+    p.add_argument("--keep", help="keep the profile, plans and run directories here")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
@@ -272,20 +410,18 @@ def main(argv=None) -> int:
     devices, why = make_devices(args)
     if devices is None:
         print(f"no throttled device ({why}): the three devices run unthrottled")
-    workdir = args.keep or tempfile.mkdtemp(prefix="tangram-bench-measured-")
-    os.makedirs(workdir, exist_ok=True)
+    top = args.keep or tempfile.mkdtemp(prefix="tangram-bench-measured-")
+    runs = []
+    print(f"{args.model}, seq {args.seq_len}, global batch {args.global_batch}, {args.steps} steps; "
+          f"{describe(args, devices)}", flush=True)
     try:
-        cluster_path = args.cluster or os.path.join(workdir, "cluster.yaml")
-        started = time.perf_counter()
-        if not args.cluster:
-            profile(args, devices, cluster_path)
-        profile_s = time.perf_counter() - started
-        measured_plan, analytic_plan, note = plans(args, cluster_path)
-        measured_plan.dump(os.path.join(workdir, "plan-measured.json"))
-        analytic_plan.dump(os.path.join(workdir, "plan-analytic.json"))
-        load0 = base.load_avg()
-        report = train(args, measured_plan, devices, workdir)
-        table = rows(measured_plan, analytic_plan, report)
+        for i in range(args.runs):
+            run = one_run(args, devices, os.path.join(top, f"run{i + 1}"))
+            runs.append(run)
+            print(f"\nrun {i + 1}: {run['num_microbatches']} micro-batches, {run['steps_measured']} steps measured; "
+                  f"profile {run['profile_s']:.0f} s, training {run['train_s']:.0f} s; load average "
+                  f"{run['load_avg'][0]} -> {run['load_avg'][1]}\nplan: {run['note']}\nper micro-batch, forward + "
+                  f"backward (run-report.json medians):\n{run.pop('table')}", flush=True)
     except Exception as exc:  # a failed step: say which, exit 1
         print(f"bench_measured_cpu: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -293,19 +429,11 @@ def main(argv=None) -> int:
         if devices is not None:
             for problem in devices.remove():
                 print(problem, file=sys.stderr)
-    print(f"{args.model}, seq {args.seq_len}, global batch {args.global_batch}, "
-          f"{measured_plan.num_microbatches} micro-batches, {report['steps_measured']} steps measured; device "
-          f"local {THROTTLED} " + (f"at {args.quota:.0%} of a fast one's speed (fast: "
-                                   f"{f'{args.fast_quota:g} core' if args.fast_quota else 'unlimited'}, CFS period "
-                                   f"{args.period_us} us)" if devices else "unthrottled")
-          + f"; profile {profile_s:.0f} s; load average {load0} -> {base.load_avg()}")
-    print(f"plan: {note}")
-    print("per micro-batch, forward + backward (run-report.json medians):")
-    print(format_table(table, report, measured_plan, analytic_plan))
+    print("\n" + "\n".join(summarize(runs)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"stages": table, "iteration": report["iteration"], "quota": args.quota if devices else None,
-                       "workdir": workdir}, f, indent=2)
+            json.dump({"runs": runs, "quota": args.quota if devices else None, "period_us": args.period_us,
+                       "cores": args.cores}, f, indent=2)
     return 0
 
 

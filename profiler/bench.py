@@ -155,8 +155,9 @@ def device_sync(device: torch.device) -> Callable[[], None]:
 
 
 def time_repeated(fn: Callable[[], Any], *, warmup: int, reps: int, inner: int = 1,
-                  sync: Callable[[], None] = lambda: None) -> Timing:
-    """Seconds per call of ``fn``: ``warmup`` untimed repetitions, then ``reps`` timed ones of ``inner`` calls."""
+                  sync: Callable[[], None] = lambda: None, between: Callable[[], Any] = lambda: None) -> Timing:
+    """Seconds per call of ``fn``: ``warmup`` untimed repetitions, then ``reps`` timed ones of ``inner`` calls, each
+    followed by ``between`` (untimed)."""
     for _ in range(warmup * inner):
         fn()
     sync()
@@ -167,6 +168,7 @@ def time_repeated(fn: Callable[[], Any], *, warmup: int, reps: int, inner: int =
             fn()
         sync()
         samples.append((time.perf_counter() - t0) / inner)
+        between()
     return Timing(tuple(samples))
 
 
@@ -194,6 +196,19 @@ def time_interleaved(fn: Callable[[], Any], between: Callable[[], Any], *, warmu
             between()
         samples.append(total / calls)
     return Timing(tuple(samples))
+
+
+def time_blocks(fn: Callable[[], Any], between: Callable[[], Any], *, blocks: int, calls: int,
+                sync: Callable[[], None] = lambda: None) -> Timing:
+    """Seconds per call of ``fn`` over blocks of ``calls`` back-to-back calls, each block followed by ``between``
+    (untimed; a collective): one sample per block, its wall time over ``calls``.
+
+    What it is for: a CPU device slowed by a CFS quota runs at full speed until its quota is spent, then waits (the
+    kernel enforces the quota at its tick, so in bursts of milliseconds): it has its mean speed only while it computes
+    without pause, as the busiest stage of a pipeline does. A block long against the quota period measures that;
+    the collective between blocks starts every process's block together, so devices that share a core share it
+    while they are timed, as the replicas of one stage do in training."""
+    return time_repeated(fn, warmup=0, reps=blocks, inner=calls, sync=sync, between=between)
 
 
 def calibrate_inner(fn: Callable[[], Any], *, min_rep_s: float, sync: Callable[[], None] = lambda: None,

@@ -32,6 +32,7 @@ from profiler.bench import (
     calibration_clock,
     device_sync,
     time_budgeted,
+    time_blocks,
     time_interleaved,
     time_repeated,
     warm_once_s,
@@ -355,7 +356,7 @@ def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
 
 def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, warmup: int, reps: int,
                min_rep_s: float, between: Callable[[], Any] | None = None, budget_s: float | None = None,
-               agree: Callable[[int], int] = lambda n: n) -> dict[str, Measured]:
+               agree: Callable[[int], int] = lambda n: n, block_cpu_s: float | None = None) -> dict[str, Measured]:
     """Forward and forward+backward seconds of one layer of ``kind`` at ``shape`` (or of the embedding, or of the
     head with the loss: ``EDGE_KINDS``); value = achieved TFLOP/s. The forward builds autograd's graph, as a
     training step's does (no_grad's forward reads faster, and the backward taken as the difference slower); the
@@ -366,7 +367,9 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
     without, calibrated back-to-back repetitions. With ``budget_s``, each pass (forward, forward+backward) takes
     about half of it: as many repetitions as fit, at most ``reps``; with ``between`` the block count is the
     smallest any member can afford (``agree``: the minimum over the node's processes, so every member issues the
-    same collectives)."""
+    same collectives). With ``between`` and ``block_cpu_s``, blocks of back-to-back calls of at least that much
+    process time each, a collective after each block (bench.time_blocks: a CPU device's speed while it computes
+    without pause)."""
     torch.manual_seed(0)
     sync = device_sync(device)
     if kind in EDGE_KINDS:
@@ -391,7 +394,14 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
     activation = saved_activation_bytes(forward, module)
     out = {}
     for name, fn, flops in (("forward", forward, fwd_flops), ("forward_backward", forward_backward, 3 * fwd_flops)):
-        if budget_s is not None and between is not None:
+        how = "each call followed by an all-to-all" if between is not None else "back to back"
+        if block_cpu_s is not None and between is not None:
+            calls = calibrate_inner(fn, min_rep_s=block_cpu_s, sync=sync, clock=calibration_clock(device))
+            block_s = time_blocks(fn, between, blocks=1, calls=calls, sync=sync).median_s * calls  # also a warm-up
+            affordable = int(budget_s / 2 / block_s) if budget_s is not None else reps
+            timing = time_blocks(fn, between, blocks=agree(max(1, min(reps, affordable))), calls=calls, sync=sync)
+            how = f"blocks of {calls} back-to-back calls, each block followed by an all-to-all"
+        elif budget_s is not None and between is not None:
             once = warm_once_s(fn, sync)
             blocks = agree(max(1, min(reps, int(budget_s / 2 / (WAIT_BLOCK * once)))))
             timing = time_interleaved(fn, between, warmup=1, blocks=blocks, calls=WAIT_BLOCK)
@@ -407,6 +417,5 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
                              (("micro_batch", shape.micro_batch), ("seq_len", shape.seq_len),
                               ("dtype", shape.dtype), ("layer_kind", kind), ("tp", shape.tp),
                               ("activation_bytes", activation),
-                              ("timed", "each call followed by an all-to-all" if between is not None
-                               else "back to back")))
+                              ("timed", how)))
     return out

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from profiler import bench
+from profiler import LAYER_TIMINGS, bench
 from profiler.assemble import DeviceRecord, LinkRecord, NodeRecord, ProfileRecord, assemble_cluster, name_nodes
 from profiler.inventory import describe, read_node_inventory
 
@@ -143,12 +143,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         f"{LAYER_BUDGET_QUICK_S:g}); shapes that do not fit are left out, the last first")
     p.add_argument("--layer-dtype", default=None, choices=sorted(bench.DTYPES),
                    help="dtype for --model (default bf16)")
+    p.add_argument("--layer-timing", choices=LAYER_TIMINGS, default="interleaved",
+                   help="CPU devices: each --model call followed by an all-to-all of the node's processes "
+                        "(interleaved), or blocks of back-to-back calls, an all-to-all after each (back-to-back)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout")
     return p.parse_args(argv)
 
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)  # the planner's micro-batch sizes between and beyond are priced from these
 LAYER_BUDGET_S, LAYER_BUDGET_QUICK_S = 60.0, 15.0  # wall seconds for every --model shape on one device
+# --layer-timing back-to-back: process seconds of one block of calls, many CFS periods of a throttled CPU device (its
+# quota is enforced at the kernel's tick, in bursts of milliseconds) yet a few blocks within one shape's budget
+LAYER_BLOCK_CPU_S = 0.1
 
 
 def _int_list(text: str) -> list[int]:
@@ -585,7 +591,8 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
         try:
             out[f"{kind}|{shape.label()}"] = time_layer(
                 model, kind, shape, device, warmup=cfg.warmup, reps=cfg.reps, min_rep_s=cfg.min_rep_s,
-                between=between, budget_s=each_s, agree=agree)
+                between=between, budget_s=each_s, agree=agree,
+                block_cpu_s=LAYER_BLOCK_CPU_S if getattr(args, "layer_timing", None) == "back-to-back" else None)
         except torch.OutOfMemoryError:  # a shape this GPU cannot hold: the planner cannot use it either
             log.warning("%s (%s) at %s does not fit on %s: left out", model.name, kind, shape.label(), device)
             torch.cuda.empty_cache()

@@ -10,8 +10,11 @@ checkpoints are unchanged) and appends one JSON line per step to ``$TANGRAM_RUN_
 the plan's per-micro-batch figures); ``step_s`` is the whole ``train_step``, waits and optimizer included.
 
 Backward runs from the stage's output gradients being ready (a full-backward pre-hook) to the gradient of the stage's
-input (a tensor hook), or, on the first stage whose input is token ids, of its first activation that needs one (the
-embedding's output); a recompute forward inside it counts as backward, as the plan's ``backward_s`` does. Tensor
+input (a tensor hook), or, on the first stage whose input is token ids, to the last gradient its parameters receive
+after that of its first activation that needs one (the embedding's output: the embedding's own backward counts); a
+recompute forward inside it counts as backward, as the plan's ``backward_s`` does. The last stage's loss is timed too
+(``timed_loss``): its forward joins the stage's forward and its backward the stage's backward, as the plan prices the
+head with its loss. Tensor
 hooks see activations, not parameters, so sharded (FSDP2) and offloaded parameters time alike. On CPU the clock is
 ``perf_counter``; on a CUDA device the marks are CUDA events read once per step, so timing adds no synchronisation
 inside the step. The launcher reads the files (no collective on
@@ -23,9 +26,10 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 ENV_RUN_DIR = "TANGRAM_RUN_DIR"
+LOSS_KEY = "loss"  # the open-span key of the loss's backward (modules are keyed by id)
 
 
 def timings_path(run_dir: str, rank: int) -> str:
@@ -64,7 +68,8 @@ class StageTimer:
     coords: dict
     microbatches: int
     clock: _Clock
-    _spans: dict = field(default_factory=lambda: {"forward": [], "backward": []})
+    _spans: dict = field(default_factory=lambda: {"forward": [], "backward": []})  # [start, end] marks
+    _last_backward: dict = field(default_factory=dict)  # module key -> its latest closed backward span
     _open: dict = field(default_factory=dict)
     _handles: list = field(default_factory=list)
     _step_start: Any = None
@@ -87,12 +92,24 @@ class StageTimer:
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
                                                   "respect to module outputs")
         key = id(module)
+        first_stage: set = set()  # {key} once the module is seen taking token ids
         want_mark: dict = {}  # set while a forward looks for the first tensor whose gradient ends the backward
+        child_hooks: dict = {}  # child module -> its forward hook, kept only while they may be needed
+
+        def drop_child_hooks(keep: Any = None) -> None:  # a Python call per child and forward is not free
+            for child in [c for c in child_hooks if c is not keep]:
+                child_hooks.pop(child).remove()
 
         def end_backward(_grad):
             start = self._open.pop(("backward", key), None)
             if start is not None:
-                self._spans["backward"].append((start, self.clock.mark()))
+                self._spans["backward"].append(span := [start, self.clock.mark()])
+                self._last_backward[key] = span
+
+        def param_grad(_param):  # first stage: the embedding's backward runs after its output's gradient
+            span = self._last_backward.get(key)
+            if span is not None and ("backward", key) not in self._open:
+                span[1] = self.clock.mark()
 
         def forward_pre(_m, args):
             if ("backward", key) in self._open:  # a recompute forward belongs to the backward around it
@@ -101,29 +118,66 @@ class StageTimer:
             marked = _first_grad_tensor(args)
             if marked is not None:  # a later stage: the backward ends at its input's gradient
                 marked.register_hook(end_backward)
+                drop_child_hooks()
             else:  # token ids in: it ends at the gradient of the first activation that needs one (the embedding's)
                 want_mark[key] = True
 
-        def child_post(_child, _args, out):
+        def child_post(child, _args, out):
             if want_mark.get(key):
                 marked = _first_grad_tensor(out if isinstance(out, (tuple, list)) else (out,))
                 if marked is not None:
                     want_mark[key] = False
                     marked.register_hook(end_backward)
+                    if key not in first_stage:
+                        first_stage.add(key)
+                        drop_child_hooks(keep=child)  # the same child marks every later micro-batch
+                        self._handles += [p.register_post_accumulate_grad_hook(param_grad)
+                                          for p in module.parameters() if p.requires_grad]
 
         def forward_post(_m, _args, _out):
             want_mark[key] = False
             start = self._open.pop(("forward", key), None)
             if start is not None:
-                self._spans["forward"].append((start, self.clock.mark()))
+                self._spans["forward"].append([start, self.clock.mark()])
 
         def backward_pre(_m, _grad_out):
-            self._open[("backward", key)] = self.clock.mark()
+            now = self.clock.mark()
+            loss_start = self._open.pop(("backward", LOSS_KEY), None)
+            if loss_start is not None:  # the loss's backward ran up to here
+                self._spans["backward"].append([loss_start, now])
+            self._open[("backward", key)] = now
 
         self._handles += [module.register_forward_pre_hook(forward_pre),
                           module.register_forward_hook(forward_post),
                           module.register_full_backward_pre_hook(backward_pre)]
-        self._handles += [child.register_forward_hook(child_post) for child in module.modules() if child is not module]
+        child_hooks.update({child: child.register_forward_hook(child_post)
+                            for child in module.modules() if child is not module})
+        self._handles += list(child_hooks.values())
+
+    def timed_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss_fn`` timed as part of this stage: its forward is added to the stage's forward, and its backward (from
+        the loss's gradient to the stage's output gradients) to the stage's backward."""
+        import torch
+
+        class _LossBackwardStarts(torch.autograd.Function):
+            """The identity on the loss; its backward, the first step of the stage's backward, marks the start."""
+
+            @staticmethod
+            def forward(ctx, loss):
+                return loss.view_as(loss)
+
+            @staticmethod
+            def backward(ctx, grad):
+                self._open[("backward", LOSS_KEY)] = self.clock.mark()
+                return grad
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = self.clock.mark()
+            loss = loss_fn(*args, **kwargs)
+            self._spans["forward"].append([start, self.clock.mark()])
+            return _LossBackwardStarts.apply(loss) if loss.requires_grad else loss
+
+        return timed
 
     def start_step(self) -> None:
         self._step_start = self.clock.mark()
@@ -138,6 +192,7 @@ class StageTimer:
                 "step_s": self.clock.seconds(self._step_start, end) if self._step_start is not None else None}
         self._spans = {"forward": [], "backward": []}
         self._open.clear()
+        self._last_backward.clear()
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         return line

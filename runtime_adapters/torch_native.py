@@ -171,14 +171,14 @@ class TorchAdapter(RuntimeAdapter):
         make_optimizer = optimizer_factory or default_optimizer_factory
         optimizer = (HostOffloadOptimizer(module.parameters(), make_optimizer) if stage.offload  # state on the host
                      else make_optimizer(list(module.parameters())))
-        schedule = _build_schedule(plan, place, module, groups, device, scaler)
+        timed = list(getattr(module, "chunk_modules", None) or [module])  # an interleaved stage: each chunk
+        timer = timer_from_env(timed, rank=rank, coords={"rank": rank, "stage": place.stage.index, **place.coords},
+                               microbatches=plan.num_microbatches, device=device)
+        schedule = _build_schedule(plan, place, module, groups, device, scaler, timer)
         last_src = min(r.rank for r in plan.rank_layout if r.stage == plan.num_stages - 1)
         logger.info("rank %d |PP=%d|DP=%d|TP=%d| layers %s embedding=%s head=%s zero=%d recompute=%s", rank,
                     place.coords["pp"], place.coords["dp"], place.coords["tp"], list(stage.layers),
                     stage.has_embedding, stage.has_head, stage.zero_stage, stage.recompute)
-        timed = list(getattr(module, "chunk_modules", None) or [module])  # an interleaved stage: each chunk
-        timer = timer_from_env(timed, rank=rank, coords={"rank": rank, "stage": place.stage.index, **place.coords},
-                               microbatches=plan.num_microbatches, device=device)
         return TorchTrainingContext(plan=plan, place=place, groups=groups, module=module, optimizer=optimizer,
                                     schedule=schedule, device=device, manual_dp=manual_dp, last_stage_src=last_src,
                                     owns_default_group=owns_default_group, scaler=scaler, experts=experts,
@@ -258,10 +258,12 @@ def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups) -
 
 
 def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGroups, device: torch.device,
-                    scaler: "LossScaler | None") -> Any:
+                    scaler: "LossScaler | None", timer: StageTimer | None = None) -> Any:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     loss_fn = lm_loss if scaler is None else (lambda logits, targets: lm_loss(logits, targets) * scaler.scale)
+    if timer is not None:  # the run report's last stage includes its loss, as the plan's head does
+        loss_fn = timer.timed_loss(loss_fn)
     if groups.pp is None:  # stages with their own grids: rows re-split at every stage boundary
         from torch.distributed.fsdp import FSDPModule
 

@@ -87,9 +87,8 @@ def test_calibration_and_repetitions():
     assert bench.calibrate_inner(fn, min_rep_s=0.05, clock=time.process_time, max_inner=7) == 7
 
 
-def test_interleaved_timing_runs_the_collective_after_every_call_untimed():
-    events = []
-
+def _call_and_collective(events: list[str]):
+    """A 2 ms call and a 50 ms collective that log themselves into ``events``."""
     def fn():
         events.append("f")
         time.sleep(0.002)
@@ -98,9 +97,36 @@ def test_interleaved_timing_runs_the_collective_after_every_call_untimed():
         events.append("c")
         time.sleep(0.05)  # not part of the figure
 
+    return fn, between
+
+
+def test_interleaved_timing_runs_the_collective_after_every_call_untimed():
+    events = []
+    fn, between = _call_and_collective(events)
     t = bench.time_interleaved(fn, between, warmup=1, blocks=3, calls=4)
     assert events == ["f", "c"] * (1 + 3 * 4)  # fixed counts: every member of the group issues the same calls
     assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.04  # the 50 ms between calls are not in it
+
+
+def test_block_timing_runs_the_collective_after_each_block_untimed():
+    events = []
+    fn, between = _call_and_collective(events)
+    t = bench.time_blocks(fn, between, blocks=3, calls=4)
+    assert events == (["f"] * 4 + ["c"]) * 3  # one collective per block: every member issues the same count
+    assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.04  # per call; the 50 ms after each block not in it
+
+
+def test_back_to_back_layer_timing_issues_the_agreed_number_of_collectives():
+    """Every member of the node issues the same collectives: one after the warm-up block and one per agreed block,
+    per pass (forward, forward+backward), whatever its own speed; the detail says how it was timed."""
+    tiny, calls = load_model("tiny"), []
+    out = time_layer(tiny, "dense", LayerShape(micro_batch=2, seq_len=16, dtype="fp32"), torch.device("cpu"),
+                     warmup=1, reps=5, min_rep_s=0.0, between=lambda: calls.append(1), budget_s=10.0,
+                     agree=lambda n: min(n, 2), block_cpu_s=0.005)
+    assert len(calls) == 2 * (1 + 2)
+    for name in ("forward", "forward_backward"):
+        assert len(out[name].timing.samples_s) == 2
+        assert "back-to-back calls" in dict(out[name].detail)["timed"]
 
 
 def test_gemm_and_copy_on_cpu():

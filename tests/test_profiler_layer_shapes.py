@@ -68,3 +68,25 @@ def test_profile_times_every_planned_shape_within_its_layer_budget(tmp_path: Pat
         assert lc.measured and lc.priced.how == "interpolated"
         lo, hi = (m["layer_forward_s"][measured_layer_key("tiny", "dense", SEQ_LENS[0], b, 1)] for b in (2, 4))
         assert min(lo, hi) <= lc.forward_s <= max(lo, hi)
+
+
+@pytest.mark.distributed
+def test_back_to_back_layer_timing_times_every_shape_in_blocks(tmp_path: Path) -> None:
+    """``--layer-timing back-to-back`` reaches every worker: each layer figure comes from blocks of calls without
+    pause (what a CFS-throttled CPU device needs to show its mean speed), none from single calls."""
+    out = tmp_path / "cluster.yaml"
+    cmd = [sys.executable, "-m", "tangram_launch.cli", "profile", "--quick", "--timeout-s",
+           str(PROCESS_GROUP_TIMEOUT_S), "--standalone", "--nproc-per-node", "2", "--model", "tiny",
+           "--micro-batch", "2", "--seq-len", "32", "--tp", "1", "--layer-budget-s", "6", "--layer-dtype", "fp32",
+           "--layer-timing", "back-to-back", "-o", str(out)]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
+                       env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin",
+                            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    spec = ClusterSpec.load(out)
+    measured = spec.profile["model"]["measured"]  # of the layer, the embedding and the head at the one shape
+    assert measured >= 1  # a loaded host may leave the last ones out of the budget, never the first
+    timed = [figure["timed"] for device in spec.profile["devices"] for job in device["layer"].values()
+             for figure in (job["forward"], job["forward_backward"])]
+    assert len(timed) == 2 * measured * 2  # ranks x kinds measured x (forward, forward+backward)
+    assert all(t.endswith("back-to-back calls, each block followed by an all-to-all") for t in timed), timed

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,16 @@ def test_report_never_fails_on_any_set_of_timing_lines(rows):
     run_report.format_report(report)
 
 
+def _first_stage_step(stage: torch.nn.Module, tmp_path: Path) -> dict:
+    """One timed step of a first stage (token ids in) over two micro-batches; its timing line."""
+    timer = StageTimer.attach([stage], run_dir=str(tmp_path), rank=0, coords={"stage": 0}, microbatches=2,
+                              device=torch.device("cpu"))
+    timer.start_step()
+    for _ in range(2):
+        stage(torch.randint(0, 16, (2, 4))).sum().backward()
+    return timer.end_step(1)
+
+
 def test_stage_timer_counts_a_recompute_forward_as_backward(tmp_path):
     from torch.utils.checkpoint import checkpoint
 
@@ -125,14 +136,59 @@ def test_stage_timer_counts_a_recompute_forward_as_backward(tmp_path):
             return checkpoint(self.lin, self.emb(x), use_reentrant=False)
 
     stage = Stage()
-    timer = StageTimer.attach([stage], run_dir=str(tmp_path), rank=0, coords={"stage": 0}, microbatches=2,
-                              device=torch.device("cpu"))
-    timer.start_step()
-    for _ in range(2):
-        stage(torch.randint(0, 16, (2, 4))).sum().backward()
-    line = timer.end_step(1)
+    line = _first_stage_step(stage, tmp_path)
     assert line["backward_spans"] == 2 and line["forward_s"] > 0 and line["backward_s"] > 0
     assert json.loads((tmp_path / "timings" / "rank0.jsonl").read_text())["step"] == 1
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity whose backward takes at least ``SLOW_S`` (a stand-in for work the timer must see)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLOW_S)
+        return grad
+
+
+SLOW_S = 0.05
+
+
+def test_the_last_stages_loss_counts_in_its_forward_and_backward(tmp_path):
+    """The plan prices the head with its loss; the schedule computes the loss outside the stage module."""
+    stage = torch.nn.Linear(8, 8)
+    timer = StageTimer.attach([stage], run_dir=str(tmp_path), rank=0, coords={"stage": 1}, microbatches=1,
+                              device=torch.device("cpu"))
+
+    def slow_loss(out, target):
+        time.sleep(SLOW_S)
+        return _SlowBackward.apply(torch.nn.functional.mse_loss(out, target))
+
+    loss_fn = timer.timed_loss(slow_loss)
+    timer.start_step()
+    x = torch.randn(4, 8, requires_grad=True)
+    loss_fn(stage(x), torch.zeros(4, 8)).backward()
+    line = timer.end_step(1)
+    assert line["forward_s"] >= SLOW_S and line["backward_s"] >= SLOW_S
+    assert line["step_s"] >= line["forward_s"] + line["backward_s"]
+
+
+def test_the_first_stages_backward_includes_the_embeddings_own_backward(tmp_path):
+    """Token ids in: the backward ends with the last parameter gradient, after the embedding's output gradient."""
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16, 8))
+
+        def forward(self, tokens):
+            return _SlowBackward.apply(self.weight)[tokens]  # (B, T, 8); the weight's gradient comes SLOW_S late
+
+    stage = torch.nn.Sequential(Embed(), torch.nn.Linear(8, 8))
+    line = _first_stage_step(stage, tmp_path)
+    assert line["backward_spans"] == 2 and line["backward_s"] >= 2 * SLOW_S
 
 
 @pytest.mark.distributed

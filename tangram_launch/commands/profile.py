@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from profiler import LAYER_TIMINGS
 from tangram_launch.errors import SpecError
 from tangram_launch.launch.profiling import (ProfileError, ProfileRequest, torchrun_actions, failure_message,
                                              profile_cluster, torchrun_argv)
@@ -69,6 +70,12 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                    help="wall seconds all --model shapes may take on a device (default 60; with --quick 15); the "
                         "shapes that do not fit are left out, largest first")
     g.add_argument("--layer-dtype", choices=("bf16", "fp16", "fp32"), help="dtype for --model (default bf16)")
+    g.add_argument("--layer-timing", choices=LAYER_TIMINGS, default=None,
+                   help="CPU devices only: how --model's calls are timed. interleaved (default): each call followed "
+                        "by an all-to-all of the node's processes, as a pipeline stage meets its layers on a shared "
+                        "host; back-to-back: blocks of calls without pause (an all-to-all after each block), as the "
+                        "busiest stage of a pipeline runs: a device slowed by a CFS quota has its mean speed only "
+                        "while busy for many quota periods")
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="process-group timeout: a silent peer fails the profile after this long (default 300)")
 
@@ -121,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         output=args.output, torchrun_argv=tuple(torchrun_argv(args)), quick=args.quick, name=args.name,
         model=args.model, seq_len=_int_list(args, "--seq-len"), micro_batch=_int_list(args, "--micro-batch"),
         tp=_int_list(args, "--tp"), layer_budget_s=args.layer_budget_s, layer_dtype=args.layer_dtype,
+        layer_timing=args.layer_timing,
         timeout_s=args.timeout_s, budget_s=args.budget_s, nnodes=str(getattr(args, "nnodes", "?")),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", "") or ""))
     if outcome.written:

@@ -72,6 +72,7 @@ class ProfileRequest:
     tp: tuple[int, ...] = ()
     layer_budget_s: float | None = None  # wall seconds for every --model shape on a device
     layer_dtype: str | None = None
+    layer_timing: str | None = None  # CPU devices: "interleaved" (the profiler's default) or "back-to-back"
     timeout_s: float = 300.0
     budget_s: float | None = None  # wall seconds per local benchmark (None: the profiler's default for the device)
     nnodes: str = "1"  # for the rendezvous failure message
@@ -112,6 +113,8 @@ def profile_cluster(request: ProfileRequest) -> ProfileOutcome:
             worker += ["--layer-budget-s", str(request.layer_budget_s)]
         if request.layer_dtype:
             worker += ["--layer-dtype", request.layer_dtype]
+        if request.layer_timing:
+            worker += ["--layer-timing", request.layer_timing]
     argv = list(request.torchrun_argv) + worker
     log.info("profiling: tangram-launch %s", " ".join(argv))
     try:
