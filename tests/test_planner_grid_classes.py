@@ -136,7 +136,7 @@ def test_every_class_the_driver_composes_is_already_undominated(runtime):
     check): on a real two-island search, for every micro-batch size and every class the driver composes, the
     kernel's check (compose._undominated) keeps every option."""
     from tangram_launch.islands import build_islands
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.planner.compose import _undominated
 
     cluster = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},
