@@ -50,6 +50,21 @@ class SizeMemo:
     rounds: dict = field(default_factory=dict)
     minima: dict = field(default_factory=dict)  # b -> an answer's key -> (its templates, classes.group_minima)
     fields: dict = field(default_factory=dict)  # b -> an answer's key -> (its templates, their fields as an array)
+    # b -> its LinkModel: the size's floor and every round read its island matrix and price boundaries alike
+    links: dict = field(default_factory=dict)
+
+
+def size_links(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
+               islands: Sequence["Island"], memo: "SizeMemo | None") -> LinkModel:
+    """The p2p model of micro-batch size b's activations (one per size and search where ``memo`` keeps it: its
+    caches then serve every round at b)."""
+    hit = memo.links.get(b) if memo is not None else None
+    if hit is None:
+        hit = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
+                                                           training.param_bytes))
+        if memo is not None:
+            memo.links[b] = hit
+    return hit
 
 
 def compose_size(b: int, best, results: dict, all_cands: dict, counters: dict, cstats: ComposeStats, *,
@@ -68,8 +83,7 @@ def compose_size(b: int, best, results: dict, all_cands: dict, counters: dict, c
     t_c = time.perf_counter()
     L = model.num_layers
     m = training.global_batch // b
-    links = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
-                                                         training.param_bytes))
+    links = size_links(b, cluster, model, training, islands, memo)
     cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
                            training=training, judged=memo.judged.setdefault(b, {}) if memo is not None else None)
     all_cands[b] = cand

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.parallelizers.base import Parallelizer, SliceQuery
 from tangram_launch.planner import bounds
-from tangram_launch.planner.allocation import LinkModel, activation_bytes
+from tangram_launch.planner.allocation import LinkModel
 from tangram_launch.planner.bounds import least_links
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_stages
 from tangram_launch.planner.pair_floors import PairFloors, capacity
@@ -19,7 +19,6 @@ from tangram_launch.planner.slices import Pair, dtype_problem
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.islands import Island
-    from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import ModelSpec
     from tangram_launch.specs.training import TrainingSpec
 
@@ -53,12 +52,10 @@ class SizeFloor(NamedTuple):
         return out
 
 
-def least_links_at(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
-                   islands: Sequence["Island"], present: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
-    """Per island of ``present``, the least one-way link into it and out of it from another, at micro-batch size b
-    (bounds.least_links; 0 where there is no other)."""
-    return least_links(LinkModel(cluster, islands, activation_bytes(
-        b, training.seq_len, model.hidden_size, training.param_bytes)).island_matrix(), present, default=0.0)
+def least_links_at(links: LinkModel, present: Sequence[int]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per island of ``present``, the least one-way link into it and out of it from another, at the micro-batch
+    size of ``links`` (bounds.least_links; 0 where there is no other)."""
+    return least_links(links.island_matrix(), present, default=0.0)
 
 
 def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],

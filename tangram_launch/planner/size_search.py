@@ -18,7 +18,7 @@ from tangram_launch.planner.options import PlannerOptions
 from tangram_launch.planner.orders import fastest_first, island_orders
 from tangram_launch.planner.pair_floors import PairFloors
 from tangram_launch.planner.query_pool import QueryPool
-from tangram_launch.planner.size_composition import SizeMemo, compose_size
+from tangram_launch.planner.size_composition import SizeMemo, compose_size, size_links
 from tangram_launch.planner.size_floors import SizeFloor, front_s, least_links_at, outside_s, score_extra_s, size_floor
 from tangram_launch.planner.slices import Pair, PairSet
 
@@ -85,7 +85,8 @@ def try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, co
     present = sorted({p.island for p in pairset.pairs})  # the islands a pipeline can use
     floors = {b: size_floor(b, model=model, training=training, islands=islands, caps=caps,
                             par=pool.parallelizer if bnb else None,
-                            links=least_links_at(b, cluster, model, training, islands, present)) for b in bs}
+                            links=least_links_at(size_links(b, cluster, model, training, islands, memo), present))
+              for b in bs}
 
     def bound() -> tuple[float, float]:
         """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
