@@ -216,6 +216,11 @@ class Candidates:
         plans, as a hand-written plan's may, gives each its own, front to back). An option alone on its island gets
         the same GPUs in every sequence: kept per option."""
         taken: dict[str, set] = {}
+        seen: set[str] = set()
+        shared: set[str] = set()  # islands of more than one option: only there do the GPUs taken matter
+        for oi in seq:
+            name = self.islands[self.options[oi].island].name
+            (shared if name in seen else seen).add(name)
         out = []
         for oi in seq:
             isl = self.islands[self.options[oi].island]
@@ -227,7 +232,7 @@ class Candidates:
                 assert hit is not None, "options are only made for slice plans whose stages fit the island"
                 if not mine:
                     self._gpus[oi] = hit
-            else:
+            elif isl.name in shared:
                 taken.setdefault(isl.name, set()).update(g for stage in hit for g in stage)
             out.append(hit)
         return out
