@@ -228,7 +228,7 @@ class Candidates:
             hit = self._gpus.get(oi) if not mine else None
             if hit is None:
                 hit = allocate_gpus(isl, [s.shape for s in self.sources[oi][1].stages],
-                                    taken=taken.setdefault(isl.name, set()))
+                                    taken=taken.setdefault(isl.name, set()) if isl.name in shared else None)
                 assert hit is not None, "options are only made for slice plans whose stages fit the island"
                 if not mine:
                     self._gpus[oi] = hit
