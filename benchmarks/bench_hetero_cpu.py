@@ -19,7 +19,7 @@ emulated devices less; it cannot stop it (caches, memory bandwidth): the figures
    ClusterSpec it writes carries each device's measured GEMM rate, memory bandwidth, gloo all-reduce/p2p bandwidth
    and per-layer forward (and forward+backward) time at the planned shapes (``--seq-len``, ``--micro-batch``), so
    the two devices become two islands. ``--cluster FILE`` reuses a profile.
-2. Plan: ``tangram_launch.planner.api.make_plan`` (runtime torch, fp32, the micro-batch fixed to the profiled one so
+2. Plan: ``tangram_launch.planner.make_plan`` (runtime torch, fp32, the micro-batch fixed to the profiled one so
    the cost model reads the measured layer times instead of its roofline). The uniform split (same islands in the
    same pipeline order, layers split evenly) is costed by the planner's manual-plan path
    (``tangram_launch.planner.manual.cost_manual_plan``), so both predictions come from the same cost model.
@@ -233,7 +233,7 @@ def _local_rank(pid: int) -> int | None:
 def plans(args, cluster_path: str):
     """(cluster, model, training, islands, tangram plan, uniform plan, throttled GPU ref)."""
     from tangram_launch.islands import build_islands
-    from tangram_launch.planner.api import PlannerOptions, make_plan
+    from tangram_launch.planner import PlannerOptions, make_plan
     from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model

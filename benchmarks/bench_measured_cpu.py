@@ -58,7 +58,7 @@ sys.path.insert(0, HERE)
 import bench_hetero_cpu as base  # noqa: E402  (the cgroup and load helpers; puts the repository on the path)
 from tangram_launch.errors import InfeasibleError  # noqa: E402
 from tangram_launch.islands import build_islands  # noqa: E402
-from tangram_launch.planner.api import PlannerOptions, make_plan  # noqa: E402
+from tangram_launch.planner import PlannerOptions, make_plan  # noqa: E402
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan  # noqa: E402
 from tangram_launch.specs.cluster import ClusterSpec  # noqa: E402
 from tangram_launch.specs.model import load_model  # noqa: E402

@@ -88,7 +88,7 @@ def profile(args, out: str) -> None:
 
 def cost(args, cluster_path: str):
     from tangram_launch.islands import IslandTolerances, build_islands
-    from tangram_launch.planner.api import PlannerOptions
+    from tangram_launch.planner import PlannerOptions
     from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model

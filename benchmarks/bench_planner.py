@@ -23,7 +23,7 @@ from bench_planner_common import cluster_path, describe_plan, peak_rss_mib, run_
 
 
 def headline(workers: int) -> None:
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.training import TrainingSpec
@@ -61,7 +61,7 @@ SWEEP_QUICK = [(1, 64, "llama3-8b"), (2, 64, "llama3-8b"), (4, 64, "llama3-8b"),
 
 def point(k: int, gpus: int, model_name: str) -> dict:
     """One sweep point in this process: plan, and report time, memory and counts as one JSON line."""
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.training import TrainingSpec
 

@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
 
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.planner.slices import PruningPolicy
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model

@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tangram_launch.errors import InfeasibleError
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.planner.baselines import compare
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model

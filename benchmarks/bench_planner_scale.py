@@ -50,7 +50,7 @@ def one(cluster_name: str, model_name: str, global_batch: int, seq_len: int, dty
         workers: int | None) -> dict:
     from tangram_launch.errors import InfeasibleError
     from tangram_launch.islands import build_islands
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.training import TrainingSpec

@@ -23,7 +23,7 @@ from bench_planner_scale import CASES, RUNTIMES
 
 from tangram_launch.islands import build_islands  # noqa: E402 (bench_planner_common puts the repo on the path)
 from tangram_launch.parallelizers.megatron import MegatronParallelizer  # noqa: E402
-from tangram_launch.planner.api import PlannerOptions, search  # noqa: E402
+from tangram_launch.planner import PlannerOptions, search  # noqa: E402
 from tangram_launch.planner.gc_pause import no_collections  # noqa: E402
 from tangram_launch.planner.query_pool import answer  # noqa: E402
 from tangram_launch.specs.cluster import ClusterSpec  # noqa: E402

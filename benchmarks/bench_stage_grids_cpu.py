@@ -88,7 +88,7 @@ def merge_layer_times(into: str, other: str) -> None:
 
 def plans(args, cluster_path: str):
     from tangram_launch.capabilities import TORCH
-    from tangram_launch.planner.api import PlannerOptions, make_plan
+    from tangram_launch.planner import PlannerOptions, make_plan
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.training import TrainingSpec

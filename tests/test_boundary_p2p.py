@@ -166,7 +166,7 @@ def mixed(tmp_path_factory):
 def test_tf32_on_32_a100_and_96_v100_plans_on_both_kinds(mixed):
     """The V100s (FP32, a tenth of an A100's TF32) pay for their place once a boundary costs what its replicas move
     over their own node pairs; the planner API and the CLI agree."""
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.training import TrainingSpec
 

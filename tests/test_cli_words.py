@@ -7,7 +7,7 @@ import pytest
 
 from helpers_plans import make_plan as make_fixed_plan
 from tangram_launch.errors import InfeasibleError
-from tangram_launch.planner.api import PlannerOptions, make_plan
+from tangram_launch.planner import PlannerOptions, make_plan
 from tangram_launch.planner.report import format_plan_table
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import load_preset

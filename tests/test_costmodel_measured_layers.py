@@ -15,7 +15,7 @@ from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.measured_layers import Point, distance, measured_layer_key, measured_points, price
 from tangram_launch.plan import Plan
-from tangram_launch.planner.api import make_plan
+from tangram_launch.planner import make_plan
 from tangram_launch.specs.cluster import ClusterSpec, GPUSpec
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec

@@ -136,9 +136,9 @@ def no_matplotlib(monkeypatch):
 
 
 def test_timeline_png_without_matplotlib_names_the_option_before_planning(no_matplotlib, capsys, monkeypatch):
-    import tangram_launch.planner.api as api
+    import tangram_launch.planner.plan_search as plan_search
 
-    monkeypatch.setattr(api, "search", lambda *a, **k: pytest.fail("planned before checking --timeline"))
+    monkeypatch.setattr(plan_search, "search", lambda *a, **k: pytest.fail("planned before checking --timeline"))
     rc = main(["plan", "--cluster", str(CLUSTERS / "cpu-2.yaml"), "--model", "tiny", "--timeline", "x.png"])
     err = capsys.readouterr().err
     assert rc == 2 and "--timeline" in err and "matplotlib" in err and "output" not in err

@@ -20,7 +20,7 @@ from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.gemm_curve import SMALL_SHAPES, MeasuredGemmCurve, sweep_shapes
 from tangram_launch.errors import SpecError
 from tangram_launch.islands import build_islands
-from tangram_launch.planner.api import PlannerOptions, make_plan
+from tangram_launch.planner import PlannerOptions, make_plan
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec, load_model
 from tangram_launch.specs.training import TrainingSpec

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
-from tangram_launch.planner.api import _score_extra_s
+from tangram_launch.planner.size_floors import score_extra_s
 from tangram_launch.planner.bounds import interleaved_1f1b_floor_s
 from tangram_launch.planner.compose import Option, evaluate
 
@@ -51,10 +51,10 @@ def pipelines(draw):
 @settings(max_examples=300, deadline=None)
 @given(pipelines())
 def test_the_composers_interleaved_floors_lie_under_the_simulation(case):
-    """api.ClassScores.floor_s's interleaved floor (bounds.interleaved_1f1b_floor_s) and, per option, m x its
-    slowest stage + api._score_extra_s of the fill in front of it (a query's score bound; cover_floors.promising's
-    and compose's DP floor with the fill weight read the same) lie under the simulation with any v the options
-    admit."""
+    """class_composition.ClassScores.floor_s's interleaved floor (bounds.interleaved_1f1b_floor_s) and, per option,
+    m x its slowest stage + size_floors.score_extra_s of the fill in front of it (a query's score bound;
+    cover_floors.promising's and compose's DP floor with the fill weight read the same) lie under the simulation with
+    any v the options admit."""
     options, link, fwd, bwd, p2p, m, v = case
     seq = tuple(range(len(options)))
     metrics = evaluate(seq, options, link, m)
@@ -64,7 +64,7 @@ def test_the_composers_interleaved_floors_lie_under_the_simulation(case):
     for k, o in enumerate(options):
         if k:
             front += 2.0 * link[k - 1][k]
-        assert (m * o.bottleneck_s + _score_extra_s(front, math.inf, o.stop - o.start)) * (1 - 1e-9) <= sim
+        assert (m * o.bottleneck_s + score_extra_s(front, math.inf, o.stop - o.start)) * (1 - 1e-9) <= sim
         front += o.time_s
 
 

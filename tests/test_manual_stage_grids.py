@@ -12,7 +12,7 @@ import yaml
 from helpers_cli import REPO, run_cli
 
 from tangram_launch.errors import InfeasibleError, SpecError
-from tangram_launch.planner.api import PlannerOptions
+from tangram_launch.planner import PlannerOptions
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import load_model

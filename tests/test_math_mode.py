@@ -17,7 +17,7 @@ from tangram_launch.cli import main
 from tangram_launch.costmodel.efficiency import DeviceModel, peak_tflops_for
 from tangram_launch.islands import build_islands, compute_tflops
 from tangram_launch.plan import Plan, tf32_matmuls_allowed
-from tangram_launch.planner.api import PlannerOptions, search
+from tangram_launch.planner import PlannerOptions, search
 from tangram_launch.planner.build import gpu_peak_flops
 from tangram_launch.planner.slices import dtype_problem
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef, math_mode

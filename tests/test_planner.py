@@ -15,7 +15,8 @@ from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import GIB, SliceQuery, capacity_bytes
-from tangram_launch.planner.api import PlannerOptions, make_plan, microbatch_choices, search
+from tangram_launch.planner import PlannerOptions, make_plan, search
+from tangram_launch.planner.size_search import microbatch_choices
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
 from tangram_launch.planner.slices import ModelAtoms, PruningPolicy, build_pairs, island_shares
 from tangram_launch.planner.synthetic import SyntheticParallelizer
@@ -242,7 +243,7 @@ def test_pruning_counts_and_ablation_never_worsen_the_plan():
     assert c["total"] - c["incompatible"] - c["infeasible"] - c["unbalanced"] == len(full.pairs)
     assert len(full.pairs) - c["redundant"] == c["queries"] == len(full.queries)
     # a class's representative is its pair of the least start, whose fill in front is the least of its class: the
-    # query's score bound (api._front_s) holds for every pair that reuses its answer
+    # query's score bound (size_floors.front_s) holds for every pair that reuses its answer
     first = {}
     for p in full.pairs:
         first[p.key] = min(first.get(p.key, p.layers[0]), p.layers[0])
@@ -361,7 +362,7 @@ def test_coarse_atoms_cut_slices_at_atom_boundaries():
 
 
 def test_many_islands_use_ordered_composition_and_stay_valid(monkeypatch):
-    import tangram_launch.planner.api as api
+    import tangram_launch.planner.class_composition as class_composition
 
     types = ("b200", "h200", "h100-sxm", "a100-80gb", "a100-40gb", "l40s")
     many = cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")
@@ -372,7 +373,7 @@ def test_many_islands_use_ordered_composition_and_stay_valid(monkeypatch):
     # six islands over one network: one link class, so beyond exact_islands the search is still exact
     # (compose.front_classes), with the fronts of one island set merged
     merged = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=5))
-    monkeypatch.setattr(api, "MERGED_EXACT_STATES", 0)  # the island-order search
+    monkeypatch.setattr(class_composition, "MERGED_EXACT_STATES", 0)  # the island-order search
     fast = search(many, MODEL, TRAIN, parallelizer=par, options=PlannerOptions(max_workers=1, exact_islands=5))
     for r in (exact, merged, fast):
         check_invariants(r.plan, many, TORCH)
@@ -385,7 +386,8 @@ def test_many_islands_use_ordered_composition_and_stay_valid(monkeypatch):
 def test_seed_orders_cover_every_prefix_of_the_fastest_islands():
     """The seed round pipelines the fastest k islands for every k >= 2 (the best plan often leaves slow islands
     out), in each of island_orders' orders of those k, without repeats."""
-    from tangram_launch.planner.api import _seed_orders, fastest_first, island_orders
+    from tangram_launch.planner.orders import fastest_first, island_orders
+    from tangram_launch.planner.size_search import _seed_orders
 
     types = ("l40s", "b200", "a100-40gb", "h100-sxm", "a100-80gb", "h200")
     isl = build_islands(cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")).islands
@@ -559,7 +561,8 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
     composing every class in every round, with fewer classes composed and fewer rounds ranked."""
     import json
 
-    import tangram_launch.planner.api as api
+    import tangram_launch.planner.plan_search as plan_search
+    import tangram_launch.planner.size_composition as size_composition
     from tangram_launch.planner.build import Candidates
     from tangram_launch.specs.model import load_model
 
@@ -569,7 +572,7 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
     runs = []
     for memo in (True, False):
         calls = [0, 0]
-        inner, members = api._compose_group, Candidates.class_members
+        inner, members = size_composition.compose_group, Candidates.class_members
 
         def counting(*a, **k):
             calls[0] += 1
@@ -580,10 +583,10 @@ def test_rounds_compose_again_only_what_new_answers_can_change(runtime, cluster_
             return members(*a, **k)
 
         with monkeypatch.context() as mp:
-            mp.setattr(api, "_compose_group", counting)
+            mp.setattr(size_composition, "compose_group", counting)
             mp.setattr(Candidates, "class_members", ranking)
             if not memo:
-                mp.setattr(api, "SizeMemo", lambda: None)
+                mp.setattr(plan_search, "SizeMemo", lambda: None)
             r = search(cluster, model, training, runtime=runtime, islands=build_islands(cluster, dtype="fp16"),
                        options=SERIAL)
         plan = r.plan.to_dict()
@@ -601,11 +604,11 @@ def test_the_fine_score_floor_lies_under_every_score(runtime, cluster_name, monk
     """The planner's fine floor (the plain 1F1B's floors, round trips included, against the interleaved
     schedule's own prediction) lies under the predicted iteration of every candidate the search scores, under
     every class and schedule: here it is evaluated beside each score, the skipping turned off."""
-    import tangram_launch.planner.api as api
+    import tangram_launch.planner.class_composition as class_composition
     from tangram_launch.specs.model import load_model
 
     pairs = []
-    inner = api.compose
+    inner = class_composition.compose
 
     def traced(options, *a, **kw):
         fine, score = kw.pop("score_floor_fine"), kw["score"]
@@ -618,7 +621,7 @@ def test_the_fine_score_floor_lies_under_every_score(runtime, cluster_name, monk
         kw["score"] = scored
         return inner(options, *a, **kw)
 
-    monkeypatch.setattr(api, "compose", traced)
+    monkeypatch.setattr(class_composition, "compose", traced)
     cluster = ClusterSpec.load(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
                                             f"{cluster_name}.yaml"))
     search(cluster, load_model("gpt3-13b"), TrainingSpec(global_batch=128, seq_len=2048, dtype="fp16"),
@@ -634,20 +637,20 @@ def test_above_exact_islands_a_size_is_asked_whole_after_its_seeds(monkeypatch):
     search over island sets or orders, in two (the seeds, then all the others: composing the quarter would be done
     again whole). The plan is the same either way (six islands over one spine; the real parallelizer, whose
     compute floors rank the pairs)."""
-    import tangram_launch.planner.api as api
+    import tangram_launch.planner.size_search as size_search
 
     types = ("b200", "h200", "h100-sxm", "a100-80gb", "a100-40gb", "l40s")
     many = cluster(*[(f"n{i}", t, 2) for i, t in enumerate(types)], name="six")
     rounds = {}
     for exact in (6, 5):
         asked = []
-        inner = api._ask
+        inner = size_search._ask
 
         def counting(bs, pairs, *a, **k):
             asked.append(len(pairs))
             return inner(bs, pairs, *a, **k)
 
-        monkeypatch.setattr(api, "_ask", counting)
+        monkeypatch.setattr(size_search, "_ask", counting)
         r = search(many, MODEL, TRAIN, runtime="megatron",
                    options=PlannerOptions(max_workers=1, exact_islands=exact, microbatch_sequences=(2,)))
         monkeypatch.undo()

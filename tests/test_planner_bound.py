@@ -16,7 +16,8 @@ from tangram_launch.costmodel.slice_plan import latency_floor_s, score_floor_s
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import GIB
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.planner.api import PlannerOptions, _size_floor, search
+from tangram_launch.planner import PlannerOptions, search
+from tangram_launch.planner.size_floors import size_floor
 from tangram_launch.planner.query_pool import answer
 from tangram_launch.planner.synthetic import SyntheticParallelizer
 from tangram_launch.parallelizers.base import SliceQuery
@@ -175,7 +176,7 @@ def test_size_floor_is_below_the_best_plan_at_that_size(runtime):
     islands = build_islands(cl, dtype="fp16").islands
     par = MegatronParallelizer()
     for b in (1, 4, 16):
-        floor = _size_floor(b, model=TINY, training=TRAIN, islands=islands, caps=runtime, par=par)
+        floor = size_floor(b, model=TINY, training=TRAIN, islands=islands, caps=runtime, par=par)
         r = search(cl, TINY, TRAIN, runtime=runtime, parallelizer=par,
                    options=PlannerOptions(max_workers=1, microbatch_sequences=(b,), branch_and_bound=False))
         assert 0 < floor.latency_s <= r.composition.latency_s * (1 + 1e-12)
@@ -193,14 +194,14 @@ def test_size_floor_is_zero_for_a_parallelizer_without_compute_floors():
     islands = build_islands(cl, dtype="fp16").islands
     par = SyntheticParallelizer(layer_time_s={"a100-80gb": 0.004}, layer_static_bytes=GIB,
                                 layer_activation_bytes=0.1 * GIB)
-    assert _size_floor(4, model=TINY, training=TRAIN, islands=islands, caps=TORCH, par=par).latency_s == 0.0
+    assert size_floor(4, model=TINY, training=TRAIN, islands=islands, caps=TORCH, par=par).latency_s == 0.0
     assert math.isinf(SliceQuery(model=TINY, training=TRAIN, layers=(0, 6), island=islands[0],
                                  microbatch_sequences=4, capabilities=TORCH).latency_bound_s)
 
 
 def test_an_incumbent_moved_into_a_fuller_option_list_keeps_its_options_and_score():
     """A size's first (single-island) incumbent is re-indexed when the rest of its pairs are answered."""
-    from tangram_launch.planner.api import Incumbent, _moved
+    from tangram_launch.planner.size_composition import Incumbent, _moved
     from tangram_launch.planner.build import Candidates
     from tangram_launch.planner.compose import Composition, Metrics, Option
 

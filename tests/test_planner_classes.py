@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from tangram_launch.capabilities import MEGATRON
 from tangram_launch.errors import InfeasibleError
 from tangram_launch.parallelizers.base import GIB
-from tangram_launch.planner import api
-from tangram_launch.planner.api import PlannerOptions, search
+from tangram_launch.planner import PlannerOptions, search, size_composition
 from tangram_launch.planner.classes import class_floors_s, stage_totals
 from tangram_launch.planner.bounds import lower_bound
 from tangram_launch.planner.compose import Option
@@ -156,20 +155,20 @@ def _skip_vs_every(times, counts, batch, static_gib):
 
     def searched(mp):
         calls = [0]
-        inner = api._compose_group
+        inner = size_composition.compose_group
 
         def counting(*a, **k):
             calls[0] += 1
             return inner(*a, **k)
 
-        mp.setattr(api, "_compose_group", counting)
+        mp.setattr(size_composition, "compose_group", counting)
         try:
             return search(cl, model, training, runtime=MEGATRON, parallelizer=par, options=opts)
         finally:
             composed.append(calls[0])
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(api, "class_floors_s", lambda options, groups, L, m, **kw: {g: 0.0 for g in groups})
+        mp.setattr(size_composition, "class_floors_s", lambda options, groups, L, m, **kw: {g: 0.0 for g in groups})
         try:
             every = searched(mp)
         except InfeasibleError:

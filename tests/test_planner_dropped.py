@@ -90,18 +90,18 @@ def test_island_floor_is_the_plan_when_the_island_holds_the_slowest_stage():
 
 
 def test_islands_whose_floor_cannot_beat_the_incumbent_are_left_out_of_the_order_search():
-    from tangram_launch.planner.api import _hopeful_islands
+    from tangram_launch.planner.class_composition import hopeful_islands
 
     # islands 0-2 hold each layer at 1, 1.5 and 2 s per micro-batch, island 3 at 10 s; m = 4. Floors: islands 0 and
     # 1: 4 x 1.5 + 0.1 (the other layer on the best other island), island 2: 4 x 2 + 0.1, island 3: 4 x 10 + 0.1
     options = [Option(0, 1, k, 1, ROOM, 1.0 + k / 2, 1.0 + k / 2, 0.1) for k in range(3)]
     options += [Option(1, 2, k, 1, ROOM, 1.0 + k / 2, 1.0 + k / 2, 0.1) for k in range(3)]
     options += [Option(0, 2, 3, 1, ROOM, 10.0, 10.0, 0.1), Option(1, 2, 3, 1, ROOM, 10.0, 10.0, 0.1)]
-    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 9.0) == [0, 1, 2]
-    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 6.2) == [0, 1]
-    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 6.1) == []  # a floor equal to the incumbent cannot beat it
-    assert _hopeful_islands(options, [0, 1, 2, 3], 1 << 3, 2, 4, 6.2) == [0, 1, 3]  # a required island stays
-    assert _hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, math.inf) == [0, 1, 2, 3]  # no incumbent yet
+    assert hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 9.0) == [0, 1, 2]
+    assert hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 6.2) == [0, 1]
+    assert hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, 6.1) == []  # a floor equal to the incumbent cannot beat it
+    assert hopeful_islands(options, [0, 1, 2, 3], 1 << 3, 2, 4, 6.2) == [0, 1, 3]  # a required island stays
+    assert hopeful_islands(options, [0, 1, 2, 3], 0, 2, 4, math.inf) == [0, 1, 2, 3]  # no incumbent yet
 
 
 @settings(max_examples=60, deadline=None)

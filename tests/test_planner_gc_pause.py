@@ -11,7 +11,7 @@ from tangram_launch.planner.gc_pause import no_collections
 
 def _search(runtime: str = "torch"):
     from tangram_launch.islands import build_islands
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import load_model
     from tangram_launch.specs.training import TrainingSpec

@@ -136,7 +136,7 @@ def test_every_class_the_driver_composes_is_already_undominated(runtime):
     check): on a real two-island search, for every micro-batch size and every class the driver composes, the
     kernel's check (dominance.undominated_options) keeps every option."""
     from tangram_launch.islands import build_islands
-    from tangram_launch.planner.api import PlannerOptions, search
+    from tangram_launch.planner import PlannerOptions, search
     from tangram_launch.planner.dominance import undominated_options as _undominated
 
     cluster = ClusterSpec.from_dict({"network": {"default": {"bandwidth_GBps": 25}},

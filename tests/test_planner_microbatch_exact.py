@@ -10,7 +10,8 @@ import pytest
 
 from tangram_launch.errors import InfeasibleError
 from tangram_launch.islands import build_islands
-from tangram_launch.planner.api import PlannerOptions, candidate_sizes, divisors, search
+from tangram_launch.planner import PlannerOptions, search
+from tangram_launch.planner.size_search import candidate_sizes, divisors
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
 from tangram_launch.specs.training import TrainingSpec

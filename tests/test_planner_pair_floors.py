@@ -13,7 +13,7 @@ from tangram_launch.capabilities import MEGATRON, TORCH
 from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.planner.api import PlannerOptions, search
+from tangram_launch.planner import PlannerOptions, search
 from tangram_launch.planner.pair_floors import PairFloors
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
@@ -117,12 +117,12 @@ def test_pair_floors_are_under_every_pipeline_holding_the_pair(seed):
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**32))
 def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_pair(seed):
-    """api._outside_s (what a pair's query takes off the closed form to beat) is under what the rest of any
+    """size_floors.outside_s (what a pair's query takes off the closed form to beat) is under what the rest of any
     pipeline holding the pair adds to its fill: the other slices' stage times and twice every link crossed; and
-    api._score_extra_s (what it takes off the score to beat) is under what any predicted iteration adds to m x the
-    slice plan's slowest stage, with the chunks capped by the slice's length, or by the layers per stage of its
+    size_floors.score_extra_s (what it takes off the score to beat) is under what any predicted iteration adds to
+    m x the slice plan's slowest stage, with the chunks capped by the slice's length, or by the layers per stage of its
     plan (SliceQuery.score_bounds_s: a plan of s stages over n layers has a stage of at most n // s)."""
-    from tangram_launch.planner.api import SizeFloor, _front_s, _outside_s, _score_extra_s
+    from tangram_launch.planner.size_floors import SizeFloor, front_s, outside_s, score_extra_s
     from tangram_launch.planner.bounds import least_links
     from tangram_launch.planner.slices import Pair
 
@@ -142,16 +142,16 @@ def test_a_querys_outside_fill_is_under_the_rest_of_every_pipeline_holding_its_p
     into, out_of = least_links(matrix, range(K), default=0.0)
     for n, (k, a, z) in enumerate(slices):
         pair = Pair((a, z), k, (k, z - a, a == 0, z == L))
-        outside = _outside_s(size, pair, into, out_of, L)
+        outside = outside_s(size, pair, into, out_of, L)
         assert outside <= (fill - slice_s[n]) * (1 + 1e-12)
         # what the query's score bound is lowered by: every predicted iteration is at least m x the slice plan's
         # slowest stage + that (+ the tail)
-        front = _front_s(size, pair, into)
-        assert m * slowest[n] + _score_extra_s(front, outside) <= predicted * (1 + 1e-12)
-        assert m * slowest[n] + _score_extra_s(front, outside, z - a) <= predicted * (1 + 1e-12)
-        assert m * slowest[n] + _score_extra_s(front, outside, (z - a) // counts[n]) <= predicted * (1 + 1e-12)
+        front = front_s(size, pair, into)
+        assert m * slowest[n] + score_extra_s(front, outside) <= predicted * (1 + 1e-12)
+        assert m * slowest[n] + score_extra_s(front, outside, z - a) <= predicted * (1 + 1e-12)
+        assert m * slowest[n] + score_extra_s(front, outside, (z - a) // counts[n]) <= predicted * (1 + 1e-12)
         if counts[n] > m:  # more stages than micro-batches: no interleaving (SliceQuery.score_bound_at's [0])
-            assert m * slowest[n] + _score_extra_s(front, outside, 0) <= predicted * (1 + 1e-12)
+            assert m * slowest[n] + score_extra_s(front, outside, 0) <= predicted * (1 + 1e-12)
 
 
 def test_a_slice_whose_other_layers_have_no_other_island_has_no_pipeline():
@@ -172,8 +172,8 @@ def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
     17.85; the lesser. m = 1: plain 4.2 + 2.1 = 6.3; interleaved 4.2 + 2.1 / 2 would be less, but one micro-batch's
     way through every layer's compute (6.3, bounds.chain_score_floor_s) lies under any score. A slice of one layer
     cannot interleave: with island 0 on 8 GPUs, island 1's layer 3 and the head take plain 1F1B's 4 x 2.2 + 3.1. The
-    query's own term (api._score_extra_s) is the fill in front / its chunks."""
-    from tangram_launch.planner.api import _score_extra_s
+    query's own term (size_floors.score_extra_s) is the fill in front / its chunks."""
+    from tangram_launch.planner.size_floors import score_extra_s
 
     f0 = {"dense": (2.0, 1.0), "embedding": (0.2, 0.1), "head": (0.2, 0.1)}
     f1 = {x: (2.0 * g, 2.0 * t) for x, (g, t) in f0.items()}
@@ -185,10 +185,10 @@ def test_the_score_floor_adds_the_interleaved_bubble_or_the_fill_in_front():
     assert PairFloors(kinds, {0: f0, 1: f1}, {0: 2, 1: 2}, 4).floor(0, 2, 4)[1] == pytest.approx(4 * 4.2)
     assert PairFloors(kinds, {0: f0, 1: f1}, {0: 8, 1: 2}, 4).floor(1, 3, 4)[1] == pytest.approx(4 * 2.2 + 3.1)
     # 1/8 of the fill in front (8 chunks at most), whatever the fill behind (the slowest stage may come first)
-    assert _score_extra_s(1.0, 16.0) == 0.125 and _score_extra_s(3.0, 0.0) == 0.375 and _score_extra_s(0.0, 8.0) == 0.0
+    assert score_extra_s(1.0, 16.0) == 0.125 and score_extra_s(3.0, 0.0) == 0.375 and score_extra_s(0.0, 8.0) == 0.0
     # a slice of 4 layers interleaves in 4 chunks at most, one of 1 layer not at all
-    assert _score_extra_s(3.0, 16.0, 4) == 0.75 and _score_extra_s(5.0, 16.0, 4) == 1.25
-    assert _score_extra_s(9.0, 16.0, 1) == 9.0
+    assert score_extra_s(3.0, 16.0, 4) == 0.75 and score_extra_s(5.0, 16.0, 4) == 1.25
+    assert score_extra_s(9.0, 16.0, 1) == 9.0
 
 
 @pytest.mark.unit
@@ -262,10 +262,10 @@ def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_island
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 10**6), st.sampled_from([0.7, 1.0]))
 def test_seed_chains_cover_the_model_with_kept_pairs_in_each_order(seed, keep_share):
-    """api._seed_chains: per order, a pipeline of kept pairs over its islands, front to back, covering [0, L)
+    """size_search._seed_chains: per order, a pipeline of kept pairs over its islands, front to back, covering [0, L)
     contiguously (one pair per island); with every pair kept, one per order wherever the islands have a layer
     each. _seed_pairs asks those pairs' redundancy representatives."""
-    from tangram_launch.planner.api import _seed_chains, _seed_pairs
+    from tangram_launch.planner.size_search import _seed_chains, _seed_pairs
     from tangram_launch.planner.slices import Pair
 
     floors, gpus, kinds, m, _slices, _closed, _period, _ = _instance(seed)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tangram_launch.planner import api
+from tangram_launch.planner import PlannerOptions, search
 from tangram_launch.planner.grid_classes import class_members
 from tangram_launch.planner.twin_classes import TwinClasses
 
@@ -20,9 +20,9 @@ def _search(cluster_name: str, model_name: str, global_batch: int, seq_len: int,
     from tangram_launch.specs.training import TrainingSpec
     cluster = ClusterSpec.load(os.path.join(CLUSTERS, f"{cluster_name}.yaml"))
     training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype="fp16")
-    r = api.search(cluster, load_model(model_name), training, runtime=runtime,
+    r = search(cluster, load_model(model_name), training, runtime=runtime,
                    islands=build_islands(cluster, dtype="fp16"),
-                   options=api.PlannerOptions(max_workers=1, progress=False))
+                   options=PlannerOptions(max_workers=1, progress=False))
     return r, r.plan.planner["compose"]["dp_runs"]  # the DP passes the search ran
 
 

@@ -83,7 +83,7 @@ def _install_third_party(root: Path) -> None:
 
 
 def test_a_third_party_adapter_is_planned_for_and_handed_back_by_the_plan(tmp_path, monkeypatch):
-    from tangram_launch.planner.api import PlannerOptions, make_plan
+    from tangram_launch.planner import PlannerOptions, make_plan
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.worker import WorkerPlan
 

@@ -25,7 +25,7 @@ from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
 from tangram_launch.planner import query_pool as query_pool_mod
-from tangram_launch.planner.api import PlannerOptions, search
+from tangram_launch.planner import PlannerOptions, search
 from tangram_launch.planner.query_pool import QueryPool, QueryWorkerError, answer, worth_workers
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec

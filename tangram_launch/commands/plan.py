@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     check_cli_args(args)  # bad numbers and output paths: exit 2 before any work
     from tangram_launch.islands import build_islands
     from tangram_launch.launch.planning import planning_request
-    from tangram_launch.planner.api import search
+    from tangram_launch.planner.plan_search import search
     from tangram_launch.planner.report import format_compare_table, format_plan_table  # here: --help stays fast
     from tangram_launch.specs.cluster import ClusterSpec
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.checkpoint.store import CheckpointInfo
     from tangram_launch.launch.torchrun import LaunchOptions, TangramOptions
     from tangram_launch.plan import Plan
-    from tangram_launch.planner.api import PlannerOptions
+    from tangram_launch.planner.options import PlannerOptions
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import ModelSpec
     from tangram_launch.specs.training import TrainingSpec
@@ -283,7 +283,7 @@ def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, clu
     attributes take the defaults); when resuming, the checkpoint's plan fills what was not given again."""
     from tangram_launch.capabilities import DEFAULT_RUNTIME, runtime
     from tangram_launch.launch.dtype_choice import launch_dtype_choice
-    from tangram_launch.planner.api import PlannerOptions
+    from tangram_launch.planner.options import PlannerOptions
     from tangram_launch.planner.slices import DEFAULT_BALANCE_TOLERANCE, PruningPolicy
     from tangram_launch.specs.model import ModelSpec, load_model
     from tangram_launch.specs.training import TrainingSpec
@@ -342,7 +342,7 @@ def _registered(name: Any) -> str | None:
 
 def make_launch_plan(cluster: "ClusterSpec", request: PlanningRequest) -> "Plan":
     """The request's plan on ``cluster`` (the planner proposes only what the request's runtime executes)."""
-    from tangram_launch.planner.api import make_plan
+    from tangram_launch.planner.plan_search import make_plan
 
     return make_plan(cluster, request.model, request.training, runtime=request.runtime,
                      parallelizer=request.parallelizer, options=request.options)

@@ -280,7 +280,7 @@ class MegatronParallelizer:
         compute per micro-batch, with the TP / CP / EP communication every stage pays whatever its memory savers
         (slice_floors.time_floors with_comm), over every grid this parallelizer offers for q's island and
         micro-batch size (no recompute, no p2p: floors that every slice plan's stage times are at least). The
-        planner turns them into floors under any plan at one micro-batch size (api._size_floor) and under any
+        planner turns them into floors under any plan at one micro-batch size (size_floors.size_floor) and under any
         pipeline holding a pair (pair_floors.py)."""
         table = self._table(q)
         coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)

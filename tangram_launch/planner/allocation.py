@@ -113,6 +113,7 @@ class LinkModel:
         self._cache: dict[tuple[frozenset, frozenset], float] = {}
         self._stage_cache: dict[tuple, float] = {}
         self._fabrics_of: dict[str, frozenset] | None = None  # node -> indices of its fabrics (_special)
+        self._node_gpus = {n.name: n.num_gpus for n in cluster.nodes}  # (ClusterSpec.node searches the list)
         self._overridden: frozenset = frozenset()
 
     def stage_s(self, shape_a: "StageShape", gpus_a: Sequence[GpuRef], shape_b: "StageShape",
@@ -137,8 +138,8 @@ class LinkModel:
 
     def _floor_s(self, nodes_a: frozenset, nodes_b: frozenset) -> float:
         links = self.pair_links(nodes_a, nodes_b)
-        gpus_a = sum(self.cluster.node(n).num_gpus for n in nodes_a)
-        gpus_b = sum(self.cluster.node(n).num_gpus for n in nodes_b)
+        gpus_a = sum(self._node_gpus[n] for n in nodes_a)
+        gpus_b = sum(self._node_gpus[n] for n in nodes_b)
         shared = nodes_a & nodes_b
         intra = [self.net.intra(n) for n in nodes_a | nodes_b]
         # each byte leaves through some sending GPU's own link and enters through a receiving GPU's

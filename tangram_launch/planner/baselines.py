@@ -30,7 +30,8 @@ from tangram_launch.specs.cluster import GPUSpec, LinkSpec
 from tangram_launch.text import plural
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tangram_launch.planner.api import PlannerOptions, SearchResult
+    from tangram_launch.planner.options import PlannerOptions
+    from tangram_launch.planner.plan_search import SearchResult
     from tangram_launch.specs.cluster import ClusterSpec
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ def one_grid(result: "SearchResult", cluster: "ClusterSpec", options: "PlannerOp
     import dataclasses
 
     from tangram_launch.errors import InfeasibleError
-    from tangram_launch.planner.api import search
+    from tangram_launch.planner.plan_search import search
 
     caps = result.capabilities
     if caps.uniform_grid or (caps.uniform_tp and caps.uniform_dp):

@@ -40,13 +40,13 @@ grid memory floors: slice_floors.memory_floor_bytes, stage_need_terms / _parts
     test:   test_megatron_fast_paths.py::test_memory_floors_are_under_the_heaviest_stages_least_need,
             ::test_answers_with_the_memory_floor_are_the_answers_without
 
-size floor: api.SizeFloor: closed form and score of any plan at one micro-batch size
-    prunes: api (micro-batch sizes skipped)
+size floor: size_floors.SizeFloor: closed form and score of any plan at one micro-batch size
+    prunes: size_search (micro-batch sizes skipped)
     safe:   least compute per layer over every grid and island, spread over all GPUs
     test:   test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size
 
 compute chain: chain_score_floor_s: a score floor, or the layers' least forward + backward seconds if larger
-    prunes: api.SizeFloor.score_s, pair_floors.PairFloors.floor (sizes with few micro-batches)
+    prunes: size_floors.SizeFloor.score_s, pair_floors.PairFloors.floor (sizes with few micro-batches)
     safe:   micro-batch 0 runs every layer's forward and backward in turn, plain 1F1B or every chunk of every
             stage interleaved (interleaved_schedule.interleaved_floor_s)
     test:   test_planner_bounds.py::test_one_micro_batch_chain_is_under_every_schedules_score,
@@ -55,25 +55,25 @@ compute chain: chain_score_floor_s: a score floor, or the layers' least forward 
             test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size
 
 pair floors: pair_floors.PairFloors.floor / beyond
-    prunes: api (queries skipped)
+    prunes: size_search (queries skipped)
     safe:   the pair's GPU-seconds on its island, the rest's on the others' capacity; links at its ends
     test:   test_planner_pair_floors.py::test_pair_floors_are_under_every_pipeline_holding_the_pair,
             ::test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands
 
 class floors: classes.class_floors_s: (m - 1) x P* + F + least tail
-    prunes: api (classes composed most promising first, skipped)
+    prunes: size_composition (classes composed most promising first, skipped)
     safe:   distinct islands' slices must add up to L layers
     test:   test_planner_classes.py::test_class_floor_is_under_every_composition_the_class_admits,
             ::test_class_score_floor_is_under_every_compositions_predicted_floor
 
 cover floors: cover_floors.island_floors_s, promising
-    prunes: api / dropped.py (islands and options left out)
+    prunes: class_composition / dropped.py (islands and options left out)
     safe:   covers of the layers in front and behind, ignoring islands, links, memory
     test:   test_planner_dropped.py::test_island_floor_is_under_every_plan_using_the_island,
             ::test_options_left_out_as_unpromising_change_no_composition
 
 option-set floor: lower_bound: (m - 1) x least cover period + least cover fill
-    prunes: api (option sets tried best first, skipped)
+    prunes: not called by the search (classes.class_floors_s ranks and skips classes)
     safe:   any plan is a cover of [0, L)
     test:   tests/test_planner_bounds.py::test_lower_bound_is_under_every_composition
 

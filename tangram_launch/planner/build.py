@@ -144,6 +144,10 @@ class Candidates:
     parts: list[tuple[int, int, AnswerTemplates]] = field(default_factory=list)
     part_starts: list[int] = field(default_factory=list)  # per part, its pair's first layer
     _gpus: dict = field(default_factory=dict, repr=False)  # option -> its stages' GPUs (stage_gpus)
+    # sequence -> stage_times, boundaries_s: the composer's floors and scores ask for a sequence's several times,
+    # and the island orders meet the same sequences again
+    _times: dict = field(default_factory=dict, repr=False)
+    _boundaries: dict = field(default_factory=dict, repr=False)
 
     def _parts_hold_every_option(self) -> bool:
         """Whether the parts make every option (none was added by hand, manual.py)."""
@@ -185,7 +189,15 @@ class Candidates:
 
     def stage_times(self, seq: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
         """Forward and backward seconds of every stage of a sequence of options, and the one-way p2p seconds at
-        each stage boundary (inside a slice plan its stage times hold the p2p: 0 there)."""
+        each stage boundary (inside a slice plan its stage times hold the p2p: 0 there). Kept per sequence: callers
+        read the lists, never change them."""
+        key = tuple(seq)
+        hit = self._times.get(key)
+        if hit is None:
+            hit = self._times[key] = self._stage_times(key)
+        return hit
+
+    def _stage_times(self, seq: tuple[int, ...]) -> tuple[list[float], list[float], list[float]]:
         fwd: list[float] = []
         bwd: list[float] = []
         p2p: list[float] = []
@@ -204,6 +216,11 @@ class Candidates:
         plans, as a hand-written plan's may, gives each its own, front to back). An option alone on its island gets
         the same GPUs in every sequence: kept per option."""
         taken: dict[str, set] = {}
+        seen: set[str] = set()
+        shared: set[str] = set()  # islands of more than one option: only there do the GPUs taken matter
+        for oi in seq:
+            name = self.islands[self.options[oi].island].name
+            (shared if name in seen else seen).add(name)
         out = []
         for oi in seq:
             isl = self.islands[self.options[oi].island]
@@ -211,20 +228,28 @@ class Candidates:
             hit = self._gpus.get(oi) if not mine else None
             if hit is None:
                 hit = allocate_gpus(isl, [s.shape for s in self.sources[oi][1].stages],
-                                    taken=taken.setdefault(isl.name, set()))
+                                    taken=taken.setdefault(isl.name, set()) if isl.name in shared else None)
                 assert hit is not None, "options are only made for slice plans whose stages fit the island"
                 if not mine:
                     self._gpus[oi] = hit
-            else:
+            elif isl.name in shared:
                 taken.setdefault(isl.name, set()).update(g for stage in hit for g in stage)
             out.append(hit)
         return out
 
     def boundaries_s(self, seq: Sequence[int]) -> list[float]:
         """One-way p2p seconds per micro-batch at each boundary between consecutive options of a sequence: the last
-        stage of one to the first of the next, on their GPUs (LinkModel.stage_s; link_matrix holds a floor)."""
+        stage of one to the first of the next, on their GPUs (LinkModel.stage_s; link_matrix holds a floor). Kept per
+        sequence, like stage_times."""
         if len(seq) < 2:
             return []
+        key = tuple(seq)
+        hit = self._boundaries.get(key)
+        if hit is None:
+            hit = self._boundaries[key] = self._boundaries_s(key)
+        return hit
+
+    def _boundaries_s(self, seq: tuple[int, ...]) -> list[float]:
         gpus = self.stage_gpus(seq)
         out = []
         for n in range(1, len(seq)):

@@ -33,7 +33,9 @@ from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceQuery, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import RECOMPUTE_MODES, Plan
-from tangram_launch.planner.api import PlannerOptions, candidate_sizes, resolve_capabilities, resolve_parallelizer
+from tangram_launch.planner.options import PlannerOptions
+from tangram_launch.planner.plan_search import resolve_capabilities, resolve_parallelizer
+from tangram_launch.planner.size_search import candidate_sizes
 from tangram_launch.planner.build import Candidates, build_plan
 from tangram_launch.planner.compose import Composition, Option, evaluate
 from tangram_launch.planner.query_pool import run_queries

@@ -1,11 +1,11 @@
 """Island orders for compositions with more islands than the exact search takes (bounded, not exact).
 
 The exact composer keeps the set of used islands in its state, so it grows as 2^K. Beyond ``exact_islands`` (and
-where the islands' link classes would leave the exact search more than api.MERGED_EXACT_STATES keys) the planner
-searches pipelines in a fixed island order instead (compose's ``island_order``: polynomial in K, exact for
+where the islands' link classes would leave the exact search more than class_composition.MERGED_EXACT_STATES keys)
+the planner searches pipelines in a fixed island order instead (compose's ``island_order``: polynomial in K, exact for
 that order) over a bounded set of orders:
 
-1. the seed orders the driver passes (by memory per GPU and by speed, both directions: api.island_orders);
+1. the seed orders the driver passes (by memory per GPU and by speed, both directions: island_orders);
 2. one greedy chain per start island that always steps to the island behind the fastest link from the current
    one -- on a topology where a single chain of fast links joins the islands, one of them is that chain;
 3. local search from the best order found: move one island to another position or swap two (about 1.5 K^2
@@ -15,7 +15,12 @@ that order) over a bounded set of orders:
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from tangram_launch.islands import compute_tflops
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.islands import Island
 
 DEFAULT_PASSES = 5
 
@@ -74,3 +79,30 @@ def search_orders(run: Callable[[list[int]], float | None], present: Sequence[in
         if best[0] >= start:
             break
     return (best[1] if best else None), len(seen)
+
+
+def fastest_first(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[int]:
+    """``present`` by peak TFLOPS in ``dtype``, fastest first (ties: more memory per GPU, then index)."""
+    return sorted(present, key=lambda k: (-compute_tflops(islands[k].gpu, dtype), -islands[k].gpu.memory_gib, k))
+
+
+def island_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
+    """Pipeline orders tried when there are too many islands for the exact search: most memory per GPU first
+    (early stages hold the most in-flight activations under 1F1B), fastest first, slowest first, and least
+    memory first; each is searched exactly."""
+
+    def mem(k: int) -> float:
+        return islands[k].gpu.memory_gib
+
+    def speed(k: int) -> float:
+        return compute_tflops(islands[k].gpu, dtype)
+
+    candidates = [sorted(present, key=lambda k: (-mem(k), -speed(k), k)),
+                  fastest_first(islands, present, dtype),
+                  sorted(present, key=lambda k: (speed(k), -mem(k), k)),
+                  sorted(present, key=lambda k: (mem(k), -speed(k), k))]
+    out: list[list[int]] = []
+    for o in candidates:
+        if o not in out:
+            out.append(o)
+    return out

@@ -1,0 +1,245 @@
+"""The loop over micro-batch sizes (try_microbatches): the sizes a search considers (every divisor of the global
+batch, or those asked for: candidate_sizes), visited most promising first, each skipped where its floor
+(size_floors.py) cannot beat the best plan so far; per size, rounds of slice queries (_ask, with the bounds a
+pair's pipelines must beat; seed pipelines first: _seed_pairs) each followed by composing the size's answers so far
+(size_composition.compose_size)."""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from tangram_launch.capabilities import RuntimeCapabilities
+from tangram_launch.errors import SpecError
+from tangram_launch.parallelizers.base import SliceQuery, SliceResult
+from tangram_launch.planner.compose import ComposeStats
+from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
+from tangram_launch.planner.options import PlannerOptions
+from tangram_launch.planner.orders import fastest_first, island_orders
+from tangram_launch.planner.pair_floors import PairFloors
+from tangram_launch.planner.query_pool import QueryPool
+from tangram_launch.planner.size_composition import SizeMemo, compose_size, size_links
+from tangram_launch.planner.size_floors import SizeFloor, front_s, least_links_at, outside_s, score_extra_s, size_floor
+from tangram_launch.planner.slices import Pair, PairSet
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.islands import Island
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import ModelSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+
+# while only single-island plans bound the search, this share of a size's pairs (the lowest pair floors) is asked
+# and composed first (megatron): its plan lets most of the others go unasked (figures: benchmarks/README.md)
+FIRST_ROUND_SHARE = 0.25
+
+
+def divisors(global_batch: int) -> tuple[int, ...]:
+    """Every divisor of the global batch, ascending: the micro-batch sizes the search considers by default."""
+    small = [d for d in range(1, math.isqrt(global_batch) + 1) if global_batch % d == 0]
+    return tuple(sorted({*small, *(global_batch // d for d in small)}))
+
+
+def microbatch_choices(global_batch: int, limit: int) -> tuple[int, ...]:
+    """Divisors of the global batch; when more than ``limit``, a spread from smallest to largest (log-spaced).
+    Not the search's default (that is every divisor); kept for benchmarks and tests that compare against it."""
+    divs = list(divisors(global_batch))
+    if len(divs) <= limit:
+        return tuple(divs)
+    if limit == 1:
+        return (divs[0],)
+    picks = sorted({divs[round(i * (len(divs) - 1) / (limit - 1))] for i in range(limit)})
+    return tuple(picks)
+
+
+def candidate_sizes(global_batch: int, asked: Sequence[int] | None) -> tuple[int, ...]:
+    """The micro-batch sizes a search considers: ``asked`` (each must divide the global batch), else every divisor.
+    The search visits them most promising first and skips a size only where a floor under every plan at that size
+    cannot beat the best plan found (SizeFloor.beyond), so its plan is the best over all of them."""
+    if not asked:
+        return divisors(global_batch)
+    bad = [b for b in asked if global_batch % b]
+    if bad:
+        raise SpecError(f"must divide the global batch {global_batch}", field="microbatch_sequences",
+                        value=bad[0], valid=", ".join(str(d) for d in divisors(global_batch)))
+    return tuple(asked)
+
+
+def try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, counters: dict,
+                     cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
+                     pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool,
+                     opts: PlannerOptions, memo: "SizeMemo | None" = None):
+    """Query and compose the micro-batch sizes ``bs``; returns the best plan so far (Incumbent).
+
+    Branch and bound over the queries: (1) every b's single-island pairs (the whole model on one island: few
+    queries, bounded by earlier rounds' best) are composed first, which gives an incumbent and an order of the
+    sizes; (2) size by size, most promising first, the other pairs are asked with the closed-form latency to beat
+    as their bound (SliceQuery.latency_bound_s): a slice plan whose own (m - 1) x bottleneck + stage times + tail
+    exceeds it is part of no pipeline the composer would still consider, so the parallelizer skips it (the
+    closed-form optimum, and so the plans scored against it, are those of the full search).
+    """
+    L = model.num_layers
+    whole = [p for p in pairset.queries if p.layers == (0, L)]
+    rest = [p for p in pairset.queries if p.layers != (0, L)]
+    bnb = opts.branch_and_bound
+    present = sorted({p.island for p in pairset.pairs})  # the islands a pipeline can use
+    floors = {b: size_floor(b, model=model, training=training, islands=islands, caps=caps,
+                            par=pool.parallelizer if bnb else None,
+                            links=least_links_at(size_links(b, cluster, model, training, islands, memo), present))
+              for b in bs}
+
+    def bound() -> tuple[float, float]:
+        """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
+        if not bnb or best is None:
+            return math.inf, math.inf
+        return cstats.threshold_s(best.latency_s, opts.score_band), best.latency_s
+
+    def visit(b: int, pairs: Sequence[Pair], use_incumbent: bool) -> float | None:
+        """Ask size b's ``pairs`` and compose all of b's answers so far; b's own best, None if b was skipped."""
+        nonlocal best
+        if floors[b].beyond(*bound()):
+            counters["sizes_skipped"] += 1
+            return None
+        _ask(b, pairs, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
+             caps=caps, pool=pool)
+        best, own_s = compose_size(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
+                                 training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
+                                 use_incumbent=use_incumbent, memo=memo)
+        return own_s
+
+    first: list[tuple[float, float, int]] = []
+    for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # most promising first: its plan bounds the rest
+        results.setdefault(b, {})
+        own_s = visit(b, whole, use_incumbent=False)  # each size's own single-island latency orders the sizes below
+        if own_s is not None:
+            first.append((own_s, floors[b].latency_s, b))
+    # above exact_islands a class's composition is a search over island sets or orders costing seconds, and the
+    # first round's would be done again whole: there the queries the split saves cost less than that (the same
+    # plans either way)
+    split = len({p.island for p in rest}) <= opts.exact_islands
+    for _own, _floor, b in sorted(first) if rest else ():
+        left = rest
+        if bnb and floors[b].pairs is not None and (best is None or len(best.composition.options) == 1):
+            # while only single-island plans bound the search: first a few pipelines over the fastest islands, each
+            # island's layers in proportion to its speed (_seed_pairs: a plan near the best one, whose bound makes
+            # the next round's queries cheaper and their options fewer), then (up to exact_islands islands) the
+            # size's most promising quarter of pairs (by their floors), whose plan bounds the rest, most of which
+            # then need no query
+            pf = floors[b].pairs
+            seed = _seed_pairs(rest, pairset.pairs, pf, _seed_orders(islands, sorted(pf.own), training.dtype), L)
+            if seed:
+                visit(b, seed, use_incumbent=True)
+                taken = set(seed)
+                left = [p for p in rest if p not in taken]
+            if split:
+                ranked = sorted(range(len(left)), key=lambda i: (pf.floor(left[i].island, *left[i].layers)[0], i))
+                head = set(ranked[:max(1, int(len(rest) * FIRST_ROUND_SHARE) - len(seed))])
+                visit(b, [p for i, p in enumerate(left) if i in head], use_incumbent=True)
+                left = [p for i, p in enumerate(left) if i not in head]
+        visit(b, left, use_incumbent=True)
+    return best
+
+
+def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
+    """The island orders of the seed round: island_orders over the fastest k islands, for every k from 2. A plan
+    over every island pays the bubble of all their stages, and the best plan often leaves the slow islands out,
+    which only a seed over the fast ones comes near."""
+    fast = fastest_first(islands, present, dtype)
+    out: list[list[int]] = []
+    for k in range(2, len(fast) + 1):
+        for order in island_orders(islands, fast[:k], dtype):
+            if order not in out:
+                out.append(order)
+    return out
+
+
+def _seed_pairs(queries: Sequence[Pair], pairs: Sequence[Pair], floors: PairFloors,
+                orders: Sequence[Sequence[int]], num_layers: int) -> list[Pair]:
+    """The queries (redundancy representatives) of _seed_chains' pipelines. A seed for the branch and bound: such
+    a plan is often close to the best one, so the rounds after it ask with a tighter bound (a few queries, after
+    which the next round keeps fewer options)."""
+    rep = {q.key: q for q in queries}
+    out: dict[Pair, None] = {}
+    for chain in _seed_chains(pairs, floors, orders, num_layers):
+        if all(p.key in rep for p in chain):
+            out.update(dict.fromkeys(rep[p.key] for p in chain))
+    return list(out)
+
+
+def _seed_chains(pairs: Sequence[Pair], floors: PairFloors, orders: Sequence[Sequence[int]],
+                 num_layers: int) -> list[list[Pair]]:
+    """Per order of ``orders`` (island indices, front to back), a pipeline of ``pairs`` over its islands with
+    floors, front to back, each island's layers in proportion to its GPUs over its GPU-seconds floor per layer:
+    the kept pair whose stop is nearest that share, leaving a layer for each island behind. An order for which the
+    pruning left no such chain has none."""
+    L = num_layers
+    at: dict[tuple[int, int], list[int]] = {}  # (island, start) -> stops of kept pairs
+    for p in pairs:
+        at.setdefault((p.island, p.layers[0]), []).append(p.layers[1])
+    place = {(p.island, *p.layers): p for p in pairs}
+    out: list[list[Pair]] = []
+    for order in orders:
+        ks = [k for k in order if k in floors.own]
+        if len(ks) < 2:
+            continue
+        rate = [floors.gpus[k] / max(floors.own[k][0][-1], 1e-30) for k in ks]  # layers per second, relatively
+        total, acc, start, chain = sum(rate), 0.0, 0, []
+        for i, k in enumerate(ks):
+            acc += rate[i]
+            stops = [t for t in at.get((k, start), ()) if t <= L - (len(ks) - 1 - i)]  # room for the others
+            if i == len(ks) - 1:
+                stops = [t for t in stops if t == L]
+            if not stops:
+                break
+            want = L * acc / total
+            stop = min(stops, key=lambda t: (abs(t - want), t))
+            chain.append(place[k, start, stop])
+            start = stop
+        if start == L:
+            out.append(chain)
+    return out
+
+
+def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor, results: dict,
+         counters: dict, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
+         caps: RuntimeCapabilities, pool: QueryPool) -> None:
+    """Query every pair at size b (``floor``: b's SizeFloor, with its links) in the search's pool; answers go to
+    results[b][pair.key]. A pair's query carries the
+    closed-form bound less the least fill the rest of any pipeline holding it adds (outside_s), and the best
+    predicted iteration less score_extra_s, per number of layers its plan's least stage may have
+    (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front)."""
+    L = model.num_layers
+    queries: list[SliceQuery] = []
+    where: list[Pair] = []
+    into, out_of = floor.links
+    for p in pairs:
+        if floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s):
+            # part of no pipeline that could beat the bounds: answered "bounded" without a query
+            results[b][p.key] = _merge(results[b].get(p.key), SliceResult((*p.key, b), (), None, bounded=1))
+            counters["pairs_skipped"] += 1
+            continue
+        outside = outside_s(floor, p, into, out_of, L)
+        front = front_s(floor, p, into)
+        n = p.layers[1] - p.layers[0]
+        queries.append(SliceQuery(model=model, training=training, layers=p.layers, island=islands[p.island],
+                                  microbatch_sequences=b, capabilities=caps, max_stages=caps.max_stages,
+                                  pipelined=p.layers != (0, L), latency_bound_s=bound_s - outside,
+                                  score_bound_s=score_s - score_extra_s(front, outside, n),
+                                  score_bounds_s=tuple(score_s - score_extra_s(front, outside, i)
+                                                       for i in range(min(n, MAX_VIRTUAL_STAGES)))))
+        where.append(p)
+    if not queries:
+        return
+    t_q = time.perf_counter()
+    answers = pool.run(queries)
+    counters["query_s"] += time.perf_counter() - t_q
+    counters["queries"] += len(queries)
+    for p, r in zip(where, answers):
+        results[b][p.key] = _merge(results[b].get(p.key), r)
+    counters["configs"] += sum(r.configs_evaluated for r in answers)
+    counters["bounded"] += sum(r.bounded for r in answers)
+
+
+def _merge(old: SliceResult | None, new: SliceResult) -> SliceResult:
+    """Without redundancy pruning several pairs share a key; their plans are the same up to a shift, keep one."""
+    return new if old is None or (not old.plans and new.plans) else old
