@@ -38,7 +38,7 @@ from tangram_launch.planner.gc_pause import no_collections
 from tangram_launch.planner.options import PlannerOptions
 from tangram_launch.planner.query_pool import QueryPool, default_workers
 from tangram_launch.planner.reasons import idle_gpus, infeasible_reasons, usable_islands
-from tangram_launch.planner.size_composition import Incumbent, SizeMemo
+from tangram_launch.planner.size_composition import SearchContext, SearchState
 from tangram_launch.planner.size_search import candidate_sizes, try_microbatches
 from tangram_launch.planner.slices import ModelAtoms, PairSet, auto_atom_layers, build_pairs
 
@@ -129,18 +129,13 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
 
     bs = candidate_sizes(G, opts.microbatch_sequences)
 
-    results: dict[int, dict[tuple, SliceResult]] = {}
-    all_cands: dict[int, Candidates] = {}
-    memo = SizeMemo()
-    cstats = ComposeStats()
-    best: Incumbent | None = None
-    counters = {"queries": 0, "configs": 0, "bounded": 0, "sizes_skipped": 0, "pairs_skipped": 0, "query_s": 0.0,
-                "compose_s": 0.0}
+    state = SearchState()
     tried = list(bs)
-    best = try_microbatches(bs, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                            training=training, pairset=pairset, islands=all_islands, caps=caps, pool=pool,
-                            opts=opts, memo=memo)
+    try_microbatches(bs, SearchContext(cluster=cluster, model=model, training=training, pairset=pairset,
+                                       islands=all_islands, caps=caps, opts=opts, pool=pool), state)
     t_c = time.perf_counter()
+    best, all_cands, counters, cstats, results = state.best, state.all_cands, state.counters, state.cstats, \
+        state.results
     if best is None:
         raise InfeasibleError("no feasible plan", infeasible_reasons(all_cands, pairset, reasons, caps))
     b_best, group_best, comp_best, cand = best.b, best.group, best.composition, best.candidates

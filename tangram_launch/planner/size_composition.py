@@ -23,6 +23,7 @@ from tangram_launch.planner.twin_classes import TwinClasses
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.islands import Island
+    from tangram_launch.planner.query_pool import QueryPool
     from tangram_launch.specs.cluster import ClusterSpec
     from tangram_launch.specs.model import ModelSpec
     from tangram_launch.specs.training import TrainingSpec
@@ -54,6 +55,40 @@ class SizeMemo:
     links: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SearchContext:
+    """What a search holds fixed across its micro-batch sizes and rounds: its inputs, the slice/island pairs, the
+    islands, the runtime's capabilities, the options and the pool that answers slice queries."""
+
+    cluster: "ClusterSpec"
+    model: "ModelSpec"
+    training: "TrainingSpec"
+    pairset: PairSet
+    islands: Sequence["Island"]
+    caps: RuntimeCapabilities
+    opts: PlannerOptions
+    pool: "QueryPool"
+
+
+def _counters() -> dict:
+    return {"queries": 0, "configs": 0, "bounded": 0, "sizes_skipped": 0, "pairs_skipped": 0, "query_s": 0.0,
+            "compose_s": 0.0}
+
+
+@dataclass
+class SearchState:
+    """What a search accumulates round by round: the answers per size (b -> pair key -> SliceResult), the options
+    per size (Candidates), the counters the plan reports, the composer's statistics, what earlier rounds left
+    (SizeMemo), and the best plan so far."""
+
+    results: dict = field(default_factory=dict)
+    all_cands: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=_counters)
+    cstats: ComposeStats = field(default_factory=ComposeStats)
+    memo: SizeMemo = field(default_factory=SizeMemo)
+    best: Incumbent | None = None
+
+
 def size_links(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
                islands: Sequence["Island"], memo: "SizeMemo | None") -> LinkModel:
     """The p2p model of micro-batch size b's activations (one per size and search where ``memo`` keeps it: its
@@ -67,24 +102,23 @@ def size_links(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "Tr
     return hit
 
 
-def compose_size(b: int, best, results: dict, all_cands: dict, counters: dict, cstats: ComposeStats, *,
-               cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", pairset: PairSet,
-               islands: Sequence["Island"], caps: RuntimeCapabilities, opts: PlannerOptions,
-               use_incumbent: bool = True, memo: "SizeMemo | None" = None):
+def compose_size(b: int, ctx: SearchContext, state: SearchState, *, use_incumbent: bool = True) -> float:
     """Options of size b from its answers so far, composed per compatibility class (the most promising class
-    first, hopeless ones skipped); returns the best plan so far (Incumbent) and the best latency composed at b
-    itself (inf if none).
+    first, hopeless ones skipped); the best plan so far (Incumbent) goes to ``state.best``; returns the best latency
+    composed at b itself (inf if none).
 
-    ``memo`` (SizeMemo) carries what earlier rounds at b did: answers judged once, and per class the options and
+    ``state.memo`` (SizeMemo) carries what earlier rounds at b did: answers judged once, and per class the options and
     bounds it was last composed with. Under bounds no looser, a class is composed again only if one of its options
     that could be in a plan beating them is new (compose_group's ``searched``): that earlier composition's plan
     already counts in the best plan. A round that left b's options as they were, under bounds no looser than at the
     end of its last round, ranks no class at all (SizeMemo.rounds)."""
     t_c = time.perf_counter()
+    model, training, islands, caps, opts = ctx.model, ctx.training, ctx.islands, ctx.caps, ctx.opts
+    best, all_cands, counters, cstats, memo = state.best, state.all_cands, state.counters, state.cstats, state.memo
     L = model.num_layers
     m = training.global_batch // b
-    links = size_links(b, cluster, model, training, islands, memo)
-    cand = make_candidates(b, L, pairset.pairs, results[b], islands, caps, links, m, dtype=training.dtype,
+    links = size_links(b, ctx.cluster, model, training, islands, memo)
+    cand = make_candidates(b, L, ctx.pairset.pairs, state.results[b], islands, caps, links, m, dtype=training.dtype,
                            training=training, judged=memo.judged.setdefault(b, {}) if memo is not None else None)
     all_cands[b] = cand
     if best is not None and best.b == b and best.candidates is not cand:
@@ -95,7 +129,8 @@ def compose_size(b: int, best, results: dict, all_cands: dict, counters: dict, c
         threshold = cstats.threshold_s(best.latency_s, opts.score_band)
         if threshold <= last[1] and best.latency_s <= last[2]:
             counters["compose_s"] += time.perf_counter() - t_c
-            return best, own_s
+            state.best = best
+            return own_s
     classes = cand.class_members()
     floors, score_floors, interleave_only = _class_floors(
         cand, classes, _answer_minima(cand, memo.minima.setdefault(b, {}) if memo is not None else {}), L, m, caps,
@@ -140,7 +175,8 @@ def compose_size(b: int, best, results: dict, all_cands: dict, counters: dict, c
         memo.rounds[b] = (cand.options, cstats.threshold_s(best.latency_s, opts.score_band), best.latency_s,
                           cand.groups)
     counters["compose_s"] += time.perf_counter() - t_c
-    return best, own_s
+    state.best = best
+    return own_s
 
 
 def _answer_minima(cand: Candidates, kept: dict) -> list:

@@ -9,24 +9,17 @@ import math
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.errors import SpecError
 from tangram_launch.parallelizers.base import SliceQuery, SliceResult
-from tangram_launch.planner.compose import ComposeStats
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
-from tangram_launch.planner.options import PlannerOptions
 from tangram_launch.planner.orders import fastest_first, island_orders
 from tangram_launch.planner.pair_floors import PairFloors
-from tangram_launch.planner.query_pool import QueryPool
-from tangram_launch.planner.size_composition import SizeMemo, compose_size, size_links
+from tangram_launch.planner.size_composition import SearchContext, SearchState, compose_size, size_links
 from tangram_launch.planner.size_floors import SizeFloor, front_s, least_links_at, outside_s, score_extra_s, size_floor
-from tangram_launch.planner.slices import Pair, PairSet
+from tangram_launch.planner.slices import Pair
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.islands import Island
-    from tangram_launch.specs.cluster import ClusterSpec
-    from tangram_launch.specs.model import ModelSpec
-    from tangram_launch.specs.training import TrainingSpec
 
 
 # while only single-island plans bound the search, this share of a size's pairs (the lowest pair floors) is asked
@@ -65,11 +58,8 @@ def candidate_sizes(global_batch: int, asked: Sequence[int] | None) -> tuple[int
     return tuple(asked)
 
 
-def try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, counters: dict,
-                     cstats: ComposeStats, *, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
-                     pairset: PairSet, islands: Sequence["Island"], caps: RuntimeCapabilities, pool: QueryPool,
-                     opts: PlannerOptions, memo: "SizeMemo | None" = None):
-    """Query and compose the micro-batch sizes ``bs``; returns the best plan so far (Incumbent).
+def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) -> None:
+    """Query and compose the micro-batch sizes ``bs``; the best plan so far (Incumbent) is ``state.best``.
 
     Branch and bound over the queries: (1) every b's single-island pairs (the whole model on one island: few
     queries, bounded by earlier rounds' best) are composed first, which gives an incumbent and an order of the
@@ -78,39 +68,21 @@ def try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, co
     exceeds it is part of no pipeline the composer would still consider, so the parallelizer skips it (the
     closed-form optimum, and so the plans scored against it, are those of the full search).
     """
+    model, opts, pairset = ctx.model, ctx.opts, ctx.pairset
     L = model.num_layers
     whole = [p for p in pairset.queries if p.layers == (0, L)]
     rest = [p for p in pairset.queries if p.layers != (0, L)]
     bnb = opts.branch_and_bound
     present = sorted({p.island for p in pairset.pairs})  # the islands a pipeline can use
-    floors = {b: size_floor(b, model=model, training=training, islands=islands, caps=caps,
-                            par=pool.parallelizer if bnb else None,
-                            links=least_links_at(size_links(b, cluster, model, training, islands, memo), present))
+    floors = {b: size_floor(b, model=model, training=ctx.training, islands=ctx.islands, caps=ctx.caps,
+                            par=ctx.pool.parallelizer if bnb else None,
+                            links=least_links_at(size_links(b, ctx.cluster, model, ctx.training, ctx.islands,
+                                                            state.memo), present))
               for b in bs}
-
-    def bound() -> tuple[float, float]:
-        """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
-        if not bnb or best is None:
-            return math.inf, math.inf
-        return cstats.threshold_s(best.latency_s, opts.score_band), best.latency_s
-
-    def visit(b: int, pairs: Sequence[Pair], use_incumbent: bool) -> float | None:
-        """Ask size b's ``pairs`` and compose all of b's answers so far; b's own best, None if b was skipped."""
-        nonlocal best
-        if floors[b].beyond(*bound()):
-            counters["sizes_skipped"] += 1
-            return None
-        _ask(b, pairs, *bound(), floors[b], results, counters, model=model, training=training, islands=islands,
-             caps=caps, pool=pool)
-        best, own_s = compose_size(b, best, results, all_cands, counters, cstats, cluster=cluster, model=model,
-                                 training=training, pairset=pairset, islands=islands, caps=caps, opts=opts,
-                                 use_incumbent=use_incumbent, memo=memo)
-        return own_s
-
     first: list[tuple[float, float, int]] = []
     for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # most promising first: its plan bounds the rest
-        results.setdefault(b, {})
-        own_s = visit(b, whole, use_incumbent=False)  # each size's own single-island latency orders the sizes below
+        state.results.setdefault(b, {})
+        own_s = _visit(b, whole, floors[b], ctx, state, use_incumbent=False)  # orders the sizes below
         if own_s is not None:
             first.append((own_s, floors[b].latency_s, b))
     # above exact_islands a class's composition is a search over island sets or orders costing seconds, and the
@@ -119,6 +91,7 @@ def try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, co
     split = len({p.island for p in rest}) <= opts.exact_islands
     for _own, _floor, b in sorted(first) if rest else ():
         left = rest
+        best = state.best
         if bnb and floors[b].pairs is not None and (best is None or len(best.composition.options) == 1):
             # while only single-island plans bound the search: first a few pipelines over the fastest islands, each
             # island's layers in proportion to its speed (_seed_pairs: a plan near the best one, whose bound makes
@@ -126,18 +99,36 @@ def try_microbatches(bs: Sequence[int], best, results: dict, all_cands: dict, co
             # size's most promising quarter of pairs (by their floors), whose plan bounds the rest, most of which
             # then need no query
             pf = floors[b].pairs
-            seed = _seed_pairs(rest, pairset.pairs, pf, _seed_orders(islands, sorted(pf.own), training.dtype), L)
+            seed = _seed_pairs(rest, pairset.pairs, pf, _seed_orders(ctx.islands, sorted(pf.own), ctx.training.dtype),
+                               L)
             if seed:
-                visit(b, seed, use_incumbent=True)
+                _visit(b, seed, floors[b], ctx, state, use_incumbent=True)
                 taken = set(seed)
                 left = [p for p in rest if p not in taken]
             if split:
                 ranked = sorted(range(len(left)), key=lambda i: (pf.floor(left[i].island, *left[i].layers)[0], i))
                 head = set(ranked[:max(1, int(len(rest) * FIRST_ROUND_SHARE) - len(seed))])
-                visit(b, [p for i, p in enumerate(left) if i in head], use_incumbent=True)
+                _visit(b, [p for i, p in enumerate(left) if i in head], floors[b], ctx, state, use_incumbent=True)
                 left = [p for i, p in enumerate(left) if i not in head]
-        visit(b, left, use_incumbent=True)
-    return best
+        _visit(b, left, floors[b], ctx, state, use_incumbent=True)
+
+
+def _bounds(ctx: SearchContext, state: SearchState) -> tuple[float, float]:
+    """(closed form to beat: compose.ComposeStats.threshold_s, best predicted iteration); inf without B&B."""
+    best = state.best
+    if not ctx.opts.branch_and_bound or best is None:
+        return math.inf, math.inf
+    return state.cstats.threshold_s(best.latency_s, ctx.opts.score_band), best.latency_s
+
+
+def _visit(b: int, pairs: Sequence[Pair], floor: SizeFloor, ctx: SearchContext, state: SearchState, *,
+           use_incumbent: bool) -> float | None:
+    """Ask size b's ``pairs`` and compose all of b's answers so far; b's own best, None if b was skipped."""
+    if floor.beyond(*_bounds(ctx, state)):
+        state.counters["sizes_skipped"] += 1
+        return None
+    _ask(b, pairs, *_bounds(ctx, state), floor, ctx, state)
+    return compose_size(b, ctx, state, use_incumbent=use_incumbent)
 
 
 def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
@@ -200,14 +191,15 @@ def _seed_chains(pairs: Sequence[Pair], floors: PairFloors, orders: Sequence[Seq
     return out
 
 
-def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor, results: dict,
-         counters: dict, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
-         caps: RuntimeCapabilities, pool: QueryPool) -> None:
+def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor, ctx: SearchContext,
+         state: SearchState) -> None:
     """Query every pair at size b (``floor``: b's SizeFloor, with its links) in the search's pool; answers go to
     results[b][pair.key]. A pair's query carries the
     closed-form bound less the least fill the rest of any pipeline holding it adds (outside_s), and the best
     predicted iteration less score_extra_s, per number of layers its plan's least stage may have
     (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front)."""
+    model, training, islands, caps = ctx.model, ctx.training, ctx.islands, ctx.caps
+    results, counters = state.results, state.counters
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[Pair] = []
@@ -231,7 +223,7 @@ def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: S
     if not queries:
         return
     t_q = time.perf_counter()
-    answers = pool.run(queries)
+    answers = ctx.pool.run(queries)
     counters["query_s"] += time.perf_counter() - t_q
     counters["queries"] += len(queries)
     for p, r in zip(where, answers):
