@@ -38,7 +38,7 @@ from tangram_launch.planner.gc_pause import no_collections
 from tangram_launch.planner.options import PlannerOptions
 from tangram_launch.planner.query_pool import QueryPool, default_workers
 from tangram_launch.planner.reasons import idle_gpus, infeasible_reasons, usable_islands
-from tangram_launch.planner.size_composition import SearchContext, SearchState
+from tangram_launch.planner.size_composition import SearchContext, SearchState, SizeMemo
 from tangram_launch.planner.size_search import candidate_sizes, try_microbatches
 from tangram_launch.planner.slices import ModelAtoms, PairSet, auto_atom_layers, build_pairs
 
@@ -129,7 +129,7 @@ def _search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec"
 
     bs = candidate_sizes(G, opts.microbatch_sequences)
 
-    state = SearchState()
+    state = SearchState(memo=SizeMemo())
     tried = list(bs)
     try_microbatches(bs, SearchContext(cluster=cluster, model=model, training=training, pairset=pairset,
                                        islands=all_islands, caps=caps, opts=opts, pool=pool), state)

@@ -85,7 +85,7 @@ class SearchState:
     all_cands: dict = field(default_factory=dict)
     counters: dict = field(default_factory=_counters)
     cstats: ComposeStats = field(default_factory=ComposeStats)
-    memo: SizeMemo = field(default_factory=SizeMemo)
+    memo: SizeMemo | None = field(default_factory=SizeMemo)  # None: every round composes anew
     best: Incumbent | None = None
 
 
