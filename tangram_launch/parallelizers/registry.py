@@ -33,7 +33,7 @@ BUILTIN = {
 
 def _entry_points() -> dict[str, "metadata.EntryPoint"]:
     # imported here: a built-in name needs no packaging metadata (importlib.metadata and the email package it loads
-    # cost a planning run 15-20 ms of CPU; C3's 20 GPUs plan in about a second)
+    # are a noticeable share of a small planning run's CPU)
     from importlib import metadata
 
     return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
