@@ -147,11 +147,12 @@ def test_the_closed_form_is_no_floor_of_the_simulation_nor_a_ceiling():
     assert sim > pipeline_latency_s(m, 3.0, 6.0 + 2.0, 0.0, v)
 
 
-def _every_v(fwd, bwd, p2p, m, tail, most, beat) -> ScheduleChoice | None:
-    """The reference: every v simulated, the least below ``beat`` (the smaller v on ties)."""
+def _every_v(fwd, bwd, p2p, m, tail, most, beat, floor_only: bool = False) -> ScheduleChoice | None:
+    """The reference: every v simulated (``floor_only``: every v's floor), the least below ``beat`` (the smaller v
+    on ties)."""
     best = None
     for v in range(2, most + 1):
-        t = simulated_interleaved_1f1b_s(fwd, bwd, p2p, m, v) + tail
+        t = (interleaved_floor_s if floor_only else simulated_interleaved_1f1b_s)(fwd, bwd, p2p, m, v) + tail
         if t < beat and (best is None or t < best.latency_s):
             best = ScheduleChoice(v, t)
     return best
@@ -167,6 +168,21 @@ def test_choosing_v_by_floors_picks_what_simulating_every_v_picks(case, tail, be
     exact = _every_v(fwd, bwd, p2p, m, tail, most, beat)
     if exact is not None:  # the floor-only answer is under the real one
         assert floor is not None and floor.latency_s <= exact.latency_s
+
+
+@settings(max_examples=150, deadline=None)
+@given(pipelines(most_v=8), st.floats(0.0, 2.0), st.one_of(st.just(math.inf), st.floats(0.0, 80.0)),
+       st.booleans())
+def test_the_floor_order_changes_no_answer_even_on_ties(case, tail, beat, equal):
+    """fastest_virtual_stages visits the v by their floors: the same answer as every v in turn, floor-only too,
+    also where stages are equal (floors and simulations of several v then tie)."""
+    fwd, bwd, p2p, m, most = case
+    if equal:
+        fwd, bwd, p2p = [1.0] * len(fwd), [2.0] * len(fwd), [0.0] * len(p2p)
+    assert fastest_virtual_stages(fwd, bwd, p2p, m, tail, most, beat_s=beat) == \
+        _every_v(fwd, bwd, p2p, m, tail, most, beat)
+    assert fastest_virtual_stages(fwd, bwd, p2p, m, tail, most, beat_s=beat, floor_only=True) == \
+        _every_v(fwd, bwd, p2p, m, tail, most, beat, floor_only=True)
 
 
 def test_a_uniform_plain_plan_beaten_by_interleaving_only_where_the_simulation_says():

@@ -31,6 +31,7 @@ from tangram_launch.costmodel.blocks import ChunkBlock
 _ORDER_MAX_OPS = 40_000  # orders of longer schedules are made again per call (a kept order costs ~150 bytes an op)
 # the floor sums each rank's time in another order than the simulation's chunk by chunk: keep it strictly under
 FLOOR_ROUNDING = 1e-9
+_SIMULATIONS_KEPT = 256  # simulations kept by their stage times' values (a key holds 3 S floats)
 
 
 def _rank_order(k: int, S: int, m: int, v: int) -> list[tuple[bool, int]]:
@@ -131,7 +132,15 @@ def simulate_interleaved_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2
 def simulated_interleaved_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float], m: int,
                                  v: int) -> float:
     """When the last op of :func:`simulate_interleaved_1f1b`'s schedule ends: the same sweep and float operations,
-    without building the blocks (the planner simulates the candidates it ranks)."""
+    without building the blocks (the planner simulates the candidates it ranks). Kept by value (_simulated_s)."""
+    return _simulated_s(tuple(map(float, fwd_s)), tuple(map(float, bwd_s)), tuple(map(float, p2p_s)), m, v)
+
+
+@functools.lru_cache(maxsize=_SIMULATIONS_KEPT)
+def _simulated_s(fwd_s: tuple[float, ...], bwd_s: tuple[float, ...], p2p_s: tuple[float, ...], m: int,
+                 v: int) -> float:
+    """simulated_interleaved_1f1b_s by the stage times' values: the composer scores a pipeline again in a later
+    round of answers and build_plan once more, each time with new lists of the same numbers."""
     return _run(fwd_s, bwd_s, p2p_s, m, v, None)
 
 

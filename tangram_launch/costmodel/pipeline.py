@@ -41,7 +41,7 @@ from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_
 from tangram_launch.costmodel.slice_plan import StageCost
 from tangram_launch.specs.constants import SCHEDULES  # noqa: F401 (re-exported)
 
-
+_SIMULATIONS_KEPT = 256  # simulations kept by their stage times' values (a key holds 3 S floats)
 
 
 def pipeline_latency_s(num_microbatches: int, period_s: float, fill_s: float, tail_s: float,
@@ -112,7 +112,15 @@ def simulated_1f1b_s(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequ
     link), so its end is fixed by the dependency graph, whatever order the ops are taken in as long as each comes
     after what it waits for: here in the order _order_1f1b gives from the schedule's shape alone, one pass and the
     same float operations, without _run_1f1b's rounds of readiness checks (the planner simulates hundreds of
-    candidate pipelines); from _LEVELS_MIN_STAGES stages on, that order's levels at once (_levels_1f1b)."""
+    candidate pipelines); from _LEVELS_MIN_STAGES stages on, that order's levels at once (_levels_1f1b). Kept by
+    the stage times' values: the composer scores a pipeline again in later rounds, and build_plan once more."""
+    return _simulated_1f1b_s(tuple(map(float, fwd_s)), tuple(map(float, bwd_s)), tuple(map(float, p2p_s)), m)
+
+
+@functools.lru_cache(maxsize=_SIMULATIONS_KEPT)
+def _simulated_1f1b_s(fwd_s: tuple[float, ...], bwd_s: tuple[float, ...], p2p_s: tuple[float, ...],
+                      m: int) -> float:
+    """simulated_1f1b_s by value."""
     S = len(fwd_s)
     if not S:
         return 0.0

@@ -105,18 +105,24 @@ def fastest_virtual_stages(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s
                            tail_s: float, most: int, *, beat_s: float = math.inf,
                            floor_only: bool = False) -> ScheduleChoice | None:
     """The v in 2 .. ``most`` whose interleaved simulation + ``tail_s`` is least (the smaller v on ties), if it
-    is less than ``beat_s``; None if none is. Each v is simulated only while its floor (interleaved_floor_s) is
-    less than both ``beat_s`` and the best v so far, else its simulation could not win: the answer is the one
-    simulating every v gives. With ``floor_only`` a v's floor stands for its simulation (none is run): the
-    answer's latency is then a floor under the real answer's, or under ``beat_s``."""
+    is less than ``beat_s``; None if none is. The v are taken in the order of their floors (interleaved_floor_s,
+    O(S) each), least first, and a v is simulated only while its floor could still win: no less than the best so
+    far (on a tie, only a smaller v wins) and less than ``beat_s``; from the first that cannot, no later one can.
+    A large pipeline's floors and simulations usually fall together as v grows, so the least floor's v is often
+    the answer and one or two of the simulations are run instead of every one; the answer is the one simulating
+    every v gives, whatever the order (a floor + tail is no more than its simulation + tail, rounding being
+    monotone). With ``floor_only`` a v's floor stands for its simulation (none is run): the answer's latency is
+    then a floor under the real answer's, or under ``beat_s``."""
+    floors = sorted((interleaved_floor_s(fwd_s, bwd_s, p2p_s, m, v) + tail_s, v) for v in range(2, most + 1))
     best: ScheduleChoice | None = None
-    for v in range(2, most + 1):
-        t = interleaved_floor_s(fwd_s, bwd_s, p2p_s, m, v) + tail_s
-        if t >= beat_s:
-            continue  # its simulation is no less: it cannot win
+    for t, v in floors:
+        if t >= beat_s or (best is not None and (t > best.latency_s or (t == best.latency_s
+                                                                          and v > best.virtual_stages))):
+            break  # its simulation, and every later v's, is no less: none of them can win
         if not floor_only:
             t = simulated_interleaved_1f1b_s(fwd_s, bwd_s, p2p_s, m, v) + tail_s
             if t >= beat_s:
                 continue
-        best, beat_s = ScheduleChoice(v, t), t
+        if best is None or t < best.latency_s or (t == best.latency_s and v < best.virtual_stages):
+            best = ScheduleChoice(v, t)
     return best
