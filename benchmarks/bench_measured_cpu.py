@@ -4,6 +4,7 @@ priced by the analytic model, each set beside what the run's ``run-report.json``
     sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--cores 0,0,1] [--period-us 24000]
         [--no-filler] [--model tiny] [--seq-len 64] [--global-batch 256] [--micro-batches 8,16,32] [--min-micro-batch 8]
         [--layer-budget-s 30] [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
+    taskset -c 1 python benchmarks/bench_measured_cpu.py --probe-wait [--probe-micro-batch 8] [--probe-sleep-ms 30]
 
 Three CPU processes are the devices. Every process runs in a cgroup-v1 ``cpu`` group with raised cpu.shares (the
 host's other work yields to it; ``bench_hetero_cpu.make_groups``), and each device in a ``cpuset`` of its own core
@@ -33,8 +34,13 @@ quota's speed whenever it computes, as a slower device would.
    i-th local GPU). The launcher writes ``D/run-report.json``: per stage, the median over steps of forward and of
    backward per micro-batch; the last stage's loss and the first stage's embedding backward included, as the plan
    prices them.
-4. Print per run and stage: predicted (measured-priced), predicted (analytic), measured, each prediction's error;
-   then, for each pricing, how many runs had every stage within 10 %, the median and the worst stage error.
+4. Print per run and stage: predicted (measured-priced), predicted (analytic), measured, each prediction's error,
+   and the measured-priced forward and backward each beside the run's; then, for each pricing, how many runs had
+   every stage within 10 %, the median and the worst stage error.
+
+``--probe-wait`` (no benchmark, no root): the training's stage module and one profiled layer, CPU time per
+micro-batch, back to back and sleeping before each micro-batch as a stage that waits for a slower neighbour does
+(a layer call after a sleep costs more CPU than the back-to-back profile measures: benchmarks/README.md).
 ``--runs N`` repeats 1-3 (a new profile each time); one run takes about 2 minutes.
 
 Exit status: 0 when it ran (the figures say how well each prediction did), 1 when a step failed.
@@ -176,11 +182,12 @@ def _place_workers(root: int, device_of, devices: Devices, done: threading.Event
             if pid in placed or _env_int(pid, b"LOCAL_RANK") is None:
                 continue
             try:
-                for group in devices.groups_of(device_of(pid)):
+                device = device_of(pid)  # once: a worker that exits meanwhile has no environment to read again
+                for group in devices.groups_of(device):
                     with open(os.path.join(group, "cgroup.procs"), "w") as f:
                         f.write(str(pid))
-                placed[pid] = device_of(pid)
-            except OSError:
+                placed[pid] = device
+            except (OSError, TypeError):  # gone (no LOCAL_RANK to read any more)
                 continue
         done.wait(0.02)
 
@@ -306,24 +313,29 @@ def rows(measured_plan, analytic_plan, report) -> list[dict]:
         out.append({"stage": s.index, "island": s.island, "layers": list(s.layers), "tp": s.tp, "dp": s.dp,
                     "micro_batch": s.micro_batch_size, "priced": f"{mark.get('how', '-')} d={mark.get('distance', '-')}",
                     "predicted_measured_s": pm.time_s, "predicted_analytic_s": pa.time_s, "measured_s": got,
-                    "error_measured": pm.time_s / got - 1, "error_analytic": pa.time_s / got - 1})
+                    "error_measured": pm.time_s / got - 1, "error_analytic": pa.time_s / got - 1,
+                    # where the error sits: the measured-priced forward and backward, each against the run's
+                    "forward_predicted_s": pm.forward_s, "forward_measured_s": r["measured"]["forward_s"],
+                    "backward_predicted_s": pm.backward_s, "backward_measured_s": r["measured"]["backward_s"]})
     return out
 
 
 def format_table(table: list[dict], report, measured_plan, analytic_plan) -> str:
     head = ("stage", "island", "layers", "tp x dp, b", "priced", "pred. measured ms", "pred. analytic ms",
-            "measured ms", "err measured", "err analytic")
+            "measured ms", "err measured", "err analytic", "fwd pred./meas. ms", "bwd pred./meas. ms")
     lines = [head]
     for r in table:
         a, b = r["layers"]
         lines.append((str(r["stage"]), r["island"], f"{a}-{b - 1}", f"{r['tp']}x{r['dp']}, {r['micro_batch']}",
                       r["priced"], f"{r['predicted_measured_s'] * 1e3:.3f}", f"{r['predicted_analytic_s'] * 1e3:.3f}",
-                      f"{r['measured_s'] * 1e3:.3f}", f"{r['error_measured']:+.1%}", f"{r['error_analytic']:+.1%}"))
+                      f"{r['measured_s'] * 1e3:.3f}", f"{r['error_measured']:+.1%}", f"{r['error_analytic']:+.1%}",
+                      f"{r['forward_predicted_s'] * 1e3:.2f}/{r['forward_measured_s'] * 1e3:.2f}",
+                      f"{r['backward_predicted_s'] * 1e3:.2f}/{r['backward_measured_s'] * 1e3:.2f}"))
     it = report["iteration"]["measured_median_s"]
     lines.append(("iteration", "", "", "", "", f"{measured_plan.predicted.iteration_time_s * 1e3:.2f}",
                   f"{analytic_plan.predicted.iteration_time_s * 1e3:.2f}", f"{it * 1e3:.2f}",
                   f"{measured_plan.predicted.iteration_time_s / it - 1:+.1%}",
-                  f"{analytic_plan.predicted.iteration_time_s / it - 1:+.1%}"))
+                  f"{analytic_plan.predicted.iteration_time_s / it - 1:+.1%}", "", ""))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
 
@@ -360,6 +372,76 @@ def one_run(args, devices: Devices | None, workdir: str) -> dict:
             "note": note, "profile_s": profile_s, "train_s": time.perf_counter() - started,
             "load_avg": [load0, base.load_avg()], "workdir": workdir,
             "table": format_table(rows(measured_plan, analytic_plan, report), report, measured_plan, analytic_plan)}
+
+
+def probe_wait(args) -> list[str]:
+    """Forward and backward CPU milliseconds per micro-batch (this thread's CPU time, one thread) of the training's
+    own stage module (layers 1-3 and the head, with the loss, at ``--probe-micro-batch`` rows), run as a pipeline's
+    last stage runs it (each micro-batch a fresh input, its forward then its backward), once back to back and once
+    sleeping ``--probe-sleep-ms`` before each micro-batch, as a stage does while it waits for a slower neighbour;
+    and one dense layer of the profiler's stand-ins beside the training's, back to back.
+
+    Why: in the runs above, the fast pair's forward took about twice the CPU time the profile priced, its backward
+    what the profile priced. What differs is the wait: the profile times its layers without pause."""
+    import torch
+    import torch.nn.functional as F
+
+    from profiler.layer import build_layer
+    from runtime_adapters.gpt import StageModule
+
+    torch.set_num_threads(1)
+    spec, b, t = load_model(args.model), args.probe_micro_batch, args.seq_len
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (b, t), generator=gen)  # (B, T)
+
+    def stage_ms(module, sleep_s: float, n: int = 60) -> tuple[float, float]:
+        fwd, bwd = [], []
+        for _ in range(n):
+            x = torch.randn(b, t, spec.hidden_size, generator=gen, requires_grad=True)  # (B, T, H), as received
+            if sleep_s:
+                time.sleep(sleep_s)
+            t0 = time.thread_time()
+            loss = F.cross_entropy(module(x).flatten(0, 1), tokens.flatten())
+            t1 = time.thread_time()
+            loss.backward()
+            fwd.append(t1 - t0)
+            bwd.append(time.thread_time() - t1)
+        return statistics.median(fwd[5:]) * 1e3, statistics.median(bwd[5:]) * 1e3
+
+    def layer_ms(layer, sleep_s: float, n: int = 60) -> tuple[float, float]:
+        x = torch.randn(b, t, spec.hidden_size, generator=gen, requires_grad=True)  # (B, T, H)
+        grad = torch.randn(b, t, spec.hidden_size, generator=gen)
+        fwd, fb = [], []
+        for _ in range(n):
+            if sleep_s:
+                time.sleep(sleep_s)
+            t0 = time.thread_time()
+            layer(x)
+            t1 = time.thread_time()
+            if sleep_s:  # each call after a sleep
+                time.sleep(sleep_s)
+                t1 = time.thread_time()
+            layer(x).backward(grad)
+            fwd.append(t1 - t0)
+            fb.append(time.thread_time() - t1)
+        f = statistics.median(fwd[5:]) * 1e3
+        return f, statistics.median(fb[5:]) * 1e3 - f
+
+    stage = StageModule(spec, (1, spec.num_layers), has_embedding=False, has_head=True)
+    lines = [f"{args.model}, {b} x {t} rows, one thread; CPU ms per micro-batch, forward / backward:"]
+    for what, sleep_s in (("back to back", 0.0), (f"sleeping {args.probe_sleep_ms:g} ms before each micro-batch",
+                                                   args.probe_sleep_ms / 1e3), ("back to back again", 0.0)):
+        f, bwd = stage_ms(stage, sleep_s)
+        lines.append(f"  training's stage module (layers 1-{spec.num_layers - 1} + head + loss), {what}: "
+                     f"{f:.3f} / {bwd:.3f}")
+    stand_in = build_layer(spec, "dense", torch.device("cpu"), "fp32")
+    for what, layer, sleep_s in (("profiler's stand-in, back to back", stand_in, 0.0),
+                                 (f"profiler's stand-in, sleeping {args.probe_sleep_ms:g} ms before each call",
+                                  stand_in, args.probe_sleep_ms / 1e3),
+                                 ("training's, back to back", stage.layers["1"], 0.0)):
+        f, bwd = layer_ms(layer, sleep_s)
+        lines.append(f"  one dense layer, the {what}: {f:.3f} / {bwd:.3f} (backward: forward+backward - forward)")
+    return lines
 
 
 def describe(args, devices: Devices | None) -> str:
@@ -404,8 +486,16 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", help="reuse this profile instead of profiling")
     p.add_argument("--keep", help="keep the profile, plans and run directories here")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--probe-wait", action="store_true",
+                   help="instead of the benchmark: the training's stage module timed back to back and sleeping "
+                        "before each micro-batch, in this process (run it pinned to one core: taskset -c 1)")
+    p.add_argument("--probe-micro-batch", type=int, default=8)
+    p.add_argument("--probe-sleep-ms", type=float, default=30.0)
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
+    if args.probe_wait:
+        print("\n".join(probe_wait(args)))
+        return 0
 
     devices, why = make_devices(args)
     if devices is None:
