@@ -88,13 +88,14 @@ import json, sys
 out = sys.argv[1]
 report = json.load(open(f"{out}/run/run-report.json"))
 analytic = json.load(open(f"{out}/plan-analytic.json"))["predicted"]
+priced_by = json.load(open(f"{out}/plan.json"))["predicted"]["stages"]
 print(f"{'stage':>5} {'priced':>24} {'pred. fwd+bwd ms':>16} {'analytic ms':>11} {'measured ms':>11} "
       f"{'err':>7} {'err analytic':>12}")
 for st, an in zip(report["stages"], analytic["stages"]):
     pred = st["predicted"]["forward_s"] + st["predicted"]["backward_s"]
     got = st["measured"]["forward_s"] + st["measured"]["backward_s"]
     an_s = an["time_s"]
-    priced = (json.load(open(f"{out}/plan.json"))["predicted"]["stages"][st["stage"]].get("measured") or {})
+    priced = priced_by[st["stage"]].get("measured") or {}
     print(f"{st['stage']:>5} {str(priced.get('how', priced) or 'analytic')[:24]:>24} {pred * 1e3:16.2f} "
           f"{an_s * 1e3:11.2f} {got * 1e3:11.2f} {pred / got - 1:+7.1%} {an_s / got - 1:+12.1%}")
 it = report["iteration"]

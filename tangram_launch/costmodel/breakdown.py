@@ -657,7 +657,7 @@ class SliceCoster:
         if hit is not None:
             return hit
         tr, dev = self.training, self.dev
-        pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes  # moved and updated (time)
+        pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes  # bytes communicated and updated (time)
         shard, eshard = st.shard, st.eshard
         kept_pb, kept_gb, kept_ob = self.state_bytes  # what the GPU stores per parameter (memory)
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches

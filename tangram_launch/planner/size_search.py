@@ -124,10 +124,11 @@ def _bounds(ctx: SearchContext, state: SearchState) -> tuple[float, float]:
 def _visit(b: int, pairs: Sequence[Pair], floor: SizeFloor, ctx: SearchContext, state: SearchState, *,
            use_incumbent: bool) -> float | None:
     """Ask size b's ``pairs`` and compose all of b's answers so far; b's own best, None if b was skipped."""
-    if floor.beyond(*_bounds(ctx, state)):
+    bounds = _bounds(ctx, state)
+    if floor.beyond(*bounds):
         state.counters["sizes_skipped"] += 1
         return None
-    _ask(b, pairs, *_bounds(ctx, state), floor, ctx, state)
+    _ask(b, pairs, *bounds, floor, ctx, state)
     return compose_size(b, ctx, state, use_incumbent=use_incumbent)
 
 
