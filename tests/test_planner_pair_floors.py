@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.capabilities import MEGATRON, TORCH
+from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
@@ -235,11 +235,14 @@ def test_capacity_counts_a_slower_island_at_its_slowdown():
 
 
 # the quick tier keeps one runtime; the others are the same search with other capabilities (seconds each)
-@pytest.mark.parametrize("runtime", [MEGATRON, pytest.param(TORCH, marks=pytest.mark.slow)], ids=["megatron", "torch"])
+@pytest.mark.parametrize("runtime", [MEGATRON, pytest.param(TORCH, marks=pytest.mark.slow),
+                                     pytest.param(DEEPSPEED, marks=pytest.mark.slow)],
+                         ids=["megatron", "torch", "deepspeed"])
 def test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands(runtime):
     """The real megatron parallelizer (which gives compute floors) on a 3-island cluster: the search that skips
     pairs by their floor and the full search (branch_and_bound=False) find the same plan, under megatron (one
-    grid) and torch (per-stage grids, interleaving one grid: ranked by the predicted iteration)."""
+    grid), torch (per-stage grids, interleaving one grid: ranked by the predicted iteration) and deepspeed (no TP:
+    the floors of its own grids)."""
     cl = ClusterSpec.from_dict({
         "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
         "nodes": [{"name": f"n{i}", "gpu": g, "count": 4} for i, g in enumerate(("a100-80gb", "v100-16gb", "t4"))]})

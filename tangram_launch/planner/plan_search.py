@@ -12,8 +12,8 @@ iteration the Plan reports: the simulated 1F1B, or interleaved where faster) -> 
 best over all of them. Branch and bound: the sizes are visited most promising first (a floor under any plan's
 latency at each size, size_floors.py, from the parallelizer's compute floors; the order changes only the time), a
 size whose floor cannot beat the best plan so far is skipped, and every query carries the best latency so far so
-the parallelizer costs only what could beat it. Under megatron a pair whose floor (pair_floors.py: its layers on
-its island, the others on the other islands) cannot beat it is not asked at all. A size's compatibility classes
+the parallelizer costs only what could beat it. A pair whose floor (pair_floors.py: its layers on its island,
+the others on the other islands) cannot beat it is not asked at all. A size's compatibility classes
 are composed in the order of their floors (classes.py: each island holds one slice), and those that cannot beat it
 are skipped; inside a class, options no plan beating the bounds can hold, and above five islands islands none can
 use, are dropped before composing (cover_floors.py). -> islands left out (reasons from a floor, dropped.py), and

@@ -100,12 +100,12 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
     fill_s = prefix[-1] + best["embedding"][1] + best["head"][1]
     m = training.global_batch // b
     # per-pair floors need every island's floors for every kind (an island left out would lower the others' GPUs).
-    # Only where a query costs a process grid per TP x DP x CP split (megatron, torch; under deepspeed, without TP,
-    # queries are cheap and nothing was gained). A skipped pair's every pipeline has a closed form and a predicted
-    # iteration that cannot beat the bounds. (The Pareto composer takes every plan whose score floor can beat the
+    # Every runtime: under deepspeed (no TP) queries are cheap, but every divisor of the global batch is a size, and
+    # the pairs skipped at sizes far from the best plan's save their composition too. A skipped pair's every pipeline
+    # has a closed form and a predicted iteration that cannot beat the bounds. (The Pareto composer takes every plan whose score floor can beat the
     # best score as a candidate: every example plan is the same with and without it.)
     pairs = (PairFloors(kinds, per_island, gpus, m, links)
-             if caps.tensor_parallel and all(needed <= f.keys() for f in per_island.values()) else None)
+             if all(needed <= f.keys() for f in per_island.values()) else None)
     cap = capacity(kinds, per_island, gpus)  # <= their GPUs
     return SizeFloor((m - 1) * gpu_s / cap + fill_s, bounds.chain_score_floor_s(m * gpu_s / cap, fill_s), prefix,
                      best["embedding"][1],
