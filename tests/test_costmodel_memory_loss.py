@@ -93,6 +93,14 @@ def replay_megatron_loss(n: int, p: int, expandable: bool) -> CachingAllocator:
     return a
 
 
+def replay_compiled_loss(n: int, p: int, expandable: bool) -> CachingAllocator:
+    """The eager loss compiled: the logits (p) saved for the backward, whose fused kernel writes their gradient (p)."""
+    a = CachingAllocator(expandable)
+    a.alloc(p * n)
+    a.alloc(p * n)
+    return a
+
+
 @pytest.mark.unit
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(min_value=1, max_value=1 << 20), p=st.sampled_from([2, 4]), expandable=st.booleans())
@@ -103,6 +111,8 @@ def test_the_allocator_reserves_what_the_cost_model_charges_per_logit(n, p, expa
     megatron = replay_megatron_loss(n, p, expandable)
     assert megatron.peak_live == cross_entropy_allocated_bytes_per_logit("fused", p) * n
     assert megatron.peak_reserved == cross_entropy_bytes_per_logit("fused", p) * n
+    compiled = replay_compiled_loss(n, p, expandable)
+    assert compiled.peak_reserved == compiled.peak_live == cross_entropy_bytes_per_logit("compiled", p) * n
 
 
 @pytest.mark.unit

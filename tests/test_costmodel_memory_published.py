@@ -1,7 +1,7 @@
 """The published runs' memory is costed with the loss their source ran (memory.CROSS_ENTROPY_KINDS): torchtitan's
 trainer of 2024 computed it with eager F.cross_entropy on fp32 logits whether or not it compiled the model (its
-train.py compiled the transformer blocks and left the loss uncompiled); llm-foundry's MPT with flash-attn's CUDA
-cross-entropy; NeMo AutoModel's benchmark with F.cross_entropy on the bf16 logits. Every row of those sources
+train.py compiled the transformer blocks and left the loss uncompiled), from 2025 compiled the loss with the model;
+llm-foundry's MPT with flash-attn's CUDA cross-entropy; NeMo AutoModel's benchmark with F.cross_entropy on the bf16 logits. Every row of those sources
 declares its loss, and the benchmark hands it to the memory model."""
 import copy
 
@@ -15,7 +15,7 @@ from tangram_launch.specs.model import load_model
 TORCHTITAN_2024_SOURCES = ("torchtitan-perf", "torchtitan-h100")
 # the loss each source's trainer ran (the data file's header says where each was read)
 LOSS_OF_SOURCE = {"torchtitan-perf": "eager", "torchtitan-h100": "eager", "llm-foundry": "flash-xentropy",
-                  "nemo-automodel": "eager-16bit"}
+                  "nemo-automodel": "eager-16bit", "torchtitan-h200": "compiled", "torchtitan-deepep": "compiled"}
 
 
 @pytest.mark.unit
@@ -32,12 +32,12 @@ def test_every_row_of_a_source_declares_the_loss_its_trainer_ran(data):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("kind, bytes_per_logit", [("fused", 2 + 4), ("eager", 12 + 2), ("eager-16bit", 3 * 2),
-                                                   ("flash-xentropy", 2 * 2)])
+                                                   ("flash-xentropy", 2 * 2), ("compiled", 2 * 2)])
 def test_each_loss_holds_its_own_bytes_per_logit(kind, bytes_per_logit):
     """At the loss's peak, per logit of bf16 logits: Megatron's loss the logits and one fp32 tensor (the upcast,
     turned into the softmax and then the gradient in place); eager F.cross_entropy on upcast logits three fp32
     tensors and the freed bf16 logits' block the allocator cannot reuse for them; on the bf16 logits three bf16
-    ones; flash-attn's kernel the saved logits and the gradient it writes beside them."""
+    ones; flash-attn's kernel, and the eager loss compiled, the saved logits and the gradient written beside them."""
     assert kind in CROSS_ENTROPY_KINDS
     m = load_model("llama3-8b")
     tokens, h, v = 4 * 2048, m.hidden_size, m.vocab_size

@@ -102,7 +102,13 @@ SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (m
 #   flash-xentropy  flash-attn's CUDA cross-entropy (flash_attn.losses.cross_entropy, the default loss of
 #                   llm-foundry's MPT): it saves the logits themselves (plus one fp32 log-sum-exp per token) and its
 #                   backward writes a gradient of the logits' dtype beside them (inplace_backward off): 2 p bytes.
-CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy")
+#   compiled        the eager loss under torch.compile (torchtitan from 2025 compiles its loss function with the
+#                   model): AOTAutograd's min-cut partitioner saves the cheapest tensors the backward can recompute
+#                   the rest from -- the 16-bit logits (the graph's input) and the per-token max and sum (reductions
+#                   are not recomputed) -- instead of the fp32 log-softmax; Inductor fuses the upcast, the softmax and
+#                   the one-hot scatter of nll_loss's gradient (a scatter onto zeros becomes a pointwise select) into
+#                   kernels that write only the gradient in the logits' dtype: 2 p bytes.
+CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy", "compiled")
 EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
 
 
@@ -115,7 +121,7 @@ def cross_entropy_allocated_bytes_per_logit(cross_entropy: str, dtype_bytes: flo
         return EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT
     if cross_entropy == "eager-16bit":
         return 3.0 * dtype_bytes
-    if cross_entropy == "flash-xentropy":
+    if cross_entropy in ("flash-xentropy", "compiled"):
         return 2.0 * dtype_bytes
     raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
 
