@@ -65,17 +65,18 @@ class CachingAllocator:
                 k += 1
 
 
-def replay_eager_loss(n: int, p: int, expandable: bool) -> CachingAllocator:
+def replay_eager_loss(n: int, p: int, expandable: bool, keep_logits: bool = False) -> CachingAllocator:
     """torchtitan's step: logits = output(h) (p bytes); F.cross_entropy(logits.float()): the upcast (a new fp32
-    tensor unless p is 4), the saved log-softmax output, the upcast freed; `del pred`; the backward: nll_loss's fp32
-    gradient, then log_softmax's."""
+    tensor unless p is 4), the saved log-softmax output, the upcast freed; `del pred` (unless ``keep_logits``: a
+    trainer that returns the logits); the backward: nll_loss's fp32 gradient, then log_softmax's."""
     a = CachingAllocator(expandable)
     pred = a.alloc(p * n)
     upcast = a.alloc(4 * n) if p < 4 else None
     a.alloc(4 * n)  # log-softmax output, saved
     if upcast is not None:
         a.free(upcast)
-    a.free(pred)
+    if not keep_logits:
+        a.free(pred)
     a.alloc(4 * n)  # nll_loss backward
     a.alloc(4 * n)  # log_softmax backward: the loss's peak
     return a
@@ -111,6 +112,9 @@ def test_the_allocator_reserves_what_the_cost_model_charges_per_logit(n, p, expa
     megatron = replay_megatron_loss(n, p, expandable)
     assert megatron.peak_live == cross_entropy_allocated_bytes_per_logit("fused", p) * n
     assert megatron.peak_reserved == cross_entropy_bytes_per_logit("fused", p) * n
+    if p < 4:  # 16-bit logits kept alive: the same reserve, all of it live
+        kept = replay_eager_loss(n, p, expandable, keep_logits=True)
+        assert kept.peak_reserved == kept.peak_live == cross_entropy_bytes_per_logit("eager", p) * n
     compiled = replay_compiled_loss(n, p, expandable)
     assert compiled.peak_reserved == compiled.peak_live == cross_entropy_bytes_per_logit("compiled", p) * n
 

@@ -96,7 +96,8 @@ SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (m
 #                   can hold, and never merges blocks of different segments: torchtitan frees the 16-bit logits
 #                   (`del pred`) before the backward, whose fp32 gradients (4 bytes per logit each) do not fit in
 #                   their block, so it stays cached beside them, p more bytes reserved (none in fp32, where the
-#                   upcast is the logits themselves and every block is the same size).
+#                   upcast is the logits themselves and every block is the same size). A trainer that keeps 16-bit
+#                   logits alive through the backward holds the same p bytes as a live tensor: 12 + p either way.
 #   eager-16bit     the same F.cross_entropy on the 16-bit logits, not upcast (NeMo AutoModel's MaskedCrossEntropy
 #                   with fp32_upcast off): the same three tensors in the logits' dtype, 3 p bytes.
 #   flash-xentropy  flash-attn's CUDA cross-entropy (flash_attn.losses.cross_entropy, the default loss of
