@@ -111,6 +111,23 @@ def test_memory_figures_say_how_they_were_measured(data, bench):
         assert r.get("kernels", "fused") in bench.KERNELS, r["id"]
 
 
+# What each source's memory figure measures, read in the source's own code: torchtitan's trainer logs its
+# DeviceMemoryMonitor's max_reserved_gib (torch.cuda.max_memory_reserved); FlagPerf's harness samples nvidia-smi's
+# used memory every 5 s (training/nvidia/nvidia_monitor.py); BLOOM's figure is a sentence of prose.
+METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": "allocator-reserved",
+                    "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated"}
+
+
+@pytest.mark.unit
+def test_every_memory_figure_is_compared_as_its_sources_harness_measured_it(data):
+    rows = [r for r in data["runs"] if r["published"].get("memory_gib")]
+    assert len(rows) >= 15
+    unknown = sorted({r["source"]["ref"] for r in rows} - set(METRIC_OF_SOURCE))
+    assert not unknown, f"sources with memory figures whose metric is not recorded here: {unknown}"
+    wrong = [r["id"] for r in rows if r["published"]["memory_convention"] != METRIC_OF_SOURCE[r["source"]["ref"]]]
+    assert not wrong, f"rows compared as another metric than their source's harness reports: {wrong}"
+
+
 @pytest.mark.unit
 def test_allocator_reserved_figures_are_compared_without_the_memory_outside_the_allocator(data, bench):
     row = next(r for r in data["runs"] if r["published"].get("memory_convention") == "allocator-reserved")

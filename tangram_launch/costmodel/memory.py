@@ -67,6 +67,7 @@ from tangram_launch.costmodel.measured_layers import measured_points, price
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
 
+FP32_BYTES = 4
 MASK_BYTES = 1  # dropout masks are stored as bytes (Korthikanti et al. 2022, sec. 4.1)
 # Fixed per-GPU overhead outside the allocator's view of tensors (so outside torch.cuda.max_memory_reserved, inside
 # nvidia-smi's figure): the CUDA context with cuBLAS/cuDNN handles and workspaces (~0.4-0.6 GiB under CUDA 12 with
@@ -80,33 +81,63 @@ RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
 FRAGMENTATION_FRACTION = 0.05
 SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (module docstring)
-# The loss's implementation (head_activation_bytes): what one logit costs at the loss's peak, the start of its backward.
-#   fused           Megatron's vocab-parallel kernel: the 16-bit logits, their fp32 softmax kept for the backward and
-#                   the fp32 gradient being formed: p + 8 bytes.
+# The loss's implementation (head_activation_bytes): what one logit costs at the loss's peak, the start of its backward,
+# as the caching allocator holds it (cross_entropy_bytes_per_logit = allocated + stranded).
+#   fused           Megatron's vocab-parallel loss (megatron/core/tensor_parallel/cross_entropy.py, the same in
+#                   Megatron-LM's and Megatron-DeepSpeed's mpu): calculate_logits_max upcasts the 16-bit logits
+#                   (`.float()`, 4 bytes) beside them (p); max subtraction, exp and the division by the sum run in place,
+#                   so the fp32 softmax saved for the backward is that copy, and the backward forms the gradient in
+#                   place of the softmax; the cast back to the logits' dtype (p) reuses the block the 16-bit logits,
+#                   freed after the forward, left: p + 4 bytes (4 in fp32, where `.float()` is the logits themselves).
 #   eager           eager PyTorch F.cross_entropy over fp32 logits (log_softmax + nll_loss on logits.float();
 #                   torchtitan's loss): the saved fp32 log-softmax output, the fp32 gradient nll_loss hands back and
 #                   the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the
-#                   forward): 12 bytes.
+#                   forward): 12 bytes allocated. The caching allocator reuses a freed block only for a request it
+#                   can hold, and never merges blocks of different segments: torchtitan frees the 16-bit logits
+#                   (`del pred`) before the backward, whose fp32 gradients (4 bytes per logit each) do not fit in
+#                   their block, so it stays cached beside them, p more bytes reserved (none in fp32, where the
+#                   upcast is the logits themselves and every block is the same size). A trainer that keeps 16-bit
+#                   logits alive through the backward holds the same p bytes as a live tensor: 12 + p either way.
 #   eager-16bit     the same F.cross_entropy on the 16-bit logits, not upcast (NeMo AutoModel's MaskedCrossEntropy
 #                   with fp32_upcast off): the same three tensors in the logits' dtype, 3 p bytes.
 #   flash-xentropy  flash-attn's CUDA cross-entropy (flash_attn.losses.cross_entropy, the default loss of
 #                   llm-foundry's MPT): it saves the logits themselves (plus one fp32 log-sum-exp per token) and its
 #                   backward writes a gradient of the logits' dtype beside them (inplace_backward off): 2 p bytes.
-CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy")
+#   compiled        the eager loss under torch.compile (torchtitan from 2025 compiles its loss function with the
+#                   model): AOTAutograd's min-cut partitioner saves the cheapest tensors the backward can recompute
+#                   the rest from -- the 16-bit logits (the graph's input) and the per-token max and sum (reductions
+#                   are not recomputed) -- instead of the fp32 log-softmax; Inductor fuses the upcast, the softmax and
+#                   the one-hot scatter of nll_loss's gradient (a scatter onto zeros becomes a pointwise select) into
+#                   kernels that write only the gradient in the logits' dtype: 2 p bytes.
+CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy", "compiled")
 EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
 
 
-def cross_entropy_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
-    """Bytes one logit holds at the loss's peak under implementation ``cross_entropy`` (CROSS_ENTROPY_KINDS)."""
+def cross_entropy_allocated_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
+    """Bytes of live tensors per logit at the loss's peak under implementation ``cross_entropy``
+    (CROSS_ENTROPY_KINDS)."""
     if cross_entropy == "fused":
-        return dtype_bytes + 8.0
+        return dtype_bytes + FP32_BYTES if dtype_bytes < FP32_BYTES else FP32_BYTES
     if cross_entropy == "eager":
         return EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT
     if cross_entropy == "eager-16bit":
         return 3.0 * dtype_bytes
-    if cross_entropy == "flash-xentropy":
+    if cross_entropy in ("flash-xentropy", "compiled"):
         return 2.0 * dtype_bytes
     raise ValueError(f"cross_entropy {cross_entropy!r} (known: {', '.join(CROSS_ENTROPY_KINDS)})")
+
+
+def cross_entropy_stranded_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
+    """Bytes per logit the caching allocator keeps reserved at the loss's peak beyond the live tensors: the freed
+    16-bit logits' block, too small for the eager loss's fp32 gradients (comment above CROSS_ENTROPY_KINDS)."""
+    return dtype_bytes if cross_entropy == "eager" and dtype_bytes < FP32_BYTES else 0.0
+
+
+def cross_entropy_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
+    """Bytes one logit holds at the loss's peak under implementation ``cross_entropy`` (CROSS_ENTROPY_KINDS), as the
+    caching allocator reserves them: the live tensors plus the block the allocator cannot reuse."""
+    return (cross_entropy_allocated_bytes_per_logit(cross_entropy, dtype_bytes)
+            + cross_entropy_stranded_bytes_per_logit(cross_entropy, dtype_bytes))
 
 
 def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, recompute: str = "none",
@@ -272,11 +303,11 @@ def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int
                           dtype_bytes: int = 2, sequence_parallel: bool = True, cross_entropy: str = "fused",
                           whole_column_inputs: bool = False) -> float:
     """Last stage: final norm and output-layer inputs (4 s b h) and the loss's logit tensors, vocab-parallel
-    (Korthikanti et al. 2022, sec. 4.3, count the fp32 logits, 4 s b v). At the loss's peak, the start of its
-    backward, a GPU holds per logit the output layer's logits (p bytes), their fp32 softmax kept for the backward
-    (4) and the fp32 gradient being formed (4): (p + 8) s b v. Large for big vocabularies: Llama 3 (v = 128256) at
-    s = 8192 holds 10.5 GB per sequence before TP. Without SP the two h-wide inputs are whole on every TP rank;
-    other implementations of the loss hold other amounts per logit (CROSS_ENTROPY_KINDS). ``whole_column_inputs``:
+    (Korthikanti et al. 2022, sec. 4.3, count the fp32 logits, 4 s b v). At the loss's peak Megatron's loss holds
+    per logit the 16-bit logits (p bytes) and their fp32 copy, which becomes the softmax and then, in place, the
+    gradient (4): (p + 4) s b v. Large for big vocabularies: Llama 3 (v = 128256) at s = 8192 holds 6.3 GB per
+    sequence before TP. Without SP the two h-wide inputs are whole on every TP rank; other implementations of the
+    loss hold other amounts per logit (CROSS_ENTROPY_KINDS, as the caching allocator reserves them). ``whole_column_inputs``:
     the output layer keeps its all-gathered input whole beside the final norm's sharded one (module docstring:
     DTensor)."""
     per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
@@ -317,7 +348,6 @@ def layer_param_split(model: "ModelSpec", layer: int) -> tuple[float, float]:
 #                models: initialize_weights casts to bf16 by default), and FSDP2 casts its reduced gradients to the
 #                sharded parameter's dtype. Adam: 2 + 2 + 4 = 8 bytes.
 MODEL_STATE_KINDS = ("mixed", "fp32-params", "param-dtype")
-FP32_BYTES = 4
 
 
 def state_bytes_per_param(model_states: str, *, dtype_bytes: float, grad_bytes: float, optimizer_bytes: float,
