@@ -294,3 +294,38 @@ def test_a_one_kind_split_has_a_stage_of_ceil_layers_over_pp(layers, pp, w, emb,
     sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, layers]))
     floor = ({"dense": w}, emb, head, 0.0, w)  # (per kind, embedding, head, total, the one kind's)
     assert _heaviest_floor(None, sizes, floor) >= -(-layers // pp) * w
+
+
+@settings(max_examples=30, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 2),
+       start=st.integers(0, 7), length=st.integers(1, 8), b=st.sampled_from([1, 2, 4, 8]))
+def test_signature_heads_are_each_distinct_stage_at_its_first_place(gpu, per_node, nodes, start, length, b):
+    """StageTable.signature_heads reads a one-kind pipeline's distinct stages from its pattern, not from the list:
+    they are grid.heads of its signatures (each distinct signature, front to back, at its first stage), for every
+    grid and split of slices with and without the embedding and head; and judge_columns and least_floors answer
+    the same with them as without."""
+    from tangram_launch.costmodel.grid import StageTable, heads, judge_columns, least_floors
+
+    isl = island(gpu, per_node, nodes)
+    q = SliceQuery(model=WIDE, training=WIDE_TRAIN, layers=(start, min(8, start + length)), island=isl,
+                   microbatch_sequences=b, capabilities=MEGATRON)
+    par = MegatronParallelizer()
+    coster = SliceCoster(q)
+    if coster.device_error:
+        return
+    table = StageTable()
+    table.attach(coster)
+    m, cap = q.num_microbatches, coster.capacity_bytes
+    for grid in par.grids(q, coster):
+        allowed = tuple(par.savers(q, grid))
+        if coster.check(grid) or not allowed:
+            continue
+        dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+        sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
+        sigs, got = table.signature_heads(coster, *dims, sizes)
+        assert sigs == table.signatures(coster, *dims, sizes=sizes)
+        assert got == heads(sigs), (grid, sizes, sigs)
+        table.stage_rows(coster, dims, sigs, allowed, sizes)
+        columns = table.stage_columns(sigs, allowed, m, cap)
+        assert judge_columns(columns, sigs, m, got) == judge_columns(columns, sigs, m)
+        assert least_floors(columns, sigs, m, got) == least_floors(columns, sigs, m)

@@ -52,6 +52,7 @@ from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.grid import (
     GridIndex,
+    SaverColumns,
     StageTable,
     StageTables,
     judge_columns,
@@ -60,7 +61,7 @@ from tangram_launch.costmodel.grid import (
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
-from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_floors, slack_cut
+from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
     LazySlicePlan,
@@ -334,6 +335,8 @@ class MegatronParallelizer:
             search.bound_grids()
         if memory_floor:
             search.too_big_grids()
+        if search.bound:
+            search.bound_one_kind_grids()
         for i in np.flatnonzero(search.keep).tolist():
             search.judge(i)
         return self._answer(search, key, memory_floor)
@@ -515,6 +518,7 @@ class _GridSearch:
         self.too_big = 0  # grids skipped by their memory floor
         self.saver_cache_key = (getattr(savers, "__qualname__", None), q.pipelined)
         self.saver_cache = table.saver_lists.setdefault(self.saver_cache_key, {})
+        self.saver_columns: dict[tuple, SaverColumns] = {}  # saver key -> StageTable.saver_columns of its savers
         self.bound = q.bounded  # skip what cannot beat the planner's bounds so far
         self.lat_cut = slack_cut(q.latency_bound_s)
         self.floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind, embedding, head, slice's, one kind's)
@@ -534,6 +538,7 @@ class _GridSearch:
         floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads
         self.hits, kind_floors, emb_floors, head_floors = _floor_arrays(self.table, index, coster, self.gkey,
                                                                         floor_key)
+        self.kind_floors = kind_floors
         totals = 0  # per (tp, cp, ep, dp): the slice's floor, summed as sum() over its layer kinds would
         for k, c in coster.layer_counts():
             totals = totals + c * kind_floors[k]
@@ -542,7 +547,7 @@ class _GridSearch:
         # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
         cuts = slack_cut(np.array(q.score_bounds_at(index.pp_values), dtype=np.float64))
         self.pp_cut = cuts.tolist()
-        score_cut = cuts[index.pp_ids]
+        self.score_cut = score_cut = cuts[index.pp_ids]
         # (the grid's floor spread over its stages, as the floors always summed it)
         beyond = beyond_array((m - 1) * tot / index.pp + tot, m * tot / index.pp, self.lat_cut, score_cut) & self.keep
         self.bounded += int(np.count_nonzero(beyond))
@@ -566,8 +571,9 @@ class _GridSearch:
         room = self.room = self.cap * (1.0 + 1e-9) - coster.overhead_bytes  # the floors sum in other orders
         over = need > room * index.pp
         if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
-            most = np.ceil(counts[0][1] / index.pp)
-            over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
+            rows = np.flatnonzero(self.keep & ~over)  # (the grids it can still drop: fewer rows, the same numbers)
+            most = np.ceil(counts[0][1] / index.pp[rows])
+            over[rows] = (stage_terms[0][rows] * most[:, None] + stage_terms[1][rows]).min(axis=1) > room
             self.kind = counts[0][0]
             self.stage_parts = self.table.memory_floors.setdefault(
                 ("parts", self.gkey, self.saver_cache_key, self.kind, _whole(coster)), {})
@@ -577,6 +583,36 @@ class _GridSearch:
         over &= self.keep
         self.too_big = int(np.count_nonzero(over))
         self.keep &= ~over
+
+    def bound_one_kind_grids(self) -> None:
+        """One kind: drop, at once, the pipelined grids with saver combinations whose heaviest stage cannot beat
+        either bound whatever the split: a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
+        floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
+        monotone; the score floor without a tail). A grid this bounds needs no split."""
+        kind_floors = self.kind_floors
+        if len(kind_floors) != 1:
+            return
+        index, m = self.index, self.m
+        (per_kind,) = kind_floors.values()
+        heaviest = np.ceil(self.max_pp / index.pp) * per_kind[index.fkey_ids]
+        beyond = beyond_array((m - 1) * heaviest + self.totals[index.fkey_ids] + 0.0, m * heaviest + 0.0,
+                              self.lat_cut, self.score_cut)
+        beyond &= self.keep & (index.pp > 1) & self._with_savers()
+        self.bounded += int(np.count_nonzero(beyond))
+        self.keep &= ~beyond
+
+    def _with_savers(self) -> np.ndarray:
+        """Whether each grid of the list has saver combinations the runtime can run (judge skips those without)."""
+        key = ("with savers", self.gkey, self.saver_cache_key)
+        hit = self.table.memory_floors.get(key)
+        if hit is None:
+            index, cache = self.index, self.saver_cache
+            for skey, grid in zip(index.saver_keys, index.grids):
+                if skey not in cache:
+                    cache[skey] = tuple(self.savers(self.q, grid))
+            hit = self.table.memory_floors[key] = np.array([bool(cache[skey]) for skey in index.saver_keys],
+                                                           dtype=bool)
+        return hit
 
     def judge(self, i: int) -> None:
         """Grid i of the list: skipped by its bounds or memory floors, else costed and its combinations judged."""
@@ -589,16 +625,9 @@ class _GridSearch:
         if not allowed:
             return
         grid_cut = math.inf
-        if self.bound:
+        if self.bound:  # (bound_one_kind_grids has dropped what a one-kind slice's least heaviest stage bounds)
             grid_cut = self.pp_cut[index.pp_list[i]]
             floor = self.floors.get(index.fkey_list[i]) or self._floor(index.fkey_list[i])
-            # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
-            # floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
-            # monotone): a grid this already bounds needs no split
-            if grid.pp > 1 and floor[4] is not None and beyond_floors(
-                    -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
-                self.bounded += 1
-                return
         tp, pp, dp, cp, ep = dims = index.dims[i]
         sizes = coster.split_sizes(pp, tp, cp, ep, dp, q.microbatch_sequences // dp)
         # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
@@ -609,14 +638,17 @@ class _GridSearch:
         if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
             self.too_big += 1
             return
-        sigs = self.table.signatures(coster, tp, pp, dp, cp, ep, sizes=sizes)
+        sigs, heads = self.table.signature_heads(coster, tp, pp, dp, cp, ep, sizes)
+        saver_columns = self.saver_columns.get(skey)
+        if saver_columns is None:
+            saver_columns = self.saver_columns[skey] = self.table.saver_columns(allowed, m, self.cap)
         # each stage's rows (by_sid[its sig]) and their columns
-        by_sid, columns = self.table.costed_columns(coster, dims, sigs, allowed, sizes, m, self.cap)
+        by_sid, columns = self.table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
         if self.bound and len(allowed) > 1:
-            if beyond(*least_floors(columns, sigs, m), self.lat_cut, grid_cut):
+            if beyond(*least_floors(columns, sigs, m, heads), self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m),
+        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m, heads),
                           grid_cut)
 
     def _floor(self, f: int) -> tuple:
@@ -648,16 +680,17 @@ class _GridSearch:
             self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, depth))
             if fill is None:
                 return
-        m, bound, lat_cut = self.m, self.bound, self.lat_cut
-        n_gpus = grid.num_gpus
-        for s, (zero, r, off) in enumerate(allowed):
-            if depth[s] < 0:
+        # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
+        beyond = beyond_each(bottleneck, fill, tail, self.m, self.lat_cut, grid_cut) if self.bound else None
+        pp, n_gpus, new = grid.pp, grid.num_gpus, tuple.__new__  # (a FrontPoint made as its class's __new__ does)
+        for s, saver in enumerate(allowed):
+            d = depth[s]
+            if d < 0:
                 continue
-            if bound and beyond_floors(bottleneck[s], fill[s], tail[s], m, lat_cut, grid_cut):
-                self.bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
+            if beyond is not None and beyond[s]:
+                self.bounded += 1
                 continue
-            bucket.append(FrontPoint(bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off,
-                                     stages, s))
+            bucket.append(new(FrontPoint, (bottleneck[s], fill[s], tail[s], d, pp, n_gpus, grid, *saver, stages, s)))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
