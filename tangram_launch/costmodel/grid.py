@@ -332,7 +332,6 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
-_ARRAY_STAGES = 8  # judge_columns adds up the stage times of pipelines of this many stages or more as arrays
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
@@ -360,9 +359,8 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
         while k > 1 and static + act * k > cap:
             k -= 1
         most.append(k)
-    # {}: _head_depths', by the stage's distance from the pipeline's end; the times again as an array (judge_columns'
-    # fill of a long pipeline)
-    return times, tails, most, term, max(most), min(times), min(tails), {}, np.array(times, dtype=np.float64)
+    # {}: _head_depths', by the stage's distance from the pipeline's end
+    return times, tails, most, term, max(most), min(times), min(tails), {}
 
 
 def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int,
@@ -398,8 +396,6 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
         return bn, None, tail, depth
-    if len(fits) * 4 >= len(depth) and n >= _ARRAY_STAGES:  # (the adds below, as one array operation)
-        return bn, np.add.accumulate(np.array([columns[sid][8] for sid in sids]), axis=0)[-1].tolist(), tail, depth
     stage_times = [columns[sid][0] for sid in sids]
     if len(fits) * 4 < len(depth):  # few fit: add up only theirs, stage by stage, front to back
         fill = [INFEASIBLE_FILL] * len(depth)
@@ -410,9 +406,7 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
             fill[s] = f
         return bn, fill, tail, depth
     # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11): a pass
-    # per combination, or where stages are fewer than combinations a pass per stage (the same adds, fewer calls);
-    # from _ARRAY_STAGES stages on, numpy's running sum down the stages (accumulate adds one row at a time, in
-    # order: the same float adds as these loops, unlike numpy's pairwise sum)
+    # per combination, or where stages are fewer than combinations a pass per stage (the same adds, fewer calls)
     if n < len(depth):
         fill = list(stage_times[0])
         for times in stage_times[1:]:

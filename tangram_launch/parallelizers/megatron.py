@@ -335,8 +335,6 @@ class MegatronParallelizer:
             search.bound_grids()
         if memory_floor:
             search.too_big_grids()
-        if search.bound:
-            search.bound_one_kind_grids()
         for i in np.flatnonzero(search.keep).tolist():
             search.judge(i)
         return self._answer(search, key, memory_floor)
@@ -538,7 +536,6 @@ class _GridSearch:
         floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads
         self.hits, kind_floors, emb_floors, head_floors = _floor_arrays(self.table, index, coster, self.gkey,
                                                                         floor_key)
-        self.kind_floors = kind_floors
         totals = 0  # per (tp, cp, ep, dp): the slice's floor, summed as sum() over its layer kinds would
         for k, c in coster.layer_counts():
             totals = totals + c * kind_floors[k]
@@ -547,7 +544,7 @@ class _GridSearch:
         # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
         cuts = slack_cut(np.array(q.score_bounds_at(index.pp_values), dtype=np.float64))
         self.pp_cut = cuts.tolist()
-        self.score_cut = score_cut = cuts[index.pp_ids]
+        score_cut = cuts[index.pp_ids]
         # (the grid's floor spread over its stages, as the floors always summed it)
         beyond = beyond_array((m - 1) * tot / index.pp + tot, m * tot / index.pp, self.lat_cut, score_cut) & self.keep
         self.bounded += int(np.count_nonzero(beyond))
@@ -571,9 +568,8 @@ class _GridSearch:
         room = self.room = self.cap * (1.0 + 1e-9) - coster.overhead_bytes  # the floors sum in other orders
         over = need > room * index.pp
         if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
-            rows = np.flatnonzero(self.keep & ~over)  # (the grids it can still drop: fewer rows, the same numbers)
-            most = np.ceil(counts[0][1] / index.pp[rows])
-            over[rows] = (stage_terms[0][rows] * most[:, None] + stage_terms[1][rows]).min(axis=1) > room
+            most = np.ceil(counts[0][1] / index.pp)
+            over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
             self.kind = counts[0][0]
             self.stage_parts = self.table.memory_floors.setdefault(
                 ("parts", self.gkey, self.saver_cache_key, self.kind, _whole(coster)), {})
@@ -583,36 +579,6 @@ class _GridSearch:
         over &= self.keep
         self.too_big = int(np.count_nonzero(over))
         self.keep &= ~over
-
-    def bound_one_kind_grids(self) -> None:
-        """One kind: drop, at once, the pipelined grids with saver combinations whose heaviest stage cannot beat
-        either bound whatever the split: a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
-        floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
-        monotone; the score floor without a tail). A grid this bounds needs no split."""
-        kind_floors = self.kind_floors
-        if len(kind_floors) != 1:
-            return
-        index, m = self.index, self.m
-        (per_kind,) = kind_floors.values()
-        heaviest = np.ceil(self.max_pp / index.pp) * per_kind[index.fkey_ids]
-        beyond = beyond_array((m - 1) * heaviest + self.totals[index.fkey_ids] + 0.0, m * heaviest + 0.0,
-                              self.lat_cut, self.score_cut)
-        beyond &= self.keep & (index.pp > 1) & self._with_savers()
-        self.bounded += int(np.count_nonzero(beyond))
-        self.keep &= ~beyond
-
-    def _with_savers(self) -> np.ndarray:
-        """Whether each grid of the list has saver combinations the runtime can run (judge skips those without)."""
-        key = ("with savers", self.gkey, self.saver_cache_key)
-        hit = self.table.memory_floors.get(key)
-        if hit is None:
-            index, cache = self.index, self.saver_cache
-            for skey, grid in zip(index.saver_keys, index.grids):
-                if skey not in cache:
-                    cache[skey] = tuple(self.savers(self.q, grid))
-            hit = self.table.memory_floors[key] = np.array([bool(cache[skey]) for skey in index.saver_keys],
-                                                           dtype=bool)
-        return hit
 
     def judge(self, i: int) -> None:
         """Grid i of the list: skipped by its bounds or memory floors, else costed and its combinations judged."""
@@ -625,9 +591,16 @@ class _GridSearch:
         if not allowed:
             return
         grid_cut = math.inf
-        if self.bound:  # (bound_one_kind_grids has dropped what a one-kind slice's least heaviest stage bounds)
+        if self.bound:
             grid_cut = self.pp_cut[index.pp_list[i]]
             floor = self.floors.get(index.fkey_list[i]) or self._floor(index.fkey_list[i])
+            # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
+            # floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
+            # monotone): a grid this already bounds needs no split
+            if grid.pp > 1 and floor[4] is not None and beyond_floors(
+                    -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
+                self.bounded += 1
+                return
         tp, pp, dp, cp, ep = dims = index.dims[i]
         sizes = coster.split_sizes(pp, tp, cp, ep, dp, q.microbatch_sequences // dp)
         # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
