@@ -170,6 +170,21 @@ WIDE_MOE = ModelSpec(name="w8-moe", num_layers=8, hidden_size=4096, num_heads=32
 WIDE_TRAIN = TrainingSpec(global_batch=16, seq_len=1024, dtype="fp16")
 
 
+def _wide_slice(model: ModelSpec, isl, layers: tuple[int, int], b: int, caps):
+    """(query, parallelizer, coster, its own stage table) of a slice of ``model`` on ``isl``, or None where the
+    island's GPU type has no device model."""
+    from tangram_launch.costmodel.grid import StageTable
+
+    q = SliceQuery(model=model, training=WIDE_TRAIN, layers=layers, island=isl, microbatch_sequences=b,
+                   capabilities=caps)
+    coster = SliceCoster(q)
+    if coster.device_error:
+        return None
+    table = StageTable()
+    table.attach(coster)
+    return q, MegatronParallelizer(), coster, table
+
+
 def _memory_need_floor(coster: SliceCoster, grid, allowed) -> float:
     """The sum over a pipeline's stages that slice_floors.memory_floor_bytes bounds, from its per-layer terms."""
     per_kind, emb_b, head_b = memory_floor_bytes(coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed)
@@ -188,21 +203,16 @@ def test_memory_floors_are_under_the_heaviest_stages_least_need(gpu, per_node, n
     over the allowed savers (less the runtime overhead): a grid skipped by either fits no combination
     (megatron._search). And where the split's first or largest stage, with its micro-batches in flight and its
     edges, fits under no saver by slice_floors.stage_need_parts, judge_columns finds no fitting combination."""
-    from tangram_launch.costmodel.grid import StageTable, judge_columns
+    from tangram_launch.costmodel.grid import judge_columns
     from tangram_launch.parallelizers.megatron import _stage_misfit
 
     model = WIDE_MOE if moe else WIDE
     if model.is_moe and not caps.expert_parallel:
         return
-    isl = island(gpu, per_node, nodes)
-    q = SliceQuery(model=model, training=WIDE_TRAIN, layers=(start, min(8, start + length)), island=isl,
-                   microbatch_sequences=b, capabilities=caps)
-    par = MegatronParallelizer()
-    coster = SliceCoster(q)
-    if coster.device_error:
+    built = _wide_slice(model, island(gpu, per_node, nodes), (start, min(8, start + length)), b, caps)
+    if built is None:
         return
-    table = StageTable()
-    table.attach(coster)
+    q, par, coster, table = built
     misfits = 0
     for grid in par.grids(q, coster):
         if coster.check(grid):
@@ -294,3 +304,33 @@ def test_a_one_kind_split_has_a_stage_of_ceil_layers_over_pp(layers, pp, w, emb,
     sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, layers]))
     floor = ({"dense": w}, emb, head, 0.0, w)  # (per kind, embedding, head, total, the one kind's)
     assert _heaviest_floor(None, sizes, floor) >= -(-layers // pp) * w
+
+
+@settings(max_examples=30, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 2),
+       start=st.integers(0, 7), length=st.integers(1, 8), b=st.sampled_from([1, 2, 4, 8]))
+def test_signature_heads_are_each_distinct_stage_at_its_first_place(gpu, per_node, nodes, start, length, b):
+    """StageTable.signature_heads reads a one-kind pipeline's distinct stages from its pattern, not from the list:
+    they are grid.heads of its signatures (each distinct signature, front to back, at its first stage), for every
+    grid and split of slices with and without the embedding and head; and judge_columns and least_floors answer
+    the same with them as without."""
+    from tangram_launch.costmodel.grid import heads, judge_columns, least_floors
+
+    built = _wide_slice(WIDE, island(gpu, per_node, nodes), (start, min(8, start + length)), b, MEGATRON)
+    if built is None:
+        return
+    q, par, coster, table = built
+    m, cap = q.num_microbatches, coster.capacity_bytes
+    for grid in par.grids(q, coster):
+        allowed = tuple(par.savers(q, grid))
+        if coster.check(grid) or not allowed:
+            continue
+        dims = (grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+        sizes = coster.split_sizes(grid.pp, grid.tp, grid.cp, grid.ep, grid.dp, b // grid.dp)
+        sigs, got = table.signature_heads(coster, *dims, sizes)
+        assert sigs == table.signatures(coster, *dims, sizes=sizes)
+        assert got == heads(sigs), (grid, sizes, sigs)
+        table.stage_rows(coster, dims, sigs, allowed, sizes)
+        columns = table.stage_columns(sigs, allowed, m, cap)
+        assert judge_columns(columns, sigs, m, got) == judge_columns(columns, sigs, m)
+        assert least_floors(columns, sigs, m, got) == least_floors(columns, sigs, m)

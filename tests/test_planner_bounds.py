@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tangram_launch.capabilities import capabilities_for
 from tangram_launch.costmodel.interleaved_schedule import simulated_interleaved_1f1b_s
 from tangram_launch.costmodel.pipeline import simulated_1f1b_s
-from tangram_launch.planner.bounds import (beyond, beyond_array, beyond_floors, chain_score_floor_s, latency_floor_of,
-                                           lower_bound, score_floor_of, slack_cut)
+from tangram_launch.planner.bounds import (beyond, beyond_array, beyond_each, beyond_floors, chain_score_floor_s,
+                                           latency_floor_of, lower_bound, score_floor_of, slack_cut)
 from tangram_launch.planner.compose import Option
 from tangram_launch.planner.reference import every_composition
 
@@ -81,7 +81,8 @@ def test_a_slice_plans_floors_are_under_every_pipeline_holding_it(seed):
 @settings(max_examples=200, deadline=None)
 def test_the_array_forms_give_the_scalar_forms_answers_bit_for_bit(rows, m, lat_bound, score_bound):
     """latency_floor_of / score_floor_of over arrays are the scalar floors element by element (the same float
-    operations), and beyond_array is beyond per element at the same cuts (and beyond_floors, the fused scalar form)."""
+    operations), and beyond_array is beyond per element at the same cuts (and beyond_floors, the fused scalar form,
+    and beyond_each, its form over lists)."""
     bn, fill, tail = (np.array(col, dtype=np.float64) for col in zip(*rows))
     lat, score = latency_floor_of(bn, fill, tail, m), score_floor_of(bn, tail, m)
     lat_cut, score_cut = slack_cut(lat_bound), slack_cut(score_bound)
@@ -90,6 +91,7 @@ def test_the_array_forms_give_the_scalar_forms_answers_bit_for_bit(rows, m, lat_
         assert lat[i] == latency_floor_of(b, f, t, m) and score[i] == score_floor_of(b, t, m)
         assert bool(got[i]) == beyond(latency_floor_of(b, f, t, m), score_floor_of(b, t, m), lat_cut, score_cut)
         assert bool(got[i]) == beyond_floors(b, f, t, m, lat_cut, score_cut)
+    assert beyond_each(*map(list, zip(*rows)), m, lat_cut, score_cut) == [bool(x) for x in got]
 
 
 def test_a_floor_that_ties_a_bound_up_to_rounding_is_not_beyond_it():

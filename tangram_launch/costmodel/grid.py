@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from functools import reduce
 from operator import add, itemgetter
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -103,8 +103,15 @@ class StageTable:
 
     def signatures(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int,
                    sizes: tuple[int, ...] | None = None) -> list[int]:
-        """Each stage's signature (what SliceCoster.stage_sums depends on) of the grid, as the signature's number
-        in this table: the other methods take numbers, so a signature is hashed once. ``sizes``: the grid's split
+        """signature_heads' signatures alone."""
+        return self.signature_heads(coster, tp, pp, dp, cp, ep, sizes)[0]
+
+    def signature_heads(self, coster: "SliceCoster", tp: int, pp: int, dp: int, cp: int, ep: int,
+                        sizes: tuple[int, ...] | None = None) -> tuple[list[int], list[tuple[int, int]]]:
+        """(signatures, heads(signatures)): each stage's signature (what SliceCoster.stage_sums depends on) of the
+        grid, as the signature's number in this table: the other methods take numbers, so a signature is hashed
+        once; and each distinct signature with its first stage (a one-kind pipeline's from its pattern, not by
+        searching the list). ``sizes``: the grid's split
         (coster.split_sizes' answer), where the caller has it already; its stages' layer ranges are
         coster.stage_ranges(sizes), taken here only where a signature needs them (not for a slice of one kind)."""
         q = coster.q
@@ -144,11 +151,11 @@ class StageTable:
                 sid = ids[sig] = len(ids)
                 self.state_keys.append(sig[1:9])
             sids.append(sid)
-        return sids
+        return sids, heads(sids)
 
     def _one_kind_signatures(self, coster: "SliceCoster", sizes: tuple[int, ...], dims: tuple,
-                             stage_gpus: int, g: int, tied: bool) -> list[int]:
-        """signatures() of a slice of one layer kind: a stage's signature then depends on its layer count, its
+                             stage_gpus: int, g: int, tied: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """signature_heads() of a slice of one layer kind: a stage's signature then depends on its layer count, its
         links and whether it is the first or last stage, so the many alike middle stages of a long pipeline are
         looked up once (the same numbers as the general loop). Which stages are alike depends only on the sizes and
         the links: that pattern is found once per (sizes, stage GPUs, GPUs per node) for every query and grid."""
@@ -161,8 +168,9 @@ class StageTable:
             keys[0] = (*keys[0], 0)
             keys[pp - 1] = (*keys[pp - 1], pp - 1)
             distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct stage, front to back
-            pattern = self.patterns[sizes, stage_gpus, g] = (tuple(distinct), [distinct[k] for k in keys])
-        distinct, order = pattern
+            pattern = self.patterns[sizes, stage_gpus, g] = (tuple(distinct), [distinct[k] for k in keys],
+                                                             [keys.index(k) for k in distinct])
+        distinct, order, firsts = pattern
         ids = self.sig_ids
         last_j = pp - 1
         local: list[int] = []
@@ -187,7 +195,11 @@ class StageTable:
                     self.state_keys.append(sig[1:9])
                 known[key] = sid
             local.append(sid)
-        return list(map(local.__getitem__, order))
+        # distinct keys come front to back, so the first key of each signature is where that signature first is
+        seen: dict[int, int] = {}
+        for sid, j in zip(local, firsts):
+            seen.setdefault(sid, j)
+        return list(map(local.__getitem__, order)), list(seen.items())
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> list[list[tuple]]:
@@ -201,13 +213,45 @@ class StageTable:
         these savers (a caller that reads few of them takes them from it instead of a list per stage)."""
         return self._cost(coster, grid, sids, set(sids), savers, sizes)
 
+    def saver_columns(self, savers: tuple[tuple[int, int, bool], ...], m: int, cap: float) -> "SaverColumns":
+        """The dicts that hold stage_rows' and stage_columns' numbers under ``savers`` (and m, cap), for a caller
+        that judges many grids under the same few saver lists (it looks them up once, not per grid)."""
+        rows = self.rows.get(savers)
+        if rows is None:
+            rows = self.rows[savers] = {}
+        key = (savers, m, cap)
+        columns = self.columns.get(key)
+        if columns is None:
+            columns = self.columns[key] = {}
+        return SaverColumns(savers, rows, columns, m, cap)
+
     def costed_columns(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
-                       savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int], m: int,
-                       cap: float) -> tuple[dict[int, list], dict[int, tuple]]:
-        """cost_stages, then stage_columns, in one pass over the distinct signatures: (rows, columns) by signature."""
-        distinct = set(sids)
-        by_sid = self._cost(coster, grid, sids, distinct, savers, sizes)
-        return by_sid, self._columns_of(distinct, by_sid, savers, m, cap)
+                       savers: "SaverColumns", sizes: Sequence[int],
+                       stage_heads: Sequence[tuple[int, int]]) -> tuple[dict[int, list], dict[int, tuple]]:
+        """cost_stages, then stage_columns, of the distinct signatures (``stage_heads``: heads(sids)), under
+        saver_columns' ``savers``: (rows, columns) by signature."""
+        sums, rows, columns = self.sums, savers.rows, savers.columns
+        new = [j for sid, j in stage_heads if sid not in sums]
+        if new:
+            self._cost_sums(coster, grid, sids, new, sizes)
+        for sid, _ in stage_heads:
+            if sid not in columns:
+                row = rows.get(sid)
+                if row is None:
+                    row = rows[sid] = coster.fast_rows(sums[sid], savers.savers)
+                columns[sid] = _columns(row, savers.m, savers.cap)
+        return rows, columns
+
+    def _cost_sums(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
+                   new: list[int], sizes: Sequence[int] | None) -> None:
+        """The stage sums of the stages ``new`` (positions, front to back: each missing signature's first)."""
+        sums = self.sums
+        tp, pp, dp, cp, ep = grid
+        for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new, sizes=sizes)):
+            sid = sids[j]
+            sums[sid] = st
+            # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
+            st.zero_parts = self.zero_parts.setdefault(self.state_keys[sid], st.zero_parts)
 
     def _cost(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
               distinct: set[int], savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None) -> dict:
@@ -215,13 +259,7 @@ class StageTable:
         sums = self.sums
         missing = distinct.difference(sums)
         if missing:  # cost those stages only, each once (at its first stage); later queries reuse them by signature
-            new = sorted(map(sids.index, missing))
-            tp, pp, dp, cp, ep = grid
-            for j, st in zip(new, coster.stage_sums(tp, pp, dp, cp, ep, stages=new, sizes=sizes)):
-                sid = sids[j]
-                sums[sid] = st
-                # the same ZeRO / offload terms as every costed stage alike in them (any micro-batch size)
-                st.zero_parts = self.zero_parts.setdefault(self.state_keys[sid], st.zero_parts)
+            self._cost_sums(coster, grid, sids, sorted(map(sids.index, missing)), sizes)
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
@@ -259,6 +297,23 @@ class StageTable:
             bd["has_head"] = st.has_head
             hit = self.explained[key] = (*numbers, bd, st.p2p_bytes)
         return hit
+
+
+class SaverColumns(NamedTuple):
+    """StageTable.saver_columns' answer: the saver combinations, the rows and columns kept by signature under them,
+    and the m and capacity the columns are judged at."""
+
+    savers: tuple
+    rows: dict
+    columns: dict
+    m: int
+    cap: float
+
+
+def heads(sids: Sequence[int]) -> list[tuple[int, int]]:
+    """Each distinct signature of a grid's stages, front to back, with its first position (where it holds the most
+    micro-batches in flight)."""
+    return [(sid, sids.index(sid)) for sid in dict.fromkeys(sids)]
 
 
 def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bool | None]]:
@@ -308,7 +363,8 @@ def _columns(row: Sequence[tuple], m: int, cap: float) -> tuple:
     return times, tails, most, term, max(most), min(times), min(tails), {}
 
 
-def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[
+def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int,
+                  stage_heads: Sequence[tuple[int, int]] | None = None) -> tuple[
         list[float], list[float] | None, list[float], list[int]] | None:
     """For each saver combination of a grid, from StageTable.stage_columns: (bottleneck_s, fill_s, tail_s, depth)
     lists. Per combination the plain computation is max, sum (added front to back, as Python's sum) and max of the
@@ -318,26 +374,25 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     either is >= 0 (where a combination fits nowhere both are negative). fill is None when no combination fits, and
     INFEASIBLE_FILL for a combination that does not (nobody reads those). None instead of the four lists when one
     stage fits no combination at its place (nothing to judge). fit_depth's peak memory is left to peak_memory, for
-    the rare query where nothing fits at all."""
+    the rare query where nothing fits at all. ``stage_heads``: heads(sids), where the caller has them."""
     m = num_microbatches
     n = len(sids)
-    heads = []
-    for sid in dict.fromkeys(sids):  # each distinct stage at its first position
-        after = n - sids.index(sid)
+    judged = []
+    for sid, first in heads(sids) if stage_heads is None else stage_heads:  # each distinct stage at its first place
+        after = n - first
         inflight = after if after < m else m
         col = columns[sid]
         if inflight > col[4]:  # this stage fits no combination here (most grids of a large model)
             return None
-        heads.append((col, after, inflight))
-    col, after, inflight = heads[0]
+        judged.append((col, after, inflight))
+    col, after, inflight = judged[0]
     bn, tail = col[0], col[1]
     depth = col[7].get(after) or _head_depths(col, after, inflight)
     # per combination max / min of two, as the builtins pick them (the second only where strictly beyond the first)
-    for col, after, inflight in heads[1:]:
+    for col, after, inflight in judged[1:]:
         bn = [y if y > x else x for x, y in zip(bn, col[0])]
         tail = [y if y > x else x for x, y in zip(tail, col[1])]
         depth = [y if y < x else x for x, y in zip(depth, col[7].get(after) or _head_depths(col, after, inflight))]
-    depth = [-1 if d == _OVER else (d if d < SATURATED else SATURATED) for d in depth]
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
         return bn, None, tail, depth
@@ -361,27 +416,29 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     return bn, fill, tail, depth
 
 
-_OVER = -(1 << 62)  # _head_depths' mark of a combination that does not fit where the stage is
-
-
 def _head_depths(col: tuple, after: int, inflight: int) -> list[int]:
     """A distinct stage's share of judge_columns' depth, ``after`` stages from the pipeline's end (``inflight``
-    micro-batches in flight there): per combination fit_depth's term - after, or _OVER where the stage does not
-    fit (the least of these over the stages is the depth, _OVER its "fits nowhere"). Remembered in the column:
-    the same signature sits at the same distance from the end in many grids and queries."""
-    hit = col[7][after] = [_OVER if inflight > k else x - after for x, k in zip(col[3], col[2])]
+    micro-batches in flight there): per combination fit_depth's term - after, at most SATURATED, or -1 where the
+    stage does not fit (the least of these over the stages is the depth: taking the least commutes with the
+    clamp, and a negative one means "fits nowhere"). Remembered in the column: the same signature sits at the
+    same distance from the end in many grids and queries."""
+    hit = col[7][after] = [-1 if inflight > k else (x - after if x - after < SATURATED else SATURATED)
+                           for x, k in zip(col[3], col[2])]
     return hit
 
 
 _LEAST_TIME, _LEAST_TAIL = itemgetter(5), itemgetter(6)  # a stage_columns entry's least time_s and tail_s
 
 
-def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int) -> tuple[float, float]:
+def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbatches: int,
+                 stage_heads: Sequence[tuple[int, int]] | None = None) -> tuple[float, float]:
     """Under every saver combination's (m - 1) x bottleneck + fill + tail and m x bottleneck + tail
     (slice_plan.latency_floor_s, score_floor_s): the same sums of each stage's least time and tail over the
-    combinations, in the same order (float rounding is monotone, so these are below to the last bit)."""
+    combinations, in the same order (float rounding is monotone, so these are below to the last bit).
+    ``stage_heads``: heads(sids), where the caller has them."""
     m = num_microbatches
-    distinct = list(map(columns.__getitem__, dict.fromkeys(sids)))
+    distinct = [columns[sid] for sid in dict.fromkeys(sids)] if stage_heads is None else [
+        columns[sid] for sid, _ in stage_heads]
     bn = max(map(_LEAST_TIME, distinct))
     tail = max(map(_LEAST_TAIL, distinct))
     fill = reduce(add, map(_LEAST_TIME, map(columns.__getitem__, sids)))  # front to back, one add at a time

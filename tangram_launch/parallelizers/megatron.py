@@ -52,6 +52,7 @@ from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.grid import (
     GridIndex,
+    SaverColumns,
     StageTable,
     StageTables,
     judge_columns,
@@ -60,7 +61,7 @@ from tangram_launch.costmodel.grid import (
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
-from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_floors, slack_cut
+from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
     LazySlicePlan,
@@ -515,6 +516,7 @@ class _GridSearch:
         self.too_big = 0  # grids skipped by their memory floor
         self.saver_cache_key = (getattr(savers, "__qualname__", None), q.pipelined)
         self.saver_cache = table.saver_lists.setdefault(self.saver_cache_key, {})
+        self.saver_columns: dict[tuple, SaverColumns] = {}  # saver key -> StageTable.saver_columns of its savers
         self.bound = q.bounded  # skip what cannot beat the planner's bounds so far
         self.lat_cut = slack_cut(q.latency_bound_s)
         self.floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind, embedding, head, slice's, one kind's)
@@ -609,14 +611,17 @@ class _GridSearch:
         if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
             self.too_big += 1
             return
-        sigs = self.table.signatures(coster, tp, pp, dp, cp, ep, sizes=sizes)
+        sigs, heads = self.table.signature_heads(coster, tp, pp, dp, cp, ep, sizes)
+        saver_columns = self.saver_columns.get(skey)
+        if saver_columns is None:
+            saver_columns = self.saver_columns[skey] = self.table.saver_columns(allowed, m, self.cap)
         # each stage's rows (by_sid[its sig]) and their columns
-        by_sid, columns = self.table.costed_columns(coster, dims, sigs, allowed, sizes, m, self.cap)
+        by_sid, columns = self.table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
         if self.bound and len(allowed) > 1:
-            if beyond(*least_floors(columns, sigs, m), self.lat_cut, grid_cut):
+            if beyond(*least_floors(columns, sigs, m, heads), self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m),
+        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m, heads),
                           grid_cut)
 
     def _floor(self, f: int) -> tuple:
@@ -648,16 +653,17 @@ class _GridSearch:
             self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, depth))
             if fill is None:
                 return
-        m, bound, lat_cut = self.m, self.bound, self.lat_cut
-        n_gpus = grid.num_gpus
-        for s, (zero, r, off) in enumerate(allowed):
-            if depth[s] < 0:
+        # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
+        beyond = beyond_each(bottleneck, fill, tail, self.m, self.lat_cut, grid_cut) if self.bound else None
+        pp, n_gpus, new = grid.pp, grid.num_gpus, tuple.__new__  # (a FrontPoint made as its class's __new__ does)
+        for s, saver in enumerate(allowed):
+            d = depth[s]
+            if d < 0:
                 continue
-            if bound and beyond_floors(bottleneck[s], fill[s], tail[s], m, lat_cut, grid_cut):
-                self.bounded += 1  # slice_plan.latency_floor_s and score_floor_s of the plan it would be
+            if beyond is not None and beyond[s]:
+                self.bounded += 1
                 continue
-            bucket.append(FrontPoint(bottleneck[s], fill[s], tail[s], depth[s], grid.pp, n_gpus, grid, zero, r, off,
-                                     stages, s))
+            bucket.append(new(FrontPoint, (bottleneck[s], fill[s], tail[s], d, pp, n_gpus, grid, *saver, stages, s)))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,

@@ -7,7 +7,7 @@ import the planner; they are re-exported here. The DP's per-option and per-entry
 "DP entry": compose._add_options and compose._add_entries compute them inline (the DP's hot loop), from the terms
 below (PrefixBounds, front_link_s, round_trips_s, cycles_s, score_floor_terms). Scalar and array forms stand side by
 side: latency_floor_of / score_floor_of take floats or numpy arrays alike, beyond / beyond_array (beyond_floors:
-both floors and beyond in one call, for loops over many plans).
+both floors and beyond in one call, for loops over many plans; beyond_each: the same over parallel lists).
 
 m micro-batches; a pipeline's closed form is (m - 1) x period + fill + tail (compose.py), its score the Plan's
 simulated iteration (plain or interleaved 1F1B).
@@ -29,7 +29,7 @@ slice score: score_floor_of: m x bottleneck + tail
             tests/test_planner_bounds.py::test_a_slice_plans_floors_are_under_every_pipeline_holding_it
 
 grid compute floors: slice_floors.time_floors(with_comm): compute + TP/CP/EP comm per layer kind
-    prunes: megatron bound_grids, _heaviest_floor
+    prunes: megatron bound_grids, bound_one_kind_grids (a stage of ceil(layers / pp)), _heaviest_floor
     safe:   stage times only add recompute, p2p and exposed ZeRO to these
     test:   test_planner_bound.py::test_compute_floors_are_below_every_stage_time;
             test_megatron_fast_paths.py::test_a_one_kind_split_has_a_stage_of_ceil_layers_over_pp
@@ -150,13 +150,14 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
-from tangram_launch.costmodel.slice_bounds import (BOUND_SLACK, beyond, beyond_array, beyond_floors,
+from tangram_launch.costmodel.slice_bounds import (BOUND_SLACK, beyond, beyond_array, beyond_each, beyond_floors,
                                                    latency_floor_of, score_floor_of, slack_cut)
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.planner.compose import Option
 
-__all__ = ["BOUND_SLACK", "Covers", "PrefixBounds", "PrefixCovers", "beyond", "beyond_array", "beyond_floors",
+__all__ = ["BOUND_SLACK", "Covers", "PrefixBounds", "PrefixCovers", "beyond", "beyond_array", "beyond_each",
+           "beyond_floors",
            "chain_score_floor_s", "covers", "covers_of", "interleaved_1f1b_floor_s",
            "cycles_s", "front_link_s", "latency_floor_of", "least_links", "lower_bound", "pair_minima",
            "plain_1f1b_floor_s", "round_trips_s", "row_minima", "score_floor_of", "score_floor_terms", "slack_cut"]
