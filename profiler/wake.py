@@ -6,8 +6,8 @@ wait run cold: while the worker slept the core idled or ran other work, and cach
 refilled, once per wake-up whatever the rows. The layer profile times calls back to back and never sees it, so the
 waiting stages of a CPU pipeline read faster in the plan than in the run report.
 
-Measured as a stage would meet it: a stage-like call sequence (the embedding, one layer, the head with the loss:
-forward, then backward through all three) run back to back, and run after a sleep of ``WAKE_SLEEP_S`` before each
+Measured as a stage would meet it: a stage-like call sequence (the embedding, the model's layers, as many as the
+budget affords, the head with the loss: forward, then backward through all) run back to back, and run after a sleep of ``WAKE_SLEEP_S`` before each
 call; the cost is the difference of the two medians (wall time: devices that share a core share it in both, as a
 stage's replicas do, and a collective before each sleep wakes them together). Rounds alternate the two ways, so
 load that drifts meets both alike. The cost model charges it
@@ -29,24 +29,41 @@ WAKE_SLEEP_S = 0.02
 WAKE_CALLS = 8  # calls per round of each way (a back-to-back block is timed whole)
 
 
-def stage_sequence(model, shape, device: torch.device) -> Callable[[], None]:
+def stage_sequence(model, shape, device: torch.device, layers: int = 1) -> Callable[[], None]:
     """One micro-batch through a stage-like sequence at ``shape`` (a profiler.layer.LayerShape at tp 1): tokens
-    (B, T) -> embedding -> one layer of the model's first kind -> head and loss, then the backward through all."""
+    (B, T) -> embedding -> the model's first ``layers`` layers -> head and loss, then the backward through all."""
     from profiler.layer import _Embedding, _HeadLoss, build_layer
     from profiler.bench import DTYPES
 
     b, t, dtype = shape.micro_batch, shape.seq_len, DTYPES[shape.dtype]
     torch.manual_seed(0)
     embedding = _Embedding(model).to(device=device, dtype=dtype)
-    layer = build_layer(model, model.layer_kind(0), device, shape.dtype)
+    body = torch.nn.Sequential(*(build_layer(model, model.layer_kind(i), device, shape.dtype) for i in range(layers)))
     head = _HeadLoss(model).to(device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (b, t), device=device, generator=gen)  # (B, T)
 
     def run() -> None:
-        head(layer(embedding(tokens)), tokens).backward()
+        head(body(embedding(tokens)), tokens).backward()
 
     return run
+
+
+def stage_layers(model, shape, device: torch.device, *, budget_s: float, calls: int = WAKE_CALLS,
+                 agree: Callable[[int], int] = lambda n: n) -> int:
+    """How many of the model's layers the stage-like sequence holds: all of them where a call of the sequence fits
+    a quarter of the rounds' share of ``budget_s`` (two rounds of ``calls`` calls each way), else as many as do
+    (at least one); ``agree``: the smallest over the node, so devices that share a core run the same sequence.
+
+    Why as many as fit: after a wait the stage's whole working set (weights, activations) must come back into the
+    caches, so a small model's cold start grows with the layers the stage holds; a stage of the whole model is the
+    largest any plan has, and larger stages' layers exceed the caches anyway. A GPU runs one layer: its layers
+    outgrow its caches, and more of them would take memory the layer profile measured for training."""
+    if device.type != "cpu":
+        return agree(1)
+    once_s = warm_once_s(stage_sequence(model, shape, device), device_sync(device))
+    fits = int(budget_s / (4 * 2 * calls) / once_s)
+    return agree(max(1, min(model.num_layers, fits)))
 
 
 def time_wake_up(fn: Callable[[], Any], device: torch.device, *, budget_s: float,
@@ -83,5 +100,5 @@ def time_wake_up(fn: Callable[[], Any], device: torch.device, *, budget_s: float
     return Measured(max(0.0, cold_s - warm_s) * 1e6, "us", Timing(tuple(after_sleep)),
                     (("back_to_back_s", warm_s), ("after_sleep_s", cold_s), ("sleep_s", sleep_s),
                      ("rounds", rounds), ("calls", calls),
-                     ("timed", "embedding, one layer, head and loss, forward then backward: each call after a "
+                     ("timed", "embedding, layers, head and loss, forward then backward: each call after a "
                                "sleep against blocks of back-to-back calls")))

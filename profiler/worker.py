@@ -22,6 +22,7 @@ measures anything, to emulate a slower device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -343,7 +344,7 @@ def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int
     if not run.args.model:
         return None
     from profiler.layer import LayerShape
-    from profiler.wake import stage_sequence, time_wake_up
+    from profiler.wake import stage_layers, stage_sequence, time_wake_up
     from tangram_launch.specs.model import load_model
 
     model = load_model(run.args.model)
@@ -351,8 +352,10 @@ def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int
                        min(_layer_seq_lens(run.args, model, run.device)), run.args.layer_dtype or "bf16")
     run.progress.phase(f"wake-up cost of {model.name} at {shape.label()} within {WAKE_BUDGET_S:g} s")
     try:
-        measured = time_wake_up(stage_sequence(model, shape, run.device), run.device, budget_s=WAKE_BUDGET_S,
-                                between=between, agree=agree)
+        layers = stage_layers(model, shape, run.device, budget_s=WAKE_BUDGET_S, agree=agree)
+        measured = time_wake_up(stage_sequence(model, shape, run.device, layers), run.device,
+                                budget_s=WAKE_BUDGET_S, between=between, agree=agree)
+        measured = dataclasses.replace(measured, detail=measured.detail + (("layers", layers),))
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None

@@ -8,7 +8,7 @@ import time
 import torch
 
 from profiler.layer import LayerShape
-from profiler.wake import stage_sequence, time_wake_up
+from profiler.wake import stage_layers, stage_sequence, time_wake_up
 from tangram_launch.specs.model import load_model
 
 
@@ -48,6 +48,13 @@ def test_rounds_follow_the_agreed_count():
 
 
 def test_the_stage_like_sequence_runs_forward_and_backward():
-    fn = stage_sequence(load_model("tiny"), LayerShape(2, 16, "fp32"), torch.device("cpu"))
+    fn = stage_sequence(load_model("tiny"), LayerShape(2, 16, "fp32"), torch.device("cpu"), layers=2)
     fn()  # a whole micro-batch, its backward included: a second call must not fail on a freed graph
     fn()
+
+
+def test_a_cpu_stage_holds_as_many_layers_as_the_budget_affords_and_the_node_agrees():
+    model, shape, cpu = load_model("tiny"), LayerShape(2, 16, "fp32"), torch.device("cpu")
+    assert stage_layers(model, shape, cpu, budget_s=60.0) == model.num_layers  # all of them fit
+    assert stage_layers(model, shape, cpu, budget_s=1e-6) == 1  # at least one
+    assert stage_layers(model, shape, cpu, budget_s=60.0, agree=lambda n: min(n, 2)) == 2
