@@ -51,9 +51,10 @@ def stage_sequence(model, shape, device: torch.device, layers: int = 1) -> Calla
 
 def stage_layers(model, shape, device: torch.device, *, budget_s: float, calls: int = WAKE_CALLS,
                  agree: Callable[[int], int] = lambda n: n) -> int:
-    """How many of the model's layers the stage-like sequence holds: all of them where a call of the sequence fits
-    a quarter of the rounds' share of ``budget_s`` (two rounds of ``calls`` calls each way), else as many as do
-    (at least one); ``agree``: the smallest over the node, so devices that share a core run the same sequence.
+    """How many of the model's layers the stage-like sequence holds on a CPU: all of them where a call of the
+    sequence takes at most a quarter of the rounds' share of ``budget_s`` of process time (two rounds of ``calls``
+    calls each way), else as many as do (at least one); ``agree``: the smallest over the node, so devices that
+    share a core run the same sequence.
 
     Why as many as fit: after a wait the stage's whole working set (weights, activations) must come back into the
     caches, so a small model's cold start grows with the layers the stage holds; a stage of the whole model is the
@@ -61,14 +62,17 @@ def stage_layers(model, shape, device: torch.device, *, budget_s: float, calls: 
     outgrow its caches, and more of them would take memory the layer profile measured for training."""
     if device.type != "cpu":
         return agree(1)
-    once_s = warm_once_s(stage_sequence(model, shape, device), device_sync(device))
+    # process time: a throttled device's wall time per call is its quota's, and its layers would decide its peers'
+    once_s = warm_once_s(stage_sequence(model, shape, device), device_sync(device), time.process_time)
     fits = int(budget_s / (4 * 2 * calls) / once_s)
     return agree(max(1, min(model.num_layers, fits)))
 
 
 def time_wake_up(fn: Callable[[], Any], device: torch.device, *, budget_s: float,
                  between: Callable[[], Any] = lambda: None, agree: Callable[[int], int] = lambda n: n,
-                 sleep_s: float = WAKE_SLEEP_S, calls: int = WAKE_CALLS, max_rounds: int = 12) -> Measured:
+                 sleep_s: float = WAKE_SLEEP_S, calls: int = WAKE_CALLS, max_rounds: int = 12,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], Any] = time.sleep) -> Measured:
     """Microseconds ``fn`` costs more after a sleep of ``sleep_s`` than back to back (median against median, at
     least 0): rounds of ``calls`` back-to-back calls (one sample, their mean) and ``calls`` calls each after a sleep
     (one sample each), as many rounds as ``budget_s`` affords (``agree``: the minimum over the node's processes, so
@@ -78,24 +82,24 @@ def time_wake_up(fn: Callable[[], Any], device: torch.device, *, budget_s: float
     before it. Left to drift, two devices on one core slept and computed in turns, and a call after a sleep read
     1.6x faster than back to back (a whole core instead of half)."""
     sync = device_sync(device)
-    once_s = warm_once_s(fn, sync)
+    once_s = warm_once_s(fn, sync, clock)
     per_round_s = calls * (2.0 * once_s + sleep_s)
     rounds = agree(max(2, min(max_rounds, int(budget_s / per_round_s))))
     back_to_back, after_sleep = [], []
     for _ in range(rounds):
         between()
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             fn()
         sync()
-        back_to_back.append((time.perf_counter() - t0) / calls)
+        back_to_back.append((clock() - t0) / calls)
         for _ in range(calls):
             between()  # every device of the node wakes together, as a stage's replicas wake on one message
-            time.sleep(sleep_s)
-            t0 = time.perf_counter()
+            sleep(sleep_s)
+            t0 = clock()
             fn()
             sync()
-            after_sleep.append(time.perf_counter() - t0)
+            after_sleep.append(clock() - t0)
     cold_s, warm_s = statistics.median(after_sleep), statistics.median(back_to_back)
     return Measured(max(0.0, cold_s - warm_s) * 1e6, "us", Timing(tuple(after_sleep)),
                     (("back_to_back_s", warm_s), ("after_sleep_s", cold_s), ("sleep_s", sleep_s),
