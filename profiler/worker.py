@@ -156,7 +156,7 @@ LAYER_BUDGET_S, LAYER_BUDGET_QUICK_S = 60.0, 15.0  # wall seconds for every --mo
 # --layer-timing back-to-back: process seconds of one block of calls, many CFS periods of a throttled CPU device (its
 # quota is enforced at the kernel's tick, in bursts of milliseconds) yet a few blocks within one shape's budget
 LAYER_BLOCK_CPU_S = 0.1
-WAKE_BUDGET_S = 4.0  # wall seconds of the wake-up cost's rounds (profiler.wake) on one device
+WAKE_BUDGET_S = 8.0  # wall seconds of the wake-up cost's rounds (profiler.wake) on one device
 
 
 def _int_list(text: str) -> list[int]:
