@@ -1,10 +1,11 @@
 """Measured layer costs against a real run: a plan priced from ``profile --model`` layer times, and the same plan
 priced by the analytic model, each set beside what the run's ``run-report.json`` measured, per stage.
 
-    sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--cores 0,0,1] [--period-us 24000]
-        [--no-filler] [--model tiny] [--seq-len 64] [--global-batch 256] [--micro-batches 8,16,32] [--min-micro-batch 8]
+    sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--cores 0,0,1] [--period-us 0]
+        [--no-filler] [--ticker-us 1000] [--model tiny] [--seq-len 64] [--global-batch 256] [--micro-batches 8,16,32] [--min-micro-batch 8]
         [--layer-budget-s 30] [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
     taskset -c 1 python benchmarks/bench_measured_cpu.py --probe-wait [--probe-micro-batch 8] [--probe-sleep-ms 30]
+    sudo python benchmarks/bench_measured_cpu.py --probe-throttle [--probe-sleep-ms 20] [--quota 0.33] [--period-us N]
 
 Three CPU processes are the devices. Every process runs in a cgroup-v1 ``cpu`` group with raised cpu.shares (the
 host's other work yields to it; ``bench_hetero_cpu.make_groups``), and each device in a ``cpuset`` of its own core
@@ -17,8 +18,12 @@ device runs in bursts of whole ticks (4 ms on, 20 ms off at 0.165 of a core, per
 is refused. The mean speed over many periods is exact, but a device that waits leaves its quota unspent and then
 computes at full speed until it is spent: a throttled stage that waits part of each step reads faster than its
 profile (benchmarks/README.md). So a busy loop at SCHED_IDLE (the filler; ``--no-filler`` leaves it out) runs in
-the throttled device's groups: it spends the quota only while the worker waits, and the worker computes at its
-quota's speed whenever it computes, as a slower device would.
+the throttled device's groups: it spends the quota only while the worker waits. That alone is not enough: the
+throttled time then falls inside the worker's wait, it wakes with a fresh quota, and the kernel notices the quota
+is spent only at its next tick, so a call shorter than a tick still ran at full speed after each wait
+(``--probe-throttle``). A ticker (``--ticker-us``, default 1 ms; 0 leaves it out) wakes in the same groups, and
+each of its wake-ups makes the kernel check the quota: the worker computes at its quota's speed after a wait as
+back to back, as a slower device would.
 
 1. Profile, for real: ``tangram-launch profile --standalone --nproc-per-node 3 --model M --seq-len S
    --micro-batch 8,16,32 --layer-dtype fp32 --layer-timing back-to-back``, each worker moved into its device's
@@ -41,6 +46,9 @@ quota's speed whenever it computes, as a slower device would.
 ``--probe-wait`` (no benchmark, no root): the training's stage module and one profiled layer, CPU time per
 micro-batch, back to back and sleeping before each micro-batch as a stage that waits for a slower neighbour does
 (a layer call after a sleep costs more CPU than the back-to-back profile measures: benchmarks/README.md).
+``--probe-throttle`` (root, no benchmark): the profiler's wake-up measurement (profiler/wake.py: a stage-like
+micro-batch back to back and after a sleep, wall time) in the throttled device's groups and in a fast device's,
+at 8 and 16 rows: whether the throttled device computes at its speed after a wait as it does back to back.
 ``--runs N`` repeats 1-3 (a new profile each time); one run takes about 2 minutes.
 
 Exit status: 0 when it ran (the figures say how well each prediction did), 1 when a step failed.
@@ -51,6 +59,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -88,12 +97,13 @@ class Devices:
     cpuset_of: dict  # local device index -> its cpuset group (absent: not pinned)
     core_of: dict  # local device index -> the CPU it runs on
     cpuset_root: str | None = None
-    filler: subprocess.Popen | None = None  # spends the throttled device's quota while its worker waits
+    # in the throttled device's groups: the filler (spends its quota while its worker waits), the ticker
+    helpers: tuple[subprocess.Popen, ...] = ()
 
     def remove(self) -> list[str]:
-        if self.filler is not None:
-            self.filler.kill()
-            self.filler.wait()
+        for proc in self.helpers:
+            proc.kill()
+            proc.wait()
         cpusets = [*self.cpuset_of.values(), *([self.cpuset_root] if self.cpuset_root else [])]
         return base.remove_groups([*self.group_of.values(), self.bench, *cpusets])  # children first
 
@@ -113,6 +123,8 @@ def make_devices(args) -> tuple[Devices | None, str]:
     each device pinned to its core by a cpuset (``--cores``); the fast devices without a quota."""
     cores = _cores(args)
     slow_quota = args.quota * fast_core_share(cores) if cores else args.quota
+    if not args.period_us:  # the shortest period the kernel takes: a quota of at least 1 ms
+        args.period_us = math.ceil(1000 / slow_quota)
     groups, why = base.make_groups(slow_quota, args.period_us, args.shares)
     if groups is None:
         return None, why
@@ -124,9 +136,10 @@ def make_devices(args) -> tuple[Devices | None, str]:
         except OSError as exc:
             devices.remove()
             return None, f"cannot create the devices' cpusets under {CPUSET_ROOT} ({exc})"
-    if args.filler:
-        devices = dataclasses.replace(devices, filler=start_filler(devices.groups_of(THROTTLED)))
-    return devices, ""
+    throttled = devices.groups_of(THROTTLED)
+    helpers = ((start_filler(throttled),) if args.filler else ()) + \
+        ((start_ticker(throttled, args.ticker_us),) if args.ticker_us else ())
+    return dataclasses.replace(devices, helpers=helpers), ""
 
 
 def _pin(devices: Devices) -> None:
@@ -160,6 +173,32 @@ def start_filler(groups: list[str]) -> subprocess.Popen:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=enter,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+_TICKER = r'''
+import os, sys, time
+parent, interval_s = os.getppid(), float(sys.argv[1])
+while os.getppid() == parent:  # ends with the benchmark, even a killed one
+    time.sleep(interval_s)
+'''
+
+
+def start_ticker(groups: list[str], interval_us: int) -> subprocess.Popen:
+    """A process in the throttled device's groups that wakes every ``interval_us`` and sleeps again at once.
+
+    Why: the kernel checks a group's CFS quota when it updates the group's clock: at its tick (4 ms here) or when
+    a task of the group is queued or dequeued. A worker that has waited wakes with its group's quota refilled (the
+    throttled time fell inside its wait), and a call shorter than a tick then ran at full speed: a stage-like
+    micro-batch took about as long after a 20 ms sleep as unthrottled, several times faster than back to back
+    (``--probe-throttle``, benchmarks/README.md). The ticker's wake-ups check the quota every ``interval_us``, so
+    the worker computes at its quota's speed after a wait as back to back, as a slower device does."""
+    def enter() -> None:
+        for group in groups:
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+    return subprocess.Popen([sys.executable, "-c", _TICKER, str(interval_us / 1e6)], preexec_fn=enter,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -444,6 +483,49 @@ def probe_wait(args) -> list[str]:
     return lines
 
 
+_THROTTLE_CHILD = r'''
+import os, sys, torch
+torch.set_num_threads(1)
+for group in sys.argv[4:]:
+    with open(os.path.join(group, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+from profiler.layer import LayerShape
+from profiler.wake import stage_sequence, time_wake_up
+from tangram_launch.specs.model import load_model
+model, seq, sleep_s = load_model(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+for rows in (8, 16):
+    got = time_wake_up(stage_sequence(model, LayerShape(rows, seq, "fp32"), torch.device("cpu")),
+                       torch.device("cpu"), budget_s=3.0, sleep_s=sleep_s)
+    d = dict(got.detail)
+    print(f"{rows} rows: back to back {d['back_to_back_s'] * 1e3:.2f} ms, after a {sleep_s * 1e3:g} ms sleep "
+          f"{d['after_sleep_s'] * 1e3:.2f} ms", flush=True)
+'''
+
+
+def probe_throttle(args) -> list[str]:
+    """The profiler's wake-up measurement in the throttled device's groups and in a fast one's (see --probe-throttle).
+
+    Why: a CFS quota is a duty cycle enforced at the kernel's tick, not a speed; a device that waits may compute
+    its next call at full speed (benchmarks/README.md). A throttled stage that waits then reads faster than its
+    back-to-back profile."""
+    devices, why = make_devices(args)
+    if devices is None:
+        raise SystemExit(f"--probe-throttle: {why}")
+    lines = [describe(args, devices)]
+    try:
+        for device in (THROTTLED, 0):
+            out = subprocess.run([sys.executable, "-c", _THROTTLE_CHILD, args.model, str(args.seq_len),
+                                  str(args.probe_sleep_ms / 1e3), *devices.groups_of(device)], env=base._env(),
+                                 cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
+            if out.returncode:
+                raise RuntimeError(f"--probe-throttle on device {device}: {out.stderr.strip()[-800:]}")
+            lines += [f"device {device} ({'throttled' if device == THROTTLED else 'fast, alone on its core'}), "
+                      f"wall time per micro-batch:"] + [f"  {line}" for line in out.stdout.splitlines()]
+    finally:
+        lines += devices.remove()
+    return lines
+
+
 def describe(args, devices: Devices | None) -> str:
     if devices is None:
         return "the three devices unthrottled, not pinned"
@@ -452,7 +534,8 @@ def describe(args, devices: Devices | None) -> str:
     return (f"device {THROTTLED} at {args.quota:.0%} of a fast device's speed (CFS quota {args.quota * share:.3f} of "
             f"a core, period {args.period_us} us); fast devices {share:g} core each"
             + (f"; devices on CPUs {cores}" if devices.core_of else "; not pinned")
-            + ("; a SCHED_IDLE filler spends the throttled device's idle quota" if devices.filler else ""))
+            + ("; a SCHED_IDLE filler spends the throttled device's idle quota" if args.filler else "")
+            + (f"; a ticker checks its quota every {args.ticker_us} us" if args.ticker_us else ""))
 
 
 def main(argv=None) -> int:
@@ -462,11 +545,16 @@ def main(argv=None) -> int:
                    help="each device's CPU, as indices into the CPUs this process may use (cpusets; '' : not "
                         "pinned). The default puts the two fast devices (one stage's data-parallel replicas, busy "
                         "at the same time) on one core, half a core each, and the throttled device alone on the other")
-    p.add_argument("--period-us", type=int, default=24000,
-                   help="CFS period of the throttled device's cgroup. The kernel enforces a quota at its tick (4 ms "
-                        "here): whatever the period, the device runs in bursts of whole ticks, so only figures "
-                        "summed over many periods (a step, a block of calls) see its mean speed")
+    p.add_argument("--period-us", type=int, default=0,
+                   help="CFS period of the throttled device's cgroup (0: the shortest whose quota is 1 ms, the "
+                        "kernel's least). With the ticker, a short period keeps the device's speed after a wait "
+                        "what it is back to back; without it, the kernel enforces the quota at its tick (4 ms here) "
+                        "and the device runs in bursts of whole ticks, whatever the period")
     p.add_argument("--shares", type=int, default=262144, help="cpu.shares of the benchmark's group")
+    p.add_argument("--ticker-us", type=int, default=1000,
+                   help="a process in the throttled device's groups wakes this often, so the kernel checks the "
+                        "quota then and not only at its tick (0: none; a worker then computes a call shorter than a "
+                        "tick at full speed after each wait)")
     p.add_argument("--no-filler", dest="filler", action="store_false",
                    help="no busy loop at SCHED_IDLE in the throttled device's groups (its worker then runs at full "
                         "speed after each wait, until its quota is spent)")
@@ -489,12 +577,18 @@ def main(argv=None) -> int:
     p.add_argument("--probe-wait", action="store_true",
                    help="instead of the benchmark: the training's stage module timed back to back and sleeping "
                         "before each micro-batch, in this process (run it pinned to one core: taskset -c 1)")
+    p.add_argument("--probe-throttle", action="store_true",
+                   help="instead of the benchmark (root): a stage-like micro-batch back to back and after a sleep, "
+                        "in the throttled device's groups and in a fast device's")
     p.add_argument("--probe-micro-batch", type=int, default=8)
     p.add_argument("--probe-sleep-ms", type=float, default=30.0)
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
     if args.probe_wait:
         print("\n".join(probe_wait(args)))
+        return 0
+    if args.probe_throttle:
+        print("\n".join(probe_throttle(args)))
         return 0
 
     devices, why = make_devices(args)

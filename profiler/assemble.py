@@ -52,6 +52,7 @@ class DeviceRecord:
     optimizer_tensor: Measured | None = None  # AdamW step's fixed cost per parameter tensor, us
     optimizer_param: Measured | None = None  # AdamW step's cost per parameter beyond the per-tensor cost, ns
     gemm_sweep: Mapping[str, Sequence[Measured]] = field(default_factory=dict)  # dtype -> TFLOP/s per (m, n, k)
+    wake_up: Measured | None = None  # a stage-like micro-batch after a wait, beyond back to back, us (profiler.wake)
 
     @property
     def is_cpu(self) -> bool:
@@ -191,6 +192,8 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         measured["optimizer_tensor_us"] = round_sig(dev.optimizer_tensor.value)
     if dev.optimizer_param is not None:
         measured["optimizer_param_ns"] = round_sig(dev.optimizer_param.value)
+    if dev.wake_up is not None:
+        measured["wake_up_us"] = round_sig(dev.wake_up.value)
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:
@@ -359,6 +362,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
              "memory_bandwidth": d.memory_bandwidth.to_dict() if d.memory_bandwidth else None,
              **({"optimizer_tensor": d.optimizer_tensor.to_dict()} if d.optimizer_tensor else {}),
              **({"optimizer_param": d.optimizer_param.to_dict()} if d.optimizer_param else {}),
+             **({"wake_up": d.wake_up.to_dict()} if d.wake_up else {}),
              **({"layer": {k: {p: m.to_dict() for p, m in v.items()} for k, v in d.layer.items()}} if d.layer else {})}
             for d in sorted(record.devices, key=lambda d: d.rank)
         ],

@@ -22,6 +22,7 @@ measures anything, to emulate a slower device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -155,6 +156,7 @@ LAYER_BUDGET_S, LAYER_BUDGET_QUICK_S = 60.0, 15.0  # wall seconds for every --mo
 # --layer-timing back-to-back: process seconds of one block of calls, many CFS periods of a throttled CPU device (its
 # quota is enforced at the kernel's tick, in bursts of milliseconds) yet a few blocks within one shape's budget
 LAYER_BLOCK_CPU_S = 0.1
+WAKE_BUDGET_S = 8.0  # wall seconds of the wake-up cost's rounds (profiler.wake) on one device
 
 
 def _int_list(text: str) -> list[int]:
@@ -278,6 +280,7 @@ class _Local:
     stand_in: Callable[[], Any] | None = None  # one layer's forward at the planned shape (collective_wait_us)
     optimizer_param: bench.Measured | None = None  # AdamW's cost per parameter beyond the per-tensor cost, ns
     gemm_sweep: dict = field(default_factory=dict)  # dtype -> tuple of Measured TFLOP/s, one per (m, n, k)
+    wake_up: bench.Measured | None = None  # a stage-like micro-batch after a wait against back to back, us
 
 
 def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
@@ -329,7 +332,36 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between, agree,
                                                  run.env.local_world_size)
     run.barrier()
-    return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param, gemm_sweep=sweep)
+    wake_up = _profile_wake_up(run, between or (lambda: None), agree)
+    run.barrier()
+    return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param, gemm_sweep=sweep,
+                  wake_up=wake_up)
+
+
+def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int], int]) -> bench.Measured | None:
+    """With --model: the wake-up cost (profiler.wake) of a stage-like micro-batch at the layer profile's smallest
+    shape, every device of the node at once (devices sharing a core share it after the wait too)."""
+    if not run.args.model:
+        return None
+    from profiler.layer import LayerShape
+    from profiler.wake import stage_layers, stage_sequence, time_wake_up
+    from tangram_launch.specs.model import load_model
+
+    model = load_model(run.args.model)
+    shape = LayerShape(min(run.args.micro_batch or DEFAULT_MICRO_BATCHES),
+                       min(_layer_seq_lens(run.args, model, run.device)), run.args.layer_dtype or "bf16")
+    run.progress.phase(f"wake-up cost of {model.name} at {shape.label()} within {WAKE_BUDGET_S:g} s")
+    try:
+        layers = stage_layers(model, shape, run.device, budget_s=WAKE_BUDGET_S, agree=agree)
+        measured = time_wake_up(stage_sequence(model, shape, run.device, layers), run.device,
+                                budget_s=WAKE_BUDGET_S, between=between, agree=agree)
+        measured = dataclasses.replace(measured, detail=measured.detail + (("layers", layers),))
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+    if run.env.rank == 0:
+        log.info("wake-up cost on rank 0: %.4g us per micro-batch after a wait", measured.value)
+    return measured
 
 
 def _gemm_sweep(run: _Run, gemm: dict) -> dict:
@@ -454,7 +486,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank, host=run.host, device=me["device"],
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
-        optimizer_param=local.optimizer_param, gemm_sweep=local.gemm_sweep,
+        optimizer_param=local.optimizer_param, gemm_sweep=local.gemm_sweep, wake_up=local.wake_up,
     )
     node_part = (collectives if env.local_rank == 0 else (None, None, None), p2p)  # (all-reduce, latency, wait), p2p
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None

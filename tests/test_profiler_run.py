@@ -74,6 +74,7 @@ def test_standalone_two_workers_write_a_cluster_spec(tmp_path: Path, capsys) -> 
         assert g.intra_node_bandwidth_GBps == pytest.approx(2 * m["allreduce_busbw_gbps"], rel=1e-3)
         assert len(m["p2p_gbps"]) == 2 and sum(v is not None for v in m["p2p_gbps"]) == 1
         assert "collective_wait_us" not in m  # without --model there is no layer to run before the all-to-all
+        assert "wake_up_us" not in m  # ... nor a stage-like micro-batch to time after a wait
         assert m["optimizer_tensor_us"] > 0
     assert spec.fingerprint.startswith("sha256:")
     assert spec.profile["backend"] == "gloo" and spec.profile["quick"] is True
@@ -200,6 +201,9 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
     spec = ClusterSpec.load(out)
     node = spec.profile["nodes"][spec.nodes[0].name]
     wait = node["collective_wait"]
+    wakes = [d["wake_up"] for d in spec.profile["devices"]]
+    assert len({w["rounds"] for w in wakes}) == 1 and wakes[0]["rounds"] >= 2
+    assert all(w["after_sleep_s"] > 0 and w["back_to_back_s"] > 0 and w["sleep_s"] == 0.02 for w in wakes)
     # as many calls as the budget affords on the slower member, the same on both: whole blocks, at least three
     assert 30 <= wait["reps"] <= spec.profile["bench"]["wait_reps"] and wait["reps"] % 10 == 0
     assert wait["group_size"] == 2
@@ -211,6 +215,8 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
         assert dev.collective_wait_s == pytest.approx(m["collective_wait_us"] * 1e-6)
         assert dev.optimizer_tensor_s == pytest.approx(m["optimizer_tensor_us"] * 1e-6)
         assert m["optimizer_param_ns"] >= 0 and dev.optimizer_param_s == pytest.approx(m["optimizer_param_ns"] * 1e-9)
+        # the wake-up cost of a stage-like micro-batch after a wait, per device, in as many rounds on each
+        assert m["wake_up_us"] >= 0
         # the embedding and the head + loss are timed beside the layer kinds, at the same shape
         for kind in ("dense", "moe", "embedding", "head"):
             key = f"tiny-moe|{kind}|seq=32|mbs=1|tp=1"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
+from tangram_launch.costmodel.wake import charge_wake_ups, wake_up_s
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
@@ -201,6 +202,7 @@ class Candidates:
         fwd: list[float] = []
         bwd: list[float] = []
         p2p: list[float] = []
+        wake: list[float] = []
         links = self.boundaries_s(seq)
         for n, oi in enumerate(seq):
             stages = self.sources[oi][1].stages  # shifting layers changes no time
@@ -209,6 +211,9 @@ class Candidates:
             p2p.extend([0.0] * (len(stages) - 1))
             fwd.extend(st.forward_s for st in stages)
             bwd.extend(st.backward_s for st in stages)
+            wake.extend([wake_up_s(self.islands[self.options[oi].island].gpu.measured)] * len(stages))
+        if any(wake):  # a measured wake-up cost (CPU profiles): charged to the stages that wait (costmodel/wake.py)
+            fwd, bwd = charge_wake_ups(fwd, bwd, wake)
         return fwd, bwd, p2p
 
     def stage_gpus(self, seq: Sequence[int]) -> list[list[tuple[GpuRef, ...]]]:
@@ -421,6 +426,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     chunks = interleaved_chunks([st.layers[1] - st.layers[0] for st, _ in stage_costs], v) if v > 1 else None
     stages = []
     preds = []
+    fwd_s, bwd_s, _ = cand.stage_times(comp.options)  # with the wake-up charges of the stages that wait
     for k, ((st, isl), gpus) in enumerate(zip(stage_costs, stage_gpus)):
         sh = st.shape
         stages.append(Stage(index=k, layers=st.layers, island=isl.name,
@@ -430,7 +436,7 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
                             has_embedding=st.layers[0] == 0, has_head=st.layers[1] == L,
                             chunks=chunks[k] if chunks else (),
                             math_mode=math_mode(isl.gpu, training.dtype) if training.dtype == "tf32" else None))
-        preds.append(StagePrediction(forward_s=st.forward_s, backward_s=st.backward_s,
+        preds.append(StagePrediction(forward_s=fwd_s[k], backward_s=bwd_s[k],
                                      peak_memory_gib=stage_memory_bytes(st, S - 1 - k, S, m, v) / GIB,
                                      capacity_gib=isl.gpu.memory_gib,
                                      measured=_stage_measurement(st, isl, model, training)))
