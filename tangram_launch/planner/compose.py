@@ -735,10 +735,10 @@ def _groups_of_rows(rows: np.ndarray, idx: list[int], num_layers: int,
     order = np.argsort(key, kind="stable")
     k = key[order]
     first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    ordered, ends = at[order].tolist(), first.tolist()[1:] + [len(k)]
     by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
-    for s, i, lst in zip(stop[order][first].tolist(), island[order][first].tolist(),
-                         (part.tolist() for part in np.split(at[order], first[1:]))):
-        by_stop[s].append((i, 1 << i, lst))
+    for s, i, a, e in zip(stop[order][first].tolist(), island[order][first].tolist(), first.tolist(), ends):
+        by_stop[s].append((i, 1 << i, ordered[a:e]))
     after = sub[:, 4]
     finite = after[after < saturated]
     most_after = int(finite.max()) if len(finite) else -1
