@@ -423,10 +423,15 @@ class PrefixBounds:
             sf, sp, st, ss = self._covers(rest)
             # (inf with no island left in front: then sf[start] is inf for every start > 0 too)
             lk = 0.0 if self._link_s is None else front_link_s(self._link_s, rest, k, self._links)
-            np.minimum.at(fill, stops, sf[starts] + times + np.where(later, 2.0 * lk, 0.0))
+            v = sf[starts] + times
+            if lk != 0.0:  # (+ 0.0 elsewhere, which changes no sum)
+                v[later] += 2.0 * lk
+            np.minimum.at(fill, stops, v)
             sps = sp[starts]
             v = np.where(sps > bottlenecks, sps, bottlenecks)
-            np.minimum.at(period, stops, np.where(later & (lk > v), lk, v))
+            if lk > 0.0:  # (the periods are >= 0: a link of 0 raises none)
+                np.putmask(v, later & (lk > v), lk)
+            np.minimum.at(period, stops, v)
             sss = ss[starts]
             np.minimum.at(stage, stops, np.where(sss > bottlenecks, sss, bottlenecks))
             sts = st[starts]
