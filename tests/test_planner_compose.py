@@ -751,6 +751,53 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
     walk(0, 0, 0.0, 0.0, 0.0, 0.0, -1)
 
 
+def _prefix_reference(options, idx, L, link, mask, memo):
+    """PrefixBounds' recurrence (see its docstring) as a loop over each island's pair minima, one float operation at
+    a time in the order the arrays take them: (fill, period, tail, stage) per prefix [0, j) for the set ``mask``."""
+    from tangram_launch.planner.bounds import front_link_s, pair_minima
+
+    if mask not in memo:
+        none = [0.0] + [math.inf] * L
+        fill, period, tail, stage = (list(none) for _ in range(4))
+        for k in sorted({options[i].island for i in idx if mask >> options[i].island & 1}):
+            rest = mask & ~(1 << k)
+            sf, sp, st_, ss = _prefix_reference(options, idx, L, link, rest, memo)
+            lk = front_link_s(link, rest, k, {})
+            for (a, b), (t, bn, tl) in pair_minima(options, [i for i in idx if options[i].island == k]).items():
+                fill[b] = min(fill[b], sf[a] + t + (2.0 * lk if a else 0.0))
+                v = sp[a] if sp[a] > bn else bn
+                period[b] = min(period[b], lk if a and lk > v else v)
+                stage[b] = min(stage[b], ss[a] if ss[a] > bn else bn)
+                tail[b] = min(tail[b], st_[a] if st_[a] > tl else tl)
+        memo[mask] = (fill, period, tail, stage)
+    return memo[mask]
+
+
+@pytest.mark.unit
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10**6), st.booleans())
+def test_prefix_bounds_are_their_recurrence_bit_for_bit(seed, zero_links):
+    """PrefixBounds' array covers (from the option rows or the loop) equal its recurrence taken one pair at a time,
+    to the bit, for every set of islands: links added only past layer 0 and links of 0 (which raise no period and
+    add no fill) skipped, as the arrays skip them."""
+    import numpy as np
+
+    from tangram_launch.planner.bounds import PrefixBounds
+
+    rng = random.Random(seed)
+    options, link, L, _m, K = random_instance(rng, max_layers=6)
+    if zero_links:
+        link = [[0.0] * K for _ in range(K)]
+    idx = [i for i, o in enumerate(options) if o.max_after >= 0]
+    rows = np.array(options, dtype=np.float64).reshape(-1, 8)
+    memo: dict = {}
+    for prefix in (PrefixBounds(options, idx, L, link), PrefixBounds(options, idx, L, link, rows)):
+        for mask in range(1 << K):
+            want = _prefix_reference(options, idx, L, link, mask & prefix.islands, memo)
+            got = prefix(mask)
+            assert (got.fill_s, got.period_s, got.tail_s, got.stage_period_s) == want, (seed, mask)
+
+
 @pytest.mark.slow  # 150 simulated pipelines (seconds)
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 10**6))
