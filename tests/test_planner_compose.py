@@ -632,6 +632,39 @@ def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
     assert skipped_somewhere
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_options_a_groups_score_floor_rules_out_change_no_dp_state(seed, monkeypatch):
+    """compose._hopeful drops, per option group and set of islands free in front, the options whose m x slowest
+    stage + tail cannot beat the best score: with and without it the DP keeps the same states, offers and scores
+    the same candidates in the same order and returns the same plan (plain, and plain or interleaved with its
+    complete pass), and it drops some."""
+    import tangram_launch.planner.compose as kernel
+
+    rng = random.Random(7300 + seed)
+    real, dropped = kernel._hopeful, [0]
+
+    def counting(run, key, gidx, covered, group):
+        kept = real(run, key, gidx, covered, group)
+        dropped[0] += len(gidx) - len(kept[0])
+        return kept
+
+    for _ in range(40):
+        options, link, L, m, _K = random_instance(rng, max_layers=8)
+        score = scheduled(options, link, m, most_chunks=8)
+        for schedules, weight in ((("plain",), 0.0), (("plain", "interleaved"), 1.0 / 8)):
+            runs = []
+            for hopeful in (counting, lambda run, key, gidx, covered, group: (gidx, covered)):
+                monkeypatch.setattr(kernel, "_hopeful", hopeful)
+                st_ = ComposeStats()
+                comp = compose(options, link, L, m, stats=st_, score=score, score_schedules=schedules,
+                               score_fill_weight=weight)
+                runs.append((comp and (comp.options, comp.score_s), st_.states, st_.dp_runs, st_.trace,
+                             st_.candidates, [c.options for c in st_.scored]))
+                monkeypatch.undo()
+            assert runs[0] == runs[1]
+    assert dropped[0] > 0
+
+
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(-1, 4), st.integers(1, 4),
                           st.integers(1, 4), st.integers(1, 4)), max_size=40))
 @settings(max_examples=200, deadline=None)

@@ -308,7 +308,7 @@ class _Pass:
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
-                 "chunked")
+                 "chunked", "hopeful")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -319,6 +319,7 @@ class _Pass:
         # complete: no entry stands for another (no dominance), only the score floors prune (see _dp)
         self.complete = complete
         self.chunked: dict = {}  # per group: its options that can interleave (_interleavable)
+        self.hopeful: dict = {}  # per group and set of free islands in front: its options that may beat (_hopeful)
         if complete:
             beat = _INF
         # the score floors sum in another order than the simulations: a floor prunes only FLOOR_ROUNDING above it
@@ -483,11 +484,36 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
             gidx = _interleavable(options, gidx, run.chunked)
             covered = [-1] * len(gidx)
+        if run.score_only and gidx:  # (then only the score floor judges an option)
+            gidx, covered = _hopeful(run, (options[gidx[0]].stop, island, mask), gidx, covered, group)
         offers = _add_options(run, front, group, gidx, covered)
         if offers:
             batches.append((group, offers))
     if batches:
         _add_entries(run, key, front, batches)
+
+
+def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
+             group: _Group) -> tuple[list[int], list[int]]:
+    """The options of a group (with their covered rooms) that _add_options can offer where only the score floor
+    judges: those whose max(m x the slowest stage of any cover, m x their bottleneck) + their least tail is below
+    ``score_beat``. Both of _option_score_floor's floors are at least that, whatever the state (its other terms add
+    what is >= 0, and a float sum never falls as a term grows), so every option dropped here would fail its check
+    in front of every entry. Once per group, set of free islands in front and pass (``key``), in the group's order."""
+    hit = run.hopeful.get(key)
+    if hit is None:
+        options, m, beat = run.options, run.m, run.score_beat
+        stage_lb, pre_stage, pre_tail = run.prep.stage_lb, group.pre_stage, group.pre_tail
+        kept, rooms = [], []
+        for oi, room in zip(gidx, covered):
+            start, _, _, _, _, _, bn, tail = options[oi]
+            ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])  # as _add_options has them
+            mb = m * bn
+            if (ps if ps > mb else mb) + (tail if tail > pre_tail[start] else pre_tail[start]) < beat:
+                kept.append(oi)
+                rooms.append(room)
+        hit = run.hopeful[key] = (kept, rooms)
+    return hit
 
 
 def _interleavable(options: Sequence[Option], gidx: list[int], memo: dict) -> list[int]:
