@@ -499,20 +499,41 @@ def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
     judges: those whose max(m x the slowest stage of any cover, m x their bottleneck) + their least tail is below
     ``score_beat``. Both of _option_score_floor's floors are at least that, whatever the state (its other terms add
     what is >= 0, and a float sum never falls as a term grows), so every option dropped here would fail its check
-    in front of every entry. Once per group, set of free islands in front and pass (``key``), in the group's order."""
+    in front of every entry; a run of options of one start goes at once where m x the slowest stage + the least
+    tail of its front alone cannot beat. Once per group, set of free islands in front and pass (``key``), in the
+    group's order."""
     hit = run.hopeful.get(key)
     if hit is None:
         options, m, beat = run.options, run.m, run.score_beat
         stage_lb, pre_stage, pre_tail = run.prep.stage_lb, group.pre_stage, group.pre_tail
         kept, rooms = [], []
-        for oi, room in zip(gidx, covered):
-            start, _, _, _, _, _, bn, tail = options[oi]
+        for start, lo, hi in _start_runs(options, gidx, run.prep.cache, ("runs", run.complete) + key[:2]):
             ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])  # as _add_options has them
-            mb = m * bn
-            if (ps if ps > mb else mb) + (tail if tail > pre_tail[start] else pre_tail[start]) < beat:
-                kept.append(oi)
-                rooms.append(room)
+            pt = pre_tail[start]
+            if ps + pt >= beat:
+                continue
+            for k in range(lo, hi):
+                oi = gidx[k]
+                mb, tail = m * options[oi][6], options[oi][7]
+                if (ps if ps > mb else mb) + (tail if tail > pt else pt) < beat:
+                    kept.append(oi)
+                    rooms.append(covered[k])
         hit = run.hopeful[key] = (kept, rooms)
+    return hit
+
+
+def _start_runs(options: Sequence[Option], gidx: list[int], cache: dict, key: tuple) -> list[list[int]]:
+    """A group's options as runs of one start, in the group's order: [start, first position, one past the last];
+    once per group (``key``) and prepared set, in its cache."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = []
+        for pos, oi in enumerate(gidx):
+            start = options[oi][0]
+            if hit and hit[-1][0] == start:
+                hit[-1][2] = pos + 1
+            else:
+                hit.append([start, pos, pos + 1])
     return hit
 
 
