@@ -507,33 +507,21 @@ def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
         options, m, beat = run.options, run.m, run.score_beat
         stage_lb, pre_stage, pre_tail = run.prep.stage_lb, group.pre_stage, group.pre_tail
         kept, rooms = [], []
-        for start, lo, hi in _start_runs(options, gidx, run.prep.cache, ("runs", run.complete) + key[:2]):
-            ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])  # as _add_options has them
-            pt = pre_tail[start]
-            if ps + pt >= beat:
+        at = dead = ps = pt = None
+        for oi, room in zip(gidx, covered):
+            start, _, _, _, _, _, bn, tail = options[oi]
+            if start != at:  # (a group lists the options of one start together)
+                at = start
+                ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])  # as _add_options has it
+                pt = pre_tail[start]
+                dead = ps + pt >= beat
+            if dead:
                 continue
-            for k in range(lo, hi):
-                oi = gidx[k]
-                mb, tail = m * options[oi][6], options[oi][7]
-                if (ps if ps > mb else mb) + (tail if tail > pt else pt) < beat:
-                    kept.append(oi)
-                    rooms.append(covered[k])
+            mb = m * bn
+            if (ps if ps > mb else mb) + (tail if tail > pt else pt) < beat:
+                kept.append(oi)
+                rooms.append(room)
         hit = run.hopeful[key] = (kept, rooms)
-    return hit
-
-
-def _start_runs(options: Sequence[Option], gidx: list[int], cache: dict, key: tuple) -> list[list[int]]:
-    """A group's options as runs of one start, in the group's order: [start, first position, one past the last];
-    once per group (``key``) and prepared set, in its cache."""
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = []
-        for pos, oi in enumerate(gidx):
-            start = options[oi][0]
-            if hit and hit[-1][0] == start:
-                hit[-1][2] = pos + 1
-            else:
-                hit.append([start, pos, pos + 1])
     return hit
 
 
