@@ -687,13 +687,19 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
 
 
 def _candidates(run: _Pass) -> list[Candidate]:
-    """The complete sequences in tables[0] that use every required island, each read back through its parents."""
+    """The complete sequences in tables[0] that use every required island, each read back through its parents. In a
+    complete pass not those whose stage count (an entry's ``after`` below the cap) does not divide m: they cannot
+    interleave, and complete_pass keeps none that cannot."""
     options, required, tables = run.options, run.required, run.tables
+    m = run.m if run.complete else 0
+    n_cap = run.prep.n_cap
     out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
             continue
         for e in _front_of(entries, run):
+            if m and e[2] < n_cap and m % e[2]:
+                continue
             seq = []
             fill, tail, period = e[0], e[1], e[3]
             while e[4] >= 0:
