@@ -7,8 +7,8 @@ only, so that a row's change splits into the extra sizes' cost and the rest.
 
 Per row: the other tree's search once (its plan names the sizes it tried, planner.microbatch_sequences_tried; not
 counted), then ``--rounds`` runs each of the other tree, this tree (every divisor of the global batch) and this tree
-on the other's sizes (PlannerOptions.microbatch_sequences), alternating the order; medians of the planning CPU seconds (query
-workers included, as bench_planner_scale.py counts them) and each one's slice queries.
+on the other's sizes (PlannerOptions.microbatch_sequences), alternating the order; medians of the planning CPU
+seconds (query workers included, as bench_planner_scale.py counts them) and each one's slice queries.
 """
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def main() -> None:
     if not args.against:
         ap.error("--against is required")
     print("| cluster | runtime | old CPU s | new CPU s | new on old's sizes CPU s | new / old "
-          "| new on old's sizes / old | extra sizes (new / new on old's sizes) | sizes old -> new | queries old / new / new on old's sizes "
-          "| old plan s (b) | new plan s (b) |")
+          "| new on old's sizes / old | extra sizes (new / new on old's sizes) | sizes old -> new "
+          "| queries old / new / new on old's sizes | old plan s (b) | new plan s (b) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     chosen = [[*case[:5], rt] for case in CASES if not args.only or case[0] in args.only for rt in args.runtimes]
     for case in chosen:
