@@ -632,6 +632,39 @@ def test_options_an_earlier_option_covers_change_no_dp_state(seed, monkeypatch):
     assert skipped_somewhere
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_options_a_groups_score_floor_rules_out_change_no_dp_state(seed, monkeypatch):
+    """compose._hopeful drops, per option group and set of islands free in front, the options whose m x slowest
+    stage + tail cannot beat the best score: with and without it the DP keeps the same states, offers and scores
+    the same candidates in the same order and returns the same plan (plain, and plain or interleaved with its
+    complete pass), and it drops some."""
+    import tangram_launch.planner.compose as kernel
+
+    rng = random.Random(7300 + seed)
+    real, dropped = kernel._hopeful, [0]
+
+    def counting(run, key, gidx, covered, group):
+        kept = real(run, key, gidx, covered, group)
+        dropped[0] += len(gidx) - len(kept[0])
+        return kept
+
+    for _ in range(40):
+        options, link, L, m, _K = random_instance(rng, max_layers=8)
+        score = scheduled(options, link, m, most_chunks=8)
+        for schedules, weight in ((("plain",), 0.0), (("plain", "interleaved"), 1.0 / 8)):
+            runs = []
+            for hopeful in (counting, lambda run, key, gidx, covered, group: (gidx, covered)):
+                monkeypatch.setattr(kernel, "_hopeful", hopeful)
+                st_ = ComposeStats()
+                comp = compose(options, link, L, m, stats=st_, score=score, score_schedules=schedules,
+                               score_fill_weight=weight)
+                runs.append((comp and (comp.options, comp.score_s), st_.states, st_.dp_runs, st_.trace,
+                             st_.candidates, [c.options for c in st_.scored]))
+                monkeypatch.undo()
+            assert runs[0] == runs[1]
+    assert dropped[0] > 0
+
+
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(-1, 4), st.integers(1, 4),
                           st.integers(1, 4), st.integers(1, 4)), max_size=40))
 @settings(max_examples=200, deadline=None)
@@ -749,6 +782,53 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
                  max(tail, o.tail_s), max(stage, o.bottleneck_s), o.island)
 
     walk(0, 0, 0.0, 0.0, 0.0, 0.0, -1)
+
+
+def _prefix_reference(options, idx, L, link, mask, memo):
+    """PrefixBounds' recurrence (see its docstring) as a loop over each island's pair minima, one float operation at
+    a time in the order the arrays take them: (fill, period, tail, stage) per prefix [0, j) for the set ``mask``."""
+    from tangram_launch.planner.bounds import front_link_s, pair_minima
+
+    if mask not in memo:
+        none = [0.0] + [math.inf] * L
+        fill, period, tail, stage = (list(none) for _ in range(4))
+        for k in sorted({options[i].island for i in idx if mask >> options[i].island & 1}):
+            rest = mask & ~(1 << k)
+            sf, sp, st_, ss = _prefix_reference(options, idx, L, link, rest, memo)
+            lk = front_link_s(link, rest, k, {})
+            for (a, b), (t, bn, tl) in pair_minima(options, [i for i in idx if options[i].island == k]).items():
+                fill[b] = min(fill[b], sf[a] + t + (2.0 * lk if a else 0.0))
+                v = sp[a] if sp[a] > bn else bn
+                period[b] = min(period[b], lk if a and lk > v else v)
+                stage[b] = min(stage[b], ss[a] if ss[a] > bn else bn)
+                tail[b] = min(tail[b], st_[a] if st_[a] > tl else tl)
+        memo[mask] = (fill, period, tail, stage)
+    return memo[mask]
+
+
+@pytest.mark.unit
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10**6), st.booleans())
+def test_prefix_bounds_are_their_recurrence_bit_for_bit(seed, zero_links):
+    """PrefixBounds' array covers (from the option rows or the loop) equal its recurrence taken one pair at a time,
+    to the bit, for every set of islands: links added only past layer 0 and links of 0 (which raise no period and
+    add no fill) skipped, as the arrays skip them."""
+    import numpy as np
+
+    from tangram_launch.planner.bounds import PrefixBounds
+
+    rng = random.Random(seed)
+    options, link, L, _m, K = random_instance(rng, max_layers=6)
+    if zero_links:
+        link = [[0.0] * K for _ in range(K)]
+    idx = [i for i, o in enumerate(options) if o.max_after >= 0]
+    rows = np.array(options, dtype=np.float64).reshape(-1, 8)
+    memo: dict = {}
+    for prefix in (PrefixBounds(options, idx, L, link), PrefixBounds(options, idx, L, link, rows)):
+        for mask in range(1 << K):
+            want = _prefix_reference(options, idx, L, link, mask & prefix.islands, memo)
+            got = prefix(mask)
+            assert (got.fill_s, got.period_s, got.tail_s, got.stage_period_s) == want, (seed, mask)
 
 
 @pytest.mark.slow  # 150 simulated pipelines (seconds)

@@ -299,18 +299,23 @@ def pair_minima(options: Sequence[Option], idx: Sequence[int]) -> dict[tuple[int
     return out
 
 
-def row_minima(rows: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def row_minima(rows: np.ndarray, num_layers: int, *, islands: bool = False) -> tuple[np.ndarray, ...]:
     """pair_minima of options given as rows of Option's 8 fields (Candidates.option_rows): per (start, stop), in
     their order, the starts, the stops and the least (time, bottleneck, tail) as an (n, 3) array (minima are
-    exact in any order)."""
+    exact in any order). ``islands``: per (island, start, stop) instead, in that order, and the islands fourth
+    (every island's pairs in one sort)."""
+    n1 = num_layers + 1
     s_at, t_at = rows[:, 0].astype(np.intp), rows[:, 1].astype(np.intp)
-    key = s_at * (num_layers + 1) + t_at
+    key = s_at * n1 + t_at
+    if islands:
+        key += rows[:, 2].astype(np.intp) * (n1 * n1)
     order = np.argsort(key, kind="stable")
     k = key[order]
     first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(k) else np.zeros(0, dtype=np.intp)
     least = (np.minimum.reduceat(rows[order][:, 5:8], first, axis=0) if len(k)
              else np.zeros((0, 3), dtype=np.float64))
-    return s_at[order][first], t_at[order][first], least
+    out = (s_at[order][first], t_at[order][first], least)
+    return out + (k[first] // (n1 * n1),) if islands else out
 
 
 def covers_of(minima: dict[tuple[int, int], list[float]], num_layers: int, *, back: bool) -> Covers:
@@ -380,12 +385,13 @@ class PrefixBounds:
         # and where start > 0
         self._pairs: dict[int, tuple] = {}
         if rows is not None:
-            sub = rows[np.asarray(idx, dtype=np.intp)]
-            island = sub[:, 2].astype(np.intp)
-            for k in np.unique(island).tolist():
-                starts, stops, least = row_minima(sub[island == k], num_layers)
-                self._pairs[k] = (starts, stops, least[:, 0].copy(), least[:, 1].copy(), least[:, 2].copy(),
-                                  starts > 0)
+            starts, stops, least, island = row_minima(rows[np.asarray(idx, dtype=np.intp)], num_layers, islands=True)
+            cut = np.flatnonzero(np.r_[True, island[1:] != island[:-1]]).tolist() + [len(island)] if len(island) \
+                else []
+            for a, b in zip(cut, cut[1:]):  # each island's pairs, islands ascending
+                s = starts[a:b]
+                self._pairs[int(island[a])] = (s, stops[a:b], least[a:b, 0].copy(), least[a:b, 1].copy(),
+                                               least[a:b, 2].copy(), s > 0)
         else:
             by_island: dict[int, list[int]] = {}
             for oi in idx:
@@ -424,10 +430,15 @@ class PrefixBounds:
             sf, sp, st, ss = self._covers(rest)
             # (inf with no island left in front: then sf[start] is inf for every start > 0 too)
             lk = 0.0 if self._link_s is None else front_link_s(self._link_s, rest, k, self._links)
-            np.minimum.at(fill, stops, sf[starts] + times + np.where(later, 2.0 * lk, 0.0))
+            v = sf[starts] + times
+            if lk != 0.0:  # (+ 0.0 elsewhere, which changes no sum)
+                v[later] += 2.0 * lk
+            np.minimum.at(fill, stops, v)
             sps = sp[starts]
             v = np.where(sps > bottlenecks, sps, bottlenecks)
-            np.minimum.at(period, stops, np.where(later & (lk > v), lk, v))
+            if lk > 0.0:  # (the periods are >= 0: a link of 0 raises none)
+                np.putmask(v, later & (lk > v), lk)
+            np.minimum.at(period, stops, v)
             sss = ss[starts]
             np.minimum.at(stage, stops, np.where(sss > bottlenecks, sss, bottlenecks))
             sts = st[starts]

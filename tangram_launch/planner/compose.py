@@ -226,6 +226,7 @@ class Prepared(NamedTuple):
     cache: dict  # the groups' orders by floor and the least links in front (_by_floor, front_link_s)
     cls: list[int]  # front_classes over every island with options
     stage_lb: float  # least slowest stage of any cover of [0, L), without links
+    single: list[int]  # the options covering [0, L) (plans of one option), in idx's order
 
 
 class PreparedSet(NamedTuple):
@@ -287,6 +288,18 @@ class _Offer(NamedTuple):
     plain_only: bool  # the plain floor alone counts
 
 
+class EdgeTimes(NamedTuple):
+    """compose's ``edge_s`` as the DP's cycle floors read them, per option: its first and its last stage's forward +
+    backward seconds, each taken _EDGE_SHRINK lower (once per compose call: every pass reads the same)."""
+
+    first: list[float]
+    last: list[float]
+
+    @classmethod
+    def of(cls, edge_s: Sequence[tuple[float, float]]) -> "EdgeTimes":
+        return cls([e[0] * _EDGE_SHRINK for e in edge_s], [e[1] * _EDGE_SHRINK for e in edge_s])
+
+
 class _Pass:
     """One DP pass over a prepared option set: the constants every step of _dp reads (see _dp for what they mean),
     and the tables. Bound once per pass; the steps copy what their loops read into locals."""
@@ -295,17 +308,18 @@ class _Pass:
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
-                 "chunked")
+                 "chunked", "hopeful")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
                  stats: ComposeStats, rank: Sequence[int] | None, beam: int | None, quantum: float,
                  score_beat: float, fill_weight: float, schedules: tuple[str, ...], merge_fronts: bool,
-                 edge_s: Sequence[tuple[float, float]] | None, complete: bool = False) -> None:
+                 edge_s: EdgeTimes | None, complete: bool = False) -> None:
         self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
         # complete: no entry stands for another (no dominance), only the score floors prune (see _dp)
         self.complete = complete
         self.chunked: dict = {}  # per group: its options that can interleave (_interleavable)
+        self.hopeful: dict = {}  # per group and set of free islands in front: its options that may beat (_hopeful)
         if complete:
             beat = _INF
         # the score floors sum in another order than the simulations: a floor prunes only FLOOR_ROUNDING above it
@@ -331,16 +345,12 @@ class _Pass:
         if rank is not None:  # island k's option may have in front only islands ranked before k
             self.before = [sum(1 << i for i in range(len(rank)) if rank[i] < rank[k]) for k in range(len(rank))]
         self.stage_cap = max_stages if max_stages is not None else _INF
-        span = range(prep.n_cap + num_layers + 1)
-        # trips[n] x a link = round_trips_s(link, n, m), the same product (a link is >= 0)
-        self.trips = [round_trips_s(1.0, n, m) for n in span] if self.plain else None
         self.edged = self.plain and edge_s is not None
-        self.c1 = self.c0 = self.t_first = self.t_last = None
-        if self.edged:  # cycles_s(link, n, m, front, back) = trips[n] x link + c1[n] x back + c0[n] x front
-            self.c1 = [cycles_s(0.0, n, m, 0.0, 1.0) for n in span]
-            self.c0 = [cycles_s(0.0, n, m, 1.0, 0.0) for n in span]
-            self.t_first = [e[0] * _EDGE_SHRINK for e in edge_s]
-            self.t_last = [e[1] * _EDGE_SHRINK for e in edge_s]
+        self.trips = self.c1 = self.c0 = self.t_first = self.t_last = None
+        if self.plain:
+            self.trips, self.c1, self.c0 = _trip_tables(prep, m, prep.n_cap + num_layers + 1)
+        if self.edged:
+            self.t_first, self.t_last = edge_s
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
         # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
@@ -351,12 +361,25 @@ class _Pass:
                             self.tables)
 
 
+def _trip_tables(prep: Prepared, m: int, n: int) -> tuple[list[float], list[float], list[float]]:
+    """The plain 1F1B floor's tables over the stages behind a boundary, n of them (once per prepared set and m, in
+    its cache: every pass reads the same): trips[k] x a link = round_trips_s(link, k, m), the same product (a link
+    is >= 0), and cycles_s(link, k, m, front, back) = trips[k] x link + c1[k] x back + c0[k] x front."""
+    key = ("trips", m, n)
+    hit = prep.cache.get(key)
+    if hit is None:
+        hit = prep.cache[key] = ([round_trips_s(1.0, k, m) for k in range(n)],
+                                 [cycles_s(0.0, k, m, 0.0, 1.0) for k in range(n)],
+                                 [cycles_s(0.0, k, m, 1.0, 0.0) for k in range(n)])
+    return hit
+
+
 def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]], num_layers: int,
         num_microbatches: int, required: int, max_stages: int | None, beat: float, stats: ComposeStats,
         rank: Sequence[int] | None = None, beam: int | None = None, quantum: float = 0.0,
         score_beat: float = float("inf"), fill_weight: float = 0.0,
         schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
-        edge_s: Sequence[tuple[float, float]] | None = None, complete: bool = False) -> list[Candidate]:
+        edge_s: EdgeTimes | None = None, complete: bool = False) -> list[Candidate]:
     """Every sequence covering [0, L) that is not dominated (see pareto_front) and whose closed form can beat ``beat``.
     With ``beam``, each state keeps only that many entries, those of least (m - 1) x period + fill + tail (a quick
     plan, not exact).
@@ -461,11 +484,45 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
             gidx = _interleavable(options, gidx, run.chunked)
             covered = [-1] * len(gidx)
+        if run.score_only and gidx:  # (then only the score floor judges an option)
+            gidx, covered = _hopeful(run, (options[gidx[0]].stop, island, mask), gidx, covered, group)
         offers = _add_options(run, front, group, gidx, covered)
         if offers:
             batches.append((group, offers))
     if batches:
         _add_entries(run, key, front, batches)
+
+
+def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
+             group: _Group) -> tuple[list[int], list[int]]:
+    """The options of a group (with their covered rooms) that _add_options can offer where only the score floor
+    judges: those whose max(m x the slowest stage of any cover, m x their bottleneck) + their least tail is below
+    ``score_beat``. Both of _option_score_floor's floors are at least that, whatever the state (its other terms add
+    what is >= 0, and a float sum never falls as a term grows), so every option dropped here would fail its check
+    in front of every entry; a run of options of one start goes at once where m x the slowest stage + the least
+    tail of its front alone cannot beat. Once per group, set of free islands in front and pass (``key``), in the
+    group's order."""
+    hit = run.hopeful.get(key)
+    if hit is None:
+        options, m, beat = run.options, run.m, run.score_beat
+        stage_lb, pre_stage, pre_tail = run.prep.stage_lb, group.pre_stage, group.pre_tail
+        kept, rooms = [], []
+        at = dead = ps = pt = None
+        for oi, room in zip(gidx, covered):
+            start, _, _, _, _, _, bn, tail = options[oi]
+            if start != at:  # (a group lists the options of one start together)
+                at = start
+                ps = m * (stage_lb if stage_lb > pre_stage[start] else pre_stage[start])  # as _add_options has it
+                pt = pre_tail[start]
+                dead = ps + pt >= beat
+            if dead:
+                continue
+            mb = m * bn
+            if (ps if ps > mb else mb) + (tail if tail > pt else pt) < beat:
+                kept.append(oi)
+                rooms.append(room)
+        hit = run.hopeful[key] = (kept, rooms)
+    return hit
 
 
 def _interleavable(options: Sequence[Option], gidx: list[int], memo: dict) -> list[int]:
@@ -630,13 +687,19 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
 
 
 def _candidates(run: _Pass) -> list[Candidate]:
-    """The complete sequences in tables[0] that use every required island, each read back through its parents."""
+    """The complete sequences in tables[0] that use every required island, each read back through its parents. In a
+    complete pass not those whose stage count (an entry's ``after`` below the cap) does not divide m: they cannot
+    interleave, and complete_pass keeps none that cannot."""
     options, required, tables = run.options, run.required, run.tables
+    m = run.m if run.complete else 0
+    n_cap = run.prep.n_cap
     out = []
     for key, entries in tables[0].items():
         if key[0] & required != required:
             continue
         for e in _front_of(entries, run):
+            if m and e[2] < n_cap and m % e[2]:
+                continue
             seq = []
             fill, tail, period = e[0], e[1], e[3]
             while e[4] >= 0:
@@ -672,23 +735,55 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
         idx = undominated_options(options, idx, saturated)
     if not idx:
         return None
-    grouped: dict[tuple[int, int], list[int]] = {}
-    for oi in idx:
-        grouped.setdefault((options[oi].stop, options[oi].island), []).append(oi)
-    by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
-    for (stop, island), lst in sorted(grouped.items()):
-        by_stop[stop].append((island, 1 << island, lst))
+    if rows is not None and undominated:
+        by_stop, most_after, single = _groups_of_rows(rows, idx, num_layers, saturated)
+    else:
+        by_stop, most_after, single = _groups(options, idx, num_layers, saturated)
     if max_stages is None:
         # "after" matters only through the memory checks: beyond the largest finite threshold nothing changes
-        finite = [options[oi].max_after for oi in idx if options[oi].max_after < saturated]
-        n_cap = min(saturated, 1 + max(finite, default=-1))
+        n_cap = min(saturated, 1 + most_after)
     else:
         n_cap = max(saturated, max_stages)
     prefix = PrefixBounds(options, idx, num_layers, link_s, rows)
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return Prepared(idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
-                    whole.stage_period_s[num_layers])
+                    whole.stage_period_s[num_layers], single)
+
+
+def _groups(options: Sequence[Option], idx: list[int], num_layers: int,
+            saturated: int) -> tuple[list[list[tuple]], int, list[int]]:
+    """Prepared.by_stop of the options ``idx``; the largest max_after below ``saturated`` (-1: none); the options
+    covering the whole model, in idx's order."""
+    grouped: dict[tuple[int, int], list[int]] = {}
+    for oi in idx:
+        grouped.setdefault((options[oi].stop, options[oi].island), []).append(oi)
+    by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
+    for (stop, island), lst in sorted(grouped.items()):
+        by_stop[stop].append((island, 1 << island, lst))
+    most_after = max((options[oi].max_after for oi in idx if options[oi].max_after < saturated), default=-1)
+    return by_stop, most_after, [oi for oi in idx if options[oi].start == 0 and options[oi].stop == num_layers]
+
+
+def _groups_of_rows(rows: np.ndarray, idx: list[int], num_layers: int,
+                    saturated: int) -> tuple[list[list[tuple]], int, list[int]]:
+    """_groups over the options' rows (``idx`` ascending, as _prepare's column test leaves it): a stable sort by
+    (stop, island) keeps each group in idx's order, and the fields are small integers, exact as floats."""
+    at = np.asarray(idx, dtype=np.intp)
+    sub = rows[at]
+    stop, island = sub[:, 1].astype(np.intp), sub[:, 2].astype(np.intp)
+    key = stop * (int(island.max()) + 1) + island
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    ordered, ends = at[order].tolist(), first.tolist()[1:] + [len(k)]
+    by_stop: list[list[tuple]] = [[] for _ in range(num_layers + 1)]
+    for s, i, a, e in zip(stop[order][first].tolist(), island[order][first].tolist(), first.tolist(), ends):
+        by_stop[s].append((i, 1 << i, ordered[a:e]))
+    after = sub[:, 4]
+    finite = after[after < saturated]
+    most_after = int(finite.max()) if len(finite) else -1
+    return by_stop, most_after, at[(sub[:, 0] == 0) & (stop == num_layers)].tolist()
 
 
 class Scoring(NamedTuple):
@@ -726,7 +821,9 @@ class _Search:
                  edge_s: Sequence[tuple[float, float]] | None) -> None:
         self.options, self.link_s, self.num_layers, self.m, self.prep = options, link_s, num_layers, m, prep
         self.required_mask, self.max_stages, self.incumbent_s, self.rank = required_mask, max_stages, incumbent_s, rank
-        self.stats, self.scoring, self.merge_fronts, self.edge_s = stats, scoring, merge_fronts, edge_s
+        self.stats, self.scoring, self.merge_fronts = stats, scoring, merge_fronts
+        self.edge_s = edge_s
+        self.edges: EdgeTimes | None = None  # edge_s as the passes read it, made by the first that does
         self.best: _Best | None = None
         self.closed_s = float("inf")  # the least closed form found here (with a score, best need not have it)
         self.band = scoring.score is not None and scoring.band
@@ -823,8 +920,11 @@ class _Search:
     def run(self, beat: float, **kw) -> list[Candidate]:
         """The DP's plans that can beat ``beat``, by increasing closed form."""
         m = self.m
+        if self.edge_s is not None and self.edges is None and score_floor_terms(
+                kw.get("schedules", SCORE_ANY), kw.get("fill_weight", 0.0))[0]:
+            self.edges = EdgeTimes.of(self.edge_s)
         found = _dp(self.options, self.prep, self.link_s, self.num_layers, m, self.required_mask, self.max_stages,
-                    beat, self.stats, self.rank, merge_fronts=self.merge_fronts, edge_s=self.edge_s, **kw)
+                    beat, self.stats, self.rank, merge_fronts=self.merge_fronts, edge_s=self.edges, **kw)
         return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
 
     def single_island_plans(self) -> None:
@@ -832,9 +932,9 @@ class _Search:
         each is always a candidate (its closed form can rank it out while its simulation, with no p2p on the
         cycle, ranks it first)."""
         options, score = self.options, self.scoring.score
-        for oi in self.prep.idx:
+        for oi in self.prep.single:
             o = options[oi]
-            if o.start == 0 and o.stop == self.num_layers and self.required_mask & ~(1 << o.island) == 0 \
+            if self.required_mask & ~(1 << o.island) == 0 \
                     and (self.max_stages is None or o.num_stages <= self.max_stages):
                 metrics = evaluate((oi,), options, self.link_s, self.m)
                 if metrics is not None and (score is not None or metrics.latency_s < self.incumbent_s):

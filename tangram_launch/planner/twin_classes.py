@@ -63,8 +63,8 @@ class TwinClasses:
         slots_a, slots_b = sources.plan_slots(a), sources.plan_slots(b)
         if slots_a is None or slots_b is None:  # options added one by one: each option's plan
             pairs = ((sources[i][1], sources[j][1]) for i, j in zip(a, b))
-        else:  # pairs of one answer share its plans: each distinct pair of slots once
-            distinct = np.unique(np.concatenate([slots_a, slots_b], axis=1), axis=0).tolist()
+        else:  # pairs of one answer share its plans: each distinct pair of slots once (in any order: all must match)
+            distinct = dict.fromkeys(map(tuple, np.concatenate([slots_a, slots_b], axis=1).tolist()))
             pairs = ((sources.plan_at(s, i), sources.plan_at(t, j)) for s, i, t, j in distinct)
         for p, q in pairs:
             key = (id(p), id(q))
