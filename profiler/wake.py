@@ -7,11 +7,11 @@ refilled, once per wake-up whatever the rows. The layer profile times calls back
 waiting stages of a CPU pipeline read faster in the plan than in the run report.
 
 Measured as a stage would meet it: a stage-like call sequence (the embedding, the model's layers, as many as the
-budget affords, the head with the loss: forward, then backward through all) run back to back, and run after a sleep of ``WAKE_SLEEP_S`` before each
-call; the cost is the difference of the two medians (wall time: devices that share a core share it in both, as a
-stage's replicas do, and a collective before each sleep wakes them together). Rounds alternate the two ways, so
-load that drifts meets both alike. The cost model charges it
-(costmodel/wake.py) once per micro-batch to every stage that waits, never to the slowest.
+budget affords, the head with the loss: forward, then backward through all) run back to back, and run after a
+sleep of ``WAKE_SLEEP_S`` before each call; the cost is the difference of the two medians (wall time: devices that
+share a core share it in both, as a stage's replicas do, and a collective before each sleep wakes them together).
+Rounds alternate the two ways, so load that drifts meets both alike. The cost model charges it (costmodel/wake.py)
+once per micro-batch to every stage that waits, never to the slowest.
 """
 from __future__ import annotations
 

@@ -85,10 +85,11 @@ SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (m
 # as the caching allocator holds it (cross_entropy_bytes_per_logit = allocated + stranded).
 #   fused           Megatron's vocab-parallel loss (megatron/core/tensor_parallel/cross_entropy.py, the same in
 #                   Megatron-LM's and Megatron-DeepSpeed's mpu): calculate_logits_max upcasts the 16-bit logits
-#                   (`.float()`, 4 bytes) beside them (p); max subtraction, exp and the division by the sum run in place,
-#                   so the fp32 softmax saved for the backward is that copy, and the backward forms the gradient in
-#                   place of the softmax; the cast back to the logits' dtype (p) reuses the block the 16-bit logits,
-#                   freed after the forward, left: p + 4 bytes (4 in fp32, where `.float()` is the logits themselves).
+#                   (`.float()`, 4 bytes) beside them (p); max subtraction, exp and the division by the sum run in
+#                   place, so the fp32 softmax saved for the backward is that copy, and the backward forms the
+#                   gradient in place of the softmax; the cast back to the logits' dtype (p) reuses the block the
+#                   16-bit logits, freed after the forward, left: p + 4 bytes (4 in fp32, where `.float()` is the
+#                   logits themselves).
 #   eager           eager PyTorch F.cross_entropy over fp32 logits (log_softmax + nll_loss on logits.float();
 #                   torchtitan's loss): the saved fp32 log-softmax output, the fp32 gradient nll_loss hands back and
 #                   the fp32 gradient log_softmax's backward writes (the logits themselves are freed after the
@@ -307,9 +308,9 @@ def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int
     per logit the 16-bit logits (p bytes) and their fp32 copy, which becomes the softmax and then, in place, the
     gradient (4): (p + 4) s b v. Large for big vocabularies: Llama 3 (v = 128256) at s = 8192 holds 6.3 GB per
     sequence before TP. Without SP the two h-wide inputs are whole on every TP rank; other implementations of the
-    loss hold other amounts per logit (CROSS_ENTROPY_KINDS, as the caching allocator reserves them). ``whole_column_inputs``:
-    the output layer keeps its all-gathered input whole beside the final norm's sharded one (module docstring:
-    DTensor)."""
+    loss hold other amounts per logit (CROSS_ENTROPY_KINDS, as the caching allocator reserves them).
+    ``whole_column_inputs``: the output layer keeps its all-gathered input whole beside the final norm's sharded one
+    (module docstring: DTensor)."""
     per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
     tokens = mbs * seq_len / cp
     if sequence_parallel and whole_column_inputs:

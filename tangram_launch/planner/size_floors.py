@@ -102,8 +102,8 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
     # per-pair floors need every island's floors for every kind (an island left out would lower the others' GPUs).
     # Every runtime: under deepspeed (no TP) queries are cheap, but every divisor of the global batch is a size, and
     # the pairs skipped at sizes far from the best plan's save their composition too. A skipped pair's every pipeline
-    # has a closed form and a predicted iteration that cannot beat the bounds. (The Pareto composer takes every plan whose score floor can beat the
-    # best score as a candidate: every example plan is the same with and without it.)
+    # has a closed form and a predicted iteration that cannot beat the bounds. (The Pareto composer takes every plan
+    # whose score floor can beat the best score as a candidate: every example plan is the same with and without it.)
     pairs = (PairFloors(kinds, per_island, gpus, m, links)
              if all(needed <= f.keys() for f in per_island.values()) else None)
     cap = capacity(kinds, per_island, gpus)  # <= their GPUs
