@@ -60,6 +60,14 @@ pair floors: pair_floors.PairFloors.floor / beyond
     test:   test_planner_pair_floors.py::test_pair_floors_are_under_every_pipeline_holding_the_pair,
             ::test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands
 
+pipeline reach: pair_floors.PipelineReach.usable / prune / kill
+    prunes: size_search (classes asked at no size; per size, pairs whose every way to layer 0 or L passes a class
+            whose answer holds no plan: slices at layer 0 asked first, then those at L, then the rest)
+    safe:   a pipeline covers [0, L) with pairs on distinct islands, each once; an answer without a plan kept every
+            plan of its class that could beat bounds no tighter than the search's now (they only tighten)
+    test:   test_planner_pipeline_reach.py::test_every_class_in_a_pipeline_of_live_pairs_stays_usable,
+            ::test_with_two_islands_a_middle_slice_is_in_no_pipeline_and_a_dead_complement_rules_out_its_pair
+
 class floors: classes.class_floors_s: (m - 1) x P* + F + least tail
     prunes: size_composition (classes composed most promising first, skipped)
     safe:   distinct islands' slices must add up to L layers

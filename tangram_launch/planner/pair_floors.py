@@ -29,11 +29,112 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tangram_launch.planner.bounds import beyond, chain_score_floor_s, slack_cut
 from tangram_launch.planner.interleave import most_virtual_stages
 
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.planner.slices import Pair
+
+
+class PipelineReach:
+    """Which pairs some pipeline of the live pairs could hold, at one micro-batch size. A pipeline covers [0, L) with
+    pairs on distinct islands, each once (compose.py), so a pair [a, b) on island k needs a chain of live pairs on
+    the other islands from layer 0 to a and one from b to L, and as many other islands as it has such sides (a
+    slice in the middle needs two). A pair is dead once its class's answer holds no plan (kill): its query kept
+    every plan of it that could be in a pipeline beating bounds no tighter than the search's now, so it is in no
+    pipeline that could beat them. Both chains are looked for ignoring which of the other islands they share (a
+    relaxation: a pair this rules out is in no pipeline of live pairs), only that no island holds two pairs in a
+    row of one chain (so with two islands the chains are exact: one pair on the other island)."""
+
+    def __init__(self, pairs: Sequence["Pair"], num_layers: int) -> None:
+        self.L = num_layers
+        self.islands = sorted({p.island for p in pairs})
+        self.members: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> its pairs' (island, start, stop)
+        self.stops: dict[int, dict[int, int]] = {}  # island -> start -> bit mask of the stops of its live pairs
+        self.starts: dict[int, dict[int, int]] = {}  # island -> stop -> bit mask of the starts of its live pairs
+        for p in pairs:
+            a, b = p.layers
+            self.members.setdefault(p.key, []).append((p.island, a, b))
+            self._flip(p.island, a, b, on=True)
+        self.dead: set[tuple] = set()
+        self._reach: dict[int, tuple[int, int]] = {}  # island -> (layers reached from 0, layers reaching L)
+
+    def copy(self) -> "PipelineReach":
+        """The same reach, killed apart (its pairs are shared)."""
+        out = PipelineReach.__new__(PipelineReach)
+        out.L, out.islands, out.members = self.L, self.islands, self.members
+        out.stops = {k: dict(row) for k, row in self.stops.items()}
+        out.starts = {k: dict(row) for k, row in self.starts.items()}
+        out.dead, out._reach = set(self.dead), dict(self._reach)
+        return out
+
+    def _flip(self, k: int, a: int, b: int, *, on: bool) -> None:
+        for table, x, y in ((self.stops, a, b), (self.starts, b, a)):
+            row = table.setdefault(k, {})
+            row[x] = row.get(x, 0) | 1 << y if on else row.get(x, 0) & ~(1 << y)
+
+    def kill(self, key: tuple) -> None:
+        """Mark the pairs of ``key`` dead (their class's answer holds no plan)."""
+        if key in self.dead:
+            return
+        self.dead.add(key)
+        for k, a, b in self.members.get(key, ()):
+            self._flip(k, a, b, on=False)
+        self._reach.clear()
+
+    def _of(self, k: int) -> tuple[int, int]:
+        """(bit mask of the layers a chain of live pairs on islands other than k reaches from layer 0, of those
+        from which such a chain reaches L), no island holding two pairs in a row."""
+        hit = self._reach.get(k)
+        if hit is None:
+            others = [o for o in self.islands if o != k]
+            hit = self._reach[k] = (self._chains(others, self.stops, range(self.L), 0),
+                                    self._chains(others, self.starts, range(self.L, 0, -1), self.L))
+        return hit
+
+    @staticmethod
+    def _chains(islands: Sequence[int], table: dict[int, dict[int, int]], order: range, origin: int) -> int:
+        """Bit mask of the layers chains of ``table``'s spans over ``islands`` reach from ``origin``, visiting the
+        layers in ``order`` (away from the origin: a layer's chains go on only after every span ending there was
+        read); per island the layers reached by a chain whose last pair is on it, which it does not extend."""
+        last = {o: 0 for o in islands}
+        for x in order:
+            if x == origin:
+                for o in islands:
+                    last[o] |= table[o].get(x, 0)
+                continue
+            for o in islands:
+                if any(last[q] >> x & 1 for q in islands if q != o):
+                    last[o] |= table[o].get(x, 0)
+        out = 1 << origin
+        for mask in last.values():
+            out |= mask
+        return out
+
+    def prune(self) -> None:
+        """Kill every class no pipeline of live pairs can hold, until none is left (one such class may have been
+        another's only way to layer 0 or L)."""
+        while True:
+            gone = [key for key in self.members if key not in self.dead and not self.usable(key)]
+            if not gone:
+                return
+            for key in gone:
+                self.kill(key)
+
+    def usable(self, key: tuple) -> bool:
+        """Whether some pair of ``key`` could be in a pipeline of live pairs."""
+        if key in self.dead:
+            return False
+        others = len(self.islands) - 1
+        for k, a, b in self.members.get(key, ()):
+            if (a > 0) + (b < self.L) > others:
+                continue
+            ahead, behind = self._of(k)
+            if ahead >> a & 1 and behind >> b & 1:
+                return True
+        return False
 
 
 def capacity(kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float, float]]],

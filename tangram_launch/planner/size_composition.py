@@ -86,6 +86,7 @@ class SearchState:
     counters: dict = field(default_factory=_counters)
     cstats: ComposeStats = field(default_factory=ComposeStats)
     memo: SizeMemo | None = field(default_factory=SizeMemo)  # None: every round composes anew
+    reach: dict = field(default_factory=dict)  # b -> its PipelineReach (pair_floors.py): pairs a pipeline could hold
     best: Incumbent | None = None
 
 

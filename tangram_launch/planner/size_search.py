@@ -13,7 +13,7 @@ from tangram_launch.errors import SpecError
 from tangram_launch.parallelizers.base import SliceQuery, SliceResult
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
 from tangram_launch.planner.orders import fastest_first, island_orders
-from tangram_launch.planner.pair_floors import PairFloors
+from tangram_launch.planner.pair_floors import PairFloors, PipelineReach
 from tangram_launch.planner.size_composition import SearchContext, SearchState, compose_size, size_links
 from tangram_launch.planner.size_floors import SizeFloor, front_s, least_links_at, outside_s, score_extra_s, size_floor
 from tangram_launch.planner.slices import Pair
@@ -71,7 +71,9 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     model, opts, pairset = ctx.model, ctx.opts, ctx.pairset
     L = model.num_layers
     whole = [p for p in pairset.queries if p.layers == (0, L)]
-    rest = [p for p in pairset.queries if p.layers != (0, L)]
+    reach = PipelineReach(pairset.pairs, L)
+    reach.prune()  # a class no pipeline can hold is asked at no size
+    rest = [p for p in pairset.queries if p.layers != (0, L) and reach.usable(p.key)]
     bnb = opts.branch_and_bound
     present = sorted({p.island for p in pairset.pairs})  # the islands a pipeline can use
     floors = {b: size_floor(b, model=model, training=ctx.training, islands=ctx.islands, caps=ctx.caps,
@@ -82,6 +84,7 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     first: list[tuple[float, float, int]] = []
     for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # most promising first: its plan bounds the rest
         state.results.setdefault(b, {})
+        state.reach.setdefault(b, reach.copy())
         own_s = _visit(b, whole, floors[b], ctx, state, use_incumbent=False)  # orders the sizes below
         if own_s is not None:
             first.append((own_s, floors[b].latency_s, b))
@@ -199,16 +202,39 @@ def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: S
     closed-form bound less the least fill the rest of any pipeline holding it adds (outside_s), and the best
     predicted iteration less score_extra_s, per number of layers its plan's least stage may have
     (SliceQuery.score_bounds_s: a plan with stages of one layer cannot interleave, and pays the fill in front)."""
+    reach = state.reach.get(b)
+    if reach is None:
+        _ask_wave(b, pairs, bound_s, score_s, floor, ctx, state, None)
+        return
+    for key, r in state.results[b].items():
+        if not r.plans:
+            reach.kill(key)
+    # the slices at layer 0 first, then those at layer L: a pair whose every way to layer 0 or L passes a pair that
+    # holds no plan goes unasked
+    L = ctx.model.num_layers
+    for wave in ([p for p in pairs if p.layers[0] == 0], [p for p in pairs if p.layers[0] > 0 and p.layers[1] == L],
+                 [p for p in pairs if p.layers[0] > 0 and p.layers[1] < L]):
+        _ask_wave(b, wave, bound_s, score_s, floor, ctx, state, reach)
+
+
+def _ask_wave(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: SizeFloor, ctx: SearchContext,
+              state: SearchState, reach: PipelineReach | None) -> None:
+    """_ask's queries of ``pairs`` in one batch; a pair that ``reach`` (the size's PipelineReach) shows in no
+    pipeline of live pairs, or whose pair floors cannot beat the bounds, is answered "bounded" without a query, and
+    a class whose answer holds no plan is killed in ``reach``."""
     model, training, islands, caps = ctx.model, ctx.training, ctx.islands, ctx.caps
     results, counters = state.results, state.counters
     L = model.num_layers
     queries: list[SliceQuery] = []
     where: list[Pair] = []
     into, out_of = floor.links
+    dead: list[tuple] = []  # killed in ``reach`` after the loop (a kill makes the next usable() read every island)
     for p in pairs:
-        if floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s):
+        if (reach is not None and not reach.usable(p.key)) or \
+                (floor.pairs is not None and floor.pairs.beyond(p.island, *p.layers, bound_s, score_s)):
             # part of no pipeline that could beat the bounds: answered "bounded" without a query
             results[b][p.key] = _merge(results[b].get(p.key), SliceResult((*p.key, b), (), None, bounded=1))
+            dead.append(p.key)
             counters["pairs_skipped"] += 1
             continue
         outside = outside_s(floor, p, into, out_of, L)
@@ -221,14 +247,26 @@ def _ask(b: int, pairs: Sequence[Pair], bound_s: float, score_s: float, floor: S
                                   score_bounds_s=tuple(score_s - score_extra_s(front, outside, i)
                                                        for i in range(min(n, MAX_VIRTUAL_STAGES)))))
         where.append(p)
-    if not queries:
-        return
+    if queries:
+        _run(b, queries, where, ctx, state, dead)
+    if reach is not None:
+        for key in dead:
+            reach.kill(key)
+
+
+def _run(b: int, queries: Sequence[SliceQuery], where: Sequence[Pair], ctx: SearchContext, state: SearchState,
+         dead: list[tuple]) -> None:
+    """Answer ``queries`` (of the pairs ``where``) in the pool into results[b]; the keys of answers without a plan
+    go to ``dead``."""
+    results, counters = state.results, state.counters
     t_q = time.perf_counter()
     answers = ctx.pool.run(queries)
     counters["query_s"] += time.perf_counter() - t_q
     counters["queries"] += len(queries)
     for p, r in zip(where, answers):
         results[b][p.key] = _merge(results[b].get(p.key), r)
+        if not results[b][p.key].plans:
+            dead.append(p.key)
     counters["configs"] += sum(r.configs_evaluated for r in answers)
     counters["bounded"] += sum(r.bounded for r in answers)
 
