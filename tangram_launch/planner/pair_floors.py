@@ -105,9 +105,11 @@ class PipelineReach:
                 for o in islands:
                     last[o] |= table[o].get(x, 0)
                 continue
-            for o in islands:
-                if any(last[q] >> x & 1 for q in islands if q != o):
-                    last[o] |= table[o].get(x, 0)
+            ends = [q for q in islands if last[q] >> x & 1]  # the islands of the last pairs of chains reaching x
+            if ends:
+                for o in islands:
+                    if len(ends) > 1 or ends[0] != o:
+                        last[o] |= table[o].get(x, 0)
         out = 1 << origin
         for mask in last.values():
             out |= mask
