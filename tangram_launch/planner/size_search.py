@@ -92,7 +92,9 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     # first round's would be done again whole: there the queries the split saves cost less than that (the same
     # plans either way)
     split = len({p.island for p in rest}) <= opts.exact_islands
-    for _own, _floor, b in sorted(first) if rest else ():
+    # most promising first: by the geometric mean of the size's floor and its single-island plan (the best plan at
+    # b lies between them; a size whose floor is far below the others' can hold a pipeline beating them all)
+    for _own, _floor, b in sorted(first, key=lambda t: (t[0] * t[1], t[1], t[2])) if rest else ():
         left = rest
         best = state.best
         if bnb and floors[b].pairs is not None and (best is None or len(best.composition.options) == 1):
