@@ -81,3 +81,37 @@ def test_with_two_islands_a_middle_slice_is_in_no_pipeline_and_a_dead_complement
     reach.kill((1, 2, False, True))  # island 1's [2, 4)
     assert not reach.usable((0, 2, True, False))  # island 0's [0, 2): its only pipeline holds [2, 4) on island 1
     assert reach.usable((0, 1, True, False)) and reach.usable((0, 3, True, False))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("gpus", [("a100-80gb", "v100-16gb"), ("a100-80gb", "v100-16gb", "t4")], ids=["2", "3"])
+def test_the_search_with_the_reach_finds_the_plan_of_the_search_without_it(gpus, monkeypatch):
+    """The real megatron parallelizer on 2 and 3 islands: the search that skips pairs by PipelineReach and the one
+    that asks every pair (usable() always true) choose the same plan and drop the same islands, with no more queries."""
+    from tangram_launch.capabilities import MEGATRON
+    from tangram_launch.parallelizers.megatron import MegatronParallelizer
+    from tangram_launch.planner import PlannerOptions, search
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import ModelSpec
+    from tangram_launch.specs.training import TrainingSpec
+
+    cl = ClusterSpec.from_dict({
+        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
+        "nodes": [{"name": f"n{i}", "gpu": g, "count": 4} for i, g in enumerate(gpus)]})
+    model = ModelSpec(name="t12", num_layers=12, hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=1024,
+                      vocab_size=1000, max_seq_len=256)
+    training = TrainingSpec(global_batch=48, seq_len=256, dtype="fp16")
+
+    def plan():
+        return search(cl, model, training, runtime=MEGATRON, parallelizer=MegatronParallelizer(),
+                      options=PlannerOptions(max_workers=1))
+
+    on = plan()
+    monkeypatch.setattr(PipelineReach, "usable", lambda self, key: True)
+    off = plan()
+    # with two islands every slice in the middle goes unasked; with three the chains may reach every pair
+    assert on.stats["queries"] < off.stats["queries"] if len(gpus) == 2 else on.stats["queries"] <= off.stats["queries"]
+    assert on.plan.predicted.iteration_time_s == pytest.approx(off.plan.predicted.iteration_time_s, rel=1e-12)
+    assert on.plan.planner["b"] == off.plan.planner["b"]
+    assert [s.layers for s in on.plan.stages] == [s.layers for s in off.plan.stages]
+    assert {d["island"] for d in on.plan.islands_dropped} == {d["island"] for d in off.plan.islands_dropped}
