@@ -228,6 +228,7 @@ class SliceCoster:
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
+                 expert_tensor_parallel: int | None = None,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -240,7 +241,10 @@ class SliceCoster:
         (Transformer Engine, Megatron's FP8; off: torchao's Float8Linear keeps them in 16 bit). ``model_states``: what
         the runtime stores per parameter (memory.MODEL_STATE_KINDS: FSDP2 over fp32 parameters, everything in bf16;
         storage only, its collectives keep their dtypes). ``whole_column_inputs``: under SP the column-parallel
-        GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py). The
+        GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py).
+        ``expert_tensor_parallel``: the routed experts' own tensor-parallel degree (Megatron-core's MoE parallel
+        folding, expert_tensor_parallel_size; None: the stage's tp, Megatron's default and this project's Megatron
+        adapter): the expert grid is (etp, ep, edp) over the stage's tp x cp x dp ranks, etp fastest. The
         defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
@@ -260,6 +264,12 @@ class SliceCoster:
         self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
         self.fp8_gemm_inputs = bool(fp8_gemm_inputs) and q.training.dtype == "fp8"
         self.whole_column_inputs = bool(whole_column_inputs)
+        if expert_tensor_parallel is not None and (isinstance(expert_tensor_parallel, bool)
+                                                   or not isinstance(expert_tensor_parallel, int)
+                                                   or expert_tensor_parallel < 1):
+            raise SpecError("the experts' tensor-parallel degree must be a positive integer",
+                            field="expert_tensor_parallel", value=expert_tensor_parallel, valid="1, 2, 4, 8 or omitted")
+        self.expert_tensor_parallel = expert_tensor_parallel
         # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
         self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
                                                  grad_bytes=q.training.grad_bytes,
@@ -315,6 +325,10 @@ class SliceCoster:
             return None
 
     # ------------------------------------------------------------------------------------------ per layer
+    def etp(self, tp: int) -> int:
+        """The routed experts' tensor-parallel degree in a stage of TP degree ``tp`` (constructor keyword)."""
+        return tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
     def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:
         """comm.group_link on this island (kept in the context's edge cache: a GroupLink is frozen)."""
         key = ("link", stride, size, stage_gpus)
@@ -334,7 +348,8 @@ class SliceCoster:
         i = self.rep[kind]
         p = dev.dtype_bytes
         stage_gpus = tp * cp * dp
-        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev)
+        etp = self.etp(tp)
+        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev, etp=etp)
         tokens = mbs * s / cp
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
@@ -351,21 +366,16 @@ class SliceCoster:
             step = comm.collective_s(comm.SEND_RECV, kv, 2, cp_link)
             cp_fwd = max(0.0, (cp - 1) * step - lc.attention_core_s)
             cp_bwd = max(0.0, 2 * (cp - 1) * step - 2 * lc.attention_core_s)
-        # MoE all-to-all (Lepikhin et al. 2021, GShard): dispatch and combine, each moving a GPU's top-k token copies;
-        # the forward first exchanges the tokens-per-expert counts (E int64s: Megatron's alltoall dispatcher and
-        # the torch runtime both do), whose cost is the collective's fixed latency (gloo: ~0.1 ms a call)
         ep_fwd = ep_bwd = 0.0
-        if kind == "moe" and ep > 1:
-            ep_link = self._link(tp, ep, stage_gpus)
-            per_gpu = tokens * model.top_k * model.hidden_size * p / tp
-            ep_bwd = 2 * comm.collective_s(comm.ALL_TO_ALL, per_gpu, ep, ep_link)
-            ep_fwd = ep_bwd + comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
+        if kind == "moe":
+            ep_fwd, ep_bwd = self._expert_comm_s(tokens, tp, ep, etp, stage_gpus)
         flash = dev.flash_attention
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
                                             dtype_bytes=p, sequence_parallel=self.sequence_parallel,
                                             selective_policy=self.selective_policy,
                                             fp8_gemm_inputs=self.fp8_gemm_inputs,
-                                            whole_column_inputs=self.whole_column_inputs) for m in RECOMPUTE_MODES)
+                                            whole_column_inputs=self.whole_column_inputs, expert_tp=etp)
+                     for m in RECOMPUTE_MODES)
         # the profile's saved bytes of this kind, where it has them, correct the kept tensors (memory.py: Measured)
         measured = measured_activation_factor(self.island.gpu.measured, model, i, seq_len=s, mbs=mbs, tp=tp,
                                               flash=flash, dtype_bytes=p)
@@ -378,11 +388,33 @@ class SliceCoster:
             fwd_flops=lc.forward_flops,
             recompute_flops=tuple(lc.recompute_flops(m, self.selective_policy) for m in RECOMPUTE_MODES),
             tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
-            act_bytes=acts, dense_params=dense / tp, expert_params=experts / (tp * ep),
+            act_bytes=acts, dense_params=dense / tp, expert_params=experts / (etp * ep),
             param_tensors=layer_param_tensors(model, i, ep=ep),
         )
         self._layer_cache[key] = terms
         return terms
+
+    def _expert_comm_s(self, tokens: float, tp: int, ep: int, etp: int, stage_gpus: int) -> tuple[float, float]:
+        """(forward, backward) token dispatch of one MoE layer per micro-batch, as Megatron-core's all-to-all
+        dispatcher runs it (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher).
+
+        Dispatch: all-to-all over the EP group (etp ranks apart) of the rank's top-k copies of its sequence-parallel
+        shard (Lepikhin et al. 2021, GShard), then, with etp > 1, an all-gather of them over the experts' TP group
+        (gather_from_sequence_parallel_region); combine: the reduce-scatter and the all-to-all back. The backward
+        runs each in reverse. The forward first exchanges the tokens-per-expert counts (E int64s: Megatron's
+        dispatcher and the torch runtime both do), whose cost is the collective's fixed latency."""
+        model, p = self.model, self.dev.dtype_bytes
+        copies = tokens / tp * model.top_k * model.hidden_size * p  # a rank's top-k copies of its SP shard
+        pass_s = counts_s = 0.0
+        if ep > 1:
+            ep_link = self._link(etp, ep, stage_gpus)
+            pass_s = 2 * comm.collective_s(comm.ALL_TO_ALL, copies, ep, ep_link)
+            counts_s = comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
+        if etp > 1:  # the gathered buffer holds the etp ranks' received copies
+            etp_link = self._link(1, etp, stage_gpus)
+            pass_s += (comm.collective_s(comm.ALL_GATHER, copies * etp, etp, etp_link)
+                       + comm.collective_s(comm.REDUCE_SCATTER, copies * etp, etp, etp_link))
+        return pass_s + counts_s, pass_s
 
     def edges(self, tp: int, cp: int, dp: int, mbs: int) -> dict:
         key = (tp, cp, dp, mbs)
@@ -511,8 +543,9 @@ class SliceCoster:
                 ranges[j] = (a, a + sizes[j])
         edges = self.edges(tp, cp, dp, mbs)
         dp_link = self._link(tp, dp * cp, stage_gpus)
-        edp = dp * cp // ep
-        edp_link = self._link(tp * ep, edp, stage_gpus)
+        etp = self.etp(tp)
+        edp = stage_gpus // (etp * ep)
+        edp_link = self._link(etp * ep, edp, stage_gpus)
         first_layer, last_layer = self.q.layers
         act_bytes_mb = b * self.seq_len * model.hidden_size * p  # a whole micro-batch's hidden states
         sums = []
@@ -599,7 +632,7 @@ class SliceCoster:
                 if j > 0:
                     st.p2p_bwd_s = p2p_fwd_s(j - 1)
         for st in sums:
-            st.shard, st.eshard = dp * cp, dp * cp // ep
+            st.shard, st.eshard = dp * cp, edp
             st.fixed_fwd_s = st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s + st.p2p_fwd_s
             st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_bwd_s + st.p2p_bwd_s
         if stages is None:
@@ -877,6 +910,8 @@ class SliceCoster:
             out.append(f"cp={cfg.cp}: seq_len {self.seq_len} must be divisible by 2*cp (load-balanced causal CP)")
         if cfg.ep > 1 and (not model.is_moe or model.num_experts % cfg.ep):
             out.append(f"ep={cfg.ep} needs an MoE model whose experts it divides")
+        if model.is_moe and sg % (self.etp(cfg.tp) * cfg.ep):
+            out.append(f"the expert grid etp x ep = {self.etp(cfg.tp)} x {cfg.ep} must divide the stage's {sg} GPUs")
         if slice_layers and cfg.pp > self.q.num_layers:
             out.append(f"pp={cfg.pp} exceeds the slice's {self.q.num_layers} layers")
         if self.training.global_batch % b:

@@ -246,12 +246,14 @@ def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int =
 def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
                            recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
                            sequence_parallel: bool = True, selective_policy: str = "megatron",
-                           fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False) -> float:
+                           fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False,
+                           expert_tp: int | None = None) -> float:
     """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
     ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says; GEMM inputs in FP8 where
     ``fp8_gemm_inputs``: Megatron's selective recompute only, op-level SAC is torchtitan's, whose FP8 keeps them
     in 16 bit; the column-parallel GEMMs' inputs whole under SP where ``whole_column_inputs``, module docstring:
-    DTensor; op-level SAC recomputes them from the block input)."""
+    DTensor; op-level SAC recomputes them from the block input). ``expert_tp``: the routed experts' tensor-parallel
+    degree (None: ``tp``); see expert_gathered_input_bytes."""
     tokens = mbs * seq_len / cp
     if recompute == "selective" and selective_policy == "op-sac":
         sharded, whole = op_sac_bytes_per_token(model, layer, dtype_bytes=dtype_bytes,
@@ -262,6 +264,10 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
                                                      dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs)
     out = tokens * (local + scores) / tp
+    if model.is_moe_layer(layer) and recompute != "full":
+        etp = tp if expert_tp is None else expert_tp
+        out += expert_gathered_input_bytes(model, tokens=tokens, tp=tp, expert_tp=etp,
+                                           input_bytes=gemm_input_bytes(dtype_bytes, fp8_gemm_inputs))
     if whole_column_inputs and sequence_parallel and tp > 1 and recompute != "full":
         out += tokens * 2 * gemm_input_bytes(dtype_bytes, fp8_gemm_inputs) * model.hidden_size * (1.0 - 1.0 / tp)
     if not sequence_parallel and tp > 1:
@@ -269,6 +275,22 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
                                                    fp8_gemm_inputs=fp8_gemm_inputs)
         out += tokens * replicated * (1.0 - 1.0 / tp)
     return out
+
+
+def expert_gathered_input_bytes(model: "ModelSpec", *, tokens: float, tp: int, expert_tp: int,
+                                input_bytes: float) -> float:
+    """The routed experts' inputs a GPU keeps beyond its 1/tp share of the layer's top-k token copies.
+
+    Megatron-core's all-to-all dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
+    MoEAlltoAllTokenDispatcher): each rank permutes its sequence-parallel shard (tokens / tp), all-to-alls the
+    copies over the EP group, and where the experts' tensor-parallel size is above 1 all-gathers them over that
+    group (gather_from_sequence_parallel_region); the experts' first GEMM saves the gathered tokens for its weight
+    gradient. A GPU so keeps (tokens / tp) x expert_tp x k copies of h, expert_tp - 1 shares more than the per-token
+    count of layer_activation_bytes_per_token divided by tp. Their intermediates are sharded by expert_tp (the
+    expert width / expert_tp), so they stay at the 1/tp share."""
+    if not model.is_moe or expert_tp <= 1:
+        return 0.0
+    return tokens / tp * (expert_tp - 1) * model.top_k * input_bytes * model.hidden_size
 
 
 def measured_activation_factor(measured: Mapping[str, Any] | None, model: "ModelSpec", layer: int, *, seq_len: int,

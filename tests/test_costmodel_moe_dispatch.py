@@ -1,0 +1,113 @@
+"""MoE token dispatch and the experts' own process grid, as Megatron-core runs them (costmodel/breakdown.py
+``SliceCoster._expert_comm_s``, costmodel/compute.py, costmodel/memory.py ``expert_gathered_input_bytes``)."""
+from __future__ import annotations
+
+import pytest
+
+from tangram_launch.costmodel import communication as comm
+from tangram_launch.costmodel.breakdown import ParallelConfig
+from tangram_launch.costmodel.compute import layer_compute
+from tangram_launch.costmodel.efficiency import DeviceModel
+from tangram_launch.costmodel.memory import expert_gathered_input_bytes, layer_activation_bytes, layer_param_split
+from tangram_launch.errors import SpecError
+from tangram_launch.specs.model import load_model
+from tests.test_costmodel import coster, gpu, island
+
+QWEN = load_model("qwen3-30b-a3b")  # 128 experts, top-8, expert width 768
+
+
+def _coster(**kw):
+    return coster(QWEN, island("h100-sxm", nodes=2, per_node=8, net_gbps=50.0), b=8, gb=16, seq=4096, **kw)
+
+
+def test_expert_tp_one_keeps_an_ep8_group_on_one_node():
+    """Megatron-MoE-ModelZoo's Qwen3-235B 'Intra-node EP strategy' runs TP 2, EP 8, ETP 1: the expert grid is
+    (etp, ep, edp) with etp fastest, so EP 8 takes 8 adjacent GPUs, one node; with the experts TP-sharded like the
+    attention (Megatron's default, etp = tp = 2) the EP group spans two nodes."""
+    folded, default = _coster(expert_tensor_parallel=1), _coster()
+    assert not folded._link(folded.etp(2), 8, 16).inter_node
+    assert default._link(default.etp(2), 8, 16).inter_node
+
+
+def test_dispatch_is_all_to_all_then_all_gather_over_the_experts_tp_group():
+    """MoEAlltoAllTokenDispatcher: all-to-all of a rank's top-k copies of its SP shard over EP, then (expert TP > 1)
+    gather_from_sequence_parallel_region over the experts' TP group; combine is the reduce-scatter and the all-to-all
+    back. The forward also exchanges the E token counts."""
+    c = _coster()
+    tokens, tp, ep = 4 * 4096, 2, 4
+    copies = tokens / tp * QWEN.top_k * QWEN.hidden_size * 2
+    ep_link, tp_link = c._link(tp, ep, 16), c._link(1, tp, 16)
+    a2a = comm.collective_s(comm.ALL_TO_ALL, copies, ep, ep_link)
+    gather = (comm.collective_s(comm.ALL_GATHER, copies * tp, tp, tp_link)
+              + comm.collective_s(comm.REDUCE_SCATTER, copies * tp, tp, tp_link))
+    counts = comm.collective_s(comm.ALL_TO_ALL, QWEN.num_experts * 8, ep, ep_link)
+    fwd, bwd = c._expert_comm_s(tokens, tp, ep, c.etp(tp), 16)
+    assert bwd == pytest.approx(2 * a2a + gather)
+    assert fwd == pytest.approx(bwd + counts)
+    fwd1, bwd1 = _coster(expert_tensor_parallel=1)._expert_comm_s(tokens, tp, ep, 1, 16)
+    assert bwd1 == pytest.approx(2 * comm.collective_s(comm.ALL_TO_ALL, copies, ep, c._link(1, ep, 16)))
+    assert bwd1 < bwd
+
+
+def test_expert_tp_one_holds_whole_experts_sharded_over_the_expert_data_parallel_group():
+    """ETP 1: each GPU holds E / ep whole experts, replicated over edp = tp dp cp / ep GPUs (the ModelZoo table's
+    EDP 32 = 256 / (ETP 1 x EP 8)); ETP = TP: E / ep experts, each cut in tp, over dp cp / ep."""
+    cfg = ParallelConfig(tp=2, dp=8, ep=8)
+    _, experts = layer_param_split(QWEN, 0)
+    folded = _coster(expert_tensor_parallel=1).plan(cfg).stages[0].breakdown
+    default = _coster().plan(cfg).stages[0].breakdown
+    dense_per_gpu = default["params_per_gpu"] - QWEN.num_layers * experts / 16
+    assert folded["params_per_gpu"] == pytest.approx(dense_per_gpu + QWEN.num_layers * experts / 8)
+    c = _coster(expert_tensor_parallel=1)
+    (st,) = c.stage_sums(2, 1, 8, 1, 8)
+    assert st.eshard == 2 and _coster().stage_sums(2, 1, 8, 1, 8)[0].eshard == 1
+
+
+class _Recording(DeviceModel):
+    """A DeviceModel that records the GEMM shapes it prices."""
+
+    def gemm_s(self, m, n, k, count=1.0):
+        self.calls.append((m, n, k, count))
+        return super().gemm_s(m, n, k, count)
+
+
+def test_expert_gemms_keep_their_work_under_either_expert_grid():
+    """Per GPU the experts do the same FLOPs whether they are TP-sharded (M k ep / E tokens per expert, width
+    f / t) or whole (M / t k ep / E tokens, width f): the expert grid changes the GEMM shapes, not the work."""
+    base = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
+    flops = {}
+    for etp in (1, 2):
+        dev = _Recording(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+        object.__setattr__(dev, "calls", [])
+        layer_compute(QWEN, 0, seq_len=4096, mbs=1, tp=2, cp=1, ep=8, dev=dev, use_measured=False, etp=etp)
+        experts = [c for c in dev.calls if c[3] == QWEN.num_experts / 8]
+        assert len(experts) == 2
+        flops[etp] = sum(2 * m * n * k * count for m, n, k, count in experts)
+        assert experts[0][1] == (QWEN.ffn_matrices - 1) * QWEN.expert_ffn_hidden_size / etp
+    assert flops[1] == pytest.approx(flops[2])
+
+
+def test_gathered_expert_inputs_are_kept_whole_under_expert_tp():
+    """The experts' first GEMM saves the tokens the all-gather over the experts' TP group returned: (M / t) etp k
+    copies of h per GPU, (etp - 1) shares beyond the 1/t share; none under ETP 1 or full recompute."""
+    tokens, k, h = 4096, QWEN.top_k, QWEN.hidden_size
+    assert expert_gathered_input_bytes(QWEN, tokens=tokens, tp=4, expert_tp=1, input_bytes=2) == 0.0
+    assert expert_gathered_input_bytes(QWEN, tokens=tokens, tp=4, expert_tp=4, input_bytes=2) == \
+        pytest.approx(tokens / 4 * 3 * k * 2 * h)
+    kw = dict(seq_len=4096, mbs=1, tp=4, flash=True)
+    sel_tp = layer_activation_bytes(QWEN, 0, recompute="selective", **kw)
+    sel_one = layer_activation_bytes(QWEN, 0, recompute="selective", expert_tp=1, **kw)
+    assert sel_tp - sel_one == pytest.approx(tokens / 4 * 3 * k * 2 * h)
+    assert layer_activation_bytes(QWEN, 0, recompute="full", **kw) == \
+        layer_activation_bytes(QWEN, 0, recompute="full", expert_tp=1, **kw)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
+def test_a_bad_expert_tp_is_named(bad):
+    with pytest.raises(SpecError, match="expert_tensor_parallel"):
+        _coster(expert_tensor_parallel=bad)
+
+
+def test_an_expert_grid_that_does_not_tile_the_stage_is_refused():
+    with pytest.raises(SpecError, match="expert grid"):
+        _coster(expert_tensor_parallel=4).plan(ParallelConfig(tp=2, dp=2, ep=2))
