@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel.breakdown import ParallelConfig
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.memory import expert_gathered_input_bytes, layer_activation_bytes, layer_param_split
+from tangram_launch.costmodel.moe_dispatch import copies_per_token, expected_ranks_reached
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.model import load_model
 from tests.test_costmodel import coster, gpu, island
@@ -59,8 +62,8 @@ def test_expert_tp_one_holds_whole_experts_sharded_over_the_expert_data_parallel
     dense_per_gpu = default["params_per_gpu"] - QWEN.num_layers * experts / 16
     assert folded["params_per_gpu"] == pytest.approx(dense_per_gpu + QWEN.num_layers * experts / 8)
     c = _coster(expert_tensor_parallel=1)
-    (st,) = c.stage_sums(2, 1, 8, 1, 8)
-    assert st.eshard == 2 and _coster().stage_sums(2, 1, 8, 1, 8)[0].eshard == 1
+    (stage,) = c.stage_sums(2, 1, 8, 1, 8)
+    assert stage.eshard == 2 and _coster().stage_sums(2, 1, 8, 1, 8)[0].eshard == 1
 
 
 class _Recording(DeviceModel):
@@ -111,3 +114,47 @@ def test_a_bad_expert_tp_is_named(bad):
 def test_an_expert_grid_that_does_not_tile_the_stage_is_refused():
     with pytest.raises(SpecError, match="expert grid"):
         _coster(expert_tensor_parallel=4).plan(ParallelConfig(tp=2, dp=2, ep=2))
+
+
+# ------------------------------------------------------------------------------------------------ DeepEP
+def test_deepep_rows_per_token_match_a_brute_force_count():
+    """DeepEP sends a token once to each rank holding one of its experts (is_token_in_rank): the expected number of
+    ranks reached, over every choice of k distinct experts out of E equally likely, counted one by one."""
+    from itertools import combinations
+
+    e, k, ep = 8, 3, 4
+    per_rank = e // ep
+    subsets = list(combinations(range(e), k))
+    brute = sum(len({x // per_rank for x in s}) for s in subsets) / len(subsets)
+    assert expected_ranks_reached(e, k, ep) == pytest.approx(brute)
+    assert copies_per_token("alltoall", num_experts=e, top_k=k, ep=ep) == k
+
+
+@settings(max_examples=200, deadline=None)
+@given(ep_log=st.integers(0, 5), per_rank=st.integers(1, 16), k=st.integers(1, 16))
+def test_deepep_reaches_between_one_and_min_k_ep_ranks(ep_log, per_rank, k):
+    ep = 2 ** ep_log
+    e = ep * per_rank
+    k = min(k, e)
+    got = copies_per_token("deepep", num_experts=e, top_k=k, ep=ep)
+    assert 1.0 - 1e-9 <= got <= min(k, ep) + 1e-9
+    if per_rank == 1:  # one expert per rank: every chosen expert is another rank
+        assert got == pytest.approx(k)
+
+
+def test_deepep_moves_the_reached_ranks_rows_not_top_k():
+    """Qwen3 (E 128, k 8) over EP 8: 5.34 rows per token with DeepEP against 8 with the all-to-all dispatcher; the
+    all-to-all time scales with the bytes."""
+    tokens, tp, ep = 4 * 4096, 1, 8
+    a2a, deep = _coster(expert_tensor_parallel=1), _coster(expert_tensor_parallel=1, moe_dispatcher="deepep")
+    link = a2a._link(1, ep, 16)
+    row = tokens * QWEN.hidden_size * 2
+    for c, rows in ((a2a, 8.0), (deep, expected_ranks_reached(128, 8, 8))):
+        _, bwd = c._expert_comm_s(tokens, tp, ep, 1, 16)
+        assert bwd == pytest.approx(2 * comm.collective_s(comm.ALL_TO_ALL, row * rows, ep, link))
+    assert expected_ranks_reached(128, 8, 8) == pytest.approx(5.339, abs=1e-3)
+
+
+def test_an_unknown_dispatcher_is_named():
+    with pytest.raises(SpecError, match="moe_dispatcher"):
+        _coster(moe_dispatcher="deep-ep")

@@ -57,6 +57,7 @@ from tangram_launch.costmodel.memory import (
     model_state_bytes,
     state_bytes_per_param,
 )
+from tangram_launch.costmodel.moe_dispatch import MOE_DISPATCHERS, copies_per_token
 from tangram_launch.costmodel.partition import balanced_split
 from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.errors import SpecError
@@ -228,7 +229,7 @@ class SliceCoster:
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
-                 expert_tensor_parallel: int | None = None,
+                 expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -244,8 +245,9 @@ class SliceCoster:
         GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py).
         ``expert_tensor_parallel``: the routed experts' own tensor-parallel degree (Megatron-core's MoE parallel
         folding, expert_tensor_parallel_size; None: the stage's tp, Megatron's default and this project's Megatron
-        adapter): the expert grid is (etp, ep, edp) over the stage's tp x cp x dp ranks, etp fastest. The
-        defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
+        adapter): the expert grid is (etp, ep, edp) over the stage's tp x cp x dp ranks, etp fastest.
+        ``moe_dispatcher``: how many copies of a token the EP dispatch moves (costmodel/moe_dispatch.py: top-k
+        rows with an all-to-all, one per reached rank with DeepEP). The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
@@ -270,6 +272,10 @@ class SliceCoster:
             raise SpecError("the experts' tensor-parallel degree must be a positive integer",
                             field="expert_tensor_parallel", value=expert_tensor_parallel, valid="1, 2, 4, 8 or omitted")
         self.expert_tensor_parallel = expert_tensor_parallel
+        if moe_dispatcher not in MOE_DISPATCHERS:
+            raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
+                            valid=", ".join(MOE_DISPATCHERS))
+        self.moe_dispatcher = moe_dispatcher
         # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
         self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
                                                  grad_bytes=q.training.grad_bytes,
@@ -398,13 +404,14 @@ class SliceCoster:
         """(forward, backward) token dispatch of one MoE layer per micro-batch, as Megatron-core's all-to-all
         dispatcher runs it (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher).
 
-        Dispatch: all-to-all over the EP group (etp ranks apart) of the rank's top-k copies of its sequence-parallel
-        shard (Lepikhin et al. 2021, GShard), then, with etp > 1, an all-gather of them over the experts' TP group
+        Dispatch: all-to-all over the EP group (etp ranks apart) of the rank's copies of its sequence-parallel shard
+        (Lepikhin et al. 2021, GShard; top-k of them, fewer with DeepEP: moe_dispatch.copies_per_token), then, with etp > 1, an all-gather of them over the experts' TP group
         (gather_from_sequence_parallel_region); combine: the reduce-scatter and the all-to-all back. The backward
         runs each in reverse. The forward first exchanges the tokens-per-expert counts (E int64s: Megatron's
         dispatcher and the torch runtime both do), whose cost is the collective's fixed latency."""
         model, p = self.model, self.dev.dtype_bytes
-        copies = tokens / tp * model.top_k * model.hidden_size * p  # a rank's top-k copies of its SP shard
+        rows = copies_per_token(self.moe_dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
+        copies = tokens / tp * rows * model.hidden_size * p  # a rank's copies of its SP shard
         pass_s = counts_s = 0.0
         if ep > 1:
             ep_link = self._link(etp, ep, stage_gpus)
