@@ -11,7 +11,7 @@ from tangram_launch.costmodel.breakdown import ParallelConfig
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.memory import expert_gathered_input_bytes, layer_activation_bytes, layer_param_split
-from tangram_launch.costmodel.moe_dispatch import copies_per_token, expected_ranks_reached
+from tangram_launch.costmodel.moe_dispatch import MoERuntime, copies_per_token, expected_ranks_reached, permutation_traffic_h
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.model import load_model
 from tests.test_costmodel import coster, gpu, island
@@ -82,7 +82,8 @@ def test_expert_gemms_keep_their_work_under_either_expert_grid():
     for etp in (1, 2):
         dev = _Recording(**{f: getattr(base, f) for f in base.__dataclass_fields__})
         object.__setattr__(dev, "calls", [])
-        layer_compute(QWEN, 0, seq_len=4096, mbs=1, tp=2, cp=1, ep=8, dev=dev, use_measured=False, etp=etp)
+        layer_compute(QWEN, 0, seq_len=4096, mbs=1, tp=2, cp=1, ep=8, dev=dev, use_measured=False,
+                      moe_runtime=MoERuntime(expert_tensor_parallel=etp))
         experts = [c for c in dev.calls if c[3] == QWEN.num_experts / 8]
         assert len(experts) == 2
         flops[etp] = sum(2 * m * n * k * count for m, n, k, count in experts)
@@ -158,3 +159,45 @@ def test_deepep_moves_the_reached_ranks_rows_not_top_k():
 def test_an_unknown_dispatcher_is_named():
     with pytest.raises(SpecError, match="moe_dispatcher"):
         _coster(moe_dispatcher="deep-ep")
+
+
+# ------------------------------------------------------------------------------------------------ permutation
+def test_permutation_passes_as_the_dispatchers_run_them():
+    """Unfused (Megatron-core moe_utils.permute: index_select; unpermute: x probs, zeros, scatter_add_; the torch
+    runtime alike): 5k + 2 rows per token; TE's fused moe_permute / moe_unpermute: 2k + 2; the all-to-all
+    dispatcher's sort_chunks_by_idxs there and back (EP > 1, several local experts): 4k more; DeepEP none."""
+    kw = dict(top_k=8, ep=8, local_experts=16)
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, **kw) == 5 * 8 + 2 + 4 * 8
+    assert permutation_traffic_h(dispatcher="alltoall", fused=True, **kw) == 2 * 8 + 2 + 4 * 8
+    assert permutation_traffic_h(dispatcher="deepep", fused=True, **kw) == 2 * 8 + 2
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, top_k=2, ep=1, local_experts=8) == 12
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, top_k=2, ep=8, local_experts=1) == 12
+
+
+def test_permutation_traffic_is_priced_at_memory_bandwidth():
+    """The element-wise time of an MoE layer differs between fused and unfused permutation by exactly the rows
+    moved through HBM: (3k) h p bytes per token on the GPU's M / t tokens."""
+    dev = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
+    kw = dict(seq_len=4096, mbs=2, tp=1, cp=1, ep=8, dev=dev, use_measured=False)
+    unfused = layer_compute(QWEN, 0, **kw)
+    fused = layer_compute(QWEN, 0, moe_runtime=MoERuntime(permute_fusion=True), **kw)
+    rows = 3 * QWEN.top_k * QWEN.hidden_size * 2 * 2 * 4096
+    assert unfused.elementwise_s - fused.elementwise_s == pytest.approx(dev.memory_s(rows))
+    assert unfused.gemm_s == fused.gemm_s
+
+
+def test_small_experts_pay_more_for_permutation_than_large_ones():
+    """The permutation moves k h-wide rows per token whatever the expert width, while the experts' FLOPs grow with
+    it: Qwen3-30B-A3B's 768-wide experts spend a larger share of the layer on it than the same model with 4x wider
+    experts (the reason many small experts run below a dense model's MFU)."""
+    import dataclasses
+
+    dev = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
+    kw = dict(seq_len=4096, mbs=2, tp=1, cp=1, ep=8, dev=dev, use_measured=False)
+    wide = dataclasses.replace(QWEN, expert_ffn_hidden_size=4 * 768)
+    share = {}
+    for name, m in (("small", QWEN), ("wide", wide)):
+        lc = layer_compute(m, 0, **kw)
+        fused = layer_compute(m, 0, moe_runtime=MoERuntime(permute_fusion=True), **kw)
+        share[name] = (lc.forward_s - fused.forward_s) / lc.forward_s
+    assert share["small"] > 1.5 * share["wide"] > 0

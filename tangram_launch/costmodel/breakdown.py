@@ -57,7 +57,7 @@ from tangram_launch.costmodel.memory import (
     model_state_bytes,
     state_bytes_per_param,
 )
-from tangram_launch.costmodel.moe_dispatch import MOE_DISPATCHERS, copies_per_token
+from tangram_launch.costmodel.moe_dispatch import MOE_DISPATCHERS, MoERuntime, copies_per_token
 from tangram_launch.costmodel.partition import balanced_split
 from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.errors import SpecError
@@ -230,7 +230,7 @@ class SliceCoster:
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
-                 layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
+                 moe_permute_fusion: bool = False, layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -247,7 +247,9 @@ class SliceCoster:
         folding, expert_tensor_parallel_size; None: the stage's tp, Megatron's default and this project's Megatron
         adapter): the expert grid is (etp, ep, edp) over the stage's tp x cp x dp ranks, etp fastest.
         ``moe_dispatcher``: how many copies of a token the EP dispatch moves (costmodel/moe_dispatch.py: top-k
-        rows with an all-to-all, one per reached rank with DeepEP). The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
+        rows with an all-to-all, one per reached rank with DeepEP). ``moe_permute_fusion``: the permutations run as
+        Transformer Engine's fused kernels (Megatron's --moe-permute-fusion; moe_dispatch.permutation_traffic_h).
+        The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
@@ -271,11 +273,10 @@ class SliceCoster:
                                                    or expert_tensor_parallel < 1):
             raise SpecError("the experts' tensor-parallel degree must be a positive integer",
                             field="expert_tensor_parallel", value=expert_tensor_parallel, valid="1, 2, 4, 8 or omitted")
-        self.expert_tensor_parallel = expert_tensor_parallel
         if moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
                             valid=", ".join(MOE_DISPATCHERS))
-        self.moe_dispatcher = moe_dispatcher
+        self.moe_runtime = MoERuntime(expert_tensor_parallel, moe_dispatcher, bool(moe_permute_fusion))
         # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
         self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
                                                  grad_bytes=q.training.grad_bytes,
@@ -333,7 +334,7 @@ class SliceCoster:
     # ------------------------------------------------------------------------------------------ per layer
     def etp(self, tp: int) -> int:
         """The routed experts' tensor-parallel degree in a stage of TP degree ``tp`` (constructor keyword)."""
-        return tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+        return self.moe_runtime.etp(tp)
 
     def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:
         """comm.group_link on this island (kept in the context's edge cache: a GroupLink is frozen)."""
@@ -355,7 +356,7 @@ class SliceCoster:
         p = dev.dtype_bytes
         stage_gpus = tp * cp * dp
         etp = self.etp(tp)
-        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev, etp=etp)
+        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev, moe_runtime=self.moe_runtime)
         tokens = mbs * s / cp
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
@@ -410,7 +411,7 @@ class SliceCoster:
         runs each in reverse. The forward first exchanges the tokens-per-expert counts (E int64s: Megatron's
         dispatcher and the torch runtime both do), whose cost is the collective's fixed latency."""
         model, p = self.model, self.dev.dtype_bytes
-        rows = copies_per_token(self.moe_dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
+        rows = copies_per_token(self.moe_runtime.dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
         copies = tokens / tp * rows * model.hidden_size * p  # a rank's copies of its SP shard
         pass_s = counts_s = 0.0
         if ep > 1:

@@ -1,4 +1,4 @@
-"""How many copies of a token an MoE dispatcher moves, by dispatcher.
+"""What an MoE layer's token dispatch moves, by dispatcher: rows over the EP group and rows through memory.
 
 ``alltoall``  Megatron-core's MoEAlltoAllTokenDispatcher and this project's torch runtime (runtime_adapters/moe.py):
               the tokens are permuted into one row per (token, chosen expert) before the all-to-all, so a token
@@ -14,9 +14,26 @@ a given rank, summed over the ranks. Qwen3-235B (E 128, k 8) over EP 8: 5.34 row
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import comb
 
 MOE_DISPATCHERS = ("alltoall", "deepep")
+
+
+@dataclass(frozen=True)
+class MoERuntime:
+    """How the runtime runs the routed experts (SliceCoster's keywords of these names, less the ``moe_`` prefix):
+    their tensor-parallel degree (None: the stage's tp), the dispatcher, and whether permutation is fused."""
+
+    expert_tensor_parallel: int | None = None
+    dispatcher: str = "alltoall"
+    permute_fusion: bool = False
+
+    def etp(self, tp: int) -> int:
+        return tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+
+DEFAULT_MOE_RUNTIME = MoERuntime()
 
 
 def expected_ranks_reached(num_experts: int, top_k: int, ep: int) -> float:
@@ -36,3 +53,21 @@ def copies_per_token(dispatcher: str, *, num_experts: int, top_k: int, ep: int) 
     if dispatcher == "deepep":
         return expected_ranks_reached(num_experts, top_k, ep)
     raise ValueError(f"moe dispatcher {dispatcher!r} (known: {', '.join(MOE_DISPATCHERS)})")
+
+
+def permutation_traffic_h(*, top_k: int, ep: int, local_experts: float, dispatcher: str, fused: bool) -> float:
+    """Memory traffic of one token's permutation and un-permutation in one MoE layer's forward, in h-wide rows of
+    the activation dtype (read + written), as the dispatchers run them.
+
+    Unfused (Megatron-core moe_utils.permute / unpermute, and this project's torch runtime, runtime_adapters/moe.py):
+    the permute's index_select reads and writes the k copies (2k); the combine multiplies them by their routing
+    probabilities (2k), zero-fills the output (1) and scatter-adds the k weighted rows into it (k + 1): 5k + 2.
+    Fused (Transformer Engine's moe_permute / moe_unpermute, Megatron's --moe-permute-fusion): one read of the token
+    and k written copies, k reads and one written sum: 2k + 2. The all-to-all dispatcher with more than one local
+    expert behind an EP > 1 exchange regroups the received chunks by local expert and back (sort_chunks_by_idxs,
+    a read and a write each way: 4k); DeepEP's received rows are permuted into expert order directly."""
+    k = top_k
+    out = 2.0 * k + 2.0 if fused else 5.0 * k + 2.0
+    if dispatcher == "alltoall" and ep > 1 and local_experts > 1:
+        out += 4.0 * k
+    return out
