@@ -67,7 +67,7 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # (DTensor TP).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
                 "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
-                "moe_permute_fusion")
+                "moe_permute_fusion", "moe_probs_on_output")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -253,7 +253,8 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          whole_column_inputs=bool(runtime.get("whole_column_inputs", False)),
                          expert_tensor_parallel=runtime.get("expert_tensor_parallel"),
                          moe_dispatcher=runtime.get("moe_dispatcher", "alltoall"),
-                         moe_permute_fusion=bool(runtime.get("moe_permute_fusion", False)))
+                         moe_permute_fusion=bool(runtime.get("moe_permute_fusion", False)),
+                         moe_probs_on_output=bool(runtime.get("moe_probs_on_output", True)))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),

@@ -17,6 +17,7 @@ from tangram_launch.specs.model import load_model
 from tests.test_costmodel import coster, gpu, island
 
 QWEN = load_model("qwen3-30b-a3b")  # 128 experts, top-8, expert width 768
+ETP1 = MoERuntime(expert_tensor_parallel=1)
 
 
 def _coster(**kw):
@@ -100,10 +101,10 @@ def test_gathered_expert_inputs_are_kept_whole_under_expert_tp():
         pytest.approx(tokens / 4 * 3 * k * 2 * h)
     kw = dict(seq_len=4096, mbs=1, tp=4, flash=True)
     sel_tp = layer_activation_bytes(QWEN, 0, recompute="selective", **kw)
-    sel_one = layer_activation_bytes(QWEN, 0, recompute="selective", expert_tp=1, **kw)
+    sel_one = layer_activation_bytes(QWEN, 0, recompute="selective", moe_runtime=ETP1, **kw)
     assert sel_tp - sel_one == pytest.approx(tokens / 4 * 3 * k * 2 * h)
     assert layer_activation_bytes(QWEN, 0, recompute="full", **kw) == \
-        layer_activation_bytes(QWEN, 0, recompute="full", expert_tp=1, **kw)
+        layer_activation_bytes(QWEN, 0, recompute="full", moe_runtime=ETP1, **kw)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
@@ -201,3 +202,24 @@ def test_small_experts_pay_more_for_permutation_than_large_ones():
         fused = layer_compute(m, 0, moe_runtime=MoERuntime(permute_fusion=True), **kw)
         share[name] = (lc.forward_s - fused.forward_s) / lc.forward_s
     assert share["small"] > 1.5 * share["wide"] > 0
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def test_a_combine_weighted_by_the_routing_probabilities_keeps_the_expert_outputs():
+    """Megatron-core's unpermute (`permuted_tokens * permuted_probs`), its 2024 allgather dispatcher
+    (`unpermuted_local_hidden * scores`) and this project's torch runtime (`y * r.weight`) multiply the k expert
+    outputs of a token by its probabilities, so autograd keeps those k h-wide rows for the probabilities' gradient;
+    Megatron's TEGroupedMLP applies the probabilities in its weighted SwiGLU and keeps nothing more. Top-1 routing
+    in the 2024 dispatcher skips the multiply; full recompute keeps only the layer input."""
+    kw = dict(seq_len=4096, mbs=1, tp=2, flash=True, moe_runtime=MoERuntime(probs_on_output=False))
+    for rc in ("none", "selective"):
+        weighted = layer_activation_bytes(QWEN, 0, recompute=rc, **{**kw, "moe_runtime": MoERuntime()})
+        assert weighted - layer_activation_bytes(QWEN, 0, recompute=rc, **kw) == \
+            pytest.approx(4096 / 2 * QWEN.top_k * 2 * QWEN.hidden_size)
+    assert layer_activation_bytes(QWEN, 0, recompute="full", **kw) == \
+        layer_activation_bytes(QWEN, 0, recompute="full", **{**kw, "moe_runtime": MoERuntime()})
+    import dataclasses
+
+    top1 = dataclasses.replace(QWEN, top_k=1)
+    assert layer_activation_bytes(top1, 0, recompute="none", **kw) == \
+        layer_activation_bytes(top1, 0, recompute="none", **{**kw, "moe_runtime": MoERuntime()})

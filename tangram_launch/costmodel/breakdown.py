@@ -230,7 +230,7 @@ class SliceCoster:
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
-                 moe_permute_fusion: bool = False, layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
+                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True, layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -249,6 +249,8 @@ class SliceCoster:
         ``moe_dispatcher``: how many copies of a token the EP dispatch moves (costmodel/moe_dispatch.py: top-k
         rows with an all-to-all, one per reached rank with DeepEP). ``moe_permute_fusion``: the permutations run as
         Transformer Engine's fused kernels (Megatron's --moe-permute-fusion; moe_dispatch.permutation_traffic_h).
+        ``moe_probs_on_output``: the combine weights the experts' outputs by the routing probabilities and so keeps
+        them for the backward (off: the experts' activation applies them; moe_dispatch.MoERuntime).
         The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
@@ -276,7 +278,8 @@ class SliceCoster:
         if moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
                             valid=", ".join(MOE_DISPATCHERS))
-        self.moe_runtime = MoERuntime(expert_tensor_parallel, moe_dispatcher, bool(moe_permute_fusion))
+        self.moe_runtime = MoERuntime(expert_tensor_parallel, moe_dispatcher, bool(moe_permute_fusion),
+                                      bool(moe_probs_on_output))
         # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
         self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
                                                  grad_bytes=q.training.grad_bytes,
@@ -381,7 +384,8 @@ class SliceCoster:
                                             dtype_bytes=p, sequence_parallel=self.sequence_parallel,
                                             selective_policy=self.selective_policy,
                                             fp8_gemm_inputs=self.fp8_gemm_inputs,
-                                            whole_column_inputs=self.whole_column_inputs, expert_tp=etp)
+                                            whole_column_inputs=self.whole_column_inputs,
+                                            moe_runtime=self.moe_runtime)
                      for m in RECOMPUTE_MODES)
         # the profile's saved bytes of this kind, where it has them, correct the kept tensors (memory.py: Measured)
         measured = measured_activation_factor(self.island.gpu.measured, model, i, seq_len=s, mbs=mbs, tp=tp,

@@ -23,11 +23,17 @@ MOE_DISPATCHERS = ("alltoall", "deepep")
 @dataclass(frozen=True)
 class MoERuntime:
     """How the runtime runs the routed experts (SliceCoster's keywords of these names, less the ``moe_`` prefix):
-    their tensor-parallel degree (None: the stage's tp), the dispatcher, and whether permutation is fused."""
+    their tensor-parallel degree (None: the stage's tp), the dispatcher, whether permutation is fused, and whether
+    the routing probabilities weight the experts' outputs in the combine (``probs_on_output``: Megatron-core's
+    unpermute, `permuted_tokens * permuted_probs`, and the allgather dispatcher of 2024, `unpermuted_local_hidden *
+    scores`; this project's torch runtime, `y * r.weight`: autograd keeps the k output rows for the probabilities'
+    gradient) or inside the experts' activation (False: Megatron-core's TEGroupedMLP with weighted_bias_swiglu_impl,
+    which keeps only its input, already counted)."""
 
     expert_tensor_parallel: int | None = None
     dispatcher: str = "alltoall"
     permute_fusion: bool = False
+    probs_on_output: bool = True
 
     def etp(self, tp: int) -> int:
         return tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
