@@ -11,7 +11,8 @@ from tangram_launch.costmodel.breakdown import ParallelConfig
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.memory import expert_gathered_input_bytes, layer_activation_bytes, layer_param_split
-from tangram_launch.costmodel.moe_dispatch import MoERuntime, copies_per_token, expected_ranks_reached, permutation_traffic_h
+from tangram_launch.costmodel.moe_dispatch import (MoERuntime, copies_per_token, expected_ranks_reached,
+                                                   permutation_traffic_h)
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.model import load_model
 from tests.test_costmodel import coster, gpu, island
@@ -223,3 +224,23 @@ def test_a_combine_weighted_by_the_routing_probabilities_keeps_the_expert_output
     top1 = dataclasses.replace(QWEN, top_k=1)
     assert layer_activation_bytes(top1, 0, recompute="none", **kw) == \
         layer_activation_bytes(top1, 0, recompute="none", **{**kw, "moe_runtime": MoERuntime()})
+
+
+def test_an_ep_moe_layer_has_only_the_attentions_sequence_parallel_pair():
+    """Megatron-core's all-to-all dispatcher permutes the rank's sequence-parallel shard as it is: an MoE layer under
+    EP > 1 all-gathers and reduce-scatters M x h over TP once (the attention), not twice; at EP 1 the allgather
+    dispatcher gathers the hidden states like a dense MLP and moves nothing more; shared experts gather their input
+    like a dense MLP (Qwen1.5-MoE style: 4 shared experts)."""
+    import dataclasses
+
+    c = _coster()
+    tokens = 4 * 4096  # mbs 4 per replica
+    link = c._link(1, 2, 4)
+    pair = (comm.collective_s(comm.ALL_GATHER, tokens * QWEN.hidden_size * 2, 2, link)
+            + comm.collective_s(comm.REDUCE_SCATTER, tokens * QWEN.hidden_size * 2, 2, link))
+    assert c.layer_terms("moe", 2, 1, 2, 2, 4).tp_fwd_s == pytest.approx(pair)
+    assert c.layer_terms("moe", 2, 1, 1, 2, 4).tp_fwd_s == pytest.approx(2 * pair)
+    assert c._expert_comm_s(tokens, 2, 1, 2, 8) == (0.0, 0.0)
+    shared = dataclasses.replace(QWEN, num_shared_experts=4, shared_expert_ffn_hidden_size=768)
+    cs = coster(shared, island("h100-sxm", nodes=2, per_node=8, net_gbps=50.0), b=8, gb=16, seq=4096)
+    assert cs.layer_terms("moe", 2, 1, 2, 2, 4).tp_fwd_s == pytest.approx(2 * pair)

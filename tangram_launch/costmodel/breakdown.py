@@ -89,6 +89,17 @@ class ZeroPart(NamedTuple):
     head_rs_s: float = 0.0  # ... and reduce-scattered while the last layer's backward runs
 
 
+def _sp_pairs(model, kind: str, ep: int) -> int:
+    """Sequence-parallel all-gather/reduce-scatter pairs of one layer: the attention's and the MLP's (Korthikanti
+    et al. 2022, sec. 4.2.2). An MoE layer with EP > 1 has no MLP pair: Megatron-core's all-to-all dispatcher
+    permutes the rank's sequence-parallel shard as it is (its TP all-gather, of the dispatched copies, is the expert
+    communication's, SliceCoster._expert_comm_s); shared experts gather their input like a dense MLP
+    (SharedExpertMLP under SP). At EP 1 the allgather dispatcher gathers the hidden states over TP as an MLP does."""
+    if kind == "moe" and ep > 1 and not model.num_shared_experts:
+        return 1
+    return 2
+
+
 class EdgeCompute(NamedTuple):
     """A stage's compute outside its layers, where ZeRO-3 collectives can hide too (0.0 where the stage has none)."""
 
@@ -230,7 +241,8 @@ class SliceCoster:
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
-                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True, layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
+                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
+                 layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
         saves, Megatron's or torchtitan's op-level SAC (memory.SELECTIVE_POLICIES). ``keeps_param_dtype_grads``:
@@ -365,8 +377,8 @@ class SliceCoster:
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
         # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward.
         tp_link = self._link(1, tp, stage_gpus)
-        tp_fwd = 2 * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
-                      + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
+        tp_fwd = _sp_pairs(model, kind, ep) * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
+                                               + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
         # Ring attention: cp - 1 steps, each passing this GPU's K and V chunk (2 x M x kv_dim/t); the backward
         # passes K, V and their gradients (2x). Overlapped with the attention core; only the excess is exposed.
         cp_fwd = cp_bwd = 0.0
@@ -409,10 +421,12 @@ class SliceCoster:
         """(forward, backward) token dispatch of one MoE layer per micro-batch, as Megatron-core's all-to-all
         dispatcher runs it (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher).
 
-        Dispatch: all-to-all over the EP group (etp ranks apart) of the rank's copies of its sequence-parallel shard
-        (Lepikhin et al. 2021, GShard; top-k of them, fewer with DeepEP: moe_dispatch.copies_per_token), then, with etp > 1, an all-gather of them over the experts' TP group
-        (gather_from_sequence_parallel_region); combine: the reduce-scatter and the all-to-all back. The backward
-        runs each in reverse. The forward first exchanges the tokens-per-expert counts (E int64s: Megatron's
+        At EP 1 the runtime's allgather dispatcher gathers the hidden states over TP like a dense MLP (the layer's
+        SP pair, _sp_pairs) and moves nothing else. Dispatch: all-to-all over the EP group (etp ranks apart) of the
+        rank's copies of its sequence-parallel shard (Lepikhin et al. 2021, GShard; top-k of them, fewer with
+        DeepEP: moe_dispatch.copies_per_token), then, with etp > 1, an all-gather of them over the experts' TP
+        group (gather_from_sequence_parallel_region); combine: the reduce-scatter and the all-to-all back. The
+        backward runs each in reverse. The forward first exchanges the tokens-per-expert counts (E int64s: Megatron's
         dispatcher and the torch runtime both do), whose cost is the collective's fixed latency."""
         model, p = self.model, self.dev.dtype_bytes
         rows = copies_per_token(self.moe_runtime.dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
@@ -422,7 +436,7 @@ class SliceCoster:
             ep_link = self._link(etp, ep, stage_gpus)
             pass_s = 2 * comm.collective_s(comm.ALL_TO_ALL, copies, ep, ep_link)
             counts_s = comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
-        if etp > 1:  # the gathered buffer holds the etp ranks' received copies
+        if etp > 1 and ep > 1:  # the gathered buffer holds the etp ranks' received copies
             etp_link = self._link(1, etp, stage_gpus)
             pass_s += (comm.collective_s(comm.ALL_GATHER, copies * etp, etp, etp_link)
                        + comm.collective_s(comm.REDUCE_SCATTER, copies * etp, etp, etp_link))

@@ -25,8 +25,8 @@ attention 11 (QKV input 2, Q and K 4, V 2, output-projection input 2, dropout ma
 K, V are kv_dim wide; MLP 19 (input 2, first GEMM output 8, GeLU output 8, mask 1) -> SwiGLU stores gate, up and
 their product (3 x 2 f); MoE stores the router probabilities (fp32) and, for each of the top-k copies of a token,
 the permuted input and the expert's intermediates, and the expert's output where the combine weights it by the
-routing probability (moe_dispatch.MoERuntime.probs_on_output); norms 4 (two inputs). FlashAttention (Ampere and newer) never
-materialises the s x s scores: it keeps only the log-sum-exp (fp32 per head and token), so selective recompute
+routing probability (moe_dispatch.MoERuntime.probs_on_output); norms 4 (two inputs). FlashAttention (Ampere and newer)
+never materialises the s x s scores: it keeps only the log-sum-exp (fp32 per head and token), so selective recompute
 saves nothing there. Sequence parallelism is assumed whenever t > 1 (Megatron's recommended setting) unless the
 caller says the runtime runs TP without it: then the norms' and dropouts' tensors and the inputs of the column-parallel
 GEMMs are kept whole on every TP rank (Korthikanti's 10 s b h of the 34, Table 2 row "tensor parallel"). Context
