@@ -286,7 +286,8 @@ class SliceCoster:
                                                    or not isinstance(expert_tensor_parallel, int)
                                                    or expert_tensor_parallel < 1):
             raise SpecError("the experts' tensor-parallel degree must be a positive integer",
-                            field="expert_tensor_parallel", value=expert_tensor_parallel, valid="1, 2, 4, 8 or omitted")
+                            field="expert_tensor_parallel", value=expert_tensor_parallel,
+                            valid="a positive integer (1: whole experts on each GPU), or omitted for the stage's tp")
         if moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
                             valid=", ".join(MOE_DISPATCHERS))
