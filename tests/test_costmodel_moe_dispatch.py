@@ -244,3 +244,17 @@ def test_an_ep_moe_layer_has_only_the_attentions_sequence_parallel_pair():
     shared = dataclasses.replace(QWEN, num_shared_experts=4, shared_expert_ffn_hidden_size=768)
     cs = coster(shared, island("h100-sxm", nodes=2, per_node=8, net_gbps=50.0), b=8, gb=16, seq=4096)
     assert cs.layer_terms("moe", 2, 1, 2, 2, 4).tp_fwd_s == pytest.approx(2 * pair)
+
+
+def test_the_memory_floor_stays_under_the_stage_under_its_own_expert_grid():
+    """slice_floors shards the experts' states over the same expert-data-parallel group as the stage (tp dp cp /
+    (etp ep)): with whole experts (ETP 1 under TP 2) the floor is still a lower bound of the stage's need."""
+    from tangram_launch.costmodel.slice_floors import memory_floor_bytes
+    from tangram_launch.specs.constants import RECOMPUTE_MODES
+
+    for runtime in ({}, {"expert_tensor_parallel": 1}):
+        c = _coster(**runtime)
+        per_kind, emb_b, head_b = memory_floor_bytes(c, 2, 1, 8, 8, [(1, RECOMPUTE_MODES.index("none"), False)])
+        need = sum(n * per_kind[k] for k, n in c.layer_counts()) + emb_b + head_b
+        st = c.plan(ParallelConfig(tp=2, dp=8, ep=8, zero_stage=1)).stages[0]
+        assert 0.5 * (st.static_bytes + st.activation_bytes) < need <= st.static_bytes + st.activation_bytes
