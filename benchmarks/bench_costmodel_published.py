@@ -66,7 +66,8 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # Engine), what the runtime stores per parameter (memory.MODEL_STATE_KINDS), column-parallel GEMM inputs saved whole
 # (DTensor TP).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
-                "model_states", "whole_column_inputs")
+                "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
+                "moe_permute_fusion", "moe_probs_on_output")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -249,7 +250,11 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          cross_entropy=runtime.get("cross_entropy", "fused"),
                          fp8_gemm_inputs=bool(runtime.get("fp8_gemm_inputs", True)),
                          model_states=runtime.get("model_states", "mixed"),
-                         whole_column_inputs=bool(runtime.get("whole_column_inputs", False)))
+                         whole_column_inputs=bool(runtime.get("whole_column_inputs", False)),
+                         expert_tensor_parallel=runtime.get("expert_tensor_parallel"),
+                         moe_dispatcher=runtime.get("moe_dispatcher", "alltoall"),
+                         moe_permute_fusion=bool(runtime.get("moe_permute_fusion", False)),
+                         moe_probs_on_output=bool(runtime.get("moe_probs_on_output", True)))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),

@@ -156,6 +156,18 @@ def test_the_sweep_covers_each_layer_gemm_at_every_tp_degree_the_planner_tries()
     assert (m_e, moe.hidden_size, moe.expert_ffn_hidden_size) in set(sweep_shapes(moe, tokens=512))
 
 
+def test_the_sweep_covers_the_expert_gemms_at_each_ep_degree():
+    """Under EP a rank's experts take the tokens of ep ranks (M k ep / E each, compute.layer_compute), so the sweep
+    measures the expert GEMMs at those token counts too: Qwen3-30B-A3B (128 experts, top-8) at 4096 tokens has
+    256 tokens per expert at EP 1 and 2048 at EP 8."""
+    moe = load_model("qwen3-30b-a3b")
+    got = set(sweep_shapes(moe, tokens=4096))
+    for ep in (1, 2, 4, 8):
+        m_e = 4096 * 8 * ep // 128
+        assert (m_e, moe.hidden_size, moe.expert_ffn_hidden_size) in got
+        assert (m_e, 2 * moe.expert_ffn_hidden_size, moe.hidden_size) in got
+
+
 # --------------------------------------------------------------------------------------------- the planner
 
 MODEL = ModelSpec(name="g8", num_layers=8, hidden_size=1024, num_heads=8, num_kv_heads=8, ffn_hidden_size=4096,

@@ -57,6 +57,7 @@ from tangram_launch.costmodel.memory import (
     model_state_bytes,
     state_bytes_per_param,
 )
+from tangram_launch.costmodel.moe_dispatch import MOE_DISPATCHERS, MoERuntime, copies_per_token
 from tangram_launch.costmodel.partition import balanced_split
 from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.errors import SpecError
@@ -86,6 +87,17 @@ class ZeroPart(NamedTuple):
     root_rs_s: float = 0.0  # ... and reduce-scattered last in the backward
     head_gather_s: float = 0.0  # the output layer, gathered while the last layer computes
     head_rs_s: float = 0.0  # ... and reduce-scattered while the last layer's backward runs
+
+
+def _sp_pairs(model, kind: str, ep: int) -> int:
+    """Sequence-parallel all-gather/reduce-scatter pairs of one layer: the attention's and the MLP's (Korthikanti
+    et al. 2022, sec. 4.2.2). An MoE layer with EP > 1 has no MLP pair: Megatron-core's all-to-all dispatcher
+    permutes the rank's sequence-parallel shard as it is (its TP all-gather, of the dispatched copies, is the expert
+    communication's, SliceCoster._expert_comm_s); shared experts gather their input like a dense MLP
+    (SharedExpertMLP under SP). At EP 1 the allgather dispatcher gathers the hidden states over TP as an MLP does."""
+    if kind == "moe" and ep > 1 and not model.num_shared_experts:
+        return 1
+    return 2
 
 
 class EdgeCompute(NamedTuple):
@@ -228,6 +240,8 @@ class SliceCoster:
                  sequence_parallel: bool = True, selective_policy: str = "megatron",
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
+                 expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
+                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -240,8 +254,16 @@ class SliceCoster:
         (Transformer Engine, Megatron's FP8; off: torchao's Float8Linear keeps them in 16 bit). ``model_states``: what
         the runtime stores per parameter (memory.MODEL_STATE_KINDS: FSDP2 over fp32 parameters, everything in bf16;
         storage only, its collectives keep their dtypes). ``whole_column_inputs``: under SP the column-parallel
-        GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py). The
-        defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
+        GEMMs and the output layer save their all-gathered inputs whole (DTensor TP, torchtitan; memory.py).
+        ``expert_tensor_parallel``: the routed experts' own tensor-parallel degree (Megatron-core's MoE parallel
+        folding, expert_tensor_parallel_size; None: the stage's tp, Megatron's default and this project's Megatron
+        adapter): the expert grid is (etp, ep, edp) over the stage's tp x cp x dp ranks, etp fastest.
+        ``moe_dispatcher``: how many copies of a token the EP dispatch moves (costmodel/moe_dispatch.py: top-k
+        rows with an all-to-all, one per reached rank with DeepEP). ``moe_permute_fusion``: the permutations run as
+        Transformer Engine's fused kernels (Megatron's --moe-permute-fusion; moe_dispatch.permutation_traffic_h).
+        ``moe_probs_on_output``: the combine weights the experts' outputs by the routing probabilities and so keeps
+        them for the backward (off: the experts' activation applies them; moe_dispatch.MoERuntime).
+        The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
@@ -260,6 +282,17 @@ class SliceCoster:
         self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
         self.fp8_gemm_inputs = bool(fp8_gemm_inputs) and q.training.dtype == "fp8"
         self.whole_column_inputs = bool(whole_column_inputs)
+        if expert_tensor_parallel is not None and (isinstance(expert_tensor_parallel, bool)
+                                                   or not isinstance(expert_tensor_parallel, int)
+                                                   or expert_tensor_parallel < 1):
+            raise SpecError("the experts' tensor-parallel degree must be a positive integer",
+                            field="expert_tensor_parallel", value=expert_tensor_parallel,
+                            valid="a positive integer (1: whole experts on each GPU), or omitted for the stage's tp")
+        if moe_dispatcher not in MOE_DISPATCHERS:
+            raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
+                            valid=", ".join(MOE_DISPATCHERS))
+        self.moe_runtime = MoERuntime(expert_tensor_parallel, moe_dispatcher, bool(moe_permute_fusion),
+                                      bool(moe_probs_on_output))
         # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
         self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
                                                  grad_bytes=q.training.grad_bytes,
@@ -315,6 +348,10 @@ class SliceCoster:
             return None
 
     # ------------------------------------------------------------------------------------------ per layer
+    def etp(self, tp: int) -> int:
+        """The routed experts' tensor-parallel degree in a stage of TP degree ``tp`` (constructor keyword)."""
+        return self.moe_runtime.etp(tp)
+
     def _link(self, stride: int, size: int, stage_gpus: int) -> comm.GroupLink:
         """comm.group_link on this island (kept in the context's edge cache: a GroupLink is frozen)."""
         key = ("link", stride, size, stage_gpus)
@@ -334,14 +371,15 @@ class SliceCoster:
         i = self.rep[kind]
         p = dev.dtype_bytes
         stage_gpus = tp * cp * dp
-        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev)
+        etp = self.etp(tp)
+        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev, moe_runtime=self.moe_runtime)
         tokens = mbs * s / cp
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
         # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward.
         tp_link = self._link(1, tp, stage_gpus)
-        tp_fwd = 2 * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
-                      + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
+        tp_fwd = _sp_pairs(model, kind, ep) * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
+                                               + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
         # Ring attention: cp - 1 steps, each passing this GPU's K and V chunk (2 x M x kv_dim/t); the backward
         # passes K, V and their gradients (2x). Overlapped with the attention core; only the excess is exposed.
         cp_fwd = cp_bwd = 0.0
@@ -351,21 +389,17 @@ class SliceCoster:
             step = comm.collective_s(comm.SEND_RECV, kv, 2, cp_link)
             cp_fwd = max(0.0, (cp - 1) * step - lc.attention_core_s)
             cp_bwd = max(0.0, 2 * (cp - 1) * step - 2 * lc.attention_core_s)
-        # MoE all-to-all (Lepikhin et al. 2021, GShard): dispatch and combine, each moving a GPU's top-k token copies;
-        # the forward first exchanges the tokens-per-expert counts (E int64s: Megatron's alltoall dispatcher and
-        # the torch runtime both do), whose cost is the collective's fixed latency (gloo: ~0.1 ms a call)
         ep_fwd = ep_bwd = 0.0
-        if kind == "moe" and ep > 1:
-            ep_link = self._link(tp, ep, stage_gpus)
-            per_gpu = tokens * model.top_k * model.hidden_size * p / tp
-            ep_bwd = 2 * comm.collective_s(comm.ALL_TO_ALL, per_gpu, ep, ep_link)
-            ep_fwd = ep_bwd + comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
+        if kind == "moe":
+            ep_fwd, ep_bwd = self._expert_comm_s(tokens, tp, ep, etp, stage_gpus)
         flash = dev.flash_attention
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
                                             dtype_bytes=p, sequence_parallel=self.sequence_parallel,
                                             selective_policy=self.selective_policy,
                                             fp8_gemm_inputs=self.fp8_gemm_inputs,
-                                            whole_column_inputs=self.whole_column_inputs) for m in RECOMPUTE_MODES)
+                                            whole_column_inputs=self.whole_column_inputs,
+                                            moe_runtime=self.moe_runtime)
+                     for m in RECOMPUTE_MODES)
         # the profile's saved bytes of this kind, where it has them, correct the kept tensors (memory.py: Measured)
         measured = measured_activation_factor(self.island.gpu.measured, model, i, seq_len=s, mbs=mbs, tp=tp,
                                               flash=flash, dtype_bytes=p)
@@ -378,11 +412,36 @@ class SliceCoster:
             fwd_flops=lc.forward_flops,
             recompute_flops=tuple(lc.recompute_flops(m, self.selective_policy) for m in RECOMPUTE_MODES),
             tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
-            act_bytes=acts, dense_params=dense / tp, expert_params=experts / (tp * ep),
+            act_bytes=acts, dense_params=dense / tp, expert_params=experts / (etp * ep),
             param_tensors=layer_param_tensors(model, i, ep=ep),
         )
         self._layer_cache[key] = terms
         return terms
+
+    def _expert_comm_s(self, tokens: float, tp: int, ep: int, etp: int, stage_gpus: int) -> tuple[float, float]:
+        """(forward, backward) token dispatch of one MoE layer per micro-batch, as Megatron-core's all-to-all
+        dispatcher runs it (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher).
+
+        At EP 1 the runtime's allgather dispatcher gathers the hidden states over TP like a dense MLP (the layer's
+        SP pair, _sp_pairs) and moves nothing else. Dispatch: all-to-all over the EP group (etp ranks apart) of the
+        rank's copies of its sequence-parallel shard (Lepikhin et al. 2021, GShard; top-k of them, fewer with
+        DeepEP: moe_dispatch.copies_per_token), then, with etp > 1, an all-gather of them over the experts' TP
+        group (gather_from_sequence_parallel_region); combine: the reduce-scatter and the all-to-all back. The
+        backward runs each in reverse. The forward first exchanges the tokens-per-expert counts (E int64s: Megatron's
+        dispatcher and the torch runtime both do), whose cost is the collective's fixed latency."""
+        model, p = self.model, self.dev.dtype_bytes
+        rows = copies_per_token(self.moe_runtime.dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
+        copies = tokens / tp * rows * model.hidden_size * p  # a rank's copies of its SP shard
+        pass_s = counts_s = 0.0
+        if ep > 1:
+            ep_link = self._link(etp, ep, stage_gpus)
+            pass_s = 2 * comm.collective_s(comm.ALL_TO_ALL, copies, ep, ep_link)
+            counts_s = comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
+        if etp > 1 and ep > 1:  # the gathered buffer holds the etp ranks' received copies
+            etp_link = self._link(1, etp, stage_gpus)
+            pass_s += (comm.collective_s(comm.ALL_GATHER, copies * etp, etp, etp_link)
+                       + comm.collective_s(comm.REDUCE_SCATTER, copies * etp, etp, etp_link))
+        return pass_s + counts_s, pass_s
 
     def edges(self, tp: int, cp: int, dp: int, mbs: int) -> dict:
         key = (tp, cp, dp, mbs)
@@ -511,8 +570,9 @@ class SliceCoster:
                 ranges[j] = (a, a + sizes[j])
         edges = self.edges(tp, cp, dp, mbs)
         dp_link = self._link(tp, dp * cp, stage_gpus)
-        edp = dp * cp // ep
-        edp_link = self._link(tp * ep, edp, stage_gpus)
+        etp = self.etp(tp)
+        edp = stage_gpus // (etp * ep)
+        edp_link = self._link(etp * ep, edp, stage_gpus)
         first_layer, last_layer = self.q.layers
         act_bytes_mb = b * self.seq_len * model.hidden_size * p  # a whole micro-batch's hidden states
         sums = []
@@ -599,7 +659,7 @@ class SliceCoster:
                 if j > 0:
                     st.p2p_bwd_s = p2p_fwd_s(j - 1)
         for st in sums:
-            st.shard, st.eshard = dp * cp, dp * cp // ep
+            st.shard, st.eshard = dp * cp, edp
             st.fixed_fwd_s = st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s + st.p2p_fwd_s
             st.fixed_bwd_s = st.tp_bwd_s + st.cp_bwd_s + st.ep_bwd_s + st.p2p_bwd_s
         if stages is None:
@@ -877,6 +937,8 @@ class SliceCoster:
             out.append(f"cp={cfg.cp}: seq_len {self.seq_len} must be divisible by 2*cp (load-balanced causal CP)")
         if cfg.ep > 1 and (not model.is_moe or model.num_experts % cfg.ep):
             out.append(f"ep={cfg.ep} needs an MoE model whose experts it divides")
+        if model.is_moe and sg % (self.etp(cfg.tp) * cfg.ep):
+            out.append(f"the expert grid etp x ep = {self.etp(cfg.tp)} x {cfg.ep} must divide the stage's {sg} GPUs")
         if slice_layers and cfg.pp > self.q.num_layers:
             out.append(f"pp={cfg.pp} exceeds the slice's {self.q.num_layers} layers")
         if self.training.global_batch % b:

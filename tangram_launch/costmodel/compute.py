@@ -7,8 +7,12 @@ causal, GQA-aware; MoE counts top-k experts). Times come from the kernels that e
     QKV projection   GEMM (M x h) @ (h x (q_dim + 2 kv_dim)/t)  (Megatron column-parallel)
     output proj.     GEMM (M x q_dim/t) @ (q_dim/t x h)          (row-parallel)
     dense FFN        (m-1) up/gate GEMMs (M x h)@(h x f/t) + down GEMM (M x f/t)@(f/t x h); m = 2 (GeLU), 3 (SwiGLU)
-    MoE FFN          E/ep local experts, each M_e = M k ep / E routed tokens on average (balanced routing),
-                     the same GEMMs with the expert width; router GEMM (M/t x h)@(h x E); shared experts like dense
+    MoE FFN          E/ep local experts, each M_e = (M/t) etp k ep / E routed tokens on average (balanced routing:
+                     a rank's SP shard of M/t tokens, k copies, spread over the E experts, gathered from ep
+                     sources and, under expert tensor parallelism etp, from the etp ranks sharing the experts),
+                     the same GEMMs with the expert width / etp; router GEMM (M/t x h)@(h x E); shared experts
+                     like dense. etp = t unless the runtime folds experts on a grid of their own (Megatron-core's
+                     expert_tensor_parallel_size, whose default is the TP size)
     attention core   Q K^T and P V: fused (FlashAttention-2) or unfused with the s x s scores through HBM
     element-wise     norms, residual adds, dropout, activation: bytes moved / memory bandwidth (memory-bound);
                      fused kernels by default, eager PyTorch's separate passes with DeviceModel.fused_elementwise off
@@ -29,6 +33,7 @@ from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
 from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, price,
                                                        stage_measurement as summarize_stage)
+from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime, permutation_traffic_h
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported for the cost model's users)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,10 +135,12 @@ class LayerCompute:
 
 
 def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int, cp: int, ep: int,
-                  dev: DeviceModel, use_measured: bool = True) -> LayerCompute:
+                  dev: DeviceModel, use_measured: bool = True,
+                  moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> LayerCompute:
     """Forward compute of transformer layer ``layer`` per GPU and micro-batch (see the module docstring); where the
     profile measured the layer's kind (``use_measured``), its time comes from those measurements
-    (measured_layers.price), the analytic terms only scaling them to shapes not measured."""
+    (measured_layers.price), the analytic terms only scaling them to shapes not measured. ``moe_runtime``: how the
+    runtime runs the routed experts (their TP degree, dispatcher and permutation kernels; moe_dispatch.py)."""
     h = model.hidden_size
     t = tp
     p = dev.dtype_bytes
@@ -147,11 +154,14 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     if moe:
         e, k, fe = model.num_experts, model.top_k, model.expert_ffn_hidden_size
         local_experts = e / ep
-        m_e = m_tok * k * ep / e  # tokens per local expert (balanced routing)
-        gemm += dev.gemm_s(m_e, (mats - 1) * fe / t, h, count=local_experts)
-        gemm += dev.gemm_s(m_e, h, fe / t, count=local_experts)
+        et = moe_runtime.etp(t)
+        m_e = m_tok / t * et * k * ep / e  # tokens per local expert (balanced routing)
+        gemm += dev.gemm_s(m_e, (mats - 1) * fe / et, h, count=local_experts)
+        gemm += dev.gemm_s(m_e, h, fe / et, count=local_experts)
         gemm += dev.gemm_s(m_tok / t, e, h)  # router on the SP-sharded tokens
-        ffn_traffic = k * act_f * fe + 4 * k * h  # activations + token permutation (dispatch and combine)
+        permute_h = permutation_traffic_h(top_k=k, ep=ep, local_experts=local_experts,
+                                          dispatcher=moe_runtime.dispatcher, fused=moe_runtime.permute_fusion)
+        ffn_traffic = k * act_f * fe + permute_h * h  # activations + token permutation (dispatch and combine)
         if model.num_shared_experts:
             fs = model.num_shared_experts * model.shared_expert_ffn_hidden_size
             gemm += dev.gemm_s(m_tok, (mats - 1) * fs / t, h) + dev.gemm_s(m_tok, h, fs / t)
@@ -184,7 +194,7 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
         priced = measured_layer_price(model, model.layer_kind(layer), seq_len=seq_len, mbs=mbs, tp=tp, dev=dev,
                                       analytic_s=lambda s, b, t: layer_compute(
                                           model, layer, seq_len=s, mbs=b, tp=t, cp=1, ep=ep, dev=dev,
-                                          use_measured=False).forward_s)
+                                          use_measured=False, moe_runtime=moe_runtime).forward_s)
     if priced is not None:
         # The measured backward (priced.backward_s) replaces the 2x rule where the profile has it: on CPUs and small
         # shapes the backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x. Without it, the

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 TFLOPS = 1e12
 TP_DEGREES = (1, 2, 4, 8)  # the TP degrees the planner tries inside a node (divisors of up to 8 GPUs per node)
+EP_DEGREES = (1, 2, 4, 8)  # expert-parallel degrees whose per-expert token counts the sweep covers
 # Small GEMMs the layer shapes may not reach (a tiny model, MoE experts with few tokens, high TP): where the
 # launch and tail cost shows.
 SMALL_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024))
@@ -108,8 +109,9 @@ def sweep_shapes(model: "ModelSpec", *, tokens: int, tp_degrees: Sequence[int] =
     model's layer compute issues them, plus ``SMALL_SHAPES``: distinct (m, n, k), fewest FLOPs first.
 
     QKV (m, (q + 2 kv) / t, h), attention out (m, h, q / t), MLP up (m, (mats - 1) f / t, h), MLP down
-    (m, h, f / t), the head (m, V / t, e); MoE layers' experts at their balanced share of the tokens
-    (m top_k / experts) instead of the MLP."""
+    (m, h, f / t), the head (m, V / t, e); MoE layers' experts at their balanced share of the tokens instead of
+    the MLP: under EP each rank's experts receive the tokens of ep ranks, m top_k ep / experts each (compute.py),
+    for each degree of ``EP_DEGREES`` that divides the experts."""
     h, e = model.hidden_size, model.embedding_dim
     mats = model.ffn_matrices
     kinds = {model.is_moe_layer(i) for i in range(model.num_layers)}
@@ -124,7 +126,8 @@ def sweep_shapes(model: "ModelSpec", *, tokens: int, tp_degrees: Sequence[int] =
             cand += [(tokens, (mats - 1) * f / t, h), (tokens, h, f / t)]
         if True in kinds:
             fe = model.expert_ffn_hidden_size
-            m_e = max(1, round(tokens * model.top_k / model.num_experts))
-            cand += [(m_e, (mats - 1) * fe / t, h), (m_e, h, fe / t)]
+            for ep in (d for d in EP_DEGREES if model.num_experts % d == 0):
+                m_e = max(1, round(tokens * model.top_k * ep / model.num_experts))
+                cand += [(m_e, (mats - 1) * fe / t, h), (m_e, h, fe / t)]
         out.update(tuple(max(1, round(d)) for d in s) for s in cand)
     return sorted(out, key=lambda s: (s[0] * s[1] * s[2], s))

@@ -24,8 +24,9 @@ The 34 is a sum over tensors, which this module keeps term by term so that it ad
 attention 11 (QKV input 2, Q and K 4, V 2, output-projection input 2, dropout mask 1) -> with GQA, Q is q_dim and
 K, V are kv_dim wide; MLP 19 (input 2, first GEMM output 8, GeLU output 8, mask 1) -> SwiGLU stores gate, up and
 their product (3 x 2 f); MoE stores the router probabilities (fp32) and, for each of the top-k copies of a token,
-the permuted input and the expert's intermediates; norms 4 (two inputs). FlashAttention (Ampere and newer) never
-materialises the s x s scores: it keeps only the log-sum-exp (fp32 per head and token), so selective recompute
+the permuted input and the expert's intermediates, and the expert's output where the combine weights it by the
+routing probability (moe_dispatch.MoERuntime.probs_on_output); norms 4 (two inputs). FlashAttention (Ampere and newer)
+never materialises the s x s scores: it keeps only the log-sum-exp (fp32 per head and token), so selective recompute
 saves nothing there. Sequence parallelism is assumed whenever t > 1 (Megatron's recommended setting) unless the
 caller says the runtime runs TP without it: then the norms' and dropouts' tensors and the inputs of the column-parallel
 GEMMs are kept whole on every TP rank (Korthikanti's 10 s b h of the 34, Table 2 row "tensor parallel"). Context
@@ -63,6 +64,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.measured_layers import measured_points, price
+from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
@@ -164,7 +166,8 @@ def gemm_input_bytes(dtype_bytes: int, fp8_gemm_inputs: bool) -> int:
 
 
 def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len: int, recompute: str, flash: bool,
-                                     dtype_bytes: int = 2, fp8_gemm_inputs: bool = False) -> tuple[float, float]:
+                                     dtype_bytes: int = 2, fp8_gemm_inputs: bool = False,
+                                     probs_on_output: bool = True) -> tuple[float, float]:
     """Bytes per token of layer ``layer`` kept for backward, split as (token-local, score) parts before sharding.
 
     The score part (unfused attention only) is (2p + 1) bytes per head and key: softmax output, dropout mask and
@@ -185,6 +188,8 @@ def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len:
         k = model.top_k
         mlp = p * h + mask * h + 4 * model.num_experts  # input, mask, router probabilities (fp32)
         mlp += k * (g * h + _ffn_activation_bytes(model, model.expert_ffn_hidden_size, p, g))
+        if probs_on_output and k > 1:  # the weighted combine keeps each copy's expert output (MoERuntime)
+            mlp += k * p * h
         if model.num_shared_experts:
             width = model.num_shared_experts * model.shared_expert_ffn_hidden_size
             mlp += _ffn_activation_bytes(model, width, p, g)
@@ -246,12 +251,14 @@ def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int =
 def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1, cp: int = 1,
                            recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
                            sequence_parallel: bool = True, selective_policy: str = "megatron",
-                           fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False) -> float:
+                           fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False,
+                           moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> float:
     """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
     ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says; GEMM inputs in FP8 where
     ``fp8_gemm_inputs``: Megatron's selective recompute only, op-level SAC is torchtitan's, whose FP8 keeps them
     in 16 bit; the column-parallel GEMMs' inputs whole under SP where ``whole_column_inputs``, module docstring:
-    DTensor; op-level SAC recomputes them from the block input)."""
+    DTensor; op-level SAC recomputes them from the block input). ``moe_runtime``: how the routed experts run
+    (their TP degree: expert_gathered_input_bytes; whether the combine keeps their weighted outputs)."""
     tokens = mbs * seq_len / cp
     if recompute == "selective" and selective_policy == "op-sac":
         sharded, whole = op_sac_bytes_per_token(model, layer, dtype_bytes=dtype_bytes,
@@ -260,8 +267,12 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
     if selective_policy not in SELECTIVE_POLICIES:
         raise ValueError(f"selective_policy {selective_policy!r} (known: {', '.join(SELECTIVE_POLICIES)})")
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
-                                                     dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs)
+                                                     dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs,
+                                                     probs_on_output=moe_runtime.probs_on_output)
     out = tokens * (local + scores) / tp
+    if model.is_moe_layer(layer) and recompute != "full":
+        out += expert_gathered_input_bytes(model, tokens=tokens, tp=tp, expert_tp=moe_runtime.etp(tp),
+                                           input_bytes=gemm_input_bytes(dtype_bytes, fp8_gemm_inputs))
     if whole_column_inputs and sequence_parallel and tp > 1 and recompute != "full":
         out += tokens * 2 * gemm_input_bytes(dtype_bytes, fp8_gemm_inputs) * model.hidden_size * (1.0 - 1.0 / tp)
     if not sequence_parallel and tp > 1:
@@ -269,6 +280,22 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
                                                    fp8_gemm_inputs=fp8_gemm_inputs)
         out += tokens * replicated * (1.0 - 1.0 / tp)
     return out
+
+
+def expert_gathered_input_bytes(model: "ModelSpec", *, tokens: float, tp: int, expert_tp: int,
+                                input_bytes: float) -> float:
+    """The routed experts' inputs a GPU keeps beyond its 1/tp share of the layer's top-k token copies.
+
+    Megatron-core's all-to-all dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
+    MoEAlltoAllTokenDispatcher): each rank permutes its sequence-parallel shard (tokens / tp), all-to-alls the
+    copies over the EP group, and where the experts' tensor-parallel size is above 1 all-gathers them over that
+    group (gather_from_sequence_parallel_region); the experts' first GEMM saves the gathered tokens for its weight
+    gradient. A GPU so keeps (tokens / tp) x expert_tp x k copies of h, expert_tp - 1 shares more than the per-token
+    count of layer_activation_bytes_per_token divided by tp. Their intermediates are sharded by expert_tp (the
+    expert width / expert_tp), so they stay at the 1/tp share."""
+    if not model.is_moe or expert_tp <= 1:
+        return 0.0
+    return tokens / tp * (expert_tp - 1) * model.top_k * input_bytes * model.hidden_size
 
 
 def measured_activation_factor(measured: Mapping[str, Any] | None, model: "ModelSpec", layer: int, *, seq_len: int,

@@ -52,7 +52,7 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
     copy only add)."""
     mbs = coster.q.microbatch_sequences // dp
     pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
-    shard, eshard = dp * cp, dp * cp // ep
+    shard, eshard = dp * cp, tp * dp * cp // (coster.etp(tp) * ep)  # expert grid (etp, ep, edp): SliceCoster
 
     states = {(z, off) for z, _r, off in savers}
 
@@ -105,7 +105,7 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
     tr = coster.training
     pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     t = coster.layer_terms(kind, tp, cp, ep, dp, mbs)
-    shard, eshard = dp * cp, dp * cp // ep
+    shard, eshard = dp * cp, tp * dp * cp // (coster.etp(tp) * ep)  # expert grid (etp, ep, edp): SliceCoster
     states: dict[tuple[int, bool], tuple[float, float]] = {}  # (zero, offload) -> (layer's, per parameter)
     whole = coster.has_embedding and coster.has_head  # a slice of the whole model: its stages may or may not pipeline
     out = []
