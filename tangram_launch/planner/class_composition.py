@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from tangram_launch.capabilities import RuntimeCapabilities
+from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.costmodel.pipeline import cycle_floor_1f1b_s
+from tangram_launch.costmodel.plain_1f1b_paths import path_floor_1f1b_s
 from tangram_launch.planner.bounds import interleaved_1f1b_floor_s, plain_1f1b_floor_s
 from tangram_launch.planner.build import Candidates
 from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states, pick
@@ -62,12 +64,14 @@ class ClassScores:
         return len(grids) == 1 and None not in grids
 
     def plain_floor_s(self, seq: tuple[int, ...], metrics, *, round_trips: bool) -> float:
-        """Under the plain 1F1B simulation + tail: bounds.plain_1f1b_floor_s, with ``round_trips`` the larger of
-        it and costmodel.pipeline.cycle_floor_1f1b_s over the sequence's stages."""
+        """Under the plain 1F1B simulation + tail: bounds.plain_1f1b_floor_s, with ``round_trips`` the largest of
+        it, costmodel.pipeline.cycle_floor_1f1b_s and costmodel.plain_1f1b_paths.path_floor_1f1b_s over the
+        sequence's stages."""
         floor = plain_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.tail_s)
         if round_trips:
             stage_times = self.cand.stage_times([self.idx[i] for i in seq])
-            floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s)
+            floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s,
+                        path_floor_1f1b_s(*stage_times, self.m) * (1.0 - FLOOR_ROUNDING) + metrics.tail_s)
         return floor
 
     def floor_s(self, seq: tuple[int, ...], metrics) -> float:

@@ -47,9 +47,8 @@ interleaved simulation (``score_schedules`` holding "interleaved") no dominance 
 time, needs the stage count to divide m and gives a chunk one layer at least, so a sequence with more fill, stages
 or period, or an option another beats in all the DP sees, can score less. There a complete pass follows over the
 sequences that can interleave (no dominance, no option standing for another; only the score floors prune, against
-the best score the exact pass found): the plan's score is no more than any composition's interleaved score. The
-plain simulation's ranking is met as in a plain-only search (the exact pass's candidates): making it exact too
-costs a complete pass over every sequence, many times dearer than over those that can interleave. With merged
+the best score the exact pass found): the plan's score is no more than any composition's interleaved score. Where
+the score can be the plain simulation the complete pass covers every sequence (plain_complete.py). With merged
 fronts (the driver's search over many islands) there is no complete pass: without dominance it would enumerate
 every island set's sequences.
 
@@ -72,6 +71,7 @@ from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
 from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
 from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
+from tangram_launch.planner.plain_complete import behind_path_s, plain_counts
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -305,7 +305,9 @@ class _Pass:
         self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
         # complete: no entry stands for another (no dominance), only the score floors prune (see _dp)
         self.complete = complete
-        self.chunked: dict = {}  # per group: its options that can interleave (_interleavable)
+        # per group: its options that can interleave (_interleavable); None where a plain score counts too (every
+        # option can take part: plain_complete.py)
+        self.chunked: dict | None = None if plain_counts(schedules) else {}
         if complete:
             beat = _INF
         # the score floors sum in another order than the simulations: a floor prunes only FLOOR_ROUNDING above it
@@ -459,7 +461,8 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         else:
             gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
         if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
-            gidx = _interleavable(options, gidx, run.chunked)
+            if run.chunked is not None:
+                gidx = _interleavable(options, gidx, run.chunked)
             covered = [-1] * len(gidx)
         offers = _add_options(run, front, group, gidx, covered)
         if offers:
@@ -567,10 +570,14 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
+    behind = run.complete and plain  # the complete pass's plain floor counts the stages behind (plain_complete)
+    options, m = run.options, m1 + 1
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
+        two_link = 2.0 * link
         for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
                 plain_only in offers:
+            bn_o = options[oi][6]
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
@@ -591,6 +598,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 a = add + e[7]
                 if a < mb:
                     a = mb
+                if behind:
+                    a = behind_path_s(a, m, bn_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
                 if prune:
                     p = e3 * shrink
                     if p < per_lb:
@@ -704,9 +713,9 @@ class Scoring(NamedTuple):
 
     @property
     def complete(self) -> bool:
-        """Whether the score can be an interleaved simulation, which no dominance of the DP orders: the search
-        then ends with a complete pass (_Search.complete_pass)."""
-        return self.score is not None and "interleaved" in self.schedules
+        """Whether the score can be an interleaved or a plain simulation, which no dominance of the DP orders: the
+        search then ends with a complete pass (_Search.complete_pass; plain_complete.py)."""
+        return self.score is not None and ("interleaved" in self.schedules or plain_counts(self.schedules))
 
 
 class _Best(NamedTuple):
@@ -872,8 +881,8 @@ class _Search:
         sc, options, m = self.scoring, self.options, self.m
         candidates = self.run(_INF, score_beat=self.score_beat_s(), fill_weight=sc.fill_weight,
                               schedules=sc.schedules, complete=True)
-        # only those that can interleave: the stages divide the micro-batches
-        candidates = [f for f in candidates if m % sum(options[oi].num_stages for oi in f[3]) == 0]
+        if not plain_counts(sc.schedules):  # only those that can interleave: the stages divide the micro-batches
+            candidates = [f for f in candidates if m % sum(options[oi].num_stages for oi in f[3]) == 0]
         self.stats.candidates += len(candidates)
         self.offer_all([f[3] for f in candidates])
 
