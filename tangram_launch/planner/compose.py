@@ -553,6 +553,11 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer)
         r = run.trips[ne] * link  # round_trips_s(link, ne, m)
         if edged and group.front_island >= 0:  # + cycles_s's stage times (non-increasing in n)
             r += run.c1[ne] * front.least_tf[fits - 1] + run.c0[ne] * run.t_last[oi]
+        if run.complete:  # as _add_entries' complete pass, for the least fill and the most stages behind
+            r += in_front
+            v = in_front + behind_path_s(0.0, run.m, run.options[oi][6], 2.0 * link + front.least_f[fits - 1],
+                                         ne + ns - 1)
+            a = v if v > a else a
         if start:
             r2 = run.trips[ne + ns] * lk  # round_trips_s(lk, ne + ns, m)
             if edged:
@@ -616,6 +621,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                                 r = trips[e2] * link
                                 if edged_front:
                                     r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
+                                if behind:  # + micro-batch 0's way to the boundary and the last one's way back
+                                    r += in_front
                                 if start:
                                     r2 = trips[e2 + ns] * lk
                                     if edged:

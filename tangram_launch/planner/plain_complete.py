@@ -16,6 +16,12 @@ fill behind it), and the driver's fine floor reads every stage's forward and bac
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.planner.build import Candidates
+    from tangram_launch.planner.compose import Option
+
 
 def plain_counts(schedules: tuple[str, ...]) -> bool:
     """Whether compose's score can be the plain 1F1B simulation (``score_schedules`` holding "plain"): its search
@@ -36,3 +42,37 @@ def behind_path_s(plain_s: float, m: int, bottleneck_s: float, fill_behind_s: fl
     else:
         return plain_s
     return v if v > plain_s else plain_s
+
+
+def floor_stage_times(cand: "Candidates", seq: Sequence[int], per_option: dict) -> tuple[list, list, list]:
+    """Forward and backward seconds of every stage of a sequence of options (``cand``'s indices) and a floor of the
+    one-way p2p at each stage boundary: the island matrix's (Candidates.link_matrix, under the exact boundaries
+    that Candidates.stage_times reads from the stages' GPUs), 0.0 inside a slice plan. Every plain 1F1B floor that
+    is a path of the schedule (a longest path grows with every time) lies under the simulation with these times,
+    and they need no GPU placement: the composer's complete pass asks for thousands of near ties. ``per_option``:
+    a dict the caller keeps, an option -> its stages' forward and backward seconds."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    p2p: list[float] = []
+    links, options = cand.link_matrix, cand.options
+    for n, oi in enumerate(seq):
+        hit = per_option.get(oi)
+        if hit is None:
+            stages = cand.sources[oi][1].stages
+            hit = per_option[oi] = ([s.forward_s for s in stages], [s.backward_s for s in stages])
+        if n:
+            p2p.append(links[options[seq[n - 1]].island][options[oi].island])
+        p2p.extend([0.0] * (len(hit[0]) - 1))
+        fwd.extend(hit[0])
+        bwd.extend(hit[1])
+    return fwd, bwd, p2p
+
+
+def can_interleave(seq: Sequence[int], options: Sequence["Option"], m: int) -> bool:
+    """Whether a sequence of options may interleave at all (interleave.choose_virtual_stages): 2 stages at least,
+    dividing the m micro-batches, and 2 layers a stage at least (an option of n layers in s stages has a stage of
+    at most n // s). Where it may not and a plain score counts, the score is the plain simulation, and only the plain
+    floors lie under it."""
+    stages = sum(options[oi].num_stages for oi in seq)
+    return stages >= 2 and m % stages == 0 and all(
+        (options[oi].stop - options[oi].start) // options[oi].num_stages >= 2 for oi in seq)
