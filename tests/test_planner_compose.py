@@ -17,6 +17,7 @@ from tangram_launch.costmodel.plain_1f1b_paths import path_floor_1f1b_s
 from tangram_launch.planner.bounds import plain_1f1b_floor_s
 from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate
 from tangram_launch.planner.dominance import covered_rooms
+from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s
 from tangram_launch.planner.front_classes import front_classes, merged_states
 from tangram_launch.planner.reference import brute_force, every_composition
 
@@ -1000,6 +1001,43 @@ def test_the_path_floor_lies_under_the_plain_simulation(stages, m):
     for k, (f, b) in enumerate(zip(fwd, bwd)):
         assert floor >= (m * (f + b) + front) * (1.0 - 1e-12)
         front += f + b + (2.0 * p2p[k] if k < len(p2p) else 0.0)
+
+
+_STAGE = st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 3.0), st.floats(0.0, 1.0))  # forward, backward, p2p in front
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_STAGE, max_size=3), st.lists(_STAGE, min_size=1, max_size=4), st.lists(_STAGE, max_size=4),
+       st.integers(1, 24))
+def test_the_dp_path_floor_of_an_option_lies_under_the_plain_simulation(front, option, behind, m):
+    """What compose's complete pass adds in front of an entry (behind_path_s with own_stages_s, from an option's
+    time, slowest stage and stage count, the fill and the stages behind it) + the fill in front lies under the
+    plain simulation of any stages with those numbers: any forward/backward split, the slowest stage anywhere in
+    the option, p2p inside it and at its edges."""
+    stages = front + option + behind
+    fwd, bwd = [s[0] for s in stages], [s[1] for s in stages]
+    p2p = [s[2] for s in stages[1:]]
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    times = [f + b for f, b, _ in stages]
+    first, last = len(front), len(front) + len(option)
+    in_front = sum(times[:first]) + 2.0 * sum(p2p[:first])
+    time_s = sum(times[first:last]) + 2.0 * sum(p2p[first:last - 1])
+    fill_behind = sum(times[last:]) + 2.0 * sum(p2p[last - 1:])
+    bn = max(times[first:last])
+    floor = in_front + behind_path_s(0.0, m, bn, own_stages_s(time_s, bn), fill_behind, len(stages) - first - 1)
+    assert floor <= sim * (1.0 + 1e-12) + 1e-12
+
+
+def test_an_options_other_stages_raise_its_path_floor_to_the_simulation():
+    """Two equal stages in one option, two slower-than-half stages behind it: the option's second stage lies on
+    the path through its first both ways (own_stages_s), which the stages behind the option alone do not show;
+    with it the floor is the simulation."""
+    fwd, bwd, p2p, m = [1.0, 1.0, 0.8, 0.8], [2.0, 2.0, 1.6, 1.6], [0.0, 0.0, 0.0], 32
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    fill_behind = 2.4 + 2.4
+    alone = behind_path_s(0.0, m, 3.0, 0.0, fill_behind, 3)
+    assert alone < sim * 0.95
+    assert behind_path_s(0.0, m, 3.0, own_stages_s(6.0, 3.0), fill_behind, 3) == pytest.approx(sim, rel=1e-12)
 
 
 def test_the_path_floor_is_the_simulation_of_one_slow_stage_in_front():

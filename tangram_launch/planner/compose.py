@@ -71,7 +71,7 @@ from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
 from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
 from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
-from tangram_launch.planner.plain_complete import behind_path_s, plain_counts
+from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s, plain_counts
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -612,8 +612,9 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer)
             r += run.c1[ne] * front.least_tf[fits - 1] + run.c0[ne] * run.t_last[oi]
         if run.complete:  # as _add_entries' complete pass, for the least fill and the most stages behind
             r += in_front
-            v = in_front + behind_path_s(0.0, run.m, run.options[oi][6], 2.0 * link + front.least_f[fits - 1],
-                                         ne + ns - 1)
+            o = run.options[oi]
+            v = in_front + behind_path_s(0.0, run.m, o[6], own_stages_s(o[5], o[6]),
+                                         2.0 * link + front.least_f[fits - 1], ne + ns - 1)
             a = v if v > a else a
         if start:
             r2 = run.trips[ne + ns] * lk  # round_trips_s(lk, ne + ns, m)
@@ -640,6 +641,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
         for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
                 plain_only in offers:
             bn_o = options[oi][6]
+            own_o = own_stages_s(options[oi][5], bn_o) if behind else 0.0
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
@@ -661,7 +663,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 if a < mb:
                     a = mb
                 if behind:
-                    a = behind_path_s(a, m, bn_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
+                    a = behind_path_s(a, m, bn_o, own_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
                 if prune:
                     p = e3 * shrink
                     if p < per_lb:

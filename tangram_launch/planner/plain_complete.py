@@ -11,11 +11,11 @@ those that can interleave).
 
 What keeps that pass cheap where many pipelines score within a few per cent of the best (layer splits shifted by
 one): floors that count the stages behind a slow stage, as the simulation does (costmodel.plain_1f1b_paths). The DP
-carries one in each entry's plain_s (behind_path_s, from an option's numbers: its slowest stage, its stages, the
-fill behind it) and adds micro-batch 0's way to a boundary to its round trips; the driver's floors read every
-stage's forward and backward (path_floor_1f1b_s), its first one with the island matrix's p2p (floor_stage_times:
-no GPU placement for each near tie), and leave the interleaved floor out where a pipeline cannot interleave
-(can_interleave).
+carries one in each entry's plain_s (behind_path_s, from an option's numbers: its slowest stage, its other stages
+(own_stages_s), its stages, the fill behind it) and adds micro-batch 0's way to a boundary to its round trips; the
+driver's floors read every stage's forward and backward (path_floor_1f1b_s), its first one with the island matrix's
+p2p (floor_stage_times: no GPU placement for each near tie), and leave the interleaved floor out where a pipeline
+cannot interleave (can_interleave).
 """
 from __future__ import annotations
 
@@ -32,19 +32,33 @@ def plain_counts(schedules: tuple[str, ...]) -> bool:
     return "plain" in schedules
 
 
-def behind_path_s(plain_s: float, m: int, bottleneck_s: float, fill_behind_s: float, most_warmup: int) -> float:
+def behind_path_s(plain_s: float, m: int, bottleneck_s: float, own_s: float, fill_behind_s: float,
+                  most_warmup: int) -> float:
     """A DP entry's plain_s (compose.Entry: max over its options of a floor + the fill in front of the option
     within the sequence) with the option just added in front: costmodel.plain_1f1b_paths' paths through its slowest
     stage t with w <= ``most_warmup`` stages behind it, the fill behind the option (its link into the sequence
-    behind, both ways, and that sequence's fill) standing for the stages behind: (m - w) t + 2 x that fill where
-    w <= m - 2, (m - w) t + that fill where w = m - 1 (f, b <= t)."""
+    behind, both ways, and that sequence's fill) standing for the stages behind: (m - w) t + 2 x that fill +
+    ``own_s`` (own_stages_s: the option's other stages on the path) where w <= m - 2, (m - w) t + that fill where
+    w = m - 1 (f, b <= t)."""
     if most_warmup <= m - 2:
-        v = (m - most_warmup) * bottleneck_s + 2.0 * fill_behind_s
+        v = (m - most_warmup) * bottleneck_s + 2.0 * fill_behind_s + own_s
     elif most_warmup == m - 1:
         v = bottleneck_s + fill_behind_s
     else:
         return plain_s
     return v if v > plain_s else plain_s
+
+
+def own_stages_s(time_s: float, bottleneck_s: float) -> float:
+    """What an option's other stages add to behind_path_s's path through its slowest stage (t = ``bottleneck_s``,
+    a stage's time as SlicePlan.bottleneck_s is) where w <= m - 2: with r = ``time_s`` - t (the other stages and the
+    option's internal p2p, both ways) and the slowest stage j-th of the option, the path runs through the j stages
+    in front of it (pre, once) and those behind it (R, twice; pre + R = r), and j fewer warm-ups add j t: at j = 0,
+    2 r; else at least t + r. So r + min(r, t), 0 for one stage."""
+    rest = time_s - bottleneck_s
+    if rest <= 0.0:
+        return 0.0
+    return rest + (rest if rest < bottleneck_s else bottleneck_s)
 
 
 def floor_stage_times(cand: "Candidates", seq: Sequence[int], per_option: dict) -> tuple[list, list, list]:
