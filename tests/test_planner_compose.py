@@ -1063,3 +1063,25 @@ def test_the_default_search_finds_the_best_single_size_plan_on_a_plain_schedule(
                           options=PlannerOptions(max_workers=1, microbatch_sequences=(b,))).predicted.iteration_time_s
                 for b in range(1, 257) if 256 % b == 0]
     assert default.predicted.iteration_time_s == pytest.approx(min(per_size), rel=1e-12)
+
+
+def test_insisted_interleaving_runs_no_plain_complete_pass():
+    """Under --schedule interleaved-1F1B a pipeline that cannot interleave scores inf
+    (build.Candidates.schedule_choice), so no plain prediction picks a plan: the composer's schedules are interleaved
+    only, and its complete pass covers only pipelines that can interleave. Counting plain there, a size where
+    nothing could interleave had no score to beat, and the complete pass enumerated every sequence (generated case
+    33 at b = 8: ~465,000 DP states)."""
+    from tangram_launch.capabilities import capabilities_for
+    from tangram_launch.planner import PlannerOptions, search
+    from tangram_launch.planner.grid_classes import GridClass
+    from tangram_launch.planner.size_composition import _score_schedules
+    from test_planner_microbatch_exact import generated_case
+
+    cluster, model, training, runtime, schedule = generated_case(33)
+    assert (runtime, schedule) == ("torch", "interleaved-1F1B")
+    opts = PlannerOptions(max_workers=1, progress=False, schedule=schedule, microbatch_sequences=(8,))
+    caps = capabilities_for(runtime)
+    for group in ("free", GridClass("free", None), GridClass("free", (1, 1, 1))):
+        assert _score_schedules(group, caps, opts) == ("interleaved",)
+    plan = search(cluster, model, training, runtime=runtime, parallelizer="megatron", options=opts).plan
+    assert plan.planner["compose"]["states"] < 20_000
