@@ -12,9 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING, interleaved_floor_s
+from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+from tangram_launch.costmodel.plain_1f1b_paths import path_floor_1f1b_s
 from tangram_launch.planner.bounds import plain_1f1b_floor_s
 from tangram_launch.planner.compose import ComposeStats, Option, compose, evaluate
 from tangram_launch.planner.dominance import covered_rooms
+from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s
 from tangram_launch.planner.front_classes import front_classes, merged_states
 from tangram_launch.planner.reference import brute_force, every_composition
 
@@ -391,14 +394,26 @@ def test_each_option_caps_the_chunks_of_any_pipeline_holding_it(seed):
     assert checked > 60
 
 
+def _restrictions(rng: random.Random, K: int, p: float) -> dict:
+    """compose's restrictions, each drawn with probability p: a stage cap, a required island, an island order."""
+    kw = {}
+    if rng.random() < p:
+        kw["max_stages"] = rng.randint(1, 6)
+    if rng.random() < p and K > 1:
+        kw["required_mask"] = 1 << rng.randrange(K)
+    if rng.random() < p:
+        kw["island_order"] = rng.sample(range(K), K)
+    return kw
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_interleaved_scores_are_exact_under_every_search_setting(seed):
     """Where the score interleaves (alone, or as the least of plain and interleaved), compose's plan scores no more
     than any interleaved schedule of every composition the same restrictions admit (alone: the least score of
     every composition), under required islands, a stage cap, an island order, the score band and a best score
-    found elsewhere, on up to 4 islands and 8 layers; a plain-only score keeps its two passes (the quick plan and
-    the exact pass), an interleaved one adds the complete pass, but not with merged fronts (the driver's search
-    over many islands, where it would enumerate every island set's sequences)."""
+    found elsewhere, on up to 4 islands and 8 layers; a plain-only score and an interleaved one both add the
+    complete pass to the quick plan and the exact pass (plain_complete.py), but not with merged fronts (the
+    driver's search over many islands, where it would enumerate every island set's sequences)."""
     rng = random.Random(4100 + seed)
     checked = 0
     for _ in range(150):
@@ -406,13 +421,7 @@ def test_interleaved_scores_are_exact_under_every_search_setting(seed):
         V = rng.choice([2, 4, 8])
         schedules = rng.choice([("interleaved",), ("plain", "interleaved")])
         score = scheduled(options, link, m, schedules=schedules, most_chunks=V)
-        kw = {}
-        if rng.random() < 0.3:
-            kw["max_stages"] = rng.randint(1, 6)
-        if rng.random() < 0.3 and K > 1:
-            kw["required_mask"] = 1 << rng.randrange(K)
-        if rng.random() < 0.3:
-            kw["island_order"] = rng.sample(range(K), K)
+        kw = _restrictions(rng, K, 0.3)
         interleaved = scheduled(options, link, m, schedules=("interleaved",), most_chunks=V)
         least = _least_score(options, link, L, m, interleaved, **kw)  # the score's, where it only interleaves
         search = dict(kw, score_band=rng.random() < 0.3)
@@ -432,7 +441,7 @@ def test_interleaved_scores_are_exact_under_every_search_setting(seed):
         plain = ComposeStats()
         compose(options, link, L, m, score=simulated(options, link, m, with_bottleneck), score_schedules=("plain",),
                 stats=plain, **kw)
-        assert plain.dp_runs <= 2
+        assert plain.dp_runs <= 3
         merged = ComposeStats()
         compose(options, link, L, m, score=score, score_fill_weight=1.0 / V, score_schedules=schedules,
                 stats=merged, merge_fronts=True, **kw)
@@ -920,3 +929,159 @@ def test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same(se
         exact = brute_force(options, link, L, m)  # the closed form's optimum: never a worse score
         assert got[1].score_s <= score(exact.options, exact.metrics) + 1e-9
     assert states[1] < states[0]
+
+
+# --- exact against the plain 1F1B simulation (plain_complete.py) ----------------------------------------------------
+
+def _path_floor_score_floor(options, link, m):
+    """A score floor as the driver's fine one: the larger of plain_1f1b_floor_s and the path floor over the
+    sequence's stages (costmodel.plain_1f1b_paths), under the plain simulation of ``with_bottleneck`` stages."""
+    def floor(seq, metrics):
+        paths = path_floor_1f1b_s(*stage_seconds(options, link, seq, with_bottleneck), m) * (1.0 - FLOOR_ROUNDING)
+        return max(plain_1f1b_floor_s(seq, options, link, m, metrics.tail_s), paths + metrics.tail_s)
+    return floor
+
+
+def _plain_sweep(rng: random.Random, instances: int) -> int:
+    """compose against the least score of every composition, where the score is the plain 1F1B simulation (alone,
+    or the least of it and interleaved schedules), under required islands, a stage cap, an island order, the score
+    band, a best score found elsewhere and the driver's floors; returns how many instances had a plan."""
+    checked = 0
+    for _ in range(instances):
+        options, link, L, m, K = random_instance(rng, max_layers=rng.choice([6, 8]), max_islands=rng.choice([3, 4]))
+        m = rng.choice([1, 2, 4, 8, 16, 32])
+        V = rng.choice([2, 4])
+        schedules = rng.choice([("plain",), ("plain",), ("plain", "interleaved")])
+        score = scheduled(options, link, m, schedules=schedules, most_chunks=V)
+        kw = _restrictions(rng, K, 0.2)
+        least = _least_score(options, link, L, m, score, **kw)
+        search = dict(kw, score_band=rng.random() < 0.2)
+        if schedules == ("plain",) and rng.random() < 0.5:
+            search["score_floor"] = search["score_floor_fine"] = _path_floor_score_floor(options, link, m)
+            search["edge_s"] = [(t[0], t[-1]) for t in (with_bottleneck(o, ()) for o in options)]
+        if rng.random() < 0.2 and least < math.inf:
+            search["score_incumbent_s"] = least * rng.uniform(1.0, 1.2)
+        got = compose(options, link, L, m, score=score, score_schedules=schedules,
+                      score_fill_weight=1.0 / V if "interleaved" in schedules else 0.0, **search)
+        if least == math.inf or (got is None and least >= search.get("score_incumbent_s", math.inf)):
+            continue
+        checked += 1
+        _check_plan(got, options, link, L, m, required=kw.get("required_mask", 0), max_stages=kw.get("max_stages"))
+        assert got.score_s == pytest.approx(least, rel=1e-12)
+    return checked
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_plain_score_finds_the_least_score_of_every_composition(seed):
+    """Where the score can be the plain 1F1B simulation, compose returns the least score of every composition the
+    restrictions admit (brute force), though its DP's dominance (fill, tail, stages, period) does not order that
+    score: the complete pass covers every sequence, pruned only by safe floors."""
+    assert _plain_sweep(random.Random(7100 + seed), 200) > 120
+
+
+@pytest.mark.slow  # thousands of brute forces (tens of seconds)
+def test_a_plain_score_finds_the_least_score_over_thousands_of_instances():
+    """test_a_plain_score_finds_the_least_score_of_every_composition on 3,000 instances."""
+    assert _plain_sweep(random.Random(7200), 3000) > 1800
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 3.0), st.floats(0.0, 2.0)), min_size=1, max_size=9),
+       st.integers(1, 24))
+def test_the_path_floor_lies_under_the_plain_simulation(stages, m):
+    """path_floor_1f1b_s (four paths through each stage of the 1F1B schedule) lies under the simulation of the same
+    stage times and links, and is at least m x the slowest stage + the fill in front of it; with one slow stage
+    and no links it is the simulation."""
+    fwd, bwd = [s[0] for s in stages], [s[1] for s in stages]
+    p2p = [s[2] for s in stages[1:]]
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    floor = path_floor_1f1b_s(fwd, bwd, p2p, m)
+    assert floor <= sim * (1.0 + 1e-12) + 1e-12
+    front = 0.0
+    for k, (f, b) in enumerate(zip(fwd, bwd)):
+        assert floor >= (m * (f + b) + front) * (1.0 - 1e-12)
+        front += f + b + (2.0 * p2p[k] if k < len(p2p) else 0.0)
+
+
+_STAGE = st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 3.0), st.floats(0.0, 1.0))  # forward, backward, p2p in front
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_STAGE, max_size=3), st.lists(_STAGE, min_size=1, max_size=4), st.lists(_STAGE, max_size=4),
+       st.integers(1, 24))
+def test_the_dp_path_floor_of_an_option_lies_under_the_plain_simulation(front, option, behind, m):
+    """What compose's complete pass adds in front of an entry (behind_path_s with own_stages_s, from an option's
+    time, slowest stage and stage count, the fill and the stages behind it) + the fill in front lies under the
+    plain simulation of any stages with those numbers: any forward/backward split, the slowest stage anywhere in
+    the option, p2p inside it and at its edges."""
+    stages = front + option + behind
+    fwd, bwd = [s[0] for s in stages], [s[1] for s in stages]
+    p2p = [s[2] for s in stages[1:]]
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    times = [f + b for f, b, _ in stages]
+    first, last = len(front), len(front) + len(option)
+    in_front = sum(times[:first]) + 2.0 * sum(p2p[:first])
+    time_s = sum(times[first:last]) + 2.0 * sum(p2p[first:last - 1])
+    fill_behind = sum(times[last:]) + 2.0 * sum(p2p[last - 1:])
+    bn = max(times[first:last])
+    floor = in_front + behind_path_s(0.0, m, bn, own_stages_s(time_s, bn), fill_behind, len(stages) - first - 1)
+    assert floor <= sim * (1.0 + 1e-12) + 1e-12
+
+
+def test_an_options_other_stages_raise_its_path_floor_to_the_simulation():
+    """Two equal stages in one option, two slower-than-half stages behind it: the option's second stage lies on
+    the path through its first both ways (own_stages_s), which the stages behind the option alone do not show;
+    with it the floor is the simulation."""
+    fwd, bwd, p2p, m = [1.0, 1.0, 0.8, 0.8], [2.0, 2.0, 1.6, 1.6], [0.0, 0.0, 0.0], 32
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    fill_behind = 2.4 + 2.4
+    alone = behind_path_s(0.0, m, 3.0, 0.0, fill_behind, 3)
+    assert alone < sim * 0.95
+    assert behind_path_s(0.0, m, 3.0, own_stages_s(6.0, 3.0), fill_behind, 3) == pytest.approx(sim, rel=1e-12)
+
+
+def test_the_path_floor_is_the_simulation_of_one_slow_stage_in_front():
+    """A slow first stage with fast stages behind it waits for the first backward to come back and for the last:
+    the path floor counts both waits, m x its stage time + the fill in front alone does not."""
+    fwd, bwd, p2p, m = [1.0, 0.5, 0.5, 0.5], [2.0, 1.0, 1.0, 1.0], [0.05] * 3, 16
+    sim = simulated_1f1b_s(fwd, bwd, p2p, m)
+    assert path_floor_1f1b_s(fwd, bwd, p2p, m) == pytest.approx(sim, rel=1e-12)
+    assert m * 3.0 < sim * 0.999
+
+
+def test_the_default_search_finds_the_best_single_size_plan_on_a_plain_schedule():
+    """The planner's default search (every divisor of the batch, sizes skipped by floors, incumbents carried from
+    size to size) returns the best of one search per divisor: a size's DP under a tighter bound kept other
+    entries than alone, and its plain 1F1B simulation ranked a dropped one first."""
+    from tangram_launch.planner import PlannerOptions, make_plan
+    from tangram_launch.specs.training import TrainingSpec
+    from test_planner import HET, MODEL
+
+    training = TrainingSpec(256, 128, "fp16")
+    default = make_plan(HET, MODEL, training, runtime="torch", options=PlannerOptions(max_workers=1))
+    per_size = [make_plan(HET, MODEL, training, runtime="torch",
+                          options=PlannerOptions(max_workers=1, microbatch_sequences=(b,))).predicted.iteration_time_s
+                for b in range(1, 257) if 256 % b == 0]
+    assert default.predicted.iteration_time_s == pytest.approx(min(per_size), rel=1e-12)
+
+
+def test_insisted_interleaving_runs_no_plain_complete_pass():
+    """Under --schedule interleaved-1F1B a pipeline that cannot interleave scores inf
+    (build.Candidates.schedule_choice), so no plain prediction picks a plan: the composer's schedules are interleaved
+    only, and its complete pass covers only pipelines that can interleave. Counting plain there, a size where
+    nothing could interleave had no score to beat, and the complete pass enumerated every sequence (generated case
+    33 at b = 8: ~465,000 DP states)."""
+    from tangram_launch.capabilities import capabilities_for
+    from tangram_launch.planner import PlannerOptions, search
+    from tangram_launch.planner.grid_classes import GridClass
+    from tangram_launch.planner.size_composition import _score_schedules
+    from test_planner_microbatch_exact import generated_case
+
+    cluster, model, training, runtime, schedule = generated_case(33)
+    assert (runtime, schedule) == ("torch", "interleaved-1F1B")
+    opts = PlannerOptions(max_workers=1, progress=False, schedule=schedule, microbatch_sequences=(8,))
+    caps = capabilities_for(runtime)
+    for group in ("free", GridClass("free", None), GridClass("free", (1, 1, 1))):
+        assert _score_schedules(group, caps, opts) == ("interleaved",)
+    plan = search(cluster, model, training, runtime=runtime, parallelizer="megatron", options=opts).plan
+    assert plan.planner["compose"]["states"] < 20_000

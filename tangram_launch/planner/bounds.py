@@ -125,6 +125,19 @@ plain 1F1B floor: plain_1f1b_floor_s; round_trips_s, cycles_s per boundary
             ::test_cycles_across_a_boundary_lie_under_the_plain_simulation,
             ::test_stage_times_at_the_edges_tighten_the_plain_floor_and_choose_the_same
 
+plain 1F1B paths: costmodel.plain_1f1b_paths.path_floor_1f1b_s; plain_complete.behind_path_s, own_stages_s,
+                  floor_stage_times
+    prunes: class_composition.ClassScores.floor_s / fine_floor_s; compose's complete pass (_add_entries,
+            _option_score_floor: the stages behind an option and its own other stages, micro-batch 0's way to a
+            boundary)
+    safe:   four paths through each stage of the schedule (all its ops; after micro-batch 0's way behind it; before
+            micro-batch m - 1's; both), each a chain of the ops' dependencies; island-matrix p2p lies under the
+            exact boundaries', and a path grows with every time
+    test:   test_planner_compose.py::test_the_path_floor_lies_under_the_plain_simulation,
+            ::test_a_plain_score_finds_the_least_score_of_every_composition,
+            ::test_the_default_search_finds_the_best_single_size_plan_on_a_plain_schedule,
+            ::test_the_dp_path_floor_of_an_option_lies_under_the_plain_simulation
+
 The DP's floors in full (compose._add_options, _option_score_floor, _add_entries). A sequence covering [j, L) is
 dropped as soon as even its cheapest completion cannot beat the closed form to beat:
   (m - 1) x max(its period, pre_period[start]) + its fill + pre_fill[start] + max(its tail, pre_tail[start])

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from tangram_launch.capabilities import RuntimeCapabilities
+from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.costmodel.pipeline import cycle_floor_1f1b_s
+from tangram_launch.costmodel.plain_1f1b_paths import path_floor_1f1b_s
 from tangram_launch.planner.bounds import interleaved_1f1b_floor_s, plain_1f1b_floor_s
 from tangram_launch.planner.build import Candidates
 from tangram_launch.planner.compose import SCORE_ANY, Composition, ComposeStats, Option, compose, merged_states, pick
@@ -18,6 +20,7 @@ from tangram_launch.planner.cover_floors import island_floors_s, promising
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
 from tangram_launch.planner.options import PlannerOptions
 from tangram_launch.planner.orders import island_orders, search_orders
+from tangram_launch.planner.plain_complete import can_interleave, floor_stage_times
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -43,6 +46,7 @@ class ClassScores:
     opts: PlannerOptions
     schedules: tuple[str, ...]
     scores: dict = field(default_factory=dict)  # the island orders meet the same plans again and again
+    stage_times: dict = field(default_factory=dict)  # option -> its stages' times (plain_complete.floor_stage_times)
 
     def predicted_s(self, seq: tuple[int, ...], metrics) -> float:
         """What build_plan will report for the pipeline (Candidates.schedule_choice)."""
@@ -61,13 +65,17 @@ class ClassScores:
         grids = {getattr(self.cand.groups[self.idx[i]], "grid", None) for i in seq}
         return len(grids) == 1 and None not in grids
 
-    def plain_floor_s(self, seq: tuple[int, ...], metrics, *, round_trips: bool) -> float:
-        """Under the plain 1F1B simulation + tail: bounds.plain_1f1b_floor_s, with ``round_trips`` the larger of
-        it and costmodel.pipeline.cycle_floor_1f1b_s over the sequence's stages."""
+    def plain_floor_s(self, seq: tuple[int, ...], metrics, *, round_trips: bool, exact: bool = True) -> float:
+        """Under the plain 1F1B simulation + tail: bounds.plain_1f1b_floor_s, with ``round_trips`` the largest of
+        it, costmodel.pipeline.cycle_floor_1f1b_s and costmodel.plain_1f1b_paths.path_floor_1f1b_s over the
+        sequence's stages; ``exact`` False: with the island matrix's p2p (plain_complete.floor_stage_times, no GPU
+        placement), not the exact boundaries'."""
         floor = plain_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.tail_s)
         if round_trips:
-            stage_times = self.cand.stage_times([self.idx[i] for i in seq])
-            floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s)
+            at = [self.idx[i] for i in seq]
+            stage_times = self.cand.stage_times(at) if exact else floor_stage_times(self.cand, at, self.stage_times)
+            floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s,
+                        path_floor_1f1b_s(*stage_times, self.m) * (1.0 - FLOOR_ROUNDING) + metrics.tail_s)
         return floor
 
     def floor_s(self, seq: tuple[int, ...], metrics) -> float:
@@ -84,8 +92,10 @@ class ClassScores:
             # nor for a plan of one slice plan, whose stages would have to be built: the fine floor reads them,
             # for those this floor lets through, and a size's first ranking meets thousands of such plans)
             floor = self.plain_floor_s(seq, metrics, round_trips=len(seq) > 1 and (
-                "interleaved" in self.schedules or not self.one_grid(seq)))
-        if "interleaved" in self.schedules:
+                "interleaved" in self.schedules or not self.one_grid(seq)), exact=False)
+        # (where a plain score counts and the pipeline cannot interleave, its score is the plain one)
+        if "interleaved" in self.schedules and ("plain" not in self.schedules
+                                                or can_interleave(seq, self.sub, self.m)):
             floor = min(floor, interleaved_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.fill_s,
                                                         metrics.tail_s, MAX_VIRTUAL_STAGES))
         return floor

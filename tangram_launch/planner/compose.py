@@ -47,9 +47,8 @@ interleaved simulation (``score_schedules`` holding "interleaved") no dominance 
 time, needs the stage count to divide m and gives a chunk one layer at least, so a sequence with more fill, stages
 or period, or an option another beats in all the DP sees, can score less. There a complete pass follows over the
 sequences that can interleave (no dominance, no option standing for another; only the score floors prune, against
-the best score the exact pass found): the plan's score is no more than any composition's interleaved score. The
-plain simulation's ranking is met as in a plain-only search (the exact pass's candidates): making it exact too
-costs a complete pass over every sequence, many times dearer than over those that can interleave. With merged
+the best score the exact pass found): the plan's score is no more than any composition's interleaved score. Where
+the score can be the plain simulation the complete pass covers every sequence (plain_complete.py). With merged
 fronts (the driver's search over many islands) there is no complete pass: without dominance it would enumerate
 every island set's sequences.
 
@@ -72,6 +71,7 @@ from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
 from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
 from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
+from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s, plain_counts
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -318,7 +318,9 @@ class _Pass:
         self.options, self.link_s, self.num_layers, self.required = options, link_s, num_layers, required
         # complete: no entry stands for another (no dominance), only the score floors prune (see _dp)
         self.complete = complete
-        self.chunked: dict = {}  # per group: its options that can interleave (_interleavable)
+        # per group: its options that can interleave (_interleavable); None where a plain score counts too (every
+        # option can take part: plain_complete.py)
+        self.chunked: dict | None = None if plain_counts(schedules) else {}
         self.hopeful: dict = {}  # per group and set of free islands in front: its options that may beat (_hopeful)
         if complete:
             beat = _INF
@@ -397,11 +399,11 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
     completion with the same front part beats it too; with ``quantum`` the periods compare by bucket, and the prune
     judges an entry by the least period of its bucket.
 
-    ``complete``: no entry or option stands for another (no Pareto front, no covered options), and only options
-    whose stages hold 2 layers at least take part (_interleavable): every such sequence whose score floor can beat
-    ``score_beat`` is returned (all of them while it is inf), ``beat`` is not read. Exact for any score the floors
-    lie under, however it ranks sequences of equal fill, tail, stages and period: the interleaved simulation (the
-    stages must divide m; a chunk's share of each stage) ranks them its own way."""
+    ``complete``: no entry or option stands for another (no Pareto front, no covered options), and (unless a plain score
+    counts: plain_complete.py) only options whose stages hold 2 layers at least take part (_interleavable): every such
+    sequence whose score floor can beat ``score_beat`` is returned (all of them while it is inf), ``beat`` is not read.
+    Exact for any score the floors lie under, however it ranks sequences of equal fill, tail, stages and period: the
+    interleaved simulation (the stages must divide m; a chunk's share of each stage) ranks them its own way."""
     run = _Pass(options, prep, link_s, num_layers, num_microbatches, required, max_stages, beat, stats, rank, beam,
                 quantum, score_beat, fill_weight, schedules, merge_fronts, edge_s, complete)
     stats.dp_runs += 1
@@ -482,7 +484,8 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
         else:
             gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
         if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
-            gidx = _interleavable(options, gidx, run.chunked)
+            if run.chunked is not None:
+                gidx = _interleavable(options, gidx, run.chunked)
             covered = [-1] * len(gidx)
         if run.score_only and gidx:  # (then only the score floor judges an option)
             gidx, covered = _hopeful(run, (options[gidx[0]].stop, island, mask), gidx, covered, group)
@@ -607,6 +610,12 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer)
         r = run.trips[ne] * link  # round_trips_s(link, ne, m)
         if edged and group.front_island >= 0:  # + cycles_s's stage times (non-increasing in n)
             r += run.c1[ne] * front.least_tf[fits - 1] + run.c0[ne] * run.t_last[oi]
+        if run.complete:  # as _add_entries' complete pass, for the least fill and the most stages behind
+            r += in_front
+            o = run.options[oi]
+            v = in_front + behind_path_s(0.0, run.m, o[6], own_stages_s(o[5], o[6]),
+                                         2.0 * link + front.least_f[fits - 1], ne + ns - 1)
+            a = v if v > a else a
         if start:
             r2 = run.trips[ne + ns] * lk  # round_trips_s(lk, ne + ns, m)
             if edged:
@@ -624,10 +633,15 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
+    behind = run.complete and plain  # the complete pass's plain floor counts the stages behind (plain_complete)
+    options, m = run.options, m1 + 1
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
+        two_link = 2.0 * link
         for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
                 plain_only in offers:
+            bn_o = options[oi][6]
+            own_o = own_stages_s(options[oi][5], bn_o) if behind else 0.0
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
@@ -648,6 +662,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 a = add + e[7]
                 if a < mb:
                     a = mb
+                if behind:
+                    a = behind_path_s(a, m, bn_o, own_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
                 if prune:
                     p = e3 * shrink
                     if p < per_lb:
@@ -664,6 +680,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                                 r = trips[e2] * link
                                 if edged_front:
                                     r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
+                                if behind:  # + micro-batch 0's way to the boundary and the last one's way back
+                                    r += in_front
                                 if start:
                                     r2 = trips[e2 + ns] * lk
                                     if edged:
@@ -688,10 +706,10 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
 
 def _candidates(run: _Pass) -> list[Candidate]:
     """The complete sequences in tables[0] that use every required island, each read back through its parents. In a
-    complete pass not those whose stage count (an entry's ``after`` below the cap) does not divide m: they cannot
-    interleave, and complete_pass keeps none that cannot."""
+    complete pass whose score cannot be plain (run.chunked), not those whose stage count (an entry's ``after`` below
+    the cap) does not divide m: they cannot interleave, and complete_pass keeps none that cannot."""
     options, required, tables = run.options, run.required, run.tables
-    m = run.m if run.complete else 0
+    m = run.m if run.complete and run.chunked is not None else 0
     n_cap = run.prep.n_cap
     out = []
     for key, entries in tables[0].items():
@@ -799,9 +817,9 @@ class Scoring(NamedTuple):
 
     @property
     def complete(self) -> bool:
-        """Whether the score can be an interleaved simulation, which no dominance of the DP orders: the search
-        then ends with a complete pass (_Search.complete_pass)."""
-        return self.score is not None and "interleaved" in self.schedules
+        """Whether the score can be an interleaved or a plain simulation, which no dominance of the DP orders: the
+        search then ends with a complete pass (_Search.complete_pass; plain_complete.py)."""
+        return self.score is not None and ("interleaved" in self.schedules or plain_counts(self.schedules))
 
 
 class _Best(NamedTuple):
@@ -972,8 +990,8 @@ class _Search:
         sc, options, m = self.scoring, self.options, self.m
         candidates = self.run(_INF, score_beat=self.score_beat_s(), fill_weight=sc.fill_weight,
                               schedules=sc.schedules, complete=True)
-        # only those that can interleave: the stages divide the micro-batches
-        candidates = [f for f in candidates if m % sum(options[oi].num_stages for oi in f[3]) == 0]
+        if not plain_counts(sc.schedules):  # only those that can interleave: the stages divide the micro-batches
+            candidates = [f for f in candidates if m % sum(options[oi].num_stages for oi in f[3]) == 0]
         self.stats.candidates += len(candidates)
         self.offer_all([f[3] for f in candidates])
 

@@ -5,8 +5,9 @@ the same layers and island in time, bottleneck, tail, stages and room for follow
 
 The interleaved simulation is not ordered so: it reads each stage's time, needs the stage count to divide the
 micro-batches and gives a chunk one layer at least, so a dominated entry or option can score less. compose's
-complete pass, where the score interleaves, uses none of these. (Nor, strictly, is the plain 1F1B simulation, which
-charges the p2p on the steady state's cycle; the composer meets it with the closed form's candidates.)
+complete pass, where the score interleaves, uses none of these. Nor is the plain 1F1B simulation, which reads each
+stage's forward and backward and the p2p on the steady state's cycle: compose's complete pass covers it too
+(plain_complete.py).
 """
 from __future__ import annotations
 

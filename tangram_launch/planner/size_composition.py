@@ -228,8 +228,11 @@ def _score_schedules(group, caps: RuntimeCapabilities, opts: PlannerOptions) -> 
     """The schedules whose predictions can pick a plan of this class. Under "auto" with one-grid classes inside a
     free one (grid_classes.GridClass): a one-grid class adds only interleaved pipelines (its plain ones are the free
     class's, or beaten there option by option), and the free class only plain ones (its one-grid pipelines
-    interleave in their own class)."""
+    interleave in their own class). Where "interleaved-1F1B" is insisted on, no plain prediction picks a plan
+    (Candidates.schedule_choice scores a pipeline that cannot interleave inf)."""
     interleaves = opts.schedule != "1F1B" and "interleaved-1F1B" in caps.schedules
+    if interleaves and opts.schedule == "interleaved-1F1B":
+        return ("interleaved",)
     if isinstance(group, GridClass) and opts.schedule == "auto":
         return ("interleaved",) if group.grid is not None else ("plain",)
     return ("plain", "interleaved") if interleaves else ("plain",)
