@@ -115,7 +115,8 @@ def test_memory_figures_say_how_they_were_measured(data, bench):
 # DeviceMemoryMonitor's max_reserved_gib (torch.cuda.max_memory_reserved); FlagPerf's harness samples nvidia-smi's
 # used memory every 5 s (training/nvidia/nvidia_monitor.py); BLOOM's figure is a sentence of prose.
 METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": "allocator-reserved",
-                    "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated"}
+                    "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated",
+                    "titan-qwen3-h200-notes": "allocator-reserved"}
 
 
 @pytest.mark.unit
@@ -195,6 +196,8 @@ def test_every_row_has_a_split_and_a_cohort_and_fit_rows_are_dev(data, bench):
             assert r["split"] == "dev", f"{r['id']}: a constant was fitted on it, so it cannot validate"
         if r["cohort"] == "unseen":
             assert r["split"] == "validation" and r["subset"] == "held-out", r["id"]
+        if r["cohort"] == "moe-dev":
+            assert r["split"] == "dev" and r["subset"] == "held-out" and r["parallel"].get("ep", 1) > 1, r["id"]
 
 
 @pytest.mark.unit
@@ -264,3 +267,23 @@ def test_unseen_rows_come_from_sources_the_original_rows_did_not_use(data):
     reused = {r["id"]: r["source"]["ref"] for r in data["runs"]
               if r["cohort"] == "unseen" and r["source"]["ref"] in original}
     assert not reused, f"unseen rows citing a source of the original rows: {reused}"
+
+
+@pytest.mark.unit
+def test_moe_dev_rows_share_no_source_with_a_validation_row(data):
+    """The moe-dev cohort is development evidence added after the split: a row citing a source that a validation
+    row cites would let the model be shaped to that source, so its validation rows would no longer be unseen."""
+    validation = {r["source"]["ref"] for r in data["runs"] if r["split"] == "validation"}
+    shared = {r["id"]: r["source"]["ref"] for r in data["runs"]
+              if r["cohort"] == "moe-dev" and r["source"]["ref"] in validation}
+    assert not shared, f"moe-dev rows citing a source of validation rows: {shared}"
+    assert any(r["cohort"] == "moe-dev" for r in data["runs"])
+
+
+@pytest.mark.unit
+def test_a_moe_dev_row_is_dev_whatever_its_gpu_and_id(bench):
+    runs = [{"id": f"m-{i}", "gpu": gpu, "subset": "held-out", "cohort": "moe-dev"}
+            for i, gpu in enumerate(("h200", "b200", "a100-80gb"))]
+    generation = {"h200": "hopper", "b200": "blackwell", "a100-80gb": "ampere"}
+    assert set(bench.draw_split(runs, generation, fit_when_drawn=()).values()) == {"dev"}
+

@@ -58,6 +58,7 @@ from tangram_launch.costmodel.memory import (
     state_bytes_per_param,
 )
 from tangram_launch.costmodel.moe_dispatch import MOE_DISPATCHERS, MoERuntime, copies_per_token
+from tangram_launch.costmodel.op_sac import OP_SAC_POLICIES
 from tangram_launch.costmodel.partition import balanced_split
 from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.errors import SpecError
@@ -813,8 +814,10 @@ class SliceCoster:
             return hit
         full = RECOMPUTE_MODES[r] == "full"
         rec_comm = (st.tp_fwd_s + st.cp_fwd_s + st.ep_fwd_s) if full else 0.0
+        if RECOMPUTE_MODES[r] == "selective" and self.selective_policy == "op-sac-compiled":
+            rec_comm = st.ep_fwd_s  # compiled MoE blocks re-run their forward, EP all-to-alls included (op_sac.py)
         working = st.max_layer_act_none if full else 0.0  # one layer's activations, rebuilt during its backward
-        if RECOMPUTE_MODES[r] == "selective" and self.selective_policy == "op-sac":
+        if RECOMPUTE_MODES[r] == "selective" and self.selective_policy in OP_SAC_POLICIES:
             working = st.max_layer_act_rebuilt_sel  # the tensors op-level SAC rebuilds for one layer's backward
         out = RecomputePart(st.recompute_s[r], rec_comm, st.act_bytes[r] * self.fragmentation, working)
         st.rec_parts[r] = out

@@ -29,11 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
 from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, price,
                                                        stage_measurement as summarize_stage)
 from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime, permutation_traffic_h
+from tangram_launch.costmodel.op_sac import routed_gemms
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported for the cost model's users)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,19 +120,24 @@ class LayerCompute:
     def backward_flops(self) -> float:
         return BACKWARD_FACTOR * self.forward_flops
 
+    def _reruns_forward(self, mode: str, selective_policy: str) -> bool:
+        """Full recompute, or op-SAC under torch.compile on an MoE block, which keeps its input only (op_sac.py)."""
+        return mode == "full" or (mode == "selective" and selective_policy == "op-sac-compiled" and self.kind == "moe")
+
     def recompute_s(self, mode: str, selective_policy: str = "megatron") -> float:
-        """Extra forward work in the backward pass (Korthikanti et al. 2022, sec. 5; op-level SAC: see memory.py)."""
-        if mode == "full":
+        """Extra forward work in the backward pass (Korthikanti et al. 2022, sec. 5; op-level SAC: op_sac.py)."""
+        if self._reruns_forward(mode, selective_policy):
             return self.forward_s
         if mode == "selective":
-            return self.op_sac_recompute_s if selective_policy == "op-sac" else self.attention_core_s
+            return self.op_sac_recompute_s if selective_policy in op_sac.OP_SAC_POLICIES else self.attention_core_s
         return 0.0
 
     def recompute_flops(self, mode: str, selective_policy: str = "megatron") -> float:
-        if mode == "full":
+        if self._reruns_forward(mode, selective_policy):
             return self.forward_flops
         if mode == "selective":
-            return self.op_sac_recompute_flops if selective_policy == "op-sac" else self.attention_core_flops
+            return (self.op_sac_recompute_flops if selective_policy in op_sac.OP_SAC_POLICIES
+                    else self.attention_core_flops)
         return 0.0
 
 
@@ -151,13 +158,18 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     gemm = dev.gemm_s(m_tok, (model.q_dim + 2 * model.kv_dim) / t, h)  # QKV
     gemm += dev.gemm_s(m_tok, h, model.q_dim / t)  # output projection
     act_f = activation_traffic_f(mats)
+    routed_s = routed_flops = 0.0  # the routed experts' grouped GEMMs (op-SAC recomputes them all)
     if moe:
         e, k, fe = model.num_experts, model.top_k, model.expert_ffn_hidden_size
         local_experts = e / ep
         et = moe_runtime.etp(t)
         m_e = m_tok / t * et * k * ep / e  # tokens per local expert (balanced routing)
-        gemm += dev.gemm_s(m_e, (mats - 1) * fe / et, h, count=local_experts)
-        gemm += dev.gemm_s(m_e, h, fe / et, count=local_experts)
+        for i, (n, k_in) in enumerate(routed_gemms(model, layer)):
+            n_local, k_local = (n / et, k_in) if i == 0 else (n, k_in / et)  # up: column-sharded, down: row
+            gemm_e = dev.gemm_s(m_e, n_local, k_local, count=local_experts)
+            gemm += gemm_e
+            routed_s += gemm_e
+            routed_flops += 2.0 * m_e * n_local * k_local * local_experts
         gemm += dev.gemm_s(m_tok / t, e, h)  # router on the SP-sharded tokens
         permute_h = permutation_traffic_h(top_k=k, ep=ep, local_experts=local_experts,
                                           dispatcher=moe_runtime.dispatcher, fused=moe_runtime.permute_fusion)
@@ -188,7 +200,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     forward_s = gemm + core_s + elementwise_s
 
     sac_s, sac_flops = _op_sac_recompute(model, layer, m_tok, t, dev)
-    sac_s += elementwise_s
+    sac_s += elementwise_s + routed_s
+    sac_flops += routed_flops
     priced = None
     if use_measured and cp == 1:
         priced = measured_layer_price(model, model.layer_kind(layer), seq_len=seq_len, mbs=mbs, tp=tp, dev=dev,
@@ -209,19 +222,13 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
 
 
 def _op_sac_recompute(model: "ModelSpec", layer: int, m_tok: float, t: int, dev: DeviceModel) -> tuple[float, float]:
-    """GEMM time and FLOPs that torchtitan's op-level SAC recomputes: the 2nd, 4th, ... mm of the block in forward
-    order (wq, wk, wv, wo, w1[, w3], w2; memory.op_sac_bytes_per_token). MoE layers: the top-k expert copies'
-    GEMMs on their routed tokens, counted like a dense FFN's (an approximation)."""
-    h = model.hidden_size
-    if model.is_moe_layer(layer):
-        width, copies = model.expert_ffn_hidden_size, model.top_k
-    else:
-        width, copies = model.ffn_hidden_size, 1
-    ffn = [(width / t, h)] * (model.ffn_matrices - 1) + [(h, width / t)]
-    mms = [(model.q_dim / t, h), (model.kv_dim / t, h), (model.kv_dim / t, h), (h, model.q_dim / t)] + ffn * copies
+    """GEMM time and FLOPs of the aten.mm calls torchtitan's op-level SAC recomputes: the 2nd, 4th, ... of the block
+    in forward order (op_sac.block_mms; column-parallel outputs and row-parallel inputs sharded by TP). The routed
+    experts' grouped GEMMs, all recomputed, are added by layer_compute."""
     time_s = flops = 0.0
-    for i, (n, k) in enumerate(mms):
-        if i % 2 == 1:  # 2nd, 4th, ... mm: recomputed
+    for mm in op_sac.block_mms(model, layer):
+        if not mm.saved:
+            n, k = (mm.out_width / t, mm.in_width) if mm.column else (mm.out_width, mm.in_width / t)
             time_s += dev.gemm_s(m_tok, n, k)
             flops += 2.0 * m_tok * n * k
     return time_s, flops

@@ -49,7 +49,9 @@ Selective recompute has two policies (SELECTIVE_POLICIES): Megatron's (Korthikan
 core only) and torchtitan's op-level selective activation checkpointing ("op-sac", torchtitan
 torchtitan/parallelisms/parallelize_llama.py, Dec. 2024: a torch.utils.checkpoint policy per transformer block that
 saves the outputs of aten.mm except every second mm of the block, and of the scaled-dot-product-attention kernels;
-everything else -- norms, rotary embedding, activation function -- is recomputed from the block's input).
+everything else -- norms, rotary embedding, activation function, the routed experts' grouped GEMMs -- is recomputed
+from the block's input); "op-sac-compiled" is the same under torch.compile, where an MoE block keeps its input only
+(op_sac.py).
 
 Measured: where the cluster's profile has the bytes autograd saved for a layer kind (``layer_activation_bytes`` in a
 GPU's measured figures, written by ``profile --model``: one micro-batch, no recompute, the TP shard on one device with
@@ -62,9 +64,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
+from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.measured_layers import measured_points, price
 from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime
+from tangram_launch.costmodel.op_sac import OP_SAC_POLICIES
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
@@ -82,7 +86,7 @@ RUNTIME_OVERHEAD_BYTES = 1.0 * GIB
 # PyTorch's caching allocator rounds and splits blocks; activations, allocated and freed every micro-batch, fragment
 # (ZeRO-R, Rajbhandari et al. 2020 sec. 6.3, reports OOMs with >30 % free in extreme cases; 5-10 % is common).
 FRAGMENTATION_FRACTION = 0.05
-SELECTIVE_POLICIES = ("megatron", "op-sac")  # what selective recompute saves (module docstring)
+SELECTIVE_POLICIES = ("megatron",) + OP_SAC_POLICIES  # what selective recompute saves (module docstring)
 # The loss's implementation (head_activation_bytes): what one logit costs at the loss's peak, the start of its backward,
 # as the caching allocator holds it (cross_entropy_bytes_per_logit = allocated + stranded).
 #   fused           Megatron's vocab-parallel loss (megatron/core/tensor_parallel/cross_entropy.py, the same in
@@ -220,27 +224,22 @@ def op_sac_bytes_per_token(model: "ModelSpec", layer: int, *, dtype_bytes: int =
                            sequence_parallel: bool = True) -> tuple[float, float]:
     """Bytes per token a layer keeps under torchtitan's op-level SAC, split as (divided by TP, not divided by TP).
 
-    The block's mms in forward order (torchtitan's Llama: wq, wk, wv, wo, then w1, w3, w2 -- GeLU: w1, w2): the
-    1st, 3rd, 5th, ... outputs are saved, the 2nd, 4th, ... recomputed. Column-parallel outputs (wq, wk, wv, w1, w3)
-    are sharded by TP; row-parallel ones (wo, w2) are saved before their reduction, h wide on every rank. The
-    attention kernel keeps its output and fp32 log-sum-exp; the checkpoint keeps the block input (sharded by SP).
-    MoE layers count the top-k expert copies like a dense FFN of the expert width (an approximation).
+    The block's aten.mm calls in forward order (op_sac.block_mms: torchtitan's Llama wq, wk, wv, wo, then w1, w3, w2
+    -- GeLU: w1, w2; an MoE block's router gate and shared experts after wo): the 1st, 3rd, 5th, ... outputs are
+    saved, the 2nd, 4th, ... recomputed. Column-parallel outputs (wq, wk, wv, w1, w3) are sharded by TP; row-parallel
+    ones (wo, w2, the replicated router gate) are saved whole on every rank. The routed experts' grouped GEMMs
+    (torch._grouped_mm, outside the save list) keep nothing. The attention kernel keeps its output and fp32
+    log-sum-exp; the checkpoint keeps the block input (sharded by SP).
     """
     p, h = dtype_bytes, model.hidden_size
-    if model.is_moe_layer(layer):
-        width, copies = model.expert_ffn_hidden_size, model.top_k
-    else:
-        width, copies = model.ffn_hidden_size, 1
-    ffn = [(width, True)] * (model.ffn_matrices - 1) + [(h, False)]
-    mms = [(model.q_dim, True), (model.kv_dim, True), (model.kv_dim, True), (h, False)] + ffn * copies
     sharded = p * model.q_dim + 4 * model.num_heads  # attention output + log-sum-exp
     whole = 0.0
-    for i, (width_i, column) in enumerate(mms):
-        if i % 2 == 0:  # 1st, 3rd, ... mm: saved
-            if column:
-                sharded += p * width_i
+    for mm in op_sac.block_mms(model, layer):
+        if mm.saved:
+            if mm.column:
+                sharded += p * mm.out_width
             else:
-                whole += p * width_i
+                whole += p * mm.out_width
     if sequence_parallel:
         sharded += p * h
     else:
@@ -260,7 +259,9 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
     DTensor; op-level SAC recomputes them from the block input). ``moe_runtime``: how the routed experts run
     (their TP degree: expert_gathered_input_bytes; whether the combine keeps their weighted outputs)."""
     tokens = mbs * seq_len / cp
-    if recompute == "selective" and selective_policy == "op-sac":
+    if recompute == "selective" and op_sac.keeps_input_only(model, layer, selective_policy):
+        recompute = "full"  # a compiled MoE block under op-SAC keeps its input only (op_sac.py)
+    if recompute == "selective" and selective_policy in op_sac.OP_SAC_POLICIES:
         sharded, whole = op_sac_bytes_per_token(model, layer, dtype_bytes=dtype_bytes,
                                                 sequence_parallel=sequence_parallel)
         return tokens * (sharded / tp + whole)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from tangram_launch.costmodel.memory import held_under_pipelining, model_state_bytes
+from tangram_launch.costmodel.op_sac import OP_SAC_POLICIES
 from tangram_launch.specs.constants import RECOMPUTE_MODES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -120,7 +121,7 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
                    else 0.0)
         if RECOMPUTE_MODES[r] == "full":  # _rec_part's working set: one layer's activations, rebuilt
             working += t.act_bytes[0]
-        elif RECOMPUTE_MODES[r] == "selective" and coster.selective_policy == "op-sac":
+        elif RECOMPUTE_MODES[r] == "selective" and coster.selective_policy in OP_SAC_POLICIES:
             working += t.act_bytes[0] - t.act_bytes[1]
         out.append((hit[0], t.act_bytes[r] * coster.fragmentation, working * coster.fragmentation, hit[1]))
     e = coster.edges(tp, cp, dp, mbs)
