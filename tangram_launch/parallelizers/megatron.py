@@ -55,13 +55,14 @@ from tangram_launch.costmodel.grid import (
     SaverColumns,
     StageTable,
     StageTables,
-    judge_columns,
-    least_floors,
+    judge_fill,
+    judge_heads,
+    least_terms,
     peak_memory,
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
-from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_each, beyond_floors, slack_cut
+from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
     LazySlicePlan,
@@ -316,7 +317,7 @@ class MegatronParallelizer:
         reads every grid's).
 
         The steps: _GridSearch.bound_grids (the grids whose floors cannot beat the planner's bounds, at once),
-        .too_big_grids (those that fit no combination by a memory floor), .judge (each remaining grid's
+        .too_big_grids (those that fit no combination by a memory floor), .judge_grids (each remaining grid's
         combinations, kept as FrontPoints), then the answer from the points (_answer)."""
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
@@ -335,8 +336,7 @@ class MegatronParallelizer:
             search.bound_grids()
         if memory_floor:
             search.too_big_grids()
-        for i in np.flatnonzero(search.keep).tolist():
-            search.judge(i)
+        search.judge_grids(np.flatnonzero(search.keep).tolist())
         return self._answer(search, key, memory_floor)
 
     def _answer(self, search: "_GridSearch", key: tuple, memory_floor: bool) -> SliceResult:
@@ -580,49 +580,64 @@ class _GridSearch:
         self.too_big = int(np.count_nonzero(over))
         self.keep &= ~over
 
-    def judge(self, i: int) -> None:
-        """Grid i of the list: skipped by its bounds or memory floors, else costed and its combinations judged."""
+    def judge_grids(self, indices: list[int]) -> None:
+        """Each grid of ``indices``, in listed order: skipped by its bounds or memory floors, else costed and its
+        combinations judged (_judge_costed). The query's hot loop: its constants are read once, not per grid."""
         index, coster, q, m = self.index, self.coster, self.q, self.m
-        grid = index.grids[i]
-        skey = index.saver_keys[i]
-        allowed = self.saver_cache.get(skey)
-        if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
-            allowed = self.saver_cache[skey] = tuple(self.savers(q, grid))
-        if not allowed:
-            return
-        grid_cut = math.inf
-        if self.bound:
-            grid_cut = self.pp_cut[index.pp_list[i]]
-            floor = self.floors.get(index.fkey_list[i]) or self._floor(index.fkey_list[i])
-            # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
-            # floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
-            # monotone): a grid this already bounds needs no split
-            if grid.pp > 1 and floor[4] is not None and beyond_floors(
-                    -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
+        grids, saver_keys, all_dims, pp_list, fkey_list = (index.grids, index.saver_keys, index.dims, index.pp_list,
+                                                           index.fkey_list)
+        saver_cache, floors, split_sizes, b = self.saver_cache, self.floors, coster.split_sizes, q.microbatch_sequences
+        bound, max_pp, lat_cut, misfits = self.bound, self.max_pp, self.lat_cut, self.stage_parts is not None
+        pp_cut = self.pp_cut if bound else None
+        floor = grid_cut = math.inf
+        for i in indices:
+            skey = saver_keys[i]
+            allowed = saver_cache.get(skey)
+            if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
+                allowed = saver_cache[skey] = tuple(self.savers(q, grids[i]))
+            if not allowed:
+                continue
+            tp, pp, dp, cp, ep = dims = all_dims[i]
+            if bound:
+                grid_cut = pp_cut[pp_list[i]]
+                floor = floors.get(fkey_list[i]) or self._floor(fkey_list[i])
+                # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest
+                # stage's floor (_heaviest_floor) is at least that many times the kind's (the same float products,
+                # rounding monotone): a grid this already bounds needs no split
+                if pp > 1 and floor[4] is not None and beyond_floors(-(-max_pp // pp) * floor[4], floor[3], 0.0, m,
+                                                                     lat_cut, grid_cut):
+                    self.bounded += 1
+                    continue
+            sizes = split_sizes(pp, tp, cp, ep, dp, b // dp)
+            # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
+            if bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m, lat_cut,
+                                                  grid_cut):
                 self.bounded += 1
-                return
-        tp, pp, dp, cp, ep = dims = index.dims[i]
-        sizes = coster.split_sizes(pp, tp, cp, ep, dp, q.microbatch_sequences // dp)
-        # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
-        if self.bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
-                                                   self.lat_cut, grid_cut):
-            self.bounded += 1
-            return
-        if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
-            self.too_big += 1
-            return
-        sigs, heads = self.table.signature_heads(coster, tp, pp, dp, cp, ep, sizes)
+                continue
+            if misfits and self._stage_misfit(i, skey, allowed, sizes, grids[i]):
+                self.too_big += 1
+                continue
+            self._judge_costed(grids[i], dims, skey, allowed, sizes, grid_cut)
+
+    def _judge_costed(self, grid: ParallelConfig, dims: tuple, skey: tuple, allowed: tuple, sizes: tuple[int, ...],
+                      grid_cut: float) -> None:
+        """A grid its floors did not skip: its stages costed, then skipped by their least floors, else its
+        combinations judged and kept (_keep_points)."""
+        table, coster, m = self.table, self.coster, self.m
+        sigs, heads = table.signature_heads(coster, *dims, sizes)
         saver_columns = self.saver_columns.get(skey)
         if saver_columns is None:
-            saver_columns = self.saver_columns[skey] = self.table.saver_columns(allowed, m, self.cap)
+            saver_columns = self.saver_columns[skey] = table.saver_columns(allowed, m, self.cap)
         # each stage's rows (by_sid[its sig]) and their columns
-        by_sid, columns = self.table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
+        by_sid, columns = table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
+        least_fill = None
         if self.bound and len(allowed) > 1:
-            if beyond(*least_floors(columns, sigs, m, heads), self.lat_cut, grid_cut):
+            least_bn, least_fill, least_tail = least_terms(columns, sigs, heads)
+            if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m, heads),
-                          grid_cut)
+        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), columns,
+                          judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
 
     def _floor(self, f: int) -> tuple:
         """The compute floors of GridIndex.fkeys[f]: (per-kind, embedding, head, the slice's total, its one kind's
@@ -641,20 +656,36 @@ class _GridSearch:
                 self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind), {})
         return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
 
-    def _keep_points(self, grid: ParallelConfig, allowed: tuple, stages: StagesCosted, judged, grid_cut: float) -> None:
-        """A judged grid's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class."""
+    def _keep_points(self, grid: ParallelConfig, allowed: tuple, stages: StagesCosted, columns: dict, judged,
+                     grid_cut: float, least_fill: float | None) -> None:
+        """A judged grid's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class.
+        ``judged``: grid.judge_heads' answer; ``least_fill``: the stages' least times added up (grid.least_terms),
+        where known: a grid all of whose fitting combinations are beyond the bounds with it in place of their own
+        fill (under it to the last bit) has its fills left unsummed."""
         self.evaluated += len(allowed)
         bucket = self.points.setdefault(cross_stage_class(self.q, grid), [])  # classes in the order judged
         if judged is None:  # no combination fits
             self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, None))
             return
-        bottleneck, fill, tail, depth = judged
+        bottleneck, tail, depth = judged
         if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
             self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, depth))
-            if fill is None:
+            if max(depth) < 0:
                 return
+        m = self.m
+        if least_fill is not None:
+            m1, lat_cut, beyond_n = m - 1, self.lat_cut, 0
+            for bn_s, tail_s, d in zip(bottleneck, tail, depth):
+                if d >= 0:
+                    if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
+                        break
+                    beyond_n += 1
+            else:
+                self.bounded += beyond_n
+                return
+        fill = judge_fill(columns, stages.sigs, depth)
         # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
-        beyond = beyond_each(bottleneck, fill, tail, self.m, self.lat_cut, grid_cut) if self.bound else None
+        beyond = beyond_each(bottleneck, fill, tail, m, self.lat_cut, grid_cut) if self.bound else None
         pp, n_gpus, new = grid.pp, grid.num_gpus, tuple.__new__  # (a FrontPoint made as its class's __new__ does)
         for s, saver in enumerate(allowed):
             d = depth[s]
