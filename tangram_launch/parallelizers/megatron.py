@@ -357,7 +357,8 @@ class MegatronParallelizer:
         coster.clear_grid_cache()  # lazy plans keep the coster; its per-grid sums are in the table already
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
                      q.island.name, search.evaluated, len(plans))
-        return SliceResult(key, plans, None, search.evaluated, bounded=search.bounded)
+        # its points fit (depth >= 0) and, under bounds, are not beyond them (_keep_points): screened
+        return SliceResult(key, plans, None, search.evaluated, bounded=search.bounded, screened=True)
 
     @staticmethod
     def _grid_index(table: StageTable, q: SliceQuery, coster: SliceCoster, grids) -> tuple[tuple, GridIndex]:
