@@ -161,6 +161,40 @@ def test_stage_sums_with_layer_sums_shared_across_slices_equal_a_fresh_costers(g
     assert [vars(s) for s in got] == [vars(s) for s in fresh.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)]
 
 
+@settings(max_examples=15, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), nodes=st.sampled_from([1, 2, 4]),
+       moe=st.booleans(), data=st.data())
+def test_layer_and_edge_terms_shared_across_micro_batch_sizes_equal_a_fresh_costers(gpu, per_node, nodes, moe,
+                                                                                      data):
+    """A context's costers share a layer's and the edges' terms between grids whose dp differs but whose TP, CP
+    and EP links are alike (the same sequences per GPU at another micro-batch size): every grid of every size,
+    asked of the shared cache after the others, gets the terms a coster of its own computes."""
+    from tangram_launch.costmodel.grid import StageTable
+
+    model = WIDE_MOE if moe else WIDE
+    isl = island(gpu, per_node, nodes)
+    caps = MEGATRON
+
+    def coster(b):
+        return SliceCoster(SliceQuery(model=model, training=WIDE_TRAIN, layers=(0, 8), island=isl,
+                                      microbatch_sequences=b, capabilities=caps))
+
+    if coster(1).device_error:
+        return
+    table = StageTable()
+    for b in data.draw(st.permutations([1, 2, 4, 8])):
+        shared = coster(b)
+        table.attach(shared)
+        for g in MegatronParallelizer().grids(shared.q, shared):
+            mbs = b // g.dp
+            for kind in shared.rep:
+                assert shared.layer_terms(kind, g.tp, g.cp, g.ep, g.dp, mbs) == coster(b).layer_terms(
+                    kind, g.tp, g.cp, g.ep, g.dp, mbs)
+            assert shared.edges(g.tp, g.cp, g.dp, mbs) == coster(b).edges(g.tp, g.cp, g.dp, mbs)
+    by_grid = [k for k in table.layer_cache if len(k) == 6]  # (kind, tp, cp, ep, dp, mbs): asked
+    assert len(table.layer_cache) - len(by_grid) < len(by_grid)  # computed fewer times than asked for
+
+
 # 3.4 B parameters in 8 layers, tied embeddings: most grids of a few 16-32 GB GPUs fit no combination
 WIDE = ModelSpec(name="w8", num_layers=8, hidden_size=6144, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384,
                  vocab_size=32000, max_seq_len=1024, tied_embeddings=True)
