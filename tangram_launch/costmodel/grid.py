@@ -78,6 +78,7 @@ class StageTable:
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
         self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, cap on stages) -> the grids listed
+        self.grid_classes: dict[tuple, list] = {}  # the same key -> each listed grid's cross-stage class (megatron)
         # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
         self.patterns: dict[tuple, tuple] = {}
         self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid

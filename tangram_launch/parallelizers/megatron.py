@@ -527,6 +527,10 @@ class _GridSearch:
             if pp <= self.max_pp:
                 self.shape_reasons.update(problems)
         self.keep = self.index.pp <= self.max_pp  # the problem-free grids this slice can hold, in listed order
+        # each listed grid's cross_stage_class (the context's capabilities and the grid's: one list per grid list)
+        self.classes = table.grid_classes.get(self.gkey)
+        if self.classes is None:
+            self.classes = table.grid_classes[self.gkey] = [cross_stage_class(q, g) for g in self.index.grids]
         self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> slice_floors.stage_need_parts, one kind
         self.room = math.inf
 
@@ -618,11 +622,11 @@ class _GridSearch:
             if misfits and self._stage_misfit(i, skey, allowed, sizes, grids[i]):
                 self.too_big += 1
                 continue
-            self._judge_costed(grids[i], dims, skey, allowed, sizes, grid_cut)
+            self._judge_costed(i, dims, skey, allowed, sizes, grid_cut)
 
-    def _judge_costed(self, grid: ParallelConfig, dims: tuple, skey: tuple, allowed: tuple, sizes: tuple[int, ...],
+    def _judge_costed(self, i: int, dims: tuple, skey: tuple, allowed: tuple, sizes: tuple[int, ...],
                       grid_cut: float) -> None:
-        """A grid its floors did not skip: its stages costed, then skipped by their least floors, else its
+        """Grid i, which its floors did not skip: its stages costed, then skipped by their least floors, else its
         combinations judged and kept (_keep_points)."""
         table, coster, m = self.table, self.coster, self.m
         sigs, heads = table.signature_heads(coster, *dims, sizes)
@@ -637,7 +641,7 @@ class _GridSearch:
             if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), columns,
+        self._keep_points(i, allowed, StagesCosted(sizes, sigs, by_sid), columns,
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
 
     def _floor(self, f: int) -> tuple:
@@ -657,14 +661,15 @@ class _GridSearch:
                 self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind), {})
         return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
 
-    def _keep_points(self, grid: ParallelConfig, allowed: tuple, stages: StagesCosted, columns: dict, judged,
-                     grid_cut: float, least_fill: float | None) -> None:
-        """A judged grid's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class.
+    def _keep_points(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
+                     least_fill: float | None) -> None:
+        """Judged grid i's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class.
         ``judged``: grid.judge_heads' answer; ``least_fill``: the stages' least times added up (grid.least_terms),
         where known: a grid all of whose fitting combinations are beyond the bounds with it in place of their own
         fill (under it to the last bit) has its fills left unsummed."""
         self.evaluated += len(allowed)
-        bucket = self.points.setdefault(cross_stage_class(self.q, grid), [])  # classes in the order judged
+        grid = self.index.grids[i]
+        bucket = self.points.setdefault(self.classes[i], [])  # classes in the order judged
         if judged is None:  # no combination fits
             self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, None))
             return
