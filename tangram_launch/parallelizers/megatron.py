@@ -215,22 +215,26 @@ class MegatronParallelizer:
         """Every (tp, pp, dp, cp, ep) grid the island, the slice and the runtime allow (memory savers unset).
 
         The grids depend on a few numbers only (not on the slice's place or the island's GPU type), and a planning
-        run asks for the same ones hundreds of times: they are enumerated once per key and handed out again."""
+        run asks for the same ones hundreds of times: they are enumerated once per key, for every micro-batch size
+        at once, and each size's (those whose dp divides b, in the same order) handed out again."""
         isl, model, caps = q.island, q.model, q.capabilities
         max_pp = q.num_layers
         for limit in (q.max_stages, caps.max_stages):
             if limit is not None:
                 max_pp = min(max_pp, limit)
-        key = (isl.num_gpus, isl.gpus_per_node, q.microbatch_sequences, max_pp, caps.tensor_parallel,
-               caps.context_parallel, caps.expert_parallel, coster.seq_len, model.num_heads, model.num_kv_heads,
-               model.is_moe, model.num_experts, self.gpu_subsets)
-        return iter(_memo(self, "_grid_lists", key, lambda: tuple(self._enumerate_grids(q, coster, max_pp)),
+        key = (isl.num_gpus, isl.gpus_per_node, max_pp, caps.tensor_parallel, caps.context_parallel,
+               caps.expert_parallel, coster.seq_len, model.num_heads, model.num_kv_heads, model.is_moe,
+               model.num_experts, self.gpu_subsets)
+        every = _memo(self, "_grid_lists", key, lambda: tuple(self._enumerate_grids(q, coster, max_pp)),
+                      limit=_MAX_GRID_LISTS)
+        b = q.microbatch_sequences
+        return iter(_memo(self, "_grid_lists", (key, b), lambda: tuple(g for g in every if b % g.dp == 0),
                           limit=_MAX_GRID_LISTS))
 
     def _enumerate_grids(self, q: SliceQuery, coster: SliceCoster, max_pp: int) -> Iterator[ParallelConfig]:
+        """grids() at every micro-batch size (any dp)."""
         isl, model, caps = q.island, q.model, q.capabilities
         g = isl.gpus_per_node
-        b = q.microbatch_sequences
         counts = candidate_gpu_counts(isl.num_gpus, g) if self.gpu_subsets else [isl.num_gpus]
         for n in counts:
             for pp in divisors(n):
@@ -249,8 +253,6 @@ class MegatronParallelizer:
                                        or coster.seq_len % (2 * cp)):
                             continue
                         dp = sg // (tp * cp)
-                        if b % dp:
-                            continue
                         eps = [1]
                         if model.is_moe and caps.expert_parallel:
                             eps = [e for e in divisors(dp * cp) if model.num_experts % e == 0]
