@@ -195,6 +195,35 @@ def test_layer_and_edge_terms_shared_across_micro_batch_sizes_equal_a_fresh_cost
     assert len(table.layer_cache) - len(by_grid) < len(by_grid)  # computed fewer times than asked for
 
 
+@settings(max_examples=15, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), nodes=st.sampled_from([1, 2]),
+       moe=st.booleans(), caps=st.sampled_from([TORCH, MEGATRON, DEEPSPEED]), data=st.data())
+def test_memory_floors_with_model_states_shared_across_micro_batch_sizes_equal_a_fresh_calls(gpu, per_node, nodes,
+                                                                                           moe, caps, data):
+    """slice_floors' memory floors keep their model-state parts (which no micro-batch size changes) in the dict a
+    context passes as ``states``: at every size, slice and grid, after the others have filled it, they answer what
+    a call without it does."""
+    model = WIDE_MOE if moe else WIDE
+    isl = island(gpu, per_node, nodes)
+    states: dict = {}
+    for b, layers in data.draw(st.permutations([(b, x) for b in (1, 2, 4, 8) for x in ((0, 8), (2, 6))])):
+        q = SliceQuery(model=model, training=WIDE_TRAIN, layers=layers, island=isl, microbatch_sequences=b,
+                       capabilities=caps)
+        coster = SliceCoster(q)
+        if coster.device_error:
+            return
+        par = MegatronParallelizer()
+        for g in par.grids(q, coster):
+            allowed = par.savers(q, g)
+            if not allowed:
+                continue
+            key = (g.tp, g.cp, g.ep, g.dp, allowed)
+            assert memory_floor_bytes(coster, *key, states=states) == memory_floor_bytes(coster, *key)
+            for kind in coster.rep:
+                assert stage_need_parts(coster, *key, kind, states=states) == stage_need_parts(coster, *key, kind)
+    assert states
+
+
 # 3.4 B parameters in 8 layers, tied embeddings: most grids of a few 16-32 GB GPUs fit no combination
 WIDE = ModelSpec(name="w8", num_layers=8, hidden_size=6144, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384,
                  vocab_size=32000, max_seq_len=1024, tied_embeddings=True)

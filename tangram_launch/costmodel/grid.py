@@ -87,6 +87,7 @@ class StageTable:
         self.floor_arrays: dict[tuple, tuple] = {}  # (grid list key, slice's kinds and edges) -> megatron._floor_arrays
         # (grid list key, (saver enumerator, pipelined), slice's layer kinds) -> megatron._memory_arrays
         self.memory_floors: dict[tuple, tuple] = {}
+        self.state_floors: dict[tuple, tuple] = {}  # slice_floors' model-state parts (``states``), any b
         self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
         self.device = None  # the context's DeviceModel (SliceCoster's device), once a query has built it
 

@@ -660,7 +660,8 @@ class _GridSearch:
         parts = self.stage_parts.get((f, skey))
         if parts is None:
             parts = self.stage_parts[f, skey] = (*stage_need_parts(
-                self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind), {})
+                self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind, states=self.table.state_floors),
+                {})
         return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
 
     def _keep_points(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
@@ -793,8 +794,10 @@ def _pair_floors(table: StageTable, coster: SliceCoster, fkey: tuple, allowed: t
     key = ("pair", coster.q.microbatch_sequences, fkey, allowed, tuple(coster.prefix), _whole(coster))
     hit = table.memory_floors.get(key)
     if hit is None:
-        hit = table.memory_floors[key] = (memory_floor_bytes(coster, *fkey, allowed),
-                                          stage_need_terms(coster, *fkey, allowed, one) if one is not None else None)
+        states = table.state_floors
+        hit = table.memory_floors[key] = (memory_floor_bytes(coster, *fkey, allowed, states=states),
+                                          stage_need_terms(coster, *fkey, allowed, one, states=states)
+                                          if one is not None else None)
     return hit
 
 
