@@ -337,6 +337,49 @@ def test_answers_with_the_memory_floor_are_the_answers_without(gpu, per_node, no
     assert fast.configs_evaluated <= plain.configs_evaluated
 
 
+@settings(max_examples=30, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 2),
+       start=st.integers(0, 7), length=st.integers(1, 8), b=st.sampled_from([1, 2, 4]),
+       caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), moe=st.booleans(), cuts=st.tuples(
+           st.floats(0.0, 1.0), st.floats(0.0, 1.0)))
+def test_fills_left_unsummed_by_the_least_fill_change_no_answer(gpu, per_node, nodes, start, length, b, caps, moe,
+                                                                  cuts):
+    """A judged grid whose fitting combinations are all beyond the bounds with its stages' least fill in place of
+    their own has its fills left unsummed (_GridSearch._keep_points): the same plans and the same counters as
+    summing every fill, at bounds (the closed form's and the score's, each at some plan's) that cut anything from
+    none to all of a query's plans."""
+    from dataclasses import replace
+
+    import pytest
+
+    from tangram_launch.costmodel.slice_plan import latency_floor_s, score_floor_s
+    from tangram_launch.parallelizers import megatron
+
+    model = WIDE_MOE if moe else WIDE
+    if model.is_moe and not caps.expert_parallel:
+        return
+    q = SliceQuery(model=model, training=WIDE_TRAIN, layers=(start, min(8, start + length)),
+                   island=island(gpu, per_node, nodes), microbatch_sequences=b, capabilities=caps)
+    full = MegatronParallelizer().query(q)
+    if not full.plans:
+        return
+    m = q.num_microbatches
+    lats = sorted(latency_floor_s(p.numbers(), m) for p in full.plans)
+    scores = sorted(score_floor_s(p.numbers(), m) for p in full.plans)
+    bq = replace(q, latency_bound_s=lats[min(len(lats) - 1, int(cuts[0] * len(lats)))],
+                 score_bound_s=scores[min(len(scores) - 1, int(cuts[1] * len(scores)))])
+    fast = MegatronParallelizer().query(bq)
+    keep = megatron._GridSearch._keep_points
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(megatron._GridSearch, "_keep_points", lambda self, *a: keep(self, *a[:-1], None))  # all summed
+        plain = MegatronParallelizer().query(bq)
+
+    def seen(r):
+        return [p.numbers() for p in r.plans], r.infeasible, r.configs_evaluated, r.bounded
+
+    assert seen(fast) == seen(plain)
+
+
 def test_the_memory_floor_skips_grids_and_a_query_that_fits_nowhere_still_names_its_least_need():
     """Under Megatron (no offload) most grids of a 3.4 B model on four 16 GB GPUs are skipped before costing, the
     answer unchanged; on two such GPUs nothing fits, and the reason is the one every grid judged gives."""
