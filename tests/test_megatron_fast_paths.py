@@ -161,6 +161,69 @@ def test_stage_sums_with_layer_sums_shared_across_slices_equal_a_fresh_costers(g
     assert [vars(s) for s in got] == [vars(s) for s in fresh.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)]
 
 
+@settings(max_examples=15, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), nodes=st.sampled_from([1, 2, 4]),
+       moe=st.booleans(), data=st.data())
+def test_layer_and_edge_terms_shared_across_micro_batch_sizes_equal_a_fresh_costers(gpu, per_node, nodes, moe,
+                                                                                      data):
+    """A context's costers share a layer's and the edges' terms between grids whose dp differs but whose TP, CP
+    and EP links are alike (the same sequences per GPU at another micro-batch size): every grid of every size,
+    asked of the shared cache after the others, gets the terms a coster of its own computes."""
+    from tangram_launch.costmodel.grid import StageTable
+
+    model = WIDE_MOE if moe else WIDE
+    isl = island(gpu, per_node, nodes)
+    caps = MEGATRON
+
+    def coster(b):
+        return SliceCoster(SliceQuery(model=model, training=WIDE_TRAIN, layers=(0, 8), island=isl,
+                                      microbatch_sequences=b, capabilities=caps))
+
+    if coster(1).device_error:
+        return
+    table = StageTable()
+    for b in data.draw(st.permutations([1, 2, 4, 8])):
+        shared = coster(b)
+        table.attach(shared)
+        for g in MegatronParallelizer().grids(shared.q, shared):
+            mbs = b // g.dp
+            for kind in shared.rep:
+                assert shared.layer_terms(kind, g.tp, g.cp, g.ep, g.dp, mbs) == coster(b).layer_terms(
+                    kind, g.tp, g.cp, g.ep, g.dp, mbs)
+            assert shared.edges(g.tp, g.cp, g.dp, mbs) == coster(b).edges(g.tp, g.cp, g.dp, mbs)
+    by_grid = [k for k in table.layer_cache if len(k) == 6]  # (kind, tp, cp, ep, dp, mbs): asked
+    assert len(table.layer_cache) - len(by_grid) < len(by_grid)  # computed fewer times than asked for
+
+
+@settings(max_examples=15, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), nodes=st.sampled_from([1, 2]),
+       moe=st.booleans(), caps=st.sampled_from([TORCH, MEGATRON, DEEPSPEED]), data=st.data())
+def test_memory_floors_with_model_states_shared_across_micro_batch_sizes_equal_a_fresh_calls(gpu, per_node, nodes,
+                                                                                           moe, caps, data):
+    """slice_floors' memory floors keep their model-state parts (which no micro-batch size changes) in the dict a
+    context passes as ``states``: at every size, slice and grid, after the others have filled it, they answer what
+    a call without it does."""
+    model = WIDE_MOE if moe else WIDE
+    isl = island(gpu, per_node, nodes)
+    states: dict = {}
+    for b, layers in data.draw(st.permutations([(b, x) for b in (1, 2, 4, 8) for x in ((0, 8), (2, 6))])):
+        q = SliceQuery(model=model, training=WIDE_TRAIN, layers=layers, island=isl, microbatch_sequences=b,
+                       capabilities=caps)
+        coster = SliceCoster(q)
+        if coster.device_error:
+            return
+        par = MegatronParallelizer()
+        for g in par.grids(q, coster):
+            allowed = par.savers(q, g)
+            if not allowed:
+                continue
+            key = (g.tp, g.cp, g.ep, g.dp, allowed)
+            assert memory_floor_bytes(coster, *key, states=states) == memory_floor_bytes(coster, *key)
+            for kind in coster.rep:
+                assert stage_need_parts(coster, *key, kind, states=states) == stage_need_parts(coster, *key, kind)
+    assert states
+
+
 # 3.4 B parameters in 8 layers, tied embeddings: most grids of a few 16-32 GB GPUs fit no combination
 WIDE = ModelSpec(name="w8", num_layers=8, hidden_size=6144, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384,
                  vocab_size=32000, max_seq_len=1024, tied_embeddings=True)
@@ -272,6 +335,49 @@ def test_answers_with_the_memory_floor_are_the_answers_without(gpu, per_node, no
 
     assert seen(fast) == seen(plain)
     assert fast.configs_evaluated <= plain.configs_evaluated
+
+
+@settings(max_examples=30, deadline=None)
+@given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 2),
+       start=st.integers(0, 7), length=st.integers(1, 8), b=st.sampled_from([1, 2, 4]),
+       caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), moe=st.booleans(), cuts=st.tuples(
+           st.floats(0.0, 1.0), st.floats(0.0, 1.0)))
+def test_fills_left_unsummed_by_the_least_fill_change_no_answer(gpu, per_node, nodes, start, length, b, caps, moe,
+                                                                  cuts):
+    """A judged grid whose fitting combinations are all beyond the bounds with its stages' least fill in place of
+    their own has its fills left unsummed (_GridSearch._keep_points): the same plans and the same counters as
+    summing every fill, at bounds (the closed form's and the score's, each at some plan's) that cut anything from
+    none to all of a query's plans."""
+    from dataclasses import replace
+
+    import pytest
+
+    from tangram_launch.costmodel.slice_plan import latency_floor_s, score_floor_s
+    from tangram_launch.parallelizers import megatron
+
+    model = WIDE_MOE if moe else WIDE
+    if model.is_moe and not caps.expert_parallel:
+        return
+    q = SliceQuery(model=model, training=WIDE_TRAIN, layers=(start, min(8, start + length)),
+                   island=island(gpu, per_node, nodes), microbatch_sequences=b, capabilities=caps)
+    full = MegatronParallelizer().query(q)
+    if not full.plans:
+        return
+    m = q.num_microbatches
+    lats = sorted(latency_floor_s(p.numbers(), m) for p in full.plans)
+    scores = sorted(score_floor_s(p.numbers(), m) for p in full.plans)
+    bq = replace(q, latency_bound_s=lats[min(len(lats) - 1, int(cuts[0] * len(lats)))],
+                 score_bound_s=scores[min(len(scores) - 1, int(cuts[1] * len(scores)))])
+    fast = MegatronParallelizer().query(bq)
+    keep = megatron._GridSearch._keep_points
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(megatron._GridSearch, "_keep_points", lambda self, *a: keep(self, *a[:-1], None))  # all summed
+        plain = MegatronParallelizer().query(bq)
+
+    def seen(r):
+        return [p.numbers() for p in r.plans], r.infeasible, r.configs_evaluated, r.bounded
+
+    assert seen(fast) == seen(plain)
 
 
 def test_the_memory_floor_skips_grids_and_a_query_that_fits_nowhere_still_names_its_least_need():

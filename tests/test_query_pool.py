@@ -81,6 +81,36 @@ def eager(monkeypatch):
 
 # --- in this process (unit) ----------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("caps", [TORCH, MEGATRON])
+def test_a_screened_answer_is_what_answers_own_screen_keeps(caps):
+    """The megatron parallelizer's answers come marked screened, and answer() passes them as they are: its own
+    screen (fits as the last stage; under bounds, beyond neither bound at the plan's stage count) keeps every
+    plan of them, unbounded and at bounds that cut some plans and not others."""
+    from dataclasses import replace
+
+    from tangram_launch.costmodel.slice_plan import capacity_bytes, latency_floor_s, numbers_fit, score_floor_s
+
+    par = MegatronParallelizer()
+    checked = cut = 0
+    for q in queries(2, caps):
+        full = par.query(q)
+        assert full.screened
+        m = q.num_microbatches
+        floors = sorted((latency_floor_s(p.numbers(), m), score_floor_s(p.numbers(), m)) for p in full.plans)
+        bounds = [replace(q, latency_bound_s=lat, score_bound_s=score) for lat, score in floors[len(floors) // 2:][:2]]
+        for bq in [q, *bounds]:
+            r, got = par.query(bq), answer(par, bq)
+            assert r.screened and (got.bounded, [p.numbers() for p in got.plans]) == (
+                r.bounded, [p.numbers() for p in r.plans])
+            for p in r.plans:
+                assert numbers_fit(p.numbers(), 0, m, capacity_bytes(bq.island, bq.training))
+                assert not (bq.bounded and bq.beyond_bound(latency_floor_s(p.numbers(), m),
+                                                           score_floor_s(p.numbers(), m), len(p.numbers().tail_s)))
+                checked += 1
+            cut += r.bounded > 0
+    assert checked > 50 and cut > 0
+
+
 def test_workers_start_only_for_what_looks_worth_them():
     assert (query_pool_mod._POOL_AFTER_S, query_pool_mod._POOL_WORTH_S) == (0.1, 0.5)  # the figures below
     assert not worth_workers(0.05, 10, 100_000)  # too early to judge: one slow query is no trend

@@ -368,24 +368,42 @@ class SliceCoster:
         hit = self._layer_cache.get(key)
         if hit is not None:
             return hit
+        # dp enters only through the stage's TP / CP / EP links: grids alike in those (at other micro-batch sizes,
+        # dp x mbs) share the terms
+        stage_gpus = tp * cp * dp
+        etp = self.etp(tp)
+        tp_link = self._link(1, tp, stage_gpus)
+        cp_link = self._link(tp, cp, stage_gpus) if cp > 1 else None
+        moe_ep = kind == "moe" and ep > 1
+        ep_link = self._link(etp, ep, stage_gpus) if moe_ep else None
+        etp_link = self._link(1, etp, stage_gpus) if moe_ep and etp > 1 else None
+        by_links = (kind, tp, cp, ep, mbs, tp_link, cp_link, ep_link, etp_link)
+        hit = self._layer_cache.get(by_links)
+        if hit is None:
+            hit = self._layer_cache[by_links] = self._layer_terms(kind, tp, cp, ep, mbs, (tp_link, cp_link),
+                                                                  stage_gpus)
+        self._layer_cache[key] = hit
+        return hit
+
+    def _layer_terms(self, kind: str, tp: int, cp: int, ep: int, mbs: int, links: tuple, stage_gpus: int) -> LayerTerms:
+        """layer_terms' terms, over the stage's TP and CP (cp > 1) links; ``stage_gpus`` enters only through the
+        expert links _expert_comm_s takes (layer_terms keys the terms by those links, not by it)."""
+        tp_link, cp_link = links
         dev, model, s = self.dev, self.model, self.seq_len
         i = self.rep[kind]
         p = dev.dtype_bytes
-        stage_gpus = tp * cp * dp
         etp = self.etp(tp)
         lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev, moe_runtime=self.moe_runtime)
         tokens = mbs * s / cp
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
         # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward.
-        tp_link = self._link(1, tp, stage_gpus)
         tp_fwd = _sp_pairs(model, kind, ep) * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
                                                + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
         # Ring attention: cp - 1 steps, each passing this GPU's K and V chunk (2 x M x kv_dim/t); the backward
         # passes K, V and their gradients (2x). Overlapped with the attention core; only the excess is exposed.
         cp_fwd = cp_bwd = 0.0
         if cp > 1:
-            cp_link = self._link(tp, cp, stage_gpus)
             kv = 2 * tokens * model.kv_dim / tp * p
             step = comm.collective_s(comm.SEND_RECV, kv, 2, cp_link)
             cp_fwd = max(0.0, (cp - 1) * step - lc.attention_core_s)
@@ -416,7 +434,6 @@ class SliceCoster:
             act_bytes=acts, dense_params=dense / tp, expert_params=experts / (etp * ep),
             param_tensors=layer_param_tensors(model, i, ep=ep),
         )
-        self._layer_cache[key] = terms
         return terms
 
     def _expert_comm_s(self, tokens: float, tp: int, ep: int, etp: int, stage_gpus: int) -> tuple[float, float]:
@@ -449,10 +466,18 @@ class SliceCoster:
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
+        tp_link = self._link(1, tp, tp * cp * dp)  # dp enters only through it (as in layer_terms)
+        by_link = ("edges", tp, cp, mbs, tp_link)
+        hit = self._edge_cache.get(by_link)
+        if hit is None:
+            hit = self._edge_cache[by_link] = self._edges(tp, cp, mbs, tp_link)
+        self._edge_cache[key] = hit
+        return hit
+
+    def _edges(self, tp: int, cp: int, mbs: int, tp_link: comm.GroupLink) -> dict:
+        """edges' terms over the stage's TP link."""
         dev, model, s = self.dev, self.model, self.seq_len
         p = dev.dtype_bytes
-        stage_gpus = tp * cp * dp
-        tp_link = self._link(1, tp, stage_gpus)
         act_full = mbs * s / cp * model.hidden_size * p
         emb = embedding_compute(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dev=dev)
         head = head_compute(model, seq_len=s, mbs=mbs, tp=tp, cp=cp, dev=dev)
@@ -470,7 +495,6 @@ class SliceCoster:
                                               cross_entropy=self.cross_entropy,
                                               whole_column_inputs=self.whole_column_inputs),
         }
-        self._edge_cache[key] = out
         return out
 
     def clear_grid_cache(self) -> None:

@@ -78,6 +78,7 @@ class StageTable:
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
         self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, cap on stages) -> the grids listed
+        self.grid_classes: dict[tuple, list] = {}  # the same key -> each listed grid's cross-stage class (megatron)
         # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
         self.patterns: dict[tuple, tuple] = {}
         self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid
@@ -86,6 +87,7 @@ class StageTable:
         self.floor_arrays: dict[tuple, tuple] = {}  # (grid list key, slice's kinds and edges) -> megatron._floor_arrays
         # (grid list key, (saver enumerator, pipelined), slice's layer kinds) -> megatron._memory_arrays
         self.memory_floors: dict[tuple, tuple] = {}
+        self.state_floors: dict[tuple, tuple] = {}  # slice_floors' model-state parts (``states``), any b
         self.layer_kinds: tuple[str, ...] | None = None  # the context model's, by layer (model_kinds)
         self.device = None  # the context's DeviceModel (SliceCoster's device), once a query has built it
 
@@ -374,11 +376,22 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
     either is >= 0 (where a combination fits nowhere both are negative). fill is None when no combination fits, and
     INFEASIBLE_FILL for a combination that does not (nobody reads those). None instead of the four lists when one
     stage fits no combination at its place (nothing to judge). fit_depth's peak memory is left to peak_memory, for
-    the rare query where nothing fits at all. ``stage_heads``: heads(sids), where the caller has them."""
-    m = num_microbatches
-    n = len(sids)
+    the rare query where nothing fits at all. ``stage_heads``: heads(sids), where the caller has them. The two
+    halves: judge_heads (bottleneck, tail, depth), then judge_fill."""
+    judged = judge_heads(columns, len(sids), num_microbatches, heads(sids) if stage_heads is None else stage_heads)
+    if judged is None:
+        return None
+    bn, tail, depth = judged
+    return bn, judge_fill(columns, sids, depth), tail, depth
+
+
+def judge_heads(columns: Mapping[int, tuple], num_stages: int, num_microbatches: int,
+                stage_heads: Sequence[tuple[int, int]]) -> tuple[list[float], list[float], list[int]] | None:
+    """judge_columns' (bottleneck_s, tail_s, depth) lists of a grid of ``num_stages`` stages, from its distinct
+    stages alone (``stage_heads``: heads of its signatures), or None where one fits no combination at its place."""
+    m, n = num_microbatches, num_stages
     judged = []
-    for sid, first in heads(sids) if stage_heads is None else stage_heads:  # each distinct stage at its first place
+    for sid, first in stage_heads:  # each distinct stage at its first place
         after = n - first
         inflight = after if after < m else m
         col = columns[sid]
@@ -393,9 +406,16 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
         bn = [y if y > x else x for x, y in zip(bn, col[0])]
         tail = [y if y > x else x for x, y in zip(tail, col[1])]
         depth = [y if y < x else x for x, y in zip(depth, col[7].get(after) or _head_depths(col, after, inflight))]
+    return bn, tail, depth
+
+
+def judge_fill(columns: Mapping[int, tuple], sids: Sequence[int], depth: Sequence[int]) -> list[float] | None:
+    """judge_columns' fill_s of each saver combination: its stages' times added front to back (None where no
+    combination fits: depth < 0 for all)."""
     fits = [s for s, d in enumerate(depth) if d >= 0]
     if not fits:
-        return bn, None, tail, depth
+        return None
+    n = len(sids)
     stage_times = [columns[sid][0] for sid in sids]
     if len(fits) * 4 < len(depth):  # few fit: add up only theirs, stage by stage, front to back
         fill = [INFEASIBLE_FILL] * len(depth)
@@ -404,7 +424,7 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
             for t in stage_times[1:]:
                 f += t[s]
             fill[s] = f
-        return bn, fill, tail, depth
+        return fill
     # per combination, its stages' times added front to back, one add at a time (as Python's sum of 3.11): a pass
     # per combination, or where stages are fewer than combinations a pass per stage (the same adds, fewer calls)
     if n < len(depth):
@@ -413,7 +433,7 @@ def judge_columns(columns: Mapping[int, tuple], sids: Sequence[int], num_microba
             fill = list(map(add, fill, times))
     else:
         fill = [reduce(add, times) for times in zip(*stage_times)]
-    return bn, fill, tail, depth
+    return fill
 
 
 def _head_depths(col: tuple, after: int, inflight: int) -> list[int]:
@@ -437,12 +457,20 @@ def least_floors(columns: Mapping[int, tuple], sids: Sequence[int], num_microbat
     combinations, in the same order (float rounding is monotone, so these are below to the last bit).
     ``stage_heads``: heads(sids), where the caller has them."""
     m = num_microbatches
+    bn, fill, tail = least_terms(columns, sids, stage_heads)
+    return (m - 1) * bn + fill + tail, m * bn + tail
+
+
+def least_terms(columns: Mapping[int, tuple], sids: Sequence[int],
+                stage_heads: Sequence[tuple[int, int]] | None = None) -> tuple[float, float, float]:
+    """least_floors' terms: the largest least time and least tail over the distinct stages, and the least times
+    added front to back (under every combination's fill to the last bit)."""
     distinct = [columns[sid] for sid in dict.fromkeys(sids)] if stage_heads is None else [
         columns[sid] for sid, _ in stage_heads]
     bn = max(map(_LEAST_TIME, distinct))
     tail = max(map(_LEAST_TAIL, distinct))
     fill = reduce(add, map(_LEAST_TIME, map(columns.__getitem__, sids)))  # front to back, one add at a time
-    return (m - 1) * bn + fill + tail, m * bn + tail
+    return bn, fill, tail
 
 
 def peak_memory(rows: Sequence[Sequence[tuple]], s: int, num_microbatches: int) -> float:

@@ -41,7 +41,8 @@ def time_floors(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, *, wi
 
 
 def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int,
-                       savers: Sequence[tuple[int, int, bool]]) -> tuple[dict[str, float], float, float]:
+                       savers: Sequence[tuple[int, int, bool]], *,
+                       states: dict | None = None) -> tuple[dict[str, float], float, float]:
     """Floors under a pipeline's memory for one micro-batch in flight under ``savers``, per layer of each kind
     and for the embedding and the head: a pipeline of this grid whose stages hold these needs, summed, at
     least what they add up to (static + activation bytes; runtime overhead left out). Over its stages that sum
@@ -50,16 +51,21 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
     Model-state bytes are linear in a stage's parameters under each saver, and activations in its layers under
     each recompute mode: the least coefficient of each (dense and expert states apart) times the layer's count
     is under every split's sum of per-stage least needs (working sets, edge activations and a tied head's
-    copy only add)."""
+    copy only add). ``states``: a dict kept across calls of one context (its SliceCoster.state_bytes), where the
+    model-state parts, which do not depend on the micro-batch size, are remembered."""
     mbs = coster.q.microbatch_sequences // dp
     pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     shard, eshard = dp * cp, tp * dp * cp // (coster.etp(tp) * ep)  # expert grid (etp, ep, edp): SliceCoster
-
-    states = {(z, off) for z, _r, off in savers}
+    pairs = tuple(sorted({(z, off) for z, _r, off in savers}))
+    cache = {} if states is None else states
 
     def per_param(n: int) -> float:  # the least model-state bytes per parameter over the savers
-        return min(model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
-                                     optimizer_bytes=ob).total for z, off in states)
+        hit = cache.get(("per parameter", n, pairs))
+        if hit is None:
+            hit = cache["per parameter", n, pairs] = min(
+                model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
+                                  optimizer_bytes=ob).total for z, off in pairs)
+        return hit
 
     dense_b, expert_b = per_param(shard), per_param(eshard)
     recomputes = {r for _zero, r, _off in savers}
@@ -72,13 +78,14 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
 
 
 def stage_need_terms(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
-                     kind: str) -> list[tuple[float, float]]:
+                     kind: str, *, states: dict | None = None) -> list[tuple[float, float]]:
     """Per saver combination (a, b): a stage of n >= 1 layers of ``kind`` on this grid needs at least a x n + b
     bytes for one micro-batch in flight (model states and activations by the layer; the working sets of
     ZeRO-3 and full recompute; the embedding, head and runtime overhead left out, which only add). The stage
-    with the most layers of a one-kind slice holds at least ceil(layers / pp) of them."""
-    return [(state + act, working)
-            for state, act, working, _per_param in stage_need_parts(coster, tp, cp, ep, dp, savers, kind)[0]]
+    with the most layers of a one-kind slice holds at least ceil(layers / pp) of them. ``states``: as
+    stage_need_parts'."""
+    return [(state + act, working) for state, act, working, _per_param in stage_need_parts(
+        coster, tp, cp, ep, dp, savers, kind, states=states)[0]]
 
 
 def _layer_states(t, shard: int, eshard: int, zero: int, offload: bool, pb: float, gb: float,
@@ -95,28 +102,33 @@ def _layer_states(t, shard: int, eshard: int, zero: int, offload: bool, pb: floa
 
 
 def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, savers: Sequence[tuple[int, int, bool]],
-                     kind: str) -> tuple[list[tuple[float, float, float, float]], float, float]:
+                     kind: str, *, states: dict | None = None) -> tuple[list[tuple[float, float, float, float]], float,
+                                                                      float]:
     """Per saver combination, what stage_need_terms adds up: a layer's model-state bytes, its activation bytes
     per micro-batch in flight, the working sets (ZeRO-3's gathered layer; full recompute's one layer rebuilt,
     where the stage holds a layer), and the model-state bytes per dense parameter (for the embedding's or the
     head's on a stage); then the embedding's and the head's activation bytes per micro-batch in flight. A stage
     of n >= 1 layers with k micro-batches in flight and e dense edge parameters needs at least
-    n x (state + k x act) + e x per_param + working (+ k x the edges' activations it holds)."""
+    n x (state + k x act) + e x per_param + working (+ k x the edges' activations it holds). ``states``: a dict kept
+    across calls of one context (its SliceCoster.state_bytes), where each (zero, offload)'s layer and per-parameter
+    model-state bytes, which do not depend on the micro-batch size, are remembered."""
     mbs = coster.q.microbatch_sequences // dp
     tr = coster.training
     pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     t = coster.layer_terms(kind, tp, cp, ep, dp, mbs)
     shard, eshard = dp * cp, tp * dp * cp // (coster.etp(tp) * ep)  # expert grid (etp, ep, edp): SliceCoster
-    states: dict[tuple[int, bool], tuple[float, float]] = {}  # (zero, offload) -> (layer's, per parameter)
     whole = coster.has_embedding and coster.has_head  # a slice of the whole model: its stages may or may not pipeline
+    # (zero, offload) -> (layer's, per parameter), under the keys of what else they read
+    cache = {} if states is None else states
     out = []
     for z, r, off in savers:
         held = held_under_pipelining(z, off)  # a pipelined stage holds ZeRO-1's states and no gathered working set
-        hit = states.get((z, off))
+        key = ("layer states", kind, tp, cp, ep, dp, whole, z, off)
+        hit = cache.get(key)
         if hit is None:  # a whole-model slice's stages pipeline (ZeRO-1's states) or not: the lesser of each part
             choices = (1,) if held and not whole else (z, 1) if held else (z,)
             parts = [_layer_states(t, shard, eshard, zs, off, pb, gb, ob) for zs in choices]
-            hit = states[z, off] = (min(x for x, _ in parts), min(y for _, y in parts))
+            hit = cache[key] = (min(x for x, _ in parts), min(y for _, y in parts))
         working = ((t.dense_params + t.expert_params) * (2 * tr.param_bytes + tr.grad_bytes) if z >= 3 and not held
                    else 0.0)
         if RECOMPUTE_MODES[r] == "full":  # _rec_part's working set: one layer's activations, rebuilt

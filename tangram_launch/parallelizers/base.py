@@ -48,6 +48,9 @@ class SliceResult:
     # configurations left out because they cannot beat the query's latency_bound_s (not an infeasibility: an
     # answer with no plans and bounded > 0 means "nothing here beats the plan already found")
     bounded: int = 0
+    # every plan fits as the last stage and, for a bounded query, can beat one of its bounds (the parallelizer
+    # screened them as query_pool.answer does, to the last bit): answer() need not screen them again
+    screened: bool = field(default=False, compare=False)
 
 
 @runtime_checkable

@@ -55,13 +55,14 @@ from tangram_launch.costmodel.grid import (
     SaverColumns,
     StageTable,
     StageTables,
-    judge_columns,
-    least_floors,
+    judge_fill,
+    judge_heads,
+    least_terms,
     peak_memory,
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
-from tangram_launch.costmodel.slice_bounds import beyond, beyond_array, beyond_each, beyond_floors, slack_cut
+from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.parallelizers.base import (
     InfeasibleSlice,
     LazySlicePlan,
@@ -214,22 +215,26 @@ class MegatronParallelizer:
         """Every (tp, pp, dp, cp, ep) grid the island, the slice and the runtime allow (memory savers unset).
 
         The grids depend on a few numbers only (not on the slice's place or the island's GPU type), and a planning
-        run asks for the same ones hundreds of times: they are enumerated once per key and handed out again."""
+        run asks for the same ones hundreds of times: they are enumerated once per key, for every micro-batch size
+        at once, and each size's (those whose dp divides b, in the same order) handed out again."""
         isl, model, caps = q.island, q.model, q.capabilities
         max_pp = q.num_layers
         for limit in (q.max_stages, caps.max_stages):
             if limit is not None:
                 max_pp = min(max_pp, limit)
-        key = (isl.num_gpus, isl.gpus_per_node, q.microbatch_sequences, max_pp, caps.tensor_parallel,
-               caps.context_parallel, caps.expert_parallel, coster.seq_len, model.num_heads, model.num_kv_heads,
-               model.is_moe, model.num_experts, self.gpu_subsets)
-        return iter(_memo(self, "_grid_lists", key, lambda: tuple(self._enumerate_grids(q, coster, max_pp)),
+        key = (isl.num_gpus, isl.gpus_per_node, max_pp, caps.tensor_parallel, caps.context_parallel,
+               caps.expert_parallel, coster.seq_len, model.num_heads, model.num_kv_heads, model.is_moe,
+               model.num_experts, self.gpu_subsets)
+        every = _memo(self, "_grid_lists", key, lambda: tuple(self._enumerate_grids(q, coster, max_pp)),
+                      limit=_MAX_GRID_LISTS)
+        b = q.microbatch_sequences
+        return iter(_memo(self, "_grid_lists", (key, b), lambda: tuple(g for g in every if b % g.dp == 0),
                           limit=_MAX_GRID_LISTS))
 
     def _enumerate_grids(self, q: SliceQuery, coster: SliceCoster, max_pp: int) -> Iterator[ParallelConfig]:
+        """grids() at every micro-batch size (any dp)."""
         isl, model, caps = q.island, q.model, q.capabilities
         g = isl.gpus_per_node
-        b = q.microbatch_sequences
         counts = candidate_gpu_counts(isl.num_gpus, g) if self.gpu_subsets else [isl.num_gpus]
         for n in counts:
             for pp in divisors(n):
@@ -248,8 +253,6 @@ class MegatronParallelizer:
                                        or coster.seq_len % (2 * cp)):
                             continue
                         dp = sg // (tp * cp)
-                        if b % dp:
-                            continue
                         eps = [1]
                         if model.is_moe and caps.expert_parallel:
                             eps = [e for e in divisors(dp * cp) if model.num_experts % e == 0]
@@ -316,7 +319,7 @@ class MegatronParallelizer:
         reads every grid's).
 
         The steps: _GridSearch.bound_grids (the grids whose floors cannot beat the planner's bounds, at once),
-        .too_big_grids (those that fit no combination by a memory floor), .judge (each remaining grid's
+        .too_big_grids (those that fit no combination by a memory floor), .judge_grids (each remaining grid's
         combinations, kept as FrontPoints), then the answer from the points (_answer)."""
         table = self._table(q)
         kinds = table.model_kinds(q.model)[q.layers[0]:q.layers[1]]
@@ -335,8 +338,7 @@ class MegatronParallelizer:
             search.bound_grids()
         if memory_floor:
             search.too_big_grids()
-        for i in np.flatnonzero(search.keep).tolist():
-            search.judge(i)
+        search.judge_grids(np.flatnonzero(search.keep).tolist())
         return self._answer(search, key, memory_floor)
 
     def _answer(self, search: "_GridSearch", key: tuple, memory_floor: bool) -> SliceResult:
@@ -357,7 +359,8 @@ class MegatronParallelizer:
         coster.clear_grid_cache()  # lazy plans keep the coster; its per-grid sums are in the table already
         logger.debug("%s: %s layers %s on %s: %d configs, %d on the front", self.name, q.model.name, q.layers,
                      q.island.name, search.evaluated, len(plans))
-        return SliceResult(key, plans, None, search.evaluated, bounded=search.bounded)
+        # its points fit (depth >= 0) and, under bounds, are not beyond them (_keep_points): screened
+        return SliceResult(key, plans, None, search.evaluated, bounded=search.bounded, screened=True)
 
     @staticmethod
     def _grid_index(table: StageTable, q: SliceQuery, coster: SliceCoster, grids) -> tuple[tuple, GridIndex]:
@@ -526,6 +529,10 @@ class _GridSearch:
             if pp <= self.max_pp:
                 self.shape_reasons.update(problems)
         self.keep = self.index.pp <= self.max_pp  # the problem-free grids this slice can hold, in listed order
+        # each listed grid's cross_stage_class (the context's capabilities and the grid's: one list per grid list)
+        self.classes = table.grid_classes.get(self.gkey)
+        if self.classes is None:
+            self.classes = table.grid_classes[self.gkey] = [cross_stage_class(q, g) for g in self.index.grids]
         self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> slice_floors.stage_need_parts, one kind
         self.room = math.inf
 
@@ -580,49 +587,64 @@ class _GridSearch:
         self.too_big = int(np.count_nonzero(over))
         self.keep &= ~over
 
-    def judge(self, i: int) -> None:
-        """Grid i of the list: skipped by its bounds or memory floors, else costed and its combinations judged."""
+    def judge_grids(self, indices: list[int]) -> None:
+        """Each grid of ``indices``, in listed order: skipped by its bounds or memory floors, else costed and its
+        combinations judged (_judge_costed). The query's hot loop: its constants are read once, not per grid."""
         index, coster, q, m = self.index, self.coster, self.q, self.m
-        grid = index.grids[i]
-        skey = index.saver_keys[i]
-        allowed = self.saver_cache.get(skey)
-        if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
-            allowed = self.saver_cache[skey] = tuple(self.savers(q, grid))
-        if not allowed:
-            return
-        grid_cut = math.inf
-        if self.bound:
-            grid_cut = self.pp_cut[index.pp_list[i]]
-            floor = self.floors.get(index.fkey_list[i]) or self._floor(index.fkey_list[i])
-            # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest stage's
-            # floor (_heaviest_floor) is at least that many times the kind's (the same float products, rounding
-            # monotone): a grid this already bounds needs no split
-            if grid.pp > 1 and floor[4] is not None and beyond_floors(
-                    -(-self.max_pp // grid.pp) * floor[4], floor[3], 0.0, m, self.lat_cut, grid_cut):
+        grids, saver_keys, all_dims, pp_list, fkey_list = (index.grids, index.saver_keys, index.dims, index.pp_list,
+                                                           index.fkey_list)
+        saver_cache, floors, split_sizes, b = self.saver_cache, self.floors, coster.split_sizes, q.microbatch_sequences
+        bound, max_pp, lat_cut, misfits = self.bound, self.max_pp, self.lat_cut, self.stage_parts is not None
+        pp_cut = self.pp_cut if bound else None
+        floor = grid_cut = math.inf
+        for i in indices:
+            skey = saver_keys[i]
+            allowed = saver_cache.get(skey)
+            if allowed is None:  # what savers() reads: the context, q.pipelined and these flags
+                allowed = saver_cache[skey] = tuple(self.savers(q, grids[i]))
+            if not allowed:
+                continue
+            tp, pp, dp, cp, ep = dims = all_dims[i]
+            if bound:
+                grid_cut = pp_cut[pp_list[i]]
+                floor = floors.get(fkey_list[i]) or self._floor(fkey_list[i])
+                # one kind: whatever the split, a stage holds ceil(layers / pp) layers or more, so the heaviest
+                # stage's floor (_heaviest_floor) is at least that many times the kind's (the same float products,
+                # rounding monotone): a grid this already bounds needs no split
+                if pp > 1 and floor[4] is not None and beyond_floors(-(-max_pp // pp) * floor[4], floor[3], 0.0, m,
+                                                                     lat_cut, grid_cut):
+                    self.bounded += 1
+                    continue
+            sizes = split_sizes(pp, tp, cp, ep, dp, b // dp)
+            # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
+            if bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m, lat_cut,
+                                                  grid_cut):
                 self.bounded += 1
-                return
-        tp, pp, dp, cp, ep = dims = index.dims[i]
-        sizes = coster.split_sizes(pp, tp, cp, ep, dp, q.microbatch_sequences // dp)
-        # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
-        if self.bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m,
-                                                   self.lat_cut, grid_cut):
-            self.bounded += 1
-            return
-        if self.stage_parts is not None and self._stage_misfit(i, skey, allowed, sizes, grid):
-            self.too_big += 1
-            return
-        sigs, heads = self.table.signature_heads(coster, tp, pp, dp, cp, ep, sizes)
+                continue
+            if misfits and self._stage_misfit(i, skey, allowed, sizes, grids[i]):
+                self.too_big += 1
+                continue
+            self._judge_costed(i, dims, skey, allowed, sizes, grid_cut)
+
+    def _judge_costed(self, i: int, dims: tuple, skey: tuple, allowed: tuple, sizes: tuple[int, ...],
+                      grid_cut: float) -> None:
+        """Grid i, which its floors did not skip: its stages costed, then skipped by their least floors, else its
+        combinations judged and kept (_keep_points)."""
+        table, coster, m = self.table, self.coster, self.m
+        sigs, heads = table.signature_heads(coster, *dims, sizes)
         saver_columns = self.saver_columns.get(skey)
         if saver_columns is None:
-            saver_columns = self.saver_columns[skey] = self.table.saver_columns(allowed, m, self.cap)
+            saver_columns = self.saver_columns[skey] = table.saver_columns(allowed, m, self.cap)
         # each stage's rows (by_sid[its sig]) and their columns
-        by_sid, columns = self.table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
+        by_sid, columns = table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
+        least_fill = None
         if self.bound and len(allowed) > 1:
-            if beyond(*least_floors(columns, sigs, m, heads), self.lat_cut, grid_cut):
+            least_bn, least_fill, least_tail = least_terms(columns, sigs, heads)
+            if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(grid, allowed, StagesCosted(sizes, sigs, by_sid), judge_columns(columns, sigs, m, heads),
-                          grid_cut)
+        self._keep_points(i, allowed, StagesCosted(sizes, sigs, by_sid), columns,
+                          judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
 
     def _floor(self, f: int) -> tuple:
         """The compute floors of GridIndex.fkeys[f]: (per-kind, embedding, head, the slice's total, its one kind's
@@ -638,23 +660,41 @@ class _GridSearch:
         parts = self.stage_parts.get((f, skey))
         if parts is None:
             parts = self.stage_parts[f, skey] = (*stage_need_parts(
-                self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind), {})
+                self.coster, grid.tp, grid.cp, grid.ep, grid.dp, allowed, self.kind, states=self.table.state_floors),
+                {})
         return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
 
-    def _keep_points(self, grid: ParallelConfig, allowed: tuple, stages: StagesCosted, judged, grid_cut: float) -> None:
-        """A judged grid's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class."""
+    def _keep_points(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
+                     least_fill: float | None) -> None:
+        """Judged grid i's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class.
+        ``judged``: grid.judge_heads' answer; ``least_fill``: the stages' least times added up (grid.least_terms),
+        where known: a grid all of whose fitting combinations are beyond the bounds with it in place of their own
+        fill (under it to the last bit) has its fills left unsummed."""
         self.evaluated += len(allowed)
-        bucket = self.points.setdefault(cross_stage_class(self.q, grid), [])  # classes in the order judged
+        grid = self.index.grids[i]
+        bucket = self.points.setdefault(self.classes[i], [])  # classes in the order judged
         if judged is None:  # no combination fits
             self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, None))
             return
-        bottleneck, fill, tail, depth = judged
+        bottleneck, tail, depth = judged
         if min(depth) < 0:  # what fits nowhere: the least memory it needs, should nothing fit at all
             self.misfits.append(_Misfit(grid, stages.sigs, stages.by_sid, allowed, depth))
-            if fill is None:
+            if max(depth) < 0:
                 return
+        m = self.m
+        if least_fill is not None:
+            m1, lat_cut, beyond_n = m - 1, self.lat_cut, 0
+            for bn_s, tail_s, d in zip(bottleneck, tail, depth):
+                if d >= 0:
+                    if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
+                        break
+                    beyond_n += 1
+            else:
+                self.bounded += beyond_n
+                return
+        fill = judge_fill(columns, stages.sigs, depth)
         # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
-        beyond = beyond_each(bottleneck, fill, tail, self.m, self.lat_cut, grid_cut) if self.bound else None
+        beyond = beyond_each(bottleneck, fill, tail, m, self.lat_cut, grid_cut) if self.bound else None
         pp, n_gpus, new = grid.pp, grid.num_gpus, tuple.__new__  # (a FrontPoint made as its class's __new__ does)
         for s, saver in enumerate(allowed):
             d = depth[s]
@@ -754,8 +794,10 @@ def _pair_floors(table: StageTable, coster: SliceCoster, fkey: tuple, allowed: t
     key = ("pair", coster.q.microbatch_sequences, fkey, allowed, tuple(coster.prefix), _whole(coster))
     hit = table.memory_floors.get(key)
     if hit is None:
-        hit = table.memory_floors[key] = (memory_floor_bytes(coster, *fkey, allowed),
-                                          stage_need_terms(coster, *fkey, allowed, one) if one is not None else None)
+        states = table.state_floors
+        hit = table.memory_floors[key] = (memory_floor_bytes(coster, *fkey, allowed, states=states),
+                                          stage_need_terms(coster, *fkey, allowed, one, states=states)
+                                          if one is not None else None)
     return hit
 
 

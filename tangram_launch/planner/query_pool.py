@@ -81,8 +81,10 @@ def worth_workers(spent_s: float, done: int, left: int) -> bool:
 def answer(parallelizer: Parallelizer, q: SliceQuery) -> SliceResult:
     """Query, then drop plans that cannot fit anywhere (not even as the last stage), and plans that cannot beat the
     query's latency bound (any parallelizer: the built-in ones skip those before costing them), before they travel
-    back."""
+    back. An answer its parallelizer marks ``screened`` passes as it is."""
     r = parallelizer.query(q)
+    if r.screened:
+        return r
     cap = capacity_bytes(q.island, q.training)
     m = q.num_microbatches
     keep = tuple(p for p in r.plans if numbers_fit(p.numbers(), 0, m, cap))  # lazy plans stay unbuilt
