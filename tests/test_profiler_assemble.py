@@ -117,16 +117,39 @@ def test_block_timing_runs_the_collective_after_each_block_untimed():
 
 
 def test_back_to_back_layer_timing_issues_the_agreed_number_of_collectives():
-    """Every member of the node issues the same collectives: one after the warm-up block and one per agreed block,
-    per pass (forward, forward+backward), whatever its own speed; the detail says how it was timed."""
+    """Every member of the node issues the same collectives: one after the warm-up block and one per agreed block
+    (one pass: the forward is timed inside forward+backward), whatever its own speed; the detail says how it was
+    timed."""
     tiny, calls = load_model("tiny"), []
     out = time_layer(tiny, "dense", LayerShape(micro_batch=2, seq_len=16, dtype="fp32"), torch.device("cpu"),
                      warmup=1, reps=5, min_rep_s=0.0, between=lambda: calls.append(1), budget_s=10.0,
                      agree=lambda n: min(n, 2), block_cpu_s=0.005)
-    assert len(calls) == 2 * (1 + 2)
+    assert len(calls) == 1 + 2
     for name in ("forward", "forward_backward"):
         assert len(out[name].timing.samples_s) == 2
         assert "back-to-back calls" in dict(out[name].detail)["timed"]
+    forward, both = out["forward"].timing.samples_s, out["forward_backward"].timing.samples_s
+    assert all(0 < f < fb for f, fb in zip(forward, both))  # each block's forward is part of its forward+backward
+
+
+def test_split_block_timing_times_the_forward_inside_each_call():
+    """``time_blocks_split``: each call runs its forward then the backward of what it returned, the collective
+    after each block; the forward's seconds are those of the forwards inside the calls, on a fake clock exactly."""
+    events, now = [], [0.0]
+
+    def forward():
+        events.append("f")
+        now[0] += 0.002
+        return len(events)
+
+    def backward(out):
+        events.append(("b", out))
+        now[0] += 0.005
+
+    fb, f = bench.time_blocks_split(forward, backward, lambda: events.append("c"), blocks=2, calls=3,
+                                    clock=lambda: now[0])
+    assert events[:7] == ["f", ("b", 1), "f", ("b", 3), "f", ("b", 5), "c"] and events.count("c") == 2
+    assert fb.samples_s == pytest.approx((0.007, 0.007)) and f.samples_s == pytest.approx((0.002, 0.002))
 
 
 def test_gemm_and_copy_on_cpu():
