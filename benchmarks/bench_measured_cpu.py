@@ -15,7 +15,7 @@ host's other work yields to it; ``bench_hetero_cpu.make_groups``), and each devi
 parallel replicas of one stage do; the throttled device has the other core). Local rank 2 is throttled: its child
 ``cpu`` group has a CFS quota, calibrated so that the device measures ``--quota`` of a fast device's speed
 (``calibrate_quota``: a stage-like micro-batch back to back in its groups against a fast device's; the nominal
-share, ``--quota`` times a fast device's core share, 0.165 of a core for ⅓, computed at about 0.23 of a fast device
+share, ``--quota`` times a fast device's core share, 0.165 of a core for ⅓, computes well below ⅓ of a fast device
 with the ticker below; ``--no-calibrate`` keeps it).
 
 How a CFS quota behaves on such a host: the kernel enforces it at its tick (4 ms here), so whatever the period the
@@ -236,8 +236,8 @@ def calibrate_quota(args, devices: Devices, auto_period: bool) -> float:
     device's is measured in its groups, ticker running.
 
     Why: the quota alone does not set the speed. The ticker's wake-ups are spent from the quota, and each burst of
-    a short period starts on caches that other work used meanwhile, so the quota's nominal share of a core
-    computed at about two thirds of it."""
+    a short period starts on caches that other work used meanwhile, so a device computes well below its quota's
+    nominal share of a core (benchmarks/README.md)."""
     fast_s = seconds_per_call(args, devices.groups_of(0)) / fast_core_share([devices.core_of[d] for d in range(3)])
 
     def speed_ratio(quota: Quota) -> float:

@@ -219,9 +219,8 @@ def time_blocks_split(forward: Callable[[], Any], backward: Callable[[Any], Any]
     ``time_blocks``): the forward timed inside the same calls, as a training step runs it.
 
     Why inside: a forward run alone in a loop, its graph dropped at once, reads cheaper than one that a backward
-    follows, and the backward taken as the difference dearer by as much. On a throttled CPU device, whose bursts
-    start on caches other work used meanwhile, the forward alone read 0.53-0.57 of the backward, inside training
-    0.70 (CPU time)."""
+    follows, as in training, and the backward taken as the difference dearer by as much; most on a throttled CPU
+    device, whose bursts start on caches other work used meanwhile (benchmarks/README.md)."""
     fb, fwd = [], []
     for _ in range(blocks):
         forward_s = 0.0
