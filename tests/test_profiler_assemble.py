@@ -219,7 +219,9 @@ def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileR
                                         gemm={"fp32": _m(speeds[rank] / 4, "TFLOP/s"),
                                               "bf16": _m(speeds[rank], "TFLOP/s")},
                                         memory_bandwidth=_m(10.0), optimizer_tensor=_m(40.0 + rank, "us"),
-                                        optimizer_param=_m(3.0 - rank, "ns"), wake_up=_m(900.0 + 100 * rank, "us")))
+                                        optimizer_param=_m(3.0 - rank, "ns"),
+                                        wake_up=dataclasses.replace(_m(900.0 + 100 * rank, "us"),
+                                                                    detail=(("waited_s", 0.03 + 0.01 * rank),))))
         p2p = tuple((a, b, _m(2.0)) for a, b in itertools.combinations(range(per_node), 2))
         nodes.append(NodeRecord(node_rank=n, host=host, inventory=inv, ranks=ranks,
                                 allreduce=_m(1.5) if per_node > 1 else None, p2p=p2p,
@@ -252,6 +254,7 @@ def test_cpu_devices_carry_measured_figures():
     assert a.measured["wake_up_us"] == 900.0 and b.measured["wake_up_us"] == 1000.0  # per device
     assert spec.profile["devices"][1]["wake_up"]["value"] == 1000.0
     assert build_islands(spec).islands[0].gpu.measured["wake_up_us"] == 1000.0  # the slowest wake-up
+    assert a.measured["wake_up_wait_us"] == 30000.0 and b.measured["wake_up_wait_us"] == 40000.0  # after waits
     assert len(build_islands(spec).islands) == 1  # within tolerance: one island
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)
