@@ -1,17 +1,22 @@
 """Measured layer costs against a real run: a plan priced from ``profile --model`` layer times, and the same plan
 priced by the analytic model, each set beside what the run's ``run-report.json`` measured, per stage.
 
-    sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--cores 0,0,1] [--period-us 0]
-        [--no-filler] [--ticker-us 1000] [--model tiny] [--seq-len 64] [--global-batch 256] [--micro-batches 8,16,32] [--min-micro-batch 8]
-        [--layer-budget-s 30] [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
+    sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--no-calibrate] [--cores 0,0,1]
+        [--period-us 0] [--no-filler] [--filler-grace-us 2000] [--ticker-us 1000] [--model tiny] [--seq-len 64]
+        [--global-batch 256] [--micro-batches 8,16,32] [--min-micro-batch 8] [--layer-budget-s 30]
+        [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
     taskset -c 1 python benchmarks/bench_measured_cpu.py --probe-wait [--probe-micro-batch 8] [--probe-sleep-ms 30]
-    sudo python benchmarks/bench_measured_cpu.py --probe-throttle [--probe-sleep-ms 20] [--quota 0.33] [--period-us N]
+    sudo python benchmarks/bench_measured_cpu.py --probe-throttle [--probe-sleep-ms 30] [--probe-short-sleep-ms 0.5]
+        [--quota 0.33] [--period-us N]
 
 Three CPU processes are the devices. Every process runs in a cgroup-v1 ``cpu`` group with raised cpu.shares (the
 host's other work yields to it; ``bench_hetero_cpu.make_groups``), and each device in a ``cpuset`` of its own core
 (``--cores``: by default the two fast devices share one core, half a core each while both compute, as the data-
 parallel replicas of one stage do; the throttled device has the other core). Local rank 2 is throttled: its child
-``cpu`` group has a CFS quota of ``--quota`` times a fast device's core share (⅓ of a fast device: 0.165 of a core).
+``cpu`` group has a CFS quota, calibrated so that the device measures ``--quota`` of a fast device's speed
+(``calibrate_quota``: a stage-like micro-batch back to back in its groups against a fast device's; the nominal
+share, ``--quota`` times a fast device's core share, 0.165 of a core for ⅓, computes well below ⅓ of a fast device
+with the ticker below; ``--no-calibrate`` keeps it).
 
 How a CFS quota behaves on such a host: the kernel enforces it at its tick (4 ms here), so whatever the period the
 device runs in bursts of whole ticks (4 ms on, 20 ms off at 0.165 of a core, period 24 ms), and a quota under 1 ms
@@ -23,7 +28,9 @@ throttled time then falls inside the worker's wait, it wakes with a fresh quota,
 is spent only at its next tick, so a call shorter than a tick still ran at full speed after each wait
 (``--probe-throttle``). A ticker (``--ticker-us``, default 1 ms; 0 leaves it out) wakes in the same groups, and
 each of its wake-ups makes the kernel check the quota: the worker computes at its quota's speed after a wait as
-back to back, as a slower device would.
+back to back, as a slower device would. (``--filler-grace-us`` lets the filler wait that long into each wait before
+it spends the quota, so that a short wait, the p2p handshake between two micro-batches, is not charged at the
+quota's rate; the slowest stage measured the same with and without it, so the default is 0.)
 
 1. Profile, for real: ``tangram-launch profile --standalone --nproc-per-node 3 --model M --seq-len S
    --micro-batch 8,16,32 --layer-dtype fp32 --layer-timing back-to-back``, each worker moved into its device's
@@ -67,6 +74,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -108,7 +116,9 @@ class Devices:
         return base.remove_groups([*self.group_of.values(), self.bench, *cpusets])  # children first
 
     def groups_of(self, device: int) -> list[str]:
-        return [g for g in (self.group_of.get(device), self.cpuset_of.get(device)) if g is not None]
+        """The device's ``cpu`` group (its own, else the benchmark's: a process started outside it, as a probe's, must
+        not compete with the host's other work on equal terms) and its cpuset."""
+        return [g for g in (self.group_of.get(device, self.bench), self.cpuset_of.get(device)) if g is not None]
 
 
 def fast_core_share(cores: list[int]) -> float:
@@ -119,13 +129,15 @@ def fast_core_share(cores: list[int]) -> float:
 
 
 def make_devices(args) -> tuple[Devices | None, str]:
-    """Device 2 at ``quota`` of a fast device's speed (a CFS quota of ``quota`` x the fast device's core share),
-    each device pinned to its core by a cpuset (``--cores``); the fast devices without a quota."""
+    """Device 2 at ``quota`` of a fast device's speed (a CFS quota of ``quota`` x the fast device's core share, then
+    calibrated: ``calibrate_quota``), each device pinned to its core by a cpuset (``--cores``); the fast devices
+    without a quota."""
     cores = _cores(args)
-    slow_quota = args.quota * fast_core_share(cores) if cores else args.quota
-    if not args.period_us:  # the shortest period the kernel takes: a quota of at least 1 ms
-        args.period_us = math.ceil(1000 / slow_quota)
-    groups, why = base.make_groups(slow_quota, args.period_us, args.shares)
+    args.quota_core = args.quota * fast_core_share(cores) if cores else args.quota
+    auto_period = not args.period_us
+    if auto_period:  # the shortest period the kernel takes: a quota of at least 1 ms
+        args.period_us = math.ceil(1000 / args.quota_core)
+    groups, why = base.make_groups(args.quota_core, args.period_us, args.shares)
     if groups is None:
         return None, why
     devices = Devices(groups.bench, {THROTTLED: groups.slow}, {}, dict(enumerate(cores)))
@@ -137,9 +149,105 @@ def make_devices(args) -> tuple[Devices | None, str]:
             devices.remove()
             return None, f"cannot create the devices' cpusets under {CPUSET_ROOT} ({exc})"
     throttled = devices.groups_of(THROTTLED)
-    helpers = ((start_filler(throttled),) if args.filler else ()) + \
-        ((start_ticker(throttled, args.ticker_us),) if args.ticker_us else ())
-    return dataclasses.replace(devices, helpers=helpers), ""
+    ticker = (start_ticker(throttled, args.ticker_us),) if args.ticker_us else ()
+    devices = dataclasses.replace(devices, helpers=ticker)
+    args.speed_ratio = None
+    if args.calibrate and cores:
+        try:
+            args.speed_ratio = calibrate_quota(args, devices, auto_period)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            devices.remove()
+            return None, f"cannot calibrate the throttled device's quota ({exc})"
+    filler = (start_filler(throttled, filler_grace_us(args)),) if args.filler else ()
+    return dataclasses.replace(devices, helpers=ticker + filler), ""
+
+
+_SPEED_CHILD = r'''
+import os, statistics, sys, time, torch
+torch.set_num_threads(1)
+for group in sys.argv[5:]:
+    with open(os.path.join(group, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+from profiler.layer import LayerShape
+from profiler.wake import stage_sequence
+from tangram_launch.specs.model import load_model
+fn = stage_sequence(load_model(sys.argv[1]), LayerShape(int(sys.argv[3]), int(sys.argv[2]), "fp32"),
+                    torch.device("cpu"))
+fn()
+deadline, blocks = time.perf_counter() + float(sys.argv[4]), []
+while time.perf_counter() < deadline or len(blocks) < 3:
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.25:  # tens of quota periods
+        fn()
+        n += 1
+    blocks.append((time.perf_counter() - t0) / n)
+print(statistics.median(blocks))
+'''
+CALIBRATE_ROWS = 16
+CALIBRATE_S = 3.0
+
+
+def seconds_per_call(args, groups: list[str]) -> float:
+    """Wall seconds per call of a stage-like micro-batch (profiler.wake.stage_sequence: the embedding, a layer, the
+    head and loss, forward then backward) at ``CALIBRATE_ROWS`` rows, back to back, in ``groups``."""
+    out = subprocess.run([sys.executable, "-c", _SPEED_CHILD, args.model, str(args.seq_len), str(CALIBRATE_ROWS),
+                          str(CALIBRATE_S), *groups], env=base._env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    if out.returncode:
+        raise RuntimeError(f"timing a stage-like micro-batch: {out.stderr.strip()[-600:]}")
+    return float(out.stdout.split()[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Quota:
+    """A CFS bandwidth limit: ``core`` of a core per ``period_us``."""
+
+    core: float
+    period_us: int
+
+
+def set_quota(devices: Devices, quota: Quota) -> None:
+    group = devices.group_of[THROTTLED]
+    base._write(os.path.join(group, "cpu.cfs_period_us"), quota.period_us)
+    base._write(os.path.join(group, "cpu.cfs_quota_us"), max(1000, int(quota.core * quota.period_us)))
+
+
+def calibrated_quota(start: Quota, target: float, speed_ratio: Callable[[Quota], float], *, auto_period: bool,
+                     rounds: int = 3, tolerance: float = 0.04) -> tuple[Quota, float]:
+    """The quota at which ``speed_ratio`` (the throttled device's speed over a fast one's, measured under a quota)
+    is within ``tolerance`` of ``target``, and the ratio measured there: from ``start``, the quota scaled by target /
+    measured, at most ``rounds`` times (a device's speed is about proportional to its quota), capped at a whole
+    core; with ``auto_period`` the period follows (the shortest whose quota is 1 ms, the kernel's least)."""
+    quota, ratio = start, speed_ratio(start)
+    for _ in range(rounds):
+        if abs(ratio / target - 1) <= tolerance:
+            break
+        core = min(1.0, quota.core * target / ratio)
+        quota = Quota(core, math.ceil(1000 / core) if auto_period else quota.period_us)
+        ratio = speed_ratio(quota)
+    return quota, ratio
+
+
+def calibrate_quota(args, devices: Devices, auto_period: bool) -> float:
+    """Set the throttled device's quota so that it computes at ``args.quota`` of a fast device's speed, measured
+    (``calibrated_quota``); returns the speed ratio measured at the quota set.
+
+    A fast device's time is a stage-like micro-batch's alone on its core over its core share; the throttled
+    device's is measured in its groups, ticker running.
+
+    Why: the quota alone does not set the speed. The ticker's wake-ups are spent from the quota, and each burst of
+    a short period starts on caches that other work used meanwhile, so a device computes well below its quota's
+    nominal share of a core (benchmarks/README.md)."""
+    fast_s = seconds_per_call(args, devices.groups_of(0)) / fast_core_share([devices.core_of[d] for d in range(3)])
+
+    def speed_ratio(quota: Quota) -> float:
+        set_quota(devices, quota)
+        return fast_s / seconds_per_call(args, devices.groups_of(THROTTLED))
+
+    quota, ratio = calibrated_quota(Quota(args.quota_core, args.period_us), args.quota, speed_ratio,
+                                    auto_period=auto_period)
+    args.quota_core, args.period_us = quota.core, quota.period_us
+    return ratio
 
 
 def _pin(devices: Devices) -> None:
@@ -158,22 +266,51 @@ def _pin(devices: Devices) -> None:
         base._write(os.path.join(path, "cpuset.mems"), mems)
 
 
-def start_filler(groups: list[str]) -> subprocess.Popen:
+_FILLER = r'''
+import os, sys, time
+grace_s, gap_s, parent = float(sys.argv[1]), float(sys.argv[2]), os.getppid()
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+last, n = time.monotonic(), 0
+while True:
+    now = time.monotonic()
+    if now - last > gap_s:  # it did not run meanwhile: its worker computed, or the group was throttled
+        time.sleep(grace_s)  # a wait shorter than this spends nothing
+        now = time.monotonic()
+        n += 1
+        if n % 1000 == 0 and os.getppid() != parent:  # ends with the benchmark, even a killed one
+            break
+    last = now
+'''
+FILLER_GAP_S = 2e-4  # longer than the ticker's turn on the core: a jump this long means the filler was not running
+
+
+def filler_grace_us(args) -> int:
+    """How long the worker may wait before the filler spends its quota: ``--filler-grace-us``, at most half of
+    what the period leaves after the quota, so that in a long wait each period's quota is still spent."""
+    quota_us = max(1000, args.quota_core * args.period_us)
+    return int(min(args.filler_grace_us, max(0.0, (args.period_us - quota_us) / 2)))
+
+
+def start_filler(groups: list[str], grace_us: int) -> subprocess.Popen:
     """A busy loop at SCHED_IDLE in the throttled device's groups: it takes the device's CPU only while the worker
-    waits, so the CFS quota is spent on a fixed clock, as if the device were always busy.
+    waits, so the CFS quota is spent on a fixed clock, as if the device were always busy; but only once the worker
+    has waited ``grace_us``.
 
     Why: a quota caps a duty cycle, enforced at the kernel's tick, not a speed. A worker that waits (for its
     pipeline neighbour) leaves its quota unspent, and its next calls run at full speed until the quota is spent:
     a stage that is not the pipeline's busiest reads faster than the profile measured it. With the filler the
-    worker gets the quota's share of the core whenever it computes, busy or not, as a slower device would."""
+    worker gets the quota's share of the core whenever it computes, busy or not, as a slower device would.
+    Why a grace (``--filler-grace-us``): a filler that spends the quota from the first microsecond of every wait
+    charges each short wait (a p2p handshake between two micro-batches) at the quota's rate, several times its
+    length, where a slower device loses just the wait. With a grace the host's other work runs on the core in the
+    short waits instead; the pipeline's slowest stage measured the same either way (benchmarks/README.md)."""
     def enter() -> None:
         for group in groups:
             with open(os.path.join(group, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=enter,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-c", _FILLER, str(grace_us / 1e6), str(FILLER_GAP_S)],
+                            preexec_fn=enter, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 _TICKER = r'''
@@ -486,28 +623,30 @@ def probe_wait(args) -> list[str]:
 _THROTTLE_CHILD = r'''
 import os, sys, torch
 torch.set_num_threads(1)
-for group in sys.argv[4:]:
+for group in sys.argv[5:]:
     with open(os.path.join(group, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
 from profiler.layer import LayerShape
 from profiler.wake import stage_sequence, time_wake_up
 from tangram_launch.specs.model import load_model
-model, seq, sleep_s = load_model(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+model, seq = load_model(sys.argv[1]), int(sys.argv[2])
 for rows in (8, 16):
-    got = time_wake_up(stage_sequence(model, LayerShape(rows, seq, "fp32"), torch.device("cpu")),
-                       torch.device("cpu"), budget_s=3.0, sleep_s=sleep_s)
-    d = dict(got.detail)
-    print(f"{rows} rows: back to back {d['back_to_back_s'] * 1e3:.2f} ms, after a {sleep_s * 1e3:g} ms sleep "
-          f"{d['after_sleep_s'] * 1e3:.2f} ms", flush=True)
+    fn = stage_sequence(model, LayerShape(rows, seq, "fp32"), torch.device("cpu"))
+    got = [dict(time_wake_up(fn, torch.device("cpu"), budget_s=3.0, sleep_s=float(s)).detail) for s in sys.argv[3:5]]
+    print(f"{rows} rows: back to back {got[0]['back_to_back_s'] * 1e3:.2f} ms, after a "
+          f"{got[0]['sleep_s'] * 1e3:g} ms sleep {got[0]['after_sleep_s'] * 1e3:.2f} ms; back to back "
+          f"{got[1]['back_to_back_s'] * 1e3:.2f} ms, after a {got[1]['sleep_s'] * 1e3:g} ms sleep "
+          f"{got[1]['after_sleep_s'] * 1e3:.2f} ms", flush=True)
 '''
 
 
 def probe_throttle(args) -> list[str]:
-    """The profiler's wake-up measurement in the throttled device's groups and in a fast one's (see --probe-throttle).
+    """The profiler's wake-up measurement in the throttled device's groups and in a fast one's (see --probe-throttle),
+    after a long and after a short sleep.
 
     Why: a CFS quota is a duty cycle enforced at the kernel's tick, not a speed; a device that waits may compute
-    its next call at full speed (benchmarks/README.md). A throttled stage that waits then reads faster than its
-    back-to-back profile."""
+    its next call at full speed (benchmarks/README.md), and one whose idle quota a filler spends may pay a short
+    wait several times over. A slower device computes a call in the same time after any wait as back to back."""
     devices, why = make_devices(args)
     if devices is None:
         raise SystemExit(f"--probe-throttle: {why}")
@@ -515,7 +654,8 @@ def probe_throttle(args) -> list[str]:
     try:
         for device in (THROTTLED, 0):
             out = subprocess.run([sys.executable, "-c", _THROTTLE_CHILD, args.model, str(args.seq_len),
-                                  str(args.probe_sleep_ms / 1e3), *devices.groups_of(device)], env=base._env(),
+                                  str(args.probe_sleep_ms / 1e3), str(args.probe_short_sleep_ms / 1e3),
+                                  *devices.groups_of(device)], env=base._env(),
                                  cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
             if out.returncode:
                 raise RuntimeError(f"--probe-throttle on device {device}: {out.stderr.strip()[-800:]}")
@@ -531,10 +671,14 @@ def describe(args, devices: Devices | None) -> str:
         return "the three devices unthrottled, not pinned"
     cores = [devices.core_of.get(d) for d in range(3)]
     share = fast_core_share(cores) if devices.core_of else 1.0
-    return (f"device {THROTTLED} at {args.quota:.0%} of a fast device's speed (CFS quota {args.quota * share:.3f} of "
-            f"a core, period {args.period_us} us); fast devices {share:g} core each"
+    measured = ("" if args.speed_ratio is None else
+                f", {args.speed_ratio:.3f} measured ({CALIBRATE_ROWS} rows of a stage-like micro-batch back to back "
+                f"against a fast device alone on its core over its share)")
+    return (f"device {THROTTLED} at {args.quota:.0%} of a fast device's speed (CFS quota {args.quota_core:.3f} of "
+            f"a core, period {args.period_us} us{measured}); fast devices {share:g} core each"
             + (f"; devices on CPUs {cores}" if devices.core_of else "; not pinned")
-            + ("; a SCHED_IDLE filler spends the throttled device's idle quota" if args.filler else "")
+            + (f"; a SCHED_IDLE filler spends the throttled device's quota once its worker has waited "
+               f"{filler_grace_us(args)} us" if args.filler else "")
             + (f"; a ticker checks its quota every {args.ticker_us} us" if args.ticker_us else ""))
 
 
@@ -555,6 +699,14 @@ def main(argv=None) -> int:
                    help="a process in the throttled device's groups wakes this often, so the kernel checks the "
                         "quota then and not only at its tick (0: none; a worker then computes a call shorter than a "
                         "tick at full speed after each wait)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="keep the quota at --quota times a fast device's core share instead of setting it so that "
+                        "the throttled device measures --quota of a fast device's speed")
+    p.add_argument("--filler-grace-us", type=int, default=0,
+                   help="the filler spends the throttled device's quota only once its worker has waited this long "
+                        "(at most half of what the period leaves after the quota), as a slower device loses just a "
+                        "short wait, not its quota's worth of compute; but meanwhile the host's other work runs on "
+                        "the device's core and cools its caches (0: from the first microsecond)")
     p.add_argument("--no-filler", dest="filler", action="store_false",
                    help="no busy loop at SCHED_IDLE in the throttled device's groups (its worker then runs at full "
                         "speed after each wait, until its quota is spent)")
@@ -582,6 +734,8 @@ def main(argv=None) -> int:
                         "in the throttled device's groups and in a fast device's")
     p.add_argument("--probe-micro-batch", type=int, default=8)
     p.add_argument("--probe-sleep-ms", type=float, default=30.0)
+    p.add_argument("--probe-short-sleep-ms", type=float, default=0.5,
+                   help="--probe-throttle: the short wait, as a p2p handshake between two micro-batches")
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
     if args.probe_wait:
@@ -617,7 +771,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"runs": runs, "quota": args.quota if devices else None, "period_us": args.period_us,
-                       "cores": args.cores}, f, indent=2)
+                       "quota_core": getattr(args, "quota_core", None),
+                       "speed_ratio": getattr(args, "speed_ratio", None), "cores": args.cores}, f, indent=2)
     return 0
 
 

@@ -194,6 +194,9 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         measured["optimizer_param_ns"] = round_sig(dev.optimizer_param.value)
     if dev.wake_up is not None:
         measured["wake_up_us"] = round_sig(dev.wake_up.value)
+        waited_s = dict(dev.wake_up.detail).get("waited_s")
+        if isinstance(waited_s, (int, float)) and waited_s > 0:  # the wait the cost was measured after
+            measured["wake_up_wait_us"] = round_sig(waited_s * 1e6)
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:

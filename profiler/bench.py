@@ -211,6 +211,33 @@ def time_blocks(fn: Callable[[], Any], between: Callable[[], Any], *, blocks: in
     return time_repeated(fn, warmup=0, reps=blocks, inner=calls, sync=sync, between=between)
 
 
+def time_blocks_split(forward: Callable[[], Any], backward: Callable[[Any], Any], between: Callable[[], Any], *,
+                      blocks: int, calls: int, sync: Callable[[], None] = lambda: None,
+                      clock: Callable[[], float] = time.perf_counter) -> tuple[Timing, Timing]:
+    """(forward+backward, forward) seconds per call over blocks of ``calls`` back-to-back calls, each call's
+    ``forward()`` then ``backward(what it returned)``, each block followed by ``between`` (untimed, as in
+    ``time_blocks``): the forward timed inside the same calls, as a training step runs it.
+
+    Why inside: a forward run alone in a loop, its graph dropped at once, reads cheaper than one that a backward
+    follows, as in training, and the backward taken as the difference dearer by as much; most on a throttled CPU
+    device, whose bursts start on caches other work used meanwhile (benchmarks/README.md)."""
+    fb, fwd = [], []
+    for _ in range(blocks):
+        forward_s = 0.0
+        t0 = clock()
+        for _ in range(calls):
+            t = clock()
+            out = forward()
+            sync()
+            forward_s += clock() - t
+            backward(out)
+        sync()
+        fb.append((clock() - t0) / calls)
+        fwd.append(forward_s / calls)
+        between()
+    return Timing(tuple(fb)), Timing(tuple(fwd))
+
+
 def calibrate_inner(fn: Callable[[], Any], *, min_rep_s: float, sync: Callable[[], None] = lambda: None,
                     clock: Callable[[], float] = time.perf_counter, max_inner: int = 10_000) -> int:
     """Calls per repetition so that one repetition lasts at least ``min_rep_s`` on ``clock`` (the first call

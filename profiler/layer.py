@@ -33,6 +33,7 @@ from profiler.bench import (
     device_sync,
     time_budgeted,
     time_blocks,
+    time_blocks_split,
     time_interleaved,
     time_repeated,
     warm_once_s,
@@ -319,7 +320,8 @@ class _HeadLoss(nn.Module):
 
 
 def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
-    """(forward, forward_backward, forward FLOPs, the module) of the embedding or the head + loss at ``shape``.
+    """(forward, backward, forward FLOPs, the module) of the embedding or the head + loss at ``shape``: ``forward()``
+    returns what ``backward(it)`` back-propagates from.
 
     Why time them: at small shapes their cost is per-operator overhead (tiny-moe on a CPU: 0.5 ms forward+backward
     per micro-batch against ~0.15 ms from bytes and FLOPs), paid once per micro-batch like a layer's."""
@@ -331,27 +333,25 @@ def _edge_calls(model, kind: str, shape: LayerShape, device: torch.device):
         grad = torch.randn(b, t, model.hidden_size, device=device, dtype=DTYPES[shape.dtype], generator=gen)
         flops = model.embedding_forward_flops_per_token() * b * t
 
-        def run(backward: bool) -> None:
-            y = module(tokens)
-            if backward:
-                y.backward(grad)
+        def forward() -> torch.Tensor:
+            return module(tokens)
+
+        def backward(y: torch.Tensor) -> None:
+            y.backward(grad)
     elif kind == "head":
         module = _HeadLoss(model).to(device=device, dtype=DTYPES[shape.dtype])
         x = torch.randn(b, t, model.hidden_size, device=device, dtype=DTYPES[shape.dtype], generator=gen,
                         requires_grad=True)  # (B, T, H)
         flops = model.head_forward_flops_per_token() * b * t
 
-        def run(backward: bool) -> None:
-            loss = module(x, tokens)
-            if backward:
-                loss.backward()
+        def forward() -> torch.Tensor:
+            return module(x, tokens)
+
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
     else:
         raise ValueError(f"edge kind must be one of {', '.join(EDGE_KINDS)}, got {kind!r}")
-
-    def forward() -> None:  # with autograd's graph, as training runs it (the graph is dropped)
-        run(False)
-
-    return forward, (lambda: run(True)), flops, module
+    return forward, backward, flops, module
 
 
 def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, warmup: int, reps: int,
@@ -375,7 +375,7 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
     if kind in EDGE_KINDS:
         if shape.tp != 1:
             raise ValueError(f"the {kind} is timed whole (tp 1), got tp {shape.tp}")
-        forward, forward_backward, fwd_flops, module = _edge_calls(model, kind, shape, device)
+        forward_out, backward_of, fwd_flops, module = _edge_calls(model, kind, shape, device)
     else:
         layer = module = build_layer(model, kind, device, shape.dtype, shape.tp)
         x = torch.randn(shape.micro_batch, shape.seq_len, model.hidden_size, device=device,
@@ -385,22 +385,33 @@ def time_layer(model, kind: str, shape: LayerShape, device: torch.device, *, war
         fwd_flops = (model.layer_forward_flops_per_token(index, shape.seq_len) * shape.micro_batch * shape.seq_len
                      / shape.tp)
 
-        def forward() -> None:  # with autograd's graph, as training runs it (the graph is dropped)
-            layer(x)
+        def forward_out() -> torch.Tensor:
+            return layer(x)
 
-        def forward_backward() -> None:
-            layer(x).backward(grad)
+        def backward_of(y: torch.Tensor) -> None:
+            y.backward(grad)
+
+    def forward() -> None:  # with autograd's graph, as training runs it (the graph is dropped)
+        forward_out()
+
+    def forward_backward() -> None:
+        backward_of(forward_out())
 
     activation = saved_activation_bytes(forward, module)
+    split = None  # back to back in blocks: (forward+backward, the forward timed inside it)
+    if block_cpu_s is not None and between is not None:
+        calls = calibrate_inner(forward_backward, min_rep_s=block_cpu_s, sync=sync, clock=calibration_clock(device))
+        block_s = time_blocks(forward_backward, between, blocks=1, calls=calls, sync=sync).median_s * calls  # warm
+        affordable = int(budget_s / block_s) if budget_s is not None else reps
+        split = time_blocks_split(forward_out, backward_of, between, blocks=agree(max(1, min(reps, affordable))),
+                                  calls=calls, sync=sync)
     out = {}
     for name, fn, flops in (("forward", forward, fwd_flops), ("forward_backward", forward_backward, 3 * fwd_flops)):
         how = "each call followed by an all-to-all" if between is not None else "back to back"
-        if block_cpu_s is not None and between is not None:
-            calls = calibrate_inner(fn, min_rep_s=block_cpu_s, sync=sync, clock=calibration_clock(device))
-            block_s = time_blocks(fn, between, blocks=1, calls=calls, sync=sync).median_s * calls  # also a warm-up
-            affordable = int(budget_s / 2 / block_s) if budget_s is not None else reps
-            timing = time_blocks(fn, between, blocks=agree(max(1, min(reps, affordable))), calls=calls, sync=sync)
-            how = f"blocks of {calls} back-to-back calls, each block followed by an all-to-all"
+        if split is not None:
+            timing = split[0] if name == "forward_backward" else split[1]
+            how = (f"the forward timed inside forward+backward, in blocks of {calls} back-to-back calls, each block "
+                   f"followed by an all-to-all")
         elif budget_s is not None and between is not None:
             once = warm_once_s(fn, sync)
             blocks = agree(max(1, min(reps, int(budget_s / 2 / (WAIT_BLOCK * once)))))

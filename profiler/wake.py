@@ -11,7 +11,9 @@ budget affords, the head with the loss: forward, then backward through all) run 
 sleep of ``WAKE_SLEEP_S`` before each call; the cost is the difference of the two medians (wall time: devices that
 share a core share it in both, as a stage's replicas do, and a collective before each sleep wakes them together).
 Rounds alternate the two ways, so load that drifts meets both alike. The cost model charges it (costmodel/wake.py)
-once per micro-batch to every stage that waits, never to the slowest.
+once per micro-batch to every stage that waits, never to the slowest, in proportion to how long the stage waits
+against how long the devices waited here (``waited_s``: the collective's wait for slower peers and the sleep): on a
+host with other work, that work evicts the stage's working set while it waits, so a longer wait starts colder.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def time_wake_up(fn: Callable[[], Any], device: torch.device, *, budget_s: float
     once_s = warm_once_s(fn, sync, clock)
     per_round_s = calls * (2.0 * once_s + sleep_s)
     rounds = agree(max(2, min(max_rounds, int(budget_s / per_round_s))))
-    back_to_back, after_sleep = [], []
+    back_to_back, after_sleep, waited = [], [], []
     for _ in range(rounds):
         between()
         t0 = clock()
@@ -94,15 +96,18 @@ def time_wake_up(fn: Callable[[], Any], device: torch.device, *, budget_s: float
         sync()
         back_to_back.append((clock() - t0) / calls)
         for _ in range(calls):
+            ended = clock()
             between()  # every device of the node wakes together, as a stage's replicas wake on one message
             sleep(sleep_s)
             t0 = clock()
             fn()
             sync()
             after_sleep.append(clock() - t0)
+            waited.append(t0 - ended)  # idle before the call: the collective's wait for slower peers, the sleep
     cold_s, warm_s = statistics.median(after_sleep), statistics.median(back_to_back)
     return Measured(max(0.0, cold_s - warm_s) * 1e6, "us", Timing(tuple(after_sleep)),
                     (("back_to_back_s", warm_s), ("after_sleep_s", cold_s), ("sleep_s", sleep_s),
+                     ("waited_s", statistics.median(waited)),
                      ("rounds", rounds), ("calls", calls),
                      ("timed", "embedding, layers, head and loss, forward then backward: each call after a "
                                "sleep against blocks of back-to-back calls")))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tangram_launch.costmodel.pipeline import simulate_1f1b
-from tangram_launch.costmodel.wake import charge_wake_ups, wake_up_charges_s, wake_up_s
+from tangram_launch.costmodel.wake import charge_wake_ups, wake_up_charges_s, wake_up_s, wake_up_wait_s
 from tangram_launch.planner import PlannerOptions
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
 from tangram_launch.specs.cluster import ClusterSpec
@@ -58,6 +58,27 @@ def test_charges_keep_the_slowest_stage_and_stay_within_the_measured_cost(times,
         assert charged_f[k] == fwd[k] or charged_b[k] == bwd[k]
 
 
+def test_a_stage_that_waits_less_than_the_profile_did_is_charged_in_proportion():
+    # slack 2 s, 6 s and 10 s against a cost measured after 8 s of waiting: a quarter, three quarters, all of it
+    fwd, bwd, wake = [4.0, 2.0, 1.0, 0.0], [8.0, 8.0, 5.0, 2.0], [1.0] * 4
+    assert wake_up_charges_s(fwd, bwd, wake, [8.0] * 4) == pytest.approx([0.0, 0.25, 0.75, 1.0])
+    assert wake_up_charges_s(fwd, bwd, wake, [0.0] * 4) == wake_up_charges_s(fwd, bwd, wake)  # wait unknown: all
+    assert wake_up_wait_s({"wake_up_wait_us": 40000}) == pytest.approx(0.04)
+    assert wake_up_wait_s(None) == wake_up_wait_s({"wake_up_wait_us": -1}) == wake_up_wait_s({"x": 1}) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(stage_times, st.lists(st.integers(0, 30), min_size=6, max_size=6),
+       st.lists(st.integers(0, 60), min_size=6, max_size=6))
+def test_a_charge_grows_with_the_wait_up_to_the_whole_cost(times, wakes, waits):
+    fwd, bwd = [float(f) for f, _ in times], [float(b) for _, b in times]
+    wake, waited = [float(w) for w in wakes[:len(times)]], [float(m) for m in waits[:len(times)]]
+    scaled, whole = wake_up_charges_s(fwd, bwd, wake, waited), wake_up_charges_s(fwd, bwd, wake)
+    longer = wake_up_charges_s(fwd, bwd, wake, [m / 2 for m in waited])  # measured after half the wait
+    for c, c_whole, c_longer in zip(scaled, whole, longer):
+        assert 0.0 <= c <= c_longer <= c_whole  # a stage whose wait is long against the profile's pays more
+
+
 def _idle_before(blocks, stage: int) -> dict[str, int]:
     """How many of a stage's ops start after an idle gap, by kind."""
     ops = sorted((b for b in blocks if b.stage == stage), key=lambda b: b.start_s)
@@ -95,10 +116,12 @@ def test_1f1b_idles_each_stage_once_per_micro_batch_before_the_op_it_is_charged_
 TINY_2STAGE = {"stages": [{"layers": [0, 1], "island": "cpu", "dp": 1}, {"layers": [1, 4], "island": "cpu", "dp": 1}]}
 
 
-def _plan(wake_up_us: float | None):
+def _plan(wake_up_us: float | None, wake_up_wait_us: float | None = None):
     node = {"name": "local", "host": "localhost", "gpu": "cpu", "count": 2}
     if wake_up_us is not None:
         node["measured"] = {"wake_up_us": wake_up_us}
+    if wake_up_wait_us is not None:
+        node.setdefault("measured", {})["wake_up_wait_us"] = wake_up_wait_us
     model = load_model("tiny")
     manual = parse_manual_plan({**TINY_2STAGE, "microbatch_sequences": 8}, num_layers=model.num_layers,
                                island_names=["cpu"])
@@ -119,3 +142,7 @@ def test_a_measured_wake_up_cost_slows_the_waiting_stage_and_the_iteration_only(
     assert plain.predicted.iteration_time_s < woken.predicted.iteration_time_s
     assert woken.predicted.iteration_time_s < plain.predicted.iteration_time_s + 8 * charge
     assert _plan(0.0).predicted == plain.predicted  # measured as none: predicted as without the figure
+    # measured after twice the stage's wait: half the charge
+    slack_us = (p[slow].time_s - p[fast].time_s) * 1e6
+    half = _plan(2000.0, wake_up_wait_us=2 * slack_us).predicted.stages
+    assert half[fast].time_s == pytest.approx(p[fast].time_s + min(1e-3, charge))

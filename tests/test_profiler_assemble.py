@@ -117,16 +117,39 @@ def test_block_timing_runs_the_collective_after_each_block_untimed():
 
 
 def test_back_to_back_layer_timing_issues_the_agreed_number_of_collectives():
-    """Every member of the node issues the same collectives: one after the warm-up block and one per agreed block,
-    per pass (forward, forward+backward), whatever its own speed; the detail says how it was timed."""
+    """Every member of the node issues the same collectives: one after the warm-up block and one per agreed block
+    (one pass: the forward is timed inside forward+backward), whatever its own speed; the detail says how it was
+    timed."""
     tiny, calls = load_model("tiny"), []
     out = time_layer(tiny, "dense", LayerShape(micro_batch=2, seq_len=16, dtype="fp32"), torch.device("cpu"),
                      warmup=1, reps=5, min_rep_s=0.0, between=lambda: calls.append(1), budget_s=10.0,
                      agree=lambda n: min(n, 2), block_cpu_s=0.005)
-    assert len(calls) == 2 * (1 + 2)
+    assert len(calls) == 1 + 2
     for name in ("forward", "forward_backward"):
         assert len(out[name].timing.samples_s) == 2
         assert "back-to-back calls" in dict(out[name].detail)["timed"]
+    forward, both = out["forward"].timing.samples_s, out["forward_backward"].timing.samples_s
+    assert all(0 < f < fb for f, fb in zip(forward, both))  # each block's forward is part of its forward+backward
+
+
+def test_split_block_timing_times_the_forward_inside_each_call():
+    """``time_blocks_split``: each call runs its forward then the backward of what it returned, the collective
+    after each block; the forward's seconds are those of the forwards inside the calls, on a fake clock exactly."""
+    events, now = [], [0.0]
+
+    def forward():
+        events.append("f")
+        now[0] += 0.002
+        return len(events)
+
+    def backward(out):
+        events.append(("b", out))
+        now[0] += 0.005
+
+    fb, f = bench.time_blocks_split(forward, backward, lambda: events.append("c"), blocks=2, calls=3,
+                                    clock=lambda: now[0])
+    assert events[:7] == ["f", ("b", 1), "f", ("b", 3), "f", ("b", 5), "c"] and events.count("c") == 2
+    assert fb.samples_s == pytest.approx((0.007, 0.007)) and f.samples_s == pytest.approx((0.002, 0.002))
 
 
 def test_gemm_and_copy_on_cpu():
@@ -196,7 +219,9 @@ def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileR
                                         gemm={"fp32": _m(speeds[rank] / 4, "TFLOP/s"),
                                               "bf16": _m(speeds[rank], "TFLOP/s")},
                                         memory_bandwidth=_m(10.0), optimizer_tensor=_m(40.0 + rank, "us"),
-                                        optimizer_param=_m(3.0 - rank, "ns"), wake_up=_m(900.0 + 100 * rank, "us")))
+                                        optimizer_param=_m(3.0 - rank, "ns"),
+                                        wake_up=dataclasses.replace(_m(900.0 + 100 * rank, "us"),
+                                                                    detail=(("waited_s", 0.03 + 0.01 * rank),))))
         p2p = tuple((a, b, _m(2.0)) for a, b in itertools.combinations(range(per_node), 2))
         nodes.append(NodeRecord(node_rank=n, host=host, inventory=inv, ranks=ranks,
                                 allreduce=_m(1.5) if per_node > 1 else None, p2p=p2p,
@@ -229,6 +254,7 @@ def test_cpu_devices_carry_measured_figures():
     assert a.measured["wake_up_us"] == 900.0 and b.measured["wake_up_us"] == 1000.0  # per device
     assert spec.profile["devices"][1]["wake_up"]["value"] == 1000.0
     assert build_islands(spec).islands[0].gpu.measured["wake_up_us"] == 1000.0  # the slowest wake-up
+    assert a.measured["wake_up_wait_us"] == 30000.0 and b.measured["wake_up_wait_us"] == 40000.0  # after waits
     assert len(build_islands(spec).islands) == 1  # within tolerance: one island
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)

@@ -204,6 +204,7 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
     wakes = [d["wake_up"] for d in spec.profile["devices"]]
     assert len({w["rounds"] for w in wakes}) == 1 and wakes[0]["rounds"] >= 2
     assert all(w["after_sleep_s"] > 0 and w["back_to_back_s"] > 0 and w["sleep_s"] == 0.02 for w in wakes)
+    assert all(w["waited_s"] >= w["sleep_s"] for w in wakes)  # the idle before each timed call: at least the sleep
     # as many calls as the budget affords on the slower member, the same on both: whole blocks, at least three
     assert 30 <= wait["reps"] <= spec.profile["bench"]["wait_reps"] and wait["reps"] % 10 == 0
     assert wait["group_size"] == 2
@@ -216,7 +217,7 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
         assert dev.optimizer_tensor_s == pytest.approx(m["optimizer_tensor_us"] * 1e-6)
         assert m["optimizer_param_ns"] >= 0 and dev.optimizer_param_s == pytest.approx(m["optimizer_param_ns"] * 1e-9)
         # the wake-up cost of a stage-like micro-batch after a wait, per device, in as many rounds on each
-        assert m["wake_up_us"] >= 0
+        assert m["wake_up_us"] >= 0 and m["wake_up_wait_us"] >= 0.02e6  # and the wait it was measured after
         # the embedding and the head + loss are timed beside the layer kinds, at the same shape
         for kind in ("dense", "moe", "embedding", "head"):
             key = f"tiny-moe|{kind}|seq=32|mbs=1|tp=1"

@@ -43,8 +43,20 @@ def test_a_cold_start_after_a_wait_is_measured_and_a_steady_call_reads_nothing()
     detail = dict(cold.detail)
     assert detail["after_sleep_s"] == pytest.approx(4e-3) and detail["back_to_back_s"] == pytest.approx(1e-3)
     assert len(calls) == (1 + detail["calls"]) * detail["rounds"]  # one before each block and each sleep
+    assert detail["waited_s"] == pytest.approx(detail["sleep_s"])  # idle before each timed call: here the sleep
     steady = time_wake_up(_ColdAfterPause(clock, 0.0), cpu, budget_s=0.5, clock=clock, sleep=clock.sleep)
     assert steady.value == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_wait_counts_a_collective_that_waits_for_slower_peers():
+    clock = _Clock()
+
+    def slow_peers() -> None:  # the collective returns once a peer 7 ms slower has caught up
+        clock.now += 7e-3
+
+    got = time_wake_up(_ColdAfterPause(clock, 3e-3), torch.device("cpu"), budget_s=0.5, between=slow_peers,
+                       sleep_s=0.02, clock=clock, sleep=clock.sleep)
+    assert dict(got.detail)["waited_s"] == pytest.approx(0.027)
 
 
 def test_a_call_faster_after_a_wait_costs_nothing():

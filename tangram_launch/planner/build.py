@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
-from tangram_launch.costmodel.wake import charge_wake_ups, wake_up_s
+from tangram_launch.costmodel.wake import charge_wake_ups, wake_up_s, wake_up_wait_s
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import Plan, Prediction, Stage, StagePrediction, interleaved_chunks
@@ -203,6 +203,7 @@ class Candidates:
         bwd: list[float] = []
         p2p: list[float] = []
         wake: list[float] = []
+        waited: list[float] = []
         links = self.boundaries_s(seq)
         for n, oi in enumerate(seq):
             stages = self.sources[oi][1].stages  # shifting layers changes no time
@@ -211,9 +212,11 @@ class Candidates:
             p2p.extend([0.0] * (len(stages) - 1))
             fwd.extend(st.forward_s for st in stages)
             bwd.extend(st.backward_s for st in stages)
-            wake.extend([wake_up_s(self.islands[self.options[oi].island].gpu.measured)] * len(stages))
+            measured = self.islands[self.options[oi].island].gpu.measured
+            wake.extend([wake_up_s(measured)] * len(stages))
+            waited.extend([wake_up_wait_s(measured)] * len(stages))
         if any(wake):  # a measured wake-up cost (CPU profiles): charged to the stages that wait (costmodel/wake.py)
-            fwd, bwd = charge_wake_ups(fwd, bwd, wake)
+            fwd, bwd = charge_wake_ups(fwd, bwd, wake, waited)
         return fwd, bwd, p2p
 
     def stage_gpus(self, seq: Sequence[int]) -> list[list[tuple[GpuRef, ...]]]:
