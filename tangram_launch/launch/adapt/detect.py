@@ -9,9 +9,13 @@ detection acts on changes, and a GPU slow from the start is what ``tangram-launc
 
 A rank is a straggler when the lower quartile of its ratios over the last ``window_steps`` steps exceeds
 ``1 + threshold``: at least three steps in four were slow, so a one-off spike (a page fault, a checkpoint, another
-process) never flags it. Its effective rate is the median of the window's later half (a slowdown that began inside
-the window is measured at its full size): the factor the re-plan divides that GPU's figures by, per GPU (per rank
-on CPU), so a slow GPU becomes its own island.
+process) never flags it. Its effective rate is the lower quartile of the window's later half (a slowdown that began
+inside the window is measured at its full size): the factor the re-plan divides that GPU's figures by, per GPU
+(per rank on CPU), so a slow GPU becomes its own island.
+
+Every rate is a lower quartile because spikes only ever add time: a median of a few steps is moved by spikes in
+half of them, which a short burst does (a baseline window read as several times normal would hide any later
+slowdown below it). The baseline is the whole first window's lower quartile, as robust to spikes as detection.
 
 Per-rank attribution needs per-rank spans: in a pipeline, a stage's hooks time its own compute (receives happen
 between them). Replicas whose collectives run inside the stage's forward (ZeRO-3 gathers) wait for the slowest
@@ -46,8 +50,8 @@ class RankRate:
     rank: int
     gpu: GpuKey
     stage: int
-    ratio: float  # median over the window's later half of measured / (predicted x expected)
-    low_quartile: float
+    ratio: float  # lower quartile over the window's later half of measured / (predicted x expected)
+    low_quartile: float  # over the whole window
     slow: bool
 
 
@@ -116,7 +120,7 @@ def last_window(timings: list[Mapping], plan: Mapping, expected: Mapping[GpuKey,
         if len(values) < config.window_steps:
             return None
         low = _quartile(values)
-        rates.append(RankRate(rank=rank, gpu=gpu, stage=stage, ratio=statistics.median(values[len(values) // 2:]),
+        rates.append(RankRate(rank=rank, gpu=gpu, stage=stage, ratio=_quartile(values[len(values) // 2:]),
                               low_quartile=low, slow=low > 1.0 + config.threshold))
     walls: dict[int, float] = {}
     for t in timings:
@@ -127,5 +131,6 @@ def last_window(timings: list[Mapping], plan: Mapping, expected: Mapping[GpuKey,
 
 
 def baseline(window: Window) -> dict[GpuKey, float]:
-    """Every rank's expectation after a segment's first window (read with no expectation): its own ratio."""
-    return {r.gpu: r.ratio for r in window.rates}
+    """Every rank's expectation after a segment's first window (read with no expectation): its ratio over the
+    whole window (the segment began there, so no slowdown started inside it)."""
+    return {r.gpu: r.low_quartile for r in window.rates}
