@@ -11,7 +11,9 @@ starts on a three-stage pipeline that puts work on all of them (the planner's pl
 launch starts, device 1 is throttled to ``--quota`` of a core, as ``benchmarks/bench_hetero_cpu.py`` throttles: a
 cgroup-v1 ``cpu`` group with a CFS quota, every worker process on that device moved into it as it appears (a
 restarted worker too). Without a writable cgroup-v1 controller it falls back to stopping and continuing the process
-(SIGSTOP/SIGCONT, the same duty cycle in the same 100 ms period) and says so. A worker's device is its
+(SIGSTOP/SIGCONT, the same duty cycle in the same period) and says so. The period is 10 ms: a worker whose step
+computes for less than a longer period's quota (22 ms a step against 33 ms of every 100 ms) would run at full speed
+in most steps and be slowed only in some, which is not a slower device. A worker's device is its
 ``CUDA_VISIBLE_DEVICES`` entry for its ``LOCAL_RANK`` (the launcher narrows it when a plan leaves devices out).
 
 Three launches of ``examples/train_gpt.py`` (synthetic tokens, the same seed and samples), each for ``--window-s``
@@ -79,7 +81,7 @@ def device_of(pid: int) -> int | None:
 class MidRunThrottle(threading.Thread):
     """Once ``due()`` is true, keeps every worker of ``root`` on ``device`` at ``quota`` of a core."""
 
-    def __init__(self, *, device: int, quota: float, due, period_us: int = 100_000, shares: int = 262144) -> None:
+    def __init__(self, *, device: int, quota: float, due, period_us: int = 10_000, shares: int = 262144) -> None:
         super().__init__(name="throttle", daemon=True)
         self.root = 0  # the launcher's pid, set before start()
         self.device, self.quota, self.due, self.period_s = device, quota, due, period_us / 1e6
