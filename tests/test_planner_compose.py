@@ -985,6 +985,38 @@ def test_a_plain_score_finds_the_least_score_over_thousands_of_instances():
     assert _plain_sweep(random.Random(7200), 3000) > 1800
 
 
+def test_a_deferred_complete_pass_finds_the_least_score_under_a_later_bound():
+    """compose with ``deferred`` leaves its complete pass to the caller (size_composition.complete_deferred): run
+    later, bounded by a score a real plan holds (here the least one found by brute force, a little above it, or
+    none), the passes together still find the least score of every composition, and a pass bounded by the least
+    score itself finds nothing better."""
+    rng = random.Random(7300)
+    checked = 0
+    for _ in range(200):
+        options, link, L, m, K = random_instance(rng, max_layers=rng.choice([6, 8]), max_islands=rng.choice([3, 4]))
+        m = rng.choice([2, 4, 8, 16])
+        schedules = rng.choice([("plain",), ("plain", "interleaved")])
+        score = scheduled(options, link, m, schedules=schedules, most_chunks=2)
+        least = _least_score(options, link, L, m, score)
+        later: list = []
+        got = compose(options, link, L, m, score=score, score_schedules=schedules, deferred=later,
+                      score_fill_weight=0.5 if "interleaved" in schedules else 0.0)
+        if least == math.inf:
+            continue
+        checked += bool(later)
+        bound = rng.choice([math.inf, least * rng.uniform(1.000001, 1.2)])
+        found = [got.score_s] if got is not None else []
+        for finish in later:
+            comp = finish(bound)
+            if comp is not None:
+                _check_plan(comp, options, link, L, m, required=0, max_stages=None)
+                assert comp.score_s < bound
+                found.append(comp.score_s)
+        assert min(found) == pytest.approx(least, rel=1e-12)
+        assert all(finish(least) is None for finish in later)
+    assert checked > 100
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 3.0), st.floats(0.0, 2.0)), min_size=1, max_size=9),
        st.integers(1, 24))

@@ -165,7 +165,7 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
                   score_incumbent_s: float = float("inf"),
                   schedules: tuple[str, ...] = SCORE_ANY,
                   searched: Sequence[Option] | None = None,
-                  rows: "np.ndarray | None" = None) -> Composition | None:
+                  rows: "np.ndarray | None" = None, deferred: list | None = None) -> Composition | None:
     """The composer on one compatibility class: exact over island subsets up to ``opts.exact_islands`` islands,
     beyond that over a bounded set of island orders (polynomial; see orders.search_orders). ``incumbent_s``: the
     closed form to beat; ``score_incumbent_s``: the best predicted iteration found elsewhere (winners that cannot
@@ -173,7 +173,9 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
     (size_composition._score_schedules), so that the composer prunes by their floors; ``searched``: options of this
     class already composed under bounds no tighter, whose plans already count in the incumbents: None is returned
     unless a promising option is new.
-    ``rows``: every option of ``cand`` as Candidates.option_rows (promising then reads the class's rows), or None."""
+    ``rows``: every option of ``cand`` as Candidates.option_rows (promising then reads the class's rows), or None;
+    ``deferred``: where a list, complete passes are left to the caller: (compose's _Search.complete_later, the
+    option indices in ``cand`` of its plan's) appended."""
     chosen = class_options(cand, idx, L, m, opts, allowed_mask=allowed_mask, required_mask=required_mask,
                            incumbent_s=incumbent_s, score_incumbent_s=score_incumbent_s, schedules=schedules,
                            searched=searched, rows=rows)
@@ -184,6 +186,7 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
     weight = 1.0 / MAX_VIRTUAL_STAGES if "interleaved" in schedules else 0.0
     scorer = ClassScores(cand, idx, sub, m, caps, opts, schedules)
     best = None
+    later: list | None = [] if deferred is not None else None
 
     def run(order: list[int] | None, merge_fronts: bool = False, quick_plan: bool = True) -> float | None:
         nonlocal best
@@ -191,7 +194,7 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
                        max_stages=caps.max_stages, bound_step=opts.bound_step, island_order=order,
                        incumbent_s=min(incumbent_s, stats.threshold_s(best.objective_s if best else None,
                                                                       opts.score_band)),
-                       stats=stats, score=scorer.predicted_s, score_band=opts.score_band,
+                       stats=stats, deferred=later, score=scorer.predicted_s, score_band=opts.score_band,
                        score_floor=scorer.floor_s, score_floor_fine=scorer.fine_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
@@ -213,6 +216,8 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
         run(None, merge_fronts=True, quick_plan=False)
     else:
         search_orders(run, present, cand.link_matrix, island_orders(cand.islands, present, cand.training_dtype))
+    if later:
+        deferred.extend((finish, idx) for finish in later)
     if best is None:
         return None
     return Composition(tuple(idx[i] for i in best.options), best.metrics, best.bound_s, best.score_s)

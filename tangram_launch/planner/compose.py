@@ -995,6 +995,14 @@ class _Search:
         self.stats.candidates += len(candidates)
         self.offer_all([f[3] for f in candidates])
 
+    def complete_later(self, score_beat_s: float) -> Composition | None:
+        """The complete pass, left by compose for a driver that now holds a plan scored ``score_beat_s`` (a real
+        plan: what cannot beat it loses nothing); the plan it finds, None if it finds none better."""
+        self.scoring = self.scoring._replace(incumbent_s=min(self.scoring.incumbent_s, score_beat_s))
+        before = self.best
+        self.complete_pass()
+        return self.result() if self.best is not before else None
+
     def result(self) -> Composition | None:
         """The best plan, if it beats what a returned plan must beat."""
         if self.best is None or self.best.comp.objective_s >= self.gate_s:
@@ -1028,9 +1036,8 @@ def _island_rank(island_order: Sequence[int] | None, options: Sequence[Option], 
 def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, num_microbatches: int,
             *, allowed_mask: int | None = None, required_mask: int = 0, max_stages: int | None = None,
             bound_step: float = 0.0, incumbent_s: float = float("inf"), island_order: Sequence[int] | None = None,
-            stats: ComposeStats | None = None,
-            score: Callable[[tuple[int, ...], Metrics], float] | None = None,
-            score_band: bool = False,
+            stats: ComposeStats | None = None, deferred: list | None = None,
+            score: Callable[[tuple[int, ...], Metrics], float] | None = None, score_band: bool = False,
             score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_floor_fine: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
@@ -1063,18 +1070,17 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     the DP also prunes by plain_1f1b_floor_s) and "interleaved" (with ``score_fill_weight``; with ``bound_step`` 0
     and without ``merge_fronts`` no option is dropped as dominated and a complete pass over the sequences that can
     interleave ends the search: the plan scores no more than any composition's interleaved schedules, provided the
-    score floors lie under the score); ``merge_fronts``:
-    the sequences of one island set whose front islands have the same links from every other island
-    (front_classes) share a DP state. The closed form's optimum is the same; the candidates offered to the score
-    are fewer (one per class and state, not one per front island), and the exact search costs about 2^K states per
-    layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no option is beaten by
-    another of the same layers and island in every respect the kernel sees (the planner's options are: each class
-    was judged by grid_classes.undominated), so the kernel does not look for such pairs; ``edge_s``: per option, its
-    first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor (cycles_s);
-    ``quick_plan`` False: no quick plan before the exact pass (a driver whose incumbents already hold a plan of
-    these options, composed in one island order just before, has the bound it would give); ``rows``: the options as
-    Candidates.option_rows (rows[i] is options[i]), where the caller has them: the preparation reads columns.
-    """
+    score floors lie under the score); ``merge_fronts``: the sequences of one island set whose front islands have the
+    same links from every other island (front_classes) share a DP state. The closed form's optimum is the same; the
+    candidates offered to the score are fewer (one per class and state, not one per front island), and the exact search
+    costs about 2^K states per layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no
+    option is beaten by another of the same layers and island in every respect the kernel sees (the planner's options
+    are: each class was judged by grid_classes.undominated), so the kernel does not look for such pairs; ``edge_s``: per
+    option, its first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor
+    (cycles_s); ``quick_plan`` False: no quick plan before the exact pass (a driver whose incumbents already hold a plan
+    of these options, composed in one island order just before, has the bound it would give); ``rows``: the options as
+    Candidates.option_rows (rows[i] is options[i]), where the caller has them: the preparation reads columns;
+    ``deferred``: a list where the complete pass is left to the caller (appended: _Search.complete_later)."""
     stats = stats if stats is not None else ComposeStats()
     m = num_microbatches
     if allowed_mask is None:
@@ -1102,6 +1108,8 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     if quick_plan:
         search.quick_plan()
     search.exact_pass(bound_step)
-    if complete:
+    if complete and deferred is not None:
+        deferred.append(search.complete_later)  # the driver runs it later, bounded by its best plan of all
+    elif complete:
         search.complete_pass()
     return search.result()

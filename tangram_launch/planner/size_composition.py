@@ -88,6 +88,9 @@ class SearchState:
     memo: SizeMemo | None = field(default_factory=SizeMemo)  # None: every round composes anew
     reach: dict = field(default_factory=dict)  # b -> its PipelineReach (pair_floors.py): pairs a pipeline could hold
     best: Incumbent | None = None
+    # (b, class, its Candidates, compose_group's deferred): complete passes left for complete_deferred (None: none is)
+    deferred: list | None = None
+    size_best_s: dict = field(default_factory=dict)  # b -> the best predicted iteration composed at b
 
 
 def size_links(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
@@ -165,9 +168,12 @@ def compose_size(b: int, ctx: SearchContext, state: SearchState, *, use_incumben
             memo.composed[(b, group)] = (opts_of, threshold, score_to_beat)
         if not rows:
             rows.append(cand.option_rows(memo.fields.setdefault(b, {}) if memo is not None else None))
+        note = [] if state.deferred is not None else None
         comp = compose_group(cand, idx, L, m, caps, opts, cstats, incumbent_s=threshold,
                              score_incumbent_s=score_to_beat, schedules=schedules, searched=searched,
-                             rows=rows[0])
+                             rows=rows[0], deferred=note)
+        if note:
+            state.deferred.append((b, group, cand, note))
         if comp is not None:
             own_s = min(own_s, comp.objective_s)
             if best is None or comp.objective_s < best.latency_s:
@@ -178,6 +184,25 @@ def compose_size(b: int, ctx: SearchContext, state: SearchState, *, use_incumben
     counters["compose_s"] += time.perf_counter() - t_c
     state.best = best
     return own_s
+
+
+def complete_deferred(state: SearchState) -> None:
+    """The complete passes compose_size left (SearchState.deferred), once every size was visited, each bounded by
+    the best plan over all sizes (a real plan, so what cannot beat it loses nothing), the sizes with the best plans
+    of their own first. The costliest complete passes then prune by the optimum, not by the best plan found when
+    their size was visited."""
+    deferred, state.deferred = state.deferred or [], None
+    t_c = time.perf_counter()
+    for b, group, cand, later in sorted(deferred, key=lambda d: (state.size_best_s.get(d[0], math.inf), d[0])):
+        for finish, idx in later:
+            best_s = state.best.latency_s if state.best is not None else math.inf
+            comp = finish(best_s)
+            if comp is not None and comp.objective_s < best_s:
+                comp = Composition(tuple(idx[i] for i in comp.options), comp.metrics, comp.bound_s, comp.score_s)
+                best = Incumbent(comp.objective_s, b, group, comp, cand)
+                # (in terms of the size's last option list, as compose_size keeps it)
+                state.best = best if cand is state.all_cands[b] else _moved(best, state.all_cands[b])
+    state.counters["compose_s"] += time.perf_counter() - t_c
 
 
 def _answer_minima(cand: Candidates, kept: dict) -> list:

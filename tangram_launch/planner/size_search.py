@@ -14,7 +14,8 @@ from tangram_launch.parallelizers.base import SliceQuery, SliceResult
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES
 from tangram_launch.planner.orders import fastest_first, island_orders
 from tangram_launch.planner.pair_floors import PairFloors, PipelineReach
-from tangram_launch.planner.size_composition import SearchContext, SearchState, compose_size, size_links
+from tangram_launch.planner.size_composition import SearchContext, SearchState, complete_deferred, compose_size, \
+    size_links
 from tangram_launch.planner.size_floors import SizeFloor, front_s, least_links_at, outside_s, score_extra_s, size_floor
 from tangram_launch.planner.slices import Pair
 
@@ -70,6 +71,7 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     """
     model, opts, pairset = ctx.model, ctx.opts, ctx.pairset
     L = model.num_layers
+    state.deferred = []  # every size's complete passes wait for the best plan over all sizes (complete_deferred)
     whole = [p for p in pairset.queries if p.layers == (0, L)]
     reach = PipelineReach(pairset.pairs, L)
     reach.prune()  # a class no pipeline can hold is asked at no size
@@ -116,6 +118,7 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
                 _visit(b, [p for i, p in enumerate(left) if i in head], floors[b], ctx, state, use_incumbent=True)
                 left = [p for i, p in enumerate(left) if i not in head]
         _visit(b, left, floors[b], ctx, state, use_incumbent=True)
+    complete_deferred(state)  # the complete passes, bounded by the best plan over every size
 
 
 def _bounds(ctx: SearchContext, state: SearchState) -> tuple[float, float]:
@@ -134,7 +137,9 @@ def _visit(b: int, pairs: Sequence[Pair], floor: SizeFloor, ctx: SearchContext, 
         state.counters["sizes_skipped"] += 1
         return None
     _ask(b, pairs, *bounds, floor, ctx, state)
-    return compose_size(b, ctx, state, use_incumbent=use_incumbent)
+    own_s = compose_size(b, ctx, state, use_incumbent=use_incumbent)
+    state.size_best_s[b] = min(state.size_best_s.get(b, math.inf), own_s)
+    return own_s
 
 
 def _seed_orders(islands: Sequence["Island"], present: Sequence[int], dtype: str) -> list[list[int]]:
