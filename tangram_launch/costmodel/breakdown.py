@@ -374,10 +374,8 @@ class SliceCoster:
         etp = self.etp(tp)
         tp_link = self._link(1, tp, stage_gpus)
         cp_link = self._link(tp, cp, stage_gpus) if cp > 1 else None
-        moe_ep = kind == "moe" and ep > 1
-        ep_link = self._link(etp, ep, stage_gpus) if moe_ep else None
-        etp_link = self._link(1, etp, stage_gpus) if moe_ep and etp > 1 else None
-        by_links = (kind, tp, cp, ep, mbs, tp_link, cp_link, ep_link, etp_link)
+        expert_links = self._expert_links(ep, etp, stage_gpus) if kind == "moe" else (None, None)
+        by_links = (kind, tp, cp, ep, mbs, tp_link, cp_link, *expert_links)
         hit = self._layer_cache.get(by_links)
         if hit is None:
             hit = self._layer_cache[by_links] = self._layer_terms(kind, tp, cp, ep, mbs, (tp_link, cp_link),
@@ -436,6 +434,13 @@ class SliceCoster:
         )
         return terms
 
+    def _expert_links(self, ep: int, etp: int, stage_gpus: int) -> tuple:
+        """(the EP group's link, etp ranks apart; the experts' TP group's link) of an MoE layer, None where the group
+        moves nothing (ep 1; etp 1): what _expert_comm_s prices, and so part of layer_terms' cache key."""
+        if ep <= 1:
+            return None, None
+        return self._link(etp, ep, stage_gpus), (self._link(1, etp, stage_gpus) if etp > 1 else None)
+
     def _expert_comm_s(self, tokens: float, tp: int, ep: int, etp: int, stage_gpus: int) -> tuple[float, float]:
         """(forward, backward) token dispatch of one MoE layer per micro-batch, as Megatron-core's all-to-all
         dispatcher runs it (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher).
@@ -451,12 +456,11 @@ class SliceCoster:
         rows = copies_per_token(self.moe_runtime.dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
         copies = tokens / tp * rows * model.hidden_size * p  # a rank's copies of its SP shard
         pass_s = counts_s = 0.0
-        if ep > 1:
-            ep_link = self._link(etp, ep, stage_gpus)
+        ep_link, etp_link = self._expert_links(ep, etp, stage_gpus)
+        if ep_link is not None:
             pass_s = 2 * comm.collective_s(comm.ALL_TO_ALL, copies, ep, ep_link)
             counts_s = comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)
-        if etp > 1 and ep > 1:  # the gathered buffer holds the etp ranks' received copies
-            etp_link = self._link(1, etp, stage_gpus)
+        if etp_link is not None:  # the gathered buffer holds the etp ranks' received copies
             pass_s += (comm.collective_s(comm.ALL_GATHER, copies * etp, etp, etp_link)
                        + comm.collective_s(comm.REDUCE_SCATTER, copies * etp, etp, etp_link))
         return pass_s + counts_s, pass_s
