@@ -11,8 +11,9 @@ from tangram_launch.costmodel.breakdown import ParallelConfig
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.memory import expert_gathered_input_bytes, layer_activation_bytes, layer_param_split
-from tangram_launch.costmodel.moe_dispatch import (MoERuntime, copies_per_token, expected_ranks_reached,
-                                                   permutation_traffic_h)
+from tangram_launch.costmodel.moe_dispatch import (GROUPED_GEMM_TILE_ROWS, MoERuntime, busiest_rank_load_factor,
+                                                   copies_per_token, expected_ranks_reached, grouped_gemm_rows,
+                                                   permutation_traffic_h, router_traffic_bytes)
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.model import load_model
 from tests.test_costmodel import coster, gpu, island
@@ -78,7 +79,8 @@ class _Recording(DeviceModel):
 
 def test_expert_gemms_keep_their_work_under_either_expert_grid():
     """Per GPU the experts do the same FLOPs whether they are TP-sharded (M k ep / E tokens per expert, width
-    f / t) or whole (M / t k ep / E tokens, width f): the expert grid changes the GEMM shapes, not the work."""
+    f / t) or whole (M / t k ep / E tokens, width f): the expert grid changes the GEMM shapes, not the work. Each
+    expert's GEMM is priced on its tokens rounded up to whole tiles (grouped_gemm_rows)."""
     base = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
     flops = {}
     for etp in (1, 2):
@@ -88,7 +90,11 @@ def test_expert_gemms_keep_their_work_under_either_expert_grid():
                       moe_runtime=MoERuntime(expert_tensor_parallel=etp))
         experts = [c for c in dev.calls if c[3] == QWEN.num_experts / 8]
         assert len(experts) == 2
-        flops[etp] = sum(2 * m * n * k * count for m, n, k, count in experts)
+        m_e = 4096 / 2 * etp * QWEN.top_k * 8 / QWEN.num_experts
+        rows = grouped_gemm_rows(m_e * busiest_rank_load_factor(tokens=4096 / 2 * etp * 8, top_k=QWEN.top_k,
+                                                                num_experts=QWEN.num_experts, ep=8))
+        assert all(m == pytest.approx(rows) for m, _, _, _ in experts)
+        flops[etp] = sum(2 * m_e * n * k * count for _, n, k, count in experts)
         assert experts[0][1] == (QWEN.ffn_matrices - 1) * QWEN.expert_ffn_hidden_size / etp
     assert flops[1] == pytest.approx(flops[2])
 
@@ -165,27 +171,100 @@ def test_an_unknown_dispatcher_is_named():
 
 # ------------------------------------------------------------------------------------------------ permutation
 def test_permutation_passes_as_the_dispatchers_run_them():
-    """Unfused (Megatron-core moe_utils.permute: index_select; unpermute: x probs, zeros, scatter_add_; the torch
-    runtime alike): 5k + 2 rows per token; TE's fused moe_permute / moe_unpermute: 2k + 2; the all-to-all
-    dispatcher's sort_chunks_by_idxs there and back (EP > 1, several local experts): 4k more; DeepEP none."""
+    """Unfused (Megatron-core moe_utils.permute: index_select; unpermute: x probs, zeros, scatter_add_; torchtitan
+    and the torch runtime alike): 2k, then the weighted combine 2k + 1 + a scatter-add that reads each added row and
+    read-modify-writes its token's output row (3k): 7k + 1 rows per token in the activation dtype; fp32 weighted
+    rows (c = 2 under bf16): 2k + 3k + 2 + 6k + a cast back (3) = 11k + 5; unweighted (TEGroupedMLP's weighted
+    SwiGLU): 5k + 1. TE's fused moe_permute / moe_unpermute: 2k + 2; the all-to-all dispatcher's
+    sort_chunks_by_idxs there and back (EP > 1, several local experts): 4k more, on the etp ranks' gathered copies
+    under expert TP; DeepEP none."""
     kw = dict(top_k=8, ep=8, local_experts=16)
-    assert permutation_traffic_h(dispatcher="alltoall", fused=False, **kw) == 5 * 8 + 2 + 4 * 8
-    assert permutation_traffic_h(dispatcher="alltoall", fused=True, **kw) == 2 * 8 + 2 + 4 * 8
-    assert permutation_traffic_h(dispatcher="deepep", fused=True, **kw) == 2 * 8 + 2
-    assert permutation_traffic_h(dispatcher="alltoall", fused=False, top_k=2, ep=1, local_experts=8) == 12
-    assert permutation_traffic_h(dispatcher="alltoall", fused=False, top_k=2, ep=8, local_experts=1) == 12
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, **kw) == 7 * 8 + 1 + 4 * 8
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, combine_ratio=2.0, **kw) == 11 * 8 + 5 + 4 * 8
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, combine_ratio=2.0, weighted=False, **kw) == \
+        5 * 8 + 1 + 4 * 8
+    assert permutation_traffic_h(dispatcher="alltoall", fused=True, combine_ratio=2.0, **kw) == 2 * 8 + 2 + 4 * 8
+    assert permutation_traffic_h(dispatcher="alltoall", fused=True, etp=4, **kw) == 2 * 8 + 2 + 4 * 8 * 4
+    assert permutation_traffic_h(dispatcher="deepep", fused=True, etp=4, **kw) == 2 * 8 + 2
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, top_k=2, ep=1, local_experts=8) == 15
+    assert permutation_traffic_h(dispatcher="alltoall", fused=False, top_k=2, ep=8, local_experts=1) == 15
+
+
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 16), c=st.sampled_from([1.0, 2.0]), etp=st.sampled_from([1, 2, 4]),
+       dispatcher=st.sampled_from(["alltoall", "deepep"]))
+def test_unfused_permutation_never_moves_fewer_rows_than_fused(k, c, etp, dispatcher):
+    """Whatever the combine's dtype and weighting, the unfused kernels move at least the fused ones' 2k + 2 rows
+    (each pass of the fused kernels is one of theirs), and fp32 weighted rows never cost less than 16-bit ones."""
+    kw = dict(top_k=k, ep=8, local_experts=16, dispatcher=dispatcher, etp=etp)
+    fused = permutation_traffic_h(fused=True, **kw)
+    for weighted in (True, False):
+        assert permutation_traffic_h(fused=False, combine_ratio=c, weighted=weighted, **kw) >= fused
+    assert permutation_traffic_h(fused=False, combine_ratio=2.0, **kw) >= permutation_traffic_h(fused=False, **kw)
 
 
 def test_permutation_traffic_is_priced_at_memory_bandwidth():
     """The element-wise time of an MoE layer differs between fused and unfused permutation by exactly the rows
-    moved through HBM: (3k) h p bytes per token on the GPU's M / t tokens."""
+    moved through HBM: under bf16 with the default fp32 combine (MoERuntime.combine_bytes), (11k + 5) - (2k + 2)
+    h-wide rows of p bytes per token on the GPU's M / t tokens; with a 16-bit combine, (7k + 1) - (2k + 2)."""
     dev = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
     kw = dict(seq_len=4096, mbs=2, tp=1, cp=1, ep=8, dev=dev, use_measured=False)
-    unfused = layer_compute(QWEN, 0, **kw)
     fused = layer_compute(QWEN, 0, moe_runtime=MoERuntime(permute_fusion=True), **kw)
-    rows = 3 * QWEN.top_k * QWEN.hidden_size * 2 * 2 * 4096
-    assert unfused.elementwise_s - fused.elementwise_s == pytest.approx(dev.memory_s(rows))
-    assert unfused.gemm_s == fused.gemm_s
+    row = QWEN.hidden_size * 2 * 2 * 4096
+    for runtime, rows in ((MoERuntime(), 9 * QWEN.top_k + 3), (MoERuntime(combine_bytes=2), 5 * QWEN.top_k - 1)):
+        unfused = layer_compute(QWEN, 0, moe_runtime=runtime, **kw)
+        assert unfused.elementwise_s - fused.elementwise_s == pytest.approx(dev.memory_s(rows * row))
+        assert unfused.gemm_s == fused.gemm_s
+
+
+def test_expert_tp_regroups_the_gathered_copies():
+    """Under expert TP the all-to-all dispatcher sorts the buffer the experts' TP all-gather returned by local
+    expert, etp ranks' copies: a layer at etp 4 moves 4k x 3 more h-wide rows per token than at etp 1 besides."""
+    dev = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
+    kw = dict(seq_len=4096, mbs=2, tp=4, cp=1, ep=2, dev=dev, use_measured=False)
+    whole = layer_compute(QWEN, 0, moe_runtime=ETP1, **kw)
+    cut = layer_compute(QWEN, 0, moe_runtime=MoERuntime(expert_tensor_parallel=4), **kw)
+    regroup = 4 * QWEN.top_k * 3 * QWEN.hidden_size * 2 * 2 * 4096 / 4  # on the rank's M / t tokens
+    assert cut.elementwise_s - whole.elementwise_s == pytest.approx(dev.memory_s(regroup))
+
+
+def test_the_router_softmax_and_top_k_are_charged_per_token():
+    """The router's fp32 softmax over E and its top-k: E (p + 8) + 20 k bytes per token, on the SP-sharded tokens;
+    a model with twice the experts (same k) pays E (p + 8) more per token."""
+    import dataclasses
+
+    dev = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
+    assert router_traffic_bytes(num_experts=128, top_k=8, dtype_bytes=2) == 128 * 10 + 8 * 20
+    kw = dict(seq_len=4096, mbs=1, tp=1, cp=1, ep=1, dev=dev, use_measured=False)
+    more = dataclasses.replace(QWEN, num_experts=256)
+    a, b = layer_compute(QWEN, 0, **kw), layer_compute(more, 0, **kw)
+    assert b.elementwise_s - a.elementwise_s == pytest.approx(dev.memory_s(128 * 10 * 4096))
+
+
+@settings(max_examples=300, deadline=None)
+@given(m_e=st.floats(0.01, 1e6, allow_nan=False))
+def test_a_grouped_gemm_computes_whole_tiles_per_expert(m_e):
+    """An expert's GEMM rows: never fewer than its tokens or one tile, at most one tile more than its tokens, and
+    non-decreasing in its tokens; the waste a fraction tile / (2 M_e) for large experts."""
+    tile = GROUPED_GEMM_TILE_ROWS
+    rows = grouped_gemm_rows(m_e)
+    assert rows >= max(m_e, tile)
+    assert rows <= m_e + tile
+    assert grouped_gemm_rows(m_e * 1.5) >= rows
+    if m_e >= tile:
+        assert rows - m_e == pytest.approx(tile / 2)
+    assert grouped_gemm_rows(0.0) == 0.0
+
+
+def test_many_small_experts_lose_more_to_partial_tiles_than_few_large_ones():
+    """The same routed FLOPs, once on few experts with many tokens each and once on many with few (a small
+    micro-batch over 128 experts at EP 1): the routed GEMMs of the second take longer per FLOP."""
+    dev = DeviceModel.from_gpu(gpu("h100-sxm"), "bf16")
+    big = layer_compute(QWEN, 0, seq_len=4096, mbs=8, tp=1, cp=1, ep=8, dev=dev, use_measured=False)
+    small = layer_compute(QWEN, 0, seq_len=512, mbs=1, tp=1, cp=1, ep=1, dev=dev, use_measured=False)
+    # tokens per expert: 4096 x 8 x 8 x 8 / 128 = 16384 against 512 x 8 / 128 = 32, a quarter tile
+    assert grouped_gemm_rows(32) / 32 == pytest.approx(4.0)
+    assert small.gemm_s / small.forward_flops > big.gemm_s / big.forward_flops
 
 
 def test_small_experts_pay_more_for_permutation_than_large_ones():
@@ -258,3 +337,46 @@ def test_the_memory_floor_stays_under_the_stage_under_its_own_expert_grid():
         need = sum(n * per_kind[k] for k, n in c.layer_counts()) + emb_b + head_b
         st = c.plan(ParallelConfig(tp=2, dp=8, ep=8, zero_stage=1)).stages[0]
         assert 0.5 * (st.static_bytes + st.activation_bytes) < need <= st.static_bytes + st.activation_bytes
+
+
+# ------------------------------------------------------------------------------------------------ load
+def test_the_busiest_rank_load_matches_a_seeded_simulation():
+    """Tokens that each pick k distinct experts, all equally likely: the busiest of the EP ranks' loads, averaged
+    over seeded draws, exceeds the mean by what busiest_rank_load_factor says (Blom's expected maximum of normal
+    draws, which the discrete, slightly skewed loads exceed by a few per cent of the excess)."""
+    import random
+
+    rng = random.Random(0)
+    tokens, k, e, ep, trials = 256, 8, 128, 16, 200
+    per_rank = e // ep
+    total = 0.0
+    for _ in range(trials):
+        loads = [0] * ep
+        for _ in range(tokens):
+            for x in rng.sample(range(e), k):
+                loads[x // per_rank] += 1
+        total += max(loads) / (tokens * k / ep)
+    excess = busiest_rank_load_factor(tokens=tokens, top_k=k, num_experts=e, ep=ep) - 1.0
+    assert excess == pytest.approx(total / trials - 1.0, rel=0.15)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.floats(1.0, 1e7), ep_log=st.integers(0, 6), k=st.integers(1, 8))
+def test_the_busiest_rank_waits_longer_with_fewer_tokens_and_more_ranks(tokens, ep_log, k):
+    """At least the mean; exactly it without EP; the excess shrinks as tokens grow and grows with the ranks."""
+    ep, e = 2 ** ep_log, 128
+    f = busiest_rank_load_factor(tokens=tokens, top_k=k, num_experts=e, ep=ep)
+    assert f >= 1.0
+    if ep == 1:
+        assert f == 1.0
+    assert busiest_rank_load_factor(tokens=4 * tokens, top_k=k, num_experts=e, ep=ep) <= f
+    if ep < 64:
+        assert busiest_rank_load_factor(tokens=tokens, top_k=k, num_experts=e, ep=2 * ep) >= f
+
+
+def test_a_small_micro_batch_over_many_ranks_waits_for_its_busiest_rank():
+    """4096 tokens over EP 64 (2 experts per rank of 128): the busiest rank holds about a tenth more copies than the
+    mean, and the routed GEMMs are priced on its share; 64 x more tokens bring it within 2 %."""
+    f = busiest_rank_load_factor(tokens=4096, top_k=8, num_experts=128, ep=64)
+    assert 1.05 < f < 1.15
+    assert busiest_rank_load_factor(tokens=64 * 4096, top_k=8, num_experts=128, ep=64) < 1.02

@@ -16,6 +16,7 @@ from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.memory import layer_activation_bytes, op_sac_bytes_per_token
+from tangram_launch.costmodel.moe_dispatch import busiest_rank_load_factor, expert_gemm_rows, grouped_gemm_rows
 from tangram_launch.costmodel.op_sac import block_mms
 from tangram_launch.islands import Island
 from tangram_launch.parallelizers.base import SliceQuery
@@ -75,7 +76,9 @@ def test_op_sac_recomputes_every_routed_expert_gemm_and_compiled_moe_blocks_thei
     lc = layer_compute(m, 0, **kw)
     tokens, h, e, k, fe = 2 * 4096, 2048, 128, 8, 768
     m_e = tokens * k * 4 / e  # a local expert's routed tokens (balanced), 32 local experts
-    routed = dev.gemm_s(m_e, 2 * fe, h, count=32) + dev.gemm_s(m_e, h, fe, count=32)
+    rows = expert_gemm_rows(group_tokens=tokens * 4, top_k=k, num_experts=e, ep=4)  # busiest rank, whole tiles
+    assert rows == grouped_gemm_rows(m_e * busiest_rank_load_factor(tokens=tokens * 4, top_k=k, num_experts=e, ep=4))
+    routed = dev.gemm_s(rows, 2 * fe, h, count=32) + dev.gemm_s(rows, h, fe, count=32)
     wk, wo = dev.gemm_s(tokens, 512, h), dev.gemm_s(tokens, h, 4096)
     assert lc.recompute_s("selective", "op-sac") == pytest.approx(lc.elementwise_s + wk + wo + routed)
     assert lc.recompute_flops("selective", "op-sac") == pytest.approx(

@@ -34,7 +34,8 @@ from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
 from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, price,
                                                        stage_measurement as summarize_stage)
-from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime, permutation_traffic_h
+from tangram_launch.costmodel.moe_dispatch import (DEFAULT_MOE_RUNTIME, MoERuntime, expert_gemm_rows,
+                                                   permutation_traffic_h, router_traffic_bytes)
 from tangram_launch.costmodel.op_sac import routed_gemms
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported for the cost model's users)
 
@@ -164,16 +165,20 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
         local_experts = e / ep
         et = moe_runtime.etp(t)
         m_e = m_tok / t * et * k * ep / e  # tokens per local expert (balanced routing)
+        rows_e = expert_gemm_rows(group_tokens=m_tok / t * et * ep, top_k=k, num_experts=e, ep=ep)  # busiest rank
         for i, (n, k_in) in enumerate(routed_gemms(model, layer)):
             n_local, k_local = (n / et, k_in) if i == 0 else (n, k_in / et)  # up: column-sharded, down: row
-            gemm_e = dev.gemm_s(m_e, n_local, k_local, count=local_experts)
+            gemm_e = dev.gemm_s(rows_e, n_local, k_local, count=local_experts)
             gemm += gemm_e
             routed_s += gemm_e
             routed_flops += 2.0 * m_e * n_local * k_local * local_experts
         gemm += dev.gemm_s(m_tok / t, e, h)  # router on the SP-sharded tokens
-        permute_h = permutation_traffic_h(top_k=k, ep=ep, local_experts=local_experts,
-                                          dispatcher=moe_runtime.dispatcher, fused=moe_runtime.permute_fusion)
-        ffn_traffic = k * act_f * fe + permute_h * h  # activations + token permutation (dispatch and combine)
+        permute_h = permutation_traffic_h(top_k=k, ep=ep, local_experts=local_experts, etp=et,
+                                          dispatcher=moe_runtime.dispatcher, fused=moe_runtime.permute_fusion,
+                                          combine_ratio=max(moe_runtime.combine_bytes, p) / p,
+                                          weighted=moe_runtime.probs_on_output and k > 1)
+        # activations + token permutation (dispatch and combine) + the router's softmax and top-k
+        ffn_traffic = k * act_f * fe + permute_h * h + router_traffic_bytes(num_experts=e, top_k=k, dtype_bytes=p) / p
         if model.num_shared_experts:
             fs = model.num_shared_experts * model.shared_expert_ffn_hidden_size
             gemm += dev.gemm_s(m_tok, (mats - 1) * fs / t, h) + dev.gemm_s(m_tok, h, fs / t)
