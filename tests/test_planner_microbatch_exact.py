@@ -113,3 +113,28 @@ def test_opt350m_on_512_gpus_finds_the_pipeline_the_old_spread_missed():
                   options=PlannerOptions(max_workers=1, progress=False, schedule="1F1B")).plan
     assert plan.predicted.iteration_time_s <= 2.490 + 1e-3
     assert plan.planner["microbatch_sequences_tried"] == list(divisors(1024))
+
+
+def test_the_best_plans_class_completes_at_once_and_the_other_classes_stay_deferred():
+    """size_search._complete_best_class: only the deferred complete passes of the best plan's size and class run,
+    each bounded by the best plan's score; the others wait for complete_deferred (in their order)."""
+    from tangram_launch.planner.size_composition import Incumbent, SearchState
+    from tangram_launch.planner.size_search import _complete_best_class
+
+    bounds_seen: list[tuple[str, float]] = []
+
+    def finish(name):
+        def run(best_s):
+            bounds_seen.append((name, best_s))
+            return None  # nothing beats the bound
+        return run
+
+    state = SearchState()
+    state.best = Incumbent(14.5, 2, "g", None, None)
+    other_size = (4, "g", None, [(finish("b4"), ())])
+    other_class = (2, "h", None, [(finish("b2h"), ())])
+    state.deferred = [other_size, (2, "g", None, [(finish("b2g-1"), ()), (finish("b2g-2"), ())]), other_class]
+    _complete_best_class(state)
+    assert bounds_seen == [("b2g-1", 14.5), ("b2g-2", 14.5)]
+    assert state.deferred == [other_size, other_class]
+    assert state.best.latency_s == 14.5

@@ -293,3 +293,36 @@ def test_seed_chains_cover_the_model_with_kept_pairs_in_each_order(seed, keep_sh
         reps.setdefault(p.key, p)
     got = _seed_pairs(list(reps.values()), pairs, pf, orders, L)
     assert set(got) == {reps[p.key] for chain in chains for p in chain}
+
+
+@pytest.mark.unit
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32))
+def test_the_capacity_period_is_under_every_placement_of_the_layers_on_the_islands(seed):
+    """pair_floors.Capacity.period_s (the embedding and head at their own slowdown): under the period of any
+    placement of every layer, the embedding and the head on islands' stages (a stage of g GPUs runs its share for
+    at least its GPU-seconds on that island / g), islands without a floor for a kind holding none of it."""
+    from tangram_launch.planner.pair_floors import capacities
+
+    rng = random.Random(seed)
+    K = rng.randint(1, 4)
+    kinds = [rng.choice(KINDS) for _ in range(rng.randint(1, 10))]
+    floors, gpus = {}, {}
+    for k in range(K):
+        speed = rng.uniform(1.0, 20.0)
+        floors[k] = {x: (rng.uniform(0.1, 2.0) * (speed if rng.random() < 0.7 else rng.uniform(1.0, 20.0)), 0.0)
+                     for x in (*KINDS, "embedding", "head") if k == 0 or rng.random() < 0.9}
+        gpus[k] = rng.choice([1, 2, 4, 8])
+    cap = capacities(kinds, floors, gpus)
+    least = {x: min(f[x][0] for f in floors.values() if x in f) for x in (*KINDS, "embedding", "head")}
+    floor_s = cap.period_s(sum(least[x] for x in kinds), least["embedding"] + least["head"])
+    assert floor_s >= sum(least[x] for x in kinds) / sum(gpus.values()) * (1 - 1e-12)
+    for _ in range(20):
+        stages: dict[tuple[int, int], float] = {}  # (island, stage) -> GPU-seconds
+        split = {k: rng.randint(1, gpus[k]) for k in range(K)}  # stages per island, GPUs spread evenly
+        for x in [*kinds, "embedding", "head"]:
+            k = rng.choice([o for o in range(K) if x in floors[o]])
+            s = (k, rng.randrange(split[k]))
+            stages[s] = stages.get(s, 0.0) + floors[k][x][0] * rng.choice([1.0, rng.uniform(1.0, 3.0)])
+        period = max(g / (gpus[k] // split[k]) for (k, _j), g in stages.items())
+        assert floor_s <= period * (1 + 1e-12)

@@ -13,8 +13,9 @@ the least GPU-seconds and the least seconds of forward + backward per micro-batc
 (a stage of n GPUs runs its layers for at least their GPU-seconds / n; the slowest of several stages for at least
 their total over all their GPUs). An island o whose every kind takes at least r_o times the least GPU-seconds
 of any island does at most period x GPUs_o / r_o of least GPU-seconds, so the capacity is the sum of GPUs_o / r_o
-(``capacity``: slow islands count for less; with r_o = 1 it is their GPUs). So its closed form is at least
-(m - 1) x period + fill and its predicted iteration at least m x the slice's period + the fill in front of it
+(``capacity``: slow islands count for less; with r_o = 1 it is their GPUs; ``capacities``: r_o over the layer
+kinds, the embedding and head at their own ratio, tighter where they run relatively fast). So its closed form is
+at least (m - 1) x period + fill and its predicted iteration at least m x the slice's period + the fill in front of it
 (plain 1F1B), or 1/v of that fill or the compute + each link at its ends four times (interleaved with 2 <= v
 chunks, at most the most virtual stages; ``floor``). With the least links into and out of each island (``links``), a slice that does not
 start at layer 0 has one in front of it and one that does not end at L one behind it: each bounds the period and
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from tangram_launch.planner.bounds import beyond, chain_score_floor_s, slack_cut
 from tangram_launch.planner.interleave import most_virtual_stages
@@ -143,16 +144,56 @@ def capacity(kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float
              gpus: Mapping[int, int]) -> float:
     """Least GPU-seconds the islands ``floors`` can run per second of period: the sum of GPUs_o / r_o, r_o the
     least ratio over the kinds (and embedding, head) of island o's GPU-seconds floor to the least of any of them."""
-    names = {*kinds, "embedding", "head"}
+    return capacities(kinds, floors, gpus).every
+
+
+class Capacity(NamedTuple):
+    """What some islands can run per second of period (capacities), in least GPU-seconds."""
+
+    every: float  # capacity(): r_o over the layer kinds, the embedding and the head
+    layers: float  # the same with r_o over the layer kinds only
+    credit: float  # the least over the islands of r'_o / r_o, r'_o over the embedding and the head
+
+    def period_s(self, layers_gs: float, edges_gs: float) -> float:
+        """Least period of a pipeline whose stages on these islands run layers of ``layers_gs`` and embedding /
+        head of ``edges_gs`` least GPU-seconds."""
+        out = (layers_gs + edges_gs) / self.every
+        tighter = (layers_gs + self.credit * edges_gs) / self.layers
+        return tighter if tighter > out else out
+
+
+def capacities(kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float, float]]],
+               gpus: Mapping[int, int]) -> Capacity:
+    """The islands' Capacity. A stage of g GPUs runs its layers and edges within the period P only if their
+    GPU-seconds are at most P x g, so island o runs n_ox of each kind x with sum_x n_ox x gs_ox <= P x GPUs_o. With
+    gs_ox >= r_o x least_x for the layer kinds and >= r'_o x least_x for the embedding and head, dividing by r_o
+    and summing over the islands: least layer GPU-seconds + min_o(r'_o / r_o) x least edge GPU-seconds <= P x
+    sum_o GPUs_o / r_o. Counting the embedding at its own ratio keeps a tiny embedding that runs nearly as fast on
+    a slow island from counting that island as nearly fast (``every``, the bound with one ratio over everything)."""
+    layer_names = set(kinds)
+    edge_names = {"embedding", "head"} - layer_names
     least: dict[str, float] = {}
     for f in floors.values():
-        for x in names & f.keys():
+        for x in (layer_names | edge_names) & f.keys():
             least[x] = min(least.get(x, math.inf), f[x][0])
-    out = 0.0
+    every = layers = 0.0
+    credit = math.inf
     for o, f in floors.items():  # (a kind an island has no floor for runs elsewhere: it bounds nothing there)
-        ratios = [f[x][0] / least[x] for x in names & f.keys() if least[x] > 0.0]
-        out += gpus[o] / (min(ratios) if ratios else 1.0)
-    return out
+        r_layers = _least_ratio(layer_names, f, least)
+        r_edges = _least_ratio(edge_names, f, least)
+        r_every = min(r for r in (r_layers, r_edges) if r is not None) if (r_layers, r_edges) != (None, None) \
+            else 1.0
+        every += gpus[o] / r_every
+        layers += gpus[o] / (1.0 if r_layers is None else r_layers)
+        if r_edges is not None:
+            credit = min(credit, r_edges / (1.0 if r_layers is None else r_layers))
+    return Capacity(every, layers, 0.0 if credit == math.inf else credit)
+
+
+def _least_ratio(names: set, f: Mapping[str, tuple[float, float]], least: Mapping[str, float]) -> float | None:
+    """The least ratio of ``f``'s GPU-seconds floor to ``least`` over ``names`` (None: none to compare)."""
+    ratios = [f[x][0] / least[x] for x in names & f.keys() if least[x] > 0.0]
+    return min(ratios) if ratios else None
 
 
 class PairFloors:
@@ -171,12 +212,12 @@ class PairFloors:
         self.into, self.out_of = links if links is not None else ({}, {})
         self.own: dict[int, tuple] = {}  # island -> (GPU-s prefix, s prefix, embedding (gs, s), head (gs, s))
         self.rest: dict[int, tuple] = {}  # island -> the same over the least of the other islands
-        self.rest_capacity: dict[int, float] = {}  # island -> capacity of the other islands
+        self.rest_capacity: dict[int, Capacity] = {}  # island -> capacity of the other islands
         for k, f in floors.items():
             self.own[k] = self._prefixes(kinds, [f])
             others = {o: g for o, g in floors.items() if o != k}
             self.rest[k] = self._prefixes(kinds, list(others.values())) if others else None
-            self.rest_capacity[k] = capacity(kinds, others, self.gpus)
+            self.rest_capacity[k] = capacities(kinds, others, self.gpus)
 
     @staticmethod
     def _prefixes(kinds: Sequence[str], floors: Sequence[Mapping[str, tuple[float, float]]]) -> tuple:
@@ -188,9 +229,9 @@ class PairFloors:
         ts = (0.0, *itertools.accumulate(per_kind[k][1] for k in kinds))
         return gs, ts, per_kind["embedding"], per_kind["head"]
 
-    def _part(self, pref: tuple, start: int, stop: int, inside: bool) -> tuple[float, float]:
-        """(GPU-seconds, seconds) floors of layers [start, stop) (inside) or of the layers outside them, with the
-        embedding and head where they fall."""
+    def _part(self, pref: tuple, start: int, stop: int, inside: bool) -> tuple[float, float, float]:
+        """(GPU-seconds of the layers, of the embedding and head, seconds) floors of layers [start, stop) (inside)
+        or of the layers outside them, with the embedding and head where they fall."""
         gs, ts, emb, head = pref
         if inside:
             g, t = gs[stop] - gs[start], ts[stop] - ts[start]
@@ -199,11 +240,12 @@ class PairFloors:
             g = gs[start] + gs[-1] - gs[stop]
             t = ts[start] + ts[-1] - ts[stop]
             with_emb, with_head = start > 0, stop < self.L
+        e = 0.0
         if with_emb:
-            g, t = g + emb[0], t + emb[1]
+            e, t = e + emb[0], t + emb[1]
         if with_head:
-            g, t = g + head[0], t + head[1]
-        return g, t
+            e, t = e + head[0], t + head[1]
+        return g, e, t
 
     def floor(self, island: int, start: int, stop: int) -> tuple[float, float]:
         """(closed form, predicted iteration) floors of any pipeline holding [start, stop) on ``island``; (0, 0)
@@ -211,15 +253,15 @@ class PairFloors:
         own = self.own.get(island)
         if own is None:
             return 0.0, 0.0
-        g, t = self._part(own, start, stop, True)
-        own_period = period = g / self.gpus[island]
+        g, e, t = self._part(own, start, stop, True)
+        own_period = period = (g + e) / self.gpus[island]
         rest_period = front = into = out = 0.0
         if (start, stop) != (0, self.L):
             rest = self.rest[island]
             if rest is None:
                 return math.inf, math.inf
-            rg, rt = self._part(rest, start, stop, False)
-            rest_period = rg / self.rest_capacity[island]
+            rg, re, rt = self._part(rest, start, stop, False)
+            rest_period = self.rest_capacity[island].period_s(rg, re)
             period = max(period, rest_period)
             t += rt
         compute_s = t  # every layer's least forward + backward seconds, links left out (chain_score_floor_s)
@@ -264,4 +306,4 @@ class PairFloors:
         rest = self.rest.get(island)
         if rest is None:
             return None
-        return self._part(rest, start, stop, False)[1]
+        return self._part(rest, start, stop, False)[2]

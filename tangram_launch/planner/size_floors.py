@@ -14,7 +14,7 @@ from tangram_launch.planner import bounds
 from tangram_launch.planner.allocation import LinkModel
 from tangram_launch.planner.bounds import least_links
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_stages
-from tangram_launch.planner.pair_floors import PairFloors, capacity
+from tangram_launch.planner.pair_floors import PairFloors, capacities
 from tangram_launch.planner.slices import Pair, dtype_problem
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,12 +63,12 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
                links: tuple[dict[int, float], dict[int, float]] | None = None) -> SizeFloor:
     """Floors at micro-batch size b from the parallelizer's compute floors (``compute_floors``; all 0 for a
     parallelizer without them): every layer runs on some stage of n GPUs for at least its floor time, so the
-    slowest of the stages takes at least the model's GPU-seconds / the usable GPUs' capacity (pair_floors.capacity:
-    GPUs, each island's counted at its slowdown against the least floors), and one micro-batch through the pipeline
-    at least the sum of the layers' floors:
+    slowest of the stages takes at least the model's GPU-seconds over the usable GPUs' capacity (the period P of
+    pair_floors.Capacity.period_s: GPUs, each island's counted at its slowdown against the least floors, the
+    embedding and head at theirs), and one micro-batch through the pipeline at least the sum of the layers' floors:
 
-        closed form >= (m - 1) x sum(GPU-seconds floors) / capacity + sum(seconds floors)
-        predicted iteration >= max(m x sum(GPU-seconds floors) / capacity, sum(seconds floors))
+        closed form >= (m - 1) x P + sum(seconds floors)
+        predicted iteration >= max(m x P, sum(seconds floors))
 
     (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through)
     """
@@ -95,7 +95,8 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
     gpus = {k: islands[k].num_gpus for k in per_island}
     if not sum(gpus.values()) or any(k not in best for k in needed):
         return none
-    gpu_s = sum(best[k][0] for k in kinds) + best["embedding"][0] + best["head"][0]
+    layers_gs = sum(best[k][0] for k in kinds)
+    edges_gs = best["embedding"][0] + best["head"][0]
     prefix = (0.0, *itertools.accumulate(best[k][1] for k in kinds))
     fill_s = prefix[-1] + best["embedding"][1] + best["head"][1]
     m = training.global_batch // b
@@ -106,8 +107,8 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
     # whose score floor can beat the best score as a candidate: every example plan is the same with and without it.)
     pairs = (PairFloors(kinds, per_island, gpus, m, links)
              if all(needed <= f.keys() for f in per_island.values()) else None)
-    cap = capacity(kinds, per_island, gpus)  # <= their GPUs
-    return SizeFloor((m - 1) * gpu_s / cap + fill_s, bounds.chain_score_floor_s(m * gpu_s / cap, fill_s), prefix,
+    period_s = capacities(kinds, per_island, gpus).period_s(layers_gs, edges_gs)  # >= GPU-seconds / their GPUs
+    return SizeFloor((m - 1) * period_s + fill_s, bounds.chain_score_floor_s(m * period_s, fill_s), prefix,
                      best["embedding"][1],
                      best["head"][1], pairs, links)
 

@@ -96,6 +96,7 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     split = len({p.island for p in rest}) <= opts.exact_islands
     # most promising first: by the geometric mean of the size's floor and its single-island plan (the best plan at
     # b lies between them; a size whose floor is far below the others' can hold a pipeline beating them all)
+    done_first = False
     for _own, _floor, b in sorted(first, key=lambda t: (t[0] * t[1], t[1], t[2])) if rest else ():
         left = rest
         best = state.best
@@ -118,7 +119,27 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
                 _visit(b, [p for i, p in enumerate(left) if i in head], floors[b], ctx, state, use_incumbent=True)
                 left = [p for i, p in enumerate(left) if i not in head]
         _visit(b, left, floors[b], ctx, state, use_incumbent=True)
+        if not done_first and split:
+            # (above exact_islands a complete pass searches island sets or orders: left for the best plan over
+            # every size to bound, as the others)
+            _complete_best_class(state)
+        done_first = True
     complete_deferred(state)  # the complete passes, bounded by the best plan over every size
+
+
+def _complete_best_class(state: SearchState) -> None:
+    """The deferred complete passes of the best plan's class (its size and compatibility class), now: the plan they
+    find is the exact score of that class, so the sizes visited after it are bounded by it. Exact at any time, as
+    every complete pass bounded by a real plan; the other classes' passes stay deferred (costlier passes that the
+    best plan over every size bounds best)."""
+    best = state.best
+    if best is None or not state.deferred:
+        return
+    now = [d for d in state.deferred if (d[0], d[1]) == (best.b, best.group)]
+    later = [d for d in state.deferred if (d[0], d[1]) != (best.b, best.group)]
+    state.deferred = now
+    complete_deferred(state)
+    state.deferred = later
 
 
 def _bounds(ctx: SearchContext, state: SearchState) -> tuple[float, float]:
