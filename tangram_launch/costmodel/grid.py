@@ -81,6 +81,8 @@ class StageTable:
         self.grid_classes: dict[tuple, list] = {}  # the same key -> each listed grid's cross-stage class (megatron)
         # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
         self.patterns: dict[tuple, tuple] = {}
+        # (stages, stage GPUs, GPUs per node) -> _stage_links and each stage's links and place as a number
+        self.links: dict[tuple, tuple] = {}
         self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
@@ -165,13 +167,7 @@ class StageTable:
         kind = next(iter(coster.prefix))
         pattern = self.patterns.get((sizes, stage_gpus, g))
         if pattern is None:
-            links = _stage_links(pp, stage_gpus, g)
-            keys = [(size, link) for size, link in zip(sizes, links)]  # what a middle stage's signature needs
-            keys[0] = (*keys[0], 0)
-            keys[pp - 1] = (*keys[pp - 1], pp - 1)
-            distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct stage, front to back
-            pattern = self.patterns[sizes, stage_gpus, g] = (tuple(distinct), [distinct[k] for k in keys],
-                                                             [keys.index(k) for k in distinct])
+            pattern = self.patterns[sizes, stage_gpus, g] = self._pattern(sizes, stage_gpus, g)
         distinct, order, firsts = pattern
         ids = self.sig_ids
         last_j = pp - 1
@@ -198,10 +194,35 @@ class StageTable:
                 known[key] = sid
             local.append(sid)
         # distinct keys come front to back, so the first key of each signature is where that signature first is
+        # (distinct keys have distinct signatures, but that is not relied on)
+        if len(set(local)) == len(local):
+            return list(map(local.__getitem__, order)), list(zip(local, firsts))
         seen: dict[int, int] = {}
         for sid, j in zip(local, firsts):
             seen.setdefault(sid, j)
         return list(map(local.__getitem__, order)), list(seen.items())
+
+    def _pattern(self, sizes: tuple[int, ...], stage_gpus: int, g: int) -> tuple[tuple, list[int], list[int]]:
+        """A one-kind pipeline's stages alike: its distinct stage keys front to back (size, links, and for the first
+        and last stage its position), each stage's among them, and each key's first stage. The keys are compared as
+        ints (size, links and first / middle / last in one number), built only for the distinct stages."""
+        pp = len(sizes)
+        hit = self.links.get((pp, stage_gpus, g))
+        if hit is None:  # (the same for every split into pp stages of this grid's GPUs)
+            links = _stage_links(pp, stage_gpus, g)
+            numbers: dict = {}
+            place = [numbers.setdefault(link, len(numbers)) * 3 for link in links]  # < 9 x 3: fits _KEY_SCALE
+            place[0] += 1
+            place[-1] += 2
+            hit = self.links[pp, stage_gpus, g] = (links, place)
+        links, place = hit
+        codes = list(map(add, map(_KEY_SCALE.__mul__, sizes), place))
+        distinct = list(dict.fromkeys(codes))
+        firsts = list(map(codes.index, distinct))
+        at = {code: k for k, code in enumerate(distinct)}
+        last = pp - 1
+        keys = tuple((sizes[j], links[j], j) if j == 0 or j == last else (sizes[j], links[j]) for j in firsts)
+        return keys, list(map(at.__getitem__, codes)), firsts
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> list[list[tuple]]:
@@ -334,6 +355,7 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
+_KEY_SCALE = 32  # StageTable._pattern's int keys: size x this + links and place (< 27)
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
@@ -434,6 +456,17 @@ def judge_fill(columns: Mapping[int, tuple], sids: Sequence[int], depth: Sequenc
     else:
         fill = [reduce(add, times) for times in zip(*stage_times)]
     return fill
+
+
+def fills_of(columns: Mapping[int, tuple], sids: Sequence[int], combos: Sequence[int]) -> list[float]:
+    """judge_fill's fill_s of the saver combinations ``combos`` alone (indices; the same adds, front to back): for
+    a caller that has ruled the others out without their fills."""
+    times = {sid: columns[sid][0] for sid in dict.fromkeys(sids)}
+    out = []
+    for s in combos:
+        at = {sid: t[s] for sid, t in times.items()}
+        out.append(reduce(add, map(at.__getitem__, sids)))
+    return out
 
 
 def _head_depths(col: tuple, after: int, inflight: int) -> list[int]:

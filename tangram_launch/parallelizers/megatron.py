@@ -55,6 +55,7 @@ from tangram_launch.costmodel.grid import (
     SaverColumns,
     StageTable,
     StageTables,
+    fills_of,
     judge_fill,
     judge_heads,
     least_terms,
@@ -683,15 +684,8 @@ class _GridSearch:
                 return
         m = self.m
         if least_fill is not None:
-            m1, lat_cut, beyond_n = m - 1, self.lat_cut, 0
-            for bn_s, tail_s, d in zip(bottleneck, tail, depth):
-                if d >= 0:
-                    if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
-                        break
-                    beyond_n += 1
-            else:
-                self.bounded += beyond_n
-                return
+            self._keep_bounded(i, allowed, stages, columns, judged, grid_cut, least_fill)
+            return
         fill = judge_fill(columns, stages.sigs, depth)
         # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
         beyond = beyond_each(bottleneck, fill, tail, m, self.lat_cut, grid_cut) if self.bound else None
@@ -704,6 +698,35 @@ class _GridSearch:
                 self.bounded += 1
                 continue
             bucket.append(new(FrontPoint, (bottleneck[s], fill[s], tail[s], d, pp, n_gpus, grid, *saver, stages, s)))
+
+    def _keep_bounded(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
+                      least_fill: float) -> None:
+        """_keep_points' fitting combinations under bounds, with the stages' least times added up (``least_fill``):
+        a combination beyond the bounds with it in place of its own fill (under it to the last bit) is beyond with
+        its own, so only the others have their fills summed (grid.fills_of), then judged as beyond_each does."""
+        bottleneck, tail, depth = judged
+        m = self.m
+        m1, lat_cut = m - 1, self.lat_cut
+        live, fitting = [], 0
+        for s, d in enumerate(depth):
+            if d >= 0:
+                fitting += 1
+                bn_s, tail_s = bottleneck[s], tail[s]
+                if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
+                    live.append(s)
+        self.bounded += fitting - len(live)
+        if not live:
+            return
+        grid = self.index.grids[i]
+        bucket = self.points[self.classes[i]]
+        pp, n_gpus, new = grid.pp, grid.num_gpus, tuple.__new__  # (a FrontPoint made as its class's __new__ does)
+        for s, fill_s in zip(live, fills_of(columns, stages.sigs, live)):
+            bn_s, tail_s = bottleneck[s], tail[s]
+            if m1 * bn_s + fill_s + tail_s > lat_cut and m * bn_s + tail_s > grid_cut:
+                self.bounded += 1
+                continue
+            bucket.append(new(FrontPoint, (bn_s, fill_s, tail_s, depth[s], pp, n_gpus, grid, *allowed[s], stages,
+                                           s)))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
