@@ -168,31 +168,29 @@ class StageTable:
         pattern = self.patterns.get((sizes, stage_gpus, g))
         if pattern is None:
             pattern = self.patterns[sizes, stage_gpus, g] = self._pattern(sizes, stage_gpus, g)
-        distinct, order, firsts = pattern
-        ids = self.sig_ids
-        last_j = pp - 1
-        local: list[int] = []
+        distinct, order, firsts, keys = pattern
         q_emb, q_head = coster.has_embedding, coster.has_head
-        # a stage's key (size, links, first/last position) and these give its signature (pp > 2: the first stage
-        # is never the last): stages met before under them are looked up by their key alone
+        # a stage's key (size, links, first/last position, as _pattern's int) and these give its signature (pp > 2:
+        # the first stage is never the last): stages met before under them are looked up by their key alone
         known = self.stage_sids.get((dims, kind, q_emb, q_head))
         if known is None:
             known = self.stage_sids[dims, kind, q_emb, q_head] = {}
-        for key in distinct:
-            sid = known.get(key)
-            if sid is None:
-                size, (nxt, prev) = key[0], key[1]
-                j = key[2] if len(key) > 2 else 1
+        local = list(map(known.get, distinct))
+        if None in local:
+            ids = self.sig_ids
+            for k, sid in enumerate(local):
+                if sid is not None:
+                    continue
+                size, (nxt, prev), j = keys[k]
                 has_emb = q_emb and j == 0
-                has_head = q_head and j == last_j
+                has_head = q_head and j == pp - 1
                 tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
                 sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
                 sid = ids.get(sig)
                 if sid is None:
                     sid = ids[sig] = len(ids)
                     self.state_keys.append(sig[1:9])
-                known[key] = sid
-            local.append(sid)
+                known[distinct[k]] = local[k] = sid
         # distinct keys come front to back, so the first key of each signature is where that signature first is
         # (distinct keys have distinct signatures, but that is not relied on)
         if len(set(local)) == len(local):
@@ -202,27 +200,26 @@ class StageTable:
             seen.setdefault(sid, j)
         return list(map(local.__getitem__, order)), list(seen.items())
 
-    def _pattern(self, sizes: tuple[int, ...], stage_gpus: int, g: int) -> tuple[tuple, list[int], list[int]]:
-        """A one-kind pipeline's stages alike: its distinct stage keys front to back (size, links, and for the first
-        and last stage its position), each stage's among them, and each key's first stage. The keys are compared as
-        ints (size, links and first / middle / last in one number), built only for the distinct stages."""
+    def _pattern(self, sizes: tuple[int, ...], stage_gpus: int, g: int) -> tuple[tuple, list[int], list[int], tuple]:
+        """A one-kind pipeline's stages alike: its distinct stage keys front to back, each stage's among them, each
+        key's first stage, and what each key stands for (size, links, and position: 0 first, pp - 1 last, else 1).
+        A key is one int: size, links and first / middle / last (the last stage's with its position too)."""
         pp = len(sizes)
-        hit = self.links.get((pp, stage_gpus, g))
-        if hit is None:  # (the same for every split into pp stages of this grid's GPUs)
+        place = self.links.get((pp, stage_gpus, g))
+        if place is None:  # (the same for every split into pp stages of this grid's GPUs)
             links = _stage_links(pp, stage_gpus, g)
-            numbers: dict = {}
-            place = [numbers.setdefault(link, len(numbers)) * 3 for link in links]  # < 9 x 3: fits _KEY_SCALE
-            place[0] += 1
-            place[-1] += 2
-            hit = self.links[pp, stage_gpus, g] = (links, place)
-        links, place = hit
-        codes = list(map(add, map(_KEY_SCALE.__mul__, sizes), place))
-        distinct = list(dict.fromkeys(codes))
-        firsts = list(map(codes.index, distinct))
-        at = {code: k for k, code in enumerate(distinct)}
+            codes = [_LINK_CODE[nxt] * 9 + _LINK_CODE[prev] * 3 for nxt, prev in links]  # < 27: fits _KEY_SCALE
+            codes[0] += 1
+            codes[-1] += 2 + ((pp - 1) << 20)
+            place = self.links[pp, stage_gpus, g] = (codes, links)
+        codes, links = place
+        keys = list(map(add, map(_KEY_SCALE.__mul__, sizes), codes))
+        distinct = list(dict.fromkeys(keys))
+        firsts = list(map(keys.index, distinct))
+        at = {key: k for k, key in enumerate(distinct)}
         last = pp - 1
-        keys = tuple((sizes[j], links[j], j) if j == 0 or j == last else (sizes[j], links[j]) for j in firsts)
-        return keys, list(map(at.__getitem__, codes)), firsts
+        meaning = tuple((sizes[j], links[j], j if j == 0 or j == last else 1) for j in firsts)
+        return tuple(distinct), list(map(at.__getitem__, keys)), firsts, meaning
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> list[list[tuple]]:
@@ -355,7 +352,8 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
-_KEY_SCALE = 32  # StageTable._pattern's int keys: size x this + links and place (< 27)
+_KEY_SCALE = 32  # StageTable._pattern's int keys: size x this + links and place (< 27) + last position << 20
+_LINK_CODE = {None: 0, True: 1, False: 2}  # a link to the next / previous stage: none, inside a node, between
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
