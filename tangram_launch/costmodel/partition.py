@@ -101,10 +101,21 @@ def _search_sizes(greedy, uniform: "_UniformGreedy | None", lo: float, hi: float
                 break
     assert best is not None
     sizes = list(best)
-    while len(sizes) < parts:  # split the largest group (sums only shrink, so the bottleneck does not grow)
-        j = sizes.index(max(sizes))  # the first of the largest
-        first = sizes[j] // 2
-        sizes[j: j + 1] = [first, sizes[j] - first]
+    # split the largest group, the first of them, until there are ``parts`` (sums only shrink, so the bottleneck
+    # does not grow); both halves of a group are smaller, so that takes the largest ones front to back, a size at a
+    # time (one pass each)
+    need = parts - len(sizes)
+    while need > 0:
+        top = max(sizes)
+        halves = (top // 2, top - top // 2)
+        out: list[int] = []
+        for size in sizes:
+            if size == top and need > 0:
+                out += halves
+                need -= 1
+            else:
+                out.append(size)
+        sizes = out
     return sizes
 
 
