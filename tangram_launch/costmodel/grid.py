@@ -122,15 +122,15 @@ class StageTable:
         b = q.microbatch_sequences
         if sizes is None:
             sizes = coster.split_sizes(pp, tp, cp, ep, dp, b // dp)
-        first, last = q.layers
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
         tied = coster.model.tied_embeddings
+        if len(coster.prefix) == 1 and pp > 2:
+            return self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
+        first, last = q.layers
         counts_of = self.counts
         ids = self.sig_ids
         sids = []
-        if len(coster.prefix) == 1 and pp > 2:
-            return self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
         q_emb, q_head = coster.has_embedding, coster.has_head
         for j, (a, z) in enumerate(coster.stage_ranges(sizes)):
             has_emb = q_emb and a == first
@@ -460,6 +460,9 @@ def fills_of(columns: Mapping[int, tuple], sids: Sequence[int], combos: Sequence
     """judge_fill's fill_s of the saver combinations ``combos`` alone (indices; the same adds, front to back): for
     a caller that has ruled the others out without their fills."""
     times = {sid: columns[sid][0] for sid in dict.fromkeys(sids)}
+    if len(combos) > 2:  # the stages' times per combination, at once
+        per_combination = list(zip(*map(times.__getitem__, sids)))
+        return [reduce(add, per_combination[s]) for s in combos]
     out = []
     for s in combos:
         at = {sid: t[s] for sid, t in times.items()}
@@ -498,8 +501,12 @@ def least_terms(columns: Mapping[int, tuple], sids: Sequence[int],
     added front to back (under every combination's fill to the last bit)."""
     distinct = [columns[sid] for sid in dict.fromkeys(sids)] if stage_heads is None else [
         columns[sid] for sid, _ in stage_heads]
-    bn = max(map(_LEAST_TIME, distinct))
     tail = max(map(_LEAST_TAIL, distinct))
+    if len(sids) > 8:  # a long pipeline: each distinct stage's least time looked up once
+        least = dict(zip(dict.fromkeys(sids) if stage_heads is None else [sid for sid, _ in stage_heads],
+                         map(_LEAST_TIME, distinct)))
+        return max(least.values()), reduce(add, map(least.__getitem__, sids)), tail  # (front to back)
+    bn = max(map(_LEAST_TIME, distinct))
     fill = reduce(add, map(_LEAST_TIME, map(columns.__getitem__, sids)))  # front to back, one add at a time
     return bn, fill, tail
 

@@ -389,8 +389,13 @@ class MegatronParallelizer:
         pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
-        times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])  # (time, static, act, sync+opt)
-        numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # fit_depth's depth
+        if len(sigs) > 8:  # a long pipeline: each distinct stage's row looked up once
+            rows = {sid: by_sid[sid][s] for sid in dict.fromkeys(sigs)}
+            times, static, act, tails = zip(*map(rows.__getitem__, sigs))  # (time, static, act, sync+opt)
+        else:
+            times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])
+        # (SliceNumbers made as its class's __new__ does; the hint: m, capacity and fit_depth's depth)
+        numbers = tuple.__new__(SliceNumbers, (shapes, mbss, times, static, act, tails, (*judged, point[3])))
         return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
                              build=lambda: self._stages(table, coster, _config(grid, zero, r, off),
                                                         coster.stage_ranges(sizes), sigs))
@@ -399,7 +404,8 @@ class MegatronParallelizer:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
         queries (grid_classes.judge_templates judges a shared pair once)."""
         key = (grid.tp, grid.dp, grid.cp, grid.ep, zero, r, off, pp, mbs)
-        hit = self.__dict__.get("_shape_cache", {}).get(key)
+        cache = self.__dict__.get("_shape_cache")
+        hit = cache.get(key) if cache is not None else None
         if hit is not None:
             return hit
         # the stage shape itself is one object per (grid, savers), whatever the stages and micro-batch size
@@ -644,7 +650,7 @@ class _GridSearch:
             if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(i, allowed, StagesCosted(sizes, sigs, by_sid), columns,
+        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid)), columns,
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
 
     def _floor(self, f: int) -> tuple:
