@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from tangram_launch.costmodel.grid import (
     StageTable,
+    fills_of,
     fit_depth,
     judge_columns,
     least_floors,
@@ -63,6 +64,27 @@ def test_judge_columns_answers_what_the_plain_computation_does(data, stages, kin
         assert max(depth) < 0
     else:
         assert [f for f, d in zip(got_fill, depth) if d >= 0] == [f for f, d in zip(fill, depth) if d >= 0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data(), stages=st.integers(1, 60), kinds=st.integers(1, 6), savers=st.integers(1, 24))
+def test_fills_of_some_combinations_are_python_sums(data, stages, kinds, savers):
+    """grid.fills_of (the fills of the combinations a bound has not ruled out) adds each one's stage times front
+    to back, as Python's sum of 3.11 does, to the last bit."""
+    pool = [[(data.draw(_SECONDS), 0.0, 0.0, 0.0) for _ in range(savers)] for _ in range(kinds)]
+    picks = [data.draw(st.integers(0, kinds - 1)) for _ in range(stages)]
+    combos = sorted(data.draw(st.sets(st.integers(0, savers - 1), min_size=1)))
+    table = StageTable()
+    key = tuple((0, 0, False) for _ in range(savers))
+    table.rows[key] = dict(enumerate(pool))
+    columns = table.stage_columns(picks, key, 4, 80e9)
+    expected = []
+    for s in combos:
+        total = 0.0
+        for k in picks:
+            total += pool[k][s][0]
+        expected.append(total)
+    assert fills_of(columns, picks, combos) == expected
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tangram_launch.costmodel.partition import _balanced_split, _smooth, _UniformGreedy, greedy_split
+from tangram_launch.costmodel.partition import (_balanced_split, _search_sizes, _smooth, _smooth_uniform,
+                                                _UniformGreedy, balanced_split_uniform, greedy_split)
 
 # the split's caller (SliceCoster.split) rounds layer weights to 4 decimals and the embedding/head extras to 3
 _WEIGHT = st.one_of(st.just(1.0), st.integers(1, 30000).map(lambda k: k / 10000))
@@ -21,6 +22,41 @@ def test_closed_form_split_equals_the_general_split(data, n, u, fe, le):
     got = _balanced_split(w, parts, first_extra=fe, last_extra=le)
     assert got == _balanced_split(w, parts, first_extra=fe, last_extra=le, closed_form=False)
     assert sum(got) == n and len(got) == parts and min(got) >= 1
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), n=st.integers(1, 130), u=_WEIGHT, fe=_EXTRA, le=_EXTRA)
+def test_split_by_one_weight_equals_the_general_split(data, n, u, fe, le):
+    """balanced_split_uniform (remembered by the weight and the layer count) answers what the general path
+    answers for n copies of the weight."""
+    parts = data.draw(st.integers(1, n))
+    got = balanced_split_uniform(u, n, parts, first_extra=fe, last_extra=le)
+    assert got == _balanced_split([u] * n, parts, first_extra=fe, last_extra=le, closed_form=False)
+    assert balanced_split_uniform(u, n, parts, first_extra=fe, last_extra=le) is got  # remembered
+
+
+@settings(max_examples=120, deadline=None)
+@given(groups=st.lists(st.integers(1, 12), min_size=1, max_size=40), more=st.integers(0, 60))
+def test_groups_split_largest_first_as_one_at_a_time(groups, more):
+    """_search_sizes splits the first of the largest groups until there are enough, a size at a time: the same
+    groups as splitting them one at a time."""
+    parts = len(groups) + min(more, sum(groups) - len(groups))
+    expected = list(groups)
+    while len(expected) < parts:
+        j = expected.index(max(expected))
+        first = expected[j] // 2
+        expected[j: j + 1] = [first, expected[j] - first]
+    assert _search_sizes(lambda bound: list(groups), None, 0.0, 1.0, parts) == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), n=st.integers(2, 60), u=_WEIGHT, fe=_EXTRA, le=_EXTRA)
+def test_smoothing_one_weight_equals_the_general_smoothing(data, n, u, fe, le):
+    """_smooth_uniform makes the moves _smooth makes on n layers of one weight, from any starting groups."""
+    parts = data.draw(st.integers(2, n))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=parts - 1, max_size=parts - 1)))
+    sizes = [z - a for a, z in zip([0, *cuts], [*cuts, n])]
+    assert _smooth_uniform(u, n, list(sizes), fe, le) == _smooth([u] * n, list(sizes), fe, le)
 
 
 @settings(max_examples=120, deadline=None)

@@ -59,7 +59,7 @@ from tangram_launch.costmodel.memory import (
 )
 from tangram_launch.costmodel.moe_dispatch import MOE_DISPATCHERS, MoERuntime, copies_per_token
 from tangram_launch.costmodel.op_sac import OP_SAC_POLICIES
-from tangram_launch.costmodel.partition import balanced_split
+from tangram_launch.costmodel.partition import balanced_split, balanced_split_uniform
 from tangram_launch.costmodel.slice_plan import ParallelConfig, SlicePlan, SliceQuery, StageCost, capacity_bytes
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import RECOMPUTE_MODES, ZERO_STAGES
@@ -546,7 +546,7 @@ class SliceCoster:
             key = (pp, (w, n), fe, le)
             sizes = self._split_cache.get(key)
             if sizes is None:
-                sizes = self._split_cache[key] = balanced_split((w,) * n, pp, first_extra=fe, last_extra=le)
+                sizes = self._split_cache[key] = balanced_split_uniform(w, n, pp, first_extra=fe, last_extra=le)
             self._split_cache[gkey] = sizes
         else:
             rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)

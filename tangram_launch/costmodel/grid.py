@@ -81,6 +81,8 @@ class StageTable:
         self.grid_classes: dict[tuple, list] = {}  # the same key -> each listed grid's cross-stage class (megatron)
         # (stage sizes, stage GPUs, GPUs per node) -> a one-kind pipeline's distinct stages and each stage's
         self.patterns: dict[tuple, tuple] = {}
+        # (stages, stage GPUs, GPUs per node) -> _stage_links and each stage's links and place as a number
+        self.links: dict[tuple, tuple] = {}
         self.stage_sids: dict[tuple, dict] = {}  # (b, tp, dp, cp, ep; kind; slice's embedding, head) -> key -> sid
         self.saver_lists: dict[tuple, dict] = {}  # (saver enumerator, pipelined) -> grid flags -> combinations
         self.floors: dict[tuple, tuple] = {}  # (b, (tp, cp, ep, dp), slice's kinds and edges) -> time_floors
@@ -120,15 +122,15 @@ class StageTable:
         b = q.microbatch_sequences
         if sizes is None:
             sizes = coster.split_sizes(pp, tp, cp, ep, dp, b // dp)
-        first, last = q.layers
         g = coster.island.gpus_per_node
         stage_gpus = tp * cp * dp
         tied = coster.model.tied_embeddings
+        if len(coster.prefix) == 1 and pp > 2:
+            return self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
+        first, last = q.layers
         counts_of = self.counts
         ids = self.sig_ids
         sids = []
-        if len(coster.prefix) == 1 and pp > 2:
-            return self._one_kind_signatures(coster, sizes, (b, tp, dp, cp, ep), stage_gpus, g, tied)
         q_emb, q_head = coster.has_embedding, coster.has_head
         for j, (a, z) in enumerate(coster.stage_ranges(sizes)):
             has_emb = q_emb and a == first
@@ -165,43 +167,59 @@ class StageTable:
         kind = next(iter(coster.prefix))
         pattern = self.patterns.get((sizes, stage_gpus, g))
         if pattern is None:
-            links = _stage_links(pp, stage_gpus, g)
-            keys = [(size, link) for size, link in zip(sizes, links)]  # what a middle stage's signature needs
-            keys[0] = (*keys[0], 0)
-            keys[pp - 1] = (*keys[pp - 1], pp - 1)
-            distinct = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct stage, front to back
-            pattern = self.patterns[sizes, stage_gpus, g] = (tuple(distinct), [distinct[k] for k in keys],
-                                                             [keys.index(k) for k in distinct])
-        distinct, order, firsts = pattern
-        ids = self.sig_ids
-        last_j = pp - 1
-        local: list[int] = []
+            pattern = self.patterns[sizes, stage_gpus, g] = self._pattern(sizes, stage_gpus, g)
+        distinct, order, firsts, keys = pattern
         q_emb, q_head = coster.has_embedding, coster.has_head
-        # a stage's key (size, links, first/last position) and these give its signature (pp > 2: the first stage
-        # is never the last): stages met before under them are looked up by their key alone
+        # a stage's key (size, links, first/last position, as _pattern's int) and these give its signature (pp > 2:
+        # the first stage is never the last): stages met before under them are looked up by their key alone
         known = self.stage_sids.get((dims, kind, q_emb, q_head))
         if known is None:
             known = self.stage_sids[dims, kind, q_emb, q_head] = {}
-        for key in distinct:
-            sid = known.get(key)
-            if sid is None:
-                size, (nxt, prev) = key[0], key[1]
-                j = key[2] if len(key) > 2 else 1
+        local = list(map(known.get, distinct))
+        if None in local:
+            ids = self.sig_ids
+            for k, sid in enumerate(local):
+                if sid is not None:
+                    continue
+                size, (nxt, prev), j = keys[k]
                 has_emb = q_emb and j == 0
-                has_head = q_head and j == last_j
+                has_head = q_head and j == pp - 1
                 tied_link = (q_emb, j if q_emb else -1) if (tied and has_head and not has_emb) else None
                 sig = (*dims, ((kind, size),), has_emb, has_head, tied_link, nxt, prev)
                 sid = ids.get(sig)
                 if sid is None:
                     sid = ids[sig] = len(ids)
                     self.state_keys.append(sig[1:9])
-                known[key] = sid
-            local.append(sid)
+                known[distinct[k]] = local[k] = sid
         # distinct keys come front to back, so the first key of each signature is where that signature first is
+        # (distinct keys have distinct signatures, but that is not relied on)
+        if len(set(local)) == len(local):
+            return list(map(local.__getitem__, order)), list(zip(local, firsts))
         seen: dict[int, int] = {}
         for sid, j in zip(local, firsts):
             seen.setdefault(sid, j)
         return list(map(local.__getitem__, order)), list(seen.items())
+
+    def _pattern(self, sizes: tuple[int, ...], stage_gpus: int, g: int) -> tuple[tuple, list[int], list[int], tuple]:
+        """A one-kind pipeline's stages alike: its distinct stage keys front to back, each stage's among them, each
+        key's first stage, and what each key stands for (size, links, and position: 0 first, pp - 1 last, else 1).
+        A key is one int: size, links and first / middle / last (the last stage's with its position too)."""
+        pp = len(sizes)
+        place = self.links.get((pp, stage_gpus, g))
+        if place is None:  # (the same for every split into pp stages of this grid's GPUs)
+            links = _stage_links(pp, stage_gpus, g)
+            codes = [_LINK_CODE[nxt] * 9 + _LINK_CODE[prev] * 3 for nxt, prev in links]  # < 27: fits _KEY_SCALE
+            codes[0] += 1
+            codes[-1] += 2 + ((pp - 1) << 20)
+            place = self.links[pp, stage_gpus, g] = (codes, links)
+        codes, links = place
+        keys = list(map(add, map(_KEY_SCALE.__mul__, sizes), codes))
+        distinct = list(dict.fromkeys(keys))
+        firsts = list(map(keys.index, distinct))
+        at = {key: k for k, key in enumerate(distinct)}
+        last = pp - 1
+        meaning = tuple((sizes[j], links[j], j if j == 0 or j == last else 1) for j in firsts)
+        return tuple(distinct), list(map(at.__getitem__, keys)), firsts, meaning
 
     def stage_rows(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                    savers: tuple[tuple[int, int, bool], ...], sizes: Sequence[int] | None = None) -> list[list[tuple]]:
@@ -334,6 +352,8 @@ def _stage_links(pp: int, stage_gpus: int, g: int) -> list[tuple[bool | None, bo
     return out
 
 
+_KEY_SCALE = 32  # StageTable._pattern's int keys: size x this + links and place (< 27) + last position << 20
+_LINK_CODE = {None: 0, True: 1, False: 2}  # a link to the next / previous stage: none, inside a node, between
 _UNLIMITED = 2 * SATURATED  # stage_columns' depth term of a combination whose memory never limits the depth
 
 
@@ -436,6 +456,20 @@ def judge_fill(columns: Mapping[int, tuple], sids: Sequence[int], depth: Sequenc
     return fill
 
 
+def fills_of(columns: Mapping[int, tuple], sids: Sequence[int], combos: Sequence[int]) -> list[float]:
+    """judge_fill's fill_s of the saver combinations ``combos`` alone (indices; the same adds, front to back): for
+    a caller that has ruled the others out without their fills."""
+    times = {sid: columns[sid][0] for sid in dict.fromkeys(sids)}
+    if len(combos) > 2:  # the stages' times per combination, at once
+        per_combination = list(zip(*map(times.__getitem__, sids)))
+        return [reduce(add, per_combination[s]) for s in combos]
+    out = []
+    for s in combos:
+        at = {sid: t[s] for sid, t in times.items()}
+        out.append(reduce(add, map(at.__getitem__, sids)))
+    return out
+
+
 def _head_depths(col: tuple, after: int, inflight: int) -> list[int]:
     """A distinct stage's share of judge_columns' depth, ``after`` stages from the pipeline's end (``inflight``
     micro-batches in flight there): per combination fit_depth's term - after, at most SATURATED, or -1 where the
@@ -467,8 +501,12 @@ def least_terms(columns: Mapping[int, tuple], sids: Sequence[int],
     added front to back (under every combination's fill to the last bit)."""
     distinct = [columns[sid] for sid in dict.fromkeys(sids)] if stage_heads is None else [
         columns[sid] for sid, _ in stage_heads]
-    bn = max(map(_LEAST_TIME, distinct))
     tail = max(map(_LEAST_TAIL, distinct))
+    if len(sids) > 8:  # a long pipeline: each distinct stage's least time looked up once
+        least = dict(zip(dict.fromkeys(sids) if stage_heads is None else [sid for sid, _ in stage_heads],
+                         map(_LEAST_TIME, distinct)))
+        return max(least.values()), reduce(add, map(least.__getitem__, sids)), tail  # (front to back)
+    bn = max(map(_LEAST_TIME, distinct))
     fill = reduce(add, map(_LEAST_TIME, map(columns.__getitem__, sids)))  # front to back, one add at a time
     return bn, fill, tail
 

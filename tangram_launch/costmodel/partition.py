@@ -26,6 +26,28 @@ def balanced_split(weights: Sequence[float], parts: int, *, first_extra: float =
     return hit
 
 
+def balanced_split_uniform(weight: float, n: int, parts: int, *, first_extra: float = 0.0,
+                           last_extra: float = 0.0) -> tuple[int, ...]:
+    """balanced_split of ``n`` layers that all weigh ``weight`` (a slice of one layer kind), remembered by those
+    numbers instead of the n weights: the same answer, without a list of weights to build, hash and check."""
+    key = ("uniform", weight, n, parts, first_extra, last_extra)
+    hit = _memo.get(key)
+    if hit is None:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
+        u = float(weight)
+        if u != u or not 1 < parts <= n:  # (NaN, or what the general path answers or refuses)
+            hit = _balanced_split((weight,) * n, parts, first_extra=first_extra, last_extra=last_extra)
+        else:
+            w_first = u + first_extra
+            uniform = _UniformGreedy(u, w_first, *_uniform_sums(u, w_first, last_extra, n), parts)
+            hi = _uniform_run_sum(u, n) + first_extra + last_extra  # sum(w) + first_extra + last_extra
+            lo = max(u if n > 2 else 0.0, w_first, u + last_extra, hi / parts)
+            hit = _smooth_uniform(u, n, _search_sizes(uniform, uniform, lo, hi, parts), first_extra, last_extra)
+        _memo[key] = hit
+    return hit
+
+
 def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float = 0.0,
                     last_extra: float = 0.0, closed_form: bool = True) -> tuple[int, ...]:
     """Split ``weights`` into ``parts`` contiguous non-empty groups minimising the heaviest group, where the first
@@ -52,6 +74,15 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
     middle = (w[0] if n > 2 else 0.0) if uniform is not None else max(w[1:-1], default=0.0)  # the heaviest middle
     hi = sum(w) + first_extra + last_extra
     lo = max(middle, w_first, w[-1] + last_extra, hi / parts)
+    sizes = _search_sizes(greedy, uniform, lo, hi, parts)
+    if uniform is not None:
+        return _smooth_uniform(w[0], len(w), sizes, first_extra, last_extra)
+    return _smooth(w, sizes, first_extra, last_extra)
+
+
+def _search_sizes(greedy, uniform: "_UniformGreedy | None", lo: float, hi: float, parts: int) -> list[int]:
+    """_balanced_split's group sizes before smoothing: the bisection on the bottleneck between ``lo`` and ``hi``
+    (``greedy``: its feasibility check), then the largest groups split until there are ``parts``."""
     best = greedy(hi)
     at_lo = greedy(lo)
     if at_lo is not None:
@@ -70,11 +101,22 @@ def _balanced_split(weights: Sequence[float], parts: int, *, first_extra: float 
                 break
     assert best is not None
     sizes = list(best)
-    while len(sizes) < parts:  # split the largest group (sums only shrink, so the bottleneck does not grow)
-        j = sizes.index(max(sizes))  # the first of the largest
-        first = sizes[j] // 2
-        sizes[j: j + 1] = [first, sizes[j] - first]
-    return _smooth(w, sizes, first_extra, last_extra, uniform is not None)
+    # split the largest group, the first of them, until there are ``parts`` (sums only shrink, so the bottleneck
+    # does not grow); both halves of a group are smaller, so that takes the largest ones front to back, a size at a
+    # time (one pass each)
+    need = parts - len(sizes)
+    while need > 0:
+        top = max(sizes)
+        halves = (top // 2, top - top // 2)
+        out: list[int] = []
+        for size in sizes:
+            if size == top and need > 0:
+                out += halves
+                need -= 1
+            else:
+                out.append(size)
+        sizes = out
+    return sizes
 
 
 def greedy_split(back_to_front: Sequence[float], bound: float, last_extra: float, parts: int) -> list[int] | None:
@@ -214,6 +256,39 @@ class _UniformGreedy:
         if lo_i + 1 < len(cands) and cands[lo_i + 1] * (1.0 - 2e-6) <= opt:
             return None
         return self(opt)
+
+
+def _smooth_uniform(u: float, n: int, sizes: list[int], first_extra: float, last_extra: float) -> tuple[int, ...]:
+    """_smooth of n layers that all weigh u: a group's slice sum depends on its size only (remembered by it), and
+    a moved layer is never the embedding's (the group it leaves keeps a layer), so it weighs u + 0.0 -- the same
+    moves as _smooth, without its boundaries."""
+    parts = len(sizes)
+    x = u + 0.0  # _smooth's moved layer (w[i] + 0.0 away from layer 0)
+    sums = list(map({size: _uniform_run_sum(u, size) for size in set(sizes)}.__getitem__, sizes))
+    sums[0] += first_extra
+    sums[-1] += last_extra
+    start = 0
+    for _ in range(4 * n):
+        moved = False
+        for k in range(start, parts - 1):
+            a, b = sums[k], sums[k + 1]
+            if a > b:
+                if sizes[k] > 1 and b + x < a - 1e-12:
+                    sizes[k] -= 1
+                    sizes[k + 1] += 1
+                    moved = True
+            elif b > a and sizes[k + 1] > 1 and a + x < b - 1e-12:
+                sizes[k] += 1
+                sizes[k + 1] -= 1
+                moved = True
+            if moved:  # as _smooth: the two groups' sums again, and on from the pair before them
+                sums[k] = _uniform_run_sum(u, sizes[k]) + (first_extra if k == 0 else 0.0)
+                sums[k + 1] = _uniform_run_sum(u, sizes[k + 1]) + (last_extra if k + 1 == parts - 1 else 0.0)
+                start = k - 1 if k else 0
+                break
+        if not moved:
+            break
+    return tuple(sizes)
 
 
 def _smooth(w: list[float], sizes: list[int], first_extra: float, last_extra: float,

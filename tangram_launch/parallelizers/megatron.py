@@ -55,6 +55,7 @@ from tangram_launch.costmodel.grid import (
     SaverColumns,
     StageTable,
     StageTables,
+    fills_of,
     judge_fill,
     judge_heads,
     least_terms,
@@ -388,8 +389,13 @@ class MegatronParallelizer:
         pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
-        times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])  # (time, static, act, sync+opt)
-        numbers = SliceNumbers(shapes, mbss, times, static, act, tails, (*judged, point[3]))  # fit_depth's depth
+        if len(sigs) > 8:  # a long pipeline: each distinct stage's row looked up once
+            rows = {sid: by_sid[sid][s] for sid in dict.fromkeys(sigs)}
+            times, static, act, tails = zip(*map(rows.__getitem__, sigs))  # (time, static, act, sync+opt)
+        else:
+            times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])
+        # (SliceNumbers made as its class's __new__ does; the hint: m, capacity and fit_depth's depth)
+        numbers = tuple.__new__(SliceNumbers, (shapes, mbss, times, static, act, tails, (*judged, point[3])))
         return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
                              build=lambda: self._stages(table, coster, _config(grid, zero, r, off),
                                                         coster.stage_ranges(sizes), sigs))
@@ -398,7 +404,8 @@ class MegatronParallelizer:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
         queries (grid_classes.judge_templates judges a shared pair once)."""
         key = (grid.tp, grid.dp, grid.cp, grid.ep, zero, r, off, pp, mbs)
-        hit = self.__dict__.get("_shape_cache", {}).get(key)
+        cache = self.__dict__.get("_shape_cache")
+        hit = cache.get(key) if cache is not None else None
         if hit is not None:
             return hit
         # the stage shape itself is one object per (grid, savers), whatever the stages and micro-batch size
@@ -643,7 +650,7 @@ class _GridSearch:
             if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(i, allowed, StagesCosted(sizes, sigs, by_sid), columns,
+        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid)), columns,
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
 
     def _floor(self, f: int) -> tuple:
@@ -683,15 +690,8 @@ class _GridSearch:
                 return
         m = self.m
         if least_fill is not None:
-            m1, lat_cut, beyond_n = m - 1, self.lat_cut, 0
-            for bn_s, tail_s, d in zip(bottleneck, tail, depth):
-                if d >= 0:
-                    if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
-                        break
-                    beyond_n += 1
-            else:
-                self.bounded += beyond_n
-                return
+            self._keep_bounded(i, allowed, stages, columns, judged, grid_cut, least_fill)
+            return
         fill = judge_fill(columns, stages.sigs, depth)
         # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
         beyond = beyond_each(bottleneck, fill, tail, m, self.lat_cut, grid_cut) if self.bound else None
@@ -704,6 +704,35 @@ class _GridSearch:
                 self.bounded += 1
                 continue
             bucket.append(new(FrontPoint, (bottleneck[s], fill[s], tail[s], d, pp, n_gpus, grid, *saver, stages, s)))
+
+    def _keep_bounded(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
+                      least_fill: float) -> None:
+        """_keep_points' fitting combinations under bounds, with the stages' least times added up (``least_fill``):
+        a combination beyond the bounds with it in place of its own fill (under it to the last bit) is beyond with
+        its own, so only the others have their fills summed (grid.fills_of), then judged as beyond_each does."""
+        bottleneck, tail, depth = judged
+        m = self.m
+        m1, lat_cut = m - 1, self.lat_cut
+        live, fitting = [], 0
+        for s, d in enumerate(depth):
+            if d >= 0:
+                fitting += 1
+                bn_s, tail_s = bottleneck[s], tail[s]
+                if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
+                    live.append(s)
+        self.bounded += fitting - len(live)
+        if not live:
+            return
+        grid = self.index.grids[i]
+        bucket = self.points[self.classes[i]]
+        pp, n_gpus, new = grid.pp, grid.num_gpus, tuple.__new__  # (a FrontPoint made as its class's __new__ does)
+        for s, fill_s in zip(live, fills_of(columns, stages.sigs, live)):
+            bn_s, tail_s = bottleneck[s], tail[s]
+            if m1 * bn_s + fill_s + tail_s > lat_cut and m * bn_s + tail_s > grid_cut:
+                self.bounded += 1
+                continue
+            bucket.append(new(FrontPoint, (bn_s, fill_s, tail_s, depth[s], pp, n_gpus, grid, *allowed[s], stages,
+                                           s)))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
