@@ -104,16 +104,22 @@ def test_a_third_party_adapter_is_planned_for_and_handed_back_by_the_plan(tmp_pa
     assert type(adapter).__name__ == "ThirdAdapter" and adapter.capabilities.name == "third"
 
 
-@pytest.mark.distributed
-def test_plan_and_launch_time_planning_give_the_same_plan_bytes(tmp_path):
-    cluster = REPO / "examples" / "clusters" / "cpu-2.yaml"
-    same = ("--cluster", str(cluster), "--model", "tiny", "--global-batch", "8")  # no --seq-len, --dtype, --runtime
+def plan_and_launched_bytes(tmp_path: Path, *same: str) -> tuple[bytes, bytes]:
+    """(`plan -o`'s plan made canonical, the plan a 2-rank launch planned and wrote) for the same arguments."""
     run_cli(tmp_path, "plan", *same, "-o", "a.json")
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
     run_cli(tmp_path, "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), *same, PLAN_WORKER, str(out))
     files = sorted((logs / "tangram").glob("plan-*.json"))
     assert len(files) == 1, files
+    return planned.canonical_plan_bytes(Plan.load(str(tmp_path / "a.json"))), files[0].read_bytes()
+
+
+@pytest.mark.distributed
+def test_plan_and_launch_time_planning_give_the_same_plan_bytes(tmp_path):
+    cluster = REPO / "examples" / "clusters" / "cpu-2.yaml"
+    same = ("--cluster", str(cluster), "--model", "tiny", "--global-batch", "8")  # no --seq-len, --dtype, --runtime
+    planned_bytes, launched = plan_and_launched_bytes(tmp_path, *same)
     # the launcher writes canonical bytes (sorted keys, no wall-clock figures): `plan -o`'s plan, made canonical
-    assert planned.canonical_plan_bytes(Plan.load(str(tmp_path / "a.json"))) == files[0].read_bytes()
-    assert json.loads(files[0].read_bytes())["training"]["dtype"] == "bf16"
+    assert planned_bytes == launched
+    assert json.loads(launched)["training"]["dtype"] == "bf16"

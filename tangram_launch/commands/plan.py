@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="switch a pruning policy off (repeatable; for ablations)")
     parser.add_argument("--balance-tolerance", type=float, default=None,
                         help="unbalanced-pair pruning tolerance (default 1.0: up to 2x the compute share)")
+    parser.add_argument("--gpu-counts", default=None, choices=("tiling", "all"),
+                        help="GPU counts a slice may use (default tiling: powers of two within a node and whole "
+                             "nodes; all: every count whose stages fit in a node or are whole nodes, slower)")
 
 
 def run(args: argparse.Namespace) -> int:

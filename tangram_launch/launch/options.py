@@ -119,6 +119,9 @@ def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) 
                    help="Launch by this plan: a plan file (JSON or YAML with a rank_layout), or a hand-written plan "
                         "(stages by island, costed first with --cluster and --model).")
     g.add_argument("--parallelizer", metavar="NAME", default=None, help="Per-island parallelizer to plan with.")
+    g.add_argument(*names("--gpu-counts", "--gpu_counts"), choices=("tiling", "all"), default=None,
+                   help="GPU counts a slice may use (default tiling; all: every count, slower), as tangram-launch "
+                        "plan.")
     g.add_argument(*names("--node-name", "--node_name"), metavar="NAME", default=None,
                    help="Which plan node this agent is (default: matched by host name).")
     g.add_argument("--resume", metavar="DIR", default=None, help="Resume from this checkpoint directory.")

@@ -320,7 +320,8 @@ def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, clu
                               infeasible="infeasible" not in no_prune,
                               balance_tolerance=DEFAULT_BALANCE_TOLERANCE if tolerance is None else tolerance),
         max_workers=given("workers"), schedule=given("schedule") or "auto", progress=progress,
-        microbatch_sequences=tuple(sizes) if sizes else None)
+        microbatch_sequences=tuple(sizes) if sizes else None,
+        gpu_counts=str(given("gpu_counts") or (old.get("planner") or {}).get("gpu_counts") or "tiling"))
     return PlanningRequest(
         model=model, training=TrainingSpec(**training), runtime=name,
         parallelizer=str(given("parallelizer") or _registered((old.get("planner") or {}).get("parallelizer"))

@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 # Options that ask for planning at launch time (they need a plan provider, or are ignored next to --plan).
 PLANNING_OPTIONS = ("cluster", "profile", "reprofile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
-                    "parallelizer")
+                    "parallelizer", "gpu_counts")
 EXIT_WORKER_FAILED = 1  # what torchrun exits with when a worker fails (an uncaught ChildFailedError)
 
 
@@ -112,6 +112,7 @@ class TangramOptions:
     runtime: str | None = None
     plan: str | None = None
     parallelizer: str | None = None
+    gpu_counts: str | None = None
     node_name: str | None = None
     resume: str | None = None
     checkpoint_dir: str | None = None

@@ -23,7 +23,11 @@ from tangram_launch.costmodel.slice_plan import (
 )
 from tangram_launch.specs.constants import GIB
 
-__all__ = ["GIB", "InfeasibleSlice", "LazySlicePlan", "Parallelizer", "SliceNumbers", "SlicePlan", "SliceQuery",
+# the GPU counts a slice may use (PlannerOptions.gpu_counts, MegatronParallelizer's option), the default first:
+# "tiling": powers of two within a node and whole nodes; "all": every count whose stages can be placed
+GPU_COUNTS = ("tiling", "all")
+
+__all__ = ["GIB", "GPU_COUNTS", "InfeasibleSlice", "LazySlicePlan", "Parallelizer", "SliceNumbers", "SlicePlan", "SliceQuery",
            "SliceResult", "StageCost", "capacity_bytes"]
 
 

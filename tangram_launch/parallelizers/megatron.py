@@ -2,7 +2,8 @@
 
 For a slice/island query it enumerates every configuration Megatron-style 3D/5D parallelism allows on the island:
 
-    GPUs used   n: powers of two and whole nodes up to the island (the plan's num_gpus says how many)
+    GPUs used   n: powers of two and whole nodes up to the island (the plan's num_gpus says how many); with
+                gpu_counts="all", every n up to the island (stages_placeable says which stage grids)
     pp          stages inside the slice (n % pp == 0, pp <= layers, <= q.max_stages / the runtime's max_stages);
                 a stage's GPUs divide a node or are whole nodes, so stages tile the island's nodes
     tp          divides the GPUs per node (TP stays on NVLink/PCIe inside a node) and the attention heads
@@ -64,7 +65,9 @@ from tangram_launch.costmodel.grid import (
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
 from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
+from tangram_launch.errors import SpecError
 from tangram_launch.parallelizers.base import (
+    GPU_COUNTS,
     InfeasibleSlice,
     LazySlicePlan,
     SliceNumbers,
@@ -84,8 +87,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_gpu_counts(num_gpus: int, gpus_per_node: int) -> list[int]:
-    """Powers of two that divide a node, and whole nodes: subsets whose stages tile the island's nodes."""
+def candidate_gpu_counts(num_gpus: int, gpus_per_node: int, every: bool = False) -> list[int]:
+    """Powers of two that divide a node, and whole nodes: subsets whose stages tile the island's nodes; ``every``:
+    every count up to the island (stages_placeable then says which stage grids of each count can be placed)."""
+    if every:
+        return list(range(1, num_gpus + 1))
     out = {k * gpus_per_node for k in range(1, num_gpus // gpus_per_node + 1)}
     p = 1
     while p <= gpus_per_node:
@@ -93,6 +99,22 @@ def candidate_gpu_counts(num_gpus: int, gpus_per_node: int) -> list[int]:
             out.add(p)
         p *= 2
     return sorted(x for x in out if x <= num_gpus)
+
+
+def stages_placeable(n: int, pp: int, gpus_per_node: int, every: bool = False) -> bool:
+    """Whether ``pp`` stages of n / pp GPUs each are offered. The default: a stage's GPUs divide a node or are
+    whole nodes, so the stages tile the island's nodes. ``every`` adds stages of fewer GPUs than a node that do not
+    divide it, when, placed as allocation.allocate_gpus places them (the island's GPUs in node order, stage after
+    stage), none straddles two nodes. That is what the cost model prices: a stage of at most a node's GPUs has
+    its DP/CP groups and its p2p inside the node (communication.group_link). A stage across part of two nodes
+    would share a node's network interface with its neighbour and run its DP ring over the network, which no
+    stage cost prices, so it is not offered (nor is a stage of more than a node that is not whole nodes); a
+    hand-written plan may still place one (manual.py costs it as given)."""
+    g = gpus_per_node
+    sg = n // pp
+    if sg % g == 0 or g % sg == 0:
+        return True
+    return every and sg < g and all((j * sg) // g == ((j + 1) * sg - 1) // g for j in range(pp))
 
 
 def query_key(q: SliceQuery, kinds: tuple[str, ...] | None = None) -> tuple:
@@ -207,9 +229,16 @@ class MegatronParallelizer:
 
     name = "megatron"
 
-    def __init__(self, *, flash_attention: bool | None = None, gpu_subsets: bool = True) -> None:
+    def __init__(self, *, flash_attention: bool | None = None, gpu_subsets: bool = True,
+                 gpu_counts: str = "tiling") -> None:
+        """``gpu_subsets``: offer slices on part of the island; ``gpu_counts``: which parts, "tiling" (powers of two
+        within a node and whole nodes: stages tile the nodes) or "all" (every count, stages_placeable)."""
+        if gpu_counts not in GPU_COUNTS:
+            raise SpecError("unknown GPU-count search space", field="gpu_counts", value=gpu_counts,
+                            valid=", ".join(GPU_COUNTS))
         self.flash_attention = flash_attention
         self.gpu_subsets = gpu_subsets
+        self.gpu_counts = gpu_counts
 
     # ------------------------------------------------------------------------------------------ enumeration
     def grids(self, q: SliceQuery, coster: SliceCoster) -> Iterator[ParallelConfig]:
@@ -225,7 +254,7 @@ class MegatronParallelizer:
                 max_pp = min(max_pp, limit)
         key = (isl.num_gpus, isl.gpus_per_node, max_pp, caps.tensor_parallel, caps.context_parallel,
                caps.expert_parallel, coster.seq_len, model.num_heads, model.num_kv_heads, model.is_moe,
-               model.num_experts, self.gpu_subsets)
+               model.num_experts, self.gpu_subsets, self.gpu_counts)
         every = _memo(self, "_grid_lists", key, lambda: tuple(self._enumerate_grids(q, coster, max_pp)),
                       limit=_MAX_GRID_LISTS)
         b = q.microbatch_sequences
@@ -236,14 +265,13 @@ class MegatronParallelizer:
         """grids() at every micro-batch size (any dp)."""
         isl, model, caps = q.island, q.model, q.capabilities
         g = isl.gpus_per_node
-        counts = candidate_gpu_counts(isl.num_gpus, g) if self.gpu_subsets else [isl.num_gpus]
+        every = self.gpu_counts == "all"
+        counts = candidate_gpu_counts(isl.num_gpus, g, every) if self.gpu_subsets else [isl.num_gpus]
         for n in counts:
             for pp in divisors(n):
-                if pp > max_pp:
+                if pp > max_pp or not stages_placeable(n, pp, g, every):
                     continue
                 sg = n // pp
-                if sg % g and g % sg:
-                    continue
                 for tp in divisors(math.gcd(sg, g)):
                     if tp > 1 and not caps.tensor_parallel:
                         continue
@@ -296,7 +324,7 @@ class MegatronParallelizer:
         out: dict[str, tuple[float, float]] = {}
         # the distinct (tp, cp, ep, dp) of the grids that have no shape problem and fit the slice: the queries'
         # grid list (GridIndex.fkeys, the same one the queries at this micro-batch size take)
-        index = self._grid_index(table, q, coster, self.grids)[1]
+        index = self._grid_index(table, q, coster, self.grids, self.gpu_counts == "tiling")[1]
         fits = set(index.fkey_ids[index.pp <= q.num_layers].tolist())
         for f, key in enumerate(index.fkeys):
             if f not in fits:
@@ -334,7 +362,7 @@ class MegatronParallelizer:
             return SliceResult(key, (), InfeasibleSlice(
                 (f"global batch {q.training.global_batch} is not a multiple of the micro-batch of {b} sequences",)))
         table.attach(coster)
-        search = _GridSearch(q, table, coster, grids, savers)
+        search = _GridSearch(q, table, coster, grids, savers, tiling=self.gpu_counts == "tiling")
         if search.bound:
             search.bound_grids()
         if memory_floor:
@@ -364,7 +392,8 @@ class MegatronParallelizer:
         return SliceResult(key, plans, None, search.evaluated, bounded=search.bounded, screened=True)
 
     @staticmethod
-    def _grid_index(table: StageTable, q: SliceQuery, coster: SliceCoster, grids) -> tuple[tuple, GridIndex]:
+    def _grid_index(table: StageTable, q: SliceQuery, coster: SliceCoster, grids,
+                    tiling: bool = True) -> tuple[tuple, GridIndex]:
         """(its key, the GridIndex) of the grids ``grids`` lists for q's context and micro-batch size.
 
         The grids and their shape problems depend on the context and b, and on the slice's length only through its
@@ -377,7 +406,10 @@ class MegatronParallelizer:
         index = table.grid_lists.get(gkey)
         if index is None:
             whole = dataclasses.replace(q, layers=(0, q.model.num_layers))
-            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False)))
+            # not ``tiling`` (gpu_counts="all"): the tiling rule is the enumeration's (stages_placeable), not a
+            # shape problem
+            index = table.grid_lists[gkey] = GridIndex([(g, tuple(coster.check(g, slice_layers=False,
+                                                                               search_space=tiling)))
                                                         for g in grids(whole, coster)])
         return gkey, index
 
@@ -457,7 +489,9 @@ class MegatronParallelizer:
             return InfeasibleSlice(tuple(f"{where}: {r}" for r in reasons[:8]))
         peak, grid, zero, r, off = best
         cfg = _config(grid, zero, r, off)
-        plan = coster.plan(cfg, parallelizer=self.name)
+        # (its shape passed the grid list's check: materialized without check's tiling rule, which "all" lifts)
+        plan = coster.materialize(cfg, coster.stage_sums(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep),
+                                  parallelizer=self.name)
         n = len(plan.stages)
         j = max(range(n), key=lambda k: plan.stages[k].memory_bytes(n - 1 - k, m))
         st = plan.stages[j]
@@ -514,7 +548,8 @@ class _GridSearch:
     """One query's search over a grid list (MegatronParallelizer._search): the query's context, the bounds it
     prunes by (bounds.py's slice rows), and what it has found so far."""
 
-    def __init__(self, q: SliceQuery, table: StageTable, coster: SliceCoster, grids, savers) -> None:
+    def __init__(self, q: SliceQuery, table: StageTable, coster: SliceCoster, grids, savers, *,
+                 tiling: bool = True) -> None:
         self.q, self.table, self.coster, self.grids, self.savers = q, table, coster, grids, savers
         self.m = max(1, q.num_microbatches)
         self.cap = coster.capacity_bytes
@@ -530,7 +565,7 @@ class _GridSearch:
         self.bound = q.bounded  # skip what cannot beat the planner's bounds so far
         self.lat_cut = slack_cut(q.latency_bound_s)
         self.floors: dict[int, tuple] = {}  # GridIndex.fkeys' -> (per-kind, embedding, head, slice's, one kind's)
-        self.gkey, self.index = MegatronParallelizer._grid_index(table, q, coster, grids)
+        self.gkey, self.index = MegatronParallelizer._grid_index(table, q, coster, grids, tiling)
         self.max_pp = q.num_layers
         for pp, problems in self.index.problems:
             if pp <= self.max_pp:

@@ -14,7 +14,7 @@ from typing import Iterator
 from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
 from tangram_launch.parallelizers.base import SliceQuery
-from tangram_launch.parallelizers.megatron import MegatronParallelizer, divisors
+from tangram_launch.parallelizers.megatron import MegatronParallelizer, divisors, stages_placeable
 
 
 class UniformParallelizer(MegatronParallelizer):
@@ -30,8 +30,8 @@ class UniformParallelizer(MegatronParallelizer):
             if limit is not None:
                 max_pp = min(max_pp, limit)
         for pp in divisors(n):
-            if pp > max_pp:
-                continue
+            if pp > max_pp or self.gpu_counts == "all" and not stages_placeable(n, pp, g, True):
+                continue  # (the default's tiling rule is check's shape problem, named when nothing fits)
             sg = n // pp
             for tp in divisors(math.gcd(sg, g)):
                 if tp > 1 and not caps.tensor_parallel:

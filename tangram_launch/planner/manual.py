@@ -250,7 +250,7 @@ def cost_manual_plan(manual: ManualPlan, cluster: "ClusterSpec", model: "ModelSp
     """The Plan for a manual layout, costed like Tangram's; InfeasibleError names the stage that does not fit."""
     opts = options or PlannerOptions()
     caps = resolve_capabilities(runtime).for_model(model.num_experts)
-    par = resolve_parallelizer(parallelizer)
+    par = resolve_parallelizer(parallelizer, opts.gpu_counts)
     iset = islands or build_islands(cluster, dtype=training.dtype)
     G = training.global_batch
     src = manual.source

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tangram_launch.errors import SpecError
+from tangram_launch.parallelizers.base import GPU_COUNTS
 from tangram_launch.planner.slices import PruningPolicy
 
 
@@ -26,6 +27,9 @@ class PlannerOptions:
     # whose closed form is below the best simulated one (compose.py's score_band: slower, finds more where p2p lies on
     # the 1F1B cycle)
     score_band: bool = False
+    # the GPU counts the parallelizer offers a slice (GPU_COUNTS): "tiling" (powers of two within a node, whole
+    # nodes) or "all" (every count whose stages can be placed: wider, slower; docs/planner.md gives the cost)
+    gpu_counts: str = "tiling"
 
     def __post_init__(self) -> None:
         if self.microbatch_sequences is not None:
@@ -40,5 +44,8 @@ class PlannerOptions:
                             valid="auto, 1F1B, interleaved-1F1B")
         if isinstance(self.exact_islands, bool) or not isinstance(self.exact_islands, int) or self.exact_islands < 1:
             raise SpecError("must be a positive integer", field="exact_islands", value=self.exact_islands)
+        if self.gpu_counts not in GPU_COUNTS:
+            raise SpecError("unknown GPU-count search space", field="gpu_counts", value=self.gpu_counts,
+                            valid=", ".join(GPU_COUNTS))
         if self.bound_step < 0:
             raise SpecError("must be >= 0", field="bound_step", value=self.bound_step)

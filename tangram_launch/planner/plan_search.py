@@ -68,14 +68,25 @@ class SearchResult:
     scored_s: tuple[float, ...] = ()  # predicted iteration of every composition the search scored
 
 
-def resolve_parallelizer(parallelizer: str | Parallelizer) -> Parallelizer:
+def resolve_parallelizer(parallelizer: str | Parallelizer, gpu_counts: str = "tiling") -> Parallelizer:
+    """The parallelizer by name or as given; ``gpu_counts`` other than the default is passed to a named one's
+    factory (a parallelizer without that option is refused, as is a given instance set otherwise)."""
     if isinstance(parallelizer, str):
         from tangram_launch.parallelizers.registry import get_parallelizer  # floor 3, loaded on demand
 
-        return get_parallelizer(parallelizer)
+        if gpu_counts == "tiling":
+            return get_parallelizer(parallelizer)
+        try:
+            return get_parallelizer(parallelizer, gpu_counts=gpu_counts)
+        except TypeError as exc:
+            raise SpecError(f"parallelizer {parallelizer!r} has no GPU-count option ({exc})", field="gpu_counts",
+                            value=gpu_counts, valid="tiling") from exc
     if not hasattr(parallelizer, "query"):
         raise SpecError("not a parallelizer (needs .name and .query(SliceQuery))", field="parallelizer",
                         value=type(parallelizer).__name__)
+    if getattr(parallelizer, "gpu_counts", "tiling") != gpu_counts:
+        raise SpecError(f"the parallelizer given offers gpu_counts={getattr(parallelizer, 'gpu_counts', 'tiling')!r}",
+                        field="gpu_counts", value=gpu_counts)
     return parallelizer
 
 
@@ -91,7 +102,7 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     # gc_pause.py: the search makes no reference cycles, and collections only rescanned its many long-lived
     # objects. One query pool for all the search's batches (query_pool.py): its workers keep their caches warm,
     # and stop when the search ends.
-    with no_collections(), QueryPool(resolve_parallelizer(parallelizer), opts.max_workers,
+    with no_collections(), QueryPool(resolve_parallelizer(parallelizer, opts.gpu_counts), opts.max_workers,
                                       progress=opts.progress, label=f"planning {model.name}") as pool:
         return _search(cluster, model, training, runtime=runtime, pool=pool, islands=islands, options=opts)
 
@@ -166,7 +177,10 @@ def _search_stats(par: Parallelizer, pairset: PairSet, counters: dict, cstats: C
                   opts: PlannerOptions, *, planning_s: float, compose_s: float, atom_layers: int,
                   tried: Sequence[int]) -> dict:
     """The search's figures for the Plan's ``planner`` block (cand: the chosen size's Candidates)."""
+    # the search space's one non-default option is named only when set: default plans keep their bytes
+    wider = {"gpu_counts": opts.gpu_counts} if opts.gpu_counts != "tiling" else {}
     return {
+        **wider,
         "parallelizer": getattr(par, "name", type(par).__name__),
         "planning_time_s": round(planning_s, 4),
         "pairs": pairset.counts["total"],
