@@ -68,7 +68,8 @@ import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
-from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
+from tangram_launch.planner.bounds import FitPrefixBounds, PrefixBounds, cycles_s, front_link_s, round_trips_s, \
+    score_floor_terms
 from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
 from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
 from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s, plain_counts
@@ -227,6 +228,7 @@ class Prepared(NamedTuple):
     cls: list[int]  # front_classes over every island with options
     stage_lb: float  # least slowest stage of any cover of [0, L), without links
     single: list[int]  # the options covering [0, L) (plans of one option), in idx's order
+    rows: np.ndarray | None = None  # the options as Candidates.option_rows, where the caller gave them
 
 
 class PreparedSet(NamedTuple):
@@ -261,6 +263,7 @@ class _Group(NamedTuple):
     pre_period: list[float]
     pre_tail: list[float]
     pre_stage: list[float]
+    mask: int  # the islands free in front of it (0 where nothing prunes)
 
 
 class _Offer(NamedTuple):
@@ -308,7 +311,7 @@ class _Pass:
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
-                 "chunked", "hopeful")
+                 "chunked", "hopeful", "fit", "fit_floors")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -353,6 +356,9 @@ class _Pass:
             self.trips, self.c1, self.c0 = _trip_tables(prep, m, prep.n_cap + num_layers + 1)
         if self.edged:
             self.t_first, self.t_last = edge_s
+        # where only the score floor judges: the covers in front by what fits in front of the stages behind
+        self.fit = _fit_prefix(prep, options, link_s, num_layers, self.m1) if self.score_only and self.prune else None
+        self.fit_floors: dict = prep.cache.setdefault("fit floors", {})  # (mask, start) -> _fit_end's floors by n
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
         # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
@@ -361,6 +367,16 @@ class _Pass:
         self.entry_terms = (self.m1, beat, score_beat, self.score_only, self.shrink, self.plain, self.trips, self.c1,
                             self.c0, self.t_first, self.t_last, self.edged, self.stage_cap, prep.n_cap, quantum,
                             self.tables)
+
+
+def _fit_prefix(prep: Prepared, options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int,
+                saturated: int) -> FitPrefixBounds:
+    """The prepared set's FitPrefixBounds (once per set, in its cache: every pass reads the same)."""
+    hit = prep.cache.get("fit")
+    if hit is None:
+        hit = prep.cache["fit"] = FitPrefixBounds(options, prep.idx, num_layers, link_s, saturated, prep.rows,
+                                                  prep.prefix)
+    return hit
 
 
 def _trip_tables(prep: Prepared, m: int, n: int) -> tuple[list[float], list[float], list[float]]:
@@ -475,9 +491,9 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
             mask = (~(used | bit) if rank is None else run.before[island]) & prefix.islands
             pre = prefix(mask)
             lk = front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
-            group = _Group(f, link, tkey, lk, *pre)
+            group = _Group(f, link, tkey, lk, *pre, mask)
         else:
-            group = _Group(f, link, tkey, 0.0, (), (), (), ())
+            group = _Group(f, link, tkey, 0.0, (), (), (), (), 0)
         if prune and not run.by_score:  # (the score's floor does not follow this order: no cut, no sort)
             gidx, floors, covered = _by_floor(options, gidx, mask, run.floor_terms, cache)
             gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
@@ -545,7 +561,8 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
     floors go on to _add_entries in its _Offer, which judges each entry by them."""
     options, m, m1, w, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
-    f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
+    f, link, _tkey, lk, group_fill, group_period, group_tail, group_stage, mask = group
+    fit = run.fit
     offers = []
     for oi, room in zip(gidx, covered):
         start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
@@ -555,6 +572,14 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
         lo = bisect.bisect_right(afters, room) if room >= 0 else 0  # entries an earlier option covers
         if lo >= fits:
             continue
+        if fit is not None and start:  # the fronts that fit in front of the fewest stages behind here, and no
+            # entry with so many stages behind that nothing in front of it can beat the best score
+            fits = _fit_end(run, mask, afters, lo, fits, ns, start, tail)
+            if lo >= fits:
+                continue
+            pre_fill, pre_period, pre_tail, pre_stage = fit(afters[lo] + ns)(mask)
+        else:
+            pre_fill, pre_period, pre_tail, pre_stage = group_fill, group_period, group_tail, group_stage
         add = time_s + 2.0 * link
         per = bn if bn > link else link  # the period it adds
         if prune:
@@ -591,6 +616,41 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
         else:
             offers.append((oi, lo, fits, start, ns, tail, add, per, m * bn) + _NO_FLOOR)  # an _Offer
     return offers
+
+
+def _fit_end(run: _Pass, mask: int, afters: list[int], lo: int, fits: int, ns: int, start: int,
+             tail: float) -> int:
+    """One past the last entry of lo .. fits - 1 (by increasing stages behind) with an option of ``ns`` stages and
+    ``tail`` in front of it at layer ``start`` whose score floor can beat the best score as far as the layers in
+    front read: m x the slowest stage of any front that fits in front of its stages (FitPrefixBounds) + the larger
+    tail. That floor is under every score floor of _add_entries and grows with the stages behind (a binary
+    search)."""
+    key = (mask, start)
+    floors = run.fit_floors.get(key)
+    if floors is None:
+        floors = run.fit_floors[key] = {}
+    fit, m, stage_lb, beat = run.fit, run.m, run.prep.stage_lb, run.score_beat
+
+    def dead(pos: int) -> bool:
+        n = afters[pos] + ns
+        hit = floors.get(n)
+        if hit is None:
+            covers = fit(n)(mask)
+            stage = covers.stage_period_s[start]
+            v = m * (stage if stage > stage_lb else stage_lb) if covers.fill_s[start] < _INF else _INF
+            hit = floors[n] = (v, covers.tail_s[start])
+        return hit[0] + (hit[1] if hit[1] > tail else tail) >= beat
+
+    if not dead(fits - 1):
+        return fits
+    hi = fits - 1  # the first dead entry lies in lo .. hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if dead(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer) -> float:
@@ -766,7 +826,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return Prepared(idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
-                    whole.stage_period_s[num_layers], single)
+                    whole.stage_period_s[num_layers], single, rows)
 
 
 def _groups(options: Sequence[Option], idx: list[int], num_layers: int,
