@@ -486,8 +486,9 @@ class FitPrefixBounds:
     Every option in front of a sequence of n stages has at least those n after it, and the DP keeps only
     sequences whose every option fits, so a front in front of n stages is such a cover. Where memory binds (a large
     model's first stages hold the most micro-batches in flight) the options that fit there are slower, fewer or
-    have a larger tail, and the covers by every option lie far below what any front can reach. The sets of options
-    change only at their max_after values, so the n between two share one PrefixBounds."""
+    have a larger tail, and the covers by every option lie far below what any front can reach. Above 4 stages, n
+    is taken down to 2^k or 1.5 x 2^k (a few dozen sets at most, each costing its islands' pairs), and the sets of
+    options change only at their max_after values: the n between two share one PrefixBounds."""
 
     def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int,
                  link_s: Sequence[Sequence[float]] | None, saturated: int, rows: np.ndarray | None = None,
@@ -507,6 +508,9 @@ class FitPrefixBounds:
         hit = self._by_n.get(n)
         if hit is None:
             k = min(n, self._saturated)
+            if k > 4:  # two sets an octave (fewer stages behind: fewer options left out, covers no higher)
+                top = 1 << (k.bit_length() - 1)
+                k = top + (top >> 1) if k >= top + (top >> 1) else top
             at = bisect.bisect_left(self._values, k)
             v = self._values[at] if at < len(self._values) else math.inf  # the least max_after that fits
             hit = self._by_value.get(v)

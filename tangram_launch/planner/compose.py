@@ -311,7 +311,7 @@ class _Pass:
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
-                 "chunked", "hopeful", "fit", "fit_floors")
+                 "chunked", "hopeful", "fit", "fit_cuts")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -358,7 +358,7 @@ class _Pass:
             self.t_first, self.t_last = edge_s
         # where only the score floor judges: the covers in front by what fits in front of the stages behind
         self.fit = _fit_prefix(prep, options, link_s, num_layers, self.m1) if self.score_only and self.prune else None
-        self.fit_floors: dict = prep.cache.setdefault("fit floors", {})  # (mask, start) -> _fit_end's floors by n
+        self.fit_cuts: dict = {}  # (mask, start) -> _fit_cut's
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
         # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
@@ -574,7 +574,7 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
             continue
         if fit is not None and start:  # the fronts that fit in front of the fewest stages behind here, and no
             # entry with so many stages behind that nothing in front of it can beat the best score
-            fits = _fit_end(run, mask, afters, lo, fits, ns, start, tail)
+            fits = _fit_end(run, mask, afters, lo, fits, ns, start)
             if lo >= fits:
                 continue
             pre_fill, pre_period, pre_tail, pre_stage = fit(afters[lo] + ns)(mask)
@@ -618,38 +618,31 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
     return offers
 
 
-def _fit_end(run: _Pass, mask: int, afters: list[int], lo: int, fits: int, ns: int, start: int,
-             tail: float) -> int:
-    """One past the last entry of lo .. fits - 1 (by increasing stages behind) with an option of ``ns`` stages and
-    ``tail`` in front of it at layer ``start`` whose score floor can beat the best score as far as the layers in
-    front read: m x the slowest stage of any front that fits in front of its stages (FitPrefixBounds) + the larger
-    tail. That floor is under every score floor of _add_entries and grows with the stages behind (a binary
-    search)."""
+def _fit_end(run: _Pass, mask: int, afters: list[int], lo: int, fits: int, ns: int, start: int) -> int:
+    """One past the last entry of lo .. fits - 1 (by increasing stages behind) in front of which, with an option of
+    ``ns`` stages at layer ``start``, some front of the islands of ``mask`` can still beat the best score: fewer
+    stages behind than _fit_cut's."""
     key = (mask, start)
-    floors = run.fit_floors.get(key)
-    if floors is None:
-        floors = run.fit_floors[key] = {}
+    n = run.fit_cuts.get(key)
+    if n is None:
+        n = run.fit_cuts[key] = _fit_cut(run, mask, start)
+    return fits if n > run.m1 else bisect.bisect_left(afters, n - ns, lo, fits)
+
+
+def _fit_cut(run: _Pass, mask: int, start: int) -> int:
+    """The fewest stages behind a front of [0, start) by the islands of ``mask`` at which none that fits in front
+    of them (FitPrefixBounds) can beat the best score: m x its slowest stage + its tail, under every score floor of
+    _add_entries, grows with the stages behind (fewer options fit). m (saturated + 1): every front may beat it."""
     fit, m, stage_lb, beat = run.fit, run.m, run.prep.stage_lb, run.score_beat
-
-    def dead(pos: int) -> bool:
-        n = afters[pos] + ns
-        hit = floors.get(n)
-        if hit is None:
-            covers = fit(n)(mask)
-            stage = covers.stage_period_s[start]
-            v = m * (stage if stage > stage_lb else stage_lb) if covers.fill_s[start] < _INF else _INF
-            hit = floors[n] = (v, covers.tail_s[start])
-        return hit[0] + (hit[1] if hit[1] > tail else tail) >= beat
-
-    if not dead(fits - 1):
-        return fits
-    hi = fits - 1  # the first dead entry lies in lo .. hi
+    lo, hi = 0, run.m
     while lo < hi:
-        mid = (lo + hi) // 2
-        if dead(mid):
-            hi = mid
+        n = (lo + hi) // 2
+        covers = fit(n)(mask)
+        stage = covers.stage_period_s[start]
+        if covers.fill_s[start] == _INF or m * (stage if stage > stage_lb else stage_lb) + covers.tail_s[start] >= beat:
+            hi = n
         else:
-            lo = mid + 1
+            lo = n + 1
     return lo
 
 
