@@ -1023,6 +1023,30 @@ def test_a_plain_score_finds_the_least_score_of_every_composition(seed):
     assert _plain_sweep(random.Random(7100 + seed), 200) > 120
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_fitting_fronts_in_front_of_every_state_keep_the_least_score(seed, monkeypatch):
+    """compose reads the fronts that fit in front of a state's stages (bounds.FitPrefixBounds) only in front of
+    states of _FIT_AT entries or more, which these small instances seldom reach: read in front of every state, they
+    cut entries and the plain sweep still finds the least score of every composition."""
+    import tangram_launch.planner.compose as compose_module
+
+    monkeypatch.setattr(compose_module, "_FIT_AT", 0)
+    assert _plain_sweep(random.Random(7400 + seed), 200) > 120
+    rng = random.Random(7500 + seed)
+    states = {}
+    for fit_at in (0, 1 << 30):
+        monkeypatch.setattr(compose_module, "_FIT_AT", fit_at)
+        rng.seed(7500 + seed)
+        st_ = ComposeStats()
+        for _ in range(100):
+            options, link, L, m, K = random_instance(rng, max_layers=8, max_islands=4)
+            m = rng.choice([4, 8, 16])
+            compose(options, link, L, m, stats=st_, score=scheduled(options, link, m, schedules=("plain",)),
+                    score_schedules=("plain",))
+        states[fit_at] = st_.states
+    assert states[0] < states[1 << 30]
+
+
 @pytest.mark.slow  # thousands of brute forces (tens of seconds)
 def test_a_plain_score_finds_the_least_score_over_thousands_of_instances():
     """test_a_plain_score_finds_the_least_score_of_every_composition on 3,000 instances."""

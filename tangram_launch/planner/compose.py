@@ -76,6 +76,9 @@ from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s, p
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
+# the fitting fronts (bounds.FitPrefixBounds) are read in front of a state of this many entries or more: their covers
+# cost a binary search per set of free islands and layer, which a state of few entries does not pay back
+_FIT_AT = 16
 _INF = float("inf")
 SCORE_ANY = ("any",)  # compose's score may be anything: its floor is bounds.score_floor_terms's with w = 0
 # stage times in the DP's cycle floors are taken this much lower: a slice plan's numbers sum forward and backward
@@ -562,7 +565,7 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
     options, m, m1, w, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
     f, link, _tkey, lk, group_fill, group_period, group_tail, group_stage, mask = group
-    fit = run.fit
+    fit = run.fit if len(afters) >= _FIT_AT else None
     offers = []
     for oi, room in zip(gidx, covered):
         start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
