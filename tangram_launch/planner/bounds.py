@@ -136,9 +136,9 @@ plain 1F1B floor: plain_1f1b_floor_s; round_trips_s, cycles_s per boundary
 
 plain 1F1B paths: costmodel.plain_1f1b_paths.path_floor_1f1b_s; plain_complete.behind_path_s, own_stages_s,
                   floor_stage_times
-    prunes: class_composition.ClassScores.floor_s / fine_floor_s; compose's complete pass (_add_entries,
-            _option_score_floor: the stages behind an option and its own other stages, micro-batch 0's way to a
-            boundary)
+    prunes: class_composition.ClassScores.floor_s / fine_floor_s; compose's passes where a plain score counts
+            (_add_entries, _option_score_floor: the stages behind an option and its own other stages, micro-batch
+            0's way to a boundary), the exact ones as the complete one
     safe:   four paths through each stage of the schedule (all its ops; after micro-batch 0's way behind it; before
             micro-batch m - 1's; both), each a chain of the ops' dependencies; island-matrix p2p lies under the
             exact boundaries', and a path grows with every time

@@ -666,12 +666,12 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer)
         r = run.trips[ne] * link  # round_trips_s(link, ne, m)
         if edged and group.front_island >= 0:  # + cycles_s's stage times (non-increasing in n)
             r += run.c1[ne] * front.least_tf[fits - 1] + run.c0[ne] * run.t_last[oi]
-        if run.complete:  # as _add_entries' complete pass, for the least fill and the most stages behind
-            r += in_front
-            o = run.options[oi]
-            v = in_front + behind_path_s(0.0, run.m, o[6], own_stages_s(o[5], o[6]),
-                                         2.0 * link + front.least_f[fits - 1], ne + ns - 1)
-            a = v if v > a else a
+        # as _add_entries, for the least fill and the most stages behind
+        r += in_front
+        o = run.options[oi]
+        v = in_front + behind_path_s(0.0, run.m, o[6], own_stages_s(o[5], o[6]), 2.0 * link + front.least_f[fits - 1],
+                                     ne + ns - 1)
+        a = v if v > a else a
         if start:
             r2 = run.trips[ne + ns] * lk  # round_trips_s(lk, ne + ns, m)
             if edged:
@@ -689,7 +689,6 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
-    behind = run.complete and plain  # the complete pass's plain floor counts the stages behind (plain_complete)
     options, m = run.options, m1 + 1
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
@@ -697,7 +696,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
         for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
                 plain_only in offers:
             bn_o = options[oi][6]
-            own_o = own_stages_s(options[oi][5], bn_o) if behind else 0.0
+            own_o = own_stages_s(options[oi][5], bn_o) if plain else 0.0
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
@@ -718,7 +717,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 a = add + e[7]
                 if a < mb:
                     a = mb
-                if behind:
+                if plain:  # the plain floor counts the stages behind (plain_complete)
                     a = behind_path_s(a, m, bn_o, own_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
                 if prune:
                     p = e3 * shrink
@@ -736,8 +735,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                                 r = trips[e2] * link
                                 if edged_front:
                                     r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
-                                if behind:  # + micro-batch 0's way to the boundary and the last one's way back
-                                    r += in_front
+                                r += in_front  # + micro-batch 0's way to the boundary and the last one's way back
                                 if start:
                                     r2 = trips[e2 + ns] * lk
                                     if edged:
