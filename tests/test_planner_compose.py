@@ -793,6 +793,50 @@ def test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_island
     walk(0, 0, 0.0, 0.0, 0.0, 0.0, -1)
 
 
+
+@pytest.mark.unit
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10**6))
+def test_fit_prefix_bounds_lie_under_every_front_that_fits_in_front_of_n_stages(seed):
+    """FitPrefixBounds(n)(mask)[j] is under the fill, period, tail and slowest stage of every cover of [0, j) by
+    distinct islands of the mask that fits in front of n stages (each of its options with the stages behind it,
+    n and the cover's own, as compose.evaluate counts them), and never under PrefixBounds(mask)[j]: it covers by
+    fewer options."""
+    from tangram_launch.planner.bounds import FitPrefixBounds, PrefixBounds
+
+    rng = random.Random(seed)
+    options, link, L, m, K = random_instance(rng, max_layers=6)
+    idx = [i for i, o in enumerate(options) if o.max_after >= 0]
+    whole = PrefixBounds(options, idx, L, link)
+    fit = FitPrefixBounds(options, idx, L, link, m - 1, whole=whole if rng.random() < 0.5 else None)
+    for n in range(m + 2):
+        for mask in range(1 << K):
+            got, least = fit(n)(mask), whole(mask)
+            for a, b in zip(got, least):
+                assert all(x >= y for x, y in zip(a, b))
+
+    def walk(seq, used, fill, period, tail, stage):
+        pos = options[seq[-1]].stop if seq else 0
+        for n in range(m + 2):
+            after, fits = n, True
+            for oi in reversed(seq):
+                fits = fits and options[oi].max_after >= min(after, m - 1)
+                after += options[oi].num_stages
+            for mask in range(1 << K):
+                if fits and not used & ~mask:
+                    got = fit(n)(mask)
+                    assert got.fill_s[pos] <= fill + 1e-9 and got.period_s[pos] <= period + 1e-9
+                    assert got.tail_s[pos] <= tail + 1e-9 and got.stage_period_s[pos] <= stage + 1e-9
+        for oi in idx:
+            o = options[oi]
+            if o.start != pos or used >> o.island & 1:
+                continue
+            lk = link[options[seq[-1]].island][o.island] if seq else 0.0
+            walk(seq + [oi], used | 1 << o.island, fill + o.time_s + 2.0 * lk, max(period, o.bottleneck_s, lk),
+                 max(tail, o.tail_s), max(stage, o.bottleneck_s))
+
+    walk([], 0, 0.0, 0.0, 0.0, 0.0)
+
 def _prefix_reference(options, idx, L, link, mask, memo):
     """PrefixBounds' recurrence (see its docstring) as a loop over each island's pair minima, one float operation at
     a time in the order the arrays take them: (fill, period, tail, stage) per prefix [0, j) for the set ``mask``."""
@@ -977,6 +1021,30 @@ def test_a_plain_score_finds_the_least_score_of_every_composition(seed):
     restrictions admit (brute force), though its DP's dominance (fill, tail, stages, period) does not order that
     score: the complete pass covers every sequence, pruned only by safe floors."""
     assert _plain_sweep(random.Random(7100 + seed), 200) > 120
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fitting_fronts_in_front_of_every_state_keep_the_least_score(seed, monkeypatch):
+    """compose reads the fronts that fit in front of a state's stages (bounds.FitPrefixBounds) only in front of
+    states of _FIT_AT entries or more, which these small instances seldom reach: read in front of every state, they
+    cut entries and the plain sweep still finds the least score of every composition."""
+    import tangram_launch.planner.compose as compose_module
+
+    monkeypatch.setattr(compose_module, "_FIT_AT", 0)
+    assert _plain_sweep(random.Random(7400 + seed), 200) > 120
+    rng = random.Random(7500 + seed)
+    states = {}
+    for fit_at in (0, 1 << 30):
+        monkeypatch.setattr(compose_module, "_FIT_AT", fit_at)
+        rng.seed(7500 + seed)
+        st_ = ComposeStats()
+        for _ in range(100):
+            options, link, L, m, K = random_instance(rng, max_layers=8, max_islands=4)
+            m = rng.choice([4, 8, 16])
+            compose(options, link, L, m, stats=st_, score=scheduled(options, link, m, schedules=("plain",)),
+                    score_schedules=("plain",))
+        states[fit_at] = st_.states
+    assert states[0] < states[1 << 30]
 
 
 @pytest.mark.slow  # thousands of brute forces (tens of seconds)

@@ -96,6 +96,15 @@ DP prefix covers: PrefixBounds(mask), front_link_s
     test:   test_planner_compose.py::test_covers_per_island_set_are_the_least_over_every_cover,
             ::test_prefix_bounds_with_links_lie_under_every_front_cover_by_distinct_islands
 
+DP fitting fronts: FitPrefixBounds(n)(mask): PrefixBounds over the options that fit with n stages after them
+    prunes: compose._add_options (an offer's floors read the fronts that fit in front of its fewest stages behind;
+            _fit_end drops the entries with so many stages behind that m x the slowest stage of any front that fits
+            + the tail cannot beat the best score), where only the score floor judges
+    safe:   an option in front of n stages has n or more after it, and the DP keeps only sequences that fit
+    test:   test_planner_compose.py::test_fit_prefix_bounds_lie_under_every_front_that_fits_in_front_of_n_stages,
+            ::test_a_plain_score_finds_the_least_score_of_every_composition,
+            ::test_a_deferred_complete_pass_finds_the_least_score_under_a_later_bound
+
 DP option: (m - 1) x max(period_lb, pre_period, own, link) + pre_fill + own + least fill behind + max tail
     prunes: compose._by_floor (group cut), _add_options
     safe:   the entries it fits in front of have at least the least fill and tail of the front's prefix
@@ -127,9 +136,9 @@ plain 1F1B floor: plain_1f1b_floor_s; round_trips_s, cycles_s per boundary
 
 plain 1F1B paths: costmodel.plain_1f1b_paths.path_floor_1f1b_s; plain_complete.behind_path_s, own_stages_s,
                   floor_stage_times
-    prunes: class_composition.ClassScores.floor_s / fine_floor_s; compose's complete pass (_add_entries,
-            _option_score_floor: the stages behind an option and its own other stages, micro-batch 0's way to a
-            boundary)
+    prunes: class_composition.ClassScores.floor_s / fine_floor_s; compose's passes where a plain score counts
+            (_add_entries, _option_score_floor: the stages behind an option and its own other stages, micro-batch
+            0's way to a boundary), the exact ones as the complete one
     safe:   four paths through each stage of the schedule (all its ops; after micro-batch 0's way behind it; before
             micro-batch m - 1's; both), each a chain of the ops' dependencies; island-matrix p2p lies under the
             exact boundaries', and a path grows with every time
@@ -165,6 +174,7 @@ whose completion with the same front part beats it too.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
@@ -468,6 +478,48 @@ class PrefixBounds:
         self._cache[mask] = PrefixCovers(fill.tolist(), period.tolist(), tail.tolist(), stage.tolist())
         return hit
 
+
+
+class FitPrefixBounds:
+    """PrefixBounds per least number of stages behind the front: ``self(n)`` covers [0, j) only by the options that
+    fit with n stages or more after them (max_after >= min(n, saturated), compose.Option), computed on first use.
+    Every option in front of a sequence of n stages has at least those n after it, and the DP keeps only
+    sequences whose every option fits, so a front in front of n stages is such a cover. Where memory binds (a large
+    model's first stages hold the most micro-batches in flight) the options that fit there are slower, fewer or
+    have a larger tail, and the covers by every option lie far below what any front can reach. Above 4 stages, n
+    is taken down to 2^k or 1.5 x 2^k (a few dozen sets at most, each costing its islands' pairs), and the sets of
+    options change only at their max_after values: the n between two share one PrefixBounds."""
+
+    def __init__(self, options: Sequence[Option], idx: Sequence[int], num_layers: int,
+                 link_s: Sequence[Sequence[float]] | None, saturated: int, rows: np.ndarray | None = None,
+                 whole: PrefixBounds | None = None):
+        """``idx``: the options that fit somewhere (max_after >= 0); ``rows``: as PrefixBounds' (made here from the
+        options where None); ``whole``: the PrefixBounds of every option of ``idx``, where the caller has it."""
+        self._options, self._num_layers, self._link_s, self._saturated = options, num_layers, link_s, saturated
+        self._rows = rows if rows is not None else np.array([tuple(o) for o in options], dtype=np.float64).reshape(
+            -1, 8)
+        self._idx = np.asarray(idx, dtype=np.intp)
+        self._after = np.minimum(self._rows[self._idx, 4], saturated) if len(self._idx) else np.zeros(0)
+        self._values = sorted(set(self._after.tolist()))  # the thresholds at which the set of options changes
+        self._by_value: dict = {self._values[0]: whole} if whole is not None and self._values else {}
+        self._by_n: dict = {}
+
+    def __call__(self, n: int) -> PrefixBounds:
+        hit = self._by_n.get(n)
+        if hit is None:
+            k = min(n, self._saturated)
+            if k > 4:  # two sets an octave (fewer stages behind: fewer options left out, covers no higher)
+                top = 1 << (k.bit_length() - 1)
+                k = top + (top >> 1) if k >= top + (top >> 1) else top
+            at = bisect.bisect_left(self._values, k)
+            v = self._values[at] if at < len(self._values) else math.inf  # the least max_after that fits
+            hit = self._by_value.get(v)
+            if hit is None:
+                sub = self._idx[self._after >= v].tolist()
+                hit = self._by_value[v] = PrefixBounds(self._options, sub, self._num_layers, self._link_s,
+                                                       self._rows)
+            self._by_n[n] = hit
+        return hit
 
 def lower_bound(options: Sequence[Option], num_layers: int, num_microbatches: int,
                 allowed_mask: int | None = None) -> float:

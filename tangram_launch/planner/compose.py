@@ -68,13 +68,17 @@ import numpy as np
 
 from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
-from tangram_launch.planner.bounds import PrefixBounds, cycles_s, front_link_s, round_trips_s, score_floor_terms
+from tangram_launch.planner.bounds import FitPrefixBounds, PrefixBounds, cycles_s, front_link_s, round_trips_s, \
+    score_floor_terms
 from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
 from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
 from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s, plain_counts
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
+# the fitting fronts (bounds.FitPrefixBounds) are read in front of a state of this many entries or more: their covers
+# cost a binary search per set of free islands and layer, which a state of few entries does not pay back
+_FIT_AT = 16
 _INF = float("inf")
 SCORE_ANY = ("any",)  # compose's score may be anything: its floor is bounds.score_floor_terms's with w = 0
 # stage times in the DP's cycle floors are taken this much lower: a slice plan's numbers sum forward and backward
@@ -227,6 +231,7 @@ class Prepared(NamedTuple):
     cls: list[int]  # front_classes over every island with options
     stage_lb: float  # least slowest stage of any cover of [0, L), without links
     single: list[int]  # the options covering [0, L) (plans of one option), in idx's order
+    rows: np.ndarray | None = None  # the options as Candidates.option_rows, where the caller gave them
 
 
 class PreparedSet(NamedTuple):
@@ -261,6 +266,7 @@ class _Group(NamedTuple):
     pre_period: list[float]
     pre_tail: list[float]
     pre_stage: list[float]
+    mask: int  # the islands free in front of it (0 where nothing prunes)
 
 
 class _Offer(NamedTuple):
@@ -308,7 +314,7 @@ class _Pass:
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
-                 "chunked", "hopeful")
+                 "chunked", "hopeful", "fit", "fit_cuts")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -353,6 +359,9 @@ class _Pass:
             self.trips, self.c1, self.c0 = _trip_tables(prep, m, prep.n_cap + num_layers + 1)
         if self.edged:
             self.t_first, self.t_last = edge_s
+        # where only the score floor judges: the covers in front by what fits in front of the stages behind
+        self.fit = _fit_prefix(prep, options, link_s, num_layers, self.m1) if self.score_only and self.prune else None
+        self.fit_cuts: dict = {}  # (mask, start) -> _fit_cut's
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
         # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
@@ -361,6 +370,16 @@ class _Pass:
         self.entry_terms = (self.m1, beat, score_beat, self.score_only, self.shrink, self.plain, self.trips, self.c1,
                             self.c0, self.t_first, self.t_last, self.edged, self.stage_cap, prep.n_cap, quantum,
                             self.tables)
+
+
+def _fit_prefix(prep: Prepared, options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int,
+                saturated: int) -> FitPrefixBounds:
+    """The prepared set's FitPrefixBounds (once per set, in its cache: every pass reads the same)."""
+    hit = prep.cache.get("fit")
+    if hit is None:
+        hit = prep.cache["fit"] = FitPrefixBounds(options, prep.idx, num_layers, link_s, saturated, prep.rows,
+                                                  prep.prefix)
+    return hit
 
 
 def _trip_tables(prep: Prepared, m: int, n: int) -> tuple[list[float], list[float], list[float]]:
@@ -475,9 +494,9 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
             mask = (~(used | bit) if rank is None else run.before[island]) & prefix.islands
             pre = prefix(mask)
             lk = front_link_s(link_s, mask, island, cache)  # the least link in front of a later start
-            group = _Group(f, link, tkey, lk, *pre)
+            group = _Group(f, link, tkey, lk, *pre, mask)
         else:
-            group = _Group(f, link, tkey, 0.0, (), (), (), ())
+            group = _Group(f, link, tkey, 0.0, (), (), (), (), 0)
         if prune and not run.by_score:  # (the score's floor does not follow this order: no cut, no sort)
             gidx, floors, covered = _by_floor(options, gidx, mask, run.floor_terms, cache)
             gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
@@ -545,7 +564,8 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
     floors go on to _add_entries in its _Offer, which judges each entry by them."""
     options, m, m1, w, only_plain, plain, prune, score_only, beat, edged, period_lb, stage_lb = run.option_terms
     afters, least_f, least_ft = front.afters, front.least_f, front.least_ft
-    f, link, _tkey, lk, pre_fill, pre_period, pre_tail, pre_stage = group
+    f, link, _tkey, lk, group_fill, group_period, group_tail, group_stage, mask = group
+    fit = run.fit if len(afters) >= _FIT_AT else None
     offers = []
     for oi, room in zip(gidx, covered):
         start, stop, _, ns, max_after, time_s, bn, tail = options[oi]
@@ -555,6 +575,14 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
         lo = bisect.bisect_right(afters, room) if room >= 0 else 0  # entries an earlier option covers
         if lo >= fits:
             continue
+        if fit is not None and start:  # the fronts that fit in front of the fewest stages behind here, and no
+            # entry with so many stages behind that nothing in front of it can beat the best score
+            fits = _fit_end(run, mask, afters, lo, fits, ns, start)
+            if lo >= fits:
+                continue
+            pre_fill, pre_period, pre_tail, pre_stage = fit(afters[lo] + ns)(mask)
+        else:
+            pre_fill, pre_period, pre_tail, pre_stage = group_fill, group_period, group_tail, group_stage
         add = time_s + 2.0 * link
         per = bn if bn > link else link  # the period it adds
         if prune:
@@ -593,6 +621,34 @@ def _add_options(run: _Pass, front: _Front, group: _Group, gidx: list[int], cove
     return offers
 
 
+def _fit_end(run: _Pass, mask: int, afters: list[int], lo: int, fits: int, ns: int, start: int) -> int:
+    """One past the last entry of lo .. fits - 1 (by increasing stages behind) in front of which, with an option of
+    ``ns`` stages at layer ``start``, some front of the islands of ``mask`` can still beat the best score: fewer
+    stages behind than _fit_cut's."""
+    key = (mask, start)
+    n = run.fit_cuts.get(key)
+    if n is None:
+        n = run.fit_cuts[key] = _fit_cut(run, mask, start)
+    return fits if n > run.m1 else bisect.bisect_left(afters, n - ns, lo, fits)
+
+
+def _fit_cut(run: _Pass, mask: int, start: int) -> int:
+    """The fewest stages behind a front of [0, start) by the islands of ``mask`` at which none that fits in front
+    of them (FitPrefixBounds) can beat the best score: m x its slowest stage + its tail, under every score floor of
+    _add_entries, grows with the stages behind (fewer options fit). m (saturated + 1): every front may beat it."""
+    fit, m, stage_lb, beat = run.fit, run.m, run.prep.stage_lb, run.score_beat
+    lo, hi = 0, run.m
+    while lo < hi:
+        n = (lo + hi) // 2
+        covers = fit(n)(mask)
+        stage = covers.stage_period_s[start]
+        if covers.fill_s[start] == _INF or m * (stage if stage > stage_lb else stage_lb) + covers.tail_s[start] >= beat:
+            hi = n
+        else:
+            lo = n + 1
+    return lo
+
+
 def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer) -> float:
     """The least score floor of an offer (_add_options) in front of any of the first ``fits`` entries of a state: the
     floor under any score (bounds.score_floor_terms), or (and) the plain 1F1B floor (bounds.py)."""
@@ -610,12 +666,12 @@ def _option_score_floor(run: _Pass, front: _Front, group: _Group, offer: _Offer)
         r = run.trips[ne] * link  # round_trips_s(link, ne, m)
         if edged and group.front_island >= 0:  # + cycles_s's stage times (non-increasing in n)
             r += run.c1[ne] * front.least_tf[fits - 1] + run.c0[ne] * run.t_last[oi]
-        if run.complete:  # as _add_entries' complete pass, for the least fill and the most stages behind
-            r += in_front
-            o = run.options[oi]
-            v = in_front + behind_path_s(0.0, run.m, o[6], own_stages_s(o[5], o[6]),
-                                         2.0 * link + front.least_f[fits - 1], ne + ns - 1)
-            a = v if v > a else a
+        # as _add_entries, for the least fill and the most stages behind
+        r += in_front
+        o = run.options[oi]
+        v = in_front + behind_path_s(0.0, run.m, o[6], own_stages_s(o[5], o[6]), 2.0 * link + front.least_f[fits - 1],
+                                     ne + ns - 1)
+        a = v if v > a else a
         if start:
             r2 = run.trips[ne + ns] * lk  # round_trips_s(lk, ne + ns, m)
             if edged:
@@ -633,7 +689,6 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
     (m1, beat, score_beat, score_only, shrink, plain, trips, c1, c0, t_first, t_last, edged, stage_cap, n_cap, quantum,
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
-    behind = run.complete and plain  # the complete pass's plain floor counts the stages behind (plain_complete)
     options, m = run.options, m1 + 1
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
@@ -641,7 +696,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
         for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
                 plain_only in offers:
             bn_o = options[oi][6]
-            own_o = own_stages_s(options[oi][5], bn_o) if behind else 0.0
+            own_o = own_stages_s(options[oi][5], bn_o) if plain else 0.0
             tgt = None
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
@@ -662,7 +717,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 a = add + e[7]
                 if a < mb:
                     a = mb
-                if behind:
+                if plain:  # the plain floor counts the stages behind (plain_complete)
                     a = behind_path_s(a, m, bn_o, own_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
                 if prune:
                     p = e3 * shrink
@@ -680,8 +735,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                                 r = trips[e2] * link
                                 if edged_front:
                                     r += c1[e2] * t_first[e[4]] + c0[e2] * t_last[oi]
-                                if behind:  # + micro-batch 0's way to the boundary and the last one's way back
-                                    r += in_front
+                                r += in_front  # + micro-batch 0's way to the boundary and the last one's way back
                                 if start:
                                     r2 = trips[e2 + ns] * lk
                                     if edged:
@@ -766,7 +820,7 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     whole = prefix(prefix.islands)  # covers of [0, L) by every island: the DP's first prefix bound, computed once
     fill_lb, period_lb = whole.fill_s[num_layers], whole.period_s[num_layers]
     return Prepared(idx, by_stop, n_cap, fill_lb, period_lb, prefix, {}, front_classes(link_s, prefix.islands),
-                    whole.stage_period_s[num_layers], single)
+                    whole.stage_period_s[num_layers], single, rows)
 
 
 def _groups(options: Sequence[Option], idx: list[int], num_layers: int,

@@ -11,11 +11,11 @@ those that can interleave).
 
 What keeps that pass cheap where many pipelines score within a few per cent of the best (layer splits shifted by
 one): floors that count the stages behind a slow stage, as the simulation does (costmodel.plain_1f1b_paths). The DP
-carries one in each entry's plain_s (behind_path_s, from an option's numbers: its slowest stage, its other stages
-(own_stages_s), its stages, the fill behind it) and adds micro-batch 0's way to a boundary to its round trips; the
-driver's floors read every stage's forward and backward (path_floor_1f1b_s), its first one with the island matrix's
-p2p (floor_stage_times: no GPU placement for each near tie), and leave the interleaved floor out where a pipeline
-cannot interleave (can_interleave).
+carries one in each entry's plain_s, in every pass where a plain score counts (behind_path_s, from an option's
+numbers: its slowest stage, its other stages (own_stages_s), its stages, the fill behind it), and adds micro-batch
+0's way to a boundary to its round trips; the driver's floors read every stage's forward and backward
+(path_floor_1f1b_s), its first one with the island matrix's p2p (floor_stage_times: no GPU placement for each near
+tie), and leave the interleaved floor out where a pipeline cannot interleave (can_interleave).
 """
 from __future__ import annotations
 
