@@ -257,7 +257,7 @@ def test_compose_prepared_from_option_rows_is_the_same(seed, with_links):
     assert (got is None) == (want is None)
     if want is None:
         return
-    assert got[:5] == want[:5] and got[6:] == want[6:]
+    assert got._replace(prefix=None, rows=None) == want._replace(prefix=None, rows=None)  # (rows: only got's)
     mine, theirs = got[5], want[5]
     assert mine.islands == theirs.islands
     for sub in range(1 << K):
