@@ -32,10 +32,16 @@ def catalog() -> GpuCatalog:
     return default_catalog()
 
 
-@pytest.fixture()
-def raw() -> dict:
+@pytest.fixture(scope="module")
+def raw_once() -> dict:
     with open(CATALOG_FILE, encoding="utf-8") as f:
         return yaml.safe_load(f)
+
+
+@pytest.fixture()
+def raw(raw_once) -> dict:
+    """The catalog file's mapping, parsed once: each test gets its own copy to edit."""
+    return copy.deepcopy(raw_once)
 
 
 # --- lookups ----------------------------------------------------------------------------------------------------

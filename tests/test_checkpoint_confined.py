@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import sys
 import uuid
@@ -75,6 +76,9 @@ def rehash(ckpt: Path, rel: str) -> None:
     (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
 
 
+PLAN = plan_of([(4, 1)])  # a frozen Plan, shared by the tests
+
+
 def edit_json(ckpt: Path, rel: str, change: Callable[[dict], None]) -> None:
     data = json.loads((ckpt / rel).read_text())
     change(data)
@@ -83,15 +87,23 @@ def edit_json(ckpt: Path, rel: str, change: Callable[[dict], None]) -> None:
         rehash(ckpt, rel)
 
 
-@pytest.fixture
-def saved(tmp_path):
-    """(plan, a fresh state to load into, the checkpoint directory, step_1/) after one training step."""
-    plan = plan_of([(4, 1)])
-    module, opt, state = whole_state(plan)
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory) -> Path:
+    """A checkpoint directory after one training step, saved once: each test edits its own copy (``saved``)."""
+    ckpt_dir = tmp_path_factory.mktemp("confined") / "ckpt"
+    module, opt, state = whole_state(PLAN)
     train(module, opt, [1])
-    save_checkpoint(tmp_path / "ckpt", plan=plan, state=state, position=TrainingPosition(1, BATCH), keep_last=None)
-    _, _, fresh = whole_state(plan, seed=3)
-    return plan, fresh, tmp_path / "ckpt", tmp_path / "ckpt" / "step_1"
+    save_checkpoint(ckpt_dir, plan=PLAN, state=state, position=TrainingPosition(1, BATCH), keep_last=None)
+    return ckpt_dir
+
+
+@pytest.fixture
+def saved(saved_once, tmp_path):
+    """(plan, a fresh state to load into, the checkpoint directory, step_1/) after one training step: a copy of
+    the module's saved checkpoint, so a test's edits stay its own."""
+    shutil.copytree(saved_once, tmp_path / "ckpt", symlinks=True)
+    _, _, fresh = whole_state(PLAN, seed=3)
+    return PLAN, fresh, tmp_path / "ckpt", tmp_path / "ckpt" / "step_1"
 
 
 @pytest.fixture

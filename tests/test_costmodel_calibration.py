@@ -90,9 +90,17 @@ def fit_gemm_efficiency(rows) -> float:
         return sum(math.log(table_1_prediction(r, e)[0]) ** 2 for r in rows)
 
     lo, hi, g = 0.3, 1.0, (math.sqrt(5) - 1) / 2
-    for _ in range(30):
-        c, d = hi - g * (hi - lo), lo + g * (hi - lo)
-        lo, hi = (lo, d) if loss(c) < loss(d) else (c, hi)
+    c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+    loss_c, loss_d = loss(c), loss(d)
+    for _ in range(30):  # each step keeps one inner point and its loss: one new evaluation per step
+        if loss_c < loss_d:
+            hi, d, loss_d = d, c, loss_c
+            c = hi - g * (hi - lo)
+            loss_c = loss(c)
+        else:
+            lo, c, loss_c = c, d, loss_d
+            d = lo + g * (hi - lo)
+            loss_d = loss(d)
     return (lo + hi) / 2
 
 

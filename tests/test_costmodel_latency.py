@@ -8,7 +8,7 @@ import torch
 from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel.efficiency import INTRA_NODE_LATENCY_S, DeviceModel
 from tangram_launch.specs.model import load_model
-from tests.test_costmodel import coster, gpu, island
+from test_costmodel import coster, gpu, island
 
 
 def _cpu(latency_us=None, group=2):

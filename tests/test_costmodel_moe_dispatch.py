@@ -16,7 +16,7 @@ from tangram_launch.costmodel.moe_dispatch import (GROUPED_GEMM_TILE_ROWS, MoERu
                                                    permutation_traffic_h, router_traffic_bytes)
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.model import load_model
-from tests.test_costmodel import coster, gpu, island
+from test_costmodel import coster, gpu, island
 
 QWEN = load_model("qwen3-30b-a3b")  # 128 experts, top-8, expert width 768
 ETP1 = MoERuntime(expert_tensor_parallel=1)

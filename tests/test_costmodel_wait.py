@@ -12,7 +12,7 @@ from tangram_launch.costmodel.compute import edge_param_tensors, layer_param_ten
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.slice_plan import ParallelConfig
 from tangram_launch.specs.model import load_model
-from tests.test_costmodel import coster, gpu, island
+from test_costmodel import coster, gpu, island
 
 BASE = {"device": "cpu", "allreduce_busbw_gbps": 1.0, "allreduce_group_size": 2, "collective_latency_us": 300.0}
 

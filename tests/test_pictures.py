@@ -2,6 +2,7 @@
 labels on their arcs."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ MAX_PX = 1600
 GPU_SQUARE = 18.0
 
 
+@functools.cache  # the pictures' items are only read: two tests draw the 4,096-GPU cluster
 def _picture(name: str):
     cluster = ClusterSpec.load(os.path.join(CLUSTERS, f"{name}.yaml"))
     iset = build_islands(cluster)

@@ -88,14 +88,14 @@ def test_calibration_and_repetitions():
 
 
 def _call_and_collective(events: list[str]):
-    """A 2 ms call and a 50 ms collective that log themselves into ``events``."""
+    """A 2 ms call and a 25 ms collective that log themselves into ``events``."""
     def fn():
         events.append("f")
         time.sleep(0.002)
 
     def between():
         events.append("c")
-        time.sleep(0.05)  # not part of the figure
+        time.sleep(0.025)  # not part of the figure
 
     return fn, between
 
@@ -105,7 +105,7 @@ def test_interleaved_timing_runs_the_collective_after_every_call_untimed():
     fn, between = _call_and_collective(events)
     t = bench.time_interleaved(fn, between, warmup=1, blocks=3, calls=4)
     assert events == ["f", "c"] * (1 + 3 * 4)  # fixed counts: every member of the group issues the same calls
-    assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.04  # the 50 ms between calls are not in it
+    assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.02  # the 25 ms between calls are not in it
 
 
 def test_block_timing_runs_the_collective_after_each_block_untimed():
@@ -113,7 +113,7 @@ def test_block_timing_runs_the_collective_after_each_block_untimed():
     fn, between = _call_and_collective(events)
     t = bench.time_blocks(fn, between, blocks=3, calls=4)
     assert events == (["f"] * 4 + ["c"]) * 3  # one collective per block: every member issues the same count
-    assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.04  # per call; the 50 ms after each block not in it
+    assert len(t.samples_s) == 3 and 0.0019 < t.median_s < 0.02  # per call; the 25 ms after each block not in it
 
 
 def test_back_to_back_layer_timing_issues_the_agreed_number_of_collectives():

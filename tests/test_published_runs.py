@@ -2,6 +2,8 @@
 30 rows, every row cites a source and a FLOP convention, every model and GPU name resolves, the benchmark turns
 every published figure into seconds per iteration, and every row's dev/validation split is the one the file's rule
 draws (so no row is moved between the two by hand)."""
+import copy
+import functools
 import importlib.util
 import os
 
@@ -16,11 +18,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks", "bench_costmodel_published.py")
 
 
+@functools.cache
 def _bench():
+    """The benchmark module, executed once for every test module that imports these fixtures."""
     spec = importlib.util.spec_from_file_location("bench_costmodel_published", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@functools.cache
+def _data() -> dict:
+    """The data file parsed once (pure-Python YAML, a tenth of a second): each module gets its own copy."""
+    return _bench().load_data()
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +40,7 @@ def bench():
 
 @pytest.fixture(scope="module")
 def data(bench):
-    return bench.load_data()
+    return copy.deepcopy(_data())
 
 
 @pytest.mark.unit
