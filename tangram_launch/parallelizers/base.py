@@ -27,8 +27,8 @@ from tangram_launch.specs.constants import GIB
 # "tiling": powers of two within a node and whole nodes; "all": every count whose stages can be placed
 GPU_COUNTS = ("tiling", "all")
 
-__all__ = ["GIB", "GPU_COUNTS", "InfeasibleSlice", "LazySlicePlan", "Parallelizer", "SliceNumbers", "SlicePlan", "SliceQuery",
-           "SliceResult", "StageCost", "capacity_bytes"]
+__all__ = ["GIB", "GPU_COUNTS", "InfeasibleSlice", "LazySlicePlan", "Parallelizer", "SliceNumbers", "SlicePlan",
+           "SliceQuery", "SliceResult", "StageCost", "capacity_bytes"]
 
 
 @dataclass(frozen=True)

@@ -479,7 +479,6 @@ class PrefixBounds:
         return hit
 
 
-
 class FitPrefixBounds:
     """PrefixBounds per least number of stages behind the front: ``self(n)`` covers [0, j) only by the options that
     fit with n stages or more after them (max_after >= min(n, saturated), compose.Option), computed on first use.
@@ -520,6 +519,7 @@ class FitPrefixBounds:
                                                        self._rows)
             self._by_n[n] = hit
         return hit
+
 
 def lower_bound(options: Sequence[Option], num_layers: int, num_microbatches: int,
                 allowed_mask: int | None = None) -> float:

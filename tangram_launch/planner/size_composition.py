@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Sequence
 
 from tangram_launch.capabilities import RuntimeCapabilities
 from tangram_launch.planner.allocation import LinkModel, activation_bytes
@@ -186,12 +186,17 @@ def compose_size(b: int, ctx: SearchContext, state: SearchState, *, use_incumben
     return own_s
 
 
-def complete_deferred(state: SearchState) -> None:
+def complete_deferred(state: SearchState, select: Callable[[tuple], bool] | None = None) -> None:
     """The complete passes compose_size left (SearchState.deferred), once every size was visited, each bounded by
     the best plan over all sizes (a real plan, so what cannot beat it loses nothing), the sizes with the best plans
     of their own first. The costliest complete passes then prune by the optimum, not by the best plan found when
-    their size was visited."""
-    deferred, state.deferred = state.deferred or [], None
+    their size was visited. ``select``: only the passes it picks, now; the others stay deferred."""
+    pending = state.deferred or []
+    if select is None:
+        deferred, state.deferred = pending, None
+    else:
+        deferred = [d for d in pending if select(d)]
+        state.deferred = [d for d in pending if not select(d)]
     t_c = time.perf_counter()
     for b, group, cand, later in sorted(deferred, key=lambda d: (state.size_best_s.get(d[0], math.inf), d[0])):
         for finish, idx in later:

@@ -133,13 +133,8 @@ def _complete_best_class(state: SearchState) -> None:
     every complete pass bounded by a real plan; the other classes' passes stay deferred (costlier passes that the
     best plan over every size bounds best)."""
     best = state.best
-    if best is None or not state.deferred:
-        return
-    now = [d for d in state.deferred if (d[0], d[1]) == (best.b, best.group)]
-    later = [d for d in state.deferred if (d[0], d[1]) != (best.b, best.group)]
-    state.deferred = now
-    complete_deferred(state)
-    state.deferred = later
+    if best is not None and state.deferred:
+        complete_deferred(state, lambda d: (d[0], d[1]) == (best.b, best.group))
 
 
 def _bounds(ctx: SearchContext, state: SearchState) -> tuple[float, float]:
