@@ -90,13 +90,16 @@ class ZeroPart(NamedTuple):
     head_rs_s: float = 0.0  # ... and reduce-scattered while the last layer's backward runs
 
 
-def _sp_pairs(model, kind: str, ep: int) -> int:
+def _sp_pairs(model, kind: str, ep: int, moe_runtime: MoERuntime | None = None) -> int:
     """Sequence-parallel all-gather/reduce-scatter pairs of one layer: the attention's and the MLP's (Korthikanti
     et al. 2022, sec. 4.2.2). An MoE layer with EP > 1 has no MLP pair: Megatron-core's all-to-all dispatcher
     permutes the rank's sequence-parallel shard as it is (its TP all-gather, of the dispatched copies, is the expert
     communication's, SliceCoster._expert_comm_s); shared experts gather their input like a dense MLP
-    (SharedExpertMLP under SP). At EP 1 the allgather dispatcher gathers the hidden states over TP as an MLP does."""
-    if kind == "moe" and ep > 1 and not model.num_shared_experts:
+    (SharedExpertMLP under SP). At EP 1 the allgather dispatcher gathers the hidden states over TP as an MLP does,
+    and so does a runtime that replicates the block's input over TP (moe_dispatch.MoERuntime.replicated_tp_input:
+    torchtitan all-gathers it before the router and reduce-scatters the Partial output after the combine)."""
+    replicated = moe_runtime is not None and moe_runtime.replicated_tp_input
+    if kind == "moe" and ep > 1 and not model.num_shared_experts and not replicated:
         return 1
     return 2
 
@@ -292,8 +295,10 @@ class SliceCoster:
         if moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
                             valid=", ".join(MOE_DISPATCHERS))
+        # DTensor TP replicates the MoE block's input over TP as it does the attention's and the MLP's (torchtitan's
+        # apply_moe_ep_tp; moe_dispatch.MoERuntime.replicated_tp_input): the same runtime fact as whole inputs
         self.moe_runtime = MoERuntime(expert_tensor_parallel, moe_dispatcher, bool(moe_permute_fusion),
-                                      bool(moe_probs_on_output))
+                                      bool(moe_probs_on_output), replicated_tp_input=self.whole_column_inputs)
         # (parameter, gradient, optimizer-state) bytes stored per parameter (communication keeps the training dtypes)
         self.state_bytes = state_bytes_per_param(model_states, dtype_bytes=q.training.param_bytes,
                                                  grad_bytes=q.training.grad_bytes,
@@ -396,7 +401,7 @@ class SliceCoster:
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
         # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward.
-        tp_fwd = _sp_pairs(model, kind, ep) * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
+        tp_fwd = _sp_pairs(model, kind, ep, self.moe_runtime) * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
                                                + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
         # Ring attention: cp - 1 steps, each passing this GPU's K and V chunk (2 x M x kv_dim/t); the backward
         # passes K, V and their gradients (2x). Overlapped with the attention core; only the excess is exposed.
@@ -443,7 +448,10 @@ class SliceCoster:
 
     def _expert_comm_s(self, tokens: float, tp: int, ep: int, etp: int, stage_gpus: int) -> tuple[float, float]:
         """(forward, backward) token dispatch of one MoE layer per micro-batch, as Megatron-core's all-to-all
-        dispatcher runs it (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher).
+        dispatcher runs it (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher), or
+        torchtitan's ExpertParallel / ExpertTensorParallel where the block's input is replicated over TP (each TP
+        rank sends the copies of the tokens it dispatches, MoERuntime.dispatch_factor, and none are gathered over
+        the experts' TP group).
 
         At EP 1 the runtime's allgather dispatcher gathers the hidden states over TP like a dense MLP (the layer's
         SP pair, _sp_pairs) and moves nothing else. Dispatch: all-to-all over the EP group (etp ranks apart) of the
@@ -452,11 +460,13 @@ class SliceCoster:
         group (gather_from_sequence_parallel_region); combine: the reduce-scatter and the all-to-all back. The
         backward runs each in reverse. The forward first exchanges the tokens-per-expert counts (E int64s: Megatron's
         dispatcher and the torch runtime both do), whose cost is the collective's fixed latency."""
-        model, p = self.model, self.dev.dtype_bytes
-        rows = copies_per_token(self.moe_runtime.dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
-        copies = tokens / tp * rows * model.hidden_size * p  # a rank's copies of its SP shard
+        model, p, rt = self.model, self.dev.dtype_bytes, self.moe_runtime
+        rows = copies_per_token(rt.dispatcher, num_experts=model.num_experts, top_k=model.top_k, ep=ep)
+        copies = tokens / tp * rt.dispatch_factor(tp) * rows * model.hidden_size * p  # a rank's dispatched copies
         pass_s = counts_s = 0.0
         ep_link, etp_link = self._expert_links(ep, etp, stage_gpus)
+        if not rt.gathers_over_etp(tp):
+            etp_link = None
         if ep_link is not None:
             pass_s = 2 * comm.collective_s(comm.ALL_TO_ALL, copies, ep, ep_link)
             counts_s = comm.collective_s(comm.ALL_TO_ALL, model.num_experts * 8, ep, ep_link)

@@ -12,7 +12,10 @@ causal, GQA-aware; MoE counts top-k experts). Times come from the kernels that e
                      sources and, under expert tensor parallelism etp, from the etp ranks sharing the experts),
                      the same GEMMs with the expert width / etp; router GEMM (M/t x h)@(h x E); shared experts
                      like dense. etp = t unless the runtime folds experts on a grid of their own (Megatron-core's
-                     expert_tensor_parallel_size, whose default is the TP size)
+                     expert_tensor_parallel_size, whose default is the TP size). Where the block's input is
+                     replicated over TP (DTensor TP, torchtitan; moe_dispatch.MoERuntime.replicated_tp_input) the
+                     experts see the same M_e, but the router scores all M tokens and each GPU permutes the copies
+                     of M etp / t of them
     attention core   Q K^T and P V: fused (FlashAttention-2) or unfused with the s x s scores through HBM
     element-wise     norms, residual adds, dropout, activation: bytes moved / memory bandwidth (memory-bound);
                      fused kernels by default, eager PyTorch's separate passes with DeviceModel.fused_elementwise off
@@ -172,13 +175,18 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
             gemm += gemm_e
             routed_s += gemm_e
             routed_flops += 2.0 * m_e * n_local * k_local * local_experts
-        gemm += dev.gemm_s(m_tok / t, e, h)  # router on the SP-sharded tokens
-        permute_h = permutation_traffic_h(top_k=k, ep=ep, local_experts=local_experts, etp=et,
+        # the router on the SP-sharded tokens, or on all M where the block's input is replicated over TP
+        router_share = moe_runtime.router_factor(t)
+        gemm += dev.gemm_s(m_tok / t * router_share, e, h)
+        permute_h = permutation_traffic_h(top_k=k, ep=ep, local_experts=local_experts,
+                                          etp=et if moe_runtime.gathers_over_etp(t) else 1,
                                           dispatcher=moe_runtime.dispatcher, fused=moe_runtime.permute_fusion,
                                           combine_ratio=max(moe_runtime.combine_bytes, p) / p,
                                           weighted=moe_runtime.probs_on_output and k > 1)
-        # activations + token permutation (dispatch and combine) + the router's softmax and top-k
-        ffn_traffic = k * act_f * fe + permute_h * h + router_traffic_bytes(num_experts=e, top_k=k, dtype_bytes=p) / p
+        # activations + token permutation (dispatch and combine, of the tokens this GPU dispatches) + the router's
+        # softmax and top-k (of the tokens it scores), per token of the SP shard
+        ffn_traffic = (k * act_f * fe + permute_h * h * moe_runtime.dispatch_factor(t)
+                       + router_traffic_bytes(num_experts=e, top_k=k, dtype_bytes=p) / p * router_share)
         if model.num_shared_experts:
             fs = model.num_shared_experts * model.shared_expert_ffn_hidden_size
             gemm += dev.gemm_s(m_tok, (mats - 1) * fs / t, h) + dev.gemm_s(m_tok, h, fs / t)

@@ -48,9 +48,34 @@ class MoERuntime:
     # `routed_output.to(torch.float32) * top_scores`; Megatron-core's unpermute under --moe-router-dtype fp32, which
     # its own comment says promotes permuted_tokens). Megatron-core with 16-bit router probabilities: 2.
     combine_bytes: int = 4
+    # The MoE block's input is whole on every TP rank (DTensor TP: torchtitan's apply_moe_ep_tp wraps the block in
+    # PrepareModuleInputOutput(input Shard(1) -> Replicate(), output Partial() -> Shard(1)) and runs the router's gate
+    # as NoParallel). The block then costs the SP all-gather before it and the reduce-scatter after it like a dense
+    # MLP, the router scores all M tokens on every TP rank, and the dispatch starts from those M tokens: with
+    # etp = tp (ExpertTensorParallel) each TP rank sends all its M tokens' copies over its EP group and no expert-TP
+    # all-gather follows (the expert weights are column/row-sharded over TP instead); with etp 1
+    # (ReordererSequenceParallel) each TP rank dispatches 1/tp of the routed pairs over an EP group that includes
+    # TP. False: Megatron-core's all-to-all dispatcher, which permutes the rank's sequence-parallel shard and
+    # all-gathers the received copies over the experts' TP group (gather_from_sequence_parallel_region).
+    replicated_tp_input: bool = False
 
     def etp(self, tp: int) -> int:
         return tp if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    def dispatch_factor(self, tp: int) -> int:
+        """Tokens whose routed copies one GPU permutes and sends over its EP group, per token of its sequence-parallel
+        shard (M / tp): 1 (Megatron-core), or under a replicated input etp (all M tokens with etp = tp, the TP
+        rank's 1/tp of the routed pairs with etp 1)."""
+        return self.etp(tp) if self.replicated_tp_input else 1
+
+    def router_factor(self, tp: int) -> int:
+        """Tokens one GPU's router scores per token of its SP shard: 1, or tp under a replicated input (all M)."""
+        return tp if self.replicated_tp_input else 1
+
+    def gathers_over_etp(self, tp: int) -> bool:
+        """Whether the received copies are all-gathered over the experts' TP group (Megatron-core with etp > 1); a
+        replicated input has every TP rank dispatch its own tokens instead."""
+        return self.etp(tp) > 1 and not self.replicated_tp_input
 
 
 DEFAULT_MOE_RUNTIME = MoERuntime()
