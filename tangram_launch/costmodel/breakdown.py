@@ -401,8 +401,9 @@ class SliceCoster:
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
         # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward.
-        tp_fwd = _sp_pairs(model, kind, ep, self.moe_runtime) * (comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
-                                               + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
+        tp_fwd = _sp_pairs(model, kind, ep, self.moe_runtime) * (
+            comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
+            + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
         # Ring attention: cp - 1 steps, each passing this GPU's K and V chunk (2 x M x kv_dim/t); the backward
         # passes K, V and their gradients (2x). Overlapped with the attention core; only the excess is exposed.
         cp_fwd = cp_bwd = 0.0
