@@ -95,3 +95,20 @@ def test_without_tp_the_replicated_input_changes_nothing():
     a, b = dtensor.layer_terms("moe", 1, 1, 8, 8, 4), megatron.layer_terms("moe", 1, 1, 8, 8, 4)
     assert (a.fwd_s, a.bwd_s, a.tp_fwd_s, a.ep_fwd_s, a.ep_bwd_s) == (b.fwd_s, b.bwd_s, b.tp_fwd_s, b.ep_fwd_s,
                                                                         b.ep_bwd_s)
+
+
+def test_eager_pytorch_runs_an_moe_blocks_norms_rotary_and_swiglu_as_a_dense_blocks():
+    """Without torch.compile an MoE block's RMSNorms make their fp32 passes, RoPE and repeat_kv theirs, and the
+    experts' SwiGLU is silu then multiply, as in a dense block (compute.elementwise_bytes_per_token): the eager layer's
+    element-wise time exceeds the fused one's by exactly that traffic on the GPU's M / t tokens; GEMMs are the same."""
+    from tangram_launch.costmodel.compute import EAGER_SWIGLU_BYTES, elementwise_bytes_per_token
+
+    fused_dev = DeviceModel.from_gpu(gpu("h200"), "bf16")
+    eager_dev = DeviceModel.from_gpu(gpu("h200"), "bf16", fused_elementwise=False)
+    kw = dict(seq_len=4096, mbs=2, tp=1, cp=1, ep=8, use_measured=False)
+    fused, eager = layer_compute(QWEN, 0, dev=fused_dev, **kw), layer_compute(QWEN, 0, dev=eager_dev, **kw)
+    block = elementwise_bytes_per_token(QWEN, 0, 2, False) - elementwise_bytes_per_token(QWEN, 0, 2, True)
+    swiglu = (EAGER_SWIGLU_BYTES - 2 * 3) * QWEN.top_k * QWEN.expert_ffn_hidden_size
+    assert block > 0
+    assert eager.elementwise_s - fused.elementwise_s == pytest.approx(fused_dev.memory_s((block + swiglu) * TOKENS))
+    assert eager.gemm_s == fused.gemm_s

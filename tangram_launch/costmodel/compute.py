@@ -70,10 +70,11 @@ EAGER_SWIGLU_BYTES = 10
 
 
 def elementwise_bytes_per_token(model: "ModelSpec", layer: int, p: int, fused: bool) -> float:
-    """Element-wise bytes per token of one layer, before TP sharding (the FFN part of MoE layers is added by the
-    caller: it depends on the routing)."""
+    """Element-wise bytes per token of one layer outside its FFN, before TP sharding (the caller adds the FFN's:
+    an MoE layer's depends on the routing). Eager PyTorch runs an MoE block's norms, rotary embedding, repeat_kv
+    and residual adds as a dense block's (torchtitan's MoE models share the attention and the block structure)."""
     h = model.hidden_size
-    if fused or model.is_moe_layer(layer):
+    if fused:
         return p * ELEMENTWISE_TRAFFIC_H * h
     norms = 2 * (EAGER_RMSNORM_BYTES if model.norm_type == "rmsnorm" else 2 * p) * h
     rotary = EAGER_ROTARY_BYTES * (model.q_dim + model.kv_dim) if model.position_embedding == "rotary" else 0.0
@@ -185,12 +186,15 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                                           weighted=moe_runtime.probs_on_output and k > 1)
         # activations + token permutation (dispatch and combine, of the tokens this GPU dispatches) + the router's
         # softmax and top-k (of the tokens it scores), per token of the SP shard
-        ffn_traffic = (k * act_f * fe + permute_h * h * moe_runtime.dispatch_factor(t)
+        act_traffic = (k * act_f * fe if dev.fused_elementwise
+                       else ffn_elementwise_bytes_per_token(model, k * fe, p, False) / p)  # eager: silu, then *
+        ffn_traffic = (act_traffic + permute_h * h * moe_runtime.dispatch_factor(t)
                        + router_traffic_bytes(num_experts=e, top_k=k, dtype_bytes=p) / p * router_share)
         if model.num_shared_experts:
             fs = model.num_shared_experts * model.shared_expert_ffn_hidden_size
             gemm += dev.gemm_s(m_tok, (mats - 1) * fs / t, h) + dev.gemm_s(m_tok, h, fs / t)
-            ffn_traffic += act_f * fs
+            ffn_traffic += (act_f * fs if dev.fused_elementwise
+                            else ffn_elementwise_bytes_per_token(model, fs, p, False) / p)
     else:
         f = model.ffn_hidden_size
         gemm += dev.gemm_s(m_tok, (mats - 1) * f / t, h) + dev.gemm_s(m_tok, h, f / t)
