@@ -115,9 +115,28 @@ SELECTIVE_POLICIES = ("megatron",) + OP_SAC_POLICIES  # what selective recompute
 #                   the rest from -- the 16-bit logits (the graph's input) and the per-token max and sum (reductions
 #                   are not recomputed) -- instead of the fp32 log-softmax; Inductor fuses the upcast, the softmax and
 #                   the one-hot scatter of nll_loss's gradient (a scatter onto zeros becomes a pointwise select) into
-#                   kernels that write only the gradient in the logits' dtype: 2 p bytes.
+#                   kernels that write only the gradient in the logits' dtype: 2 p bytes. Over vocab-parallel
+#                   logits (TP > 1: torchtitan's ColwiseParallel output layer with Shard(-1) under DTensor's
+#                   loss_parallel) it holds what the eager loss holds (loss_as_run).
 CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy", "compiled")
 EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
+
+
+def loss_as_run(cross_entropy: str, tp: int) -> str:
+    """The implementation the loss runs as on logits split ``tp`` ways over the vocabulary.
+
+    DTensor's loss parallel (torch.distributed.tensor.parallel.loss_parallel, pytorch/pytorch PR 119877: "run both
+    aten.log_softmax and aten.nll_loss_forward with multiple all-reduce collectives in the middle") replaces the
+    log-softmax and NLL ops of a vocabulary-sharded DTensor, forward and backward, by handlers that compute each
+    op's local result as a tensor of its own: the fp32 log-softmax output saved for the backward and the fp32
+    gradients, as the eager loss does, with all-reduces of the per-token max and sum between them. What the
+    compiled loss saves, fusing the upcast, the softmax and the gradient into kernels that write only the 16-bit
+    gradient, needs the ops in one graph over a plain tensor; across the handlers' collectives the loss holds the
+    eager loss's bytes per local logit. Measured on the development row ttnotes-h200-qwen3-30b-tp4-ep2-etp4-sac's
+    source (torchtitan compiled, TP 4, loss parallel): 4.55 GiB more per 8192-token sample, 14.6 bytes per local
+    logit of Qwen3's 151,936-word vocabulary with the layers' per-token inputs, where a fused compiled loss would
+    add 4."""
+    return "eager" if cross_entropy == "compiled" and tp > 1 else cross_entropy
 
 
 def cross_entropy_allocated_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
@@ -276,10 +295,34 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
                                            input_bytes=gemm_input_bytes(dtype_bytes, fp8_gemm_inputs))
     if whole_column_inputs and sequence_parallel and tp > 1 and recompute != "full":
         out += tokens * 2 * gemm_input_bytes(dtype_bytes, fp8_gemm_inputs) * model.hidden_size * (1.0 - 1.0 / tp)
+        out += tokens * replicated_moe_bytes_per_token(model, layer, tp=tp, dtype_bytes=dtype_bytes,
+                                                       moe_runtime=moe_runtime) * (1.0 - 1.0 / tp)
     if not sequence_parallel and tp > 1:
         replicated = tp_replicated_bytes_per_token(model, layer, recompute=recompute, dtype_bytes=dtype_bytes,
                                                    fp8_gemm_inputs=fp8_gemm_inputs)
         out += tokens * replicated * (1.0 - 1.0 / tp)
+    return out
+
+
+def replicated_moe_bytes_per_token(model: "ModelSpec", layer: int, *, tp: int, dtype_bytes: int = 2,
+                                   moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> float:
+    """Bytes per token of an MoE layer's kept tensors that DTensor TP keeps whole on every TP rank, beyond the
+    block's input (module docstring: DTensor), where layer_activation_bytes_per_token counts a 1/tp share.
+
+    torchtitan's apply_moe_ep_tp (torchtitan/models/llama4/infra/parallelize.py, used by its Qwen3 and DeepSeek-V3
+    models) wraps the MoE block in PrepareModuleInputOutput(input Shard(1) -> Replicate(), output Partial() ->
+    Shard(1)) and runs the router's gate as NoParallel: every TP rank scores all M tokens, so the fp32 router
+    probabilities are whole (4 E bytes a token). With the experts' TP degree equal to TP (ExpertTensorParallel) each
+    TP rank also dispatches the routed copies of all M tokens and its experts' row-parallel down projection returns
+    Partial outputs of every copy: where the combine weights those outputs by the routing probabilities
+    (MoERuntime.probs_on_output) it keeps k whole h-wide copies (the gathered inputs of the same copies are
+    expert_gathered_input_bytes'). With expert TP 1 (ReordererSequenceParallel) a TP rank routes 1/tp of the
+    copies, as counted. Megatron-core's dispatcher permutes the rank's sequence-parallel shard: nothing whole."""
+    if not model.is_moe_layer(layer) or tp <= 1:
+        return 0.0
+    out = FP32_BYTES * model.num_experts
+    if moe_runtime.etp(tp) == tp and moe_runtime.probs_on_output and model.top_k > 1:
+        out += model.top_k * dtype_bytes * model.hidden_size
     return out
 
 
@@ -336,10 +379,11 @@ def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int
     per logit the 16-bit logits (p bytes) and their fp32 copy, which becomes the softmax and then, in place, the
     gradient (4): (p + 4) s b v. Large for big vocabularies: Llama 3 (v = 128256) at s = 8192 holds 6.3 GB per
     sequence before TP. Without SP the two h-wide inputs are whole on every TP rank; other implementations of the
-    loss hold other amounts per logit (CROSS_ENTROPY_KINDS, as the caching allocator reserves them).
+    loss hold other amounts per logit (CROSS_ENTROPY_KINDS, as the caching allocator reserves them; a compiled loss
+    over vocab-parallel logits as the eager one, loss_as_run).
     ``whole_column_inputs``: the output layer keeps its all-gathered input whole beside the final norm's sharded one
     (module docstring: DTensor)."""
-    per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
+    per_logit = cross_entropy_bytes_per_logit(loss_as_run(cross_entropy, tp), dtype_bytes)
     tokens = mbs * seq_len / cp
     if sequence_parallel and whole_column_inputs:
         return tokens * (dtype_bytes * model.hidden_size * (1 + 1 / tp) + per_logit * model.vocab_size / tp)
