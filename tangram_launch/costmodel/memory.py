@@ -132,10 +132,9 @@ def loss_as_run(cross_entropy: str, tp: int) -> str:
     gradients, as the eager loss does, with all-reduces of the per-token max and sum between them. What the
     compiled loss saves, fusing the upcast, the softmax and the gradient into kernels that write only the 16-bit
     gradient, needs the ops in one graph over a plain tensor; across the handlers' collectives the loss holds the
-    eager loss's bytes per local logit. Measured on the development row ttnotes-h200-qwen3-30b-tp4-ep2-etp4-sac's
-    source (torchtitan compiled, TP 4, loss parallel): 4.55 GiB more per 8192-token sample, 14.6 bytes per local
-    logit of Qwen3's 151,936-word vocabulary with the layers' per-token inputs, where a fused compiled loss would
-    add 4."""
+    eager loss's bytes per local logit. The development row ttnotes-h200-qwen3-30b-tp4-ep2-etp4-sac's source
+    (torchtitan compiled, TP 4, loss parallel) measured its memory at two local batch sizes: the step per sample
+    is of the eager loss's size, not the fused one's (tests/test_costmodel_memory_physics.py)."""
     return "eager" if cross_entropy == "compiled" and tp > 1 else cross_entropy
 
 
