@@ -1,7 +1,9 @@
 """Per-GPU peak memory physics the published runs held and the cost model had missed (issue 40): a compiled loss over
-vocabulary-parallel logits holds the eager loss's bytes (DTensor's loss-parallel handlers, memory.loss_as_run), and
+vocabulary-parallel logits holds the eager loss's bytes (DTensor's loss-parallel handlers, memory.loss_as_run);
 DTensor TP keeps an MoE block's router scores and weighted expert outputs whole on every TP rank
-(memory.replicated_moe_bytes_per_token), while Megatron's dispatcher keeps its sequence-parallel share."""
+(memory.replicated_moe_bytes_per_token), while Megatron's dispatcher keeps its sequence-parallel share; a layer's
+backward holds the activation gradients it forms beside what it kept or rebuilt, except where the loss's freed
+blocks hold them (memory.layer_backward_transient_bytes)."""
 from __future__ import annotations
 
 import copy
@@ -9,19 +11,26 @@ import copy
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_costmodel_runtime_variants import _island
 from test_published_runs import bench, data  # noqa: F401  (fixtures: the benchmark module and its data file)
 
+from tangram_launch.capabilities import RuntimeCapabilities
+from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.memory import (
     CROSS_ENTROPY_KINDS,
+    FRAGMENTATION_FRACTION,
     cross_entropy_bytes_per_logit,
     head_activation_bytes,
     layer_activation_bytes,
+    layer_backward_transient_bytes,
     loss_as_run,
     replicated_moe_bytes_per_token,
 )
 from tangram_launch.costmodel.moe_dispatch import MoERuntime
+from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.specs.model import load_model
+from tangram_launch.specs.training import TrainingSpec
 
 S = 4096
 
@@ -97,3 +106,57 @@ def test_a_sample_more_costs_the_tp4_compiled_moe_run_its_whole_vocabulary_in_lo
     assert per_sample > 14 * seq * v / tp / GIB
     assert per_sample >= 4.55
     assert 4 * seq * v / tp / GIB < per_sample / 2
+
+
+# ---------------------------------------------------------------------------------------------- backward transients
+@pytest.mark.unit
+@settings(max_examples=30, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4, 8]), mbs=st.integers(1, 4), cp=st.sampled_from([1, 2]))
+def test_a_dense_layers_backward_holds_the_wider_of_its_attention_and_mlp_gradients(tp, mbs, cp):
+    """The incoming h-wide gradient (whole) beside, at the attention, the gradients of Q, K, V and the attention
+    output, at the MLP's activation the gradients of its output and of the up/gate outputs (m f / t)."""
+    m = load_model("llama3-8b")
+    tokens, p, h = mbs * S / cp, 2, m.hidden_size
+    attn = p * (h + (2 * m.q_dim + 2 * m.kv_dim) / tp)
+    mlp = p * (h + m.ffn_matrices * m.ffn_hidden_size / tp)
+    got = layer_backward_transient_bytes(m, 0, seq_len=S, mbs=mbs, tp=tp, cp=cp)
+    assert got == pytest.approx(tokens * max(attn, mlp))
+    assert mlp > attn  # Llama's SwiGLU MLP is the widest step
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tp, etp", [(1, 1), (4, 4), (4, 1), (2, 2)])
+def test_an_moe_layers_backward_holds_k_routed_gradients_and_their_all_to_all_buffer(tp, etp):
+    """Per routed copy (k etp / t a token on a GPU): the weighted rows' gradient beside the all-to-all's receive
+    buffer (2 h), or at the experts' activation the received rows beside its gradients (h + m f_e / etp)."""
+    m = load_model("qwen3-30b-a3b")
+    layer = next(i for i in range(m.num_layers) if m.is_moe_layer(i))
+    rt = MoERuntime(expert_tensor_parallel=etp)
+    got = layer_backward_transient_bytes(m, layer, seq_len=S, mbs=2, tp=tp, moe_runtime=rt)
+    h, f = m.hidden_size, m.expert_ffn_hidden_size
+    routed = 2 * m.top_k * etp / tp * max(2 * h, h + m.ffn_matrices * f / etp)
+    assert got == pytest.approx(2 * S * routed)
+
+
+def _stages(pp: int):
+    m = load_model("llama3-8b")
+    tr = TrainingSpec(global_batch=16, seq_len=2048, dtype="bf16")
+    q = SliceQuery(model=m, training=tr, layers=(0, m.num_layers), island=_island("h100-sxm"),
+                   microbatch_sequences=1, capabilities=RuntimeCapabilities(name="any"), pipelined=pp > 1)
+    coster = SliceCoster(q)
+    return m, coster.plan(ParallelConfig(tp=1, pp=pp, dp=1, zero_stage=1, recompute="full"),
+                          parallelizer="test").stages
+
+
+@pytest.mark.unit
+def test_a_stage_without_the_loss_holds_its_widest_layers_gradients_and_the_loss_stage_reuses_the_freed_logits():
+    """Under full recompute a stage's working set is one layer rebuilt plus the gradients its backward forms. On the
+    last stage the loss has freed its logits' blocks before any layer's backward starts, and at Llama 3's
+    vocabulary they hold every layer's gradients: nothing more is reserved there."""
+    m, (first, last) = _stages(2)
+    frag = 1 + FRAGMENTATION_FRACTION
+    transient = layer_backward_transient_bytes(m, 0, seq_len=2048, mbs=1)
+    rebuilt = layer_activation_bytes(m, 0, seq_len=2048, mbs=1, flash=True)
+    assert first.breakdown["working_bytes"] == pytest.approx((rebuilt + transient) * frag, rel=1e-6)
+    assert last.breakdown["working_bytes"] == pytest.approx(rebuilt * frag, rel=1e-6)
+    assert head_activation_bytes(m, seq_len=2048, mbs=1) > transient

@@ -303,6 +303,40 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
     return out
 
 
+def layer_backward_transient_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1,
+                                    cp: int = 1, dtype_bytes: int = 2,
+                                    moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> float:
+    """Bytes one layer's backward holds beyond the tensors it kept (or rebuilt): the activation gradients it forms.
+
+    Autograd runs a layer's backward op by op; each op reads its output's gradient and writes its inputs' gradients,
+    so the two coexist (a gradient is freed once the ops that read it are done), beside the tensors the layer kept.
+    The widest step of each part, per token on one GPU:
+      attention   the incoming h-wide gradient (whole: under SP the backward all-gathers it for the row-parallel
+                  output projection) and the gradients of Q, K, V and the attention output (2 q + 2 kv) / t;
+      dense MLP   the incoming gradient and, at the activation's backward, the gradient of its output (the down
+                  GEMM's input) and of the m - 1 up/gate outputs: m f / t;
+      routed MoE  per routed copy (k of each token; a GPU holds tokens k etp / t copies: Megatron-core all-gathers
+                  them over the experts' TP group, DTensor TP replicates them): the combine's backward forms the
+                  gradient of the k weighted rows while the all-to-all receives it into a buffer of the same size
+                  (2 h), the experts' activation backward the gradients of its output and inputs beside the
+                  received rows (h + m f_e / etp); without EP no buffer, the same widest step.
+    Shared experts are a dense MLP of their width, run beside the routed ones (torchtitan, Megatron-core): the wider
+    of the two counts. Weight gradients are the ZeRO working set's or the model states'."""
+    p, h = dtype_bytes, model.hidden_size
+    tokens = mbs * seq_len / cp
+    m = model.ffn_matrices
+    attn = p * (h + (2 * model.q_dim + 2 * model.kv_dim) / tp)
+    if not model.is_moe_layer(layer):
+        return tokens * max(attn, p * (h + m * model.ffn_hidden_size / tp))
+    etp = moe_runtime.etp(tp)
+    copies = model.top_k * etp / tp
+    routed = p * copies * max(2 * h, h + m * model.expert_ffn_hidden_size / etp)
+    shared = 0.0
+    if model.num_shared_experts:
+        shared = p * (h + m * model.num_shared_experts * model.shared_expert_ffn_hidden_size / tp)
+    return tokens * max(attn, routed, shared)
+
+
 def replicated_moe_bytes_per_token(model: "ModelSpec", layer: int, *, tp: int, dtype_bytes: int = 2,
                                    moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> float:
     """Bytes per token of an MoE layer's kept tensors that DTensor TP keeps whole on every TP rank, beyond the
