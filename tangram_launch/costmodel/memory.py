@@ -53,6 +53,11 @@ everything else -- norms, rotary embedding, activation function, the routed expe
 from the block's input); "op-sac-compiled" is the same under torch.compile, where an MoE block keeps its input only
 (op_sac.py).
 
+Backward working set: beside what a layer kept (or rebuilt under recompute), its backward holds the activation
+gradients it forms, an op's output gradient beside its inputs' (layer_backward_transient_bytes): at the MLP's
+activation m f a token, for a routed MoE layer k copies of h-wide rows and their all-to-all buffer. On the stage that
+computes the loss these reuse the blocks the loss freed first, and add only beyond them.
+
 Measured: where the cluster's profile has the bytes autograd saved for a layer kind (``layer_activation_bytes`` in a
 GPU's measured figures, written by ``profile --model``: one micro-batch, no recompute, the TP shard on one device with
 the whole sequence), the layer's kept bytes without and with selective recompute are the analytic ones times the
