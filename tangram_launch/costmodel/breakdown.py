@@ -52,6 +52,7 @@ from tangram_launch.costmodel.memory import (
     head_activation_bytes,
     held_under_pipelining,
     layer_activation_bytes,
+    layer_backward_transient_bytes,
     layer_param_split,
     measured_activation_factor,
     model_state_bytes,
@@ -187,6 +188,7 @@ class LayerTerms:
     expert_params: float  # per GPU (after TP and EP)
     ep_bwd_s: float = 0.0  # ... the backward's two (gradients of dispatch and combine; no counts exchange)
     param_tensors: float = 0.0  # parameter tensors per GPU (the optimizer's per-tensor cost)
+    transient_bytes: float = 0.0  # activation gradients one backward holds (memory.layer_backward_transient_bytes)
 
 
 @dataclass
@@ -210,6 +212,7 @@ class StageSums:
     act_bytes: tuple = (0.0, 0.0, 0.0)
     max_layer_act_none: float = 0.0  # one layer's full activations: recomputed during backward under full recompute
     max_layer_act_rebuilt_sel: float = 0.0  # op-level SAC: what one layer's backward rebuilds beyond what it kept
+    max_layer_transient: float = 0.0  # the activation gradients one layer's backward holds, in every recompute mode
     dense_params: float = 0.0
     expert_params: float = 0.0
     max_layer_params: float = 0.0  # ZeRO-3 gathers one layer at a time (+ a prefetched one)
@@ -437,6 +440,8 @@ class SliceCoster:
             tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
             act_bytes=acts, dense_params=dense / tp, expert_params=experts / (etp * ep),
             param_tensors=layer_param_tensors(model, i, ep=ep),
+            transient_bytes=layer_backward_transient_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p,
+                                                           moe_runtime=self.moe_runtime),
         )
         return terms
 
@@ -637,7 +642,8 @@ class SliceCoster:
             counts = tuple((k, pre[z - first_layer] - pre[a - first_layer]) for k, pre in self.prefix.items())
             (st.fwd_s, st.bwd_s, st.fwd_flops, st.tp_fwd_s, st.cp_fwd_s, st.cp_bwd_s, st.ep_fwd_s, st.ep_bwd_s, rec,
              rec_f, acts, st.max_layer_act_none, st.max_layer_act_rebuilt_sel, st.dense_params, st.expert_params,
-             st.param_tensors, st.max_layer_params) = self._layers_part(counts, tp, cp, ep, dp, mbs)
+             st.param_tensors, st.max_layer_params, st.max_layer_transient) = self._layers_part(counts, tp, cp, ep, dp,
+                                                                                                mbs)
             st.tp_bwd_s = st.tp_fwd_s
             emb_act = head_act = 0.0
             if has_emb:
@@ -687,6 +693,8 @@ class SliceCoster:
             st.recompute_s = tuple(rec)
             st.recompute_flops = tuple(rec_f)
             st.act_bytes = tuple(x + emb_act + head_act for x in acts)
+            # the loss frees its tensors before any layer's backward: the gradients reuse those blocks first
+            st.max_layer_transient = max(0.0, st.max_layer_transient - head_act)
             st.p2p_bytes = 0.0 if has_head else act_bytes_mb
             if j < pp - 1:
                 st.p2p_fwd_s = p2p_fwd_s(j)
@@ -716,7 +724,7 @@ class SliceCoster:
         if hit is not None:
             return hit
         fwd_s = bwd_s = fwd_flops = tp_fwd_s = cp_fwd_s = cp_bwd_s = ep_fwd_s = ep_bwd_s = 0.0
-        act_none = rebuilt_sel = dense = expert = tensors = max_params = 0.0
+        act_none = rebuilt_sel = dense = expert = tensors = max_params = transient = 0.0
         rec = [0.0, 0.0, 0.0]
         rec_f = [0.0, 0.0, 0.0]
         acts = [0.0, 0.0, 0.0]
@@ -742,9 +750,10 @@ class SliceCoster:
             expert += c * t.expert_params
             tensors += c * t.param_tensors
             max_params = max(max_params, t.dense_params + t.expert_params)
+            transient = max(transient, t.transient_bytes)
         hit = self._edge_cache[key] = (fwd_s, bwd_s, fwd_flops, tp_fwd_s, cp_fwd_s, cp_bwd_s, ep_fwd_s, ep_bwd_s,
                                        tuple(rec), tuple(rec_f), tuple(acts), act_none, rebuilt_sel, dense, expert,
-                                       tensors, max_params)
+                                       tensors, max_params, transient)
         return hit
 
     # ------------------------------------------------------------------------------------------ per config
@@ -858,6 +867,7 @@ class SliceCoster:
         working = st.max_layer_act_none if full else 0.0  # one layer's activations, rebuilt during its backward
         if RECOMPUTE_MODES[r] == "selective" and self.selective_policy in OP_SAC_POLICIES:
             working = st.max_layer_act_rebuilt_sel  # the tensors op-level SAC rebuilds for one layer's backward
+        working += st.max_layer_transient  # ... and the activation gradients that backward forms
         out = RecomputePart(st.recompute_s[r], rec_comm, st.act_bytes[r] * self.fragmentation, working)
         st.rec_parts[r] = out
         return out

@@ -53,6 +53,11 @@ everything else -- norms, rotary embedding, activation function, the routed expe
 from the block's input); "op-sac-compiled" is the same under torch.compile, where an MoE block keeps its input only
 (op_sac.py).
 
+Backward working set: beside what a layer kept (or rebuilt under recompute), its backward holds the activation
+gradients it forms, an op's output gradient beside its inputs' (layer_backward_transient_bytes): at the MLP's
+activation m f a token, for a routed MoE layer k copies of h-wide rows and their all-to-all buffer. On the stage that
+computes the loss these reuse the blocks the loss freed first, and add only beyond them.
+
 Measured: where the cluster's profile has the bytes autograd saved for a layer kind (``layer_activation_bytes`` in a
 GPU's measured figures, written by ``profile --model``: one micro-batch, no recompute, the TP shard on one device with
 the whole sequence), the layer's kept bytes without and with selective recompute are the analytic ones times the
@@ -115,9 +120,27 @@ SELECTIVE_POLICIES = ("megatron",) + OP_SAC_POLICIES  # what selective recompute
 #                   the rest from -- the 16-bit logits (the graph's input) and the per-token max and sum (reductions
 #                   are not recomputed) -- instead of the fp32 log-softmax; Inductor fuses the upcast, the softmax and
 #                   the one-hot scatter of nll_loss's gradient (a scatter onto zeros becomes a pointwise select) into
-#                   kernels that write only the gradient in the logits' dtype: 2 p bytes.
+#                   kernels that write only the gradient in the logits' dtype: 2 p bytes. Over vocab-parallel
+#                   logits (TP > 1: torchtitan's ColwiseParallel output layer with Shard(-1) under DTensor's
+#                   loss_parallel) it holds what the eager loss holds (loss_as_run).
 CROSS_ENTROPY_KINDS = ("fused", "eager", "eager-16bit", "flash-xentropy", "compiled")
 EAGER_CROSS_ENTROPY_BYTES_PER_LOGIT = 12.0
+
+
+def loss_as_run(cross_entropy: str, tp: int) -> str:
+    """The implementation the loss runs as on logits split ``tp`` ways over the vocabulary.
+
+    DTensor's loss parallel (torch.distributed.tensor.parallel.loss_parallel, pytorch/pytorch PR 119877: "run both
+    aten.log_softmax and aten.nll_loss_forward with multiple all-reduce collectives in the middle") replaces the
+    log-softmax and NLL ops of a vocabulary-sharded DTensor, forward and backward, by handlers that compute each
+    op's local result as a tensor of its own: the fp32 log-softmax output saved for the backward and the fp32
+    gradients, as the eager loss does, with all-reduces of the per-token max and sum between them. What the
+    compiled loss saves, fusing the upcast, the softmax and the gradient into kernels that write only the 16-bit
+    gradient, needs the ops in one graph over a plain tensor; across the handlers' collectives the loss holds the
+    eager loss's bytes per local logit. The development row ttnotes-h200-qwen3-30b-tp4-ep2-etp4-sac's source
+    (torchtitan compiled, TP 4, loss parallel) measured its memory at two local batch sizes: the step per sample
+    is of the eager loss's size, not the fused one's (tests/test_costmodel_memory_physics.py)."""
+    return "eager" if cross_entropy == "compiled" and tp > 1 else cross_entropy
 
 
 def cross_entropy_allocated_bytes_per_logit(cross_entropy: str, dtype_bytes: float) -> float:
@@ -276,10 +299,68 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
                                            input_bytes=gemm_input_bytes(dtype_bytes, fp8_gemm_inputs))
     if whole_column_inputs and sequence_parallel and tp > 1 and recompute != "full":
         out += tokens * 2 * gemm_input_bytes(dtype_bytes, fp8_gemm_inputs) * model.hidden_size * (1.0 - 1.0 / tp)
+        out += tokens * replicated_moe_bytes_per_token(model, layer, tp=tp, dtype_bytes=dtype_bytes,
+                                                       moe_runtime=moe_runtime) * (1.0 - 1.0 / tp)
     if not sequence_parallel and tp > 1:
         replicated = tp_replicated_bytes_per_token(model, layer, recompute=recompute, dtype_bytes=dtype_bytes,
                                                    fp8_gemm_inputs=fp8_gemm_inputs)
         out += tokens * replicated * (1.0 - 1.0 / tp)
+    return out
+
+
+def layer_backward_transient_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int = 1,
+                                    cp: int = 1, dtype_bytes: int = 2,
+                                    moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> float:
+    """Bytes one layer's backward holds beyond the tensors it kept (or rebuilt): the activation gradients it forms.
+
+    Autograd runs a layer's backward op by op; each op reads its output's gradient and writes its inputs' gradients,
+    so the two coexist (a gradient is freed once the ops that read it are done), beside the tensors the layer kept.
+    The widest step of each part, per token on one GPU:
+      attention   the incoming h-wide gradient (whole: under SP the backward all-gathers it for the row-parallel
+                  output projection) and the gradients of Q, K, V and the attention output (2 q + 2 kv) / t;
+      dense MLP   the incoming gradient and, at the activation's backward, the gradient of its output (the down
+                  GEMM's input) and of the m - 1 up/gate outputs: m f / t;
+      routed MoE  per routed copy (k of each token; a GPU holds tokens k etp / t copies: Megatron-core all-gathers
+                  them over the experts' TP group, DTensor TP replicates them): the combine's backward forms the
+                  gradient of the k weighted rows while the all-to-all receives it into a buffer of the same size
+                  (2 h), the experts' activation backward the gradients of its output and inputs beside the
+                  received rows (h + m f_e / etp); without EP no buffer, the same widest step.
+    Shared experts are a dense MLP of their width, run beside the routed ones (torchtitan, Megatron-core): the wider
+    of the two counts. Weight gradients are the ZeRO working set's or the model states'."""
+    p, h = dtype_bytes, model.hidden_size
+    tokens = mbs * seq_len / cp
+    m = model.ffn_matrices
+    attn = p * (h + (2 * model.q_dim + 2 * model.kv_dim) / tp)
+    if not model.is_moe_layer(layer):
+        return tokens * max(attn, p * (h + m * model.ffn_hidden_size / tp))
+    etp = moe_runtime.etp(tp)
+    copies = model.top_k * etp / tp
+    routed = p * copies * max(2 * h, h + m * model.expert_ffn_hidden_size / etp)
+    shared = 0.0
+    if model.num_shared_experts:
+        shared = p * (h + m * model.num_shared_experts * model.shared_expert_ffn_hidden_size / tp)
+    return tokens * max(attn, routed, shared)
+
+
+def replicated_moe_bytes_per_token(model: "ModelSpec", layer: int, *, tp: int, dtype_bytes: int = 2,
+                                   moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> float:
+    """Bytes per token of an MoE layer's kept tensors that DTensor TP keeps whole on every TP rank, beyond the
+    block's input (module docstring: DTensor), where layer_activation_bytes_per_token counts a 1/tp share.
+
+    torchtitan's apply_moe_ep_tp (torchtitan/models/llama4/infra/parallelize.py, used by its Qwen3 and DeepSeek-V3
+    models) wraps the MoE block in PrepareModuleInputOutput(input Shard(1) -> Replicate(), output Partial() ->
+    Shard(1)) and runs the router's gate as NoParallel: every TP rank scores all M tokens, so the fp32 router
+    probabilities are whole (4 E bytes a token). With the experts' TP degree equal to TP (ExpertTensorParallel) each
+    TP rank also dispatches the routed copies of all M tokens and its experts' row-parallel down projection returns
+    Partial outputs of every copy: where the combine weights those outputs by the routing probabilities
+    (MoERuntime.probs_on_output) it keeps k whole h-wide copies (the gathered inputs of the same copies are
+    expert_gathered_input_bytes'). With expert TP 1 (ReordererSequenceParallel) a TP rank routes 1/tp of the
+    copies, as counted. Megatron-core's dispatcher permutes the rank's sequence-parallel shard: nothing whole."""
+    if not model.is_moe_layer(layer) or tp <= 1:
+        return 0.0
+    out = FP32_BYTES * model.num_experts
+    if moe_runtime.etp(tp) == tp and moe_runtime.probs_on_output and model.top_k > 1:
+        out += model.top_k * dtype_bytes * model.hidden_size
     return out
 
 
@@ -336,10 +417,11 @@ def head_activation_bytes(model: "ModelSpec", *, seq_len: int, mbs: int, tp: int
     per logit the 16-bit logits (p bytes) and their fp32 copy, which becomes the softmax and then, in place, the
     gradient (4): (p + 4) s b v. Large for big vocabularies: Llama 3 (v = 128256) at s = 8192 holds 6.3 GB per
     sequence before TP. Without SP the two h-wide inputs are whole on every TP rank; other implementations of the
-    loss hold other amounts per logit (CROSS_ENTROPY_KINDS, as the caching allocator reserves them).
+    loss hold other amounts per logit (CROSS_ENTROPY_KINDS, as the caching allocator reserves them; a compiled loss
+    over vocab-parallel logits as the eager one, loss_as_run).
     ``whole_column_inputs``: the output layer keeps its all-gathered input whole beside the final norm's sharded one
     (module docstring: DTensor)."""
-    per_logit = cross_entropy_bytes_per_logit(cross_entropy, dtype_bytes)
+    per_logit = cross_entropy_bytes_per_logit(loss_as_run(cross_entropy, tp), dtype_bytes)
     tokens = mbs * seq_len / cp
     if sequence_parallel and whole_column_inputs:
         return tokens * (dtype_bytes * model.hidden_size * (1 + 1 / tp) + per_logit * model.vocab_size / tp)
