@@ -5,14 +5,17 @@ any pipeline (property over random ones). The closed form's dominance can (two c
 parallelizer's answer is that front: brute force over every configuration of small generated queries."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
+from test_gpu_counts import _two_islands
 from test_parallelizers import island, query
 
 from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.pipeline import simulated_1f1b_s
+from tangram_launch.parallelizers import megatron
 from tangram_launch.parallelizers.base import capacity_bytes
 from tangram_launch.parallelizers.megatron import MegatronParallelizer, cross_stage_class, exact_front
 
@@ -140,3 +143,19 @@ def test_exact_front_keeps_a_plan_of_more_stages_and_drops_one_slower_stage_by_s
     shallow = pt(g2, [(1.0, 2.0), (1.0, 2.0)], depth=2)
     kept = exact_front([two, three, slower, swapped, shallow], lambda p: times[p[-1]])
     assert set(kept) == {two, three, swapped}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(seed=hst.integers(0, 10_000), per_node=hst.lists(hst.sampled_from((2, 3, 5, 6)), min_size=2, max_size=2),
+       runtime=hst.sampled_from(("torch", "megatron", "deepspeed")), gpu_counts=hst.sampled_from(("tiling", "all")))
+def test_the_search_over_the_front_finds_what_the_search_over_every_configuration_finds(seed, per_node, runtime,
+                                                                                        gpu_counts):
+    """End to end on small two-island clusters: planning over the parallelizer's answers (exact_front) gives the
+    score planning over every configuration that fits (no front at all) gives."""
+    front = _two_islands(seed, per_node, runtime, gpu_counts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(megatron, "exact_front", lambda points, terms, interleaves=False: list(points))
+        every = _two_islands(seed, per_node, runtime, gpu_counts)
+    assert (front is None) == (every is None)
+    if front is not None:
+        assert front.predicted.iteration_time_s == every.predicted.iteration_time_s
