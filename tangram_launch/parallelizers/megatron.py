@@ -148,55 +148,51 @@ def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
     return key
 
 
-def _front(points: dict[tuple, list[tuple]], stage_terms: Callable[[tuple], tuple],
-           interleaves: bool = False) -> list[tuple]:
-    """The answer's points: per cross-stage class, exact_front. ``stage_terms``: a point -> its stages' (forward_s,
-    backward_s), front to back, with (static_bytes, activation_bytes) after them where ``interleaves``."""
+def _front(points: dict[tuple, list[tuple]], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+    """The answer's points: per cross-stage class, those no other point of the same ports stands for under the
+    plain 1F1B score (exact_front). ``stage_times``: a point -> its stages' (forward_s, backward_s), front to back."""
     out: list[tuple] = []
     for bucket in points.values():
-        out += exact_front(bucket, stage_terms, interleaves)
+        out += exact_front(bucket, stage_times)
     return out
 
 
-def exact_front(points: list[tuple], stage_terms: Callable[[tuple], tuple], interleaves: bool = False) -> list[tuple]:
-    """Points no other point stands for under the score the planner ranks plans by: the plain 1F1B event
-    simulation plus the tail (build.Candidates.simulated_s; the closed form (m - 1) x bottleneck + fill + tail is a
-    bound on it), or where the runtime ``interleaves``, the least of that and the interleaved one.
+def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+    """Points no other point stands for under the score the planner ranks plans by, the plain 1F1B event simulation
+    plus the tail (build.Candidates.simulated_s; the closed form (m - 1) x bottleneck + fill + tail is its floor).
 
-    Each simulation is a longest path through the pipeline's ops: an op ends at max(its stage's previous op's end,
-    its dependency's end + the link) + its duration, so it never decreases as a stage's forward or backward grows;
-    a slice plan enters it as its stages' forward and backward seconds (their p2p inside) and the links at its two
-    ends. So P may stand for Q in every pipeline, whatever the rest of it, when
+    The simulation is a longest path through the pipeline's ops: each op ends at max(its stage's previous op's end,
+    its dependency's end + the link) + its duration, so it never decreases as a stage's forward or backward grows,
+    and a slice plan enters it as its stages' forward and backward seconds (their p2p inside) and the links at its
+    two ends. So a point P stands for Q in every pipeline, whatever the rest of it, exactly when
 
         P and Q have the same ports: the same stages and (tp, cp, dp) on the same GPUs, so the same links to the
             slices beside it (boundary.boundary_s reads a stage's grid and nodes) and the same micro-batches in
             flight in front of it (each stage of a slice adds one to every earlier stage);
         at every stage P's forward <= Q's and P's backward <= Q's;
-        P's tail (DP sync + optimizer, a max over stages) <= Q's, and P fits at least as deep (depth >= Q's);
-        where it ``interleaves``, also the same layers per stage (the chunks a stage may take) and at every stage
-            no more static and activation bytes (what each virtual-stage count needs: interleave.py).
+        P's tail (DP sync + optimizer, a max over stages) <= Q's, and P fits at least as deep (depth >= Q's).
 
-    Fewer stages with the same bottleneck and less fill (the closed form's dominance) is not enough: a slow stage in
-    front of this slice runs (m - w) x its time with w stages behind it, so more, shorter stages can simulate
-    faster. Nor are as many stages with closed-form dominance: the simulation reads where the slow stage sits and
-    forward and backward apart (tests/test_parallelizer_front.py has both). This dominance implies the closed
-    form's, so the answer holds the class's closed-form front (pareto_front) and each grid's own. (Not ordered by
-    it: measured wake-up charges, which go to the slowest stage, costmodel/wake.py.)"""
+    Fewer stages with the same bottleneck and less fill (the closed form's dominance) is not enough: a slow
+    stage in front of this slice runs (m - w) x its time with w stages behind it, so the plan of more, shorter
+    stages can simulate faster. Nor is the same stage count with closed-form dominance: the simulation reads where
+    in the slice the slow stage sits and its forward and backward apart. Every point the closed form's front of the
+    class keeps (pareto_front) is kept here too (this dominance implies that one), and so is each grid's own
+    front. (Interleaved schedules read more still, each stage's memory and layers; costed wake-ups charge the slowest
+    stage: neither is ordered by this, as before.)"""
     by_ports: dict[tuple, list[tuple]] = {}
     for pt in points:
         g = pt[6]
-        key = (g.tp, g.cp, g.dp, pt[4], pt[5])
-        by_ports.setdefault((*key, pt[10].sizes) if interleaves else key, []).append(pt)
+        by_ports.setdefault((g.tp, g.cp, g.dp, pt[4], pt[5]), []).append(pt)
     kept: list[tuple] = []
     for group in by_ports.values():
-        kept += _ported_front(group, stage_terms)
+        kept += _ported_front(group, stage_times)
     return kept
 
 
-def _ported_front(points: list[tuple], stage_terms: Callable[[tuple], tuple]) -> list[tuple]:
+def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
     """exact_front of points with the same ports: sorted by (bottleneck, fill, tail, -depth), which the dominance
     respects (stage by stage <= gives max and front-to-back sums <=, rounding being monotone), so a point's
-    dominators come first; a point's stage terms are read only once a kept point passes its closed-form terms."""
+    dominators come first; a kept point's stage times are read only once its closed-form terms pass."""
     if len(points) == 1:
         return points
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3]))
@@ -207,8 +203,8 @@ def _ported_front(points: list[tuple], stage_terms: Callable[[tuple], tuple]) ->
         for c in kept:
             if c[1] <= fill and c[2] <= tail and c[3] >= depth:
                 if mine is None:
-                    mine = stage_terms(p)
-                if all(x <= y for cs, ps in zip(stage_terms(c), mine) for x, y in zip(cs, ps)):
+                    mine = stage_times(p)
+                if all(cf <= f and cb <= b for (cf, cb), (f, b) in zip(stage_times(c), mine)):
                     break
         else:
             kept.append(p)
@@ -410,9 +406,7 @@ class MegatronParallelizer:
             reason = self._infeasible(q, coster, search.least_memory(), search.shape_reasons, m, cap)
             return SliceResult(key, (), reason, search.evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
-        interleaves = "interleaved-1F1B" in q.capabilities.schedules
-        front = sorted(_front(points, search.stage_terms if interleaves else search.stage_times, interleaves),
-                       key=lambda pt: (pt[0], pt[5]))
+        front = sorted(_front(points, search.stage_times), key=lambda pt: (pt[0], pt[5]))
         layers = tuple(q.layers)
         plans = tuple(self._lazy_plan(search.table, coster, layers, (m, cap), pt) for pt in front)
         coster.clear_grid_cache()  # lazy plans keep the coster; its per-grid sums are in the table already
@@ -814,13 +808,6 @@ class _GridSearch:
                 hit = times[key] = (numbers[0], numbers[1])
             out.append(hit)
         return tuple(out)
-
-    def stage_terms(self, point: tuple) -> tuple[tuple[float, float, float, float], ...]:
-        """stage_times with each stage's static and activation bytes after its times (its judged row's, which its
-        plan's SliceNumbers carry)."""
-        by_sid, s = point[10].by_sid, point[11]
-        return tuple((*t, by_sid[sid][s][1], by_sid[sid][s][2]) for t, sid in zip(self.stage_times(point),
-                                                                                     point[10].sigs))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
