@@ -159,12 +159,12 @@ def _front(points: dict[tuple, list[tuple]], stage_times: Callable[[tuple], tupl
 
 def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
     """Points no other point stands for under the score the planner ranks plans by, the plain 1F1B event simulation
-    plus the tail (build.Candidates.simulated_s; the closed form (m - 1) x bottleneck + fill + tail is its floor).
+    plus the tail (build.Candidates.simulated_s), not the closed form (m - 1) x bottleneck + fill + tail.
 
     The simulation is a longest path through the pipeline's ops: each op ends at max(its stage's previous op's end,
     its dependency's end + the link) + its duration, so it never decreases as a stage's forward or backward grows,
     and a slice plan enters it as its stages' forward and backward seconds (their p2p inside) and the links at its
-    two ends. So a point P stands for Q in every pipeline, whatever the rest of it, exactly when
+    two ends. So P may stand for Q (in any pipeline, whatever the rest of it, P in place of Q scores no more) when
 
         P and Q have the same ports: the same stages and (tp, cp, dp) on the same GPUs, so the same links to the
             slices beside it (boundary.boundary_s reads a stage's grid and nodes) and the same micro-batches in
@@ -177,8 +177,14 @@ def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> l
     stages can simulate faster. Nor is the same stage count with closed-form dominance: the simulation reads where
     in the slice the slow stage sits and its forward and backward apart. Every point the closed form's front of the
     class keeps (pareto_front) is kept here too (this dominance implies that one), and so is each grid's own
-    front. (Interleaved schedules read more still, each stage's memory and layers; costed wake-ups charge the slowest
-    stage: neither is ordered by this, as before.)"""
+    front, which is what a one-grid interleaved pipeline needed of it before (GRID_FRONT_SLACK, now gone).
+
+    Not ordered by this: the interleaved simulation, where it is faster, reads each stage's layers (the chunks it
+    may take) and its static and activation bytes (what each virtual-stage count needs: interleave.py). Equal
+    layers per stage and no more bytes at every stage as well would make the front exact there too; it keeps many
+    more plans (a faster plan with more activations no longer stands for a leaner one) and planning of the largest
+    benchmark cluster under torch took several times the CPU, so it is not done. Nor are measured wake-up charges,
+    which go to the slowest stage (costmodel/wake.py)."""
     by_ports: dict[tuple, list[tuple]] = {}
     for pt in points:
         g = pt[6]
