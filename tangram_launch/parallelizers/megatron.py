@@ -13,16 +13,13 @@ For a slice/island query it enumerates every configuration Megatron-style 3D/5D 
 
 Stages of a slice share one grid and the same memory savers; layers are split over them balanced by time
 (costmodel.breakdown.balanced_split), the first/last stage lighter when they carry the embedding/head. Only what
-``q.capabilities`` can run is costed. What is kept is the Pareto front over
-
-    (bottleneck stage time, sum of stage times, DP sync + optimizer step, how many later pipeline stages it still
-     fits with, stages, GPUs used)
-
--- the terms of any 1F1B pipeline's iteration time, and the memory criteria the composer needs: a plan holding fewer
-activations per in-flight micro-batch fits deeper in the pipeline (``SlicePlan.max_stages_after``) and a plan with
-fewer stages makes the slices before it hold fewer micro-batches -- kept separately per class of the runtime's
-cross-stage constraints (one (tp, dp, cp) grid / one TP size / one DP size), so that the planner can still find
-plans that agree across islands. Nothing fits: an ``InfeasibleSlice`` with the smallest peak memory any
+``q.capabilities`` can run is costed. What is kept is, per class of the runtime's cross-stage constraints (one
+(tp, dp, cp) grid / one TP size / one DP size, so that the planner can still find plans that agree across islands),
+the plans no other plan stands for under the score the planner ranks by, the plain 1F1B event simulation
+(exact_front): one plan stands for another only on the same ports (stages, grid, GPUs) and stage by stage no
+slower, with no more DP sync + optimizer tail and fitting as deep in the pipeline (``SlicePlan.max_stages_after``).
+That holds the closed form's Pareto front over (bottleneck, sum of stage times, tail, fit depth, stages, GPUs)
+(pareto_front) and every grid's own. Nothing fits: an ``InfeasibleSlice`` with the smallest peak memory any
 configuration needs and where it goes.
 
 A query that carries the planner's bounds so far (``SliceQuery.latency_bound_s``, ``score_bound_s``) is answered
@@ -151,41 +148,73 @@ def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
     return key
 
 
-GRID_FRONT_SLACK = 0.03  # a grid's own plan stays beside the front while no plan beats it by this much (see _front)
-
-
-def _front(points: dict[tuple, list[tuple]], caps) -> list[tuple]:
-    """The answer's points: the Pareto front of each cross-stage class and, where interleaving needs one grid for
-    all stages though 1F1B does not (torch), each grid's own front points that no front point beats by more than
-    GRID_FRONT_SLACK in bottleneck, fill and tail (and at least ties in depth, stages and GPUs). A one-grid
-    pipeline can win interleaved with plans another grid beats under 1F1B (grid_classes.GridClass); keeping every
-    grid's whole front costs much more planning than a small slack, which finds the one-grid search's optimum on
-    the benchmark clusters."""
-    per_grid = caps.interleaved_uniform_grid and "interleaved-1F1B" in caps.schedules
-    shrink = 1.0 / (1.0 + GRID_FRONT_SLACK)
+def _front(points: dict[tuple, list[tuple]], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+    """The answer's points: per cross-stage class, those no other point of the same ports stands for under the
+    plain 1F1B score (exact_front). ``stage_times``: a point -> its stages' (forward_s, backward_s), front to back."""
     out: list[tuple] = []
     for bucket in points.values():
-        front = pareto_front(bucket)
-        out += front
-        by_grid: dict[tuple, list[tuple]] = {}
-        for pt in bucket if per_grid else ():
-            by_grid.setdefault((pt[6].tp, pt[6].dp, pt[6].cp), []).append(pt)
-        if len(by_grid) < 2:
-            continue
-        kept = set(map(id, front))
-        for grid_points in by_grid.values():
-            for pt in pareto_front(grid_points):
-                if id(pt) in kept:
-                    continue
-                bn, fill, tail = pt[0] * shrink, pt[1] * shrink, pt[2] * shrink
-                depth, stages, gpus = pt[3], pt[4], pt[5]
-                for c in front:  # (a loop, not any() over a generator: this runs per point of every grid)
-                    if (c[0] <= bn and c[1] <= fill and c[2] <= tail and c[3] >= depth and c[4] <= stages
-                            and c[5] <= gpus):
-                        break
-                else:
-                    out.append(pt)
+        out += exact_front(bucket, stage_times)
     return out
+
+
+def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+    """Points no other point stands for under the score the planner ranks plans by, the plain 1F1B event simulation
+    plus the tail (build.Candidates.simulated_s), not the closed form (m - 1) x bottleneck + fill + tail.
+
+    The simulation is a longest path through the pipeline's ops: each op ends at max(its stage's previous op's end,
+    its dependency's end + the link) + its duration, so it never decreases as a stage's forward or backward grows,
+    and a slice plan enters it as its stages' forward and backward seconds (their p2p inside) and the links at its
+    two ends. So P may stand for Q (in any pipeline, whatever the rest of it, P in place of Q scores no more) when
+
+        P and Q have the same ports: the same stages and (tp, cp, dp) on the same GPUs, so the same links to the
+            slices beside it (boundary.boundary_s reads a stage's grid and nodes) and the same micro-batches in
+            flight in front of it (each stage of a slice adds one to every earlier stage);
+        at every stage P's forward <= Q's and P's backward <= Q's;
+        P's tail (DP sync + optimizer, a max over stages) <= Q's, and P fits at least as deep (depth >= Q's).
+
+    Fewer stages with the same bottleneck and less fill (the closed form's dominance) is not enough: a slow
+    stage in front of this slice runs (m - w) x its time with w stages behind it, so the plan of more, shorter
+    stages can simulate faster. Nor is the same stage count with closed-form dominance: the simulation reads where
+    in the slice the slow stage sits and its forward and backward apart. Every point the closed form's front of the
+    class keeps (pareto_front) is kept here too (this dominance implies that one), and so is each grid's own
+    front, which is what a one-grid interleaved pipeline needed of it before (GRID_FRONT_SLACK, now gone).
+
+    Not ordered by this: the interleaved simulation, where it is faster, reads each stage's layers (the chunks it
+    may take) and its static and activation bytes (what each virtual-stage count needs: interleave.py). Equal
+    layers per stage and no more bytes at every stage as well would make the front exact there too; it keeps many
+    more plans (a faster plan with more activations no longer stands for a leaner one) and planning of the largest
+    benchmark cluster under torch took several times the CPU, so it is not done. Nor are measured wake-up charges,
+    which go to the slowest stage (costmodel/wake.py)."""
+    by_ports: dict[tuple, list[tuple]] = {}
+    for pt in points:
+        g = pt[6]
+        by_ports.setdefault((g.tp, g.cp, g.dp, pt[4], pt[5]), []).append(pt)
+    kept: list[tuple] = []
+    for group in by_ports.values():
+        kept += _ported_front(group, stage_times)
+    return kept
+
+
+def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+    """exact_front of points with the same ports: sorted by (bottleneck, fill, tail, -depth), which the dominance
+    respects (stage by stage <= gives max and front-to-back sums <=, rounding being monotone), so a point's
+    dominators come first; a kept point's stage times are read only once its closed-form terms pass."""
+    if len(points) == 1:
+        return points
+    pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3]))
+    kept: list[tuple] = []
+    for p in pts:
+        fill, tail, depth = p[1], p[2], p[3]
+        mine = None
+        for c in kept:
+            if c[1] <= fill and c[2] <= tail and c[3] >= depth:
+                if mine is None:
+                    mine = stage_times(p)
+                if all(cf <= f and cb <= b for (cf, cb), (f, b) in zip(stage_times(c), mine)):
+                    break
+        else:
+            kept.append(p)
+    return kept
 
 
 def fit_depth(numbers: list[tuple], m: int, cap: float) -> tuple[int, float]:
@@ -194,7 +223,8 @@ def fit_depth(numbers: list[tuple], m: int, cap: float) -> tuple[int, float]:
 
 
 def pareto_front(points: list[tuple]) -> list[tuple]:
-    """Points not dominated in (bottleneck min, fill min, tail min, depth max, stages min, gpus min).
+    """Points not dominated in (bottleneck min, fill min, tail min, depth max, stages min, gpus min): the closed
+    form's front, which exact_front's answer holds (not the answer itself: see there why).
 
     A point is (bottleneck_s, fill_s, tail_s, depth, num_stages, num_gpus, payload...). The criteria are the terms
     of the 1F1B iteration time of any pipeline the slice ends up in, (m - 1) x max bottleneck + sum of stage times
@@ -382,7 +412,7 @@ class MegatronParallelizer:
             reason = self._infeasible(q, coster, search.least_memory(), search.shape_reasons, m, cap)
             return SliceResult(key, (), reason, search.evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
-        front = sorted(_front(points, q.capabilities), key=lambda pt: (pt[0], pt[5]))
+        front = sorted(_front(points, search.stage_times), key=lambda pt: (pt[0], pt[5]))
         layers = tuple(q.layers)
         plans = tuple(self._lazy_plan(search.table, coster, layers, (m, cap), pt) for pt in front)
         coster.clear_grid_cache()  # lazy plans keep the coster; its per-grid sums are in the table already
@@ -768,6 +798,22 @@ class _GridSearch:
                 continue
             bucket.append(new(FrontPoint, (bn_s, fill_s, tail_s, depth[s], pp, n_gpus, grid, *allowed[s], stages,
                                            s)))
+
+    def stage_times(self, point: tuple) -> tuple[tuple[float, float], ...]:
+        """A FrontPoint's stages' (forward_s, backward_s), front to back: SliceCoster.fast_stage's, the numbers its
+        plan's StageCosts carry (StageTable.explained_stage), kept per (signature, savers)."""
+        zero, r, off = point[7:10]
+        times = self.__dict__.setdefault("_stage_times", {})
+        sums, fast = self.table.sums, self.coster.fast_stage
+        out = []
+        for sid in point[10].sigs:
+            key = (sid, zero, r, off)
+            hit = times.get(key)
+            if hit is None:
+                numbers = fast(sums[sid], zero, r, off)
+                hit = times[key] = (numbers[0], numbers[1])
+            out.append(hit)
+        return tuple(out)
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,

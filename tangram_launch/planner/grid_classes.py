@@ -1,9 +1,8 @@
 """Which of a query's slice plans the composer can use, judged from their ``SliceNumbers`` alone.
 
 A parallelizer's answer is a Pareto front over what any consumer of a slice plan may care about (GPUs used among
-them); the composer keeps plans the runtime can run in a pipeline, whose stages fit the island's nodes, that fit in
-memory at some pipeline position, and that no plan of the same cross-stage class beats on (stages, room for later
-stages up to m - 1, sum of stage times, bottleneck, DP sync + optimizer tail). Nothing here reads a StageCost, so
+them); the composer keeps plans the runtime can run in a pipeline, whose stages fit the island's nodes and that fit
+in memory at some pipeline position (none stands for another here: undominated). Nothing here reads a StageCost, so
 a parallelizer may answer with lazy plans (costmodel.slice_plan.LazySlicePlan) whose stages are built only for
 the few plans a composition places.
 """
@@ -223,30 +222,7 @@ def _judge_shapes(nb: SliceNumbers, island: "Island", sizes: Sequence[int], b: i
 
 
 def undominated(temps: list[Template], m: int) -> list[Template]:
-    """Drop templates another template of the same class beats in every respect the composer sees (stages, room
-    for following stages, time, bottleneck, tail): done once per redundancy class, before copying to every pair.
-    A one-grid template (GridClass) another grid beats in its base class stays for its grid's class only."""
-    temps = sorted(temps, key=lambda t: (t.bottleneck_s, t.time_s, t.tail_s))
-    kept: list[Template] = []
-    by_group: dict = {}  # class -> (stages, room, time, tail) of its kept plans; bottleneck is <= by the order
-
-    def beaten(group: Hashable, point: tuple) -> bool:
-        ns, room, time_s, tail = point
-        others = by_group.setdefault(group, [])
-        if any(k[0] <= ns and k[1] >= room and k[2] <= time_s and k[3] <= tail for k in others):
-            return True
-        others.append(point)
-        return False
-
-    for t in temps:
-        point = (t.num_stages, min(t.max_after, m - 1), t.time_s, t.tail_s)
-        g = t.group
-        if isinstance(g, GridClass) and g.grid is not None:
-            if beaten(g, point):
-                continue  # beaten in its grid's class, hence in the base class too
-            if beaten(GridClass(g.base, None), point):
-                t = t._replace(group=GridClass(g.base, g.grid, False))
-        elif beaten(g, point):
-            continue
-        kept.append(t)
-    return kept
+    """The templates in the order the composer offers them (bottleneck, time, tail). None stands for another here:
+    what the composer sees of a template (stages, room, time, bottleneck, tail) does not order the plain 1F1B
+    simulation the plan is scored by (megatron.exact_front says what does: its answer is that front already)."""
+    return sorted(temps, key=lambda t: (t.bottleneck_s, t.time_s, t.tail_s))
