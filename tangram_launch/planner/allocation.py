@@ -105,13 +105,21 @@ class ClusterNetwork:
 class LinkModel:
     """One-way p2p time of one micro-batch's activations at a stage boundary (exact), or between islands (floor)."""
 
-    def __init__(self, cluster: ClusterSpec, islands: Sequence["Island"], act_bytes: float) -> None:
+    def __init__(self, cluster: ClusterSpec, islands: Sequence["Island"], act_bytes: float, *,
+                 like: "LinkModel | None" = None) -> None:
+        """``like``: another micro-batch size's model of the same cluster and islands, whose parts that do not
+        depend on the activation bytes (the network, the fabric classes, each node pair's links) this one shares
+        instead of building them again (the size loop asks for one model per divisor of the batch)."""
+        if like is not None and (like.cluster is not cluster or like.islands != list(islands)):
+            raise ValueError("like= must model the same cluster and islands")
         self.cluster = cluster
         self.islands = list(islands)
         self.act_bytes = act_bytes
-        self.net = ClusterNetwork(cluster)
+        self.net = ClusterNetwork(cluster) if like is None else like.net
         self._cache: dict[tuple[frozenset, frozenset], float] = {}
         self._stage_cache: dict[tuple, float] = {}
+        # node set pair -> _pair_terms (no activation bytes in them: shared with ``like``)
+        self._terms: dict[tuple[frozenset, frozenset], tuple] = {} if like is None else like._terms
         self._fabrics_of: dict[str, frozenset] | None = None  # node -> indices of its fabrics (_special)
         self._node_gpus = {n.name: n.num_gpus for n in cluster.nodes}  # (ClusterSpec.node searches the list)
         self._overridden: frozenset = frozenset()
@@ -137,18 +145,29 @@ class LinkModel:
         return hit
 
     def _floor_s(self, nodes_a: frozenset, nodes_b: frozenset) -> float:
+        key = (nodes_a, nodes_b)
+        terms = self._terms.get(key)
+        if terms is None:
+            terms = self._terms[key] = self._pair_terms(nodes_a, nodes_b)
+        least_gpus, intra_bw, link_bw, latency_s = terms
+        # each byte leaves through some sending GPU's own link and enters through a receiving GPU's
+        busy = self.act_bytes / (least_gpus * intra_bw)
+        if link_bw is not None:  # no node in both sets
+            busy = max(busy, boundary.boundary_floor_s(self.act_bytes, len(nodes_a), len(nodes_b), link_bw, 0.0))
+        return busy + latency_s
+
+    def _pair_terms(self, nodes_a: frozenset, nodes_b: frozenset) -> tuple[int, float, float | None, float]:
+        """What _floor_s reads of two node sets besides the activation bytes: the fewer GPUs of the two, the fastest
+        GPU link among their nodes, the fastest link between them (None where they share a node) and the least
+        latency (the same for every micro-batch size: LinkModel's ``like`` shares them)."""
         links = self.pair_links(nodes_a, nodes_b)
         gpus_a = sum(self._node_gpus[n] for n in nodes_a)
         gpus_b = sum(self._node_gpus[n] for n in nodes_b)
         shared = nodes_a & nodes_b
         intra = [self.net.intra(n) for n in nodes_a | nodes_b]
-        # each byte leaves through some sending GPU's own link and enters through a receiving GPU's
-        busy = self.act_bytes / (min(gpus_a, gpus_b) * max(bw for bw, _lat in intra))
-        if not shared:
-            busy = max(busy, boundary.boundary_floor_s(self.act_bytes, len(nodes_a), len(nodes_b),
-                                                       max(bw for bw, _lat in links), 0.0))
+        link_bw = None if shared else max(bw for bw, _lat in links)
         latencies = [lat for _bw, lat in links] + [self.net.intra(n)[1] for n in shared]
-        return busy + min(latencies)
+        return min(gpus_a, gpus_b), max(bw for bw, _lat in intra), link_bw, min(latencies)
 
     def pair_links(self, nodes_a: frozenset, nodes_b: frozenset) -> set[tuple[float, float]]:
         """The (bandwidth, latency) of every link between a node of ``nodes_a`` and another node of ``nodes_b``,

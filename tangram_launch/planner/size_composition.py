@@ -99,8 +99,9 @@ def size_links(b: int, cluster: "ClusterSpec", model: "ModelSpec", training: "Tr
     caches then serve every round at b)."""
     hit = memo.links.get(b) if memo is not None else None
     if hit is None:
+        like = next(iter(memo.links.values()), None) if memo is not None else None  # another size's network
         hit = LinkModel(cluster, islands, activation_bytes(b, training.seq_len, model.hidden_size,
-                                                           training.param_bytes))
+                                                           training.param_bytes), like=like)
         if memo is not None:
             memo.links[b] = hit
     return hit
