@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from profiler.bench import Measured, Timing, round_sig
 from profiler.inventory import NodeInventory, inventory_identity
+from tangram_launch.costmodel.measured_layers import SEQUENCE_FACTOR_KEY
 from tangram_launch.specs.constants import STORAGE_DTYPES  # the dtypes the GEMM benchmark times
 from tangram_launch.specs.yamlio import to_plain
 
@@ -168,6 +169,18 @@ def gemm_sweep_table(dev: DeviceRecord) -> dict[str, list[list]]:
     return table
 
 
+def sequence_factor(wake_up: Measured) -> float | None:
+    """The stage-like sequence back to back (profiler.wake) over the sum of its parts, each timed alone by the
+    layer profile at the same shape: what a stage's layers cost more run one after another, as a stage runs them,
+    than each in a loop of its own (their working sets share the caches; on a CPU device whose quota bursts start
+    on caches other work used, most). None without both figures."""
+    detail = dict(wake_up.detail)
+    whole, parts = detail.get("back_to_back_s"), detail.get("parts_s")
+    if not all(isinstance(x, (int, float)) and x > 0 for x in (whole, parts)):
+        return None
+    return whole / parts
+
+
 def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | None = None) -> dict:
     from tangram_launch.specs.catalog import normalize_gpu_name
 
@@ -197,6 +210,9 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         waited_s = dict(dev.wake_up.detail).get("waited_s")
         if isinstance(waited_s, (int, float)) and waited_s > 0:  # the wait the cost was measured after
             measured["wake_up_wait_us"] = round_sig(waited_s * 1e6)
+        factor = sequence_factor(dev.wake_up)
+        if factor is not None:
+            measured[SEQUENCE_FACTOR_KEY] = round_sig(factor)
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:

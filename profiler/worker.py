@@ -332,15 +332,17 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     layer, model_info, stand_in = _profile_layer(run.args, device, cfg, run.progress, between, agree,
                                                  run.env.local_world_size)
     run.barrier()
-    wake_up = _profile_wake_up(run, between or (lambda: None), agree)
+    wake_up = _profile_wake_up(run, between or (lambda: None), agree, layer)
     run.barrier()
     return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param, gemm_sweep=sweep,
                   wake_up=wake_up)
 
 
-def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int], int]) -> bench.Measured | None:
+def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int], int],
+                     layer: dict | None = None) -> bench.Measured | None:
     """With --model: the wake-up cost (profiler.wake) of a stage-like micro-batch at the layer profile's smallest
-    shape, every device of the node at once (devices sharing a core share it after the wait too)."""
+    shape, every device of the node at once (devices sharing a core share it after the wait too); its detail also
+    holds ``parts_s``, the same sequence's parts as the layer profile timed each alone (``sequence_parts_s``)."""
     if not run.args.model:
         return None
     from profiler.layer import LayerShape
@@ -355,7 +357,9 @@ def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int
         layers = stage_layers(model, shape, run.device, budget_s=WAKE_BUDGET_S, agree=agree)
         measured = time_wake_up(stage_sequence(model, shape, run.device, layers), run.device,
                                 budget_s=WAKE_BUDGET_S, between=between, agree=agree)
-        measured = dataclasses.replace(measured, detail=measured.detail + (("layers", layers),))
+        parts_s = sequence_parts_s(layer or {}, model, shape, layers)
+        measured = dataclasses.replace(measured, detail=measured.detail + (("layers", layers),) + (
+            (("parts_s", parts_s),) if parts_s else ()))
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
@@ -585,6 +589,17 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
         wall_s=time.perf_counter() - t_start, torch_version=str(torch.__version__), model=model_info,
         schedule=tuple(tuple(rnd) for rnd in schedule),
     )
+
+
+def sequence_parts_s(layer: dict, model, shape, layers: int) -> float | None:
+    """Forward+backward seconds of the wake-up's stage-like sequence (the embedding, the model's first ``layers``
+    layers, the head with the loss) summed from the layer profile's parts, each timed alone at ``shape``; None
+    where one of them was not measured (a budget spent, a shape out of memory)."""
+    kinds = ["embedding", *(model.layer_kind(i) for i in range(layers)), "head"]
+    try:
+        return sum(layer[f"{kind}|{shape.label()}"]["forward_backward"].timing.median_s for kind in kinds)
+    except KeyError:
+        return None
 
 
 def _layer_seq_lens(args, model, device: torch.device) -> list[int]:

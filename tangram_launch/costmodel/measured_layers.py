@@ -13,6 +13,11 @@ the tiny model runs about 8x its analytic time on a CPU).
     m       a measured m; between two measured ones, linear in m (a per-call cost plus a per-row cost is linear
             in m); beyond them, the nearest one scaled
 
+A stage runs its layers one after another, each on the caches the others left; the profile times each part alone
+in a loop of its own, so a stage's parts add up to less than it costs. The profiler also times a stage-like
+sequence (the embedding, layers, the head with the loss) back to back and writes its time over the sum of its
+parts' (``SEQUENCE_FACTOR_KEY``); ``sequence_factor`` is what a stage priced from measured parts is multiplied by.
+
 ``distance`` says how far the shape priced is from the nearest measured one: the largest log2 step over micro-batch,
 sequence length and TP (0: measured there; 1: twice or half the nearest measured size on some axis).
 """
@@ -29,6 +34,21 @@ HOW = ("measured", "interpolated", "scaled")
 _KEY = re.compile(r"^(?P<model>.+)\|(?P<kind>[^|]+)\|seq=(?P<seq>\d+)\|mbs=(?P<mbs>\d+)\|tp=(?P<tp>\d+)$")
 
 AnalyticS = Callable[[int, int, int], float]  # (seq_len, mbs, tp) -> analytic forward seconds
+# GPUSpec.measured: a stage-like sequence back to back over the sum of its parts timed alone (profiler/assemble.py)
+SEQUENCE_FACTOR_KEY = "stage_sequence_factor"
+SEQUENCE_FACTOR_RANGE = (0.5, 2.0)  # outside it the figure is taken for a broken measurement and not used
+
+
+def sequence_factor(measured: Mapping | None) -> float:
+    """What a stage priced from this device's measured layer times is multiplied by (the module docstring): the
+    device's measured ``SEQUENCE_FACTOR_KEY`` where it also has measured layer times, else 1 (nothing measured,
+    the analytic model, or a figure outside ``SEQUENCE_FACTOR_RANGE``)."""
+    measured = measured or {}
+    value = measured.get(SEQUENCE_FACTOR_KEY)
+    if not measured.get("layer_forward_s") or not _positive(value):
+        return 1.0
+    lo, hi = SEQUENCE_FACTOR_RANGE
+    return float(value) if lo <= value <= hi else 1.0
 
 
 def measured_layer_key(model_name: str, kind: str, seq_len: int, mbs: int, tp: int) -> str:
