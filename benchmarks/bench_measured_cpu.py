@@ -47,8 +47,10 @@ quota's rate; the slowest stage measured the same with and without it, so the de
    backward per micro-batch; the last stage's loss and the first stage's embedding backward included, as the plan
    prices them.
 4. Print per run and stage: predicted (measured-priced), predicted (analytic), measured, each prediction's error,
-   and the measured-priced forward and backward each beside the run's; then, for each pricing, how many runs had
-   every stage within 10 %, the median and the worst stage error.
+   and the measured-priced forward and backward each beside the run's; each worker's CPU per micro-batch, its main
+   thread's and its other threads' (/proc, from the first step every rank has written to the last look), and the
+   share of a core the throttled device's ticker and filler took; then, for each pricing, how many runs had every
+   stage within 10 %, the median and the worst stage error.
 
 ``--probe-wait`` (no benchmark, no root): the training's stage module and one profiled layer, CPU time per
 micro-batch, back to back and sleeping before each micro-batch as a stage that waits for a slower neighbour does
@@ -89,7 +91,8 @@ from tangram_launch.specs.training import TrainingSpec  # noqa: E402
 
 REPO = base.REPO
 THROTTLED = 2  # local rank (and cluster local GPU index) of the throttled device
-LAYER_KEYS = ("layer_forward_s", "layer_forward_backward_s", "layer_activation_bytes", "stage_sequence_factor")
+LAYER_KEYS = ("layer_forward_s", "layer_forward_backward_s", "layer_activation_bytes", "stage_sequence_s",
+              "stage_sequence_parts_s")
 
 
 CPUSET_ROOT = "/sys/fs/cgroup/cpuset"

@@ -14,9 +14,11 @@ the tiny model runs about 8x its analytic time on a CPU).
             in m); beyond them, the nearest one scaled
 
 A stage runs its layers one after another, each on the caches the others left; the profile times each part alone
-in a loop of its own, so a stage's parts add up to less than it costs. The profiler also times a stage-like
-sequence (the embedding, layers, the head with the loss) back to back and writes its time over the sum of its
-parts' (``SEQUENCE_FACTOR_KEY``); ``sequence_factor`` is what a stage priced from measured parts is multiplied by.
+in a loop of its own, so a stage's parts add up to less than it costs, and more so as the rows grow. On CPU devices
+the profiler also times a stage-like sequence (the embedding, layers, the head with the loss) back to back at each
+micro-batch size it measured, and the sum of its parts' times there (``SEQUENCE_KEY``, ``SEQUENCE_PARTS_KEY``:
+seconds by micro-batch); ``sequence_factor``, their ratio, is what a stage priced from measured parts is multiplied
+by.
 
 ``distance`` says how far the shape priced is from the nearest measured one: the largest log2 step over micro-batch,
 sequence length and TP (0: measured there; 1: twice or half the nearest measured size on some axis).
@@ -34,21 +36,31 @@ HOW = ("measured", "interpolated", "scaled")
 _KEY = re.compile(r"^(?P<model>.+)\|(?P<kind>[^|]+)\|seq=(?P<seq>\d+)\|mbs=(?P<mbs>\d+)\|tp=(?P<tp>\d+)$")
 
 AnalyticS = Callable[[int, int, int], float]  # (seq_len, mbs, tp) -> analytic forward seconds
-# GPUSpec.measured: a stage-like sequence back to back over the sum of its parts timed alone (profiler/assemble.py)
-SEQUENCE_FACTOR_KEY = "stage_sequence_factor"
+# GPUSpec.measured, {micro-batch: s}: a stage-like sequence back to back, and the sum of its parts timed alone
+SEQUENCE_KEY, SEQUENCE_PARTS_KEY = "stage_sequence_s", "stage_sequence_parts_s"
 SEQUENCE_FACTOR_RANGE = (0.5, 2.0)  # outside it the figure is taken for a broken measurement and not used
 
 
-def sequence_factor(measured: Mapping | None) -> float:
-    """What a stage priced from this device's measured layer times is multiplied by (the module docstring): the
-    device's measured ``SEQUENCE_FACTOR_KEY`` where it also has measured layer times, else 1 (nothing measured,
-    the analytic model, or a figure outside ``SEQUENCE_FACTOR_RANGE``)."""
+def sequence_factor(measured: Mapping | None, mbs: int) -> float:
+    """What a stage of ``mbs`` rows per replica, priced from this device's measured layer times, is multiplied by
+    (the module docstring): the stage-like sequence's time over its parts' at each measured micro-batch size, at
+    ``mbs`` linear between two of them, the nearest one's beyond; 1 where the device has no measured layer times
+    (the analytic model keeps its own constants) or no sequence times. A ratio outside ``SEQUENCE_FACTOR_RANGE``
+    is taken for a broken measurement and left out."""
     measured = measured or {}
-    value = measured.get(SEQUENCE_FACTOR_KEY)
-    if not measured.get("layer_forward_s") or not _positive(value):
+    whole, parts = measured.get(SEQUENCE_KEY), measured.get(SEQUENCE_PARTS_KEY)
+    if not measured.get("layer_forward_s") or not isinstance(whole, Mapping) or not isinstance(parts, Mapping):
         return 1.0
     lo, hi = SEQUENCE_FACTOR_RANGE
-    return float(value) if lo <= value <= hi else 1.0
+    at = {}
+    for key, w in whole.items():
+        p = parts.get(key)
+        if str(key).isdigit() and _positive(w) and _positive(p) and lo <= w / p <= hi:
+            at[int(key)] = w / p
+    if not at:
+        return 1.0
+    value, _how = _along(sorted(at), mbs, lambda m: (at[m], "measured"), lambda m: 1.0)
+    return value
 
 
 def measured_layer_key(model_name: str, kind: str, seq_len: int, mbs: int, tp: int) -> str:

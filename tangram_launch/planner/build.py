@@ -212,9 +212,9 @@ class Candidates:
                 p2p.append(links[n - 1])
             p2p.extend([0.0] * (len(stages) - 1))
             measured = self.islands[self.options[oi].island].gpu.measured
-            factor = sequence_factor(measured)  # a stage's measured parts run in sequence (measured_layers)
-            fwd.extend(st.forward_s * factor for st in stages)
-            bwd.extend(st.backward_s * factor for st in stages)
+            factors = [sequence_factor(measured, st.micro_batch_size) for st in stages]  # parts run in sequence
+            fwd.extend(st.forward_s * f for st, f in zip(stages, factors))
+            bwd.extend(st.backward_s * f for st, f in zip(stages, factors))
             wake.extend([wake_up_s(measured)] * len(stages))
             waited.extend([wake_up_wait_s(measured)] * len(stages))
         if any(wake):  # a measured wake-up cost (CPU profiles): charged to the stages that wait (costmodel/wake.py)
