@@ -36,7 +36,9 @@ quota's rate; the slowest stage measured the same with and without it, so the de
    --micro-batch 8,16,32 --layer-dtype fp32 --layer-timing back-to-back``, each worker moved into its device's
    groups as soon as it appears. Back-to-back: blocks of calls of at least 0.1 s of process time (tens of quota
    periods), an all-to-all after each block, so every device is timed computing without pause and the two fast
-   devices share their core while they are timed.
+   devices share their core while they are timed. Back-to-back also times a stage-like sequence (the embedding, the
+   model's layers, the head and loss) in blocks at each micro-batch size beside the sum of its parts timed alone:
+   the planner multiplies a stage priced from measured layers by that ratio (costmodel/measured_layers.py).
 2. Plan with the torch runtime (any micro-batch size: the cost model interpolates between the measured ones); where
    the planner leaves a device out, the best plan (by the same cost model) that gives every device a stage. The same
    stages, GPUs and grids are priced again by the analytic model alone (the manual-plan path on the cluster with its

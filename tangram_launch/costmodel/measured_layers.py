@@ -14,7 +14,7 @@ the tiny model runs about 8x its analytic time on a CPU).
             in m); beyond them, the nearest one scaled
 
 A stage runs its layers one after another, each on the caches the others left; the profile times each part alone
-in a loop of its own, so a stage's parts add up to less than it costs, and more so as the rows grow. On CPU devices
+in a loop of its own, so a stage's parts add up to less than it costs, by a ratio that differs by shape. On CPU devices
 the profiler also times a stage-like sequence (the embedding, layers, the head with the loss) back to back at each
 micro-batch size it measured, and the sum of its parts' times there (``SEQUENCE_KEY``, ``SEQUENCE_PARTS_KEY``:
 seconds by micro-batch); ``sequence_factor``, their ratio, is what a stage priced from measured parts is multiplied
