@@ -604,7 +604,7 @@ def _profile_sequence(run: _Run, between: Callable[[], Any], agree: Callable[[in
     after each block), beside the sum of the same parts timed alone: rows (micro-batch, sequence s, parts s).
 
     Why: a stage runs its layers one after another, each on the caches the others left, so it costs more than its
-    parts timed each in a loop of its own, and more as the rows grow (costmodel/measured_layers.py)."""
+    parts timed each in a loop of its own, by a ratio that differs by shape (costmodel/measured_layers.py)."""
     from profiler.layer import LayerShape
     from profiler.wake import stage_sequence
     from tangram_launch.specs.model import load_model

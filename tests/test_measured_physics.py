@@ -56,6 +56,7 @@ def test_the_factor_follows_the_micro_batch_and_applies_only_with_measured_layer
     assert sequence_factor(None, 8) == sequence_factor({}, 8) == sequence_factor(LAYERS, 8) == 1.0
     for bad in (5.0, 0.1, -1.0, "1.2"):
         assert sequence_factor(_factors({8: (bad, 1.0)}), 8) == 1.0
+    assert sequence_factor(_factors({8: (0.9, 1.0)}), 8) == 1.0  # never below the parts: the search's floors hold
 
 
 def test_an_island_keeps_its_slowest_devices_sequence_times():

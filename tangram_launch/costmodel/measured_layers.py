@@ -46,7 +46,9 @@ def sequence_factor(measured: Mapping | None, mbs: int) -> float:
     (the module docstring): the stage-like sequence's time over its parts' at each measured micro-batch size, at
     ``mbs`` linear between two of them, the nearest one's beyond; 1 where the device has no measured layer times
     (the analytic model keeps its own constants) or no sequence times. A ratio outside ``SEQUENCE_FACTOR_RANGE``
-    is taken for a broken measurement and left out."""
+    is taken for a broken measurement and left out; one below 1 counts as 1: the search's floors price stages from
+    their parts alone (only the plan's stage times carry the factor), which stays a lower bound only while the factor
+    is at least 1, and a sequence cheaper than its parts was seen only as noise (a few per cent below)."""
     measured = measured or {}
     whole, parts = measured.get(SEQUENCE_KEY), measured.get(SEQUENCE_PARTS_KEY)
     if not measured.get("layer_forward_s") or not isinstance(whole, Mapping) or not isinstance(parts, Mapping):
@@ -56,7 +58,7 @@ def sequence_factor(measured: Mapping | None, mbs: int) -> float:
     for key, w in whole.items():
         p = parts.get(key)
         if str(key).isdigit() and _positive(w) and _positive(p) and lo <= w / p <= hi:
-            at[int(key)] = w / p
+            at[int(key)] = max(1.0, w / p)
     if not at:
         return 1.0
     value, _how = _along(sorted(at), mbs, lambda m: (at[m], "measured"), lambda m: 1.0)

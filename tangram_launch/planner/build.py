@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
 from tangram_launch.costmodel.measured_layers import sequence_factor
+from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
 from tangram_launch.costmodel.wake import charge_wake_ups, wake_up_s, wake_up_wait_s
 from tangram_launch.islands import compute_tflops
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceResult, StageCost, capacity_bytes
