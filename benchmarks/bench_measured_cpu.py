@@ -36,7 +36,9 @@ quota's rate; the slowest stage measured the same with and without it, so the de
    --micro-batch 8,16,32 --layer-dtype fp32 --layer-timing back-to-back``, each worker moved into its device's
    groups as soon as it appears. Back-to-back: blocks of calls of at least 0.1 s of process time (tens of quota
    periods), an all-to-all after each block, so every device is timed computing without pause and the two fast
-   devices share their core while they are timed.
+   devices share their core while they are timed. Back-to-back also times a stage-like sequence (the embedding, the
+   model's layers, the head and loss) in blocks at each micro-batch size beside the sum of its parts timed alone:
+   the planner multiplies a stage priced from measured layers by that ratio (costmodel/measured_layers.py).
 2. Plan with the torch runtime (any micro-batch size: the cost model interpolates between the measured ones); where
    the planner leaves a device out, the best plan (by the same cost model) that gives every device a stage. The same
    stages, GPUs and grids are priced again by the analytic model alone (the manual-plan path on the cluster with its
@@ -47,8 +49,10 @@ quota's rate; the slowest stage measured the same with and without it, so the de
    backward per micro-batch; the last stage's loss and the first stage's embedding backward included, as the plan
    prices them.
 4. Print per run and stage: predicted (measured-priced), predicted (analytic), measured, each prediction's error,
-   and the measured-priced forward and backward each beside the run's; then, for each pricing, how many runs had
-   every stage within 10 %, the median and the worst stage error.
+   and the measured-priced forward and backward each beside the run's; each worker's CPU per micro-batch, its main
+   thread's and its other threads' (/proc, from the first step every rank has written to the last look), and the
+   share of a core the throttled device's ticker and filler took; then, for each pricing, how many runs had every
+   stage within 10 %, the median and the worst stage error.
 
 ``--probe-wait`` (no benchmark, no root): the training's stage module and one profiled layer, CPU time per
 micro-batch, back to back and sleeping before each micro-batch as a stage that waits for a slower neighbour does
@@ -89,7 +93,8 @@ from tangram_launch.specs.training import TrainingSpec  # noqa: E402
 
 REPO = base.REPO
 THROTTLED = 2  # local rank (and cluster local GPU index) of the throttled device
-LAYER_KEYS = ("layer_forward_s", "layer_forward_backward_s", "layer_activation_bytes")
+LAYER_KEYS = ("layer_forward_s", "layer_forward_backward_s", "layer_activation_bytes", "stage_sequence_s",
+              "stage_sequence_parts_s")
 
 
 CPUSET_ROOT = "/sys/fs/cgroup/cpuset"
@@ -350,10 +355,72 @@ def _cores(args) -> list[int]:
     return [avail[i] for i in picks]
 
 
-def _place_workers(root: int, device_of, devices: Devices, done: threading.Event, placed: dict) -> None:
+def _thread_cpu_s(pid: int) -> dict:
+    """{thread id: (name, CPU seconds: user + system)} of every thread of ``pid`` (/proc; {} once it is gone)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name, rest = raw[raw.index("(") + 1:raw.rindex(")")], raw[raw.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime, stime (fields 14, 15)
+    return out
+
+
+@dataclasses.dataclass
+class ThreadCpu:
+    """Per worker, its threads' CPU seconds when the training's timings first hold a step on every rank and at
+    the last look before it exits, with the steps each rank had written then: the CPU per micro-batch of the main
+    thread and of the others (gloo's, the autograd engine's) over the steps between."""
+
+    timings_dir: str | None = None
+    first: dict = dataclasses.field(default_factory=dict)  # pid -> (steps written, {tid: (name, s)})
+    last: dict = dataclasses.field(default_factory=dict)
+
+    def _steps(self, pid: int) -> int | None:
+        rank = _env_int(pid, b"RANK")
+        try:
+            with open(os.path.join(self.timings_dir, f"rank{rank}.jsonl")) as f:
+                return sum(1 for _ in f)
+        except (OSError, TypeError):
+            return None
+
+    def look(self, placed: dict) -> None:
+        if self.timings_dir is None:
+            return
+        for pid in placed:
+            steps, cpu = self._steps(pid), _thread_cpu_s(pid)
+            if not cpu or steps is None or steps < 1:
+                continue
+            self.first.setdefault(pid, (steps, cpu))
+            self.last[pid] = (steps, cpu)
+
+    def per_microbatch_ms(self, pid: int, microbatches: int) -> tuple[float, float] | None:
+        """(main thread, other threads) CPU ms per micro-batch between the first and the last look."""
+        if pid not in self.first or pid not in self.last:
+            return None
+        (s0, a), (s1, b) = self.first[pid], self.last[pid]
+        if s1 <= s0:
+            return None
+        delta = {tid: b[tid][1] - a.get(tid, (None, 0.0))[1] for tid in b}
+        main = delta.pop(pid, 0.0)
+        n = (s1 - s0) * microbatches
+        return main / n * 1e3, sum(delta.values()) / n * 1e3
+
+
+def _place_workers(root: int, device_of, devices: Devices, done: threading.Event, placed: dict,
+                   cpu: ThreadCpu | None = None) -> None:
     """Move each worker of ``root``'s process tree into its device's groups as soon as it appears (every 20 ms: a
     worker spends seconds importing torch and meeting its peers before its first measured call)."""
     while not done.is_set():
+        if cpu is not None:
+            cpu.look(placed)
         for pid in base._descendants(root):
             if pid in placed or _env_int(pid, b"LOCAL_RANK") is None:
                 continue
@@ -377,12 +444,15 @@ def _env_int(pid: int, name: bytes) -> int | None:
         return None
 
 
-def run_placed(cmd: list[str], cwd: str, devices: Devices | None, device_of, timeout_s: float, what: str) -> dict:
-    """Run ``cmd`` in the bench group, its workers each moved into its device's group; {pid: device} placed."""
+def run_placed(cmd: list[str], cwd: str, devices: Devices | None, device_of, timeout_s: float, what: str,
+               cpu: ThreadCpu | None = None) -> dict:
+    """Run ``cmd`` in the bench group, its workers each moved into its device's group; {pid: device} placed.
+    ``cpu``: where to sample the workers' thread CPU times."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=base._env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=base._join(devices.bench) if devices else None)
     placed: dict[int, int] = {}
-    watch = None if devices is None else (lambda done: _place_workers(proc.pid, device_of, devices, done, placed))
+    watch = None if devices is None else (lambda done: _place_workers(proc.pid, device_of, devices, done, placed,
+                                                                      cpu))
     base.wait_watched(proc, watch, timeout_s, what)
     if devices is not None and THROTTLED not in placed.values():
         raise RuntimeError(f"{what}: the throttled device's worker was never found to move into its cgroup")
@@ -474,10 +544,20 @@ def train(args, plan, devices: Devices | None, workdir: str) -> dict:
            "--data", "synthetic", "--quiet", "--timeout-s", "300"]
     # one node: local rank i runs the plan's i-th local GPU (the plan's rank is set later, by the worker's boot)
     gpus = sorted(e.local_gpu for e in plan.rank_layout)
-    run_placed(cmd, workdir, devices, lambda pid: gpus[_env_int(pid, b"LOCAL_RANK")], args.timeout_s,
-               "training run")
+    cpu = ThreadCpu(os.path.join(run_dir, "timings"))
+    helpers0 = {h.pid: sum(c for _n, c in _thread_cpu_s(h.pid).values()) for h in (devices.helpers if devices else ())}
+    t0 = time.perf_counter()
+    placed = run_placed(cmd, workdir, devices, lambda pid: gpus[_env_int(pid, b"LOCAL_RANK")], args.timeout_s,
+                        "training run", cpu)
     with open(os.path.join(run_dir, "run-report.json"), encoding="utf-8") as f:
-        return json.load(f)
+        report = json.load(f)
+    wall = time.perf_counter() - t0
+    # the ticker's and the filler's CPU, of a core, over the training run: what they took of the throttled quota
+    report["helpers_core_share"] = [round((sum(c for _n, c in _thread_cpu_s(pid).values()) - c0) / wall, 4)
+                                    for pid, c0 in helpers0.items()]
+    report["thread_cpu_ms"] = {str(dev): cpu.per_microbatch_ms(pid, plan.num_microbatches)
+                               for pid, dev in sorted(placed.items(), key=lambda kv: kv[1])}
+    return report
 
 
 def rows(measured_plan, analytic_plan, report) -> list[dict]:
@@ -516,6 +596,16 @@ def format_table(table: list[dict], report, measured_plan, analytic_plan) -> str
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
 
 
+def thread_cpu_line(run: dict) -> str:
+    """Each device's worker: CPU ms per micro-batch of its main thread and of its other threads (gloo's p2p and
+    collective work among them) over the training's steps."""
+    parts = [f"device {dev}: {ms[0]:.2f} + {ms[1]:.2f}" for dev, ms in (run.get("thread_cpu_ms") or {}).items()
+             if ms is not None]
+    helpers = run.get("helpers_core_share")
+    return ("CPU ms per micro-batch, main thread + other threads: " + ("; ".join(parts) or "not sampled")
+            + (f"; the throttled device's ticker and filler took {helpers} of a core" if helpers else ""))
+
+
 def summarize(runs: list[dict], limit: float = 0.10) -> list[str]:
     """Per run and over all runs: stages within ``limit`` and the worst stage's error, for each pricing."""
     lines = []
@@ -545,6 +635,7 @@ def one_run(args, devices: Devices | None, workdir: str) -> dict:
     report = train(args, measured_plan, devices, workdir)
     return {"stages": rows(measured_plan, analytic_plan, report), "iteration": report["iteration"],
             "steps_measured": report["steps_measured"], "num_microbatches": measured_plan.num_microbatches,
+            "thread_cpu_ms": report.get("thread_cpu_ms"), "helpers_core_share": report.get("helpers_core_share"),
             "note": note, "profile_s": profile_s, "train_s": time.perf_counter() - started,
             "load_avg": [load0, base.load_avg()], "workdir": workdir,
             "table": format_table(rows(measured_plan, analytic_plan, report), report, measured_plan, analytic_plan)}
@@ -759,7 +850,7 @@ def main(argv=None) -> int:
             print(f"\nrun {i + 1}: {run['num_microbatches']} micro-batches, {run['steps_measured']} steps measured; "
                   f"profile {run['profile_s']:.0f} s, training {run['train_s']:.0f} s; load average "
                   f"{run['load_avg'][0]} -> {run['load_avg'][1]}\nplan: {run['note']}\nper micro-batch, forward + "
-                  f"backward (run-report.json medians):\n{run.pop('table')}", flush=True)
+                  f"backward (run-report.json medians):\n{run.pop('table')}\n{thread_cpu_line(run)}", flush=True)
     except Exception as exc:  # a failed step: say which, exit 1
         print(f"bench_measured_cpu: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from profiler.bench import Measured, Timing, round_sig
 from profiler.inventory import NodeInventory, inventory_identity
+from tangram_launch.costmodel.measured_layers import SEQUENCE_KEY, SEQUENCE_PARTS_KEY
 from tangram_launch.specs.constants import STORAGE_DTYPES  # the dtypes the GEMM benchmark times
 from tangram_launch.specs.yamlio import to_plain
 
@@ -53,6 +54,8 @@ class DeviceRecord:
     optimizer_param: Measured | None = None  # AdamW step's cost per parameter beyond the per-tensor cost, ns
     gemm_sweep: Mapping[str, Sequence[Measured]] = field(default_factory=dict)  # dtype -> TFLOP/s per (m, n, k)
     wake_up: Measured | None = None  # a stage-like micro-batch after a wait, beyond back to back, us (profiler.wake)
+    # (micro-batch, stage-like sequence s, the sum of its parts timed alone s), back to back (worker._profile_sequence)
+    stage_sequence: Sequence[tuple[int, float, float]] = ()
 
     @property
     def is_cpu(self) -> bool:
@@ -168,6 +171,16 @@ def gemm_sweep_table(dev: DeviceRecord) -> dict[str, list[list]]:
     return table
 
 
+def sequence_times(rows: Sequence[tuple[int, float, float]]) -> tuple[dict, dict]:
+    """({micro-batch: the stage-like sequence back to back, s}, {micro-batch: the sum of its parts timed alone by the
+    layer profile at the same shape, s}), keyed by the micro-batch as text; rows without both figures left out.
+    Their ratio is what a stage's layers cost more run one after another, as a stage runs them, than each in a loop
+    of its own (costmodel/measured_layers.py). Written as times, so an island keeps its slowest device's."""
+    ok = [(int(m), w, p) for m, w, p in sorted(rows)
+          if isinstance(w, (int, float)) and isinstance(p, (int, float)) and w > 0 and p > 0]
+    return {str(m): round_sig(w) for m, w, _ in ok}, {str(m): round_sig(p) for m, _, p in ok}
+
+
 def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | None = None) -> dict:
     from tangram_launch.specs.catalog import normalize_gpu_name
 
@@ -197,6 +210,9 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         waited_s = dict(dev.wake_up.detail).get("waited_s")
         if isinstance(waited_s, (int, float)) and waited_s > 0:  # the wait the cost was measured after
             measured["wake_up_wait_us"] = round_sig(waited_s * 1e6)
+    whole, parts = sequence_times(dev.stage_sequence)
+    if whole:
+        measured[SEQUENCE_KEY], measured[SEQUENCE_PARTS_KEY] = whole, parts
     if node.p2p:
         measured["p2p_gbps"] = _p2p_row(node, dev.local_rank)
     if dev.layer and model_name:
@@ -366,6 +382,8 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
              **({"optimizer_tensor": d.optimizer_tensor.to_dict()} if d.optimizer_tensor else {}),
              **({"optimizer_param": d.optimizer_param.to_dict()} if d.optimizer_param else {}),
              **({"wake_up": d.wake_up.to_dict()} if d.wake_up else {}),
+             **({"stage_sequence": [{"micro_batch": m, "sequence_s": round_sig(w), "parts_s": round_sig(p)}
+                                    for m, w, p in d.stage_sequence]} if d.stage_sequence else {}),
              **({"layer": {k: {p: m.to_dict() for p, m in v.items()} for k, v in d.layer.items()}} if d.layer else {})}
             for d in sorted(record.devices, key=lambda d: d.rank)
         ],

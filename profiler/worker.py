@@ -281,6 +281,7 @@ class _Local:
     optimizer_param: bench.Measured | None = None  # AdamW's cost per parameter beyond the per-tensor cost, ns
     gemm_sweep: dict = field(default_factory=dict)  # dtype -> tuple of Measured TFLOP/s, one per (m, n, k)
     wake_up: bench.Measured | None = None  # a stage-like micro-batch after a wait against back to back, us
+    stage_sequence: tuple = ()  # (micro-batch, stage-like sequence s, its parts' s), _profile_sequence
 
 
 def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
@@ -334,8 +335,12 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     run.barrier()
     wake_up = _profile_wake_up(run, between or (lambda: None), agree)
     run.barrier()
+    sequence = ()
+    if wake_up is not None and between is not None and getattr(run.args, "layer_timing", None) == "back-to-back":
+        sequence = _profile_sequence(run, between, agree, layer, int(dict(wake_up.detail)["layers"]))
+        run.barrier()
     return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param, gemm_sweep=sweep,
-                  wake_up=wake_up)
+                  wake_up=wake_up, stage_sequence=sequence)
 
 
 def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int], int]) -> bench.Measured | None:
@@ -487,6 +492,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
         optimizer_param=local.optimizer_param, gemm_sweep=local.gemm_sweep, wake_up=local.wake_up,
+        stage_sequence=local.stage_sequence,
     )
     node_part = (collectives if env.local_rank == 0 else (None, None, None), p2p)  # (all-reduce, latency, wait), p2p
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None
@@ -585,6 +591,52 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
         wall_s=time.perf_counter() - t_start, torch_version=str(torch.__version__), model=model_info,
         schedule=tuple(tuple(rnd) for rnd in schedule),
     )
+
+
+SEQUENCE_BLOCKS = 3  # blocks of back-to-back calls per micro-batch size (each LAYER_BLOCK_CPU_S of process time)
+
+
+def _profile_sequence(run: _Run, between: Callable[[], Any], agree: Callable[[int], int], layer: dict,
+                      layers: int) -> tuple[tuple[int, float, float], ...]:
+    """CPU devices timing layers back to back: at each micro-batch size the layer profile measured (its smallest
+    sequence length), the wake-up's stage-like sequence (the embedding, ``layers`` layers, the head with the loss,
+    forward then backward) in blocks of back-to-back calls as the layers were timed (bench.time_blocks, a collective
+    after each block), beside the sum of the same parts timed alone: rows (micro-batch, sequence s, parts s).
+
+    Why: a stage runs its layers one after another, each on the caches the others left, so it costs more than its
+    parts timed each in a loop of its own, by a ratio that differs by shape (costmodel/measured_layers.py)."""
+    from profiler.layer import LayerShape
+    from profiler.wake import stage_sequence
+    from tangram_launch.specs.model import load_model
+
+    model = load_model(run.args.model)
+    seq_len = min(_layer_seq_lens(run.args, model, run.device))
+    rows = []
+    for mbs in sorted(set(run.args.micro_batch or DEFAULT_MICRO_BATCHES)):
+        shape = LayerShape(mbs, seq_len, run.args.layer_dtype or "bf16")
+        parts_s = sequence_parts_s(layer, model, shape, layers)
+        if agree(int(parts_s is not None)) == 0:  # every member times the same sizes (their collectives match)
+            continue
+        run.progress.phase(f"stage-like sequence of {model.name} at {shape.label()}, back to back")
+        fn = stage_sequence(model, shape, run.device, layers)
+        calls = bench.calibrate_inner(fn, min_rep_s=LAYER_BLOCK_CPU_S, clock=time.process_time)
+        whole = bench.time_blocks(fn, between, blocks=SEQUENCE_BLOCKS, calls=calls)
+        rows.append((mbs, whole.median_s, parts_s))
+    if run.env.rank == 0 and rows:
+        log.info("stage-like sequence over its parts on rank 0: %s",
+                 ", ".join(f"b={m} {w / p:.3f}" for m, w, p in rows))
+    return tuple(rows)
+
+
+def sequence_parts_s(layer: dict, model, shape, layers: int) -> float | None:
+    """Forward+backward seconds of the wake-up's stage-like sequence (the embedding, the model's first ``layers``
+    layers, the head with the loss) summed from the layer profile's parts, each timed alone at ``shape``; None
+    where one of them was not measured (a budget spent, a shape out of memory)."""
+    kinds = ["embedding", *(model.layer_kind(i) for i in range(layers)), "head"]
+    try:
+        return sum(layer[f"{kind}|{shape.label()}"]["forward_backward"].timing.median_s for kind in kinds)
+    except KeyError:
+        return None
 
 
 def _layer_seq_lens(args, model, device: torch.device) -> list[int]:

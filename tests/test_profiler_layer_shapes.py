@@ -90,3 +90,7 @@ def test_back_to_back_layer_timing_times_every_shape_in_blocks(tmp_path: Path) -
              for figure in (job["forward"], job["forward_backward"])]
     assert len(timed) == 2 * measured * 2  # ranks x kinds measured x (forward, forward+backward)
     assert all(t.endswith("back-to-back calls, each block followed by an all-to-all") for t in timed), timed
+    if measured == 3:  # every part at the one shape: the stage-like sequence is timed in blocks beside their sum
+        for gpu in (g for node in spec.nodes for g in node.gpus):
+            whole, parts = gpu.measured["stage_sequence_s"], gpu.measured["stage_sequence_parts_s"]
+            assert set(whole) == set(parts) == {"2"} and whole["2"] > 0 and parts["2"] > 0, gpu.measured

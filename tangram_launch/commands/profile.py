@@ -75,7 +75,9 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                         "by an all-to-all of the node's processes, as a pipeline stage meets its layers on a shared "
                         "host; back-to-back: blocks of calls without pause (an all-to-all after each block), as the "
                         "busiest stage of a pipeline runs: a device slowed by a CFS quota has its mean speed only "
-                        "while busy for many quota periods")
+                        "while busy for many quota periods; back-to-back also times a stage-like sequence (embedding, "
+                        "layers, head) at each micro-batch size beside the sum of its parts, and the planner scales "
+                        "stages priced from measured layers by that ratio")
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="process-group timeout: a silent peer fails the profile after this long (default 300)")
 

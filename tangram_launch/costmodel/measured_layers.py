@@ -13,6 +13,13 @@ the tiny model runs about 8x its analytic time on a CPU).
     m       a measured m; between two measured ones, linear in m (a per-call cost plus a per-row cost is linear
             in m); beyond them, the nearest one scaled
 
+A stage runs its layers one after another, each on the caches the others left; the profile times each part alone
+in a loop of its own, so a stage's parts add up to less than it costs, by a ratio that differs by shape. On CPU devices
+the profiler also times a stage-like sequence (the embedding, layers, the head with the loss) back to back at each
+micro-batch size it measured, and the sum of its parts' times there (``SEQUENCE_KEY``, ``SEQUENCE_PARTS_KEY``:
+seconds by micro-batch); ``sequence_factor``, their ratio, is what a stage priced from measured parts is multiplied
+by.
+
 ``distance`` says how far the shape priced is from the nearest measured one: the largest log2 step over micro-batch,
 sequence length and TP (0: measured there; 1: twice or half the nearest measured size on some axis).
 """
@@ -29,6 +36,33 @@ HOW = ("measured", "interpolated", "scaled")
 _KEY = re.compile(r"^(?P<model>.+)\|(?P<kind>[^|]+)\|seq=(?P<seq>\d+)\|mbs=(?P<mbs>\d+)\|tp=(?P<tp>\d+)$")
 
 AnalyticS = Callable[[int, int, int], float]  # (seq_len, mbs, tp) -> analytic forward seconds
+# GPUSpec.measured, {micro-batch: s}: a stage-like sequence back to back, and the sum of its parts timed alone
+SEQUENCE_KEY, SEQUENCE_PARTS_KEY = "stage_sequence_s", "stage_sequence_parts_s"
+SEQUENCE_FACTOR_RANGE = (0.5, 2.0)  # outside it the figure is taken for a broken measurement and not used
+
+
+def sequence_factor(measured: Mapping | None, mbs: int) -> float:
+    """What a stage of ``mbs`` rows per replica, priced from this device's measured layer times, is multiplied by
+    (the module docstring): the stage-like sequence's time over its parts' at each measured micro-batch size, at
+    ``mbs`` linear between two of them, the nearest one's beyond; 1 where the device has no measured layer times
+    (the analytic model keeps its own constants) or no sequence times. A ratio outside ``SEQUENCE_FACTOR_RANGE``
+    is taken for a broken measurement and left out; one below 1 counts as 1: the search's floors price stages from
+    their parts alone (only the plan's stage times carry the factor), which stays a lower bound only while the factor
+    is at least 1, and a sequence cheaper than its parts was seen only as noise (a few per cent below)."""
+    measured = measured or {}
+    whole, parts = measured.get(SEQUENCE_KEY), measured.get(SEQUENCE_PARTS_KEY)
+    if not measured.get("layer_forward_s") or not isinstance(whole, Mapping) or not isinstance(parts, Mapping):
+        return 1.0
+    lo, hi = SEQUENCE_FACTOR_RANGE
+    at = {}
+    for key, w in whole.items():
+        p = parts.get(key)
+        if str(key).isdigit() and _positive(w) and _positive(p) and lo <= w / p <= hi:
+            at[int(key)] = max(1.0, w / p)
+    if not at:
+        return 1.0
+    value, _how = _along(sorted(at), mbs, lambda m: (at[m], "measured"), lambda m: 1.0)
+    return value
 
 
 def measured_layer_key(model_name: str, kind: str, seq_len: int, mbs: int, tp: int) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
 
 import numpy as np
 
+from tangram_launch.costmodel.measured_layers import sequence_factor
 from tangram_launch.costmodel.pipeline import pipeline_latency_s, simulated_1f1b_s, stage_memory_bytes
 from tangram_launch.costmodel.wake import charge_wake_ups, wake_up_s, wake_up_wait_s
 from tangram_launch.islands import compute_tflops
@@ -210,9 +211,10 @@ class Candidates:
             if n:
                 p2p.append(links[n - 1])
             p2p.extend([0.0] * (len(stages) - 1))
-            fwd.extend(st.forward_s for st in stages)
-            bwd.extend(st.backward_s for st in stages)
             measured = self.islands[self.options[oi].island].gpu.measured
+            factors = [sequence_factor(measured, st.micro_batch_size) for st in stages]  # parts run in sequence
+            fwd.extend(st.forward_s * f for st, f in zip(stages, factors))
+            bwd.extend(st.backward_s * f for st, f in zip(stages, factors))
             wake.extend([wake_up_s(measured)] * len(stages))
             waited.extend([wake_up_wait_s(measured)] * len(stages))
         if any(wake):  # a measured wake-up cost (CPU profiles): charged to the stages that wait (costmodel/wake.py)
