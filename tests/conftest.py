@@ -5,6 +5,7 @@ marked ``slow`` is long but in-process; every other test is ``unit`` and runs in
 autouse guard enforces (a unit test that starts a subprocess, a multiprocessing child or a process group fails,
 saying which marker it needs). ``python -m pytest -m unit`` is the quick tier.
 """
+import gc
 import os
 import sys
 
@@ -78,6 +79,12 @@ def cluster_path():
         return os.path.join(CLUSTERS, f"{name}.yaml")
 
     return get
+
+
+def pytest_collectreport(report):
+    """What collecting a module built (torch, the test module, its tables) lives for the whole session: frozen
+    (gc.freeze), the cyclic collector's full passes during the tests no longer rescan those objects each time."""
+    gc.freeze()
 
 
 def pytest_configure(config):
