@@ -82,9 +82,15 @@ def cluster_path():
 
 
 def pytest_collectreport(report):
-    """What collecting a module built (torch, the test module, its tables) lives for the whole session: frozen
-    (gc.freeze), the cyclic collector's full passes during the tests no longer rescan those objects each time."""
+    """While collecting, what each module built (torch, the test module, its tables) is frozen (gc.freeze): the
+    cyclic collector's full passes during collection otherwise rescan every module imported so far."""
     gc.freeze()
+
+
+def pytest_collection_finish(session):
+    """The tests run with the collector as a user's process has it, nothing frozen: the planner's gc_pause moves a
+    search's objects to the oldest generation only then (a frozen heap made the planner tests slower)."""
+    gc.unfreeze()
 
 
 def pytest_configure(config):

@@ -9,15 +9,6 @@ import pytest
 from tangram_launch.planner.gc_pause import no_collections
 
 
-@pytest.fixture(autouse=True)
-def nothing_frozen():
-    """Each test starts as a user's process does, with nothing frozen (tests/conftest.py freezes what collection
-    built), and what was frozen is frozen again afterwards."""
-    gc.unfreeze()
-    yield
-    gc.freeze()
-
-
 def _search(runtime: str = "torch"):
     from tangram_launch.islands import build_islands
     from tangram_launch.planner import PlannerOptions, search
