@@ -5,6 +5,7 @@ marked ``slow`` is long but in-process; every other test is ``unit`` and runs in
 autouse guard enforces (a unit test that starts a subprocess, a multiprocessing child or a process group fails,
 saying which marker it needs). ``python -m pytest -m unit`` is the quick tier.
 """
+import gc
 import os
 import sys
 
@@ -78,6 +79,18 @@ def cluster_path():
         return os.path.join(CLUSTERS, f"{name}.yaml")
 
     return get
+
+
+def pytest_collectreport(report):
+    """While collecting, what each module built (torch, the test module, its tables) is frozen (gc.freeze): the
+    cyclic collector's full passes during collection otherwise rescan every module imported so far."""
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    """The tests run with the collector as a user's process has it, nothing frozen: the planner's gc_pause moves a
+    search's objects to the oldest generation only then (a frozen heap made the planner tests slower)."""
+    gc.unfreeze()
 
 
 def pytest_configure(config):

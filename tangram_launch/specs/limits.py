@@ -19,7 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import stat
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from tangram_launch.errors import SpecError
@@ -147,9 +150,54 @@ def check_values(data: Any, *, source: str) -> None:
             stack.extend((v, depth + 1) for v in value)
 
 
+class _ParsedTexts:
+    """The values of the YAML texts parsed last, kept as pickles: the loaders read the same presets, catalog and
+    cluster files many times per process, and PyYAML's pure-Python reader (which keeps line and column for the
+    error messages) costs milliseconds a file. A text within the limits parses to the same values whatever its
+    source, so the text alone is the key. Each use unpickles a fresh copy (a caller may change what it gets;
+    values an alias shares stay shared); texts that fail are not kept, so every error is raised afresh, naming
+    its source."""
+
+    def __init__(self, *, entries: int, text_chars: int) -> None:
+        self._entries = entries
+        self._text_chars = text_chars
+        self._kept: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> bytes | None:
+        with self._lock:
+            kept = self._kept.get(text)
+            if kept is not None:
+                self._kept.move_to_end(text)
+            return kept
+
+    def put(self, text: str, data: Any) -> None:
+        if len(text) > self._text_chars:
+            return
+        blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._kept[text] = blob
+            self._kept.move_to_end(text)
+            while len(self._kept) > self._entries:
+                self._kept.popitem(last=False)
+
+
+_PARSED_YAML = _ParsedTexts(entries=256, text_chars=256 << 10)  # at most 64 MiB of texts, a few of real inputs
+
+
 def parse_yaml(text: str, *, source: str) -> Any:
     """YAML (safe types only) within the limits: alias expansion and depth are checked on the node graph, before
-    anything is constructed, so a bomb costs no memory."""
+    anything is constructed, so a bomb costs no memory. A text parsed before comes back from a kept copy
+    (:class:`_ParsedTexts`)."""
+    kept = _PARSED_YAML.get(text)
+    if kept is not None:
+        return pickle.loads(kept)
+    data = _parse_yaml(text, source=source)
+    _PARSED_YAML.put(text, data)
+    return data
+
+
+def _parse_yaml(text: str, *, source: str) -> Any:
     import yaml
 
     if not _json_depth_ok(text, quotes="\"'"):
