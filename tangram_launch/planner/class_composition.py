@@ -1,7 +1,8 @@
 """The composer on one compatibility class of one micro-batch size (compose_group): the class's options worth
 composing (class_options, cover_floors.promising), the islands some winning plan can use (hopeful_islands), the
-exact search over island subsets or, above exact_islands islands, the merged exact search or a bounded set of
-island orders (orders.py); and how a class's pipelines are scored (ClassScores: the predicted iteration the Plan
+exact search over island subsets or, above exact_islands islands, the merged search over island sets (exact for
+the closed form, not for the score: it has no complete pass, compose.py) or a bounded set of island orders
+(orders.py); and how a class's pipelines are scored (ClassScores: the predicted iteration the Plan
 will report, and the floors under it the composer prunes by)."""
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
 
-# above exact_islands, the search is still exact where its DP keys per layer, with front islands merged by link
-# class (compose.merged_states), are this few: up to 8 islands that talk over one spine
+# above exact_islands, the search still covers every island set and order where its DP keys per layer, with front
+# islands merged by link class (compose.merged_states), are this few: up to 8 islands that talk over one spine. It is
+# exact for the closed form only: without a complete pass (its states would hold every island set's sequences,
+# far too many on a large cluster) the DP's dominance can drop a near tie that simulates faster, and which one depends
+# on the options and bounds a class is composed with, so on the order micro-batch sizes are visited (docs/planner.md)
 MERGED_EXACT_STATES = 256
 
 
@@ -103,9 +107,10 @@ class ClassScores:
     def fine_floor_s(self, seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s, asked only before scoring: the lesser of the plain 1F1B's floors (compose's and the
         round trips across its stage boundaries) and the best interleaved schedule's own floor
-        (interleaved_schedule.interleaved_floor_s of its stages), which needs no simulation. Under any schedule and class (an interleaved score is the interleaved prediction): floor_s's
-        interleaved floor is the least over every number of virtual stages and memory, this one the schedule
-        build_plan would choose, so far fewer candidates are simulated."""
+        (interleaved_schedule.interleaved_floor_s of its stages), which needs no simulation. Under any schedule and
+        class (an interleaved score is the interleaved prediction): floor_s's interleaved floor is the least over
+        every number of virtual stages and memory, this one the schedule build_plan would choose, so far fewer
+        candidates are simulated."""
         plain = self.plain_floor_s(seq, metrics, round_trips=True)
         if self.opts.schedule == "1F1B":
             return plain
@@ -209,7 +214,8 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
     if len(present) <= opts.exact_islands:
         run(None)
     elif merged_states(cand.link_matrix, present) <= MERGED_EXACT_STATES:
-        # the exact DP over every island set and order (compose.front_classes), after one seed order whose plan
+        # the DP over every island set and order (compose.front_classes; exact for the closed form only:
+        # MERGED_EXACT_STATES), after one seed order whose plan
         # bounds it (unbounded, it costs several times the CPU); the seed's plan bounds it as the DP's quick plan
         # would, so it has none
         run(island_orders(cand.islands, present, cand.training_dtype)[0])
