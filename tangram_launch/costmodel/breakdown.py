@@ -876,12 +876,16 @@ class SliceCoster:
         """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
         return StageNumbers(*self._stage_terms(st, ((zero, r, off),), rows=False)[0])
 
-    def fast_rows(self, st: StageSums, savers: Sequence[tuple[int, int, bool]]) -> list[tuple]:
+    def fast_rows(self, st: StageSums, savers: Sequence[tuple[int, int, bool]],
+                  halves: list | None = None) -> list[tuple]:
         """fast_stage under each (ZeRO stage, recompute index, offload) of ``savers``, as the rows the grid's stage
-        table keeps: (forward_s + backward_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s)."""
-        return self._stage_terms(st, savers, rows=True)
+        table keeps: (forward_s + backward_s, static_bytes, activation_bytes, dp_sync_s + optimizer_s). ``halves``:
+        a list that gets each combination's (forward_s, backward_s) appended, fast_stage's bit for bit (what the
+        exact front reads of a stage, at no extra cost)."""
+        return self._stage_terms(st, savers, rows=True, halves=halves)
 
-    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]], *, rows: bool) -> list[tuple]:
+    def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]], *, rows: bool,
+                     halves: list | None = None) -> list[tuple]:
         """fast_stage's six numbers per saver combination (``rows``: fast_rows' four), in one loop (a grid costs ~20
         combinations per stage). What one (ZeRO stage, offload) gives every recompute mode (its exposed forward,
         its per-iteration time) and what one recompute mode gives every pair (its backward without ZeRO
@@ -917,6 +921,8 @@ class SliceCoster:
             static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
             if rows:
                 out.append((fwd + bwd, static, rp.activation_bytes, tail))
+                if halves is not None:
+                    halves.append((fwd, bwd))
             else:
                 out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
         return out

@@ -75,6 +75,8 @@ class StageTable:
         self.state_keys: list[tuple] = []
         self.zero_parts: dict[tuple, dict] = {}  # state key -> SliceCoster's (zero, offload) -> ZeroPart
         self.rows: dict[tuple, dict[int, list]] = {}  # savers -> signature -> stage_rows' numbers
+        # savers -> signature -> each combination's (forward_s, backward_s), made with its rows (fast_rows' halves)
+        self.halves: dict[tuple, dict[int, list]] = {}
         self.columns: dict[tuple, dict[int, tuple]] = {}  # (savers, m, capacity) -> signature -> stage_columns
         self.explained: dict[tuple, tuple] = {}  # (signature, zero, r, offload) -> stage_numbers
         self.grid_lists: dict[tuple, GridIndex] = {}  # (grid enumerator, b, cap on stages) -> the grids listed
@@ -243,7 +245,10 @@ class StageTable:
         columns = self.columns.get(key)
         if columns is None:
             columns = self.columns[key] = {}
-        return SaverColumns(savers, rows, columns, m, cap)
+        halves = self.halves.get(savers)
+        if halves is None:
+            halves = self.halves[savers] = {}
+        return SaverColumns(savers, rows, columns, m, cap, halves)
 
     def costed_columns(self, coster: "SliceCoster", grid: tuple[int, int, int, int, int], sids: Sequence[int],
                        savers: "SaverColumns", sizes: Sequence[int],
@@ -258,7 +263,8 @@ class StageTable:
             if sid not in columns:
                 row = rows.get(sid)
                 if row is None:
-                    row = rows[sid] = coster.fast_rows(sums[sid], savers.savers)
+                    halves = savers.halves[sid] = []
+                    row = rows[sid] = coster.fast_rows(sums[sid], savers.savers, halves)
                 columns[sid] = _columns(row, savers.m, savers.cap)
         return rows, columns
 
@@ -283,8 +289,11 @@ class StageTable:
         by_sid = self.rows.get(savers)
         if by_sid is None:
             by_sid = self.rows[savers] = {}
+        halves = self.halves.get(savers)
+        if halves is None:
+            halves = self.halves[savers] = {}
         for sid in distinct.difference(by_sid):
-            by_sid[sid] = coster.fast_rows(sums[sid], savers)
+            by_sid[sid] = coster.fast_rows(sums[sid], savers, halves.setdefault(sid, []))
         return by_sid
 
     def stage_columns(self, sids: Sequence[int], savers: tuple[tuple[int, int, bool], ...], m: int,
@@ -328,6 +337,7 @@ class SaverColumns(NamedTuple):
     columns: dict
     m: int
     cap: float
+    halves: dict  # signature -> each combination's (forward_s, backward_s) (StageTable.halves)
 
 
 def heads(sids: Sequence[int]) -> list[tuple[int, int]]:

@@ -447,7 +447,7 @@ class MegatronParallelizer:
                    point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        grid, zero, r, off, (sizes, sigs, by_sid), s = point[6:]  # after the six objectives
+        grid, zero, r, off, (sizes, sigs, by_sid, _halves), s = point[6:]  # after the six objectives
         pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
@@ -540,11 +540,13 @@ class MegatronParallelizer:
 
 
 class StagesCosted(NamedTuple):
-    """A grid's costed stages: layers per stage, each stage's signature, and per signature its judged rows."""
+    """A grid's costed stages: layers per stage, each stage's signature, per signature its judged rows and its
+    combinations' (forward_s, backward_s) (StageTable.halves)."""
 
     sizes: tuple[int, ...]
     sigs: tuple
     by_sid: dict
+    halves: dict
 
 
 class FrontPoint(NamedTuple):
@@ -715,7 +717,7 @@ class _GridSearch:
             if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
                 self.bounded += 1  # no combination can beat either bound: not judged
                 return
-        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid)), columns,
+        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves)), columns,
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
 
     def _floor(self, f: int) -> tuple:
@@ -801,19 +803,9 @@ class _GridSearch:
 
     def stage_times(self, point: tuple) -> tuple[tuple[float, float], ...]:
         """A FrontPoint's stages' (forward_s, backward_s), front to back: SliceCoster.fast_stage's, the numbers its
-        plan's StageCosts carry (StageTable.explained_stage), kept per (signature, savers)."""
-        zero, r, off = point[7:10]
-        times = self.__dict__.setdefault("_stage_times", {})
-        sums, fast = self.table.sums, self.coster.fast_stage
-        out = []
-        for sid in point[10].sigs:
-            key = (sid, zero, r, off)
-            hit = times.get(key)
-            if hit is None:
-                numbers = fast(sums[sid], zero, r, off)
-                hit = times[key] = (numbers[0], numbers[1])
-            out.append(hit)
-        return tuple(out)
+        plan's StageCosts carry (StageTable.explained_stage), as fast_rows made them beside the rows judged."""
+        halves, s = point[10].halves, point[11]
+        return tuple([halves[sid][s] for sid in point[10].sigs])
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
