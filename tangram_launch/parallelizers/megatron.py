@@ -37,8 +37,10 @@ the explained breakdown) are built on first read, so a planning run builds only 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
+import operator
 import pickle
 from typing import Any, Callable, Hashable, Iterator, NamedTuple
 
@@ -198,22 +200,30 @@ def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> l
 def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
     """exact_front of points with the same ports: sorted by (bottleneck, fill, tail, -depth), which the dominance
     respects (stage by stage <= gives max and front-to-back sums <=, rounding being monotone), so a point's
-    dominators come first; a kept point's stage times are read only once its closed-form terms pass."""
+    dominators come first; a point's stage times are read once its closed-form terms make it a possible dominator
+    or dominated, then kept flat (forward, backward, forward, ...: compared element by element in one C loop)."""
     if len(points) == 1:
         return points
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3]))
     kept: list[tuple] = []
+    # per kept point: [fill_s, tail_s, depth, its flat stage times (None until read), the point]
+    terms: list[list] = []
+    le, flat = operator.le, itertools.chain.from_iterable
     for p in pts:
         fill, tail, depth = p[1], p[2], p[3]
         mine = None
-        for c in kept:
-            if c[1] <= fill and c[2] <= tail and c[3] >= depth:
+        for c in terms:
+            if c[0] <= fill and c[1] <= tail and c[2] >= depth:
                 if mine is None:
-                    mine = stage_times(p)
-                if all(cf <= f and cb <= b for (cf, cb), (f, b) in zip(stage_times(c), mine)):
+                    mine = tuple(flat(stage_times(p)))
+                theirs = c[3]
+                if theirs is None:
+                    theirs = c[3] = tuple(flat(stage_times(c[4])))
+                if all(map(le, theirs, mine)):
                     break
         else:
             kept.append(p)
+            terms.append([fill, tail, depth, mine, p])
     return kept
 
 
