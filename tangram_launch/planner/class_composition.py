@@ -203,7 +203,7 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
                        score_floor=scorer.floor_s, score_floor_fine=scorer.fine_floor_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
-                       undominated=True, edge_s=edges,  # grid_classes.undominated judged each class
+                       edge_s=edges,
                        quick_plan=quick_plan, rows=chosen.rows)
         if comp is None:
             return None

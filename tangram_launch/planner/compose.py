@@ -70,7 +70,7 @@ from tangram_launch.costmodel.pipeline import pipeline_latency_s
 from tangram_launch.costmodel.interleaved_schedule import FLOOR_ROUNDING
 from tangram_launch.planner.bounds import FitPrefixBounds, PrefixBounds, cycles_s, front_link_s, round_trips_s, \
     score_floor_terms
-from tangram_launch.planner.dominance import covered_rooms, pareto_front, undominated_options
+from tangram_launch.planner.dominance import covered_rooms, pareto_front
 from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
 from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s, plain_counts
 
@@ -221,7 +221,7 @@ class Candidate(NamedTuple):
 class Prepared(NamedTuple):
     """What compose needs of an option set before any DP run, whatever the island order (_prepare)."""
 
-    idx: list[int]  # the usable undominated options
+    idx: list[int]  # the usable options
     by_stop: list[list[tuple]]  # per stop j: (island, 1 << island, that group's option indices), by island
     n_cap: int  # "after" is capped here: beyond it no memory check changes
     fill_lb: float  # least fill of any cover of [0, L)
@@ -788,13 +788,12 @@ def pick(items: Sequence, idx: Sequence[int]) -> tuple:
 
 
 def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
-             allowed_mask: int, max_stages: int | None, undominated: bool = False,
-             rows: np.ndarray | None = None) -> Prepared | None:
-    """What compose needs of an option set before any DP run, whatever the island order: the usable undominated
-    options, grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
+             allowed_mask: int, max_stages: int | None, rows: np.ndarray | None = None) -> Prepared | None:
+    """What compose needs of an option set before any DP run, whatever the island order: the usable options
+    (none stands for another: what the kernel sees of an option does not order the plain 1F1B simulation, and the
+    parallelizer's answer is megatron.exact_front already), grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
     of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
-    is usable. ``undominated``: the caller's options are known to be undominated already (undominated_options would
-    return them all). ``rows``: the options as Candidates.option_rows, where the caller has them."""
+    is usable. ``rows``: the options as Candidates.option_rows, where the caller has them."""
     if rows is not None:  # the same test over the columns
         island = rows[:, 2].astype(np.int64)
         ok = (((allowed_mask >> island) & 1) == 1) & (rows[:, 4] >= 0) & (rows[:, 0] >= 0) & (
@@ -803,11 +802,9 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
     else:
         idx = [i for i, o in enumerate(options)
                if allowed_mask >> o.island & 1 and o.max_after >= 0 and 0 <= o.start < o.stop <= num_layers]
-    if not undominated:
-        idx = undominated_options(options, idx, saturated)
     if not idx:
         return None
-    if rows is not None and undominated:
+    if rows is not None:
         by_stop, most_after, single = _groups_of_rows(rows, idx, num_layers, saturated)
     else:
         by_stop, most_after, single = _groups(options, idx, num_layers, saturated)
@@ -1065,15 +1062,13 @@ class _Search:
 
 
 def _prepared(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
-              allowed_mask: int, max_stages: int | None, undominated: bool, stats: ComposeStats,
-              rows: np.ndarray | None) -> Prepared | None:
+              allowed_mask: int, max_stages: int | None, stats: ComposeStats, rows: np.ndarray | None) -> Prepared | None:
     """_prepare's answer for this option set, from ``stats.prepared`` where the last call prepared the same set."""
-    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages, undominated)
+    key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages)
     prep = stats.prepared
     if prep is None or prep.key != key or prep.options is not options or prep.link_s is not link_s:
         prep = stats.prepared = PreparedSet(key, options, link_s, _prepare(options, link_s, num_layers, saturated,
-                                                                           allowed_mask, max_stages, undominated,
-                                                                           rows))
+                                                                           allowed_mask, max_stages, rows))
     return prep.prepared
 
 
@@ -1096,7 +1091,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score_floor_fine: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
             score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
-            undominated: bool = False, edge_s: Sequence[tuple[float, float]] | None = None,
+            edge_s: Sequence[tuple[float, float]] | None = None,
             quick_plan: bool = True, rows: np.ndarray | None = None) -> Composition | None:
     """The lowest-latency sequence of options (see the module docstring), or None when none is feasible.
 
@@ -1127,9 +1122,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     score floors lie under the score); ``merge_fronts``: the sequences of one island set whose front islands have the
     same links from every other island (front_classes) share a DP state. The closed form's optimum is the same; the
     candidates offered to the score are fewer (one per class and state, not one per front island), and the exact search
-    costs about 2^K states per layer instead of K x 2^(K-1) on K islands that talk over one spine; ``undominated``: no
-    option is beaten by another of the same layers and island in every respect the kernel sees (the planner's options
-    are: each class was judged by grid_classes.undominated), so the kernel does not look for such pairs; ``edge_s``: per
+    costs about 2^K states per layer instead of K x 2^(K-1) on K islands that talk over one spine; ``edge_s``: per
     option, its first and its last stage's forward + backward seconds, which tighten the DP's plain 1F1B floor
     (cycles_s); ``quick_plan`` False: no quick plan before the exact pass (a driver whose incumbents already hold a plan
     of these options, composed in one island order just before, has the bound it would give); ``rows``: the options as
@@ -1145,9 +1138,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     # merged: without dominance a merged search enumerates every island set's sequences, which on the driver's
     # many-island clusters (where it merges) is tens of millions of entries
     complete = scoring.complete and bound_step == 0.0 and not merge_fronts
-    # an option beaten in all the DP sees can still score better interleaved: none is dropped where that counts
-    undominated = undominated or complete
-    prep = _prepared(options, link_s, num_layers, m - 1, allowed_mask, max_stages, undominated, stats, rows)
+    prep = _prepared(options, link_s, num_layers, m - 1, allowed_mask, max_stages, stats, rows)
     if prep is None:
         return None
     if prep.period_lb == float("inf"):

@@ -96,9 +96,3 @@ def covered_rooms(options: Sequence[Option], order: Sequence[int]) -> list[int]:
         out.append(room)
     return out
 
-
-def undominated_options(options: Sequence[Option], idx: Sequence[int], saturated: int) -> list[int]:
-    """The usable options ``idx``, all of them: an option's layers, island, bottleneck, time, tail, stages and room
-    do not order the plain 1F1B simulation the plan is scored by (a plan of more, shorter stages can simulate
-    faster: megatron.exact_front), so none stands for another."""
-    return list(idx)

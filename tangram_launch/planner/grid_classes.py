@@ -43,12 +43,6 @@ class GridClass(NamedTuple):
 
     base: Hashable
     grid: tuple[int, int, int] | None
-    in_base: bool = True  # False: another grid's plan beats it in the base class; it counts in its grid's only
-
-    @property
-    def key(self) -> "GridClass":
-        """The class as the driver names it (``in_base`` says where an option counts, not which class it is)."""
-        return self if self.in_base else GridClass(self.base, self.grid)
 
 
 def class_members(groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
@@ -66,18 +60,18 @@ def class_members(groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
 
 def composed_in(group: Hashable) -> tuple[Hashable, ...]:
     """The classes the driver composes an option of class ``group`` in, in class_members' order: the class itself;
-    for a GridClass, the free class where ``in_base``, then its one-grid class where it names a grid."""
+    for a GridClass, the free class, then its one-grid class where it names a grid."""
     if not isinstance(group, GridClass):
         return (group,)
-    free = (GridClass(group.base, None),) if group.in_base else ()
-    return free + ((group.key,) if group.grid is not None else ())
+    free = GridClass(group.base, None)
+    return (free, group) if group.grid is not None else (free,)
 
 
 def class_members_of_parts(parts: Sequence[Sequence[tuple]]) -> dict[Hashable, list[int]]:
     """class_members of the options that ``parts`` make in their order (make_candidates: a pair's options are its
     answer's templates, (fields, plan, class, edges) each), the same dict in the same order, from each distinct
     list's classes read once (a large cluster's options come from far fewer distinct lists): an option is in
-    its class's key (a GridClass: the free class's where ``in_base``) and, for a one-grid GridClass, its grid's."""
+    its class (a GridClass: the free class) and, for a one-grid GridClass, its grid's."""
     keys: dict[Hashable, int] = {}  # a class the driver composes -> its code
     codes: dict[Hashable, tuple[int, int]] = {}  # an option's class -> (first key's code, second's), -1: none
     lists: dict[int, tuple] = {}  # id(templates) -> (first codes, second codes) of its options

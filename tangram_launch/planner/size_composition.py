@@ -236,8 +236,8 @@ def _class_floors(cand: Candidates, classes: dict, minima: list, L: int, m: int,
     # one-grid classes inside a free one (grid_classes.GridClass): an option counts in two, so two passes
     floors, score_floors = {}, {}
     distinct = dict.fromkeys(cand.groups)  # (in their first options' order)
-    free = {g: GridClass(g.base, None) if g.in_base else None for g in distinct}
-    one = {g: g.key if g.grid is not None else None for g in distinct}
+    free = {g: GridClass(g.base, None) for g in distinct}
+    one = {g: g if g.grid is not None else None for g in distinct}
     for to_class in (free, one):  # free, one-grid classes
         plain: dict = {}
         inter: dict = {}
