@@ -252,8 +252,8 @@ def test_compose_prepared_from_option_rows_is_the_same(seed, with_links):
     rows = np.array(options, dtype=np.float64)
     mask = rng.randint(1, (1 << K) - 1) if K > 1 else 1
     lk = link if with_links else [[0.0] * K for _ in range(K)]
-    want = _prepare(options, lk, L, m - 1, mask, None, True)
-    got = _prepare(options, lk, L, m - 1, mask, None, True, rows)
+    want = _prepare(options, lk, L, m - 1, mask, None)
+    got = _prepare(options, lk, L, m - 1, mask, None, rows)
     assert (got is None) == (want is None)
     if want is None:
         return
