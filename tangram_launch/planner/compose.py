@@ -791,9 +791,10 @@ def _prepare(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_l
              allowed_mask: int, max_stages: int | None, rows: np.ndarray | None = None) -> Prepared | None:
     """What compose needs of an option set before any DP run, whatever the island order: the usable options
     (none stands for another: what the kernel sees of an option does not order the plain 1F1B simulation, and the
-    parallelizer's answer is megatron.exact_front already), grouped by stop and island; the cap on stages after; the lower bounds (least fill and least period
-    of any cover, and per prefix and set of islands); and a cache for the groups' orders by floor. None: no option
-    is usable. ``rows``: the options as Candidates.option_rows, where the caller has them."""
+    parallelizer's answer is megatron.exact_front already), grouped by stop and island; the cap on stages after;
+    the lower bounds (least fill and least period of any cover, and per prefix and set of islands); and a cache
+    for the groups' orders by floor. None: no option is usable. ``rows``: the options as Candidates.option_rows,
+    where the caller has them."""
     if rows is not None:  # the same test over the columns
         island = rows[:, 2].astype(np.int64)
         ok = (((allowed_mask >> island) & 1) == 1) & (rows[:, 4] >= 0) & (rows[:, 0] >= 0) & (
@@ -1062,7 +1063,8 @@ class _Search:
 
 
 def _prepared(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
-              allowed_mask: int, max_stages: int | None, stats: ComposeStats, rows: np.ndarray | None) -> Prepared | None:
+              allowed_mask: int, max_stages: int | None, stats: ComposeStats,
+              rows: np.ndarray | None) -> Prepared | None:
     """_prepare's answer for this option set, from ``stats.prepared`` where the last call prepared the same set."""
     key = (id(options), len(options), id(link_s), allowed_mask, num_layers, saturated, max_stages)
     prep = stats.prepared
