@@ -162,7 +162,6 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
 
     gemm = dev.gemm_s(m_tok, (model.q_dim + 2 * model.kv_dim) / t, h)  # QKV
     gemm += dev.gemm_s(m_tok, h, model.q_dim / t)  # output projection
-    act_f = activation_traffic_f(mats)
     routed_s = routed_flops = 0.0  # the routed experts' grouped GEMMs (op-SAC recomputes them all)
     if moe:
         e, k, fe = model.num_experts, model.top_k, model.expert_ffn_hidden_size
@@ -186,15 +185,13 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                                           weighted=moe_runtime.probs_on_output and k > 1)
         # activations + token permutation (dispatch and combine, of the tokens this GPU dispatches) + the router's
         # softmax and top-k (of the tokens it scores), per token of the SP shard
-        act_traffic = (k * act_f * fe if dev.fused_elementwise
-                       else ffn_elementwise_bytes_per_token(model, k * fe, p, False) / p)  # eager: silu, then *
+        act_traffic = ffn_elementwise_bytes_per_token(model, k * fe, p, dev.fused_elementwise) / p  # as a dense FFN's
         ffn_traffic = (act_traffic + permute_h * h * moe_runtime.dispatch_factor(t)
                        + router_traffic_bytes(num_experts=e, top_k=k, dtype_bytes=p) / p * router_share)
         if model.num_shared_experts:
             fs = model.num_shared_experts * model.shared_expert_ffn_hidden_size
             gemm += dev.gemm_s(m_tok, (mats - 1) * fs / t, h) + dev.gemm_s(m_tok, h, fs / t)
-            ffn_traffic += (act_f * fs if dev.fused_elementwise
-                            else ffn_elementwise_bytes_per_token(model, fs, p, False) / p)
+            ffn_traffic += ffn_elementwise_bytes_per_token(model, fs, p, dev.fused_elementwise) / p
     else:
         f = model.ffn_hidden_size
         gemm += dev.gemm_s(m_tok, (mats - 1) * f / t, h) + dev.gemm_s(m_tok, h, f / t)
