@@ -179,7 +179,7 @@ def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> l
     stages can simulate faster. Nor is the same stage count with closed-form dominance: the simulation reads where
     in the slice the slow stage sits and its forward and backward apart. Every point the closed form's front of the
     class keeps (pareto_front) is kept here too (this dominance implies that one), and so is each grid's own
-    front, which is what a one-grid interleaved pipeline needed of it before (GRID_FRONT_SLACK, now gone).
+    front, which a one-grid interleaved pipeline draws on (grid_classes.GridClass).
 
     Not ordered by this: the interleaved simulation, where it is faster, reads each stage's layers (the chunks it
     may take) and its static and activation bytes (what each virtual-stage count needs: interleave.py). Equal

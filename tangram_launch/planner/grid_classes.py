@@ -2,7 +2,9 @@
 
 A parallelizer's answer is a Pareto front over what any consumer of a slice plan may care about (GPUs used among
 them); the composer keeps plans the runtime can run in a pipeline, whose stages fit the island's nodes and that fit
-in memory at some pipeline position (none stands for another here: undominated). Nothing here reads a StageCost, so
+in memory at some pipeline position. None stands for another here: what the composer sees of a plan (stages, room,
+time, bottleneck, tail) does not order the plain 1F1B simulation plans are scored by (megatron.exact_front says what
+does, and its answer is that front already). Nothing here reads a StageCost, so
 a parallelizer may answer with lazy plans (costmodel.slice_plan.LazySlicePlan) whose stages are built only for
 the few plans a composition places.
 """
@@ -47,7 +49,7 @@ class GridClass(NamedTuple):
 
 def class_members(groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     """The option indices of each class a driver composes (``groups[i]`` is option i's class): each compatibility
-    class; with GridClass, each base class whole (the options undominated in it) and each one-grid class apart."""
+    class; with GridClass, each base class whole and each one-grid class apart."""
     by_group: dict[Hashable, list[int]] = {}  # a few distinct classes among up to hundreds of thousands of options
     for i, g in enumerate(groups):
         by_group.setdefault(g, []).append(i)
@@ -160,8 +162,8 @@ def unusable(numbers: SliceNumbers, b: int, caps: "RuntimeCapabilities", full_mo
 def judge_templates(plans: Sequence[SliceNumbers], *, island: "Island", b: int, num_microbatches: int,
                     capacity: float, caps: "RuntimeCapabilities", full_model: bool,
                     dropped: dict[str, int], shape_cache: dict | None = None) -> list[Template]:
-    """The composer's templates among ``plans`` (one query's answer), undominated within their class, in the order
-    the composer offers them; counts why the others were left out into ``dropped``. ``shape_cache``: a dict the
+    """The composer's templates among ``plans`` (one query's answer), in the order the composer offers them
+    (bottleneck, time, tail); counts why the others were left out into ``dropped``. ``shape_cache``: a dict the
     caller keeps across queries with the same island, b, runtime and ``full_model`` (what the judgement of stage
     shapes depends on)."""
     cache = {} if shape_cache is None else shape_cache
@@ -191,7 +193,7 @@ def judge_templates(plans: Sequence[SliceNumbers], *, island: "Island", b: int, 
             continue
         times = nb.time_s  # p2p inside a slice plan is in its stage times
         temps.append(Template(i, len(nb.shapes), max_after, sum(times), max(times), max(nb.tail_s), group))
-    return undominated(temps, num_microbatches)
+    return sorted(temps, key=lambda t: (t.bottleneck_s, t.time_s, t.tail_s))
 
 
 def _judge_shapes(nb: SliceNumbers, island: "Island", sizes: Sequence[int], b: int, caps: "RuntimeCapabilities",
@@ -213,10 +215,3 @@ def _judge_shapes(nb: SliceNumbers, island: "Island", sizes: Sequence[int], b: i
         grids = {(s.tp, s.dp, s.cp) for s in nb.shapes}
         group = GridClass(group, next(iter(grids)) if len(grids) == 1 else None)
     return why, group
-
-
-def undominated(temps: list[Template], m: int) -> list[Template]:
-    """The templates in the order the composer offers them (bottleneck, time, tail). None stands for another here:
-    what the composer sees of a template (stages, room, time, bottleneck, tail) does not order the plain 1F1B
-    simulation the plan is scored by (megatron.exact_front says what does: its answer is that front already)."""
-    return sorted(temps, key=lambda t: (t.bottleneck_s, t.time_s, t.tail_s))
