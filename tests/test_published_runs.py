@@ -125,11 +125,13 @@ def test_memory_figures_say_how_they_were_measured(data, bench):
 # DeviceMemoryMonitor's max_reserved_gib (torch.cuda.max_memory_reserved); FlagPerf's harness samples nvidia-smi's
 # used memory every 5 s (training/nvidia/nvidia_monitor.py); BLOOM's figure is a sentence of prose; the NeMo B200
 # notes log NeMo's max_memory_reserved; the minGPT Lite README's Memory (MB) is read as torch.cuda.memory_summary's
-# reserved peak (an assumption its rows list).
+# reserved peak (an assumption its rows list); torchao's training benchmarks take the largest torchtitan 'memory: X GiB'
+# of the log (benchmarks/float8/training/parse_torchtitan_logs.py).
 METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": "allocator-reserved",
                     "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated",
                     "titan-qwen3-h200-notes": "allocator-reserved", "nemo-b200-notes": "allocator-reserved",
-                    "lite-mingpt-v100": "allocator-reserved"}
+                    "lite-mingpt-v100": "allocator-reserved",
+                    "torchao-training": "allocator-reserved"}
 
 
 @pytest.mark.unit
