@@ -93,9 +93,10 @@ class ClassScores:
         return self.floor_cut_s(seq, metrics, math.inf)
 
     def floor_cut_s(self, seq: tuple[int, ...], metrics, cut: float) -> float:
-        """floor_s, or where the plain floor's first term (and the interleaved floor, where it counts) is above
-        ``cut``, a value above ``cut`` under floor_s without the round trips (compose's ``score_floor_cut``: an
-        offer whose floor is above the best score needs no finer one, and most near ties of a complete pass are)."""
+        """floor_s, or where the plain floor's first term and the interleaved floor (where it counts) are above
+        ``cut``, a value above ``cut`` under floor_s, without the round trips (compose's ``score_floor_cut``: an
+        offer whose floor is above the best score needs no finer one, and most near ties of a complete pass are).
+        Nor are the round trips read where that first term is above the interleaved floor: the lesser is that."""
         if self.schedules == SCORE_ANY:
             return self.m * max(self.sub[i].bottleneck_s for i in seq) + metrics.tail_s
         inter = math.inf
@@ -110,8 +111,7 @@ class ClassScores:
             # nor for a plan of one slice plan, whose stages would have to be built: the fine floor reads them,
             # for those this floor lets through, and a size's first ranking meets thousands of such plans)
             floor = self.plain_floor_s(seq, metrics, round_trips=len(seq) > 1 and (
-                "interleaved" in self.schedules or not self.one_grid(seq)), exact=False,
-                                       cut=cut if inter > cut else math.inf)
+                "interleaved" in self.schedules or not self.one_grid(seq)), exact=False, cut=min(cut, inter))
         return min(floor, inter)
 
     def fine_floor_s(self, seq: tuple[int, ...], metrics) -> float:
