@@ -761,9 +761,14 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
 def _candidates(run: _Pass) -> list[Candidate]:
     """The complete sequences in tables[0] that use every required island, each read back through its parents. In a
     complete pass whose score cannot be plain (run.chunked), not those whose stage count (an entry's ``after`` below
-    the cap) does not divide m: they cannot interleave, and complete_pass keeps none that cannot."""
+    the cap) does not divide m: they cannot interleave, and complete_pass keeps none that cannot. In one whose score
+    can be either, not those that cannot interleave so and whose plain floor (plain_s + tail: bounds.plain_1f1b_floor_s
+    of the sequence) cannot beat the best score: their score is the plain simulation, and the DP judged them by the
+    lesser of that floor and the interleaved one."""
     options, required, tables = run.options, run.required, run.tables
     m = run.m if run.complete and run.chunked is not None else 0
+    # (plain_only: the DP's floors were the plain one already)
+    either = run.m if run.complete and run.plain and not run.only_plain and run.score_beat < _INF else 0
     n_cap = run.prep.n_cap
     out = []
     for key, entries in tables[0].items():
@@ -771,6 +776,8 @@ def _candidates(run: _Pass) -> list[Candidate]:
             continue
         for e in _front_of(entries, run):
             if m and e[2] < n_cap and m % e[2]:
+                continue
+            if either and e[2] < n_cap and (e[2] < 2 or either % e[2]) and e[7] + e[1] >= run.score_beat:
                 continue
             seq = []
             fill, tail, period = e[0], e[1], e[3]
