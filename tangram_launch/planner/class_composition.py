@@ -69,13 +69,15 @@ class ClassScores:
         grids = {getattr(self.cand.groups[self.idx[i]], "grid", None) for i in seq}
         return len(grids) == 1 and None not in grids
 
-    def plain_floor_s(self, seq: tuple[int, ...], metrics, *, round_trips: bool, exact: bool = True) -> float:
+    def plain_floor_s(self, seq: tuple[int, ...], metrics, *, round_trips: bool, exact: bool = True,
+                      cut: float = math.inf) -> float:
         """Under the plain 1F1B simulation + tail: bounds.plain_1f1b_floor_s, with ``round_trips`` the largest of
         it, costmodel.pipeline.cycle_floor_1f1b_s and costmodel.plain_1f1b_paths.path_floor_1f1b_s over the
         sequence's stages; ``exact`` False: with the island matrix's p2p (plain_complete.floor_stage_times, no GPU
-        placement), not the exact boundaries'."""
+        placement), not the exact boundaries'. Where the first is above ``cut``, it alone (a caller that only asks
+        whether the floor is above ``cut`` needs no stage times)."""
         floor = plain_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.tail_s)
-        if round_trips:
+        if round_trips and floor <= cut:
             at = [self.idx[i] for i in seq]
             stage_times = self.cand.stage_times(at) if exact else floor_stage_times(self.cand, at, self.stage_times)
             floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s,
@@ -88,21 +90,29 @@ class ClassScores:
         between islands, most candidates' simulations are far above the former); interleaved,
         bounds.interleaved_1f1b_floor_s with v <= MAX_VIRTUAL_STAGES; either, the lesser; anything, the slowest
         stage's m forwards and backwards and the tail."""
+        return self.floor_cut_s(seq, metrics, math.inf)
+
+    def floor_cut_s(self, seq: tuple[int, ...], metrics, cut: float) -> float:
+        """floor_s, or where the plain floor's first term and the interleaved floor (where it counts) are above
+        ``cut``, a value above ``cut`` under floor_s, without the round trips (compose's ``score_floor_cut``: an
+        offer whose floor is above the best score needs no finer one, and most near ties of a complete pass are).
+        Nor are the round trips read where that first term is above the interleaved floor: the lesser is that."""
         if self.schedules == SCORE_ANY:
             return self.m * max(self.sub[i].bottleneck_s for i in seq) + metrics.tail_s
+        inter = math.inf
+        # (where a plain score counts and the pipeline cannot interleave, its score is the plain one)
+        if "interleaved" in self.schedules and ("plain" not in self.schedules
+                                                or can_interleave(seq, self.sub, self.m)):
+            inter = interleaved_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.fill_s,
+                                             metrics.tail_s, MAX_VIRTUAL_STAGES)
         floor = math.inf
         if "plain" in self.schedules:
             # (with only plain counted, a one-grid pipeline's score may be interleaved: not under the round trips;
             # nor for a plan of one slice plan, whose stages would have to be built: the fine floor reads them,
             # for those this floor lets through, and a size's first ranking meets thousands of such plans)
             floor = self.plain_floor_s(seq, metrics, round_trips=len(seq) > 1 and (
-                "interleaved" in self.schedules or not self.one_grid(seq)), exact=False)
-        # (where a plain score counts and the pipeline cannot interleave, its score is the plain one)
-        if "interleaved" in self.schedules and ("plain" not in self.schedules
-                                                or can_interleave(seq, self.sub, self.m)):
-            floor = min(floor, interleaved_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.fill_s,
-                                                        metrics.tail_s, MAX_VIRTUAL_STAGES))
-        return floor
+                "interleaved" in self.schedules or not self.one_grid(seq)), exact=False, cut=min(cut, inter))
+        return min(floor, inter)
 
     def fine_floor_s(self, seq: tuple[int, ...], metrics) -> float:
         """Under predicted_s, asked only before scoring: the lesser of the plain 1F1B's floors (compose's and the
@@ -201,6 +211,7 @@ def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: Ru
                                                                       opts.score_band)),
                        stats=stats, deferred=later, score=scorer.predicted_s, score_band=opts.score_band,
                        score_floor=scorer.floor_s, score_floor_fine=scorer.fine_floor_s,
+                       score_floor_cut=scorer.floor_cut_s,
                        score_incumbent_s=min(score_incumbent_s, best.objective_s if best else float("inf")),
                        score_fill_weight=weight, score_schedules=schedules, merge_fronts=merge_fronts,
                        edge_s=edges,

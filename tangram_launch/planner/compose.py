@@ -761,9 +761,14 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
 def _candidates(run: _Pass) -> list[Candidate]:
     """The complete sequences in tables[0] that use every required island, each read back through its parents. In a
     complete pass whose score cannot be plain (run.chunked), not those whose stage count (an entry's ``after`` below
-    the cap) does not divide m: they cannot interleave, and complete_pass keeps none that cannot."""
+    the cap) does not divide m: they cannot interleave, and complete_pass keeps none that cannot. In one whose score
+    can be either, not those that cannot interleave so and whose plain floor (plain_s + tail: bounds.plain_1f1b_floor_s
+    of the sequence) cannot beat the best score: their score is the plain simulation, and the DP judged them by the
+    lesser of that floor and the interleaved one."""
     options, required, tables = run.options, run.required, run.tables
     m = run.m if run.complete and run.chunked is not None else 0
+    # (plain_only: the DP's floors were the plain one already)
+    either = run.m if run.complete and run.plain and not run.only_plain and run.score_beat < _INF else 0
     n_cap = run.prep.n_cap
     out = []
     for key, entries in tables[0].items():
@@ -771,6 +776,8 @@ def _candidates(run: _Pass) -> list[Candidate]:
             continue
         for e in _front_of(entries, run):
             if m and e[2] < n_cap and m % e[2]:
+                continue
+            if either and e[2] < n_cap and (e[2] < 2 or either % e[2]) and e[7] + e[1] >= run.score_beat:
                 continue
             seq = []
             fill, tail, period = e[0], e[1], e[3]
@@ -866,6 +873,7 @@ class Scoring(NamedTuple):
     incumbent_s: float = float("inf")
     fill_weight: float = 0.0
     schedules: tuple[str, ...] = SCORE_ANY
+    floor_cut: Callable[[tuple[int, ...], Metrics, float], float] | None = None
 
     @property
     def complete(self) -> bool:
@@ -975,11 +983,19 @@ class _Search:
             for seq in seqs:
                 self.offer(seq)
             return
+        cut = None
+        if sc.floor_cut is not None:
+            # a floor above the least of the best score and the incumbent loses at every step of the loop below (the
+            # best score only falls), as does any value above it: an offer whose cheaper floor is above that needs no
+            # finer one, and the offers scored (those of lower floors, in their order) are the same
+            best = self.best
+            cut = min(sc.incumbent_s, best.comp.objective_s if best is not None else float("inf"))
         pending = []
         for seq in seqs:
             metrics = self.measured(seq)
             if metrics is not None:
-                pending.append((sc.floor(seq, metrics), next(self.order), seq, metrics))
+                floor = sc.floor(seq, metrics) if cut is None else sc.floor_cut(seq, metrics, cut)
+                pending.append((floor, next(self.order), seq, metrics))
         pending.sort(key=lambda p: (p[0], p[1]))
         for floor, k, seq, metrics in pending:
             if not self.may_win(floor, k):
@@ -1091,6 +1107,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
             score: Callable[[tuple[int, ...], Metrics], float] | None = None, score_band: bool = False,
             score_floor: Callable[[tuple[int, ...], Metrics], float] | None = None,
             score_floor_fine: Callable[[tuple[int, ...], Metrics], float] | None = None,
+            score_floor_cut: Callable[[tuple[int, ...], Metrics, float], float] | None = None,
             score_incumbent_s: float = float("inf"), score_fill_weight: float = 0.0,
             score_schedules: tuple[str, ...] = SCORE_ANY, merge_fronts: bool = False,
             edge_s: Sequence[tuple[float, float]] | None = None,
@@ -1112,7 +1129,9 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     beat the best score here or ``score_incumbent_s``, the best found elsewhere, is not scored: a simulation costs
     milliseconds and an island-order search meets tens of thousands of candidates); ``score_floor_fine``: a
     tighter, dearer floor under ``score``, asked only of a candidate ``score_floor`` lets through (the score is
-    computed only if this one can beat the best score too); ``score_fill_weight`` w:
+    computed only if this one can beat the best score too); ``score_floor_cut``: ``score_floor`` with a third
+    argument c, which may answer any value above c that lies under the floor instead of it (a cheaper floor, once it
+    is above c: offer_all then asks for no finer one); ``score_fill_weight`` w:
     the DP's floor under the score is the largest of m x the slowest stage, the fill and m x a stage + w x the
     fill in front of it, + tail (default w = 0; 1/V where only interleaved schedules of at most V chunks per stage
     are scored: interleaved_schedule.interleaved_floor_s), and a score's interleaved schedules must hold a layer
@@ -1135,7 +1154,7 @@ def compose(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_la
     if allowed_mask is None:
         allowed_mask = (1 << (1 + max((o.island for o in options), default=0))) - 1
     scoring = Scoring(score, score_band, score_floor, score_floor_fine, score_incumbent_s, score_fill_weight,
-                      score_schedules)
+                      score_schedules, score_floor_cut)
     # a complete pass (exact against an interleaved score) ends the search unless periods are bucketed or fronts
     # merged: without dominance a merged search enumerates every island set's sequences, which on the driver's
     # many-island clusters (where it merges) is tens of millions of entries
