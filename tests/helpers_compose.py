@@ -62,3 +62,21 @@ def scheduled(options, link, m, schedules=("plain", "interleaved"), most_chunks=
                 best = min(best, simulated_interleaved_1f1b_s(*times, m, v) + metrics.tail_s)
         return best
     return score
+
+
+def random_options(rng, num_layers: int, num_islands: int, *, fits, tail_max_s: float):
+    """Random composer options over ``num_layers`` layers on ``num_islands`` islands: for every slice and island
+    0-2 options of 1-3 stages, each with a bottleneck no longer than its time, a room behind it drawn from ``fits``
+    and a tail of 0 or up to ``tail_max_s`` (small enough for brute force)."""
+    from tangram_launch.planner.compose import Option
+
+    options = []
+    for a in range(num_layers):
+        for b in range(a + 1, num_layers + 1):
+            for k in range(num_islands):
+                for _ in range(rng.choice([0, 1, 1, 2])):
+                    ns = rng.choice([1, 1, 2, 3])
+                    bn = rng.uniform(0.1, 2.0) * (b - a) / ns
+                    options.append(Option(a, b, k, ns, rng.choice(fits), bn * rng.uniform(1.0, ns), bn,
+                                          rng.choice([0.0, rng.uniform(0, tail_max_s)])))
+    return options

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from helpers_compose import scheduled, stage_seconds, with_bottleneck
+from helpers_compose import random_options, scheduled, stage_seconds, with_bottleneck
 from tangram_launch.costmodel.plain_1f1b_paths import path_floor_1f1b_s
 from tangram_launch.planner.bounds import plain_1f1b_floor_s
 import tangram_launch.planner.compose as kernel
@@ -23,15 +23,7 @@ def _instance(rng: random.Random, most_layers: int = 6,
     divide m."""
     L, K = rng.randint(2, most_layers), rng.randint(1, most_islands)
     m = rng.choice([4, 6, 8, 12, 16])
-    options = []
-    for a in range(L):
-        for b in range(a + 1, L + 1):
-            for k in range(K):
-                for _ in range(rng.choice([0, 1, 1, 2])):
-                    ns = rng.choice([1, 1, 2, 3])
-                    bn = rng.uniform(0.1, 2.0) * (b - a) / ns
-                    options.append(Option(a, b, k, ns, rng.choice([0, 1, 3, 1 << 30]), bn * rng.uniform(1.0, ns), bn,
-                                          rng.choice([0.0, rng.uniform(0, 2)])))
+    options = random_options(rng, L, K, fits=[0, 1, 3, 1 << 30], tail_max_s=2.0)
     link = [[0.0 if i == j else rng.uniform(0, 1.0) for j in range(K)] for i in range(K)]
     return options, link, L, m
 

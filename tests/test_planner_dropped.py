@@ -13,7 +13,7 @@ from tangram_launch.planner.compose import SCORE_ANY as SCORE_ANY_, Option
 from tangram_launch.planner.cover_floors import island_floor_s
 from tangram_launch.planner.reference import every_composition
 
-from helpers_compose import scheduled
+from helpers_compose import random_options, scheduled
 
 NEVER = -1
 ROOM = 1 << 30
@@ -24,15 +24,7 @@ def _instance(seed: int, max_layers: int = 6):
     L = rng.randint(1, max_layers)
     K = rng.randint(1, 3)
     m = rng.choice([1, 2, 4, 8, 32])
-    options = []
-    for a in range(L):
-        for b in range(a + 1, L + 1):
-            for k in range(K):
-                for _ in range(rng.choice([0, 1, 1, 2])):
-                    ns = rng.choice([1, 1, 2, 3])
-                    bn = rng.uniform(0.1, 2.0) * (b - a) / ns
-                    options.append(Option(a, b, k, ns, rng.choice([NEVER, 0, 1, 2, 5, ROOM]), bn * rng.uniform(1, ns),
-                                          bn, rng.choice([0.0, rng.uniform(0, 3)])))
+    options = random_options(rng, L, K, fits=[NEVER, 0, 1, 2, 5, ROOM], tail_max_s=3.0)
     link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.5)]) for j in range(K)] for i in range(K)]
     return options, link, L, m, K
 
