@@ -86,6 +86,9 @@ SCORE_ANY = ("any",)  # compose's score may be anything: its floor is bounds.sco
 _EDGE_SHRINK = 1.0 - 1e-9
 _COMPACT_AT = 4096  # entries gathered for one DP state before they are reduced to their Pareto front
 _NO_FLOOR = (0.0,) * 8  # an _Offer's floor fields where nothing prunes (never read)
+# an option goes in front of this many entries or more of a state at once, in numpy (_entries_at_once): the same
+# floats in the same order as _add_entries' loop, whose per-entry cost dominates the complete pass's big states
+_VECTOR_AT = 48
 
 
 class Option(NamedTuple):
@@ -314,7 +317,7 @@ class _Pass:
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
-                 "chunked", "hopeful", "fit", "fit_cuts")
+                 "chunked", "hopeful", "fit", "fit_cuts", "arrays")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -362,6 +365,7 @@ class _Pass:
         # where only the score floor judges: the covers in front by what fits in front of the stages behind
         self.fit = _fit_prefix(prep, options, link_s, num_layers, self.m1) if self.score_only and self.prune else None
         self.fit_cuts: dict = {}  # (mask, start) -> _fit_cut's
+        self.arrays: tuple | None = None  # trips, c1, c0, t_first as numpy arrays (_pass_arrays)
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
         # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
@@ -690,14 +694,20 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
     options, m = run.options, m1 + 1
+    cols = None  # the entries' columns, once an option goes in front of many of them (_front_columns)
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
         two_link = 2.0 * link
-        for oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
-                plain_only in offers:
+        for offer in offers:
+            oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
+                plain_only = offer
             bn_o = options[oi][6]
             own_o = own_stages_s(options[oi][5], bn_o) if plain else 0.0
             tgt = None
+            if fits - lo >= _VECTOR_AT:
+                cols = cols if cols is not None else _front_columns(entries)
+                _put(tables[start], tkey, _entries_at_once(run, key, cols, group, offer, own_o), dominate, quantum)
+                continue
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
             # pos), which pareto_front would drop. Those with more tail or period are left to pareto_front: checking
@@ -756,6 +766,105 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
                 if dominate and nf < made and nt == tail and np_ == per:
                     made = nf
+
+
+def _put(table: dict, tkey: tuple, made: list, dominate: bool, quantum: float) -> None:
+    """Append an offer's entries to their state, as _add_entries' loop does (compacting a big state first)."""
+    if made:
+        tgt = table.get(tkey)
+        if tgt is None:
+            tgt = table[tkey] = []
+        elif dominate and len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
+            tgt[:] = pareto_front(tgt, quantum)
+        tgt.extend(made)
+
+
+def _front_columns(entries: list) -> tuple[np.ndarray, ...]:
+    """A state's entries' fill, tail, after, period, front option and plain_s as arrays (_entries_at_once)."""
+    n = len(entries)
+    return tuple(np.fromiter((e[k] for e in entries), dtype=np.int64 if k in (2, 4) else np.float64, count=n)
+                 for k in (0, 1, 2, 3, 4, 7))
+
+
+def _pass_arrays(run: _Pass) -> tuple:
+    """The pass's plain-floor tables and first-stage times as arrays, for gathers by stages behind (once a pass)."""
+    if run.arrays is None:
+        run.arrays = tuple(np.asarray(v, dtype=np.float64) if v is not None else None
+                           for v in (run.trips, run.c1, run.c0, run.t_first))
+    return run.arrays
+
+
+def _entries_at_once(run: _Pass, key: tuple, cols: tuple, group: _Group, offer: tuple, own_o: float) -> list:
+    """The entries one offer makes in front of entries lo .. fits - 1 of a state, as _add_entries' loop makes them
+    (the same float operations in the same order, elementwise, so the same values and the same entries kept), in
+    numpy: a complete pass's states hold hundreds of entries. The loop's running least fill (``made``) is the least
+    fill of the earlier kept entries with the offer's tail and period; an entry it skips could not lower it, so it
+    is the exclusive running minimum over every earlier entry that passes the other checks."""
+    (m1, beat, score_beat, score_only, shrink, plain, _, _, _, _, t_last, edged, stage_cap, n_cap, _,
+     _) = run.entry_terms
+    oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
+        plain_only = offer
+    m = m1 + 1
+    e0, e1, e2, e3, e4, e7 = (c[lo:fits] for c in cols)
+    n2 = e2 + ns
+    nf = e0 + add
+    nt = np.where(e1 > tail, e1, tail)
+    np_ = np.where(e3 > per, e3, per)
+    a = add + e7
+    a = np.where(a < mb, mb, a)
+    if plain:  # behind_path_s, elementwise
+        bn_o = run.options[oi][6]
+        w = np.where(e2 < n_cap, e2 + ns - 1, m)
+        fb = 2.0 * group.link + e0
+        v = np.where(w <= m - 2, (m - w) * bn_o + 2.0 * fb + own_o, np.where(w == m - 1, bn_o + fb, -_INF))
+        a = np.where(v > a, v, a)
+    ok = n2 <= stage_cap
+    if run.prune:
+        ok &= ~_entry_floor_fails(run, group, offer, (e0, e1, e2, e3, e4), a)
+    if not run.complete:
+        same = ok & (nt == tail) & (np_ == per)
+        least = np.minimum.accumulate(np.where(same, nf, _INF))
+        ok[1:] &= ~(least[:-1] <= nf[1:])
+    pos = np.flatnonzero(ok)
+    if not len(pos):
+        return []
+    n2 = np.where(n2 < n_cap, n2, n_cap)
+    return list(zip(nf[pos].tolist(), nt[pos].tolist(), n2[pos].tolist(), np_[pos].tolist(), itertools.repeat(oi),
+                    itertools.repeat(key), (pos + lo).tolist(), a[pos].tolist()))
+
+
+def _entry_floor_fails(run: _Pass, group: _Group, offer: tuple, cols: tuple, a: np.ndarray) -> np.ndarray:
+    """Per entry, whether _add_entries' prune drops the offer's entry in front of it (the closed form cannot beat
+    ``beat`` and the score floor cannot beat ``score_beat``), elementwise in its order of operations."""
+    (m1, beat, score_beat, score_only, shrink, plain, _, _, _, _, t_last, edged, _, n_cap, _, _) = run.entry_terms
+    oi, _, _, start, ns, _, _, _, _, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, plain_only = offer
+    e0, e1, e2, e3, e4 = cols
+    p = e3 * shrink
+    p = np.where(p < per_lb, per_lb, p)
+    t = np.where(e1 > tail_lb, e1, tail_lb)
+    sf = base + e0
+    sf = np.where(stage_s > sf, stage_s, sf) + t
+    if plain:
+        pf = a + in_front
+        pf = np.where(ps > pf, ps, pf)
+        if trips_on:
+            trips, c1, c0, t_first = _pass_arrays(run)
+            r = trips[e2] * group.link
+            if edged and group.front_island >= 0:
+                r = r + (c1[e2] * t_first[e4] + c0[e2] * t_last[oi])
+            r = r + in_front
+            if start:
+                r2 = trips[e2 + ns] * group.lk
+                if edged:
+                    r2 = r2 + c1[e2 + ns] * t_first[oi]
+                r = np.where(r2 > r, r2, r)
+            pf = np.where((e2 < n_cap) & (r > pf), r, pf)
+        pf = pf + t
+        sf = pf if plain_only else np.where(pf < sf, pf, sf)
+    fails = sf >= score_beat
+    if not score_only:
+        fails &= m1 * p + base + e0 + t >= beat
+    return fails
 
 
 def _candidates(run: _Pass) -> list[Candidate]:
