@@ -97,3 +97,38 @@ def test_options_put_in_front_at_once_make_the_same_entries_as_one_by_one(seed, 
             compared += one_by_one is not None and bool(one_by_one[0])
     assert compared > 50
     assert calls["offers"] > 1000 and calls["kept"] > 1000 and calls["dropped"] > 1000
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_group_of_many_options_keeps_the_same_hopeful_options_in_numpy(seed, monkeypatch):
+    """_hopeful's numpy path (groups of many options) keeps the same options and rooms, in the same order, as its
+    loop, on every call the DP makes; and it drops options on many of them (not vacuous)."""
+    rng = random.Random(4200 + seed)
+    hopeful = kernel._hopeful
+    seen = {"calls": 0, "dropping": 0}
+
+    def both(run, key, gidx, covered, group):
+        answers = []
+        for vector_at in (1 << 30, 1):
+            monkeypatch.setattr(kernel, "_VECTOR_AT", vector_at)
+            saved, run.hopeful = run.hopeful, {}
+            answers.append(hopeful(run, key, gidx, covered, group))
+            run.hopeful = saved
+        assert answers[0] == answers[1]
+        seen["calls"] += 1
+        seen["dropping"] += len(answers[0][0]) < len(gidx)
+        return answers[0]
+
+    monkeypatch.setattr(kernel, "_hopeful", both)
+    for _ in range(40):
+        options, link, L, m, K, edges = _instance(rng)
+        closed = [c.latency_s for c in every_composition(options, link, L, m)]
+        if not closed:
+            continue
+        for complete in (False, True):
+            prep = kernel._prepare(options, link, L, m - 1, (1 << K) - 1, None)
+            kernel._dp(options, prep, link, L, m, 0, None, math.inf if complete else min(closed) * 1.2,
+                       ComposeStats(), score_beat=min(closed) * rng.uniform(0.8, 2.0), fill_weight=0.25,
+                       schedules=rng.choice([("plain",), ("plain", "interleaved")]), complete=complete,
+                       edge_s=EdgeTimes.of(edges))
+    assert seen["calls"] > 200 and seen["dropping"] > 50

@@ -529,7 +529,9 @@ def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
     tail of its front alone cannot beat. Once per group, set of free islands in front and pass (``key``), in the
     group's order."""
     hit = run.hopeful.get(key)
-    if hit is None:
+    if hit is None and len(gidx) >= _VECTOR_AT:
+        hit = run.hopeful[key] = _hopeful_at_once(run, gidx, covered, group)
+    elif hit is None:
         options, m, beat = run.options, run.m, run.score_beat
         stage_lb, pre_stage, pre_tail = run.prep.stage_lb, group.pre_stage, group.pre_tail
         kept, rooms = [], []
@@ -549,6 +551,27 @@ def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
                 rooms.append(room)
         hit = run.hopeful[key] = (kept, rooms)
     return hit
+
+
+def _hopeful_at_once(run: _Pass, gidx: list[int], covered: list[int], group: _Group) -> tuple[list, list]:
+    """_hopeful's answer for a group of many options, in numpy: the same floats per option in the same order (its
+    loop's test of a whole start, ps + pt, is the same for each option of that start)."""
+    hit = run.hopeful.get(("columns", id(gidx)))
+    if hit is None or hit[0] is not gidx:  # the group's options' columns, once a pass
+        options = run.options
+        hit = run.hopeful[("columns", id(gidx))] = (gidx, np.array(gidx, dtype=np.int64),
+                                       np.array([options[oi].start for oi in gidx], dtype=np.int64),
+                                       np.array([options[oi].bottleneck_s for oi in gidx], dtype=np.float64),
+                                       np.array([options[oi].tail_s for oi in gidx], dtype=np.float64))
+    _, at, starts, bn, tail = hit
+    m, beat, stage_lb = run.m, run.score_beat, run.prep.stage_lb
+    pre_stage = np.asarray(group.pre_stage, dtype=np.float64)[starts]
+    pt = np.asarray(group.pre_tail, dtype=np.float64)[starts]
+    ps = m * np.where(stage_lb > pre_stage, stage_lb, pre_stage)
+    mb = m * bn
+    keep = ~(ps + pt >= beat) & (np.where(ps > mb, ps, mb) + np.where(tail > pt, tail, pt) < beat)
+    pos = np.flatnonzero(keep)
+    return at[pos].tolist(), np.asarray(covered, dtype=np.int64)[pos].tolist()
 
 
 def _interleavable(options: Sequence[Option], gidx: list[int], memo: dict) -> list[int]:
