@@ -23,7 +23,9 @@ def _instance(rng: random.Random):
     m = rng.choice([3, 4, 6, 8, 16])
     options = random_options(rng, L, K, fits=[0, 1, 2, 3, 1 << 30], tail_max_s=2.0)
     options += random_options(rng, L, K, fits=[1, 3, 1 << 30], tail_max_s=2.0)
-    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.0)]) for j in range(K)] for i in range(K)]
+    # (an infinite link: islands that cannot talk; an entry across one has an infinite fill)
+    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.0), rng.uniform(0, 1.0), math.inf])
+             for j in range(K)] for i in range(K)]
     edges = [(o.bottleneck_s * rng.uniform(0.3, 1.0), o.bottleneck_s * rng.uniform(0.3, 1.0)) for o in options]
     return options, link, L, m, K, edges
 

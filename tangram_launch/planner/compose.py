@@ -844,10 +844,10 @@ def _entries_at_once(run: _Pass, key: tuple, cols: tuple, group: _Group, offer: 
     ok = n2 <= stage_cap
     if run.prune:
         ok &= ~_entry_floor_fails(run, group, offer, (e0, e1, e2, e3, e4), a)
+    made = np.full(len(nf), _INF)  # the loop's ``made`` at each entry (an infinite fill is skipped even so)
     if not run.complete:
-        same = ok & (nt == tail) & (np_ == per)
-        least = np.minimum.accumulate(np.where(same, nf, _INF))
-        ok[1:] &= ~(least[:-1] <= nf[1:])
+        made[1:] = np.minimum.accumulate(np.where(ok & (nt == tail) & (np_ == per), nf, _INF))[:-1]
+    ok &= ~(made <= nf)
     pos = np.flatnonzero(ok)
     if not len(pos):
         return []
