@@ -38,7 +38,8 @@ def _passes(rng: random.Random, best_s: float):
     return [dict(beat=beat, score_beat=score_beat, schedules=schedules, fill_weight=rng.choice([0.0, 0.25, 0.5]),
                  complete=complete, quantum=quantum, merge_fronts=merge, rank=rank, beam=beam,
                  max_stages=rng.choice([None, 3, 6]), edge=rng.random() < 0.7)
-            for complete, quantum, merge, rank, beam in [(True, 0.0, False, None, None), (False, 0.0, False, None, None),
+            for complete, quantum, merge, rank, beam in [(True, 0.0, False, None, None),
+                                                         (False, 0.0, False, None, None),
                                                          (False, 0.05, False, None, None),
                                                          (False, 0.0, True, None, None),
                                                          (False, 0.0, False, "order", None),
@@ -71,8 +72,8 @@ def _run(options, link, L, m, K, edges, kw, vector_at, monkeypatch, front_of_sta
 @pytest.mark.parametrize("seed", range(4))
 def test_options_put_in_front_at_once_make_the_same_entries_as_one_by_one(seed, monkeypatch):
     """Every kind of pass makes the same entries in every state and returns the same candidates, in the same
-    order, from as many states, whether every option goes in front of its entries in numpy or none does; and the numpy path ran on many offers and kept and
-    dropped entries (so the comparison is not vacuous)."""
+    order, from as many states, whether every option goes in front of its entries in numpy or none does; and the
+    numpy path ran on many offers and kept and dropped entries (so the comparison is not vacuous)."""
     rng = random.Random(4100 + seed)
     front_of_state = kernel._state_front
     calls = {"offers": 0, "kept": 0, "dropped": 0}

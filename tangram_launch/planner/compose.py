@@ -30,8 +30,9 @@ entries, not exact: at most (m - 1) x bound_step x the period slower). ``referen
 Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
 plan, the exact pass, the complete pass where the score interleaves, each offering plans to the best so far), _dp
 (one pass: _state_front, _expand_state, _add_options, _option_score_floor, _add_entries, _candidates over Entry
-tuples). dominance.py holds what stands for what (a state's Pareto front, the options another covers or beats),
-front_classes.py the islands a merged state keys together.
+tuples; _entries_at_once and _hopeful_at_once: the same steps in numpy for big states and groups). dominance.py
+holds what stands for what (a state's Pareto front, the options another covers or beats), front_classes.py the
+islands a merged state keys together.
 
 The closed form is the search's objective, and exact for it. The Plan reports the 1F1B event simulation, which
 also charges the inter-island p2p where it lies on the steady state's cycle (stage k's backward waits for the
@@ -556,13 +557,14 @@ def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
 def _hopeful_at_once(run: _Pass, gidx: list[int], covered: list[int], group: _Group) -> tuple[list, list]:
     """_hopeful's answer for a group of many options, in numpy: the same floats per option in the same order (its
     loop's test of a whole start, ps + pt, is the same for each option of that start)."""
-    hit = run.hopeful.get(("columns", id(gidx)))
+    key = ("columns", id(gidx))
+    hit = run.hopeful.get(key)
     if hit is None or hit[0] is not gidx:  # the group's options' columns, once a pass
         options = run.options
-        hit = run.hopeful[("columns", id(gidx))] = (gidx, np.array(gidx, dtype=np.int64),
-                                       np.array([options[oi].start for oi in gidx], dtype=np.int64),
-                                       np.array([options[oi].bottleneck_s for oi in gidx], dtype=np.float64),
-                                       np.array([options[oi].tail_s for oi in gidx], dtype=np.float64))
+        hit = run.hopeful[key] = (gidx, np.array(gidx, dtype=np.int64),
+                                  np.array([options[oi].start for oi in gidx], dtype=np.int64),
+                                  np.array([options[oi].bottleneck_s for oi in gidx], dtype=np.float64),
+                                  np.array([options[oi].tail_s for oi in gidx], dtype=np.float64))
     _, at, starts, bn, tail = hit
     m, beat, stage_lb = run.m, run.score_beat, run.prep.stage_lb
     pre_stage = np.asarray(group.pre_stage, dtype=np.float64)[starts]
