@@ -205,7 +205,6 @@ def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) ->
     if len(points) == 1:
         return points
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3]))
-    kept: list[tuple] = []
     # per kept point: [fill_s, tail_s, depth, its flat stage times (None until read), the point]
     terms: list[list] = []
     le, flat = operator.le, itertools.chain.from_iterable
@@ -222,9 +221,8 @@ def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) ->
                 if all(map(le, theirs, mine)):
                     break
         else:
-            kept.append(p)
             terms.append([fill, tail, depth, mine, p])
-    return kept
+    return [t[4] for t in terms]
 
 
 def fit_depth(numbers: list[tuple], m: int, cap: float) -> tuple[int, float]:
