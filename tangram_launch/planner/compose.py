@@ -73,7 +73,7 @@ from tangram_launch.planner.bounds import FitPrefixBounds, PrefixBounds, cycles_
     score_floor_terms
 from tangram_launch.planner.dominance import covered_rooms, pareto_front
 from tangram_launch.planner.front_classes import front_classes, merged_states  # (merged_states: for the driver)
-from tangram_launch.planner.plain_complete import behind_path_s, own_stages_s, plain_counts
+from tangram_launch.planner.plain_complete import behind_path_s, behind_paths_s, own_stages_s, plain_counts
 
 _AFTER = operator.itemgetter(2)
 _BEAM = 2  # entries per state in the quick plan's DP
@@ -731,7 +731,9 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
             tgt = None
             if fits - lo >= _VECTOR_AT:
                 cols = cols if cols is not None else _front_columns(entries)
-                _put(tables[start], tkey, _entries_at_once(run, key, cols, group, offer, own_o), dominate, quantum)
+                made_at_once = _entries_at_once(run, key, cols, group, offer, own_o)
+                if made_at_once:
+                    _target(tables[start], tkey, dominate, quantum).extend(made_at_once)
                 continue
             # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
             # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
@@ -783,25 +785,21 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                         if sf >= score_beat:
                             continue
                 if tgt is None:
-                    tgt = tables[start].get(tkey)
-                    if tgt is None:
-                        tgt = tables[start][tkey] = []
-                    elif dominate and len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
-                        tgt[:] = pareto_front(tgt, quantum)
+                    tgt = _target(tables[start], tkey, dominate, quantum)
                 tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
                 if dominate and nf < made and nt == tail and np_ == per:
                     made = nf
 
 
-def _put(table: dict, tkey: tuple, made: list, dominate: bool, quantum: float) -> None:
-    """Append an offer's entries to their state, as _add_entries' loop does (compacting a big state first)."""
-    if made:
-        tgt = table.get(tkey)
-        if tgt is None:
-            tgt = table[tkey] = []
-        elif dominate and len(tgt) > _COMPACT_AT:  # keep memory bounded: not expanded, nothing points here
-            tgt[:] = pareto_front(tgt, quantum)
-        tgt.extend(made)
+def _target(table: dict, tkey: tuple, dominate: bool, quantum: float) -> list:
+    """The state an offer's entries go to, made if new; a big one reduced to its Pareto front first (where entries
+    dominate), so memory stays bounded: it is not expanded yet and nothing points into it."""
+    tgt = table.get(tkey)
+    if tgt is None:
+        tgt = table[tkey] = []
+    elif dominate and len(tgt) > _COMPACT_AT:
+        tgt[:] = pareto_front(tgt, quantum)
+    return tgt
 
 
 def _front_columns(entries: list) -> tuple[np.ndarray, ...]:
@@ -837,12 +835,8 @@ def _entries_at_once(run: _Pass, key: tuple, cols: tuple, group: _Group, offer: 
     np_ = np.where(e3 > per, e3, per)
     a = add + e7
     a = np.where(a < mb, mb, a)
-    if plain:  # behind_path_s, elementwise
-        bn_o = run.options[oi][6]
-        w = np.where(e2 < n_cap, e2 + ns - 1, m)
-        fb = 2.0 * group.link + e0
-        v = np.where(w <= m - 2, (m - w) * bn_o + 2.0 * fb + own_o, np.where(w == m - 1, bn_o + fb, -_INF))
-        a = np.where(v > a, v, a)
+    if plain:
+        a = behind_paths_s(a, m, run.options[oi][6], own_o, 2.0 * group.link + e0, np.where(e2 < n_cap, e2 + ns - 1, m))
     ok = n2 <= stage_cap
     if run.prune:
         ok &= ~_entry_floor_fails(run, group, offer, (e0, e1, e2, e3, e4), a)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.planner.build import Candidates
     from tangram_launch.planner.compose import Option
@@ -47,6 +49,16 @@ def behind_path_s(plain_s: float, m: int, bottleneck_s: float, own_s: float, fil
     else:
         return plain_s
     return v if v > plain_s else plain_s
+
+
+def behind_paths_s(plain_s: np.ndarray, m: int, bottleneck_s: float, own_s: float, fill_behind_s: np.ndarray,
+                   most_warmup: np.ndarray) -> np.ndarray:
+    """behind_path_s over arrays of entries (``plain_s``, ``fill_behind_s``, ``most_warmup`` elementwise), for the
+    composer's big states (compose._entries_at_once): the same float operations in the same order, so the same
+    values."""
+    v = np.where(most_warmup <= m - 2, (m - most_warmup) * bottleneck_s + 2.0 * fill_behind_s + own_s,
+                 np.where(most_warmup == m - 1, bottleneck_s + fill_behind_s, -np.inf))
+    return np.where(v > plain_s, v, plain_s)
 
 
 def own_stages_s(time_s: float, bottleneck_s: float) -> float:
