@@ -33,7 +33,7 @@ def _example_clusters():
         yield pytest.param(path, marks=pytest.mark.slow) if big else path
 
 
-@pytest.mark.parametrize("path", _example_clusters())
+@pytest.mark.parametrize("path", list(_example_clusters()))
 def test_examples_load_and_round_trip(path, tmp_path):
     c = ClusterSpec.load(path)
     assert c.num_gpus > 0
