@@ -37,7 +37,8 @@ def _plan(cluster_path: str, runtime: str):
 @pytest.mark.parametrize("runtime", ["torch", "megatron"])
 def test_the_plan_does_not_depend_on_the_order_sizes_are_visited(monkeypatch, runtime, cluster_path):
     """The same plan (iteration, micro-batch size, stages) with the sizes visited in the heuristic's order, in
-    its reverse, and by floor alone, on the 4-island row of benchmarks/bench_planner_scale.py (the exact composer: island subsets and orders)."""
+    its reverse, and by floor alone, on the 4-island row of benchmarks/bench_planner_scale.py (the exact
+    composer: island subsets and orders)."""
     path = cluster_path("c3-4-islands-20gpu")
     want = _plan(path, runtime)
     heuristic = size_search._visit_order
