@@ -107,6 +107,7 @@ def test_spread_floors_lie_under_every_placement_of_the_layers_and_above_the_cap
         fill = L * min(t for _gs, t in per_layer.values())
         tighter += lat > ((m - 1) * period + fill) * (1 + 1e-6) or score > max(m * period, fill) * (1 + 1e-6)
     assert tighter > 50
+    assert spread_floors_s({0: (0.0, 0.1), 1: (1.0, 0.2)}, {0: 4, 1: 4}, 8, 4) == (0.0, 0.0)  # no period floor
 
 
 @pytest.mark.parametrize("runtime", [TORCH, MEGATRON], ids=lambda c: c.name)

@@ -143,8 +143,10 @@ def spread_floors_s(per_layer: dict[int, tuple[float, float]], gpus: dict[int, i
     what the capacity floor (all GPUs busy) and the fill floor (every layer on its fastest island) take apart: with
     few micro-batches the plan cannot both spread over slow islands and keep the fill of the fastest one."""
     L, m = num_layers, num_microbatches
+    if not per_layer or any(gs <= 0.0 or gpus[k] <= 0 for k, (gs, _ts) in per_layer.items()):
+        return 0.0, 0.0  # (a layer of no GPU-seconds bounds no period: no floor)
     order = sorted(per_layer, key=lambda k: (per_layer[k][1], k))  # cheapest fill per layer first
-    rate = {k: gpus[k] / per_layer[k][0] if per_layer[k][0] > 0 else math.inf for k in order}
+    rate = {k: gpus[k] / per_layer[k][0] for k in order}  # layers per second of period
 
     def fill_s(period_s: float) -> float:  # F(P): the least seconds of L layers where the period is P
         left, out = float(L), 0.0
@@ -160,10 +162,7 @@ def spread_floors_s(per_layer: dict[int, tuple[float, float]], gpus: dict[int, i
     breaks = []
     for k in order:
         total += rate[k]
-        if total > 0.0:
-            breaks.append(L / total)  # the islands so far hold exactly L layers at this period
-    if not breaks:
-        return 0.0, 0.0
+        breaks.append(L / total)  # the islands so far hold exactly L layers at this period
     least = min(breaks)  # (every island busy: the least period at which L layers fit at all)
     latency = min((m - 1) * p + fill_s(p) for p in breaks if p >= least)
     lo, hi = least, max(breaks)  # m P - F(P) rises with P: below lo it is under 0 only if it is at lo
