@@ -45,6 +45,15 @@ size floor: size_floors.SizeFloor: closed form and score of any plan at one micr
     safe:   least compute per layer over every grid and island, spread over all GPUs
     test:   test_planner_bound.py::test_size_floor_is_below_the_best_plan_at_that_size
 
+spread floor: size_floors.spread_floors_s (SizeFloor.spread_s): closed form and score of any plan at one size
+    prunes: size_search (micro-batch sizes skipped, with the size floor; not their order)
+    safe:   a plan running x_k layers on island k has a slowest stage >= x_k x least GPU-seconds / GPUs of k and a
+            fill >= sum x_k x least seconds on k: the least over every fractional x of (m - 1) P + F and max(m P, F)
+    test:   test_c3_speed_more.py::
+            test_spread_floors_lie_under_every_placement_of_the_layers_and_above_the_capacity_floor,
+            ::test_a_size_floor_with_the_spread_lies_under_the_best_plan_at_that_size,
+            ::test_the_spread_floor_skips_sizes_without_moving_the_plan
+
 compute chain: chain_score_floor_s: a score floor, or the layers' least forward + backward seconds if larger
     prunes: size_floors.SizeFloor.score_s, pair_floors.PairFloors.floor (sizes with few micro-batches)
     safe:   micro-batch 0 runs every layer's forward and backward in turn, plain 1F1B or every chunk of every

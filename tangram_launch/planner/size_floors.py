@@ -34,11 +34,14 @@ class SizeFloor(NamedTuple):
     pairs: PairFloors | None = None  # per pair: under any pipeline holding it (pair_floors.py)
     # per island the least link into it and out of it at this size (least_links_at), where the driver gave them
     links: tuple[dict[int, float], dict[int, float]] | None = None
+    # (closed form, predicted iteration) floors from where the layers run (spread_floors_s), tighter than the two
+    # above with few micro-batches; only for skipping the size: the driver orders sizes by latency_s
+    spread_s: tuple[float, float] = (0.0, 0.0)
 
     def beyond(self, latency_bound_s: float, score_bound_s: float) -> bool:
         """Whether no plan at this size can beat either bound (as SliceQuery.beyond_bound)."""
-        return bounds.beyond(self.latency_s, self.score_s, bounds.slack_cut(latency_bound_s),
-                             bounds.slack_cut(score_bound_s))
+        return bounds.beyond(max(self.latency_s, self.spread_s[0]), max(self.score_s, self.spread_s[1]),
+                             bounds.slack_cut(latency_bound_s), bounds.slack_cut(score_bound_s))
 
     def outside_s(self, start: int, stop: int) -> float:
         """Least fill of the layers (and embedding, head) outside [start, stop): what the rest of any pipeline
@@ -108,9 +111,74 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
     pairs = (PairFloors(kinds, per_island, gpus, m, links)
              if all(needed <= f.keys() for f in per_island.values()) else None)
     period_s = capacities(kinds, per_island, gpus).period_s(layers_gs, edges_gs)  # >= GPU-seconds / their GPUs
+    spread = (0.0, 0.0)
+    if pairs is not None:  # (every island's floors for every kind: no island left out of the spread)
+        latency_s, score_s = spread_floors_s({k: _least_per_layer(f, set(kinds)) for k, f in per_island.items()},
+                                             gpus, L, m)
+        spread = (latency_s + best["embedding"][1] + best["head"][1], score_s)
     return SizeFloor((m - 1) * period_s + fill_s, bounds.chain_score_floor_s(m * period_s, fill_s), prefix,
-                     best["embedding"][1],
-                     best["head"][1], pairs, links)
+                     best["embedding"][1], best["head"][1], pairs, links, spread)
+
+
+def _least_per_layer(floors: dict[str, tuple[float, float]], kinds: set[str]) -> tuple[float, float]:
+    """(GPU-seconds, seconds) floors of any one layer on an island: the least over the layer kinds of its floors."""
+    return min(floors[k][0] for k in kinds), min(floors[k][1] for k in kinds)
+
+
+def spread_floors_s(per_layer: dict[int, tuple[float, float]], gpus: dict[int, int], num_layers: int,
+                    num_microbatches: int) -> tuple[float, float]:
+    """Floors under the closed form and the predicted iteration of any plan, from where its layers run (embedding,
+    head, links and tail left out): ``per_layer[k]``: (GPU-seconds, seconds) floors of any layer on island k,
+    ``gpus[k]``: its GPUs.
+
+    A plan that runs x_k of the L layers on island k has a slowest stage of at least P(x) = max_k x_k gs_k / G_k
+    (the stages on island k hold its x_k layers on at most G_k GPUs, and the slowest of several stages takes at
+    least their GPU-seconds over their GPUs) and its stages' seconds sum to at least F(x) = sum_k x_k ts_k. So its
+    closed form is at least (m - 1) P(x) + F(x) and its predicted iteration at least max(m P(x), F(x)) (the slowest
+    stage's m micro-batches; micro-batch 0 through every layer: bounds.chain_score_floor_s). Both are at least
+    their least over every fractional x (sum x_k = L, x_k >= 0). For a period P the least F is the fractional
+    knapsack: the islands by seconds per layer, each filled to its P G_k / gs_k layers; F(P) is convex and piecewise
+    linear, with its breaks where the islands so far hold exactly L, so the closed form's least is at one of them,
+    and max(m P, F(P)) (F decreasing) is least where they cross, bisected. The spread floor of size_floor couples
+    what the capacity floor (all GPUs busy) and the fill floor (every layer on its fastest island) take apart: with
+    few micro-batches the plan cannot both spread over slow islands and keep the fill of the fastest one."""
+    L, m = num_layers, num_microbatches
+    if not per_layer or any(gs <= 0.0 or gpus[k] <= 0 for k, (gs, _ts) in per_layer.items()):
+        return 0.0, 0.0  # (a layer of no GPU-seconds bounds no period: no floor)
+    order = sorted(per_layer, key=lambda k: (per_layer[k][1], k))  # cheapest fill per layer first
+    rate = {k: gpus[k] / per_layer[k][0] for k in order}  # layers per second of period
+
+    def fill_s(period_s: float) -> float:  # F(P): the least seconds of L layers where the period is P
+        left, out = float(L), 0.0
+        for k in order:
+            x = min(left, period_s * rate[k])
+            out += x * per_layer[k][1]
+            left -= x
+            if left <= 0.0:
+                return out
+        return out if left <= 1e-9 * L else math.inf  # (at a break the last island fills L up to rounding)
+
+    total = 0.0
+    breaks = []
+    for k in order:
+        total += rate[k]
+        breaks.append(L / total)  # the islands so far hold exactly L layers at this period
+    least = min(breaks)  # (every island busy: the least period at which L layers fit at all)
+    latency = min((m - 1) * p + fill_s(p) for p in breaks if p >= least)
+    lo, hi = least, max(breaks)  # m P - F(P) rises with P: below lo it is under 0 only if it is at lo
+    if m * lo >= fill_s(lo):
+        score = m * lo
+    else:
+        if m * hi < fill_s(hi):
+            hi = fill_s(hi) / m  # F(P) is constant beyond the last break
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if m * mid < fill_s(mid):
+                lo = mid
+            else:
+                hi = mid
+        score = min(m * lo, fill_s(hi))  # under max(m P, F(P)) everywhere (F decreasing)
+    return latency * (1.0 - 1e-9), score * (1.0 - 1e-9)
 
 
 def outside_s(floor: SizeFloor, pair: Pair, into: dict[int, float], out_of: dict[int, float],

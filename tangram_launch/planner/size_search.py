@@ -94,10 +94,8 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     # first round's would be done again whole: there the queries the split saves cost less than that (the same
     # plans either way)
     split = len({p.island for p in rest}) <= opts.exact_islands
-    # most promising first: by the geometric mean of the size's floor and its single-island plan (the best plan at
-    # b lies between them; a size whose floor is far below the others' can hold a pipeline beating them all)
     done_first = False
-    for _own, _floor, b in sorted(first, key=lambda t: (t[0] * t[1], t[1], t[2])) if rest else ():
+    for b in _visit_order(first) if rest else ():
         left = rest
         best = state.best
         if bnb and floors[b].pairs is not None and (best is None or len(best.composition.options) == 1):
@@ -125,6 +123,32 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
             _complete_best_class(state)
         done_first = True
     complete_deferred(state)  # the complete passes, bounded by the best plan over every size
+
+
+# sizes whose geometric means (_visit_order) are this close are a tie the single-island plans cannot split
+ORDER_TIE = 0.01
+
+
+def _visit_order(first: Sequence[tuple[float, float, int]]) -> list[int]:
+    """The sizes of ``first`` ((own single-island plan, floor, b) each) in the order the pipelined rounds visit
+    them, most promising first: by the geometric mean of the size's floor and its single-island plan (the best plan
+    at b lies between them; a size whose floor is far below the others' can hold a pipeline beating them all).
+    Means within ORDER_TIE of the first of a run of them are a tie (the single-island plan is no pipeline's
+    estimate), visited lowest floor first: the floor bounds the pipelines, and the first size visited is the one
+    split in rounds whose plan bounds every size after it. A heuristic for speed only: every size is visited (or
+    skipped by a safe floor) whatever the order, and the plan does not depend on it
+    (tests/test_c3_speed_more.py)."""
+    ranked = sorted(first, key=lambda t: (t[0] * t[1], t[1], t[2]))
+    out: list[int] = []
+    i = 0
+    while i < len(ranked):
+        lead = ranked[i][0] * ranked[i][1]
+        j = i + 1
+        while j < len(ranked) and ranked[j][0] * ranked[j][1] <= lead * (1.0 + ORDER_TIE):
+            j += 1
+        out.extend(b for _own, _floor, b in sorted(ranked[i:j], key=lambda t: (t[1], t[2])))
+        i = j
+    return out
 
 
 def _complete_best_class(state: SearchState) -> None:
