@@ -548,11 +548,7 @@ class SliceCoster:
         if pp == 1:
             return (n,)
         if len(self.rep) == 1:  # one layer kind: its weight and the edge extras are the context's, per grid
-            # the split of this grid's slices of n layers, looked up by the grid at once (a query asks per grid)
-            gkey = ("one kind split", self.kinds[0], tp, cp, ep, dp, mbs, self.has_embedding, self.has_head, pp, n)
-            sizes = self._split_cache.get(gkey)
-            if sizes is not None:
-                return sizes
+            # (not remembered per grid and slice length as well: a planning run asks each of those once)
             (kind,) = self.rep
             wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.has_embedding, self.has_head)
             wfl = self._split_cache.get(wkey)
@@ -563,7 +559,6 @@ class SliceCoster:
             sizes = self._split_cache.get(key)
             if sizes is None:
                 sizes = self._split_cache[key] = balanced_split_uniform(w, n, pp, first_extra=fe, last_extra=le)
-            self._split_cache[gkey] = sizes
         else:
             rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)
             weights = tuple(map(dict(zip(self.rep, rounded)).__getitem__, self.kinds))

@@ -521,6 +521,20 @@ def least_terms(columns: Mapping[int, tuple], sids: Sequence[int],
     return bn, fill, tail
 
 
+def least_heads(columns: Mapping[int, tuple], stage_heads: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """least_terms' largest least time and least tail alone, from the distinct stages (``stage_heads``): the score
+    floor m x bottleneck + tail needs no fill, so a caller whose grid that floor does not rule out sums the fill
+    (least_fill) only where a latency floor is needed."""
+    distinct = [columns[sid] for sid, _ in stage_heads]
+    return max(map(_LEAST_TIME, distinct)), max(map(_LEAST_TAIL, distinct))
+
+
+def least_fill(columns: Mapping[int, tuple], sids: Sequence[int], stage_heads: Sequence[tuple[int, int]]) -> float:
+    """least_terms' fill: each stage's least time added front to back (each distinct stage's looked up once)."""
+    least = {sid: columns[sid][5] for sid, _ in stage_heads}
+    return reduce(add, map(least.__getitem__, sids))
+
+
 def peak_memory(rows: Sequence[Sequence[tuple]], s: int, num_microbatches: int) -> float:
     """fit_depth's peak0 of saver combination s: the most memory any stage needs with no stage after the slice."""
     m = num_microbatches

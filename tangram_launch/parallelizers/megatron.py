@@ -58,10 +58,11 @@ from tangram_launch.costmodel.grid import (
     fills_of,
     judge_fill,
     judge_heads,
-    least_terms,
+    least_heads,
     peak_memory,
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
+from tangram_launch.costmodel.grid import least_fill as least_fill_of
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
 from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.errors import SpecError
@@ -719,14 +720,18 @@ class _GridSearch:
             saver_columns = self.saver_columns[skey] = table.saver_columns(allowed, m, self.cap)
         # each stage's rows (by_sid[its sig]) and their columns
         by_sid, columns = table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
-        least_fill = None
+        least = None  # (the stages' least times added up, where summed), on the bounded path of many combinations
         if self.bound and len(allowed) > 1:
-            least_bn, least_fill, least_tail = least_terms(columns, sigs, heads)
-            if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
-                self.bounded += 1  # no combination can beat either bound: not judged
-                return
+            least = [None, heads]
+            least_bn, least_tail = least_heads(columns, heads)
+            # the score floor first: only where it is beyond is the latency floor (and its fill) read
+            if m * least_bn + least_tail > grid_cut:
+                least[0] = least_fill_of(columns, sigs, heads)
+                if beyond_floors(least_bn, least[0], least_tail, m, self.lat_cut, grid_cut):
+                    self.bounded += 1  # no combination can beat either bound: not judged
+                    return
         self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves)), columns,
-                          judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
+                          judge_heads(columns, len(sigs), m, heads), grid_cut, least)
 
     def _floor(self, f: int) -> tuple:
         """The compute floors of GridIndex.fkeys[f]: (per-kind, embedding, head, the slice's total, its one kind's
@@ -747,11 +752,12 @@ class _GridSearch:
         return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
 
     def _keep_points(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
-                     least_fill: float | None) -> None:
+                     least: list | None) -> None:
         """Judged grid i's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class.
-        ``judged``: grid.judge_heads' answer; ``least_fill``: the stages' least times added up (grid.least_terms),
-        where known: a grid all of whose fitting combinations are beyond the bounds with it in place of their own
-        fill (under it to the last bit) has its fills left unsummed."""
+        ``judged``: grid.judge_heads' answer; ``least``: on the bounded path of many combinations, [the stages'
+        least times added up (grid.least_fill) or None until summed, heads(sigs)]: a grid all of whose fitting
+        combinations are beyond the bounds with it in place of their own fill (under it to the last bit) has its
+        fills left unsummed."""
         self.evaluated += len(allowed)
         grid = self.index.grids[i]
         bucket = self.points.setdefault(self.classes[i], [])  # classes in the order judged
@@ -764,8 +770,8 @@ class _GridSearch:
             if max(depth) < 0:
                 return
         m = self.m
-        if least_fill is not None:
-            self._keep_bounded(i, allowed, stages, columns, judged, grid_cut, least_fill)
+        if least is not None:
+            self._keep_bounded(i, allowed, stages, columns, judged, grid_cut, least)
             return
         fill = judge_fill(columns, stages.sigs, depth)
         # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
@@ -781,20 +787,26 @@ class _GridSearch:
             bucket.append(new(FrontPoint, (bottleneck[s], fill[s], tail[s], d, pp, n_gpus, grid, *saver, stages, s)))
 
     def _keep_bounded(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
-                      least_fill: float) -> None:
-        """_keep_points' fitting combinations under bounds, with the stages' least times added up (``least_fill``):
-        a combination beyond the bounds with it in place of its own fill (under it to the last bit) is beyond with
-        its own, so only the others have their fills summed (grid.fills_of), then judged as beyond_each does."""
+                      least: list) -> None:
+        """_keep_points' fitting combinations under bounds, with the stages' least times added up (``least``: that
+        sum, or None until a combination's score floor is beyond its cut, and the stages' heads): a combination
+        beyond the bounds with it in place of its own fill (under it to the last bit) is beyond with its own, so
+        only the others have their fills summed (grid.fills_of), then judged as beyond_each does."""
         bottleneck, tail, depth = judged
         m = self.m
         m1, lat_cut = m - 1, self.lat_cut
+        least_fill = least[0]
         live, fitting = [], 0
         for s, d in enumerate(depth):
             if d >= 0:
                 fitting += 1
                 bn_s, tail_s = bottleneck[s], tail[s]
-                if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
-                    live.append(s)
+                if m * bn_s + tail_s > grid_cut:  # (only then does the latency floor decide)
+                    if least_fill is None:
+                        least_fill = least_fill_of(columns, stages.sigs, least[1])
+                    if m1 * bn_s + least_fill + tail_s > lat_cut:
+                        continue
+                live.append(s)
         self.bounded += fitting - len(live)
         if not live:
             return
