@@ -594,6 +594,7 @@ class _GridSearch:
         self.q, self.table, self.coster, self.grids, self.savers = q, table, coster, grids, savers
         self.m = max(1, q.num_microbatches)
         self.cap = coster.capacity_bytes
+        self.gpus_per_node = coster.island.gpus_per_node
         self.points: dict[tuple, list[FrontPoint]] = {}  # by cross-stage class, in the order grids are judged
         self.misfits: list[_Misfit] = []
         self.shape_reasons: set[str] = set()
@@ -618,6 +619,12 @@ class _GridSearch:
             self.classes = table.grid_classes[self.gkey] = [cross_stage_class(q, g) for g in self.index.grids]
         self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> slice_floors.stage_need_parts, one kind
         self.room = math.inf
+        self.one_kind = None  # a one-kind slice's (kind, embedding, head, tied embeddings): StageTable.one_kind_heads
+        if len(coster.prefix) == 1:
+            self.one_kind = (next(iter(coster.prefix)), coster.has_embedding, coster.has_head,
+                             coster.model.tied_embeddings)
+            # (the grid list is one micro-batch size's)
+            self.knowns = self.index.known.setdefault(self.one_kind[:3], [None] * len(self.index.grids))
 
     def bound_grids(self) -> None:
         """Drop the grids whose floor cannot beat either bound, at once: (m - 1) x floor / pp + floor and
@@ -714,7 +721,12 @@ class _GridSearch:
         """Grid i, which its floors did not skip: its stages costed, then skipped by their least floors, else its
         combinations judged and kept (_keep_points)."""
         table, coster, m = self.table, self.coster, self.m
-        sigs, heads = table.signature_heads(coster, *dims, sizes)
+        if self.one_kind is not None and dims[1] > 2:  # (signature_heads' one-kind path, its inputs read once)
+            known = self.knowns[i] or self._known(i, dims)
+            sigs, heads = table.one_kind_heads(known[0], sizes, known[1], known[2], self.gpus_per_node,
+                                               self.one_kind)
+        else:
+            sigs, heads = table.signature_heads(coster, *dims, sizes)
         saver_columns = self.saver_columns.get(skey)
         if saver_columns is None:
             saver_columns = self.saver_columns[skey] = table.saver_columns(allowed, m, self.cap)
@@ -732,6 +744,13 @@ class _GridSearch:
                     return
         self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves)), columns,
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least)
+
+    def _known(self, i: int, dims: tuple) -> tuple:
+        """Grid i's StageTable.one_kind_heads inputs: its known signatures, signature dims and stage GPUs."""
+        tp, _pp, dp, cp, ep = dims
+        sig_dims = (self.q.microbatch_sequences, tp, dp, cp, ep)
+        known = self.knowns[i] = (self.table.known_sids(sig_dims, *self.one_kind[:3]), sig_dims, tp * cp * dp)
+        return known
 
     def _floor(self, f: int) -> tuple:
         """The compute floors of GridIndex.fkeys[f]: (per-kind, embedding, head, the slice's total, its one kind's
