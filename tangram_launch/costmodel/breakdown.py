@@ -549,23 +549,34 @@ class SliceCoster:
             return (n,)
         if len(self.rep) == 1:  # one layer kind: its weight and the edge extras are the context's, per grid
             # (not remembered per grid and slice length as well: a planning run asks each of those once)
-            (kind,) = self.rep
-            wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.has_embedding, self.has_head)
-            wfl = self._split_cache.get(wkey)
-            if wfl is None:
-                wfl = self._split_cache[wkey] = self._split_weights(tp, cp, ep, dp, mbs)
-            (w,), fe, le = wfl
-            key = (pp, (w, n), fe, le)
-            sizes = self._split_cache.get(key)
-            if sizes is None:
-                sizes = self._split_cache[key] = balanced_split_uniform(w, n, pp, first_extra=fe, last_extra=le)
-        else:
-            rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)
-            weights = tuple(map(dict(zip(self.rep, rounded)).__getitem__, self.kinds))
-            key = (pp, weights, fe, le)
-            sizes = self._split_cache.get(key)
-            if sizes is None:
-                sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=fe, last_extra=le)
+            return self.one_kind_split(self.one_kind_weights(tp, cp, ep, dp, mbs), pp)
+        rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)
+        weights = tuple(map(dict(zip(self.rep, rounded)).__getitem__, self.kinds))
+        key = (pp, weights, fe, le)
+        sizes = self._split_cache.get(key)
+        if sizes is None:
+            sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=fe, last_extra=le)
+        assert len(sizes) == pp and n >= pp
+        return sizes
+
+    def one_kind_weights(self, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple:
+        """A one-kind slice's _split_weights for a grid (the context's, kept in the split cache): what
+        one_kind_split takes, for a caller that keeps them per grid."""
+        (kind,) = self.rep
+        wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.has_embedding, self.has_head)
+        wfl = self._split_cache.get(wkey)
+        if wfl is None:
+            wfl = self._split_cache[wkey] = self._split_weights(tp, cp, ep, dp, mbs)
+        return wfl
+
+    def one_kind_split(self, weights: tuple, pp: int) -> tuple[int, ...]:
+        """split_sizes of a one-kind slice into pp > 1 stages under its grid's one_kind_weights."""
+        (w,), fe, le = weights
+        n = len(self.layer_ids)
+        key = (pp, (w, n), fe, le)
+        sizes = self._split_cache.get(key)
+        if sizes is None:
+            sizes = self._split_cache[key] = balanced_split_uniform(w, n, pp, first_extra=fe, last_extra=le)
         assert len(sizes) == pp and n >= pp
         return sizes
 

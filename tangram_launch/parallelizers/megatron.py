@@ -620,6 +620,7 @@ class _GridSearch:
         self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> slice_floors.stage_need_parts, one kind
         self.room = math.inf
         self.one_kind = None  # a one-kind slice's (kind, embedding, head, tied embeddings): StageTable.one_kind_heads
+        self.knowns: list = []  # GridIndex.known's list of the slice's kind, embedding and head (_known)
         if len(coster.prefix) == 1:
             self.one_kind = (next(iter(coster.prefix)), coster.has_embedding, coster.has_head,
                              coster.model.tied_embeddings)
@@ -687,6 +688,7 @@ class _GridSearch:
         bound, max_pp, lat_cut, misfits = self.bound, self.max_pp, self.lat_cut, self.stage_parts is not None
         pp_cut = self.pp_cut if bound else None
         floor = grid_cut = math.inf
+        one_kind, knowns, one_kind_split = self.one_kind is not None, self.knowns, coster.one_kind_split
         for i in indices:
             skey = saver_keys[i]
             allowed = saver_cache.get(skey)
@@ -705,7 +707,10 @@ class _GridSearch:
                                                                      lat_cut, grid_cut):
                     self.bounded += 1
                     continue
-            sizes = split_sizes(pp, tp, cp, ep, dp, b // dp)
+            if one_kind and pp > 1:  # (split_sizes' one-kind path, the grid's weights kept per grid list)
+                sizes = one_kind_split((knowns[i] or self._known(i, dims))[3], pp)
+            else:
+                sizes = split_sizes(pp, tp, cp, ep, dp, b // dp)
             # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
             if bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m, lat_cut,
                                                   grid_cut):
@@ -746,10 +751,13 @@ class _GridSearch:
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least)
 
     def _known(self, i: int, dims: tuple) -> tuple:
-        """Grid i's StageTable.one_kind_heads inputs: its known signatures, signature dims and stage GPUs."""
+        """Grid i's StageTable.one_kind_heads inputs (its known signatures, signature dims and stage GPUs) and its
+        SliceCoster.one_kind_weights."""
         tp, _pp, dp, cp, ep = dims
-        sig_dims = (self.q.microbatch_sequences, tp, dp, cp, ep)
-        known = self.knowns[i] = (self.table.known_sids(sig_dims, *self.one_kind[:3]), sig_dims, tp * cp * dp)
+        b = self.q.microbatch_sequences
+        sig_dims = (b, tp, dp, cp, ep)
+        known = self.knowns[i] = (self.table.known_sids(sig_dims, *self.one_kind[:3]), sig_dims, tp * cp * dp,
+                                  self.coster.one_kind_weights(tp, cp, ep, dp, b // dp))
         return known
 
     def _floor(self, f: int) -> tuple:
