@@ -151,16 +151,19 @@ def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
     return key
 
 
-def _front(points: dict[tuple, list[tuple]], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+def _front(points: dict[tuple, list[tuple]], stage_times: Callable[[tuple], tuple],
+           alike: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """The answer's points: per cross-stage class, those no other point of the same ports stands for under the
-    plain 1F1B score (exact_front). ``stage_times``: a point -> its stages' (forward_s, backward_s), front to back."""
+    plain 1F1B score (exact_front). ``stage_times``: a point -> its stages' (forward_s, backward_s), front to back;
+    ``alike``: see exact_front."""
     out: list[tuple] = []
     for bucket in points.values():
-        out += exact_front(bucket, stage_times)
+        out += exact_front(bucket, stage_times, alike)
     return out
 
 
-def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple],
+                alike: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """Points no other point stands for under the score the planner ranks plans by, the plain 1F1B event simulation
     plus the tail (build.Candidates.simulated_s), not the closed form (m - 1) x bottleneck + fill + tail.
 
@@ -187,18 +190,23 @@ def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> l
     layers per stage and no more bytes at every stage as well would make the front exact there too; it keeps many
     more plans (a faster plan with more activations no longer stands for a leaner one) and planning of the largest
     benchmark cluster under torch took several times the CPU, so it is not done. Nor are measured wake-up charges,
-    which go to the slowest stage (costmodel/wake.py)."""
+    which go to the slowest stage (costmodel/wake.py).
+
+    ``alike``, where given: a point -> (what its stages are, their distinct stages' (forward_s, backward_s) in one
+    order, flat): two points whose stages are the same object (one grid's saver combinations: stage j of each is
+    its signature's) compare stage by stage exactly when they compare those, each distinct stage once."""
     by_ports: dict[tuple, list[tuple]] = {}
     for pt in points:
         g = pt[6]
         by_ports.setdefault((g.tp, g.cp, g.dp, pt[4], pt[5]), []).append(pt)
     kept: list[tuple] = []
     for group in by_ports.values():
-        kept += _ported_front(group, stage_times)
+        kept += _ported_front(group, stage_times, alike)
     return kept
 
 
-def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple],
+                  alike: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """exact_front of points with the same ports: sorted by (bottleneck, fill, tail, -depth), which the dominance
     respects (stage by stage <= gives max and front-to-back sums <=, rounding being monotone), so a point's
     dominators come first; a point's stage times are read once its closed-form terms make it a possible dominator
@@ -206,14 +214,25 @@ def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) ->
     if len(points) == 1:
         return points
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3]))
-    # per kept point: [fill_s, tail_s, depth, its flat stage times (None until read), the point]
+    # per kept point: [fill_s, tail_s, depth, its flat stage times (None until read), the point, alike(point) (None
+    # until read)]
     terms: list[list] = []
     le, flat = operator.le, itertools.chain.from_iterable
     for p in pts:
         fill, tail, depth = p[1], p[2], p[3]
-        mine = None
+        mine = mine_alike = None
         for c in terms:
             if c[0] <= fill and c[1] <= tail and c[2] >= depth:
+                if alike is not None:
+                    if mine_alike is None:
+                        mine_alike = alike(p)
+                    theirs = c[5]
+                    if theirs is None:
+                        theirs = c[5] = alike(c[4])
+                    if theirs[0] is mine_alike[0]:  # the same stages: their distinct ones decide
+                        if all(map(le, theirs[1], mine_alike[1])):
+                            break
+                        continue
                 if mine is None:
                     mine = tuple(flat(stage_times(p)))
                 theirs = c[3]
@@ -222,7 +241,7 @@ def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) ->
                 if all(map(le, theirs, mine)):
                     break
         else:
-            terms.append([fill, tail, depth, mine, p])
+            terms.append([fill, tail, depth, mine, p, mine_alike])
     return [t[4] for t in terms]
 
 
@@ -421,7 +440,7 @@ class MegatronParallelizer:
             reason = self._infeasible(q, coster, search.least_memory(), search.shape_reasons, m, cap)
             return SliceResult(key, (), reason, search.evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
-        front = sorted(_front(points, search.stage_times), key=lambda pt: (pt[0], pt[5]))
+        front = sorted(_front(points, search.stage_times, search.alike), key=lambda pt: (pt[0], pt[5]))
         layers = tuple(q.layers)
         plans = tuple(self._lazy_plan(search.table, coster, layers, (m, cap), pt) for pt in front)
         coster.clear_grid_cache()  # lazy plans keep the coster; its per-grid sums are in the table already
@@ -456,7 +475,7 @@ class MegatronParallelizer:
                    point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        grid, zero, r, off, (sizes, sigs, by_sid, _halves), s = point[6:]  # after the six objectives
+        grid, zero, r, off, (sizes, sigs, by_sid, _halves, _distinct), s = point[6:]  # after the six objectives
         pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
@@ -556,6 +575,7 @@ class StagesCosted(NamedTuple):
     sigs: tuple
     by_sid: dict
     halves: dict
+    distinct: list[int]  # the distinct signatures, front to back (grid.heads')
 
 
 class FrontPoint(NamedTuple):
@@ -747,7 +767,8 @@ class _GridSearch:
                 if beyond_floors(least_bn, least[0], least_tail, m, self.lat_cut, grid_cut):
                     self.bounded += 1  # no combination can beat either bound: not judged
                     return
-        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves)), columns,
+        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves,
+                                                                 [sid for sid, _ in heads])), columns,
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least)
 
     def _known(self, i: int, dims: tuple) -> tuple:
@@ -853,6 +874,13 @@ class _GridSearch:
         plan's StageCosts carry (StageTable.explained_stage), as fast_rows made them beside the rows judged."""
         halves, s = point[10].halves, point[11]
         return tuple([halves[sid][s] for sid in point[10].sigs])
+
+    def alike(self, point: tuple) -> tuple:
+        """exact_front's ``alike`` of a FrontPoint: its StagesCosted and its distinct stages' (forward_s,
+        backward_s), flat (the numbers stage_times reads of them)."""
+        stages, s = point[10], point[11]
+        halves = stages.halves
+        return stages, tuple(itertools.chain.from_iterable([halves[sid][s] for sid in stages.distinct]))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
