@@ -1,6 +1,7 @@
 """Slice queries made cheaper (issue 41: the exact search over every micro-batch size asks many more of them) answer
 exactly what the plain paths answer: the score floor read before a grid's least fill is summed, a one-kind slice's
-signatures and split from inputs kept per grid list (GridIndex.known), not rebuilt per grid and query."""
+signatures and split from inputs kept per grid list (GridIndex.known), not rebuilt per grid and query, and one
+grid's saver combinations compared on their distinct stages in exact_front."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -48,8 +49,9 @@ def _seen(r):
 
 def _plain_search(mp: pytest.MonkeyPatch) -> None:
     """Queries from here on take the general paths: StageTable.signature_heads and SliceCoster.split_sizes per grid
-    (no one-kind inputs kept per grid list), and every least fill summed before the score floor is read."""
-    init, keep = megatron._GridSearch.__init__, megatron._GridSearch._keep_bounded
+    (no one-kind inputs kept per grid list), every least fill summed before the score floor is read, and
+    exact_front comparing every stage of two points (not one grid's distinct stages once)."""
+    init, keep, front = megatron._GridSearch.__init__, megatron._GridSearch._keep_bounded, megatron._front
 
     def general(self, *a, **k):
         init(self, *a, **k)
@@ -62,6 +64,7 @@ def _plain_search(mp: pytest.MonkeyPatch) -> None:
 
     mp.setattr(megatron._GridSearch, "__init__", general)
     mp.setattr(megatron._GridSearch, "_keep_bounded", eager)
+    mp.setattr(megatron, "_front", lambda points, stage_times, alike=None: front(points, stage_times))
 
 
 @settings(max_examples=60, deadline=None)
