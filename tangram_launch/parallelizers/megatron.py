@@ -475,20 +475,20 @@ class MegatronParallelizer:
                    point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        grid, zero, r, off, (sizes, sigs, by_sid, _halves, _distinct), s = point[6:]  # after the six objectives
+        grid, zero, r, off, (sizes, sigs, by_sid, _halves, heads), s = point[6:]  # after the six objectives
         pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
         if len(sigs) > 8:  # a long pipeline: each distinct stage's row looked up once
-            rows = {sid: by_sid[sid][s] for sid in dict.fromkeys(sigs)}
+            rows = {sid: by_sid[sid][s] for sid, _ in heads}
             times, static, act, tails = zip(*map(rows.__getitem__, sigs))  # (time, static, act, sync+opt)
         else:
             times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])
         # (SliceNumbers made as its class's __new__ does; the hint: m, capacity and fit_depth's depth)
         numbers = tuple.__new__(SliceNumbers, (shapes, mbss, times, static, act, tails, (*judged, point[3])))
-        return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
-                             build=lambda: self._stages(table, coster, _config(grid, zero, r, off),
-                                                        coster.stage_ranges(sizes), sigs))
+        return LazySlicePlan.of_numbers(coster.island.name, layers, self.name, numbers,
+                                        lambda: self._stages(table, coster, _config(grid, zero, r, off),
+                                                             coster.stage_ranges(sizes), sigs))
 
     def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
@@ -575,7 +575,7 @@ class StagesCosted(NamedTuple):
     sigs: tuple
     by_sid: dict
     halves: dict
-    distinct: list[int]  # the distinct signatures, front to back (grid.heads')
+    heads: list[tuple[int, int]]  # each distinct signature, front to back, with its first stage (grid.heads)
 
 
 class FrontPoint(NamedTuple):
@@ -767,8 +767,7 @@ class _GridSearch:
                 if beyond_floors(least_bn, least[0], least_tail, m, self.lat_cut, grid_cut):
                     self.bounded += 1  # no combination can beat either bound: not judged
                     return
-        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves,
-                                                                 [sid for sid, _ in heads])), columns,
+        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves, heads)), columns,
                           judge_heads(columns, len(sigs), m, heads), grid_cut, least)
 
     def _known(self, i: int, dims: tuple) -> tuple:
@@ -880,7 +879,7 @@ class _GridSearch:
         backward_s), flat (the numbers stage_times reads of them)."""
         stages, s = point[10], point[11]
         halves = stages.halves
-        return stages, tuple(itertools.chain.from_iterable([halves[sid][s] for sid in stages.distinct]))
+        return stages, tuple(itertools.chain.from_iterable([halves[sid][s] for sid, _ in stages.heads]))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
