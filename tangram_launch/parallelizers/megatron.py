@@ -36,6 +36,7 @@ the explained breakdown) are built on first read, so a planning run builds only 
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -649,7 +650,8 @@ class _GridSearch:
 
     def bound_grids(self) -> None:
         """Drop the grids whose floor cannot beat either bound, at once: (m - 1) x floor / pp + floor and
-        m x floor / pp, for every memory saver (the same float operations as one by one)."""
+        m x floor / pp, for every memory saver (the same float operations as one by one). Only the grids still
+        kept are read (the listed ones the slice can hold: a short slice's are few of a long list)."""
         q, coster, index, m = self.q, self.coster, self.index, self.m
         floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads
         self.hits, kind_floors, emb_floors, head_floors = _floor_arrays(self.table, index, coster, self.gkey,
@@ -658,45 +660,51 @@ class _GridSearch:
         for k, c in coster.layer_counts():
             totals = totals + c * kind_floors[k]
         self.totals = totals = totals + emb_floors + head_floors
-        tot = totals[index.fkey_ids]
-        # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
-        cuts = slack_cut(np.array(q.score_bounds_at(index.pp_values), dtype=np.float64))
+        kept = np.flatnonzero(self.keep)
+        tot, pp = totals[index.fkey_ids[kept]], index.pp[kept]
+        # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid: those of
+        # more stages than the slice has layers hold no kept grid (inf)
+        held = bisect.bisect_right(index.pp_values, self.max_pp)
+        bounds = q.score_bounds_at(index.pp_values[:held]) + [math.inf] * (len(index.pp_values) - held)
+        cuts = slack_cut(np.array(bounds, dtype=np.float64))
         self.pp_cut = cuts.tolist()
-        score_cut = cuts[index.pp_ids]
+        score_cut = cuts[index.pp_ids[kept]]
         # (the grid's floor spread over its stages, as the floors always summed it)
-        beyond = beyond_array((m - 1) * tot / index.pp + tot, m * tot / index.pp, self.lat_cut, score_cut) & self.keep
+        beyond = beyond_array((m - 1) * tot / pp + tot, m * tot / pp, self.lat_cut, score_cut)
         self.bounded += int(np.count_nonzero(beyond))
-        self.keep &= ~beyond
+        self.keep[kept[beyond]] = False
 
     def too_big_grids(self) -> None:
         """Drop the grids none of whose combinations fits, on average over their stages (and, for a one-kind slice,
-        at the stage with the most layers under its best combination)."""
+        at the stage with the most layers under its best combination). Only the grids still kept are read."""
         coster, index = self.coster, self.index
         kind_mem, emb_mem, head_mem, stage_terms = _memory_arrays(self.table, index, coster, self.gkey,
                                                                   self.saver_cache_key, self.saver_cache,
                                                                   self.savers)
+        kept = np.flatnonzero(self.keep)
         need = 0
         counts = coster.layer_counts()
         for k, c in counts:
-            need = need + c * kind_mem[k]
+            need = need + c * kind_mem[k][kept]
         if coster.has_embedding:
-            need = need + emb_mem
+            need = need + emb_mem[kept]
         if coster.has_head:
-            need = need + head_mem
+            need = need + head_mem[kept]
         room = self.room = self.cap * (1.0 + 1e-9) - coster.overhead_bytes  # the floors sum in other orders
-        over = need > room * index.pp
+        pp = index.pp[kept]
+        over = need > room * pp
         if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
-            most = np.ceil(counts[0][1] / index.pp)
-            over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
+            if len(kept):
+                most = np.ceil(counts[0][1] / pp)
+                over |= (stage_terms[0][kept] * most[:, None] + stage_terms[1][kept]).min(axis=1) > room
             self.kind = counts[0][0]
             self.stage_parts = self.table.memory_floors.setdefault(
                 ("parts", self.gkey, self.saver_cache_key, self.kind, _whole(coster)), {})
             model = self.q.model  # the edges' dense parameters a first or last stage holds (before TP)
             self.edges = (model.embedding_params() if coster.has_embedding else 0,
                           model.head_params() if coster.has_head else 0)
-        over &= self.keep
         self.too_big = int(np.count_nonzero(over))
-        self.keep &= ~over
+        self.keep[kept[over]] = False
 
     def judge_grids(self, indices: list[int]) -> None:
         """Each grid of ``indices``, in listed order: skipped by its bounds or memory floors, else costed and its
@@ -767,8 +775,8 @@ class _GridSearch:
                 if beyond_floors(least_bn, least[0], least_tail, m, self.lat_cut, grid_cut):
                     self.bounded += 1  # no combination can beat either bound: not judged
                     return
-        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves, heads)), columns,
-                          judge_heads(columns, len(sigs), m, heads), grid_cut, least)
+        stages = tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves, heads))
+        self._keep_points(i, allowed, stages, columns, judge_heads(columns, len(sigs), m, heads), grid_cut, least)
 
     def _known(self, i: int, dims: tuple) -> tuple:
         """Grid i's StageTable.one_kind_heads inputs (its known signatures, signature dims and stage GPUs) and its
