@@ -548,29 +548,35 @@ class SliceCoster:
         if pp == 1:
             return (n,)
         if len(self.rep) == 1:  # one layer kind: its weight and the edge extras are the context's, per grid
-            # the split of this grid's slices of n layers, looked up by the grid at once (a query asks per grid)
-            gkey = ("one kind split", self.kinds[0], tp, cp, ep, dp, mbs, self.has_embedding, self.has_head, pp, n)
-            sizes = self._split_cache.get(gkey)
-            if sizes is not None:
-                return sizes
-            (kind,) = self.rep
-            wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.has_embedding, self.has_head)
-            wfl = self._split_cache.get(wkey)
-            if wfl is None:
-                wfl = self._split_cache[wkey] = self._split_weights(tp, cp, ep, dp, mbs)
-            (w,), fe, le = wfl
-            key = (pp, (w, n), fe, le)
-            sizes = self._split_cache.get(key)
-            if sizes is None:
-                sizes = self._split_cache[key] = balanced_split_uniform(w, n, pp, first_extra=fe, last_extra=le)
-            self._split_cache[gkey] = sizes
-        else:
-            rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)
-            weights = tuple(map(dict(zip(self.rep, rounded)).__getitem__, self.kinds))
-            key = (pp, weights, fe, le)
-            sizes = self._split_cache.get(key)
-            if sizes is None:
-                sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=fe, last_extra=le)
+            # (not remembered per grid and slice length as well: a planning run asks each of those once)
+            return self.one_kind_split(self.one_kind_weights(tp, cp, ep, dp, mbs), pp)
+        rounded, fe, le = self._split_weights(tp, cp, ep, dp, mbs)
+        weights = tuple(map(dict(zip(self.rep, rounded)).__getitem__, self.kinds))
+        key = (pp, weights, fe, le)
+        sizes = self._split_cache.get(key)
+        if sizes is None:
+            sizes = self._split_cache[key] = balanced_split(weights, pp, first_extra=fe, last_extra=le)
+        assert len(sizes) == pp and n >= pp
+        return sizes
+
+    def one_kind_weights(self, tp: int, cp: int, ep: int, dp: int, mbs: int) -> tuple:
+        """A one-kind slice's _split_weights for a grid (the context's, kept in the split cache): what
+        one_kind_split takes, for a caller that keeps them per grid."""
+        (kind,) = self.rep
+        wkey = ("one kind", kind, tp, cp, ep, dp, mbs, self.has_embedding, self.has_head)
+        wfl = self._split_cache.get(wkey)
+        if wfl is None:
+            wfl = self._split_cache[wkey] = self._split_weights(tp, cp, ep, dp, mbs)
+        return wfl
+
+    def one_kind_split(self, weights: tuple, pp: int) -> tuple[int, ...]:
+        """split_sizes of a one-kind slice into pp > 1 stages under its grid's one_kind_weights."""
+        (w,), fe, le = weights
+        n = len(self.layer_ids)
+        key = (pp, (w, n), fe, le)
+        sizes = self._split_cache.get(key)
+        if sizes is None:
+            sizes = self._split_cache[key] = balanced_split_uniform(w, n, pp, first_extra=fe, last_extra=le)
         assert len(sizes) == pp and n >= pp
         return sizes
 

@@ -58,6 +58,9 @@ class GridIndex:
         number = {pair: n for n, pair in enumerate(firsts)}
         self.pairs = [(f, skey, self.grids[i]) for (f, skey), i in firsts.items()]
         self.pair_ids = np.array([number[pair] for pair in zip(self.fkey_list, self.saver_keys)], dtype=np.intp)
+        # (layer kind, slice's embedding, head) -> per grid, (StageTable.known_sids, signature dims, stage GPUs) or
+        # None until a one-kind query of this micro-batch size costs the grid (StageTable.one_kind_heads' inputs)
+        self.known: dict[tuple, list] = {}
 
 
 class StageTable:
@@ -165,18 +168,31 @@ class StageTable:
         links and whether it is the first or last stage, so the many alike middle stages of a long pipeline are
         looked up once (the same numbers as the general loop). Which stages are alike depends only on the sizes and
         the links: that pattern is found once per (sizes, stage GPUs, GPUs per node) for every query and grid."""
-        pp = len(sizes)
         kind = next(iter(coster.prefix))
+        q_emb, q_head = coster.has_embedding, coster.has_head
+        return self.one_kind_heads(self.known_sids(dims, kind, q_emb, q_head), sizes, dims, stage_gpus, g,
+                                   (kind, q_emb, q_head, tied))
+
+    def known_sids(self, dims: tuple, kind: str, q_emb: bool, q_head: bool) -> dict:
+        """The signatures met so far of one-kind stages of a grid (``dims``: b, tp, dp, cp, ep) in slices with or
+        without the embedding and head, by _pattern's stage key (one_kind_heads)."""
+        known = self.stage_sids.get((dims, kind, q_emb, q_head))
+        if known is None:
+            known = self.stage_sids[dims, kind, q_emb, q_head] = {}
+        return known
+
+    def one_kind_heads(self, known: dict, sizes: tuple[int, ...], dims: tuple, stage_gpus: int, g: int,
+                       slice_kind: tuple[str, bool, bool, bool]) -> tuple[list[int], list[tuple[int, int]]]:
+        """_one_kind_signatures' answer, for a caller that holds the grid's ``known`` (known_sids) and the slice's
+        (layer kind, embedding, head, tied embeddings) already (a query's hot loop: read once, not per grid)."""
+        pp = len(sizes)
         pattern = self.patterns.get((sizes, stage_gpus, g))
         if pattern is None:
             pattern = self.patterns[sizes, stage_gpus, g] = self._pattern(sizes, stage_gpus, g)
         distinct, order, firsts, keys = pattern
-        q_emb, q_head = coster.has_embedding, coster.has_head
+        kind, q_emb, q_head, tied = slice_kind
         # a stage's key (size, links, first/last position, as _pattern's int) and these give its signature (pp > 2:
         # the first stage is never the last): stages met before under them are looked up by their key alone
-        known = self.stage_sids.get((dims, kind, q_emb, q_head))
-        if known is None:
-            known = self.stage_sids[dims, kind, q_emb, q_head] = {}
         local = list(map(known.get, distinct))
         if None in local:
             ids = self.sig_ids
@@ -519,6 +535,20 @@ def least_terms(columns: Mapping[int, tuple], sids: Sequence[int],
     bn = max(map(_LEAST_TIME, distinct))
     fill = reduce(add, map(_LEAST_TIME, map(columns.__getitem__, sids)))  # front to back, one add at a time
     return bn, fill, tail
+
+
+def least_heads(columns: Mapping[int, tuple], stage_heads: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """least_terms' largest least time and least tail alone, from the distinct stages (``stage_heads``): the score
+    floor m x bottleneck + tail needs no fill, so a caller whose grid that floor does not rule out sums the fill
+    (least_fill) only where a latency floor is needed."""
+    distinct = [columns[sid] for sid, _ in stage_heads]
+    return max(map(_LEAST_TIME, distinct)), max(map(_LEAST_TAIL, distinct))
+
+
+def least_fill(columns: Mapping[int, tuple], sids: Sequence[int], stage_heads: Sequence[tuple[int, int]]) -> float:
+    """least_terms' fill: each stage's least time added front to back (each distinct stage's looked up once)."""
+    least = {sid: columns[sid][5] for sid, _ in stage_heads}
+    return reduce(add, map(least.__getitem__, sids))
 
 
 def peak_memory(rows: Sequence[Sequence[tuple]], s: int, num_microbatches: int) -> float:

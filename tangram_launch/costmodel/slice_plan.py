@@ -251,6 +251,16 @@ class LazySlicePlan(SlicePlan):
         object.__setattr__(self, "_numbers", numbers)
         object.__setattr__(self, "_build", build)
 
+    @classmethod
+    def of_numbers(cls, island: str, layers: tuple[int, int], parallelizer: str, numbers: SliceNumbers,
+                   build: "Callable[[], tuple[StageCost, ...]]") -> "LazySlicePlan":
+        """LazySlicePlan(island, layers, parallelizer=..., numbers=..., build=...), the same attributes set at once
+        (a parallelizer's answers make many of them; both are given here, so nothing to check)."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(island=island, layers=layers, parallelizer=parallelizer, _stages=None, _numbers=numbers,
+                             _build=build)
+        return plan
+
     @property  # type: ignore[override]
     def stages(self) -> tuple[StageCost, ...]:
         st = self._stages

@@ -36,6 +36,7 @@ the explained breakdown) are built on first read, so a planning run builds only 
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -58,10 +59,11 @@ from tangram_launch.costmodel.grid import (
     fills_of,
     judge_fill,
     judge_heads,
-    least_terms,
+    least_heads,
     peak_memory,
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
+from tangram_launch.costmodel.grid import least_fill as least_fill_of
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
 from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.errors import SpecError
@@ -150,16 +152,19 @@ def cross_stage_class(q: SliceQuery, cfg: ParallelConfig) -> tuple:
     return key
 
 
-def _front(points: dict[tuple, list[tuple]], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+def _front(points: dict[tuple, list[tuple]], stage_times: Callable[[tuple], tuple],
+           alike: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """The answer's points: per cross-stage class, those no other point of the same ports stands for under the
-    plain 1F1B score (exact_front). ``stage_times``: a point -> its stages' (forward_s, backward_s), front to back."""
+    plain 1F1B score (exact_front). ``stage_times``: a point -> its stages' (forward_s, backward_s), front to back;
+    ``alike``: see exact_front."""
     out: list[tuple] = []
     for bucket in points.values():
-        out += exact_front(bucket, stage_times)
+        out += exact_front(bucket, stage_times, alike)
     return out
 
 
-def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple],
+                alike: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """Points no other point stands for under the score the planner ranks plans by, the plain 1F1B event simulation
     plus the tail (build.Candidates.simulated_s), not the closed form (m - 1) x bottleneck + fill + tail.
 
@@ -186,18 +191,23 @@ def exact_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> l
     layers per stage and no more bytes at every stage as well would make the front exact there too; it keeps many
     more plans (a faster plan with more activations no longer stands for a leaner one) and planning of the largest
     benchmark cluster under torch took several times the CPU, so it is not done. Nor are measured wake-up charges,
-    which go to the slowest stage (costmodel/wake.py)."""
+    which go to the slowest stage (costmodel/wake.py).
+
+    ``alike``, where given: a point -> (what its stages are, their distinct stages' (forward_s, backward_s) in one
+    order, flat): two points whose stages are the same object (one grid's saver combinations: stage j of each is
+    its signature's) compare stage by stage exactly when they compare those, each distinct stage once."""
     by_ports: dict[tuple, list[tuple]] = {}
     for pt in points:
         g = pt[6]
         by_ports.setdefault((g.tp, g.cp, g.dp, pt[4], pt[5]), []).append(pt)
     kept: list[tuple] = []
     for group in by_ports.values():
-        kept += _ported_front(group, stage_times)
+        kept += _ported_front(group, stage_times, alike)
     return kept
 
 
-def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) -> list[tuple]:
+def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple],
+                  alike: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """exact_front of points with the same ports: sorted by (bottleneck, fill, tail, -depth), which the dominance
     respects (stage by stage <= gives max and front-to-back sums <=, rounding being monotone), so a point's
     dominators come first; a point's stage times are read once its closed-form terms make it a possible dominator
@@ -205,14 +215,25 @@ def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) ->
     if len(points) == 1:
         return points
     pts = sorted(points, key=lambda p: (p[0], p[1], p[2], -p[3]))
-    # per kept point: [fill_s, tail_s, depth, its flat stage times (None until read), the point]
+    # per kept point: [fill_s, tail_s, depth, its flat stage times (None until read), the point, alike(point) (None
+    # until read)]
     terms: list[list] = []
     le, flat = operator.le, itertools.chain.from_iterable
     for p in pts:
         fill, tail, depth = p[1], p[2], p[3]
-        mine = None
+        mine = mine_alike = None
         for c in terms:
             if c[0] <= fill and c[1] <= tail and c[2] >= depth:
+                if alike is not None:
+                    if mine_alike is None:
+                        mine_alike = alike(p)
+                    theirs = c[5]
+                    if theirs is None:
+                        theirs = c[5] = alike(c[4])
+                    if theirs[0] is mine_alike[0]:  # the same stages: their distinct ones decide
+                        if all(map(le, theirs[1], mine_alike[1])):
+                            break
+                        continue
                 if mine is None:
                     mine = tuple(flat(stage_times(p)))
                 theirs = c[3]
@@ -221,7 +242,7 @@ def _ported_front(points: list[tuple], stage_times: Callable[[tuple], tuple]) ->
                 if all(map(le, theirs, mine)):
                     break
         else:
-            terms.append([fill, tail, depth, mine, p])
+            terms.append([fill, tail, depth, mine, p, mine_alike])
     return [t[4] for t in terms]
 
 
@@ -420,7 +441,7 @@ class MegatronParallelizer:
             reason = self._infeasible(q, coster, search.least_memory(), search.shape_reasons, m, cap)
             return SliceResult(key, (), reason, search.evaluated)
         # the answer's order: by bottleneck, then GPUs (SlicePlan.bottleneck_s and num_gpus of the plans)
-        front = sorted(_front(points, search.stage_times), key=lambda pt: (pt[0], pt[5]))
+        front = sorted(_front(points, search.stage_times, search.alike), key=lambda pt: (pt[0], pt[5]))
         layers = tuple(q.layers)
         plans = tuple(self._lazy_plan(search.table, coster, layers, (m, cap), pt) for pt in front)
         coster.clear_grid_cache()  # lazy plans keep the coster; its per-grid sums are in the table already
@@ -455,20 +476,20 @@ class MegatronParallelizer:
                    point: tuple) -> LazySlicePlan:
         """A front point as a slice plan: its numbers from the judged rows (those its built stages carry, bit for
         bit), its StageCosts built only if someone reads them."""
-        grid, zero, r, off, (sizes, sigs, by_sid, _halves), s = point[6:]  # after the six objectives
+        grid, zero, r, off, (sizes, sigs, by_sid, _halves, heads), s = point[6:]  # after the six objectives
         pp = len(sizes)
         mbs = coster.q.microbatch_sequences // grid.dp
         shapes, mbss = self._shapes(grid, zero, r, off, pp, mbs)
         if len(sigs) > 8:  # a long pipeline: each distinct stage's row looked up once
-            rows = {sid: by_sid[sid][s] for sid in dict.fromkeys(sigs)}
+            rows = {sid: by_sid[sid][s] for sid, _ in heads}
             times, static, act, tails = zip(*map(rows.__getitem__, sigs))  # (time, static, act, sync+opt)
         else:
             times, static, act, tails = zip(*[by_sid[sid][s] for sid in sigs])
         # (SliceNumbers made as its class's __new__ does; the hint: m, capacity and fit_depth's depth)
         numbers = tuple.__new__(SliceNumbers, (shapes, mbss, times, static, act, tails, (*judged, point[3])))
-        return LazySlicePlan(coster.island.name, layers, parallelizer=self.name, numbers=numbers,
-                             build=lambda: self._stages(table, coster, _config(grid, zero, r, off),
-                                                        coster.stage_ranges(sizes), sigs))
+        return LazySlicePlan.of_numbers(coster.island.name, layers, self.name, numbers,
+                                        lambda: self._stages(table, coster, _config(grid, zero, r, off),
+                                                             coster.stage_ranges(sizes), sigs))
 
     def _shapes(self, grid: ParallelConfig, zero: int, r: int, off: bool, pp: int, mbs: int) -> tuple[tuple, tuple]:
         """A configuration's stage shapes and micro-batch sizes: one pair of tuples per configuration across
@@ -555,6 +576,7 @@ class StagesCosted(NamedTuple):
     sigs: tuple
     by_sid: dict
     halves: dict
+    heads: list[tuple[int, int]]  # each distinct signature, front to back, with its first stage (grid.heads)
 
 
 class FrontPoint(NamedTuple):
@@ -593,6 +615,7 @@ class _GridSearch:
         self.q, self.table, self.coster, self.grids, self.savers = q, table, coster, grids, savers
         self.m = max(1, q.num_microbatches)
         self.cap = coster.capacity_bytes
+        self.gpus_per_node = coster.island.gpus_per_node
         self.points: dict[tuple, list[FrontPoint]] = {}  # by cross-stage class, in the order grids are judged
         self.misfits: list[_Misfit] = []
         self.shape_reasons: set[str] = set()
@@ -617,10 +640,18 @@ class _GridSearch:
             self.classes = table.grid_classes[self.gkey] = [cross_stage_class(q, g) for g in self.index.grids]
         self.stage_parts = None  # (GridIndex.fkeys' index, saver key) -> slice_floors.stage_need_parts, one kind
         self.room = math.inf
+        self.one_kind = None  # a one-kind slice's (kind, embedding, head, tied embeddings): StageTable.one_kind_heads
+        self.knowns: list = []  # GridIndex.known's list of the slice's kind, embedding and head (_known)
+        if len(coster.prefix) == 1:
+            self.one_kind = (next(iter(coster.prefix)), coster.has_embedding, coster.has_head,
+                             coster.model.tied_embeddings)
+            # (the grid list is one micro-batch size's)
+            self.knowns = self.index.known.setdefault(self.one_kind[:3], [None] * len(self.index.grids))
 
     def bound_grids(self) -> None:
         """Drop the grids whose floor cannot beat either bound, at once: (m - 1) x floor / pp + floor and
-        m x floor / pp, for every memory saver (the same float operations as one by one)."""
+        m x floor / pp, for every memory saver (the same float operations as one by one). Only the grids still
+        kept are read (the listed ones the slice can hold: a short slice's are few of a long list)."""
         q, coster, index, m = self.q, self.coster, self.index, self.m
         floor_key = (tuple(coster.prefix), coster.has_embedding, coster.has_head)  # what time_floors reads
         self.hits, kind_floors, emb_floors, head_floors = _floor_arrays(self.table, index, coster, self.gkey,
@@ -629,45 +660,51 @@ class _GridSearch:
         for k, c in coster.layer_counts():
             totals = totals + c * kind_floors[k]
         self.totals = totals = totals + emb_floors + head_floors
-        tot = totals[index.fkey_ids]
-        # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid
-        cuts = slack_cut(np.array(q.score_bounds_at(index.pp_values), dtype=np.float64))
+        kept = np.flatnonzero(self.keep)
+        tot, pp = totals[index.fkey_ids[kept]], index.pp[kept]
+        # the score bound at each distinct pp (SliceQuery.score_bound_at), with the slack, read per grid: those of
+        # more stages than the slice has layers hold no kept grid (inf)
+        held = bisect.bisect_right(index.pp_values, self.max_pp)
+        bounds = q.score_bounds_at(index.pp_values[:held]) + [math.inf] * (len(index.pp_values) - held)
+        cuts = slack_cut(np.array(bounds, dtype=np.float64))
         self.pp_cut = cuts.tolist()
-        score_cut = cuts[index.pp_ids]
+        score_cut = cuts[index.pp_ids[kept]]
         # (the grid's floor spread over its stages, as the floors always summed it)
-        beyond = beyond_array((m - 1) * tot / index.pp + tot, m * tot / index.pp, self.lat_cut, score_cut) & self.keep
+        beyond = beyond_array((m - 1) * tot / pp + tot, m * tot / pp, self.lat_cut, score_cut)
         self.bounded += int(np.count_nonzero(beyond))
-        self.keep &= ~beyond
+        self.keep[kept[beyond]] = False
 
     def too_big_grids(self) -> None:
         """Drop the grids none of whose combinations fits, on average over their stages (and, for a one-kind slice,
-        at the stage with the most layers under its best combination)."""
+        at the stage with the most layers under its best combination). Only the grids still kept are read."""
         coster, index = self.coster, self.index
         kind_mem, emb_mem, head_mem, stage_terms = _memory_arrays(self.table, index, coster, self.gkey,
                                                                   self.saver_cache_key, self.saver_cache,
                                                                   self.savers)
+        kept = np.flatnonzero(self.keep)
         need = 0
         counts = coster.layer_counts()
         for k, c in counts:
-            need = need + c * kind_mem[k]
+            need = need + c * kind_mem[k][kept]
         if coster.has_embedding:
-            need = need + emb_mem
+            need = need + emb_mem[kept]
         if coster.has_head:
-            need = need + head_mem
+            need = need + head_mem[kept]
         room = self.room = self.cap * (1.0 + 1e-9) - coster.overhead_bytes  # the floors sum in other orders
-        over = need > room * index.pp
+        pp = index.pp[kept]
+        over = need > room * pp
         if stage_terms is not None:  # one kind: the stage with the most layers, under its best combination
-            most = np.ceil(counts[0][1] / index.pp)
-            over |= (stage_terms[0] * most[:, None] + stage_terms[1]).min(axis=1) > room
+            if len(kept):
+                most = np.ceil(counts[0][1] / pp)
+                over |= (stage_terms[0][kept] * most[:, None] + stage_terms[1][kept]).min(axis=1) > room
             self.kind = counts[0][0]
             self.stage_parts = self.table.memory_floors.setdefault(
                 ("parts", self.gkey, self.saver_cache_key, self.kind, _whole(coster)), {})
             model = self.q.model  # the edges' dense parameters a first or last stage holds (before TP)
             self.edges = (model.embedding_params() if coster.has_embedding else 0,
                           model.head_params() if coster.has_head else 0)
-        over &= self.keep
         self.too_big = int(np.count_nonzero(over))
-        self.keep &= ~over
+        self.keep[kept[over]] = False
 
     def judge_grids(self, indices: list[int]) -> None:
         """Each grid of ``indices``, in listed order: skipped by its bounds or memory floors, else costed and its
@@ -679,6 +716,7 @@ class _GridSearch:
         bound, max_pp, lat_cut, misfits = self.bound, self.max_pp, self.lat_cut, self.stage_parts is not None
         pp_cut = self.pp_cut if bound else None
         floor = grid_cut = math.inf
+        one_kind, knowns, one_kind_split = self.one_kind is not None, self.knowns, coster.one_kind_split
         for i in indices:
             skey = saver_keys[i]
             allowed = saver_cache.get(skey)
@@ -697,7 +735,10 @@ class _GridSearch:
                                                                      lat_cut, grid_cut):
                     self.bounded += 1
                     continue
-            sizes = split_sizes(pp, tp, cp, ep, dp, b // dp)
+            if one_kind and pp > 1:  # (split_sizes' one-kind path, the grid's weights kept per grid list)
+                sizes = one_kind_split((knowns[i] or self._known(i, dims))[3], pp)
+            else:
+                sizes = split_sizes(pp, tp, cp, ep, dp, b // dp)
             # the split's heaviest stage bounds the bottleneck more tightly than floor / pp
             if bound and pp > 1 and beyond_floors(_heaviest_floor(coster, sizes, floor), floor[3], 0.0, m, lat_cut,
                                                   grid_cut):
@@ -713,20 +754,39 @@ class _GridSearch:
         """Grid i, which its floors did not skip: its stages costed, then skipped by their least floors, else its
         combinations judged and kept (_keep_points)."""
         table, coster, m = self.table, self.coster, self.m
-        sigs, heads = table.signature_heads(coster, *dims, sizes)
+        if self.one_kind is not None and dims[1] > 2:  # (signature_heads' one-kind path, its inputs read once)
+            known = self.knowns[i] or self._known(i, dims)
+            sigs, heads = table.one_kind_heads(known[0], sizes, known[1], known[2], self.gpus_per_node,
+                                               self.one_kind)
+        else:
+            sigs, heads = table.signature_heads(coster, *dims, sizes)
         saver_columns = self.saver_columns.get(skey)
         if saver_columns is None:
             saver_columns = self.saver_columns[skey] = table.saver_columns(allowed, m, self.cap)
         # each stage's rows (by_sid[its sig]) and their columns
         by_sid, columns = table.costed_columns(coster, dims, sigs, saver_columns, sizes, heads)
-        least_fill = None
+        least = None  # (the stages' least times added up, where summed), on the bounded path of many combinations
         if self.bound and len(allowed) > 1:
-            least_bn, least_fill, least_tail = least_terms(columns, sigs, heads)
-            if beyond_floors(least_bn, least_fill, least_tail, m, self.lat_cut, grid_cut):
-                self.bounded += 1  # no combination can beat either bound: not judged
-                return
-        self._keep_points(i, allowed, tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves)), columns,
-                          judge_heads(columns, len(sigs), m, heads), grid_cut, least_fill)
+            least = [None, heads]
+            least_bn, least_tail = least_heads(columns, heads)
+            # the score floor first: only where it is beyond is the latency floor (and its fill) read
+            if m * least_bn + least_tail > grid_cut:
+                least[0] = least_fill_of(columns, sigs, heads)
+                if beyond_floors(least_bn, least[0], least_tail, m, self.lat_cut, grid_cut):
+                    self.bounded += 1  # no combination can beat either bound: not judged
+                    return
+        stages = tuple.__new__(StagesCosted, (sizes, sigs, by_sid, saver_columns.halves, heads))
+        self._keep_points(i, allowed, stages, columns, judge_heads(columns, len(sigs), m, heads), grid_cut, least)
+
+    def _known(self, i: int, dims: tuple) -> tuple:
+        """Grid i's StageTable.one_kind_heads inputs (its known signatures, signature dims and stage GPUs) and its
+        SliceCoster.one_kind_weights."""
+        tp, _pp, dp, cp, ep = dims
+        b = self.q.microbatch_sequences
+        sig_dims = (b, tp, dp, cp, ep)
+        known = self.knowns[i] = (self.table.known_sids(sig_dims, *self.one_kind[:3]), sig_dims, tp * cp * dp,
+                                  self.coster.one_kind_weights(tp, cp, ep, dp, b // dp))
+        return known
 
     def _floor(self, f: int) -> tuple:
         """The compute floors of GridIndex.fkeys[f]: (per-kind, embedding, head, the slice's total, its one kind's
@@ -747,11 +807,12 @@ class _GridSearch:
         return _stage_misfit(parts, sizes, self.m, self.room, self.edges, grid.tp)
 
     def _keep_points(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
-                     least_fill: float | None) -> None:
+                     least: list | None) -> None:
         """Judged grid i's combinations that fit and can beat a bound, as FrontPoints of its cross-stage class.
-        ``judged``: grid.judge_heads' answer; ``least_fill``: the stages' least times added up (grid.least_terms),
-        where known: a grid all of whose fitting combinations are beyond the bounds with it in place of their own
-        fill (under it to the last bit) has its fills left unsummed."""
+        ``judged``: grid.judge_heads' answer; ``least``: on the bounded path of many combinations, [the stages'
+        least times added up (grid.least_fill) or None until summed, heads(sigs)]: a grid all of whose fitting
+        combinations are beyond the bounds with it in place of their own fill (under it to the last bit) has its
+        fills left unsummed."""
         self.evaluated += len(allowed)
         grid = self.index.grids[i]
         bucket = self.points.setdefault(self.classes[i], [])  # classes in the order judged
@@ -764,8 +825,8 @@ class _GridSearch:
             if max(depth) < 0:
                 return
         m = self.m
-        if least_fill is not None:
-            self._keep_bounded(i, allowed, stages, columns, judged, grid_cut, least_fill)
+        if least is not None:
+            self._keep_bounded(i, allowed, stages, columns, judged, grid_cut, least)
             return
         fill = judge_fill(columns, stages.sigs, depth)
         # slice_plan.latency_floor_s and score_floor_s of the plan each combination would be, against the bounds
@@ -781,20 +842,26 @@ class _GridSearch:
             bucket.append(new(FrontPoint, (bottleneck[s], fill[s], tail[s], d, pp, n_gpus, grid, *saver, stages, s)))
 
     def _keep_bounded(self, i: int, allowed: tuple, stages: StagesCosted, columns: dict, judged, grid_cut: float,
-                      least_fill: float) -> None:
-        """_keep_points' fitting combinations under bounds, with the stages' least times added up (``least_fill``):
-        a combination beyond the bounds with it in place of its own fill (under it to the last bit) is beyond with
-        its own, so only the others have their fills summed (grid.fills_of), then judged as beyond_each does."""
+                      least: list) -> None:
+        """_keep_points' fitting combinations under bounds, with the stages' least times added up (``least``: that
+        sum, or None until a combination's score floor is beyond its cut, and the stages' heads): a combination
+        beyond the bounds with it in place of its own fill (under it to the last bit) is beyond with its own, so
+        only the others have their fills summed (grid.fills_of), then judged as beyond_each does."""
         bottleneck, tail, depth = judged
         m = self.m
         m1, lat_cut = m - 1, self.lat_cut
+        least_fill = least[0]
         live, fitting = [], 0
         for s, d in enumerate(depth):
             if d >= 0:
                 fitting += 1
                 bn_s, tail_s = bottleneck[s], tail[s]
-                if not (m1 * bn_s + least_fill + tail_s > lat_cut and m * bn_s + tail_s > grid_cut):
-                    live.append(s)
+                if m * bn_s + tail_s > grid_cut:  # (only then does the latency floor decide)
+                    if least_fill is None:
+                        least_fill = least_fill_of(columns, stages.sigs, least[1])
+                    if m1 * bn_s + least_fill + tail_s > lat_cut:
+                        continue
+                live.append(s)
         self.bounded += fitting - len(live)
         if not live:
             return
@@ -814,6 +881,13 @@ class _GridSearch:
         plan's StageCosts carry (StageTable.explained_stage), as fast_rows made them beside the rows judged."""
         halves, s = point[10].halves, point[11]
         return tuple([halves[sid][s] for sid in point[10].sigs])
+
+    def alike(self, point: tuple) -> tuple:
+        """exact_front's ``alike`` of a FrontPoint: its StagesCosted and its distinct stages' (forward_s,
+        backward_s), flat (the numbers stage_times reads of them)."""
+        stages, s = point[10], point[11]
+        halves = stages.halves
+        return stages, tuple(itertools.chain.from_iterable([halves[sid][s] for sid, _ in stages.heads]))
 
     def least_memory(self) -> tuple | None:
         """Nothing fits: the first of the least peak memories over the misfit combinations, in the order judged,
