@@ -751,9 +751,8 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 cols = cols if cols is not None else _front_columns(entries)
                 _offer_at_once(run, key, cols, group, offer, own_o, seen)
                 continue
-            # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
-            # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
-            # pos), which pareto_front would drop (as it would one _seen's entries dominate)
+            # the least fill of the entries this option made in front of earlier entries with its own tail and period,
+            # the least any can have: one dominates a later entry of no less fill, which pareto_front would drop
             made = _INF
             for pos in range(lo, fits):
                 e = entries[pos]
@@ -766,27 +765,27 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 np_ = e3 if e3 > per else per
                 if made <= nf:
                     continue
+                n2 = n2 if n2 < n_cap else n_cap
                 if seen is not None:
-                    same = (nt, n2 if n2 < n_cap else n_cap, np_)
-                    if seen.get(same, _INF) <= nf:  # (an infinite fill is skipped above)
-                        continue
+                    stair = seen.get((nt, np_))
+                    if stair is not None:
+                        i = bisect.bisect_right(stair[0], n2)
+                        if i and stair[1][i - 1] <= nf:
+                            continue
                 a = add + e[7]
-                if a < mb:
-                    a = mb
+                a = mb if a < mb else a
                 if plain:  # the plain floor counts the stages behind (plain_complete)
                     a = behind_path_s(a, m, bn_o, own_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
                 if prune:
                     p = e3 * shrink
-                    if p < per_lb:
-                        p = per_lb
+                    p = per_lb if p < per_lb else p
                     t = e1 if e1 > tail_lb else tail_lb
                     if score_only or m1 * p + base + e0 + t >= beat:
                         sf = base + e0
                         sf = (stage_s if stage_s > sf else sf) + t
                         if plain:
                             pf = a + in_front
-                            if ps > pf:
-                                pf = ps
+                            pf = ps if ps > pf else pf
                             if e2 < n_cap and trips_on:
                                 r = trips[e2] * link
                                 if edged_front:
@@ -805,26 +804,44 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                             continue
                 if tgt is None:
                     tgt = _target(tables[start], tkey, dominate, quantum)
-                tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
+                tgt.append((nf, nt, n2, np_, oi, key, pos, a))  # an Entry
                 if seen is not None:
-                    seen[same] = nf
+                    _seen_add(seen, (nt, np_), n2, nf)
                     if nf < made and nt == tail and np_ == per:
                         made = nf
 
 
 def _seen(run: _Pass, start: int, tkey: tuple) -> dict:
-    """The least fill of the entries put into the state ``tkey`` of tables[start] so far, per (tail, stages behind,
-    period): an entry made with no less fill and the same three is dropped before its floors are computed. Sound and
-    the same front: pareto_front sorts by (fill, tail, after, period), stable, and keeps an entry unless an entry
-    before it in that order (an equal one: appended before it) has no more of each (periods by bucket), so it drops
-    this one (the earlier entry, or one of the front that drops that one, stays in the list: _target's compaction
-    keeps its front), and an entry it would drop is dropped by the earlier one too. The state is filled before it is
-    expanded (every start is below the layer expanded), which clears the table (_dp)."""
+    """Of the entries put into the state ``tkey`` of tables[start] so far, per (tail, period): the least fill at
+    each number of stages behind, as a staircase (stages behind ascending, fills strictly falling: _seen_add). An
+    entry made with no less fill than one of the same tail and period and no more stages behind is dropped before
+    its floors are computed. Sound, and the same front: pareto_front sorts by (fill, tail, after, period), stable,
+    and keeps an entry unless one before it in that order (an equal one: appended before it) has no more of each
+    (periods by bucket), so it drops this one (the earlier entry, or one of the front that drops that one, stays in
+    the list: _target's compaction keeps its front), and an entry it would drop is dropped by the earlier one too.
+    The state is filled before it is expanded (every start is below the layer expanded), which clears the table
+    (_dp)."""
     seen = run.seen[start]
     hit = seen.get(tkey)
     if hit is None:
         hit = seen[tkey] = {}
     return hit
+
+
+def _seen_add(seen: dict, same: tuple, after: int, fill: float) -> None:
+    """Put an entry of ``after`` stages behind and ``fill`` into _seen's staircase ``same`` (one it does not
+    dominate: every step at or below ``after`` has more fill), dropping the steps it dominates."""
+    stair = seen.get(same)
+    if stair is None:
+        seen[same] = ([after], [fill])
+        return
+    afters, fills = stair
+    i = bisect.bisect_right(afters, after)
+    k = i
+    while k < len(fills) and fills[k] >= fill:
+        k += 1
+    afters[i:k] = [after]
+    fills[i:k] = [fill]
 
 
 def _offer_at_once(run: _Pass, key: tuple, cols: tuple, group: _Group, offer: tuple, own_o: float,
@@ -850,11 +867,14 @@ def _not_seen(made: list, seen: dict, tail: float, per: float) -> list:
         nf = e[0]
         if least_own <= nf:
             continue
-        same = (e[1], e[2], e[3])
-        if seen.get(same, _INF) <= nf:
-            continue
+        same = (e[1], e[3])
+        stair = seen.get(same)
+        if stair is not None:
+            i = bisect.bisect_right(stair[0], e[2])
+            if i and stair[1][i - 1] <= nf:
+                continue
         kept.append(e)
-        seen[same] = nf
+        _seen_add(seen, same, e[2], nf)
         if nf < least_own and e[1] == tail and e[3] == per:
             least_own = nf
     return kept
