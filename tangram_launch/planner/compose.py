@@ -30,7 +30,8 @@ entries, not exact: at most (m - 1) x bound_step x the period slower). ``referen
 Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
 plan, the exact pass, the complete pass where the score interleaves, each offering plans to the best so far), _dp
 (one pass: _state_front, _expand_state, _add_options, _option_score_floor, _add_entries, _candidates over Entry
-tuples; _entries_at_once and _hopeful_at_once: the same steps in numpy for big states and groups). dominance.py
+tuples; _entries_at_once and _hopeful_at_once: the same steps in numpy for big states and groups; _seen and
+_uncovered: the entries and options it leaves out before pareto_front would drop what they make). dominance.py
 holds what stands for what (a state's Pareto front, the options another covers or beats), front_classes.py the
 islands a merged state keys together.
 
