@@ -84,10 +84,13 @@ def test_entries_and_options_left_out_before_the_fronts_leave_every_front_the_sa
     with_cut, without = {"gathered": 0}, {"gathered": 0}
     options_left = {"n": 0}
 
-    def counted_uncovered(options, idx, mask, floor_terms, cache):
-        out = uncovered(options, idx, mask, floor_terms, cache)
-        options_left["n"] += len(by_floor(options, idx, mask, floor_terms, cache)[0]) - len(out[0])
+    def counted_uncovered(options, idx, floor_terms, cache):
+        out = uncovered(options, idx, floor_terms, cache)
+        options_left["n"] += len(idx) - len(out[0])
         return out
+
+    def every_option(options, idx, floor_terms, cache):
+        return idx, by_floor(options, idx, None, floor_terms, cache)[2]
 
     compared = 0
     for _ in range(30):
@@ -100,7 +103,7 @@ def test_entries_and_options_left_out_before_the_fronts_leave_every_front_the_sa
             monkeypatch.setattr(kernel, "_uncovered", counted_uncovered)
             cut = _run(instance, kw, monkeypatch, with_cut)
             monkeypatch.setattr(kernel, "_seen", lambda run, start, tkey: None)
-            monkeypatch.setattr(kernel, "_uncovered", by_floor)
+            monkeypatch.setattr(kernel, "_uncovered", every_option)
             plain = _run(instance, kw, monkeypatch, without)
             assert cut == plain, kw
             compared += cut is not None and bool(cut[0])
@@ -135,5 +138,5 @@ def test_an_option_covered_wherever_it_fits_is_not_offered():
     slow = Option(0, 2, 0, 1, 3, 2.0, 1.5, 0.0)
     lean = Option(0, 2, 0, 1, 9, 2.0, 1.5, 0.0)  # slower, but fits where ``fast`` does not
     options = [fast, slow, lean]
-    order, _, rooms = kernel._uncovered(options, [0, 1, 2], None, (), {})
+    order, rooms = kernel._uncovered(options, [0, 1, 2], (), {})
     assert order == [0, 2] and rooms == [-1, 5]

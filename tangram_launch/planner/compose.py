@@ -200,19 +200,20 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
     return out
 
 
-def _uncovered(options: Sequence[Option], idx: list[int], mask: int | None, floor_terms: tuple,
-               cache: dict) -> tuple[list[int], list[float], list[int]]:
-    """_by_floor's answer without the options covered wherever they fit: an earlier option covers one in front of
-    the entries with at most its room (covered_rooms) stages behind, and one fits in front of those with at most its
-    max_after, so where the room is no less _add_options offers it in front of no entry (its ``lo`` >= ``fits``);
-    cached beside _by_floor's. Not for a complete pass, where no option covers another."""
-    key = ("uncovered", id(idx), mask)
+def _uncovered(options: Sequence[Option], idx: list[int], floor_terms: tuple,
+               cache: dict) -> tuple[list[int], list[int]]:
+    """A group's options in their own order and their covered rooms (_by_floor's), without the options covered
+    wherever they fit: an earlier option covers one in front of the entries with at most its room (covered_rooms)
+    stages behind, and one fits in front of those with at most its max_after, so where the room is no less
+    _add_options offers it in front of no entry (its ``lo`` >= ``fits``); cached beside _by_floor's. Not for a
+    complete pass, where no option covers another."""
+    key = ("uncovered", id(idx))
     hit = cache.get(key)
     if hit is not None and hit[0] is idx:
         return hit[1]
-    order, floors, rooms = _by_floor(options, idx, mask, floor_terms, cache)
+    order, _, rooms = _by_floor(options, idx, None, floor_terms, cache)
     keep = [k for k, (oi, room) in enumerate(zip(order, rooms)) if room < options[oi].max_after]
-    out = ([order[k] for k in keep], [floors[k] for k in keep] if floors else floors, [rooms[k] for k in keep])
+    out = ([order[k] for k in keep], [rooms[k] for k in keep])
     cache[key] = (idx, out)
     return out
 
@@ -527,10 +528,10 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
                 gidx = _interleavable(options, gidx, run.chunked)
             covered = [-1] * len(gidx)
         elif prune and not run.by_score:  # (the score's floor does not follow this order: no cut, no sort)
-            gidx, floors, covered = _uncovered(options, gidx, mask, run.floor_terms, cache)
+            gidx, floors, covered = _by_floor(options, gidx, mask, run.floor_terms, cache)
             gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
         else:
-            gidx, _, covered = _uncovered(options, gidx, None, run.floor_terms, cache)
+            gidx, covered = _uncovered(options, gidx, run.floor_terms, cache)
         if run.score_only and gidx:  # (then only the score floor judges an option)
             gidx, covered = _hopeful(run, (options[gidx[0]].stop, island, mask), gidx, covered, group)
         offers = _add_options(run, front, group, gidx, covered)
