@@ -30,7 +30,8 @@ entries, not exact: at most (m - 1) x bound_step x the period slower). ``referen
 Reading order: compose (the entry: prepare the option set, then _Search's steps: single-island plans, the quick
 plan, the exact pass, the complete pass where the score interleaves, each offering plans to the best so far), _dp
 (one pass: _state_front, _expand_state, _add_options, _option_score_floor, _add_entries, _candidates over Entry
-tuples; _entries_at_once and _hopeful_at_once: the same steps in numpy for big states and groups). dominance.py
+tuples; _entries_at_once and _hopeful_at_once: the same steps in numpy for big states and groups; _seen and
+_uncovered: the entries and options it leaves out before pareto_front would drop what they make). dominance.py
 holds what stands for what (a state's Pareto front, the options another covers or beats), front_classes.py the
 islands a merged state keys together.
 
@@ -199,6 +200,24 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
     return out
 
 
+def _uncovered(options: Sequence[Option], idx: list[int], floor_terms: tuple,
+               cache: dict) -> tuple[list[int], list[int]]:
+    """A group's options in their own order and their covered rooms (_by_floor's), without the options covered
+    wherever they fit: an earlier option covers one in front of the entries with at most its room (covered_rooms)
+    stages behind, and one fits in front of those with at most its max_after, so where the room is no less
+    _add_options offers it in front of no entry (its ``lo`` >= ``fits``); cached beside _by_floor's. Not for a
+    complete pass, where no option covers another."""
+    key = ("uncovered", id(idx))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is idx:
+        return hit[1]
+    order, _, rooms = _by_floor(options, idx, None, floor_terms, cache)
+    keep = [k for k, (oi, room) in enumerate(zip(order, rooms)) if room < options[oi].max_after]
+    out = ([order[k] for k in keep], [rooms[k] for k in keep])
+    cache[key] = (idx, out)
+    return out
+
+
 class Entry(NamedTuple):
     """One DP entry: a sequence covering [j, L), by what its completion reads. The DP builds entries as plain
     tuples of these fields in this order (its hottest line) and reads them by position or by unpacking."""
@@ -318,7 +337,7 @@ class _Pass:
                  "beam", "quantum", "prep", "merge", "cls", "plain", "only_plain", "w", "score_only",
                  "by_score", "keep", "prune", "floor_terms", "slack", "shrink", "before", "stage_cap", "trips",
                  "edged", "c1", "c0", "t_first", "t_last", "tables", "option_terms", "entry_terms", "complete",
-                 "chunked", "hopeful", "fit", "fit_cuts", "arrays")
+                 "chunked", "hopeful", "fit", "fit_cuts", "arrays", "seen")
 
     def __init__(self, options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[float]],
                  num_layers: int, num_microbatches: int, required: int, max_stages: int | None, beat: float,
@@ -369,6 +388,7 @@ class _Pass:
         self.arrays: tuple | None = None  # trips, c1, c0, t_first as numpy arrays (_pass_arrays)
         self.tables: list[dict] = [dict() for _ in range(num_layers + 1)]
         self.tables[num_layers][(0, -1)] = [(0.0, 0.0, 0, 0.0, -1, None, -1, 0.0)]
+        self.seen: list[dict] = [dict() for _ in range(num_layers + 1)]  # per layer and state: _seen's
         # what _add_options and _add_entries read, per option, as one tuple each (one unpacking per call)
         self.option_terms = (options, m, self.m1, self.w, self.only_plain, self.plain, self.prune,
                              self.score_only, beat, self.edged, prep.period_lb, prep.stage_lb)
@@ -435,6 +455,7 @@ def _dp(options: Sequence[Option], prep: Prepared, link_s: Sequence[Sequence[flo
     for j in range(num_layers, 0, -1):
         layer = tables[j]
         groups = by_stop[j]
+        run.seen[j] = {}  # (its states are complete: what goes in front of them goes into earlier layers)
         if not layer or not groups:
             continue
         for key in list(layer):
@@ -502,15 +523,15 @@ def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) ->
             group = _Group(f, link, tkey, lk, *pre, mask)
         else:
             group = _Group(f, link, tkey, 0.0, (), (), (), (), 0)
-        if prune and not run.by_score:  # (the score's floor does not follow this order: no cut, no sort)
-            gidx, floors, covered = _by_floor(options, gidx, mask, run.floor_terms, cache)
-            gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
-        else:
-            gidx, _, covered = _by_floor(options, gidx, None, run.floor_terms, cache)
         if run.complete:  # an option no worse in what the DP sees can still score worse: none covers another
             if run.chunked is not None:
                 gidx = _interleavable(options, gidx, run.chunked)
             covered = [-1] * len(gidx)
+        elif prune and not run.by_score:  # (the score's floor does not follow this order: no cut, no sort)
+            gidx, floors, covered = _by_floor(options, gidx, mask, run.floor_terms, cache)
+            gidx = gidx[:bisect.bisect_left(floors, run.beat - front.least_ft[-1] - 2.0 * link + run.slack)]
+        else:
+            gidx, covered = _uncovered(options, gidx, run.floor_terms, cache)
         if run.score_only and gidx:  # (then only the score floor judges an option)
             gidx, covered = _hopeful(run, (options[gidx[0]].stop, island, mask), gidx, covered, group)
         offers = _add_options(run, front, group, gidx, covered)
@@ -726,19 +747,14 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
         for offer in offers:
             oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
                 plain_only = offer
-            bn_o = options[oi][6]
-            own_o = own_stages_s(options[oi][5], bn_o) if plain else 0.0
-            tgt = None
+            bn_o, own_o = options[oi][6], own_stages_s(options[oi][5], options[oi][6]) if plain else 0.0
+            tgt, seen = None, _seen(run, start, tkey) if dominate else None
             if fits - lo >= _VECTOR_AT:
                 cols = cols if cols is not None else _front_columns(entries)
-                made_at_once = _entries_at_once(run, key, cols, group, offer, own_o)
-                if made_at_once:
-                    _target(tables[start], tkey, dominate, quantum).extend(made_at_once)
+                _offer_at_once(run, key, cols, group, offer, own_o, seen)
                 continue
-            # the least fill of the entries this option made in front of earlier (no later) entries with its own tail
-            # and period, the least any can have: one dominates a later entry of no less fill (stages behind grow with
-            # pos), which pareto_front would drop. Those with more tail or period are left to pareto_front: checking
-            # each new entry against all made ones cost more than it saved
+            # the least fill of the entries this option made in front of earlier entries with its own tail and period,
+            # the least any can have: one dominates a later entry of no less fill, which pareto_front would drop
             made = _INF
             for pos in range(lo, fits):
                 e = entries[pos]
@@ -751,23 +767,27 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                 np_ = e3 if e3 > per else per
                 if made <= nf:
                     continue
+                n2 = n2 if n2 < n_cap else n_cap
+                if seen is not None:
+                    stair = seen.get((nt, np_))
+                    if stair is not None:
+                        i = bisect.bisect_right(stair[0], n2)
+                        if i and stair[1][i - 1] <= nf:
+                            continue
                 a = add + e[7]
-                if a < mb:
-                    a = mb
+                a = mb if a < mb else a
                 if plain:  # the plain floor counts the stages behind (plain_complete)
                     a = behind_path_s(a, m, bn_o, own_o, two_link + e0, e2 + ns - 1 if e2 < n_cap else m)
                 if prune:
                     p = e3 * shrink
-                    if p < per_lb:
-                        p = per_lb
+                    p = per_lb if p < per_lb else p
                     t = e1 if e1 > tail_lb else tail_lb
                     if score_only or m1 * p + base + e0 + t >= beat:
                         sf = base + e0
                         sf = (stage_s if stage_s > sf else sf) + t
                         if plain:
                             pf = a + in_front
-                            if ps > pf:
-                                pf = ps
+                            pf = ps if ps > pf else pf
                             if e2 < n_cap and trips_on:
                                 r = trips[e2] * link
                                 if edged_front:
@@ -786,9 +806,80 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
                             continue
                 if tgt is None:
                     tgt = _target(tables[start], tkey, dominate, quantum)
-                tgt.append((nf, nt, n2 if n2 < n_cap else n_cap, np_, oi, key, pos, a))  # an Entry
-                if dominate and nf < made and nt == tail and np_ == per:
-                    made = nf
+                tgt.append((nf, nt, n2, np_, oi, key, pos, a))  # an Entry
+                if seen is not None:
+                    _seen_add(seen, (nt, np_), n2, nf)
+                    if nf < made and nt == tail and np_ == per:
+                        made = nf
+
+
+def _seen(run: _Pass, start: int, tkey: tuple) -> dict:
+    """Of the entries put into the state ``tkey`` of tables[start] so far, per (tail, period): the least fill at
+    each number of stages behind, as a staircase (stages behind ascending, fills strictly falling: _seen_add). An
+    entry made with no less fill than one of the same tail and period and no more stages behind is dropped before
+    its floors are computed. Sound, and the same front: pareto_front sorts by (fill, tail, after, period), stable,
+    and keeps an entry unless one before it in that order (an equal one: appended before it) has no more of each
+    (periods by bucket), so it drops this one (the earlier entry, or one of the front that drops that one, stays in
+    the list: _target's compaction keeps its front), and an entry it would drop is dropped by the earlier one too.
+    The state is filled before it is expanded (every start is below the layer expanded), which clears the table
+    (_dp)."""
+    seen = run.seen[start]
+    hit = seen.get(tkey)
+    if hit is None:
+        hit = seen[tkey] = {}
+    return hit
+
+
+def _seen_add(seen: dict, same: tuple, after: int, fill: float) -> None:
+    """Put an entry of ``after`` stages behind and ``fill`` into _seen's staircase ``same`` (one it does not
+    dominate: every step at or below ``after`` has more fill), dropping the steps it dominates."""
+    stair = seen.get(same)
+    if stair is None:
+        seen[same] = ([after], [fill])
+        return
+    afters, fills = stair
+    i = bisect.bisect_right(afters, after)
+    k = i
+    while k < len(fills) and fills[k] >= fill:
+        k += 1
+    afters[i:k] = [after]
+    fills[i:k] = [fill]
+
+
+def _offer_at_once(run: _Pass, key: tuple, cols: tuple, group: _Group, offer: tuple, own_o: float,
+                   seen: dict | None) -> None:
+    """_entries_at_once's entries of one offer into their state, those _add_entries' loop would drop as dominated
+    left out (in the loop's order: its running least fill and _seen change only where an entry goes in)."""
+    made = _entries_at_once(run, key, cols, group, offer, own_o)
+    if not made:
+        return
+    if seen is not None:
+        made = _not_seen(made, seen, offer[5], offer[7])
+    if made:
+        _target(run.tables[offer[3]], group.tkey, seen is not None, run.quantum).extend(made)
+
+
+def _not_seen(made: list, seen: dict, tail: float, per: float) -> list:
+    """The entries of ``made`` (one offer's, in order, each passing its floors) that _add_entries' loop appends:
+    not of a fill at least its running least (of those appended with the offer's tail and period) or at least
+    _seen's."""
+    kept = []
+    least_own = _INF
+    for e in made:
+        nf = e[0]
+        if least_own <= nf:
+            continue
+        same = (e[1], e[3])
+        stair = seen.get(same)
+        if stair is not None:
+            i = bisect.bisect_right(stair[0], e[2])
+            if i and stair[1][i - 1] <= nf:
+                continue
+        kept.append(e)
+        _seen_add(seen, same, e[2], nf)
+        if nf < least_own and e[1] == tail and e[3] == per:
+            least_own = nf
+    return kept
 
 
 def _target(table: dict, tkey: tuple, dominate: bool, quantum: float) -> list:
@@ -820,9 +911,8 @@ def _pass_arrays(run: _Pass) -> tuple:
 def _entries_at_once(run: _Pass, key: tuple, cols: tuple, group: _Group, offer: tuple, own_o: float) -> list:
     """The entries one offer makes in front of entries lo .. fits - 1 of a state, as _add_entries' loop makes them
     (the same float operations in the same order, elementwise, so the same values and the same entries kept), in
-    numpy: a complete pass's states hold hundreds of entries. The loop's running least fill (``made``) is the least
-    fill of the earlier kept entries with the offer's tail and period; an entry it skips could not lower it, so it
-    is the exclusive running minimum over every earlier entry that passes the other checks."""
+    numpy: a complete pass's states hold hundreds of entries. Those the loop drops as dominated (where entries
+    dominate) are left to _not_seen, in order."""
     (m1, beat, score_beat, score_only, shrink, plain, _, _, _, _, t_last, edged, stage_cap, n_cap, _,
      _) = run.entry_terms
     oi, lo, fits, start, ns, tail, add, per, mb, per_lb, base, in_front, tail_lb, ps, trips_on, stage_s, \
@@ -840,10 +930,7 @@ def _entries_at_once(run: _Pass, key: tuple, cols: tuple, group: _Group, offer: 
     ok = n2 <= stage_cap
     if run.prune:
         ok &= ~_entry_floor_fails(run, group, offer, (e0, e1, e2, e3, e4), a)
-    made = np.full(len(nf), _INF)  # the loop's ``made`` at each entry (an infinite fill is skipped even so)
-    if not run.complete:
-        made[1:] = np.minimum.accumulate(np.where(ok & (nt == tail) & (np_ == per), nf, _INF))[:-1]
-    ok &= ~(made <= nf)
+    ok &= nf < _INF  # (the loop's running least fill starts at inf: it skips an infinite fill)
     pos = np.flatnonzero(ok)
     if not len(pos):
         return []
