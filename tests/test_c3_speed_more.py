@@ -53,6 +53,7 @@ def _plan(cluster_path: str, runtime: str):
     return plan.predicted.iteration_time_s, plan.planner["b"], [(s.island, s.layers, s.tp, s.dp) for s in plan.stages]
 
 
+@pytest.mark.slow  # full searches of a paper cluster, twice or more: the slow tier keeps the unit tier short
 @pytest.mark.parametrize("runtime", ["torch", "megatron"])
 def test_the_plan_does_not_depend_on_the_order_sizes_are_visited(monkeypatch, runtime, cluster_path):
     """The same plan (iteration, micro-batch size, stages) with the sizes visited in the heuristic's order, in
@@ -128,6 +129,7 @@ def test_a_size_floor_with_the_spread_lies_under_the_best_plan_at_that_size(runt
     assert raised
 
 
+@pytest.mark.slow  # full searches of a paper cluster, twice or more: the slow tier keeps the unit tier short
 @pytest.mark.parametrize("runtime", ["torch", "megatron"])
 def test_the_spread_floor_skips_sizes_without_moving_the_plan(monkeypatch, runtime, cluster_path):
     """On the 4-island row the search with the spread floor (which skips micro-batch sizes the capacity floor let

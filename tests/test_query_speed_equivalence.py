@@ -106,6 +106,7 @@ def test_a_one_kind_split_from_kept_weights_is_the_general_split(gpu, per_node, 
     assert coster.split_sizes(pp, tp, 1, 1, dp, b // dp) == expected
 
 
+@pytest.mark.slow  # many whole-model queries, each twice: the slow tier keeps the unit tier short
 @settings(max_examples=40, deadline=None)
 @given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([1, 2, 4, 8]), nodes=st.integers(1, 4),
        b=st.sampled_from([1, 2, 4]), caps=st.sampled_from([TORCH, DEEPSPEED, MEGATRON]), moe=st.booleans(),
