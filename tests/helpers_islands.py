@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from itertools import combinations
 
-from tangram_launch.islands import IslandTolerances, compute_tflops
+from tangram_launch.islands import IslandTolerances, build_islands, compute_tflops
 from tangram_launch.specs.cluster import ClusterSpec, GpuRef
 
 
@@ -59,3 +59,12 @@ def check_island_set(cluster: ClusterSpec, iset, tol: IslandTolerances, dtype: s
     for a, b in combinations(iset.islands, 2):
         reasons = violations(cluster, list(a.gpus) + list(b.gpus), tol, dtype)
         assert by_pair[(a.name, b.name)].constraint in reasons, (a.name, b.name, reasons)
+
+
+def uniform_island(gpu: str, per_node: int, nodes: int, dtype: str = "fp16"):
+    """The one island of ``nodes`` nodes of ``per_node`` GPUs of type ``gpu`` (12.5 GB/s between nodes)."""
+    cl = ClusterSpec.from_dict({
+        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
+        "nodes": [{"name": f"n{i}", "gpu": gpu, "count": per_node} for i in range(nodes)]})
+    (isl,) = build_islands(cl, dtype=dtype).islands
+    return isl

@@ -12,13 +12,12 @@ from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
 from tangram_launch.costmodel.breakdown import SliceCoster
 from tangram_launch.costmodel.partition import _smooth
 from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
-from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
 from tangram_launch.planner.query_pool import answer
-from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
 from tangram_launch.specs.training import TrainingSpec
+from helpers_islands import uniform_island
 
 TINY = ModelSpec(name="t6", num_layers=6, hidden_size=256, num_heads=8, num_kv_heads=4, ffn_hidden_size=1024,
                  vocab_size=1000, max_seq_len=256)
@@ -26,12 +25,7 @@ TRAIN = TrainingSpec(global_batch=16, seq_len=256, dtype="fp16")
 GPUS = ("a100-80gb", "v100-32gb", "v100-16gb", "t4")
 
 
-def island(gpu: str, per_node: int, nodes: int):
-    cl = ClusterSpec.from_dict({
-        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
-        "nodes": [{"name": f"n{i}", "gpu": gpu, "count": per_node} for i in range(nodes)]})
-    (isl,) = build_islands(cl, dtype="fp16").islands
-    return isl
+island = uniform_island
 
 
 def plain_compute_floors(par: MegatronParallelizer, q: SliceQuery) -> dict:

@@ -15,13 +15,12 @@ from tangram_launch.costmodel.breakdown import SliceCoster
 from tangram_launch.costmodel.grid import StageTable, heads, least_fill, least_heads, least_terms
 from tangram_launch.costmodel.partition import balanced_split
 from tangram_launch.costmodel.slice_plan import latency_floor_s, score_floor_s
-from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers import megatron
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
-from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import ModelSpec
 from tangram_launch.specs.training import TrainingSpec
+from helpers_islands import uniform_island
 
 # a one-kind model deep enough for pipelines of more than two stages (the one-kind signature path) and its MoE twin
 DEEP = ModelSpec(name="d12", num_layers=12, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=11008,
@@ -33,12 +32,7 @@ TRAIN = TrainingSpec(global_batch=32, seq_len=1024, dtype="fp16")
 GPUS = ("a100-80gb", "v100-32gb", "t4")
 
 
-def _island(gpu: str, per_node: int, nodes: int):
-    cl = ClusterSpec.from_dict({
-        "name": "gen", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 10}},
-        "nodes": [{"name": f"n{i}", "gpu": gpu, "count": per_node} for i in range(nodes)]})
-    (isl,) = build_islands(cl, dtype="fp16").islands
-    return isl
+_island = uniform_island
 
 
 def _seen(r):
