@@ -123,6 +123,7 @@ def test_spikes_in_half_the_first_window_leave_the_baseline_and_the_rate_at_the_
     assert window.rates[0].ratio == pytest.approx(1.3)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), noise=st.floats(0.0, 0.1), spike_p=st.floats(0.0, 0.15),
        model_error=st.floats(0.3, 5.0) | st.lists(st.floats(0.3, 5.0), min_size=3, max_size=3))
@@ -134,6 +135,7 @@ def test_no_decision_under_noisy_timings_of_a_steady_cluster(seed, noise, spike_
     assert decisions == [] and len(plans) == 1
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), slow_gpu=st.sampled_from(GPUS), factor=st.floats(2.0, 4.0),
        at=st.integers(25, 80), noise=st.floats(0.0, 0.08), spike_p=st.floats(0.0, 0.1))

@@ -163,6 +163,7 @@ def mixed(tmp_path_factory):
     return d, json.loads((d / "searched.json").read_text())
 
 
+@pytest.mark.slow
 def test_tf32_on_32_a100_and_96_v100_plans_on_both_kinds(mixed):
     """The V100s (FP32, a tenth of an A100's TF32) pay for their place once a boundary costs what its replicas move
     over their own node pairs; the planner API and the CLI agree."""

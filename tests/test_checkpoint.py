@@ -150,6 +150,7 @@ def test_local_names_to_global_and_back():
     assert m.to_local("layers.2.mlp.linear_fc1.weight") == "decoder.layers.0.mlp.linear_fc1.weight"
 
 
+@pytest.mark.slow
 def test_any_renaming_and_unnamed_optimizer_parameters():
     """DeepSpeed-style entries "<i>.<param>" over [embedding, layer 0, ..., head] rename through a function."""
     seq = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8))  # stage: all

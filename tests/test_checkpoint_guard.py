@@ -32,6 +32,7 @@ def _release_locks():
     checkpoint_lock.release_all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated manifest", "deleted file"])
 def test_a_corrupt_newest_checkpoint_is_skipped_and_the_run_saves_past_it(tmp_path, damage):
     plan = plan_of([(4, 1)])

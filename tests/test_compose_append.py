@@ -14,7 +14,6 @@ import tangram_launch.planner.compose as kernel
 from tangram_launch.planner.compose import ComposeStats, EdgeTimes, Option, compose
 from tangram_launch.planner.reference import every_composition
 
-pytestmark = pytest.mark.unit
 STATE_FRONT = kernel._state_front  # (before any test patches it)
 
 
@@ -74,6 +73,7 @@ def _run(instance, kw: dict, monkeypatch, counts: dict):
     return found, stats.states, fronts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_entries_and_options_left_out_before_the_fronts_leave_every_front_the_same(seed, monkeypatch):
     """Every kind of pass leaves the same front in every state (the same entries, in the same order, pointing at

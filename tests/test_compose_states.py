@@ -14,7 +14,6 @@ import tangram_launch.planner.compose as kernel
 from tangram_launch.planner.compose import ComposeStats, EdgeTimes
 from tangram_launch.planner.reference import every_composition
 
-pytestmark = pytest.mark.unit
 
 
 def _instance(rng: random.Random):
@@ -69,6 +68,7 @@ def _run(options, link, L, m, K, edges, kw, vector_at, monkeypatch, front_of_sta
     return found, stats.states, made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_options_put_in_front_at_once_make_the_same_entries_as_one_by_one(seed, monkeypatch):
     """Every kind of pass makes the same entries in every state and returns the same candidates, in the same
@@ -102,6 +102,7 @@ def test_options_put_in_front_at_once_make_the_same_entries_as_one_by_one(seed, 
     assert calls["offers"] > 1000 and calls["kept"] > 1000 and calls["dropped"] > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(2))
 def test_a_group_of_many_options_keeps_the_same_hopeful_options_in_numpy(seed, monkeypatch):
     """_hopeful's numpy path (groups of many options) keeps the same options and rooms, in the same order, as its

@@ -1,6 +1,7 @@
 """costmodel/grid.judge_columns (each distinct stage signature judged once, from precomputed columns) answers
 exactly what the plain per-combination computation does: max / Python sum / max of the stage rows and
 grid.fit_depth."""
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +37,7 @@ def _judged_by_columns(pool, picks, m, cap):
     return judge_columns(table.stage_columns(sids, savers, m, cap), sids, m)
 
 
+@pytest.mark.slow
 @settings(max_examples=50, deadline=None)
 @given(data=st.data(), stages=st.integers(1, 40), kinds=st.integers(1, 6), savers=st.integers(1, 24),
        m=st.integers(1, 40), cap=st.floats(1e9, 80e9))

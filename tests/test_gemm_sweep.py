@@ -199,6 +199,7 @@ def test_a_measured_sweep_changes_the_plans_per_layer_compute_time():
 
 # --------------------------------------------------------------------------------------------- the profiler
 
+@pytest.mark.slow
 def test_the_profiler_sweeps_on_cpu_within_its_budget_and_writes_the_table():
     cfg = bench.BenchConfig.for_device("cpu", quick=True, budget_s=1.0)
     cpu = torch.device("cpu")

@@ -96,6 +96,7 @@ def _lifted_no_worse(seed: int, per_node: list[int], runtime: str) -> None:
     assert lifted.planner["gpu_counts"] == "all" and "gpu_counts" not in default.planner
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(seed=hst.integers(0, 10_000), per_node=hst.lists(hst.sampled_from((3, 5, 6)), min_size=2, max_size=2),
        runtime=hst.sampled_from(("torch", "megatron")))

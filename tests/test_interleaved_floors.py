@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,6 +49,7 @@ def pipelines(draw):
     return options, link, fwd, bwd, p2p, m, v
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(pipelines())
 def test_the_composers_interleaved_floors_lie_under_the_simulation(case):

@@ -105,6 +105,7 @@ def test_the_sweep_ends_every_op_where_the_plain_event_simulation_does(case):
     assert got == _reference(fwd, bwd, p2p, m, v)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(pipelines())
 def test_the_sweep_is_the_simulation_bit_for_bit_and_runs_each_rank_in_its_order(case):
@@ -121,6 +122,7 @@ def test_the_sweep_is_the_simulation_bit_for_bit_and_runs_each_rank_in_its_order
                    for b in mine)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(pipelines())
 def test_the_floor_is_under_the_simulation_for_any_timings(case):

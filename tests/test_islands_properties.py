@@ -2,6 +2,7 @@
 overrides, measured figures with noise and tolerances, against the reference in helpers_islands.py."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,6 +56,7 @@ def clusters(draw) -> tuple[ClusterSpec, IslandTolerances]:
     return ClusterSpec.from_dict({"name": "random", "nodes": nodes, "network": network}), tol
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(clusters())
 def test_random_clusters_give_valid_maximal_deterministic_islands(case):

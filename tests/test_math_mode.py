@@ -70,6 +70,7 @@ def test_tf32_never_refuses_a_v100_island(opt512):
     assert dtype_problem(kinds["v100-16gb"], "bf16") is not None  # a dtype the V100 cannot run is still refused
 
 
+@pytest.mark.slow
 def test_a_tf32_search_on_the_512_gpu_cluster_gives_no_tf32_reason(opt512):
     """The V100s are usable; the planner may still leave them out for being slower, never for lacking TF32."""
     result = search(opt512, load_model("opt-350m"), TrainingSpec(global_batch=1024, seq_len=2048, dtype="tf32"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -155,6 +156,7 @@ def test_stage_sums_with_layer_sums_shared_across_slices_equal_a_fresh_costers(g
     assert [vars(s) for s in got] == [vars(s) for s in fresh.stage_sums(g.tp, g.pp, g.dp, g.cp, g.ep)]
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(gpu=st.sampled_from(GPUS), per_node=st.sampled_from([2, 4, 8]), nodes=st.sampled_from([1, 2, 4]),
        moe=st.booleans(), data=st.data())
@@ -397,6 +399,7 @@ def test_the_memory_floor_skips_grids_and_a_query_that_fits_nowhere_still_names_
             assert fast.infeasible == plain.infeasible and "needs at least" in fast.infeasible.reasons[0]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 40), st.floats(0.0, 10.0), st.floats(0.0, 5.0), st.floats(0.0, 5.0),
        st.randoms(use_true_random=False))

@@ -140,6 +140,7 @@ def test_exact_front_keeps_a_plan_of_more_stages_and_drops_one_slower_stage_by_s
     assert set(kept) == {two, three, swapped}
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(seed=hst.integers(0, 10_000), per_node=hst.lists(hst.sampled_from((2, 3, 5, 6)), min_size=2, max_size=2),
        runtime=hst.sampled_from(("torch", "megatron", "deepspeed")), gpu_counts=hst.sampled_from(("tiling", "all")))

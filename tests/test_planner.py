@@ -361,6 +361,7 @@ def test_coarse_atoms_cut_slices_at_atom_boundaries():
     check_invariants(plan, HET, TORCH)
 
 
+@pytest.mark.slow
 def test_many_islands_use_ordered_composition_and_stay_valid(monkeypatch):
     import tangram_launch.planner.class_composition as class_composition
 
@@ -698,6 +699,7 @@ def test_torch_one_grid_1f1b_needs_as_many_micro_batches_as_stages_and_the_plann
         assert plan.num_stages == 1 or plan.num_microbatches >= plan.num_stages, (plan.num_stages, plan.num_microbatches)
 
 
+@pytest.mark.slow
 def test_one_class_never_mixes_what_the_runtime_keeps_uniform():
     """Megatron runs one EP size and one optimizer, DeepSpeed one ZeRO stage: slice plans that differ there are never
     composed into one pipeline (Qwen3-30B-A3B on C2 under megatron once composed ep 1 with ep 2 stages)."""

@@ -56,6 +56,7 @@ def assert_same_optimum(on, off):
 
 
 # the quick tier keeps one runtime; the others are the same search with other capabilities (seconds each)
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", [pytest.param(TORCH, marks=pytest.mark.slow),
                                      pytest.param(DEEPSPEED, marks=pytest.mark.slow), MEGATRON], ids=lambda c: c.name)
 def test_bounded_search_finds_the_full_searchs_optimum_with_the_synthetic_parallelizer(runtime):

@@ -100,6 +100,7 @@ def test_a_floor_that_ties_a_bound_up_to_rounding_is_not_beyond_it():
     assert not beyond(1.0 + 1e-6, 0.5, slack_cut(1.0), slack_cut(1.0))  # the score can still beat its bound
 
 
+@pytest.mark.slow
 @given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 10), st.floats(0, 3)), min_size=1, max_size=8),
        st.integers(1, 24), st.integers(2, 8), st.floats(0, 5))
 @settings(max_examples=300, deadline=None)

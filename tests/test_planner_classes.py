@@ -50,6 +50,7 @@ def instance(seed: int):
     return options, link, L, m
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None)
 @given(st.integers(0, 2**32), st.integers(1, 12))
 def test_stage_totals_hold_every_compositions_stage_count(seed, most):
@@ -192,6 +193,7 @@ def _assert_same_optimum(pruned, every):
     assert pruned.plan.predicted.iteration_time_s <= every.plan.predicted.iteration_time_s * (1 + 1e-12)
 
 
+@pytest.mark.slow
 def test_skipping_classes_by_their_floor_finds_what_composing_every_class_finds():
     pruned, every = _skip_vs_every((0.004, 0.01, 0.01), (4, 8, 4), 16, 1.5)
     _assert_same_optimum(pruned, every)

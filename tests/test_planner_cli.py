@@ -81,6 +81,7 @@ def test_table_shows_stages_and_totals(files, capsys):
     assert "slice/island pairs" in out and "queries" in out
 
 
+@pytest.mark.slow
 def test_json_output_validates_against_the_schema_and_round_trips(json_plan, schema):
     data, d = json_plan
     jsonschema.validate(data, schema)

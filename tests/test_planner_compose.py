@@ -674,6 +674,7 @@ def test_options_a_groups_score_floor_rules_out_change_no_dp_state(seed, monkeyp
     assert dropped[0] > 0
 
 
+@pytest.mark.slow
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(-1, 4), st.integers(1, 4),
                           st.integers(1, 4), st.integers(1, 4)), max_size=40))
 @settings(max_examples=200, deadline=None)
@@ -1023,6 +1024,7 @@ def test_a_plain_score_finds_the_least_score_of_every_composition(seed):
     assert _plain_sweep(random.Random(7100 + seed), 200) > 120
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_fitting_fronts_in_front_of_every_state_keep_the_least_score(seed, monkeypatch):
     """compose reads the fronts that fit in front of a state's stages (bounds.FitPrefixBounds) only in front of
@@ -1149,6 +1151,7 @@ def test_the_path_floor_is_the_simulation_of_one_slow_stage_in_front():
     assert m * 3.0 < sim * 0.999
 
 
+@pytest.mark.slow
 def test_the_default_search_finds_the_best_single_size_plan_on_a_plain_schedule():
     """The planner's default search (every divisor of the batch, sizes skipped by floors, incumbents carried from
     size to size) returns the best of one search per divisor: a size's DP under a tighter bound kept other
@@ -1165,6 +1168,7 @@ def test_the_default_search_finds_the_best_single_size_plan_on_a_plain_schedule(
     assert default.predicted.iteration_time_s == pytest.approx(min(per_size), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_insisted_interleaving_runs_no_plain_complete_pass():
     """Under --schedule interleaved-1F1B a pipeline that cannot interleave scores inf
     (build.Candidates.schedule_choice), so no plain prediction picks a plan: the composer's schedules are interleaved

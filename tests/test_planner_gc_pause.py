@@ -65,6 +65,7 @@ def test_a_callers_frozen_objects_stay_frozen():
 
 
 # the quick tier keeps one runtime: each full gc pass over the planner's heap takes seconds
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["torch", pytest.param("deepspeed", marks=pytest.mark.slow),
                                      pytest.param("megatron", marks=pytest.mark.slow)])
 def test_a_search_leaves_no_cyclic_garbage(runtime):

@@ -87,7 +87,7 @@ def test_the_generated_cases_cover_islands_runtimes_and_schedules():
     assert {len(build_islands(c[0], dtype="fp16").islands) for c in cases} == {2, 3, 4, 5, 6}
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in (1, 2)])  # ~1 s a seed
 def test_default_search_matches_the_best_single_size_search_quick(seed):
     _assert_exact(seed)
 

@@ -69,6 +69,7 @@ def _score(case, sizes=None) -> float | None:
     return plan.predicted.iteration_time_s
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(small_cases())

@@ -4,6 +4,7 @@ shapes are asked for."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,7 @@ def _pipelines(draw):
     return fwd, bwd, p2p, m, draw(st.integers(2, 4))
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(st.lists(_pipelines(), min_size=1, max_size=6), st.sampled_from([list, tuple, np.array]))
 def test_kept_simulations_equal_fresh_ones_bit_for_bit(cases, container):
