@@ -112,7 +112,7 @@ def make_island(row: dict) -> Island:
 
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
-COHORTS = ("original", "unseen", "moe-dev")
+COHORTS = ("original", "unseen", "moe-dev", "fresh")
 
 
 def _id_digest(row_id: str) -> str:
@@ -127,16 +127,16 @@ def original_ids_sha256(ids: list[str]) -> str:
 def draw_split(runs: list[dict], generation_of_gpu: dict, fit_when_drawn: Collection[str]) -> dict[str, str]:
     """Row id -> dev | validation by the data file's `validation_split` rule, which reads only a row's id, GPU and
     cohort: the rows a constant was fitted on when the split was drawn (`fit_rows_when_drawn`: a constant retired
-    since does not move its rows) are dev, unseen rows validation, moe-dev rows (MoE + EP runs gathered as
-    development evidence, from sources no validation row cites) dev, and the other original rows of each GPU
-    generation, ordered by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per
-    generation)."""
+    since does not move its rows) are dev, unseen and fresh rows validation (fresh: gathered blind, from sources no
+    other row cites, after the unseen rows had been seen), moe-dev rows (MoE + EP runs gathered as development
+    evidence, from sources no validation row cites) dev, and the other original rows of each GPU generation, ordered
+    by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per generation)."""
     split: dict[str, str] = {}
     by_generation: dict[str, list[str]] = {}
     for r in runs:
         if r["id"] in fit_when_drawn:
             split[r["id"]] = "dev"
-        elif r.get("cohort") == "unseen":
+        elif r.get("cohort") in ("unseen", "fresh"):
             split[r["id"]] = "validation"
         elif r.get("cohort") == "moe-dev":
             split[r["id"]] = "dev"

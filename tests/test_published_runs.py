@@ -131,7 +131,8 @@ METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": 
                     "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated",
                     "titan-qwen3-h200-notes": "allocator-reserved", "nemo-b200-notes": "allocator-reserved",
                     "lite-mingpt-v100": "allocator-reserved",
-                    "torchao-training": "allocator-reserved"}
+                    "torchao-training": "allocator-reserved",
+                    "lambda-fa2": "device-used"}  # lambda-fa2: not stated by the source, read as nvidia-smi's (rows' assumed)
 
 
 @pytest.mark.unit
@@ -209,7 +210,7 @@ def test_every_row_has_a_split_and_a_cohort_and_fit_rows_are_dev(data, bench):
         assert r["gpu"] in generation, f"{r['id']}: GPU {r['gpu']!r} has no generation in validation_split"
         if r["subset"] == "fit":
             assert r["split"] == "dev", f"{r['id']}: a constant was fitted on it, so it cannot validate"
-        if r["cohort"] == "unseen":
+        if r["cohort"] in ("unseen", "fresh"):
             assert r["split"] == "validation" and r["subset"] == "held-out", r["id"]
         if r["cohort"] == "moe-dev":
             assert r["split"] == "dev" and r["subset"] == "held-out" and r["parallel"].get("ep", 1) > 1, r["id"]
@@ -293,6 +294,25 @@ def test_moe_dev_rows_share_no_source_with_a_validation_row(data):
               if r["cohort"] == "moe-dev" and r["source"]["ref"] in validation}
     assert not shared, f"moe-dev rows citing a source of validation rows: {shared}"
     assert any(r["cohort"] == "moe-dev" for r in data["runs"])
+
+
+@pytest.mark.unit
+def test_fresh_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_cites(data):
+    """The fresh cohort is a blind validation batch gathered after the unseen rows had been seen: it is unseen data
+    only if no row of another cohort (which the model may have been shaped to) cites any of its sources."""
+    fresh = [r for r in data["runs"] if r["cohort"] == "fresh"]
+    assert len(fresh) >= 20, f"{len(fresh)} fresh rows"
+    others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != "fresh"}
+    shared = {r["id"]: r["source"]["ref"] for r in fresh if r["source"]["ref"] in others}
+    assert not shared, f"fresh rows citing a source that rows of another cohort cite: {shared}"
+
+
+@pytest.mark.unit
+def test_a_fresh_row_is_validation_whatever_its_gpu_and_id(bench):
+    runs = [{"id": f"f-{i}", "gpu": gpu, "subset": "held-out", "cohort": "fresh"}
+            for i, gpu in enumerate(("h200", "b200", "a100-80gb", "v100-16gb"))]
+    generation = {"h200": "hopper", "b200": "blackwell", "a100-80gb": "ampere", "v100-16gb": "volta"}
+    assert set(bench.draw_split(runs, generation, fit_when_drawn=()).values()) == {"validation"}
 
 
 @pytest.mark.unit
