@@ -2,7 +2,7 @@
 iteration time and per-GPU peak memory, row by row, then the median absolute errors.
 
     PYTHONPATH=. python benchmarks/bench_costmodel_published.py [--data benchmarks/data/published_runs.yaml]
-        [--only TEXT] [--split all|dev|validation] [--json] [--fit]
+        [--only TEXT] [--split all|dev|validation] [--json] [--fit] [--unseal]
 
 Each row of the data file (see its header) is costed through the project's public API, as
 `tangram-launch estimate` does for one configuration: a ModelSpec (preset or the file's `models:`), one island
@@ -22,8 +22,8 @@ as `not expressible: <reason>` and left out of the medians; where only the sched
 the row is also costed as plain 1F1B / bf16 and that error is shown in brackets, to size what the missing feature is
 worth. Medians are given for the development and the validation split side by side (the rule that draws them is
 the data file's `validation_split`; validation is also shown by cohort: rows in the file when the split was drawn and
-rows added afterwards), then overall, for the rows the constants were fitted on (subset: fit) and for the held-out
-rest, and per GPU type, framework family, dense/MoE and technique. `--fit` re-fits each constant of the file's
+rows added afterwards; rows of a sealed cohort, gathered blind, are costed only with --unseal), then overall, for
+the rows the constants were fitted on (subset: fit) and for the held-out rest, and per GPU type, framework family, dense/MoE and technique. `--fit` re-fits each constant of the file's
 `fitted_constants:` on its named rows and prints the fitted next to the shipped value.
 """
 from __future__ import annotations
@@ -113,6 +113,9 @@ def make_island(row: dict) -> Island:
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
 COHORTS = ("original", "unseen", "moe-dev", "fresh")
+# Cohorts no one has seen the model predict: left out unless --unseal, so that they can still validate a change made
+# while looking at every other row (the unseen cohort's errors were printed while the model was being worked on).
+SEALED_COHORTS = ("fresh",)
 
 
 def _id_digest(row_id: str) -> str:
@@ -390,17 +393,22 @@ def coverage(rows: list[dict], results: list[dict]) -> str:
 
 
 def split_label(r: dict) -> str:
-    return "val (unseen)" if r["split"] == "validation" and r["cohort"] == "unseen" else ("val" if r["split"] ==
-                                                                                        "validation" else r["split"])
+    if r["split"] == "validation" and r["cohort"] in ("unseen", "fresh"):
+        return f"val ({r['cohort']})"
+    return "val" if r["split"] == "validation" else r["split"]
 
 
 def print_split_medians(costed: list[dict]) -> None:
     """Development and validation medians side by side; validation also by cohort (rows in the file when the split
-    was drawn, which the model's structure was tuned on before, and rows added afterwards, which it never saw)."""
+    was drawn, which the model's structure was tuned on before; rows added afterwards; and, once unsealed, the fresh
+    rows gathered blind after those had been seen)."""
     cols = [("dev", [r for r in costed if r["split"] == "dev"]),
             ("validation", [r for r in costed if r["split"] == "validation"]),
             ("val: original", [r for r in costed if r["split"] == "validation" and r["cohort"] == "original"]),
             ("val: unseen", [r for r in costed if r["split"] == "validation" and r["cohort"] == "unseen"])]
+    fresh = [r for r in costed if r["split"] == "validation" and r["cohort"] == "fresh"]
+    if fresh:  # only with --unseal
+        cols.append(("val: fresh", fresh))
     print("development vs validation (costed rows; median |error|, signed median: + = predicted slower / more memory)")
     print(f"  {'':14}" + "".join(f"  {name:>17}" for name, _ in cols))
     for label, key, fmt in (("time |err|", "time_err", median_abs), ("time signed", "time_err", median_signed),
@@ -564,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the per-row results as JSON instead of the table")
     ap.add_argument("--fit", action="store_true",
                     help="re-fit each constant of `fitted_constants` on its rows and print fitted vs shipped")
+    ap.add_argument("--unseal", action="store_true",
+                    help=f"also cost the sealed cohorts ({', '.join(SEALED_COHORTS)}): once, after a cost-model change "
+                         "is final, to validate it on rows no one has seen it predict")
     args = ap.parse_args(argv)
     data = load_data(args.data)
     if args.fit:
@@ -572,11 +583,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"rows: {', '.join(f['rows'])})")
         return 0
     rows = [r for r in data["runs"] if args.only in r["id"] and args.split in ("all", r.get("split"))]
+    sealed = [] if args.unseal else [r for r in rows if r.get("cohort") in SEALED_COHORTS]
+    rows = [r for r in rows if r not in sealed]
     results = [evaluate(r, data) for r in rows]
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         print_report(results, rows)
+    if sealed:
+        print(f"\nsealed: {len(sealed)} validation rows of cohort {', '.join(SEALED_COHORTS)} not costed (gathered blind; "
+              "--unseal costs them, once, after the next cost-model change is final)", file=sys.stderr)
     return 0
 
 

@@ -5,9 +5,11 @@ draws (so no row is moved between the two by hand)."""
 import copy
 import functools
 import importlib.util
+import json
 import os
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -322,3 +324,22 @@ def test_a_moe_dev_row_is_dev_whatever_its_gpu_and_id(bench):
     generation = {"h200": "hopper", "b200": "blackwell", "a100-80gb": "ampere"}
     assert set(bench.draw_split(runs, generation, fit_when_drawn=()).values()) == {"dev"}
 
+
+
+@pytest.mark.unit
+def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, capsys):
+    """Fresh rows validate the next cost-model change only if no one saw the model predict them before: the report
+    leaves them out unless --unseal. A copy of a seen row relabelled fresh stands in for them, so this test itself
+    prints no fresh row's prediction."""
+    seen = copy.deepcopy(next(r for r in data["runs"] if r["id"] == "mpt-a100-80-7b-s2k-8"))
+    seen.update(id="sealed-stand-in", cohort="fresh", split="validation")
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({**data, "runs": [seen]}), encoding="utf-8")
+    assert bench.main(["--data", str(path), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == [] and "sealed: 1 validation rows of cohort fresh" in out.err
+    assert bench.main(["--data", str(path), "--json", "--unseal"]) == 0
+    costed = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in costed] == ["sealed-stand-in"] and costed[0]["predicted_s"] > 0
+    bench.print_split_medians(costed)
+    assert "val: fresh" in capsys.readouterr().out
