@@ -5,6 +5,8 @@ with the test that checks each.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from typing import TYPE_CHECKING, Sequence
 
 from tangram_launch.costmodel.memory import held_under_pipelining, model_state_bytes
@@ -138,3 +140,60 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
         out.append((hit[0], t.act_bytes[r] * coster.fragmentation, working * coster.fragmentation, hit[1]))
     e = coster.edges(tp, cp, dp, mbs)
     return out, e["emb_act"] * coster.fragmentation, e["head_act"] * coster.fragmentation
+
+
+def layers_held(needs: Sequence[tuple[float, float, float]], room_bytes: float, inflight: int) -> int:
+    """The most layers a stage with ``inflight`` micro-batches in flight can hold under any of ``needs`` ((model
+    states, activations per micro-batch, working sets) per layer: stage_need_parts' floors, a saver combination
+    each): n layers need at least n x (states + inflight x activations) + working sets, which must be within
+    ``room_bytes`` (the capacity less the runtime overhead). Counted up from the quotient, so that float rounding
+    never makes it one short (which would raise the floors built on it)."""
+    most = 0
+    for state, act, working in needs:
+        per_layer, left = state + inflight * act, room_bytes - working
+        if left < 0.0:
+            continue
+        if per_layer <= 0.0:
+            return 1 << 30  # (nothing per layer: memory bounds no stage)
+        n = max(0, int(left // per_layer) - 1)
+        while (n + 1) * per_layer + working <= room_bytes:
+            n += 1
+        most = max(most, n)
+    return most
+
+
+def least_bottlenecks_s(modes: Sequence[tuple[float, Sequence[int]]], stage_counts: Sequence[int],
+                        num_layers: int) -> list[float]:
+    """out[x], x = 0 .. ``num_layers``: a floor under the slowest stage's seconds of any slice plan of x layers on
+    one grid (tp, cp, ep, dp) whose stage count is one of ``stage_counts`` (inf: none holds x layers).
+
+    ``modes``: per recompute mode, (a layer's least seconds under it, held), held[i] the most layers the stage
+    i + 1 places from the slice's end can hold under that mode (layers_held at its micro-batches in flight, fewer
+    the further in front: nonincreasing). Every stage of a slice plan runs one grid and one saver combination, so
+    a plan of pp stages splits x layers as n_1 .. n_pp from the back with n_i <= held[i - 1], and its slowest stage
+    takes at least max n_i x the layer's seconds (its stage time only adds to its layers'), at least c x seconds
+    with c the least count for which sum min(held[i], c) >= x. More stages only add room (a stage in front of the
+    others does not change theirs), so the most stages up to x of those whose front stage holds a layer give the
+    least c."""
+    L = num_layers
+    out = [0.0] + [math.inf] * L
+    for per_layer_s, held in modes:
+        pps = sorted(pp for pp in stage_counts if pp <= len(held) and held[pp - 1] >= 1)
+        if not pps:
+            continue
+        room = list(itertools.accumulate(held[:pps[-1]], initial=0))  # room[pp]: the layers pp stages hold
+        j = 0
+        for x in range(pps[0], L + 1):
+            while j + 1 < len(pps) and pps[j + 1] <= x:
+                j += 1
+            pp = pps[j]
+            if room[pp] < x:
+                continue
+            c = -(-x // pp)
+            if held[pp - 1] < c:  # the front stage cannot take an even share: the others take more
+                while sum(h if h < c else c for h in held[:pp]) < x:
+                    c += 1
+            t = per_layer_s * c
+            if t < out[x]:
+                out[x] = t
+    return out

@@ -64,7 +64,8 @@ from tangram_launch.costmodel.grid import (
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.grid import least_fill as least_fill_of
-from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
+from tangram_launch.costmodel.slice_floors import (layers_held, least_bottlenecks_s, memory_floor_bytes, stage_need_parts,
+                                                   stage_need_terms, time_floors)
 from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.errors import SpecError
 from tangram_launch.parallelizers.base import (
@@ -393,6 +394,64 @@ class MegatronParallelizer:
             for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
                 gs, ts = out.get(k, (math.inf, math.inf))
                 out[k] = (min(gs, t * n), min(ts, t))
+        return out
+
+    def bottleneck_floors(self, q: SliceQuery, stages_after: tuple[int, ...] = (0, 1)) -> dict[int, list[float]]:
+        """Per D of ``stages_after``: out[D][x], x = 0 .. the model's layers, a floor under the slowest stage's
+        forward + backward seconds per micro-batch of any slice plan of x layers on q's island at q's micro-batch
+        size with D or more pipeline stages behind it (inf: none fits). Memory decides it: stage i + 1 from the
+        slice's end holds min(i + 1 + D, m) micro-batches in flight (1F1B), so a grid keeps only the recompute
+        modes under which its stages hold the layers, and each mode's layers cost its recompute on top of
+        compute_floors' seconds (slice_floors.least_bottlenecks_s; the saver combinations of a grid pipelined or
+        not, the layer kinds' least needs and seconds, the embedding and head left out: floors). {} without a
+        device."""
+        table = self._table(q)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
+        if coster.device_error:
+            return {}
+        table.device = coster.dev
+        table.attach(coster)
+        index = self._grid_index(table, q, coster, self.grids, self.gpu_counts == "tiling")[1]
+        m, L = q.num_microbatches, q.model.num_layers
+        room = coster.capacity_bytes * (1.0 + 1e-9) - coster.overhead_bytes  # as _GridSearch.too_big_grids
+        stage_counts: dict[int, set[int]] = {}
+        for f, grid in zip(index.fkey_list, index.grids):
+            stage_counts.setdefault(f, set()).add(grid.pp)
+        out = {d: [0.0] + [math.inf] * L for d in stages_after}
+        for f, pps in stage_counts.items():
+            modes = self._layer_modes(q, coster, table, index.fkeys[f])
+            most = max(pps)
+            for d in stages_after:
+                per_mode = [(t, [layers_held(needs, room, min(i + 1 + d, m)) for i in range(most)])
+                            for t, needs in modes]
+                best = out[d]
+                for x, t in enumerate(least_bottlenecks_s(per_mode, sorted(pps), L)):
+                    if t < best[x]:
+                        best[x] = t
+        return out
+
+    def _layer_modes(self, q: SliceQuery, coster: SliceCoster, table: StageTable,
+                     key: tuple[int, int, int, int]) -> list[tuple[float, list[tuple[float, float, float]]]]:
+        """Per recompute mode a stage of (tp, cp, ep, dp) = ``key`` may run (its saver combinations, pipelined or
+        not): (a layer's least seconds under it: time_floors with_comm + its recompute, the least over the layer
+        kinds; per combination of that mode, stage_need_parts' (states, activations, working sets) per layer, the
+        least over the kinds)."""
+        tp, cp, ep, dp = key
+        grid = ParallelConfig(tp=tp, pp=1, dp=dp, cp=cp, ep=ep)
+        savers: list[tuple[int, int, bool]] = []
+        for pipelined in (False, True):
+            savers += [s for s in self.savers(dataclasses.replace(q, pipelined=pipelined), grid) if s not in savers]
+        per_kind = time_floors(coster, tp, cp, ep, dp, with_comm=True)[0]
+        mbs = q.microbatch_sequences // dp
+        kinds = list(per_kind)
+        terms = [coster.layer_terms(k, tp, cp, ep, dp, mbs) for k in kinds]
+        parts = [stage_need_parts(coster, tp, cp, ep, dp, savers, k, states=table.state_floors)[0] for k in kinds]
+        out = []
+        for r in sorted({r for _z, r, _off in savers}):
+            seconds = min(per_kind[k] + t.recompute_s[r] for k, t in zip(kinds, terms))
+            needs = [(min(p[s][0] for p in parts), min(p[s][1] for p in parts), min(p[s][2] for p in parts))
+                     for s, saver in enumerate(savers) if saver[1] == r]
+            out.append((seconds, needs))
         return out
 
     # ------------------------------------------------------------------------------------------ query
