@@ -5,9 +5,10 @@ with the test that checks each.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from tangram_launch.costmodel.memory import held_under_pipelining, model_state_bytes
 from tangram_launch.costmodel.op_sac import OP_SAC_POLICIES
@@ -142,58 +143,42 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
     return out, e["emb_act"] * coster.fragmentation, e["head_act"] * coster.fragmentation
 
 
-def layers_held(needs: Sequence[tuple[float, float, float]], room_bytes: float, inflight: int) -> int:
-    """The most layers a stage with ``inflight`` micro-batches in flight can hold under any of ``needs`` ((model
-    states, activations per micro-batch, working sets) per layer: stage_need_parts' floors, a saver combination
-    each): n layers need at least n x (states + inflight x activations) + working sets, which must be within
-    ``room_bytes`` (the capacity less the runtime overhead). Counted up from the quotient, so that float rounding
-    never makes it one short (which would raise the floors built on it)."""
-    most = 0
-    for state, act, working in needs:
-        per_layer, left = state + inflight * act, room_bytes - working
-        if left < 0.0:
-            continue
-        if per_layer <= 0.0:
-            return 1 << 30  # (nothing per layer: memory bounds no stage)
-        n = max(0, int(left // per_layer) - 1)
-        while (n + 1) * per_layer + working <= room_bytes:
-            n += 1
-        most = max(most, n)
-    return most
+
+def layers_held(needs: np.ndarray, room_bytes: float, inflight: np.ndarray, most: int) -> np.ndarray:
+    """The most layers (up to ``most``) a stage with each of ``inflight`` micro-batches in flight (columns) holds
+    under each row of ``needs`` (a saver combination's per-layer (model states, activations per micro-batch,
+    working sets): stage_need_parts' floors): n layers need at least n x (states + inflight x activations) +
+    working sets, which must be within ``room_bytes`` (the capacity less the runtime overhead). The quotient is
+    checked one up and one down, so that float rounding never makes it one short (which would raise the floors
+    built on it)."""
+    state, act, working = needs[:, 0:1], needs[:, 1:2], needs[:, 2:3]
+    per_layer = state + inflight[None, :] * act
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n = np.floor((room_bytes - working) / per_layer)
+    n = np.clip(np.where(per_layer > 0.0, n, most), -1.0, most)  # (nothing per layer: memory bounds no stage)
+    n = np.where((n + 1.0) * per_layer + working <= room_bytes, n + 1.0, n)
+    n = np.where((n >= 1.0) & (n * per_layer + working > room_bytes), n - 1.0, n)
+    return np.clip(n, 0.0, most).astype(np.int64)
 
 
-def least_bottlenecks_s(modes: Sequence[tuple[float, Sequence[int]]], stage_counts: Sequence[int],
-                        num_layers: int) -> list[float]:
-    """out[x], x = 0 .. ``num_layers``: a floor under the slowest stage's seconds of any slice plan of x layers on
-    one grid (tp, cp, ep, dp) whose stage count is one of ``stage_counts`` (inf: none holds x layers).
-
-    ``modes``: per recompute mode, (a layer's least seconds under it, held), held[i] the most layers the stage
-    i + 1 places from the slice's end can hold under that mode (layers_held at its micro-batches in flight, fewer
-    the further in front: nonincreasing). Every stage of a slice plan runs one grid and one saver combination, so
-    a plan of pp stages splits x layers as n_1 .. n_pp from the back with n_i <= held[i - 1], and its slowest stage
-    takes at least max n_i x the layer's seconds (its stage time only adds to its layers'), at least c x seconds
-    with c the least count for which sum min(held[i], c) >= x. More stages only add room (a stage in front of the
-    others does not change theirs), so the most stages up to x of those whose front stage holds a layer give the
-    least c."""
+def least_bottlenecks_s(per_layer_s: Sequence[float], most_stages: Sequence[int], layers_room: Sequence[int],
+                        fewest_stages: Sequence[int], num_layers: int) -> list[float]:
+    """out[x], x = 0 .. ``num_layers``: a floor under the slowest stage's seconds of any slice plan of x layers
+    on one of some options (inf: none holds x layers). An option is one grid (tp, cp, ep, dp) under one recompute
+    mode: a layer's least seconds there (``per_layer_s``), the most stages of its plans (``most_stages``) and
+    the fewest (``fewest_stages``), and the most layers its most stages hold in all (``layers_room``: at their
+    micro-batches in flight, layers_held). Every stage of a slice plan runs one grid and one saver combination,
+    so a plan of pp <= x stages holding x layers has a stage of ceil(x / pp) layers or more, whose time is at
+    least that many times the layer's seconds (a stage's time only adds to its layers'); and it holds no more
+    than its pp stages do, which more stages only raise (a stage in front of the others does not change their
+    micro-batches in flight)."""
     L = num_layers
-    out = [0.0] + [math.inf] * L
-    for per_layer_s, held in modes:
-        pps = sorted(pp for pp in stage_counts if pp <= len(held) and held[pp - 1] >= 1)
-        if not pps:
-            continue
-        room = list(itertools.accumulate(held[:pps[-1]], initial=0))  # room[pp]: the layers pp stages hold
-        j = 0
-        for x in range(pps[0], L + 1):
-            while j + 1 < len(pps) and pps[j + 1] <= x:
-                j += 1
-            pp = pps[j]
-            if room[pp] < x:
-                continue
-            c = -(-x // pp)
-            if held[pp - 1] < c:  # the front stage cannot take an even share: the others take more
-                while sum(h if h < c else c for h in held[:pp]) < x:
-                    c += 1
-            t = per_layer_s * c
-            if t < out[x]:
-                out[x] = t
-    return out
+    if not len(per_layer_s):
+        return [0.0] + [math.inf] * L
+    x = np.arange(L + 1)[None, :]
+    most = np.asarray(most_stages, dtype=np.int64)[:, None]
+    vals = np.asarray(per_layer_s, dtype=np.float64)[:, None] * (-(-x // most))
+    vals[(x > np.asarray(layers_room)[:, None]) | (x < np.asarray(fewest_stages)[:, None])] = np.inf
+    out = vals.min(axis=0)
+    out[0] = 0.0
+    return out.tolist()
