@@ -64,8 +64,8 @@ from tangram_launch.costmodel.grid import (
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.grid import least_fill as least_fill_of
-from tangram_launch.costmodel.slice_floors import (layers_held, least_bottlenecks_s, memory_floor_bytes, stage_need_parts,
-                                                   stage_need_terms, time_floors)
+from tangram_launch.costmodel.slice_floors import (layers_held, least_bottlenecks_s, memory_floor_bytes,
+                                                   stage_need_parts, stage_need_terms, time_floors)
 from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.errors import SpecError
 from tangram_launch.parallelizers.base import (

@@ -25,6 +25,12 @@ beat the bounds (as ``SliceQuery.beyond_bound``). The floors depend on the slice
 of the layers inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key
 fixes, so one representative's floor holds for its whole class. The lesser of the other islands' seconds floors is
 also a tighter "outside" fill for the query's own bound (``outside_s``).
+
+Where the parallelizer gives bottleneck floors (per island, under the slowest stage of any x layers there with D
+stages behind them: memory makes stages with several micro-batches in flight recompute), the pair's own period is at
+least its island's for its length (D = 1 unless it ends at layer L), and the rest's at least the least slowest stage
+of any placement of the other layers on the other islands (``spread_bottlenecks_s``; D = 1 where the pair ends at L,
+so that every other island is in front of it).
 """
 from __future__ import annotations
 

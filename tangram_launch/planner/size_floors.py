@@ -73,7 +73,9 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
         closed form >= (m - 1) x P + sum(seconds floors)
         predicted iteration >= max(m x P, sum(seconds floors))
 
-    (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through)
+    (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through).
+    Where the parallelizer has bottleneck floors (``bottleneck_floors``: memory makes the stages in front recompute),
+    P is at least the slowest stage of any placement of the L layers over the islands (spread_bottlenecks_s).
     """
     L = model.num_layers
     none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0, links=links)
