@@ -23,7 +23,7 @@ from tangram_launch.costmodel.slice_plan import SliceQuery, capacity_bytes, numb
 from tangram_launch.islands import build_islands
 from tangram_launch.parallelizers.megatron import MegatronParallelizer
 from tangram_launch.planner import PlannerOptions, search
-from tangram_launch.planner.pair_floors import PairFloors, spread_bottlenecks_s
+from tangram_launch.planner.pair_floors import PairFloors, spread_behind_s, spread_bottlenecks_s
 from tangram_launch.planner.query_pool import answer
 from tangram_launch.planner.size_floors import size_floor
 from tangram_launch.specs.cluster import ClusterSpec
@@ -117,6 +117,26 @@ def test_spread_bottlenecks_lie_under_every_placement_and_meet_it_where_tables_r
     rising = [[0.0, *itertools.accumulate(t[1:], max)] for t in tables]  # nondecreasing: the floor is exact
     spread = spread_bottlenecks_s(rising, L)
     assert spread == [_brute_spread(rising, n) for n in range(L + 1)]
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32))
+def test_spread_with_a_stage_behind_every_island_but_the_last_lies_under_every_placement(seed):
+    """spread_behind_s: per island tables with none and one stage behind; a placement whose last island (holding
+    a layer) reads its D = 0 table and every other island its D = 1 table is never beaten."""
+    rng = random.Random(seed)
+    L, K = rng.randint(1, 5), rng.randint(1, 4)
+    tables = [{d: [0.0] + [rng.choice([math.inf, rng.uniform(0.0, 3.0)]) for _ in range(L)] for d in (0, 1)}
+              for _ in range(K)]
+    spread = spread_behind_s(tables, L)
+    for n in range(1, L + 1):
+        for xs in itertools.product(range(n + 1), repeat=K):
+            if sum(xs) != n:
+                continue
+            for last in (o for o in range(K) if xs[o]):
+                worst = max(t[0 if o == last else 1][x] for o, (t, x) in enumerate(zip(tables, xs)))
+                assert spread[n] <= worst
 
 
 @pytest.mark.unit

@@ -30,7 +30,7 @@ Where the parallelizer gives bottleneck floors (per island, under the slowest st
 stages behind them: memory makes stages with several micro-batches in flight recompute), the pair's own period is at
 least its island's for its length (D = 1 unless it ends at layer L), and the rest's at least the least slowest stage
 of any placement of the other layers on the other islands (``spread_bottlenecks_s``; D = 1 where the pair ends at L,
-so that every other island is in front of it).
+so that every other island is in front of it, else on every other island but the last: ``spread_behind_s``).
 """
 from __future__ import annotations
 
@@ -202,6 +202,19 @@ def _least_ratio(names: set, f: Mapping[str, tuple[float, float]], least: Mappin
     return min(ratios) if ratios else None
 
 
+def spread_behind_s(tables: Sequence[Mapping[int, Sequence[float]]], num_layers: int) -> list[float]:
+    """spread_bottlenecks_s over islands of which one holds the pipeline's last stage: per island its D -> table
+    (bottleneck_floors with D = 0 and 1), every island but the last with one stage behind it at least; the least
+    over which island is last."""
+    if len(tables) < 2:
+        return spread_bottlenecks_s([t[0] for t in tables], num_layers)
+    out = [math.inf] * (num_layers + 1)
+    for last in range(len(tables)):
+        spread = spread_bottlenecks_s([t[0] if o == last else t[1] for o, t in enumerate(tables)], num_layers)
+        out = [a if a < b else b for a, b in zip(out, spread)]
+    return out
+
+
 def spread_bottlenecks_s(tables: Sequence[Sequence[float]], num_layers: int) -> list[float]:
     """out[n], n = 0 .. ``num_layers``: a floor under the slowest stage of any n layers placed on the islands of
     ``tables`` (per island, bottleneck_floors' B: B[x] under the slowest stage of any x layers on it, inf where
@@ -335,9 +348,9 @@ class PairFloors:
         hit = self._rest_bottlenecks.get((island, behind))
         if hit is None:
             free = [0.0] * (self.L + 1)
-            hit = self._rest_bottlenecks[island, behind] = spread_bottlenecks_s(
-                [self.bottlenecks[o][behind] if o in self.bottlenecks else free for o in self.own if o != island],
-                self.L)
+            tables = [self.bottlenecks.get(o, {0: free, 1: free}) for o in self.own if o != island]
+            hit = self._rest_bottlenecks[island, behind] = (
+                spread_bottlenecks_s([t[1] for t in tables], self.L) if behind else spread_behind_s(tables, self.L))
         return hit[layers]
 
     def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:

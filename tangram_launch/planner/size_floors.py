@@ -14,7 +14,7 @@ from tangram_launch.planner import bounds
 from tangram_launch.planner.allocation import LinkModel
 from tangram_launch.planner.bounds import least_links
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_stages
-from tangram_launch.planner.pair_floors import PairFloors, capacities, spread_bottlenecks_s
+from tangram_launch.planner.pair_floors import PairFloors, capacities, spread_behind_s
 from tangram_launch.planner.slices import Pair, dtype_problem
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,7 +75,8 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
 
     (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through).
     Where the parallelizer has bottleneck floors (``bottleneck_floors``: memory makes the stages in front recompute),
-    P is at least the slowest stage of any placement of the L layers over the islands (spread_bottlenecks_s).
+    P is at least the slowest stage of any placement of the L layers over the islands (spread_behind_s: every
+    island but the last with a stage behind it).
     """
     L = model.num_layers
     none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0, links=links)
@@ -119,7 +120,7 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
              if all(needed <= f.keys() for f in per_island.values()) else None)
     period_s = capacities(kinds, per_island, gpus).period_s(layers_gs, edges_gs)  # >= GPU-seconds / their GPUs
     if len(bottlenecks) == len(per_island):  # the slowest stage of the L layers over the islands, memory-bound
-        period_s = max(period_s, spread_bottlenecks_s([t[0] for t in bottlenecks.values()], L)[L])
+        period_s = max(period_s, spread_behind_s(list(bottlenecks.values()), L)[L])
     spread = (0.0, 0.0)
     if pairs is not None:  # (every island's floors for every kind: no island left out of the spread)
         latency_s, score_s = spread_floors_s({k: _least_per_layer(f, set(kinds)) for k, f in per_island.items()},
