@@ -143,7 +143,6 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
     return out, e["emb_act"] * coster.fragmentation, e["head_act"] * coster.fragmentation
 
 
-
 def layers_held(needs: np.ndarray, room_bytes: float, inflight: np.ndarray, most: int) -> np.ndarray:
     """The most layers (up to ``most``) a stage with each of ``inflight`` micro-batches in flight (columns) holds
     under each row of ``needs`` (a saver combination's per-layer (model states, activations per micro-batch,
