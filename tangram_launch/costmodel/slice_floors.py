@@ -5,7 +5,10 @@ with the test that checks each.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
 
 from tangram_launch.costmodel.memory import held_under_pipelining, model_state_bytes
 from tangram_launch.costmodel.op_sac import OP_SAC_POLICIES
@@ -138,3 +141,43 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
         out.append((hit[0], t.act_bytes[r] * coster.fragmentation, working * coster.fragmentation, hit[1]))
     e = coster.edges(tp, cp, dp, mbs)
     return out, e["emb_act"] * coster.fragmentation, e["head_act"] * coster.fragmentation
+
+
+def layers_held(needs: np.ndarray, room_bytes: float, inflight: np.ndarray, most: int) -> np.ndarray:
+    """The most layers (up to ``most``) a stage with each of ``inflight`` micro-batches in flight (columns) holds
+    under each row of ``needs`` (a saver combination's per-layer (model states, activations per micro-batch,
+    working sets): stage_need_parts' floors): n layers need at least n x (states + inflight x activations) +
+    working sets, which must be within ``room_bytes`` (the capacity less the runtime overhead). The quotient is
+    checked one up and one down, so that float rounding never makes it one short (which would raise the floors
+    built on it)."""
+    state, act, working = needs[:, 0:1], needs[:, 1:2], needs[:, 2:3]
+    per_layer = state + inflight[None, :] * act
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n = np.floor((room_bytes - working) / per_layer)
+    n = np.clip(np.where(per_layer > 0.0, n, most), -1.0, most)  # (nothing per layer: memory bounds no stage)
+    n = np.where((n + 1.0) * per_layer + working <= room_bytes, n + 1.0, n)
+    n = np.where((n >= 1.0) & (n * per_layer + working > room_bytes), n - 1.0, n)
+    return np.clip(n, 0.0, most).astype(np.int64)
+
+
+def least_bottlenecks_s(per_layer_s: Sequence[float], most_stages: Sequence[int], layers_room: Sequence[int],
+                        fewest_stages: Sequence[int], num_layers: int) -> list[float]:
+    """out[x], x = 0 .. ``num_layers``: a floor under the slowest stage's seconds of any slice plan of x layers
+    on one of some options (inf: none holds x layers). An option is one grid (tp, cp, ep, dp) under one recompute
+    mode: a layer's least seconds there (``per_layer_s``), the most stages of its plans (``most_stages``) and
+    the fewest (``fewest_stages``), and the most layers its most stages hold in all (``layers_room``: at their
+    micro-batches in flight, layers_held). Every stage of a slice plan runs one grid and one saver combination,
+    so a plan of pp <= x stages holding x layers has a stage of ceil(x / pp) layers or more, whose time is at
+    least that many times the layer's seconds (a stage's time only adds to its layers'); and it holds no more
+    than its pp stages do, which more stages only raise (a stage in front of the others does not change their
+    micro-batches in flight)."""
+    L = num_layers
+    if not len(per_layer_s):
+        return [0.0] + [math.inf] * L
+    x = np.arange(L + 1)[None, :]
+    most = np.asarray(most_stages, dtype=np.int64)[:, None]
+    vals = np.asarray(per_layer_s, dtype=np.float64)[:, None] * (-(-x // most))
+    vals[(x > np.asarray(layers_room)[:, None]) | (x < np.asarray(fewest_stages)[:, None])] = np.inf
+    out = vals.min(axis=0)
+    out[0] = 0.0
+    return out.tolist()

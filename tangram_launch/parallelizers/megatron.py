@@ -64,7 +64,8 @@ from tangram_launch.costmodel.grid import (
 )
 from tangram_launch.costmodel.grid import fit_depth as grid_fit_depth
 from tangram_launch.costmodel.grid import least_fill as least_fill_of
-from tangram_launch.costmodel.slice_floors import memory_floor_bytes, stage_need_parts, stage_need_terms, time_floors
+from tangram_launch.costmodel.slice_floors import (layers_held, least_bottlenecks_s, memory_floor_bytes,
+                                                   stage_need_parts, stage_need_terms, time_floors)
 from tangram_launch.costmodel.slice_bounds import beyond_array, beyond_each, beyond_floors, slack_cut
 from tangram_launch.errors import SpecError
 from tangram_launch.parallelizers.base import (
@@ -389,11 +390,83 @@ class MegatronParallelizer:
             if f not in fits:
                 continue
             n = key[0] * key[1] * key[3]
-            per_kind, emb_s, head_s = time_floors(coster, *key, with_comm=True)
+            per_kind, emb_s, head_s = _time_floors(table, coster, key)
             for k, t in (*per_kind.items(), ("embedding", emb_s), ("head", head_s)):
                 gs, ts = out.get(k, (math.inf, math.inf))
                 out[k] = (min(gs, t * n), min(ts, t))
         return out
+
+    def bottleneck_floors(self, q: SliceQuery, stages_after: tuple[int, ...] = (0, 1)) -> dict[int, list[float]]:
+        """Per D of ``stages_after``: out[D][x], x = 0 .. the model's layers, a floor under the slowest stage's
+        forward + backward seconds per micro-batch of any slice plan of x layers on q's island at q's micro-batch
+        size with D or more pipeline stages behind it (inf: none fits). Memory decides it: stage i + 1 from the
+        slice's end holds min(i + 1 + D, m) micro-batches in flight (1F1B), so a grid runs x layers only under
+        the recompute modes whose stages hold them, and each mode's layers cost its recompute on top of
+        compute_floors' seconds (slice_floors.least_bottlenecks_s; the saver combinations of a grid pipelined or
+        not, the layer kinds' least needs and seconds, the embedding and head left out: floors). {} without a
+        device."""
+        table = self._table(q)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
+        if coster.device_error:
+            return {}
+        table.device = coster.dev
+        table.attach(coster)
+        gkey, index = self._grid_index(table, q, coster, self.grids, self.gpu_counts == "tiling")
+        m, L = q.num_microbatches, q.model.num_layers
+        room = coster.capacity_bytes * (1.0 + 1e-9) - coster.overhead_bytes  # as _GridSearch.too_big_grids
+        stage_counts = table.floors.get(("stage counts", gkey))
+        if stage_counts is None:  # per (tp, cp, ep, dp) of the grid list, its stage counts, ascending
+            counts: dict[int, set[int]] = {}
+            for f, pp in zip(index.fkey_list, index.pp_list):
+                counts.setdefault(f, set()).add(index.pp_values[pp])
+            stage_counts = table.floors["stage counts", gkey] = {f: sorted(pps) for f, pps in counts.items()}
+        any_savers = table.saver_lists.setdefault((getattr(self.savers, "__qualname__", None), "either"), {})
+        options, needs, starts = [], [], []  # per (grid, mode): (seconds per layer, its stage counts); their needs
+        for f, pps in stage_counts.items():
+            for seconds, rows in self._layer_modes(q, coster, table, index.fkeys[f], any_savers):
+                starts.append(len(needs))
+                options.append((seconds, pps))
+                needs += rows
+        out = {d: [0.0] + [math.inf] * L for d in stages_after}
+        if not options:
+            return out
+        top = min(max(max(pps) for pps in stage_counts.values()) + max(stages_after), m)
+        # held[o, k - 1]: the most layers a stage of option o holds with k micro-batches in flight (k <= top)
+        held = np.maximum.reduceat(layers_held(np.array(needs), room, np.arange(1, top + 1), L), starts, axis=0)
+        for d in stages_after:
+            out[d] = least_bottlenecks_s(*_stage_room(options, held, d, m), L)
+        return out
+
+    def _layer_modes(self, q: SliceQuery, coster: SliceCoster, table: StageTable, key: tuple[int, int, int, int],
+                     any_savers: dict) -> list[tuple[float, list[tuple[float, float, float]]]]:
+        """Per recompute mode a stage of (tp, cp, ep, dp) = ``key`` may run (its saver combinations, pipelined or
+        not): (a layer's least seconds under it: time_floors with_comm + its recompute, the least over the layer
+        kinds; per combination of that mode, stage_need_parts' (states, activations, working sets) per layer, the
+        least over the kinds). ``any_savers``: the combinations by the grid flags they depend on, kept by the
+        caller."""
+        tp, cp, ep, dp = key
+        flags = (tp > 1, cp > 1, ep > 1, dp * cp == 1)  # what savers() reads of a grid (GridIndex.saver_keys)
+        savers = any_savers.get(flags)
+        if savers is None:
+            grid = ParallelConfig(tp=tp, pp=1, dp=dp, cp=cp, ep=ep)
+            savers = any_savers[flags] = []
+            for pipelined in (False, True):
+                savers += [s for s in self.savers(dataclasses.replace(q, pipelined=pipelined), grid)
+                           if s not in savers]
+        per_kind = _time_floors(table, coster, key)[0]
+        mbs = q.microbatch_sequences // dp
+        kinds = list(per_kind)
+        terms = [coster.layer_terms(k, tp, cp, ep, dp, mbs) for k in kinds]
+        parts = [stage_need_parts(coster, tp, cp, ep, dp, savers, k, states=table.state_floors)[0] for k in kinds]
+        by_mode: dict[int, list[tuple[float, float, float]]] = {}
+        for s, (_zero, r, _off) in enumerate(savers):
+            if len(parts) == 1:
+                state, act, working, _per_param = parts[0][s]
+                by_mode.setdefault(r, []).append((state, act, working))
+            else:
+                by_mode.setdefault(r, []).append(tuple(min(p[s][i] for p in parts) for i in range(3)))
+        return [(min(per_kind[k] + t.recompute_s[r] for k, t in zip(kinds, terms)), by_mode[r])
+                for r in sorted(by_mode)]
 
     # ------------------------------------------------------------------------------------------ query
     def query(self, q: SliceQuery) -> SliceResult:
@@ -903,20 +976,50 @@ class _GridSearch:
         return best_mem
 
 
+def _stage_room(options: list[tuple[float, list[int]]], held: np.ndarray, stages_after: int,
+                m: int) -> tuple[list[float], list[int], list[int], list[int]]:
+    """slice_floors.least_bottlenecks_s' options from bottleneck_floors' (``options``: (seconds per layer, stage
+    counts, ascending) per grid and recompute mode; ``held``: their layers_held by micro-batches in flight,
+    nonincreasing) with ``stages_after`` stages behind: a stage count is taken where its front stage (the most in
+    flight) holds a layer; the most such stages and what they hold (stage i + 1 from the end: min(i + 1 + D, m) in
+    flight)."""
+    seconds, most, room, fewest = [], [], [], []
+    d = stages_after
+    holding = (held >= 1).sum(axis=1).tolist()  # per option, the most in flight under which a stage holds a layer
+    cum = np.concatenate([np.zeros((len(held), 1), dtype=np.int64), np.cumsum(held, axis=1)], axis=1).tolist()
+    lo = min(1 + d, m)  # in flight at the last stage
+    for o, (t, pps) in enumerate(options):
+        k = holding[o]
+        n_valid = len(pps) if m <= k else bisect.bisect_right(pps, k - d)  # min(pp + d, m) <= k
+        if not n_valid:
+            continue
+        pp = pps[n_valid - 1]
+        hi = min(pp + d, m)  # in flight at the front stage
+        row = cum[o]
+        seconds.append(t)
+        most.append(pp)
+        room.append(row[hi] - row[lo - 1] + ((pp - (hi - lo + 1)) * (row[m] - row[m - 1]) if pp + d > m else 0))
+        fewest.append(pps[0])
+    return seconds, most, room, fewest
+
+
+def _time_floors(table: StageTable, coster: SliceCoster, fkey: tuple[int, int, int, int]) -> tuple:
+    """slice_floors.time_floors (with communication) of (tp, cp, ep, dp) = ``fkey`` for the coster's slice, kept in
+    the context's table by what they read (micro-batch size, layer kinds, embedding, head)."""
+    tkey = (coster.q.microbatch_sequences, fkey, (tuple(coster.prefix), coster.has_embedding, coster.has_head))
+    floors = table.floors.get(tkey)
+    if floors is None:
+        floors = table.floors[tkey] = time_floors(coster, *fkey, with_comm=True)
+    return floors
+
+
 def _floor_arrays(table: StageTable, index: GridIndex, coster: SliceCoster, gkey: tuple, floor_key: tuple) -> tuple:
     """slice_floors.time_floors (with communication) of every (tp, cp, ep, dp) of a grid list, for slices alike in
     what those floors read (``floor_key``: layer kinds, embedding, head): the answers, and per layer kind, for the
     embedding and for the head, the floors as arrays over GridIndex.fkeys."""
     hit = table.floor_arrays.get((gkey, floor_key))
     if hit is None:
-        b = coster.q.microbatch_sequences
-        hits = []
-        for fkey in index.fkeys:
-            tkey = (b, fkey, floor_key)
-            floors = table.floors.get(tkey)
-            if floors is None:
-                floors = table.floors[tkey] = time_floors(coster, *fkey, with_comm=True)
-            hits.append(floors)
+        hits = [_time_floors(table, coster, fkey) for fkey in index.fkeys]
         kinds = {k: np.array([h[0][k] for h in hits], dtype=np.float64) for k in coster.prefix}
         hit = table.floor_arrays[gkey, floor_key] = (
             hits, kinds, np.array([h[1] for h in hits], dtype=np.float64),

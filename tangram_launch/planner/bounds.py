@@ -69,6 +69,22 @@ pair floors: pair_floors.PairFloors.floor / beyond
     test:   test_planner_pair_floors.py::test_pair_floors_are_under_every_pipeline_holding_the_pair,
             ::test_skipping_pairs_finds_the_full_searchs_optimum_and_drops_the_same_islands
 
+bottleneck floors: megatron bottleneck_floors (slice_floors.layers_held, least_bottlenecks_s); spread over islands:
+                   pair_floors.spread_bottlenecks_s, spread_behind_s
+    prunes: size_search (sizes skipped: SizeFloor's period; queries skipped: PairFloors.floor's own period and the
+            rest's period)
+    safe:   stage i + 1 from a slice's end holds min(i + 1 + D, m) micro-batches in flight (D stages behind the
+            slice), so a grid holds x layers only under the recompute modes whose stages have room for them, and
+            its slowest stage runs ceil(x / stages) of them at least, each for its least seconds plus that mode's
+            recompute; D >= 1 for a slice that does not end at L. A placement of n layers whose slowest stage is P
+            puts at most X_o(P) layers on island o (the most with a floor <= P), so the n-th least floor of all
+            islands' suffix minima is under P; every island but the one holding layer L has a stage behind it
+    test:   test_bottleneck_floors.py::test_bottleneck_floors_lie_under_every_slice_plan_that_fits,
+            ::test_spread_bottlenecks_lie_under_every_placement_and_meet_it_where_tables_rise,
+            ::test_spread_with_a_stage_behind_every_island_but_the_last_lies_under_every_placement,
+            ::test_pair_floors_with_bottleneck_floors_are_under_every_pipeline_holding_the_pair,
+            ::test_a_size_floor_with_bottleneck_floors_lies_under_the_best_plan_at_that_size
+
 pipeline reach: pair_floors.PipelineReach.usable / prune / kill
     prunes: size_search (classes asked at no size; per size, pairs whose every way to layer 0 or L passes a class
             whose answer holds no plan: slices at layer 0 asked first, then those at L, then the rest)

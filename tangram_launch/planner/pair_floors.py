@@ -25,6 +25,12 @@ beat the bounds (as ``SliceQuery.beyond_bound``). The floors depend on the slice
 of the layers inside and outside it and whether it holds the embedding or the head, which the pair's redundancy key
 fixes, so one representative's floor holds for its whole class. The lesser of the other islands' seconds floors is
 also a tighter "outside" fill for the query's own bound (``outside_s``).
+
+Where the parallelizer gives bottleneck floors (per island, under the slowest stage of any x layers there with D
+stages behind them: memory makes stages with several micro-batches in flight recompute), the pair's own period is at
+least its island's for its length (D = 1 unless it ends at layer L), and the rest's at least the least slowest stage
+of any placement of the other layers on the other islands (``spread_bottlenecks_s``; D = 1 where the pair ends at L,
+so that every other island is in front of it, else on every other island but the last: ``spread_behind_s``).
 """
 from __future__ import annotations
 
@@ -196,20 +202,58 @@ def _least_ratio(names: set, f: Mapping[str, tuple[float, float]], least: Mappin
     return min(ratios) if ratios else None
 
 
+def spread_behind_s(tables: Sequence[Mapping[int, Sequence[float]]], num_layers: int) -> list[float]:
+    """spread_bottlenecks_s over islands of which one holds the pipeline's last stage: per island its D -> table
+    (bottleneck_floors with D = 0 and 1), every island but the last with one stage behind it at least; the least
+    over which island is last."""
+    if len(tables) < 2:
+        return spread_bottlenecks_s([t[0] for t in tables], num_layers)
+    out = [math.inf] * (num_layers + 1)
+    for last in range(len(tables)):
+        spread = spread_bottlenecks_s([t[0] if o == last else t[1] for o, t in enumerate(tables)], num_layers)
+        out = [a if a < b else b for a, b in zip(out, spread)]
+    return out
+
+
+def spread_bottlenecks_s(tables: Sequence[Sequence[float]], num_layers: int) -> list[float]:
+    """out[n], n = 0 .. ``num_layers``: a floor under the slowest stage of any n layers placed on the islands of
+    ``tables`` (per island, bottleneck_floors' B: B[x] under the slowest stage of any x layers on it, inf where
+    they fit nowhere), at most one slice each. Let X(P) be the most layers x with B[x] <= P, the count of the x
+    >= 1 whose least B over x and beyond is <= P: a placement whose slowest stage is P puts at most X(P) layers on
+    each island, so n <= the sum of the X(P), whose least P is the n-th least of those suffix minima over every
+    island."""
+    L = num_layers
+    values: list[float] = []
+    for table in tables:
+        least = math.inf
+        for x in range(L, 0, -1):
+            if table[x] < least:
+                least = table[x]
+            if least < math.inf:
+                values.append(least)
+    values.sort()
+    return [0.0] + [values[n - 1] if n <= len(values) else math.inf for n in range(1, L + 1)]
+
+
 class PairFloors:
     """Floors for the pairs of one micro-batch size (``num_microbatches`` m)."""
 
     def __init__(self, kinds: Sequence[str], floors: Mapping[int, Mapping[str, tuple[float, float]]],
                  gpus: Mapping[int, int], num_microbatches: int,
-                 links: tuple[Mapping[int, float], Mapping[int, float]] | None = None) -> None:
+                 links: tuple[Mapping[int, float], Mapping[int, float]] | None = None,
+                 bottlenecks: Mapping[int, Mapping[int, Sequence[float]]] | None = None) -> None:
         """``kinds``: layer kind of each layer; ``floors``: island index -> kind (and "embedding", "head") ->
         (GPU-seconds, seconds), for every island that can hold a slice; ``gpus``: island index -> GPUs;
         ``links``: per island the least one-way link into it and out of it from another island a pipeline may
-        use (bounds.least_links; default none)."""
+        use (bounds.least_links; default none); ``bottlenecks``: island index -> D (0 and 1) -> the
+        parallelizer's bottleneck_floors (B[x]: under the slowest stage of x layers there with D or more stages
+        behind them), where it has them."""
         self.m = num_microbatches
         self.L = len(kinds)
         self.gpus = dict(gpus)
         self.into, self.out_of = links if links is not None else ({}, {})
+        self.bottlenecks = dict(bottlenecks or {})
+        self._rest_bottlenecks: dict[tuple[int, int], list[float]] = {}  # (island, D) -> spread_bottlenecks_s
         self.own: dict[int, tuple] = {}  # island -> (GPU-s prefix, s prefix, embedding (gs, s), head (gs, s))
         self.rest: dict[int, tuple] = {}  # island -> the same over the least of the other islands
         self.rest_capacity: dict[int, Capacity] = {}  # island -> capacity of the other islands
@@ -254,14 +298,15 @@ class PairFloors:
         if own is None:
             return 0.0, 0.0
         g, e, t = self._part(own, start, stop, True)
-        own_period = period = (g + e) / self.gpus[island]
+        own_period = period = max((g + e) / self.gpus[island], self._own_bottleneck_s(island, start, stop))
         rest_period = front = into = out = 0.0
         if (start, stop) != (0, self.L):
             rest = self.rest[island]
             if rest is None:
                 return math.inf, math.inf
             rg, re, rt = self._part(rest, start, stop, False)
-            rest_period = self.rest_capacity[island].period_s(rg, re)
+            rest_period = max(self.rest_capacity[island].period_s(rg, re),
+                              self._rest_bottleneck_s(island, self.L - (stop - start), int(stop == self.L)))
             period = max(period, rest_period)
             t += rt
         compute_s = t  # every layer's least forward + backward seconds, links left out (chain_score_floor_s)
@@ -287,6 +332,26 @@ class PairFloors:
             inter = max(m * own_period + front / v, m * rest_period, compute_s + 4.0 * (into + out))
             plain = plain if plain < inter else inter
         return (m - 1) * period + t, chain_score_floor_s(plain, compute_s)
+
+    def _own_bottleneck_s(self, island: int, start: int, stop: int) -> float:
+        """Under the slowest stage of the slice [start, stop) on ``island`` (its bottleneck floors; 0 without):
+        a slice that does not end at layer L has a stage of another island behind it."""
+        tables = self.bottlenecks.get(island)
+        return 0.0 if tables is None else tables[int(stop < self.L)][stop - start]
+
+    def _rest_bottleneck_s(self, island: int, layers: int, behind: int) -> float:
+        """Under the slowest stage of ``layers`` layers on the islands other than ``island`` (spread_bottlenecks_s
+        of their floors, with ``behind`` (0 or 1) stages behind each: 1 where the pair ends at layer L, so that
+        every other island is in front of it; an island without floors bounds nothing)."""
+        if not self.bottlenecks:
+            return 0.0
+        hit = self._rest_bottlenecks.get((island, behind))
+        if hit is None:
+            free = [0.0] * (self.L + 1)
+            tables = [self.bottlenecks.get(o, {0: free, 1: free}) for o in self.own if o != island]
+            hit = self._rest_bottlenecks[island, behind] = (
+                spread_bottlenecks_s([t[1] for t in tables], self.L) if behind else spread_behind_s(tables, self.L))
+        return hit[layers]
 
     def beyond(self, island: int, start: int, stop: int, latency_bound_s: float, score_bound_s: float) -> bool:
         """Whether no pipeline holding the pair can beat either bound."""

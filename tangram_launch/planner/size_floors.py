@@ -14,7 +14,7 @@ from tangram_launch.planner import bounds
 from tangram_launch.planner.allocation import LinkModel
 from tangram_launch.planner.bounds import least_links
 from tangram_launch.planner.interleave import MAX_VIRTUAL_STAGES, most_virtual_stages
-from tangram_launch.planner.pair_floors import PairFloors, capacities
+from tangram_launch.planner.pair_floors import PairFloors, capacities, spread_behind_s
 from tangram_launch.planner.slices import Pair, dtype_problem
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,7 +63,8 @@ def least_links_at(links: LinkModel, present: Sequence[int]) -> tuple[dict[int, 
 
 def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
                caps: RuntimeCapabilities, par: Parallelizer | None,
-               links: tuple[dict[int, float], dict[int, float]] | None = None) -> SizeFloor:
+               links: tuple[dict[int, float], dict[int, float]] | None = None,
+               with_bottlenecks: bool = True) -> SizeFloor:
     """Floors at micro-batch size b from the parallelizer's compute floors (``compute_floors``; all 0 for a
     parallelizer without them): every layer runs on some stage of n GPUs for at least its floor time, so the
     slowest of the stages takes at least the model's GPU-seconds over the usable GPUs' capacity (the period P of
@@ -73,7 +74,10 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
         closed form >= (m - 1) x P + sum(seconds floors)
         predicted iteration >= max(m x P, sum(seconds floors))
 
-    (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through)
+    (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through).
+    Where the parallelizer has bottleneck floors (``bottleneck_floors``: memory makes the stages in front recompute),
+    P is at least the slowest stage of any placement of the L layers over the islands (spread_behind_s: every
+    island but the last with a stage behind it); the pair floors take them too. ``with_bottlenecks``: whether to.
     """
     L = model.num_layers
     none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0, links=links)
@@ -81,6 +85,7 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
         return none
     best: dict[str, tuple[float, float]] = {}
     per_island: dict[int, dict[str, tuple[float, float]]] = {}
+    bottlenecks: dict[int, dict[int, list[float]]] = {}  # island -> D -> par.bottleneck_floors
     for k, isl in enumerate(islands):
         if dtype_problem(isl, training.dtype) is not None:
             continue
@@ -90,6 +95,10 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
         if not floors:
             continue
         per_island[k] = floors
+        if with_bottlenecks and hasattr(par, "bottleneck_floors"):
+            tables = par.bottleneck_floors(q)
+            if tables:
+                bottlenecks[k] = tables
         for kind, (gs, ts) in floors.items():
             old = best.get(kind, (math.inf, math.inf))
             best[kind] = (min(old[0], gs), min(old[1], ts))
@@ -108,9 +117,11 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
     # the pairs skipped at sizes far from the best plan's save their composition too. A skipped pair's every pipeline
     # has a closed form and a predicted iteration that cannot beat the bounds. (The Pareto composer takes every plan
     # whose score floor can beat the best score as a candidate: every example plan is the same with and without it.)
-    pairs = (PairFloors(kinds, per_island, gpus, m, links)
+    pairs = (PairFloors(kinds, per_island, gpus, m, links, bottlenecks)
              if all(needed <= f.keys() for f in per_island.values()) else None)
     period_s = capacities(kinds, per_island, gpus).period_s(layers_gs, edges_gs)  # >= GPU-seconds / their GPUs
+    if len(bottlenecks) == len(per_island):  # the slowest stage of the L layers over the islands, memory-bound
+        period_s = max(period_s, spread_behind_s(list(bottlenecks.values()), L)[L])
     spread = (0.0, 0.0)
     if pairs is not None:  # (every island's floors for every kind: no island left out of the spread)
         latency_s, score_s = spread_floors_s({k: _least_per_layer(f, set(kinds)) for k, f in per_island.items()},
