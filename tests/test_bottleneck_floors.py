@@ -206,18 +206,3 @@ def test_the_bottleneck_floors_skip_queries_and_sizes_without_moving_the_plan(mo
     *without_plan, queries_without, skipped_without = plan()
     assert with_plan == without_plan
     assert queries < queries_without and skipped > skipped_without
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("exact_islands,used", [(5, True), (1, False)])
-def test_the_bottleneck_floors_are_taken_only_where_the_composer_is_exact(monkeypatch, exact_islands, used):
-    """Above exact_islands islands the composer's merged search keeps one of near ties that depends on the bounds
-    (class_composition.py), so the search reads no bottleneck floors there: a plan does not move with them."""
-    calls = []
-    inner = MegatronParallelizer.bottleneck_floors
-    monkeypatch.setattr(MegatronParallelizer, "bottleneck_floors", lambda self, q, *a: calls.append(q) or inner(
-        self, q, *a))
-    cl = _cluster([("v100-16gb", 2), ("t4", 2)])
-    search(cl, _model(1024, 4), TrainingSpec(global_batch=8, seq_len=2048, dtype="fp16"), runtime=MEGATRON,
-           options=PlannerOptions(max_workers=1, exact_islands=exact_islands))
-    assert bool(calls) == used
