@@ -63,8 +63,7 @@ def least_links_at(links: LinkModel, present: Sequence[int]) -> tuple[dict[int, 
 
 def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands: Sequence["Island"],
                caps: RuntimeCapabilities, par: Parallelizer | None,
-               links: tuple[dict[int, float], dict[int, float]] | None = None,
-               with_bottlenecks: bool = True) -> SizeFloor:
+               links: tuple[dict[int, float], dict[int, float]] | None = None) -> SizeFloor:
     """Floors at micro-batch size b from the parallelizer's compute floors (``compute_floors``; all 0 for a
     parallelizer without them): every layer runs on some stage of n GPUs for at least its floor time, so the
     slowest of the stages takes at least the model's GPU-seconds over the usable GPUs' capacity (the period P of
@@ -77,7 +76,7 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
     (the second term: bounds.chain_score_floor_s; with few micro-batches it skips sizes the first lets through).
     Where the parallelizer has bottleneck floors (``bottleneck_floors``: memory makes the stages in front recompute),
     P is at least the slowest stage of any placement of the L layers over the islands (spread_behind_s: every
-    island but the last with a stage behind it); the pair floors take them too. ``with_bottlenecks``: whether to.
+    island but the last with a stage behind it).
     """
     L = model.num_layers
     none = SizeFloor(0.0, 0.0, (0.0,) * (L + 1), 0.0, 0.0, links=links)
@@ -95,7 +94,7 @@ def size_floor(b: int, *, model: "ModelSpec", training: "TrainingSpec", islands:
         if not floors:
             continue
         per_island[k] = floors
-        if with_bottlenecks and hasattr(par, "bottleneck_floors"):
+        if hasattr(par, "bottleneck_floors"):
             tables = par.bottleneck_floors(q)
             if tables:
                 bottlenecks[k] = tables

@@ -78,14 +78,10 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     rest = [p for p in pairset.queries if p.layers != (0, L) and reach.usable(p.key)]
     bnb = opts.branch_and_bound
     present = sorted({p.island for p in pairset.pairs})  # the islands a pipeline can use
-    # the bottleneck floors only where the composer is exact for the score (up to exact_islands islands): above,
-    # its merged search keeps one of near ties that depends on the bounds (class_composition), so pruning more
-    # there can change the plan
-    exact = len(present) <= opts.exact_islands
     floors = {b: size_floor(b, model=model, training=ctx.training, islands=ctx.islands, caps=ctx.caps,
                             par=ctx.pool.parallelizer if bnb else None,
                             links=least_links_at(size_links(b, ctx.cluster, model, ctx.training, ctx.islands,
-                                                            state.memo), present), with_bottlenecks=exact)
+                                                            state.memo), present))
               for b in bs}
     first: list[tuple[float, float, int]] = []
     for b in sorted(bs, key=lambda b: (floors[b].latency_s, b)):  # most promising first: its plan bounds the rest
