@@ -578,23 +578,48 @@ def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
 def _hopeful_at_once(run: _Pass, gidx: list[int], covered: list[int], group: _Group) -> tuple[list, list]:
     """_hopeful's answer for a group of many options, in numpy: the same floats per option in the same order (its
     loop's test of a whole start, ps + pt, is the same for each option of that start)."""
-    key = ("columns", id(gidx))
-    hit = run.hopeful.get(key)
-    if hit is None or hit[0] is not gidx:  # the group's options' columns, once a pass
-        options = run.options
-        hit = run.hopeful[key] = (gidx, np.array(gidx, dtype=np.int64),
-                                  np.array([options[oi].start for oi in gidx], dtype=np.int64),
-                                  np.array([options[oi].bottleneck_s for oi in gidx], dtype=np.float64),
-                                  np.array([options[oi].tail_s for oi in gidx], dtype=np.float64))
-    _, at, starts, bn, tail = hit
+    at, starts, bn, tail, rooms = _hopeful_columns(run, gidx, covered)
     m, beat, stage_lb = run.m, run.score_beat, run.prep.stage_lb
-    pre_stage = np.asarray(group.pre_stage, dtype=np.float64)[starts]
-    pt = np.asarray(group.pre_tail, dtype=np.float64)[starts]
+    pre_stage, pt = _cover_columns(run, group.pre_stage, group.pre_tail)
+    pre_stage, pt = pre_stage[starts], pt[starts]
     ps = m * np.where(stage_lb > pre_stage, stage_lb, pre_stage)
     mb = m * bn
     keep = ~(ps + pt >= beat) & (np.where(ps > mb, ps, mb) + np.where(tail > pt, tail, pt) < beat)
     pos = np.flatnonzero(keep)
-    return at[pos].tolist(), np.asarray(covered, dtype=np.int64)[pos].tolist()
+    return at[pos].tolist(), rooms[pos].tolist()
+
+
+def _hopeful_columns(run: _Pass, gidx: list[int], covered: list[int]) -> tuple[np.ndarray, ...]:
+    """A group's options (a list made once per prepared set or pass: _uncovered's, _interleavable's) as columns for
+    _hopeful_at_once: the options, their start, bottleneck and tail, and their covered rooms (which come with the
+    list); once a pass, from the prepared set's rows where the caller gave them (rows[i] is options[i])."""
+    key = ("columns", id(gidx))
+    hit = run.hopeful.get(key)
+    if hit is None or hit[0] is not gidx:
+        at, rows = np.array(gidx, dtype=np.int64), run.prep.rows
+        if rows is not None:
+            sub = rows[at]
+            starts, bn, tail = sub[:, 0].astype(np.int64), sub[:, 6].copy(), sub[:, 7].copy()
+        else:
+            options = run.options
+            starts = np.array([options[oi].start for oi in gidx], dtype=np.int64)
+            bn = np.array([options[oi].bottleneck_s for oi in gidx], dtype=np.float64)
+            tail = np.array([options[oi].tail_s for oi in gidx], dtype=np.float64)
+        hit = run.hopeful[key] = (gidx, (at, starts, bn, tail, np.asarray(covered, dtype=np.int64)))
+    return hit[1]
+
+
+def _cover_columns(run: _Pass, *lists: list[float]) -> tuple[np.ndarray, ...]:
+    """Lists of a cover of the layers in front (PrefixCovers': PrefixBounds keeps each set's, the same lists every
+    time) as arrays, once per list and pass."""
+    out = []
+    for values in lists:
+        key = ("cover", id(values))
+        hit = run.hopeful.get(key)
+        if hit is None or hit[0] is not values:
+            hit = run.hopeful[key] = (values, np.asarray(values, dtype=np.float64))
+        out.append(hit[1])
+    return tuple(out)
 
 
 def _interleavable(options: Sequence[Option], gidx: list[int], memo: dict) -> list[int]:

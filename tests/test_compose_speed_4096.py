@@ -1,0 +1,111 @@
+"""The composer's speed work on the 4,096-GPU row changes no answer: covered_rooms keeps fewer earlier options to scan
+(one that another covers with no less room stands for nothing new) and gives the rooms of the brute force, and the
+DP reads its groups' columns from the prepared set's rows (where the caller gives them) with the same kept options
+and rooms as its loop."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from helpers_compose import random_options
+import tangram_launch.planner.compose as kernel
+from tangram_launch.planner.compose import ComposeStats, EdgeTimes, Option
+from tangram_launch.planner.dominance import covered_rooms
+from tangram_launch.planner.reference import every_composition
+
+pytestmark = pytest.mark.unit
+
+
+def _rooms_by_brute_force(options, order):
+    """Per option in ``order``: the largest max_after of an earlier option of the same start with no more time,
+    tail, stages and bottleneck (-1: none)."""
+    out = []
+    for i, oi in enumerate(order):
+        o = options[oi]
+        room = -1
+        for oj in order[:i]:
+            e = options[oj]
+            if e.start == o.start and e.time_s <= o.time_s and e.tail_s <= o.tail_s \
+                    and e.num_stages <= o.num_stages and e.bottleneck_s <= o.bottleneck_s:
+                room = max(room, e.max_after)
+        out.append(room)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 60), starts=st.integers(1, 3), values=st.integers(1, 4))
+def test_covered_rooms_are_the_brute_forces(seed, n, starts, values):
+    """covered_rooms over a group whose options tie often (few distinct values of each field, so that many cover
+    each other with more, as much or less room) gives every option the brute force's room, in any order."""
+    rng = random.Random(seed)
+    grid = [0.5 * k for k in range(1, values + 1)]
+    options = [Option(rng.randrange(starts), 9, 0, rng.randint(1, values), rng.choice([-1, 0, 1, 2, 3, 1 << 30]),
+                      rng.choice(grid), rng.choice(grid), rng.choice(grid)) for _ in range(n)]
+    order = list(range(n))
+    rng.shuffle(order)
+    assert covered_rooms(options, order) == _rooms_by_brute_force(options, order)
+
+
+def test_an_option_covered_with_no_less_room_still_passes_its_room_on():
+    """The option that covers a skipped one (room >= its max_after) gives the later options that the skipped one
+    would cover the same room: the first covers the third through the second."""
+    options = [Option(0, 4, 0, 1, 5, 1.0, 1.0, 0.0), Option(0, 4, 0, 2, 3, 2.0, 1.5, 0.0),
+               Option(0, 4, 0, 3, 9, 3.0, 2.0, 0.0)]
+    assert covered_rooms(options, [0, 1, 2]) == [-1, 5, 5]
+
+
+def _instance(rng: random.Random):
+    """Options on 2-4 islands over 4-7 layers, many per slice (test_compose_states' instances)."""
+    L, K = rng.randint(4, 7), rng.randint(2, 4)
+    m = rng.choice([3, 4, 6, 8, 16])
+    options = random_options(rng, L, K, fits=[0, 1, 2, 3, 1 << 30], tail_max_s=2.0)
+    options += random_options(rng, L, K, fits=[1, 3, 1 << 30], tail_max_s=2.0)
+    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.0), rng.uniform(0, 1.0), math.inf])
+             for j in range(K)] for i in range(K)]
+    edges = [(o.bottleneck_s * rng.uniform(0.3, 1.0), o.bottleneck_s * rng.uniform(0.3, 1.0)) for o in options]
+    return options, link, L, m, K, edges
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hopeful_options_read_from_rows_are_those_of_the_loop(seed, monkeypatch):
+    """_hopeful's numpy path with the prepared set's rows (the driver's case: columns gathered from them) keeps the
+    same options and rooms, in the same order, as its loop, on every call the DP makes, and the DP returns the same
+    candidates with rows as without; the numpy path dropped options on many calls (not vacuous)."""
+    rng = random.Random(4096 + seed)
+    hopeful = kernel._hopeful
+    seen = {"calls": 0, "dropping": 0}
+
+    def both(run, key, gidx, covered, group):
+        answers = []
+        for vector_at in (1 << 30, 1):
+            monkeypatch.setattr(kernel, "_VECTOR_AT", vector_at)
+            saved, run.hopeful = run.hopeful, {}
+            answers.append(hopeful(run, key, gidx, covered, group))
+            run.hopeful = saved
+        assert answers[0] == answers[1]
+        seen["calls"] += 1
+        seen["dropping"] += len(answers[0][0]) < len(gidx)
+        return answers[0]
+
+    monkeypatch.setattr(kernel, "_hopeful", both)
+    for _ in range(40):
+        options, link, L, m, K, edges = _instance(rng)
+        closed = [c.latency_s for c in every_composition(options, link, L, m)]
+        if not closed:
+            continue
+        rows = np.array([tuple(o) for o in options], dtype=np.float64)
+        for complete in (False, True):
+            kw = dict(score_beat=min(closed) * rng.uniform(0.8, 2.0), fill_weight=0.25,
+                      schedules=rng.choice([("plain",), ("plain", "interleaved")]), complete=complete,
+                      edge_s=EdgeTimes.of(edges))
+            found = []
+            for given_rows in (rows, None):
+                prep = kernel._prepare(options, link, L, m - 1, (1 << K) - 1, None, given_rows)
+                found.append(kernel._dp(options, prep, link, L, m, 0, None, math.inf if complete
+                                        else min(closed) * 1.2, ComposeStats(), **kw))
+            assert found[0] == found[1]
+    assert seen["calls"] > 200 and seen["dropping"] > 50
