@@ -276,6 +276,7 @@ class _Front(NamedTuple):
     least_f: list[float]  # least fill
     least_a: list[float]  # least plain_s (least_f where the plain floor does not count)
     least_tf: list[float] | None  # least first-stage time of the entries' front options (edge_s)
+    columns: tuple | None = None  # the entries' columns where _front_at_once made them (_front_columns)
 
 
 class _Group(NamedTuple):
@@ -486,6 +487,8 @@ def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
     if not front:
         return None
     run.stats.states += len(front)
+    if len(front) >= _VECTOR_AT:
+        return _front_at_once(run, key, front)
     saturated = m1
     afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
     least_ft = least_f = least_a = least_tf = None
@@ -497,6 +500,23 @@ def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
         t_first = run.t_first
         least_tf = list(itertools.accumulate([t_first[e[4]] for e in front], min))
     return _Front(front, afters, least_ft, least_f, least_a, least_tf)
+
+
+def _front_at_once(run: _Pass, key: tuple, front: list) -> _Front:
+    """_state_front's stages behind and running minima of a big state (a complete pass's hold thousands of
+    entries), in numpy over its entries' columns: min is exact in any order, so the same values. The columns go on
+    to _add_entries (_entries_at_once reads them)."""
+    cols = _front_columns(front)
+    fill, tail, after, _, first, plain_s = cols
+    afters = np.minimum(after, run.m1).tolist()  # following stages costing memory
+    least_ft = least_f = least_a = least_tf = None
+    if run.prune:
+        least_ft = np.minimum.accumulate(fill + tail).tolist()
+        least_f = np.minimum.accumulate(fill).tolist()
+        least_a = np.minimum.accumulate(plain_s).tolist() if run.plain else least_f
+    if run.edged and key[1] >= 0:
+        least_tf = np.minimum.accumulate(_pass_arrays(run)[3][first]).tolist()
+    return _Front(front, afters, least_ft, least_f, least_a, least_tf, cols)
 
 
 def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) -> None:
@@ -765,7 +785,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
     options, m = run.options, m1 + 1
-    cols = None  # the entries' columns, once an option goes in front of many of them (_front_columns)
+    cols = front.columns  # the entries' columns, once an option goes in front of many of them (_front_columns)
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
         two_link = 2.0 * link
