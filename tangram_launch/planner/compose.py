@@ -188,6 +188,10 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         m1, period_lb, prefix, link_s = floor_terms
         pre_fill, pre_period, _, _ = prefix(mask)
         lk = front_link_s(link_s, mask, options[idx[0]].island, cache)
+        if len(idx) >= _VECTOR_AT:
+            out = _by_floor_at_once(options, idx, (m1, period_lb, pre_fill, pre_period, lk), floor_terms, cache)
+            cache[key] = (idx, out)
+            return out
         # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
         rows = sorted(((m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, lk if o.start else 0.0) if m1
                         else 0.0) + pre_fill[o.start] + (2.0 * lk if o.start else 0.0) + o.time_s, k)
@@ -198,6 +202,32 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
     return out
+
+
+def _by_floor_at_once(options: Sequence[Option], idx: list[int], terms: tuple, floor_terms: tuple,
+                      cache: dict) -> tuple[list[int], list[float], list[int]]:
+    """_by_floor's answer for a group of many options, in numpy: each option's floor by the same float operations
+    in the same order, and a stable sort by it (ties in idx's order, as sorting (floor, position) pairs)."""
+    m1, period_lb, pre_fill, pre_period, lk = terms
+    key = ("floor columns", id(idx))
+    hit = cache.get(key)
+    if hit is None or hit[0] is not idx:  # the group's columns, once per prepared set
+        n = len(idx)
+        hit = cache[key] = (idx, np.asarray(idx, dtype=np.int64),
+                            np.fromiter((options[oi].start for oi in idx), dtype=np.int64, count=n),
+                            np.fromiter((options[oi].bottleneck_s for oi in idx), dtype=np.float64, count=n),
+                            np.fromiter((options[oi].time_s for oi in idx), dtype=np.float64, count=n),
+                            np.asarray(_by_floor(options, idx, None, floor_terms, cache)[2], dtype=np.int64))
+    _, at, start, bn, time_s, rooms = hit
+    on = start > 0
+    floor = np.zeros(len(idx))  # m = 1 has no steady state (and 0 x an unreachable prefix's inf period is nan)
+    if m1:
+        slowest = np.maximum(np.maximum(np.maximum(period_lb, np.asarray(pre_period, dtype=np.float64)[start]), bn),
+                             np.where(on, lk, 0.0))
+        floor = m1 * slowest
+    floor = floor + np.asarray(pre_fill, dtype=np.float64)[start] + np.where(on, 2.0 * lk, 0.0) + time_s
+    order = np.argsort(floor, kind="stable")
+    return at[order].tolist(), floor[order].tolist(), rooms[order].tolist()
 
 
 def _uncovered(options: Sequence[Option], idx: list[int], floor_terms: tuple,
