@@ -183,3 +183,26 @@ def test_groups_ordered_by_floor_in_numpy_are_ordered_as_by_the_loop(seed, monke
             assert answers[0] == answers[1]
             ordered += sum(len(set(floors)) > 1 for _, floors, _ in answers[0])
     assert ordered > 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(sub=st.lists(st.integers(0, 6), max_size=8), searched=st.lists(st.integers(0, 6), max_size=8))
+def test_a_class_is_searched_before_iff_each_of_its_options_was(sub, searched):
+    """class_composition._all_in is set(sub) <= set(searched), with repeats and empty lists."""
+    from tangram_launch.planner.class_composition import _all_in
+
+    as_options = [Option(k, k + 1, 0, 1, 0, 1.0, 1.0, 0.0) for k in range(7)]
+    sub_o, searched_o = [as_options[k] for k in sub], [as_options[k] for k in searched]
+    assert _all_in(sub_o, searched_o) == (set(sub_o) <= set(searched_o))
+
+
+def test_edge_times_are_made_once_per_prepared_set_and_edge_list():
+    """compose's EdgeTimes of a prepared set: the same as EdgeTimes.of, made once for one edge list and again for
+    another (a driver's next class brings its own)."""
+    options = [Option(0, 2, 0, 1, 5, 1.0, 1.0, 0.0), Option(0, 2, 1, 1, 5, 2.0, 2.0, 0.0)]
+    prep = kernel._prepare(options, [[0.0, 1.0], [1.0, 0.0]], 2, 3, 3, None)
+    edges = [(0.4, 0.6), (0.9, 1.1)]
+    first = kernel._edge_times(prep, edges)
+    assert first == EdgeTimes.of(edges) and kernel._edge_times(prep, edges) is first
+    other = [(0.5, 0.5), (1.0, 1.0)]
+    assert kernel._edge_times(prep, other) == EdgeTimes.of(other)

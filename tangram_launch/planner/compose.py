@@ -1298,7 +1298,7 @@ class _Search:
         m = self.m
         if self.edge_s is not None and self.edges is None and score_floor_terms(
                 kw.get("schedules", SCORE_ANY), kw.get("fill_weight", 0.0))[0]:
-            self.edges = EdgeTimes.of(self.edge_s)
+            self.edges = _edge_times(self.prep, self.edge_s)
         found = _dp(self.options, self.prep, self.link_s, self.num_layers, m, self.required_mask, self.max_stages,
                     beat, self.stats, self.rank, merge_fronts=self.merge_fronts, edge_s=self.edges, **kw)
         return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
@@ -1366,6 +1366,15 @@ class _Search:
         if self.best is None or self.best.comp.objective_s >= self.gate_s:
             return None
         return self.best.comp
+
+
+def _edge_times(prep: Prepared, edge_s: Sequence[tuple[float, float]]) -> EdgeTimes:
+    """EdgeTimes.of(edge_s), once per prepared set and edge list: a driver composes one set in a seed order and
+    then over every island set with the same edges."""
+    hit = prep.cache.get("edges")
+    if hit is None or hit[0] is not edge_s:
+        hit = prep.cache["edges"] = (edge_s, EdgeTimes.of(edge_s))
+    return hit[1]
 
 
 def _prepared(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,
