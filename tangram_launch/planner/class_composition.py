@@ -157,7 +157,7 @@ def class_options(cand: Candidates, idx: Sequence[int], L: int, m: int, opts: Pl
                     rows=rows[idx] if rows is not None else None)
     sub_rows = rows[idx] if rows is not None else None  # (the kept options' rows: compose prepares by them)
     sub = pick(cand.options, idx)
-    if searched is not None and set(sub) <= set(searched):
+    if searched is not None and _all_in(sub, searched):
         return None
     if sub_rows is not None:
         present = sorted(k for k in set(sub_rows[:, 2].astype(int).tolist())
@@ -172,6 +172,13 @@ def class_options(cand: Candidates, idx: Sequence[int], L: int, m: int, opts: Pl
         present = hopeful_islands(sub, present, required_mask, L, m, score_incumbent_s)
         allowed_mask = sum(1 << k for k in present)
     return ClassOptions(idx, sub, sub_rows, present, allowed_mask)
+
+
+def _all_in(sub: Sequence[Option], searched: Sequence[Option]) -> bool:
+    """Whether every option of ``sub`` is one of ``searched`` (set(sub) <= set(searched), without hashing the rest
+    of ``sub`` once one is new: a round at a size mostly brings new options)."""
+    have = set(searched)
+    return all(o in have for o in sub)
 
 
 def compose_group(cand: Candidates, idx: Sequence[int], L: int, m: int, caps: RuntimeCapabilities,

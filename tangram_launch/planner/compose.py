@@ -188,6 +188,10 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         m1, period_lb, prefix, link_s = floor_terms
         pre_fill, pre_period, _, _ = prefix(mask)
         lk = front_link_s(link_s, mask, options[idx[0]].island, cache)
+        if len(idx) >= _VECTOR_AT:
+            out = _by_floor_at_once(options, idx, (m1, period_lb, pre_fill, pre_period, lk), floor_terms, cache)
+            cache[key] = (idx, out)
+            return out
         # m = 1 has no steady state (and 0 x an unreachable prefix's inf period would be nan, which breaks the sort)
         rows = sorted(((m1 * max(period_lb, pre_period[o.start], o.bottleneck_s, lk if o.start else 0.0) if m1
                         else 0.0) + pre_fill[o.start] + (2.0 * lk if o.start else 0.0) + o.time_s, k)
@@ -198,6 +202,32 @@ def _by_floor(options: Sequence[Option], idx: list[int], mask: int | None, floor
         out = ([idx[k] for _, k in rows], [g for g, _ in rows], [rooms[k] for _, k in rows])
     cache[key] = (idx, out)
     return out
+
+
+def _by_floor_at_once(options: Sequence[Option], idx: list[int], terms: tuple, floor_terms: tuple,
+                      cache: dict) -> tuple[list[int], list[float], list[int]]:
+    """_by_floor's answer for a group of many options, in numpy: each option's floor by the same float operations
+    in the same order, and a stable sort by it (ties in idx's order, as sorting (floor, position) pairs)."""
+    m1, period_lb, pre_fill, pre_period, lk = terms
+    key = ("floor columns", id(idx))
+    hit = cache.get(key)
+    if hit is None or hit[0] is not idx:  # the group's columns, once per prepared set
+        n = len(idx)
+        hit = cache[key] = (idx, np.asarray(idx, dtype=np.int64),
+                            np.fromiter((options[oi].start for oi in idx), dtype=np.int64, count=n),
+                            np.fromiter((options[oi].bottleneck_s for oi in idx), dtype=np.float64, count=n),
+                            np.fromiter((options[oi].time_s for oi in idx), dtype=np.float64, count=n),
+                            np.asarray(_by_floor(options, idx, None, floor_terms, cache)[2], dtype=np.int64))
+    _, at, start, bn, time_s, rooms = hit
+    on = start > 0
+    floor = np.zeros(len(idx))  # m = 1 has no steady state (and 0 x an unreachable prefix's inf period is nan)
+    if m1:
+        slowest = np.maximum(np.maximum(np.maximum(period_lb, np.asarray(pre_period, dtype=np.float64)[start]), bn),
+                             np.where(on, lk, 0.0))
+        floor = m1 * slowest
+    floor = floor + np.asarray(pre_fill, dtype=np.float64)[start] + np.where(on, 2.0 * lk, 0.0) + time_s
+    order = np.argsort(floor, kind="stable")
+    return at[order].tolist(), floor[order].tolist(), rooms[order].tolist()
 
 
 def _uncovered(options: Sequence[Option], idx: list[int], floor_terms: tuple,
@@ -276,6 +306,7 @@ class _Front(NamedTuple):
     least_f: list[float]  # least fill
     least_a: list[float]  # least plain_s (least_f where the plain floor does not count)
     least_tf: list[float] | None  # least first-stage time of the entries' front options (edge_s)
+    columns: tuple | None = None  # the entries' columns where _front_at_once made them (_front_columns)
 
 
 class _Group(NamedTuple):
@@ -486,6 +517,8 @@ def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
     if not front:
         return None
     run.stats.states += len(front)
+    if len(front) >= _VECTOR_AT:
+        return _front_at_once(run, key, front)
     saturated = m1
     afters = [e[2] if e[2] < saturated else saturated for e in front]  # following stages costing memory
     least_ft = least_f = least_a = least_tf = None
@@ -497,6 +530,23 @@ def _state_front(run: _Pass, layer: dict, key: tuple) -> _Front | None:
         t_first = run.t_first
         least_tf = list(itertools.accumulate([t_first[e[4]] for e in front], min))
     return _Front(front, afters, least_ft, least_f, least_a, least_tf)
+
+
+def _front_at_once(run: _Pass, key: tuple, front: list) -> _Front:
+    """_state_front's stages behind and running minima of a big state (a complete pass's hold thousands of
+    entries), in numpy over its entries' columns: min is exact in any order, so the same values. The columns go on
+    to _add_entries (_entries_at_once reads them)."""
+    cols = _front_columns(front)
+    fill, tail, after, _, first, plain_s = cols
+    afters = np.minimum(after, run.m1).tolist()  # following stages costing memory
+    least_ft = least_f = least_a = least_tf = None
+    if run.prune:
+        least_ft = np.minimum.accumulate(fill + tail).tolist()
+        least_f = np.minimum.accumulate(fill).tolist()
+        least_a = np.minimum.accumulate(plain_s).tolist() if run.plain else least_f
+    if run.edged and key[1] >= 0:
+        least_tf = np.minimum.accumulate(_pass_arrays(run)[3][first]).tolist()
+    return _Front(front, afters, least_ft, least_f, least_a, least_tf, cols)
 
 
 def _expand_state(run: _Pass, key: tuple, front: _Front, groups: list[tuple]) -> None:
@@ -578,23 +628,48 @@ def _hopeful(run: _Pass, key: tuple, gidx: list[int], covered: list[int],
 def _hopeful_at_once(run: _Pass, gidx: list[int], covered: list[int], group: _Group) -> tuple[list, list]:
     """_hopeful's answer for a group of many options, in numpy: the same floats per option in the same order (its
     loop's test of a whole start, ps + pt, is the same for each option of that start)."""
-    key = ("columns", id(gidx))
-    hit = run.hopeful.get(key)
-    if hit is None or hit[0] is not gidx:  # the group's options' columns, once a pass
-        options = run.options
-        hit = run.hopeful[key] = (gidx, np.array(gidx, dtype=np.int64),
-                                  np.array([options[oi].start for oi in gidx], dtype=np.int64),
-                                  np.array([options[oi].bottleneck_s for oi in gidx], dtype=np.float64),
-                                  np.array([options[oi].tail_s for oi in gidx], dtype=np.float64))
-    _, at, starts, bn, tail = hit
+    at, starts, bn, tail, rooms = _hopeful_columns(run, gidx, covered)
     m, beat, stage_lb = run.m, run.score_beat, run.prep.stage_lb
-    pre_stage = np.asarray(group.pre_stage, dtype=np.float64)[starts]
-    pt = np.asarray(group.pre_tail, dtype=np.float64)[starts]
+    pre_stage, pt = _cover_columns(run, group.pre_stage, group.pre_tail)
+    pre_stage, pt = pre_stage[starts], pt[starts]
     ps = m * np.where(stage_lb > pre_stage, stage_lb, pre_stage)
     mb = m * bn
     keep = ~(ps + pt >= beat) & (np.where(ps > mb, ps, mb) + np.where(tail > pt, tail, pt) < beat)
     pos = np.flatnonzero(keep)
-    return at[pos].tolist(), np.asarray(covered, dtype=np.int64)[pos].tolist()
+    return at[pos].tolist(), rooms[pos].tolist()
+
+
+def _hopeful_columns(run: _Pass, gidx: list[int], covered: list[int]) -> tuple[np.ndarray, ...]:
+    """A group's options (a list made once per prepared set or pass: _uncovered's, _interleavable's) as columns for
+    _hopeful_at_once: the options, their start, bottleneck and tail, and their covered rooms (which come with the
+    list); once a pass, from the prepared set's rows where the caller gave them (rows[i] is options[i])."""
+    key = ("columns", id(gidx))
+    hit = run.hopeful.get(key)
+    if hit is None or hit[0] is not gidx:
+        at, rows = np.array(gidx, dtype=np.int64), run.prep.rows
+        if rows is not None:
+            sub = rows[at]
+            starts, bn, tail = sub[:, 0].astype(np.int64), sub[:, 6].copy(), sub[:, 7].copy()
+        else:
+            options = run.options
+            starts = np.array([options[oi].start for oi in gidx], dtype=np.int64)
+            bn = np.array([options[oi].bottleneck_s for oi in gidx], dtype=np.float64)
+            tail = np.array([options[oi].tail_s for oi in gidx], dtype=np.float64)
+        hit = run.hopeful[key] = (gidx, (at, starts, bn, tail, np.asarray(covered, dtype=np.int64)))
+    return hit[1]
+
+
+def _cover_columns(run: _Pass, *lists: list[float]) -> tuple[np.ndarray, ...]:
+    """Lists of a cover of the layers in front (PrefixCovers': PrefixBounds keeps each set's, the same lists every
+    time) as arrays, once per list and pass."""
+    out = []
+    for values in lists:
+        key = ("cover", id(values))
+        hit = run.hopeful.get(key)
+        if hit is None or hit[0] is not values:
+            hit = run.hopeful[key] = (values, np.asarray(values, dtype=np.float64))
+        out.append(hit[1])
+    return tuple(out)
 
 
 def _interleavable(options: Sequence[Option], gidx: list[int], memo: dict) -> list[int]:
@@ -740,7 +815,7 @@ def _add_entries(run: _Pass, key: tuple, front: _Front, batches: list[tuple[_Gro
      tables) = run.entry_terms
     entries, prune, dominate = front.entries, run.prune, not run.complete
     options, m = run.options, m1 + 1
-    cols = None  # the entries' columns, once an option goes in front of many of them (_front_columns)
+    cols = front.columns  # the entries' columns, once an option goes in front of many of them (_front_columns)
     for group, offers in batches:
         tkey, link, lk, edged_front = group.tkey, group.link, group.lk, edged and group.front_island >= 0
         two_link = 2.0 * link
@@ -1223,7 +1298,7 @@ class _Search:
         m = self.m
         if self.edge_s is not None and self.edges is None and score_floor_terms(
                 kw.get("schedules", SCORE_ANY), kw.get("fill_weight", 0.0))[0]:
-            self.edges = EdgeTimes.of(self.edge_s)
+            self.edges = _edge_times(self.prep, self.edge_s)
         found = _dp(self.options, self.prep, self.link_s, self.num_layers, m, self.required_mask, self.max_stages,
                     beat, self.stats, self.rank, merge_fronts=self.merge_fronts, edge_s=self.edges, **kw)
         return sorted(found, key=lambda f: (pipeline_latency_s(m, f[2], f[0], f[1]), f[3]))
@@ -1291,6 +1366,15 @@ class _Search:
         if self.best is None or self.best.comp.objective_s >= self.gate_s:
             return None
         return self.best.comp
+
+
+def _edge_times(prep: Prepared, edge_s: Sequence[tuple[float, float]]) -> EdgeTimes:
+    """EdgeTimes.of(edge_s), once per prepared set and edge list: a driver composes one set in a seed order and
+    then over every island set with the same edges."""
+    hit = prep.cache.get("edges")
+    if hit is None or hit[0] is not edge_s:
+        hit = prep.cache["edges"] = (edge_s, EdgeTimes.of(edge_s))
+    return hit[1]
 
 
 def _prepared(options: Sequence[Option], link_s: Sequence[Sequence[float]], num_layers: int, saturated: int,

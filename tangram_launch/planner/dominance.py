@@ -77,7 +77,10 @@ def covered_rooms(options: Sequence[Option], order: Sequence[int]) -> list[int]:
     earlier option fits, it adds an entry with no more fill, tail, stages, period or plain_s, appended first, and
     every prune that keeps this option's entry keeps that one (the floors grow with those four numbers): pareto_front
     would drop this option's entry there, so the DP does not build it. Options differ mostly in memory (recompute,
-    ZeRO): the faster one covers the entries near the back, the leaner one is needed only further forward."""
+    ZeRO): the faster one covers the entries near the back, the leaner one is needed only further forward.
+
+    An option whose room is no less than its own max_after is not kept for the later ones: whatever it covers, the
+    option that covers it covers too (no more of each of the four), with no less room, so no room changes."""
     out = []
     # start -> (-max_after, time, tail, stages, bottleneck) of earlier options, most room first: the first that
     # covers an option has the most room of those that do
@@ -92,7 +95,8 @@ def covered_rooms(options: Sequence[Option], order: Sequence[int]) -> list[int]:
             if t <= time_s and tl <= tail_s and ns <= stages and bn <= bottleneck_s:
                 room = -neg_room
                 break
-        bisect.insort(earlier, (-max_after, time_s, tail_s, stages, bottleneck_s))
+        if room < max_after:
+            bisect.insort(earlier, (-max_after, time_s, tail_s, stages, bottleneck_s))
         out.append(room)
     return out
 
