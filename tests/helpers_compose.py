@@ -80,3 +80,39 @@ def random_options(rng, num_layers: int, num_islands: int, *, fits, tail_max_s: 
                     options.append(Option(a, b, k, ns, rng.choice(fits), bn * rng.uniform(1.0, ns), bn,
                                           rng.choice([0.0, rng.uniform(0, tail_max_s)])))
     return options
+
+
+def hopeful_on_both_paths(kernel, monkeypatch) -> dict:
+    """Patch the composer's _hopeful to answer each call by its loop and by its numpy path, assert they agree (the
+    same options and rooms, in the same order) and count the calls and those that dropped options (returned)."""
+    hopeful = kernel._hopeful
+    seen = {"calls": 0, "dropping": 0}
+
+    def both(run, key, gidx, covered, group):
+        answers = []
+        for vector_at in (1 << 30, 1):
+            monkeypatch.setattr(kernel, "_VECTOR_AT", vector_at)
+            saved, run.hopeful = run.hopeful, {}
+            answers.append(hopeful(run, key, gidx, covered, group))
+            run.hopeful = saved
+        assert answers[0] == answers[1]
+        seen["calls"] += 1
+        seen["dropping"] += len(answers[0][0]) < len(gidx)
+        return answers[0]
+
+    monkeypatch.setattr(kernel, "_hopeful", both)
+    return seen
+
+
+def many_options_instance(rng):
+    """Options on 2-4 islands over 4-7 layers, many per slice, so that states gather many entries: (options, link,
+    L, m, K, edges), edges an option's (first-stage forward, last-stage backward) seconds."""
+    L, K = rng.randint(4, 7), rng.randint(2, 4)
+    m = rng.choice([3, 4, 6, 8, 16])
+    options = random_options(rng, L, K, fits=[0, 1, 2, 3, 1 << 30], tail_max_s=2.0)
+    options += random_options(rng, L, K, fits=[1, 3, 1 << 30], tail_max_s=2.0)
+    # (an infinite link: islands that cannot talk; an entry across one has an infinite fill)
+    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.0), rng.uniform(0, 1.0), math.inf])
+             for j in range(K)] for i in range(K)]
+    edges = [(o.bottleneck_s * rng.uniform(0.3, 1.0), o.bottleneck_s * rng.uniform(0.3, 1.0)) for o in options]
+    return options, link, L, m, K, edges

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers_compose import random_options
+from helpers_compose import hopeful_on_both_paths, many_options_instance
 import tangram_launch.planner.compose as kernel
 from tangram_launch.planner.compose import ComposeStats, EdgeTimes, Option
 from tangram_launch.planner.dominance import covered_rooms
@@ -58,16 +58,7 @@ def test_an_option_covered_with_no_less_room_still_passes_its_room_on():
     assert covered_rooms(options, [0, 1, 2]) == [-1, 5, 5]
 
 
-def _instance(rng: random.Random):
-    """Options on 2-4 islands over 4-7 layers, many per slice (test_compose_states' instances)."""
-    L, K = rng.randint(4, 7), rng.randint(2, 4)
-    m = rng.choice([3, 4, 6, 8, 16])
-    options = random_options(rng, L, K, fits=[0, 1, 2, 3, 1 << 30], tail_max_s=2.0)
-    options += random_options(rng, L, K, fits=[1, 3, 1 << 30], tail_max_s=2.0)
-    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.0), rng.uniform(0, 1.0), math.inf])
-             for j in range(K)] for i in range(K)]
-    edges = [(o.bottleneck_s * rng.uniform(0.3, 1.0), o.bottleneck_s * rng.uniform(0.3, 1.0)) for o in options]
-    return options, link, L, m, K, edges
+_instance = many_options_instance
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -76,22 +67,7 @@ def test_hopeful_options_read_from_rows_are_those_of_the_loop(seed, monkeypatch)
     same options and rooms, in the same order, as its loop, on every call the DP makes, and the DP returns the same
     candidates with rows as without; the numpy path dropped options on many calls (not vacuous)."""
     rng = random.Random(4096 + seed)
-    hopeful = kernel._hopeful
-    seen = {"calls": 0, "dropping": 0}
-
-    def both(run, key, gidx, covered, group):
-        answers = []
-        for vector_at in (1 << 30, 1):
-            monkeypatch.setattr(kernel, "_VECTOR_AT", vector_at)
-            saved, run.hopeful = run.hopeful, {}
-            answers.append(hopeful(run, key, gidx, covered, group))
-            run.hopeful = saved
-        assert answers[0] == answers[1]
-        seen["calls"] += 1
-        seen["dropping"] += len(answers[0][0]) < len(gidx)
-        return answers[0]
-
-    monkeypatch.setattr(kernel, "_hopeful", both)
+    seen = hopeful_on_both_paths(kernel, monkeypatch)
     for _ in range(40):
         options, link, L, m, K, edges = _instance(rng)
         closed = [c.latency_s for c in every_composition(options, link, L, m)]

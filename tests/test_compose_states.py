@@ -9,24 +9,14 @@ import random
 
 import pytest
 
-from helpers_compose import random_options
+from helpers_compose import hopeful_on_both_paths, many_options_instance
 import tangram_launch.planner.compose as kernel
 from tangram_launch.planner.compose import ComposeStats, EdgeTimes
 from tangram_launch.planner.reference import every_composition
 
 
 
-def _instance(rng: random.Random):
-    """Options on 2-4 islands over 4-7 layers, many per slice, so that states gather many entries."""
-    L, K = rng.randint(4, 7), rng.randint(2, 4)
-    m = rng.choice([3, 4, 6, 8, 16])
-    options = random_options(rng, L, K, fits=[0, 1, 2, 3, 1 << 30], tail_max_s=2.0)
-    options += random_options(rng, L, K, fits=[1, 3, 1 << 30], tail_max_s=2.0)
-    # (an infinite link: islands that cannot talk; an entry across one has an infinite fill)
-    link = [[0.0 if i == j else rng.choice([0.0, rng.uniform(0, 1.0), rng.uniform(0, 1.0), math.inf])
-             for j in range(K)] for i in range(K)]
-    edges = [(o.bottleneck_s * rng.uniform(0.3, 1.0), o.bottleneck_s * rng.uniform(0.3, 1.0)) for o in options]
-    return options, link, L, m, K, edges
+_instance = many_options_instance
 
 
 def _passes(rng: random.Random, best_s: float):
@@ -108,22 +98,7 @@ def test_a_group_of_many_options_keeps_the_same_hopeful_options_in_numpy(seed, m
     """_hopeful's numpy path (groups of many options) keeps the same options and rooms, in the same order, as its
     loop, on every call the DP makes; and it drops options on many of them (not vacuous)."""
     rng = random.Random(4200 + seed)
-    hopeful = kernel._hopeful
-    seen = {"calls": 0, "dropping": 0}
-
-    def both(run, key, gidx, covered, group):
-        answers = []
-        for vector_at in (1 << 30, 1):
-            monkeypatch.setattr(kernel, "_VECTOR_AT", vector_at)
-            saved, run.hopeful = run.hopeful, {}
-            answers.append(hopeful(run, key, gidx, covered, group))
-            run.hopeful = saved
-        assert answers[0] == answers[1]
-        seen["calls"] += 1
-        seen["dropping"] += len(answers[0][0]) < len(gidx)
-        return answers[0]
-
-    monkeypatch.setattr(kernel, "_hopeful", both)
+    seen = hopeful_on_both_paths(kernel, monkeypatch)
     for _ in range(40):
         options, link, L, m, K, edges = _instance(rng)
         closed = [c.latency_s for c in every_composition(options, link, L, m)]
