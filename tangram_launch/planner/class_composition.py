@@ -75,13 +75,15 @@ class ClassScores:
         it, costmodel.pipeline.cycle_floor_1f1b_s and costmodel.plain_1f1b_paths.path_floor_1f1b_s over the
         sequence's stages; ``exact`` False: with the island matrix's p2p (plain_complete.floor_stage_times, no GPU
         placement), not the exact boundaries'. Where the first is above ``cut``, it alone (a caller that only asks
-        whether the floor is above ``cut`` needs no stage times)."""
+        whether the floor is above ``cut`` needs no stage times); where the larger of the first two is, that (no
+        path floor: it could only raise it)."""
         floor = plain_1f1b_floor_s(seq, self.sub, self.cand.link_matrix, self.m, metrics.tail_s)
         if round_trips and floor <= cut:
             at = [self.idx[i] for i in seq]
             stage_times = self.cand.stage_times(at) if exact else floor_stage_times(self.cand, at, self.stage_times)
-            floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s,
-                        path_floor_1f1b_s(*stage_times, self.m) * (1.0 - FLOOR_ROUNDING) + metrics.tail_s)
+            floor = max(floor, cycle_floor_1f1b_s(*stage_times, self.m) + metrics.tail_s)
+            if floor <= cut:
+                floor = max(floor, path_floor_1f1b_s(*stage_times, self.m) * (1.0 - FLOOR_ROUNDING) + metrics.tail_s)
         return floor
 
     def floor_s(self, seq: tuple[int, ...], metrics) -> float:
