@@ -375,12 +375,9 @@ class MegatronParallelizer:
         micro-batch size (no recompute, no p2p: floors that every slice plan's stage times are at least). The
         planner turns them into floors under any plan at one micro-batch size (size_floors.size_floor) and under any
         pipeline holding a pair (pair_floors.py)."""
-        table = self._table(q)
-        coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
-        if coster.device_error:
+        table, coster = self._floor_coster(q)
+        if coster is None:
             return {}
-        table.device = coster.dev
-        table.attach(coster)
         out: dict[str, tuple[float, float]] = {}
         # the distinct (tp, cp, ep, dp) of the grids that have no shape problem and fit the slice: the queries'
         # grid list (GridIndex.fkeys, the same one the queries at this micro-batch size take)
@@ -405,12 +402,9 @@ class MegatronParallelizer:
         compute_floors' seconds (slice_floors.least_bottlenecks_s; the saver combinations of a grid pipelined or
         not, the layer kinds' least needs and seconds, the embedding and head left out: floors). {} without a
         device."""
-        table = self._table(q)
-        coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
-        if coster.device_error:
+        table, coster = self._floor_coster(q)
+        if coster is None:
             return {}
-        table.device = coster.dev
-        table.attach(coster)
         gkey, index = self._grid_index(table, q, coster, self.grids, self.gpu_counts == "tiling")
         m, L = q.num_microbatches, q.model.num_layers
         room = coster.capacity_bytes * (1.0 + 1e-9) - coster.overhead_bytes  # as _GridSearch.too_big_grids
@@ -577,6 +571,17 @@ class MegatronParallelizer:
             tp=grid.tp, dp=grid.dp, cp=grid.cp, ep=grid.ep, zero_stage=zero, recompute=RECOMPUTE_MODES[r],
             offload=off))
         return _memo(self, "_shape_cache", key, lambda: ((shape,) * pp, (mbs,) * pp))
+
+    def _floor_coster(self, q: SliceQuery) -> tuple[StageTable, SliceCoster | None]:
+        """The query context's stage table and a coster of the whole slice attached to it (None where q's island
+        has no device model: the floors then are none)."""
+        table = self._table(q)
+        coster = SliceCoster(q, flash_attention=self.flash_attention, device=table.device)
+        if coster.device_error:
+            return table, None
+        table.device = coster.dev
+        table.attach(coster)
+        return table, coster
 
     def _table(self, q: SliceQuery) -> StageTable:
         """The stage table of the query's context: island, model, training, runtime and cost-model options."""
