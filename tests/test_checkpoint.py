@@ -175,6 +175,7 @@ def test_any_renaming_and_unnamed_optimizer_parameters():
     lambda ps: torch.optim.Adam(ps, lr=0.1),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
 ])
+@pytest.mark.slow
 def test_optimizer_state_by_name_moves_between_layouts(make_opt):
     whole = LocalStage((0, 4), True, True, seed=1)
     whole_keys = LayerKeyMap(layers=(0, 4), has_embedding=True, has_head=True)

@@ -48,6 +48,7 @@ def _watched_search(monkeypatch, cluster_file: str, runtime: str, model: str, gl
     return calls, fast[0], slow[0], plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["deepspeed", "megatron"])
 def test_the_cut_floor_is_the_floor_or_above_the_cut(monkeypatch, cluster_path, runtime):
     calls, fast, slow, plan = _watched_search(monkeypatch, cluster_path("c3-4-islands-20gpu"), runtime,
@@ -60,6 +61,7 @@ def test_the_cut_floor_is_the_floor_or_above_the_cut(monkeypatch, cluster_path, 
     assert fast <= slow
 
 
+@pytest.mark.slow
 def test_the_cut_skips_path_floors(monkeypatch, cluster_path):
     """On the 4-island cluster under megatron many offers' cycle floors are above the cut: the path floor is
     computed for fewer of them (about half)."""

@@ -17,8 +17,6 @@ from tangram_launch.planner.compose import ComposeStats, EdgeTimes, Option
 from tangram_launch.planner.dominance import covered_rooms
 from tangram_launch.planner.reference import every_composition
 
-pytestmark = pytest.mark.unit
-
 
 def _rooms_by_brute_force(options, order):
     """Per option in ``order``: the largest max_after of an earlier option of the same start with no more time,
@@ -111,6 +109,7 @@ def _fronts(instance, kw: dict, vector_at: int, monkeypatch) -> list:
     return [fronts, found]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_big_states_get_the_same_running_minima_in_numpy(seed, monkeypatch):
     """_state_front's stages behind and running minima (least fill + tail, fill, plain_s, first-stage time) are the

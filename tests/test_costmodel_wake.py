@@ -89,6 +89,7 @@ def _idle_before(blocks, stage: int) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 9), min_size=2, max_size=4), st.data())
 def test_1f1b_idles_each_stage_once_per_micro_batch_before_the_op_it_is_charged_on(units, data):

@@ -160,6 +160,7 @@ def _every_v(fwd, bwd, p2p, m, tail, most, beat, floor_only: bool = False) -> Sc
     return best
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(pipelines(most_v=8), st.floats(0.0, 2.0), st.one_of(st.just(math.inf), st.floats(0.0, 80.0)))
 def test_choosing_v_by_floors_picks_what_simulating_every_v_picks(case, tail, beat):

@@ -538,6 +538,7 @@ def test_front_classes_are_islands_with_the_same_links_from_every_other_island(K
     assert merged_states(link, members) <= len(members) << max(0, len(members) - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1] + [pytest.param(s, marks=pytest.mark.slow) for s in (2, 3)])  # ~1 s a seed
 def test_merged_fronts_find_the_brute_force_optimum(seed):
     """merge_fronts shares DP states between front islands of one link class: the closed form's optimum is the

@@ -2,6 +2,7 @@
 every pair (ClusterSpec.link: pair override, else the fastest shared fabric, else the default)."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,6 +10,7 @@ from tangram_launch.planner.allocation import LinkModel
 from tangram_launch.specs.cluster import ClusterSpec
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(st.integers(2, 9).flatmap(lambda n: st.tuples(
     st.just(n),
