@@ -23,8 +23,9 @@ the row is also costed as plain 1F1B / bf16 and that error is shown in brackets,
 worth. Medians are given for the development and the validation split side by side (the rule that draws them is
 the data file's `validation_split`; validation is also shown by cohort: rows in the file when the split was drawn and
 rows added afterwards; rows of a sealed cohort, gathered blind, are costed only with --unseal), then overall, for
-the rows the constants were fitted on (subset: fit) and for the held-out rest, and per GPU type, framework family, dense/MoE and technique. `--fit` re-fits each constant of the file's
-`fitted_constants:` on its named rows and prints the fitted next to the shipped value.
+the rows the constants were fitted on (subset: fit) and for the held-out rest, and per GPU type, framework family,
+dense/MoE and technique. `--fit` re-fits each constant of the file's `fitted_constants:` on its named rows and prints
+the fitted next to the shipped value.
 """
 from __future__ import annotations
 
@@ -591,8 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_report(results, rows)
     if sealed:
-        print(f"\nsealed: {len(sealed)} validation rows of cohort {', '.join(SEALED_COHORTS)} not costed (gathered blind; "
-              "--unseal costs them, once, after the next cost-model change is final)", file=sys.stderr)
+        print(f"\nsealed: {len(sealed)} validation rows of cohort {', '.join(SEALED_COHORTS)} not costed (gathered "
+              "blind; --unseal costs them, once, after the next cost-model change is final)", file=sys.stderr)
     return 0
 
 

@@ -134,7 +134,8 @@ METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": 
                     "titan-qwen3-h200-notes": "allocator-reserved", "nemo-b200-notes": "allocator-reserved",
                     "lite-mingpt-v100": "allocator-reserved",
                     "torchao-training": "allocator-reserved",
-                    "lambda-fa2": "device-used"}  # lambda-fa2: not stated by the source, read as nvidia-smi's (rows' assumed)
+                    # lambda-fa2: not stated by the source, read as nvidia-smi's (the rows' assumed say so)
+                    "lambda-fa2": "device-used"}
 
 
 @pytest.mark.unit
@@ -323,7 +324,6 @@ def test_a_moe_dev_row_is_dev_whatever_its_gpu_and_id(bench):
             for i, gpu in enumerate(("h200", "b200", "a100-80gb"))]
     generation = {"h200": "hopper", "b200": "blackwell", "a100-80gb": "ampere"}
     assert set(bench.draw_split(runs, generation, fit_when_drawn=()).values()) == {"dev"}
-
 
 
 @pytest.mark.unit
