@@ -1,9 +1,13 @@
 """Fold a run report's measurements into the cluster file, so the next plan starts from what was measured.
 
 For each rank the report timed, ``ratio`` = measured (forward + backward) / predicted, per micro-batch. Its GPU's
-compute figures are scaled by 1 / ratio: every dtype's TFLOP/s, the memory bandwidth (element-wise work), and any
-measured layer times (by ratio), so a stage on that GPU is predicted as it ran, whichever term dominates it. A GPU
-whose ratio is within ``tolerance`` of 1 is left as it is. Each changed GPU records what was applied under
+compute figures are scaled by 1 / ratio: every dtype's TFLOP/s, the memory bandwidth (element-wise work), the
+profiler's measured GEMM rates and GEMM-sweep points and memory bandwidth (which the cost model reads before the spec
+sheet's), and any measured layer times (by ratio), so a stage on that GPU is predicted as it ran, whichever term
+dominates it. A GPU the run did not time (the plan left it out) takes the median ratio of the timed GPUs of its type,
+on its node if any ran there, else in the cluster: its figures came from the same profiler and miss what theirs
+missed, and left as they were they would look that much faster than its timed twins, so the next plan would move
+the work onto it. A GPU whose ratio is within ``tolerance`` of 1 is left as it is. Each changed GPU records what was applied under
 ``measured.calibration`` (the factor, the report's plan hash, the stage), and a later report calibrates from there:
 its predictions were made with the calibrated figures, so factors compound as they should.
 
@@ -13,6 +17,7 @@ not links.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
@@ -26,11 +31,15 @@ _LAYER_TIME_KEYS = ("layer_forward_s", "layer_forward_backward_s")
 class Change:
     node: str
     local_gpu: int
-    stage: int
+    stage: int | None  # None: not timed
     factor: float  # measured / predicted: > 1 ran slower than planned
+    like: str | None = None  # not timed: the factor of the timed GPUs this names
 
     def line(self) -> str:
         way = "slower" if self.factor > 1 else "faster"
+        if self.like:
+            return (f"{self.node} GPU {self.local_gpu} (not timed, as {self.like}): {self.factor:.2f}x ({way}); its "
+                    f"compute figures scaled by {1 / self.factor:.3f}")
         return (f"{self.node} GPU {self.local_gpu} (stage {self.stage}): ran {self.factor:.2f}x the predicted time "
                 f"({way}); its compute figures scaled by {1 / self.factor:.3f}")
 
@@ -59,12 +68,38 @@ def _sig(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def _scaled(gpu: GPUSpec, factor: float, stage: int, plan_hash: str) -> GPUSpec:
-    tflops = {k: (None if v is None else _sig(v / factor)) for k, v in gpu.tflops.items()}
-    measured: dict[str, Any] = dict(gpu.measured)
+def _measured_rates_scaled(measured: Mapping[str, Any], factor: float) -> dict[str, Any]:
+    """The profiler's figures, which the cost model prefers to the spec sheet's, scaled alike: GEMM TFLOP/s per
+    dtype, each GEMM-sweep point's TFLOP/s, the memory bandwidth (rates / factor) and layer times (x factor)."""
+    out = dict(measured)
     for key in _LAYER_TIME_KEYS:
-        if isinstance(measured.get(key), Mapping):
-            measured[key] = {k: _sig(v * factor) for k, v in measured[key].items()}
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: _sig(v * factor) for k, v in out[key].items()}
+    if isinstance(out.get("gemm_tflops"), Mapping):
+        out["gemm_tflops"] = {k: (_sig(v / factor) if _is_rate(v) else v) for k, v in out["gemm_tflops"].items()}
+    if isinstance(out.get("gemm_sweep_tflops"), Mapping):
+        out["gemm_sweep_tflops"] = {dtype: _sweep_scaled(rows, factor)
+                                    for dtype, rows in out["gemm_sweep_tflops"].items()}
+    if _is_rate(out.get("memory_bandwidth_GBps")):
+        out["memory_bandwidth_GBps"] = _sig(out["memory_bandwidth_GBps"] / factor)
+    return out
+
+
+def _sweep_scaled(rows: Any, factor: float) -> Any:
+    """GEMM-sweep rows ``[M, N, K, TFLOP/s]`` with the rate divided by ``factor`` (anything else as it is)."""
+    if not isinstance(rows, list):
+        return rows
+    return [[*row[:-1], _sig(row[-1] / factor)] if isinstance(row, (list, tuple)) and row and _is_rate(row[-1])
+            else row for row in rows]
+
+
+def _is_rate(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _scaled(gpu: GPUSpec, factor: float, stage: int | None, plan_hash: str) -> GPUSpec:
+    tflops = {k: (None if v is None else _sig(v / factor)) for k, v in gpu.tflops.items()}
+    measured = _measured_rates_scaled(gpu.measured, factor)
     before = measured.get("calibration") or {}
     measured["calibration"] = {"factor": _sig(factor * float(before.get("factor", 1.0))), "plan_hash": plan_hash,
                                "stage": stage, "source": "run-report.json"}
@@ -94,10 +129,27 @@ def calibrate(cluster: ClusterSpec, report: Mapping, *,
     for node in cluster.nodes:
         gpus = list(node.gpus)
         for i, gpu in enumerate(gpus):
-            stage, factor = factors.get((node.name, i), (None, 1.0))
-            if stage is None or abs(factor - 1.0) <= tolerance:
+            if (node.name, i) in factors:
+                (stage, factor), like = factors[(node.name, i)], None
+            else:
+                stage, (factor, like) = None, _as_timed_twins(cluster, node.name, gpu.type, factors)
+            if (stage is None and like is None) or abs(factor - 1.0) <= tolerance:
                 continue
             gpus[i] = _scaled(gpu, factor, stage, plan_hash)
-            changes.append(Change(node.name, i, stage, factor))
+            changes.append(Change(node.name, i, stage, factor, like))
         nodes.append(dataclasses.replace(node, gpus=tuple(gpus)))
     return dataclasses.replace(cluster, nodes=tuple(nodes)), changes
+
+
+def _as_timed_twins(cluster: ClusterSpec, node: str, gpu_type: str,
+                    factors: Mapping[tuple[str, int], tuple[int, float]]) -> tuple[float, str | None]:
+    """(median factor, what it came from) of the timed GPUs of ``gpu_type``: on ``node`` if any ran there, else
+    anywhere in the cluster; (1.0, None) when none of that type was timed."""
+    kinds = {(n.name, i): g.type for n in cluster.nodes for i, g in enumerate(n.gpus)}
+    twins = [(n, f) for (n, i), (_, f) in factors.items() if kinds.get((n, i)) == gpu_type]
+    here = [f for n, f in twins if n == node]
+    chosen, where = (here, f"the timed {gpu_type} devices on {node}") if here else \
+        ([f for _, f in twins], f"the timed {gpu_type} devices")
+    if not chosen:
+        return 1.0, None
+    return statistics.median(chosen), where
