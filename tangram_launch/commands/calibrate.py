@@ -1,18 +1,25 @@
 """Fold a run's measured stage times into the cluster file, so the next plan uses them.
 
-    tangram-launch calibrate RUN_DIR/run-report.json --cluster cluster.yaml [-o calibrated.yaml]
+    tangram-launch calibrate RUN_DIR/run-report.json [--cluster cluster.yaml] [-o calibrated.yaml]
 
 Every GPU the run timed, whose stage ran more than ``--tolerance`` away from its prediction, gets its compute
-figures scaled by predicted / measured. Without ``-o`` the cluster file is rewritten, and its previous content kept
-beside it as ``FILE.before-calibration-<UTC time>``.
+figures scaled by predicted / measured. The report names the cluster its plan was made from (the figures' hash);
+without ``--cluster`` that file is found in the launcher's profile cache (a launch with ``--profile``). A file whose
+figures are not the ones the run planned from is refused: its ratios were measured against other predictions (and a
+second calibration from the same report would apply them twice). Without ``-o`` the cluster file is rewritten, and
+its previous content kept beside it as ``FILE.before-calibration-<UTC time>``; a cached profile is sealed again, so
+the next ``--profile`` launch on this machine plans from the calibrated figures instead of measuring over them.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import shutil
 import time
+from typing import Mapping
 
+from tangram_launch.errors import SpecError
 from tangram_launch.launch.calibration import DEFAULT_TOLERANCE, calibrate
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.limits import check_output_path, parse_json, read_text
@@ -20,30 +27,93 @@ from tangram_launch.specs.limits import check_output_path, parse_json, read_text
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("report", metavar="RUN_REPORT", help="run-report.json written by a planned launch")
-    parser.add_argument("--cluster", required=True, help="the cluster file the run's plan was made from")
+    parser.add_argument("--cluster", help="the cluster file the run's plan was made from (default: the cached "
+                                          "profile the report names, for a launch with --profile)")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the calibrated cluster here (default: "
                                                                  "rewrite --cluster, keeping the old file beside it)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help=f"leave GPUs within this relative error alone (default {DEFAULT_TOLERANCE})")
 
 
+def _planned_hash(report: Mapping) -> str | None:
+    cluster = report.get("cluster")
+    value = cluster.get("hash") if isinstance(cluster, Mapping) else None
+    return value if isinstance(value, str) and value else None
+
+
+def _calibrated_from(cluster: ClusterSpec, plan_hash: str) -> bool:
+    return any((gpu.measured.get("calibration") or {}).get("plan_hash") == plan_hash for _, gpu in cluster.iter_gpus())
+
+
+def _cached_profile_for(report: Mapping) -> str:
+    """The cached profile (as ``--profile`` wrote it) whose figures the report's plan was made from, or the one
+    already calibrated from this report (which ``_check_planned_from`` then refuses, saying so)."""
+    from tangram_launch.launch.planning import cache_dir
+
+    planned = _planned_hash(report)
+    profiles = os.path.join(cache_dir(), "profiles")
+    if planned is None:
+        raise SpecError("the run report does not name the cluster its plan was made from (a report written before "
+                        "reports named it)", field="--cluster", valid="the cluster file the run's plan was made from")
+    specs = []
+    for path in sorted(glob.glob(os.path.join(profiles, "*.yaml"))):
+        try:
+            specs.append((path, ClusterSpec.load(path)))
+        except SpecError:
+            continue
+    for match in (lambda c: c.content_hash() == planned,
+                  lambda c: _calibrated_from(c, str(report.get("plan_hash", "")))):
+        for path, spec in specs:
+            if match(spec):
+                return path
+    raise SpecError(f"no cached profile in {profiles} has the figures the run planned from (cluster hash "
+                    f"{planned}); a run planned from --cluster FILE calibrates that file", field="--cluster",
+                    valid="the cluster file the run's plan was made from")
+
+
+def _check_planned_from(cluster: ClusterSpec, path: str, report: Mapping) -> None:
+    """Refuse a cluster file whose figures are not the ones the report's predictions were made with."""
+    planned = _planned_hash(report)
+    if planned is None or cluster.content_hash() == planned:
+        return
+    if _calibrated_from(cluster, str(report.get("plan_hash", ""))):
+        raise SpecError("was already calibrated from this run report; calibrating it again would apply the same "
+                        "ratios twice", field="--cluster", value=path,
+                        valid="a new run's report (plan and run again with the calibrated file)")
+    raise SpecError(f"its figures (hash {cluster.content_hash()}) are not the ones the run's plan was made from "
+                    f"(hash {planned}): the report's ratios were measured against that file's predictions",
+                    field="--cluster", value=path, valid="the cluster file the run's plan was made from")
+
+
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.output, option="--output")
     report = parse_json(read_text(args.report, what="run report"), source=args.report)
-    cluster = ClusterSpec.load(args.cluster)
+    if not isinstance(report, Mapping):
+        raise SpecError("not a run report (a JSON object)", field="RUN_REPORT", value=args.report)
+    path = args.cluster or _cached_profile_for(report)
+    cluster = ClusterSpec.load(path)
+    _check_planned_from(cluster, path, report)
+    from tangram_launch.launch.profile_cache import reseal_calibrated, sealed_key
+
+    key = sealed_key(path, cluster.fingerprint)  # a cached profile exactly as sealed: seal it again below
     calibrated, changes = calibrate(cluster, report, tolerance=args.tolerance)
     if not changes:
-        print(f"every timed GPU ran within {args.tolerance:.0%} of its prediction: {args.cluster} is unchanged")
+        print(f"every timed GPU ran within {args.tolerance:.0%} of its prediction: {path} is unchanged")
         return 0
     for change in changes:
         print(change.line())
-    out = args.output or args.cluster
-    if out == args.cluster:
-        kept = f"{args.cluster}.before-calibration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-        shutil.copy2(args.cluster, kept)
+    out = args.output or path
+    if out == path:
+        kept = f"{path}.before-calibration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        shutil.copy2(path, kept)
         print(f"kept the previous cluster file as {kept}")
     tmp = f"{out}.tmp.{os.getpid()}"
     calibrated.dump(tmp)
     os.replace(tmp, out)
-    print(f"calibrated cluster written to {out}; plan again with --cluster {out}")
+    if out == path and key is not None:
+        reseal_calibrated(path, key, calibrated.fingerprint, str(report.get("plan_hash", "")),
+                          time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        print(f"calibrated the cached profile {out}: the next launch with --profile on this machine plans from it")
+    else:
+        print(f"calibrated cluster written to {out}; plan again with --cluster {out}")
     return 0

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -192,11 +193,16 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     fp = live_fingerprint(nproc)
     spec = None if reprofile else cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
     path = _profile_path(directory, fp)
+    from tangram_launch.launch.profile_cache import calibrations, keep_aside, seal
+
     if spec is not None:
         measured = spec.profile.get("finished_at", "?")
-        logger.info("reusing the cached profile %s, measured %s (%s; hardware fingerprint %s unchanged). A profile "
-                    "taken while the machine was busy stays until removed: to measure again, pass --reprofile or "
-                    "delete that file", path, measured, profile_age(measured), fp)
+        calibrated = calibrations(path)
+        since = (f", calibrated from {len(calibrated)} run report(s), last at {calibrated[-1].get('at', '?')}"
+                 if calibrated else "")
+        logger.info("reusing the cached profile %s, measured %s (%s; hardware fingerprint %s unchanged%s). A "
+                    "profile taken while the machine was busy stays until removed: to measure again, pass "
+                    "--reprofile or delete that file", path, measured, profile_age(measured), fp, since)
         return spec, path, True
     logger.info("no cached profile for hardware fingerprint %s; profiling this node with %d worker(s)%s", fp, nproc,
                 " (quick)" if quick else "")
@@ -211,9 +217,10 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     try:
         run_profile(request)  # single node (checked above): this node writes the file
         spec = ClusterSpec.load(staged)
+        kept = keep_aside(path, fp, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+        if kept:
+            logger.info("kept the cached profile it replaces (edited or calibrated since it was measured) as %s", kept)
         os.replace(staged, path)
-        from tangram_launch.launch.profile_cache import seal
-
         seal(path, fp, spec.fingerprint)
     finally:
         with contextlib.suppress(OSError):

@@ -4,7 +4,8 @@ Workers append per-step stage timings to ``RUN_DIR/timings/rank<R>.jsonl`` (``ru
 launcher reads them (every ``--report-every`` steps and at the end), prints one table and writes
 ``RUN_DIR/run-report.json``:
 
-    {"plan_hash": ..., "runtime": ..., "num_microbatches": m, "steps_measured": n,
+    {"plan_hash": ..., "runtime": ..., "cluster": {"name": ..., "hash": ...}, "num_microbatches": m,
+     "steps_measured": n,
      "iteration": {"predicted_s": ..., "measured_median_s": ...},
      "stages": [{"stage": 0, "island": ..., "layers": [0, 3], "nodes": [...],
                  "predicted": {"forward_s": ..., "backward_s": ...},          # per micro-batch
@@ -105,7 +106,9 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
         if walls:
             step_s.append(max(walls))
     steady = step_s[1:] if len(step_s) > 1 else step_s
+    cluster = plan.get("cluster") or {}
     return {"plan_hash": plan_hash, "runtime": plan.get("runtime"),
+            "cluster": {"name": cluster.get("name"), "hash": cluster.get("hash")},
             "num_microbatches": plan.get("num_microbatches"), "steps_measured": len(kept),
             "iteration": {"predicted_s": float(plan["predicted"]["iteration_time_s"]),
                           "measured_median_s": _median(steady)},
