@@ -181,3 +181,24 @@ def test_the_readme_job_then_calibrate_then_the_job_again_predicts_closer(tmp_pa
     # overhead does not scale with FLOPs, so not to 1.0, but closer than the first run's worst stage
     worst = max(abs(math.log(r)) for r in first)
     assert second and all(abs(math.log(r)) < worst for r in second), (first, second)
+
+
+def test_a_straggler_replan_slows_only_the_straggler(tmp_path):
+    """The adaptive re-plan's report names only the GPUs that slowed down: their twins keep their figures."""
+    from tangram_launch.launch import torchrun as launch
+    from tangram_launch.launch.adapt.switch import launcher_replan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(PROFILED), "--model", "tiny", "--global-batch", "8", "--seq-len", "64",
+                 "--dtype", "fp32", "--workers", "1", "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    args = launch.build_parser().parse_args(["--cluster", str(PROFILED), "--model", "tiny", "--global-batch", "8",
+                                             "--seq-len", "64", "--dtype", "fp32", "train.py"])
+    replan = launcher_replan(cluster_path=str(PROFILED), opts=launch.TangramOptions.from_args(args), resume=None,
+                             out_dir=str(tmp_path / "adapt"), plan=plan, plan_hash="h" * 64)
+    node = ClusterSpec.load(PROFILED).nodes[0]
+    candidate = replan({(node.name, 1): 4.0})
+    after = ClusterSpec.load(candidate.cluster_path).nodes[0].gpus
+    rate = [g.measured["gemm_tflops"]["fp32"] for g in node.gpus]
+    assert after[0].measured["gemm_tflops"]["fp32"] == rate[0]
+    assert after[1].measured["gemm_tflops"]["fp32"] == pytest.approx(rate[1] / 4.0, rel=1e-3)

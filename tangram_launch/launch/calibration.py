@@ -7,7 +7,8 @@ sheet's), and any measured layer times (by ratio), so a stage on that GPU is pre
 dominates it. A GPU the run did not time (the plan left it out) takes the median ratio of the timed GPUs of its type,
 on its node if any ran there, else in the cluster: its figures came from the same profiler and miss what theirs
 missed, and left as they were they would look that much faster than its timed twins, so the next plan would move
-the work onto it. A GPU whose ratio is within ``tolerance`` of 1 is left as it is. Each changed GPU records what was applied under
+the work onto it (the straggler re-plan, whose report names only the GPUs that slowed down, turns this off). A
+GPU whose ratio is within ``tolerance`` of 1 is left as it is. Each changed GPU records what was applied under
 ``measured.calibration`` (the factor, the report's plan hash, the stage), and a later report calibrates from there:
 its predictions were made with the calibrated figures, so factors compound as they should.
 
@@ -110,9 +111,12 @@ def _scaled(gpu: GPUSpec, factor: float, stage: int | None, plan_hash: str) -> G
     return dataclasses.replace(gpu, **changes)
 
 
-def calibrate(cluster: ClusterSpec, report: Mapping, *,
-              tolerance: float = DEFAULT_TOLERANCE) -> tuple[ClusterSpec, list[Change]]:
-    """The cluster with every timed GPU's figures scaled by what the report measured, and what changed."""
+def calibrate(cluster: ClusterSpec, report: Mapping, *, tolerance: float = DEFAULT_TOLERANCE,
+              untimed_as_twins: bool = True) -> tuple[ClusterSpec, list[Change]]:
+    """The cluster with every timed GPU's figures scaled by what the report measured, and what changed.
+
+    ``untimed_as_twins=False`` leaves the GPUs the report does not name as they are (a straggler re-plan's report
+    names only the GPUs that slowed down)."""
     factors = rank_factors(report)
     if not factors:
         raise SpecError("the report has no per-rank measurements to calibrate from (did the run time its stages? "
@@ -131,8 +135,10 @@ def calibrate(cluster: ClusterSpec, report: Mapping, *,
         for i, gpu in enumerate(gpus):
             if (node.name, i) in factors:
                 (stage, factor), like = factors[(node.name, i)], None
-            else:
+            elif untimed_as_twins:
                 stage, (factor, like) = None, _as_timed_twins(cluster, node.name, gpu.type, factors)
+            else:
+                continue
             if (stage is None and like is None) or abs(factor - 1.0) <= tolerance:
                 continue
             gpus[i] = _scaled(gpu, factor, stage, plan_hash)

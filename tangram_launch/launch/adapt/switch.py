@@ -83,7 +83,7 @@ def launcher_replan(*, cluster_path: str, opts: Any, resume: Any, out_dir: str, 
         report = {"plan_hash": plan_hash, "stages": [{"stage": stage_of.get((r["node"], r["local_gpu"]), 0),
                                                       "ranks": [r]} for r in rows]}
         counter[0] += 1
-        cluster, _ = calibrate(ClusterSpec.load(cluster_path), report)
+        cluster, _ = calibrate(ClusterSpec.load(cluster_path), report, untimed_as_twins=False)
         calibrated = os.path.join(out_dir, f"cluster-adapt-{plan_hash[:8]}-{counter[0]}.yaml")
         os.makedirs(out_dir, exist_ok=True)
         cluster.dump(calibrated)
