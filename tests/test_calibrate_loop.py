@@ -132,6 +132,22 @@ def test_calibrate_refuses_a_cluster_file_the_run_did_not_plan_from(tmp_path, mo
     assert "no cached profile in" in capsys.readouterr().err
 
 
+def test_calibrate_takes_the_cluster_file_a_cluster_launch_names(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(planning.ENV_CACHE_DIR, str(tmp_path / "empty-cache"))
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_bytes(PROFILED.read_bytes())
+    report_path = _report_for(str(cluster), {1: 2.0}, tmp_path)
+    report = json.loads(report_path.read_text())
+    report["cluster"]["path"] = str(cluster)  # as run_report.finish writes it for a --cluster launch
+    report_path.write_text(json.dumps(report))
+    assert main(["calibrate", str(report_path)]) == 0
+    assert f"plan again with --cluster {cluster}" in capsys.readouterr().out
+    assert ClusterSpec.load(cluster).nodes[0].gpus[1].measured["calibration"]["factor"] == pytest.approx(2.0)
+    cluster.unlink()
+    assert main(["calibrate", str(report_path)]) == 2
+    assert "the cluster file the run was launched with is gone" in capsys.readouterr().err
+
+
 def test_a_new_profile_keeps_an_edited_or_calibrated_one_aside(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_bytes(PROFILED.read_bytes())

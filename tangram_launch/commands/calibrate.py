@@ -45,6 +45,18 @@ def _calibrated_from(cluster: ClusterSpec, plan_hash: str) -> bool:
     return any((gpu.measured.get("calibration") or {}).get("plan_hash") == plan_hash for _, gpu in cluster.iter_gpus())
 
 
+def _named_cluster_file(report: Mapping) -> str | None:
+    """The ``--cluster`` file the run was launched with, as its report names it (None: a --profile launch)."""
+    cluster = report.get("cluster")
+    path = cluster.get("path") if isinstance(cluster, Mapping) else None
+    if not isinstance(path, str) or not path:
+        return None
+    if not os.path.isfile(path):
+        raise SpecError("the cluster file the run was launched with is gone", field="--cluster", value=path,
+                        valid="the cluster file the run's plan was made from")
+    return path
+
+
 def _cached_profile_for(report: Mapping) -> str:
     """The cached profile (as ``--profile`` wrote it) whose figures the report's plan was made from, or the one
     already calibrated from this report (which ``_check_planned_from`` then refuses, saying so)."""
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     report = parse_json(read_text(args.report, what="run report"), source=args.report)
     if not isinstance(report, Mapping):
         raise SpecError("not a run report (a JSON object)", field="RUN_REPORT", value=args.report)
-    path = args.cluster or _cached_profile_for(report)
+    path = args.cluster or _named_cluster_file(report) or _cached_profile_for(report)
     cluster = ClusterSpec.load(path)
     _check_planned_from(cluster, path, report)
     from tangram_launch.launch.profile_cache import reseal_calibrated, sealed_key

@@ -4,8 +4,8 @@ Workers append per-step stage timings to ``RUN_DIR/timings/rank<R>.jsonl`` (``ru
 launcher reads them (every ``--report-every`` steps and at the end), prints one table and writes
 ``RUN_DIR/run-report.json``:
 
-    {"plan_hash": ..., "runtime": ..., "cluster": {"name": ..., "hash": ...}, "num_microbatches": m,
-     "steps_measured": n,
+    {"plan_hash": ..., "runtime": ..., "cluster": {"name": ..., "hash": ..., "path": the --cluster file},
+     "num_microbatches": m, "steps_measured": n,
      "iteration": {"predicted_s": ..., "measured_median_s": ...},
      "stages": [{"stage": 0, "island": ..., "layers": [0, 3], "nodes": [...],
                  "predicted": {"forward_s": ..., "backward_s": ...},          # per micro-batch
@@ -147,12 +147,15 @@ def write_report(run_dir: str, report: Mapping) -> str:
     return path
 
 
-def finish(run_dir: str, plan: Mapping, plan_hash: str, *, out: Any) -> str | None:
-    """At the end of a planned launch: the table on ``out`` and the report file; None when no worker timed."""
+def finish(run_dir: str, plan: Mapping, plan_hash: str, *, out: Any, cluster_path: str | None = None) -> str | None:
+    """At the end of a planned launch: the table on ``out`` and the report file; None when no worker timed.
+    ``cluster_path``: the cluster file the plan was made from (``--cluster``), which ``calibrate`` then finds."""
     timings = read_timings(run_dir)
     if not timings:
         return None
     report = build_report(plan, plan_hash, timings)
+    if cluster_path:
+        report["cluster"]["path"] = os.path.abspath(cluster_path)
     path = write_report(run_dir, report)
     out.write(format_report(report) + f"\nrun report: {path}\n")
     out.flush()

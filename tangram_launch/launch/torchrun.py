@@ -495,7 +495,8 @@ def reporting(opts: TangramOptions, planned: PlannedLaunch):
         if watcher is not None:
             watcher.stop()
         try:
-            run_report.finish(run_dir, planned.plan_dict, planned.plan_hash, out=sys.stdout)
+            run_report.finish(run_dir, planned.plan_dict, planned.plan_hash, out=sys.stdout,
+                              cluster_path=opts.cluster)
         except (OSError, KeyError, ValueError, TypeError) as exc:  # the run's outcome stands without its report
             logger.warning("no run report: %s", exc)
 
