@@ -3,9 +3,10 @@
     tangram-launch calibrate RUN_DIR/run-report.json [--cluster cluster.yaml] [-o calibrated.yaml]
 
 Every GPU the run timed, whose stage ran more than ``--tolerance`` away from its prediction, gets its compute
-figures scaled by predicted / measured. The report names the cluster its plan was made from (the figures' hash);
-without ``--cluster`` that file is found in the launcher's profile cache (a launch with ``--profile``). A file whose
-figures are not the ones the run planned from is refused: its ratios were measured against other predictions (and a
+figures scaled by predicted / measured (a GPU the plan left out: as its timed twins). The report names the cluster
+its plan was made from (the figures' hash, and the file of a ``--cluster`` launch); without ``--cluster`` calibrate
+takes that file, or finds the profile in the launcher's cache (a ``--profile`` launch). A file whose figures are not
+the ones the run planned from is refused: its ratios were measured against other predictions (and a
 second calibration from the same report would apply them twice). Without ``-o`` the cluster file is rewritten, and
 its previous content kept beside it as ``FILE.before-calibration-<UTC time>``; a cached profile is sealed again, so
 the next ``--profile`` launch on this machine plans from the calibrated figures instead of measuring over them.
@@ -27,8 +28,8 @@ from tangram_launch.specs.limits import check_output_path, parse_json, read_text
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("report", metavar="RUN_REPORT", help="run-report.json written by a planned launch")
-    parser.add_argument("--cluster", help="the cluster file the run's plan was made from (default: the cached "
-                                          "profile the report names, for a launch with --profile)")
+    parser.add_argument("--cluster", help="the cluster file the run's plan was made from (default: the one the "
+                                          "report names: the --cluster file, or the cached --profile)")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the calibrated cluster here (default: "
                                                                  "rewrite --cluster, keeping the old file beside it)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
