@@ -163,15 +163,17 @@ def test_a_cached_profile_without_the_layers_is_profiled_again_with_them_then_re
     asked = fake_profiler.requests[-1]
     assert (asked.model, asked.seq_len, asked.micro_batch, asked.tp) == ("tiny", (64,), (1, 2, 4, 8), (1, 2))
     assert asked.layer_budget_s == pytest.approx(16 * planned.LAUNCH_LAYER_JOB_S["cpu"])
+    assert asked.layer_dtype in ("fp32", "bf16")  # CPU processes: the dtype likely_cpu_dtype finds faster here
     assert "has no layer timings of tiny at seq 64, micro-batch 1,2,4,8, tp 1,2" in caplog.text
     assert covers(recorded_layer_shapes(spec.profile), README_SHAPES)
     # sealed as the profiler's output: the same launch reuses it, and so does one needing fewer shapes
-    for needed in (README_SHAPES, LayerShapes("tiny", (64,), (2, 4), (1,), "bf16")):
+    for needed in (README_SHAPES, LayerShapes("tiny", (64,), (2, 4), (1,), asked.layer_dtype)):
         _, _, reused = planned.profile_cluster(_options(), directory=str(tmp_path), layers=needed)
         assert reused and len(fake_profiler.requests) == 2
     # another sequence length, another dtype, another model: profiled again, and that profile replaces the cached one
-    for needed in (LayerShapes("tiny", (32,), (1, 2, 4, 8), (1, 2)), LayerShapes("tiny", (32,), (1,), (1,), "fp32"),
-                   LayerShapes("tiny-moe", (32,), (1,), (1,))):
+    other_dtype = {"fp32": "bf16", "bf16": "fp32"}[asked.layer_dtype]
+    for needed in (LayerShapes("tiny", (32,), (1, 2, 4, 8), (1, 2)),
+                   LayerShapes("tiny", (64,), (1,), (1,), other_dtype), LayerShapes("tiny-moe", (32,), (1,), (1,))):
         _, _, reused = planned.profile_cluster(_options(), directory=str(tmp_path), layers=needed)
         assert not reused and fake_profiler.requests[-1].model == needed.model
     assert len(list(Path(path).parent.glob("*.yaml"))) == 1

@@ -230,6 +230,10 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     from tangram_launch.launch.profiling import profile_cluster as run_profile
     from tangram_launch.specs.cluster import ClusterSpec
 
+    if layers is not None and layers.dtype is None and _device_kind(identity) == "cpu":
+        layers = replace(layers, dtype=likely_cpu_dtype())
+        logger.info("timing %s's layers in %s, the faster here in a small product (the profile's GEMM then chooses "
+                    "the dtype the launch trains in)", layers.model, layers.dtype)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     staged = f"{path}.new-{os.getpid()}"
     request = ProfileRequest(output=staged, torchrun_argv=tuple(options.torchrun_argv()), quick=quick,
@@ -251,6 +255,34 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     return spec, path, False
 
 
+def _device_kind(identity: list) -> str:
+    return "cuda" if any(d[0] == "cuda" for node in identity for d in node["devices"]) else "cpu"
+
+
+def likely_cpu_dtype(size: int = 256, reps: int = 3) -> str:
+    """The dtype a CPU launch will most likely train in (dtype_choice: the fastest measured GEMM), guessed from a
+    ``size``-cubed product in each candidate dtype (a few ms; a CPU without bf16 hardware takes tens of ms), so
+    that the profile times the layers in that dtype at once: the layers of a dtype without hardware support take
+    many times the layer budget's share, and in the wrong dtype they would be timed twice."""
+    import time
+
+    import torch
+
+    from tangram_launch.launch.dtype_choice import CPU_CANDIDATE_DTYPES
+
+    best: dict[str, float] = {}
+    for name in CPU_CANDIDATE_DTYPES:
+        a = torch.ones(size, size, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name]))
+        torch.mm(a, a)  # warm
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, a)
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return min(CPU_CANDIDATE_DTYPES, key=lambda d: (best[d], CPU_CANDIDATE_DTYPES.index(d)))
+
+
 def _layer_fields(shapes: "LayerShapes | None", identity: list) -> dict[str, Any]:
     """ProfileRequest's ``--model`` fields for ``shapes`` on this node (``identity``: live_identity's): a budget of
     LAUNCH_LAYER_JOB_S per timing, at most LAUNCH_LAYER_BUDGET_CAP_S (the shapes beyond it are left out, largest
@@ -260,7 +292,7 @@ def _layer_fields(shapes: "LayerShapes | None", identity: list) -> dict[str, Any
     from profiler.layer import layer_kinds
     from tangram_launch.specs.model import load_model
 
-    kind = "cuda" if any(d[0] == "cuda" for node in identity for d in node["devices"]) else "cpu"
+    kind = _device_kind(identity)
     jobs = shapes.jobs(len(layer_kinds(load_model(shapes.source or shapes.model))))
     return {"model": shapes.source or shapes.model, "seq_len": shapes.seq_lens, "micro_batch": shapes.micro_batches,
             "tp": shapes.tps, "layer_dtype": shapes.dtype, "layer_timing": LAUNCH_LAYER_TIMING,
