@@ -11,8 +11,11 @@ agent the same plan bytes (the workers' boot compares sha256 across agents), so:
   the ClusterSpec under ``$TANGRAM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tangram-launch`` or
   ``~/.cache/tangram-launch``), keyed by the hardware fingerprint of the live node (host, CPUs, memory, GPU names and
   UUIDs, NICs, worker count), read without any benchmark.  A later launch on the same hardware reuses it; a changed
-  fingerprint profiles again.  A multi-node ``--profile`` is refused: the profiler writes the ClusterSpec on global
-  rank 0's node only, so the other agents could not plan; profile once and launch with ``--cluster``.
+  fingerprint profiles again.  With ``--model`` (and a searched plan) the profile also times the model's layers at
+  the shapes the planner prices, which the cost model then prices the stages from; a cached profile without them
+  is profiled again (:func:`profile_cluster`).  A multi-node ``--profile`` is refused: the profiler writes the
+  ClusterSpec on global rank 0's node only, so the other agents could not plan; profile once and launch with
+  ``--cluster``.
 * a plan that leaves GPUs out (the planner dropped an island that only adds a bottleneck) is refused with the
   reason and the ``--nproc-per-node`` that launches the GPUs it uses: the launcher starts one worker per GPU
   (torchrun's contract), so it never starts workers the plan has no rank for.
