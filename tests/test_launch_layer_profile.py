@@ -8,6 +8,7 @@ The real launch (torch's machinery, gloo, 2 processes) is in test_launch_layer_p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from types import SimpleNamespace as Namespace
 from pathlib import Path
@@ -117,11 +118,15 @@ class FakeProfiler:
 
     def __init__(self) -> None:
         self.requests: list = []
+        self.gemm_tflops: dict | None = None  # every device's measured GEMM rates, where a test sets them
 
     def __call__(self, request):
         self.requests.append(request)
         spec = yaml.safe_load(PROFILED_CPU_2.read_text())
         spec["profile"]["quick"] = request.quick
+        for gpu in spec["nodes"][0]["gpus"]:
+            if self.gemm_tflops:
+                gpu["measured"]["gemm_tflops"] = dict(self.gemm_tflops)
         if request.model:
             spec["profile"]["model"] = {"name": request.model, "seq_lens": list(request.seq_len),
                                         "micro_batches": list(request.micro_batch), "tp": list(request.tp),
@@ -203,6 +208,37 @@ def test_a_failed_profile_keeps_the_cached_one(tmp_path, fake_profiler, monkeypa
     assert Path(path).read_bytes() == before  # the staged file went, the cached one stays sealed
     assert profile_cache.seal_problem(path, planned.live_fingerprint(2), ClusterSpec.load(path).fingerprint) is None
     assert sorted(p.name for p in Path(path).parent.iterdir()) == [Path(path).name, Path(path).name + ".seal"]
+
+
+def _launch_request(tmp_path, monkeypatch, *extra: str):
+    from tangram_launch.launch.torchrun import LaunchOptions, PlanRequest
+
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    options = LaunchOptions.from_argv(["--standalone", "--nproc-per-node", "2", "--profile", "--model", "tiny",
+                                       "--global-batch", "8", "--seq-len", "64", *extra, "train.py"])
+    request = PlanRequest(options=options, out_dir=str(tmp_path / "plans"))
+    return request, planned.plan_inputs(options.tangram)
+
+
+def test_layers_timed_in_another_dtype_than_the_profile_then_chooses_are_timed_again_in_that_one(
+        tmp_path, monkeypatch, fake_profiler):
+    monkeypatch.setattr(planned, "likely_cpu_dtype", lambda: "bf16")  # the small product's guess ...
+    fake_profiler.gemm_tflops = {"fp32": 0.2, "bf16": 0.01}  # ... which the profile's GEMM contradicts
+    cluster, _ = planned._profiled_cluster(*_launch_request(tmp_path, monkeypatch))
+    assert [r.layer_dtype for r in fake_profiler.requests] == ["bf16", "fp32"]
+    assert recorded_layer_shapes(cluster.profile).dtype == "fp32"
+    cluster, _ = planned._profiled_cluster(*_launch_request(tmp_path, monkeypatch))  # cached, in the right dtype
+    assert len(fake_profiler.requests) == 2 and recorded_layer_shapes(cluster.profile).dtype == "fp32"
+
+
+def test_a_given_dtype_is_the_layers_dtype_and_a_hand_written_plan_times_no_layers(tmp_path, monkeypatch,
+                                                                                    fake_profiler):
+    monkeypatch.setattr(planned, "likely_cpu_dtype", lambda: pytest.fail("a given dtype needs no guess"))
+    planned._profiled_cluster(*_launch_request(tmp_path, monkeypatch, "--dtype", "fp32"))
+    assert [r.layer_dtype for r in fake_profiler.requests] == ["fp32"]
+    request, inputs = _launch_request(tmp_path, monkeypatch, "--reprofile")
+    planned._profiled_cluster(dataclasses.replace(request, hand_written="my-plan.yaml"), inputs)
+    assert len(fake_profiler.requests) == 2 and fake_profiler.requests[-1].model is None
 
 
 # --- what the launch says about the plan's pricing --------------------------------------------------------------------
