@@ -77,6 +77,9 @@ def test_the_layer_budget_is_a_share_per_timing_capped_at_the_quick_budget():
     assert fields["layer_budget_s"] < 15 and fields["layer_timing"] == "back-to-back"
     many = LayerShapes("tiny", (64,), tuple(range(1, 65)), (1, 2))
     assert planned._layer_fields(many, cpu)["layer_budget_s"] == planned.LAUNCH_LAYER_BUDGET_CAP_S
+    gpus = [{"name": "n0", "devices": [["cuda", "NVIDIA H100 80GB HBM3", "GPU-0"]] * 8}]
+    assert planned._layer_fields(readme, gpus)["layer_budget_s"] == planned.LAUNCH_LAYER_BUDGET_CAP_S  # 16 x 1 s
+    assert planned._layer_fields(LayerShapes("tiny", (64,), (1, 2), (1,)), gpus)["layer_budget_s"] == 6.0
 
 
 # --- whether a cached profile covers them ----------------------------------------------------------------------------
