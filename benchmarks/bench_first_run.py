@@ -25,6 +25,9 @@ of times slower than fp32, as on a Zen 3 CPU. Output format:
     | training (5 steps)                      |  1.2  |
     | exit                                    |  0.4  |
 
+before the phases, the run's predicted-vs-measured summary (per stage and the iteration) and the launch's line on
+how each stage was priced (from layer times the profile measured, or by the analytic model).
+
 The profile's own phases come from the workers' ``[  t s] phase`` lines (rank 0), the rest from the launcher's.
 """
 from __future__ import annotations
@@ -57,7 +60,8 @@ WORKER_PHASE = re.compile(r"\[profile rank 0/\d+ node \d+\] \[\s*([\d.]+)s\] (.*
 
 def _group(phase: str) -> str:
     """Worker phases folded into what a reader asks about (one GEMM row, not one per dtype)."""
-    for key in ("GEMM", "memory copy", "optimizer", "model layer", "intra-node", "inter-node", "assemble"):
+    for key in ("GEMM", "memory copy", "optimizer", "model layer", "wake-up cost", "stage-like sequence", "intra-node",
+                "inter-node", "assemble"):
         if phase.startswith(key) or key in phase:
             return f"profile: {key}"
     return f"profile: {phase.split(' (')[0]}"
@@ -132,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"longest silence after: {after[:110]}")
     for _, text in lines:
         if re.search(r"\] dtype \w+:|MFU", text):
+            print(text.split("] ", 1)[-1])
+    table = [text for _, text in lines]
+    at = next((i for i, text in enumerate(table) if text.startswith("predicted vs measured")), None)
+    if at is not None:  # the run's own predicted-vs-measured summary, stages and iteration
+        for text in table[at:]:
+            if not text.startswith(("predicted vs measured", "  ")):
+                break
+            print(text)
+    for text in table:
+        if "priced from measured layer times" in text or "priced by the analytic model" in text:
             print(text.split("] ", 1)[-1])
     print("| phase | s |\n|---|---|")
     for label, s in phases(lines, r["wall_s"]):

@@ -11,8 +11,11 @@ agent the same plan bytes (the workers' boot compares sha256 across agents), so:
   the ClusterSpec under ``$TANGRAM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/tangram-launch`` or
   ``~/.cache/tangram-launch``), keyed by the hardware fingerprint of the live node (host, CPUs, memory, GPU names and
   UUIDs, NICs, worker count), read without any benchmark.  A later launch on the same hardware reuses it; a changed
-  fingerprint profiles again.  A multi-node ``--profile`` is refused: the profiler writes the ClusterSpec on global
-  rank 0's node only, so the other agents could not plan; profile once and launch with ``--cluster``.
+  fingerprint profiles again.  With ``--model`` (and a searched plan) the profile also times the model's layers at
+  the shapes the planner prices, which the cost model then prices the stages from; a cached profile without them
+  is profiled again (:func:`profile_cluster`).  A multi-node ``--profile`` is refused: the profiler writes the
+  ClusterSpec on global rank 0's node only, so the other agents could not plan; profile once and launch with
+  ``--cluster``.
 * a plan that leaves GPUs out (the planner dropped an island that only adds a bottleneck) is refused with the
   reason and the ``--nproc-per-node`` that launches the GPUs it uses: the launcher starts one worker per GPU
   (torchrun's contract), so it never starts workers the plan has no rank for.
@@ -32,13 +35,14 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tangram_launch.errors import SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.checkpoint.store import CheckpointInfo
+    from tangram_launch.launch.profile_cache import LayerShapes
     from tangram_launch.launch.torchrun import LaunchOptions, TangramOptions
     from tangram_launch.plan import Plan
     from tangram_launch.planner.options import PlannerOptions
@@ -176,12 +180,30 @@ def profile_age(finished_at: str, now: "_dt.datetime | None" = None) -> str:
     return f"{mins} min ago"
 
 
+# wall seconds one layer timing (a kind at a shape) may take at launch, by device type, and the most all of them
+# may take on one device (profiler --layer-budget-s): a CPU timing back to back needs about 0.3 s (a calibration,
+# a warm block, blocks of 0.1 s of process time); the cap is the profiler's quick layer budget
+LAUNCH_LAYER_JOB_S = {"cpu": 0.35, "cuda": 1.0}
+LAUNCH_LAYER_BUDGET_CAP_S = 15.0
+# CPU devices: layers timed in blocks of back-to-back calls, as the busiest stage runs, with the stage-like
+# sequence the cost model scales stages by (profiler --layer-timing; GPUs ignore it)
+LAUNCH_LAYER_TIMING = "back-to-back"
+
+
 def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory: str | None = None,
-                    nproc_per_node: int | None = None, reprofile: bool = False) -> tuple["ClusterSpec", str, bool]:
+                    nproc_per_node: int | None = None, reprofile: bool = False,
+                    layers: "LayerShapes | None" = None) -> tuple["ClusterSpec", str, bool]:
     """(ClusterSpec, its cache path, whether it was reused): the cached profile of this hardware, or a new one.
 
-    The profile runs with the launch's torchrun options (``options.torchrun``).
+    The profile runs with the launch's torchrun options (``options.torchrun``). With ``layers``, it also times the
+    model's layers at those shapes (``profiler --model``), and a cached profile is reused only if its layer timings
+    were asked for every one of them (profile_cache.covers): else the node is profiled again with them, and the new
+    profile replaces the cached one. Not merged: the profiler times the cross product of sequence lengths, sizes
+    and TP shards within one budget, so the union with the cached shapes would hold shapes neither launch needs,
+    and its budget would leave out some this launch needs.
     """
+    from tangram_launch.launch.profile_cache import covers, recorded_layer_shapes
+
     args = options.torchrun
     if not options.single_node:
         raise SpecError("--profile measures the nodes at launch on a single node only (the profiler writes the "
@@ -190,11 +212,18 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
                         "cluster.yaml", field="--profile", value=f"--nnodes {args.nnodes}", valid="--nnodes 1")
     directory = directory or cache_dir()
     nproc = nproc_per_node or options.nproc_per_node
-    fp = live_fingerprint(nproc)
+    identity = live_identity(nproc)
+    from profiler.assemble import fingerprint
+
+    fp = fingerprint(identity)
     spec = None if reprofile else cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
     path = _profile_path(directory, fp)
     from tangram_launch.launch.profile_cache import calibrations, keep_aside, seal
 
+    if spec is not None and layers is not None and not covers(recorded_layer_shapes(spec.profile), layers):
+        logger.info("the cached profile %s has no layer timings of %s; profiling this node again with them",
+                    path, layers.label())
+        spec = None
     if spec is not None:
         measured = spec.profile.get("finished_at", "?")
         calibrated = calibrations(path)
@@ -210,10 +239,15 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     from tangram_launch.launch.profiling import profile_cluster as run_profile
     from tangram_launch.specs.cluster import ClusterSpec
 
+    if layers is not None and layers.dtype is None and _device_kind(identity) == "cpu":
+        layers = replace(layers, dtype=likely_cpu_dtype())
+        logger.info("timing %s's layers in %s, the faster here in a small product (the profile's GEMM then chooses "
+                    "the dtype the launch trains in)", layers.model, layers.dtype)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     staged = f"{path}.new-{os.getpid()}"
     request = ProfileRequest(output=staged, torchrun_argv=tuple(options.torchrun_argv()), quick=quick,
-                             nnodes=str(args.nnodes), rdzv_endpoint=getattr(args, "rdzv_endpoint", "") or "")
+                             nnodes=str(args.nnodes), rdzv_endpoint=getattr(args, "rdzv_endpoint", "") or "",
+                             **_layer_fields(layers, identity))
     try:
         run_profile(request)  # single node (checked above): this node writes the file
         spec = ClusterSpec.load(staged)
@@ -229,6 +263,87 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
         logger.info("the profile's own fingerprint is %s (the cache key is this node's %s)", spec.fingerprint, fp)
     logger.info("cached the profile as %s", path)
     return spec, path, False
+
+
+def _device_kind(identity: list) -> str:
+    return "cuda" if any(d[0] == "cuda" for node in identity for d in node["devices"]) else "cpu"
+
+
+def likely_cpu_dtype(size: int = 256, reps: int = 3) -> str:
+    """The dtype a CPU launch will most likely train in (dtype_choice: the fastest measured GEMM), guessed from a
+    ``size``-cubed product in each candidate dtype (a few ms; a CPU without bf16 hardware takes tens of ms), so
+    that the profile times the layers in that dtype at once: the layers of a dtype without hardware support take
+    many times the layer budget's share, and in the wrong dtype they would be timed twice."""
+    import torch
+
+    from tangram_launch.launch.dtype_choice import CPU_CANDIDATE_DTYPES
+
+    best: dict[str, float] = {}
+    for name in CPU_CANDIDATE_DTYPES:
+        a = torch.ones(size, size, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name]))
+        torch.mm(a, a)  # warm
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, a)
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return min(CPU_CANDIDATE_DTYPES, key=lambda d: (best[d], CPU_CANDIDATE_DTYPES.index(d)))
+
+
+def _layer_fields(shapes: "LayerShapes | None", identity: list) -> dict[str, Any]:
+    """ProfileRequest's ``--model`` fields for ``shapes`` on this node (``identity``: live_identity's): a budget of
+    LAUNCH_LAYER_JOB_S per timing, at most LAUNCH_LAYER_BUDGET_CAP_S (the shapes beyond it are left out, largest
+    first, and priced from the nearest measured one)."""
+    if shapes is None:
+        return {}
+    from profiler.layer import layer_kinds
+    from tangram_launch.specs.model import load_model
+
+    kind = _device_kind(identity)
+    jobs = shapes.jobs(len(layer_kinds(load_model(shapes.source or shapes.model))))
+    return {"model": shapes.source or shapes.model, "seq_len": shapes.seq_lens, "micro_batch": shapes.micro_batches,
+            "tp": shapes.tps, "layer_dtype": shapes.dtype, "layer_timing": LAUNCH_LAYER_TIMING,
+            "layer_budget_s": round(min(LAUNCH_LAYER_BUDGET_CAP_S, jobs * LAUNCH_LAYER_JOB_S[kind]), 2)}
+
+
+def launch_layer_shapes(inputs: "PlanningRequest", devices: int, *, source: str,
+                        dtype: str | None) -> "LayerShapes":
+    """The shapes the planner asks the cost model about for this launch, on one node of ``devices`` devices: the
+    launch's sequence length, every rows-per-replica it may price (profile_cache.planner_micro_batches), and the
+    TP shards it considers on the node (profiler.layer.tp_shards; tp 1 where the runtime has no tensor
+    parallelism); in ``dtype`` (None: the profiler's default, checked once the launch's dtype is chosen).
+    ``source``: the ``--model`` argument, which the profiler loads again."""
+    from profiler.layer import tp_shards
+    from tangram_launch.capabilities import runtime
+    from tangram_launch.launch.profile_cache import LayerShapes, planner_micro_batches
+
+    tps = tp_shards(inputs.model, devices) if runtime(inputs.runtime).capabilities.tensor_parallel else [1]
+    return LayerShapes(model=inputs.model.name, seq_lens=(inputs.seq_len,),
+                       micro_batches=planner_micro_batches(inputs.global_batch, inputs.options.microbatch_sequences,
+                                                           devices),
+                       tps=tuple(sorted(set(tps))), dtype=dtype, source=source)
+
+
+def measurement_lines(plan: "Plan") -> list[str]:
+    """One line per stage saying how its time was priced: from which measured layer times (the plan's
+    ``predicted.stages[k].measured``, costmodel/measured_layers.py), how far from a measured shape, or by the
+    analytic model alone."""
+    out = []
+    for k, stage in enumerate(plan.predicted.stages):
+        m = stage.measured
+        if not m:
+            out.append(f"stage {k}: priced by the analytic model (no measured layer times of this model)")
+            continue
+        steps = float(m.get("distance", 0.0))
+        how = {"measured": "at measured shapes",
+               "interpolated": "interpolated between measured shapes",
+               "scaled": "scaled by the analytic model from the nearest measured shape"}.get(m.get("how"), m.get("how"))
+        far = f", {2 ** steps:.3g}x from the nearest measured size" if steps > 0 else ""
+        analytic = m.get("analytic_parts")
+        rest = f"; {', '.join(analytic)} by the analytic model" if analytic else ""
+        out.append(f"stage {k}: priced from measured layer times ({', '.join(m.get('parts', ()))}) {how}{far}{rest}")
+    return out
 
 
 # --- what to plan ----------------------------------------------------------------------------------------------------
@@ -341,6 +456,13 @@ def plan_inputs(opts: "TangramOptions", resume: "CheckpointInfo | None" = None) 
     return planning_request(opts, resume=resume, progress=False)
 
 
+def _explicit_dtype(opts: "TangramOptions", request: Any) -> str | None:
+    """The dtype the launch trains in whatever the profile measures (``--dtype``, else a resumed checkpoint's);
+    None: the profile's figures decide it (dtype_choice)."""
+    resumed = ((dict(request.resume.plan).get("training") or {}).get("dtype") if request.resume is not None else None)
+    return getattr(opts, "dtype", None) or resumed or None
+
+
 def _registered(name: Any) -> str | None:
     """The checkpoint plan's parallelizer when it is one this install has (a hand-written plan names none)."""
     from tangram_launch.parallelizers.registry import registered_names
@@ -434,8 +556,7 @@ def provide_plan(request: Any) -> str:
     else:
         if not opts.profile:
             logger.info("no --cluster given: profiling this node (--profile)")
-        cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc,
-                                             reprofile=opts.reprofile)
+        cluster, source = _profiled_cluster(request, inputs)
     # again with the cluster, whose measured figures can decide the dtype (a dtype given or resumed wins)
     inputs = planning_request(opts, resume=request.resume, cluster=cluster, progress=False)
     from tangram_launch.launch.dtype_choice import mfu_peak_label
@@ -445,8 +566,8 @@ def provide_plan(request: Any) -> str:
 
     logger.info("planning %s on %s (%d %s): global batch %d x %d tokens, %s, runtime %s, parallelizer %s",
                 inputs.model.name, cluster.name, cluster.num_gpus,
-                device_noun(cpu=all(g.type == "cpu" for _, g in cluster.iter_gpus())), inputs.global_batch, inputs.seq_len, inputs.dtype,
-                inputs.runtime, inputs.parallelizer)
+                device_noun(cpu=all(g.type == "cpu" for _, g in cluster.iter_gpus())), inputs.global_batch,
+                inputs.seq_len, inputs.dtype, inputs.runtime, inputs.parallelizer)
     if request.hand_written:  # costed as `tangram-launch plan --plan FILE` does, not searched
         from tangram_launch.launch.hand_written import cost_hand_written
 
@@ -459,6 +580,10 @@ def provide_plan(request: Any) -> str:
                               mfu_peak=mfu_peak_label(cluster, inputs.dtype))
     for line in table.splitlines():
         logger.info("%s", line)
+    if not request.hand_written and any(g.measured.get("layer_forward_s") for _, g in cluster.iter_gpus()
+                                        if g.measured):
+        for line in measurement_lines(plan):
+            logger.info("%s", line)
     check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=this_node(cluster, opts.node_name),
                            source=source, single_node=request.options.single_node)
     path = write_plan(plan, request.out_dir)
@@ -467,7 +592,31 @@ def provide_plan(request: Any) -> str:
     return path
 
 
-# --- resume ------------------------------------------------------------------------------------------------------------
+def _profiled_cluster(request: Any, inputs: PlanningRequest) -> tuple["ClusterSpec", str]:
+    """(cluster, its cache path) of ``--profile``: with ``--model`` and a searched plan, the profile also times
+    the model's layers at the shapes the planner prices (launch_layer_shapes), so that its stages are priced from
+    them. Where the dtype the launch then trains in is not the one the layers were timed in (no ``--dtype``, and
+    the profile found another dtype faster), the node is profiled again with the layers in that dtype: the cost
+    model's layer times carry no dtype."""
+    from tangram_launch.launch.profile_cache import recorded_layer_shapes
+
+    opts, nproc = request.options.tangram, request.options.nproc_per_node
+    layers = None
+    if opts.model and not request.hand_written:
+        layers = launch_layer_shapes(inputs, nproc, source=str(opts.model), dtype=_explicit_dtype(opts, request))
+    cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc,
+                                         reprofile=opts.reprofile, layers=layers)
+    timed = recorded_layer_shapes(cluster.profile) if layers is not None else None
+    dtype = planning_request(opts, resume=request.resume, cluster=cluster, progress=False).dtype
+    if timed is not None and timed.dtype != dtype:
+        logger.info("the layers were timed in %s and the launch trains in %s: profiling again with the layers in %s",
+                    timed.dtype, dtype, dtype)
+        cluster, source, _ = profile_cluster(request.options, quick=opts.profile_quick, nproc_per_node=nproc,
+                                             reprofile=True, layers=replace(layers, dtype=dtype))
+    return cluster, source
+
+
+# --- resume -----------------------------------------------------------------------------------------------------------
 
 def describe_resume(directory: str) -> "CheckpointInfo":
     """The newest complete checkpoint in ``directory``: checksums verified as the workers will (so both pick the
@@ -564,6 +713,6 @@ def default_plan_dir() -> str:
 
 
 __all__ = ["canonical_plan_bytes", "write_plan", "cache_dir", "live_identity", "live_fingerprint", "cached_profile",
-           "profile_cluster", "PlanningRequest", "planning_request", "plan_inputs", "make_launch_plan",
-           "check_plan_fits_launch", "workers_for_plan", "visible_devices", "provide_plan", "describe_resume", "plan_changes", "report_resume",
-           "default_plan_dir"]
+           "profile_cluster", "launch_layer_shapes", "measurement_lines", "PlanningRequest", "planning_request",
+           "plan_inputs", "make_launch_plan", "check_plan_fits_launch", "workers_for_plan", "visible_devices",
+           "provide_plan", "describe_resume", "plan_changes", "report_resume", "default_plan_dir"]

@@ -6,6 +6,10 @@ when the profile is cached. A file edited since (another fingerprint inside, cha
 another key, or without a seal is not reused: the launcher says why and profiles again (``--reprofile`` forces a
 new profile in any case). ``tangram-launch calibrate`` is the one writer besides the profiler: it seals the file it
 calibrated again and lists the run it calibrated from (``calibrated``), so the next launch plans from those figures.
+
+A launch with ``--model`` needs more than the hardware: layer timings of its model at the shapes its planner prices
+(:class:`LayerShapes`, :func:`planner_micro_batches`). The profile records the shapes it was asked for (its
+``profile.model`` block); a cached profile whose shapes do not :func:`covers` the launch's is profiled again.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 SEAL_SUFFIX = ".seal"
 SEAL_VERSION = 1
@@ -105,3 +110,77 @@ def keep_aside(path: str, key: str, when: str) -> str | None:
     kept = f"{path}.replaced-{when}"
     shutil.copy2(path, kept)
     return kept
+
+
+# --- the model layers a launch-time profile times ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """The shapes at which ``--profile --model`` times the model's layers (each layer kind, the embedding and the
+    head): the cross product of sequence lengths, micro-batch sizes (rows per replica) and TP shards, in ``dtype``
+    (None: the profiler's default, to be checked against the dtype the launch then trains in)."""
+
+    model: str
+    seq_lens: tuple[int, ...]
+    micro_batches: tuple[int, ...]
+    tps: tuple[int, ...] = (1,)
+    dtype: str | None = None
+    source: str = field(default="", compare=False)  # what the profiler's --model loads (a preset, a file): model's
+
+    def __post_init__(self) -> None:
+        for name in ("seq_lens", "micro_batches", "tps"):
+            values = getattr(self, name)
+            if not values or min(values) < 1 or tuple(sorted(set(values))) != values:
+                raise ValueError(f"{name} must be positive integers, sorted and distinct, got {values!r}")
+
+    def jobs(self, kinds: int) -> int:
+        """Timings the profiler makes for a model of ``kinds`` layer kinds: each kind at every shape, the embedding
+        and the head at tp 1 (profiler.worker._profile_layer)."""
+        per_tp = len(self.seq_lens) * len(self.micro_batches)
+        return per_tp * (kinds * len(self.tps) + (2 if 1 in self.tps else 0))
+
+    def label(self) -> str:
+        return (f"{self.model} at seq {_csv(self.seq_lens)}, micro-batch {_csv(self.micro_batches)}, "
+                f"tp {_csv(self.tps)}{', ' + self.dtype if self.dtype else ''}")
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
+def _sorted(values: Any) -> tuple[int, ...]:
+    return tuple(sorted({int(v) for v in values}))
+
+
+def planner_micro_batches(global_batch: int, asked_b: tuple[int, ...] | None, devices: int) -> tuple[int, ...]:
+    """The rows per replica (``mbs``) the planner can price a stage at: b / dp for every micro-batch size b it
+    considers (``asked_b``, else every divisor of the global batch: planner.size_search.candidate_sizes) and every
+    data-parallel degree dp <= ``devices`` that divides b (parallelizers: mbs = b / dp must be whole)."""
+    from tangram_launch.planner.size_search import candidate_sizes
+
+    bs = candidate_sizes(global_batch, asked_b)
+    return _sorted(b // dp for b in bs for dp in range(1, devices + 1) if b % dp == 0)
+
+
+def recorded_layer_shapes(profile: Mapping[str, Any]) -> LayerShapes | None:
+    """The shapes a profile's layer timings were asked for (its ``profile.model`` block, written by the profiler's
+    ``--model``: those the layer budget left out count as asked, so they are not asked again on every launch);
+    None for a profile without layer timings."""
+    info = profile.get("model")
+    if not isinstance(info, Mapping) or not info.get("name"):
+        return None
+    try:
+        return LayerShapes(model=str(info["name"]), seq_lens=_sorted(info.get("seq_lens") or [info["seq_len"]]),
+                           micro_batches=_sorted(info.get("micro_batches") or [info["micro_batch"]]),
+                           tps=_sorted(info.get("tp") or [1]), dtype=info.get("dtype"))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def covers(recorded: LayerShapes | None, needed: LayerShapes) -> bool:
+    """Whether layer timings asked for ``recorded`` hold every shape of ``needed`` (a ``needed`` dtype of None
+    accepts any)."""
+    return (recorded is not None and recorded.model == needed.model
+            and (needed.dtype is None or recorded.dtype == needed.dtype)
+            and set(needed.seq_lens) <= set(recorded.seq_lens)
+            and set(needed.micro_batches) <= set(recorded.micro_batches) and set(needed.tps) <= set(recorded.tps))
