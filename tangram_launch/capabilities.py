@@ -28,6 +28,11 @@ class RuntimeCapabilities:
     context_parallel: bool = True
     expert_parallel: bool = True
     max_zero_stage_with_ep: int = 3  # the torch runtime reduces expert gradients by all-reduce only (ZeRO 0)
+    # ZeRO 1 and 2 run as FSDP2 units (each layer, the stage's root module): parameters gathered and gradients
+    # reduce-scattered once per step, one collective per unit, each paying its call's fixed cost (off: one bucketed
+    # reduce-scatter and all-gather per step, ZeRO-2 reduce-scattering per micro-batch, as DeepSpeed and Megatron's
+    # distributed optimizer run them)
+    zero_per_unit: bool = False
     offload: bool = True
     recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
     max_stages: int | None = None
@@ -146,7 +151,9 @@ TORCH = RuntimeCapabilities(
     name="torch",
     # stages with their own (tp, dp): runtime_adapters/schedule.py re-splits each micro-batch's rows at every
     # stage boundary (runtime_adapters/stage_grid.py); one grid runs on torch.distributed.pipelining. ZeRO maps to
-    # FSDP2 per stage.
+    # FSDP2 per stage: ZeRO 1 and 2 both as fully_shard(reshard_after_forward=False), per layer and the root
+    # (runtime_adapters/torch_native.py), under a pipeline schedule that syncs gradients on the last micro-batch.
+    zero_per_unit=True,
     uniform_tp=False,
     uniform_dp=False,
     context_parallel=False,

@@ -788,9 +788,13 @@ class SliceCoster:
         z_fwd = z_bwd = 0.0
         n_layers = max(1, st.layers[1] - st.layers[0])
         l_fwd = l_rs = l_gather = root_ag = root_rs = head_ag = head_rs = 0.0
-        if zero >= 2 and not held:
+        per_unit = self.q.capabilities.zero_per_unit  # FSDP2 units, gathered and synced once per step
+        if zero == 2 and not held and not per_unit:
             z_bwd += c["rs_grads"]
             l_rs, root_rs, head_rs = c["rs_layer"], c["rs_root"], c["rs_head"]
+        if zero >= 3 and not held:
+            l_rs, root_rs, head_rs = c["rs_layer"], c["rs_root"], c["rs_head"]
+            z_bwd += c["rs_grads"]
         if zero >= 3:
             gather, l_gather, root_ag, head_ag = c["ag_params"], c["ag_layer"], c["ag_root"], c["ag_head"]
             if off:  # ZeRO-Infinity: parameters come from host memory first
@@ -815,6 +819,8 @@ class SliceCoster:
             sync += ((shard > 1) + (shard > 1 or not st.has_embedding)) * st.dp_link.wait_s
         if zero == 0:
             sync += c["ar_grads"]
+        elif per_unit and (zero <= 2 or held):  # each unit's reduce-scatter and all-gather, once per step
+            sync += n_layers * (c["rs_layer"] + c["ag_layer"]) + c["rs_edges"] + c["ag_edges"]
         elif zero == 1 or held:
             sync += c["rs_grads"] + c["ag_params"]
         elif zero == 2:
@@ -858,6 +864,8 @@ class SliceCoster:
             out[name + "_root"] = comm.collective_s(op, (st.edge_params - st.head_params) * nbytes, st.shard,
                                                     st.dp_link)
             out[name + "_head"] = comm.collective_s(op, st.head_params * nbytes, st.shard, st.dp_link)
+            # FSDP2 as the torch runtime wraps a stage: the embedding and the output layer in its root unit, one call
+            out[name + "_edges"] = comm.collective_s(op, st.edge_params * nbytes, st.shard, st.dp_link)
         st.collectives = out
         return out
 
