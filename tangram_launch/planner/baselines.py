@@ -62,9 +62,10 @@ def whole_cluster_island(cluster: "ClusterSpec", dtype: str) -> Island:
     tflops = {d: (None if any(g.tflops.get(d) is None for g in gpus) else min(g.tflops[d] for g in gpus))
               for d in dtypes}
     slow = min(gpus, key=lambda g: (compute_tflops(g, dtype), g.memory_gib))
+    # the slowest GPU's measured figures too: the cost model prices a profiled GPU from them, not the spec sheet
     rep = GPUSpec(type=slow.type, tflops=tflops, memory_gib=min(g.memory_gib for g in gpus),
                   memory_bandwidth_GBps=min(g.memory_bandwidth_GBps for g in gpus),
-                  intra_node_bandwidth_GBps=min(g.intra_node_bandwidth_GBps for g in gpus))
+                  intra_node_bandwidth_GBps=min(g.intra_node_bandwidth_GBps for g in gpus), measured=slow.measured)
     per_node = math.gcd(*[n.num_gpus for n in cluster.nodes])
     # an 8-GPU node next to 4-GPU nodes counts as two 4-GPU nodes (so TP stays inside a real node)
     nodes = tuple(n.name for n in cluster.nodes for _ in range(n.num_gpus // per_node))
