@@ -115,7 +115,8 @@ def test_calibrate_finds_the_cached_profile_and_the_next_launch_reuses_it(tmp_pa
     # the same report again would compound the ratios: refused, the file as it was
     text = path.read_bytes()
     assert main(["calibrate", str(report)]) == 2
-    assert "already calibrated from this run report" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already calibrated from this run report" in err and "field 'cluster (the one the run report names)'" in err
     assert path.read_bytes() == text
 
 
@@ -140,11 +141,27 @@ def test_calibrate_takes_the_cluster_file_a_cluster_launch_names(tmp_path, monke
     report["cluster"]["path"] = str(cluster)  # as run_report.finish writes it for a --cluster launch
     report_path.write_text(json.dumps(report))
     assert main(["calibrate", str(report_path)]) == 0
-    assert f"plan again with --cluster {cluster}" in capsys.readouterr().out
-    assert ClusterSpec.load(cluster).nodes[0].gpus[1].measured["calibration"]["factor"] == pytest.approx(2.0)
+    copy = tmp_path / "cluster.calibrated.yaml"  # the user's file as written stays; the copy goes beside it
+    assert f"plan again with --cluster {copy}" in capsys.readouterr().out
+    assert cluster.read_bytes() == PROFILED.read_bytes()
+    assert ClusterSpec.load(copy).nodes[0].gpus[1].measured["calibration"]["factor"] == pytest.approx(2.0)
     cluster.unlink()
     assert main(["calibrate", str(report_path)]) == 2
     assert "the cluster file the run was launched with is gone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what, argv, says", [
+    ("a plan file", ["--cluster", str(PROFILED)], "not a run report: no plan_hash and stages (a plan file?"),
+    ("a tolerance in percent", ["--tolerance", "5"], "field '--tolerance': is a fraction of the predicted time"),
+    ("a negative tolerance", ["--tolerance", "-1"], "valid: 0 <= t < 1 (0.05 = 5 %)"),
+])
+def test_calibrate_refuses_what_it_cannot_use_saying_which_field(tmp_path, capsys, what, argv, says):
+    report = _report_for(str(PROFILED), {1: 2.0}, tmp_path)
+    target = tmp_path / "plan.json" if what == "a plan file" else report
+    assert main(["calibrate", str(target), *argv]) == 2
+    assert says in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "plan.json")]) == 2
+    assert "not a run report: no plan_hash and stages (a plan file?" in capsys.readouterr().err
 
 
 def test_a_new_profile_keeps_an_edited_or_calibrated_one_aside(tmp_path):

@@ -7,9 +7,11 @@ figures scaled by predicted / measured (a GPU the plan left out: as its timed tw
 its plan was made from (the figures' hash, and the file of a ``--cluster`` launch); without ``--cluster`` calibrate
 takes that file, or finds the profile in the launcher's cache (a ``--profile`` launch). A file whose figures are not
 the ones the run planned from is refused: its ratios were measured against other predictions (and a
-second calibration from the same report would apply them twice). Without ``-o`` the cluster file is rewritten, and
-its previous content kept beside it as ``FILE.before-calibration-<UTC time>``; a cached profile is sealed again, so
-the next ``--profile`` launch on this machine plans from the calibrated figures instead of measuring over them.
+second calibration from the same report would apply them twice). Without ``-o`` a file given as ``--cluster`` or the
+cached profile is rewritten, its previous content kept beside it as ``FILE.before-calibration-<UTC time>``; a cached
+profile is sealed again, so the next ``--profile`` launch on this machine plans from the calibrated figures instead of
+measuring over them. A ``--cluster`` file the report names gets its calibrated copy beside it (``.calibrated.yaml``),
+the file as written (its comments) untouched.
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("report", metavar="RUN_REPORT", help="run-report.json written by a planned launch")
     parser.add_argument("--cluster", help="the cluster file the run's plan was made from (default: the one the "
                                           "report names: the --cluster file, or the cached --profile)")
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the calibrated cluster here (default: "
-                                                                 "rewrite --cluster, keeping the old file beside it)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the calibrated cluster here (default: rewrite "
+                                                                 "--cluster or the cached profile, keeping the old "
+                                                                 "file beside it; a --cluster file the report names: "
+                                                                 "FILE.calibrated.yaml beside it)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help=f"leave GPUs within this relative error alone (default {DEFAULT_TOLERANCE})")
 
@@ -84,28 +88,38 @@ def _cached_profile_for(report: Mapping) -> str:
                     valid="the cluster file the run's plan was made from")
 
 
-def _check_planned_from(cluster: ClusterSpec, path: str, report: Mapping) -> None:
+def _check_planned_from(cluster: ClusterSpec, path: str, report: Mapping, field: str) -> None:
     """Refuse a cluster file whose figures are not the ones the report's predictions were made with."""
     planned = _planned_hash(report)
     if planned is None or cluster.content_hash() == planned:
         return
     if _calibrated_from(cluster, str(report.get("plan_hash", ""))):
         raise SpecError("was already calibrated from this run report; calibrating it again would apply the same "
-                        "ratios twice", field="--cluster", value=path,
+                        "ratios twice", field=field, value=path,
                         valid="a new run's report (plan and run again with the calibrated file)")
+    named = report.get("cluster") or {}
+    expected = named.get("path") or f"cluster '{named.get('name')}'"
     raise SpecError(f"its figures (hash {cluster.content_hash()}) are not the ones the run's plan was made from "
                     f"(hash {planned}): the report's ratios were measured against that file's predictions",
-                    field="--cluster", value=path, valid="the cluster file the run's plan was made from")
+                    field=field, value=path, valid=f"the cluster file the run's plan was made from ({expected})")
 
 
 def run(args: argparse.Namespace) -> int:
     check_output_path(args.output, option="--output")
+    if not 0.0 <= args.tolerance < 1.0:
+        raise SpecError("is a fraction of the predicted time", field="--tolerance", value=args.tolerance,
+                        valid="0 <= t < 1 (0.05 = 5 %)")
     report = parse_json(read_text(args.report, what="run report"), source=args.report)
-    if not isinstance(report, Mapping):
-        raise SpecError("not a run report (a JSON object)", field="RUN_REPORT", value=args.report)
+    from tangram_launch.launch.run_report import report_problem
+
+    problem = report_problem(report)
+    if problem:
+        raise SpecError(f"not a run report: {problem}", field="RUN_REPORT", value=args.report,
+                        valid="run-report.json written by a planned launch")
     path = args.cluster or _named_cluster_file(report) or _cached_profile_for(report)
+    field = "--cluster" if args.cluster else "cluster (the one the run report names)"
     cluster = ClusterSpec.load(path)
-    _check_planned_from(cluster, path, report)
+    _check_planned_from(cluster, path, report, field)
     from tangram_launch.launch.profile_cache import reseal_calibrated, sealed_key
 
     key = sealed_key(path, cluster.fingerprint)  # a cached profile exactly as sealed: seal it again below
@@ -115,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for change in changes:
         print(change.line())
-    out = args.output or path
+    # a user's own cluster file the report named (not given here, not a cached profile): its calibrated copy goes
+    # beside it, the file as written (comments and all) stays; --cluster FILE asks for FILE itself to be rewritten
+    beside = None if args.cluster or key is not None else f"{os.path.splitext(path)[0]}.calibrated.yaml"
+    out = args.output or beside or path
     if out == path:
         kept = f"{path}.before-calibration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
         shutil.copy2(path, kept)

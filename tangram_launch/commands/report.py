@@ -95,8 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if not 10 <= args.width <= 400:
         raise SpecError("timeline width must be 10..400 columns", field="--width", value=args.width, valid="10..400")
     report = parse_json(read_text(args.report, what="run report"), source=args.report)
-    if not isinstance(report, dict) or not ("stages" in report or "adaptations" in report):
-        raise SpecError("not a run report (no stages, no adaptations)", source=args.report, field="adaptations",
+    from tangram_launch.launch.run_report import report_problem
+
+    problem = report_problem(report)
+    if problem:
+        raise SpecError(f"not a run report: {problem}", source=args.report, field="RUN_REPORT", value=args.report,
                         valid="run-report.json written by a planned launch")
     try:
         text = format_history(report, args.width)

@@ -137,6 +137,23 @@ def format_report(report: Mapping) -> str:
     return "\n".join([head] + ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows])
 
 
+def report_problem(report: Any) -> str | None:
+    """Why ``report`` is not a run report as this module writes it (None: it is one). A plan file has stages too,
+    without measurements: say so rather than fail on a missing key later."""
+    if not isinstance(report, Mapping):
+        return "not a JSON object"
+    stages = report.get("stages")
+    if stages is None and isinstance(report.get("adaptations"), list):
+        return None  # the adaptive launcher's history of a run that timed nothing yet
+    if not isinstance(report.get("plan_hash"), str) or not isinstance(stages, list):
+        return "no plan_hash and stages" + (" (a plan file? give its run's run-report.json)"
+                                            if "rank_layout" in report else "")
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, Mapping) or not isinstance(stage.get("measured"), Mapping) or "stage" not in stage:
+            return f"stages[{i}] has no measurements"
+    return None
+
+
 def write_report(run_dir: str, report: Mapping) -> str:
     path = os.path.join(run_dir, REPORT_NAME)
     tmp = f"{path}.tmp.{os.getpid()}"
