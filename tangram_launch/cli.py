@@ -5,7 +5,7 @@
     tangram-launch plan     --cluster FILE --model NAME ...    # the heterogeneous plan (table, JSON or YAML)
     tangram-launch profile  [torchrun args] -o cluster.yaml    # measure a live cluster, write its ClusterSpec
     tangram-launch export   CKPT_DIR --to hf OUT_DIR           # a checkpoint as a Hugging Face model folder
-    tangram-launch calibrate RUN_DIR/run-report.json --cluster FILE   # fold measured stage times into the cluster
+    tangram-launch calibrate RUN_DIR/run-report.json           # fold measured stage times into the run's cluster
     tangram-launch report   RUN_DIR/run-report.json            # a run's adaptations: table and timeline
     tangram-launch [torchrun args] [tangram args] script.py    # launch, exactly like torchrun (plus planning)
 
@@ -36,6 +36,7 @@ COMMANDS = (  # what `tangram-launch --help` lists
     ("plan", "the heterogeneous plan (table, JSON, YAML), or a hand-written one costed"),
     ("profile", "measure a live cluster, write its ClusterSpec"),
     ("export", "a checkpoint as a Hugging Face model folder"),
+    ("calibrate", "fold a run's measured stage times into the cluster it planned from"),
     ("report", "a run's history: predicted vs measured, adaptations, a timeline"),
 )
 HELP_TORCHRUN = "--help-torchrun"
@@ -94,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(INTERRUPTED_LINE, file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tangram-launch plan ... | head`: the reader had enough, as with any Unix tool
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

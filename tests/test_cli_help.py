@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
-from tangram_launch.cli import SUBCOMMANDS, main
+from tangram_launch.cli import COMMANDS, SUBCOMMANDS, main
 
 
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
@@ -25,3 +26,21 @@ def test_profile_help_lists_only_options_torchs_parser_takes(capsys):
     strings = lambda p: {s for a in p._actions for s in a.option_strings}  # noqa: E731
     assert strings(fast) <= strings(full)
     assert {"--nproc-per-node", "--standalone", "--quick", "--model", "-o"} <= strings(fast)
+
+
+def test_help_lists_every_command():
+    assert [name for name, _ in COMMANDS] == list(SUBCOMMANDS)
+
+
+@pytest.mark.distributed
+def test_a_reader_that_stops_early_gets_no_traceback():
+    import subprocess
+    import sys
+
+    from timeouts import SUBPROCESS_TIMEOUT_S
+
+    cluster = str(Path(__file__).resolve().parent.parent / "examples" / "clusters" / "c3-full-het-iii.yaml")
+    cmd = f"{sys.executable} -m tangram_launch.cli islands --cluster {cluster} | true"  # a reader gone at once
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 141 and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
