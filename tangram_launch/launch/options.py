@@ -132,7 +132,8 @@ def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) 
                    help="Where a planned launch writes its run report (run-report.json: predicted vs measured per "
                         "stage) and the workers' timings (default: tangram-runs/<time>-<plan hash>).")
     g.add_argument(*names("--report-every", "--report_every"), metavar="N", type=_positive_int, default=None,
-                   help="Also print the predicted-vs-measured table every N steps (default: at the end only).")
+                   help="Also print the predicted-vs-measured table every N steps (checked every 2 s: steps "
+                        "faster than that print less often; default: at the end only).")
     g.add_argument("--adapt", action="store_true",
                    help="Re-plan while training: when a GPU runs slower than planned (a straggler) and the new plan's "
                         "gain over the horizon pays for a switch, checkpoint, restart under it and resume. Needs "
