@@ -44,3 +44,14 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
                           timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 141 and "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("typo, suggested", [("--modle", "--model"), ("--global-bach", "--global-batch"),
+                                             ("--nprocs-per-node", "--nproc-per-node"), ("--profle", "--profile")])
+def test_a_misspelt_launcher_option_is_one_line_naming_the_nearest(typo, suggested, capsys):
+    """(argparse takes an unambiguous prefix such as --profil as the option itself, as torchrun does)"""
+    takes_value = typo in ("--modle", "--global-bach", "--nprocs-per-node")
+    argv = ["--standalone", typo, *(["8"] if takes_value else []), "examples/train_gpt.py", "--steps", "5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"field '{typo}': unknown option" in err and suggested in err and len(err.strip().splitlines()) == 1

@@ -97,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unknown_option_error(unknown: Sequence[str], parser: argparse.ArgumentParser) -> SpecError:
+    """The first argument the launcher's parser does not know, with the closest option it does (difflib)."""
+    import difflib
+
+    token = next((u for u in unknown if u.startswith("-")), unknown[0])
+    name = token.split("=", 1)[0]
+    known = sorted(s for s in parser._option_string_actions if s.startswith("--"))  # argparse's own table
+    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    valid = (f"did you mean {' or '.join(close)}? " if close else "") + "(tangram-launch --help lists the options)"
+    return SpecError("unknown option, before the training script", field=name, value=token, valid=valid)
+
+
 @dataclass(frozen=True)
 class TangramOptions:
     """The tangram group of the command line, apart from torchrun's options."""
@@ -146,7 +158,10 @@ class LaunchOptions:
 
     @classmethod
     def from_argv(cls, argv: Sequence[str]) -> "LaunchOptions":
-        args = build_parser().parse_args(list(argv))
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(list(argv))
+        if unknown:  # what parse_args would refuse, as one line with the nearest option instead of the usage
+            raise unknown_option_error(unknown, parser)
         return cls(torchrun=args, tangram=TangramOptions.from_args(args))
 
     @property
