@@ -116,3 +116,15 @@ def many_options_instance(rng):
              for j in range(K)] for i in range(K)]
     edges = [(o.bottleneck_s * rng.uniform(0.3, 1.0), o.bottleneck_s * rng.uniform(0.3, 1.0)) for o in options]
     return options, link, L, m, K, edges
+
+
+def composable_instances(rng, count: int):
+    """Of ``count`` many_options_instance draws, those with at least one composition: (options, link, L, m, K,
+    edges, closed), closed the brute force's latencies (every_composition)."""
+    from tangram_launch.planner.reference import every_composition
+
+    for _ in range(count):
+        options, link, L, m, K, edges = many_options_instance(rng)
+        closed = [c.latency_s for c in every_composition(options, link, L, m)]
+        if closed:
+            yield options, link, L, m, K, edges, closed

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers_compose import hopeful_on_both_paths, many_options_instance
+from helpers_compose import composable_instances, hopeful_on_both_paths, many_options_instance
 import tangram_launch.planner.compose as kernel
 from tangram_launch.planner.compose import ComposeStats, EdgeTimes, Option
 from tangram_launch.planner.dominance import covered_rooms
-from tangram_launch.planner.reference import every_composition
 
 
 def _rooms_by_brute_force(options, order):
@@ -66,11 +65,7 @@ def test_hopeful_options_read_from_rows_are_those_of_the_loop(seed, monkeypatch)
     candidates with rows as without; the numpy path dropped options on many calls (not vacuous)."""
     rng = random.Random(4096 + seed)
     seen = hopeful_on_both_paths(kernel, monkeypatch)
-    for _ in range(40):
-        options, link, L, m, K, edges = _instance(rng)
-        closed = [c.latency_s for c in every_composition(options, link, L, m)]
-        if not closed:
-            continue
+    for options, link, L, m, K, edges, closed in composable_instances(rng, 40):
         rows = np.array([tuple(o) for o in options], dtype=np.float64)
         for complete in (False, True):
             kw = dict(score_beat=min(closed) * rng.uniform(0.8, 2.0), fill_weight=0.25,
@@ -117,12 +112,8 @@ def test_big_states_get_the_same_running_minima_in_numpy(seed, monkeypatch):
     returns the same candidates; many states went through numpy with entries in them (not vacuous)."""
     rng = random.Random(4196 + seed)
     big = 0
-    for _ in range(25):
-        instance = _instance(rng)
-        options, link, L, m, K, edges = instance
-        closed = [c.latency_s for c in every_composition(options, link, L, m)]
-        if not closed:
-            continue
+    for options, link, L, m, K, edges, closed in composable_instances(rng, 25):
+        instance = options, link, L, m, K, edges
         for complete in (False, True):
             kw = dict(beat=math.inf if complete else min(closed) * rng.uniform(1.0, 1.3),
                       score_beat=rng.choice([math.inf, min(closed) * rng.uniform(0.8, 2.0)]),

@@ -9,14 +9,9 @@ import random
 
 import pytest
 
-from helpers_compose import hopeful_on_both_paths, many_options_instance
+from helpers_compose import composable_instances, hopeful_on_both_paths
 import tangram_launch.planner.compose as kernel
 from tangram_launch.planner.compose import ComposeStats, EdgeTimes
-from tangram_launch.planner.reference import every_composition
-
-
-
-_instance = many_options_instance
 
 
 def _passes(rng: random.Random, best_s: float):
@@ -78,11 +73,7 @@ def test_options_put_in_front_at_once_make_the_same_entries_as_one_by_one(seed, 
 
     monkeypatch.setattr(kernel, "_entries_at_once", counted)
     compared = 0
-    for _ in range(40):
-        options, link, L, m, K, edges = _instance(rng)
-        closed = [c.latency_s for c in every_composition(options, link, L, m)]
-        if not closed:
-            continue
+    for options, link, L, m, K, edges, closed in composable_instances(rng, 40):
         for kw in _passes(rng, min(closed)):
             one_by_one = _run(options, link, L, m, K, edges, kw, 1 << 30, monkeypatch, front_of_state)
             at_once_run = _run(options, link, L, m, K, edges, kw, 1, monkeypatch, front_of_state)
@@ -99,11 +90,7 @@ def test_a_group_of_many_options_keeps_the_same_hopeful_options_in_numpy(seed, m
     loop, on every call the DP makes; and it drops options on many of them (not vacuous)."""
     rng = random.Random(4200 + seed)
     seen = hopeful_on_both_paths(kernel, monkeypatch)
-    for _ in range(40):
-        options, link, L, m, K, edges = _instance(rng)
-        closed = [c.latency_s for c in every_composition(options, link, L, m)]
-        if not closed:
-            continue
+    for options, link, L, m, K, edges, closed in composable_instances(rng, 40):
         for complete in (False, True):
             prep = kernel._prepare(options, link, L, m - 1, (1 << K) - 1, None)
             kernel._dp(options, prep, link, L, m, 0, None, math.inf if complete else min(closed) * 1.2,
