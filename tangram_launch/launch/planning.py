@@ -202,7 +202,7 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     and TP shards within one budget, so the union with the cached shapes would hold shapes neither launch needs,
     and its budget would leave out some this launch needs.
     """
-    from tangram_launch.launch.profile_cache import covers, recorded_layer_shapes
+    from tangram_launch.launch.profile_cache import calibrations, covers, keep_aside, recorded_layer_shapes, seal
 
     args = options.torchrun
     if not options.single_node:
@@ -218,8 +218,6 @@ def profile_cluster(options: "LaunchOptions", *, quick: bool = False, directory:
     fp = fingerprint(identity)
     spec = None if reprofile else cached_profile(directory, fp, nproc_per_node=nproc, need_full=not quick)
     path = _profile_path(directory, fp)
-    from tangram_launch.launch.profile_cache import calibrations, keep_aside, seal
-
     if spec is not None and layers is not None and not covers(recorded_layer_shapes(spec.profile), layers):
         logger.info("the cached profile %s has no layer timings of %s; profiling this node again with them",
                     path, layers.label())
