@@ -68,7 +68,7 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # (DTensor TP).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
                 "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
-                "moe_permute_fusion", "moe_probs_on_output")
+                "moe_permute_fusion", "moe_probs_on_output", "attention_kernel")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -261,7 +261,8 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          expert_tensor_parallel=runtime.get("expert_tensor_parallel"),
                          moe_dispatcher=runtime.get("moe_dispatcher", "alltoall"),
                          moe_permute_fusion=bool(runtime.get("moe_permute_fusion", False)),
-                         moe_probs_on_output=bool(runtime.get("moe_probs_on_output", True)))
+                         moe_probs_on_output=bool(runtime.get("moe_probs_on_output", True)),
+                         attention_kernel=runtime.get("attention_kernel", "auto"))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),
@@ -302,7 +303,17 @@ def pct(pred: float, pub: float) -> float:
     return 100.0 * (pred - pub) / pub
 
 
+def with_source_kernel(row: dict, data: dict) -> dict:
+    """The row with its source's attention kernel (the data file's attention_kernels:) unless it names its own."""
+    runtime = row.get("runtime") or {}
+    kernel = (data.get("attention_kernels") or {}).get(row["source"]["ref"])
+    if kernel is None or "attention_kernel" in runtime:
+        return row
+    return {**row, "runtime": {**runtime, "attention_kernel": kernel}}
+
+
 def evaluate(row: dict, data: dict) -> dict:
+    row = with_source_kernel(row, data)
     out: dict[str, Any] = {"id": row["id"], "subset": row.get("subset", "held-out"), "split": row.get("split", ""),
                            "cohort": row.get("cohort", "original"), "gpu": row["gpu"],
                            "num_gpus": row["num_gpus"], "framework": row.get("framework", ""),

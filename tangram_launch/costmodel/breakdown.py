@@ -33,6 +33,7 @@ from typing import NamedTuple, Sequence
 
 from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel import overlap
+from tangram_launch.costmodel.attention_kernels import check_attention_kernel
 from tangram_launch.costmodel.compute import (
     edge_param_tensors,
     embedding_compute,
@@ -248,7 +249,7 @@ class SliceCoster:
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
-                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
+                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True, attention_kernel: str = "auto",
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -270,6 +271,8 @@ class SliceCoster:
         Transformer Engine's fused kernels (Megatron's --moe-permute-fusion; moe_dispatch.permutation_traffic_h).
         ``moe_probs_on_output``: the combine weights the experts' outputs by the routing probabilities and so keeps
         them for the backward (off: the experts' activation applies them; moe_dispatch.MoERuntime).
+        ``attention_kernel``: the fused-attention kernel family (attention_kernels.py; auto: what this project's
+        runtimes run on the GPU).
         The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
@@ -318,7 +321,7 @@ class SliceCoster:
         if device is not None:
             self.dev: DeviceModel | None = device
         else:
-            self.dev = self._device(q, flash_attention, fused_elementwise)
+            self.dev = self._device(q, flash_attention, fused_elementwise, check_attention_kernel(attention_kernel))
         link = q.island.inter_node_link
         self.inter_gbps = link.bandwidth_GBps if link is not None else None
         self.inter_latency_us = link.latency_us if link is not None else 0.0
@@ -347,11 +350,12 @@ class SliceCoster:
         # the runtime's own bytes on each GPU (CUDA context, allocator pools); none on a CPU "device"
         self.overhead_bytes = 0.0 if (self.dev is None or self.dev.is_cpu) else RUNTIME_OVERHEAD_BYTES
 
-    def _device(self, q: SliceQuery, flash_attention: bool | None, fused_elementwise: bool) -> DeviceModel | None:
+    def _device(self, q: SliceQuery, flash_attention: bool | None, fused_elementwise: bool,
+                attention_kernel: str) -> DeviceModel | None:
         """The island GPU's DeviceModel; None (and device_error says why) where the GPU cannot run the dtype."""
         try:
             return DeviceModel.from_gpu(q.island.gpu, q.training.dtype, flash_attention=flash_attention,
-                                        fused_elementwise=fused_elementwise)
+                                        fused_elementwise=fused_elementwise, attention_kernel=attention_kernel)
         except SpecError as exc:
             self.device_error = f"island {q.island.name}: {exc}"
             return None

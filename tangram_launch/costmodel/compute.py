@@ -201,7 +201,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     attn_bwd_extra_s = 0.0
     if dev.flash_attention:
         core_flops = model.layer_flops_breakdown(layer, seq_len, causal=True)["attention"] * m_tok / t
-        core_s = core_flops / dev.attention_flops
+        # the kernel runs on this GPU's query chunk: under CP each ring step is an (s/cp x s/cp) block
+        core_s = core_flops / dev.attention_flops_per_s(seq_len / cp, model.head_dim)
         attn_bwd_extra_s = (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * core_s
     else:  # unfused: the full s x s product is computed, then masked
         core_flops = model.layer_flops_breakdown(layer, seq_len, causal=False)["attention"] * m_tok / t

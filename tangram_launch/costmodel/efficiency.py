@@ -25,7 +25,7 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   large-scale language model training on GPU clusters using Megatron-LM", SC'21, Table 1: 1.7B, 7.5B, 39.1B,
   145.6B, 529.6B; 135-163 TFLOP/s per A100, hardware FLOPs incl. recompute); the odd rows, Korthikanti et al.
   2022, torchtitan, llm-foundry and FlagPerf A800 rows are held out.
-* H100 (SXM; the PCIe and NVL parts take the same figure): 0.59, fitted on the three FlagPerf Megatron-core H100
+* H100 (SXM; the PCIe and NVL parts take the same figure): 0.58, fitted on the three FlagPerf Megatron-core H100
   rows (Llama 3 8B / 70B, 8-64 GPUs); the llm-foundry, torchtitan and Megatron-core MoE H100 rows are held out.
   An A100 sustains a larger share of its (lower) peak than an H100 in end-to-end training: the H100 sustains
   2.4x the A100's large-GEMM rate, not the 3.2x of the spec sheets (Grattafiori et al. 2024, Llama 3 405B:
@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from tangram_launch.costmodel.attention_kernels import KernelCurve, attention_curve
 from tangram_launch.costmodel.gemm_curve import MeasuredGemmCurve
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import GPUSpec, math_mode
@@ -75,8 +76,8 @@ GEMM_EFFICIENCY = 0.70
 # The H100 PCIe and NVL parts (same GH100 die, lower power, no published rows of their own) take the SXM figure
 # against their own peaks; the A100 PCIe parts (250-300 W) keep the default, ~0.9x the SXM figure.
 GEMM_EFFICIENCY_BY_GPU: Mapping[str, float] = MappingProxyType({"a100-80gb": 0.77, "a100-40gb": 0.77,
-                                                                 "h100-sxm": 0.59, "h100-pcie": 0.59,
-                                                                 "h100-nvl": 0.59})
+                                                                 "h100-sxm": 0.58, "h100-pcie": 0.58,
+                                                                 "h100-nvl": 0.58})
 # FP8 GEMMs have no figure of their own: FP8 tensor cores do twice the bf16 rate on the same datapath, so a GEMM
 # reaches the same share of the FP8 peak as the GPU's bf16 GEMMs reach of the bf16 peak (gemm_efficiency_for), and the
 # FP8 casts (FP8_INPUT_BYTES) keep FP8 GEMMs under 2x bf16 ones. A figure fitted on one FP8 run (0.78 of the FP8 peak
@@ -88,7 +89,8 @@ FP8_INPUT_BYTES = 4.0
 # 2.0/3.35 TB/s).
 MEMORY_EFFICIENCY = 0.85
 # FlashAttention-2 forward+backward reaches 50-73 % of the A100 peak (Dao 2023, "FlashAttention-2: faster attention
-# with better parallelism and work partitioning", sec. 4.1); the low end covers short sequences and GQA.
+# with better parallelism and work partitioning", sec. 4.1); the low end covers short sequences and GQA. Used where
+# costmodel.attention_kernels has no measured figures for the GPU and kernel (Blackwell, Ada).
 FLASH_ATTENTION_EFFICIENCY = 0.50
 # NCCL ring all-reduce bus bandwidth inside a node, as a fraction of the per-direction link bandwidth (half the
 # bidirectional NVLink/PCIe figure of the catalog): nccl-tests on DGX A100 report ~230-240 GB/s of 300 GB/s
@@ -171,7 +173,7 @@ class DeviceModel:
     peak_flops: float  # dense peak of the dtype the GEMMs run in (fp8: the FP8 peak; MFU is against it)
     gemm_flops: float  # F_gemm: large-GEMM throughput (measured, or peak x GEMM_EFFICIENCY)
     memory_bandwidth: float  # B_mem, bytes/s sustained
-    attention_flops: float  # fused-attention throughput (FlashAttention-2 GPUs)
+    attention_flops: float  # fused-attention throughput where no kernel curve applies (FlashAttention-2 GPUs)
     flash_attention: bool
     intra_busbw: float  # NCCL all-reduce bus bandwidth inside a node, bytes/s
     host_link_bandwidth: float  # GPU <-> host copies, bytes/s
@@ -194,10 +196,15 @@ class DeviceModel:
     optimizer_param_s: float = 0.0
     # the profiler's GEMM sweep for this math mode (measured.gemm_sweep_tflops): replaces the roofline in gemm_s
     gemm_curve: MeasuredGemmCurve | None = None
+    # the attention kernel's measured shape dependence (attention_kernels.py), against attention_peak_flops: the
+    # bf16 peak scaled as the GEMMs are; None: attention_flops at every shape
+    attention_curve: KernelCurve | None = None
+    attention_peak_flops: float = 0.0
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None,
-                 fused_elementwise: bool = True) -> "DeviceModel":
+                 fused_elementwise: bool = True, attention_kernel: str = "auto") -> "DeviceModel":
+        """``attention_kernel``: the fused-attention kernel family the runtime runs (attention_kernels.py)."""
         from tangram_launch.specs.training import DTYPE_BYTES
 
         peak = peak_tflops_for(gpu, dtype) * TFLOPS
@@ -262,6 +269,8 @@ class DeviceModel:
             optimizer_tensor_s=(tensor_us or 0.0) * 1e-6,
             optimizer_param_s=(param_ns or 0.0) * 1e-9,
             gemm_curve=MeasuredGemmCurve.from_rows(sweep) if sweep else None,
+            attention_curve=attention_curve(gpu.type, attention_kernel) if flash else None,
+            attention_peak_flops=attn_peak * attn_scale,
         )
 
     # ------------------------------------------------------------------ kernels
@@ -290,6 +299,12 @@ class DeviceModel:
 
     def memory_s(self, nbytes: float) -> float:
         return nbytes / self.memory_bandwidth
+
+    def attention_flops_per_s(self, seq_len: float, head_dim: float) -> float:
+        """Fused attention's FLOP/s (forward + backward convention of attention_kernels) at this shape."""
+        if self.attention_curve is None:
+            return self.attention_flops
+        return self.attention_peak_flops * self.attention_curve.fraction(seq_len, head_dim)
 
 
 def ridge_intensity(dev: DeviceModel) -> float:
