@@ -114,9 +114,12 @@ def make_island(row: dict) -> Island:
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
 COHORTS = ("original", "unseen", "moe-dev", "fresh")
-# Cohorts no one has seen the model predict: left out unless --unseal, so that they can still validate a change made
-# while looking at every other row (the unseen cohort's errors were printed while the model was being worked on).
-SEALED_COHORTS = ("fresh",)
+# Cohorts no one has seen the model predict (the data file's `sealed_cohorts:`): left out unless --unseal, so that
+# they can still validate a change made while looking at every other row.
+
+
+def sealed_cohorts(data: dict) -> tuple[str, ...]:
+    return tuple(data.get("sealed_cohorts") or ())
 
 
 def _id_digest(row_id: str) -> str:
@@ -419,7 +422,7 @@ def print_split_medians(costed: list[dict]) -> None:
             ("val: original", [r for r in costed if r["split"] == "validation" and r["cohort"] == "original"]),
             ("val: unseen", [r for r in costed if r["split"] == "validation" and r["cohort"] == "unseen"])]
     fresh = [r for r in costed if r["split"] == "validation" and r["cohort"] == "fresh"]
-    if fresh:  # only with --unseal
+    if fresh:  # unsealed
         cols.append(("val: fresh", fresh))
     print("development vs validation (costed rows; median |error|, signed median: + = predicted slower / more memory)")
     print(f"  {'':14}" + "".join(f"  {name:>17}" for name, _ in cols))
@@ -585,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true",
                     help="re-fit each constant of `fitted_constants` on its rows and print fitted vs shipped")
     ap.add_argument("--unseal", action="store_true",
-                    help=f"also cost the sealed cohorts ({', '.join(SEALED_COHORTS)}): once, after a cost-model change "
+                    help="also cost the data file's sealed cohorts (sealed_cohorts:): once, after a cost-model change "
                          "is final, to validate it on rows no one has seen it predict")
     args = ap.parse_args(argv)
     data = load_data(args.data)
@@ -595,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"rows: {', '.join(f['rows'])})")
         return 0
     rows = [r for r in data["runs"] if args.only in r["id"] and args.split in ("all", r.get("split"))]
-    sealed = [] if args.unseal else [r for r in rows if r.get("cohort") in SEALED_COHORTS]
+    seal = sealed_cohorts(data)
+    sealed = [] if args.unseal else [r for r in rows if r.get("cohort") in seal]
     rows = [r for r in rows if r not in sealed]
     results = [evaluate(r, data) for r in rows]
     if args.json:
@@ -603,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_report(results, rows)
     if sealed:
-        print(f"\nsealed: {len(sealed)} validation rows of cohort {', '.join(SEALED_COHORTS)} not costed (gathered "
+        print(f"\nsealed: {len(sealed)} validation rows of cohort {', '.join(seal)} not costed (gathered "
               "blind; --unseal costs them, once, after the next cost-model change is final)", file=sys.stderr)
     return 0
 

@@ -334,7 +334,7 @@ def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, cap
     seen = copy.deepcopy(next(r for r in data["runs"] if r["id"] == "mpt-a100-80-7b-s2k-8"))
     seen.update(id="sealed-stand-in", cohort="fresh", split="validation")
     path = tmp_path / "runs.yaml"
-    path.write_text(yaml.safe_dump({**data, "runs": [seen]}), encoding="utf-8")
+    path.write_text(yaml.safe_dump({**data, "sealed_cohorts": ["fresh"], "runs": [seen]}), encoding="utf-8")
     assert bench.main(["--data", str(path), "--json"]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out) == [] and "sealed: 1 validation rows of cohort fresh" in out.err
@@ -343,3 +343,6 @@ def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, cap
     assert [r["id"] for r in costed] == ["sealed-stand-in"] and costed[0]["predicted_s"] > 0
     bench.print_split_medians(costed)
     assert "val: fresh" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump({**data, "sealed_cohorts": [], "runs": [seen]}), encoding="utf-8")
+    assert bench.main(["--data", str(path), "--json"]) == 0  # unsealed in the data file: costed by default
+    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == ["sealed-stand-in"]
