@@ -10,8 +10,10 @@ Every time in the cost model is work divided by one of the rates of a ``DeviceMo
   so the achieved fraction of peak is a saturating curve in the arithmetic intensity I = M N K / (M K + K N + M N):
   ``eff(I) = e_gemm / (1 + F_gemm / (B_mem I))``. Few tokens per micro-batch (small M) and a high TP degree
   (small N or K = h / t) lower I, hence the efficiency; big GEMMs approach ``e_gemm``.
-* **Attention core** (Q K^T and P V): FlashAttention-2 on Ampere and newer (bf16-capable GPUs) at a fixed fraction
-  of peak; unfused on Volta/Turing, where the s x s score matrix is written and read through HBM.
+* **Attention core** (Q K^T and P V): fused on Ampere and newer (bf16-capable GPUs), at the published rate of the
+  kernel that runs it (FlashAttention-2 or cuDNN) by sequence length and head dim where ``costmodel.attention_kernels``
+  has one, else a fixed fraction of peak; unfused on Volta/Turing, where the s x s score matrix is written and read
+  through HBM.
 * **Element-wise work** (norms, activations, dropout, residual adds) is memory-bound: bytes / B_mem.
 
 Calibration: how much of the dense peak large GEMMs sustain depends on the GPU generation (clocks under the
