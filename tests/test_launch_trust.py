@@ -1,0 +1,131 @@
+"""Trust at first use: what a newcomer from torchrun or DeepSpeed meets in their first runs.
+
+* bad input that every worker finds (the README's main job with ``--lr nan``): the worker's one line, once, and
+  one line of the launcher's, exit 2; torch's failure report stays for real crashes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tangram_launch.errors import SpecError
+from tangram_launch.launch import worker_exit
+from timeouts import SUBPROCESS_TIMEOUT_S
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_GPT = REPO / "examples" / "train_gpt.py"
+CPU_2 = REPO / "examples" / "clusters" / "cpu-2.yaml"
+REFUSED = worker_exit.EXIT_WORKER_INPUT_ERROR
+# the README's main job, planned from the example CPU cluster instead of a profile (the same launch, no 20 s profile)
+README_JOB = ["--standalone", "--nproc-per-node", "2", "--cluster", str(CPU_2), "--model", "tiny", "--global-batch",
+              "8", "--seq-len", "64"]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TANGRAM_"))}
+    env.update(OMP_NUM_THREADS="1", TANGRAM_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tangram_launch.cli", *args], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def _after_launch(stderr: str) -> list[str]:
+    """The lines after the launcher's "planned launch" line: what the workers' start and end printed."""
+    lines = stderr.splitlines()
+    start = max(i for i, line in enumerate(lines) if "planned launch: plan" in line)
+    return lines[start + 1:]
+
+
+# --- bad input every worker finds ----------------------------------------------------------------------------------
+
+def _failure(exitcode: int, *, timestamp: int = 100, line: str | None = None, message: str = "SpecError: x"):
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(timestamp),
+                                                          **({worker_exit.LINE_KEY: line} if line else {})}}}
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data)
+
+
+@pytest.mark.unit
+def test_workers_that_all_refused_their_input_are_reported_in_their_line_once_and_one_more():
+    same = "train_gpt: error: field '--lr': out of range (got nan)"
+    status, lines = worker_exit.input_error_report({1: _failure(REFUSED, line=same), 0: _failure(REFUSED, line=same)})
+    assert status == 2 and lines == [same, "tangram-launch: error: rank 0 (and 1 more) refused its input; exit "
+                                           "status 2"]
+    # different messages: each once, the lowest rank's line
+    _, lines = worker_exit.input_error_report({0: _failure(REFUSED, line="a: error: x", message="E: x"),
+                                               1: _failure(REFUSED, line="b: error: y", message="E: y"),
+                                               2: _failure(REFUSED, line="c: error: x", message="E: x")})
+    assert lines[:2] == ["a: error: x", "b: error: y"] and len(lines) == 3
+    # a peer the agent stopped after the refusal is no failure of its own
+    _, lines = worker_exit.input_error_report({0: _failure(REFUSED, line=same), 1: _failure(-15, timestamp=101)})
+    assert lines == [same, "tangram-launch: error: rank 0 refused its input (1 other worker(s) stopped); exit "
+                           "status 2"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("other", [_failure(1), _failure(-11), _failure(-9, timestamp=99), _failure(2)],
+                         ids=["exit 1", "SIGSEGV", "SIGKILL before the refusal", "exit 2"])
+def test_a_crash_beside_a_refusal_keeps_torchs_report(other):
+    failures = {0: _failure(REFUSED, line="train_gpt: error: x"), 1: other}
+    assert worker_exit.input_error_report(failures) is None
+    assert worker_exit.launcher_status(failures)[0] == 2  # the refusal still decides the status
+    assert worker_exit.input_error_report({0: _failure(1)}) is None
+
+
+@pytest.mark.unit
+def test_a_told_worker_leaves_its_line_to_the_launcher_once_it_is_in_the_error_file(tmp_path, capsys):
+    told = {worker_exit.ENV_INPUT_ERROR_EXIT: str(REFUSED), "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}
+    bad = SpecError("out of range", field="--lr", value=float("nan"))
+    assert worker_exit.exit_status_for(bad, prog="train_gpt", env=told) == REFUSED
+    assert capsys.readouterr().err == ""
+    data = json.loads((tmp_path / "error.json").read_text())
+    assert worker_exit._worker_message(SimpleNamespace(error_file_data=data)) == (
+        "SpecError: field '--lr': out of range (got nan)", "train_gpt: error: field '--lr': out of range (got nan)")
+    # no error file to write, or not told: the worker prints its line itself
+    for env in ({worker_exit.ENV_INPUT_ERROR_EXIT: str(REFUSED)},
+                {"TORCHELASTIC_ERROR_FILE": str(tmp_path / "plain.json")}):
+        worker_exit.exit_status_for(bad, prog="train_gpt", env=env)
+        assert capsys.readouterr().err == "train_gpt: error: field '--lr': out of range (got nan)\n"
+
+
+@pytest.mark.unit
+def test_torchs_lines_about_a_refusal_are_held_and_released_for_a_crash(caplog):
+    agent = logging.getLogger(worker_exit.FAILURE_LOGGERS[0])
+    with caplog.at_level(logging.ERROR):
+        with worker_exit.failure_lines_held() as held:
+            agent.error(worker_exit.FAILED_WORKER_MSG, REFUSED, 0, 123, "python")
+            agent.error(worker_exit.FAILED_WORKER_MSG, 1, 0, 123, "python")  # a crash's line passes
+        assert [r.args[0] for r in caplog.records] == [1]
+        held.release()
+        assert [r.args[0] for r in caplog.records] == [1, REFUSED]
+
+
+@pytest.mark.distributed
+def test_the_readme_job_with_a_bad_learning_rate_says_so_in_two_lines(tmp_path):
+    proc = _cli(tmp_path, *README_JOB, str(TRAIN_GPT), "--steps", "5", "--lr", "nan")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    after = _after_launch(proc.stderr)
+    assert after == ["train_gpt: error: field '--lr': out of range (got nan); valid: a finite number > 0 and <= 10",
+                     "tangram-launch: error: rank 0 (and 1 more) refused its input; exit status 2"], proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_a_crashing_worker_keeps_torchruns_failure_report(tmp_path):
+    crash = tmp_path / "crash.py"
+    crash.write_text("raise RuntimeError('boom')\n")
+    proc = _cli(tmp_path, *README_JOB, str(crash))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    for needle in ("failed (exitcode: 1)", "Root Cause (first observed failure)", "RuntimeError: boom",
+                   "tangram-launch: first failure: host"):
+        assert needle in proc.stderr, (needle, proc.stderr[-3000:])
+    assert "refused its input" not in proc.stderr
