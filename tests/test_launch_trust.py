@@ -1,10 +1,13 @@
 """Trust at first use: what a newcomer from torchrun or DeepSpeed meets in their first runs.
 
 * bad input that every worker finds (the README's main job with ``--lr nan``): the worker's one line, once, and
-  one line of the launcher's, exit 2; torch's failure report stays for real crashes.
+  one line of the launcher's, exit 2; torch's failure report stays for real crashes;
+* after ``tangram-launch calibrate``, a plan whose stage layout no calibrating run ran is warned about once at
+  planning time (its prediction is unmeasured).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,8 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from tangram_launch.cli import main
 from tangram_launch.errors import SpecError
-from tangram_launch.launch import worker_exit
+from tangram_launch.launch import run_report, worker_exit
+from tangram_launch.specs.cluster import ClusterSpec
 from timeouts import SUBPROCESS_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,3 +134,67 @@ def test_a_crashing_worker_keeps_torchruns_failure_report(tmp_path):
                    "tangram-launch: first failure: host"):
         assert needle in proc.stderr, (needle, proc.stderr[-3000:])
     assert "refused its input" not in proc.stderr
+
+
+# --- a plan from calibrated figures, in a layout no run measured ---------------------------------------------------
+
+def _plan_file(tmp_path: Path, cluster: str | Path, name: str) -> dict:
+    out = tmp_path / name
+    assert main(["plan", "--cluster", str(cluster), "--model", "tiny", "--global-batch", "8", "--seq-len", "64",
+                 "--dtype", "fp32", "--workers", "1", "-o", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _report(plan: dict, plan_hash: str, slow: dict[int, float]) -> dict:
+    """The run report of ``plan`` whose ranks ran ``slow[rank]`` x their predicted time (3 steps)."""
+    m = plan["num_microbatches"]
+    lines = [{"rank": r["rank"], "stage": r["stage"], "step": step, "microbatches": m, "backward_spans": m,
+              "forward_s": k * pred["forward_s"] * m, "backward_s": k * pred["backward_s"] * m,
+              "step_s": k * plan["predicted"]["iteration_time_s"]}
+             for step in (1, 2, 3) for r in plan["rank_layout"]
+             for pred, k in [(plan["predicted"]["stages"][r["stage"]], slow.get(r["rank"], 1.0))]]
+    return run_report.build_report(plan, plan_hash, lines)
+
+
+def _plan_at_launch(tmp_path: Path, cluster: Path, caplog) -> tuple[dict, list[str]]:
+    """What a launch with ``--cluster`` plans (the launcher's plan provider), and the warnings it logged."""
+    from tangram_launch.launch.planning import provide_plan
+    from tangram_launch.launch.torchrun import LaunchOptions, PlanRequest
+
+    options = LaunchOptions.from_argv([*README_JOB[:3], "--cluster", str(cluster), *README_JOB[5:], "--dtype",
+                                       "fp32", "train.py"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        path = provide_plan(PlanRequest(options=options, out_dir=str(tmp_path / "plans")))
+    return json.loads(Path(path).read_text()), [r.getMessage() for r in caplog.records
+                                                if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.unit
+def test_a_plan_in_a_layout_no_calibrating_run_ran_is_warned_about_once_at_planning(tmp_path, monkeypatch, caplog):
+    from tangram_launch.launch.calibration import calibration_records, plan_layout, unmeasured_layout_line
+
+    monkeypatch.setenv("TANGRAM_CACHE_DIR", str(tmp_path / "cache"))
+    before = _plan_file(tmp_path, CPU_2, "before.json")
+    assert len(before["stages"]) == 1  # both CPUs in one data-parallel stage
+    (tmp_path / "r1.json").write_text(json.dumps(_report(before, "a" * 64, {1: 3.0})))
+    calibrated = tmp_path / "calibrated.yaml"
+    assert main(["calibrate", str(tmp_path / "r1.json"), "--cluster", str(CPU_2), "-o", str(calibrated)]) == 0
+    spec = ClusterSpec.load(calibrated)
+    assert [c["layout"] for c in calibration_records(spec)] == [plan_layout(before)]
+
+    after, warnings = _plan_at_launch(tmp_path, calibrated, caplog)  # CPU 1 is slower now: another layout
+    assert plan_layout(after) != plan_layout(before)
+    unmeasured = [w for w in warnings if "unmeasured" in w]
+    assert len(unmeasured) == 1 and "tangram-launch calibrate" in unmeasured[0], warnings
+    assert unmeasured_layout_line(spec, before) is None  # the layout the report ran
+    old = dataclasses.replace(spec, profile={})  # calibrated before the record kept the layout: no warning
+    assert old.nodes[0].gpus[1].measured["calibration"] and unmeasured_layout_line(old, after) is None
+    assert unmeasured_layout_line(ClusterSpec.load(CPU_2), after) is None  # never calibrated
+
+    # calibrated again from a run of the new layout: that layout is measured now, and so is the first
+    (tmp_path / "r2.json").write_text(json.dumps(_report(after, "b" * 64, {0: 1.5})))
+    assert main(["calibrate", str(tmp_path / "r2.json"), "--cluster", str(calibrated)]) == 0
+    again = ClusterSpec.load(calibrated)
+    assert [c["plan_hash"] for c in calibration_records(again)] == ["a" * 64, "b" * 64]
+    assert unmeasured_layout_line(again, after) is None and unmeasured_layout_line(again, before) is None
