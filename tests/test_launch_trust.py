@@ -3,7 +3,8 @@
 * bad input that every worker finds (the README's main job with ``--lr nan``): the worker's one line, once, and
   one line of the launcher's, exit 2; torch's failure report stays for real crashes;
 * after ``tangram-launch calibrate``, a plan whose stage layout no calibrating run ran is warned about once at
-  planning time (its prediction is unmeasured).
+  planning time (its prediction is unmeasured);
+* the step time a run prints is the one its run report keeps: the slowest rank's.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +200,36 @@ def test_a_plan_in_a_layout_no_calibrating_run_ran_is_warned_about_once_at_plann
     again = ClusterSpec.load(calibrated)
     assert [c["plan_hash"] for c in calibration_records(again)] == ["a" * 64, "b" * 64]
     assert unmeasured_layout_line(again, after) is None and unmeasured_layout_line(again, before) is None
+
+
+# --- the step time: printed and reported alike ---------------------------------------------------------------------
+
+# train_gpt.py with the rank that prints (last stage, dp 0, tp 0) late between steps (its data takes DELAY_S): the
+# others wait for it inside every step, so the slowest rank's step time is about DELAY_S longer than its own.
+DELAY_S = 0.3
+LATE_PRINTER = """
+import sys, time
+sys.path.insert(0, {examples!r})
+import train_gpt
+from tangram_launch.worker import current_plan
+
+place = current_plan().place
+if place.is_last_stage and place.coords["dp"] == 0 and place.coords["tp"] == 0:
+    batch = train_gpt.TokenBatches.batch
+    train_gpt.TokenBatches.batch = lambda self, consumed: (time.sleep({delay}), batch(self, consumed))[1]
+sys.exit(train_gpt.main())
+"""
+
+
+@pytest.mark.distributed
+def test_the_printed_step_time_is_the_slowest_ranks_as_in_the_run_report(tmp_path):
+    script = tmp_path / "late_printer.py"
+    script.write_text(LATE_PRINTER.format(examples=str(REPO / "examples"), delay=DELAY_S))
+    proc = _cli(tmp_path, *README_JOB, "--run-dir", str(tmp_path / "run"), str(script), "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed_s = [float(ms) / 1e3 for ms in re.findall(r"^step +\d+ .* ([\d.]+) ms \(slowest rank\)$", proc.stdout,
+                                                        re.M)]
+    report = json.loads((tmp_path / "run" / "run-report.json").read_text())
+    assert len(printed_s) == len(report["step_s"]) == 4, proc.stdout
+    for printed, reported in zip(printed_s, report["step_s"]):
+        assert reported > DELAY_S and printed == pytest.approx(reported, rel=0.2), (printed_s, report["step_s"])
