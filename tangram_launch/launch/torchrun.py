@@ -353,6 +353,8 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         return _child_failed(exc, planned, lines)
+    if lines is not None:
+        lines.release()  # a run that ended well (torch stops nothing then: nothing held)
     return 0
 
 

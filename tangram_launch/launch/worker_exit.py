@@ -38,9 +38,11 @@ EXIT_BAD_INPUT = 2  # SpecError.exit_code: what the launcher exits with
 LINE_KEY = "tangram_line"  # the worker's one line, in its error file's extraInfo (torch's agent reads the rest)
 # what torch's agent sends the workers it stops once one has failed (SIGTERM, then SIGKILL after a grace period)
 AGENT_STOP_EXITCODES = (-int(signal.SIGTERM), -int(signal.SIGKILL))
-# torch's log lines about a failed worker, as format strings: the agent's (multiprocessing.api) and the one torch's
-# @record writes when the launcher has no error file of its own (errors.error_handler)
+# torch's log lines about a failed worker, as format strings: the agent's (multiprocessing.api: the failure, and
+# its stopping the other workers) and the one torch's @record writes when the launcher has no error file of its own
 FAILED_WORKER_MSG = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+STOPPING_MSGS = ("Sending process %s closing signal %s",
+                 "Unable to shutdown process %s via %s, forcefully exiting via %s")
 NO_PARENT_ERROR_FILE_MSG = "no error file defined for parent, to copy child error file (%s)"
 FAILURE_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",
                    "torch.distributed.elastic.multiprocessing.errors.error_handler")
@@ -164,14 +166,15 @@ def _worker_message(failure: Any) -> tuple[str, str | None]:
 
 class HeldLines(logging.Filter):
     """Holds torch's log lines about a failed worker (:data:`FAILED_WORKER_MSG` for a worker that refused its input,
-    :data:`NO_PARENT_ERROR_FILE_MSG`) until the launcher knows whether the failure was bad input."""
+    :data:`STOPPING_MSGS`, :data:`NO_PARENT_ERROR_FILE_MSG`) until the launcher knows whether the failure was bad
+    input."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        held = record.msg == NO_PARENT_ERROR_FILE_MSG or (
+        held = record.msg == NO_PARENT_ERROR_FILE_MSG or record.msg in STOPPING_MSGS or (
             record.msg == FAILED_WORKER_MSG and bool(record.args) and record.args[0] == EXIT_WORKER_INPUT_ERROR)
         if held:
             self.records.append(record)
@@ -187,7 +190,8 @@ class HeldLines(logging.Filter):
 @contextlib.contextmanager
 def failure_lines_held() -> Iterator[HeldLines]:
     """While torch's agent runs the workers: its failure lines are held (see :class:`HeldLines`); release them
-    after this context unless the outcome was bad input."""
+    after this context unless the outcome was bad input (the filters before it, such as
+    :func:`tangram_launch.launch.signals.quiet_agent_shutdown`'s, drop a line before it is held)."""
     held = HeldLines()
     loggers = [logging.getLogger(name) for name in FAILURE_LOGGERS]
     for lg in loggers:
