@@ -4,7 +4,8 @@
   one line of the launcher's, exit 2; torch's failure report stays for real crashes;
 * after ``tangram-launch calibrate``, a plan whose stage layout no calibrating run ran is warned about once at
   planning time (its prediction is unmeasured);
-* the step time a run prints is the one its run report keeps: the slowest rank's.
+* the step time a run prints is the one its run report keeps: the slowest rank's;
+* the README names every example training script beside the runtime it runs.
 """
 from __future__ import annotations
 
@@ -239,3 +240,17 @@ def test_the_printed_step_time_is_the_slowest_ranks_as_in_the_run_report(tmp_pat
     for printed, reported in zip(printed_s, report["step_s"]):
         assert reported > DELAY_S and printed == pytest.approx(reported, rel=0.2), (printed_s, report["step_s"])
 
+
+# --- the README's example scripts ----------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_the_readme_names_every_example_training_script_in_its_runtimes_table():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("| `--runtime` |"):]
+    table = table[:table.index("\n\n")]
+    scripts = sorted(p.name for p in (REPO / "examples").glob("train*.py"))
+    assert {"train_gpt.py", "train_gpt_deepspeed.py", "train_gpt_megatron.py", "train_hf.py"} <= set(scripts)
+    for name in scripts:
+        assert f"(examples/{name})" in table, name
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "train_gpt_deepspeed.py" in rows["`deepspeed`"] and "train_gpt_megatron.py" in rows["`megatron`"]
