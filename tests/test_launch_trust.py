@@ -107,16 +107,21 @@ def test_a_told_worker_leaves_its_line_to_the_launcher_once_it_is_in_the_error_f
 
 
 @pytest.mark.unit
-def test_torchs_lines_about_a_refusal_are_held_and_released_for_a_crash(caplog):
+def test_torchs_lines_about_a_refusal_are_held_and_released_in_order_for_a_crash(caplog):
     agent = logging.getLogger(worker_exit.FAILURE_LOGGERS[0])
     with caplog.at_level(logging.WARNING):
-        with worker_exit.failure_lines_held() as held:
+        with worker_exit.failure_lines_held() as held:  # a refusal, the agent stops the other worker
+            agent.warning(worker_exit.STOPPING_MSGS[0], 124, "SIGTERM")
             agent.error(worker_exit.FAILED_WORKER_MSG, REFUSED, 0, 123, "python")
-            agent.error(worker_exit.FAILED_WORKER_MSG, 1, 0, 123, "python")  # a crash's line passes
-            agent.warning(worker_exit.STOPPING_MSGS[0], 124, "SIGTERM")  # the agent stopping the other worker
-        assert [r.args[0] for r in caplog.records] == [1]
-        held.release()
-        assert [r.args[0] for r in caplog.records] == [1, REFUSED, 124]
+        assert caplog.records == [] and len(held.records) == 2
+        held.release()  # the outcome was no refusal after all: torch's lines, in its order
+        assert [r.args[0] for r in caplog.records] == [124, REFUSED]
+        caplog.clear()
+        with worker_exit.failure_lines_held() as held:  # a crash: its line settles it at once
+            agent.warning(worker_exit.STOPPING_MSGS[0], 124, "SIGTERM")
+            agent.error(worker_exit.FAILED_WORKER_MSG, 1, 0, 123, "python")
+            agent.warning(worker_exit.STOPPING_MSGS[0], 125, "SIGKILL")
+        assert [r.args[0] for r in caplog.records] == [124, 1, 125] and held.records == []
 
 
 @pytest.mark.distributed

@@ -167,18 +167,26 @@ def _worker_message(failure: Any) -> tuple[str, str | None]:
 class HeldLines(logging.Filter):
     """Holds torch's log lines about a failed worker (:data:`FAILED_WORKER_MSG` for a worker that refused its input,
     :data:`STOPPING_MSGS`, :data:`NO_PARENT_ERROR_FILE_MSG`) until the launcher knows whether the failure was bad
-    input."""
+    input. The agent's line for a worker that failed otherwise settles it: the lines held before it go out first, in
+    torch's order, and nothing is held after it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self.crashed = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        held = record.msg == NO_PARENT_ERROR_FILE_MSG or record.msg in STOPPING_MSGS or (
-            record.msg == FAILED_WORKER_MSG and bool(record.args) and record.args[0] == EXIT_WORKER_INPUT_ERROR)
-        if held:
+        if self.crashed:
+            return True
+        failed = record.msg == FAILED_WORKER_MSG and bool(record.args)
+        if failed and record.args[0] != EXIT_WORKER_INPUT_ERROR:  # type: ignore[index]
+            self.crashed = True
+            self.release()
+            return True
+        if failed or record.msg in STOPPING_MSGS or record.msg == NO_PARENT_ERROR_FILE_MSG:
             self.records.append(record)
-        return not held
+            return False
+        return True
 
     def release(self) -> None:
         """Log the held lines after all (a crash: torch's report stays whole)."""
