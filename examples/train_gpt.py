@@ -20,7 +20,7 @@ global batch. ``--steps`` is the step to train up to (a resumed run continues fr
 Checkpoints (``tangram_launch.checkpoint``: layout-agnostic, atomic, verified): ``--save-dir DIR --save-every N``
 saves every N steps (keeping ``--keep-last`` of them); a run resumes from ``--resume DIR`` or from the directory
 ``tangram-launch --resume DIR`` hands its workers (TANGRAM_RESUME_DIR). The last stage prints loss, tokens/s and
-iteration time per step.
+iteration time per step: the slowest rank's, as ``run-report.json``'s ``step_s``.
 """
 from __future__ import annotations
 
@@ -211,22 +211,23 @@ def train(ctx: Any, data: TokenBatches, *, steps: int, reporter: bool, quiet: bo
 
     A non-finite loss stops the run before that step is saved (NonFiniteLossError naming the step and stage)."""
     from tangram_launch.launch.numbers import check_loss
+    from tangram_launch.worker import slowest_rank_s
 
     losses, times, step_ids, saved = [], [], [], []
     moe_stats = getattr(ctx, "moe_stats", None)  # MoE routing figures (torch runtime), collective
     for step in range(first_step + 1, steps + 1):  # step k consumes samples [(k-1) * B, k * B) when B is fixed
         batch = data.batch(consumed)
         t0 = time.perf_counter()
-        loss = ctx.train_step(batch)  # ends with a collective: the time is the iteration's, on every rank
-        dt = time.perf_counter() - t0
+        loss = ctx.train_step(batch)
+        dt = slowest_rank_s(time.perf_counter() - t0)  # the step's time: the slowest rank's, as run-report.json's
         check_loss(loss, step=step, stage=stage)  # the same loss on every rank: all stop here, nothing saved
         consumed += batch.shape[0]
         losses.append(loss)
         times.append(dt)
         step_ids.append(step)
         if reporter and not quiet:
-            print(f"step {step:4d}  loss {loss:.4f}  {tokens_per_step / dt:9.0f} tokens/s  {dt * 1e3:8.1f} ms",
-                  flush=True)
+            print(f"step {step:4d}  loss {loss:.4f}  {tokens_per_step / dt:9.0f} tokens/s  {dt * 1e3:8.1f} ms "
+                  "(slowest rank)", flush=True)
         if moe_stats is not None and step == first_step + 1 and steps > step:
             moe_stats()  # reset: the first step also counts the pipeline's shape-inference pass
         if checkpointing is not None:

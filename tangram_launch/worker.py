@@ -260,3 +260,21 @@ def current_plan() -> WorkerPlan:
         layers=(int(layers[0]), int(layers[1])) if layers is not None and len(layers) == 2 else None,
         torchrun_rank=int(env.get(ENV_TORCHRUN_RANK, rank)),
     )
+
+
+def slowest_rank_s(seconds: float) -> float:
+    """A step's time as the run report counts it (``run-report.json``'s ``step_s``): the slowest rank's, which sets
+    the job's pace, as Megatron's and DeepSpeed's step times do; ``seconds`` is this rank's.
+
+    Every rank calls it after each step (one scalar all-reduce, max, over the world, after the step's own collectives:
+    the time itself is taken before it); outside a process group of more than one rank, ``seconds`` as it is."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return seconds
+    on_gpu = dist.get_backend() == "nccl"  # NCCL reduces no CPU tensor
+    t = torch.tensor([seconds], dtype=torch.float64,
+                     device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

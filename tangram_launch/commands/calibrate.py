@@ -11,7 +11,8 @@ second calibration from the same report would apply them twice). Without ``-o`` 
 cached profile is rewritten, its previous content kept beside it as ``FILE.before-calibration-<UTC time>``; a cached
 profile is sealed again, so the next ``--profile`` launch on this machine plans from the calibrated figures instead of
 measuring over them. A ``--cluster`` file the report names gets its calibrated copy beside it (``.calibrated.yaml``),
-the file as written (its comments) untouched.
+the file as written (its comments) untouched. The calibrated file records the run it came from and its stage layout
+(``profile.calibrations``): a later plan of another layout is warned about at launch, its prediction unmeasured.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import time
 from typing import Mapping
 
 from tangram_launch.errors import SpecError
-from tangram_launch.launch.calibration import DEFAULT_TOLERANCE, calibrate
+from tangram_launch.launch.calibration import DEFAULT_TOLERANCE, calibrate, with_calibration_record
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.limits import check_output_path, parse_json, read_text
 
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for change in changes:
         print(change.line())
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    calibrated = with_calibration_record(calibrated, report, at=at)  # the layout it ran: a new one is unmeasured
     # a user's own cluster file the report named (not given here, not a cached profile): its calibrated copy goes
     # beside it, the file as written (comments and all) stays; --cluster FILE asks for FILE itself to be rewritten
     beside = None if args.cluster or key is not None else f"{os.path.splitext(path)[0]}.calibrated.yaml"
@@ -141,8 +144,7 @@ def run(args: argparse.Namespace) -> int:
     calibrated.dump(tmp)
     os.replace(tmp, out)
     if out == path and key is not None:
-        reseal_calibrated(path, key, calibrated.fingerprint, str(report.get("plan_hash", "")),
-                          time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        reseal_calibrated(path, key, calibrated.fingerprint, str(report.get("plan_hash", "")), at)
         print(f"calibrated the cached profile {out}: the next launch with --profile on this machine plans from it")
     else:
         print(f"calibrated cluster written to {out}; plan again with --cluster {out}")

@@ -13,7 +13,8 @@ GPU whose ratio is within ``tolerance`` of 1 is left as it is. Each changed GPU 
 its predictions were made with the calibrated figures, so factors compound as they should.
 
 Communication is not recalibrated here: the report times compute (hooks around the stage's forward and backward),
-not links.
+not links. Figures are fitted to the stages the report ran: the calibrated file records each report's stage layout,
+and a plan of another layout is warned about at launch (:func:`unmeasured_layout_line`).
 """
 from __future__ import annotations
 
@@ -159,3 +160,63 @@ def _as_timed_twins(cluster: ClusterSpec, node: str, gpu_type: str,
     if not chosen:
         return 1.0, None
     return statistics.median(chosen), where
+
+
+# --- the layouts a cluster's figures were calibrated from -------------------------------------------------------------
+# Calibration fits each GPU's figures to the stage it ran in. A later plan may put the GPUs into another layout (two
+# CPUs that were two stages become one data-parallel stage; a stage takes other layers), whose prediction no run
+# report has measured: the launcher says so, once, at planning time (:func:`unmeasured_layout_line`).
+
+CALIBRATIONS_KEY = "calibrations"  # under the cluster file's ``profile:``: [{plan_hash, at, layout}], oldest first
+
+
+def report_layout(report: Mapping) -> list[dict]:
+    """The stage layout a run report measured: per stage, its layers [start, stop) and its GPUs [node, local GPU]
+    (those whose ranks the report timed)."""
+    return [{"layers": [int(v) for v in stage["layers"]],
+             "gpus": sorted([str(r["node"]), int(r["local_gpu"])] for r in stage.get("ranks") or []
+                            if r.get("node") is not None and r.get("local_gpu") is not None)}
+            for stage in report.get("stages") or []]
+
+
+def plan_layout(plan: Mapping) -> list[dict]:
+    """A plan's stage layout (a plan file's content), in :func:`report_layout`'s form."""
+    gpus: dict[int, list] = {}
+    for r in plan.get("rank_layout") or []:
+        gpus.setdefault(int(r["stage"]), []).append([str(r["node"]), int(r["local_gpu"])])
+    return [{"layers": [int(v) for v in stage["layers"]], "gpus": sorted(gpus.get(i, []))}
+            for i, stage in enumerate(plan.get("stages") or [])]
+
+
+def with_calibration_record(cluster: ClusterSpec, report: Mapping, *, at: str) -> ClusterSpec:
+    """The cluster with the report's run (plan hash, time, layout) appended to ``profile.calibrations``."""
+    entry = {"plan_hash": str(report.get("plan_hash", "")), "at": at, "layout": report_layout(report)}
+    profile = dict(cluster.profile)
+    profile[CALIBRATIONS_KEY] = [*calibration_records(cluster), entry]
+    return dataclasses.replace(cluster, profile=profile)
+
+
+def calibration_records(cluster: ClusterSpec) -> list[Mapping]:
+    """What :func:`with_calibration_record` recorded (none in a file calibrated before records kept the layout)."""
+    found = cluster.profile.get(CALIBRATIONS_KEY)
+    return [c for c in found if isinstance(c, Mapping)] if isinstance(found, list) else []
+
+
+def _layout_key(layout: Any) -> tuple | None:
+    try:
+        return tuple((tuple(int(v) for v in s["layers"]), tuple(sorted((str(n), int(g)) for n, g in s["gpus"])))
+                     for s in layout)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def unmeasured_layout_line(cluster: ClusterSpec, plan: Mapping) -> str | None:
+    """One warning line when ``cluster``'s figures were calibrated from run reports and ``plan``'s stage layout
+    (layers and GPUs per stage) is none of theirs; None otherwise (not calibrated, or calibrated before records
+    kept the layout, or a layout a report measured)."""
+    known = {_layout_key(c.get("layout")) for c in calibration_records(cluster)} - {None}
+    if not known or _layout_key(plan_layout(plan)) in known:
+        return None
+    return (f"this plan's stage layout (layers, GPUs per stage) is none of the {len(calibration_records(cluster))} "
+            "run(s) these calibrated figures came from: its prediction is unmeasured; after this run, "
+            "`tangram-launch calibrate RUN_DIR/run-report.json` again measures it")

@@ -582,6 +582,10 @@ def provide_plan(request: Any) -> str:
                                         if g.measured):
         for line in measurement_lines(plan):
             logger.info("%s", line)
+    from tangram_launch.launch.calibration import unmeasured_layout_line
+
+    if unmeasured := unmeasured_layout_line(cluster, plan.to_dict()):  # calibrated from other layouts
+        logger.warning("%s", unmeasured)
     check_plan_fits_launch(plan, cluster, nproc_per_node=nproc, node=this_node(cluster, opts.node_name),
                            source=source, single_node=request.options.single_node)
     path = write_plan(plan, request.out_dir)

@@ -14,7 +14,10 @@ launcher reads them (every ``--report-every`` steps and at the end), prints one 
                  "ranks": [{"rank", "node", "local_gpu", "forward_s", "backward_s", "ratio"}, ...]}],
      "step_s": [per step, the slowest rank's train_step]}
 
-The first step of a run (shape inference, warm-up) is left out of the medians when later steps exist.
+The first step of a run (shape inference, warm-up) is left out of the medians when later steps exist. ``step_s`` is
+the global step time, as Megatron and DeepSpeed users read one: per step, the slowest rank's (every rank leaves the
+step's last collective together; the one that started first waited longest), which is also what the example scripts
+print on their step lines (:func:`tangram_launch.worker.slowest_rank_s`).
 ``tangram-launch calibrate`` folds a report into the cluster file, so the next plan uses what was measured.
 """
 from __future__ import annotations

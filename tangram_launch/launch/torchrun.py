@@ -336,26 +336,49 @@ def _launch(args: argparse.Namespace, planned: PlannedLaunch | None) -> int:
 
     from tangram_launch.launch.lifetime import worker_environment
     from tangram_launch.launch.signals import quiet_agent_shutdown, stopped_line
+    from tangram_launch.launch.worker_exit import failure_lines_held, workers_told
 
     told = worker_environment() if planned is not None else contextlib.nullcontext()  # plain torchrun: its env
+    told_status = planned is not None or workers_told()  # an elastic launch exports it around this call
+    held = failure_lines_held() if told_status else contextlib.nullcontext(None)
+    lines = None
     try:
-        with told, quiet_agent_shutdown():  # planned workers die with this process; bad input becomes exit 2
+        with told, quiet_agent_shutdown(), held as lines:  # planned workers die with this process
             record(torch_run)(args)
     except SignalException as exc:  # SIGTERM/SIGINT/SIGHUP/SIGQUIT to the agent: its workers were stopped
+        if lines is not None:
+            lines.release()
         sys.stderr.write(stopped_line(exc.sigval, args, planned) + "\n")
         sys.stderr.flush()
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        from tangram_launch.launch.worker_exit import launcher_status
-
-        sys.stderr.write(f"{exc}\n")  # torchrun's failure table
-        sys.stderr.write(f"tangram-launch: {failure_summary(exc, planned)}\n")
-        bad_input = launcher_status(exc.failures)  # a worker refused its input: exit 2, as the launcher would
-        if bad_input is not None:
-            sys.stderr.write(bad_input[1] + "\n")
-        sys.stderr.flush()
-        return bad_input[0] if bad_input is not None else EXIT_WORKER_FAILED
+        return _child_failed(exc, planned, lines)
+    if lines is not None:
+        lines.release()  # a run that ended well (torch stops nothing then: nothing held)
     return 0
+
+
+def _child_failed(exc: Any, planned: PlannedLaunch | None, held: Any) -> int:
+    """What a failed launch prints and exits with. Workers that all refused their input (``held`` is not None when
+    they were told how to say so, :mod:`.worker_exit`): their line once and the launcher's, exit 2; torch's failure
+    table is for crashes. Otherwise torchrun's table and the first failure, exit 1 (2 when one refused its input)."""
+    from tangram_launch.launch.worker_exit import input_error_report, launcher_status, worker_lines
+
+    bad_input = input_error_report(exc.failures) if held is not None else None
+    if bad_input is not None:
+        sys.stderr.write("".join(line + "\n" for line in bad_input[1]))
+        sys.stderr.flush()
+        return bad_input[0]
+    if held is not None:
+        held.release()  # torch's own lines about the failure, as torchrun prints them
+        sys.stderr.write("".join(line + "\n" for line in worker_lines(exc.failures)))  # they left them to us
+    sys.stderr.write(f"{exc}\n")  # torchrun's failure table
+    sys.stderr.write(f"tangram-launch: {failure_summary(exc, planned)}\n")
+    refused = launcher_status(exc.failures) if held is not None else None  # only workers told to use the status
+    if refused is not None:
+        sys.stderr.write(refused[1] + "\n")
+    sys.stderr.flush()
+    return refused[0] if refused is not None else EXIT_WORKER_FAILED
 
 
 def _preflight(argv: Sequence[str], *, can_plan: bool) -> tuple[LaunchOptions, preflight.CheckedPlan | None]:
