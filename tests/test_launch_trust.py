@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from tangram_launch.cli import main
 from tangram_launch.errors import SpecError
 from tangram_launch.launch import run_report, worker_exit
 from tangram_launch.specs.cluster import ClusterSpec
+from helpers_cli import cli_env
 from timeouts import SUBPROCESS_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,15 +36,8 @@ README_JOB = ["--standalone", "--nproc-per-node", "2", "--cluster", str(CPU_2), 
               "8", "--seq-len", "64"]
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TANGRAM_"))}
-    env.update(OMP_NUM_THREADS="1", TANGRAM_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
-    return env
-
-
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tangram_launch.cli", *args], cwd=tmp_path, env=_env(tmp_path),
+    return subprocess.run([sys.executable, "-m", "tangram_launch.cli", *args], cwd=tmp_path, env=cli_env(tmp_path),
                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, stdin=subprocess.DEVNULL)
 
 
