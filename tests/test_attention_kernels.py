@@ -107,3 +107,42 @@ def test_published_rows_take_their_sources_kernel_unless_they_name_their_own():
     b200 = bench.with_source_kernel(rows["torchao-b200-llama3-8b-bf16"], data)
     assert b200["runtime"]["attention_kernel"] == "cudnn"  # the row's own, over its source's fa2
     assert math.isfinite(bench.evaluate(rows["tt-h100-llama3-8b-fsdp8"], data)["time_err"])
+
+
+def _plan(*extra):
+    from helpers_cli import REPO
+    from tangram_launch.launch.planning import planning_request
+    from tangram_launch.planner.plan_search import search
+    from test_planning_request import _plan_args
+
+    req = planning_request(_plan_args("--model", "llama3-8b", "--global-batch", "16", "--seq-len", "8192",
+                                      "--workers", "1", *extra))
+    from tangram_launch.specs.cluster import ClusterSpec
+
+    cluster = ClusterSpec.load(str(REPO / "examples" / "clusters" / "c2-modern-het.yaml"))
+    return req, search(cluster, req.model, req.training, runtime=req.runtime, options=req.options).plan
+
+
+def test_a_user_who_runs_flashattention2_on_hopper_says_so_and_the_plan_records_it_and_costs_it():
+    """`plan --attention-kernel fa2` on the C2 cluster (H100 + A100): every candidate's attention on the H100s is
+    slower, so the best plan is slower than under auto; the plan's training names the kernel, auto is left out
+    (plans made without the option read as before), and launch-time planning takes the option the same way."""
+    from tangram_launch.launch import planning as planned, torchrun as launch
+    from test_planning_request import _plan_args, _same
+
+    req_auto, auto = _plan()
+    req_fa2, fa2 = _plan("--attention-kernel", "fa2")
+    assert req_fa2.training.attention_kernel == "fa2" and req_auto.training.attention_kernel == "auto"
+    assert fa2.predicted.iteration_time_s > auto.predicted.iteration_time_s
+    assert fa2.to_dict()["training"]["attention_kernel"] == "fa2" and "attention_kernel" not in auto.to_dict()["training"]
+    _same(planned.planning_request(_plan_args("--model", "tiny", "--attention-kernel", "cudnn")),
+          planned.plan_inputs(launch.TangramOptions(model="tiny", attention_kernel="cudnn")))
+
+
+def test_a_plan_file_with_an_unknown_attention_kernel_is_refused_naming_the_field():
+    from tangram_launch.specs.training import TrainingSpec
+
+    assert TrainingSpec.from_dict({"attention_kernel": "fa2"}).attention_kernel == "fa2"
+    with pytest.raises(SpecError) as err:
+        TrainingSpec.from_dict({"attention_kernel": "flash3"})
+    assert "attention_kernel" in str(err.value) and "flash3" in str(err.value) and "fa2" in str(err.value)

@@ -23,7 +23,7 @@ from tangram_launch.costmodel.slice_plan import SlicePlan, SliceQuery, capacity_
 from tangram_launch.errors import SpecError
 from tangram_launch.islands import build_islands
 from tangram_launch.specs.cluster import ClusterSpec
-from tangram_launch.specs.constants import DTYPES, GIB, RECOMPUTE_MODES
+from tangram_launch.specs.constants import ATTENTION_KERNEL_HELP, ATTENTION_KERNELS, DTYPES, GIB, RECOMPUTE_MODES
 from tangram_launch.specs.model import load_model
 from tangram_launch.specs.training import TrainingSpec
 from tangram_launch.text import devices, on_cpu, plural
@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "an estimate and the allocator needs slack)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="training dtype (default: bf16, or fp16 on GPUs without bf16)")
+    parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None, help=ATTENTION_KERNEL_HELP)
     parser.add_argument("--stages-after", type=int, default=0,
                         help="pipeline stages that follow this slice in the global plan (memory position)")
     parser.add_argument("--runtime", help="also check the configuration against a runtime's capabilities")
@@ -102,6 +103,7 @@ def build(args: argparse.Namespace):
 
     check_seq_len(model, seq_len, field="--seq-len")  # as plan and the launcher refuse it
     training = TrainingSpec(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                            attention_kernel=args.attention_kernel or "auto",
                             **({} if args.memory_headroom is None else
                                {"memory_headroom_fraction": args.memory_headroom}))
     if global_batch % b:

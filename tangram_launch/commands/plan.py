@@ -16,7 +16,7 @@ import os
 import sys
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.constants import DTYPES, RUNTIMES
+from tangram_launch.specs.constants import ATTENTION_KERNEL_HELP, ATTENTION_KERNELS, DTYPES, RUNTIMES
 
 PRUNING_POLICIES = ("redundant", "unbalanced", "infeasible")
 
@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training dtype (default bf16): tf32 = fp32 storage with TF32 matmuls; fp8 = FP8 GEMMs, "
                              "bf16 elsewhere (Transformer Engine; H100, H200, B200, L40S, L4)")
     parser.add_argument("--optimizer", default=None, choices=("adam", "adamw", "sgd"), help="default adam")
+    parser.add_argument("--attention-kernel", default=None, choices=ATTENTION_KERNELS,
+                        help=ATTENTION_KERNEL_HELP)
     parser.add_argument("--memory-headroom", type=float, default=None, metavar="FRACTION",
                         help="fraction of each GPU's memory a plan leaves free (default 0.05: the memory model is an "
                              "estimate and the allocator needs slack)")

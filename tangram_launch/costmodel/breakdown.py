@@ -249,7 +249,7 @@ class SliceCoster:
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
-                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True, attention_kernel: str = "auto",
+                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True, attention_kernel: str | None = None,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -271,8 +271,8 @@ class SliceCoster:
         Transformer Engine's fused kernels (Megatron's --moe-permute-fusion; moe_dispatch.permutation_traffic_h).
         ``moe_probs_on_output``: the combine weights the experts' outputs by the routing probabilities and so keeps
         them for the backward (off: the experts' activation applies them; moe_dispatch.MoERuntime).
-        ``attention_kernel``: the fused-attention kernel family (attention_kernels.py; auto: what this project's
-        runtimes run on the GPU).
+        ``attention_kernel``: the fused-attention kernel family (attention_kernels.py; None: the training spec's,
+        whose default auto is what this project's runtimes run on the GPU).
         The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
@@ -321,7 +321,7 @@ class SliceCoster:
         if device is not None:
             self.dev: DeviceModel | None = device
         else:
-            self.dev = self._device(q, flash_attention, fused_elementwise, check_attention_kernel(attention_kernel))
+            self.dev = self._device(q, flash_attention, fused_elementwise, check_attention_kernel(attention_kernel or q.training.attention_kernel))
         link = q.island.inter_node_link
         self.inter_gbps = link.bandwidth_GBps if link is not None else None
         self.inter_latency_us = link.latency_us if link is not None else 0.0

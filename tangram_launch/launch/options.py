@@ -18,7 +18,7 @@ import shutil
 import textwrap
 from typing import Sequence
 
-from tangram_launch.specs.constants import DTYPES, RUNTIMES
+from tangram_launch.specs.constants import ATTENTION_KERNEL_HELP, ATTENTION_KERNELS, DTYPES, RUNTIMES
 
 # torchrun's options, as torch's parser defines them: (option strings, metavar or None for a flag, help shown by
 # `tangram-launch --help`, or None: not shown there).
@@ -112,6 +112,8 @@ def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) 
     g.add_argument(*names("--seq-len", "--seq_len"), metavar="N", type=_positive_int, default=None,
                    help="Sequence length in tokens (at most the model's positions).")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="Training dtype.")
+    g.add_argument(*names("--attention-kernel", "--attention_kernel"), choices=ATTENTION_KERNELS, default=None,
+                   help=ATTENTION_KERNEL_HELP)
     g.add_argument("--runtime", metavar="NAME", default=None,
                    help=f"Runtime the plan must run on ({', '.join(RUNTIMES)} or a registered third-party one; "
                         "deepspeed, megatron: their extra must be installed).")

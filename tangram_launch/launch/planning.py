@@ -430,6 +430,9 @@ def planning_request(values: Any, *, resume: "CheckpointInfo | None" = None, clu
         "optimizer": str(given("optimizer") or old_training.get("optimizer") or default.optimizer)}
     if given("memory_headroom") is not None:
         training["memory_headroom_fraction"] = given("memory_headroom")
+    kernel = given("attention_kernel") or old_training.get("attention_kernel")
+    if kernel:
+        training["attention_kernel"] = str(kernel)
     name = str(given("runtime") or old.get("runtime") or DEFAULT_RUNTIME)
     runtime(name)  # a registered runtime, built in or third-party: else SpecError naming the registered ones
     no_prune = tuple(given("no_prune") or ())

@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 # Options that ask for planning at launch time (they need a plan provider, or are ignored next to --plan).
 PLANNING_OPTIONS = ("cluster", "profile", "reprofile", "profile_quick", "model", "global_batch", "seq_len", "dtype", "runtime",
-                    "parallelizer", "gpu_counts")
+                    "parallelizer", "gpu_counts", "attention_kernel")
 EXIT_WORKER_FAILED = 1  # what torchrun exits with when a worker fails (an uncaught ChildFailedError)
 
 
@@ -121,6 +121,7 @@ class TangramOptions:
     global_batch: int | None = None
     seq_len: int | None = None
     dtype: str | None = None
+    attention_kernel: str | None = None
     runtime: str | None = None
     plan: str | None = None
     parallelizer: str | None = None

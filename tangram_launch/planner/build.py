@@ -483,7 +483,8 @@ def _stage_measurement(st: StageCost, isl, model: "ModelSpec", training: "Traini
     return stage_measurement(model, st.layers, has_embedding=st.layers[0] == 0,
                              has_head=st.layers[1] == model.num_layers, seq_len=training.seq_len,
                              mbs=st.micro_batch_size, tp=sh.tp, cp=sh.cp, ep=sh.ep,
-                             dev=DeviceModel.from_gpu(isl.gpu, training.dtype))
+                             dev=DeviceModel.from_gpu(isl.gpu, training.dtype,
+                                                      attention_kernel=training.attention_kernel))
 
 
 def gpu_peak_flops(cluster: "ClusterSpec", node: str, local: int, dtype: str) -> float:

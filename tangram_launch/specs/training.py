@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.constants import DEFAULT_MEMORY_HEADROOM_FRACTION, STORAGE_DTYPES
+from tangram_launch.specs.constants import ATTENTION_KERNELS, DEFAULT_MEMORY_HEADROOM_FRACTION, STORAGE_DTYPES
 from tangram_launch.specs.yamlio import check_keys
 
 # Storage bytes per element: tf32 stores fp32 (only the matmuls round to TF32); fp8 stores bf16 parameters and
@@ -30,6 +30,9 @@ class TrainingSpec:
     moe_aux_loss_coeff: float = 0.01
     moe_z_loss_coeff: float = 0.001
     memory_headroom_fraction: float = DEFAULT_MEMORY_HEADROOM_FRACTION  # of each GPU's memory a plan leaves free
+    # the fused-attention kernel the job runs (costmodel/attention_kernels.py): auto = what the project's runtimes run
+    # (FlashAttention-2 on Ampere, cuDNN on Hopper); fa2 / cudnn when the job's stack runs that one everywhere
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
@@ -52,6 +55,9 @@ class TrainingSpec:
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0.0 <= h < 1.0:
             raise SpecError("must be a fraction of GPU memory in [0, 1)", field="memory_headroom_fraction", value=h,
                             valid="e.g. 0.05 (5 %: 4 GiB of an 80 GB GPU)")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise SpecError("unknown attention kernel", field="attention_kernel", value=self.attention_kernel,
+                            valid=", ".join(ATTENTION_KERNELS))
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise SpecError("unknown optimizer", field="optimizer", value=self.optimizer,
                             valid=", ".join(OPTIMIZER_STATE_BYTES))
@@ -79,11 +85,13 @@ class TrainingSpec:
         out = asdict(self)
         if not moe:
             del out["moe_aux_loss_coeff"], out["moe_z_loss_coeff"]
+        if out["attention_kernel"] == "auto":
+            del out["attention_kernel"]  # the default: a plan reads as it did before the choice existed
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str | None = None) -> "TrainingSpec":
         check_keys(d, ("global_batch", "seq_len", "dtype", "optimizer", "grad_dtype", "memory_headroom_fraction",
-                       "moe_aux_loss_coeff", "moe_z_loss_coeff"), where="training",
+                       "moe_aux_loss_coeff", "moe_z_loss_coeff", "attention_kernel"), where="training",
                    source=source)
         return cls(**dict(d))
