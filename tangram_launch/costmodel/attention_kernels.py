@@ -31,6 +31,7 @@ from typing import Mapping
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import ATTENTION_KERNELS
+
 SEQ_POINTS = (2048, 4096, 8192, 16384)  # the papers' sequence lengths (batch x sequence = 16k tokens)
 
 

@@ -249,7 +249,8 @@ class SliceCoster:
                  keeps_param_dtype_grads: bool = False, cross_entropy: str = "fused", fp8_gemm_inputs: bool = True,
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
-                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True, attention_kernel: str | None = None,
+                 moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
+                 attention_kernel: str | None = None,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -321,7 +322,8 @@ class SliceCoster:
         if device is not None:
             self.dev: DeviceModel | None = device
         else:
-            self.dev = self._device(q, flash_attention, fused_elementwise, check_attention_kernel(attention_kernel or q.training.attention_kernel))
+            kernel = check_attention_kernel(attention_kernel or q.training.attention_kernel)
+            self.dev = self._device(q, flash_attention, fused_elementwise, kernel)
         link = q.island.inter_node_link
         self.inter_gbps = link.bandwidth_GBps if link is not None else None
         self.inter_latency_us = link.latency_us if link is not None else 0.0
