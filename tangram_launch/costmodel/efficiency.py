@@ -175,7 +175,8 @@ class DeviceModel:
     peak_flops: float  # dense peak of the dtype the GEMMs run in (fp8: the FP8 peak; MFU is against it)
     gemm_flops: float  # F_gemm: large-GEMM throughput (measured, or peak x GEMM_EFFICIENCY)
     memory_bandwidth: float  # B_mem, bytes/s sustained
-    attention_flops: float  # fused-attention throughput where no kernel curve applies (FlashAttention-2 GPUs)
+    # the bf16 peak fused attention runs against, scaled as the GEMMs are (the GPU's sustained/assumed GEMM share)
+    attention_peak_flops: float
     flash_attention: bool
     intra_busbw: float  # NCCL all-reduce bus bandwidth inside a node, bytes/s
     host_link_bandwidth: float  # GPU <-> host copies, bytes/s
@@ -198,10 +199,9 @@ class DeviceModel:
     optimizer_param_s: float = 0.0
     # the profiler's GEMM sweep for this math mode (measured.gemm_sweep_tflops): replaces the roofline in gemm_s
     gemm_curve: MeasuredGemmCurve | None = None
-    # the attention kernel's measured shape dependence (attention_kernels.py), against attention_peak_flops: the
-    # bf16 peak scaled as the GEMMs are; None: attention_flops at every shape
+    # the attention kernel's measured shape dependence (attention_kernels.py), against attention_peak_flops; None:
+    # attention_flops at every shape
     attention_curve: KernelCurve | None = None
-    attention_peak_flops: float = 0.0
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None,
@@ -256,7 +256,7 @@ class DeviceModel:
             peak_flops=peak,
             gemm_flops=gemm_flops,
             memory_bandwidth=memory_bandwidth,
-            attention_flops=attn_peak * FLASH_ATTENTION_EFFICIENCY * attn_scale,
+            attention_peak_flops=attn_peak * attn_scale,
             flash_attention=flash,
             intra_busbw=intra,
             host_link_bandwidth=HOST_LINK_GBPS[_host_pcie_gen(gpu)] * GBPS,
@@ -272,7 +272,6 @@ class DeviceModel:
             optimizer_param_s=(param_ns or 0.0) * 1e-9,
             gemm_curve=MeasuredGemmCurve.from_rows(sweep) if sweep else None,
             attention_curve=attention_curve(gpu.type, attention_kernel) if flash else None,
-            attention_peak_flops=attn_peak * attn_scale,
         )
 
     # ------------------------------------------------------------------ kernels
@@ -301,6 +300,11 @@ class DeviceModel:
 
     def memory_s(self, nbytes: float) -> float:
         return nbytes / self.memory_bandwidth
+
+    @property
+    def attention_flops(self) -> float:
+        """Fused attention's FLOP/s where no kernel curve applies: FLASH_ATTENTION_EFFICIENCY of the scaled peak."""
+        return self.attention_peak_flops * FLASH_ATTENTION_EFFICIENCY
 
     def attention_flops_per_s(self, seq_len: float, head_dim: float) -> float:
         """Fused attention's FLOP/s (forward + backward convention of attention_kernels) at this shape."""

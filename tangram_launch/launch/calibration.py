@@ -214,9 +214,10 @@ def unmeasured_layout_line(cluster: ClusterSpec, plan: Mapping) -> str | None:
     """One warning line when ``cluster``'s figures were calibrated from run reports and ``plan``'s stage layout
     (layers and GPUs per stage) is none of theirs; None otherwise (not calibrated, or calibrated before records
     kept the layout, or a layout a report measured)."""
-    known = {_layout_key(c.get("layout")) for c in calibration_records(cluster)} - {None}
+    records = calibration_records(cluster)
+    known = {_layout_key(c.get("layout")) for c in records} - {None}
     if not known or _layout_key(plan_layout(plan)) in known:
         return None
-    return (f"this plan's stage layout (layers, GPUs per stage) is none of the {len(calibration_records(cluster))} "
+    return (f"this plan's stage layout (layers, GPUs per stage) is none of the {len(records)} "
             "run(s) these calibrated figures came from: its prediction is unmeasured; after this run, "
             "`tangram-launch calibrate RUN_DIR/run-report.json` again measures it")
