@@ -483,7 +483,8 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
         key = r["not_expressible"]
         for tag, words in (("FP8", ("fp8", "float8")), ("interleaved 1F1B", ("interleaved",)),
                            ("per-layer/module recompute", ("per-layer", "module-level")),
-                           ("cost model refused", ("refused",))):
+                           ("cost model refused", ("refused",)),
+                           ("settings not published", ("settings not published",))):
             if any(w in key.lower() for w in words):
                 by_reason[tag] = by_reason.get(tag, 0) + 1
     print("  not expressible, by reason (a row may have several): "
