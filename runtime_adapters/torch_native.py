@@ -167,7 +167,7 @@ class TorchAdapter(RuntimeAdapter):
                                 field="training.dtype", value=plan.training.get("dtype"))
             module.set_compute_dtype(dtype)
         scaler = LossScaler() if dtype == torch.float16 else None
-        module, manual_dp = _apply_data_parallel(module, stage, groups)
+        module, manual_dp = _apply_data_parallel(module, stage, groups, dtype)
         make_optimizer = optimizer_factory or default_optimizer_factory
         optimizer = (HostOffloadOptimizer(module.parameters(), make_optimizer) if stage.offload  # state on the host
                      else make_optimizer(list(module.parameters())))
@@ -233,12 +233,18 @@ def _apply_recompute(module: nn.Module, stage: Stage) -> None:
     setter(stage.recompute)
 
 
-def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups) -> tuple[nn.Module, bool]:
-    """Wrap for data parallelism; returns (module, whether gradients need a manual all-reduce)."""
+def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups,
+                         dtype: torch.dtype | None = None) -> tuple[nn.Module, bool]:
+    """Wrap for data parallelism; returns (module, whether gradients need a manual all-reduce).
+
+    A 16-bit plan's FSDP2 units gather their parameters in that dtype (MixedPrecisionPolicy; fp32 shards, gradients
+    reduced in fp32), as torchtitan does. Autocast over gathered fp32 parameters would instead save a 16-bit copy of
+    every weight for the backward, per micro-batch, which FSDP2's resharding does not free: ZeRO-3 would then hold
+    2 bytes per parameter of the whole stage for each micro-batch in flight (tests/test_fsdp_mixed_precision.py)."""
     if isinstance(module, ChunkedStage):  # each chunk runs forward on its own: FSDP2 units per chunk
         manual = False
         for chunk in module.chunk_modules:
-            _, manual = _apply_data_parallel(chunk, stage, groups)
+            _, manual = _apply_data_parallel(chunk, stage, groups, dtype)
         return module, manual
     if stage.dp == 1:
         if stage.zero_stage:
@@ -246,14 +252,16 @@ def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups) -
         return module, False
     if stage.zero_stage == 0:
         return module, True
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     reshard = stage.zero_stage == 3
+    policy = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype,
+                                                                               reduce_dtype=torch.float32)
     blocks = getattr(module, "layers", None)
     if isinstance(blocks, nn.ModuleDict):  # one all-gather/reduce-scatter unit per layer (FSDP2's usual wrapping)
         for layer in blocks.values():
-            fully_shard(layer, mesh=groups.dp_mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=groups.dp_mesh, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=groups.dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(module, mesh=groups.dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     return module, False
 
 

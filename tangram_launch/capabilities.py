@@ -42,6 +42,11 @@ class RuntimeCapabilities:
     plain_needs_stage_microbatches: bool = False  # one-grid 1F1B needs micro-batches >= stages (torch's Schedule1F1B)
     stage_grids_moe: bool = True  # MoE models too may have stages with their own TP/DP sizes
     dtypes: tuple[str, ...] = DTYPES  # training dtypes the runtime runs
+    # a 16-bit plan's ZeRO-0 stages keep fp32 weights and run their GEMMs under autocast: fp32 parameters and
+    # gradients, Adam's moments, and per micro-batch in flight the 16-bit copy of every GEMM weight that autocast
+    # makes and autograd saves for the backward (off: 16-bit weights beside an fp32 master copy, as DeepSpeed and
+    # Megatron keep them)
+    autocast_fp32_weights: bool = False
     dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
 
     def for_model(self, num_experts: int) -> "RuntimeCapabilities":
@@ -175,6 +180,9 @@ TORCH = RuntimeCapabilities(
     stage_grids_moe=False,
     # tf32: fp32 parameters with torch.backends.cuda.matmul.allow_tf32 set by the adapter
     dtypes=("bf16", "fp16", "fp32", "tf32"),
+    # ZeRO 0 runs autocast over fp32 weights; ZeRO 1-3 gather 16-bit parameters (FSDP2's MixedPrecisionPolicy), whose
+    # fp32 shards, fp32 gradients and Adam moments take what the cost model's 16-bit storage assumes
+    autocast_fp32_weights=True,
     dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "
                          "(Transformer Engine or torchao Float8)"),),
 )

@@ -44,6 +44,7 @@ from tangram_launch.costmodel.compute import (
 from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, DeviceModel
 from tangram_launch.costmodel.memory import (
     CROSS_ENTROPY_KINDS,
+    FP32_BYTES,
     FRAGMENTATION_FRACTION,
     MODEL_STATE_KINDS,
     RUNTIME_OVERHEAD_BYTES,
@@ -90,6 +91,10 @@ class ZeroPart(NamedTuple):
     root_rs_s: float = 0.0  # ... and reduce-scattered last in the backward
     head_gather_s: float = 0.0  # the output layer, gathered while the last layer computes
     head_rs_s: float = 0.0  # ... and reduce-scattered while the last layer's backward runs
+    # per micro-batch in flight, autocast's 16-bit copies of the GEMM weights saved for the backward (ZeRO 0 under
+    # RuntimeCapabilities.autocast_fp32_weights): the layers' and the output layer's, and under full recompute the
+    # output layer's only (checkpointed layers save their input alone)
+    copy_bytes: tuple[float, float] = (0.0, 0.0)  # (not full recompute, full recompute)
 
 
 def _sp_pairs(model, kind: str, ep: int, moe_runtime: MoERuntime | None = None) -> int:
@@ -241,6 +246,9 @@ def _rec_index(mode: str) -> int:
     return RECOMPUTE_MODES.index(mode)
 
 
+_FULL = RECOMPUTE_MODES.index("full")
+
+
 class SliceCoster:
     """Costs configurations of one slice query; per-layer and per-grid terms are computed once and cached."""
 
@@ -312,6 +320,9 @@ class SliceCoster:
                                                  optimizer_bytes=q.training.optimizer_state_bytes,
                                                  keeps_param_dtype_grads=keeps_param_dtype_grads)
         self.q = q
+        # 16-bit plans only: fp32 and tf32 weights are what autocast-free runs keep anyway
+        self.autocast_fp32_weights = (q.capabilities.autocast_fp32_weights
+                                      and q.training.param_bytes < FP32_BYTES)
         self.model = q.model
         self.training = q.training
         self.island = q.island
@@ -781,6 +792,11 @@ class SliceCoster:
         pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes  # bytes communicated and updated (time)
         shard, eshard = st.shard, st.eshard
         kept_pb, kept_gb, kept_ob = self.state_bytes  # what the GPU stores per parameter (memory)
+        copies = (0.0, 0.0)
+        if zero == 0 and self.autocast_fp32_weights:  # fp32 weights, gradients, moments; 16-bit copies per micro-batch
+            kept_pb, kept_gb, kept_ob = FP32_BYTES, FP32_BYTES, tr.optimizer_state_bytes - FP32_BYTES
+            gemm_weights = st.dense_params - (st.edge_params - st.head_params) + st.expert_params
+            copies = (gemm_weights * pb, st.head_params * pb)
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
         # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward
         held = held_under_pipelining(zero, off) and not (st.has_embedding and st.has_head)
@@ -848,7 +864,7 @@ class SliceCoster:
             if st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
                 working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd,
-                       l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs)
+                       l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs, copies)
         st.zero_parts[key] = out
         return out
 
@@ -939,12 +955,13 @@ class SliceCoster:
                 z_bwd = _exposed_bwd_s(zp, b, edges)
                 bwd = b + (z_bwd + overlap.contention_s(zp.zero_bwd_s, z_bwd)) + fixed_bwd + rp.comm_s
             static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
+            act = rp.activation_bytes + zp.copy_bytes[r == _FULL] * frag
             if rows:
-                out.append((fwd + bwd, static, rp.activation_bytes, tail))
+                out.append((fwd + bwd, static, act, tail))
                 if halves is not None:
                     halves.append((fwd, bwd))
             else:
-                out.append((fwd, bwd, static, rp.activation_bytes, zp.sync_s, zp.optimizer_s))
+                out.append((fwd, bwd, static, act, zp.sync_s, zp.optimizer_s))
         return out
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
@@ -954,8 +971,9 @@ class SliceCoster:
         zp = self._zero_part(st, cfg.zero_stage, cfg.offload)
         sync, opt_s, zworking, dense, expert = zp.sync_s, zp.optimizer_s, zp.working_bytes, zp.dense, zp.expert
         rp = self._rec_part(st, r)
-        rec_s, act, rworking = rp.recompute_s, rp.activation_bytes, rp.working_bytes
         full = cfg.recompute == "full"
+        rec_s, rworking = rp.recompute_s, rp.working_bytes
+        act = rp.activation_bytes + zp.copy_bytes[full] * self.fragmentation
         exposed = zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s, st.edge_compute)
         exposed_s = sum(exposed)
         bd = {
