@@ -66,3 +66,18 @@ def test_fp32_plans_and_fsdp2_stages_are_priced_as_before(dtype, zero):
     (t, _), _, _ = _stage(TORCH, dtype=dtype, zero=zero)
     (a, _), _, _ = _stage(WEIGHTS_16BIT, dtype=dtype, zero=zero)
     assert t == a
+
+
+@pytest.mark.unit
+def test_estimate_shows_the_copies_for_the_torch_runtime_and_refuses_a_stage_they_overflow(cluster_path, capsys):
+    """Llama 3 8B in 4 stages on the C2 cluster's 8 H100s, ZeRO 0: the first stage holds four micro-batches' copies
+    of its 16-bit weights under the torch runtime and no longer fits 80 GB; Megatron keeps 16-bit weights."""
+    from tangram_launch.cli import main
+
+    args = ["estimate", "--cluster", cluster_path("c2-modern-het"), "--model", "llama3-8b", "--island", "h100-sxm",
+            "--pp", "4", "--dp", "2", "--zero", "0", "--global-batch", "16", "--seq-len", "8192", "--runtime"]
+    assert main(args + ["torch"]) == 3  # does not fit
+    torch_out = capsys.readouterr().out
+    assert main(args + ["megatron"]) == 0
+    megatron_out = capsys.readouterr().out
+    assert "of which 16-bit weight copies" in torch_out and "of which 16-bit weight copies" not in megatron_out

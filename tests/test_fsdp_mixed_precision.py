@@ -1,11 +1,13 @@
-"""A 16-bit plan's FSDP2 stages keep what ZeRO promises: real gloo processes, the torch adapter, bf16 on CPU.
+"""A 16-bit plan's stages hold the 16-bit weights the cost model prices: real gloo processes, the torch adapter, bf16
+on CPU.
 
-Autocast over FSDP2's gathered fp32 parameters saves a 16-bit copy of every weight for the backward, and FSDP2's
-resharding after forward does not free it: a ZeRO-3 stage then holds every layer's whole 16-bit weights at the end
-of the forward, per micro-batch. With FSDP2's MixedPrecisionPolicy (the adapter's) the gathered 16-bit parameters
-are freed after each layer's forward and gathered again for its backward. The test counts, at the first backward
-step, the bytes still held by the full-shape layer weights that autograd saved, and checks that training still
-follows the fp32 reference (autocast) within bf16 rounding.
+Autocast over FSDP2's gathered fp32 parameters would save a 16-bit copy of every weight for the backward that
+FSDP2's resharding does not free: a ZeRO-3 stage would hold every layer's whole 16-bit weights at the end of the
+forward, per micro-batch. With FSDP2's MixedPrecisionPolicy (the adapter's) the gathered 16-bit parameters are freed
+after each layer's forward and gathered again for its backward. ZeRO-0 stages keep autocast over fp32 weights, and
+so one 16-bit copy of each GEMM weight per micro-batch in flight, as costmodel/breakdown.py charges them. The test
+counts, at the first backward step, the bytes still held by the full-shape GEMM weights that autograd saved, and
+checks that training still follows the fp32-weight reference (autocast) within bf16 rounding.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ LAYERS = 4
 
 
 def _held_at_first_backward(ctx, batch: torch.Tensor, weight_shapes: set[tuple[int, ...]]) -> tuple[float, int]:
-    """(loss, bytes of 16-bit full-shape layer weights saved for backward and still allocated when the backward
+    """(loss, bytes of 16-bit full-shape GEMM weights saved for backward and still allocated when the backward
     starts). Storages freed by FSDP2's resharding report 0 bytes."""
     saved: list[torch.Tensor] = []
     held: list[int] = []
@@ -47,25 +49,28 @@ def _held_at_first_backward(ctx, batch: torch.Tensor, weight_shapes: set[tuple[i
     return loss, held[0]
 
 
-def _worker(rank: int, world: int, port: int, plan_dict: dict, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
-    plan = Plan.from_dict(plan_dict)
-    ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S,
-                               optimizer_factory=_sgd)
-    layer = build_model(plan.model, seed=SEED).layers["0"]
-    shapes = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
-    losses, held = [], []
-    for b in _batches(plan):
-        loss, h = _held_at_first_backward(ctx, b, shapes)
-        losses.append(loss)
-        held.append(h)
-    if rank == 0:
-        torch.save({"losses": losses, "held": held,
-                    "layer_bytes_16bit": 2 * sum(p.numel() for p in layer.parameters() if p.dim() == 2)},
-                   os.path.join(out_dir, "rec.pt"))
-    dist.barrier()
+    for name, plan_dict in cases:
+        plan = Plan.from_dict(plan_dict)
+        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S,
+                                   optimizer_factory=_sgd)
+        whole = build_model(plan.model, seed=SEED)
+        layer = whole.layers["0"]
+        shapes = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2} | {tuple(whole.head.proj.weight.shape)}
+        losses, held = [], []
+        for b in _batches(plan):
+            loss, h = _held_at_first_backward(ctx, b, shapes)
+            losses.append(loss)
+            held.append(h)
+        if rank == 0:
+            torch.save({"losses": losses, "held": held,
+                        "layer_bytes_16bit": 2 * sum(p.numel() for p in layer.parameters() if p.dim() == 2),
+                        "head_bytes_16bit": 2 * whole.head.proj.weight.numel()},
+                       os.path.join(out_dir, f"{name}.pt"))
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -84,13 +89,23 @@ def _reference_losses(plan: Plan) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_a_bf16_zero3_stage_frees_each_layers_gathered_weights_after_its_forward(tmp_path):
-    plan = make_plan("tiny", [{"layers": LAYERS, "gpus": "n0", "dp": 2, "zero_stage": 3}], global_batch=4,
-                     num_microbatches=2, seq_len=40, dtype="bf16")  # 40: no activation has a weight's shape
-    mp.start_processes(_worker, args=(2, _free_port(), plan.to_dict(), str(tmp_path)), nprocs=2,
-                       start_method="fork", join=True)
-    rec = torch.load(tmp_path / "rec.pt")
-    # at most the layer whose backward starts and one prefetched; autocast over fp32 shards held all LAYERS
-    assert max(rec["held"]) <= 2 * rec["layer_bytes_16bit"], rec
+def test_bf16_stages_hold_the_16_bit_weights_the_cost_model_prices(tmp_path):
+    """ZeRO 3 (FSDP2, MixedPrecisionPolicy): each layer's gathered 16-bit weights are freed after its forward.
+    ZeRO 0 (autocast over fp32 weights): every micro-batch whose forward has run holds its own 16-bit copy of every
+    GEMM weight, which the cost model charges per micro-batch in flight (RuntimeCapabilities.autocast_fp32_weights;
+    GPipe runs both forwards before the first backward, so two are in flight)."""
+    kw = dict(global_batch=4, num_microbatches=2, seq_len=40, dtype="bf16")  # 40: no activation has a weight's shape
+    cases = {"zero3": make_plan("tiny", [{"layers": LAYERS, "gpus": "n0", "dp": 2, "zero_stage": 3}], **kw),
+             "zero0": make_plan("tiny", [{"layers": LAYERS, "gpus": "n0", "dp": 2, "zero_stage": 0}],
+                                schedule="GPipe", **kw)}
+    mp.start_processes(_worker, args=(2, _free_port(), [(n, p.to_dict()) for n, p in cases.items()], str(tmp_path)),
+                       nprocs=2, start_method="fork", join=True)
+    z3, z0 = (torch.load(tmp_path / f"{n}.pt") for n in ("zero3", "zero0"))
+    # at most the layer whose backward starts and one prefetched (autocast over fp32 shards held all of them)
+    assert max(z3["held"]) <= 2 * z3["layer_bytes_16bit"], z3
+    # the second step (the first also holds what its first forward built once): each layer's and the output
+    # layer's copies, once per micro-batch in flight
+    assert z0["held"][-1] == 2 * (LAYERS * z0["layer_bytes_16bit"] + z0["head_bytes_16bit"]), z0
     # bf16 parameters in the forward instead of autocast's per-op casts: the same training within bf16 rounding
-    assert rec["losses"] == pytest.approx(_reference_losses(plan), abs=2e-2)
+    ref = _reference_losses(cases["zero3"])
+    assert z3["losses"] == pytest.approx(ref, abs=2e-2) and z0["losses"] == pytest.approx(ref, abs=2e-3)

@@ -996,6 +996,7 @@ class SliceCoster:
             "working_bytes": (zworking + rworking) * self.fragmentation,
             "overhead_bytes": self.overhead_bytes,
             "activations_bytes": act,
+            "autocast_copies_bytes": zp.copy_bytes[full] * self.fragmentation,  # per micro-batch, in activations
             "host_offload_bytes": dense.host + expert.host,
             "offload_pcie_bytes": zp.offload_pcie_bytes,  # per iteration (runtime_adapters/offload.py moves these)
             "forward_flops": st.fwd_flops,
