@@ -213,7 +213,7 @@ def test_every_row_has_a_split_and_a_cohort_and_fit_rows_are_dev(data, bench):
         assert r["gpu"] in generation, f"{r['id']}: GPU {r['gpu']!r} has no generation in validation_split"
         if r["subset"] == "fit":
             assert r["split"] == "dev", f"{r['id']}: a constant was fitted on it, so it cannot validate"
-        if r["cohort"] in ("unseen", "fresh"):
+        if r["cohort"] in bench.VALIDATION_COHORTS:
             assert r["split"] == "validation" and r["subset"] == "held-out", r["id"]
         if r["cohort"] == "moe-dev":
             assert r["split"] == "dev" and r["subset"] == "held-out" and r["parallel"].get("ep", 1) > 1, r["id"]
@@ -311,8 +311,9 @@ def test_fresh_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_ci
 
 
 @pytest.mark.unit
-def test_a_fresh_row_is_validation_whatever_its_gpu_and_id(bench):
-    runs = [{"id": f"f-{i}", "gpu": gpu, "subset": "held-out", "cohort": "fresh"}
+@pytest.mark.parametrize("cohort", ["fresh", "blind2"])
+def test_a_blind_cohort_row_is_validation_whatever_its_gpu_and_id(bench, cohort):
+    runs = [{"id": f"f-{i}", "gpu": gpu, "subset": "held-out", "cohort": cohort}
             for i, gpu in enumerate(("h200", "b200", "a100-80gb", "v100-16gb"))]
     generation = {"h200": "hopper", "b200": "blackwell", "a100-80gb": "ampere", "v100-16gb": "volta"}
     assert set(bench.draw_split(runs, generation, fit_when_drawn=()).values()) == {"validation"}
@@ -327,22 +328,23 @@ def test_a_moe_dev_row_is_dev_whatever_its_gpu_and_id(bench):
 
 
 @pytest.mark.unit
-def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, capsys):
-    """Fresh rows validate the next cost-model change only if no one saw the model predict them before: the report
-    leaves them out unless --unseal. A copy of a seen row relabelled fresh stands in for them, so this test itself
-    prints no fresh row's prediction."""
+@pytest.mark.parametrize("cohort", ["fresh", "blind2"])
+def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, capsys, cohort):
+    """Fresh and blind2 rows validate the next cost-model change only if no one saw the model predict them before:
+    the report leaves a sealed cohort out unless --unseal. A copy of a seen row relabelled to the cohort stands in for
+    its rows, so this test itself computes no prediction of theirs."""
     seen = copy.deepcopy(next(r for r in data["runs"] if r["id"] == "mpt-a100-80-7b-s2k-8"))
-    seen.update(id="sealed-stand-in", cohort="fresh", split="validation")
+    seen.update(id="sealed-stand-in", cohort=cohort, split="validation")
     path = tmp_path / "runs.yaml"
-    path.write_text(yaml.safe_dump({**data, "sealed_cohorts": ["fresh"], "runs": [seen]}), encoding="utf-8")
+    path.write_text(yaml.safe_dump({**data, "sealed_cohorts": [cohort], "runs": [seen]}), encoding="utf-8")
     assert bench.main(["--data", str(path), "--json"]) == 0
     out = capsys.readouterr()
-    assert json.loads(out.out) == [] and "sealed: 1 validation rows of cohort fresh" in out.err
+    assert json.loads(out.out) == [] and f"sealed: 1 validation rows of cohort {cohort}" in out.err
     assert bench.main(["--data", str(path), "--json", "--unseal"]) == 0
     costed = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in costed] == ["sealed-stand-in"] and costed[0]["predicted_s"] > 0
     bench.print_split_medians(costed)
-    assert "val: fresh" in capsys.readouterr().out
+    assert f"val: {cohort}" in capsys.readouterr().out
     path.write_text(yaml.safe_dump({**data, "sealed_cohorts": [], "runs": [seen]}), encoding="utf-8")
     assert bench.main(["--data", str(path), "--json"]) == 0  # unsealed in the data file: costed by default
     assert [r["id"] for r in json.loads(capsys.readouterr().out)] == ["sealed-stand-in"]
