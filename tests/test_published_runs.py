@@ -128,14 +128,16 @@ def test_memory_figures_say_how_they_were_measured(data, bench):
 # used memory every 5 s (training/nvidia/nvidia_monitor.py); BLOOM's figure is a sentence of prose; the NeMo B200
 # notes log NeMo's max_memory_reserved; the minGPT Lite README's Memory (MB) is read as torch.cuda.memory_summary's
 # reserved peak (an assumption its rows list); torchao's training benchmarks take the largest torchtitan 'memory: X GiB'
-# of the log (benchmarks/float8/training/parse_torchtitan_logs.py).
+# of the log (benchmarks/float8/training/parse_torchtitan_logs.py); BigScience's tr11 prequel read its Mem column with
+# `pdsh ... nvidia-smi` on the first node.
 METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": "allocator-reserved",
                     "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated",
                     "titan-qwen3-h200-notes": "allocator-reserved", "nemo-b200-notes": "allocator-reserved",
                     "lite-mingpt-v100": "allocator-reserved",
                     "torchao-training": "allocator-reserved",
                     # lambda-fa2: not stated by the source, read as nvidia-smi's (the rows' assumed say so)
-                    "lambda-fa2": "device-used"}
+                    "lambda-fa2": "device-used",
+                    "bigscience-prequel": "device-used"}
 
 
 @pytest.mark.unit
@@ -308,6 +310,17 @@ def test_fresh_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_ci
     others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != "fresh"}
     shared = {r["id"]: r["source"]["ref"] for r in fresh if r["source"]["ref"] in others}
     assert not shared, f"fresh rows citing a source that rows of another cohort cite: {shared}"
+
+
+@pytest.mark.unit
+def test_blind2_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_cites(data):
+    """The blind2 cohort is a blind validation batch gathered after the fresh rows had been seen: it is unseen data
+    only if no row of another cohort (fresh included) cites any of its sources."""
+    blind2 = [r for r in data["runs"] if r["cohort"] == "blind2"]
+    assert len(blind2) >= 20, f"{len(blind2)} blind2 rows"
+    others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != "blind2"}
+    shared = {r["id"]: r["source"]["ref"] for r in blind2 if r["source"]["ref"] in others}
+    assert not shared, f"blind2 rows citing a source that rows of another cohort cite: {shared}"
 
 
 @pytest.mark.unit
