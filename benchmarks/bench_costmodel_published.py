@@ -113,7 +113,10 @@ def make_island(row: dict) -> Island:
 
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
-COHORTS = ("original", "unseen", "moe-dev", "fresh")
+COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2")
+# Cohorts added after the split was drawn that are always validation (the data file's rules 2, 2c and 2d); the fresh
+# and blind2 ones, gathered blind, get a median column of their own once costed.
+VALIDATION_COHORTS = ("unseen", "fresh", "blind2")
 # Cohorts no one has seen the model predict (the data file's `sealed_cohorts:`): left out unless --unseal, so that
 # they can still validate a change made while looking at every other row.
 
@@ -134,16 +137,17 @@ def original_ids_sha256(ids: list[str]) -> str:
 def draw_split(runs: list[dict], generation_of_gpu: dict, fit_when_drawn: Collection[str]) -> dict[str, str]:
     """Row id -> dev | validation by the data file's `validation_split` rule, which reads only a row's id, GPU and
     cohort: the rows a constant was fitted on when the split was drawn (`fit_rows_when_drawn`: a constant retired
-    since does not move its rows) are dev, unseen and fresh rows validation (fresh: gathered blind, from sources no
-    other row cites, after the unseen rows had been seen), moe-dev rows (MoE + EP runs gathered as development
-    evidence, from sources no validation row cites) dev, and the other original rows of each GPU generation, ordered
-    by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per generation)."""
+    since does not move its rows) are dev, unseen, fresh and blind2 rows validation (fresh and blind2: gathered blind,
+    from sources no other row cites, after the rows before them had been seen), moe-dev rows (MoE + EP runs gathered
+    as development evidence, from sources no validation row cites) dev, and the other original rows of each GPU
+    generation, ordered by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per
+    generation)."""
     split: dict[str, str] = {}
     by_generation: dict[str, list[str]] = {}
     for r in runs:
         if r["id"] in fit_when_drawn:
             split[r["id"]] = "dev"
-        elif r.get("cohort") in ("unseen", "fresh"):
+        elif r.get("cohort") in VALIDATION_COHORTS:
             split[r["id"]] = "validation"
         elif r.get("cohort") == "moe-dev":
             split[r["id"]] = "dev"
@@ -408,7 +412,7 @@ def coverage(rows: list[dict], results: list[dict]) -> str:
 
 
 def split_label(r: dict) -> str:
-    if r["split"] == "validation" and r["cohort"] in ("unseen", "fresh"):
+    if r["split"] == "validation" and r["cohort"] in VALIDATION_COHORTS:
         return f"val ({r['cohort']})"
     return "val" if r["split"] == "validation" else r["split"]
 
@@ -416,14 +420,15 @@ def split_label(r: dict) -> str:
 def print_split_medians(costed: list[dict]) -> None:
     """Development and validation medians side by side; validation also by cohort (rows in the file when the split
     was drawn, which the model's structure was tuned on before; rows added afterwards; and, once unsealed, the fresh
-    rows gathered blind after those had been seen)."""
+    and the blind2 rows, each gathered blind after the rows before them had been seen)."""
     cols = [("dev", [r for r in costed if r["split"] == "dev"]),
             ("validation", [r for r in costed if r["split"] == "validation"]),
             ("val: original", [r for r in costed if r["split"] == "validation" and r["cohort"] == "original"]),
             ("val: unseen", [r for r in costed if r["split"] == "validation" and r["cohort"] == "unseen"])]
-    fresh = [r for r in costed if r["split"] == "validation" and r["cohort"] == "fresh"]
-    if fresh:  # unsealed
-        cols.append(("val: fresh", fresh))
+    for cohort in ("fresh", "blind2"):
+        rows = [r for r in costed if r["split"] == "validation" and r["cohort"] == cohort]
+        if rows:  # unsealed
+            cols.append((f"val: {cohort}", rows))
     print("development vs validation (costed rows; median |error|, signed median: + = predicted slower / more memory)")
     print(f"  {'':14}" + "".join(f"  {name:>17}" for name, _ in cols))
     for label, key, fmt in (("time |err|", "time_err", median_abs), ("time signed", "time_err", median_signed),

@@ -128,14 +128,16 @@ def test_memory_figures_say_how_they_were_measured(data, bench):
 # used memory every 5 s (training/nvidia/nvidia_monitor.py); BLOOM's figure is a sentence of prose; the NeMo B200
 # notes log NeMo's max_memory_reserved; the minGPT Lite README's Memory (MB) is read as torch.cuda.memory_summary's
 # reserved peak (an assumption its rows list); torchao's training benchmarks take the largest torchtitan 'memory: X GiB'
-# of the log (benchmarks/float8/training/parse_torchtitan_logs.py).
+# of the log (benchmarks/float8/training/parse_torchtitan_logs.py); BigScience's tr11 prequel read its Mem column with
+# `pdsh ... nvidia-smi` on the first node.
 METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": "allocator-reserved",
                     "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated",
                     "titan-qwen3-h200-notes": "allocator-reserved", "nemo-b200-notes": "allocator-reserved",
                     "lite-mingpt-v100": "allocator-reserved",
                     "torchao-training": "allocator-reserved",
                     # lambda-fa2: not stated by the source, read as nvidia-smi's (the rows' assumed say so)
-                    "lambda-fa2": "device-used"}
+                    "lambda-fa2": "device-used",
+                    "bigscience-prequel": "device-used"}
 
 
 @pytest.mark.unit
@@ -213,7 +215,7 @@ def test_every_row_has_a_split_and_a_cohort_and_fit_rows_are_dev(data, bench):
         assert r["gpu"] in generation, f"{r['id']}: GPU {r['gpu']!r} has no generation in validation_split"
         if r["subset"] == "fit":
             assert r["split"] == "dev", f"{r['id']}: a constant was fitted on it, so it cannot validate"
-        if r["cohort"] in ("unseen", "fresh"):
+        if r["cohort"] in bench.VALIDATION_COHORTS:
             assert r["split"] == "validation" and r["subset"] == "held-out", r["id"]
         if r["cohort"] == "moe-dev":
             assert r["split"] == "dev" and r["subset"] == "held-out" and r["parallel"].get("ep", 1) > 1, r["id"]
@@ -311,8 +313,20 @@ def test_fresh_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_ci
 
 
 @pytest.mark.unit
-def test_a_fresh_row_is_validation_whatever_its_gpu_and_id(bench):
-    runs = [{"id": f"f-{i}", "gpu": gpu, "subset": "held-out", "cohort": "fresh"}
+def test_blind2_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_cites(data):
+    """The blind2 cohort is a blind validation batch gathered after the fresh rows had been seen: it is unseen data
+    only if no row of another cohort (fresh included) cites any of its sources."""
+    blind2 = [r for r in data["runs"] if r["cohort"] == "blind2"]
+    assert len(blind2) >= 20, f"{len(blind2)} blind2 rows"
+    others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != "blind2"}
+    shared = {r["id"]: r["source"]["ref"] for r in blind2 if r["source"]["ref"] in others}
+    assert not shared, f"blind2 rows citing a source that rows of another cohort cite: {shared}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cohort", ["fresh", "blind2"])
+def test_a_blind_cohort_row_is_validation_whatever_its_gpu_and_id(bench, cohort):
+    runs = [{"id": f"f-{i}", "gpu": gpu, "subset": "held-out", "cohort": cohort}
             for i, gpu in enumerate(("h200", "b200", "a100-80gb", "v100-16gb"))]
     generation = {"h200": "hopper", "b200": "blackwell", "a100-80gb": "ampere", "v100-16gb": "volta"}
     assert set(bench.draw_split(runs, generation, fit_when_drawn=()).values()) == {"validation"}
@@ -327,22 +341,23 @@ def test_a_moe_dev_row_is_dev_whatever_its_gpu_and_id(bench):
 
 
 @pytest.mark.unit
-def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, capsys):
-    """Fresh rows validate the next cost-model change only if no one saw the model predict them before: the report
-    leaves them out unless --unseal. A copy of a seen row relabelled fresh stands in for them, so this test itself
-    prints no fresh row's prediction."""
+@pytest.mark.parametrize("cohort", ["fresh", "blind2"])
+def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, capsys, cohort):
+    """Fresh and blind2 rows validate the next cost-model change only if no one saw the model predict them before:
+    the report leaves a sealed cohort out unless --unseal. A copy of a seen row relabelled to the cohort stands in for
+    its rows, so this test itself computes no prediction of theirs."""
     seen = copy.deepcopy(next(r for r in data["runs"] if r["id"] == "mpt-a100-80-7b-s2k-8"))
-    seen.update(id="sealed-stand-in", cohort="fresh", split="validation")
+    seen.update(id="sealed-stand-in", cohort=cohort, split="validation")
     path = tmp_path / "runs.yaml"
-    path.write_text(yaml.safe_dump({**data, "sealed_cohorts": ["fresh"], "runs": [seen]}), encoding="utf-8")
+    path.write_text(yaml.safe_dump({**data, "sealed_cohorts": [cohort], "runs": [seen]}), encoding="utf-8")
     assert bench.main(["--data", str(path), "--json"]) == 0
     out = capsys.readouterr()
-    assert json.loads(out.out) == [] and "sealed: 1 validation rows of cohort fresh" in out.err
+    assert json.loads(out.out) == [] and f"sealed: 1 validation rows of cohort {cohort}" in out.err
     assert bench.main(["--data", str(path), "--json", "--unseal"]) == 0
     costed = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in costed] == ["sealed-stand-in"] and costed[0]["predicted_s"] > 0
     bench.print_split_medians(costed)
-    assert "val: fresh" in capsys.readouterr().out
+    assert f"val: {cohort}" in capsys.readouterr().out
     path.write_text(yaml.safe_dump({**data, "sealed_cohorts": [], "runs": [seen]}), encoding="utf-8")
     assert bench.main(["--data", str(path), "--json"]) == 0  # unsealed in the data file: costed by default
     assert [r["id"] for r in json.loads(capsys.readouterr().out)] == ["sealed-stand-in"]
