@@ -52,10 +52,12 @@ def generated_case(seed: int) -> tuple[ClusterSpec, ModelSpec, TrainingSpec, str
 
 
 def _score(cluster, model, training, runtime, schedule, sizes=None) -> float | None:
+    """The search over the islands as built (no idle-island split: that second search starts from whichever plan
+    the first found, so the exactness over sizes is a property of the first)."""
     try:
         plan = search(cluster, model, training, runtime=runtime, parallelizer="megatron",
                       options=PlannerOptions(max_workers=1, progress=False, schedule=schedule,
-                                             microbatch_sequences=sizes)).plan
+                                             microbatch_sequences=sizes, split_idle_islands=False)).plan
     except InfeasibleError:
         return None
     return plan.predicted.iteration_time_s

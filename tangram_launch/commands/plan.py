@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare and result is not None:
         from tangram_launch.planner.baselines import compare
 
-        baselines = compare(result, cluster, options=opts)
+        baselines = compare(result.unsplit or result, cluster, options=opts)  # baselines over the islands as built
         rows = [b.to_dict(plan.predicted.iteration_time_s) for b in baselines]
         if args.manual:
             rows.insert(0, {"name": "tangram", "description": "Tangram's plan",

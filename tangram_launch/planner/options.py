@@ -30,6 +30,11 @@ class PlannerOptions:
     # the GPU counts the parallelizer offers a slice (GPU_COUNTS): "tiling" (powers of two within a node, whole
     # nodes) or "all" (every count whose stages can be placed: wider, slower; docs/planner.md gives the cost)
     gpu_counts: str = "tiling"
+    # a plan that leaves whole nodes of an island idle is searched once more with that island split into its used
+    # and its idle nodes, two slices of different widths where one island's equal stages fit neither; the faster
+    # plan is kept (planner/island_split.py; only while the split islands number at most exact_islands; off: one
+    # search over the islands as built)
+    split_idle_islands: bool = True
 
     def __post_init__(self) -> None:
         if self.microbatch_sequences is not None:

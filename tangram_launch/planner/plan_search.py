@@ -18,9 +18,12 @@ are composed in the order of their floors (classes.py: each island holds one sli
 are skipped; inside a class, options no plan beating the bounds can hold, and above five islands islands none can
 use, are dropped before composing (cover_floors.py). -> islands left out (reasons from a floor, dropped.py), and
 GPUs left idle, with reasons (reasons.py) -> Plan (build.py). Nothing fits: InfeasibleError with the reasons
-(reasons.py; exit status 3 on the command line). planner/bounds.py lists every pruning bound."""
+(reasons.py; exit status 3 on the command line). planner/bounds.py lists every pruning bound. Where the plan leaves
+whole nodes of an island idle, the same search runs once more with that island split into its used and idle nodes
+(island_split.py), and the faster plan is kept."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -35,6 +38,7 @@ from tangram_launch.planner.class_composition import compose_group
 from tangram_launch.planner.compose import Composition, ComposeStats
 from tangram_launch.planner.dropped import dropped_islands
 from tangram_launch.planner.gc_pause import no_collections
+from tangram_launch.planner.island_split import in_pipeline_order, split_idle
 from tangram_launch.planner.options import PlannerOptions
 from tangram_launch.planner.query_pool import QueryPool, default_workers
 from tangram_launch.planner.reasons import idle_gpus, infeasible_reasons, usable_islands
@@ -66,6 +70,7 @@ class SearchResult:
     atoms: ModelAtoms
     stats: dict
     scored_s: tuple[float, ...] = ()  # predicted iteration of every composition the search scored
+    unsplit: "SearchResult | None" = None  # the search over the islands as built, where a split island beat it
 
 
 def resolve_parallelizer(parallelizer: str | Parallelizer, gpu_counts: str = "tiling") -> Parallelizer:
@@ -104,7 +109,48 @@ def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
     # and stop when the search ends.
     with no_collections(), QueryPool(resolve_parallelizer(parallelizer, opts.gpu_counts), opts.max_workers,
                                       progress=opts.progress, label=f"planning {model.name}") as pool:
-        return _search(cluster, model, training, runtime=runtime, pool=pool, islands=islands, options=opts)
+        result = _search(cluster, model, training, runtime=runtime, pool=pool, islands=islands, options=opts)
+        if opts.split_idle_islands:
+            result = _with_idle_split(result, cluster, model, training, runtime=runtime, pool=pool, options=opts)
+        return result
+
+
+def _with_idle_split(result: SearchResult, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
+                     runtime: str | RuntimeCapabilities, pool: QueryPool, options: PlannerOptions) -> SearchResult:
+    """The search once more with each island the plan leaves whole nodes of idle split into its used and idle
+    nodes (island_split.py); the faster of the two plans, the split one saying which island became which parts."""
+    split = split_idle(result.islands, result.plan)
+    if split is None or len(split[0].islands) > options.exact_islands:  # the exact composer's range only:
+        return result  # above it a search of thousands of GPUs would run twice
+    iset, parts = split
+    try:
+        alt = _search(cluster, model, training, runtime=runtime, pool=pool, islands=iset, options=options)
+    except InfeasibleError:
+        return result
+    if alt.plan.predicted.iteration_time_s >= result.plan.predicted.iteration_time_s:
+        result.stats["planning_time_s"] = round(result.stats["planning_time_s"] + alt.stats["planning_time_s"], 4)
+        result.plan = _with_planner(result.plan, result.stats)
+        return result
+    ordered = in_pipeline_order(result.islands, iset, parts, alt.plan)
+    if ordered is not None:  # the same parts, the one the pipeline reaches first on the island's first nodes
+        again = _search(cluster, model, training, runtime=runtime, pool=pool, islands=ordered[0], options=options)
+        if again.plan.predicted.iteration_time_s <= alt.plan.predicted.iteration_time_s:
+            again.stats["planning_time_s"] = round(again.stats["planning_time_s"] + alt.stats["planning_time_s"], 4)
+            alt, (iset, parts) = again, ordered
+    # the stages keep the names of the islands `tangram-launch islands` lists; the split is said in the stats
+    whole_of = {part: name for name, pair in parts.items() for part in pair}
+    nodes_of = {isl.name: isl.num_nodes for isl in iset.islands}
+    alt.stats["islands_split"] = {
+        "islands": {name: [{"nodes": nodes_of[part], "stages": [st.index for st in alt.plan.stages if st.island == part]}
+                           for part in pair] for name, pair in parts.items()},
+        "unsplit_iteration_s": result.plan.predicted.iteration_time_s}
+    alt.stats["planning_time_s"] = round(result.stats["planning_time_s"] + alt.stats["planning_time_s"], 4)
+    alt.plan = dataclasses.replace(
+        _with_planner(alt.plan, alt.stats),
+        stages=tuple(dataclasses.replace(st, island=whole_of.get(st.island, st.island)) for st in alt.plan.stages),
+        islands_used=tuple(dict.fromkeys(whole_of.get(i, i) for i in alt.plan.islands_used)))
+    alt.unsplit = result
+    return alt
 
 
 def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,

@@ -50,6 +50,13 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
     if plan.islands_dropped:
         lines += ["", "islands left out:"]
         lines += [f"  {d['reason']}" for d in plan.islands_dropped]
+    split = plan.planner.get("islands_split") or {}
+    if split:
+        lines += ["", "islands split in two, a slice on each part (planned with one slice per island, the plan left "
+                      f"whole nodes idle: iteration {split['unsplit_iteration_s']:.3f} s):"]
+        lines += [f"  {name}: " + ", ".join(f"{plural(p['nodes'], 'node')} for stage "
+                                            + ", ".join(str(k) for k in p["stages"]) for p in parts)
+                  for name, parts in split["islands"].items()]
     idle = plan.planner.get("gpus_idle") or {}
     if idle.get("islands"):
         lines += ["", f"{device_noun(cpu=cpu)} idle: {idle['total']}"]
