@@ -19,10 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers_plans import make_plan
-from test_adapter_torch import SEED, _batches, _free_port, _sgd
-from timeouts import PROCESS_GROUP_TIMEOUT, PROCESS_GROUP_TIMEOUT_S
+from test_adapter_torch import SEED, _batches, _free_port, _sgd, rank_contexts
 from runtime_adapters.gpt import build_model, lm_loss
-from runtime_adapters.torch_native import TorchAdapter
 from tangram_launch.plan import Plan
 
 LAYERS = 4
@@ -50,13 +48,7 @@ def _held_at_first_backward(ctx, batch: torch.Tensor, weight_shapes: set[tuple[i
 
 
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
-    for name, plan_dict in cases:
-        plan = Plan.from_dict(plan_dict)
-        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S,
-                                   optimizer_factory=_sgd)
+    for name, plan, ctx in rank_contexts(rank, world, port, cases):
         whole = build_model(plan.model, seed=SEED)
         layer = whole.layers["0"]
         shapes = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2} | {tuple(whole.head.proj.weight.shape)}

@@ -302,25 +302,16 @@ def test_moe_dev_rows_share_no_source_with_a_validation_row(data):
 
 
 @pytest.mark.unit
-def test_fresh_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_cites(data):
-    """The fresh cohort is a blind validation batch gathered after the unseen rows had been seen: it is unseen data
-    only if no row of another cohort (which the model may have been shaped to) cites any of its sources."""
-    fresh = [r for r in data["runs"] if r["cohort"] == "fresh"]
-    assert len(fresh) >= 20, f"{len(fresh)} fresh rows"
-    others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != "fresh"}
-    shared = {r["id"]: r["source"]["ref"] for r in fresh if r["source"]["ref"] in others}
-    assert not shared, f"fresh rows citing a source that rows of another cohort cite: {shared}"
-
-
-@pytest.mark.unit
-def test_blind2_rows_are_at_least_twenty_and_cite_only_sources_no_other_cohort_cites(data):
-    """The blind2 cohort is a blind validation batch gathered after the fresh rows had been seen: it is unseen data
-    only if no row of another cohort (fresh included) cites any of its sources."""
-    blind2 = [r for r in data["runs"] if r["cohort"] == "blind2"]
-    assert len(blind2) >= 20, f"{len(blind2)} blind2 rows"
-    others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != "blind2"}
-    shared = {r["id"]: r["source"]["ref"] for r in blind2 if r["source"]["ref"] in others}
-    assert not shared, f"blind2 rows citing a source that rows of another cohort cite: {shared}"
+@pytest.mark.parametrize("cohort", ["fresh", "blind2"])
+def test_a_blind_cohort_has_twenty_rows_and_cites_only_sources_no_other_cohort_cites(data, cohort):
+    """fresh and blind2 are blind validation batches, each gathered after the cohorts before it had been seen: a
+    batch is unseen data only if no row of another cohort (which the model may have been shaped to) cites any of its
+    sources."""
+    rows = [r for r in data["runs"] if r["cohort"] == cohort]
+    assert len(rows) >= 20, f"{len(rows)} {cohort} rows"
+    others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != cohort}
+    shared = {r["id"]: r["source"]["ref"] for r in rows if r["source"]["ref"] in others}
+    assert not shared, f"{cohort} rows citing a source that rows of another cohort cite: {shared}"
 
 
 @pytest.mark.unit

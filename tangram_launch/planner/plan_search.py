@@ -141,8 +141,9 @@ def _with_idle_split(result: SearchResult, cluster: "ClusterSpec", model: "Model
     whole_of = {part: name for name, pair in parts.items() for part in pair}
     nodes_of = {isl.name: isl.num_nodes for isl in iset.islands}
     alt.stats["islands_split"] = {
-        "islands": {name: [{"nodes": nodes_of[part], "stages": [st.index for st in alt.plan.stages if st.island == part]}
-                           for part in pair] for name, pair in parts.items()},
+        "islands": {name: [{"nodes": nodes_of[part],
+                            "stages": [st.index for st in alt.plan.stages if st.island == part]} for part in pair]
+                    for name, pair in parts.items()},
         "unsplit_iteration_s": result.plan.predicted.iteration_time_s}
     alt.stats["planning_time_s"] = round(result.stats["planning_time_s"] + alt.stats["planning_time_s"], 4)
     alt.plan = dataclasses.replace(
