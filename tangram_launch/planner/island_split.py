@@ -65,7 +65,7 @@ def in_pipeline_order(iset: IslandSet, split: IslandSet, parts: dict[str, list[s
         pair = parts.get(isl.name)
         if pair is None:
             continue
-        first, second = sorted(pair, key=lambda p: first_stage.get(p, len(plan.stages)))
+        first = min(pair, key=lambda p: first_stage.get(p, len(plan.stages)))
         n_first = split.by_name(first).num_nodes
         nodes_of_part[isl.name] = [isl.nodes[:n_first], isl.nodes[n_first:]]
         moved |= split.by_name(first).nodes != isl.nodes[:n_first]
