@@ -63,7 +63,7 @@ def main() -> None:
         planning = time.perf_counter() - t0
         t = r.plan.predicted.iteration_time_s
         cells = {}
-        for bl in compare(r, cluster):
+        for bl in compare(r.unsplit or r, cluster):  # baselines over the islands as built
             bt = bl.time_s
             cells[bl.name] = "infeasible" if bt is None else (f"{bt:.2f}" if bl.name == "ideal"
                                                                 else f"{bt:.2f} ({bt / t:.2f}x)")
