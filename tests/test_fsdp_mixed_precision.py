@@ -19,9 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers_plans import make_plan
-from test_adapter_torch import SEED, _batches, _free_port, _sgd, rank_contexts
-from runtime_adapters.gpt import build_model, lm_loss
-from tangram_launch.plan import Plan
+from test_adapter_torch import SEED, _batches, _free_port, _reference, rank_contexts
+from runtime_adapters.gpt import build_model
 
 LAYERS = 4
 
@@ -66,20 +65,6 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out
     dist.destroy_process_group()
 
 
-def _reference_losses(plan: Plan) -> list[float]:
-    model = build_model(plan.model, seed=SEED)
-    model.set_compute_dtype(torch.bfloat16)
-    opt = _sgd(list(model.parameters()))
-    out = []
-    for b in _batches(plan):
-        loss = lm_loss(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(loss.item())
-    return out
-
-
 @pytest.mark.distributed
 def test_bf16_stages_hold_the_16_bit_weights_the_cost_model_prices(tmp_path):
     """ZeRO 3 (FSDP2, MixedPrecisionPolicy): each layer's gathered 16-bit weights are freed after its forward.
@@ -99,5 +84,5 @@ def test_bf16_stages_hold_the_16_bit_weights_the_cost_model_prices(tmp_path):
     # layer's copies, once per micro-batch in flight
     assert z0["held"][-1] == 2 * (LAYERS * z0["layer_bytes_16bit"] + z0["head_bytes_16bit"]), z0
     # bf16 parameters in the forward instead of autocast's per-op casts: the same training within bf16 rounding
-    ref = _reference_losses(cases["zero3"])
+    ref = _reference(cases["zero3"])[0]  # the whole model, fp32 weights under autocast, in this process
     assert z3["losses"] == pytest.approx(ref, abs=2e-2) and z0["losses"] == pytest.approx(ref, abs=2e-3)
