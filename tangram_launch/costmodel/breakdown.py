@@ -973,7 +973,8 @@ class SliceCoster:
         rp = self._rec_part(st, r)
         full = cfg.recompute == "full"
         rec_s, rworking = rp.recompute_s, rp.working_bytes
-        act = rp.activation_bytes + zp.copy_bytes[full] * self.fragmentation
+        copies = zp.copy_bytes[full] * self.fragmentation
+        act = rp.activation_bytes + copies
         exposed = zero_exposed_s(zp, st.fwd_s, st.bwd_s + rec_s, st.edge_compute)
         exposed_s = sum(exposed)
         bd = {
@@ -996,7 +997,7 @@ class SliceCoster:
             "working_bytes": (zworking + rworking) * self.fragmentation,
             "overhead_bytes": self.overhead_bytes,
             "activations_bytes": act,
-            "autocast_copies_bytes": zp.copy_bytes[full] * self.fragmentation,  # per micro-batch, in activations
+            "autocast_copies_bytes": copies,  # per micro-batch, included in activations_bytes
             "host_offload_bytes": dense.host + expert.host,
             "offload_pcie_bytes": zp.offload_pcie_bytes,  # per iteration (runtime_adapters/offload.py moves these)
             "forward_flops": st.fwd_flops,

@@ -19,7 +19,7 @@ from tangram_launch.islands import IslandSet
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.plan import Plan
 
-USED_SUFFIX, IDLE_SUFFIX = ".a", ".b"
+PART_SUFFIXES = (".a", ".b")  # split_idle: used, idle nodes; in_pipeline_order: first, second in the pipeline
 
 
 def _parts(iset: IslandSet, nodes_of_part: dict[str, list[tuple[str, ...]]]) -> tuple[IslandSet, dict[str, list[str]]]:
@@ -31,7 +31,7 @@ def _parts(iset: IslandSet, nodes_of_part: dict[str, list[tuple[str, ...]]]) -> 
             continue
         pair = [replace(isl, name=isl.name + suffix, nodes=nodes, gpus=tuple(g for g in isl.gpus if g.node in nodes),
                         inter_node_link=isl.inter_node_link if len(nodes) > 1 else None)
-                for suffix, nodes in zip((USED_SUFFIX, IDLE_SUFFIX), nodes_of_part[isl.name])]
+                for suffix, nodes in zip(PART_SUFFIXES, nodes_of_part[isl.name])]
         islands += pair
         parts[isl.name] = [p.name for p in pair]
     return IslandSet(tuple(islands), iset.separations, iset.tolerances), parts
