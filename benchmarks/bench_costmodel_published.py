@@ -24,7 +24,9 @@ worth. Medians are given for the development and the validation split side by si
 the data file's `validation_split`; validation is also shown by cohort: rows in the file when the split was drawn and
 rows added afterwards; rows of a sealed cohort, gathered blind, are costed only with --unseal), then overall, for
 the rows the constants were fitted on (subset: fit) and for the held-out rest, and per GPU type, framework family,
-dense/MoE and technique. `--fit` re-fits each constant of the file's `fitted_constants:` on its named rows and prints
+dense/MoE and technique. A ceiling analysis says how much of the error one constant per GPU type, framework family
+or source could remove at best (each group scaled by its own median ratio, chosen on the rows it is judged on: an
+oracle, not a model). `--fit` re-fits each constant of the file's `fitted_constants:` on its named rows and prints
 the fitted next to the shipped value.
 """
 from __future__ import annotations
@@ -74,8 +76,10 @@ INTER_NODE_LATENCY_US = 2.0
 
 # ------------------------------------------------------------------------------------------------ data file
 def load_data(path: str = DATA) -> dict:
+    """The data file, parsed by libyaml where PyYAML has it (the same safe constructor, several times faster on a
+    file of this size: the unit tests read it in several places)."""
     with open(path, encoding="utf-8") as fh:
-        return yaml.safe_load(fh)
+        return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def resolve_model(name: str, data: dict) -> ModelSpec:
@@ -437,6 +441,42 @@ def print_split_medians(costed: list[dict]) -> None:
                                         for _, rows in cols))
 
 
+# The groupings of the ceiling analysis (print_ceiling): what one constant per group could at best remove.
+CEILING_GROUPS = (("one constant for all rows", lambda r: ""), ("one per GPU type", lambda r: r["gpu"]),
+                  ("one per framework family", family), ("one per GPU type and family", lambda r: (r["gpu"], family(r))),
+                  ("one per source", lambda r: r["source"]))
+
+
+def scaled_errors(rows: list[dict], key: str, group) -> list[float]:
+    """The errors (``key``, %) of ``rows`` once each group's predictions are multiplied by the one factor that
+    centres that group (the median of its published / predicted ratios): an oracle, chosen on the very rows it is
+    judged on, so a floor under what any constant per group can reach, not a model."""
+    groups: dict[Any, list[float]] = {}
+    for r in rows:
+        if r.get(key) is not None:
+            groups.setdefault(group(r), []).append(1.0 + r[key] / 100.0)  # predicted / published
+    out: list[float] = []
+    for ratios in groups.values():
+        factor = statistics.median(1.0 / x for x in ratios)
+        out.extend(100.0 * (x * factor - 1.0) for x in ratios)
+    return out
+
+
+def print_ceiling(costed: list[dict]) -> None:
+    """How much of the error a per-group constant could remove at best (scaled_errors), per split: where even one
+    factor per GPU type chosen on the validation rows themselves leaves their median near the target, what remains
+    is spread between the deployments of one GPU type (stack, tuning, measurement), which no constant per GPU type
+    reaches and a measurement of the user's own runs (tangram-launch calibrate) does."""
+    splits = [(name, [r for r in costed if r["split"] == name]) for name in ("dev", "validation")]
+    print("ceiling: median |error| left after scaling each group by its own median ratio (an oracle fitted on the "
+          "rows it is judged on)")
+    print(f"  {'':28}" + "".join(f"  {f'{name} time':>17}  {f'{name} memory':>17}" for name, _ in splits))
+    for label, group in CEILING_GROUPS:
+        print(f"  {label:28}" + "".join(f"  {median_abs(scaled_errors(rows, 'time_err', group)):>17}"
+                                        f"  {median_abs(scaled_errors(rows, 'mem_err', group)):>17}"
+                                        for _, rows in splits))
+
+
 # Per-technique groups of the report (a row counts in every group it matches).
 TECHNIQUES = (
     ("TP>1", lambda p: p.get("tp", 1) > 1), ("PP>1", lambda p: p.get("pp", 1) > 1),
@@ -496,6 +536,8 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
           + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())))
     print()
     print_split_medians(costed)
+    print()
+    print_ceiling(costed)
     print()
     print("median |error| (signed median: + = predicted slower / more memory)")
     groups: list[tuple[str, list[dict]]] = [

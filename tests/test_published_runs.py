@@ -31,7 +31,7 @@ def _bench():
 
 @functools.cache
 def _data() -> dict:
-    """The data file parsed once (pure-Python YAML, a tenth of a second): each module gets its own copy."""
+    """The data file parsed once: each module gets its own copy."""
     return _bench().load_data()
 
 
@@ -278,6 +278,42 @@ def test_the_report_puts_dev_and_validation_medians_side_by_side(data, bench, ca
     assert "dev" in out[1] and "validation" in out[1] and out[1].index("dev") < out[1].index("validation")
     time_row = next(line for line in out if line.strip().startswith("time |err|"))
     assert time_row.count("(n=1)") == 3 and time_row.endswith("(n=0)")  # dev, validation, its original cohort
+
+
+_ERRORS = st.lists(st.tuples(st.sampled_from("abc"), st.floats(-90.0, 400.0)), min_size=1, max_size=30)
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(errors=_ERRORS, factor=st.floats(0.2, 5.0))
+def test_the_ceiling_centres_each_group_and_ignores_a_common_factor(bench, errors, factor):
+    """scaled_errors: each group's scaled ratios have median 1 (its median error is 0 where the group has an odd
+    size), the order inside a group is kept, and predictions all off by one more factor scale to the same errors."""
+    rows = [{"g": g, "time_err": e} for g, e in errors]
+    shifted = [{"g": g, "time_err": 100.0 * ((1.0 + e / 100.0) * factor - 1.0)} for g, e in errors]
+    group = lambda r: r["g"]  # noqa: E731
+    out = bench.scaled_errors(rows, "time_err", group)
+    assert bench.scaled_errors(shifted, "time_err", group) == pytest.approx(out, rel=1e-9, abs=1e-6)
+    by_group: dict[str, list[tuple[float, float]]] = {}
+    first = {g: i for i, (g, _) in reversed(list(enumerate(errors)))}
+    for (g, e), x in zip(sorted(errors, key=lambda t: first[t[0]]), out):  # group by group, in order of appearance
+        by_group.setdefault(g, []).append((e, x))
+    for pairs in by_group.values():
+        xs = [x for _, x in sorted(pairs)]
+        assert all(a <= b for a, b in zip(xs, xs[1:]))  # the order inside a group is kept
+        if len(pairs) % 2:
+            assert sorted(x for _, x in pairs)[len(pairs) // 2] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.unit
+def test_the_report_prints_the_ceiling_of_a_constant_per_group_beside_each_split(data, bench, capsys):
+    rows = {r["id"]: r for r in data["runs"]}
+    costed = [bench.evaluate(rows[rid], data) for rid in ("mpt-a100-80-7b-s2k-8", "mpt-a100-80-1b-s2k-8")]
+    bench.print_ceiling(costed)
+    out = capsys.readouterr().out.splitlines()
+    assert "dev time" in out[1] and "validation memory" in out[1]
+    per_source = next(line for line in out if line.strip().startswith("one per source"))
+    assert per_source.count("0.0 % (n=1)") == 2  # one row per split: its own factor leaves no error
 
 
 @pytest.mark.unit
