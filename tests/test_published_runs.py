@@ -306,6 +306,28 @@ def test_the_ceiling_centres_each_group_and_ignores_a_common_factor(bench, error
 
 
 @pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(errors=_ERRORS)
+def test_a_left_out_row_never_sets_its_own_factor(bench, errors):
+    """left_out_errors: a row alone in its group is left out; a row's scaled ratio is its own ratio times the median
+    of the other rows' published / predicted ratios, its own never among them."""
+    rows = [{"g": g, "time_err": e} for g, e in errors]
+    group = lambda r: r["g"]  # noqa: E731
+    out = bench.left_out_errors(rows, "time_err", group)
+    sizes = {g: sum(1 for h, _ in errors if h == g) for g, _ in errors}
+    assert len(out) == sum(n for n in sizes.values() if n > 1)
+    first = {g: i for i, (g, _) in reversed(list(enumerate(errors)))}
+    kept = [(g, e) for g, e in sorted(errors, key=lambda t: first[t[0]]) if sizes[g] > 1]
+    for (g, e), x in zip(kept, out):
+        others = [1.0 + f / 100.0 for h, f in errors if h == g]
+        others.remove(1.0 + e / 100.0)
+        factor = sorted(1.0 / y for y in others)
+        mid = len(factor) // 2
+        median = factor[mid] if len(factor) % 2 else (factor[mid - 1] + factor[mid]) / 2.0
+        assert x == pytest.approx(100.0 * ((1.0 + e / 100.0) * median - 1.0), rel=1e-9, abs=1e-6)
+
+
+@pytest.mark.unit
 def test_the_report_prints_the_ceiling_of_a_constant_per_group_beside_each_split(data, bench, capsys):
     rows = {r["id"]: r for r in data["runs"]}
     costed = [bench.evaluate(rows[rid], data) for rid in ("mpt-a100-80-7b-s2k-8", "mpt-a100-80-1b-s2k-8")]
