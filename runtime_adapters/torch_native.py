@@ -14,7 +14,10 @@ Per rank (order as in torchtitan's parallelize step, and why):
 5. Activation checkpointing per ``stage.recompute``: full = every layer re-runs in backward, selective = only the
    attention core (softmax(QK^T)V), the part whose activations grow with the sequence (Korthikanti et al. 2022).
    Mixed precision per ``training.dtype``: bf16/fp16 matmuls under autocast, fp32 parameters and gradients; fp16
-   adds dynamic loss scaling (``LossScaler``).
+   adds dynamic loss scaling (``LossScaler``). A ZeRO-0 stage that does not recompute whole layers casts each weight
+   once per step (``casts_once``): autocast's cast cache lives until the outermost autocast context exits, so one
+   disabled context around the schedule keeps the 16-bit copies for every micro-batch instead of one per micro-batch
+   in flight; under full recompute the per-forward casts are freed with the checkpointed layers, which holds less.
 6. Data parallel inside the stage per ``zero_stage``: 0 -> one bucketed all-reduce of the gradients on the dp group
    after the schedule (not DDP: under torch.distributed.pipelining in torch 2.13, DDP's reducer asserts at step 2
    when micro-batches == stages, and with static_graph=True it returns wrong gradients; measured); 1/2 -> FSDP2
@@ -37,6 +40,7 @@ Usage on a worker (``tangram-launch --plan plan.json train.py`` or torchrun)::
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -182,7 +186,7 @@ class TorchAdapter(RuntimeAdapter):
         return TorchTrainingContext(plan=plan, place=place, groups=groups, module=module, optimizer=optimizer,
                                     schedule=schedule, device=device, manual_dp=manual_dp, last_stage_src=last_src,
                                     owns_default_group=owns_default_group, scaler=scaler, experts=experts,
-                                    timer=timer)
+                                    timer=timer, casts_once=casts_once_per_step(stage, dtype))
 
 
 def _expert_parallel_problems(plan: Plan) -> list[str]:
@@ -221,6 +225,19 @@ def _apply_tensor_parallel(module: nn.Module, stage: Stage, groups: StageGroups)
                         field=f"stages[{stage.index}].tp", value=stage.tp)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(module, groups.tp_mesh, {path: styles[kind]() for path, kind in plan_fn().items()})
+
+
+def casts_once_per_step(stage: Stage, dtype: torch.dtype | None) -> bool:
+    """Whether a stage keeps one 16-bit copy of its weights for the whole step (TorchTrainingContext.train_step).
+
+    Autocast caches the cast of an fp32 leaf weight until the outermost autocast context exits; the stage's forward
+    opens its own context per micro-batch, so each micro-batch casts again and autograd keeps that micro-batch's copy
+    for its backward: 2 bytes per GEMM weight per micro-batch in flight. Inside one outer context (disabled: the
+    backward runs outside autocast, as before) every micro-batch reads the first cast, the same values. Only where
+    it holds less: ZeRO-0 stages (ZeRO 1-3 gather 16-bit parameters already, FSDP2's MixedPrecisionPolicy) that do
+    not recompute whole layers (a checkpointed layer frees its casts after each forward; the cache would hold them
+    all step). The cost model prices the same (costmodel/breakdown.py, RuntimeCapabilities.autocast_fp32_weights)."""
+    return dtype is not None and stage.zero_stage == 0 and stage.recompute != "full"
 
 
 def _apply_recompute(module: nn.Module, stage: Stage) -> None:
@@ -339,6 +356,7 @@ class TorchTrainingContext:
     experts: ExpertGroups | None = None  # this rank's expert-parallel groups (stage.ep > 1 only)
     timer: StageTimer | None = None  # per-step stage timings for the run report (launched with a run directory)
     steps_done: int = 0
+    casts_once: bool = False  # 16-bit weights cast once per step (casts_once_per_step), not once per micro-batch
 
     @property
     def is_last_stage(self) -> bool:
@@ -368,17 +386,20 @@ class TorchTrainingContext:
         if self.scaler is not None:  # MoE auxiliary losses join backward at the schedule's loss scale
             for m in getattr(self.module, "moe_layers", list)():
                 m.aux_grad_scale = self.scaler.scale
-        if isinstance(self.schedule, GridSchedule):  # per-stage grids: the executor picks each replica's rows
-            losses = self.schedule.step(batch)
-        elif first and last:
-            rows = self.replica_rows(batch).to(self.device)
-            self.schedule.step(rows[:, :-1].contiguous(), target=rows[:, 1:].contiguous(), losses=losses)
-        elif first:
-            self.schedule.step(self.replica_rows(batch)[:, :-1].contiguous().to(self.device))
-        elif last:
-            self.schedule.step(target=self.replica_rows(batch)[:, 1:].contiguous().to(self.device), losses=losses)
-        else:
-            self.schedule.step()
+        # casts_once_per_step: the cast cache lives as long as this context (cleared before the optimizer step)
+        with torch.autocast(self.device.type, enabled=False) if self.casts_once else contextlib.nullcontext():
+            if isinstance(self.schedule, GridSchedule):  # per-stage grids: the executor picks each replica's rows
+                losses = self.schedule.step(batch)
+            elif first and last:
+                rows = self.replica_rows(batch).to(self.device)
+                self.schedule.step(rows[:, :-1].contiguous(), target=rows[:, 1:].contiguous(), losses=losses)
+            elif first:
+                self.schedule.step(self.replica_rows(batch)[:, :-1].contiguous().to(self.device))
+            elif last:
+                self.schedule.step(target=self.replica_rows(batch)[:, 1:].contiguous().to(self.device),
+                                   losses=losses)
+            else:
+                self.schedule.step()
         if self.manual_dp:
             self._all_reduce_grads()
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0

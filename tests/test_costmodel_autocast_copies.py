@@ -1,7 +1,9 @@
 """The torch runtime's ZeRO-0 stages of a 16-bit plan keep fp32 weights and run autocast: the cost model stores
-4 + 4 + 8 bytes per parameter there, and each micro-batch in flight holds the 16-bit copy of every GEMM weight that
-autocast made and autograd saved for the backward (tests/test_fsdp_mixed_precision.py shows the copies on real
-processes). Runtimes with 16-bit weights (DeepSpeed, Megatron), fp32 plans and FSDP2 stages are priced as before."""
+4 + 4 + 8 bytes per parameter there, plus the 16-bit copies of the GEMM weights that autocast made and autograd saved
+for the backward: one of every GEMM weight for the whole step where layers are not recomputed whole (the runtime keeps
+autocast's cast cache across the step's micro-batches), and under full recompute the output layer's per micro-batch
+in flight (tests/test_fsdp_mixed_precision.py shows the copies on real processes). Runtimes with 16-bit weights
+(DeepSpeed, Megatron), fp32 plans and FSDP2 stages are priced as before."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,16 +34,20 @@ def _stage(caps: RuntimeCapabilities, *, dtype: str = "bf16", zero: int = 0, rec
 
 
 @pytest.mark.unit
-def test_zero0_bf16_stores_16_bytes_and_a_16_bit_copy_of_each_gemm_weight_per_microbatch():
-    (torch_n, torch_bd), frag, st = _stage(TORCH)
-    (any_n, any_bd), _, _ = _stage(WEIGHTS_16BIT)
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_zero0_bf16_stores_16_bytes_and_one_16_bit_copy_of_each_gemm_weight_for_the_step(recompute):
+    (torch_n, torch_bd), frag, st = _stage(TORCH, recompute=recompute)
+    (any_n, any_bd), _, _ = _stage(WEIGHTS_16BIT, recompute=recompute)
     params = st.dense_params + st.expert_params
     states = lambda bd: bd["parameters_bytes"] + bd["gradients_bytes"] + bd["optimizer_bytes"]  # noqa: E731
     assert states(any_bd) == pytest.approx(18 * params, rel=1e-9)  # 2 + 4 + 12
     assert states(torch_bd) == pytest.approx(16 * params, rel=1e-9)  # 4 + 4 + 8
     gemm_weights = params - (st.edge_params - st.head_params)  # the first stage's embedding table is not a GEMM's
     assert gemm_weights < params
-    assert torch_n.activation_bytes - any_n.activation_bytes == pytest.approx(2 * gemm_weights * frag, rel=1e-9)
+    # once, in the static bytes: not per micro-batch in flight
+    assert torch_bd["autocast_held_copies_bytes"] == pytest.approx(2 * gemm_weights, rel=1e-9)
+    assert torch_n.static_bytes - any_n.static_bytes == pytest.approx(2 * gemm_weights - 2 * params, rel=1e-9)
+    assert torch_n.activation_bytes == any_n.activation_bytes and torch_bd["autocast_copies_bytes"] == 0.0
     # time is untouched: storage only
     assert (torch_n.forward_s, torch_n.backward_s) == (any_n.forward_s, any_n.backward_s)
 
@@ -51,10 +57,11 @@ def test_full_recompute_keeps_only_the_output_layers_copy():
     """Checkpointed layers save their input alone; the output layer is not checkpointed."""
     last = (MODEL.num_layers - 8, MODEL.num_layers)
     (n_none, _), frag, st = _stage(TORCH, layers=last, pp=1)
-    (n_full, _), _, _ = _stage(TORCH, layers=last, pp=1, recompute="full")
+    (n_full, bd_full), _, _ = _stage(TORCH, layers=last, pp=1, recompute="full")
     (a_full, _), _, _ = _stage(WEIGHTS_16BIT, layers=last, pp=1, recompute="full")
     assert st.head_params > 0
     assert n_full.activation_bytes - a_full.activation_bytes == pytest.approx(2 * st.head_params * frag, rel=1e-9)
+    assert bd_full["autocast_held_copies_bytes"] == 0.0  # the runtime keeps no cast cache under full recompute
     assert n_none.activation_bytes > n_full.activation_bytes
 
 
@@ -69,15 +76,25 @@ def test_fp32_plans_and_fsdp2_stages_are_priced_as_before(dtype, zero):
 
 
 @pytest.mark.unit
-def test_estimate_shows_the_copies_for_the_torch_runtime_and_refuses_a_stage_they_overflow(cluster_path, capsys):
-    """Llama 3 8B in 4 stages on the C2 cluster's 8 H100s, ZeRO 0: the first stage holds four micro-batches' copies
-    of its 16-bit weights under the torch runtime and no longer fits 80 GB; Megatron keeps 16-bit weights."""
+def test_estimate_shows_the_copies_for_the_torch_runtime(cluster_path, capsys):
+    """Llama 3 8B in 4 stages on the C2 cluster's 8 H100s, ZeRO 0: under the torch runtime each stage keeps one
+    copy of its 16-bit GEMM weights for the step, however many micro-batches are in flight (stage 0: four), and
+    under full recompute the last stage its output layer's per micro-batch; Megatron keeps 16-bit weights."""
     from tangram_launch.cli import main
 
     args = ["estimate", "--cluster", cluster_path("c2-modern-het"), "--model", "llama3-8b", "--island", "h100-sxm",
             "--pp", "4", "--dp", "2", "--zero", "0", "--global-batch", "16", "--seq-len", "8192", "--runtime"]
-    assert main(args + ["torch"]) == 3  # does not fit
+    assert main(args + ["torch"]) == 0
     torch_out = capsys.readouterr().out
     assert main(args + ["megatron"]) == 0
     megatron_out = capsys.readouterr().out
-    assert "of which 16-bit weight copies" in torch_out and "of which 16-bit weight copies" not in megatron_out
+    assert main(args + ["torch", "--recompute", "full"]) == 0
+    full_out = capsys.readouterr().out
+    row = lambda out, label: next(line for line in out.splitlines() if line.strip().startswith(label))  # noqa: E731
+    held = [float(x) for x in row(torch_out, "16-bit weight copies (kept all step)").split()[-4:]]
+    # stages 1-3 hold 16-bit copies where Megatron holds 16-bit parameters: the same GiB
+    assert held[1:] == [float(x) for x in row(megatron_out, "parameters").split()[-3:]]
+    assert "16-bit weight copies" not in megatron_out and "of which 16-bit weight copies" not in torch_out
+    per_microbatch = [float(x) for x in row(full_out, "of which 16-bit weight copies").split()[-4:]]
+    assert per_microbatch[:3] == [0.0, 0.0, 0.0] and per_microbatch[3] > 0.0  # the output layer's, last stage
+    assert "(kept all step)" not in full_out

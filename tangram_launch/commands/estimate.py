@@ -215,11 +215,14 @@ def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: 
                        ("optimizer_bytes", "optimizer states"), ("working_bytes", "working set"),
                        ("overhead_bytes", "runtime overhead")):
         add("  " + label, [gib(s.breakdown.get(key, 0.0)) for s in st])
+    held = [s.breakdown.get("autocast_held_copies_bytes", 0.0) for s in st]
+    if any(held):  # ZeRO-0 stages of the torch runtime: autocast's casts kept for the step
+        add("  16-bit weight copies (kept all step)", [gib(x) for x in held])
     inflight = [min(stages_after + n - j, num_microbatches) for j in range(n)]
     add("  activations / micro-batch", [gib(s.activation_bytes) for s in st])
     copies = [s.breakdown.get("autocast_copies_bytes", 0.0) for s in st]
     if any(copies):  # ZeRO-0 stages of the torch runtime under autocast (RuntimeCapabilities.autocast_fp32_weights)
-        add("    of which 16-bit weight copies", [gib(x) for x in copies])
+        add("    of which 16-bit weight copies", [gib(x) for x in copies])  # full recompute: the output layer's
     add("  micro-batches in flight", [str(k) for k in inflight])
     peaks = [s.memory_bytes(stages_after + n - 1 - j, num_microbatches) for j, s in enumerate(st)]
     add("  peak", [gib(x) for x in peaks])

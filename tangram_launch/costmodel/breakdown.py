@@ -91,10 +91,13 @@ class ZeroPart(NamedTuple):
     root_rs_s: float = 0.0  # ... and reduce-scattered last in the backward
     head_gather_s: float = 0.0  # the output layer, gathered while the last layer computes
     head_rs_s: float = 0.0  # ... and reduce-scattered while the last layer's backward runs
-    # per micro-batch in flight, autocast's 16-bit copies of the GEMM weights saved for the backward (ZeRO 0 under
-    # RuntimeCapabilities.autocast_fp32_weights): the layers' and the output layer's, and under full recompute the
-    # output layer's only (checkpointed layers save their input alone)
-    copy_bytes: tuple[float, float] = (0.0, 0.0)  # (not full recompute, full recompute)
+    # autocast's 16-bit copies of the GEMM weights saved for the backward (ZeRO 0 under
+    # RuntimeCapabilities.autocast_fp32_weights), (not full recompute, full recompute): per micro-batch in flight, the
+    # output layer's under full recompute (checkpointed layers save their input alone, its casts go with them) ...
+    copy_bytes: tuple[float, float] = (0.0, 0.0)
+    # ... and once for the step, the layers' and the output layer's where layers are not recomputed whole (the
+    # runtime keeps autocast's cast cache across the step's micro-batches: torch_native.casts_once_per_step)
+    held_copy_bytes: tuple[float, float] = (0.0, 0.0)
 
 
 def _sp_pairs(model, kind: str, ep: int, moe_runtime: MoERuntime | None = None) -> int:
@@ -792,11 +795,11 @@ class SliceCoster:
         pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes  # bytes communicated and updated (time)
         shard, eshard = st.shard, st.eshard
         kept_pb, kept_gb, kept_ob = self.state_bytes  # what the GPU stores per parameter (memory)
-        copies = (0.0, 0.0)
-        if zero == 0 and self.autocast_fp32_weights:  # fp32 weights, gradients, moments; 16-bit copies per micro-batch
+        copies = held_copies = (0.0, 0.0)
+        if zero == 0 and self.autocast_fp32_weights:  # fp32 weights, gradients, moments; 16-bit copies (ZeroPart)
             kept_pb, kept_gb, kept_ob = FP32_BYTES, FP32_BYTES, tr.optimizer_state_bytes - FP32_BYTES
             gemm_weights = st.dense_params - (st.edge_params - st.head_params) + st.expert_params
-            copies = (gemm_weights * pb, st.head_params * pb)
+            copies, held_copies = (0.0, st.head_params * pb), (gemm_weights * pb, 0.0)
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
         # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward
         held = held_under_pipelining(zero, off) and not (st.has_embedding and st.has_head)
@@ -864,7 +867,8 @@ class SliceCoster:
             if st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
                 working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd,
-                       l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs, copies)
+                       l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs, copies,
+                       held_copies)
         st.zero_parts[key] = out
         return out
 
@@ -954,8 +958,9 @@ class SliceCoster:
             if exposed:
                 z_bwd = _exposed_bwd_s(zp, b, edges)
                 bwd = b + (z_bwd + overlap.contention_s(zp.zero_bwd_s, z_bwd)) + fixed_bwd + rp.comm_s
-            static = zp.state_bytes + (zp.working_bytes + rp.working_bytes) * frag + overhead
-            act = rp.activation_bytes + zp.copy_bytes[r == _FULL] * frag
+            full = r == _FULL
+            static = zp.state_bytes + zp.held_copy_bytes[full] + (zp.working_bytes + rp.working_bytes) * frag + overhead
+            act = rp.activation_bytes + zp.copy_bytes[full] * frag
             if rows:
                 out.append((fwd + bwd, static, act, tail))
                 if halves is not None:
@@ -998,6 +1003,7 @@ class SliceCoster:
             "overhead_bytes": self.overhead_bytes,
             "activations_bytes": act,
             "autocast_copies_bytes": copies,  # per micro-batch, included in activations_bytes
+            "autocast_held_copies_bytes": zp.held_copy_bytes[full],  # once per stage, in the static bytes
             "host_offload_bytes": dense.host + expert.host,
             "offload_pcie_bytes": zp.offload_pcie_bytes,  # per iteration (runtime_adapters/offload.py moves these)
             "forward_flops": st.fwd_flops,

@@ -634,16 +634,20 @@ class MegatronParallelizer:
         st = plan.stages[j]
         inflight = min(n - j, m)
         bd = {k: st.breakdown[k] for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
-                                             "working_bytes", "overhead_bytes")}
+                                             "autocast_held_copies_bytes", "working_bytes", "overhead_bytes")}
         bd["activations_bytes"] = st.activation_bytes * inflight
         bd["micro_batches_in_flight"] = inflight
         bd["config"] = cfg.describe()
         bd["stage"] = j
-        parts = ", ".join(f"{k.replace('_bytes', '')} {v / GIB:.1f} GiB" for k, v in bd.items()
+        parts = ", ".join(f"{_PART_NAMES.get(k, k.replace('_bytes', ''))} {v / GIB:.1f} GiB" for k, v in bd.items()
                           if k.endswith("_bytes") and v)
         reason = (f"{where} needs at least {peak / GIB:.1f} GiB per GPU (capacity {cap / GIB:.1f} GiB) even with "
                   f"{cfg.describe()}: {parts}")
         return InfeasibleSlice((reason,), peak, bd)
+
+
+# the infeasible answer's memory parts, as its reason names them (the others: the key less "_bytes")
+_PART_NAMES = {"autocast_held_copies_bytes": "16-bit weight copies"}
 
 
 class StagesCosted(NamedTuple):
