@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_costmodel_runtime_variants import _island
 
 from tangram_launch.capabilities import TORCH, RuntimeCapabilities
@@ -98,3 +100,32 @@ def test_estimate_shows_the_copies_for_the_torch_runtime(cluster_path, capsys):
     per_microbatch = [float(x) for x in row(full_out, "of which 16-bit weight copies").split()[-4:]]
     assert per_microbatch[:3] == [0.0, 0.0, 0.0] and per_microbatch[3] > 0.0  # the output layer's, last stage
     assert "(kept all step)" not in full_out
+
+
+@pytest.mark.unit
+@settings(max_examples=40, deadline=None)
+@given(span=st.sampled_from([(0, 8), (0, 32), (8, 24), (24, 32)]), pp=st.sampled_from([1, 2, 4]),
+       recompute=st.sampled_from(["none", "selective", "full"]), dtype=st.sampled_from(["bf16", "fp16"]),
+       dp=st.sampled_from([1, 2]))
+def test_the_memory_floor_stays_under_a_zero0_autocast_stage(span, pp, recompute, dtype, dp):
+    """slice_floors.stage_need_parts is a floor the planner prunes by: it reads the states a ZeRO-0 autocast stage
+    really stores (4 + 4 + 8 bytes per parameter, SliceCoster.kept_state_bytes), not 16-bit storage's 18, which
+    would lie above a stage that recomputes whole layers (it keeps no copy of their weights)."""
+    from tangram_launch.costmodel.slice_floors import stage_need_parts
+    from tangram_launch.specs.constants import RECOMPUTE_MODES
+
+    tr = TrainingSpec(global_batch=16, seq_len=2048, dtype=dtype)
+    q = SliceQuery(model=MODEL, training=tr, layers=span, island=_island("h100-sxm"), microbatch_sequences=2,
+                   capabilities=TORCH, pipelined=span != (0, MODEL.num_layers))
+    coster = SliceCoster(q)
+    saver = (0, RECOMPUTE_MODES.index(recompute), False)
+    (state, act, working, per_param), = stage_need_parts(coster, 1, 1, 1, dp, [saver], "dense")[0]
+    plan = coster.plan(ParallelConfig(tp=1, pp=pp, dp=dp, zero_stage=0, recompute=recompute))
+    m = q.num_microbatches
+    for j, stage in enumerate(plan.stages):
+        n, k = stage.layers[1] - stage.layers[0], min(pp - j, m)
+        edges = ((MODEL.embedding_params() if stage.breakdown["has_embedding"] else 0)
+                 + (MODEL.head_params() if stage.breakdown["has_head"] else 0))
+        floor = n * (state + k * act) + edges * per_param + working
+        need = stage.static_bytes - stage.breakdown["overhead_bytes"] + k * stage.activation_bytes
+        assert floor <= need * (1 + 1e-12), (j, n, k, floor - need)

@@ -782,6 +782,15 @@ class SliceCoster:
                                        tensors, max_params, transient)
         return hit
 
+    def kept_state_bytes(self, zero: int) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer-state) bytes a GPU stores per parameter under ZeRO stage ``zero``: the
+        runtime's storage (state_bytes), or fp32 weights, gradients and Adam's moments where a ZeRO-0 stage runs
+        autocast over fp32 weights (RuntimeCapabilities.autocast_fp32_weights; its 16-bit copies are priced apart,
+        ZeroPart). The memory floors read the same (slice_floors): the copies only add."""
+        if zero == 0 and self.autocast_fp32_weights:
+            return FP32_BYTES, FP32_BYTES, self.training.optimizer_state_bytes - FP32_BYTES
+        return self.state_bytes
+
     # ------------------------------------------------------------------------------------------ per config
     # A configuration's stage cost is assembled from two cached parts: what depends on (ZeRO stage, offload) and
     # what depends on the recompute mode. The parallelizers' inner loop and the explained path share them.
@@ -794,10 +803,9 @@ class SliceCoster:
         tr, dev = self.training, self.dev
         pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes  # bytes communicated and updated (time)
         shard, eshard = st.shard, st.eshard
-        kept_pb, kept_gb, kept_ob = self.state_bytes  # what the GPU stores per parameter (memory)
+        kept_pb, kept_gb, kept_ob = self.kept_state_bytes(zero)  # what the GPU stores per parameter (memory)
         copies = held_copies = (0.0, 0.0)
-        if zero == 0 and self.autocast_fp32_weights:  # fp32 weights, gradients, moments; 16-bit copies (ZeroPart)
-            kept_pb, kept_gb, kept_ob = FP32_BYTES, FP32_BYTES, tr.optimizer_state_bytes - FP32_BYTES
+        if zero == 0 and self.autocast_fp32_weights:  # autocast's 16-bit copies (ZeroPart)
             gemm_weights = st.dense_params - (st.edge_params - st.head_params) + st.expert_params
             copies, held_copies = (0.0, st.head_params * pb), (gemm_weights * pb, 0.0)
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches

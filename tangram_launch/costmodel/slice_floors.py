@@ -57,7 +57,6 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
     copy only add). ``states``: a dict kept across calls of one context (its SliceCoster.state_bytes), where the
     model-state parts, which do not depend on the micro-batch size, are remembered."""
     mbs = coster.q.microbatch_sequences // dp
-    pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     shard, eshard = dp * cp, tp * dp * cp // (coster.etp(tp) * ep)  # expert grid (etp, ep, edp): SliceCoster
     pairs = tuple(sorted({(z, off) for z, _r, off in savers}))
     cache = {} if states is None else states
@@ -67,7 +66,8 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
         if hit is None:
             hit = cache["per parameter", n, pairs] = min(
                 model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
-                                  optimizer_bytes=ob).total for z, off in pairs)
+                                  optimizer_bytes=ob).total
+                for z, off in pairs for pb, gb, ob in (coster.kept_state_bytes(z),))  # stored per parameter
         return hit
 
     dense_b, expert_b = per_param(shard), per_param(eshard)
@@ -117,7 +117,6 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
     model-state bytes, which do not depend on the micro-batch size, are remembered."""
     mbs = coster.q.microbatch_sequences // dp
     tr = coster.training
-    pb, gb, ob = coster.state_bytes  # stored per parameter (SliceCoster.state_bytes)
     t = coster.layer_terms(kind, tp, cp, ep, dp, mbs)
     shard, eshard = dp * cp, tp * dp * cp // (coster.etp(tp) * ep)  # expert grid (etp, ep, edp): SliceCoster
     whole = coster.has_embedding and coster.has_head  # a slice of the whole model: its stages may or may not pipeline
@@ -130,7 +129,8 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
         hit = cache.get(key)
         if hit is None:  # a whole-model slice's stages pipeline (ZeRO-1's states) or not: the lesser of each part
             choices = (1,) if held and not whole else (z, 1) if held else (z,)
-            parts = [_layer_states(t, shard, eshard, zs, off, pb, gb, ob) for zs in choices]
+            kept = coster.kept_state_bytes(z)  # stored per parameter under the stage's own ZeRO stage
+            parts = [_layer_states(t, shard, eshard, zs, off, *kept) for zs in choices]
             hit = cache[key] = (min(x for x, _ in parts), min(y for _, y in parts))
         working = ((t.dense_params + t.expert_params) * (2 * tr.param_bytes + tr.grad_bytes) if z >= 3 and not held
                    else 0.0)
