@@ -447,16 +447,22 @@ CEILING_GROUPS = (("one constant for all rows", lambda r: ""), ("one per GPU typ
                   ("one per source", lambda r: r["source"]))
 
 
+def _ratios_by_group(rows: list[dict], key: str, group) -> list[list[float]]:
+    """The predicted / published ratios of ``rows`` that have ``key`` (an error in %), per group, groups in order
+    of first appearance."""
+    groups: dict[Any, list[float]] = {}
+    for r in rows:
+        if r.get(key) is not None:
+            groups.setdefault(group(r), []).append(1.0 + r[key] / 100.0)
+    return list(groups.values())
+
+
 def scaled_errors(rows: list[dict], key: str, group) -> list[float]:
     """The errors (``key``, %) of ``rows`` once each group's predictions are multiplied by the one factor that
     centres that group (the median of its published / predicted ratios): an oracle, chosen on the very rows it is
     judged on, so a floor under what any constant per group can reach, not a model."""
-    groups: dict[Any, list[float]] = {}
-    for r in rows:
-        if r.get(key) is not None:
-            groups.setdefault(group(r), []).append(1.0 + r[key] / 100.0)  # predicted / published
     out: list[float] = []
-    for ratios in groups.values():
+    for ratios in _ratios_by_group(rows, key, group):
         factor = statistics.median(1.0 / x for x in ratios)
         out.extend(100.0 * (x * factor - 1.0) for x in ratios)
     return out
@@ -467,12 +473,8 @@ def left_out_errors(rows: list[dict], key: str, group) -> list[float]:
     factor that centres the *other* rows of its group (the median of their published / predicted ratios): what one
     scalar calibrated on a deployment's earlier runs would predict for another configuration on it. Not an oracle:
     a row never sets its own factor."""
-    groups: dict[Any, list[float]] = {}
-    for r in rows:
-        if r.get(key) is not None:
-            groups.setdefault(group(r), []).append(1.0 + r[key] / 100.0)  # predicted / published
     out: list[float] = []
-    for ratios in groups.values():
+    for ratios in _ratios_by_group(rows, key, group):
         for i, x in enumerate(ratios):
             others = ratios[:i] + ratios[i + 1:]
             if others:
