@@ -117,6 +117,8 @@ def test_two_ranks_uneven_stages_noncontiguous_and_tp(tmp_path):
         # mixed precision: bf16 autocast; fp16 autocast with dynamic loss scaling
         "bf16": make_plan("tiny", [(3, "n0"), (1, "n0")], global_batch=4, num_microbatches=2, dtype="bf16"),
         "fp16": make_plan("tiny", [(2, "n0"), (2, "n0")], global_batch=4, num_microbatches=2, dtype="fp16"),
+        # the micro-batches share autocast's casts of the DTensor weights (torch_native.casts_once_per_step)
+        "tp2_bf16": make_plan("tiny", [(4, "n0", 2, 1)], global_batch=4, num_microbatches=2, dtype="bf16"),
     }
     assert cases["uneven"].rank_layout[0].node == "n1"
     _run_and_compare(2, cases, tmp_path)
