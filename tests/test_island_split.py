@@ -6,8 +6,10 @@ the V100s take a layer on 32 GPUs and two on 64, a plan no slower than the same 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import types
 
 import pytest
 import yaml
@@ -105,3 +107,62 @@ def test_tf32_opt350m_uses_all_128_gpus_and_matches_the_same_stages_written_by_h
                  options=PlannerOptions(max_workers=1, progress=False, schedule="1F1B", split_idle_islands=False))
     assert off.plan.predicted.iteration_time_s == pytest.approx(split["unsplit_iteration_s"], rel=1e-12)
     assert off.plan.world_size == 96 and "islands_split" not in off.plan.planner
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeStage:
+    index: int
+    island: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakePlan:
+    iteration_s: float
+    stages: tuple = (_FakeStage(0, "v-used"), _FakeStage(1, "v-idle"))
+    islands_used: tuple = ("v-used", "v-idle")
+    planner: tuple = ()
+
+    @property
+    def predicted(self):
+        return types.SimpleNamespace(iteration_time_s=self.iteration_s)
+
+
+def _fake_result(iteration_s: float, planning_s: float, islands=None):
+    return types.SimpleNamespace(plan=_FakePlan(iteration_s), stats={"planning_time_s": planning_s}, islands=islands)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("outcome, plan_s, planning_s", [
+    ("split slower", 10.0, 3.0), ("split infeasible", 10.0, 3.0),
+    ("reordered slower", 8.0, 7.0), ("reordered faster", 7.0, 7.0)])
+def test_the_plans_planning_time_counts_every_search_the_split_ran(monkeypatch, outcome, plan_s, planning_s):
+    """The first search took 1 s, the split one 2 s, the split re-ordered 4 s: the plan's planning time is the sum
+    of the searches run, kept or not, infeasible or not (fakes for the searches and the islands, whose outcome is
+    chosen; the real searches are test_tf32_opt350m_...'s)."""
+    from tangram_launch.errors import InfeasibleError
+    from tangram_launch.planner import plan_search
+
+    clock = [0.0]
+    monkeypatch.setattr(plan_search.time, "perf_counter", lambda: clock[0])
+    iset = types.SimpleNamespace(islands=(types.SimpleNamespace(name="v-used", num_nodes=1),
+                                          types.SimpleNamespace(name="v-idle", num_nodes=1)))
+    parts = {"v": ("v-used", "v-idle")}
+    monkeypatch.setattr(plan_search, "split_idle", lambda islands, plan: (iset, parts))
+    monkeypatch.setattr(plan_search, "in_pipeline_order", lambda *a: (iset, parts))
+    outcomes = {"split slower": [(11.0, 2.0)], "split infeasible": [(None, 2.0)],
+                "reordered slower": [(8.0, 2.0), (9.0, 4.0)], "reordered faster": [(8.0, 2.0), (7.0, 4.0)]}[outcome]
+
+    def search(*args, **kwargs):
+        iteration_s, took_s = outcomes.pop(0)
+        clock[0] += took_s
+        if iteration_s is None:
+            raise InfeasibleError("no plan on the split islands", [])
+        return _fake_result(iteration_s, took_s)
+
+    monkeypatch.setattr(plan_search, "_search", search)
+    first = _fake_result(10.0, 1.0, islands=iset)
+    got = plan_search._with_idle_split(first, None, None, None, runtime="torch", pool=None,
+                                       options=plan_search.PlannerOptions())
+    assert not outcomes  # every search the outcome names ran
+    assert got.plan.predicted.iteration_time_s == plan_s
+    assert got.stats["planning_time_s"] == planning_s == dict(got.plan.planner)["planning_time_s"]

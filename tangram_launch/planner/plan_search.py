@@ -123,19 +123,27 @@ def _with_idle_split(result: SearchResult, cluster: "ClusterSpec", model: "Model
     if split is None or len(split[0].islands) > options.exact_islands:  # the exact composer's range only:
         return result  # above it a search of thousands of GPUs would run twice
     iset, parts = split
+    spent = [result.stats["planning_time_s"]]  # every search's time counts in the plan's, kept or not
+
+    def timed_search(islands: IslandSet) -> SearchResult:
+        t0 = time.perf_counter()
+        try:
+            return _search(cluster, model, training, runtime=runtime, pool=pool, islands=islands, options=options)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
     try:
-        alt = _search(cluster, model, training, runtime=runtime, pool=pool, islands=iset, options=options)
+        alt = timed_search(iset)
     except InfeasibleError:
-        return result
-    if alt.plan.predicted.iteration_time_s >= result.plan.predicted.iteration_time_s:
-        result.stats["planning_time_s"] = round(result.stats["planning_time_s"] + alt.stats["planning_time_s"], 4)
+        alt = None
+    if alt is None or alt.plan.predicted.iteration_time_s >= result.plan.predicted.iteration_time_s:
+        result.stats["planning_time_s"] = round(sum(spent), 4)
         result.plan = _with_planner(result.plan, result.stats)
         return result
     ordered = in_pipeline_order(result.islands, iset, parts, alt.plan)
     if ordered is not None:  # the same parts, the one the pipeline reaches first on the island's first nodes
-        again = _search(cluster, model, training, runtime=runtime, pool=pool, islands=ordered[0], options=options)
+        again = timed_search(ordered[0])
         if again.plan.predicted.iteration_time_s <= alt.plan.predicted.iteration_time_s:
-            again.stats["planning_time_s"] = round(again.stats["planning_time_s"] + alt.stats["planning_time_s"], 4)
             alt, (iset, parts) = again, ordered
     # the stages keep the names of the islands `tangram-launch islands` lists; the split is said in the stats
     whole_of = {part: name for name, pair in parts.items() for part in pair}
@@ -145,7 +153,7 @@ def _with_idle_split(result: SearchResult, cluster: "ClusterSpec", model: "Model
                             "stages": [st.index for st in alt.plan.stages if st.island == part]} for part in pair]
                     for name, pair in parts.items()},
         "unsplit_iteration_s": result.plan.predicted.iteration_time_s}
-    alt.stats["planning_time_s"] = round(result.stats["planning_time_s"] + alt.stats["planning_time_s"], 4)
+    alt.stats["planning_time_s"] = round(sum(spent), 4)
     alt.plan = dataclasses.replace(
         _with_planner(alt.plan, alt.stats),
         stages=tuple(dataclasses.replace(st, island=whole_of.get(st.island, st.island)) for st in alt.plan.stages),
