@@ -443,7 +443,8 @@ def print_split_medians(costed: list[dict]) -> None:
 
 # The groupings of the ceiling analysis (print_ceiling): what one constant per group could at best remove.
 CEILING_GROUPS = (("one constant for all rows", lambda r: ""), ("one per GPU type", lambda r: r["gpu"]),
-                  ("one per framework family", family), ("one per GPU type and family", lambda r: (r["gpu"], family(r))),
+                  ("one per framework family", family),
+                  ("one per GPU type and family", lambda r: (r["gpu"], family(r))),
                   ("one per source", lambda r: r["source"]))
 
 
