@@ -235,8 +235,10 @@ def test_the_printed_step_time_is_the_slowest_ranks_as_in_the_run_report(tmp_pat
                                                         re.M)]
     report = json.loads((tmp_path / "run" / "run-report.json").read_text())
     assert len(printed_s) == len(report["step_s"]) == 4, proc.stdout
-    for printed, reported in zip(printed_s, report["step_s"]):
-        assert reported > DELAY_S and printed == pytest.approx(reported, rel=0.2), (printed_s, report["step_s"])
+    assert printed_s == pytest.approx(report["step_s"], rel=0.2), (printed_s, report["step_s"])
+    # Step 1 starts when each rank is through its own set-up, so the others may start it after the late rank began to
+    # sleep; from step 2 on, the previous step's max all-reduce lines the ranks up and the whole delay shows.
+    assert all(reported > DELAY_S for reported in report["step_s"][1:]), report["step_s"]
 
 
 # --- the README's example scripts ----------------------------------------------------------------------------------
