@@ -236,8 +236,9 @@ def casts_once_per_step(stage: Stage, dtype: torch.dtype | None) -> bool:
     backward runs outside autocast, as before) every micro-batch reads the first cast, the same values. Only where
     it holds less: ZeRO-0 stages (ZeRO 1-3 gather 16-bit parameters already, FSDP2's MixedPrecisionPolicy) that do
     not recompute whole layers (a checkpointed layer frees its casts after each forward; the cache would hold them
-    all step). The cost model prices the same (costmodel/breakdown.py, RuntimeCapabilities.autocast_fp32_weights)."""
-    return dtype is not None and stage.zero_stage == 0 and stage.recompute != "full"
+    all step). A stage without data parallelism is one: nothing wraps it (_apply_data_parallel). The cost model
+    prices the same (costmodel/breakdown.py, RuntimeCapabilities.autocast_fp32_weights)."""
+    return dtype is not None and (stage.zero_stage == 0 or stage.dp == 1) and stage.recompute != "full"
 
 
 def _apply_recompute(module: nn.Module, stage: Stage) -> None:

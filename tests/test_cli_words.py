@@ -57,7 +57,7 @@ def test_the_header_says_how_many_islands_are_used():
 def test_no_feasible_plan_gives_one_line_per_island():
     cluster = ClusterSpec.load(CPU2)
     with pytest.raises(InfeasibleError) as err:
-        make_plan(cluster, load_preset("llama3-8b"), TrainingSpec(global_batch=8, seq_len=512, dtype="fp32"),
+        make_plan(cluster, load_preset("gpt3-2.7b"), TrainingSpec(global_batch=8, seq_len=512, dtype="fp32"),
                   options=SERIAL)
     on_island = [r for r in err.value.reasons if r.startswith("cpu:")]
     assert len(on_island) == 1, err.value.reasons

@@ -243,11 +243,16 @@ def test_zero_through_the_stage_cost():
     assert per_zero[3] == pytest.approx(16 / 64 * params)
 
 
-def test_offload_moves_optimizer_state_to_host():
-    states = model_state_bytes(1e9, shard=4, zero_stage=1, offload=True)
-    assert states.optimizer == 0 and states.host == pytest.approx(12e9 / 4)
+def test_offload_moves_the_optimizer_state_to_the_host_and_nothing_else():
+    """runtime_adapters/offload.py: the optimizer (state, update and the parameter copy it updates) on the host;
+    parameters and gradients stay on the GPU under their ZeRO sharding, whatever the ZeRO stage."""
+    for zero in range(4):
+        kept = model_state_bytes(1e9, shard=4, zero_stage=zero)
+        off = model_state_bytes(1e9, shard=4, zero_stage=zero, offload=True, host_master_bytes=4)
+        assert off.parameters == kept.parameters > 0 and off.gradients == kept.gradients > 0
+        assert off.optimizer == 0 and off.host == pytest.approx(kept.optimizer + 4e9 / (4 if zero else 1))
     z3 = model_state_bytes(1e9, shard=4, zero_stage=3, offload=True)
-    assert z3.total == 0 and z3.host == pytest.approx(16e9 / 4)
+    assert z3.total == pytest.approx((2 + 2) * 1e9 / 4) and z3.host == pytest.approx(12e9 / 4)
 
 
 def test_offload_charges_host_memory_and_pcie_traffic_per_iteration():

@@ -79,14 +79,20 @@ def test_bf16_stages_hold_the_16_bit_weights_the_cost_model_prices(tmp_path):
     zero0 = {"layers": LAYERS, "gpus": "n0", "dp": 2, "zero_stage": 0}
     cases = {"zero3": make_plan("tiny", [{"layers": LAYERS, "gpus": "n0", "dp": 2, "zero_stage": 3}], **kw),
              "zero0": make_plan("tiny", [zero0], schedule="GPipe", **kw),
-             "zero0_full": make_plan("tiny", [{**zero0, "recompute": "full"}], schedule="GPipe", **kw)}
+             "zero0_full": make_plan("tiny", [{**zero0, "recompute": "full"}], schedule="GPipe", **kw),
+             # no data parallelism: nothing to shard, the stage runs as ZeRO-0 whatever its ZeRO stage says
+             "zero3_dp1": make_plan("tiny", [{"layers": 2, "gpus": "n0", "zero_stage": 3},
+                                             {"layers": 2, "gpus": "n1", "zero_stage": 3}], schedule="GPipe", **kw)}
     mp.start_processes(_worker, args=(2, _free_port(), [(n, p.to_dict()) for n, p in cases.items()], str(tmp_path)),
                        nprocs=2, start_method="fork", join=True)
-    z3, z0, z0_full = (torch.load(tmp_path / f"{n}.pt") for n in ("zero3", "zero0", "zero0_full"))
+    z3, z0, z0_full, z3_dp1 = (torch.load(tmp_path / f"{n}.pt")
+                               for n in ("zero3", "zero0", "zero0_full", "zero3_dp1"))
     # at most the layer whose backward starts and one prefetched (autocast over fp32 shards held all of them)
     assert max(z3["held"]) <= 2 * z3["layer_bytes_16bit"], z3
     # every step: each layer's and the output layer's copy once, whatever the micro-batches in flight
     assert z0["held"] == [LAYERS * z0["layer_bytes_16bit"] + z0["head_bytes_16bit"]] * len(z0["held"]), z0
+    # rank 0 runs the first stage of two (layers 0-1): each layer's copy once per step, as ZeRO-0's
+    assert z3_dp1["held"] == [2 * z3_dp1["layer_bytes_16bit"]] * len(z3_dp1["held"]), z3_dp1
     # full recompute: the output layer's copy per micro-batch in flight, no layer's (the second step: the first also
     # holds what its first forward built once)
     assert z0_full["held"][-1] == 2 * z0_full["head_bytes_16bit"], z0_full
@@ -95,3 +101,4 @@ def test_bf16_stages_hold_the_16_bit_weights_the_cost_model_prices(tmp_path):
     ref = _reference(cases["zero3"])[0]  # the whole model, fp32 weights under autocast, in this process
     assert z3["losses"] == pytest.approx(ref, abs=2e-2)
     assert z0["losses"] == pytest.approx(ref, abs=2e-3) and z0_full["losses"] == pytest.approx(ref, abs=2e-3)
+    assert z3_dp1["losses"] == pytest.approx(ref, abs=2e-3)

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", type=int, default=None if name == "dp" else 1, help=helptext)
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
-    parser.add_argument("--offload", action="store_true", help="offload optimizer state (ZeRO-Offload/Infinity)")
+    parser.add_argument("--offload", action="store_true", help="offload the optimizer (state and update) to the host")
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences per DP replica)")
     parser.add_argument("--global-batch", type=int, help="sequences per iteration (default: 4 x pp micro-batches)")
     parser.add_argument("--seq-len", type=int, help="sequence length (default: the model's max_seq_len)")

@@ -782,12 +782,14 @@ class SliceCoster:
                                        tensors, max_params, transient)
         return hit
 
-    def kept_state_bytes(self, zero: int) -> tuple[float, float, float]:
+    def kept_state_bytes(self, zero: int, offload: bool = False) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer-state) bytes a GPU stores per parameter under ZeRO stage ``zero``: the
-        runtime's storage (state_bytes), or fp32 weights, gradients and Adam's moments where a ZeRO-0 stage runs
-        autocast over fp32 weights (RuntimeCapabilities.autocast_fp32_weights; its 16-bit copies are priced apart,
-        ZeroPart). The memory floors read the same (slice_floors): the copies only add."""
-        if zero == 0 and self.autocast_fp32_weights:
+        runtime's storage (state_bytes), or fp32 weights, gradients and Adam's moments where the module keeps fp32
+        weights (RuntimeCapabilities.autocast_fp32_weights): a ZeRO-0 stage, which runs autocast over them (its 16-bit
+        copies are priced apart, ZeroPart), and any stage that offloads, whose fp32 parameters and gradients stay on
+        the GPU while the moments go to the host (runtime_adapters/offload.py). The memory floors read the same
+        (slice_floors): the copies only add."""
+        if self.autocast_fp32_weights and (zero == 0 or offload):
             return FP32_BYTES, FP32_BYTES, self.training.optimizer_state_bytes - FP32_BYTES
         return self.state_bytes
 
@@ -803,19 +805,25 @@ class SliceCoster:
         tr, dev = self.training, self.dev
         pb, gb, ob = tr.param_bytes, tr.grad_bytes, tr.optimizer_state_bytes  # bytes communicated and updated (time)
         shard, eshard = st.shard, st.eshard
-        kept_pb, kept_gb, kept_ob = self.kept_state_bytes(zero)  # what the GPU stores per parameter (memory)
+        if zero and shard == 1 and self.autocast_fp32_weights:  # no group to shard over: the runtime wraps nothing,
+            zero = 0  # a ZeRO-0 stage (runtime_adapters/torch_native.py, _apply_data_parallel, casts_once_per_step)
+        kept_pb, kept_gb, kept_ob = self.kept_state_bytes(zero, off)  # what the GPU stores per parameter (memory)
+        # the host copy of the parameters an offloaded optimizer updates, where its state holds none (fp32 moments)
+        master = FP32_BYTES if off and self.autocast_fp32_weights else 0.0
         copies = held_copies = (0.0, 0.0)
         if zero == 0 and self.autocast_fp32_weights:  # autocast's 16-bit copies (ZeroPart)
             gemm_weights = st.dense_params - (st.edge_params - st.head_params) + st.expert_params
             copies, held_copies = (0.0, st.head_params * pb), (gemm_weights * pb, 0.0)
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
         # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward
-        held = held_under_pipelining(zero, off) and not (st.has_embedding and st.has_head)
+        held = held_under_pipelining(zero) and not (st.has_embedding and st.has_head)
         mem_zero = 1 if held else zero
         dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=mem_zero, offload=off,
-                                  param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob)
+                                  param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob,
+                                  host_master_bytes=master)
         expert = model_state_bytes(st.expert_params, shard=eshard, zero_stage=mem_zero, offload=off,
-                                   param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob)
+                                   param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob,
+                                   host_master_bytes=master)
         c = st.collectives or self._collectives(st)
         # per micro-batch ZeRO-2/3 traffic, unit by unit, overlapped with the same pass's compute (zero_exposed_s)
         z_fwd = z_bwd = 0.0
@@ -830,12 +838,6 @@ class SliceCoster:
             z_bwd += c["rs_grads"]
         if zero >= 3:
             gather, l_gather, root_ag, head_ag = c["ag_params"], c["ag_layer"], c["ag_root"], c["ag_head"]
-            if off:  # ZeRO-Infinity: parameters come from host memory first
-                host = (st.dense_params / shard + st.expert_params / eshard) * pb / dev.host_link_bandwidth
-                gather += host
-                l_gather += host * (1.0 - st.edge_params / max(st.dense_params, 1.0)) / n_layers
-                root_ag += host * (st.edge_params - st.head_params) / max(st.dense_params, 1.0)
-                head_ag += host * st.head_params / max(st.dense_params, 1.0)
             z_bwd += gather - root_ag - head_ag  # the backward finds the edges gathered (kept from the forward)
             if held:  # the forward finds the parameters the previous backward left gathered
                 root_ag = head_ag = 0.0
@@ -860,8 +862,8 @@ class SliceCoster:
             sync += c["ag_params"]
         local = (st.dense_params / (shard if zero >= 1 else 1)
                  + st.expert_params / (eshard if zero >= 1 else 1))  # parameters this GPU updates
-        pcie = local * (gb + pb) if off else 0.0
-        if off:  # copy gradients down and parameters up over PCIe, update on the host (CPU Adam)
+        pcie = local * (kept_gb + kept_pb) if off else 0.0
+        if off:  # copy the gradients down and the parameters up over PCIe as stored, update on the host (CPU Adam)
             per_gpu_rate = CPU_ADAM_PARAMS_PER_S_PER_NODE / self.island.gpus_per_node
             opt_s = pcie / dev.host_link_bandwidth + local / per_gpu_rate
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter

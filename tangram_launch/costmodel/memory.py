@@ -5,8 +5,10 @@ sec. 3.1 and 5): per parameter 2 bytes (fp16/bf16 weights) + 2 bytes (gradients)
 weights, Adam momentum and variance); TrainingSpec carries the three sizes (Megatron's default keeps fp32 main
 gradients: 4 bytes). ZeRO stage 1 shards the optimizer state over the data-parallel group, stage 2 also the
 gradients, stage 3 also the parameters: (2 + 2 + K) Psi -> 2 Psi + 2 Psi + K Psi / N_d -> 2 Psi + (2 + K) Psi / N_d
--> (2 + 2 + K) Psi / N_d. Offload (Ren et al. 2021, "ZeRO-Offload"; Rajbhandari et al. 2021, "ZeRO-Infinity") moves
-the optimizer state to host memory, with ZeRO >= 2 the gradients as well, and with ZeRO-3 the parameters too.
+-> (2 + 2 + K) Psi / N_d. Offload is optimizer offload (Ren et al. 2021, "ZeRO-Offload"), as the torch runtime runs
+it (runtime_adapters/offload.py): the optimizer state and the update on the host; parameters and gradients stay on
+the GPU under their ZeRO sharding (ZeRO-Infinity's parameter and gradient offload is not modelled: no runtime here
+runs it).
 
 What a runtime stores per parameter differs from the paper's mixed-precision layout (MODEL_STATE_KINDS,
 state_bytes_per_param); what it communicates is apart from it (all-gathers in the compute dtype, reductions in the
@@ -494,21 +496,24 @@ class ModelStateBytes(NamedTuple):
         return self.parameters + self.gradients + self.optimizer
 
 
-def held_under_pipelining(zero_stage: int, offload: bool) -> bool:
+def held_under_pipelining(zero_stage: int) -> bool:
     """Whether FSDP2 under torch.distributed.pipelining holds a stage's whole parameters and unsharded gradients
     across the micro-batches (each backward runs with ``set_reshard_after_backward(False)`` and
     ``set_requires_gradient_sync(False)``; one reduce-scatter follows the last): ZeRO-2/3 then hold ZeRO-1's model
-    states. With offload the runtime's own optimizer keeps the states on the host (runtime_adapters/offload.py)."""
-    return zero_stage >= 2 and not offload
+    states. Offload changes nothing here: it moves only the optimizer's state (runtime_adapters/offload.py)."""
+    return zero_stage >= 2
 
 
 def model_state_bytes(num_params: float, *, shard: int, zero_stage: int, offload: bool = False,
-                      param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
+                      param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12,
+                      host_master_bytes: float = 0.0) -> ModelStateBytes:
     """ZeRO stages 0-3 over a data-parallel shard group of ``shard`` GPUs (Rajbhandari et al. 2020, Fig. 1).
 
-    ``num_params`` is what this GPU holds before ZeRO (already divided by TP/EP). With offload the optimizer state
-    lives on the host; ZeRO >= 2 also streams gradients there, ZeRO-3 also keeps parameters there (the GPU then
-    holds only the gathered working set, which the stage accounts for).
+    ``num_params`` is what this GPU holds before ZeRO (already divided by TP/EP). Offload is optimizer offload, as
+    the one runtime that offloads runs it (runtime_adapters/offload.py): the optimizer state and the update live on
+    the host, beside the host copy of the parameters that the optimizer updates (``host_master_bytes`` each,
+    sharded as the optimizer state is) where the optimizer state does not hold one already; parameters and gradients
+    stay on the GPU under their ZeRO sharding.
     """
     n = max(1, shard)
     params = num_params * param_bytes / (n if zero_stage >= 3 else 1)
@@ -516,12 +521,6 @@ def model_state_bytes(num_params: float, *, shard: int, zero_stage: int, offload
     opt = num_params * optimizer_bytes / (n if zero_stage >= 1 else 1)
     host = 0.0
     if offload:
-        host += opt
+        host = opt + num_params * host_master_bytes / (n if zero_stage >= 1 else 1)
         opt = 0.0
-        if zero_stage >= 2:
-            host += grads
-            grads = 0.0
-        if zero_stage >= 3:
-            host += params
-            params = 0.0
     return ModelStateBytes(params, grads, opt, host)

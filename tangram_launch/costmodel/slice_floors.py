@@ -67,7 +67,7 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
             hit = cache["per parameter", n, pairs] = min(
                 model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
                                   optimizer_bytes=ob).total
-                for z, off in pairs for pb, gb, ob in (coster.kept_state_bytes(z),))  # stored per parameter
+                for z, off in pairs for pb, gb, ob in (coster.kept_state_bytes(z, off),))  # stored per parameter
         return hit
 
     dense_b, expert_b = per_param(shard), per_param(eshard)
@@ -124,12 +124,12 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
     cache = {} if states is None else states
     out = []
     for z, r, off in savers:
-        held = held_under_pipelining(z, off)  # a pipelined stage holds ZeRO-1's states and no gathered working set
+        held = held_under_pipelining(z)  # a pipelined stage holds ZeRO-1's states and no gathered working set
         key = ("layer states", kind, tp, cp, ep, dp, whole, z, off)
         hit = cache.get(key)
         if hit is None:  # a whole-model slice's stages pipeline (ZeRO-1's states) or not: the lesser of each part
             choices = (1,) if held and not whole else (z, 1) if held else (z,)
-            kept = coster.kept_state_bytes(z)  # stored per parameter under the stage's own ZeRO stage
+            kept = coster.kept_state_bytes(z, off)  # stored per parameter under the stage's own ZeRO stage
             parts = [_layer_states(t, shard, eshard, zs, off, *kept) for zs in choices]
             hit = cache[key] = (min(x for x, _ in parts), min(y for _, y in parts))
         working = ((t.dense_params + t.expert_params) * (2 * tr.param_bytes + tr.grad_bytes) if z >= 3 and not held

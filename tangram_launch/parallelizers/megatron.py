@@ -350,7 +350,7 @@ class MegatronParallelizer:
 
     def savers(self, q: SliceQuery, grid: ParallelConfig) -> list[tuple[int, int, bool]]:
         """(zero stage, recompute index, offload) combinations for a grid that the runtime can run. Duplicates are
-        skipped: without a data-parallel group ZeRO 1/2 change nothing, and ZeRO-3 only matters with offload."""
+        skipped: without a data-parallel group ZeRO 1-3 change nothing (offload moves the optimizer state only)."""
         caps = q.capabilities
         pipelined = q.pipelined or grid.pp > 1
         shard = grid.dp * grid.cp
@@ -360,7 +360,7 @@ class MegatronParallelizer:
         for r, recompute in enumerate(RECOMPUTE_MODES):
             for zero in ZERO_STAGES:
                 for offload in offloads:
-                    if shard == 1 and (zero in (1, 2) or (zero == 3 and not offload)):
+                    if shard == 1 and zero:
                         continue
                     shape = StageShape(tp=grid.tp, dp=grid.dp, cp=grid.cp, ep=grid.ep, zero_stage=zero,
                                        recompute=recompute, offload=offload)

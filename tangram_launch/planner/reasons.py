@@ -23,7 +23,7 @@ def memory_reasons(atoms: ModelAtoms, usable: Sequence["Island"], caps: RuntimeC
     have = sum(i.gpu.memory_gib * GIB * i.num_gpus for i in usable)
     if need <= have:
         return []
-    what = "parameters" if caps.offload else "parameters, gradients and optimizer state"
+    what = "parameters and gradients" if caps.offload else "parameters, gradients and optimizer state"
     return [f"the model needs {need / GIB:.0f} GiB of {what} ({atoms.model.total_params() / 1e9:.2f} B parameters); "
             f"the cluster's usable GPUs have {have / GIB:.0f} GiB"]
 

@@ -134,9 +134,9 @@ class ModelAtoms:
         """Lower bound on the GPU memory any configuration needs for the slice's training state, summed over GPUs.
 
         Without offload every byte of parameters, gradients and optimizer state sits on some GPU of the island
-        (sharding only spreads it); with offload, gradients and optimizer state may live in host memory.
+        (sharding only spreads it); with offload, the optimizer state may live in host memory.
         """
-        per_param = self.training.param_bytes if offload else self.state_bytes_per_param
+        per_param = self.training.param_bytes + self.training.grad_bytes if offload else self.state_bytes_per_param
         return float(self.slice_params(start, stop)) * per_param
 
     def model_state_bytes(self) -> float:
