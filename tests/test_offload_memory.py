@@ -84,8 +84,8 @@ def _priced(plan: Plan, stage: int) -> dict:
 
 @pytest.mark.distributed
 def test_offloaded_stages_keep_parameters_and_gradients_and_send_the_optimizer_to_the_host(tmp_path):
-    cases = {"zero3_dp2": make_plan("tiny", [{"layers": 4, "gpus": "n0", "dp": 2, "zero_stage": 3,
-                                              "offload": True}], **KW),
+    one = {"layers": 4, "gpus": "n0", "dp": 2, "offload": True}
+    cases = {**{f"zero{z}_dp2": make_plan("tiny", [{**one, "zero_stage": z}], **KW) for z in (1, 2, 3)},
              "zero3_dp1_two_stages": make_plan("tiny", [{"layers": 2, "gpus": "n0", "zero_stage": 3, "offload": True},
                                                         {"layers": 2, "gpus": "n1", "zero_stage": 3, "offload": True}],
                                                **KW)}
@@ -96,12 +96,19 @@ def test_offloaded_stages_keep_parameters_and_gradients_and_send_the_optimizer_t
             seen = json.loads((tmp_path / f"{name}-{rank}.json").read_text())
             bd = _priced(plan, seen["stage"])
             assert bd["optimizer_bytes"] == 0.0, (name, bd)
-            # fp32 parameters (ZeRO-3: this rank's shard) and gradients on the device, Adam's two moments and the fp32
-            # copy they update on the host: 4 + 4 and 8 + 4 bytes per parameter held
-            for key, role in (("parameters_bytes", "parameters"), ("gradients_bytes", "gradients"),
-                              ("host_offload_bytes", "host")):
-                assert bd[key] == pytest.approx(seen[role], rel=0.02), (name, rank, role, seen, bd)
+            # Adam's two moments and the fp32 copy they update on the host: 8 + 4 bytes per parameter this rank updates
             assert seen["host"] == pytest.approx(3 * seen["parameters"], rel=1e-6), (name, seen)
+            assert bd["host_offload_bytes"] == pytest.approx(seen["host"], rel=0.02), (name, rank, seen, bd)
+            # fp32 parameters and gradients on the device: ZeRO-3's shards exactly (and a stage without data
+            # parallelism's whole ones); ZeRO 1-2 are priced whole, above FSDP2's shards and the 16-bit parameters
+            # it keeps gathered from the forward to the backward (2 bytes each: the test does not count them)
+            exact = "zero3" in name
+            for key, role in (("parameters_bytes", "parameters"), ("gradients_bytes", "gradients")):
+                if exact:
+                    assert bd[key] == pytest.approx(seen[role], rel=0.02), (name, rank, role, seen, bd)
+                else:
+                    assert bd[key] >= seen[role] + (bd["parameters_bytes"] / 4 * 2 if role == "parameters" else 0), (
+                        name, rank, role, seen, bd)
 
 
 @pytest.mark.unit

@@ -290,13 +290,15 @@ def test_estimate_rejects_bad_input(cluster_path, capsys):
 # ------------------------------------------------------------------------------------------------ speed
 def test_forty_layer_query_is_fast():
     """The inner loop of planning: a 40-layer slice on an 8-GPU island (benchmarks/bench_parallelizer.py measures
-    it properly; this only guards against an order-of-magnitude regression on a shared machine)."""
-    q = query("gpt3-13b", island("v100-32gb"), b=8, gb=128, dtype="fp16")
-    par = MegatronParallelizer()
-    start = time.process_time()
-    res = par.query(q)
-    cpu_s = time.process_time() - start
-    assert res.configs_evaluated / cpu_s > 3000
+    it properly; this only guards against an order-of-magnitude regression on a shared machine). The best of three
+    fresh queries: one may pay a collector's full pass over what the tests before it left."""
+    rates = []
+    for _ in range(3):
+        q = query("gpt3-13b", island("v100-32gb"), b=8, gb=128, dtype="fp16")
+        start = time.process_time()
+        res = MegatronParallelizer().query(q)
+        rates.append(res.configs_evaluated / max(time.process_time() - start, 1e-9))
+    assert max(rates) > 3000, rates
 
 
 def test_shape_validation_cache_still_rejects_bad_fields():

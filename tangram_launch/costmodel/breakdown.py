@@ -785,10 +785,11 @@ class SliceCoster:
     def kept_state_bytes(self, zero: int, offload: bool = False) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer-state) bytes a GPU stores per parameter under ZeRO stage ``zero``: the
         runtime's storage (state_bytes), or fp32 weights, gradients and Adam's moments where the module keeps fp32
-        weights (RuntimeCapabilities.autocast_fp32_weights): a ZeRO-0 stage, which runs autocast over them (its 16-bit
-        copies are priced apart, ZeroPart), and any stage that offloads, whose fp32 parameters and gradients stay on
-        the GPU while the moments go to the host (runtime_adapters/offload.py). The memory floors read the same
-        (slice_floors): the copies only add."""
+        weights (RuntimeCapabilities.autocast_fp32_weights) and the storage's 16-bit weights would under-count them:
+        a ZeRO-0 stage, which runs autocast over them (its 16-bit copies are priced apart, ZeroPart), and a stage
+        that offloads, whose fp32 parameter shards and gradients stay on the GPU while the moments go to the host
+        (runtime_adapters/offload.py; for ZeRO 1-2 the whole fp32 parameters bound FSDP2's shards and its gathered
+        16-bit parameters together). The memory floors read the same (slice_floors): the copies only add."""
         if self.autocast_fp32_weights and (zero == 0 or offload):
             return FP32_BYTES, FP32_BYTES, self.training.optimizer_state_bytes - FP32_BYTES
         return self.state_bytes
@@ -808,8 +809,9 @@ class SliceCoster:
         if zero and shard == 1 and self.autocast_fp32_weights:  # no group to shard over: the runtime wraps nothing,
             zero = 0  # a ZeRO-0 stage (runtime_adapters/torch_native.py, _apply_data_parallel, casts_once_per_step)
         kept_pb, kept_gb, kept_ob = self.kept_state_bytes(zero, off)  # what the GPU stores per parameter (memory)
-        # the host copy of the parameters an offloaded optimizer updates, where its state holds none (fp32 moments)
-        master = FP32_BYTES if off and self.autocast_fp32_weights else 0.0
+        # the fp32 host copy an offloaded optimizer updates: beside the state where the GPU keeps fp32 parameters (the
+        # state then holds no master copy; runtime_adapters/offload.py)
+        master = FP32_BYTES if off and kept_pb >= FP32_BYTES else 0.0
         copies = held_copies = (0.0, 0.0)
         if zero == 0 and self.autocast_fp32_weights:  # autocast's 16-bit copies (ZeroPart)
             gemm_weights = st.dense_params - (st.edge_params - st.head_params) + st.expert_params
