@@ -46,15 +46,16 @@ def _batches(plan: Plan, steps: int = STEPS) -> list[torch.Tensor]:
     return [torch.randint(0, plan.model["vocab_size"], (gb, seq + 1), generator=g) for _ in range(steps)]
 
 
-def rank_contexts(rank: int, world: int, port: int, cases: list[tuple[str, dict]]):
-    """This rank's gloo process group, then each case's (name, plan, torch-adapter context: SGD, the shared seed)."""
+def rank_contexts(rank: int, world: int, port: int, cases: list[tuple[str, dict]], optimizer_factory=None):
+    """This rank's gloo process group, then each case's (name, plan, torch-adapter context: SGD unless
+    ``optimizer_factory`` says otherwise, the shared seed)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
     for name, plan_dict in cases:
         plan = Plan.from_dict(plan_dict)
         yield name, plan, TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S,
-                                               optimizer_factory=_sgd)
+                                               optimizer_factory=optimizer_factory or _sgd)
 
 
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out_dir: str) -> None:

@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_adapter_torch import SEED, _batches, _free_port
+from test_adapter_torch import _batches, _free_port, rank_contexts
 from test_costmodel_runtime_variants import _island
-from timeouts import PROCESS_GROUP_TIMEOUT, PROCESS_GROUP_TIMEOUT_S
 
 from helpers_plans import make_plan
-from runtime_adapters.torch_native import TorchAdapter
+from runtime_adapters.torch_native import default_optimizer_factory
 from tangram_launch.capabilities import TORCH
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
 from tangram_launch.parallelizers.base import SliceQuery
@@ -41,13 +40,8 @@ def _local_bytes(t: torch.Tensor | None) -> int:
 
 
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT)
-    for name, plan_dict in cases:
-        plan = Plan.from_dict(plan_dict)
-        ctx = TorchAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S)
-        opt = ctx.optimizer
+    for name, plan, ctx in rank_contexts(rank, world, port, cases, optimizer_factory=default_optimizer_factory):
+        opt = ctx.optimizer  # AdamW: two moments per parameter
         seen = {}
         step = opt.step
 
@@ -118,8 +112,8 @@ def test_a_stage_without_data_parallelism_is_priced_as_the_runtime_runs_it_zero_
     bds = [_priced(make_plan("tiny", [{"layers": 2, "gpus": "n0", "zero_stage": z, "offload": offload},
                                       {"layers": 2, "gpus": "n1", "zero_stage": z, "offload": offload}], **KW), 0)
            for z in range(4)]
-    keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "host_offload_bytes", "autocast_held_copies_bytes",
-            "offload_pcie_bytes")
+    keys = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "host_offload_bytes",
+            "autocast_held_copies_bytes", "offload_pcie_bytes")
     assert bds[0]["autocast_held_copies_bytes"] > 0
     for bd in bds[1:]:
         assert {k: bd[k] for k in keys} == {k: bds[0][k] for k in keys}
