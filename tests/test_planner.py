@@ -482,7 +482,7 @@ def test_data_parallel_degree_need_not_be_a_power_of_two():
     from tangram_launch.specs.model import load_model
 
     three = cluster(("a-0", "a100-80gb", 4), ("a-1", "a100-80gb", 4), ("a-2", "a100-80gb", 4))
-    training = TrainingSpec(global_batch=96, seq_len=1024, dtype="fp16")
+    training = TrainingSpec(global_batch=384, seq_len=1024, dtype="fp16")
     plan = _latency(three, load_model("gpt3-1.3b"), training, microbatch_sequences=(12, 24, 48, 96)).plan
     check_invariants(plan, three, TORCH)
     assert sum(s.num_gpus for s in plan.stages) == 12

@@ -817,8 +817,11 @@ class SliceCoster:
             gemm_weights = st.dense_params - (st.edge_params - st.head_params) + st.expert_params
             copies, held_copies = (0.0, st.head_params * pb), (gemm_weights * pb, 0.0)
         # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
-        # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward
-        held = held_under_pipelining(zero) and not (st.has_embedding and st.has_head)
+        # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward.
+        # A runtime whose FSDP2 units sync once per step (the torch runtime) runs a whole-model stage as a one-stage
+        # pipeline (runtime_adapters/groups.py): it holds them too, whatever the micro-batches
+        per_unit = self.q.capabilities.zero_per_unit  # FSDP2 units, gathered and synced once per step
+        held = held_under_pipelining(zero) and (per_unit or not (st.has_embedding and st.has_head))
         mem_zero = 1 if held else zero
         dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=mem_zero, offload=off,
                                   param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob,
@@ -831,7 +834,6 @@ class SliceCoster:
         z_fwd = z_bwd = 0.0
         n_layers = max(1, st.layers[1] - st.layers[0])
         l_fwd = l_rs = l_gather = root_ag = root_rs = head_ag = head_rs = 0.0
-        per_unit = self.q.capabilities.zero_per_unit  # FSDP2 units, gathered and synced once per step
         if zero == 2 and not held and not per_unit:
             z_bwd += c["rs_grads"]
             l_rs, root_rs, head_rs = c["rs_layer"], c["rs_root"], c["rs_head"]
