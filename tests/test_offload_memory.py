@@ -25,6 +25,7 @@ from test_adapter_torch import _batches, _free_port, rank_contexts
 from test_costmodel_runtime_variants import _island
 
 from helpers_plans import make_plan
+from runtime_adapters.offload import _local
 from runtime_adapters.torch_native import default_optimizer_factory
 from tangram_launch.capabilities import TORCH
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
@@ -37,11 +38,8 @@ KW = dict(global_batch=4, num_microbatches=2, seq_len=32, dtype="bf16")
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if t is None:
-        return 0
-    return (t.to_local() if isinstance(t, DTensor) else t).nbytes
+    """Bytes of this rank's part of ``t`` (a DTensor's local shard), 0 for None."""
+    return 0 if t is None else _local(t).nbytes
 
 
 def _gathered_bytes(module) -> tuple[int, int]:
