@@ -1,5 +1,6 @@
 """Layer times priced from measured shapes: exact where measured, interpolated between measured shapes, scaled from
-the nearest one by the analytic ratio beyond them; and a plan says which stages were priced so."""
+the nearest one by the analytic ratio beyond them (above them never below the line through the two largest); and a
+plan says which stages were priced so."""
 from __future__ import annotations
 
 import json
@@ -50,10 +51,14 @@ def test_a_measured_shape_prices_at_its_measurement_and_between_two_at_a_value_b
         (m_lo, f_lo), (m_hi, f_hi) = below[-1], above[0]
         assert min(f_lo, f_hi) * (1 - 1e-9) <= got.forward_s <= max(f_lo, f_hi) * (1 + 1e-9)
         assert got.how in ("measured", "interpolated")
-    else:  # outside: the nearest measurement times the analytic ratio
+    else:  # outside: the nearest measurement times the analytic ratio; above them, never below the measured line
         m_near, f_near = (below[-1] if below else above[0])
         assert got.how == "scaled"
-        assert got.forward_s == pytest.approx(f_near * _analytic(256, target, 1) / _analytic(256, m_near, 1))
+        want = f_near * _analytic(256, target, 1) / _analytic(256, m_near, 1)
+        if below and len(mbs_list) >= 2:
+            (m_lo, f_lo), (m_hi, f_hi) = below[-2], below[-1]
+            want = max(want, f_hi + (target - m_hi) * (f_hi - f_lo) / (m_hi - m_lo))
+        assert got.forward_s == pytest.approx(want)
     assert got.distance == pytest.approx(min(abs(math.log2(target / m)) for m in mbs_list))
 
 
@@ -144,3 +149,20 @@ def test_between_two_measured_sequence_lengths_the_price_lies_between_theirs(seq
     hi = min(s for s in seqs if s >= target)
     assert min(fwd[lo], fwd[hi]) * (1 - 1e-9) <= got.forward_s <= max(fwd[lo], fwd[hi]) * (1 + 1e-9)
     assert (got.distance == 0) == (target in seqs) and (got.how == "measured") == (target in seqs)
+
+
+def test_above_the_measured_sizes_time_grows_at_least_as_the_device_measured_it_grow():
+    """A CPU device's layer grew faster than its rows between the two largest measured sizes (its caches); an
+    analytic model with a per-call cost expects the opposite. Beyond them the price follows the measured line, not
+    the analytic ratio (it picked micro-batches twice the largest measured, which then ran 50 % slower than priced)."""
+    points = [Point(64, m, 1, f, None) for m, f in ((8, 1e-3), (16, 2.2e-3), (32, 4.8e-3))]
+
+    def overhead_bound(seq_len: int, mbs: int, tp: int) -> float:
+        return 2e-3 + mbs * 1e-5
+
+    got = price(points, seq_len=64, mbs=64, tp=1, analytic_s=overhead_bound)
+    assert got.how == "scaled" and got.distance == 1.0
+    assert overhead_bound(64, 64, 1) / overhead_bound(64, 32, 1) < 1.2  # what the analytic ratio alone gives
+    assert got.forward_s == pytest.approx(4.8e-3 + 32 * 2.6e-3 / 16)
+    below = price(points, seq_len=64, mbs=4, tp=1, analytic_s=overhead_bound)  # below them: the analytic ratio
+    assert below.forward_s == pytest.approx(1e-3 * overhead_bound(64, 4, 1) / overhead_bound(64, 8, 1))

@@ -11,7 +11,8 @@ the tiny model runs about 8x its analytic time on a CPU).
     tp      the measured TP shard nearest in log2 (an exact one if measured); a different one is scaled
     s       a measured s; between two measured ones, linear in s; beyond them, the nearest one scaled
     m       a measured m; between two measured ones, linear in m (a per-call cost plus a per-row cost is linear
-            in m); beyond them, the nearest one scaled
+            in m); below them, the nearest one scaled; above them, the largest one scaled, but never below the
+            line through the two largest measured (likewise for s)
 
 A stage runs its layers one after another, each on the caches the others left; the profile times each part alone
 in a loop of its own, so a stage's parts add up to less than it costs, by a ratio that differs by shape. On CPU devices
@@ -122,9 +123,11 @@ def _nearest(values: list[int], x: int) -> int:
 
 
 def _along(xs: list[int], x: int, value: Callable[[int], tuple[float, str]],
-           scaled: Callable[[int], float]) -> tuple[float, str]:
+           scaled: Callable[[int], float], *, trend: bool = False) -> tuple[float, str]:
     """Value at ``x`` from measured ``xs`` (sorted): exact, linear between the two around it, or the nearest one
-    times ``scaled(nearest)`` (the analytic ratio target / nearest)."""
+    times ``scaled(nearest)`` (the analytic ratio target / nearest). With ``trend``, beyond the largest of two or
+    more measured points, at least the line through the two largest (the module docstring: growth the device
+    measured is not undone by an analytic ratio that expects more efficiency at larger shapes)."""
     if x in xs:
         return value(x)
     i = bisect.bisect_left(xs, x)
@@ -135,7 +138,13 @@ def _along(xs: list[int], x: int, value: Callable[[int], tuple[float, str]],
         return v_lo + w * (v_hi - v_lo), _worst(how_lo, how_hi, "interpolated")
     near = _nearest(xs, x)
     v, how = value(near)
-    return v * scaled(near), _worst(how, "scaled")
+    out = v * scaled(near)
+    if trend and i == len(xs) >= 2:
+        lo, hi = xs[-2], xs[-1]
+        v_lo, how_lo = value(lo)
+        out = max(out, v + (x - hi) * (v - v_lo) / (hi - lo))
+        how = _worst(how, how_lo)
+    return out, _worst(how, "scaled")
 
 
 def _worst(*hows: str) -> str:
@@ -156,10 +165,11 @@ def _price_one(points: list[Point], get: Callable[[Point], float | None], *, seq
 
     def at_seq(s: int) -> tuple[float, str]:
         ms = sorted(m for ss, m in at_tp if ss == s)
-        return _along(ms, mbs, lambda m: (at_tp[(s, m)], "measured"), lambda m: ratio((s, mbs, t), (s, m, t)))
+        return _along(ms, mbs, lambda m: (at_tp[(s, m)], "measured"), lambda m: ratio((s, mbs, t), (s, m, t)),
+                      trend=True)
 
     seqs = sorted({s for s, _ in at_tp})
-    value, how = _along(seqs, seq_len, at_seq, lambda s: ratio((seq_len, mbs, t), (s, mbs, t)))
+    value, how = _along(seqs, seq_len, at_seq, lambda s: ratio((seq_len, mbs, t), (s, mbs, t)), trend=True)
     if t != tp:
         value, how = value * ratio((seq_len, mbs, tp), (seq_len, mbs, t)), "scaled"
     return value, how
