@@ -323,14 +323,19 @@ def gemm_sizes(shape: tuple[int, int, int], steps: int = 3) -> list[tuple[int, i
     return [s for i, s in enumerate(out) if i == 0 or s != out[i - 1]]
 
 
-def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflops: float | None = None) -> Measured:
+def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflops: float | None = None,
+                agree: Callable[[int], int] | None = None) -> Measured:
     """Dense GEMM throughput: C(m,n) = A(m,k) @ B(k,n), 2mkn FLOPs per product, within ``cfg.budget_s``.
 
     The product grows from a quarter of ``cfg.gemm_shape`` per dimension while the next size (8x the work) still
     fits in the budget left; the figure is that of the last size reached (``shape_mkn``). With ``best_tflops``
     (the fastest dtype measured before this one), a dtype whose first product is ``HOPELESS_RATIO`` times slower
     is timed at that size only and says so (``stopped``): a dtype without hardware support, which training on
-    this device should not use, measured in a second instead of minutes."""
+    this device should not use, measured in a second instead of minutes.
+
+    With ``agree`` (the smallest of a count over the devices that share cores), every one of them grows only
+    while all of them do and starts timing with the others: devices timed at different sizes, or one alone on the
+    core after the other stopped, read figures far enough apart to split alike devices into islands."""
     gen = torch.Generator(device=device).manual_seed(0)
     sync = device_sync(device)
     started = time.perf_counter()
@@ -343,11 +348,14 @@ def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflo
         rate = 2.0 * m * k * n / wall / 1e12
         if i == 0 and best_tflops and rate * HOPELESS_RATIO < best_tflops:
             stopped = f"{best_tflops / rate:.0f}x slower than the fastest dtype at {m}x{k}x{n}: not grown"
-            break
         left = cfg.budget_s - (time.perf_counter() - started)
         next_rep = max(8.0 * wall, cfg.min_rep_s)  # one repetition at the next size
-        if i + 1 == len(sizes) or 24.0 * wall + 3 * next_rep > left:  # its three warm-up calls, three repetitions
+        # its three warm-up calls, three repetitions
+        grow = not stopped and i + 1 < len(sizes) and 24.0 * wall + 3 * next_rep <= left
+        if not (agree(int(grow)) if agree else grow):
             break
+    if agree:
+        agree(1)  # every device starts timing at once
     left = max(cfg.budget_s - (time.perf_counter() - started), 0.0)
     timing = time_within(step, once_s=once, budget_s=left, min_rep_s=cfg.min_rep_s, max_reps=cfg.reps, sync=sync)
     detail: tuple[tuple[str, Any], ...] = (("shape_mkn", [m, k, n]), ("dtype", dtype))

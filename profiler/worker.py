@@ -291,6 +291,7 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     resources (host cores and their matrix units, power, PCIe) are loaded alike for all of them.
     """
     cfg, device = run.cfg, run.device
+    agree = _group_min(node_group, device)
     gemm: dict[str, bench.Measured] = {}
     for i, dtype in enumerate(cfg.gemm_dtypes):  # a phase per dtype, each within the budget
         run.progress.phase(f"GEMM {dtype} up to {'x'.join(map(str, cfg.gemm_shape))} within {cfg.budget_s:g} s "
@@ -302,7 +303,8 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
         run.barrier()
         if bench.dtype_supported(device, dtype):
             best = max((m.value for m in gemm.values()), default=None)
-            gemm[dtype] = bench.gemm_tflops(device, dtype, cfg, best_tflops=best)
+            gemm[dtype] = bench.gemm_tflops(device, dtype, cfg, best_tflops=best,
+                                            agree=agree if device.type == "cpu" and node_group is not None else None)
     if run.env.rank == 0:
         log.info("GEMM TFLOP/s on rank 0: %s", ", ".join(
             f"{d} {m.value:.3g} at {'x'.join(map(str, dict(m.detail)['shape_mkn']))}"
@@ -324,7 +326,6 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
                  optimizer_param.value)
     run.barrier()
     between = None
-    agree = _group_min(node_group, device)
     if node_group is not None and device.type == "cpu":  # CPU processes share cores: time layers as training runs
         buf, out = torch.ones(run.env.local_world_size), torch.empty(run.env.local_world_size)
 

@@ -429,6 +429,29 @@ def test_gemm_grows_from_a_quarter_of_its_shape_and_a_hopeless_dtype_stops_at_th
     assert 1 <= len(g.timing.samples_s) <= cfg.reps
 
 
+def test_devices_sharing_cores_grow_the_gemm_only_while_every_one_of_them_does():
+    """The grow-or-stop vote of every size, then one vote to start timing together: a node whose other device
+    votes to stop at the first size keeps this one at the first size too (a stand-in ``agree`` for the node's
+    all-reduce MIN, a count per call)."""
+    cfg = bench.BenchConfig("cpu", True, gemm_shape=(64, 32, 48), gemm_dtypes=("fp32",), copy_bytes=2**20,
+                            allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
+                            latency_reps=3, min_rep_s=0.005, budget_s=2.0)
+    alone = bench.gemm_tflops(torch.device("cpu"), "fp32", cfg)
+    assert dict(alone.detail)["shape_mkn"] == [64, 32, 48]  # grows to the full shape within 2 s
+    votes = []
+
+    def other_stops(n: int) -> int:
+        votes.append(n)
+        return 0 if len(votes) == 1 else n
+
+    held = bench.gemm_tflops(torch.device("cpu"), "fp32", cfg, agree=other_stops)
+    assert dict(held.detail)["shape_mkn"] == [16, 8, 12] and "stopped" not in dict(held.detail)
+    assert votes == [1, 1]  # it would have grown; then the start
+    votes.clear()
+    every = bench.gemm_tflops(torch.device("cpu"), "fp32", cfg, agree=lambda n: votes.append(n) or n)
+    assert dict(every.detail)["shape_mkn"] == [64, 32, 48] and votes == [1, 1, 0, 1]
+
+
 def test_repetitions_stop_at_the_budget():
     calls = []
 
