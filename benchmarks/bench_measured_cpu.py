@@ -3,7 +3,7 @@ priced by the analytic model, each set beside what the run's ``run-report.json``
 
     sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--no-calibrate] [--cores 0,0,1]
         [--period-us 0] [--no-filler] [--filler-grace-us 2000] [--ticker-us 1000] [--model tiny] [--seq-len 64]
-        [--global-batch 256] [--micro-batches 8,16,32] [--min-micro-batch 8] [--layer-budget-s 30]
+        [--global-batch 256] [--micro-batches 8,16,32,64] [--min-micro-batch 8] [--layer-budget-s 60]
         [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
     taskset -c 1 python benchmarks/bench_measured_cpu.py --probe-wait [--probe-micro-batch 8] [--probe-sleep-ms 30]
     sudo python benchmarks/bench_measured_cpu.py --probe-throttle [--probe-sleep-ms 30] [--probe-short-sleep-ms 0.5]
@@ -33,7 +33,7 @@ it spends the quota, so that a short wait, the p2p handshake between two micro-b
 quota's rate; the slowest stage measured the same with and without it, so the default is 0.)
 
 1. Profile, for real: ``tangram-launch profile --standalone --nproc-per-node 3 --model M --seq-len S
-   --micro-batch 8,16,32 --layer-dtype fp32 --layer-timing back-to-back``, each worker moved into its device's
+   --micro-batch 8,16,32,64 --layer-dtype fp32 --layer-timing back-to-back``, each worker moved into its device's
    groups as soon as it appears. Back-to-back: blocks of calls of at least 0.1 s of process time (tens of quota
    periods), an all-to-all after each block, so every device is timed computing without pause and the two fast
    devices share their core while they are timed. Back-to-back also times a stage-like sequence (the embedding, the
@@ -90,6 +90,7 @@ from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan  #
 from tangram_launch.specs.cluster import ClusterSpec  # noqa: E402
 from tangram_launch.specs.model import load_model  # noqa: E402
 from tangram_launch.specs.training import TrainingSpec  # noqa: E402
+from profiler.worker import LAYER_BUDGET_S  # noqa: E402
 
 REPO = base.REPO
 THROTTLED = 2  # local rank (and cluster local GPU index) of the throttled device
@@ -804,11 +805,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=256)
-    p.add_argument("--micro-batches", default="8,16,32", help="the micro-batch sizes the profile measures")
+    p.add_argument("--micro-batches", default="8,16,32,64", help="the micro-batch sizes the profile measures")
     p.add_argument("--min-micro-batch", type=int, default=8,
                    help="where the planner leaves a device out: the plan on every device has at least this many "
                         "rows per replica and micro-batch (a tiny layer call on fewer is mostly per-operator overhead)")
-    p.add_argument("--layer-budget-s", type=float, default=30.0, help="the profile's layer budget per device")
+    p.add_argument("--layer-budget-s", type=float, default=LAYER_BUDGET_S,
+                   help="the profile's layer budget per device (default: the product's)")
     p.add_argument("--layer-timing", default="back-to-back", choices=("back-to-back", "interleaved"),
                    help="how the profile times the layers (profile --layer-timing): back to back, each device busy "
                         "throughout, as the throttled device is in training when its stage is the pipeline's busiest")
