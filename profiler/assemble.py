@@ -312,7 +312,11 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
     node_profiles: dict[str, Any] = {}
     for node, nm in zip(nodes, names):
         devs = sorted(by_node.get(node.node_rank, []), key=lambda d: d.local_rank)
-        node_entries.append({"name": nm, "host": node.host, "gpus": [_gpu_entry(d, node, catalog, (record.model or {}).get("name")) for d in devs]})
+        entry = {"name": nm, "host": node.host}
+        if node.inventory.memory_total_bytes > 0:  # MemTotal: what an offloaded optimizer's state must fit in
+            entry["host_memory_gib"] = round_sig(node.inventory.memory_total_bytes / 2**30)
+        entry["gpus"] = [_gpu_entry(d, node, catalog, (record.model or {}).get("name")) for d in devs]
+        node_entries.append(entry)
         node_profiles[nm] = {
             "node_rank": node.node_rank,
             "ranks": list(node.ranks),

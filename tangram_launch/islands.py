@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tangram_launch.errors import SpecError
-from tangram_launch.specs.cluster import ClusterSpec, GPUSpec, GpuRef, LinkSpec, math_mode
+from tangram_launch.specs.cluster import ClusterSpec, GPUSpec, GpuRef, LinkSpec, NodeHostMemory, math_mode
 from tangram_launch.specs.gemm_sweep import SWEEP_KEY, slowest_sweep
 
 
@@ -95,6 +95,8 @@ class Island:
     gpus_per_node: int
     gpu: GPUSpec  # conservative representative: element-wise minimum of its GPUs' figures
     inter_node_link: LinkSpec | None  # slowest link between its nodes; None on one node
+    # its node with the least host RAM per GPU (offloaded optimizer state must fit there); None: none gives it
+    host_memory: NodeHostMemory | None = None
 
     @property
     def num_gpus(self) -> int:
@@ -539,7 +541,8 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
         nodes = tuple(cluster.nodes[i].name for i, _ in members)
         gpus = tuple(GpuRef(cluster.nodes[i].name, li) for i, p in members for li in node_parts[i][p].local)
         islands.append(Island(name=grp.name, nodes=nodes, gpus=gpus, gpus_per_node=grp.per_node, gpu=rep,
-                              inter_node_link=links.own_link(grp.units)))
+                              inter_node_link=links.own_link(grp.units),
+                              host_memory=least_host_memory(cluster, [i for i, _ in members])))
     separations = []
     for i, a in enumerate(kept):
         for b in kept[i + 1:]:
@@ -547,6 +550,13 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
             assert fail is not None, f"islands {a.name} and {b.name} could be merged: construction not maximal"
             separations.append(Separation(a.name, b.name, fail[0], fail[1]))
     return IslandSet(tuple(islands), tuple(separations), tol)
+
+
+def least_host_memory(cluster: ClusterSpec, node_indices) -> NodeHostMemory | None:
+    """Of the given nodes, the one with the least host RAM per GPU (a stage may be placed on any of them); None
+    where none gives its host memory. A node without the figure is not checked (unknown is not small)."""
+    known = [h for i in dict.fromkeys(node_indices) if (h := cluster.nodes[i].host_memory()) is not None]
+    return min(known, key=lambda h: h.gib_per_gpu) if known else None
 
 
 def node_ranges(names: tuple[str, ...]) -> str:

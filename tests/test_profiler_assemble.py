@@ -256,6 +256,9 @@ def test_cpu_devices_carry_measured_figures():
     assert build_islands(spec).islands[0].gpu.measured["wake_up_us"] == 1000.0  # the slowest wake-up
     assert a.measured["wake_up_wait_us"] == 30000.0 and b.measured["wake_up_wait_us"] == 40000.0  # after waits
     assert len(build_islands(spec).islands) == 1  # within tolerance: one island
+    # the node's MemTotal, which offloaded optimizer state must fit in (costmodel/host_memory.py)
+    assert spec.nodes[0].host_memory_gib == pytest.approx(
+        spec.profile["nodes"]["box"]["inventory"]["memory_total_gib"], rel=1e-3)
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)
     assert len(iset.islands) == 2 and iset.separations[0].constraint == "(1) compute"

@@ -8,7 +8,8 @@ gradient sync and optimizer step, and memory per GPU (parameters, gradients, opt
 micro-batches in flight under 1F1B) against the GPU's capacity; then the 1F1B iteration estimate and MFU. Unset
 options default to: all layers, all of the island's GPUs as data parallelism, mbs 1, 4 x pp micro-batches, the
 model's sequence length, bf16 (fp16 on GPUs without bf16). Exit status 3 when the configuration does not fit
-(or, with --runtime, when that runtime cannot run it).
+(in GPU memory, or, with --offload, in the host memory of a node whose cluster entry gives ``host_memory_gib``;
+or, with --runtime, when that runtime cannot run it).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import logging
 
 from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
+from tangram_launch.costmodel.host_memory import stage_host_problems
 from tangram_launch.costmodel.pipeline import iteration_time_s
 from tangram_launch.costmodel.slice_plan import SlicePlan, SliceQuery, capacity_bytes
 from tangram_launch.errors import SpecError
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     flops = sum(3.0 * s.breakdown["forward_flops"] * s.num_gpus for s in plan.stages) * m
     mfu = flops / (est["iteration_s"] * plan.num_gpus * coster.dev.peak_flops)
     fits = plan.fits(after, m, cap)
+    host_problems = stage_host_problems(plan.stages, q.island.host_memory)  # offload beyond the node's host RAM
     problems: list[str] = []
     if args.runtime:  # every stage has the same shape: check one, then the cross-stage rules
         problems = q.capabilities.stage_problems(plan.stages[0].shape, pipelined=q.pipelined)
@@ -144,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             "micro_batch_size": plan.stages[0].micro_batch_size, "num_microbatches": m,
             "global_batch": q.training.global_batch, "seq_len": q.training.seq_len, "dtype": q.training.dtype,
             "num_gpus": plan.num_gpus, "capacity_gib": cap / GIB, "fits": fits, "mfu": mfu,
-            "runtime_problems": problems,
+            "runtime_problems": problems, "host_memory_problems": host_problems,
             **est,
             "stages": [{"layers": list(s.layers), "forward_s": s.forward_s, "backward_s": s.backward_s,
                         "dp_sync_s": s.dp_sync_s, "optimizer_s": s.optimizer_s,
@@ -173,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"runtime '{args.runtime}' cannot run this: {p}")
         if not fits:
             print("does NOT fit: peak memory exceeds the GPU's capacity (see 'fits' above)")
-    return 0 if fits and not problems else 3
+        for p in host_problems:
+            print(f"does NOT fit in host memory: {p}")
+    return 0 if fits and not problems and not host_problems else 3
 
 
 def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: float, stages_after: int = 0) -> str:

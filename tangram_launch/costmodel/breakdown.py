@@ -28,6 +28,7 @@ copies + CPU Adam with offload; plus a measured fixed cost per parameter tensor 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -42,6 +43,7 @@ from tangram_launch.costmodel.compute import (
     layer_param_tensors,
 )
 from tangram_launch.costmodel.efficiency import CPU_ADAM_PARAMS_PER_S_PER_NODE, DeviceModel
+from tangram_launch.costmodel.host_memory import fits_host_memory
 from tangram_launch.costmodel.memory import (
     CROSS_ENTROPY_KINDS,
     FP32_BYTES,
@@ -98,6 +100,9 @@ class ZeroPart(NamedTuple):
     # ... and once for the step, the layers' and the output layer's where layers are not recomputed whole (the
     # runtime keeps autocast's cast cache across the step's micro-batches: torch_native.casts_once_per_step)
     held_copy_bytes: tuple[float, float] = (0.0, 0.0)
+    # with offload: whether the optimizer state it keeps on the host fits the island's node with the least host
+    # memory per GPU (host_memory.fits_host_memory; True without offload or where the host memory is unknown)
+    fits_host: bool = True
 
 
 def _sp_pairs(model, kind: str, ep: int, moe_runtime: MoERuntime | None = None) -> int:
@@ -880,9 +885,10 @@ class SliceCoster:
             working = st.max_layer_params * (2 * pb + gb)  # gathered + prefetched layer, grads
             if st.max_edge_params > st.max_layer_params:  # the embedding or output layer is the largest
                 working = st.max_edge_params * (pb + gb) + st.max_layer_params * pb  # ... with a layer prefetched
+        fits_host = not off or fits_host_memory(dense.host + expert.host, self.island.host_memory)
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd,
                        l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs, copies,
-                       held_copies)
+                       held_copies, fits_host)
         st.zero_parts[key] = out
         return out
 
@@ -927,7 +933,9 @@ class SliceCoster:
         return out
 
     def fast_stage(self, st: StageSums, zero: int, r: int, off: bool) -> StageNumbers:
-        """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop."""
+        """One stage under (ZeRO stage, recompute index, offload): the parallelizers' inner loop. An offload whose
+        host-side state does not fit its node's host memory gets infinite static bytes: it fits at no depth, so the
+        search drops it as it drops what does not fit the GPU (ZeroPart.fits_host; the floors stay floors)."""
         return StageNumbers(*self._stage_terms(st, ((zero, r, off),), rows=False)[0])
 
     def fast_rows(self, st: StageSums, savers: Sequence[tuple[int, int, bool]],
@@ -939,11 +947,12 @@ class SliceCoster:
         return self._stage_terms(st, savers, rows=True, halves=halves)
 
     def _stage_terms(self, st: StageSums, savers: Sequence[tuple[int, int, bool]], *, rows: bool,
-                     halves: list | None = None) -> list[tuple]:
+                     halves: list | None = None, host_limit: bool = True) -> list[tuple]:
         """fast_stage's six numbers per saver combination (``rows``: fast_rows' four), in one loop (a grid costs ~20
         combinations per stage). What one (ZeRO stage, offload) gives every recompute mode (its exposed forward,
         its per-iteration time) and what one recompute mode gives every pair (its backward without ZeRO
-        collectives) are worked out once: the same float operations, in the same order."""
+        collectives) are worked out once: the same float operations, in the same order. ``host_limit=False``: the
+        GPU's bytes even where the offload misses the host memory (stage_numbers, which reports that apart)."""
         out = []
         fwd_s, bwd_s, fixed_fwd, fixed_bwd = st.fwd_s, st.bwd_s, st.fixed_fwd_s, st.fixed_bwd_s
         frag, overhead = self.fragmentation, self.overhead_bytes
@@ -961,8 +970,9 @@ class SliceCoster:
                     fwd = fwd_s + (z_fwd + overlap.contention_s(zp.zero_fwd_s, z_fwd)) + fixed_fwd
                 else:
                     fwd = fwd_s + fixed_fwd
-                pair = per_pair[zero, off] = (zp, exposed, fwd, zp.sync_s + zp.optimizer_s)
-            zp, exposed, fwd, tail = pair
+                pair = per_pair[zero, off] = (zp, exposed, fwd, zp.sync_s + zp.optimizer_s,
+                                              host_limit and not zp.fits_host)
+            zp, exposed, fwd, tail, over_host = pair
             rec = per_rec.get(r)
             if rec is None:
                 rp = rec_parts[r] or self._rec_part(st, r)
@@ -974,6 +984,8 @@ class SliceCoster:
                 bwd = b + (z_bwd + overlap.contention_s(zp.zero_bwd_s, z_bwd)) + fixed_bwd + rp.comm_s
             full = r == _FULL
             static = zp.state_bytes + zp.held_copy_bytes[full] + (zp.working_bytes + rp.working_bytes) * frag + overhead
+            if over_host:
+                static = math.inf
             act = rp.activation_bytes + zp.copy_bytes[full] * frag
             if rows:
                 out.append((fwd + bwd, static, act, tail))
@@ -984,9 +996,12 @@ class SliceCoster:
         return out
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
-        """One stage of ``cfg`` and where its time and memory go (the breakdown ``tangram-launch estimate`` prints)."""
+        """One stage of ``cfg`` and where its time and memory go (the breakdown ``tangram-launch estimate`` prints).
+        Its static bytes are the GPU's even where an offload misses the host memory: the callers that cost a given
+        configuration judge ``host_offload_bytes`` apart (host_memory.stage_host_problems), to say so."""
         r = _rec_index(cfg.recompute)
-        numbers = self.fast_stage(st, cfg.zero_stage, r, cfg.offload)
+        numbers = StageNumbers(*self._stage_terms(st, ((cfg.zero_stage, r, cfg.offload),), rows=False,
+                                                  host_limit=False)[0])
         zp = self._zero_part(st, cfg.zero_stage, cfg.offload)
         sync, opt_s, zworking, dense, expert = zp.sync_s, zp.optimizer_s, zp.working_bytes, zp.dense, zp.expert
         rp = self._rec_part(st, r)

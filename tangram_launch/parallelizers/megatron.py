@@ -51,6 +51,7 @@ from tangram_launch.capabilities import StageShape
 from tangram_launch.costmodel.breakdown import ZERO_STAGES, ParallelConfig, SliceCoster
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES
 from tangram_launch.costmodel.efficiency import GIB
+from tangram_launch.costmodel.host_memory import stage_host_problems
 from tangram_launch.costmodel.grid import (
     GridIndex,
     SaverColumns,
@@ -643,7 +644,27 @@ class MegatronParallelizer:
                           if k.endswith("_bytes") and v)
         reason = (f"{where} needs at least {peak / GIB:.1f} GiB per GPU (capacity {cap / GIB:.1f} GiB) even with "
                   f"{cfg.describe()}: {parts}")
-        return InfeasibleSlice((reason,), peak, bd)
+        return InfeasibleSlice((reason, *self._host_reasons(q, coster, grid, m, cap, where)), peak, bd)
+
+    def _host_reasons(self, q: SliceQuery, coster: SliceCoster, grid: ParallelConfig, m: int, cap: float,
+                      where: str) -> tuple[str, ...]:
+        """Where the host memory is what rules out offload (its combinations fit at no depth, fast_stage): why, for
+        the least GPU memory an offloaded combination of ``grid`` (the grid that came nearest to fitting) needs,
+        when that would fit the GPUs. Only read when nothing fits, so its few materialized plans cost nothing."""
+        if q.island.host_memory is None:
+            return ()
+        sums = coster.stage_sums(grid.tp, grid.pp, grid.dp, grid.cp, grid.ep)
+        plans = [coster.materialize(_config(grid, zero, r, off), sums, parallelizer=self.name)
+                 for zero, r, off in self.savers(q, grid) if off]
+        plans = [p for p in plans if p.fits(0, m, cap)]
+        if not plans:
+            return ()
+        n = len(plans[0].stages)
+        plan = min(plans, key=lambda p: max(st.memory_bytes(n - 1 - k, m) for k, st in enumerate(p.stages)))
+        problems = stage_host_problems(plan.stages, q.island.host_memory)
+        shape = plan.stages[0].shape
+        return tuple(f"{where}: with zero={shape.zero_stage} recompute={shape.recompute} offload=yes it fits in GPU "
+                     f"memory, but {p}" for p in problems[:1])
 
 
 # the infeasible answer's memory parts, as its reason names them (the others: the key less "_bytes")

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tangram_launch.islands import Island, compute_tflops
+from tangram_launch.islands import Island, compute_tflops, least_host_memory
 from tangram_launch.parallelizers.base import SliceQuery
 from tangram_launch.plan import Plan
 from tangram_launch.planner.build import Candidates, build_plan, gpu_peak_flops, make_candidates
@@ -74,7 +74,8 @@ def whole_cluster_island(cluster: "ClusterSpec", dtype: str) -> Island:
     link = (LinkSpec(min(lk.bandwidth_GBps for lk in links), max(lk.latency_us for lk in links))
             if links else (LinkSpec(rep.intra_node_bandwidth_GBps / 2, 0.0) if len(nodes) > 1 else None))
     return Island(name=f"all-as-{slow.type}", nodes=nodes, gpus=tuple(r for r, _ in cluster.iter_gpus()),
-                  gpus_per_node=per_node, gpu=rep, inter_node_link=link)
+                  gpus_per_node=per_node, gpu=rep, inter_node_link=link,
+                  host_memory=least_host_memory(cluster, range(len(cluster.nodes))))
 
 
 def ideal_time_s(result: "SearchResult", cluster: "ClusterSpec") -> float:

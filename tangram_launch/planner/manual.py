@@ -199,6 +199,7 @@ def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer"
     if cfg is None:
         return None, []
     from tangram_launch.costmodel.breakdown import SliceCoster  # floor 2: the shared cost model
+    from tangram_launch.costmodel.host_memory import stage_host_problems
 
     coster = SliceCoster(q, flash_attention=getattr(parallelizer, "flash_attention", None))
     problems = coster.check(cfg, search_space=False)  # a hand-written stage may take any GPUs (dp 2 of 3 on a node)
@@ -209,6 +210,10 @@ def _exact(q: SliceQuery, fixed: Mapping[str, Any], parallelizer: "Parallelizer"
     mismatch = [f"{k}={v}" for k, v in fixed.items() if not _matches(plan.stages[0], {k: v})]
     if mismatch:
         return None, [f"{', '.join(mismatch)} does not match tp={cfg.tp} dp={cfg.dp} cp={cfg.cp}"]
+    # the search drops an offload its node's host memory cannot hold; priced here, it is refused for that reason
+    host = stage_host_problems(plan.stages, q.island.host_memory)
+    if host:
+        return None, host
     return plan, []
 
 

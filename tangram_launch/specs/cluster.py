@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -30,8 +31,8 @@ from tangram_launch.specs.yamlio import (
 
 
 _GPU_KEYS = ("type", "tflops", "memory_gib", "memory_bandwidth_GBps", "intra_node_bandwidth_GBps", "uuid", "measured")
-_NODE_KEYS = ("name", "host", "gpu", "count", "gpus", "tflops", "memory_gib", "memory_bandwidth_GBps",
-              "intra_node_bandwidth_GBps", "measured")
+_NODE_KEYS = ("name", "host", "host_memory_gib", "gpu", "count", "gpus", "tflops", "memory_gib",
+              "memory_bandwidth_GBps", "intra_node_bandwidth_GBps", "measured")
 _TOP_KEYS = ("name", "description", "network", "nodes", "fingerprint", "profile")
 _NET_KEYS = ("default", "fabrics", "pairs")
 _LINK_KEYS = ("bandwidth_GBps", "latency_us")
@@ -92,14 +93,34 @@ class GPUSpec:
 
 
 @dataclass(frozen=True)
+class NodeHostMemory:
+    """A node's host RAM and the GPUs that share it: what an offloaded optimizer's state must fit in."""
+
+    node: str
+    host_memory_gib: float
+    num_gpus: int  # every GPU of the node, whatever island it is in: they all may offload
+
+    @property
+    def gib_per_gpu(self) -> float:
+        return self.host_memory_gib / self.num_gpus
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     name: str
     gpus: tuple[GPUSpec, ...]
     host: str | None = None
+    host_memory_gib: float | None = None  # host RAM (MemTotal); None: unknown, so offload is not checked against it
 
     @property
     def num_gpus(self) -> int:
         return len(self.gpus)
+
+    def host_memory(self) -> NodeHostMemory | None:
+        """The node's host RAM shared by its GPUs, or None where the cluster file does not give it."""
+        if self.host_memory_gib is None:
+            return None
+        return NodeHostMemory(self.name, self.host_memory_gib, self.num_gpus)
 
 
 @dataclass(frozen=True)
@@ -213,6 +234,8 @@ class ClusterSpec:
             nd: dict[str, Any] = {"name": n.name}
             if n.host:
                 nd["host"] = n.host
+            if n.host_memory_gib is not None:
+                nd["host_memory_gib"] = n.host_memory_gib
             nd["gpus"] = [g.to_dict() for g in n.gpus]
             d["nodes"].append(nd)
         if self.fingerprint:
@@ -405,7 +428,19 @@ def _parse_node(d: Any, idx: int, *, source: str | None, catalog, legacy: set[st
                          catalog=catalog)
         gpus = [one] * count
     host = d.get("host")
-    return NodeSpec(name=name, gpus=tuple(gpus), host=str(host) if host is not None else None)
+    host_memory_gib = None
+    if d.get("host_memory_gib") is not None:
+        host_memory_gib = _host_memory_gib(d["host_memory_gib"], field=f"{where}.host_memory_gib", source=source)
+    return NodeSpec(name=name, gpus=tuple(gpus), host=str(host) if host is not None else None,
+                    host_memory_gib=host_memory_gib)
+
+
+def _host_memory_gib(value: Any, *, field: str, source: str | None) -> float:
+    """A node's host RAM in GiB: a finite number > 0 (the key is left out where it is unknown)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise SpecError("host memory must be a positive number of GiB", source=source, field=field, value=value,
+                        valid="a number > 0 (e.g. 2048 for 2 TiB), or leave the key out where it is unknown")
+    return float(value)
 
 
 def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> ClusterSpec:
