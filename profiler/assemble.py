@@ -314,7 +314,8 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
         devs = sorted(by_node.get(node.node_rank, []), key=lambda d: d.local_rank)
         entry = {"name": nm, "host": node.host}
         if node.inventory.memory_total_bytes > 0:  # MemTotal: what an offloaded optimizer's state must fit in
-            entry["host_memory_gib"] = round_sig(node.inventory.memory_total_bytes / 2**30)
+            # rounded down to 0.01 GiB: never more than the node has
+            entry["host_memory_gib"] = math.floor(node.inventory.memory_total_bytes / 2**30 * 100) / 100
         entry["gpus"] = [_gpu_entry(d, node, catalog, (record.model or {}).get("name")) for d in devs]
         node_entries.append(entry)
         node_profiles[nm] = {

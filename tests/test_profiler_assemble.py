@@ -25,7 +25,7 @@ from profiler.assemble import (
     name_nodes,
 )
 from helpers_timing import layer_times_in_order
-from profiler.inventory import read_node_inventory
+from profiler.inventory import read_memory_total_bytes, read_node_inventory
 from profiler.layer import LayerShape, active_ffn_width, layer_kinds, time_layer
 from tangram_launch.commands import profile as profile_cmd
 from tangram_launch.islands import build_islands
@@ -257,8 +257,9 @@ def test_cpu_devices_carry_measured_figures():
     assert a.measured["wake_up_wait_us"] == 30000.0 and b.measured["wake_up_wait_us"] == 40000.0  # after waits
     assert len(build_islands(spec).islands) == 1  # within tolerance: one island
     # the node's MemTotal, which offloaded optimizer state must fit in (costmodel/host_memory.py)
-    assert spec.nodes[0].host_memory_gib == pytest.approx(
-        spec.profile["nodes"]["box"]["inventory"]["memory_total_gib"], rel=1e-3)
+    total_gib = spec.profile["nodes"]["box"]["inventory"]["memory_total_gib"]
+    assert spec.nodes[0].host_memory_gib == pytest.approx(total_gib, rel=1e-3)
+    assert spec.nodes[0].host_memory_gib * 2**30 <= read_memory_total_bytes()  # never more than the node has
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)
     assert len(iset.islands) == 2 and iset.separations[0].constraint == "(1) compute"
