@@ -131,6 +131,8 @@ def test_the_planner_reports_the_host_memory_where_only_offload_fits_the_gpu():
         _planned(1, SMALL_HOST_GIB, 8, 1024)
     assert any("offload=yes it fits in GPU memory" in r and "node n0" in r and "host memory" in r
                for r in err.value.reasons)
+    assert err.value.reasons[-1] == ("no slice plan of any pair fits in GPU memory without offload, and offload "
+                                     "does not fit in host memory (above)")
 
 
 # --- the estimate command ---------------------------------------------------------------------------------------

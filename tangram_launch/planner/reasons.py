@@ -68,7 +68,9 @@ def infeasible_reasons(cands: dict[int, Candidates], pairset: PairSet, reasons: 
     for why, (n, *bs) in dropped.items():
         out.append(f"{plural(n, 'slice plan')} dropped at b={','.join(map(str, bs))}: {why} ({caps.name})")
     if not any(c.options for c in cands.values()):
-        out.append("no slice plan of any pair fits in GPU memory")
+        host = any("host memory" in line for line in out)  # an island's reason (host_memory.host_memory_problem)
+        out.append("no slice plan of any pair fits in GPU memory" + (" without offload, and offload does not fit "
+                                                                     "in host memory (above)" if host else ""))
     else:
         out.append("slice plans exist, but no sequence of them covers the model with each stage fitting in memory "
                    "at its pipeline position" + (" under one process grid" if caps.uniform_grid else ""))
