@@ -22,7 +22,8 @@ Per rank (order as in torchtitan's parallelize step, and why):
    after the schedule (not DDP: under torch.distributed.pipelining in torch 2.13, DDP's reducer asserts at step 2
    when micro-batches == stages, and with static_graph=True it returns wrong gradients; measured); 1/2 -> FSDP2
    ``fully_shard`` keeping parameters gathered between forward and backward (gradients and optimizer state sharded,
-   ZeRO-2 memory, one all-gather per step); 3 -> FSDP2 resharding after forward (ZeRO-3).
+   ZeRO-2 memory, one all-gather per step); 3 -> FSDP2 resharding after forward (ZeRO-3; a whole-model stage
+   also after each backward, with its gradients reduce-scattered per micro-batch: step 7).
    MoE layers (``runtime_adapters.moe``): with stage.ep > 1 each rank holds E / ep routed experts and tokens travel
    by all_to_all_single inside the stage's expert-parallel group; expert gradients are reduced over the
    expert-data-parallel group only (``runtime_adapters.expert_parallel``). EP runs with zero_stage 0.
@@ -30,7 +31,8 @@ Per rank (order as in torchtitan's parallelize step, and why):
    micro-batches by the schedule and over replicas by the all-reduce/FSDP2, so one step equals one step of the
    whole model on the global batch. Interleaved 1F1B: one module and ``PipelineStage`` per plan chunk
    (``runtime_adapters.interleaved``). Stages with their own (tp, dp) grids: ``runtime_adapters.schedule`` runs
-   1F1B/GPipe itself and re-splits each micro-batch's rows at stage boundaries (``runtime_adapters.stage_grid``).
+   1F1B/GPipe itself and re-splits each micro-batch's rows at stage boundaries (``runtime_adapters.stage_grid``);
+   a whole-model ZeRO-3 stage runs there too, as plain gradient accumulation under FSDP2's defaults.
 8. ``stage.offload``: the optimizer state and update on the host (``runtime_adapters.offload``).
 
 Usage on a worker (``tangram-launch --plan plan.json train.py`` or torchrun)::
@@ -283,6 +285,12 @@ def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups,
     return module, False
 
 
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGroups, device: torch.device,
                     scaler: "LossScaler | None", timer: StageTimer | None = None) -> Any:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -304,6 +312,13 @@ def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGr
                             hidden_size=int(plan.model["hidden_size"]), before_backward=sync)
     if isinstance(module, ChunkedStage):
         return build_interleaved_schedule(plan, place.stage, module.chunk_modules, groups.pp, device, loss_fn)
+    if plan.num_stages == 1 and place.stage.zero_stage == 3 and _is_fsdp(module):
+        # a whole-model ZeRO-3 stage is not a pipeline: run its micro-batches under FSDP2's defaults, each backward
+        # resharding and reduce-scattering its gradients, so the rank holds a shard between units (ZeRO-3 memory,
+        # per micro-batch gathers and reduce-scatters: what the cost model prices); a one-stage PipelineStage
+        # would keep every parameter gathered and every gradient unsharded until the last backward
+        return GridSchedule(plan=plan, place=place, module=module, device=device, loss_fn=loss_fn,
+                            hidden_size=int(plan.model["hidden_size"]))
     pipe_stage = PipelineStage(module, place.stage.index, plan.num_stages, device, group=groups.pp)
     cls = Schedule1F1B if plan.schedule == "1F1B" else ScheduleGPipe
     return cls(pipe_stage, n_microbatches=plan.num_microbatches, loss_fn=loss_fn)

@@ -1,11 +1,14 @@
 """The model states a torch-runtime stage holds at their peak are what the cost model prices: real gloo processes,
 the torch adapter, bf16 on CPU (costmodel/memory.py, model_state_bytes; costmodel/breakdown.py, SliceCoster).
 
-FSDP2 (ZeRO 1-3) under the pipeline schedule, which runs a whole-model stage as a one-stage pipeline: every
+FSDP2 (ZeRO 1-2) under the pipeline schedule, which runs a whole-model stage as a one-stage pipeline: every
 micro-batch's backward runs without gradient sync and keeps its parameters gathered, and one reduce-scatter follows
 the last (torch.distributed.pipelining's PipelineStage). Just before it the rank holds every parameter gathered in 16
 bits, every gradient unsharded in fp32 (FSDP2 accumulates in its reduce dtype), its fp32 parameter shard and its
-share of Adam's moments: ZeRO-1's states whatever the ZeRO stage, as the cost model prices any stage that holds them.
+share of Adam's moments: ZeRO-1's states, as the cost model prices any stage that holds them. A whole-model ZeRO-3
+stage runs as plain gradient accumulation, each backward resharding and reduce-scattering: when the optimizer step
+starts the rank holds its fp32 parameter shard, its fp32 gradient shard and its share of the moments, nothing
+gathered (the one unit gathered at a time during a pass is the cost model's working memory, priced apart).
 
 Optimizer offload (runtime_adapters/offload.py) moves only the optimizer: Adam's moments and the fp32 copy of the
 parameters they update live on the host, the module's fp32 parameters and gradients stay on the accelerator. On CPU
@@ -62,7 +65,8 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out
         opt, module = ctx.optimizer, ctx.module  # AdamW: two moments per parameter
         seen = {"gathered": 0, "gradients": 0}
         # this test's own instances are wrapped to look at the peak: the runtime is not changed
-        if isinstance(module, FSDPModule):  # just before the step's one reduce-scatter
+        whole_zero3 = plan.num_stages == 1 and plan.stages[0].zero_stage == 3
+        if isinstance(module, FSDPModule) and not whole_zero3:  # just before the step's one reduce-scatter
             sync = module.set_requires_gradient_sync
 
             def look(requires: bool, *args, **kwargs):
@@ -71,11 +75,14 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out
                 return sync(requires, *args, **kwargs)
 
             module.set_requires_gradient_sync = look
-        else:  # no FSDP2: the fp32 gradients as the optimizer step finds them
+        else:  # no FSDP2, or ZeRO-3 resharding after each backward: what the optimizer step finds
             step = opt.step
 
             def look_step(*args, **kwargs):
                 seen["gradients"] = sum(_local_bytes(p.grad) for p in module.parameters())
+                if isinstance(module, FSDPModule):  # nothing left gathered, no unsharded gradient kept
+                    seen["gathered"], unsharded = _gathered_bytes(module)
+                    seen["gradients"] += unsharded
                 return step(*args, **kwargs)
 
             opt.step = look_step

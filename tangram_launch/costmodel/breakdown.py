@@ -787,15 +787,18 @@ class SliceCoster:
                                        tensors, max_params, transient)
         return hit
 
-    def kept_state_bytes(self, zero: int, offload: bool = False) -> tuple[float, float, float]:
+    def kept_state_bytes(self, zero: int, offload: bool = False, *, held: bool = True) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer-state) bytes a GPU stores per parameter under ZeRO stage ``zero``: the
         runtime's storage (state_bytes), or fp32 weights, gradients and Adam's moments where the module keeps fp32
         weights (RuntimeCapabilities.autocast_fp32_weights) and the storage's 16-bit weights would under-count them:
-        a ZeRO-0 stage, which runs autocast over them (its 16-bit copies are priced apart, ZeroPart), and a stage
+        a ZeRO-0 stage, which runs autocast over them (its 16-bit copies are priced apart, ZeroPart), a stage
         that offloads, whose fp32 parameter shards and gradients stay on the GPU while the moments go to the host
         (runtime_adapters/offload.py; for ZeRO 1-2 the whole fp32 parameters bound FSDP2's shards and its gathered
-        16-bit parameters together). The memory floors read the same (slice_floors): the copies only add."""
-        if self.autocast_fp32_weights and (zero == 0 or offload):
+        16-bit parameters together), and a ZeRO-3 stage that does not hold its parameters gathered (``held``
+        False: FSDP2 keeps fp32 shards of parameters and gradients, which are the optimizer's master copy; the unit
+        gathered in 16 bits is working memory). The memory floors read the same (slice_floors): the copies only
+        add."""
+        if self.autocast_fp32_weights and (zero == 0 or offload or (zero >= 3 and not held)):
             return FP32_BYTES, FP32_BYTES, self.training.optimizer_state_bytes - FP32_BYTES
         return self.state_bytes
 
@@ -813,7 +816,17 @@ class SliceCoster:
         shard, eshard = st.shard, st.eshard
         if zero and shard == 1 and self.autocast_fp32_weights:  # no group to shard over: the runtime wraps nothing,
             zero = 0  # a ZeRO-0 stage (runtime_adapters/torch_native.py, _apply_data_parallel, casts_once_per_step)
-        kept_pb, kept_gb, kept_ob = self.kept_state_bytes(zero, off)  # what the GPU stores per parameter (memory)
+        # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
+        # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward.
+        # A runtime whose FSDP2 units sync once per step (the torch runtime) runs a whole-model ZeRO-2 stage as a
+        # one-stage pipeline (runtime_adapters/groups.py): it holds them too, whatever the micro-batches; a
+        # whole-model ZeRO-3 stage over a DP group it runs as plain gradient accumulation, resharding and
+        # reduce-scattering after each backward (torch_native._build_schedule): ZeRO-3 as priced without pipelining
+        per_unit = self.q.capabilities.zero_per_unit  # FSDP2 units, gathered and synced once per step
+        whole = st.has_embedding and st.has_head
+        held = held_under_pipelining(zero) and (not whole or (per_unit and not (zero >= 3 and shard > 1)))
+        # what the GPU stores per parameter (memory)
+        kept_pb, kept_gb, kept_ob = self.kept_state_bytes(zero, off, held=held)
         # the fp32 host copy an offloaded optimizer updates: beside the state where the GPU keeps fp32 parameters (the
         # state then holds no master copy; runtime_adapters/offload.py)
         master = FP32_BYTES if off and kept_pb >= FP32_BYTES else 0.0
@@ -821,12 +834,6 @@ class SliceCoster:
         if zero == 0 and self.autocast_fp32_weights:  # autocast's 16-bit copies (ZeroPart)
             gemm_weights = st.dense_params - (st.edge_params - st.head_params) + st.expert_params
             copies, held_copies = (0.0, st.head_params * pb), (gemm_weights * pb, 0.0)
-        # under pipelining FSDP2 holds the whole parameters and unsharded gradients across the micro-batches
-        # (module docstring): ZeRO-1's memory and per-iteration collectives, ZeRO-3 re-gathering for each backward.
-        # A runtime whose FSDP2 units sync once per step (the torch runtime) runs a whole-model stage as a one-stage
-        # pipeline (runtime_adapters/groups.py): it holds them too, whatever the micro-batches
-        per_unit = self.q.capabilities.zero_per_unit  # FSDP2 units, gathered and synced once per step
-        held = held_under_pipelining(zero) and (per_unit or not (st.has_embedding and st.has_head))
         mem_zero = 1 if held else zero
         dense = model_state_bytes(st.dense_params, shard=shard, zero_stage=mem_zero, offload=off,
                                   param_bytes=kept_pb, grad_bytes=kept_gb, optimizer_bytes=kept_ob,

@@ -66,8 +66,9 @@ def memory_floor_bytes(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int
         if hit is None:
             hit = cache["per parameter", n, pairs] = min(
                 model_state_bytes(1.0, shard=n, zero_stage=z, offload=off, param_bytes=pb, grad_bytes=gb,
-                                  optimizer_bytes=ob).total
-                for z, off in pairs for pb, gb, ob in (coster.kept_state_bytes(z, off),))  # stored per parameter
+                                  optimizer_bytes=ob).total  # stored per parameter, held or not: the lesser
+                for z, off in pairs for held in (True, False) for pb, gb, ob in (coster.kept_state_bytes(
+                    z, off, held=held),))
         return hit
 
     dense_b, expert_b = per_param(shard), per_param(eshard)
@@ -129,8 +130,9 @@ def stage_need_parts(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, 
         hit = cache.get(key)
         if hit is None:  # a whole-model slice's stages pipeline (ZeRO-1's states) or not: the lesser of each part
             choices = (1,) if held and not whole else (z, 1) if held else (z,)
-            kept = coster.kept_state_bytes(z, off)  # stored per parameter under the stage's own ZeRO stage
-            parts = [_layer_states(t, shard, eshard, zs, off, *kept) for zs in choices]
+            # stored per parameter under the stage's own ZeRO stage, held (ZeRO-1's states: zs 1) or not
+            parts = [_layer_states(t, shard, eshard, zs, off, *coster.kept_state_bytes(z, off, held=zs != z))
+                     for zs in choices]
             hit = cache[key] = (min(x for x, _ in parts), min(y for _, y in parts))
         working = ((t.dense_params + t.expert_params) * (2 * tr.param_bytes + tr.grad_bytes) if z >= 3 and not held
                    else 0.0)
