@@ -399,9 +399,14 @@ class TorchTrainingContext:
             self.timer.start_step()
         losses: list[torch.Tensor] = []
         first, last = self.place.is_first_stage, self.place.is_last_stage
-        if self.scaler is not None:  # MoE auxiliary losses join backward at the schedule's loss scale
-            for m in getattr(self.module, "moe_layers", list)():
-                m.aux_grad_scale = self.scaler.scale
+        # MoE auxiliary losses join backward at the factor the schedule's loss is multiplied by: the fp16 loss scale,
+        # and 1 / micro-batches where the schedule divides each loss before its backward (GridSchedule; torch's
+        # schedules divide the gradients after the last backward instead, which covers the auxiliary losses too)
+        factor = 1.0 if self.scaler is None else self.scaler.scale
+        if isinstance(self.schedule, GridSchedule):
+            factor /= self.plan.num_microbatches
+        for m in getattr(self.module, "moe_layers", list)():
+            m.aux_grad_scale = factor
         # casts_once_per_step: the cast cache lives as long as this context (cleared before the optimizer step)
         with torch.autocast(self.device.type, enabled=False) if self.casts_once else contextlib.nullcontext():
             if isinstance(self.schedule, GridSchedule):  # per-stage grids: the executor picks each replica's rows
