@@ -311,6 +311,7 @@ def dtype_supported(device: torch.device, dtype: str) -> bool:
         return False
 
 
+GEMM_SHARED_BLOCKS = 3  # at least this many blocks where devices share cores (a median of three)
 HOPELESS_RATIO = 20.0  # a dtype this many times slower than the best before it is not grown past its first size
 
 
@@ -334,8 +335,9 @@ def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflo
     this device should not use, measured in a second instead of minutes.
 
     With ``agree`` (the smallest of a count over the devices that share cores), every one of them grows only
-    while all of them do and starts timing with the others: devices timed at different sizes, or one alone on the
-    core after the other stopped, read figures far enough apart to split alike devices into islands."""
+    while all of them do, then times the same blocks of calls as the others, each block started together: devices
+    timed at different sizes, or one alone on the core after the other stopped (its repetitions were fewer or
+    shorter), read figures up to twice apart, enough to split alike devices into islands."""
     gen = torch.Generator(device=device).manual_seed(0)
     sync = device_sync(device)
     started = time.perf_counter()
@@ -354,10 +356,14 @@ def gemm_tflops(device: torch.device, dtype: str, cfg: BenchConfig, *, best_tflo
         grow = not stopped and i + 1 < len(sizes) and 24.0 * wall + 3 * next_rep <= left
         if not (agree(int(grow)) if agree else grow):
             break
-    if agree:
-        agree(1)  # every device starts timing at once
     left = max(cfg.budget_s - (time.perf_counter() - started), 0.0)
-    timing = time_within(step, once_s=once, budget_s=left, min_rep_s=cfg.min_rep_s, max_reps=cfg.reps, sync=sync)
+    if agree:  # the same blocks of calls on every device, each block started together (time_blocks)
+        calls = agree(_inner_for(once, cfg.min_rep_s))
+        blocks = agree(max(GEMM_SHARED_BLOCKS, min(cfg.reps, int(left / max(calls * wall, 1e-9)))))
+        timing = time_blocks(step, lambda: agree(1), blocks=blocks, calls=calls, sync=sync)
+    else:
+        timing = time_within(step, once_s=once, budget_s=left, min_rep_s=cfg.min_rep_s, max_reps=cfg.reps,
+                             sync=sync)
     detail: tuple[tuple[str, Any], ...] = (("shape_mkn", [m, k, n]), ("dtype", dtype))
     if stopped:
         detail += (("stopped", stopped),)

@@ -434,9 +434,9 @@ def test_gemm_grows_from_a_quarter_of_its_shape_and_a_hopeless_dtype_stops_at_th
 
 
 def test_devices_sharing_cores_grow_the_gemm_only_while_every_one_of_them_does():
-    """The grow-or-stop vote of every size, then one vote to start timing together: a node whose other device
-    votes to stop at the first size keeps this one at the first size too (a stand-in ``agree`` for the node's
-    all-reduce MIN, a count per call)."""
+    """The grow-or-stop vote of every size, then the calls per block and the blocks, each the node's least, and a
+    start per block: a node whose other device votes to stop at the first size keeps this one at the first size too
+    (a stand-in ``agree`` for the node's all-reduce MIN, a count per call)."""
     cfg = bench.BenchConfig("cpu", True, gemm_shape=(64, 32, 48), gemm_dtypes=("fp32",), copy_bytes=2**20,
                             allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
                             latency_reps=3, min_rep_s=0.005, budget_s=2.0)
@@ -450,10 +450,21 @@ def test_devices_sharing_cores_grow_the_gemm_only_while_every_one_of_them_does()
 
     held = bench.gemm_tflops(torch.device("cpu"), "fp32", cfg, agree=other_stops)
     assert dict(held.detail)["shape_mkn"] == [16, 8, 12] and "stopped" not in dict(held.detail)
-    assert votes == [1, 1]  # it would have grown; then the start
+    # it would have grown; then calls per block, blocks, and one start per block
+    calls, blocks = votes[1], votes[2]
+    assert votes[0] == 1 and calls >= 1 and 3 <= blocks <= cfg.reps and votes[3:] == [1] * blocks
+    assert len(held.timing.samples_s) == blocks
     votes.clear()
     every = bench.gemm_tflops(torch.device("cpu"), "fp32", cfg, agree=lambda n: votes.append(n) or n)
-    assert dict(every.detail)["shape_mkn"] == [64, 32, 48] and votes == [1, 1, 0, 1]
+    assert dict(every.detail)["shape_mkn"] == [64, 32, 48] and votes[:3] == [1, 1, 0]
+
+    def fewest(n: int) -> int:  # a node whose other device affords one call per block: every device times one
+        votes.append(n)
+        return 1 if len(votes) == 4 else n
+
+    votes.clear()
+    one = bench.gemm_tflops(torch.device("cpu"), "fp32", cfg, agree=fewest)
+    assert votes[3] > 1 and len(one.timing.samples_s) == votes[4] and dict(one.detail)["shape_mkn"] == [64, 32, 48]
 
 
 def test_repetitions_stop_at_the_budget():
