@@ -285,22 +285,15 @@ def _apply_data_parallel(module: nn.Module, stage: Stage, groups: StageGroups,
     return module, False
 
 
-def _is_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGroups, device: torch.device,
                     scaler: "LossScaler | None", timer: StageTimer | None = None) -> Any:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     loss_fn = lm_loss if scaler is None else (lambda logits, targets: lm_loss(logits, targets) * scaler.scale)
     if timer is not None:  # the run report's last stage includes its loss, as the plan's head does
         loss_fn = timer.timed_loss(loss_fn)
     if groups.pp is None:  # stages with their own grids: rows re-split at every stage boundary
-        from torch.distributed.fsdp import FSDPModule
-
         # as torch.distributed.pipelining runs FSDP2: parameters stay gathered and gradients unsharded until the last
         # micro-batch's backward, then one reduce-scatter per unit (what the cost model prices for ZeRO 1-3 here)
         def sync(last: bool) -> None:
@@ -312,7 +305,7 @@ def _build_schedule(plan: Plan, place: Place, module: nn.Module, groups: StageGr
                             hidden_size=int(plan.model["hidden_size"]), before_backward=sync)
     if isinstance(module, ChunkedStage):
         return build_interleaved_schedule(plan, place.stage, module.chunk_modules, groups.pp, device, loss_fn)
-    if plan.num_stages == 1 and place.stage.zero_stage == 3 and _is_fsdp(module):
+    if plan.num_stages == 1 and place.stage.zero_stage == 3 and isinstance(module, FSDPModule):
         # a whole-model ZeRO-3 stage is not a pipeline: run its micro-batches under FSDP2's defaults, each backward
         # resharding and reduce-scattering its gradients, so the rank holds a shard between units (ZeRO-3 memory,
         # per micro-batch gathers and reduce-scatters: what the cost model prices); a one-stage PipelineStage

@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.catalog import _positive
 from tangram_launch.specs.constants import DTYPE_NEEDS, DTYPES
 from tangram_launch.specs.gemm_sweep import parse_gemm_sweep
 from tangram_launch.specs.yamlio import (
@@ -428,19 +428,11 @@ def _parse_node(d: Any, idx: int, *, source: str | None, catalog, legacy: set[st
                          catalog=catalog)
         gpus = [one] * count
     host = d.get("host")
-    host_memory_gib = None
+    host_memory_gib = None  # left out where it is unknown
     if d.get("host_memory_gib") is not None:
-        host_memory_gib = _host_memory_gib(d["host_memory_gib"], field=f"{where}.host_memory_gib", source=source)
+        host_memory_gib = _positive(d["host_memory_gib"], field=f"{where}.host_memory_gib", source=source)
     return NodeSpec(name=name, gpus=tuple(gpus), host=str(host) if host is not None else None,
                     host_memory_gib=host_memory_gib)
-
-
-def _host_memory_gib(value: Any, *, field: str, source: str | None) -> float:
-    """A node's host RAM in GiB: a finite number > 0 (the key is left out where it is unknown)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise SpecError("host memory must be a positive number of GiB", source=source, field=field, value=value,
-                        valid="a number > 0 (e.g. 2048 for 2 TiB), or leave the key out where it is unknown")
-    return float(value)
 
 
 def _parse_cluster(data: Mapping, *, source: str | None, catalog=None) -> ClusterSpec:
