@@ -2,7 +2,7 @@
 priced by the analytic model, each set beside what the run's ``run-report.json`` measured, per stage.
 
     sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--no-calibrate] [--cores 0,0,1]
-        [--period-us 0] [--no-filler] [--filler-grace-us 2000] [--ticker-us 1000] [--model tiny] [--seq-len 64]
+        [--no-fast-quota] [--period-us 0] [--no-filler] [--filler-grace-us 2000] [--ticker-us 1000] [--model tiny] [--seq-len 64]
         [--global-batch 256] [--micro-batches 8,16,32,64] [--min-micro-batch 8] [--layer-budget-s 60]
         [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
     taskset -c 1 python benchmarks/bench_measured_cpu.py --probe-wait [--probe-micro-batch 8] [--probe-sleep-ms 30]
@@ -12,7 +12,9 @@ priced by the analytic model, each set beside what the run's ``run-report.json``
 Three CPU processes are the devices. Every process runs in a cgroup-v1 ``cpu`` group with raised cpu.shares (the
 host's other work yields to it; ``bench_hetero_cpu.make_groups``), and each device in a ``cpuset`` of its own core
 (``--cores``: by default the two fast devices share one core, half a core each while both compute, as the data-
-parallel replicas of one stage do; the throttled device has the other core). Local rank 2 is throttled: its child
+parallel replicas of one stage do; the throttled device has the other core). A fast device that shares its core is
+capped at its share by a CFS quota of its own, with a ticker (below), so that it computes at the same speed whether
+its neighbour computes or waits, as a GPU does (``make_devices``; ``--no-fast-quota`` leaves it uncapped). Local rank 2 is throttled: its child
 ``cpu`` group has a CFS quota, calibrated so that the device measures ``--quota`` of a fast device's speed
 (``calibrate_quota``: a stage-like micro-batch back to back in its groups against a fast device's; the nominal
 share, ``--quota`` times a fast device's core share, 0.165 of a core for ⅓, computes well below ⅓ of a fast device
@@ -134,19 +136,49 @@ def fast_core_share(cores: list[int]) -> float:
     return 1.0 / max(cores.count(c) for c in fast)
 
 
+def shortest_period_us(core: float) -> int:
+    """The shortest CFS period whose quota of ``core`` of a core is 1 ms, the kernel's least quota."""
+    return math.ceil(1000 / core)
+
+
+def capped_fast_devices(args, cores: list[int]) -> list[int]:
+    """The fast devices that get a CFS quota of their core share (``--fast-quota``): those sharing their core."""
+    if not (args.fast_quota and cores):
+        return []
+    return [d for d, c in enumerate(cores) if d != THROTTLED and cores.count(c) > 1]
+
+
 def make_devices(args) -> tuple[Devices | None, str]:
     """Device 2 at ``quota`` of a fast device's speed (a CFS quota of ``quota`` x the fast device's core share, then
     calibrated: ``calibrate_quota``), each device pinned to its core by a cpuset (``--cores``); the fast devices
-    without a quota."""
+    that share a core each capped at their share of it (``--fast-quota``, each with its own ticker).
+
+    Why the cap: without it a fast device computes at its whole core whenever its neighbour waits. The profile
+    times the two together (half a core each), but in a run the replicas wake out of step behind the slower stage,
+    and a stage-like micro-batch with random waits before it ran 37 % faster than back to back beside its
+    neighbour; capped, it ran within 7 % of back to back, alone or beside it (benchmarks/README.md). A GPU's
+    speed does not depend on whether the GPU beside it is busy; a capped device's does not either."""
     cores = _cores(args)
     args.quota_core = args.quota * fast_core_share(cores) if cores else args.quota
     auto_period = not args.period_us
-    if auto_period:  # the shortest period the kernel takes: a quota of at least 1 ms
-        args.period_us = math.ceil(1000 / args.quota_core)
+    if auto_period:
+        args.period_us = shortest_period_us(args.quota_core)
     groups, why = base.make_groups(args.quota_core, args.period_us, args.shares)
     if groups is None:
         return None, why
     devices = Devices(groups.bench, {THROTTLED: groups.slow}, {}, dict(enumerate(cores)))
+    capped = capped_fast_devices(args, cores)
+    try:
+        for dev in capped:
+            group = os.path.join(groups.bench, f"fast{dev}")
+            os.mkdir(group)
+            devices.group_of[dev] = group
+            share = fast_core_share(cores)
+            base._write(os.path.join(group, "cpu.cfs_period_us"), shortest_period_us(share))
+            base._write(os.path.join(group, "cpu.cfs_quota_us"), max(1000, int(share * shortest_period_us(share))))
+    except OSError as exc:
+        devices.remove()
+        return None, f"cannot cap the fast devices under {groups.bench} ({exc})"
     if cores:
         devices = dataclasses.replace(devices, cpuset_root=os.path.join(CPUSET_ROOT, os.path.basename(groups.bench)))
         try:
@@ -156,6 +188,7 @@ def make_devices(args) -> tuple[Devices | None, str]:
             return None, f"cannot create the devices' cpusets under {CPUSET_ROOT} ({exc})"
     throttled = devices.groups_of(THROTTLED)
     ticker = (start_ticker(throttled, args.ticker_us),) if args.ticker_us else ()
+    ticker += tuple(start_ticker(devices.groups_of(dev), args.ticker_us) for dev in capped if args.ticker_us)
     devices = dataclasses.replace(devices, helpers=ticker)
     args.speed_ratio = None
     if args.calibrate and cores:
@@ -229,7 +262,7 @@ def calibrated_quota(start: Quota, target: float, speed_ratio: Callable[[Quota],
         if abs(ratio / target - 1) <= tolerance:
             break
         core = min(1.0, quota.core * target / ratio)
-        quota = Quota(core, math.ceil(1000 / core) if auto_period else quota.period_us)
+        quota = Quota(core, shortest_period_us(core) if auto_period else quota.period_us)
         ratio = speed_ratio(quota)
     return quota, ratio
 
@@ -238,13 +271,17 @@ def calibrate_quota(args, devices: Devices, auto_period: bool) -> float:
     """Set the throttled device's quota so that it computes at ``args.quota`` of a fast device's speed, measured
     (``calibrated_quota``); returns the speed ratio measured at the quota set.
 
-    A fast device's time is a stage-like micro-batch's alone on its core over its core share; the throttled
+    A fast device's time is a stage-like micro-batch's alone in its groups (over its core share where it is not
+    capped: ``--no-fast-quota``); the throttled
     device's is measured in its groups, ticker running.
 
     Why: the quota alone does not set the speed. The ticker's wake-ups are spent from the quota, and each burst of
     a short period starts on caches that other work used meanwhile, so a device computes well below its quota's
     nominal share of a core (benchmarks/README.md)."""
-    fast_s = seconds_per_call(args, devices.groups_of(0)) / fast_core_share([devices.core_of[d] for d in range(3)])
+    cores = [devices.core_of[d] for d in range(3)]
+    fast_s = seconds_per_call(args, devices.groups_of(0))  # a capped device computes at its share alone too
+    if 0 not in capped_fast_devices(args, cores):
+        fast_s /= fast_core_share(cores)
 
     def speed_ratio(quota: Quota) -> float:
         set_quota(devices, quota)
@@ -604,7 +641,8 @@ def thread_cpu_line(run: dict) -> str:
              if ms is not None]
     helpers = run.get("helpers_core_share")
     return ("CPU ms per micro-batch, main thread + other threads: " + ("; ".join(parts) or "not sampled")
-            + (f"; the throttled device's ticker and filler took {helpers} of a core" if helpers else ""))
+            + (f"; the helpers (the tickers, throttled device's first, then the filler) took {helpers} of a core"
+               if helpers else ""))
 
 
 def summarize(runs: list[dict], limit: float = 0.10) -> list[str]:
@@ -763,15 +801,18 @@ def describe(args, devices: Devices | None) -> str:
         return "the three devices unthrottled, not pinned"
     cores = [devices.core_of.get(d) for d in range(3)]
     share = fast_core_share(cores) if devices.core_of else 1.0
+    capped = capped_fast_devices(args, cores) if devices.core_of else []
     measured = ("" if args.speed_ratio is None else
                 f", {args.speed_ratio:.3f} measured ({CALIBRATE_ROWS} rows of a stage-like micro-batch back to back "
-                f"against a fast device alone on its core over its share)")
+                f"against a fast device alone in its groups{'' if capped else ' over its share'})")
     return (f"device {THROTTLED} at {args.quota:.0%} of a fast device's speed (CFS quota {args.quota_core:.3f} of "
             f"a core, period {args.period_us} us{measured}); fast devices {share:g} core each"
+            + (f", capped there by a CFS quota (period {shortest_period_us(share)} us)" if capped else "")
             + (f"; devices on CPUs {cores}" if devices.core_of else "; not pinned")
             + (f"; a SCHED_IDLE filler spends the throttled device's quota once its worker has waited "
                f"{filler_grace_us(args)} us" if args.filler else "")
-            + (f"; a ticker checks its quota every {args.ticker_us} us" if args.ticker_us else ""))
+            + (f"; a ticker in its groups{' and one in each capped fast device' + chr(39) + 's' if capped else ''} "
+               f"check{'' if capped else 's'} the quota every {args.ticker_us} us" if args.ticker_us else ""))
 
 
 def main(argv=None) -> int:
@@ -799,6 +840,9 @@ def main(argv=None) -> int:
                         "(at most half of what the period leaves after the quota), as a slower device loses just a "
                         "short wait, not its quota's worth of compute; but meanwhile the host's other work runs on "
                         "the device's core and cools its caches (0: from the first microsecond)")
+    p.add_argument("--no-fast-quota", dest="fast_quota", action="store_false",
+                   help="leave the fast devices that share a core uncapped: each then computes at its whole core "
+                        "whenever its neighbour waits, where the profile timed both busy at once")
     p.add_argument("--no-filler", dest="filler", action="store_false",
                    help="no busy loop at SCHED_IDLE in the throttled device's groups (its worker then runs at full "
                         "speed after each wait, until its quota is spent)")

@@ -53,3 +53,14 @@ def test_the_filler_spends_each_period_quota_in_a_long_wait(core, grace_us, auto
     quota_us = max(1000, core * period_us)
     assert 0 <= grace <= grace_us
     assert grace + quota_us <= period_us or grace == 0  # after its grace the filler still finds the period's quota
+
+
+def test_only_fast_devices_that_share_their_core_are_capped():
+    def capped(cores, fast_quota=True):
+        return bench.capped_fast_devices(argparse.Namespace(fast_quota=fast_quota), cores)
+
+    assert capped([0, 0, 1]) == [0, 1]  # the default: the fast pair on one core, the throttled device alone
+    assert capped([0, 1, 1]) == [1]  # beside the throttled device
+    assert capped([0, 1, 2]) == []  # each alone on its core: nothing to cap
+    assert capped([0, 0, 1], fast_quota=False) == [] and capped([]) == []
+    assert bench.shortest_period_us(0.5) == 2000 and bench.shortest_period_us(1 / 3) == 3000
