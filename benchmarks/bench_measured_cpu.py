@@ -2,23 +2,24 @@
 priced by the analytic model, each set beside what the run's ``run-report.json`` measured, per stage.
 
     sudo python benchmarks/bench_measured_cpu.py [--runs 3] [--quota 0.33] [--no-calibrate] [--cores 0,0,1]
-        [--no-fast-quota] [--period-us 0] [--no-filler] [--filler-grace-us 2000] [--ticker-us 1000] [--model tiny] [--seq-len 64]
-        [--global-batch 256] [--micro-batches 8,16,32,64] [--min-micro-batch 8] [--layer-budget-s 60]
+        [--no-fast-quota] [--period-us 0] [--no-filler] [--filler-grace-us 2000] [--ticker-us 1000] [--model tiny]
+        [--seq-len 64] [--global-batch 256] [--micro-batches 8,16,32,64] [--min-micro-batch 8] [--layer-budget-s 60]
         [--layer-timing back-to-back] [--steps 20] [--cluster FILE] [--keep DIR] [--json FILE]
     taskset -c 1 python benchmarks/bench_measured_cpu.py --probe-wait [--probe-micro-batch 8] [--probe-sleep-ms 30]
     sudo python benchmarks/bench_measured_cpu.py --probe-throttle [--probe-sleep-ms 30] [--probe-short-sleep-ms 0.5]
         [--quota 0.33] [--period-us N]
+    sudo python benchmarks/bench_measured_cpu.py --probe-pair
 
 Three CPU processes are the devices. Every process runs in a cgroup-v1 ``cpu`` group with raised cpu.shares (the
 host's other work yields to it; ``bench_hetero_cpu.make_groups``), and each device in a ``cpuset`` of its own core
 (``--cores``: by default the two fast devices share one core, half a core each while both compute, as the data-
 parallel replicas of one stage do; the throttled device has the other core). A fast device that shares its core is
 capped at its share by a CFS quota of its own, with a ticker (below), so that it computes at the same speed whether
-its neighbour computes or waits, as a GPU does (``make_devices``; ``--no-fast-quota`` leaves it uncapped). Local rank 2 is throttled: its child
-``cpu`` group has a CFS quota, calibrated so that the device measures ``--quota`` of a fast device's speed
-(``calibrate_quota``: a stage-like micro-batch back to back in its groups against a fast device's; the nominal
-share, ``--quota`` times a fast device's core share, 0.165 of a core for ⅓, computes well below ⅓ of a fast device
-with the ticker below; ``--no-calibrate`` keeps it).
+its neighbour computes or waits, as a GPU does (``make_devices``; ``--no-fast-quota`` leaves it uncapped). Local
+rank 2 is throttled: its child ``cpu`` group has a CFS quota, calibrated so that the device measures ``--quota`` of
+a fast device's speed (``calibrate_quota``: a stage-like micro-batch back to back in its groups against a fast
+device's; the nominal share, ``--quota`` times a fast device's core share, 0.165 of a core for ⅓, computes well below
+⅓ of a fast device with the ticker below; ``--no-calibrate`` keeps it).
 
 How a CFS quota behaves on such a host: the kernel enforces it at its tick (4 ms here), so whatever the period the
 device runs in bursts of whole ticks (4 ms on, 20 ms off at 0.165 of a core, period 24 ms), and a quota under 1 ms
@@ -62,6 +63,8 @@ micro-batch, back to back and sleeping before each micro-batch as a stage that w
 ``--probe-throttle`` (root, no benchmark): the profiler's wake-up measurement (profiler/wake.py: a stage-like
 micro-batch back to back and after a sleep, wall time) in the throttled device's groups and in a fast device's,
 at 8 and 16 rows: whether the throttled device computes at its speed after a wait as it does back to back.
+``--probe-pair`` (root, no benchmark): a stage-like micro-batch in the fast devices' groups, one alone, both back to
+back, both with random waits before each call, with the fast devices uncapped and capped (``make_devices``).
 ``--runs N`` repeats 1-3 (a new profile each time); one run takes about 2 minutes.
 
 Exit status: 0 when it ran (the figures say how well each prediction did), 1 when a step failed.
@@ -796,6 +799,62 @@ def probe_throttle(args) -> list[str]:
     return lines
 
 
+_PAIR_CHILD = r'''
+import os, random, statistics, sys, time, torch
+torch.set_num_threads(1)
+for group in sys.argv[5:]:
+    with open(os.path.join(group, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+from profiler.layer import LayerShape
+from profiler.wake import stage_sequence
+from tangram_launch.specs.model import load_model
+fn = stage_sequence(load_model(sys.argv[1]), LayerShape(int(sys.argv[3]), int(sys.argv[2]), "fp32"),
+                    torch.device("cpu"))
+fn()
+waits, deadline, times = sys.argv[4] == "waits", time.perf_counter() + PROBE_PAIR_S, []
+random.seed(os.getpid())
+while time.perf_counter() < deadline:
+    if waits:  # a stage behind a slower one: out of step with its neighbour
+        time.sleep(random.uniform(0.005, 0.03))
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+print(statistics.median(times))
+'''.replace("PROBE_PAIR_S", "6.0")
+
+
+def probe_pair(args) -> list[str]:
+    """The fast devices' speed alone and beside each other, back to back and with random waits (5-30 ms) before
+    each call, capped (``--fast-quota``) and not (see --probe-pair): wall ms per stage-like micro-batch.
+
+    Why: the profile times the two fast devices busy at once; in a run they wait behind the throttled stage and
+    wake out of step. A device whose speed depends on whether its neighbour is busy is priced at the wrong speed."""
+    lines = []
+    for capped in (False, True):
+        trial = argparse.Namespace(**{**vars(args), "fast_quota": capped, "calibrate": False})
+        devices, why = make_devices(trial)
+        if devices is None:
+            raise SystemExit(f"--probe-pair: {why}")
+        try:
+            lines.append(f"fast devices {'capped' if capped else 'uncapped'}, wall ms per micro-batch:")
+            for rows in (8, 16):
+                got = []
+                for pair, mode in ((False, "back-to-back"), (True, "back-to-back"), (True, "waits")):
+                    procs = [subprocess.Popen([sys.executable, "-c", _PAIR_CHILD, args.model, str(args.seq_len),
+                                               str(rows), mode, *devices.groups_of(d)], env=base._env(), cwd=REPO,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             for d in ((0, 1) if pair else (0,))]
+                    outs = [proc.communicate(timeout=args.timeout_s) for proc in procs]
+                    if any(proc.returncode for proc in procs):
+                        raise RuntimeError(f"--probe-pair: {outs[0][1].strip()[-800:]}")
+                    got.append("/".join(f"{float(out.split()[-1]) * 1e3:.2f}" for out, _err in outs))
+                lines.append(f"  {rows} rows: alone back to back {got[0]}; both back to back {got[1]}; both with "
+                             f"random waits {got[2]}")
+        finally:
+            lines += devices.remove()
+    return lines
+
+
 def describe(args, devices: Devices | None) -> str:
     if devices is None:
         return "the three devices unthrottled, not pinned"
@@ -869,6 +928,9 @@ def main(argv=None) -> int:
     p.add_argument("--probe-throttle", action="store_true",
                    help="instead of the benchmark (root): a stage-like micro-batch back to back and after a sleep, "
                         "in the throttled device's groups and in a fast device's")
+    p.add_argument("--probe-pair", action="store_true",
+                   help="no benchmark: the fast devices' speed alone, together and with random waits, capped and "
+                        "not (root)")
     p.add_argument("--probe-micro-batch", type=int, default=8)
     p.add_argument("--probe-sleep-ms", type=float, default=30.0)
     p.add_argument("--probe-short-sleep-ms", type=float, default=0.5,
@@ -880,6 +942,9 @@ def main(argv=None) -> int:
         return 0
     if args.probe_throttle:
         print("\n".join(probe_throttle(args)))
+        return 0
+    if args.probe_pair:
+        print("\n".join(probe_pair(args)))
         return 0
 
     devices, why = make_devices(args)
