@@ -158,9 +158,9 @@ def make_devices(args) -> tuple[Devices | None, str]:
 
     Why the cap: without it a fast device computes at its whole core whenever its neighbour waits. The profile
     times the two together (half a core each), but in a run the replicas wake out of step behind the slower stage,
-    and a stage-like micro-batch with random waits before it ran 37 % faster than back to back beside its
-    neighbour; capped, it ran within 7 % of back to back, alone or beside it (benchmarks/README.md). A GPU's
-    speed does not depend on whether the GPU beside it is busy; a capped device's does not either."""
+    and a stage-like micro-batch with random waits before it ran 40-43 % faster than both back to back; capped,
+    within 6 % of it (``--probe-pair``, benchmarks/README.md). A GPU's speed does not depend on whether the GPU
+    beside it is busy; a capped device's does not either."""
     cores = _cores(args)
     args.quota_core = args.quota * fast_core_share(cores) if cores else args.quota
     auto_period = not args.period_us

@@ -1,6 +1,6 @@
 """The measured-layer benchmark's throttled device (benchmarks/bench_measured_cpu.py): its quota is calibrated to
 the speed asked for, not taken as the nominal share of a core, and its filler leaves short waits alone while still
-spending each period's quota in a long one."""
+spending each period's quota in a long one; of the fast devices, those that share a core are capped at their share."""
 from __future__ import annotations
 
 import argparse
