@@ -117,6 +117,10 @@ class Island:
             "memory_gib": self.gpu.memory_gib,
             "intra_node_bandwidth_GBps": self.gpu.intra_node_bandwidth_GBps,
             "inter_node_bandwidth_GBps": self.inter_node_link.bandwidth_GBps if self.inter_node_link else None,
+            # the node an offloaded optimizer's host state is checked against (costmodel/host_memory.py); None: unknown
+            "host_memory": None if self.host_memory is None else {
+                "node": self.host_memory.node, "host_memory_gib": self.host_memory.host_memory_gib,
+                "gib_per_gpu": round(self.host_memory.gib_per_gpu, 3)},
             "gpus": [str(g) for g in self.gpus],
         }
 
@@ -559,6 +563,11 @@ def least_host_memory(cluster: ClusterSpec, node_indices) -> NodeHostMemory | No
     return min(known, key=lambda h: h.gib_per_gpu) if known else None
 
 
+def _host_cell(host: NodeHostMemory | None) -> str:
+    """The islands table's host-memory cell: GiB per GPU of the tightest node, and which node ('-': unknown)."""
+    return "-" if host is None else f"{host.gib_per_gpu:.4g} ({host.node})"
+
+
 def node_ranges(names: tuple[str, ...]) -> str:
     """Node names as ranges: h100-0 ... h100-63 -> h100-[0-63]; names without a trailing number stay as they are.
     Groups keep the order of their first node; numbers with leading zeros are not merged."""
@@ -595,12 +604,16 @@ def node_ranges(names: tuple[str, ...]) -> str:
 def format_islands_table(iset: IslandSet, dtype: str = "bf16", *, max_reasons: int = 40) -> str:
     """Human-readable table of islands and why they are apart. Past ``max_reasons`` island pairs, the reasons are
     counted by constraint with one example each (``--format json`` lists every pair)."""
-    rows = [("island", "gpu", "nodes", "gpus", "TFLOP/s", "mem GiB", "intra GB/s", "inter GB/s")]
+    # host RAM per GPU of the island's tightest node, where the cluster file gives any (what offload must fit in)
+    host = any(isl.host_memory is not None for isl in iset.islands)
+    rows = [("island", "gpu", "nodes", "gpus", "TFLOP/s", "mem GiB", "intra GB/s", "inter GB/s")
+            + (("host GiB/GPU",) if host else ())]
     for isl in iset.islands:
         d = isl.to_dict(dtype)
         rows.append((isl.name, isl.gpu.type, node_ranges(isl.nodes), f"{isl.num_nodes}x{isl.gpus_per_node}",
                      f"{d['compute_tflops']:g}", f"{isl.gpu.memory_gib:g}", f"{isl.gpu.intra_node_bandwidth_GBps:g}",
-                     "-" if isl.inter_node_link is None else f"{isl.inter_node_link.bandwidth_GBps:g}"))
+                     "-" if isl.inter_node_link is None else f"{isl.inter_node_link.bandwidth_GBps:g}")
+                    + ((_host_cell(isl.host_memory),) if host else ()))
     widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     eps = iset.tolerances

@@ -3,6 +3,8 @@ one rule for the planner's search, hand-written plans and ``tangram-launch estim
 memory changes nothing."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -70,6 +72,25 @@ def test_an_island_is_bounded_by_its_node_with_the_least_host_memory_per_gpu():
                                          {"name": "unknown", "gpu": "h100-sxm", "count": 8}]})
     (isl,) = build_islands(c).islands
     assert isl.host_memory == NodeHostMemory("small", 512.0, 8)
+
+
+def test_the_islands_command_shows_the_host_memory_offload_is_checked_against(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    ClusterSpec.from_dict({"name": "two", "network": {"default": {"bandwidth_GBps": 25, "latency_us": 2}},
+                           "nodes": [{"name": "big", "gpu": "h100-sxm", "count": 8, "host_memory_gib": 2048},
+                                     {"name": "small", "gpu": "h100-sxm", "count": 8, "host_memory_gib": 512},
+                                     {"name": "t4", "gpu": "t4", "count": 4}]}).dump(path)
+    assert main(["islands", "--cluster", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    head = next(line for line in table if line.startswith("island "))
+    assert head.rstrip().endswith("host GiB/GPU")
+    assert next(line for line in table if "h100-sxm" in line).rstrip().endswith("64 (small)")  # 512 GiB / 8 GPUs
+    assert next(line for line in table if " t4 " in line).rstrip().endswith("-")  # not given: not checked
+    assert main(["islands", "--cluster", str(path), "--format", "json"]) == 0
+    by_gpu = {isl["gpu_type"]: isl["host_memory"] for isl in json.loads(capsys.readouterr().out)["islands"]}
+    assert by_gpu == {"h100-sxm": {"node": "small", "host_memory_gib": 512.0, "gib_per_gpu": 64.0}, "t4": None}
+    _cluster(8, None).dump(path)  # no node gives it: the table keeps its columns
+    assert main(["islands", "--cluster", str(path)]) == 0 and "host GiB" not in capsys.readouterr().out
 
 
 # --- the rule ---------------------------------------------------------------------------------------------------
