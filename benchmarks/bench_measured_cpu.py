@@ -204,8 +204,9 @@ def make_devices(args) -> tuple[Devices | None, str]:
     return dataclasses.replace(devices, helpers=ticker + filler), ""
 
 
-_SPEED_CHILD = r'''
-import os, statistics, sys, time, torch
+# a child timing a stage-like micro-batch: argv model, seq, rows, one argument of its own, then the groups it enters
+_STAGE_CHILD = r'''
+import os, random, statistics, sys, time, torch
 torch.set_num_threads(1)
 for group in sys.argv[5:]:
     with open(os.path.join(group, "cgroup.procs"), "w") as f:
@@ -216,6 +217,8 @@ from tangram_launch.specs.model import load_model
 fn = stage_sequence(load_model(sys.argv[1]), LayerShape(int(sys.argv[3]), int(sys.argv[2]), "fp32"),
                     torch.device("cpu"))
 fn()
+'''
+_SPEED_CHILD = _STAGE_CHILD + r'''
 deadline, blocks = time.perf_counter() + float(sys.argv[4]), []
 while time.perf_counter() < deadline or len(blocks) < 3:
     t0, n = time.perf_counter(), 0
@@ -799,18 +802,7 @@ def probe_throttle(args) -> list[str]:
     return lines
 
 
-_PAIR_CHILD = r'''
-import os, random, statistics, sys, time, torch
-torch.set_num_threads(1)
-for group in sys.argv[5:]:
-    with open(os.path.join(group, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-from profiler.layer import LayerShape
-from profiler.wake import stage_sequence
-from tangram_launch.specs.model import load_model
-fn = stage_sequence(load_model(sys.argv[1]), LayerShape(int(sys.argv[3]), int(sys.argv[2]), "fp32"),
-                    torch.device("cpu"))
-fn()
+_PAIR_CHILD = _STAGE_CHILD + r'''
 waits, deadline, times = sys.argv[4] == "waits", time.perf_counter() + PROBE_PAIR_S, []
 random.seed(os.getpid())
 while time.perf_counter() < deadline:
