@@ -145,7 +145,8 @@ def shortest_period_us(core: float) -> int:
 
 
 def capped_fast_devices(args, cores: list[int]) -> list[int]:
-    """The fast devices that get a CFS quota of their core share (``--fast-quota``): those sharing their core."""
+    """The fast devices that get a CFS quota of their core share: those sharing their core, unless
+    ``--no-fast-quota``."""
     if not (args.fast_quota and cores):
         return []
     return [d for d, c in enumerate(cores) if d != THROTTLED and cores.count(c) > 1]
@@ -154,13 +155,13 @@ def capped_fast_devices(args, cores: list[int]) -> list[int]:
 def make_devices(args) -> tuple[Devices | None, str]:
     """Device 2 at ``quota`` of a fast device's speed (a CFS quota of ``quota`` x the fast device's core share, then
     calibrated: ``calibrate_quota``), each device pinned to its core by a cpuset (``--cores``); the fast devices
-    that share a core each capped at their share of it (``--fast-quota``, each with its own ticker).
+    that share a core each capped at their share of it, each with its own ticker (``--no-fast-quota``: uncapped).
 
     Why the cap: without it a fast device computes at its whole core whenever its neighbour waits. The profile
     times the two together (half a core each), but in a run the replicas wake out of step behind the slower stage,
-    and a stage-like micro-batch with random waits before it ran 40-43 % faster than both back to back; capped,
-    within 6 % of it (``--probe-pair``, benchmarks/README.md). A GPU's speed does not depend on whether the GPU
-    beside it is busy; a capped device's does not either."""
+    and a stage-like micro-batch with random waits before it ran 37-44 % faster than both back to back; capped,
+    +5 % to -20 % (``--probe-pair``, benchmarks/README.md). A GPU's speed does not depend on whether the GPU beside
+    it is busy; a capped device's depends on it far less."""
     cores = _cores(args)
     args.quota_core = args.quota * fast_core_share(cores) if cores else args.quota
     auto_period = not args.period_us
@@ -170,13 +171,12 @@ def make_devices(args) -> tuple[Devices | None, str]:
     if groups is None:
         return None, why
     devices = Devices(groups.bench, {THROTTLED: groups.slow}, {}, dict(enumerate(cores)))
-    capped = capped_fast_devices(args, cores)
+    capped, share = capped_fast_devices(args, cores), fast_core_share(cores) if cores else 1.0
     try:
         for dev in capped:
             group = os.path.join(groups.bench, f"fast{dev}")
             os.mkdir(group)
             devices.group_of[dev] = group
-            share = fast_core_share(cores)
             base._write(os.path.join(group, "cpu.cfs_period_us"), shortest_period_us(share))
             base._write(os.path.join(group, "cpu.cfs_quota_us"), max(1000, int(share * shortest_period_us(share))))
     except OSError as exc:
@@ -278,8 +278,7 @@ def calibrate_quota(args, devices: Devices, auto_period: bool) -> float:
     (``calibrated_quota``); returns the speed ratio measured at the quota set.
 
     A fast device's time is a stage-like micro-batch's alone in its groups (over its core share where it is not
-    capped: ``--no-fast-quota``); the throttled
-    device's is measured in its groups, ticker running.
+    capped: ``--no-fast-quota``); the throttled device's is measured in its groups, ticker running.
 
     Why: the quota alone does not set the speed. The ticker's wake-ups are spent from the quota, and each burst of
     a short period starts on caches that other work used meanwhile, so a device computes well below its quota's
@@ -803,7 +802,7 @@ def probe_throttle(args) -> list[str]:
 
 
 _PAIR_CHILD = _STAGE_CHILD + r'''
-waits, deadline, times = sys.argv[4] == "waits", time.perf_counter() + PROBE_PAIR_S, []
+waits, deadline, times = sys.argv[4] == "waits", time.perf_counter() + 6.0, []
 random.seed(os.getpid())
 while time.perf_counter() < deadline:
     if waits:  # a stage behind a slower one: out of step with its neighbour
@@ -812,7 +811,7 @@ while time.perf_counter() < deadline:
     fn()
     times.append(time.perf_counter() - t0)
 print(statistics.median(times))
-'''.replace("PROBE_PAIR_S", "6.0")
+'''
 
 
 def probe_pair(args) -> list[str]:
@@ -853,6 +852,8 @@ def describe(args, devices: Devices | None) -> str:
     cores = [devices.core_of.get(d) for d in range(3)]
     share = fast_core_share(cores) if devices.core_of else 1.0
     capped = capped_fast_devices(args, cores) if devices.core_of else []
+    tickers = ("a ticker in its groups and one in each capped fast device's check" if capped else
+               "a ticker in its groups checks")
     measured = ("" if args.speed_ratio is None else
                 f", {args.speed_ratio:.3f} measured ({CALIBRATE_ROWS} rows of a stage-like micro-batch back to back "
                 f"against a fast device alone in its groups{'' if capped else ' over its share'})")
@@ -862,8 +863,7 @@ def describe(args, devices: Devices | None) -> str:
             + (f"; devices on CPUs {cores}" if devices.core_of else "; not pinned")
             + (f"; a SCHED_IDLE filler spends the throttled device's quota once its worker has waited "
                f"{filler_grace_us(args)} us" if args.filler else "")
-            + (f"; a ticker in its groups{' and one in each capped fast device' + chr(39) + 's' if capped else ''} "
-               f"check{'' if capped else 's'} the quota every {args.ticker_us} us" if args.ticker_us else ""))
+            + (f"; {tickers} the quota every {args.ticker_us} us" if args.ticker_us else ""))
 
 
 def main(argv=None) -> int:
