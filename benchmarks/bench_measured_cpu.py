@@ -109,7 +109,8 @@ CPUSET_ROOT = "/sys/fs/cgroup/cpuset"
 @dataclasses.dataclass(frozen=True)
 class Devices:
     """The benchmark's cgroup-v1 groups: ``bench`` (``cpu``: every process, cpu.shares above the host's other work),
-    a ``cpu`` child for the throttled device (its CFS quota), and a ``cpuset`` group per device (its core)."""
+    a ``cpu`` child for the throttled device and one for each capped fast device (their CFS quotas), and a ``cpuset``
+    group per device (its core)."""
 
     bench: str
     group_of: dict  # local device index -> its cpu group (absent: stays in bench)
@@ -125,6 +126,11 @@ class Devices:
             proc.wait()
         cpusets = [*self.cpuset_of.values(), *([self.cpuset_root] if self.cpuset_root else [])]
         return base.remove_groups([*self.group_of.values(), self.bench, *cpusets])  # children first
+
+    @property
+    def capped(self) -> list[int]:
+        """The fast devices capped by a CFS quota of their own (make_devices)."""
+        return [d for d in self.group_of if d != THROTTLED]
 
     def groups_of(self, device: int) -> list[str]:
         """The device's ``cpu`` group (its own, else the benchmark's: a process started outside it, as a probe's, must
@@ -163,7 +169,8 @@ def make_devices(args) -> tuple[Devices | None, str]:
     +5 % to -20 % (``--probe-pair``, benchmarks/README.md). A GPU's speed does not depend on whether the GPU beside
     it is busy; a capped device's depends on it far less."""
     cores = _cores(args)
-    args.quota_core = args.quota * fast_core_share(cores) if cores else args.quota
+    share = fast_core_share(cores) if cores else 1.0
+    args.quota_core = args.quota * share
     auto_period = not args.period_us
     if auto_period:
         args.period_us = shortest_period_us(args.quota_core)
@@ -171,7 +178,7 @@ def make_devices(args) -> tuple[Devices | None, str]:
     if groups is None:
         return None, why
     devices = Devices(groups.bench, {THROTTLED: groups.slow}, {}, dict(enumerate(cores)))
-    capped, share = capped_fast_devices(args, cores), fast_core_share(cores) if cores else 1.0
+    capped = capped_fast_devices(args, cores)
     try:
         for dev in capped:
             group = os.path.join(groups.bench, f"fast{dev}")
@@ -285,7 +292,7 @@ def calibrate_quota(args, devices: Devices, auto_period: bool) -> float:
     nominal share of a core (benchmarks/README.md)."""
     cores = [devices.core_of[d] for d in range(3)]
     fast_s = seconds_per_call(args, devices.groups_of(0))  # a capped device computes at its share alone too
-    if 0 not in capped_fast_devices(args, cores):
+    if 0 not in devices.capped:
         fast_s /= fast_core_share(cores)
 
     def speed_ratio(quota: Quota) -> float:
@@ -851,7 +858,7 @@ def describe(args, devices: Devices | None) -> str:
         return "the three devices unthrottled, not pinned"
     cores = [devices.core_of.get(d) for d in range(3)]
     share = fast_core_share(cores) if devices.core_of else 1.0
-    capped = capped_fast_devices(args, cores) if devices.core_of else []
+    capped = devices.capped
     tickers = ("a ticker in its groups and one in each capped fast device's check" if capped else
                "a ticker in its groups checks")
     measured = ("" if args.speed_ratio is None else
