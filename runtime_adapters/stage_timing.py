@@ -4,10 +4,17 @@ Each rank times its stage module's forward and backward with module hooks (no wr
 checkpoints are unchanged) and appends one JSON line per step to ``$TANGRAM_RUN_DIR/timings/rank<R>.jsonl``:
 
     {"rank": 0, "stage": 0, "dp": 0, "tp": 0, "step": 3, "microbatches": 4,
-     "forward_s": 0.0123, "backward_s": 0.0251, "step_s": 0.0712}
+     "forward_s": 0.0123, "backward_s": 0.0251, "step_s": 0.0712,
+     "pipeline_s": 0.0601, "sync_s": 0.0042, "optimizer_s": 0.0051}
 
 ``forward_s`` / ``backward_s`` are this rank's totals over the step's micro-batches (divide by ``microbatches`` for
-the plan's per-micro-batch figures); ``step_s`` is the whole ``train_step``, waits and optimizer included.
+the plan's per-micro-batch figures); ``step_s`` is the whole ``train_step``, waits and optimizer included. Where the
+runtime marks the optimizer step (``optimizer_begins`` / ``optimizer_ends``), the step splits into three parts that
+sum to ``step_s``: ``pipeline_s`` (to the end of the stage's last backward: the schedule's forwards, backwards,
+bubbles and p2p), ``optimizer_s`` (the step and clearing the gradients) and ``sync_s``, the rest: from the last
+backward to the optimizer step (the gradient synchronisation left exposed, the schedule's own work after its last
+backward) and after it (the loss report's collectives, which wait for the other stages), as the plan's tail prices
+them.
 
 Backward runs from the stage's output gradients being ready (a full-backward pre-hook) to the gradient of the stage's
 input (a tensor hook), or, on the first stage whose input is token ids, to the last gradient its parameters receive
@@ -73,6 +80,7 @@ class StageTimer:
     _open: dict = field(default_factory=dict)
     _handles: list = field(default_factory=list)
     _step_start: Any = None
+    _optimizer: list = field(default_factory=list)  # [begin, end] marks of this step's optimizer step
 
     @classmethod
     def attach(cls, modules: list, *, run_dir: str, rank: int, coords: dict, microbatches: int,
@@ -181,18 +189,43 @@ class StageTimer:
 
     def start_step(self) -> None:
         self._step_start = self.clock.mark()
+        self._optimizer = []
+
+    def optimizer_begins(self) -> None:
+        """The schedule and any gradient synchronisation after it are done; the optimizer step starts."""
+        self._optimizer = [self.clock.mark()]
+
+    def optimizer_ends(self) -> None:
+        if len(self._optimizer) == 1:
+            self._optimizer.append(self.clock.mark())
+
+    def _parts(self, end: Any) -> dict:
+        """pipeline_s, sync_s, optimizer_s of the step (empty unless the optimizer step was marked): from the step's
+        start to the last backward's end (the latest closed span, whose end the first stage moves to its parameters'
+        last gradient); the optimizer's begin to its end; and the rest of the step."""
+        if self._step_start is None or len(self._optimizer) != 2:
+            return {}
+        begin, done = self._optimizer
+        spans = self._spans["backward"]
+        last = spans[-1][1] if spans else begin
+        return {"pipeline_s": self.clock.seconds(self._step_start, last),
+                "sync_s": max(0.0, self.clock.seconds(last, begin)) + self.clock.seconds(done, end),
+                "optimizer_s": self.clock.seconds(begin, done)}
 
     def end_step(self, step: int) -> dict:
-        """Close the step: total forward and backward seconds, the step's wall time; append them to the file."""
+        """Close the step: total forward and backward seconds, the step's wall time and its parts; append them to
+        the file."""
         end = self.clock.mark()
         line = {**self.coords, "step": step, "microbatches": self.microbatches,
                 "forward_s": sum(self.clock.seconds(a, b) for a, b in self._spans["forward"]),
                 "backward_s": sum(self.clock.seconds(a, b) for a, b in self._spans["backward"]),
                 "backward_spans": len(self._spans["backward"]),
-                "step_s": self.clock.seconds(self._step_start, end) if self._step_start is not None else None}
+                "step_s": self.clock.seconds(self._step_start, end) if self._step_start is not None else None,
+                **self._parts(end)}
         self._spans = {"forward": [], "backward": []}
         self._open.clear()
         self._last_backward.clear()
+        self._optimizer = []
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         return line

@@ -418,8 +418,12 @@ class TorchTrainingContext:
             self._all_reduce_grads()
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is None or self.scaler.unscale_and_check(list(self.module.parameters()), self.device):
+            if self.timer is not None:
+                self.timer.optimizer_begins()
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.timer is not None:
+            self.timer.optimizer_ends()
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if last:
             loss = torch.stack([x.detach().float() for x in losses]).mean() / loss_scale

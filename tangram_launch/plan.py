@@ -140,6 +140,10 @@ class RankEntry:
                 "coords": {"pp": self.stage, "dp": self.dp, "cp": self.cp, "tp": self.tp}}
 
 
+def _optional_float(d: Mapping, key: str) -> float | None:
+    return None if d.get(key) is None else float(d[key])
+
+
 @dataclass(frozen=True)
 class StagePrediction:
     forward_s: float  # per micro-batch
@@ -149,6 +153,10 @@ class StagePrediction:
     # priced from the profile's measured layer times: {"parts", "how", "distance"[, "analytic_parts"]}
     # (costmodel/measured_layers.py); None: priced by the analytic model alone
     measured: Mapping | None = None
+    # per iteration, after the stage's last backward: the gradient synchronisation left exposed and the optimizer
+    # step (None: a plan written before these were recorded)
+    sync_s: float | None = None
+    optimizer_s: float | None = None
 
     @property
     def time_s(self) -> float:
@@ -157,7 +165,9 @@ class StagePrediction:
     def to_dict(self) -> dict:
         return {"time_s": self.time_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "peak_memory_gib": self.peak_memory_gib, "capacity_gib": self.capacity_gib,
-                **({"measured": dict(self.measured)} if self.measured is not None else {})}
+                **({"measured": dict(self.measured)} if self.measured is not None else {}),
+                **({"sync_s": self.sync_s} if self.sync_s is not None else {}),
+                **({"optimizer_s": self.optimizer_s} if self.optimizer_s is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,8 @@ class Prediction:
             iteration_time_s=float(d["iteration_time_s"]), tokens_per_s=float(d["tokens_per_s"]),
             mfu=float(d["mfu"]),
             stages=tuple(StagePrediction(float(s["forward_s"]), float(s["backward_s"]), float(s["peak_memory_gib"]),
-                                         float(s["capacity_gib"]), s.get("measured")) for s in d["stages"]),
+                                         float(s["capacity_gib"]), s.get("measured"), _optional_float(s, "sync_s"),
+                                         _optional_float(s, "optimizer_s")) for s in d["stages"]),
             breakdown={k: float(v) for k, v in (d.get("breakdown") or {}).items()},
         )
 

@@ -103,14 +103,55 @@ def test_calibrate_refuses_a_file_that_is_not_a_run_report(tmp_path, capsys):
     assert "stages" in err and "Traceback" not in err
 
 
+def test_the_iteration_splits_into_the_slowest_ranks_pipeline_sync_and_optimizer(tmp_path):
+    """Where an iteration's gap lies: the plan's pipeline and its longest tail beside the slowest rank's parts."""
+    plan = _plan(tmp_path, CPU2, "plan.json")
+    pred = plan["predicted"]
+    tails = [(s["sync_s"] + s["optimizer_s"], s) for s in pred["stages"]]
+    assert all(s["sync_s"] >= 0 and s["optimizer_s"] > 0 for _, s in tails)
+    lines = _timings(plan, {})
+    for line in lines:  # rank 1 waits 30 ms longer for its gradients each step: it is the slowest
+        wait = 0.030 if line["rank"] == 1 else 0.0
+        line.update(pipeline_s=0.02 + line["step"] * 1e-3, sync_s=0.004 + wait, optimizer_s=0.003)
+        line["step_s"] = line["pipeline_s"] + line["sync_s"] + line["optimizer_s"]
+    report = run_report.build_report(plan, "abc", lines)
+    parts = report["iteration"]["parts"]
+    tail, longest = max(tails, key=lambda t: t[0])
+    assert parts["predicted"] == pytest.approx({"pipeline_s": pred["iteration_time_s"] - tail,
+                                                "sync_s": longest["sync_s"], "optimizer_s": longest["optimizer_s"]})
+    # steps 2-4 (the first is warm-up), rank 1's: pipeline 22-24 ms, median 23
+    assert parts["measured"] == pytest.approx({"pipeline_s": 0.023, "sync_s": 0.034, "optimizer_s": 0.003})
+    stage = report["stages"][0]
+    assert stage["predicted"]["sync_s"] == pred["stages"][0]["sync_s"]
+    assert stage["measured"]["optimizer_s"] == pytest.approx(0.003)
+    table = run_report.format_report(report)
+    assert "iteration ms  pipeline" in table and "measured      23.00     34.00" in table
+
+
+def test_a_plan_without_stage_tails_reports_measured_parts_only():
+    """A plan written before its stages carried sync and optimizer: no predicted parts, the measured ones shown."""
+    lines = [{"rank": r, "stage": r, "step": step, "microbatches": 2, "forward_s": 0.02, "backward_s": 0.04,
+              "step_s": 0.1, "pipeline_s": 0.08, "sync_s": 0.015, "optimizer_s": 0.005}
+             for step in (1, 2) for r in (0, 1)]
+    report = run_report.build_report(TWO_STAGES, "h", lines)
+    assert report["iteration"]["parts"]["predicted"] is None
+    assert report["stages"][1]["predicted"]["sync_s"] is None
+    table = run_report.format_report(report)
+    assert "predicted     -         -      -          100.00" in table
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.floats(0, 1), st.floats(0, 1)), max_size=30))
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.floats(0, 1), st.floats(0, 1), st.booleans()),
+                max_size=30))
 def test_report_never_fails_on_any_set_of_timing_lines(rows):
     plan = TWO_STAGES
     lines = [{"rank": s % 2, "stage": s, "step": step, "microbatches": 2, "forward_s": f, "backward_s": b,
-              "step_s": f + b} for s, step, f, b in rows]
+              "step_s": f + b, **({"pipeline_s": f, "sync_s": b / 2, "optimizer_s": b / 2} if parted else {})}
+             for s, step, f, b, parted in rows]
     report = run_report.build_report(plan, "h", lines)
     assert [s["stage"] for s in report["stages"]] == [0, 1]
+    measured = report["iteration"]["parts"]["measured"]
+    assert measured is None or all(v >= 0 for v in measured.values())
     run_report.format_report(report)
 
 
@@ -176,6 +217,30 @@ def test_the_last_stages_loss_counts_in_its_forward_and_backward(tmp_path):
     assert line["step_s"] >= line["forward_s"] + line["backward_s"]
 
 
+def test_a_step_splits_into_pipeline_sync_and_optimizer_that_sum_to_it(tmp_path):
+    """The runtime marks the optimizer step; what comes between the last backward and it, and after it, is sync."""
+    stage = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    timer = StageTimer.attach([stage], run_dir=str(tmp_path), rank=0, coords={"stage": 1}, microbatches=1,
+                              device=torch.device("cpu"))
+    timer.start_step()
+    x = torch.randn(4, 8, requires_grad=True)
+    stage(x).sum().backward()
+    time.sleep(SLOW_S)  # an exposed gradient all-reduce
+    timer.optimizer_begins()
+    opt.step()
+    time.sleep(SLOW_S)  # a slow optimizer
+    timer.optimizer_ends()
+    time.sleep(SLOW_S / 2)  # the loss report
+    line = timer.end_step(1)
+    assert line["sync_s"] >= 1.5 * SLOW_S and SLOW_S <= line["optimizer_s"] < line["sync_s"]
+    assert line["pipeline_s"] >= line["forward_s"] + line["backward_s"]
+    assert line["pipeline_s"] + line["sync_s"] + line["optimizer_s"] == pytest.approx(line["step_s"], abs=1e-6)
+    timer.start_step()  # a step whose optimizer step was skipped (fp16 overflow): no parts
+    stage(x).sum().backward()
+    assert "sync_s" not in timer.end_step(2)
+
+
 def test_the_first_stages_backward_includes_the_embeddings_own_backward(tmp_path):
     """Token ids in: the backward ends with the last parameter gradient, after the embedding's output gradient."""
     class Embed(torch.nn.Module):
@@ -206,6 +271,9 @@ def test_a_planned_launch_writes_a_run_report_with_every_stage_measured(tmp_path
         assert stage["measured"]["forward_s"] > 0 and stage["measured"]["backward_s"] > 0
         assert [r["rank"] for r in stage["ranks"]] == [stage["stage"]]
     assert report["iteration"]["measured_median_s"] > 0
+    measured = report["iteration"]["parts"]["measured"]  # the torch runtime marks its optimizer step
+    assert measured["pipeline_s"] > 0 and measured["optimizer_s"] > 0 and measured["sync_s"] >= 0
+    assert "iteration ms  pipeline" in done.stdout
     assert "predicted vs measured" in done.stdout and f"run report: {run_dir / 'run-report.json'}" in done.stdout
 
 

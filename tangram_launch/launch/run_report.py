@@ -6,10 +6,14 @@ launcher reads them (every ``--report-every`` steps and at the end), prints one 
 
     {"plan_hash": ..., "runtime": ..., "cluster": {"name": ..., "hash": ..., "path": the --cluster file},
      "num_microbatches": m, "steps_measured": n,
-     "iteration": {"predicted_s": ..., "measured_median_s": ...},
+     "iteration": {"predicted_s": ..., "measured_median_s": ...,
+                   "parts": {"predicted": {"pipeline_s", "sync_s", "optimizer_s"},
+                             "measured": {"pipeline_s", "sync_s", "optimizer_s"}}},
      "stages": [{"stage": 0, "island": ..., "layers": [0, 3], "nodes": [...],
-                 "predicted": {"forward_s": ..., "backward_s": ...},          # per micro-batch
-                 "measured": {"forward_s": ..., "backward_s": ..., "steps": n}, # medians per micro-batch
+                 "predicted": {"forward_s": ..., "backward_s": ...,           # per micro-batch
+                               "sync_s": ..., "optimizer_s": ...},            # per step
+                 "measured": {"forward_s": ..., "backward_s": ..., "steps": n, # medians per micro-batch
+                              "pipeline_s": ..., "sync_s": ..., "optimizer_s": ...},  # medians per step
                  "ratio": measured / predicted (forward + backward),
                  "ranks": [{"rank", "node", "local_gpu", "forward_s", "backward_s", "ratio"}, ...]}],
      "step_s": [per step, the slowest rank's train_step]}
@@ -18,6 +22,13 @@ The first step of a run (shape inference, warm-up) is left out of the medians wh
 the global step time, as Megatron and DeepSpeed users read one: per step, the slowest rank's (every rank leaves the
 step's last collective together; the one that started first waited longest), which is also what the example scripts
 print on their step lines (:func:`tangram_launch.worker.slowest_rank_s`).
+
+The iteration's parts say where a gap between predicted and measured iterations lies. Predicted: the plan's pipeline
+(the simulated schedule) and, of the stage whose tail the plan prices longest, its exposed gradient sync (with the
+loss report) and optimizer step (``predicted.stages[].sync_s`` / ``optimizer_s``). Measured, per step, the slowest
+rank's step in the same three parts (``runtime_adapters.stage_timing``: to its last backward's end, the optimizer
+step, the rest); medians over the steps. A plan written before stages carried their tail has no predicted parts
+(null).
 ``tangram-launch calibrate`` folds a report into the cluster file, so the next plan uses what was measured.
 """
 from __future__ import annotations
@@ -98,10 +109,13 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
         pred_f, pred_b = float(stages_pred[i]["forward_s"]), float(stages_pred[i]["backward_s"])
         ratio = (fwd + bwd) / (pred_f + pred_b) if fwd is not None and bwd is not None and pred_f + pred_b > 0 \
             else None
+        parted = [t for t in mine if _has_parts(t)]
         stages.append({"stage": i, "island": stage.get("island"), "layers": list(stage["layers"]),
                        "nodes": _stage_nodes(plan, i),
-                       "predicted": {"forward_s": pred_f, "backward_s": pred_b},
-                       "measured": {"forward_s": fwd, "backward_s": bwd, "steps": len({t["step"] for t in mine})},
+                       "predicted": {"forward_s": pred_f, "backward_s": pred_b,
+                                     **{k: _float_or_none(stages_pred[i].get(k)) for k in _TAIL_KEYS}},
+                       "measured": {"forward_s": fwd, "backward_s": bwd, "steps": len({t["step"] for t in mine}),
+                                    **{k: _median([t[k] for t in parted]) for k in _STEP_PARTS}},
                        "ratio": ratio, "ranks": _rank_rows(plan, mine, pred_f + pred_b)})
     step_s = []
     for s in steps:
@@ -114,8 +128,47 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
             "cluster": {"name": cluster.get("name"), "hash": cluster.get("hash")},
             "num_microbatches": plan.get("num_microbatches"), "steps_measured": len(kept),
             "iteration": {"predicted_s": float(plan["predicted"]["iteration_time_s"]),
-                          "measured_median_s": _median(steady)},
+                          "measured_median_s": _median(steady),
+                          "parts": {"predicted": _predicted_parts(plan), "measured": _measured_parts(timings, keep)}},
             "stages": stages, "step_s": step_s}
+
+
+_STEP_PARTS = ("pipeline_s", "sync_s", "optimizer_s")  # consecutive parts of a step, per rank (stage_timing)
+_TAIL_KEYS = ("sync_s", "optimizer_s")
+
+
+def _has_parts(line: Mapping) -> bool:
+    return all(isinstance(line.get(k), (int, float)) for k in _STEP_PARTS)
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _predicted_parts(plan: Mapping) -> dict | None:
+    """The plan's pipeline, and the tail of the stage whose sync + optimizer it prices longest (the iteration's)."""
+    pred = plan["predicted"]
+    tails = [(float(s["sync_s"]) + float(s["optimizer_s"]), float(s["sync_s"]), float(s["optimizer_s"]))
+             for s in pred["stages"] if s.get("sync_s") is not None and s.get("optimizer_s") is not None]
+    if not tails or len(tails) != len(pred["stages"]):
+        return None
+    tail, sync, opt = max(tails)
+    return {"pipeline_s": float(pred["iteration_time_s"]) - tail, "sync_s": sync, "optimizer_s": opt}
+
+
+def _measured_parts(timings: list[dict], keep: set) -> dict | None:
+    """Per kept step, the parts of the slowest rank's step (the one ``step_s`` reports); medians over the steps
+    (None: no rank marked its optimizer step)."""
+    rows: dict[str, list[float]] = {k: [] for k in _STEP_PARTS}
+    for step in sorted(keep):
+        parted = [t for t in timings if t["step"] == step and _has_parts(t)]
+        if parted:
+            slowest = max(parted, key=lambda t: sum(t[k] for k in _STEP_PARTS))
+            for k in _STEP_PARTS:
+                rows[k].append(slowest[k])
+    if not rows["pipeline_s"]:
+        return None
+    return {k: _median(v) for k, v in rows.items()}
 
 
 def _ms(value: float | None) -> str:
@@ -134,10 +187,27 @@ def format_report(report: Mapping) -> str:
     rows.append(("iteration", "", "", _ms(it["predicted_s"]), _ms(it["measured_median_s"]), "", "",
                  f"{it['measured_median_s'] / it['predicted_s']:.2f}"
                  if it["measured_median_s"] and it["predicted_s"] > 0 else "-"))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     n = report["steps_measured"]
     head = f"predicted vs measured ({n} step{'s' if n != 1 else ''} measured, per micro-batch, medians):"
-    return "\n".join([head] + ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows])
+    return "\n".join([head] + _aligned(rows) + _parts_lines(it))
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _parts_lines(iteration: Mapping) -> list[str]:
+    """The iteration in parts (ms per step), where the workers marked them: what a gap in the iteration is made of."""
+    parts = iteration.get("parts") or {}
+    pred, meas = parts.get("predicted"), parts.get("measured")
+    if not meas:
+        return []
+    keys = _STEP_PARTS
+    rows = [("iteration ms", "pipeline", "sync", "optimizer", "total"),
+            ("predicted", *[_ms((pred or {}).get(k)) for k in keys], _ms(iteration["predicted_s"])),
+            ("measured", *[_ms(meas.get(k)) for k in keys], _ms(iteration["measured_median_s"]))]
+    return _aligned(rows)
 
 
 def report_problem(report: Any) -> str | None:

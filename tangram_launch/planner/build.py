@@ -444,7 +444,8 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
         preds.append(StagePrediction(forward_s=fwd_s[k], backward_s=bwd_s[k],
                                      peak_memory_gib=stage_memory_bytes(st, S - 1 - k, S, m, v) / GIB,
                                      capacity_gib=isl.gpu.memory_gib,
-                                     measured=_stage_measurement(st, isl, model, training)))
+                                     measured=_stage_measurement(st, isl, model, training),
+                                     sync_s=st.dp_sync_s, optimizer_s=st.optimizer_s))
     peak = sum(gpu_peak_flops(cluster, node, idx, training.dtype) for st in stages for node, idx in st.gpus)
     tokens = training.global_batch * training.seq_len
     flops = 3.0 * model.forward_flops_per_token(training.seq_len, causal=True) * tokens
