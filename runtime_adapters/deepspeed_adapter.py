@@ -159,12 +159,20 @@ class DeepSpeedAdapter(RuntimeAdapter):
             raise SpecError("place.rank differs from this process's rank", field="place.rank", value=place.rank,
                             valid=str(rank))
 
+        from runtime_adapters.stage_timing import timer_from_env
+
+        # the run report's timings (a planned launch): the stage module's forward and backward, the last stage's
+        # loss with them (as the plan prices the head), the optimizer step from its hooks
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+        timer = timer_from_env([], rank=rank, coords={"rank": rank, "stage": place.stage.index, **place.coords},
+                               microbatches=plan.num_microbatches, device=device)
         specs = ([LayerSpec(Embedding, spec, seed=seed)]
                  + [LayerSpec(TransformerLayer, spec, i, seed=seed) for i in range(spec.num_layers)]
                  + [LayerSpec(Head, spec, seed=seed)])
         bounds = plan_partition(plan)
         module = _pipeline_module_class()(
-            layers=specs, topology=_topology_class()(plan), loss_fn=lm_loss,
+            layers=specs, topology=_topology_class()(plan),
+            loss_fn=timer.timed_loss(lm_loss) if timer is not None else lm_loss,
             partition_method="plan:" + ",".join(map(str, bounds)),
             activation_checkpoint_interval=1 if place.stage.recompute == "full" else 0,
             checkpointable_layers=["TransformerLayer"])  # never the embedding (int inputs carry no grad)
@@ -185,11 +193,17 @@ class DeepSpeedAdapter(RuntimeAdapter):
             config.setdefault("zero_allow_untested_optimizer", True)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client_optimizer, config=config,
                                                model_parameters=[p for p in module.parameters() if p.requires_grad])
+        if timer is not None:
+            timer.watch(module)
+            # the torch optimizer DeepSpeed steps (inside its ZeRO wrapper, where there is one)
+            stepped = client_optimizer or getattr(engine.optimizer, "optimizer", engine.optimizer)
+            if isinstance(stepped, torch.optim.Optimizer):
+                timer.watch_optimizer(stepped)
         logger.info("rank %d |PP=%d|DP=%d| entries [%d, %d) of %s zero=%d recompute=%s", rank, place.coords["pp"],
                     place.coords["dp"], bounds[place.stage.index], bounds[place.stage.index + 1], bounds,
                     place.stage.zero_stage, place.stage.recompute)
         return DeepSpeedTrainingContext(plan=plan, place=place, engine=engine, config=config,
-                                        num_layers=spec.num_layers)
+                                        num_layers=spec.num_layers, timer=timer)
 
 
 @lru_cache(maxsize=None)
@@ -258,6 +272,8 @@ class DeepSpeedTrainingContext:
     engine: Any  # deepspeed.runtime.pipe.engine.PipelineEngine
     config: dict
     num_layers: int
+    timer: Any = None  # runtime_adapters.stage_timing.StageTimer (launched with a run directory)
+    steps_done: int = 0
 
     @property
     def is_last_stage(self) -> bool:
@@ -277,7 +293,13 @@ class DeepSpeedTrainingContext:
 
     def train_step(self, batch: torch.Tensor) -> float:
         """One iteration on a global batch (global_batch, seq_len + 1) of tokens; the mean loss, on every rank."""
-        return float(self.engine.train_batch(data_iter=self._micro_batches(batch)))
+        if self.timer is not None:
+            self.timer.start_step()
+        loss = float(self.engine.train_batch(data_iter=self._micro_batches(batch)))
+        self.steps_done += 1
+        if self.timer is not None:
+            self.timer.end_step(self.steps_done)
+        return loss
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters named like ``runtime_adapters.gpt.StageModule`` (global layer indices)."""

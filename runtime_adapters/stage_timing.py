@@ -89,10 +89,19 @@ class StageTimer:
         timer = cls(path=timings_path(run_dir, rank), coords=dict(coords), microbatches=microbatches,
                     clock=_Clock(device))
         for module in modules:
-            timer._hook(module)
+            timer.watch(module)
         return timer
 
-    def _hook(self, module: Any) -> None:
+    def watch_optimizer(self, optimizer: Any) -> None:
+        """Mark the optimizer step from the optimizer's own step hooks (``torch.optim.Optimizer``'s public
+        ``register_step_pre_hook`` / ``register_step_post_hook``), for a runtime that steps it inside its own
+        training call (DeepSpeed's ``train_batch``, Megatron's optimizer wrapper): what the runtime does around the
+        step (unscaling, norms, gathering updated shards) then counts as sync."""
+        self._handles += [optimizer.register_step_pre_hook(lambda *_: self.optimizer_begins()),
+                          optimizer.register_step_post_hook(lambda *_: self.optimizer_ends())]
+
+    def watch(self, module: Any) -> None:
+        """Time ``module``'s forwards and backwards from now on (``attach`` watches the modules it is given)."""
         import warnings
 
         # the first stage's input is token ids: its backward pre-hook fires on the output gradients, which is the

@@ -277,6 +277,34 @@ def test_a_planned_launch_writes_a_run_report_with_every_stage_measured(tmp_path
     assert "predicted vs measured" in done.stdout and f"run report: {run_dir / 'run-report.json'}" in done.stdout
 
 
+@pytest.mark.distributed
+def test_a_deepspeed_launch_reports_its_stages_and_the_parts_of_its_steps(tmp_path):
+    """DeepSpeed's engine runs the schedule and steps the optimizer inside ``train_batch``: the stage module's hooks,
+    the timed loss and the optimizer's own step hooks still split each step."""
+    pytest.importorskip("deepspeed")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    done = subprocess.run([sys.executable, "-m", "tangram_launch.cli", "--standalone", "--nproc-per-node", "2",
+                           "--plan", str(REPO / "examples" / "data" / "plan-tiny-2cpu-deepspeed.json"), "--run-dir",
+                           str(run_dir), str(REPO / "examples" / "train_gpt_deepspeed.py"), "--steps", "3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((run_dir / "run-report.json").read_text())
+    assert report["runtime"] == "deepspeed" and report["steps_measured"] == 2
+    m = report["num_microbatches"]
+    lines = run_report.read_timings(str(run_dir))
+    for stage in report["stages"]:
+        assert stage["measured"]["forward_s"] > 0 and stage["measured"]["backward_s"] > 0
+        assert stage["measured"]["optimizer_s"] > 0 and stage["predicted"]["optimizer_s"] > 0
+    # every micro-batch's backward seen on each stage (the last stage's loss adds one span per micro-batch)
+    assert {(t["stage"], t["backward_spans"]) for t in lines} == {(0, m), (1, 2 * m)}
+    for t in lines:
+        assert t["pipeline_s"] + t["sync_s"] + t["optimizer_s"] == pytest.approx(t["step_s"], abs=1e-6)
+    parts = report["iteration"]["parts"]
+    assert parts["predicted"] is not None and parts["measured"]["pipeline_s"] > 0
+    assert "iteration ms  pipeline" in done.stdout
+
+
 def test_report_every_prints_once_each_time_every_stage_passes_another_n_steps(tmp_path):
     plan = TWO_STAGES
     out = io.StringIO()
