@@ -256,16 +256,21 @@ def test_the_first_stages_backward_includes_the_embeddings_own_backward(tmp_path
     assert line["backward_spans"] == 2 and line["backward_s"] >= 2 * SLOW_S
 
 
-@pytest.mark.distributed
-def test_a_planned_launch_writes_a_run_report_with_every_stage_measured(tmp_path):
+def _launch(tmp_path: Path, plan: str, script: str, steps: int) -> tuple[subprocess.CompletedProcess, Path, dict]:
+    """``tangram-launch`` of an example plan on 2 CPU processes: the finished process, the run dir, its report."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     done = subprocess.run([sys.executable, "-m", "tangram_launch.cli", "--standalone", "--nproc-per-node", "2",
-                           "--plan", str(REPO / "examples" / "data" / "plan-tiny-2cpu.json"), "--run-dir",
-                           str(run_dir), str(REPO / "examples" / "train_gpt.py"), "--steps", "4"],
+                           "--plan", str(REPO / "examples" / "data" / plan), "--run-dir", str(run_dir),
+                           str(REPO / "examples" / script), "--steps", str(steps)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((run_dir / "run-report.json").read_text())
+    return done, run_dir, json.loads((run_dir / "run-report.json").read_text())
+
+
+@pytest.mark.distributed
+def test_a_planned_launch_writes_a_run_report_with_every_stage_measured(tmp_path):
+    done, run_dir, report = _launch(tmp_path, "plan-tiny-2cpu.json", "train_gpt.py", 4)
     assert [s["stage"] for s in report["stages"]] == [0, 1] and report["steps_measured"] == 3
     for stage in report["stages"]:
         assert stage["measured"]["forward_s"] > 0 and stage["measured"]["backward_s"] > 0
@@ -282,14 +287,7 @@ def test_a_deepspeed_launch_reports_its_stages_and_the_parts_of_its_steps(tmp_pa
     """DeepSpeed's engine runs the schedule and steps the optimizer inside ``train_batch``: the stage module's hooks,
     the timed loss and the optimizer's own step hooks still split each step."""
     pytest.importorskip("deepspeed")
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    done = subprocess.run([sys.executable, "-m", "tangram_launch.cli", "--standalone", "--nproc-per-node", "2",
-                           "--plan", str(REPO / "examples" / "data" / "plan-tiny-2cpu-deepspeed.json"), "--run-dir",
-                           str(run_dir), str(REPO / "examples" / "train_gpt_deepspeed.py"), "--steps", "3"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((run_dir / "run-report.json").read_text())
+    done, run_dir, report = _launch(tmp_path, "plan-tiny-2cpu-deepspeed.json", "train_gpt_deepspeed.py", 3)
     assert report["runtime"] == "deepspeed" and report["steps_measured"] == 2
     m = report["num_microbatches"]
     lines = run_report.read_timings(str(run_dir))
