@@ -10,11 +10,13 @@ Each round starts from an empty ``HOME`` (no cached profile) in a temporary dire
     (the same launch again: it reuses the calibrated cached profile)
 
 and prints, for each of the two launches, the plan's stages (layers, micro-batch size) and the run report's
-measured / predicted per stage and for the iteration. Output:
+measured / predicted per stage, for the iteration, and for the iteration's parts (pipeline, sync, optimizer step;
+``iteration.parts`` of the report). Output:
 
-    round 1: first  stages 0-1 mbs 4 | 2-3 mbs 4   meas/pred stages 8.20 7.04  iteration 7.66
-             second stages 0-1 mbs 4 | 2-3 mbs 4   meas/pred stages 1.26 1.23  iteration 1.61
-    median |log meas/pred| over stages: first 2.03 (7.6x), second 0.22 (1.25x)
+    round 1: first  stages 0-3 mbs 4   meas/pred stages 1.06  iteration 1.19 (pipeline 1.10 sync 1.66 optimizer 1.31)
+             second stages 0-3 mbs 4   meas/pred stages 1.02  iteration 1.16 (pipeline 1.05 sync 1.70 optimizer 1.29)
+    median |log meas/pred| over stages: first 0.06 (1.1x), second 0.03 (1.03x)
+    median meas/pred of the iteration's parts: pipeline 1.08, sync 1.68, optimizer 1.30
 """
 from __future__ import annotations
 
@@ -56,7 +58,19 @@ def _describe(run: dict) -> str:
     ratios = " ".join(f"{s['ratio']:.2f}" for s in run["report"]["stages"] if s.get("ratio"))
     it = run["report"]["iteration"]
     iteration = it["measured_median_s"] / it["predicted_s"] if it.get("measured_median_s") else float("nan")
-    return f"stages {stages}   meas/pred stages {ratios}  iteration {iteration:.2f}"
+    parts = " ".join(f"{k} {v:.2f}" for k, v in _part_ratios(run).items())
+    return f"stages {stages}   meas/pred stages {ratios}  iteration {iteration:.2f} ({parts})"
+
+
+PARTS = ("pipeline", "sync", "optimizer")
+
+
+def _part_ratios(run: dict) -> dict[str, float]:
+    """Measured / predicted of each part of the iteration (the report's ``iteration.parts``)."""
+    parts = run["report"]["iteration"].get("parts") or {}
+    pred, meas = parts.get("predicted") or {}, parts.get("measured") or {}
+    return {k: meas[f"{k}_s"] / pred[f"{k}_s"] for k in PARTS
+            if meas.get(f"{k}_s") is not None and pred.get(f"{k}_s")}
 
 
 def main() -> None:
@@ -65,6 +79,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     logs: dict[str, list[float]] = {"first": [], "second": []}
+    part_ratios: dict[str, list[float]] = {k: [] for k in PARTS}
     for r in range(1, args.rounds + 1):
         with tempfile.TemporaryDirectory(prefix="tangram-calibrate-loop-") as tmp:
             home, cwd = Path(tmp) / "home", Path(tmp) / "work"
@@ -78,11 +93,15 @@ def main() -> None:
             second = _launch(home, cwd, args.steps)
         for name, run in (("first", first), ("second", second)):
             logs[name] += [abs(math.log(s["ratio"])) for s in run["report"]["stages"] if s.get("ratio")]
+            for k, v in _part_ratios(run).items():
+                part_ratios[k].append(v)
         print(f"round {r}: first  {_describe(first)}", flush=True)
         print(f"         second {_describe(second)}", flush=True)
     med = {k: statistics.median(v) for k, v in logs.items()}
     print(f"median |log meas/pred| over stages: first {med['first']:.2f} ({math.exp(med['first']):.1f}x), "
           f"second {med['second']:.2f} ({math.exp(med['second']):.2f}x)")
+    print("median meas/pred of the iteration's parts (both launches): "
+          + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in part_ratios.items() if v))
 
 
 if __name__ == "__main__":
