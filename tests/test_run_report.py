@@ -124,6 +124,9 @@ def test_the_iteration_splits_into_the_slowest_ranks_pipeline_sync_and_optimizer
     stage = report["stages"][0]
     assert stage["predicted"]["sync_s"] == pred["stages"][0]["sync_s"]
     assert stage["measured"]["optimizer_s"] == pytest.approx(0.003)
+    rows = {r["rank"]: r for r in stage["ranks"]}  # each rank's own tail against its stage's prediction
+    assert rows[1]["sync_s"] == pytest.approx(0.034) and rows[0]["sync_s"] == pytest.approx(0.004)
+    assert rows[1]["optimizer_ratio"] == pytest.approx(0.003 / pred["stages"][0]["optimizer_s"])
     table = run_report.format_report(report)
     assert "iteration ms  pipeline" in table and "measured      23.00     34.00" in table
 

@@ -15,7 +15,8 @@ launcher reads them (every ``--report-every`` steps and at the end), prints one 
                  "measured": {"forward_s": ..., "backward_s": ..., "steps": n, # medians per micro-batch
                               "pipeline_s": ..., "sync_s": ..., "optimizer_s": ...},  # medians per step
                  "ratio": measured / predicted (forward + backward),
-                 "ranks": [{"rank", "node", "local_gpu", "forward_s", "backward_s", "ratio"}, ...]}],
+                 "ranks": [{"rank", "node", "local_gpu", "forward_s", "backward_s", "ratio",
+                            "sync_s", "sync_ratio", "optimizer_s", "optimizer_ratio"}, ...]}],
      "step_s": [per step, the slowest rank's train_step]}
 
 The first step of a run (shape inference, warm-up) is left out of the medians when later steps exist. ``step_s`` is
@@ -79,8 +80,10 @@ def _stage_nodes(plan: Mapping, stage: int) -> list[str]:
     return sorted({r["node"] for r in plan.get("rank_layout", []) if r.get("stage") == stage})
 
 
-def _rank_rows(plan: Mapping, mine: list[dict], predicted_s: float) -> list[dict]:
-    """Per rank of a stage: where it ran and its own medians (a slow GPU among fast ones shows here)."""
+def _rank_rows(plan: Mapping, mine: list[dict], predicted_s: float, predicted_tail: Mapping) -> list[dict]:
+    """Per rank of a stage: where it ran and its own medians (a slow GPU among fast ones shows here); with its
+    step's sync and optimizer medians, each against the stage's predicted one (``sync_ratio``, ``optimizer_ratio``;
+    None where either is missing or nothing was predicted)."""
     where = {r["rank"]: r for r in plan.get("rank_layout", [])}
     rows = []
     for rank in sorted({t["rank"] for t in mine if "rank" in t}):
@@ -88,10 +91,15 @@ def _rank_rows(plan: Mapping, mine: list[dict], predicted_s: float) -> list[dict
         fwd = _median([t["forward_s"] / t["microbatches"] for t in lines])
         bwd = _median([t["backward_s"] / t["microbatches"] for t in lines if t.get("backward_spans", 1)])
         slot = where.get(rank, {})
-        rows.append({"rank": rank, "node": slot.get("node"), "local_gpu": slot.get("local_gpu"),
-                     "forward_s": fwd, "backward_s": bwd,
-                     "ratio": (fwd + bwd) / predicted_s if fwd is not None and bwd is not None and predicted_s > 0
-                     else None})
+        row = {"rank": rank, "node": slot.get("node"), "local_gpu": slot.get("local_gpu"),
+               "forward_s": fwd, "backward_s": bwd,
+               "ratio": (fwd + bwd) / predicted_s if fwd is not None and bwd is not None and predicted_s > 0
+               else None}
+        for key in _TAIL_KEYS:
+            got, pred = _median([t[key] for t in lines if _has_parts(t)]), predicted_tail.get(key)
+            row[key] = got
+            row[key.replace("_s", "_ratio")] = got / pred if got is not None and pred else None
+        rows.append(row)
     return rows
 
 
@@ -110,13 +118,13 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
         ratio = (fwd + bwd) / (pred_f + pred_b) if fwd is not None and bwd is not None and pred_f + pred_b > 0 \
             else None
         parted = [t for t in mine if _has_parts(t)]
+        tail = {k: _float_or_none(stages_pred[i].get(k)) for k in _TAIL_KEYS}
         stages.append({"stage": i, "island": stage.get("island"), "layers": list(stage["layers"]),
                        "nodes": _stage_nodes(plan, i),
-                       "predicted": {"forward_s": pred_f, "backward_s": pred_b,
-                                     **{k: _float_or_none(stages_pred[i].get(k)) for k in _TAIL_KEYS}},
+                       "predicted": {"forward_s": pred_f, "backward_s": pred_b, **tail},
                        "measured": {"forward_s": fwd, "backward_s": bwd, "steps": len({t["step"] for t in mine}),
                                     **{k: _median([t[k] for t in parted]) for k in _STEP_PARTS}},
-                       "ratio": ratio, "ranks": _rank_rows(plan, mine, pred_f + pred_b)})
+                       "ratio": ratio, "ranks": _rank_rows(plan, mine, pred_f + pred_b, tail)})
     step_s = []
     for s in steps:
         walls = [t["step_s"] for t in timings if t["step"] == s and t.get("step_s") is not None]
