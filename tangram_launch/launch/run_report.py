@@ -26,10 +26,11 @@ print on their step lines (:func:`tangram_launch.worker.slowest_rank_s`).
 
 The iteration's parts say where a gap between predicted and measured iterations lies. Predicted: the plan's pipeline
 (the simulated schedule) and, of the stage whose tail the plan prices longest, its exposed gradient sync (with the
-loss report) and optimizer step (``predicted.stages[].sync_s`` / ``optimizer_s``). Measured, per step, the slowest
-rank's step in the same three parts (``runtime_adapters.stage_timing``: to its last backward's end, the optimizer
-step, the rest); medians over the steps. A plan written before stages carried their tail has no predicted parts
-(null).
+loss report) and optimizer step (``predicted.stages[].sync_s`` / ``optimizer_s``). Measured, per step, the same
+three parts (``runtime_adapters.stage_timing``: to its last backward's end, the optimizer step, the rest) of the
+rank whose last backward ended last: the critical path, whose sync is the collectives' own time, while a rank that
+finished earlier also waits there for it (that rank's own parts are in ``stages[].ranks``); medians over the steps.
+A plan written before stages carried their tail has no predicted parts (null).
 ``tangram-launch calibrate`` folds a report into the cluster file, so the next plan uses what was measured.
 """
 from __future__ import annotations
@@ -165,15 +166,15 @@ def _predicted_parts(plan: Mapping) -> dict | None:
 
 
 def _measured_parts(timings: list[dict], keep: set) -> dict | None:
-    """Per kept step, the parts of the slowest rank's step (the one ``step_s`` reports); medians over the steps
+    """Per kept step, the parts of the rank whose pipeline ended last (the critical path); medians over the steps
     (None: no rank marked its optimizer step)."""
     rows: dict[str, list[float]] = {k: [] for k in _STEP_PARTS}
     for step in sorted(keep):
         parted = [t for t in timings if t["step"] == step and _has_parts(t)]
         if parted:
-            slowest = max(parted, key=lambda t: sum(t[k] for k in _STEP_PARTS))
+            critical = max(parted, key=lambda t: t["pipeline_s"])
             for k in _STEP_PARTS:
-                rows[k].append(slowest[k])
+                rows[k].append(critical[k])
     if not rows["pipeline_s"]:
         return None
     return {k: _median(v) for k, v in rows.items()}
