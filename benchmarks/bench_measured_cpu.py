@@ -646,6 +646,16 @@ def format_table(table: list[dict], report, measured_plan, analytic_plan) -> str
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
 
 
+def parts_line(run: dict) -> str:
+    """The measured-priced iteration in the run report's parts (pipeline, sync, optimizer; ms per step), predicted
+    and measured on the rank whose backward ended last: where the iteration's error sits."""
+    parts = run["iteration"].get("parts") or {}
+    pred, meas = parts.get("predicted") or {}, parts.get("measured") or {}
+    cells = [f"{k} {pred[f'{k}_s'] * 1e3:.2f}/{meas[f'{k}_s'] * 1e3:.2f}" for k in ("pipeline", "sync", "optimizer")
+             if pred.get(f"{k}_s") is not None and meas.get(f"{k}_s") is not None]
+    return "iteration parts, predicted/measured ms: " + (", ".join(cells) or "not marked")
+
+
 def thread_cpu_line(run: dict) -> str:
     """Each device's worker: CPU ms per micro-batch of its main thread and of its other threads (gloo's p2p and
     collective work among them) over the training's steps."""
@@ -960,7 +970,8 @@ def main(argv=None) -> int:
             print(f"\nrun {i + 1}: {run['num_microbatches']} micro-batches, {run['steps_measured']} steps measured; "
                   f"profile {run['profile_s']:.0f} s, training {run['train_s']:.0f} s; load average "
                   f"{run['load_avg'][0]} -> {run['load_avg'][1]}\nplan: {run['note']}\nper micro-batch, forward + "
-                  f"backward (run-report.json medians):\n{run.pop('table')}\n{thread_cpu_line(run)}", flush=True)
+                  f"backward (run-report.json medians):\n{run.pop('table')}\n{parts_line(run)}\n"
+                  f"{thread_cpu_line(run)}", flush=True)
     except Exception as exc:  # a failed step: say which, exit 1
         print(f"bench_measured_cpu: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
