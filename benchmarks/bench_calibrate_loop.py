@@ -13,10 +13,11 @@ and prints, for each of the two launches, the plan's stages (layers, micro-batch
 measured / predicted per stage, for the iteration, and for the iteration's parts (pipeline, sync, optimizer step;
 ``iteration.parts`` of the report). Output:
 
-    round 1: first  stages 0-3 mbs 4   meas/pred stages 1.06  iteration 1.19 (pipeline 1.10 sync 1.66 optimizer 1.31)
-             second stages 0-3 mbs 4   meas/pred stages 1.02  iteration 1.16 (pipeline 1.05 sync 1.70 optimizer 1.29)
-    median |log meas/pred| over stages: first 0.06 (1.1x), second 0.03 (1.03x)
-    median meas/pred of the iteration's parts: pipeline 1.08, sync 1.68, optimizer 1.30
+    round 1: first  stages 0-3 mbs 4   meas/pred stages 1.05  iteration 1.35 (pipeline 1.19 sync 1.89 optimizer 1.28)
+             second stages 0-3 mbs 4   meas/pred stages 0.91  iteration 1.15 (pipeline 0.96 sync 2.17 optimizer 1.25)
+    ...
+    median |log meas/pred| over stages: first 0.05 (1.1x), second 0.04 (1.04x)
+    median meas/pred of the iteration's parts (both launches): pipeline 1.08, sync 1.90, optimizer 1.25
 """
 from __future__ import annotations
 

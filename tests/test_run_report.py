@@ -235,9 +235,9 @@ def test_a_step_splits_into_pipeline_sync_and_optimizer_that_sum_to_it(tmp_path)
     opt.step()
     time.sleep(SLOW_S)  # a slow optimizer
     timer.optimizer_ends()
-    time.sleep(SLOW_S / 2)  # the loss report
+    time.sleep(SLOW_S)  # the loss report
     line = timer.end_step(1)
-    assert line["sync_s"] >= 1.5 * SLOW_S and SLOW_S <= line["optimizer_s"] < line["sync_s"]
+    assert line["sync_s"] >= 2 * SLOW_S and SLOW_S <= line["optimizer_s"] < line["sync_s"]
     assert line["pipeline_s"] >= line["forward_s"] + line["backward_s"]
     assert line["pipeline_s"] + line["sync_s"] + line["optimizer_s"] == pytest.approx(line["step_s"], abs=1e-6)
     timer.start_step()  # a step whose optimizer step was skipped (fp16 overflow): no parts
