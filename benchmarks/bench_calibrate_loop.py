@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tangram_launch.launch.run_report import PART_NAMES, iteration_parts  # noqa: E402
 
 
 def _launch(home: Path, cwd: Path, steps: int) -> dict:
@@ -63,15 +65,10 @@ def _describe(run: dict) -> str:
     return f"stages {stages}   meas/pred stages {ratios}  iteration {iteration:.2f} ({parts})"
 
 
-PARTS = ("pipeline", "sync", "optimizer")
-
-
 def _part_ratios(run: dict) -> dict[str, float]:
     """Measured / predicted of each part of the iteration (the report's ``iteration.parts``)."""
-    parts = run["report"]["iteration"].get("parts") or {}
-    pred, meas = parts.get("predicted") or {}, parts.get("measured") or {}
-    return {k: meas[f"{k}_s"] / pred[f"{k}_s"] for k in PARTS
-            if meas.get(f"{k}_s") is not None and pred.get(f"{k}_s")}
+    return {name: meas / pred for name, (pred, meas) in iteration_parts(run["report"]["iteration"]).items()
+            if meas is not None and pred}
 
 
 def main() -> None:
@@ -80,7 +77,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     logs: dict[str, list[float]] = {"first": [], "second": []}
-    part_ratios: dict[str, list[float]] = {k: [] for k in PARTS}
+    part_ratios: dict[str, list[float]] = {k: [] for k in PART_NAMES}
     for r in range(1, args.rounds + 1):
         with tempfile.TemporaryDirectory(prefix="tangram-calibrate-loop-") as tmp:
             home, cwd = Path(tmp) / "home", Path(tmp) / "work"

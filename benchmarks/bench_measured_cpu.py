@@ -90,6 +90,7 @@ sys.path.insert(0, HERE)
 import bench_hetero_cpu as base  # noqa: E402  (the cgroup and load helpers; puts the repository on the path)
 from tangram_launch.errors import InfeasibleError  # noqa: E402
 from tangram_launch.islands import build_islands  # noqa: E402
+from tangram_launch.launch.run_report import iteration_parts  # noqa: E402
 from tangram_launch.planner import PlannerOptions, make_plan  # noqa: E402
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan  # noqa: E402
 from tangram_launch.specs.cluster import ClusterSpec  # noqa: E402
@@ -649,10 +650,9 @@ def format_table(table: list[dict], report, measured_plan, analytic_plan) -> str
 def parts_line(run: dict) -> str:
     """The measured-priced iteration in the run report's parts (pipeline, sync, optimizer; ms per step), predicted
     and measured on the rank whose backward ended last: where the iteration's error sits."""
-    parts = run["iteration"].get("parts") or {}
-    pred, meas = parts.get("predicted") or {}, parts.get("measured") or {}
-    cells = [f"{k} {pred[f'{k}_s'] * 1e3:.2f}/{meas[f'{k}_s'] * 1e3:.2f}" for k in ("pipeline", "sync", "optimizer")
-             if pred.get(f"{k}_s") is not None and meas.get(f"{k}_s") is not None]
+    parts = iteration_parts(run["iteration"])
+    cells = [f"{name} {pred * 1e3:.2f}/{meas * 1e3:.2f}" for name, (pred, meas) in parts.items()
+             if pred is not None and meas is not None]
     return "iteration parts, predicted/measured ms: " + (", ".join(cells) or "not marked")
 
 

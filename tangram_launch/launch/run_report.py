@@ -142,7 +142,8 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
             "stages": stages, "step_s": step_s}
 
 
-_STEP_PARTS = ("pipeline_s", "sync_s", "optimizer_s")  # consecutive parts of a step, per rank (stage_timing)
+PART_NAMES = ("pipeline", "sync", "optimizer")  # the parts of a step, in order (stage_timing)
+_STEP_PARTS = tuple(f"{name}_s" for name in PART_NAMES)  # their keys in a timing line and in iteration.parts
 _TAIL_KEYS = ("sync_s", "optimizer_s")
 
 
@@ -206,16 +207,24 @@ def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def iteration_parts(iteration: Mapping) -> dict[str, tuple[float | None, float | None]]:
+    """Part name -> (predicted, measured) seconds per step, of a report's ``iteration``; empty where no rank marked
+    its optimizer step (a predicted part is None for a plan written before stages carried their tail)."""
+    parts = iteration.get("parts") or {}
+    pred, meas = parts.get("predicted") or {}, parts.get("measured") or {}
+    if not meas:
+        return {}
+    return {name: (pred.get(key), meas.get(key)) for name, key in zip(PART_NAMES, _STEP_PARTS)}
+
+
 def _parts_lines(iteration: Mapping) -> list[str]:
     """The iteration in parts (ms per step), where the workers marked them: what a gap in the iteration is made of."""
-    parts = iteration.get("parts") or {}
-    pred, meas = parts.get("predicted"), parts.get("measured")
-    if not meas:
+    parts = iteration_parts(iteration)
+    if not parts:
         return []
-    keys = _STEP_PARTS
-    rows = [("iteration ms", "pipeline", "sync", "optimizer", "total"),
-            ("predicted", *[_ms((pred or {}).get(k)) for k in keys], _ms(iteration["predicted_s"])),
-            ("measured", *[_ms(meas.get(k)) for k in keys], _ms(iteration["measured_median_s"]))]
+    rows = [("iteration ms", *parts, "total"),
+            ("predicted", *[_ms(pred) for pred, _ in parts.values()], _ms(iteration["predicted_s"])),
+            ("measured", *[_ms(meas) for _, meas in parts.values()], _ms(iteration["measured_median_s"]))]
     return _aligned(rows)
 
 
