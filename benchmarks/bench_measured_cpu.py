@@ -833,7 +833,8 @@ print(statistics.median(times))
 
 def probe_pair(args) -> list[str]:
     """The fast devices' speed alone and beside each other, back to back and with random waits (5-30 ms) before
-    each call, capped (``--fast-quota``) and not (see --probe-pair): wall ms per stage-like micro-batch.
+    each call, uncapped (as ``--no-fast-quota`` leaves them) and capped (``make_devices``): wall ms per stage-like
+    micro-batch.
 
     Why: the profile times the two fast devices busy at once; in a run they wait behind the throttled stage and
     wake out of step. A device whose speed depends on whether its neighbour is busy is priced at the wrong speed."""
