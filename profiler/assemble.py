@@ -28,11 +28,12 @@ from typing import Any, Mapping, Sequence
 
 from profiler.bench import Measured, Timing, round_sig
 from profiler.inventory import NodeInventory, inventory_identity
+from tangram_launch.costmodel.efficiency import FSDP_KEYS
 from tangram_launch.costmodel.measured_layers import SEQUENCE_KEY, SEQUENCE_PARTS_KEY
 from tangram_launch.specs.constants import STORAGE_DTYPES  # the dtypes the GEMM benchmark times
 from tangram_launch.specs.yamlio import to_plain
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # raised when profiles gain figures the cost model reads: cached ones are measured again
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class NodeRecord:
     allreduce: Measured | None = None  # bus bandwidth over the node's ranks, GB/s
     collective_latency: Measured | None = None  # one tiny all-to-all over the node's ranks, us
     collective_wait: Measured | None = None  # ... right after a layer forward on every rank (mean), us
+    # FSDP2 over the node's ranks (profiler.fsdp_unit): (forward us per unit, backward us per unit, AdamW us per
+    # sharded parameter tensor)
+    fsdp_unit: tuple[Measured, Measured, Measured] | None = None
     p2p: tuple[tuple[int, int, Measured], ...] = ()  # (local a, local b, GB/s one direction at a time)
 
 
@@ -201,6 +205,9 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         measured["collective_latency_us"] = round_sig(node.collective_latency.value)
     if node.collective_wait is not None:
         measured["collective_wait_us"] = round_sig(node.collective_wait.value)
+    if node.fsdp_unit is not None:
+        for key, m in zip(FSDP_KEYS, node.fsdp_unit):
+            measured[key] = round_sig(m.value)
     if dev.optimizer_tensor is not None:
         measured["optimizer_tensor_us"] = round_sig(dev.optimizer_tensor.value)
     if dev.optimizer_param is not None:
@@ -325,6 +332,8 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
             "allreduce": node.allreduce.to_dict() if node.allreduce else None,
             "collective_latency": node.collective_latency.to_dict() if node.collective_latency else None,
             "collective_wait": node.collective_wait.to_dict() if node.collective_wait else None,
+            "fsdp_unit": ({k: m.to_dict() for k, m in zip(FSDP_KEYS, node.fsdp_unit)} if node.fsdp_unit
+                          else None),
             "p2p_gbps": [_p2p_row(node, i) for i in range(len(node.ranks))] if node.p2p else None,
             "p2p": [{"local_ranks": [a, b], **m.to_dict()} for a, b, m in node.p2p],
         }

@@ -238,10 +238,10 @@ def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progre
         # new_group is collective over the whole world: every rank creates every node's group, in the same order
         groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
         local = _local_benchmarks(run, groups.get(env.node_rank))
-        allreduce, latency, wait, p2p = _intra_node(run, layout, groups, local.stand_in)
+        allreduce, latency, wait, fsdp, p2p = _intra_node(run, layout, groups, local.stand_in)
         links, schedule = _inter_node(run, layout)
-        return _gather_and_write(run, layout, local, (allreduce, latency, wait), p2p, links, schedule, started_at,
-                                 t_start)
+        return _gather_and_write(run, layout, local, (allreduce, latency, wait, fsdp), p2p, links, schedule,
+                                 started_at, t_start)
     finally:
         dist.destroy_process_group()
 
@@ -406,12 +406,15 @@ def _group_min(group: Any, device: torch.device) -> Callable[[int], int]:
 
 def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None) -> tuple:
     """All-reduce (bandwidth), a tiny all-to-all (fixed cost per call) and, with a model layer to run before it, the
-    same all-to-all after that layer's forward (the wait training meets) over each node's ranks, then
-    point-to-point between every pair of them (round-robin rounds); every node at once, since nodes do not share
-    these links. Returns (all-reduce, latency, wait, p2p)."""
+    same all-to-all after that layer's forward (the wait training meets) and FSDP2's overhead per unit and per
+    sharded optimizer tensor (profiler.fsdp_unit) over each node's ranks, then point-to-point between every pair of
+    them (round-robin rounds); every node at once, since nodes do not share these links. Returns (all-reduce,
+    latency, wait, FSDP2 (forward, backward, optimizer) or None, p2p)."""
+    from profiler.fsdp_unit import fsdp_unit_overhead
+
     env = run.env
     run.progress.phase("intra-node all-reduce")
-    allreduce = latency = wait = None
+    allreduce = latency = wait = fsdp = None
     if env.node_rank in groups:
         size = len(layout.ranks_of[env.node_rank])
         allreduce = bench.allreduce_busbw_gbps(groups[env.node_rank], size, run.device, run.cfg)
@@ -427,6 +430,11 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
             if env.local_rank == 0:
                 log.info("tiny all-to-all after a layer forward on %s: %.4g us (mean)", layout.name_of[env.node_rank],
                          wait.value)
+        run.progress.phase("intra-node FSDP2 unit overhead")
+        fsdp = fsdp_unit_overhead(groups[env.node_rank], size, run.device)
+        if env.local_rank == 0:
+            log.info("FSDP2 on %s: %.4g us forward, %.4g us backward per unit; AdamW %.4g us per sharded tensor",
+                     layout.name_of[env.node_rank], *(m.value for m in fsdp))
     run.barrier()
 
     p2p: list[tuple[int, int, int, bench.Measured]] = []  # (node rank, local a, local b, GB/s)
@@ -444,7 +452,7 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
             if t is not None:
                 p2p.append((env.node_rank, local.index(a), local.index(b), _pingpong_bw(t, run.cfg.p2p_bytes)))
         run.barrier()
-    return allreduce, latency, wait, p2p
+    return allreduce, latency, wait, fsdp, p2p
 
 
 def _inter_node(run: _Run, layout: "_Layout") -> tuple[list, list]:
@@ -495,7 +503,8 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         optimizer_param=local.optimizer_param, gemm_sweep=local.gemm_sweep, wake_up=local.wake_up,
         stage_sequence=local.stage_sequence,
     )
-    node_part = (collectives if env.local_rank == 0 else (None, None, None), p2p)  # (all-reduce, latency, wait), p2p
+    # (all-reduce, latency, wait, FSDP2), p2p
+    node_part = (collectives if env.local_rank == 0 else (None, None, None, None), p2p)
     gathered: list | None = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object((record, node_part, links), gathered, dst=0)
     outcome: list = [None]
@@ -562,14 +571,16 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     allreduce_of: dict[int, bench.Measured | None] = {}
     latency_of: dict[int, bench.Measured | None] = {}
     wait_of: dict[int, bench.Measured | None] = {}
+    fsdp_of: dict[int, tuple | None] = {}
     p2p_of: dict[int, list] = {n: [] for n in layout.node_ranks}
     link_parts: dict[tuple[int, int], dict] = {}
-    for record, ((allreduce, latency, wait), p2p), links in gathered:
+    for record, ((allreduce, latency, wait, fsdp), p2p), links in gathered:
         devices.append(record)
         if record.local_rank == 0:
             allreduce_of[record.node_rank] = allreduce
             latency_of[record.node_rank] = latency
             wait_of[record.node_rank] = wait
+            fsdp_of[record.node_rank] = fsdp
         for node_rank, a, b, m in p2p:
             p2p_of[node_rank].append((a, b, m))
         for r, pair, lat, bws in links:
@@ -581,6 +592,7 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
         NodeRecord(node_rank=n, host=layout.host_of[n], inventory=layout.inventory_of[n],
                    ranks=tuple(layout.ranks_of[n]), allreduce=allreduce_of.get(n),
                    collective_latency=latency_of.get(n), collective_wait=wait_of.get(n),
+                   fsdp_unit=fsdp_of.get(n),
                    p2p=tuple(sorted(p2p_of[n], key=lambda t: (t[0], t[1]))))
         for n in layout.node_ranks
     )

@@ -207,6 +207,7 @@ def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: 
                        ("ep_comm_s", "EP all-to-all"), ("zero_comm_s", "ZeRO comm (transfers)"),
                        ("zero_comm_exposed_s", "ZeRO comm (exposed)"),
                        ("zero_contention_s", "ZeRO comm (slows compute)"),
+                       ("fsdp_host_s", "FSDP2 unit overhead"),
                        ("p2p_s", "pipeline p2p")):
         add("  " + label, [ms(s.breakdown.get(key, 0.0)) for s in st])
     add("  forward", [ms(s.forward_s) for s in st])

@@ -103,6 +103,9 @@ class ZeroPart(NamedTuple):
     # with offload: whether the optimizer state it keeps on the host fits the island's node with the least host
     # memory per GPU (host_memory.fits_host_memory; True without offload or where the host memory is unknown)
     fits_host: bool = True
+    # FSDP2's host work per micro-batch beyond compute and transfers (SliceCoster._fsdp_host_s), forward and backward
+    host_fwd_s: float = 0.0
+    host_bwd_s: float = 0.0
 
 
 def _sp_pairs(model, kind: str, ep: int, moe_runtime: MoERuntime | None = None) -> int:
@@ -885,8 +888,18 @@ class SliceCoster:
         else:  # fused Adam is memory-bound: read + write the states, read the gradient, write the parameter
             opt_s = local * (2 * ob + gb + pb) / dev.memory_bandwidth
             opt_s = max(opt_s, local * dev.optimizer_param_s)  # or the runtime's measured cost per parameter
-        # plus a measured fixed cost per tensor where the device has one (torch AdamW without foreach, per tensor)
-        opt_s += st.param_tensors * dev.optimizer_tensor_s
+        # FSDP2 units (the torch runtime's ZeRO 1-3 over a DP group): host work per unit beyond compute and transfers
+        fsdp = per_unit and zero >= 1 and shard > 1
+        host_fwd = host_bwd = 0.0
+        if fsdp:
+            host_fwd, host_bwd = self._fsdp_host_s(st, n_layers + 1)
+            if held or zero <= 2:  # gathered and reduce-scattered once per step
+                sync += host_fwd + host_bwd
+                host_fwd = host_bwd = 0.0
+        # plus a measured fixed cost per tensor where the device has one (torch AdamW without foreach, per tensor;
+        # DTensor parameters under FSDP2 pay their own, larger one)
+        opt_s += st.param_tensors * (dev.optimizer_sharded_tensor_s if fsdp and dev.optimizer_sharded_tensor_s
+                                     else dev.optimizer_tensor_s)
         working = 0.0
         if zero >= 3 and not held:
             working = st.max_layer_params * (2 * pb + gb)  # gathered + prefetched layer, grads
@@ -895,9 +908,26 @@ class SliceCoster:
         fits_host = not off or fits_host_memory(dense.host + expert.host, self.island.host_memory)
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd,
                        l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs, copies,
-                       held_copies, fits_host)
+                       held_copies, fits_host, host_fwd, host_bwd)
         st.zero_parts[key] = out
         return out
+
+    def _fsdp_host_s(self, st: StageSums, units: int) -> tuple[float, float]:
+        """(forward, backward) host time of a stage's ``units`` FSDP2 units per pass, from the device's measured
+        overhead per unit (profiler/fsdp_unit.py) less the fixed cost of the unit's collectives, which their own
+        terms charge (an all-gather in the forward; an all-gather and a reduce-scatter in the backward). A CPU
+        device runs that host work itself, in series with its compute; a GPU runs ahead of it, so a unit pays only
+        what exceeds its compute."""
+        dev, link = self.dev, st.dp_link
+        if not (dev.fsdp_unit_forward_s or dev.fsdp_unit_backward_s):
+            return 0.0, 0.0
+        ag0 = max(link.step_latency_s(comm.ALL_GATHER, st.shard), link.wait_s)  # comm.collective_s's fixed part
+        rs0 = max(link.step_latency_s(comm.REDUCE_SCATTER, st.shard), link.wait_s)
+        fwd = max(0.0, dev.fsdp_unit_forward_s - ag0)
+        bwd = max(0.0, dev.fsdp_unit_backward_s - ag0 - rs0)
+        if not dev.is_cpu:
+            fwd, bwd = max(0.0, fwd - st.fwd_s / units), max(0.0, bwd - st.bwd_s / units)
+        return units * fwd, units * bwd
 
     def _collectives(self, st: StageSums) -> dict:
         """The stage's data-parallel collectives (dense over dp x cp, experts over dp x cp / ep), computed once."""
@@ -977,6 +1007,7 @@ class SliceCoster:
                     fwd = fwd_s + (z_fwd + overlap.contention_s(zp.zero_fwd_s, z_fwd)) + fixed_fwd
                 else:
                     fwd = fwd_s + fixed_fwd
+                fwd += zp.host_fwd_s
                 pair = per_pair[zero, off] = (zp, exposed, fwd, zp.sync_s + zp.optimizer_s,
                                               host_limit and not zp.fits_host)
             zp, exposed, fwd, tail, over_host = pair
@@ -989,6 +1020,7 @@ class SliceCoster:
             if exposed:
                 z_bwd = _exposed_bwd_s(zp, b, edges)
                 bwd = b + (z_bwd + overlap.contention_s(zp.zero_bwd_s, z_bwd)) + fixed_bwd + rp.comm_s
+            bwd += zp.host_bwd_s
             full = r == _FULL
             static = zp.state_bytes + zp.held_copy_bytes[full] + (zp.working_bytes + rp.working_bytes) * frag + overhead
             if over_host:
@@ -1029,6 +1061,7 @@ class SliceCoster:
             "zero_contention_s": (overlap.contention_s(zp.zero_fwd_s, exposed[0])
                                   + overlap.contention_s(zp.zero_bwd_s, exposed[1])) if zp.layer_bwd_s > 0 else 0.0,
             "zero_comm_s": zp.zero_fwd_s + zp.zero_bwd_s,  # the transfers of one micro-batch, hidden or not
+            "fsdp_host_s": zp.host_fwd_s + zp.host_bwd_s,  # FSDP2's host work per micro-batch (_fsdp_host_s)
             "p2p_s": st.p2p_fwd_s + st.p2p_bwd_s,
             "dp_sync_s": sync,
             "optimizer_s": opt_s,

@@ -51,8 +51,8 @@ instructions), which is what the profiler's ``gemm_tflops`` measures.
 Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_sweep_tflops`` (the profiler's GEMM-shape
 sweep, which prices every GEMM of its dtype instead of the roofline and e_gemm: ``costmodel.gemm_curve``),
 ``gemm_tflops`` (the large-GEMM throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_GBps`` and
-``allreduce_busbw_gbps``; ``collective_wait_us``, ``optimizer_tensor_us`` and ``optimizer_param_ns`` add costs that
-only a measurement sets (absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's
+``allreduce_busbw_gbps``; ``collective_wait_us``, ``optimizer_tensor_us``, ``optimizer_param_ns`` and the FSDP2
+figures (``FSDP_KEYS``) add costs that only a measurement sets (absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's
 (and the embedding's and head's) computed time at the profiled shape.
 """
 from __future__ import annotations
@@ -68,6 +68,9 @@ from tangram_launch.specs.cluster import GPUSpec, math_mode
 from tangram_launch.specs.constants import GIB  # noqa: F401 (re-exported for the cost model's users)
 
 TFLOPS = 1e12
+# FSDP2 as the torch runtime wraps ZeRO 1-3 stages, measured over a node's ranks (profiler/fsdp_unit.py): host work
+# per unit and pass beyond compute and transfers, and AdamW's step per sharded (DTensor) parameter tensor
+FSDP_KEYS = ("fsdp_unit_forward_us", "fsdp_unit_backward_us", "optimizer_sharded_tensor_us")
 GBPS = 1e9  # _gbps = GB/s = 1e9 bytes per second
 
 # Large bf16/fp16 GEMMs reach 60-80 % of the dense peak (cuBLAS on A100/H100; GPU-FACTS.md); 0.70 matches the
@@ -197,6 +200,11 @@ class DeviceModel:
     # foreach=False makes about ten passes over each tensor); the optimizer step pays the larger of it and the
     # memory-bound term
     optimizer_param_s: float = 0.0
+    # measured only (0: not charged; FSDP_KEYS): what an FSDP2 unit's forward and backward cost beyond their compute
+    # and transfers, and AdamW's fixed cost per sharded parameter tensor, where the runtime shards with FSDP2
+    fsdp_unit_forward_s: float = 0.0
+    fsdp_unit_backward_s: float = 0.0
+    optimizer_sharded_tensor_s: float = 0.0
     # the profiler's GEMM sweep for this math mode (measured.gemm_sweep_tflops): replaces the roofline in gemm_s
     gemm_curve: MeasuredGemmCurve | None = None
     # the attention kernel's measured shape dependence (attention_kernels.py), against attention_peak_flops; None:
@@ -243,6 +251,8 @@ class DeviceModel:
         param_ns = _measured(gpu, "optimizer_param_ns")
         if param_ns is not None:
             sources.append("optimizer_param_ns")
+        fsdp_us = [_measured(gpu, k) for k in FSDP_KEYS]
+        sources.extend(k for k, v in zip(FSDP_KEYS, fsdp_us) if v is not None)
         sweep = (gpu.measured.get("gemm_sweep_tflops") or {}).get(math_mode(gpu, dtype)) if gpu.measured else None
         if sweep:
             sources.append("gemm_sweep_tflops")
@@ -270,6 +280,9 @@ class DeviceModel:
             collective_wait_s=(wait_us or 0.0) * 1e-6,
             optimizer_tensor_s=(tensor_us or 0.0) * 1e-6,
             optimizer_param_s=(param_ns or 0.0) * 1e-9,
+            fsdp_unit_forward_s=(fsdp_us[0] or 0.0) * 1e-6,
+            fsdp_unit_backward_s=(fsdp_us[1] or 0.0) * 1e-6,
+            optimizer_sharded_tensor_s=(fsdp_us[2] or 0.0) * 1e-6,
             gemm_curve=MeasuredGemmCurve.from_rows(sweep) if sweep else None,
             attention_curve=attention_curve(gpu.type, attention_kernel) if flash else None,
         )
