@@ -410,8 +410,6 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
     sharded optimizer tensor (profiler.fsdp_unit) over each node's ranks, then point-to-point between every pair of
     them (round-robin rounds); every node at once, since nodes do not share these links. Returns (all-reduce,
     latency, wait, FSDP2 (forward, backward, optimizer) or None, p2p)."""
-    from profiler.fsdp_unit import fsdp_unit_overhead
-
     env = run.env
     run.progress.phase("intra-node all-reduce")
     allreduce = latency = wait = fsdp = None
@@ -431,8 +429,8 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
                 log.info("tiny all-to-all after a layer forward on %s: %.4g us (mean)", layout.name_of[env.node_rank],
                          wait.value)
         run.progress.phase("intra-node FSDP2 unit overhead")
-        fsdp = fsdp_unit_overhead(groups[env.node_rank], size, run.device)
-        if env.local_rank == 0:
+        fsdp = _fsdp_probe(run, groups[env.node_rank], size)
+        if fsdp is not None and env.local_rank == 0:
             log.info("FSDP2 on %s: %.4g us forward, %.4g us backward per unit; AdamW %.4g us per sharded tensor",
                      layout.name_of[env.node_rank], *(m.value for m in fsdp))
     run.barrier()
@@ -453,6 +451,24 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
                 p2p.append((env.node_rank, local.index(a), local.index(b), _pingpong_bw(t, run.cfg.p2p_bytes)))
         run.barrier()
     return allreduce, latency, wait, fsdp, p2p
+
+
+def _fsdp_probe(run: _Run, group: Any, size: int) -> tuple | None:
+    """profiler.fsdp_unit over the node's ranks, or None where FSDP2 cannot run here: the profile then goes on
+    without those figures (the cost model charges nothing for them) and says why. Every member agrees on the
+    outcome, so none goes on to the next collective alone."""
+    from profiler.fsdp_unit import fsdp_unit_overhead
+
+    try:
+        out, error = fsdp_unit_overhead(group, size, run.device), ""
+    except Exception as exc:  # an API the installed torch lacks, a backend without the collective
+        out, error = None, f"{type(exc).__name__}: {exc}"
+    ok = _group_min(group, run.device)(int(out is not None))
+    if error or not ok:
+        log.warning("FSDP2 unit overhead not measured on rank %d (%s); plans will not charge it", run.env.rank,
+                    error or "another rank of the node could not measure it")
+        return None
+    return out
 
 
 def _inter_node(run: _Run, layout: "_Layout") -> tuple[list, list]:
