@@ -72,9 +72,9 @@ class NodeRecord:
     allreduce: Measured | None = None  # bus bandwidth over the node's ranks, GB/s
     collective_latency: Measured | None = None  # one tiny all-to-all over the node's ranks, us
     collective_wait: Measured | None = None  # ... right after a layer forward on every rank (mean), us
-    # FSDP2 over the node's ranks (profiler.fsdp_unit): (forward us per unit, backward us per unit, AdamW us per
-    # sharded parameter tensor)
-    fsdp_unit: tuple[Measured, Measured, Measured] | None = None
+    # FSDP2 over the node's ranks (profiler.fsdp_unit): ({dtype: forward us per unit}, {dtype: backward us per unit},
+    # AdamW us per sharded parameter tensor)
+    fsdp_unit: tuple[dict, dict, Measured] | None = None
     p2p: tuple[tuple[int, int, Measured], ...] = ()  # (local a, local b, GB/s one direction at a time)
 
 
@@ -185,6 +185,14 @@ def sequence_times(rows: Sequence[tuple[int, float, float]]) -> tuple[dict, dict
     return {str(m): round_sig(w) for m, w, _ in ok}, {str(m): round_sig(p) for m, _, p in ok}
 
 
+def _fsdp_profile(fsdp: tuple | None) -> dict | None:
+    if fsdp is None:
+        return None
+    fwd, bwd, opt = fsdp
+    return {FSDP_KEYS[0]: {d: m.to_dict() for d, m in fwd.items()},
+            FSDP_KEYS[1]: {d: m.to_dict() for d, m in bwd.items()}, FSDP_KEYS[2]: opt.to_dict()}
+
+
 def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | None = None) -> dict:
     from tangram_launch.specs.catalog import normalize_gpu_name
 
@@ -206,8 +214,10 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     if node.collective_wait is not None:
         measured["collective_wait_us"] = round_sig(node.collective_wait.value)
     if node.fsdp_unit is not None:
-        for key, m in zip(FSDP_KEYS, node.fsdp_unit):
-            measured[key] = round_sig(m.value)
+        fwd, bwd, opt = node.fsdp_unit
+        for key, per_dtype in zip(FSDP_KEYS, (fwd, bwd)):
+            measured[key] = {d: round_sig(m.value) for d, m in per_dtype.items()}
+        measured[FSDP_KEYS[2]] = round_sig(opt.value)
     if dev.optimizer_tensor is not None:
         measured["optimizer_tensor_us"] = round_sig(dev.optimizer_tensor.value)
     if dev.optimizer_param is not None:
@@ -332,8 +342,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
             "allreduce": node.allreduce.to_dict() if node.allreduce else None,
             "collective_latency": node.collective_latency.to_dict() if node.collective_latency else None,
             "collective_wait": node.collective_wait.to_dict() if node.collective_wait else None,
-            "fsdp_unit": ({k: m.to_dict() for k, m in zip(FSDP_KEYS, node.fsdp_unit)} if node.fsdp_unit
-                          else None),
+            "fsdp_unit": _fsdp_profile(node.fsdp_unit),
             "p2p_gbps": [_p2p_row(node, i) for i in range(len(node.ranks))] if node.p2p else None,
             "p2p": [{"local_ranks": [a, b], **m.to_dict()} for a, b, m in node.p2p],
         }

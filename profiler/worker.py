@@ -431,8 +431,9 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
         run.progress.phase("intra-node FSDP2 unit overhead")
         fsdp = _fsdp_probe(run, groups[env.node_rank], size)
         if fsdp is not None and env.local_rank == 0:
-            log.info("FSDP2 on %s: %.4g us forward, %.4g us backward per unit; AdamW %.4g us per sharded tensor",
-                     layout.name_of[env.node_rank], *(m.value for m in fsdp))
+            log.info("FSDP2 on %s, per unit: %s; AdamW %.4g us per sharded tensor", layout.name_of[env.node_rank],
+                     ", ".join(f"{d} {fsdp[0][d].value:.4g} us forward, {fsdp[1][d].value:.4g} us backward"
+                               for d in fsdp[0]), fsdp[2].value)
     run.barrier()
 
     p2p: list[tuple[int, int, int, bench.Measured]] = []  # (node rank, local a, local b, GB/s)
@@ -459,8 +460,9 @@ def _fsdp_probe(run: _Run, group: Any, size: int) -> tuple | None:
     outcome, so none goes on to the next collective alone."""
     from profiler.fsdp_unit import fsdp_unit_overhead
 
+    dtypes = tuple(d for d in run.cfg.gemm_dtypes if bench.dtype_supported(run.device, d))
     try:
-        out, error = fsdp_unit_overhead(group, size, run.device), ""
+        out, error = fsdp_unit_overhead(group, size, run.device, dtypes), ""
     except Exception as exc:  # an API the installed torch lacks, a backend without the collective
         out, error = None, f"{type(exc).__name__}: {exc}"
     ok = _group_min(group, run.device)(int(out is not None))

@@ -19,7 +19,8 @@ from test_costmodel import coster, gpu, island
 
 BASE = {"device": "cpu", "allreduce_busbw_gbps": 1.0, "allreduce_group_size": 2, "collective_latency_us": 300.0,
         "collective_wait_us": 400.0, "optimizer_tensor_us": 20.0}
-FSDP = dict(zip(FSDP_KEYS, (1500.0, 3500.0, 150.0)))
+# as the profiler writes them: unit figures per dtype the units gather in, the optimizer's per sharded tensor
+FSDP = dict(zip(FSDP_KEYS, ({"fp32": 1500.0, "bf16": 1900.0}, {"fp32": 3500.0, "bf16": 4100.0}, 150.0)))
 TORCH = capabilities_for("torch")
 MODEL = load_model("tiny")
 
@@ -40,6 +41,9 @@ def test_the_profile_figures_reach_the_device_model():
     assert (dev.fsdp_unit_forward_s, dev.fsdp_unit_backward_s, dev.optimizer_sharded_tensor_s) == pytest.approx(
         (1.5e-3, 3.5e-3, 150e-6))
     assert set(FSDP_KEYS) <= set(dev.sources)
+    half = DeviceModel.from_gpu(gpu("cpu", measured={**BASE, **FSDP}), "bf16")  # a bf16 plan's units gather bf16
+    assert (half.fsdp_unit_forward_s, half.fsdp_unit_backward_s) == pytest.approx((1.9e-3, 4.1e-3))
+    assert half.optimizer_sharded_tensor_s == pytest.approx(150e-6)
     plain = DeviceModel.from_gpu(gpu("cpu", measured=BASE), "fp32")
     assert plain.fsdp_unit_forward_s == plain.fsdp_unit_backward_s == plain.optimizer_sharded_tensor_s == 0.0
 

@@ -52,8 +52,8 @@ Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_sweep_t
 sweep, which prices every GEMM of its dtype instead of the roofline and e_gemm: ``costmodel.gemm_curve``),
 ``gemm_tflops`` (the large-GEMM throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_GBps`` and
 ``allreduce_busbw_gbps``; ``collective_wait_us``, ``optimizer_tensor_us``, ``optimizer_param_ns`` and the FSDP2
-figures (``FSDP_KEYS``) add costs that only a measurement sets (absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's
-(and the embedding's and head's) computed time at the profiled shape.
+figures (``FSDP_KEYS``) add costs that only a measurement sets (absent: not charged); ``layer_forward_s`` /
+``layer_forward_backward_s`` replace a layer's (and the embedding's and head's) computed time at the profiled shape.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ from tangram_launch.specs.constants import GIB  # noqa: F401 (re-exported for th
 
 TFLOPS = 1e12
 # FSDP2 as the torch runtime wraps ZeRO 1-3 stages, measured over a node's ranks (profiler/fsdp_unit.py): host work
-# per unit and pass beyond compute and transfers, and AdamW's step per sharded (DTensor) parameter tensor
+# per unit and pass beyond compute and transfers ({dtype: us}, the dtype the units gather in), and AdamW's step per
+# sharded (DTensor) parameter tensor (us)
 FSDP_KEYS = ("fsdp_unit_forward_us", "fsdp_unit_backward_us", "optimizer_sharded_tensor_us")
 GBPS = 1e9  # _gbps = GB/s = 1e9 bytes per second
 
@@ -251,7 +252,9 @@ class DeviceModel:
         param_ns = _measured(gpu, "optimizer_param_ns")
         if param_ns is not None:
             sources.append("optimizer_param_ns")
-        fsdp_us = [_measured(gpu, k) for k in FSDP_KEYS]
+        # per dtype the units gather in: a 16-bit plan's (fp8: bf16, as its attention), else fp32
+        gathered = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}.get(dtype, "fp32")
+        fsdp_us = [_measured(gpu, k, gathered) for k in FSDP_KEYS[:2]] + [_measured(gpu, FSDP_KEYS[2])]
         sources.extend(k for k, v in zip(FSDP_KEYS, fsdp_us) if v is not None)
         sweep = (gpu.measured.get("gemm_sweep_tflops") or {}).get(math_mode(gpu, dtype)) if gpu.measured else None
         if sweep:
