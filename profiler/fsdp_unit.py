@@ -131,8 +131,7 @@ def fsdp_unit_overhead(group: Any, group_size: int, device: torch.device,
         f_diff = [s[0] - p[0] for s, p in pairs]
         b_diff = [(s[1] - s[0]) - (p[1] - p[0]) for s, p in pairs]
         detail = (("units", UNITS), ("unit_tensors", 2 * LINEARS), ("unit_params", LINEARS * (WIDTH * WIDTH + WIDTH)),
-                  ("group_size", group_size),
-                  ("param_dtype", d), ("blocks", BLOCKS), ("calls", CALLS),
+                  ("group_size", group_size), ("param_dtype", d), ("blocks", BLOCKS), ("calls", CALLS),
                   ("plain_forward_s", statistics.median(p[0] for p in times["plain"])),
                   ("plain_forward_backward_s", statistics.median(p[1] for p in times["plain"])))
         fwd[d] = Measured(max(0.0, statistics.median(f_diff)) / UNITS * 1e6, "us",
