@@ -456,7 +456,7 @@ def allreduce_busbw_gbps(group: Any, group_size: int, device: torch.device, cfg:
     sync()
     samples = []
     for _ in range(cfg.comm_reps):
-        dist.barrier(group=group, **_barrier_kwargs(device))
+        dist.barrier(group=group, **barrier_kwargs(device))
         sync()
         t0 = time.perf_counter()
         dist.all_reduce(buf, group=group)
@@ -480,7 +480,7 @@ def _tiny_all_to_all_after(compute: Callable[[], Any], group: Any, group_size: i
         if warm_compute:
             compute()
         dist.all_to_all_single(out, buf, group=group)
-    dist.barrier(group=group, **_barrier_kwargs(device))
+    dist.barrier(group=group, **barrier_kwargs(device))
     sync()
     samples = []
     for _ in range(reps):
@@ -587,7 +587,7 @@ def optimizer_param_ns(device: torch.device, cfg: BenchConfig, tensor_us: float,
                      ("op", "AdamW(foreach=False).step, less the per-tensor cost")))
 
 
-def _barrier_kwargs(device: torch.device) -> dict:
+def barrier_kwargs(device: torch.device) -> dict:
     return {"device_ids": [device.index]} if device.type == "cuda" and device.index is not None else {}
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from profiler.bench import DTYPES, Measured, Timing, device_sync
+from profiler.bench import DTYPES, Measured, Timing, barrier_kwargs, device_sync
 
 UNITS = 8  # FSDP2 units of the probe: 7 children and the root
 LINEARS = 6  # per unit: a transformer layer's dozen parameter tensors (the host work grows with them: ~20 us a
@@ -80,7 +80,7 @@ def _optimizer_step_s(params: list, group: Any, device: torch.device) -> Timing:
     opt.step()
     samples = []
     for _ in range(OPT_REPS):
-        dist.barrier(group=group)
+        dist.barrier(group=group, **barrier_kwargs(device))
         sync()
         start = time.perf_counter()
         opt.step()
@@ -122,7 +122,7 @@ def fsdp_unit_overhead(group: Any, group_size: int, device: torch.device,
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in modules}
     for _ in range(BLOCKS):
         for name, module in modules.items():
-            dist.barrier(group=group)  # every member starts each block together
+            dist.barrier(group=group, **barrier_kwargs(device))  # every member starts each block together
             times[name].append(_block(module, x, sync))
     fwd: dict[str, Measured] = {}
     bwd: dict[str, Measured] = {}
