@@ -921,8 +921,7 @@ class SliceCoster:
         dev, link = self.dev, st.dp_link
         if not (dev.fsdp_unit_forward_s or dev.fsdp_unit_backward_s):
             return 0.0, 0.0
-        ag0 = max(link.step_latency_s(comm.ALL_GATHER, st.shard), link.wait_s)  # comm.collective_s's fixed part
-        rs0 = max(link.step_latency_s(comm.REDUCE_SCATTER, st.shard), link.wait_s)
+        ag0, rs0 = link.call_s(comm.ALL_GATHER, st.shard), link.call_s(comm.REDUCE_SCATTER, st.shard)
         fwd = max(0.0, dev.fsdp_unit_forward_s - ag0)
         bwd = max(0.0, dev.fsdp_unit_backward_s - ag0 - rs0)
         if not dev.is_cpu:

@@ -89,6 +89,11 @@ class GroupLink:
         crossing = min(steps, inter_node_steps(op, self.nodes))
         return crossing * self.latency_s + (steps - crossing) * self.intra_latency_s
 
+    def call_s(self, op: str, n: int) -> float:
+        """What one call costs whatever its size: its ring steps' latency, or the measured cost per call after
+        compute where that is larger (collective_s)."""
+        return max(self.step_latency_s(op, n), self.wait_s)
+
     def describe(self) -> str:
         where = f"{self.nodes} nodes" if self.inter_node else "intra-node"
         return f"{where}, {self.busbw / GBPS:.1f} GB/s bus bandwidth"
@@ -101,7 +106,7 @@ def collective_s(op: str, nbytes: float, n: int, link: GroupLink) -> float:
     different times)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return nbytes * bus_factor(op, n) / link.busbw + max(link.step_latency_s(op, n), link.wait_s)
+    return nbytes * bus_factor(op, n) / link.busbw + link.call_s(op, n)
 
 
 @lru_cache(maxsize=4096)
