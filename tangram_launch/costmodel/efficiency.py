@@ -252,8 +252,9 @@ class DeviceModel:
         param_ns = _measured(gpu, "optimizer_param_ns")
         if param_ns is not None:
             sources.append("optimizer_param_ns")
-        # per dtype the units gather in: a 16-bit plan's (fp8: bf16, as its attention), else fp32
-        gathered = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}.get(dtype, "fp32")
+        # per dtype the units gather in: a 16-bit plan's, else fp32 (the torch runtime, the one that wraps FSDP2
+        # units, runs no fp8)
+        gathered = dtype if dtype in ("bf16", "fp16") else "fp32"
         fsdp_us = [_measured(gpu, k, gathered) for k in FSDP_KEYS[:2]] + [_measured(gpu, FSDP_KEYS[2])]
         sources.extend(k for k, v in zip(FSDP_KEYS, fsdp_us) if v is not None)
         sweep = (gpu.measured.get("gemm_sweep_tflops") or {}).get(math_mode(gpu, dtype)) if gpu.measured else None
