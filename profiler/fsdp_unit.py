@@ -16,14 +16,14 @@ overhead beyond the collectives' own fixed cost, which it charges apart (costmod
 from __future__ import annotations
 
 import statistics
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from profiler.bench import DTYPES, Measured, Timing, barrier_kwargs, device_sync
+from profiler.bench import (DTYPES, Measured, Timing, barrier_kwargs, device_sync, time_blocks_split,
+                            time_repeated)
 
 UNITS = 8  # FSDP2 units of the probe: 7 children and the root
 LINEARS = 6  # per unit: a transformer layer's dozen parameter tensors (the host work grows with them: ~20 us a
@@ -57,36 +57,16 @@ class _Probe(nn.Module):
         return self.root(x)
 
 
-def _block(module: nn.Module, x: torch.Tensor, sync: Callable[[], None]) -> tuple[float, float]:
-    """(forward, forward + backward) seconds per call over CALLS back-to-back calls."""
-    fwd = 0.0
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        t = time.perf_counter()
-        loss = module(x).square().mean()
-        sync()
-        fwd += time.perf_counter() - t
-        loss.backward()
-    sync()
-    return fwd / CALLS, (time.perf_counter() - t0) / CALLS
-
-
 def _optimizer_step_s(params: list, group: Any, device: torch.device) -> Timing:
     """Seconds of one AdamW step over ``params`` (zero gradients), OPT_REPS times, the members started together."""
     for p in params:
         p.grad = torch.zeros_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)  # as the torch runtime builds it
-    sync = device_sync(device)
-    opt.step()
-    samples = []
-    for _ in range(OPT_REPS):
+
+    def barrier() -> None:
         dist.barrier(group=group, **barrier_kwargs(device))
-        sync()
-        start = time.perf_counter()
-        opt.step()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return Timing(tuple(samples))
+    barrier()
+    return time_repeated(opt.step, warmup=1, reps=OPT_REPS, sync=device_sync(device), between=barrier)
 
 
 def _sharded(device: torch.device, mesh: Any, dtype: str) -> nn.Module:
@@ -119,11 +99,13 @@ def fsdp_unit_overhead(group: Any, group_size: int, device: torch.device,
     for module in modules.values():  # warm up: FSDP2's lazy init, the allocator
         for _ in range(2):
             module(x).square().mean().backward()
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in modules}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in modules}  # (forward, forward + backward)
     for _ in range(BLOCKS):
         for name, module in modules.items():
             dist.barrier(group=group, **barrier_kwargs(device))  # every member starts each block together
-            times[name].append(_block(module, x, sync))
+            fb, f = time_blocks_split(lambda m=module: m(x).square().mean(), lambda loss: loss.backward(),
+                                      lambda: None, blocks=1, calls=CALLS, sync=sync)
+            times[name].append((f.median_s, fb.median_s))
     fwd: dict[str, Measured] = {}
     bwd: dict[str, Measured] = {}
     for d in dtypes:

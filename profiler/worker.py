@@ -238,7 +238,7 @@ def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progre
         # new_group is collective over the whole world: every rank creates every node's group, in the same order
         groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
         local = _local_benchmarks(run, groups.get(env.node_rank))
-        allreduce, latency, wait, fsdp, p2p = _intra_node(run, layout, groups, local.stand_in)
+        allreduce, latency, wait, fsdp, p2p = _intra_node(run, layout, groups, local.stand_in, tuple(local.gemm))
         links, schedule = _inter_node(run, layout)
         return _gather_and_write(run, layout, local, (allreduce, latency, wait, fsdp), p2p, links, schedule,
                                  started_at, t_start)
@@ -404,12 +404,13 @@ def _group_min(group: Any, device: torch.device) -> Callable[[int], int]:
     return smallest
 
 
-def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None) -> tuple:
+def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None,
+                dtypes: tuple[str, ...] = ("fp32",)) -> tuple:
     """All-reduce (bandwidth), a tiny all-to-all (fixed cost per call) and, with a model layer to run before it, the
     same all-to-all after that layer's forward (the wait training meets) and FSDP2's overhead per unit and per
-    sharded optimizer tensor (profiler.fsdp_unit) over each node's ranks, then point-to-point between every pair of
-    them (round-robin rounds); every node at once, since nodes do not share these links. Returns (all-reduce,
-    latency, wait, FSDP2 (forward, backward, optimizer) or None, p2p)."""
+    sharded optimizer tensor (profiler.fsdp_unit, in each of ``dtypes``: the GEMM benchmark's) over each node's
+    ranks, then point-to-point between every pair of them (round-robin rounds); every node at once, since nodes do
+    not share these links. Returns (all-reduce, latency, wait, FSDP2 (forward, backward, optimizer) or None, p2p)."""
     env = run.env
     run.progress.phase("intra-node all-reduce")
     allreduce = latency = wait = fsdp = None
@@ -429,7 +430,7 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
                 log.info("tiny all-to-all after a layer forward on %s: %.4g us (mean)", layout.name_of[env.node_rank],
                          wait.value)
         run.progress.phase("intra-node FSDP2 unit overhead")
-        fsdp = _fsdp_probe(run, groups[env.node_rank], size)
+        fsdp = _fsdp_probe(run, groups[env.node_rank], size, dtypes)
         if fsdp is not None and env.local_rank == 0:
             log.info("FSDP2 on %s, per unit: %s; AdamW %.4g us per sharded tensor", layout.name_of[env.node_rank],
                      ", ".join(f"{d} {fsdp[0][d].value:.4g} us forward, {fsdp[1][d].value:.4g} us backward"
@@ -454,13 +455,12 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
     return allreduce, latency, wait, fsdp, p2p
 
 
-def _fsdp_probe(run: _Run, group: Any, size: int) -> tuple | None:
+def _fsdp_probe(run: _Run, group: Any, size: int, dtypes: tuple[str, ...]) -> tuple | None:
     """profiler.fsdp_unit over the node's ranks, or None where FSDP2 cannot run here: the profile then goes on
     without those figures (the cost model charges nothing for them) and says why. Every member agrees on the
     outcome, so none goes on to the next collective alone."""
     from profiler.fsdp_unit import fsdp_unit_overhead
 
-    dtypes = tuple(d for d in run.cfg.gemm_dtypes if bench.dtype_supported(run.device, d))
     try:
         out, error = fsdp_unit_overhead(group, size, run.device, dtypes), ""
     except Exception as exc:  # an API the installed torch lacks, a backend without the collective
