@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import socket
+import statistics
 import sys
 import time
 import traceback
@@ -624,37 +625,62 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     )
 
 
-SEQUENCE_BLOCKS = 3  # blocks of back-to-back calls per micro-batch size (each LAYER_BLOCK_CPU_S of process time)
+SEQUENCE_BUDGET_SHARE = 1 / 6  # of the layer budget: wall seconds of the stage-like sequence's rounds (60 s -> 10 s)
+SEQUENCE_ROUNDS = (3, 16)  # rounds over the micro-batch sizes: at least, at most (one block of each size a round)
 
 
 def _profile_sequence(run: _Run, between: Callable[[], Any], agree: Callable[[int], int], layer: dict,
                       layers: int) -> tuple[tuple[int, float, float], ...]:
     """CPU devices timing layers back to back: at each micro-batch size the layer profile measured (its smallest
     sequence length), the wake-up's stage-like sequence (the embedding, ``layers`` layers, the head with the loss,
-    forward then backward) in blocks of back-to-back calls as the layers were timed (bench.time_blocks, a collective
-    after each block), beside the sum of the same parts timed alone: rows (micro-batch, sequence s, parts s).
+    forward then backward) in blocks of back-to-back calls as the layers were timed (a collective after each block),
+    beside the sum of the same parts timed alone: rows (micro-batch, sequence s, parts s).
 
     Why: a stage runs its layers one after another, each on the caches the others left, so it costs more than its
-    parts timed each in a loop of its own, by a ratio that differs by shape (costmodel/measured_layers.py)."""
+    parts timed each in a loop of its own, by a ratio that differs by shape (costmodel/measured_layers.py).
+
+    Rounds take one block of every size in turn (after an untimed call: a block of one call at mbs 64 read 12 %
+    slow on the caches of the sizes before it), as many rounds as ``SEQUENCE_BUDGET_SHARE`` of the layer budget
+    affords, and each size's figure is its blocks' median: a slow spell of the host (another job, the VM's
+    neighbours) then costs each size a few blocks, which the median leaves out, instead of every block of the sizes
+    timed during it. A plan's CPU stage is priced at about this figure at its micro-batch size (its parts times
+    this over the same parts), so this figure's noise is the plan's."""
     from profiler.layer import LayerShape
     from profiler.wake import stage_sequence
     from tangram_launch.specs.model import load_model
 
     model = load_model(run.args.model)
     seq_len = min(_layer_seq_lens(run.args, model, run.device))
-    rows = []
+    budget_s = SEQUENCE_BUDGET_SHARE * (run.args.layer_budget_s or (LAYER_BUDGET_QUICK_S if run.args.quick
+                                                                    else LAYER_BUDGET_S))
+    sizes = []  # (micro-batch, parts s, the sequence's call, calls per block)
     for mbs in sorted(set(run.args.micro_batch or DEFAULT_MICRO_BATCHES)):
         shape = LayerShape(mbs, seq_len, run.args.layer_dtype or "bf16")
         parts_s = sequence_parts_s(layer, model, shape, layers)
         if agree(int(parts_s is not None)) == 0:  # every member times the same sizes (their collectives match)
             continue
-        run.progress.phase(f"stage-like sequence of {model.name} at {shape.label()}, back to back")
         fn = stage_sequence(model, shape, run.device, layers)
         calls = bench.calibrate_inner(fn, min_rep_s=LAYER_BLOCK_CPU_S, clock=time.process_time)
-        whole = bench.time_blocks(fn, between, blocks=SEQUENCE_BLOCKS, calls=calls)
-        rows.append((mbs, whole.median_s, parts_s))
-    if run.env.rank == 0 and rows:
-        log.info("stage-like sequence over its parts on rank 0: %s",
+        sizes.append((mbs, parts_s, fn, calls))
+    if not sizes:
+        return ()
+    run.progress.phase(f"stage-like sequence of {model.name} at {len(sizes)} micro-batch size(s), back to back, "
+                       f"within {budget_s:.3g} s")
+    t0 = time.perf_counter()
+    samples: dict[int, list[float]] = {m: [] for m, *_ in sizes}
+
+    def one_round() -> None:
+        for mbs, _, fn, calls in sizes:
+            fn()  # untimed: the first call after another size's block runs on the caches that one left
+            samples[mbs].append(bench.time_blocks(fn, between, blocks=1, calls=calls).median_s)
+    one_round()  # which also sizes the rest
+    lo, hi = SEQUENCE_ROUNDS
+    rounds = agree(max(lo, min(hi, int(budget_s / max(time.perf_counter() - t0, 1e-6)))))
+    for _ in range(rounds - 1):
+        one_round()
+    rows = [(mbs, statistics.median(samples[mbs]), parts_s) for mbs, parts_s, _, _ in sizes]
+    if run.env.rank == 0:
+        log.info("stage-like sequence over its parts on rank 0 (%d rounds): %s", rounds,
                  ", ".join(f"b={m} {w / p:.3f}" for m, w, p in rows))
     return tuple(rows)
 
