@@ -33,7 +33,26 @@ from tangram_launch.costmodel.measured_layers import SEQUENCE_KEY, SEQUENCE_PART
 from tangram_launch.specs.constants import STORAGE_DTYPES  # the dtypes the GEMM benchmark times
 from tangram_launch.specs.yamlio import to_plain
 
-FINGERPRINT_VERSION = 2  # raised when profiles gain figures the cost model reads: cached ones are measured again
+FINGERPRINT_VERSION = 3  # raised when profiles gain figures the cost model reads: cached ones are measured again
+
+
+@dataclass(frozen=True)
+class LikeGroup:
+    """The small-collective figures of NodeRecord measured again over a group of a node's ranks alike in speed
+    (worker.like_classes), where the node holds ranks of different speeds. Over the whole node every collective
+    waits for its slowest member, and a data-parallel group of the fast ones, which the islands keep apart from the
+    slow one, would be charged that wait."""
+
+    ranks: tuple[int, ...]  # global ranks
+    collective_latency: Measured | None = None
+    collective_wait: Measured | None = None
+    fsdp_unit: tuple[dict, dict, Measured] | None = None
+
+    def to_dict(self) -> dict:
+        return {"ranks": list(self.ranks),
+                "collective_latency": self.collective_latency.to_dict() if self.collective_latency else None,
+                "collective_wait": self.collective_wait.to_dict() if self.collective_wait else None,
+                "fsdp_unit": _fsdp_profile(self.fsdp_unit)}
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,7 @@ class DeviceRecord:
     wake_up: Measured | None = None  # a stage-like micro-batch after a wait, beyond back to back, us (profiler.wake)
     # (micro-batch, stage-like sequence s, the sum of its parts timed alone s), back to back (worker._profile_sequence)
     stage_sequence: Sequence[tuple[int, float, float]] = ()
+    like_group: LikeGroup | None = None  # the node's collective figures over this device's like ranks (if measured)
 
     @property
     def is_cpu(self) -> bool:
@@ -209,12 +229,13 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     if node.allreduce is not None:
         measured["allreduce_busbw_gbps"] = round_sig(node.allreduce.value)
         measured["allreduce_group_size"] = len(node.ranks)
-    if node.collective_latency is not None:
-        measured["collective_latency_us"] = round_sig(node.collective_latency.value)
-    if node.collective_wait is not None:
-        measured["collective_wait_us"] = round_sig(node.collective_wait.value)
-    if node.fsdp_unit is not None:
-        fwd, bwd, opt = node.fsdp_unit
+    group = dev.like_group or node  # a like group's figures where it measured them, else the node's
+    if group.collective_latency is not None:
+        measured["collective_latency_us"] = round_sig(group.collective_latency.value)
+    if group.collective_wait is not None:
+        measured["collective_wait_us"] = round_sig(group.collective_wait.value)
+    if group.fsdp_unit is not None:
+        fwd, bwd, opt = group.fsdp_unit
         for key, per_dtype in zip(FSDP_KEYS, (fwd, bwd)):
             measured[key] = {d: round_sig(m.value) for d, m in per_dtype.items()}
         measured[FSDP_KEYS[2]] = round_sig(opt.value)
@@ -407,6 +428,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
              **({"wake_up": d.wake_up.to_dict()} if d.wake_up else {}),
              **({"stage_sequence": [{"micro_batch": m, "sequence_s": round_sig(w), "parts_s": round_sig(p)}
                                     for m, w, p in d.stage_sequence]} if d.stage_sequence else {}),
+             **({"like_group": d.like_group.to_dict()} if d.like_group else {}),
              **({"layer": {k: {p: m.to_dict() for p, m in v.items()} for k, v in d.layer.items()}} if d.layer else {})}
             for d in sorted(record.devices, key=lambda d: d.rank)
         ],

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from profiler import LAYER_TIMINGS, bench
-from profiler.assemble import DeviceRecord, LinkRecord, NodeRecord, ProfileRecord, assemble_cluster, name_nodes
+from profiler.assemble import (DeviceRecord, LikeGroup, LinkRecord, NodeRecord, ProfileRecord, assemble_cluster,
+                               name_nodes)
 from profiler.inventory import describe, read_node_inventory
 
 log = logging.getLogger("profiler.worker")
@@ -239,10 +240,12 @@ def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progre
         # new_group is collective over the whole world: every rank creates every node's group, in the same order
         groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
         local = _local_benchmarks(run, groups.get(env.node_rank))
-        allreduce, latency, wait, fsdp, p2p = _intra_node(run, layout, groups, local.stand_in, tuple(local.gemm))
+        like = _like_groups(run, layout, local.gemm)
+        allreduce, latency, wait, fsdp, p2p, own = _intra_node(run, layout, groups, local.stand_in, tuple(local.gemm),
+                                                               like)
         links, schedule = _inter_node(run, layout)
         return _gather_and_write(run, layout, local, (allreduce, latency, wait, fsdp), p2p, links, schedule,
-                                 started_at, t_start)
+                                 started_at, t_start, own)
     finally:
         dist.destroy_process_group()
 
@@ -406,36 +409,27 @@ def _group_min(group: Any, device: torch.device) -> Callable[[int], int]:
 
 
 def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None,
-                dtypes: tuple[str, ...] = ("fp32",)) -> tuple:
-    """All-reduce (bandwidth), a tiny all-to-all (fixed cost per call) and, with a model layer to run before it, the
-    same all-to-all after that layer's forward (the wait training meets) and FSDP2's overhead per unit and per
-    sharded optimizer tensor (profiler.fsdp_unit, in each of ``dtypes``: the GEMM benchmark's) over each node's
-    ranks, then point-to-point between every pair of them (round-robin rounds); every node at once, since nodes do
-    not share these links. Returns (all-reduce, latency, wait, FSDP2 (forward, backward, optimizer) or None, p2p)."""
+                dtypes: tuple[str, ...] = ("fp32",), like: tuple | None = None) -> tuple:
+    """All-reduce (bandwidth) and the small collectives (``_small_collectives``) over each node's ranks, then the
+    small collectives again over this rank's like group (``like``: (its ranks, their process group), where
+    ``_like_groups`` made one), then point-to-point between every pair of a node's ranks (round-robin rounds);
+    every node at once, since nodes do not share these links. Returns (all-reduce, latency, wait, FSDP2 (forward,
+    backward, optimizer) or None, p2p, LikeGroup or None)."""
     env = run.env
     run.progress.phase("intra-node all-reduce")
     allreduce = latency = wait = fsdp = None
     if env.node_rank in groups:
         size = len(layout.ranks_of[env.node_rank])
         allreduce = bench.allreduce_busbw_gbps(groups[env.node_rank], size, run.device, run.cfg)
-        run.progress.phase("intra-node collective latency")
-        latency = bench.collective_latency_us(groups[env.node_rank], size, run.device, run.cfg)
         if env.local_rank == 0:
-            log.info("all-reduce busbw on %s: %.4g GB/s; tiny all-to-all %.4g us", layout.name_of[env.node_rank],
-                     allreduce.value, latency.value)
-        if stand_in is not None:
-            run.progress.phase("intra-node collective wait after a layer forward")
-            wait = bench.collective_wait_us(groups[env.node_rank], size, run.device, run.cfg, stand_in,
-                                            agree=_group_min(groups[env.node_rank], run.device))
-            if env.local_rank == 0:
-                log.info("tiny all-to-all after a layer forward on %s: %.4g us (mean)", layout.name_of[env.node_rank],
-                         wait.value)
-        run.progress.phase("intra-node FSDP2 unit overhead")
-        fsdp = _fsdp_probe(run, groups[env.node_rank], size, dtypes)
-        if fsdp is not None and env.local_rank == 0:
-            log.info("FSDP2 on %s, per unit: %s; AdamW %.4g us per sharded tensor", layout.name_of[env.node_rank],
-                     ", ".join(f"{d} {fsdp[0][d].value:.4g} us forward, {fsdp[1][d].value:.4g} us backward"
-                               for d in fsdp[0]), fsdp[2].value)
+            log.info("all-reduce busbw on %s: %.4g GB/s", layout.name_of[env.node_rank], allreduce.value)
+        latency, wait, fsdp = _small_collectives(run, groups[env.node_rank], size, stand_in, dtypes,
+                                                 layout.name_of[env.node_rank], env.local_rank == 0)
+    own = None
+    if like is not None:
+        members, group = like
+        own = LikeGroup(members, *_small_collectives(run, group, len(members), stand_in, dtypes,
+                                                     f"like ranks {list(members)}", env.rank == members[0]))
     run.barrier()
 
     p2p: list[tuple[int, int, int, bench.Measured]] = []  # (node rank, local a, local b, GB/s)
@@ -453,7 +447,80 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
             if t is not None:
                 p2p.append((env.node_rank, local.index(a), local.index(b), _pingpong_bw(t, run.cfg.p2p_bytes)))
         run.barrier()
-    return allreduce, latency, wait, fsdp, p2p
+    return allreduce, latency, wait, fsdp, p2p, own
+
+
+def _small_collectives(run: _Run, group: Any, size: int, stand_in: Callable[[], Any] | None,
+                       dtypes: tuple[str, ...], where: str, say: bool) -> tuple:
+    """A tiny all-to-all over ``group`` (fixed cost per call) and, with a model layer to run before it, the same
+    all-to-all after that layer's forward (the wait training meets), and FSDP2's overhead per unit and per sharded
+    optimizer tensor (profiler.fsdp_unit, in each of ``dtypes``: the GEMM benchmark's). Returns (latency, wait or
+    None, FSDP2 (forward, backward, optimizer) or None); ``say``: this rank logs them."""
+    run.progress.phase(f"collective latency over {where}")
+    latency = bench.collective_latency_us(group, size, run.device, run.cfg)
+    wait = None
+    if stand_in is not None:
+        run.progress.phase(f"collective wait after a layer forward over {where}")
+        wait = bench.collective_wait_us(group, size, run.device, run.cfg, stand_in, agree=_group_min(group, run.device))
+    run.progress.phase(f"FSDP2 unit overhead over {where}")
+    fsdp = _fsdp_probe(run, group, size, dtypes)
+    if say:
+        log.info("over %s: tiny all-to-all %.4g us%s", where, latency.value,
+                 f", after a layer forward {wait.value:.4g} us (mean)" if wait is not None else "")
+        if fsdp is not None:
+            log.info("FSDP2 over %s, per unit: %s; AdamW %.4g us per sharded tensor", where,
+                     ", ".join(f"{d} {fsdp[0][d].value:.4g} us forward, {fsdp[1][d].value:.4g} us backward"
+                               for d in fsdp[0]), fsdp[2].value)
+    return latency, wait, fsdp
+
+
+def like_classes(speeds: list[float], tolerance: float) -> list[list[int]]:
+    """Indices of ``speeds`` (one node's ranks in local order) in classes alike within ``tolerance`` (max / min at
+    most 1 + tolerance over a class): first fit in order, as tangram_launch.islands splits a node's GPUs into parts
+    of alike GPUs, so the ranks of one class are the ones an island can hold together."""
+    classes: list[list[int]] = []
+    for i, v in enumerate(speeds):
+        for c in classes:
+            values = [speeds[j] for j in c] + [v]
+            if max(values) <= (1 + tolerance) * min(values):
+                c.append(i)
+                break
+        else:
+            classes.append([i])
+    return classes
+
+
+def _like_groups(run: _Run, layout: "_Layout", gemm: dict) -> tuple | None:
+    """(this rank's like ranks, their process group) where its node holds ranks of different speeds (GEMM TFLOP/s
+    beyond the islands' compute tolerance: like_classes) and two or more alike with it; else None.
+
+    Why: over a whole node, every small collective waits for its slowest member, and the profile's figures would
+    charge that wait to a data-parallel group of the fast ones, which the islands keep apart from the slow one (a
+    throttled CPU device made the fast pair's sync read 1.6-4.3x its run). Every rank creates every such group, in
+    the same order (new_group is collective over the whole world)."""
+    from tangram_launch.islands import IslandTolerances
+
+    speeds: list = [None] * run.env.world_size
+    dist.all_gather_object(speeds, {d: m.value for d, m in gemm.items() if "stopped" not in dict(m.detail)})
+    dtype = next((d for d in run.cfg.gemm_dtypes if all(d in s and s[d] > 0 for s in speeds)), None)
+    if dtype is None:
+        return None
+    mine = None
+    for n in layout.node_ranks:
+        ranks = layout.ranks_of[n]
+        classes = like_classes([speeds[r][dtype] for r in ranks], IslandTolerances().compute)
+        if len(classes) < 2:
+            continue
+        for c in (c for c in classes if len(c) > 1):
+            members = tuple(ranks[i] for i in c)
+            group = dist.new_group(list(members))
+            if run.env.rank in members:
+                mine = (members, group)
+    if mine is not None and run.env.rank == mine[0][0]:
+        log.info("ranks %s measure the small collectives again among themselves: their node's other ranks are "
+                 "slower or faster by more than %.0f %% (%s GEMM)", list(mine[0]),
+                 100 * IslandTolerances().compute, dtype)
+    return mine
 
 
 def _fsdp_probe(run: _Run, group: Any, size: int, dtypes: tuple[str, ...]) -> tuple | None:
@@ -510,7 +577,7 @@ def _inter_node(run: _Run, layout: "_Layout") -> tuple[list, list]:
 
 
 def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: tuple, p2p, links, schedule,
-                      started_at: str, t_start: float) -> dict:
+                      started_at: str, t_start: float, like_group: LikeGroup | None = None) -> dict:
     """Everything to rank 0, which assembles and writes; every rank learns whether that worked."""
     env, args = run.env, run.args
     run.progress.phase("gather")
@@ -520,7 +587,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
         optimizer_param=local.optimizer_param, gemm_sweep=local.gemm_sweep, wake_up=local.wake_up,
-        stage_sequence=local.stage_sequence,
+        stage_sequence=local.stage_sequence, like_group=like_group,
     )
     # (all-reduce, latency, wait, FSDP2), p2p
     node_part = (collectives if env.local_rank == 0 else (None, None, None, None), p2p)
@@ -607,6 +674,10 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
             if lat is not None:
                 part["lat"] = lat
             part["bws"].extend(bws)
+    # a like group's figures are its first rank's, as a node's are its local rank 0's
+    first = {r: d.like_group for d in devices if d.like_group and d.rank == d.like_group.ranks[0]
+             for r in d.like_group.ranks}
+    devices = [dataclasses.replace(d, like_group=first.get(d.rank)) if d.like_group else d for d in devices]
     nodes = tuple(
         NodeRecord(node_rank=n, host=layout.host_of[n], inventory=layout.inventory_of[n],
                    ranks=tuple(layout.ranks_of[n]), allreduce=allreduce_of.get(n),

@@ -11,10 +11,13 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from profiler import bench
 from profiler.assemble import (
     DeviceRecord,
+    LikeGroup,
     LinkRecord,
     NodeRecord,
     ProfileRecord,
@@ -27,6 +30,7 @@ from profiler.assemble import (
 from helpers_timing import layer_times_in_order
 from profiler.inventory import read_memory_total_bytes, read_node_inventory
 from profiler.layer import LayerShape, active_ffn_width, layer_kinds, time_layer
+from profiler.worker import like_classes
 from tangram_launch.commands import profile as profile_cmd
 from tangram_launch.islands import build_islands
 from tangram_launch.specs.cluster import ClusterSpec
@@ -263,6 +267,56 @@ def test_cpu_devices_carry_measured_figures():
     slow = ClusterSpec.from_dict(assemble_cluster(_cpu_record([0.4, 0.1])))
     iset = build_islands(slow)
     assert len(iset.islands) == 2 and iset.separations[0].constraint == "(1) compute"
+
+
+def test_like_ranks_carry_their_own_small_collective_figures():
+    """A node of two fast CPU devices and a throttled one: over the whole node every small collective waits for
+    the throttled one (240 / 1500 us); the fast pair measured again among themselves (90 / 300 us, FSDP2 too), and
+    their island, which the throttled device is not in, keeps those. The throttled device keeps the node's."""
+    fsdp = ({"fp32": _m(700.0, "us")}, {"fp32": _m(1900.0, "us")}, _m(150.0, "us"))
+    pair = LikeGroup((0, 1), collective_latency=_m(90.0, "us"), collective_wait=_m(300.0, "us"), fsdp_unit=fsdp)
+    record = _cpu_record([0.4, 0.41, 0.1])
+    record = dataclasses.replace(record, devices=tuple(dataclasses.replace(d, like_group=pair) if d.rank < 2 else d
+                                                       for d in record.devices))
+    spec = ClusterSpec.from_dict(assemble_cluster(record))
+    a, b, slow = spec.nodes[0].gpus
+    for fast in (a, b):
+        assert fast.measured["collective_latency_us"] == 90.0 and fast.measured["collective_wait_us"] == 300.0
+        assert fast.measured["fsdp_unit_forward_us"] == {"fp32": 700.0}
+        assert fast.measured["optimizer_sharded_tensor_us"] == 150.0
+    assert slow.measured["collective_latency_us"] == 240.0 and slow.measured["collective_wait_us"] == 1500.0
+    assert "fsdp_unit_forward_us" not in slow.measured  # the node measured no FSDP2 here
+    assert spec.profile["devices"][0]["like_group"]["ranks"] == [0, 1]
+    assert spec.profile["devices"][0]["like_group"]["collective_wait"]["value"] == 300.0
+    assert "like_group" not in spec.profile["devices"][2]
+    assert spec.profile["nodes"]["box"]["collective_wait"]["value"] == 1500.0  # the node's figure stays on record
+    fast_island = next(i for i in build_islands(spec).islands if len(i.gpus) == 2)
+    assert fast_island.gpu.measured["collective_wait_us"] == 300.0
+
+
+def test_like_classes_first_fit_in_rank_order():
+    assert like_classes([1.0, 1.1, 0.33], 0.15) == [[0, 1], [2]]
+    assert like_classes([1.0, 3.0, 1.05, 3.1], 0.15) == [[0, 2], [1, 3]]
+    assert like_classes([2.0, 2.0, 2.0], 0.0) == [[0, 1, 2]]
+    assert like_classes([], 0.15) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=0.01, max_value=1000.0), max_size=12), st.floats(min_value=0.0, max_value=1.0))
+def test_like_classes_partition_ranks_into_classes_within_tolerance(speeds, tolerance):
+    classes = like_classes(speeds, tolerance)
+    assert sorted(i for c in classes for i in c) == list(range(len(speeds)))  # every rank in exactly one class
+    for c in classes:
+        assert c == sorted(c)
+        values = [speeds[i] for i in c]
+        assert max(values) <= (1 + tolerance) * min(values)
+    # first fit: a rank opens a new class only where it fits none of the classes before it (their members so far)
+    for k, c in enumerate(classes):
+        for j in range(k):
+            earlier = [speeds[i] for i in classes[j] if i < c[0]] + [speeds[c[0]]]
+            assert max(earlier) > (1 + tolerance) * min(earlier)
+    if speeds and max(speeds) <= (1 + tolerance) * min(speeds):
+        assert len(classes) == 1
 
 
 def test_gpu_nodes_from_recorded_nvml():
