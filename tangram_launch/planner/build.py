@@ -298,11 +298,12 @@ class Candidates:
         """choose_virtual_stages for this sequence against a plain 1F1B of ``plain_latency_s``; by default none,
         and a floor (no simulation: the interleaved schedules' floor alone, virtual_stages 1 if there is none)."""
         stages = [(st, self.islands[self.options[oi].island]) for oi in seq for st in self.slice_plan(oi).stages]
+        fwd, bwd, p2p = self.stage_times(seq)  # as the plain prediction runs them
         return choose_virtual_stages(stages, num_microbatches=self.num_microbatches, period_s=metrics.period_s,
                                      fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
                                      capabilities=capabilities, training=self.training,
-                                     plain_latency_s=plain_latency_s, p2p_s=self.stage_times(seq)[2],
-                                     floor_only=floor_only)
+                                     plain_latency_s=plain_latency_s, p2p_s=p2p, floor_only=floor_only,
+                                     fwd_s=fwd, bwd_s=bwd)
 
 
 def shift_plan(plan: SlicePlan, offset: int) -> SlicePlan:
@@ -417,10 +418,11 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     from tangram_launch.capabilities import capabilities_for
     from tangram_launch.errors import InfeasibleError
 
+    fwd_s, bwd_s, _ = cand.stage_times(comp.options)  # with the wake-up charges of the stages that wait
     choice = choose_virtual_stages(stage_costs, num_microbatches=m, period_s=metrics.period_s,
                                    fill_s=metrics.fill_s, tail_s=metrics.tail_s, schedule=schedule,
                                    capabilities=capabilities or capabilities_for(runtime), training=training,
-                                   plain_latency_s=plain_s, p2p_s=p2p)
+                                   plain_latency_s=plain_s, p2p_s=p2p, fwd_s=fwd_s, bwd_s=bwd_s)
     if schedule == "interleaved-1F1B" and choice.virtual_stages < 2:
         raise InfeasibleError("no interleaved 1F1B schedule for the best pipeline",
                               list(choice.rejected) or ["no number of virtual stages fits"])
@@ -431,7 +433,6 @@ def build_plan(cand: Candidates, comp: Composition, *, cluster: "ClusterSpec", m
     chunks = interleaved_chunks([st.layers[1] - st.layers[0] for st, _ in stage_costs], v) if v > 1 else None
     stages = []
     preds = []
-    fwd_s, bwd_s, _ = cand.stage_times(comp.options)  # with the wake-up charges of the stages that wait
     for k, ((st, isl), gpus) in enumerate(zip(stage_costs, stage_gpus)):
         sh = st.shape
         stages.append(Stage(index=k, layers=st.layers, island=isl.name,

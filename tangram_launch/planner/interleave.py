@@ -56,9 +56,13 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
                           period_s: float, fill_s: float, tail_s: float, schedule: str,
                           capabilities: "RuntimeCapabilities", training: "TrainingSpec",
                           plain_latency_s: float | None = None, p2p_s: Sequence[float] | None = None,
-                          floor_only: bool = False) -> ScheduleChoice:
+                          floor_only: bool = False, fwd_s: Sequence[float] | None = None,
+                          bwd_s: Sequence[float] | None = None) -> ScheduleChoice:
     """The best number of virtual stages for a composed pipeline (``stages`` front to back with their islands,
-    ``p2p_s`` the one-way link seconds at each boundary, default none).
+    ``p2p_s`` the one-way link seconds at each boundary, default none; ``fwd_s`` / ``bwd_s`` each stage's times as
+    the plain prediction ran them, default the StageCosts' own: a CPU profile's stage-like sequence factor and
+    wake-up charges are on the Plan's stage times, not on the StageCosts, and an interleaved schedule simulated
+    without them was priced below its own stages' work).
 
     ``plain_latency_s``: the plain 1F1B prediction to beat (the Plan's: the event simulation); default the closed
     form. A v's latency is its simulation + ``tail_s``; with ``floor_only``, a floor under it (no simulation), so
@@ -89,7 +93,8 @@ def choose_virtual_stages(stages: Sequence[tuple["StageCost", "Island"]], *, num
             rejected.append(over[0])
             break  # memory only grows with v
         fitting = v
-    best = fastest_virtual_stages([st.forward_s for st, _ in stages], [st.backward_s for st, _ in stages],
+    best = fastest_virtual_stages(list(fwd_s) if fwd_s is not None else [st.forward_s for st, _ in stages],
+                                  list(bwd_s) if bwd_s is not None else [st.backward_s for st, _ in stages],
                                   list(p2p_s) if p2p_s is not None else [0.0] * (S - 1), m, tail_s, fitting,
                                   beat_s=plain.latency_s if schedule == "auto" else math.inf, floor_only=floor_only)
     if fewest_layers < 2:
