@@ -11,7 +11,7 @@ from profiler.bench import Measured, Timing
 from profiler.layer import LayerShape
 from profiler.worker import sequence_parts_s
 from tangram_launch.costmodel.measured_layers import (SEQUENCE_KEY, SEQUENCE_PARTS_KEY, measured_layer_key,
-                                                      sequence_factor)
+                                                      parts_correction, sequence_factor, sequence_ratio)
 from tangram_launch.planner import PlannerOptions
 from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan
 from tangram_launch.specs.cluster import ClusterSpec
@@ -59,6 +59,22 @@ def test_the_factor_follows_the_micro_batch_and_applies_only_with_measured_layer
     assert sequence_factor(_factors({8: (0.9, 1.0)}), 8) == 1.0  # never below the parts: the search's floors hold
 
 
+def test_a_ratio_below_one_corrects_the_parts_and_one_above_scales_the_stage():
+    """ratio = factor x correction always; the factor is never below 1 and the correction never above."""
+    for ratio in (0.6, 0.9, 1.0, 1.3):
+        measured = _factors({8: (ratio, 1.0)})
+        assert sequence_ratio(measured, 8) == pytest.approx(ratio)
+        assert sequence_factor(measured, 8) == max(1.0, sequence_ratio(measured, 8))
+        assert parts_correction(measured, 8) == min(1.0, sequence_ratio(measured, 8))
+    # between measured sizes the ratio is interpolated first, then split
+    mixed = _factors({8: (0.8, 1.0), 16: (1.2, 1.0)})
+    assert sequence_ratio(mixed, 12) == pytest.approx(1.0)
+    assert sequence_factor(mixed, 10) == 1.0 and parts_correction(mixed, 10) == pytest.approx(0.9)
+    assert sequence_factor(mixed, 14) == pytest.approx(1.1) and parts_correction(mixed, 14) == 1.0
+    for bad in (0.4, 2.5):  # outside SEQUENCE_FACTOR_RANGE: a broken measurement, neither applies
+        assert parts_correction(_factors({8: (bad, 1.0)}), 8) == sequence_factor(_factors({8: (bad, 1.0)}), 8) == 1.0
+
+
 def test_an_island_keeps_its_slowest_devices_sequence_times():
     from tangram_launch.islands import build_islands
 
@@ -103,8 +119,19 @@ def test_stages_priced_from_measured_parts_cost_the_factor_more_and_the_iteratio
     assert scaled.predicted.iteration_time_s > plain.predicted.iteration_time_s
 
 
+def test_stages_whose_sequence_ran_faster_than_their_parts_cost_the_ratio_less():
+    """The layer profile timed the parts slow against the stage-like sequence (a slow spell of the host during their
+    windows): the stages cost their parts times the ratio, as with a ratio above 1, through the parts themselves."""
+    plain, fast = _plan(None), _plan(0.8)
+    for p, s in zip(plain.predicted.stages, fast.predicted.stages):
+        assert s.forward_s == pytest.approx(0.8 * p.forward_s)
+        assert s.backward_s == pytest.approx(0.8 * p.backward_s)
+    assert fast.predicted.iteration_time_s < plain.predicted.iteration_time_s
+
+
 def test_without_measured_layer_times_the_factor_changes_nothing():
-    plain, with_factor = _plan(None, layers=False), _plan(1.25, layers=False)
-    assert [(p.forward_s, p.backward_s) for p in plain.predicted.stages] == [
-        (p.forward_s, p.backward_s) for p in with_factor.predicted.stages]
-    assert plain.predicted.iteration_time_s == with_factor.predicted.iteration_time_s
+    for ratio in (1.25, 0.8):
+        plain, with_factor = _plan(None, layers=False), _plan(ratio, layers=False)
+        assert [(p.forward_s, p.backward_s) for p in plain.predicted.stages] == [
+            (p.forward_s, p.backward_s) for p in with_factor.predicted.stages]
+        assert plain.predicted.iteration_time_s == with_factor.predicted.iteration_time_s

@@ -29,13 +29,14 @@ extra forward of the layer; selective = the attention core only.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
-from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, price,
+from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, parts_correction, price,
                                                        stage_measurement as summarize_stage)
 from tangram_launch.costmodel.moe_dispatch import (DEFAULT_MOE_RUNTIME, MoERuntime, expert_gemm_rows,
                                                    permutation_traffic_h, router_traffic_bytes)
@@ -274,7 +275,13 @@ def measured_layer_price(model: "ModelSpec", kind: str, *, seq_len: int, mbs: in
     if not dev.measured_layer_forward_s:
         return None
     points = measured_points(dev.measured_layer_forward_s, dev.measured_layer_forward_backward_s, model.name, kind)
-    return price(points, seq_len=seq_len, mbs=mbs, tp=tp, analytic_s=analytic_s) if points else None
+    priced = price(points, seq_len=seq_len, mbs=mbs, tp=tp, analytic_s=analytic_s) if points else None
+    # parts the stage-like sequence ran faster than their sum: corrected by that ratio (measured_layers)
+    correction = parts_correction({"layer_forward_s": dev.measured_layer_forward_s, **dev.measured_sequence}, mbs)
+    if priced is None or correction == 1.0:
+        return priced
+    return dataclasses.replace(priced, forward_s=priced.forward_s * correction,
+                               backward_s=None if priced.backward_s is None else priced.backward_s * correction)
 
 
 def _edge(model: "ModelSpec", kind: str, flops: float, analytic: AnalyticS, *,

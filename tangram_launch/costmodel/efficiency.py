@@ -63,6 +63,7 @@ from typing import Mapping
 
 from tangram_launch.costmodel.attention_kernels import KernelCurve, attention_curve
 from tangram_launch.costmodel.gemm_curve import MeasuredGemmCurve
+from tangram_launch.costmodel.measured_layers import SEQUENCE_KEY, SEQUENCE_PARTS_KEY
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import GPUSpec, math_mode
 from tangram_launch.specs.constants import GIB  # noqa: F401 (re-exported for the cost model's users)
@@ -187,6 +188,8 @@ class DeviceModel:
     is_cpu: bool = False  # the `cpu` placeholder device has no CUDA context
     measured_layer_forward_s: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
     measured_layer_forward_backward_s: Mapping[str, float] = field(default_factory=dict, compare=False, hash=False)
+    # the stage-like sequence's and its parts' seconds by micro-batch (measured_layers.SEQUENCE_KEY, ..._PARTS_KEY)
+    measured_sequence: Mapping[str, Mapping] = field(default_factory=dict, compare=False, hash=False)
     sources: tuple[str, ...] = ()  # which figures were measured (for explanations)
     gemm_input_bytes: float = 0.0  # bytes moved per GEMM input element (0: dtype_bytes; fp8: cast + FP8 read)
     # fixed cost per ring step of an intra-node collective: measured (a tiny all-to-all / (n - 1)) or NVLink's
@@ -277,6 +280,8 @@ class DeviceModel:
             is_cpu=gpu.type == "cpu",
             measured_layer_forward_s=dict(layer_times) if isinstance(layer_times, Mapping) else {},
             measured_layer_forward_backward_s=dict(layer_fb_times) if isinstance(layer_fb_times, Mapping) else {},
+            measured_sequence={k: gpu.measured[k] for k in (SEQUENCE_KEY, SEQUENCE_PARTS_KEY)
+                               if gpu.measured and isinstance(gpu.measured.get(k), Mapping)},
             sources=tuple(sources),
             gemm_input_bytes=FP8_INPUT_BYTES if dtype == "fp8" else 0.0,
             intra_latency_s=intra_latency_s,

@@ -18,8 +18,8 @@ A stage runs its layers one after another, each on the caches the others left; t
 in a loop of its own, so a stage's parts add up to less than it costs, by a ratio that differs by shape. On CPU devices
 the profiler also times a stage-like sequence (the embedding, layers, the head with the loss) back to back at each
 micro-batch size it measured, and the sum of its parts' times there (``SEQUENCE_KEY``, ``SEQUENCE_PARTS_KEY``:
-seconds by micro-batch); ``sequence_factor``, their ratio, is what a stage priced from measured parts is multiplied
-by.
+seconds by micro-batch); ``sequence_ratio``, their ratio, is what a stage priced from measured parts is multiplied
+by (below 1 on the parts, ``parts_correction``; above 1 on the plan's stage, ``sequence_factor``).
 
 ``distance`` says how far the shape priced is from the nearest measured one: the largest log2 step over micro-batch,
 sequence length and TP (0: measured there; 1: twice or half the nearest measured size on some axis).
@@ -42,14 +42,18 @@ SEQUENCE_KEY, SEQUENCE_PARTS_KEY = "stage_sequence_s", "stage_sequence_parts_s"
 SEQUENCE_FACTOR_RANGE = (0.5, 2.0)  # outside it the figure is taken for a broken measurement and not used
 
 
-def sequence_factor(measured: Mapping | None, mbs: int) -> float:
-    """What a stage of ``mbs`` rows per replica, priced from this device's measured layer times, is multiplied by
-    (the module docstring): the stage-like sequence's time over its parts' at each measured micro-batch size, at
-    ``mbs`` linear between two of them, the nearest one's beyond; 1 where the device has no measured layer times
-    (the analytic model keeps its own constants) or no sequence times. A ratio outside ``SEQUENCE_FACTOR_RANGE``
-    is taken for a broken measurement and left out; one below 1 counts as 1: the search's floors price stages from
-    their parts alone (only the plan's stage times carry the factor), which stays a lower bound only while the factor
-    is at least 1, and a sequence cheaper than its parts was seen only as noise (a few per cent below)."""
+def sequence_ratio(measured: Mapping | None, mbs: int) -> float:
+    """The stage-like sequence's time over its parts' at ``mbs`` (the module docstring): each measured micro-batch
+    size's ratio, linear between two of them, the nearest one's beyond; 1 where the device has no measured layer
+    times (the analytic model keeps its own constants) or no sequence times. A ratio outside
+    ``SEQUENCE_FACTOR_RANGE`` is taken for a broken measurement and left out.
+
+    A stage priced from measured parts costs its parts times this ratio, split in two so that the search's floors
+    hold: below 1 it corrects the parts themselves (``parts_correction``: the layer profile times each part in a
+    window of its own, and a slow spell of the host during those windows put the parts' sum a quarter to a half
+    above the sequence in some profiles of the throttled bench; the profiler times the sequence in rounds over the
+    whole of its window, which spreads such a spell over every size), above 1 it scales the plan's stage
+    times (``sequence_factor``), never the parts the floors are made of."""
     measured = measured or {}
     whole, parts = measured.get(SEQUENCE_KEY), measured.get(SEQUENCE_PARTS_KEY)
     if not measured.get("layer_forward_s") or not isinstance(whole, Mapping) or not isinstance(parts, Mapping):
@@ -59,11 +63,24 @@ def sequence_factor(measured: Mapping | None, mbs: int) -> float:
     for key, w in whole.items():
         p = parts.get(key)
         if str(key).isdigit() and _positive(w) and _positive(p) and lo <= w / p <= hi:
-            at[int(key)] = max(1.0, w / p)
+            at[int(key)] = w / p
     if not at:
         return 1.0
     value, _how = _along(sorted(at), mbs, lambda m: (at[m], "measured"), lambda m: 1.0)
     return value
+
+
+def sequence_factor(measured: Mapping | None, mbs: int) -> float:
+    """What a stage of ``mbs`` rows per replica, priced from this device's measured layer times, is multiplied by:
+    ``sequence_ratio``, at least 1 (the search's floors price stages from their parts alone, which stays a lower
+    bound only while the factor is at least 1; a ratio below 1 corrects the parts instead: ``parts_correction``)."""
+    return max(1.0, sequence_ratio(measured, mbs))
+
+
+def parts_correction(measured: Mapping | None, mbs: int) -> float:
+    """What each measured part of a stage of ``mbs`` rows per replica is multiplied by: ``sequence_ratio``, at most
+    1 (see there)."""
+    return min(1.0, sequence_ratio(measured, mbs))
 
 
 def measured_layer_key(model_name: str, kind: str, seq_len: int, mbs: int, tp: int) -> str:
