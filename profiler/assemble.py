@@ -232,6 +232,7 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     group = dev.like_group or node  # a like group's figures where it measured them, else the node's
     if group.collective_latency is not None:
         measured["collective_latency_us"] = round_sig(group.collective_latency.value)
+        measured["collective_group_size"] = len(group.ranks)  # the ranks it was measured over: n - 1 ring steps
     if group.collective_wait is not None:
         measured["collective_wait_us"] = round_sig(group.collective_wait.value)
     if group.fsdp_unit is not None:

@@ -32,6 +32,7 @@ from profiler.inventory import read_memory_total_bytes, read_node_inventory
 from profiler.layer import LayerShape, active_ffn_width, layer_kinds, time_layer
 from profiler.worker import like_classes
 from tangram_launch.commands import profile as profile_cmd
+from tangram_launch.costmodel.efficiency import intra_link
 from tangram_launch.islands import build_islands
 from tangram_launch.specs.cluster import ClusterSpec
 from tangram_launch.specs.model import load_model
@@ -282,9 +283,12 @@ def test_like_ranks_carry_their_own_small_collective_figures():
     a, b, slow = spec.nodes[0].gpus
     for fast in (a, b):
         assert fast.measured["collective_latency_us"] == 90.0 and fast.measured["collective_wait_us"] == 300.0
+        assert fast.measured["collective_group_size"] == 2  # measured over the pair: one ring step
+        assert intra_link(fast)[1] == pytest.approx(90e-6)
         assert fast.measured["fsdp_unit_forward_us"] == {"fp32": 700.0}
         assert fast.measured["optimizer_sharded_tensor_us"] == 150.0
     assert slow.measured["collective_latency_us"] == 240.0 and slow.measured["collective_wait_us"] == 1500.0
+    assert slow.measured["collective_group_size"] == 3 and intra_link(slow)[1] == pytest.approx(120e-6)
     assert "fsdp_unit_forward_us" not in slow.measured  # the node measured no FSDP2 here
     assert spec.profile["devices"][0]["like_group"]["ranks"] == [0, 1]
     assert spec.profile["devices"][0]["like_group"]["collective_wait"]["value"] == 300.0

@@ -130,14 +130,16 @@ def peak_tflops_for(gpu: GPUSpec, dtype: str) -> float:
 
 def intra_link(gpu: GPUSpec) -> tuple[float, float]:
     """(bus bandwidth bytes/s, per-step latency s) of the GPU's link to its node's peers: measured where profiled
-    (``allreduce_busbw_gbps``; ``collective_latency_us``, a tiny all-to-all over the node's n ranks, n - 1 steps),
-    else half the catalog's bidirectional NVLink/PCIe figure x NCCL_INTRA_EFFICIENCY and INTRA_NODE_LATENCY_S."""
+    (``allreduce_busbw_gbps``; ``collective_latency_us``, a tiny all-to-all over n ranks, n - 1 steps: the node's,
+    or a group of its like ranks, ``collective_group_size``), else half the catalog's bidirectional NVLink/PCIe
+    figure x NCCL_INTRA_EFFICIENCY and INTRA_NODE_LATENCY_S."""
     busbw = _measured(gpu, "allreduce_busbw_gbps")
     intra = busbw * GBPS if busbw is not None else gpu.intra_node_bandwidth_GBps / 2.0 * GBPS * NCCL_INTRA_EFFICIENCY
     latency_us = _measured(gpu, "collective_latency_us")
     if latency_us is None:
         return intra, INTRA_NODE_LATENCY_S
-    steps = max(1, int(_measured(gpu, "allreduce_group_size") or 2) - 1)
+    ranks = _measured(gpu, "collective_group_size") or _measured(gpu, "allreduce_group_size") or 2
+    steps = max(1, int(ranks) - 1)
     return intra, latency_us * 1e-6 / steps
 
 
