@@ -96,7 +96,9 @@ def test_a_throttled_rank_is_replanned_away_and_the_run_continues_exactly(tmp_pa
     start = a["steps"][0]
     assert start == first["at_step"] + 1 or len(switched) > 1
     assert a["steps"] == list(range(start, STEPS + 1))
-    assert a["losses"][0] == pytest.approx(r["losses"][start - 1], rel=1e-5, abs=1e-6)
+    if start == first["at_step"] + 1:  # the last segment is the first switch's: it resumed the reference's weights
+        assert a["losses"][0] == pytest.approx(r["losses"][start - 1], rel=1e-5, abs=1e-6)
+    # after a later switch (a noise window at this threshold), the weights it resumed had drifted since the first
     assert a["losses"] == pytest.approx(r["losses"][start - 1:], rel=3e-4)
     assert a["consumed_samples"] == r["consumed_samples"] == STEPS * GLOBAL_BATCH
     # and before it, as printed (4 decimals)
