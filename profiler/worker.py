@@ -500,6 +500,7 @@ def _like_groups(run: _Run, layout: "_Layout", gemm: dict) -> tuple | None:
     the same order (new_group is collective over the whole world)."""
     from tangram_launch.islands import IslandTolerances
 
+    tolerance = IslandTolerances().compute
     speeds: list = [None] * run.env.world_size
     dist.all_gather_object(speeds, {d: m.value for d, m in gemm.items() if "stopped" not in dict(m.detail)})
     dtype = next((d for d in run.cfg.gemm_dtypes if all(d in s and s[d] > 0 for s in speeds)), None)
@@ -508,7 +509,7 @@ def _like_groups(run: _Run, layout: "_Layout", gemm: dict) -> tuple | None:
     mine = None
     for n in layout.node_ranks:
         ranks = layout.ranks_of[n]
-        classes = like_classes([speeds[r][dtype] for r in ranks], IslandTolerances().compute)
+        classes = like_classes([speeds[r][dtype] for r in ranks], tolerance)
         if len(classes) < 2:
             continue
         for c in (c for c in classes if len(c) > 1):
@@ -518,8 +519,7 @@ def _like_groups(run: _Run, layout: "_Layout", gemm: dict) -> tuple | None:
                 mine = (members, group)
     if mine is not None and run.env.rank == mine[0][0]:
         log.info("ranks %s measure the small collectives again among themselves: their node's other ranks are "
-                 "slower or faster by more than %.0f %% (%s GEMM)", list(mine[0]),
-                 100 * IslandTolerances().compute, dtype)
+                 "slower or faster by more than %.0f %% (%s GEMM)", list(mine[0]), 100 * tolerance, dtype)
     return mine
 
 
@@ -722,8 +722,7 @@ def _profile_sequence(run: _Run, between: Callable[[], Any], agree: Callable[[in
 
     model = load_model(run.args.model)
     seq_len = min(_layer_seq_lens(run.args, model, run.device))
-    budget_s = SEQUENCE_BUDGET_SHARE * (run.args.layer_budget_s or (LAYER_BUDGET_QUICK_S if run.args.quick
-                                                                    else LAYER_BUDGET_S))
+    budget_s = SEQUENCE_BUDGET_SHARE * _layer_budget_s(run.args)
     sizes = []  # (micro-batch, parts s, the sequence's call, calls per block)
     for mbs in sorted(set(run.args.micro_batch or DEFAULT_MICRO_BATCHES)):
         shape = LayerShape(mbs, seq_len, run.args.layer_dtype or "bf16")
@@ -767,6 +766,11 @@ def sequence_parts_s(layer: dict, model, shape, layers: int) -> float | None:
         return None
 
 
+def _layer_budget_s(args) -> float:
+    """Wall seconds for every --model shape on one device: ``--layer-budget-s``, or the default (``--quick``'s)."""
+    return args.layer_budget_s or (LAYER_BUDGET_QUICK_S if args.quick else LAYER_BUDGET_S)
+
+
 def _layer_seq_lens(args, model, device: torch.device) -> list[int]:
     """The sequence lengths layers are profiled at: ``--seq-len``'s, or the model's, capped (512 on CPU or with
     --quick, 4,096 otherwise)."""
@@ -789,7 +793,7 @@ def _profile_layer(args, device: torch.device, cfg: bench.BenchConfig, progress:
     seq_lens = _layer_seq_lens(args, model, device)
     shapes = planned_shapes(model, micro_batches=args.micro_batch or list(DEFAULT_MICRO_BATCHES), seq_lens=seq_lens,
                             tps=args.tp or tp_shards(model, gpus_per_node), dtype=args.layer_dtype or "bf16")
-    budget_s = args.layer_budget_s or (LAYER_BUDGET_QUICK_S if args.quick else LAYER_BUDGET_S)
+    budget_s = _layer_budget_s(args)
     kinds = layer_kinds(model)
     jobs = [(kind, shape) for shape in shapes for kind in kinds + (list(EDGE_KINDS) if shape.tp == 1 else [])]
     each_s, started = budget_s / len(jobs), time.perf_counter()
