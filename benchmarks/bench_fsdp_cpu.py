@@ -1,12 +1,14 @@
 """The README's main job under each ZeRO stage: what FSDP2's measured overhead does to the prediction.
 
-    python benchmarks/bench_fsdp_cpu.py [--runs 2] [--steps 8]
+    python benchmarks/bench_fsdp_cpu.py [--runs 2] [--steps 8] [--without fsdp|collectives] [--json FILE]
 
 The torch runtime runs ZeRO 1-3 as FSDP2 units. One profile of 2 CPU processes (``tangram-launch profile --model
 tiny``, which times the FSDP2 probe of profiler/fsdp_unit.py), then for ZeRO 0, 1 and 3 the hand-written plan
 ``{layers: [0, 4], island: cpu, dp: 2, zero_stage: Z}`` at global batch 8 x 64 tokens, in bf16:
 
-- costed from the profile without its FSDP2 figures (``tangram-launch plan --plan``): the model before them;
+- costed from the profile without its FSDP2 figures (``tangram-launch plan --plan``): the model before them
+  (``--without collectives``: without the reduce-scatter's and all-gather's own bus bandwidths instead, so every
+  collective is priced at the all-reduce's);
 - launched from the whole profile (``tangram-launch --cluster ... --plan ... examples/train_gpt.py``), whose run
   report gives the prediction with them and the measurement.
 
@@ -37,6 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from tangram_launch.costmodel.efficiency import FSDP_KEYS  # noqa: E402
 
+LEFT_OUT = {"fsdp": FSDP_KEYS, "collectives": ("reduce_scatter_busbw_gbps", "all_gather_busbw_gbps")}
+
 JOB = ["--model", "tiny", "--global-batch", "8", "--seq-len", "64", "--dtype", "bf16"]
 
 
@@ -48,11 +52,11 @@ def _cli(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
     return done
 
 
-def _without_fsdp(profile: Path, out: Path) -> None:
+def _without(profile: Path, out: Path, keys: tuple[str, ...]) -> None:
     spec = yaml.safe_load(profile.read_text())
     for node in spec["nodes"]:
         for gpu in node["gpus"]:
-            for key in FSDP_KEYS:
+            for key in keys:
                 gpu.get("measured", {}).pop(key, None)
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
 
@@ -86,6 +90,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2, help="launches per ZeRO stage (default 2)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per launch (default 8)")
     ap.add_argument("--json", default="", help="also write every figure to this JSON file")
+    ap.add_argument("--without", choices=sorted(LEFT_OUT), default="fsdp",
+                    help="which profile figures the 'without' prediction leaves out (default fsdp)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-") as tmp:
         work = Path(tmp)
@@ -97,8 +103,10 @@ def main() -> int:
               "-o", str(work / "profile.yaml")], env, work)
         gpu = yaml.safe_load((work / "profile.yaml").read_text())["nodes"][0]["gpus"][0]["measured"]
         print("profile: FSDP2 " + ", ".join(f"{k} {gpu.get(k)}" for k in FSDP_KEYS)
-              + f"; optimizer_tensor_us {gpu.get('optimizer_tensor_us')}", flush=True)
-        _without_fsdp(work / "profile.yaml", work / "without.yaml")
+              + f"; optimizer_tensor_us {gpu.get('optimizer_tensor_us')}; bus bandwidth GB/s all-reduce "
+              f"{gpu.get('allreduce_busbw_gbps')}, reduce-scatter {gpu.get('reduce_scatter_busbw_gbps')}, "
+              f"all-gather {gpu.get('all_gather_busbw_gbps')}", flush=True)
+        _without(work / "profile.yaml", work / "without.yaml", LEFT_OUT[args.without])
         rows = []
         for run in range(1, args.runs + 1):
             for zero in (0, 1, 3):
@@ -109,7 +117,7 @@ def main() -> int:
                     head = f"zero {zero} run {run}" if i == 0 else ""
                     print(f"{head:<13} {part:<10} pred w/o {w:6.2f}  with {n:6.2f}  meas {m:6.2f} ms  "
                           f"meas/pred w/o {m / w:5.2f}  with {m / n:5.2f}", flush=True)
-    print("median meas/pred over runs (without / with the FSDP2 figures):")
+    print(f"median meas/pred over runs (without / with the {args.without} figures):")
     for zero in (0, 1, 3):
         mine = [r for r in rows if r["zero"] == zero]
         parts = []

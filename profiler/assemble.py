@@ -33,7 +33,7 @@ from tangram_launch.costmodel.measured_layers import SEQUENCE_KEY, SEQUENCE_PART
 from tangram_launch.specs.constants import STORAGE_DTYPES  # the dtypes the GEMM benchmark times
 from tangram_launch.specs.yamlio import to_plain
 
-FINGERPRINT_VERSION = 3  # raised when profiles gain figures the cost model reads: cached ones are measured again
+FINGERPRINT_VERSION = 4  # raised when profiles gain figures the cost model reads: cached ones are measured again
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ class NodeRecord:
     inventory: NodeInventory
     ranks: tuple[int, ...]  # global ranks in local-rank order
     allreduce: Measured | None = None  # bus bandwidth over the node's ranks, GB/s
+    reduce_scatter: Measured | None = None  # ... of a reduce-scatter, and of an all-gather (nccl-tests busbw)
+    all_gather: Measured | None = None
     collective_latency: Measured | None = None  # one tiny all-to-all over the node's ranks, us
     collective_wait: Measured | None = None  # ... right after a layer forward on every rank (mean), us
     # FSDP2 over the node's ranks (profiler.fsdp_unit): ({dtype: forward us per unit}, {dtype: backward us per unit},
@@ -229,6 +231,9 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
     if node.allreduce is not None:
         measured["allreduce_busbw_gbps"] = round_sig(node.allreduce.value)
         measured["allreduce_group_size"] = len(node.ranks)
+    for key, m in (("reduce_scatter_busbw_gbps", node.reduce_scatter), ("all_gather_busbw_gbps", node.all_gather)):
+        if m is not None:
+            measured[key] = round_sig(m.value)
     group = dev.like_group or node  # a like group's figures where it measured them, else the node's
     if group.collective_latency is not None:
         measured["collective_latency_us"] = round_sig(group.collective_latency.value)
@@ -362,6 +367,8 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
             "ranks": list(node.ranks),
             "inventory": node.inventory.to_dict(),
             "allreduce": node.allreduce.to_dict() if node.allreduce else None,
+            "reduce_scatter": node.reduce_scatter.to_dict() if node.reduce_scatter else None,
+            "all_gather": node.all_gather.to_dict() if node.all_gather else None,
             "collective_latency": node.collective_latency.to_dict() if node.collective_latency else None,
             "collective_wait": node.collective_wait.to_dict() if node.collective_wait else None,
             "fsdp_unit": _fsdp_profile(node.fsdp_unit),

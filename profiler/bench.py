@@ -439,33 +439,55 @@ def copy_bandwidth_gbps(device: torch.device, cfg: BenchConfig) -> Measured:
 
 # --------------------------------------------------------------------------------------------- communication
 
-def allreduce_busbw_factor(n: int) -> float:
-    """nccl-tests: all-reduce busbw = algbw * 2(n-1)/n (a ring moves 2(n-1)/n of the buffer over each link)."""
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all_reduce", "reduce_scatter", "all_gather"
+BANDWIDTH_OPS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)  # the collectives the profile times for bandwidth
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests: busbw = algbw x 2(n-1)/n for an all-reduce, x (n-1)/n for a reduce-scatter or all-gather (the
+    buffer is the whole gathered one): what a ring moves over each link, so a perfect ring reads one busbw for all."""
     if n < 1:
         raise ValueError(f"group size must be >= 1, got {n}")
-    return 2.0 * (n - 1) / n
+    return (2.0 if op == ALL_REDUCE else 1.0) * (n - 1) / n
 
 
-def allreduce_busbw_gbps(group: Any, group_size: int, device: torch.device, cfg: BenchConfig) -> Measured:
-    """All-reduce over ``group``; every member calls it with the same config. Returns bus bandwidth."""
-    numel = cfg.allreduce_bytes // 4
-    buf = torch.ones(numel, dtype=torch.float32, device=device)
+def _collective_call(op: str, numel: int, group: Any, group_size: int, device: torch.device) -> Callable[[], Any]:
+    """One call of ``op`` on a whole buffer of ``numel`` fp32 elements (a multiple of ``group_size``)."""
+    whole = torch.ones(numel, dtype=torch.float32, device=device)
+    if op == ALL_REDUCE:
+        return lambda: dist.all_reduce(whole, group=group)
+    shard = torch.ones(numel // group_size, dtype=torch.float32, device=device)
+    if op == REDUCE_SCATTER:
+        return lambda: dist.reduce_scatter_tensor(shard, whole, group=group)
+    if op == ALL_GATHER:
+        return lambda: dist.all_gather_into_tensor(whole, shard, group=group)
+    raise ValueError(f"unknown collective {op!r}; valid: {', '.join(BANDWIDTH_OPS)}")
+
+
+def collective_busbw_gbps(op: str, group: Any, group_size: int, device: torch.device, cfg: BenchConfig) -> Measured:
+    """``op`` (BANDWIDTH_OPS) over ``group`` on ``cfg.allreduce_bytes``, the whole buffer; every member calls it
+    with the same config. Returns bus bandwidth. Backends do not run every collective as a ring of the all-reduce's
+    speed (gloo's reduce-scatter read 2x its all-reduce's time on 2 CPU ranks, where a ring takes half), so each
+    is timed."""
+    numel = cfg.allreduce_bytes // 4 // max(1, group_size) * max(1, group_size)
+    call = _collective_call(op, numel, group, group_size, device)
     sync = device_sync(device)
     for _ in range(max(1, cfg.warmup)):
-        dist.all_reduce(buf, group=group)
+        call()
     sync()
     samples = []
     for _ in range(cfg.comm_reps):
         dist.barrier(group=group, **barrier_kwargs(device))
         sync()
         t0 = time.perf_counter()
-        dist.all_reduce(buf, group=group)
+        call()
         sync()
         samples.append(time.perf_counter() - t0)
     timing = Timing(tuple(samples))
     algbw = numel * 4 / timing.median_s / 1e9
-    return Measured(algbw * allreduce_busbw_factor(group_size), "GB/s", timing,
-                    (("bytes", numel * 4), ("group_size", group_size), ("algbw_gbps", round_sig(algbw))))
+    return Measured(algbw * busbw_factor(op, group_size), "GB/s", timing,
+                    (("op", op), ("bytes", numel * 4), ("group_size", group_size),
+                     ("algbw_gbps", round_sig(algbw))))
 
 
 def _tiny_all_to_all_after(compute: Callable[[], Any], group: Any, group_size: int, device: torch.device, reps: int,

@@ -241,10 +241,10 @@ def _profile(args: argparse.Namespace, env: RankEnv, host: str, progress: Progre
         groups = {n: dist.new_group(layout.ranks_of[n]) for n in layout.node_ranks if len(layout.ranks_of[n]) > 1}
         local = _local_benchmarks(run, groups.get(env.node_rank))
         like = _like_groups(run, layout, local.gemm)
-        allreduce, latency, wait, fsdp, p2p, own = _intra_node(run, layout, groups, local.stand_in, tuple(local.gemm),
+        bandwidth, latency, wait, fsdp, p2p, own = _intra_node(run, layout, groups, local.stand_in, tuple(local.gemm),
                                                                like)
         links, schedule = _inter_node(run, layout)
-        return _gather_and_write(run, layout, local, (allreduce, latency, wait, fsdp), p2p, links, schedule,
+        return _gather_and_write(run, layout, local, (bandwidth, latency, wait, fsdp), p2p, links, schedule,
                                  started_at, t_start, own)
     finally:
         dist.destroy_process_group()
@@ -410,19 +410,22 @@ def _group_min(group: Any, device: torch.device) -> Callable[[int], int]:
 
 def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[], Any] | None = None,
                 dtypes: tuple[str, ...] = ("fp32",), like: tuple | None = None) -> tuple:
-    """All-reduce (bandwidth) and the small collectives (``_small_collectives``) over each node's ranks, then the
-    small collectives again over this rank's like group (``like``: (its ranks, their process group), where
-    ``_like_groups`` made one), then point-to-point between every pair of a node's ranks (round-robin rounds);
-    every node at once, since nodes do not share these links. Returns (all-reduce, latency, wait, FSDP2 (forward,
-    backward, optimizer) or None, p2p, LikeGroup or None)."""
+    """The bandwidth collectives (``bench.BANDWIDTH_OPS``) and the small collectives (``_small_collectives``) over
+    each node's ranks, then the small collectives again over this rank's like group (``like``: (its ranks, their
+    process group), where ``_like_groups`` made one), then point-to-point between every pair of a node's ranks
+    (round-robin rounds); every node at once, since nodes do not share these links. Returns ({op: bus bandwidth},
+    latency, wait, FSDP2 (forward, backward, optimizer) or None, p2p, LikeGroup or None)."""
     env = run.env
-    run.progress.phase("intra-node all-reduce")
-    allreduce = latency = wait = fsdp = None
+    bandwidth: dict[str, bench.Measured] = {}
+    latency = wait = fsdp = None
     if env.node_rank in groups:
         size = len(layout.ranks_of[env.node_rank])
-        allreduce = bench.allreduce_busbw_gbps(groups[env.node_rank], size, run.device, run.cfg)
+        for op in bench.BANDWIDTH_OPS:
+            run.progress.phase(f"intra-node {op.replace('_', '-')}")
+            bandwidth[op] = bench.collective_busbw_gbps(op, groups[env.node_rank], size, run.device, run.cfg)
         if env.local_rank == 0:
-            log.info("all-reduce busbw on %s: %.4g GB/s", layout.name_of[env.node_rank], allreduce.value)
+            log.info("busbw on %s: %s", layout.name_of[env.node_rank],
+                     ", ".join(f"{op.replace('_', '-')} {m.value:.4g} GB/s" for op, m in bandwidth.items()))
         latency, wait, fsdp = _small_collectives(run, groups[env.node_rank], size, stand_in, dtypes,
                                                  layout.name_of[env.node_rank], env.local_rank == 0)
     own = None
@@ -447,7 +450,7 @@ def _intra_node(run: _Run, layout: "_Layout", groups: dict, stand_in: Callable[[
             if t is not None:
                 p2p.append((env.node_rank, local.index(a), local.index(b), _pingpong_bw(t, run.cfg.p2p_bytes)))
         run.barrier()
-    return allreduce, latency, wait, fsdp, p2p, own
+    return bandwidth, latency, wait, fsdp, p2p, own
 
 
 def _small_collectives(run: _Run, group: Any, size: int, stand_in: Callable[[], Any] | None,
@@ -654,16 +657,16 @@ class _Layout:
 def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.BenchConfig, args, started_at: str,
                   t_start: float, model_info, schedule) -> ProfileRecord:
     devices = []
-    allreduce_of: dict[int, bench.Measured | None] = {}
+    bandwidth_of: dict[int, dict[str, bench.Measured]] = {}
     latency_of: dict[int, bench.Measured | None] = {}
     wait_of: dict[int, bench.Measured | None] = {}
     fsdp_of: dict[int, tuple | None] = {}
     p2p_of: dict[int, list] = {n: [] for n in layout.node_ranks}
     link_parts: dict[tuple[int, int], dict] = {}
-    for record, ((allreduce, latency, wait, fsdp), p2p), links in gathered:
+    for record, ((bandwidth, latency, wait, fsdp), p2p), links in gathered:
         devices.append(record)
         if record.local_rank == 0:
-            allreduce_of[record.node_rank] = allreduce
+            bandwidth_of[record.node_rank] = bandwidth
             latency_of[record.node_rank] = latency
             wait_of[record.node_rank] = wait
             fsdp_of[record.node_rank] = fsdp
@@ -680,7 +683,9 @@ def _build_record(gathered: list, layout: _Layout, backend: str, cfg: bench.Benc
     devices = [dataclasses.replace(d, like_group=first.get(d.rank)) if d.like_group else d for d in devices]
     nodes = tuple(
         NodeRecord(node_rank=n, host=layout.host_of[n], inventory=layout.inventory_of[n],
-                   ranks=tuple(layout.ranks_of[n]), allreduce=allreduce_of.get(n),
+                   ranks=tuple(layout.ranks_of[n]), allreduce=bandwidth_of.get(n, {}).get(bench.ALL_REDUCE),
+                   reduce_scatter=bandwidth_of.get(n, {}).get(bench.REDUCE_SCATTER),
+                   all_gather=bandwidth_of.get(n, {}).get(bench.ALL_GATHER),
                    collective_latency=latency_of.get(n), collective_wait=wait_of.get(n),
                    fsdp_unit=fsdp_of.get(n),
                    p2p=tuple(sorted(p2p_of[n], key=lambda t: (t[0], t[1]))))

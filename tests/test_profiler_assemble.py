@@ -58,11 +58,12 @@ def test_round_robin_meets_every_pair_once_one_peer_per_round():
 
 
 def test_busbw_factor_follows_nccl_tests():
-    assert bench.allreduce_busbw_factor(1) == 0.0
-    assert bench.allreduce_busbw_factor(2) == 1.0
-    assert bench.allreduce_busbw_factor(8) == pytest.approx(1.75)
+    assert bench.busbw_factor(bench.ALL_REDUCE, 1) == 0.0
+    assert bench.busbw_factor(bench.ALL_REDUCE, 2) == 1.0
+    assert bench.busbw_factor(bench.ALL_REDUCE, 8) == pytest.approx(1.75)
+    assert bench.busbw_factor(bench.REDUCE_SCATTER, 8) == bench.busbw_factor(bench.ALL_GATHER, 8) == 0.875
     with pytest.raises(ValueError):
-        bench.allreduce_busbw_factor(0)
+        bench.busbw_factor(bench.ALL_REDUCE, 0)
 
 
 def test_timing_median_and_spread():
@@ -341,7 +342,8 @@ def test_gpu_nodes_from_recorded_nvml():
                                     memory_bandwidth=_m(250.0)))
     record = ProfileRecord(
         devices=tuple(devices),
-        nodes=(NodeRecord(0, "hgx-01", h100, tuple(range(8)), allreduce=_m(360.0)),
+        nodes=(NodeRecord(0, "hgx-01", h100, tuple(range(8)), allreduce=_m(360.0), reduce_scatter=_m(330.0),
+                          all_gather=_m(340.0)),
                NodeRecord(1, "l4-box", l4, tuple(range(8, 12)), allreduce=_m(18.0))),
         links=(LinkRecord(0, 1, bench.Timing((8e-6, 9e-6)), tuple(_m(11.0) for _ in range(4))),),
         backend="nccl", quick=False, bench={}, started_at="t0", finished_at="t1", wall_s=40.0,
@@ -356,6 +358,11 @@ def test_gpu_nodes_from_recorded_nvml():
     assert g0.measured["nvml"]["nvlink_active_links"] == 18 and box.gpus[0].measured["nvml"]["nvlink_active_links"] == 0
     assert g0.tflops["bf16"] == 989  # catalog peak kept; the measurement beside it
     assert g0.measured["gemm_tflops"]["bf16"] == 650.0 and g0.measured["allreduce_busbw_gbps"] == 360.0
+    # each collective's own bus bandwidth where the node timed it; a node that did not has none
+    assert (g0.measured["reduce_scatter_busbw_gbps"], g0.measured["all_gather_busbw_gbps"]) == (330.0, 340.0)
+    assert not {"reduce_scatter_busbw_gbps", "all_gather_busbw_gbps"} & set(box.gpus[0].measured)
+    assert spec_dict["profile"]["nodes"]["hgx-01"]["reduce_scatter"]["value"] == 330.0
+    assert spec_dict["profile"]["nodes"]["l4-box"]["all_gather"] is None
     link = spec.link("hgx-01", "l4-box")
     assert link.bandwidth_GBps == 44.0 and link.latency_us == 4.25  # 4 rank pairs summed; half the median RTT
     assert spec_dict["profile"]["inter_node"]["schedule"] == [[["hgx-01", "l4-box"]]]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from timeouts import PROCESS_GROUP_TIMEOUT_S, SUBPROCESS_TIMEOUT_S
 
+from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.islands import build_islands
 from tangram_launch.specs.cluster import ClusterSpec
 
@@ -72,12 +73,20 @@ def test_standalone_two_workers_write_a_cluster_spec(tmp_path: Path, capsys) -> 
         assert g.memory_bandwidth_GBps == m["memory_bandwidth_GBps"] > 0
         assert m["allreduce_busbw_gbps"] > 0 and m["allreduce_group_size"] == 2
         assert g.intra_node_bandwidth_GBps == pytest.approx(2 * m["allreduce_busbw_gbps"], rel=1e-3)
+        # a reduce-scatter and an all-gather timed for their own bus bandwidth, which the cost model reads
+        dev = DeviceModel.from_gpu(g, "fp32")
+        assert m["reduce_scatter_busbw_gbps"] > 0 and m["all_gather_busbw_gbps"] > 0
+        assert dev.reduce_scatter_busbw == pytest.approx(m["reduce_scatter_busbw_gbps"] * 1e9)
+        assert dev.all_gather_busbw == pytest.approx(m["all_gather_busbw_gbps"] * 1e9)
         assert len(m["p2p_gbps"]) == 2 and sum(v is not None for v in m["p2p_gbps"]) == 1
         assert "collective_wait_us" not in m  # without --model there is no layer to run before the all-to-all
         assert "wake_up_us" not in m  # ... nor a stage-like micro-batch to time after a wait
         assert m["optimizer_tensor_us"] > 0
     assert spec.fingerprint.startswith("sha256:")
     assert spec.profile["backend"] == "gloo" and spec.profile["quick"] is True
+    node = next(iter(spec.profile["nodes"].values()))
+    for op in ("allreduce", "reduce_scatter", "all_gather"):
+        assert node[op]["group_size"] == 2 and node[op]["value"] > 0, node[op]
     islands = build_islands(spec)
     assert sum(i.num_gpus for i in islands.islands) == 2
     # the summary table on stdout

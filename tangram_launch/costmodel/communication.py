@@ -10,7 +10,8 @@ algbw = S / t and the bus bandwidth busbw = algbw x factor, where factor is what
 
 busbw is then independent of n and equals the link bandwidth a perfect ring achieves, so the time of a collective
 is t = S x factor / busbw (+ a latency term alpha per ring step). ``busbw`` comes from the profiler when measured
-(``allreduce_busbw_gbps``), otherwise from the link's nominal bandwidth x an efficiency (efficiency.py).
+(``allreduce_busbw_gbps``, and a reduce-scatter's or all-gather's own where the profile timed it: gloo runs them well
+below its all-reduce's), otherwise from the link's nominal bandwidth x an efficiency (efficiency.py).
 
 Which link a group uses follows the plan's rank order inside a stage (plan.py: TP fastest, then CP, then DP, whole
 stages tiling the island's GPUs node by node). A group whose ranks sit on one node uses the intra-node link; a group
@@ -80,6 +81,14 @@ class GroupLink:
     nodes: int = 1
     wait_s: float = 0.0  # measured cost of one call after a layer's compute on every member (0: not measured)
     intra_latency_s: float = 0.0
+    # a reduce-scatter's and an all-gather's own bus bandwidth where measured (0: ``busbw``), bytes/s
+    reduce_scatter_busbw: float = 0.0
+    all_gather_busbw: float = 0.0
+
+    def busbw_of(self, op: str) -> float:
+        """The bus bandwidth ``op`` runs at on this link."""
+        own = {REDUCE_SCATTER: self.reduce_scatter_busbw, ALL_GATHER: self.all_gather_busbw}.get(op, 0.0)
+        return own or self.busbw
 
     def step_latency_s(self, op: str, n: int) -> float:
         """The fixed cost of one collective over ``n`` ranks: its ring steps, each at its own level's latency."""
@@ -106,7 +115,7 @@ def collective_s(op: str, nbytes: float, n: int, link: GroupLink) -> float:
     different times)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return nbytes * bus_factor(op, n) / link.busbw + link.call_s(op, n)
+    return nbytes * bus_factor(op, n) / link.busbw_of(op) + link.call_s(op, n)
 
 
 @lru_cache(maxsize=4096)
@@ -127,10 +136,12 @@ def group_link(stride: int, size: int, *, stage_gpus: int, gpus_per_node: int, d
     """The link of a TP/CP/DP/EP group (see the module docstring)."""
     nodes, _members, sharing = group_span(stride, size, stage_gpus, gpus_per_node)
     if nodes <= 1 or inter_bandwidth_GBps is None:
-        return GroupLink(dev.intra_busbw, dev.intra_latency_s, wait_s=dev.collective_wait_s)
+        return GroupLink(dev.intra_busbw, dev.intra_latency_s, wait_s=dev.collective_wait_s,
+                         reduce_scatter_busbw=dev.reduce_scatter_busbw, all_gather_busbw=dev.all_gather_busbw)
     net = inter_bandwidth_GBps * GBPS * NET_EFFICIENCY / sharing
+    rs, ag = (min(b, net) if b else 0.0 for b in (dev.reduce_scatter_busbw, dev.all_gather_busbw))
     return GroupLink(min(dev.intra_busbw, net), inter_latency_us * 1e-6, True, nodes,
-                     intra_latency_s=dev.intra_latency_s)
+                     intra_latency_s=dev.intra_latency_s, reduce_scatter_busbw=rs, all_gather_busbw=ag)
 
 
 def p2p_stage_s(nbytes: float, *, stage_gpus: int, gpus_per_node: int, same_node: bool, dev: DeviceModel,

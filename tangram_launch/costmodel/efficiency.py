@@ -51,7 +51,8 @@ instructions), which is what the profiler's ``gemm_tflops`` measures.
 Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_sweep_tflops`` (the profiler's GEMM-shape
 sweep, which prices every GEMM of its dtype instead of the roofline and e_gemm: ``costmodel.gemm_curve``),
 ``gemm_tflops`` (the large-GEMM throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_GBps`` and
-``allreduce_busbw_gbps``; ``collective_wait_us``, ``optimizer_tensor_us``, ``optimizer_param_ns`` and the FSDP2
+``allreduce_busbw_gbps`` (with ``reduce_scatter_busbw_gbps`` / ``all_gather_busbw_gbps`` for those collectives where
+measured: a backend need not run them at the all-reduce's bus bandwidth); ``collective_wait_us``, ``optimizer_tensor_us``, ``optimizer_param_ns`` and the FSDP2
 figures (``FSDP_KEYS``) add costs that only a measurement sets (absent: not charged); ``layer_forward_s`` /
 ``layer_forward_backward_s`` replace a layer's (and the embedding's and head's) computed time at the profiled shape.
 """
@@ -202,6 +203,10 @@ class DeviceModel:
     # fixed cost per parameter tensor (optimizer_tensor_us: foreach=False runs a dozen small kernels per tensor)
     collective_wait_s: float = 0.0
     optimizer_tensor_s: float = 0.0
+    # measured only (0: the all-reduce's intra_busbw): a reduce-scatter's and an all-gather's own bus bandwidth inside
+    # a node, bytes/s (gloo runs them below its all-reduce's)
+    reduce_scatter_busbw: float = 0.0
+    all_gather_busbw: float = 0.0
     # measured only (0: not charged): AdamW's cost per parameter beyond the per-tensor cost (optimizer_param_ns:
     # foreach=False makes about ten passes over each tensor); the optimizer step pays the larger of it and the
     # memory-bound term
@@ -247,7 +252,9 @@ class DeviceModel:
         else:
             memory_bandwidth = gpu.memory_bandwidth_GBps * GBPS * MEMORY_EFFICIENCY
         intra, intra_latency_s = intra_link(gpu)
-        sources.extend(k for k in ("allreduce_busbw_gbps", "collective_latency_us") if _measured(gpu, k) is not None)
+        op_busbw = {k: _measured(gpu, k) for k in ("reduce_scatter_busbw_gbps", "all_gather_busbw_gbps")}
+        sources.extend(k for k in ("allreduce_busbw_gbps", "collective_latency_us", *op_busbw)
+                       if _measured(gpu, k) is not None)
         wait_us = _measured(gpu, "collective_wait_us")
         if wait_us is not None:
             sources.append("collective_wait_us")
@@ -289,6 +296,8 @@ class DeviceModel:
             intra_latency_s=intra_latency_s,
             fused_elementwise=bool(fused_elementwise),
             collective_wait_s=(wait_us or 0.0) * 1e-6,
+            reduce_scatter_busbw=(op_busbw["reduce_scatter_busbw_gbps"] or 0.0) * GBPS,
+            all_gather_busbw=(op_busbw["all_gather_busbw_gbps"] or 0.0) * GBPS,
             optimizer_tensor_s=(tensor_us or 0.0) * 1e-6,
             optimizer_param_s=(param_ns or 0.0) * 1e-9,
             fsdp_unit_forward_s=(fsdp_us[0] or 0.0) * 1e-6,
