@@ -52,9 +52,10 @@ Measured figures replace the constants: ``GPUSpec.measured`` with ``gemm_sweep_t
 sweep, which prices every GEMM of its dtype instead of the roofline and e_gemm: ``costmodel.gemm_curve``),
 ``gemm_tflops`` (the large-GEMM throughput, used as F_gemm instead of peak x e_gemm), ``memory_bandwidth_GBps`` and
 ``allreduce_busbw_gbps`` (with ``reduce_scatter_busbw_gbps`` / ``all_gather_busbw_gbps`` for those collectives where
-measured: a backend need not run them at the all-reduce's bus bandwidth); ``collective_wait_us``, ``optimizer_tensor_us``, ``optimizer_param_ns`` and the FSDP2
-figures (``FSDP_KEYS``) add costs that only a measurement sets (absent: not charged); ``layer_forward_s`` /
-``layer_forward_backward_s`` replace a layer's (and the embedding's and head's) computed time at the profiled shape.
+measured: a backend need not run them at the all-reduce's bus bandwidth); ``collective_wait_us``,
+``optimizer_tensor_us``, ``optimizer_param_ns`` and the FSDP2 figures (``FSDP_KEYS``) add costs that only a
+measurement sets (absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's (and the
+embedding's and head's) computed time at the profiled shape.
 """
 from __future__ import annotations
 
