@@ -117,10 +117,11 @@ def make_island(row: dict) -> Island:
 
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
-COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2")
-# Cohorts added after the split was drawn that are always validation (the data file's rules 2, 2c and 2d); the fresh
-# and blind2 ones, gathered blind, get a median column of their own once costed.
-VALIDATION_COHORTS = ("unseen", "fresh", "blind2")
+COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2", "blind3")
+# Cohorts added after the split was drawn that are always validation (the data file's rules 2, 2c, 2d and 2e); the
+# blind ones (BLIND_COHORTS) get a median column of their own once costed.
+VALIDATION_COHORTS = ("unseen", "fresh", "blind2", "blind3")
+BLIND_COHORTS = ("fresh", "blind2", "blind3")
 # Cohorts no one has seen the model predict (the data file's `sealed_cohorts:`): left out unless --unseal, so that
 # they can still validate a change made while looking at every other row.
 
@@ -141,7 +142,7 @@ def original_ids_sha256(ids: list[str]) -> str:
 def draw_split(runs: list[dict], generation_of_gpu: dict, fit_when_drawn: Collection[str]) -> dict[str, str]:
     """Row id -> dev | validation by the data file's `validation_split` rule, which reads only a row's id, GPU and
     cohort: the rows a constant was fitted on when the split was drawn (`fit_rows_when_drawn`: a constant retired
-    since does not move its rows) are dev, unseen, fresh and blind2 rows validation (fresh and blind2: gathered blind,
+    since does not move its rows) are dev, unseen and blind (BLIND_COHORTS) rows validation (the blind ones gathered
     from sources no other row cites, after the rows before them had been seen), moe-dev rows (MoE + EP runs gathered
     as development evidence, from sources no validation row cites) dev, and the other original rows of each GPU
     generation, ordered by the SHA-256 of their id, are validation at positions 0, 3, 6, ... (a third per
@@ -423,13 +424,13 @@ def split_label(r: dict) -> str:
 
 def print_split_medians(costed: list[dict]) -> None:
     """Development and validation medians side by side; validation also by cohort (rows in the file when the split
-    was drawn, which the model's structure was tuned on before; rows added afterwards; and, once unsealed, the fresh
-    and the blind2 rows, each gathered blind after the rows before them had been seen)."""
+    was drawn, which the model's structure was tuned on before; rows added afterwards; and, once unsealed, each blind
+    cohort's rows, each gathered blind after the rows before them had been seen)."""
     cols = [("dev", [r for r in costed if r["split"] == "dev"]),
             ("validation", [r for r in costed if r["split"] == "validation"]),
             ("val: original", [r for r in costed if r["split"] == "validation" and r["cohort"] == "original"]),
             ("val: unseen", [r for r in costed if r["split"] == "validation" and r["cohort"] == "unseen"])]
-    for cohort in ("fresh", "blind2"):
+    for cohort in BLIND_COHORTS:
         rows = [r for r in costed if r["split"] == "validation" and r["cohort"] == cohort]
         if rows:  # unsealed
             cols.append((f"val: {cohort}", rows))
