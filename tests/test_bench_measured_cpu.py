@@ -33,6 +33,26 @@ def test_calibration_reaches_the_target_speed_of_a_device_proportional_to_its_qu
     assert quota.core * quota.period_us >= 1000 - 1e-6 or not auto  # the kernel's least quota
 
 
+def test_calibration_checks_a_first_reading_on_target_and_fits_every_reading():
+    """A CFS-throttled device's 3-second readings vary by up to 30 % at one quota: a first reading on target is
+    measured again, and each next quota comes from every reading so far, so readings 30 % high then 30 % low still
+    leave the device within 5 % of the target speed."""
+    k, target = 2.0, 0.33
+    noise = iter([1.3, 0.7])
+    calls = []
+
+    def noisy(quota):
+        calls.append(quota)
+        return k * quota.core * next(noise, 1.0)
+
+    quota, _ = bench.calibrated_quota(bench.Quota(0.165, 6061), target, noisy, auto_period=True)
+    assert len(calls) >= 3 and abs(k * quota.core / target - 1) <= 0.05
+    calls.clear()
+    exact = lambda q: calls.append(q) or k * q.core  # noqa: E731
+    quota, ratio = bench.calibrated_quota(bench.Quota(target / k, 6061), target, exact, auto_period=True)
+    assert len(calls) == 2 and ratio == k * quota.core  # on target at once: measured a second time, then kept
+
+
 def test_calibration_stops_at_a_whole_core_and_after_its_rounds():
     calls = []
 
