@@ -269,21 +269,21 @@ def calibrated_quota(start: Quota, target: float, speed_ratio: Callable[[Quota],
                      rounds: int = 5, tolerance: float = 0.04, least: int = 2) -> tuple[Quota, float]:
     """The quota at which ``speed_ratio`` (the throttled device's speed over a fast one's, measured under a quota)
     is within ``tolerance`` of ``target``, and the ratio measured there: from ``start``, at most ``rounds`` more
-    measurements, each at target / k, k the least-squares slope through the origin of every (quota, ratio) measured
-    so far (a device's speed is about proportional to its quota), capped at a whole core; with ``auto_period`` the
-    period follows (the shortest whose quota is 1 ms, the kernel's least). At least ``least`` measurements: one
-    3-second reading of a device under a CFS quota varies by up to 30 % at the same quota (0.238-0.350 of a fast
-    device at 0.165 of a core, three calibrations in a row), so one reading near the target is not trusted alone."""
+    measurements, each at target / k, k the median of ratio / quota over every reading so far (a device's speed is
+    about proportional to its quota), capped at a whole core; with ``auto_period`` the period follows (the shortest
+    whose quota is 1 ms, the kernel's least). At least ``least`` measurements: one 3-second reading of a device under
+    a CFS quota varied from 0.238 to 0.512 of a fast device at 0.165 of a core (five calibrations on one day), so one
+    reading near the target is not trusted alone, and a median keeps one wild reading from steering the rest."""
     quota, ratio = start, speed_ratio(start)
-    points = [(quota.core, ratio)]
+    slopes = [ratio / quota.core]
     for _ in range(rounds):
-        if len(points) >= least and abs(ratio / target - 1) <= tolerance:
+        if len(slopes) >= least and abs(ratio / target - 1) <= tolerance:
             break
-        slope = sum(q * r for q, r in points) / sum(q * q for q, _ in points)
+        slope = statistics.median(slopes)
         core = min(1.0, target / slope) if slope > 0 else 1.0
         quota = Quota(core, shortest_period_us(core) if auto_period else quota.period_us)
         ratio = speed_ratio(quota)
-        points.append((core, ratio))
+        slopes.append(ratio / core)
     return quota, ratio
 
 

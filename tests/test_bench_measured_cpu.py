@@ -34,9 +34,9 @@ def test_calibration_reaches_the_target_speed_of_a_device_proportional_to_its_qu
 
 
 def test_calibration_checks_a_first_reading_on_target_and_fits_every_reading():
-    """A CFS-throttled device's 3-second readings vary by up to 30 % at one quota: a first reading on target is
-    measured again, and each next quota comes from every reading so far, so readings 30 % high then 30 % low still
-    leave the device within 5 % of the target speed."""
+    """A CFS-throttled device's 3-second readings vary widely at one quota: a first reading on target is measured
+    again, and each next quota comes from every reading so far, so readings 30 % high then 30 % low still leave the
+    device within 5 % of the target speed."""
     k, target = 2.0, 0.33
     noise = iter([1.3, 0.7])
     calls = []
