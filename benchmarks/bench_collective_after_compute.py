@@ -16,6 +16,7 @@ Prints one table per part; exit 0. Figures vary with the host's load: compare ro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -33,49 +34,30 @@ from profiler import bench  # noqa: E402
 
 SIZES_MIB = (1, 8, 32)
 COMPUTE_MS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
-BLOCK = 10
+BLOCK = bench.WAIT_BLOCK
 
 
 def _bandwidth(world: int) -> dict:
-    out = {}
-    for mib in SIZES_MIB:
-        numel = mib * 2**20 // 4 // world * world
-        whole, shard = torch.ones(numel), torch.ones(numel // world)
-        calls = {bench.ALL_REDUCE: lambda: dist.all_reduce(whole),
-                 bench.REDUCE_SCATTER: lambda: dist.reduce_scatter_tensor(shard, whole),
-                 bench.ALL_GATHER: lambda: dist.all_gather_into_tensor(whole, shard)}
-        for op, call in calls.items():
-            call()
-            samples = []
-            for _ in range(12):
-                dist.barrier()
-                t0 = time.perf_counter()
-                call()
-                samples.append(time.perf_counter() - t0)
-            algbw = numel * 4 / statistics.median(samples) / 1e9
-            out[f"{op} {mib} MiB"] = round(algbw * bench.busbw_factor(op, world), 3)
-    return out
+    """The profile's own measurement (profiler.bench.collective_busbw_gbps) at each buffer size."""
+    cpu, cfg = torch.device("cpu"), bench.BenchConfig.for_device("cpu", quick=False)
+    return {f"{op} {mib} MiB": round(bench.collective_busbw_gbps(
+                op, None, world, cpu, dataclasses.replace(cfg, allreduce_bytes=mib * 2**20, comm_reps=12)).value, 3)
+            for mib in SIZES_MIB for op in bench.BANDWIDTH_OPS}
 
 
 def _waits(world: int, reps: int) -> dict:
+    """The profile's wait measurement (profiler.bench._tiny_all_to_all_after) after T ms of GEMMs."""
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     t0, n = time.perf_counter(), 0
     while time.perf_counter() - t0 < 0.2:
         a @ b
         n += 1
     per_ms = n / 200.0
-    send, recv = torch.zeros(world), torch.zeros(world)
     out = {}
     for ms in COMPUTE_MS:
         k = max(1, round(per_ms * ms))
-        samples = []
-        dist.barrier()
-        for _ in range(reps):
-            for _ in range(k):
-                a @ b
-            t0 = time.perf_counter()
-            dist.all_to_all_single(recv, send)
-            samples.append(time.perf_counter() - t0)
+        samples = bench._tiny_all_to_all_after(lambda: [a @ b for _ in range(k)], None, world, torch.device("cpu"),
+                                               reps, warmup=1, warm_compute=True)
         blocks = [statistics.fmean(samples[i:i + BLOCK]) for i in range(0, len(samples) - BLOCK + 1, BLOCK)]
         out[ms] = {"mean_ms": statistics.fmean(samples) * 1e3, "block_median_ms": statistics.median(blocks) * 1e3,
                    "median_ms": statistics.median(samples) * 1e3}
