@@ -86,21 +86,23 @@ def test_a_tf32_search_on_the_512_gpu_cluster_gives_no_tf32_reason(opt512):
 MIXED = {"name": "a100-v100", "network": {"default": {"bandwidth_GBps": 6.0, "latency_us": 50}},
          "nodes": [{"name": "a0", "gpu": "a100-40gb", "count": 4}, {"name": "v0", "gpu": "v100-16gb", "count": 4}]}
 STAGES = {"microbatch_sequences": 4,
-          "stages": [{"layers": [0, 3], "island": "a100-40gb", "num_gpus": 4, "tp": 1, "dp": 4},
-                     {"layers": [3, 4], "island": "v100-16gb", "num_gpus": 4, "tp": 1, "dp": 4}]}
+          "stages": [{"layers": [0, 18], "island": "a100-40gb", "num_gpus": 4, "tp": 1, "dp": 4},
+                     {"layers": [18, 24], "island": "v100-16gb", "num_gpus": 4, "tp": 1, "dp": 4}]}
 
 
 @pytest.fixture(scope="module")
 def mixed_plans(tmp_path_factory) -> dict[str, str]:
-    """The same hand-written two-stage pipeline (A100 stage, V100 stage) costed in tf32 and in fp32."""
+    """The same hand-written two-stage pipeline (A100 stage, V100 stage) costed in tf32 and in fp32; OPT-350M at
+    2,048 tokens, whose layers compute for longer than the host takes to dispatch them (costmodel/host_floor.py),
+    so the math mode shows in their times."""
     d = tmp_path_factory.mktemp("math_mode")
     (d / "cluster.yaml").write_text(yaml.safe_dump(MIXED))
     (d / "stages.yaml").write_text(yaml.safe_dump(STAGES))
     out = {}
     for dtype in ("tf32", "fp32"):
         path = d / f"plan-{dtype}.json"
-        rc = main(["plan", "--cluster", str(d / "cluster.yaml"), "--model", "tiny", "--global-batch", "8",
-                   "--seq-len", "64", "--dtype", dtype, "--plan", str(d / "stages.yaml"), "--workers", "1",
+        rc = main(["plan", "--cluster", str(d / "cluster.yaml"), "--model", "opt-350m", "--global-batch", "8",
+                   "--seq-len", "2048", "--dtype", dtype, "--plan", str(d / "stages.yaml"), "--workers", "1",
                    "--format", "json", "-o", str(path)])
         assert rc == 0
         out[dtype] = path.read_text()

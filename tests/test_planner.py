@@ -136,6 +136,9 @@ def _own_best(par, island, model, training, caps, bs):
                 continue
             if caps.pipeline_problems([s.shape for s in p.stages]):
                 continue
+            if caps.schedule_problems("1F1B", num_stages=len(p.stages), num_microbatches=m,
+                                      shapes=[s.shape for s in p.stages]):
+                continue  # e.g. the torch runtime's one-grid 1F1B needs at least as many micro-batches as stages
             t = (simulated_1f1b_s([s.forward_s for s in p.stages], [s.backward_s for s in p.stages],
                                   [0.0] * (len(p.stages) - 1), m)  # p2p inside a slice plan: in its stage times
                  + max(s.dp_sync_s + s.optimizer_s for s in p.stages))

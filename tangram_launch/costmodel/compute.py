@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.efficiency import DeviceModel
+from tangram_launch.costmodel.host_floor import layer_host_floor_s
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
 from tangram_launch.costmodel.measured_layers import (AnalyticS, Priced, measured_points, parts_correction, price,
                                                        stage_measurement as summarize_stage)
@@ -103,7 +104,7 @@ class LayerCompute:
 
     kind: str
     forward_flops: float  # model FLOPs (causal attention) on this GPU
-    forward_s: float  # gemm_s + attention_core_s + elementwise_s (or a measured layer time)
+    compute_forward_s: float  # gemm_s + attention_core_s + elementwise_s (or a measured layer time)
     gemm_s: float
     attention_core_s: float  # what selective recompute repeats
     attention_core_flops: float  # executed (unfused attention computes the full s x s product)
@@ -115,12 +116,19 @@ class LayerCompute:
     op_sac_recompute_flops: float = 0.0
     # backward beyond BACKWARD_FACTOR x forward_s: fused attention's recomputed scores (FLASH_BACKWARD_FACTOR)
     attention_backward_extra_s: float = 0.0
+    # the host's time to dispatch each pass (host_floor.py): neither runs faster
+    forward_floor_s: float = 0.0
+    backward_floor_s: float = 0.0
+
+    @property
+    def forward_s(self) -> float:
+        return max(self.compute_forward_s, self.forward_floor_s)
 
     @property
     def backward_s(self) -> float:
         if self.measured_backward_s is not None:
-            return self.measured_backward_s
-        return BACKWARD_FACTOR * self.forward_s + self.attention_backward_extra_s
+            return max(self.measured_backward_s, self.backward_floor_s)
+        return max(BACKWARD_FACTOR * self.compute_forward_s + self.attention_backward_extra_s, self.backward_floor_s)
 
     @property
     def backward_flops(self) -> float:
@@ -149,11 +157,13 @@ class LayerCompute:
 
 def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int, cp: int, ep: int,
                   dev: DeviceModel, use_measured: bool = True,
-                  moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> LayerCompute:
+                  moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME, host_floor: bool = True) -> LayerCompute:
     """Forward compute of transformer layer ``layer`` per GPU and micro-batch (see the module docstring); where the
     profile measured the layer's kind (``use_measured``), its time comes from those measurements
     (measured_layers.price), the analytic terms only scaling them to shapes not measured. ``moe_runtime``: how the
-    runtime runs the routed experts (their TP degree, dispatcher and permutation kernels; moe_dispatch.py)."""
+    runtime runs the routed experts (their TP degree, dispatcher and permutation kernels; moe_dispatch.py).
+    ``host_floor``: neither pass runs faster than the host dispatches it (host_floor.py); off for the analytic
+    ratios that scale measured points, which the floor then bounds as it bounds the analytic time."""
     h = model.hidden_size
     t = tp
     p = dev.dtype_bytes
@@ -223,18 +233,21 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
         priced = measured_layer_price(model, model.layer_kind(layer), seq_len=seq_len, mbs=mbs, tp=tp, dev=dev,
                                       analytic_s=lambda s, b, t: layer_compute(
                                           model, layer, seq_len=s, mbs=b, tp=t, cp=1, ep=ep, dev=dev,
-                                          use_measured=False, moe_runtime=moe_runtime).forward_s)
+                                          use_measured=False, moe_runtime=moe_runtime, host_floor=False).forward_s)
     if priced is not None:
         # The measured backward (priced.backward_s) replaces the 2x rule where the profile has it: on CPUs and small
         # shapes the backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x. Without it, the
         # backward keeps the analytic backward/forward ratio.
         attn_bwd_extra_s *= priced.forward_s / forward_s if forward_s > 0 else 0.0
         forward_s = priced.forward_s
-    return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, forward_s=forward_s, gemm_s=gemm,
-                        attention_core_s=core_s, attention_core_flops=core_flops, elementwise_s=elementwise_s,
+    floor_fwd, floor_bwd = layer_host_floor_s(model, layer, dev.host_op_s if host_floor else 0.0, tp=tp, ep=ep)
+    return LayerCompute(kind=model.layer_kind(layer), forward_flops=model_flops, compute_forward_s=forward_s,
+                        gemm_s=gemm, attention_core_s=core_s, attention_core_flops=core_flops,
+                        elementwise_s=elementwise_s,
                         measured=priced is not None, measured_backward_s=priced.backward_s if priced else None,
                         priced=priced, op_sac_recompute_s=sac_s, op_sac_recompute_flops=sac_flops,
-                        attention_backward_extra_s=attn_bwd_extra_s)
+                        attention_backward_extra_s=attn_bwd_extra_s, forward_floor_s=floor_fwd,
+                        backward_floor_s=floor_bwd)
 
 
 def _op_sac_recompute(model: "ModelSpec", layer: int, m_tok: float, t: int, dev: DeviceModel) -> tuple[float, float]:

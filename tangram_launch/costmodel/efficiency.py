@@ -54,7 +54,8 @@ sweep, which prices every GEMM of its dtype instead of the roofline and e_gemm: 
 ``allreduce_busbw_gbps`` (with ``reduce_scatter_busbw_gbps`` / ``all_gather_busbw_gbps`` for those collectives where
 measured: a backend need not run them at the all-reduce's bus bandwidth); ``collective_wait_us``,
 ``optimizer_tensor_us``, ``optimizer_param_ns`` and the FSDP2 figures (``FSDP_KEYS``) add costs that only a
-measurement sets (absent: not charged); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's (and the
+measurement sets (absent: not charged); ``host_op_us`` replaces HOST_OP_S, the host's time per dispatched operator
+(costmodel.host_floor); ``layer_forward_s`` / ``layer_forward_backward_s`` replace a layer's (and the
 embedding's and head's) computed time at the profiled shape.
 """
 from __future__ import annotations
@@ -65,6 +66,7 @@ from typing import Mapping
 
 from tangram_launch.costmodel.attention_kernels import KernelCurve, attention_curve
 from tangram_launch.costmodel.gemm_curve import MeasuredGemmCurve
+from tangram_launch.costmodel.host_floor import HOST_OP_S
 from tangram_launch.costmodel.measured_layers import SEQUENCE_KEY, SEQUENCE_PARTS_KEY
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import GPUSpec, math_mode
@@ -217,6 +219,9 @@ class DeviceModel:
     fsdp_unit_forward_s: float = 0.0
     fsdp_unit_backward_s: float = 0.0
     optimizer_sharded_tensor_s: float = 0.0
+    # host seconds per operator the runtime dispatches (host_floor.py): measured (host_op_us), else HOST_OP_S on a
+    # GPU and 0 on a CPU device (its measured layer times hold the host's work)
+    host_op_s: float = 0.0
     # the profiler's GEMM sweep for this math mode (measured.gemm_sweep_tflops): replaces the roofline in gemm_s
     gemm_curve: MeasuredGemmCurve | None = None
     # the attention kernel's measured shape dependence (attention_kernels.py), against attention_peak_flops; None:
@@ -265,6 +270,9 @@ class DeviceModel:
         param_ns = _measured(gpu, "optimizer_param_ns")
         if param_ns is not None:
             sources.append("optimizer_param_ns")
+        host_op_us = _measured(gpu, "host_op_us")
+        if host_op_us is not None:
+            sources.append("host_op_us")
         # per dtype the units gather in: a 16-bit plan's, else fp32 (the torch runtime, the one that wraps FSDP2
         # units, runs no fp8)
         gathered = dtype if dtype in ("bf16", "fp16") else "fp32"
@@ -301,6 +309,7 @@ class DeviceModel:
             all_gather_busbw=(op_busbw["all_gather_busbw_gbps"] or 0.0) * GBPS,
             optimizer_tensor_s=(tensor_us or 0.0) * 1e-6,
             optimizer_param_s=(param_ns or 0.0) * 1e-9,
+            host_op_s=(host_op_us * 1e-6 if host_op_us is not None else 0.0 if gpu.type == "cpu" else HOST_OP_S),
             fsdp_unit_forward_s=(fsdp_us[0] or 0.0) * 1e-6,
             fsdp_unit_backward_s=(fsdp_us[1] or 0.0) * 1e-6,
             optimizer_sharded_tensor_s=(fsdp_us[2] or 0.0) * 1e-6,
