@@ -33,7 +33,7 @@ from tangram_launch.costmodel.measured_layers import SEQUENCE_KEY, SEQUENCE_PART
 from tangram_launch.specs.constants import STORAGE_DTYPES  # the dtypes the GEMM benchmark times
 from tangram_launch.specs.yamlio import to_plain
 
-FINGERPRINT_VERSION = 4  # raised when profiles gain figures the cost model reads: cached ones are measured again
+FINGERPRINT_VERSION = 5  # raised when profiles gain figures the cost model reads: cached ones are measured again
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class DeviceRecord:
     # (micro-batch, stage-like sequence s, the sum of its parts timed alone s), back to back (worker._profile_sequence)
     stage_sequence: Sequence[tuple[int, float, float]] = ()
     like_group: LikeGroup | None = None  # the node's collective figures over this device's like ranks (if measured)
+    host_op: Measured | None = None  # host time per dispatched operator, us (profiler.host_ops)
 
     @property
     def is_cpu(self) -> bool:
@@ -249,6 +250,8 @@ def _gpu_entry(dev: DeviceRecord, node: NodeRecord, catalog, model_name: str | N
         measured["optimizer_tensor_us"] = round_sig(dev.optimizer_tensor.value)
     if dev.optimizer_param is not None:
         measured["optimizer_param_ns"] = round_sig(dev.optimizer_param.value)
+    if dev.host_op is not None:
+        measured["host_op_us"] = round_sig(dev.host_op.value)
     if dev.wake_up is not None:
         measured["wake_up_us"] = round_sig(dev.wake_up.value)
         waited_s = dict(dev.wake_up.detail).get("waited_s")
@@ -433,6 +436,7 @@ def assemble_cluster(record: ProfileRecord, *, name: str | None = None, catalog=
              "memory_bandwidth": d.memory_bandwidth.to_dict() if d.memory_bandwidth else None,
              **({"optimizer_tensor": d.optimizer_tensor.to_dict()} if d.optimizer_tensor else {}),
              **({"optimizer_param": d.optimizer_param.to_dict()} if d.optimizer_param else {}),
+             **({"host_op": d.host_op.to_dict()} if d.host_op else {}),
              **({"wake_up": d.wake_up.to_dict()} if d.wake_up else {}),
              **({"stage_sequence": [{"micro_batch": m, "sequence_s": round_sig(w), "parts_s": round_sig(p)}
                                     for m, w, p in d.stage_sequence]} if d.stage_sequence else {}),

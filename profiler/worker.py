@@ -42,6 +42,7 @@ import torch.distributed as dist
 from profiler import LAYER_TIMINGS, bench
 from profiler.assemble import (DeviceRecord, LikeGroup, LinkRecord, NodeRecord, ProfileRecord, assemble_cluster,
                                name_nodes)
+from profiler.host_ops import host_op_us
 from profiler.inventory import describe, read_node_inventory
 
 log = logging.getLogger("profiler.worker")
@@ -286,6 +287,7 @@ class _Local:
     gemm_sweep: dict = field(default_factory=dict)  # dtype -> tuple of Measured TFLOP/s, one per (m, n, k)
     wake_up: bench.Measured | None = None  # a stage-like micro-batch after a wait against back to back, us
     stage_sequence: tuple = ()  # (micro-batch, stage-like sequence s, its parts' s), _profile_sequence
+    host_op: bench.Measured | None = None  # host time per dispatched operator, us (profiler.host_ops)
 
 
 def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
@@ -328,6 +330,11 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
     if run.env.rank == 0:
         log.info("AdamW step on rank 0: %.3g us per parameter tensor + %.3g ns per parameter", optimizer.value,
                  optimizer_param.value)
+    run.progress.phase("host time per dispatched operator")
+    run.barrier()
+    host_op = host_op_us(device, cfg)
+    if run.env.rank == 0:
+        log.info("host time on rank 0: %.3g us per dispatched operator", host_op.value)
     run.barrier()
     between = None
     if node_group is not None and device.type == "cpu":  # CPU processes share cores: time layers as training runs
@@ -345,7 +352,7 @@ def _local_benchmarks(run: _Run, node_group: Any = None) -> _Local:
         sequence = _profile_sequence(run, between, agree, layer, int(dict(wake_up.detail)["layers"]))
         run.barrier()
     return _Local(gemm, copy, layer, model_info, optimizer, stand_in, optimizer_param, gemm_sweep=sweep,
-                  wake_up=wake_up, stage_sequence=sequence)
+                  wake_up=wake_up, stage_sequence=sequence, host_op=host_op)
 
 
 def _profile_wake_up(run: _Run, between: Callable[[], Any], agree: Callable[[int], int]) -> bench.Measured | None:
@@ -590,7 +597,7 @@ def _gather_and_write(run: _Run, layout: "_Layout", local: _Local, collectives: 
         torch_uuid=me.get("uuid"), torch_name=me.get("name"), total_memory_bytes=me.get("total_memory"),
         gemm=local.gemm, memory_bandwidth=local.copy, layer=local.layer, optimizer_tensor=local.optimizer,
         optimizer_param=local.optimizer_param, gemm_sweep=local.gemm_sweep, wake_up=local.wake_up,
-        stage_sequence=local.stage_sequence, like_group=like_group,
+        stage_sequence=local.stage_sequence, like_group=like_group, host_op=local.host_op,
     )
     # (all-reduce, latency, wait, FSDP2), p2p
     node_part = (collectives if env.local_rank == 0 else (None, None, None, None), p2p)

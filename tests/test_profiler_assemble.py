@@ -212,6 +212,22 @@ def _m(value: float, unit: str = "GB/s") -> bench.Measured:
     return bench.Measured(value, unit, bench.Timing((1.0, 1.02, 0.98)))
 
 
+def test_host_time_per_operator_on_cpu():
+    """The reference layer's forward and backward at one token, over the operators it dispatches: the layer's own
+    (the cost model's count) and the loss's sum and its gradient."""
+    from profiler.host_ops import host_op_us, reference_layer_model
+    from tangram_launch.costmodel.host_floor import layer_host_ops
+
+    cfg = bench.BenchConfig("cpu", True, gemm_shape=(8, 8, 8), gemm_dtypes=("fp32",), copy_bytes=2**20,
+                            allreduce_bytes=2**20, p2p_bytes=2**20, warmup=1, reps=3, comm_reps=3,
+                            latency_reps=3, min_rep_s=0.005, budget_s=0.2)
+    m = host_op_us(torch.device("cpu"), cfg)
+    ops = dict(m.detail)["ops"]
+    assert 0 < ops - sum(layer_host_ops(reference_layer_model(), 0)) <= 4
+    assert m.unit == "us" and m.value == pytest.approx(m.timing.median_s / ops * 1e6)
+    assert 0.1 < m.value < 1000  # microseconds an operator: not nothing, not a millisecond
+
+
 def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileRecord:
     """One CPU node of len(speeds) devices (or one device per host when hosts are given)."""
     hosts = hosts or ["box"]
@@ -225,7 +241,7 @@ def _cpu_record(speeds: list[float], hosts: list[str] | None = None) -> ProfileR
                                         gemm={"fp32": _m(speeds[rank] / 4, "TFLOP/s"),
                                               "bf16": _m(speeds[rank], "TFLOP/s")},
                                         memory_bandwidth=_m(10.0), optimizer_tensor=_m(40.0 + rank, "us"),
-                                        optimizer_param=_m(3.0 - rank, "ns"),
+                                        optimizer_param=_m(3.0 - rank, "ns"), host_op=_m(5.0 + rank, "us"),
                                         wake_up=dataclasses.replace(_m(900.0 + 100 * rank, "us"),
                                                                     detail=(("waited_s", 0.03 + 0.01 * rank),))))
         p2p = tuple((a, b, _m(2.0)) for a, b in itertools.combinations(range(per_node), 2))
@@ -257,6 +273,9 @@ def test_cpu_devices_carry_measured_figures():
     assert spec.profile["devices"][1]["optimizer_tensor"]["value"] == 41.0
     assert a.measured["optimizer_param_ns"] == 3.0 and b.measured["optimizer_param_ns"] == 2.0
     assert build_islands(spec).islands[0].gpu.measured["optimizer_param_ns"] == 3.0  # a duration: the slowest
+    assert a.measured["host_op_us"] == 5.0 and b.measured["host_op_us"] == 6.0  # per device
+    assert spec.profile["devices"][1]["host_op"]["value"] == 6.0
+    assert build_islands(spec).islands[0].gpu.measured["host_op_us"] == 6.0  # the slowest host
     assert a.measured["wake_up_us"] == 900.0 and b.measured["wake_up_us"] == 1000.0  # per device
     assert spec.profile["devices"][1]["wake_up"]["value"] == 1000.0
     assert build_islands(spec).islands[0].gpu.measured["wake_up_us"] == 1000.0  # the slowest wake-up

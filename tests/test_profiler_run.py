@@ -225,6 +225,7 @@ def test_model_profile_measures_the_wait_after_a_layer_and_the_optimizer_per_ten
         assert dev.collective_wait_s == pytest.approx(m["collective_wait_us"] * 1e-6)
         assert dev.optimizer_tensor_s == pytest.approx(m["optimizer_tensor_us"] * 1e-6)
         assert m["optimizer_param_ns"] >= 0 and dev.optimizer_param_s == pytest.approx(m["optimizer_param_ns"] * 1e-9)
+        assert m["host_op_us"] > 0 and dev.host_op_s == pytest.approx(m["host_op_us"] * 1e-6)  # the host's floor
         # FSDP2 over the node's two ranks: host work per unit (gloo: about a millisecond a pass), per dtype the units
         # gather in (each one the GEMM benchmark runs here), and AdamW per DTensor, dearer than per plain tensor
         assert set(m["fsdp_unit_forward_us"]) == set(m["fsdp_unit_backward_us"]) == set(m["gemm_tflops"])

@@ -17,9 +17,8 @@ SwiGLU, no biases) dispatches 114 forward and 144 backward; each feature adds or
 the profiler's layer over generated models and checks every count here. Runtimes that fuse kernels (Transformer
 Engine, torch.compile) or run experts as one grouped GEMM dispatch fewer; the floor is the eager runtime's.
 
-Host seconds per operator: the GPU's ``measured.host_op_us`` where the cluster file gives one (the profiler does not
-time it yet), else HOST_OP_S on a GPU and nothing on a CPU device, whose measured layer times already hold the host's
-work.
+Host seconds per operator: the profile's ``host_op_us`` where it measured one (profiler/host_ops.py), else HOST_OP_S
+on a GPU and nothing on an unprofiled CPU device.
 """
 from __future__ import annotations
 
