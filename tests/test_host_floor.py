@@ -47,7 +47,7 @@ def counted_ops(model, kind: str, tp: int, tokens: int = 64) -> tuple[int, int]:
 SMALL = dict(hidden_size=64, num_heads=4, head_dim=16, ffn_hidden_size=128)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(rotary=st.booleans(), rmsnorm=st.booleans(), kv_heads=st.sampled_from([1, 2, 4]), gated=st.booleans(),
        bias=st.booleans(), tp=st.sampled_from([1, 2, 4]))
 def test_a_dense_layers_count_is_the_operators_the_layer_dispatches(rotary, rmsnorm, kv_heads, gated, bias, tp):
@@ -59,7 +59,7 @@ def test_a_dense_layers_count_is_the_operators_the_layer_dispatches(rotary, rmsn
     assert layer_host_ops(model, 0, tp=tp) == counted_ops(model, "dense", tp)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(experts=st.sampled_from([2, 4, 8]), top_k=st.sampled_from([1, 2]), shared=st.sampled_from([0, 1, 2]),
        gate=st.booleans(), router_bias=st.booleans(), norm_topk=st.booleans(), capacity=st.booleans(),
        gated=st.booleans(), bias=st.booleans())
@@ -109,7 +109,7 @@ def test_a_small_shape_runs_at_the_hosts_pace_and_a_large_one_at_its_compute():
     assert lb.forward_s > 10 * layer_host_floor_s(big, 0, dev.host_op_s)[0]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(name=st.sampled_from(["tiny", "gpt3-1.3b", "llama3-8b", "tiny-moe", "qwen3-30b-a3b-24l"]),
        seq=st.sampled_from([64, 512, 4096]), mbs=st.sampled_from([1, 2, 8]), tp=st.sampled_from([1, 2, 8]),
        host_us=st.floats(0.0, 50.0))
