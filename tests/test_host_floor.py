@@ -9,8 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from profiler.host_ops import REFERENCE_WIDTHS
+from profiler.host_ops import counted_ops as count_ops
 from profiler.layer import build_layer
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import DeviceModel
@@ -20,38 +21,23 @@ from tangram_launch.specs.model import load_model
 from test_costmodel import coster, gpu, island
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def counted_ops(model, kind: str, tp: int, tokens: int = 64) -> tuple[int, int]:
     """(forward, backward) aten operators of the profiler's layer, on a CPU at ``tokens`` tokens (enough that every
     expert gets rows)."""
     torch.manual_seed(0)
     layer = build_layer(model, kind, torch.device("cpu"), "fp32", tp=tp)
     x = torch.randn(1, tokens, model.hidden_size, requires_grad=True)
-    with _Count() as fwd:
-        y = layer(x)
-    loss = y.float().sum()
-    with _Count() as bwd:
-        loss.backward()
-    return fwd.n, bwd.n
-
-
-SMALL = dict(hidden_size=64, num_heads=4, head_dim=16, ffn_hidden_size=128)
+    out: list = []
+    fwd = count_ops(lambda: out.append(layer(x)))
+    loss = out[0].float().sum()
+    return fwd, count_ops(loss.backward)
 
 
 @settings(max_examples=12, deadline=None)
 @given(rotary=st.booleans(), rmsnorm=st.booleans(), kv_heads=st.sampled_from([1, 2, 4]), gated=st.booleans(),
        bias=st.booleans(), tp=st.sampled_from([1, 2, 4]))
 def test_a_dense_layers_count_is_the_operators_the_layer_dispatches(rotary, rmsnorm, kv_heads, gated, bias, tp):
-    model = dataclasses.replace(load_model("llama3-8b"), **SMALL, num_kv_heads=kv_heads,
+    model = dataclasses.replace(load_model("llama3-8b"), **{**REFERENCE_WIDTHS, "num_kv_heads": kv_heads},
                                 position_embedding="rotary" if rotary else "learned",
                                 num_position_embeddings=0 if rotary else 8192,
                                 norm_type="rmsnorm" if rmsnorm else "layernorm", ffn_type="swiglu" if gated else "gelu",
