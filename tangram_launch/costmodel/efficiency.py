@@ -220,7 +220,7 @@ class DeviceModel:
     fsdp_unit_backward_s: float = 0.0
     optimizer_sharded_tensor_s: float = 0.0
     # host seconds per operator the runtime dispatches (host_floor.py): measured (host_op_us), else HOST_OP_S on a
-    # GPU and 0 on a CPU device (its measured layer times hold the host's work)
+    # GPU and 0 on an unprofiled CPU device
     host_op_s: float = 0.0
     # the profiler's GEMM sweep for this math mode (measured.gemm_sweep_tflops): replaces the roofline in gemm_s
     gemm_curve: MeasuredGemmCurve | None = None
