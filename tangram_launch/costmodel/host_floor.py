@@ -68,9 +68,10 @@ def layer_host_ops(model: "ModelSpec", layer: int, *, tp: int = 1, ep: int = 1) 
         if on:
             fwd, bwd = fwd + HOST_OPS_DELTA[feature][0], bwd + HOST_OPS_DELTA[feature][1]
     bias = bool(model.linear_bias)
-    if bias:
-        bwd += BIAS_BACKWARD_OPS_PER_LINEAR * (4 + model.ffn_matrices)
-    if not model.is_moe_layer(layer):
+    moe = model.is_moe_layer(layer)
+    if bias:  # q, k, v and the output projection; a dense FFN's own (a routed FFN counts them per FFN, below)
+        bwd += BIAS_BACKWARD_OPS_PER_LINEAR * (4 + (0 if moe else model.ffn_matrices))
+    if not moe:
         return fwd, bwd
     ffns = model.num_experts / ep + (1 if model.num_shared_experts else 0)  # the shared experts: one FFN
     ffn_fwd = MOE_FFN_FORWARD_OPS[0] + MOE_FFN_FORWARD_OPS[1] * gated
@@ -80,8 +81,6 @@ def layer_host_ops(model: "ModelSpec", layer: int, *, tp: int = 1, ep: int = 1) 
     bwd += MOE_ROUTING_OPS[1] + MOE_GATED_ROUTING_OPS[1] * gated + ffns * ffn_bwd
     if model.num_shared_experts:  # on all tokens: no slice of the permuted rows to take the gradient of
         bwd -= MOE_SHARED_SLICE_BACKWARD_OPS
-    if bias:  # the dense FFN's bias gradients, counted above, are not the routed FFN's (counted per FFN)
-        bwd -= BIAS_BACKWARD_OPS_PER_LINEAR * model.ffn_matrices
     extras = ((model.top_k > 1, MOE_TOPK_OPS), (model.top_k > 1 and bool(model.router_norm_topk), MOE_NORM_TOPK_OPS),
               (model.capacity_factor is not None, MOE_CAPACITY_OPS), (bool(model.shared_expert_gate),
                                                                       MOE_SHARED_GATE_OPS),
