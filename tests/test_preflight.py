@@ -270,3 +270,25 @@ def test_estimate_refuses_a_sequence_longer_than_the_models_learned_positions(ca
                  "--dtype", "fp32"]) == 2
     err = capsys.readouterr().err
     assert "--seq-len" in err and "at most 64" in err and "Traceback" not in err
+
+
+# --- CPU workers' threads ------------------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.integers(0, 64).map(str), st.sampled_from(["", " ", "two", "-1", "1.5", "4,2"])),
+       st.integers(1, 16), st.integers(1, 64))
+def test_a_thread_warning_comes_exactly_when_cpu_workers_would_oversubscribe_the_cores(value, nproc, cores):
+    text = preflight.cpu_thread_warning(value, nproc_per_node=nproc, cores=cores)
+    valid = value is not None and value.strip().isdigit() and int(value) >= 1
+    expected = value is not None and (int(value) * nproc > cores if valid else nproc > 1)  # unread: a thread a core
+    assert (text is not None) == expected
+    if text is not None:  # it names the variable and its value, and a value that fits
+        assert f"OMP_NUM_THREADS={value!r}" in text if not valid else f"OMP_NUM_THREADS={int(value)} " in text
+        fix = int(text.rsplit("set OMP_NUM_THREADS=", 1)[1].split()[0])
+        assert fix >= 1 and (fix * nproc <= cores or fix == 1)
+
+
+def test_the_usable_cores_are_this_processs_affinity():
+    import os
+
+    assert preflight.usable_cores() == len(os.sched_getaffinity(0)) >= 1

@@ -29,7 +29,8 @@ WORKER = "print('worker ran', flush=True)\n"
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TANGRAM_"))}
-    env.update(OMP_NUM_THREADS="1", TANGRAM_CACHE_DIR=str(tmp_path / "cache"), **extra)
+    env.update(OMP_NUM_THREADS="1", TANGRAM_CACHE_DIR=str(tmp_path / "cache"))
+    env.update(extra)
     return env
 
 
@@ -136,3 +137,23 @@ def test_ctrl_c_stops_a_planned_launch_with_one_line_and_no_traceback(tmp_path):
     about_it = [line for line in text.splitlines() if "SIGINT" in line or "signal" in line]
     assert about_it == [f"tangram-launch: stopped by SIGINT: plan node local's workers (2 per node, {TRAIN_GPT}) "
                         "were terminated; exit status 130"], text[-3000:]
+
+
+@pytest.mark.distributed
+def test_cpu_workers_given_more_threads_than_cores_are_warned_once_and_still_run(tmp_path):
+    """The user's OMP_NUM_THREADS stands, as under torchrun; the launcher says what it costs and what fits."""
+    from profiler.inventory import read_node_inventory
+
+    if read_node_inventory().gpus:  # pragma: no cover - workers on GPUs compute there: no warning to see
+        pytest.skip("this node has GPUs: the warning is for CPU workers")
+    script = tmp_path / "train.py"
+    script.write_text(WORKER)
+    cores = len(os.sched_getaffinity(0))
+    over = _cli(tmp_path, "--standalone", "--nproc-per-node", "2", str(script), OMP_NUM_THREADS=str(cores))
+    out = over.stdout + over.stderr
+    assert over.returncode == 0 and out.count("worker ran") == 2, out[-3000:]
+    assert out.count("OMP_NUM_THREADS=") == 2, out[-3000:]  # one warning: the value, then the fix
+    assert f"OMP_NUM_THREADS={cores} gives each of the 2 CPU worker(s) {cores} threads" in out
+    assert f"set OMP_NUM_THREADS={max(1, cores // 2)} " in out
+    fits = _cli(tmp_path, "--standalone", "--nproc-per-node", "2", str(script), OMP_NUM_THREADS="1")
+    assert fits.returncode == 0 and "OMP_NUM_THREADS" not in fits.stdout + fits.stderr

@@ -397,6 +397,19 @@ def _preflight(argv: Sequence[str], *, can_plan: bool) -> tuple[LaunchOptions, p
     return options, checked
 
 
+def _warn_cpu_threads(options: LaunchOptions) -> None:
+    """One warning where CPU workers would start more threads than the node has cores (preflight.cpu_thread_warning);
+    workers on GPUs compute on them, whatever their host threads."""
+    text = preflight.cpu_thread_warning(os.environ.get("OMP_NUM_THREADS"), nproc_per_node=options.nproc_per_node,
+                                        cores=preflight.usable_cores())
+    if text is None:
+        return
+    from profiler.inventory import read_node_inventory
+
+    if not read_node_inventory().gpus:
+        logger.warning(text)
+
+
 def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_launch) -> int:
     """Launch like torchrun; by a plan when ``--plan`` is given or ``plan_provider`` plans from the options.
 
@@ -406,6 +419,7 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     2 as torchrun's do.
     """
     options, checked = _preflight(argv, can_plan=plan_provider is not None)
+    _warn_cpu_threads(options)
     args, opts = options.torchrun, options.tangram
     if opts.adapt:
         from tangram_launch.launch.adapt.switch import check_adapt_options
