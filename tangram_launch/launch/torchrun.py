@@ -407,6 +407,8 @@ def _warn_cpu_threads(options: LaunchOptions) -> None:
     from profiler.inventory import read_node_inventory
 
     if not read_node_inventory().gpus:
+        if options.tangram.profile and not options.tangram.reprofile:  # the cache knows devices, not threads
+            text += "; a profile measured like this is cached: profile again with --reprofile once the threads fit"
         logger.warning(text)
 
 
