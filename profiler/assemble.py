@@ -161,6 +161,18 @@ def hardware_identity(record: ProfileRecord) -> list:
     return out
 
 
+def cpu_threads_identity(environ: Mapping[str, str], local_world_size: int) -> str:
+    """A CPU device's part of the fingerprint: the threads it computes on, as ``OMP_NUM_THREADS`` reaches its
+    worker (torchrun sets 1 where it is unset and several workers start; one worker alone keeps torch's default).
+    The launcher reads it before any worker starts, a worker from its own environment: both read the same. A CPU
+    process on 2 threads is another device than on 1, so a profile measured on one is not reused for the other."""
+    if "OMP_NUM_THREADS" in environ:
+        value = environ["OMP_NUM_THREADS"]
+    else:
+        value = "1" if local_world_size > 1 else "default"
+    return f"OMP_NUM_THREADS={value}"
+
+
 def fingerprint(identity: Any) -> str:
     blob = json.dumps({"v": FINGERPRINT_VERSION, "hardware": identity}, sort_keys=True).encode()
     return "sha256:" + hashlib.sha256(blob).hexdigest()[:32]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from profiler import LAYER_TIMINGS, bench
 from profiler.assemble import (DeviceRecord, LikeGroup, LinkRecord, NodeRecord, ProfileRecord, assemble_cluster,
-                               name_nodes)
+                               cpu_threads_identity, name_nodes)
 from profiler.host_ops import host_op_us
 from profiler.inventory import describe, read_node_inventory
 
@@ -265,6 +265,8 @@ def _inventory(run: _Run) -> "_Layout":
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         me.update(uuid=str(getattr(props, "uuid", "")) or None, name=props.name, total_memory=props.total_memory)
+    else:  # a CPU process is told apart by the threads it computes on (the fingerprint's device instance)
+        me.update(uuid=cpu_threads_identity(os.environ, env.local_world_size))
     everyone: list = [None] * env.world_size
     dist.all_gather_object(everyone, (me, inventory))
     layout = _Layout.from_gathered(everyone)

@@ -138,6 +138,41 @@ def test_profile_cache_is_keyed_by_the_hardware_fingerprint(tmp_path):
     assert planned.live_fingerprint(2) != planned.live_fingerprint(2, host="another-host")
 
 
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+@pytest.mark.parametrize("value", [None, "", "1", "2", "eight"])
+def test_the_launchers_cpu_thread_identity_is_what_torchrun_hands_its_workers(monkeypatch, nproc, value):
+    """The launcher reads the identity before torchrun's rule runs, a worker after it (torch's own
+    config_from_args, which sets OMP_NUM_THREADS=1 for several workers where it is unset): both read the same."""
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from profiler.assemble import cpu_threads_identity
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if value is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+    before = cpu_threads_identity(os.environ, nproc)
+    config_from_args(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "train.py"]))
+    assert cpu_threads_identity(dict(os.environ), nproc) == before
+
+
+def test_a_cpu_workers_threads_are_part_of_its_fingerprint(monkeypatch):
+    """A profile measured on 2 threads per CPU worker is not reused for 1 (nor the other way)."""
+    from profiler.inventory import read_node_inventory
+
+    if read_node_inventory().gpus:  # pragma: no cover - GPU devices are told apart by their UUIDs
+        pytest.skip("this node has GPUs: its devices are GPUs")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    unset = planned.live_fingerprint(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert planned.live_fingerprint(2) == unset  # torchrun gives several workers 1 thread where it is unset
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert planned.live_fingerprint(2) != unset
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    alone = planned.live_fingerprint(1)  # one worker alone keeps torch's default: a thread per core
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert planned.live_fingerprint(1) != alone
+
+
 def test_a_plan_that_leaves_gpus_out_is_refused_with_what_to_launch(tmp_path):
     from helpers_plans import make_plan
 

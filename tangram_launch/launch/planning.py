@@ -116,7 +116,9 @@ def live_identity(nproc_per_node: int, *, inventory: Any = None, host: str | Non
         if len(devices) < nproc_per_node:
             devices += [["cuda", "?", ""]] * (nproc_per_node - len(devices))
     else:
-        devices = [["cpu", "cpu", ""]] * nproc_per_node
+        from profiler.assemble import cpu_threads_identity
+
+        devices = [["cpu", "cpu", cpu_threads_identity(os.environ, nproc_per_node)]] * nproc_per_node
     return [{"name": name, "inventory": inventory_identity(inv), "devices": devices}]
 
 
