@@ -293,23 +293,3 @@ def test_the_usable_cores_are_this_processs_affinity():
 
     assert preflight.usable_cores() == len(os.sched_getaffinity(0)) >= 1
 
-
-def test_with_profile_the_thread_warning_says_the_cached_profile_needs_reprofile(monkeypatch, caplog, tmp_path):
-    from profiler.inventory import read_node_inventory
-    from tangram_launch.launch import torchrun
-
-    if read_node_inventory().gpus:  # pragma: no cover - workers on GPUs: no warning to see
-        pytest.skip("this node has GPUs: the warning is for CPU workers")
-    script = tmp_path / "train.py"
-    script.write_text("pass\n")
-    monkeypatch.setenv("OMP_NUM_THREADS", str(preflight.usable_cores()))
-    said = {}
-    for extra in ([], ["--profile"], ["--profile", "--reprofile"]):
-        caplog.clear()
-        options = torchrun.LaunchOptions.from_argv(["--standalone", "--nproc-per-node", "2", *extra, "--model", "tiny",
-                                                    str(script)])
-        with caplog.at_level("WARNING", logger=torchrun.logger.name):
-            torchrun._warn_cpu_threads(options)
-        said[" ".join(extra)] = caplog.text
-    assert all("OMP_NUM_THREADS=" in text for text in said.values())
-    assert [("--reprofile" in text) for text in said.values()] == [False, True, False]

@@ -406,9 +406,9 @@ def _warn_cpu_threads(options: LaunchOptions) -> None:
         return
     from profiler.inventory import read_node_inventory
 
+    # A profile measured so is not reused once the threads fit: a CPU device's fingerprint holds its threads
+    # (profiler.assemble.cpu_threads_identity).
     if not read_node_inventory().gpus:
-        if options.tangram.profile and not options.tangram.reprofile:  # the cache knows devices, not threads
-            text += "; a profile measured like this is cached: profile again with --reprofile once the threads fit"
         logger.warning(text)
 
 
