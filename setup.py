@@ -14,8 +14,8 @@ setup(
         "megatron": ["megatron-core==0.16.1"],
         "draw": ["matplotlib"],  # PNG timelines; SVG needs nothing
         "hf": ["transformers==5.23.0", "safetensors==0.8.0"],  # train Hugging Face models (runtime_adapters.hf_model)
-        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "jsonschema>=4", "import-linter>=2.17", "deepspeed==0.19.8",
-                 "megatron-core==0.16.1", "transformers==5.23.0", "safetensors==0.8.0"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "jsonschema>=4", "import-linter>=2.17",
+                 "deepspeed==0.19.8", "megatron-core==0.16.1", "transformers==5.23.0", "safetensors==0.8.0"],
     },
     entry_points={
         "console_scripts": ["tangram-launch=tangram_launch.cli:main"],

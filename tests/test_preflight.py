@@ -277,10 +277,11 @@ def test_estimate_refuses_a_sequence_longer_than_the_models_learned_positions(ca
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.none(), st.integers(0, 64).map(str), st.sampled_from(["", " ", "two", "-1", "1.5", "4,2"])),
        st.integers(1, 16), st.integers(1, 64))
-def test_a_thread_warning_comes_exactly_when_cpu_workers_would_oversubscribe_the_cores(value, nproc, cores):
+def test_a_thread_warning_comes_exactly_when_cpu_workers_thread_pools_oversubscribe_the_cores(value, nproc, cores):
     text = preflight.cpu_thread_warning(value, nproc_per_node=nproc, cores=cores)
     valid = value is not None and value.strip().isdigit() and int(value) >= 1
-    expected = value is not None and (int(value) * nproc > cores if valid else nproc > 1)  # unread: a thread a core
+    threads = int(value) if valid else cores  # a value OpenMP cannot read: a thread per core
+    expected = value is not None and threads > 1 and threads * nproc > cores
     assert (text is not None) == expected
     if text is not None:  # it names the variable and its value, and a value that fits
         assert f"OMP_NUM_THREADS={value!r}" in text if not valid else f"OMP_NUM_THREADS={int(value)} " in text
@@ -292,4 +293,3 @@ def test_the_usable_cores_are_this_processs_affinity():
     import os
 
     assert preflight.usable_cores() == len(os.sched_getaffinity(0)) >= 1
-

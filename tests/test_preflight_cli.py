@@ -149,11 +149,12 @@ def test_cpu_workers_given_more_threads_than_cores_are_warned_once_and_still_run
     script = tmp_path / "train.py"
     script.write_text(WORKER)
     cores = len(os.sched_getaffinity(0))
-    over = _cli(tmp_path, "--standalone", "--nproc-per-node", "2", str(script), OMP_NUM_THREADS=str(cores))
+    threads = max(2, cores)  # 2 workers' pools of this many threads hold more threads than there are cores
+    over = _cli(tmp_path, "--standalone", "--nproc-per-node", "2", str(script), OMP_NUM_THREADS=str(threads))
     out = over.stdout + over.stderr
     assert over.returncode == 0 and out.count("worker ran") == 2, out[-3000:]
     assert out.count("OMP_NUM_THREADS=") == 2, out[-3000:]  # one warning: the value, then the fix
-    assert f"OMP_NUM_THREADS={cores} gives each of the 2 CPU worker(s) {cores} threads" in out
+    assert f"OMP_NUM_THREADS={threads} gives each of the 2 CPU worker(s) {threads} threads" in out
     assert f"set OMP_NUM_THREADS={max(1, cores // 2)} " in out
     fits = _cli(tmp_path, "--standalone", "--nproc-per-node", "2", str(script), OMP_NUM_THREADS="1")
     assert fits.returncode == 0 and "OMP_NUM_THREADS" not in fits.stdout + fits.stderr

@@ -12,8 +12,8 @@ second), else right after torch's parser; always before planning, profiling or a
   imported; else the extra to install;
 * the target exists: the script file, the ``-m`` module, the ``--no-python`` command.
 
-One thing is only warned about, as torchrun runs it: CPU workers given more threads than the node has cores
-(:func:`cpu_thread_warning`).
+One thing is only warned about, as torchrun runs it: CPU workers whose thread pools hold more threads than the node
+has cores (:func:`cpu_thread_warning`).
 
 Nothing here imports torch or the planner.
 """
@@ -262,7 +262,8 @@ def _closest_script(target: str, cwd: str) -> str | None:
 # --- CPU workers' threads ----------------------------------------------------------------------------------------
 
 def cpu_thread_warning(omp_num_threads: str | None, *, nproc_per_node: int, cores: int) -> str | None:
-    """What to tell a user whose CPU workers would start more compute threads than the node has cores; None if not.
+    """What to tell a user whose CPU workers' thread pools would hold more threads than the node has cores; None if
+    not.
 
     Each CPU worker computes on ``OMP_NUM_THREADS`` threads (torch's intra-op pool). torchrun sets it to 1 only where
     it is unset and several workers start, so a value from the user's shell stands: at 2 workers x 2 threads on 2
@@ -275,7 +276,7 @@ def cpu_thread_warning(omp_num_threads: str | None, *, nproc_per_node: int, core
     text = omp_num_threads.strip()
     valid = text.isdigit() and int(text) >= 1
     threads = int(text) if valid else cores  # OpenMP ignores a value it cannot read: a thread per core
-    if threads * nproc_per_node <= cores:
+    if threads <= 1 or threads * nproc_per_node <= cores:  # one thread a worker: time-shared, no pool to spin
         return None
     if not valid:
         return (f"OMP_NUM_THREADS={omp_num_threads!r} is not a positive whole number: OpenMP ignores it and each "

@@ -398,8 +398,8 @@ def _preflight(argv: Sequence[str], *, can_plan: bool) -> tuple[LaunchOptions, p
 
 
 def _warn_cpu_threads(options: LaunchOptions) -> None:
-    """One warning where CPU workers would start more threads than the node has cores (preflight.cpu_thread_warning);
-    workers on GPUs compute on them, whatever their host threads."""
+    """One warning where CPU workers' thread pools would hold more threads than the node has cores
+    (preflight.cpu_thread_warning); workers on GPUs compute on them, whatever their host threads."""
     text = preflight.cpu_thread_warning(os.environ.get("OMP_NUM_THREADS"), nproc_per_node=options.nproc_per_node,
                                         cores=preflight.usable_cores())
     if text is None:
