@@ -287,9 +287,3 @@ def test_a_thread_warning_comes_exactly_when_cpu_workers_thread_pools_oversubscr
         assert f"OMP_NUM_THREADS={value!r}" in text if not valid else f"OMP_NUM_THREADS={int(value)} " in text
         fix = int(text.rsplit("set OMP_NUM_THREADS=", 1)[1].split()[0])
         assert fix >= 1 and (fix * nproc <= cores or fix == 1)
-
-
-def test_the_usable_cores_are_this_processs_affinity():
-    import os
-
-    assert preflight.usable_cores() == len(os.sched_getaffinity(0)) >= 1

@@ -286,14 +286,6 @@ def cpu_thread_warning(omp_num_threads: str | None, *, nproc_per_node: int, core
             f"and the training several times over; {fix}")
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, as a cgroup's cpuset sets it), else the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 # --- the whole check ---------------------------------------------------------------------------------------------
 
 def check_launch(args: argparse.Namespace, *, nproc_per_node: Callable[[], int | None],

@@ -400,12 +400,14 @@ def _preflight(argv: Sequence[str], *, can_plan: bool) -> tuple[LaunchOptions, p
 def _warn_cpu_threads(options: LaunchOptions) -> None:
     """One warning where CPU workers' thread pools would hold more threads than the node has cores
     (preflight.cpu_thread_warning); workers on GPUs compute on them, whatever their host threads."""
-    text = preflight.cpu_thread_warning(os.environ.get("OMP_NUM_THREADS"), nproc_per_node=options.nproc_per_node,
-                                        cores=preflight.usable_cores())
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value is None:  # torchrun's own default fits: resolve nothing on the common path
+        return
+    from profiler.inventory import read_node_inventory, usable_cpu_count
+
+    text = preflight.cpu_thread_warning(value, nproc_per_node=options.nproc_per_node, cores=usable_cpu_count())
     if text is None:
         return
-    from profiler.inventory import read_node_inventory
-
     # A profile measured so is not reused once the threads fit: a CPU device's fingerprint holds its threads
     # (profiler.assemble.cpu_threads_identity).
     if not read_node_inventory().gpus:
