@@ -5,7 +5,8 @@
 
 Prints one column per pipeline stage: compute, recompute and each communication per micro-batch, the per-iteration
 gradient sync and optimizer step, and memory per GPU (parameters, gradients, optimizer states, activations times the
-micro-batches in flight under 1F1B) against the GPU's capacity; then the 1F1B iteration estimate and MFU. Unset
+micro-batches in flight under 1F1B) against the GPU's capacity, and what the GPU will show in use once the CUDA caching
+allocator has reserved its blocks (``--allocator``); then the 1F1B iteration estimate and MFU. Unset
 options default to: all layers, all of the island's GPUs as data parallelism, mbs 1, 4 x pp micro-batches, the
 model's sequence length, bf16 (fp16 on GPUs without bf16). Exit status 3 when the configuration does not fit
 (in GPU memory, or, with --offload, in the host memory of a node whose cluster entry gives ``host_memory_gib``;
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
 from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
+from tangram_launch.costmodel.allocator import ALLOCATOR_KINDS, allocator_kind, reserved_bytes
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
 from tangram_launch.costmodel.host_memory import stage_host_problems
 from tangram_launch.costmodel.pipeline import iteration_time_s
@@ -57,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages-after", type=int, default=0,
                         help="pipeline stages that follow this slice in the global plan (memory position)")
     parser.add_argument("--runtime", help="also check the configuration against a runtime's capabilities")
+    parser.add_argument("--allocator", choices=ALLOCATOR_KINDS, default=None,
+                        help="the CUDA caching allocator the run will use, for the memory nvidia-smi will show "
+                             "(default: read from PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF: 'expandable' with "
+                             "expandable_segments:True, else 'caching')")
     parser.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -136,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     flops = sum(3.0 * s.breakdown["forward_flops"] * s.num_gpus for s in plan.stages) * m
     mfu = flops / (est["iteration_s"] * plan.num_gpus * coster.dev.peak_flops)
     fits = plan.fits(after, m, cap)
+    allocator = args.allocator or allocator_kind(os.environ)
+    shown = shown_bytes(plan, coster, stages_after=after, num_microbatches=m, allocator=allocator)
     host_problems = stage_host_problems(plan.stages, q.island.host_memory)  # offload beyond the node's host RAM
     problems: list[str] = []
     if args.runtime:  # every stage has the same shape: check one, then the cross-stage rules
@@ -147,12 +156,14 @@ def run(args: argparse.Namespace) -> int:
             "micro_batch_size": plan.stages[0].micro_batch_size, "num_microbatches": m,
             "global_batch": q.training.global_batch, "seq_len": q.training.seq_len, "dtype": q.training.dtype,
             "num_gpus": plan.num_gpus, "capacity_gib": cap / GIB, "fits": fits, "mfu": mfu,
+            "allocator": allocator,
             "runtime_problems": problems, "host_memory_problems": host_problems,
             **est,
             "stages": [{"layers": list(s.layers), "forward_s": s.forward_s, "backward_s": s.backward_s,
                         "dp_sync_s": s.dp_sync_s, "optimizer_s": s.optimizer_s,
                         "static_bytes": s.static_bytes, "activation_bytes": s.activation_bytes,
                         "peak_memory_gib": s.memory_bytes(after + n - 1 - j, m) / GIB,
+                        "reserved_memory_gib": shown[j] / GIB,
                         "breakdown": s.breakdown} for j, s in enumerate(plan.stages)],
         }
         print(json.dumps(out, indent=2))
@@ -166,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
               f"{plural(q.microbatch_sequences, 'sequence')}; "
               f"seq {q.training.seq_len}; {q.training.dtype}; {after} stages after this slice")
         print()
-        print(format_breakdown(plan, num_microbatches=m, capacity_bytes=cap, stages_after=after))
+        print(format_breakdown(plan, num_microbatches=m, capacity_bytes=cap, stages_after=after,
+                               shown_bytes=shown, allocator=allocator))
         print()
         print(f"iteration estimate (1F1B, this slice alone): {est['iteration_s']:.3f} s = pipeline "
               f"{est['pipeline_s']:.3f} s (bubble {est['bubble_s']:.3f} s) + sync/optimizer {est['sync_s']:.3f} s")
@@ -181,8 +193,23 @@ def run(args: argparse.Namespace) -> int:
     return 0 if fits and not problems and not host_problems else 3
 
 
-def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: float, stages_after: int = 0) -> str:
-    """A table, one column per stage: where time (ms per micro-batch) and memory (GiB per GPU) go."""
+def shown_bytes(plan: SlicePlan, coster: SliceCoster, *, stages_after: int, num_microbatches: int,
+                allocator: str) -> list[float]:
+    """Per stage, the memory a GPU will show in use (costmodel/allocator.py): the allocator's reserve for the peak
+    the stage needs, plus the runtime's overhead. A CPU "device" has no CUDA allocator: its need as is."""
+    n = len(plan.stages)
+    peaks = [s.memory_bytes(stages_after + n - 1 - j, num_microbatches) for j, s in enumerate(plan.stages)]
+    if coster.dev.is_cpu:
+        return peaks
+    device = coster.q.island.gpu.memory_gib * GIB
+    return [reserved_bytes(x, overhead_bytes=coster.overhead_bytes, device_bytes=device, allocator=allocator)
+            for x in peaks]
+
+
+def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: float, stages_after: int = 0,
+                     shown_bytes: list[float] | None = None, allocator: str = "caching") -> str:
+    """A table, one column per stage: where time (ms per micro-batch) and memory (GiB per GPU) go; with
+    ``shown_bytes``, also what the GPU will show in use under ``allocator`` (the fit is judged on the peak)."""
     cols = [f"stage {j}" for j in range(len(plan.stages))]
     n = len(plan.stages)
     rows: list[tuple[str, list[str]]] = []
@@ -234,6 +261,8 @@ def format_breakdown(plan: SlicePlan, *, num_microbatches: int, capacity_bytes: 
     add("  peak", [gib(x) for x in peaks])
     add("  capacity less headroom", [gib(capacity_bytes) for _ in st])
     add("  fits", ["yes" if x <= capacity_bytes else "NO" for x in peaks])
+    if shown_bytes is not None:
+        add(f"  shown in use ({allocator} allocator)", [gib(x) for x in shown_bytes])
     host = [s.breakdown.get("host_offload_bytes", 0.0) for s in st]
     if any(host):
         add("  offloaded to host", [gib(x) for x in host])
