@@ -47,6 +47,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from tangram_launch.capabilities import RuntimeCapabilities  # noqa: E402
+from tangram_launch.costmodel.allocator import ALLOCATOR_KINDS, reserved_bytes  # noqa: E402
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # noqa: E402
 from tangram_launch.costmodel.pipeline import iteration_time_s, stage_memory_bytes  # noqa: E402
 from tangram_launch.costmodel.compute import RECOMPUTE_MODES  # noqa: E402
@@ -70,7 +71,7 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # (DTensor TP).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
                 "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
-                "moe_permute_fusion", "moe_probs_on_output", "attention_kernel")
+                "moe_permute_fusion", "moe_probs_on_output", "attention_kernel", "allocator")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -117,11 +118,11 @@ def make_island(row: dict) -> Island:
 
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
-COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2", "blind3")
-# Cohorts added after the split was drawn that are always validation (the data file's rules 2, 2c, 2d and 2e); the
+COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2", "blind3", "blind4")
+# Cohorts added after the split was drawn that are always validation (the data file's rules 2, 2c, 2d, 2e and 2f); the
 # blind ones (BLIND_COHORTS) get a median column of their own once costed.
-VALIDATION_COHORTS = ("unseen", "fresh", "blind2", "blind3")
-BLIND_COHORTS = ("fresh", "blind2", "blind3")
+VALIDATION_COHORTS = ("unseen", "fresh", "blind2", "blind3", "blind4")
+BLIND_COHORTS = ("fresh", "blind2", "blind3", "blind4")
 # Cohorts no one has seen the model predict (the data file's `sealed_cohorts:`): left out unless --unseal, so that
 # they can still validate a change made while looking at every other row.
 
@@ -296,19 +297,37 @@ def predict(row: dict, model: ModelSpec) -> dict:
             "mfu": flops / (est["iteration_s"] * n * coster.dev.peak_flops)}
 
 
-MEMORY_CONVENTIONS = ("device-used", "allocator-reserved", "stated")
+MEMORY_CONVENTIONS = ("device-used", "allocator-reserved", "allocator-allocated", "stated")
+
+
+def row_allocator(row: dict, data: dict) -> str:
+    """The allocator the row's runs used (costmodel/allocator.py): the row's runtime.allocator, else its source's
+    entry in the data file's `allocators:`, else torch's default, the caching allocator without expandable
+    segments."""
+    runtime = row.get("runtime") or {}
+    kind = runtime.get("allocator") or (data.get("allocators") or {}).get(row["source"]["ref"], "caching")
+    if kind not in ALLOCATOR_KINDS:
+        raise ValueError(f"{row['id']}: allocator {kind!r} (known: {', '.join(ALLOCATOR_KINDS)})")
+    return kind
 
 
 def comparable_memory_gib(p: dict, row: dict, data: dict) -> float:
-    """The prediction counted the way the source measured (memory_conventions in the data file): the cost model
-    predicts what the device holds; torch's max_memory_reserved leaves out the CUDA context and NCCL's buffers,
-    which live outside the caching allocator (the peak stage's overhead_bytes)."""
+    """The prediction counted the way the source measured (memory_conventions in the data file): what the caching
+    allocator reserves for the bytes the plan needs (costmodel/allocator.py, by the row's allocator), with the CUDA
+    context and NCCL's buffers, or without them where torch's max_memory_reserved was read (they live outside the
+    caching allocator: the peak stage's overhead_bytes); where torch's max_memory_allocated was read, the bytes the
+    plan needs without either."""
     conv = row["published"].get("memory_convention", "stated")
     if conv not in MEMORY_CONVENTIONS:
         raise ValueError(f"{row['id']}: memory_convention {conv!r} (known: {', '.join(MEMORY_CONVENTIONS)})")
-    if data.get("memory_conventions", {}).get(conv, {}).get("excludes_runtime_overhead"):
+    spec = data.get("memory_conventions", {}).get(conv, {})
+    if spec.get("excludes_allocator_reserve"):  # max_memory_allocated: the live tensors, no cached blocks
         return p["peak_gib"] - p["overhead_gib"]
-    return p["peak_gib"]
+    shown = reserved_bytes(p["peak_gib"] * GIB, overhead_bytes=p["overhead_gib"] * GIB,
+                           device_bytes=p["capacity_gib"] * GIB, allocator=row_allocator(row, data)) / GIB
+    if spec.get("excludes_runtime_overhead"):
+        return shown - p["overhead_gib"]
+    return shown
 
 
 def pct(pred: float, pub: float) -> float:
