@@ -14,7 +14,9 @@ sum to ``step_s``: ``pipeline_s`` (to the end of the stage's last backward: the 
 bubbles and p2p), ``optimizer_s`` (the step and clearing the gradients) and ``sync_s``, the rest: from the last
 backward to the optimizer step (the gradient synchronisation left exposed, the schedule's own work after its last
 backward) and after it (the loss report's collectives, which wait for the other stages), as the plan's tail prices
-them.
+them. On a CUDA device the line also holds the caching allocator's peaks since the process started,
+``memory_allocated_peak_bytes`` and ``memory_reserved_peak_bytes`` (``torch.cuda.max_memory_allocated`` /
+``max_memory_reserved``, host-side reads), for the report's predicted against measured memory.
 
 Backward runs from the stage's output gradients being ready (a full-backward pre-hook) to the gradient of the stage's
 input (a tensor hook), or, on the first stage whose input is token ids, to the last gradient its parameters receive
@@ -65,6 +67,16 @@ class _Clock:
             return end - start
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+    def memory_peaks(self) -> dict:
+        """The CUDA caching allocator's peaks since the process started (bytes: the live tensors', what it
+        reserved), read on the host without a sync; none on CPU, where no allocator keeps such figures."""
+        if not self.cuda:
+            return {}
+        import torch
+
+        return {"memory_allocated_peak_bytes": int(torch.cuda.max_memory_allocated()),
+                "memory_reserved_peak_bytes": int(torch.cuda.max_memory_reserved())}
 
 
 @dataclass
@@ -222,15 +234,15 @@ class StageTimer:
                 "optimizer_s": self.clock.seconds(begin, done)}
 
     def end_step(self, step: int) -> dict:
-        """Close the step: total forward and backward seconds, the step's wall time and its parts; append them to
-        the file."""
+        """Close the step: total forward and backward seconds, the step's wall time and its parts, and on a GPU the
+        allocator's memory peaks; append them to the file."""
         end = self.clock.mark()
         line = {**self.coords, "step": step, "microbatches": self.microbatches,
                 "forward_s": sum(self.clock.seconds(a, b) for a, b in self._spans["forward"]),
                 "backward_s": sum(self.clock.seconds(a, b) for a, b in self._spans["backward"]),
                 "backward_spans": len(self._spans["backward"]),
                 "step_s": self.clock.seconds(self._step_start, end) if self._step_start is not None else None,
-                **self._parts(end)}
+                **self._parts(end), **self.clock.memory_peaks()}
         self._spans = {"forward": [], "backward": []}
         self._open.clear()
         self._last_backward.clear()

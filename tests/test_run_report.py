@@ -144,6 +144,49 @@ def test_a_plan_without_stage_tails_reports_measured_parts_only():
     assert "predicted     -         -      -          100.00" in table
 
 
+def test_on_gpus_the_report_sets_each_stages_measured_memory_peaks_beside_the_plans(tmp_path):
+    """Workers on GPUs write the allocator's peaks (StageTimer's memory_peaks); the report takes each stage's largest,
+    first step included (the optimizer's states appear there), and sets the allocated one against the plan's peak
+    without the runtime's bytes outside the allocator. Lines without peaks (CPU workers) add no memory."""
+    from tangram_launch.costmodel.memory import RUNTIME_OVERHEAD_BYTES
+
+    gib = 1 << 30
+    plan = {**TWO_STAGES, "predicted": {"iteration_time_s": 0.1, "stages": [
+        {"forward_s": 0.01, "backward_s": 0.02, "peak_memory_gib": 11.0},
+        {"forward_s": 0.01, "backward_s": 0.02, "peak_memory_gib": 21.0}]}}
+    lines = [{"rank": s, "stage": s, "step": step, "microbatches": 2, "forward_s": 0.02, "backward_s": 0.04,
+              "step_s": 0.1, **({"memory_allocated_peak_bytes": (9 + s * 10 + (step == 1)) * gib,
+                                 "memory_reserved_peak_bytes": (12 + s * 10) * gib} if s == 0 or step > 2 else {})}
+             for s in (0, 1) for step in (1, 2, 3)]
+    report = run_report.build_report(plan, "h", lines)
+    first, second = (s["memory"] for s in report["stages"])
+    overhead = RUNTIME_OVERHEAD_BYTES / gib
+    assert first["measured_allocated_gib"] == 10.0 and first["measured_reserved_gib"] == 12.0  # step 1's peak
+    assert first["predicted_allocated_gib"] == pytest.approx(11.0 - overhead)
+    assert first["ratio"] == pytest.approx(10.0 / (11.0 - overhead))
+    assert second["measured_allocated_gib"] == 19.0 and second["predicted_gib"] == 21.0
+    table = run_report.format_report(report)
+    assert "memory GiB  pred allocated  meas allocated  meas reserved  meas/pred" in table
+    assert "stage 0     10.00           10.00           12.00" in table
+    cpu = run_report.build_report(plan, "h", [{k: v for k, v in t.items() if not k.startswith("memory")}
+                                              for t in lines])
+    assert all("memory" not in s for s in cpu["stages"]) and "memory GiB" not in run_report.format_report(cpu)
+
+
+def test_a_cpu_worker_writes_no_memory_peaks_and_a_gpu_one_writes_both(tmp_path, monkeypatch):
+    """The CPU clock reads nothing. The CUDA path cannot run on this GPU-less machine: torch.cuda's two peak readers
+    are stood in for by fakes (the only mock here), to show what a GPU worker's line carries."""
+    line = _first_stage_step(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)), tmp_path)
+    assert not any(k.startswith("memory") for k in line)
+    from runtime_adapters.stage_timing import _Clock
+
+    clock = _Clock(torch.device("cpu"))
+    clock.cuda = True
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a, **k: 6 << 30)
+    assert clock.memory_peaks() == {"memory_allocated_peak_bytes": 5 << 30, "memory_reserved_peak_bytes": 6 << 30}
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.floats(0, 1), st.floats(0, 1), st.booleans()),
                 max_size=30))

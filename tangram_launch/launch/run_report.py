@@ -15,6 +15,8 @@ launcher reads them (every ``--report-every`` steps and at the end), prints one 
                  "measured": {"forward_s": ..., "backward_s": ..., "steps": n, # medians per micro-batch
                               "pipeline_s": ..., "sync_s": ..., "optimizer_s": ...},  # medians per step
                  "ratio": measured / predicted (forward + backward),
+                 "memory": {"predicted_gib", "predicted_allocated_gib", "measured_allocated_gib",
+                            "measured_reserved_gib", "ratio"},                # on GPUs only (else absent)
                  "ranks": [{"rank", "node", "local_gpu", "forward_s", "backward_s", "ratio",
                             "sync_s", "sync_ratio", "optimizer_s", "optimizer_ratio"}, ...]}],
      "step_s": [per step, the slowest rank's train_step]}
@@ -31,6 +33,11 @@ three parts (``runtime_adapters.stage_timing``: to its last backward's end, the 
 rank whose last backward ended last: the critical path, whose sync is the collectives' own time, while a rank that
 finished earlier also waits there for it (that rank's own parts are in ``stages[].ranks``); medians over the steps.
 A plan written before stages carried their tail has no predicted parts (null).
+Memory, where the workers ran on GPUs: the plan's peak per GPU (``predicted_gib``: what the stage needs, with the
+runtime's bytes outside the caching allocator, costmodel.memory.RUNTIME_OVERHEAD_BYTES), that peak without them
+(``predicted_allocated_gib``), and the largest allocated and reserved peaks any rank of the stage read
+(``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, every step counted: the optimizer's states appear in
+the first); ``ratio`` = measured allocated / predicted allocated.
 ``tangram-launch calibrate`` folds a report into the cluster file, so the next plan uses what was measured.
 """
 from __future__ import annotations
@@ -41,6 +48,9 @@ import os
 import statistics
 import threading
 from typing import Any, Mapping
+
+from tangram_launch.costmodel.memory import RUNTIME_OVERHEAD_BYTES
+from tangram_launch.specs.constants import GIB
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +122,7 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
     keep = set(kept)
     stages = []
     for i, stage in enumerate(plan["stages"]):
+        memory = _stage_memory(stages_pred[i], [t for t in timings if t.get("stage") == i])
         mine = [t for t in timings if t.get("stage") == i and t["step"] in keep and t.get("microbatches")]
         fwd = _median([t["forward_s"] / t["microbatches"] for t in mine])
         bwd = _median([t["backward_s"] / t["microbatches"] for t in mine if t.get("backward_spans", 1)])
@@ -125,7 +136,8 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
                        "predicted": {"forward_s": pred_f, "backward_s": pred_b, **tail},
                        "measured": {"forward_s": fwd, "backward_s": bwd, "steps": len({t["step"] for t in mine}),
                                     **{k: _median([t[k] for t in parted]) for k in _STEP_PARTS}},
-                       "ratio": ratio, "ranks": _rank_rows(plan, mine, pred_f + pred_b, tail)})
+                       "ratio": ratio, "ranks": _rank_rows(plan, mine, pred_f + pred_b, tail),
+                       **({"memory": memory} if memory else {})})
     step_s = []
     for s in steps:
         walls = [t["step_s"] for t in timings if t["step"] == s and t.get("step_s") is not None]
@@ -140,6 +152,22 @@ def build_report(plan: Mapping, plan_hash: str, timings: list[dict]) -> dict:
                           "measured_median_s": _median(steady),
                           "parts": {"predicted": _predicted_parts(plan), "measured": _measured_parts(timings, keep)}},
             "stages": stages, "step_s": step_s}
+
+
+def _stage_memory(predicted: Mapping, lines: list[dict]) -> dict | None:
+    """A stage's predicted against measured peak memory per GPU (module docstring); None where no rank read any."""
+    allocated = [t["memory_allocated_peak_bytes"] for t in lines
+                 if isinstance(t.get("memory_allocated_peak_bytes"), (int, float))]
+    reserved = [t["memory_reserved_peak_bytes"] for t in lines
+                if isinstance(t.get("memory_reserved_peak_bytes"), (int, float))]
+    if not allocated or predicted.get("peak_memory_gib") is None:
+        return None
+    pred = float(predicted["peak_memory_gib"])
+    pred_allocated = max(0.0, pred - RUNTIME_OVERHEAD_BYTES / GIB)
+    got = max(allocated) / GIB
+    return {"predicted_gib": pred, "predicted_allocated_gib": pred_allocated, "measured_allocated_gib": got,
+            "measured_reserved_gib": max(reserved) / GIB if reserved else None,
+            "ratio": got / pred_allocated if pred_allocated > 0 else None}
 
 
 PART_NAMES = ("pipeline", "sync", "optimizer")  # the parts of a step, in order (stage_timing)
@@ -199,7 +227,24 @@ def format_report(report: Mapping) -> str:
                  if it["measured_median_s"] and it["predicted_s"] > 0 else "-"))
     n = report["steps_measured"]
     head = f"predicted vs measured ({n} step{'s' if n != 1 else ''} measured, per micro-batch, medians):"
-    return "\n".join([head] + _aligned(rows) + _parts_lines(it))
+    return "\n".join([head] + _aligned(rows) + _parts_lines(it) + _memory_lines(report["stages"]))
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _memory_lines(stages: list) -> list[str]:
+    """Peak memory per GPU by stage, where the workers read the CUDA allocator's peaks (GPUs only)."""
+    with_memory = [s for s in stages if s.get("memory")]
+    if not with_memory:
+        return []
+    rows = [("memory GiB", "pred allocated", "meas allocated", "meas reserved", "meas/pred")]
+    for s in with_memory:
+        m = s["memory"]
+        rows.append((f"stage {s['stage']}", _gib(m["predicted_allocated_gib"]), _gib(m["measured_allocated_gib"]),
+                     _gib(m["measured_reserved_gib"]), "-" if m["ratio"] is None else f"{m['ratio']:.2f}"))
+    return _aligned(rows)
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
