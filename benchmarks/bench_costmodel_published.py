@@ -2,7 +2,7 @@
 iteration time and per-GPU peak memory, row by row, then the median absolute errors.
 
     PYTHONPATH=. python benchmarks/bench_costmodel_published.py [--data benchmarks/data/published_runs.yaml]
-        [--only TEXT] [--split all|dev|validation] [--json] [--fit] [--unseal]
+        [--only TEXT] [--split all|dev|validation] [--json] [--fit] [--unseal [COHORT ...]]
 
 Each row of the data file (see its header) is costed through the project's public API, as
 `tangram-launch estimate` does for one configuration: a ModelSpec (preset or the file's `models:`), one island
@@ -118,11 +118,11 @@ def make_island(row: dict) -> Island:
 
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
-COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2", "blind3", "blind4")
-# Cohorts added after the split was drawn that are always validation (the data file's rules 2, 2c, 2d, 2e and 2f); the
+COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2", "blind3", "blind4", "blind5")
+# Cohorts added after the split was drawn that are always validation (the data file's rules 2, 2c, 2d, 2e, 2f and 2g); the
 # blind ones (BLIND_COHORTS) get a median column of their own once costed.
-VALIDATION_COHORTS = ("unseen", "fresh", "blind2", "blind3", "blind4")
-BLIND_COHORTS = ("fresh", "blind2", "blind3", "blind4")
+VALIDATION_COHORTS = ("unseen", "fresh", "blind2", "blind3", "blind4", "blind5")
+BLIND_COHORTS = ("fresh", "blind2", "blind3", "blind4", "blind5")
 # Cohorts no one has seen the model predict (the data file's `sealed_cohorts:`): left out unless --unseal, so that
 # they can still validate a change made while looking at every other row.
 
@@ -682,9 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the per-row results as JSON instead of the table")
     ap.add_argument("--fit", action="store_true",
                     help="re-fit each constant of `fitted_constants` on its rows and print fitted vs shipped")
-    ap.add_argument("--unseal", action="store_true",
-                    help="also cost the data file's sealed cohorts (sealed_cohorts:): once, after a cost-model change "
-                         "is final, to validate it on rows no one has seen it predict")
+    ap.add_argument("--unseal", nargs="*", metavar="COHORT", default=None,
+                    help="also cost the data file's sealed cohorts (sealed_cohorts:), all of them or the ones named: "
+                         "once, after a cost-model change is final, to validate it on rows no one has seen it predict")
     args = ap.parse_args(argv)
     data = load_data(args.data)
     if args.fit:
@@ -694,7 +694,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = [r for r in data["runs"] if args.only in r["id"] and args.split in ("all", r.get("split"))]
     seal = sealed_cohorts(data)
-    sealed = [] if args.unseal else [r for r in rows if r.get("cohort") in seal]
+    unknown = sorted(set(args.unseal or ()) - set(seal))
+    if unknown:
+        ap.error(f"--unseal {' '.join(unknown)}: not a sealed cohort (sealed: {', '.join(seal) or 'none'})")
+    if args.unseal is not None:  # --unseal alone: every sealed cohort
+        seal = tuple(c for c in seal if args.unseal and c not in args.unseal)
+    sealed = [r for r in rows if r.get("cohort") in seal]
     rows = [r for r in rows if r not in sealed]
     results = [evaluate(r, data) for r in rows]
     if args.json:

@@ -146,7 +146,10 @@ METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": 
                     # the reserve, the rows' assumed say so); torchtune's README reports the allocator's peak of
                     # active bytes and ColossalAI's benchmark torch.cuda.max_memory_allocated
                     "zero-bubble-pp": "allocator-reserved", "univlt-gpu-test": "allocator-reserved",
-                    "torchtune-opt-flags": "allocator-allocated", "colossalai-llama2-bench": "allocator-allocated"}
+                    "torchtune-opt-flags": "allocator-allocated", "colossalai-llama2-bench": "allocator-allocated",
+                    # ms-swift's sft and megatron sft callbacks log torch.cuda.max_memory_reserved; the vocabulary-
+                    # parallel paper's Figure 14 calls its figure the maximum allocated memory
+                    "swift-megatron-bench": "allocator-reserved", "vocab-parallel-pp": "allocator-allocated"}
 
 
 @pytest.mark.unit
@@ -369,9 +372,9 @@ def test_moe_dev_rows_share_no_source_with_a_validation_row(data):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4"])
+@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4", "blind5"])
 def test_a_blind_cohort_has_twenty_rows_and_cites_only_sources_no_other_cohort_cites(data, cohort):
-    """fresh, blind2, blind3 and blind4 are blind validation batches, each gathered after the cohorts before it had
+    """fresh and blind2 to blind5 are blind validation batches, each gathered after the cohorts before it had
     been seen: a batch is unseen data only if no row of another cohort (which the model may have been shaped to) cites
     any of its sources."""
     rows = [r for r in data["runs"] if r["cohort"] == cohort]
@@ -382,7 +385,7 @@ def test_a_blind_cohort_has_twenty_rows_and_cites_only_sources_no_other_cohort_c
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4"])
+@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4", "blind5"])
 def test_a_blind_cohort_row_is_validation_whatever_its_gpu_and_id(bench, cohort):
     runs = [{"id": f"f-{i}", "gpu": gpu, "subset": "held-out", "cohort": cohort}
             for i, gpu in enumerate(("h200", "b200", "a100-80gb", "v100-16gb"))]
@@ -399,7 +402,7 @@ def test_a_moe_dev_row_is_dev_whatever_its_gpu_and_id(bench):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4"])
+@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4", "blind5"])
 def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, capsys, cohort):
     """Blind rows validate the next cost-model change only if no one saw the model predict them before:
     the report leaves a sealed cohort out unless --unseal. A copy of a seen row relabelled to the cohort stands in for
@@ -439,3 +442,19 @@ def test_each_source_allocator_is_known_and_changes_only_reserved_memory(data, b
     assert costed["predicted_gib"] < as_kind["expandable"]["predicted_gib"]  # no reserve, no CUDA context
     with pytest.raises(ValueError, match="allocator 'slab'"):
         bench.evaluate({**row, "runtime": {"allocator": "slab"}}, data)
+
+
+@pytest.mark.unit
+def test_unseal_can_name_the_cohorts_it_costs(data, bench, tmp_path, capsys):
+    """`--unseal blind3` costs blind3's rows and keeps every other sealed cohort sealed, so judging a change on a
+    cohort already unsealed never shows the one kept for the next change; a name that is not sealed is refused."""
+    seen = next(r for r in data["runs"] if r["id"] == "mpt-a100-80-7b-s2k-8")
+    rows = [{**copy.deepcopy(seen), "id": f"stand-in-{c}", "cohort": c, "split": "validation"} for c in ("b1", "b2")]
+    path = tmp_path / "runs.yaml"
+    path.write_text(yaml.safe_dump({**data, "sealed_cohorts": ["b1", "b2"], "runs": rows}), encoding="utf-8")
+    assert bench.main(["--data", str(path), "--json", "--unseal", "b1"]) == 0
+    out = capsys.readouterr()
+    assert [r["id"] for r in json.loads(out.out)] == ["stand-in-b1"] and "cohort b2 not costed" in out.err
+    with pytest.raises(SystemExit):
+        bench.main(["--data", str(path), "--json", "--unseal", "b3"])
+    assert "--unseal b3: not a sealed cohort (sealed: b1, b2)" in capsys.readouterr().err
