@@ -86,6 +86,48 @@ def test_calibrate_changes_the_next_plan_where_a_gpu_ran_slower_than_predicted(t
     assert work.get(1, 0) < work[0], after["stages"]  # the slow device gets less of the model, or none
 
 
+def test_calibrate_plans_the_next_run_within_the_memory_a_gpu_stage_really_took(tmp_path, capsys):
+    """A GPU run's report holds each stage's allocated peak; where it exceeded the plan's, calibrate takes each GPU
+    of that stage to hold only physical / ratio, and the next plan fits that. No GPU here: the report's memory peaks
+    are written as a GPU worker writes them (StageTimer.memory_peaks), the rest is the real CLI on real files."""
+    cluster = tmp_path / "v100.yaml"
+    ClusterSpec.from_dict({"name": "v100x4", "nodes": [{"name": "n0", "gpu": "v100-16gb", "count": 4}]}).dump(cluster)
+    plan_args = ["plan", "--cluster", str(cluster), "--model", "gpt3-1.3b", "--global-batch", "32", "--seq-len",
+                 "2048", "--dtype", "fp16", "--workers", "1", "-o"]
+    assert main([*plan_args, str(tmp_path / "before.json")]) == 0
+    before = json.loads((tmp_path / "before.json").read_text())
+    stage0 = before["predicted"]["stages"][0]
+    assert stage0["capacity_gib"] == 16.0  # the device's memory (a plan fills it up to the default 5 % headroom)
+    ratio = 16.0 / stage0["peak_memory_gib"] + 0.15  # as measured, this stage would not fit a V100-16GB
+    lines = _timings(before, {})
+    predicted_allocated = stage0["peak_memory_gib"] - 1.0  # RUNTIME_OVERHEAD_BYTES: outside the allocator
+    for t in lines:
+        t["memory_allocated_peak_bytes"] = int((ratio * predicted_allocated if t["stage"] == 0 else 1.0) * (1 << 30))
+        t["memory_reserved_peak_bytes"] = t["memory_allocated_peak_bytes"]
+    report = run_report.build_report(before, "abc", lines)
+    assert report["stages"][0]["memory"]["ratio"] == pytest.approx(ratio, rel=1e-6)
+    report["cluster"] = {"name": "v100x4", "hash": ClusterSpec.load(cluster).content_hash(), "path": str(cluster)}
+    (tmp_path / "run-report.json").write_text(json.dumps(report))
+    calibrated = tmp_path / "calibrated.yaml"
+    assert main(["calibrate", str(tmp_path / "run-report.json"), "-o", str(calibrated)]) == 0
+    out = capsys.readouterr().out
+    assert f"(stage 0): its stage allocated {ratio:.2f}x the predicted memory" in out
+    stage0_gpus = {g["local_gpu"] for g in before["stages"][0]["gpus"]}
+    spec = ClusterSpec.load(calibrated)
+    for i, gpu in enumerate(spec.nodes[0].gpus):
+        if i in stage0_gpus:
+            assert gpu.memory_gib == pytest.approx(16.0 / ratio, rel=1e-3)
+            assert gpu.measured["memory_calibration"]["memory_gib"] == 16.0
+        else:
+            assert gpu.memory_gib == 16.0 and "memory_calibration" not in gpu.measured
+    assert main([*plan_args.copy()[:2], str(calibrated), *plan_args[3:], str(tmp_path / "after.json")]) == 0
+    after = json.loads((tmp_path / "after.json").read_text())
+    assert after["stages"] != before["stages"]
+    for stage, pred in zip(after["stages"], after["predicted"]["stages"]):
+        if {g["local_gpu"] for g in stage["gpus"]} & stage0_gpus:
+            assert pred["peak_memory_gib"] <= 0.95 * 16.0 / ratio + 1e-6  # what the run showed it really takes
+
+
 def test_calibrate_within_tolerance_leaves_the_file_alone(tmp_path, capsys):
     plan = _plan(tmp_path, CPU2, "plan.json")
     (tmp_path / "r.json").write_text(json.dumps(run_report.build_report(plan, "abc", _timings(plan, {1: 1.02}))))

@@ -3,7 +3,9 @@
     tangram-launch calibrate RUN_DIR/run-report.json [--cluster cluster.yaml] [-o calibrated.yaml]
 
 Every GPU the run timed, whose stage ran more than ``--tolerance`` away from its prediction, gets its compute
-figures scaled by predicted / measured (a GPU the plan left out: as its timed twins). The report names the cluster
+figures scaled by predicted / measured (a GPU the plan left out: as its timed twins). On GPUs, a stage that allocated
+more than ``--tolerance`` beyond its predicted memory has its GPUs' memory taken as physical / that ratio for the next
+plan. The report names the cluster
 its plan was made from (the figures' hash, and the file of a ``--cluster`` launch); without ``--cluster`` calibrate
 takes that file, or finds the profile in the launcher's cache (a ``--profile`` launch). A file whose figures are not
 the ones the run planned from is refused: its ratios were measured against other predictions (and a
@@ -48,7 +50,8 @@ def _planned_hash(report: Mapping) -> str | None:
 
 
 def _calibrated_from(cluster: ClusterSpec, plan_hash: str) -> bool:
-    return any((gpu.measured.get("calibration") or {}).get("plan_hash") == plan_hash for _, gpu in cluster.iter_gpus())
+    return any((gpu.measured.get(key) or {}).get("plan_hash") == plan_hash
+               for _, gpu in cluster.iter_gpus() for key in ("calibration", "memory_calibration"))
 
 
 def _named_cluster_file(report: Mapping) -> str | None:
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     key = sealed_key(path, cluster.fingerprint)  # a cached profile exactly as sealed: seal it again below
     calibrated, changes = calibrate(cluster, report, tolerance=args.tolerance)
     if not changes:
-        print(f"every timed GPU ran within {args.tolerance:.0%} of its prediction: {path} is unchanged")
+        print(f"every timed GPU ran within {args.tolerance:.0%} of its prediction (and no stage took more memory "
+              f"than that beyond it): {path} is unchanged")
         return 0
     for change in changes:
         print(change.line())

@@ -12,6 +12,13 @@ GPU whose ratio is within ``tolerance`` of 1 is left as it is. Each changed GPU 
 ``measured.calibration`` (the factor, the report's plan hash, the stage), and a later report calibrates from there:
 its predictions were made with the calibrated figures, so factors compound as they should.
 
+Memory, where the workers ran on GPUs (the report's ``stages[].memory``): a stage whose allocated peak exceeded the
+allocated bytes its plan predicted by more than ``tolerance`` has each of its GPUs' ``memory_gib`` taken as the
+physical figure / that ratio, so the next plan leaves that GPU what the run showed its stages really take (a stage
+that used less is left alone: one run's slack is no reason to plan past the device). The physical figure and the
+ratio are kept under ``measured.memory_calibration``; a later report's ratio replaces the earlier one (predicted
+bytes never depend on the capacity, so nothing compounds).
+
 Communication is not recalibrated here: the report times compute (hooks around the stage's forward and backward),
 not links. Figures are fitted to the stages the report ran: the calibrated file records each report's stage layout,
 and a plan of another layout is warned about at launch (:func:`unmeasured_layout_line`).
@@ -44,6 +51,52 @@ class Change:
                     f"compute figures scaled by {1 / self.factor:.3f}")
         return (f"{self.node} GPU {self.local_gpu} (stage {self.stage}): ran {self.factor:.2f}x the predicted time "
                 f"({way}); its compute figures scaled by {1 / self.factor:.3f}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryChange:
+    node: str
+    local_gpu: int
+    stage: int
+    factor: float  # measured / predicted allocated peak
+    memory_gib: float  # what the next plan takes as the GPU's memory
+    physical_gib: float
+
+    def line(self) -> str:
+        return (f"{self.node} GPU {self.local_gpu} (stage {self.stage}): its stage allocated {self.factor:.2f}x the "
+                f"predicted memory; the next plan counts {self.memory_gib:.4g} of its {self.physical_gib:.4g} GiB")
+
+
+def memory_factors(report: Mapping) -> dict[tuple[str, int], tuple[int, float]]:
+    """(node, local GPU) -> (stage, measured / predicted allocated peak) for every GPU of a stage whose workers read
+    the CUDA allocator's peaks (none on CPU runs)."""
+    out: dict[tuple[str, int], tuple[int, float]] = {}
+    try:
+        for stage in report["stages"]:
+            ratio = (stage.get("memory") or {}).get("ratio")
+            if ratio is None:
+                continue
+            ratio = float(ratio)
+            if not 0 < ratio < float("inf"):
+                raise SpecError("a stage's measured/predicted memory ratio must be a positive number",
+                                field=f"stages[{stage['stage']}].memory.ratio", value=ratio)
+            for row in stage.get("ranks") or []:
+                if row.get("node") is not None and row.get("local_gpu") is not None:
+                    out[(str(row["node"]), int(row["local_gpu"]))] = (int(stage["stage"]), ratio)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise SpecError(f"not a run report ({exc.__class__.__name__}: {exc})", field="stages.memory") from None
+    return out
+
+
+def _memory_calibrated(gpu: GPUSpec, factor: float, stage: int, plan_hash: str) -> tuple[GPUSpec, MemoryChange]:
+    before = gpu.measured.get("memory_calibration") or {}
+    physical = float(before.get("memory_gib", gpu.memory_gib))
+    usable = _sig(physical / factor)
+    measured = {**gpu.measured, "memory_calibration": {"factor": _sig(factor), "memory_gib": physical,
+                                                       "plan_hash": plan_hash, "stage": stage,
+                                                       "source": "run-report.json"}}
+    return (dataclasses.replace(gpu, memory_gib=usable, measured=measured),
+            MemoryChange("", 0, stage, factor, usable, physical))
 
 
 def rank_factors(report: Mapping) -> dict[tuple[str, int], tuple[int, float]]:
@@ -113,12 +166,14 @@ def _scaled(gpu: GPUSpec, factor: float, stage: int | None, plan_hash: str) -> G
 
 
 def calibrate(cluster: ClusterSpec, report: Mapping, *, tolerance: float = DEFAULT_TOLERANCE,
-              untimed_as_twins: bool = True) -> tuple[ClusterSpec, list[Change]]:
-    """The cluster with every timed GPU's figures scaled by what the report measured, and what changed.
+              untimed_as_twins: bool = True) -> tuple[ClusterSpec, list[Change | MemoryChange]]:
+    """The cluster with every timed GPU's figures scaled by what the report measured (compute; on GPUs, memory
+    where a stage took more than predicted), and what changed.
 
     ``untimed_as_twins=False`` leaves the GPUs the report does not name as they are (a straggler re-plan's report
     names only the GPUs that slowed down)."""
     factors = rank_factors(report)
+    memory = memory_factors(report)
     if not factors:
         raise SpecError("the report has no per-rank measurements to calibrate from (did the run time its stages? "
                         "a planned launch writes them)", field="stages[].ranks")
@@ -128,12 +183,17 @@ def calibrate(cluster: ClusterSpec, report: Mapping, *, tolerance: float = DEFAU
         raise SpecError("the report's nodes are not in this cluster file (calibrate the file the plan was made "
                         "from)", field="stages[].ranks.node", value=", ".join(missing),
                         valid=", ".join(cluster.node_names))
-    changes: list[Change] = []
+    changes: list[Change | MemoryChange] = []
     nodes = []
     plan_hash = str(report.get("plan_hash", ""))
     for node in cluster.nodes:
         gpus = list(node.gpus)
         for i, gpu in enumerate(gpus):
+            stage_m, ratio_m = memory.get((node.name, i), (0, 1.0))
+            if ratio_m > 1.0 + tolerance:
+                gpus[i], change = _memory_calibrated(gpu, ratio_m, stage_m, plan_hash)
+                changes.append(dataclasses.replace(change, node=node.name, local_gpu=i))
+                gpu = gpus[i]
             if (node.name, i) in factors:
                 (stage, factor), like = factors[(node.name, i)], None
             elif untimed_as_twins:
