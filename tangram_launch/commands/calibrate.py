@@ -5,11 +5,10 @@
 Every GPU the run timed, whose stage ran more than ``--tolerance`` away from its prediction, gets its compute
 figures scaled by predicted / measured (a GPU the plan left out: as its timed twins). On GPUs, a stage that allocated
 more than ``--tolerance`` beyond its predicted memory has its GPUs' memory taken as physical / that ratio for the next
-plan. The report names the cluster
-its plan was made from (the figures' hash, and the file of a ``--cluster`` launch); without ``--cluster`` calibrate
-takes that file, or finds the profile in the launcher's cache (a ``--profile`` launch). A file whose figures are not
-the ones the run planned from is refused: its ratios were measured against other predictions (and a
-second calibration from the same report would apply them twice). Without ``-o`` a file given as ``--cluster`` or the
+plan. The report names the cluster its plan was made from (the figures' hash, and the file of a ``--cluster``
+launch); without ``--cluster`` calibrate takes that file, or finds the profile in the launcher's cache (a
+``--profile`` launch). A file whose figures are not the ones the run planned from is refused: its ratios were
+measured against other predictions (and a second calibration from the same report would apply them twice). Without ``-o`` a file given as ``--cluster`` or the
 cached profile is rewritten, its previous content kept beside it as ``FILE.before-calibration-<UTC time>``; a cached
 profile is sealed again, so the next ``--profile`` launch on this machine plans from the calibrated figures instead of
 measuring over them. A ``--cluster`` file the report names gets its calibrated copy beside it (``.calibrated.yaml``),
