@@ -49,7 +49,6 @@ import statistics
 import threading
 from typing import Any, Mapping
 
-from tangram_launch.costmodel.memory import RUNTIME_OVERHEAD_BYTES
 from tangram_launch.specs.constants import GIB
 
 logger = logging.getLogger(__name__)
@@ -162,6 +161,8 @@ def _stage_memory(predicted: Mapping, lines: list[dict]) -> dict | None:
                 if isinstance(t.get("memory_reserved_peak_bytes"), (int, float))]
     if not allocated or predicted.get("peak_memory_gib") is None:
         return None
+    from tangram_launch.costmodel.memory import RUNTIME_OVERHEAD_BYTES  # GPU reports only: the module imports light
+
     pred = float(predicted["peak_memory_gib"])
     pred_allocated = max(0.0, pred - RUNTIME_OVERHEAD_BYTES / GIB)
     got = max(allocated) / GIB
