@@ -8,12 +8,13 @@ more than ``--tolerance`` beyond its predicted memory has its GPUs' memory taken
 plan. The report names the cluster its plan was made from (the figures' hash, and the file of a ``--cluster``
 launch); without ``--cluster`` calibrate takes that file, or finds the profile in the launcher's cache (a
 ``--profile`` launch). A file whose figures are not the ones the run planned from is refused: its ratios were
-measured against other predictions (and a second calibration from the same report would apply them twice). Without ``-o`` a file given as ``--cluster`` or the
-cached profile is rewritten, its previous content kept beside it as ``FILE.before-calibration-<UTC time>``; a cached
-profile is sealed again, so the next ``--profile`` launch on this machine plans from the calibrated figures instead of
-measuring over them. A ``--cluster`` file the report names gets its calibrated copy beside it (``.calibrated.yaml``),
-the file as written (its comments) untouched. The calibrated file records the run it came from and its stage layout
-(``profile.calibrations``): a later plan of another layout is warned about at launch, its prediction unmeasured.
+measured against other predictions (and a second calibration from the same report would apply them twice). Without
+``-o`` a file given as ``--cluster`` or the cached profile is rewritten, its previous content kept beside it as
+``FILE.before-calibration-<UTC time>``; a cached profile is sealed again, so the next ``--profile`` launch on this
+machine plans from the calibrated figures instead of measuring over them. A ``--cluster`` file the report names gets
+its calibrated copy beside it (``.calibrated.yaml``), the file as written (its comments) untouched. The calibrated
+file records the run it came from and its stage layout (``profile.calibrations``): a later plan of another layout is
+warned about at launch, its prediction unmeasured.
 """
 from __future__ import annotations
 

@@ -201,8 +201,7 @@ def shown_bytes(plan: SlicePlan, coster: SliceCoster, *, stages_after: int, num_
     peaks = [s.memory_bytes(stages_after + n - 1 - j, num_microbatches) for j, s in enumerate(plan.stages)]
     if coster.dev.is_cpu:
         return peaks
-    gpu = coster.q.island.gpu
-    device = float((gpu.measured.get("memory_calibration") or {}).get("memory_gib", gpu.memory_gib)) * GIB  # physical
+    device = coster.q.island.gpu.physical_memory_gib * GIB
     return [reserved_bytes(x, overhead_bytes=coster.overhead_bytes, device_bytes=device, allocator=allocator)
             for x in peaks]
 

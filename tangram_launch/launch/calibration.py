@@ -88,15 +88,12 @@ def memory_factors(report: Mapping) -> dict[tuple[str, int], tuple[int, float]]:
     return out
 
 
-def _memory_calibrated(gpu: GPUSpec, factor: float, stage: int, plan_hash: str) -> tuple[GPUSpec, MemoryChange]:
-    before = gpu.measured.get("memory_calibration") or {}
-    physical = float(before.get("memory_gib", gpu.memory_gib))
-    usable = _sig(physical / factor)
+def _memory_calibrated(gpu: GPUSpec, factor: float, stage: int, plan_hash: str) -> GPUSpec:
+    physical = gpu.physical_memory_gib
     measured = {**gpu.measured, "memory_calibration": {"factor": _sig(factor), "memory_gib": physical,
                                                        "plan_hash": plan_hash, "stage": stage,
                                                        "source": "run-report.json"}}
-    return (dataclasses.replace(gpu, memory_gib=usable, measured=measured),
-            MemoryChange("", 0, stage, factor, usable, physical))
+    return dataclasses.replace(gpu, memory_gib=_sig(physical / factor), measured=measured)
 
 
 def rank_factors(report: Mapping) -> dict[tuple[str, int], tuple[int, float]]:
@@ -191,9 +188,8 @@ def calibrate(cluster: ClusterSpec, report: Mapping, *, tolerance: float = DEFAU
         for i, gpu in enumerate(gpus):
             stage_m, ratio_m = memory.get((node.name, i), (0, 1.0))
             if ratio_m > 1.0 + tolerance:
-                gpus[i], change = _memory_calibrated(gpu, ratio_m, stage_m, plan_hash)
-                changes.append(dataclasses.replace(change, node=node.name, local_gpu=i))
-                gpu = gpus[i]
+                gpu = gpus[i] = _memory_calibrated(gpu, ratio_m, stage_m, plan_hash)
+                changes.append(MemoryChange(node.name, i, stage_m, ratio_m, gpu.memory_gib, gpu.physical_memory_gib))
             if (node.name, i) in factors:
                 (stage, factor), like = factors[(node.name, i)], None
             elif untimed_as_twins:

@@ -67,6 +67,12 @@ class GPUSpec:
     uuid: str | None = None
     measured: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def physical_memory_gib(self) -> float:
+        """The device's memory: ``memory_gib`` unless a run report's calibration lowered that figure for planning
+        (``measured.memory_calibration``, launch/calibration.py), which keeps the physical one."""
+        return float((self.measured.get("memory_calibration") or {}).get("memory_gib", self.memory_gib))
+
     def peak_tflops(self, dtype: str) -> float:
         """Dense matmul peak for a training dtype, in the math mode this GPU runs it in (:func:`math_mode`)."""
         value = self.tflops.get(math_mode(self, dtype))
