@@ -401,6 +401,18 @@ def median_signed(values: list[float]) -> str:
     return f"{statistics.median(vals):+6.1f} %" if vals else "   -"
 
 
+def median_by_source(rows: list[dict], key: str) -> str:
+    """Median over sources of each source's median |error| (n = sources): a source of many rows counts once, so
+    two tables cannot carry a cohort's figure."""
+    per: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get(key) is not None:
+            per.setdefault(r["source"], []).append(abs(r[key]))
+    if not per:
+        return "   -    (n=0)"
+    return f"{statistics.median(statistics.median(v) for v in per.values()):5.1f} % (n={len(per)})"
+
+
 def family(r: dict) -> str:
     fw = r["framework"].lower()
     if "fsdp" in fw or "metaseq" in fw:
@@ -459,6 +471,9 @@ def print_split_medians(costed: list[dict]) -> None:
                             ("memory |err|", "mem_err", median_abs), ("memory signed", "mem_err", median_signed)):
         print(f"  {label:14}" + "".join(f"  {fmt([r[key] for r in rows if r.get(key) is not None]):>17}"
                                         for _, rows in cols))
+    for label, key in (("time by source", "time_err"), ("memory by src", "mem_err")):
+        print(f"  {label:14}" + "".join(f"  {median_by_source(rows, key):>17}" for _, rows in cols))
+    print("  (by source: the median over sources of each source's median |error|, n = sources)")
 
 
 # The groupings of the ceiling analysis (print_ceiling): what one constant per group could at best remove.

@@ -297,6 +297,26 @@ _ERRORS = st.lists(st.tuples(st.sampled_from("abc"), st.floats(-90.0, 400.0)), m
 
 @pytest.mark.unit
 @settings(max_examples=200, deadline=None)
+@given(errors=_ERRORS, copies=st.integers(1, 5))
+def test_a_source_counts_once_in_the_median_by_source(bench, errors, copies):
+    """median_by_source: n counts sources; repeating one source's rows changes nothing (a source of many rows counts
+    once); the figure is the median of the sources' median |error|s, so it lies between their least and largest."""
+    rows = [{"source": g, "time_err": e} for g, e in errors]
+    first = rows[0]["source"]
+    repeated = rows + [r for r in rows if r["source"] == first] * (copies - 1)
+    out = bench.median_by_source(rows, "time_err")
+    assert out == bench.median_by_source(repeated, "time_err")
+    per = {g: [abs(e) for h, e in errors if h == g] for g, _ in errors}
+    assert out.endswith(f"(n={len(per)})")
+    value = float(out.split("%")[0])
+    medians = [sorted(v)[len(v) // 2] if len(v) % 2 else (sorted(v)[len(v) // 2 - 1] + sorted(v)[len(v) // 2]) / 2
+               for v in per.values()]
+    assert min(medians) - 0.05 <= value <= max(medians) + 0.05
+    assert bench.median_by_source([{"source": "a", "time_err": None}], "time_err").endswith("(n=0)")
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
 @given(errors=_ERRORS, factor=st.floats(0.2, 5.0))
 def test_the_ceiling_centres_each_group_and_ignores_a_common_factor(bench, errors, factor):
     """scaled_errors: each group's scaled ratios have median 1 (its median error is 0 where the group has an odd
