@@ -419,3 +419,52 @@ def test_report_every_prints_once_each_time_every_stage_passes_another_n_steps(t
     steps(1, 4)
     watcher.poll()
     assert out.getvalue().count("predicted vs measured") == 2
+
+
+def _finish_with(tmp_path: Path, slow: dict[int, float]) -> str:
+    """finish() over timing files as the workers of TWO_STAGES write them, each rank at slow[rank] x its prediction."""
+    run_dir = tmp_path / "run"
+    (run_dir / "timings").mkdir(parents=True)
+    for line in _timings(TWO_STAGES, slow):
+        with open(run_dir / "timings" / f"rank{line['rank']}.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+    out = io.StringIO()
+    assert run_report.finish(str(run_dir), TWO_STAGES, "abc", out=out) == str(run_dir / "run-report.json")
+    return out.getvalue()
+
+
+@pytest.mark.unit
+def test_the_end_of_a_run_says_what_its_ratios_mean(tmp_path):
+    """Both stages slow by about as much: the devices' speed, not the plan's balance; one stage slow: that stage.
+    Within 10 %: nothing is added to the table."""
+    both = _finish_with(tmp_path / "both", {0: 1.18, 1: 1.14})
+    assert "every stage ran about 16% slower than priced" in both and "the balance holds" in both
+    assert f"tangram-launch calibrate {tmp_path / 'both' / 'run' / 'run-report.json'}" in both
+    one = _finish_with(tmp_path / "one", {1: 1.3})
+    assert "stage 1 30% slower than priced" in one and "every stage" not in one and "stage 0" not in one
+    assert "rebalances" in one
+    fine = _finish_with(tmp_path / "fine", {0: 1.05, 1: 0.97})
+    assert "calibrate" not in fine and "run report:" in fine
+
+
+_RATIOS = st.lists(st.floats(0.97, 1.03), min_size=2, max_size=6)
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(ratios=_RATIOS, factor=st.one_of(st.floats(1.15, 3.0), st.floats(0.3, 0.86)), odd=st.integers(0, 5),
+       push=st.one_of(st.floats(1.2, 3.0), st.floats(0.3, 0.8)))
+def test_a_common_factor_reads_as_the_devices_speed_and_one_stage_off_reads_as_that_stage(ratios, factor, odd, push):
+    """Ratios near 1 read as nothing; the same ratios all scaled by one factor beyond the tolerance read as every
+    stage off by about as much; one stage pushed beyond it while the others stay near 1 is named, alone."""
+    def report(rs):
+        return {"stages": [{"stage": k, "ratio": r} for k, r in enumerate(rs)]}
+    assert run_report.reading(report(ratios), "r.json") is None
+    scaled = run_report.reading(report([r * factor for r in ratios]), "r.json")
+    assert scaled is not None and scaled.startswith("every stage ran about")
+    assert ("slower" if factor > 1 else "faster") in scaled
+    k = odd % len(ratios)
+    pushed = [r * push if i == k else r for i, r in enumerate(ratios)]
+    one = run_report.reading(report(pushed), "r.json")
+    assert one is not None and one.startswith(f"stage {k} ") and "every stage" not in one
+    assert all(f"stage {i} " not in one for i in range(len(ratios)) if i != k)

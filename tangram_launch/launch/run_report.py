@@ -231,6 +231,31 @@ def format_report(report: Mapping) -> str:
     return "\n".join([head] + _aligned(rows) + _parts_lines(it) + _memory_lines(report["stages"]))
 
 
+READING_TOLERANCE = 0.10  # a stage within 10 % of its prediction reads as priced right
+
+
+def reading(report: Mapping, path: str, *, tolerance: float = READING_TOLERANCE) -> str | None:
+    """One line after the table that says what its ratios mean, or None where every stage ran within ``tolerance``
+    of its prediction. Stages all off in one direction and by about as much (within ``tolerance`` of each other) ran on
+    devices of another speed than the profile's (clocks, other work): the plan's balance holds. Otherwise the stages
+    named are mispriced against the others, and the next plan can rebalance. Either way ``calibrate`` folds it in."""
+    ratios = {s["stage"]: s["ratio"] for s in report["stages"] if s.get("ratio")}
+    off = {k: r for k, r in ratios.items() if abs(r - 1.0) > tolerance}
+    if not off:
+        return None
+    fold = f"`tangram-launch calibrate {path}` folds the measured times into the cluster file"
+    lo, hi = min(ratios.values()), max(ratios.values())
+    if len(ratios) > 1 and len(off) == len(ratios) and (lo > 1.0 or hi < 1.0) and hi / lo <= 1.0 + tolerance:
+        mid = statistics.median(ratios.values())
+        return (f"every stage ran about {abs(mid - 1.0):.0%} {'slower' if mid > 1.0 else 'faster'} than priced, "
+                f"all alike: the devices ran at another speed than profiled (clocks, other work), the balance "
+                f"holds; {fold}")
+    named = ", ".join(f"stage {k} {abs(r - 1.0):.0%} {'slower' if r > 1.0 else 'faster'}"
+                      for k, r in sorted(off.items()))
+    rebalance = f", and the next plan rebalances around {'them' if len(off) > 1 else 'it'}" if len(ratios) > 1 else ""
+    return f"{named} than priced: {fold}{rebalance}"
+
+
 def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -311,7 +336,8 @@ def finish(run_dir: str, plan: Mapping, plan_hash: str, *, out: Any, cluster_pat
     if cluster_path:
         report["cluster"]["path"] = os.path.abspath(cluster_path)
     path = write_report(run_dir, report)
-    out.write(format_report(report) + f"\nrun report: {path}\n")
+    note = reading(report, path)
+    out.write(format_report(report) + (f"\n{note}" if note else "") + f"\nrun report: {path}\n")
     out.flush()
     return path
 
