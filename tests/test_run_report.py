@@ -457,6 +457,7 @@ _RATIOS = st.lists(st.floats(0.97, 1.03), min_size=2, max_size=6)
 def test_a_common_factor_reads_as_the_devices_speed_and_one_stage_off_reads_as_that_stage(ratios, factor, odd, push):
     """Ratios near 1 read as nothing; the same ratios all scaled by one factor beyond the tolerance read as every
     stage off by about as much; one stage pushed beyond it while the others stay near 1 is named, alone."""
+
     def report(rs):
         return {"stages": [{"stage": k, "ratio": r} for k, r in enumerate(rs)]}
     assert run_report.reading(report(ratios), "r.json") is None

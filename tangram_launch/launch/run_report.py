@@ -237,8 +237,9 @@ READING_TOLERANCE = 0.10  # a stage within 10 % of its prediction reads as price
 def reading(report: Mapping, path: str, *, tolerance: float = READING_TOLERANCE) -> str | None:
     """One line after the table that says what its ratios mean, or None where every stage ran within ``tolerance``
     of its prediction. Stages all off in one direction and by about as much (within ``tolerance`` of each other) ran on
-    devices of another speed than the profile's (clocks, other work): the plan's balance holds. Otherwise the stages
-    named are mispriced against the others, and the next plan can rebalance. Either way ``calibrate`` folds it in."""
+    devices of another speed than the plan priced (profiled at another clock or load, or a catalog figure): the plan's
+    balance holds. Otherwise the stages named are mispriced against the others, and the next plan can rebalance.
+    Either way ``calibrate`` folds the run in."""
     ratios = {s["stage"]: s["ratio"] for s in report["stages"] if s.get("ratio")}
     off = {k: r for k, r in ratios.items() if abs(r - 1.0) > tolerance}
     if not off:
@@ -248,8 +249,8 @@ def reading(report: Mapping, path: str, *, tolerance: float = READING_TOLERANCE)
     if len(ratios) > 1 and len(off) == len(ratios) and (lo > 1.0 or hi < 1.0) and hi / lo <= 1.0 + tolerance:
         mid = statistics.median(ratios.values())
         return (f"every stage ran about {abs(mid - 1.0):.0%} {'slower' if mid > 1.0 else 'faster'} than priced, "
-                f"all alike: the devices ran at another speed than profiled (clocks, other work), the balance "
-                f"holds; {fold}")
+                f"all alike: the devices' speed differs from the plan's figure for them (profiled at another clock "
+                f"or load, or a catalog figure), the balance holds; {fold}")
     named = ", ".join(f"stage {k} {abs(r - 1.0):.0%} {'slower' if r > 1.0 else 'faster'}"
                       for k, r in sorted(off.items()))
     rebalance = f", and the next plan rebalances around {'them' if len(off) > 1 else 'it'}" if len(ratios) > 1 else ""
