@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import os
+import statistics
 
 import pytest
 import yaml
@@ -309,8 +310,7 @@ def test_a_source_counts_once_in_the_median_by_source(bench, errors, copies):
     per = {g: [abs(e) for h, e in errors if h == g] for g, _ in errors}
     assert out.endswith(f"(n={len(per)})")
     value = float(out.split("%")[0])
-    medians = [sorted(v)[len(v) // 2] if len(v) % 2 else (sorted(v)[len(v) // 2 - 1] + sorted(v)[len(v) // 2]) / 2
-               for v in per.values()]
+    medians = [statistics.median(v) for v in per.values()]
     assert min(medians) - 0.05 <= value <= max(medians) + 0.05
     assert bench.median_by_source([{"source": "a", "time_err": None}], "time_err").endswith("(n=0)")
 

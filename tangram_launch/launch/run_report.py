@@ -245,8 +245,8 @@ def reading(report: Mapping, path: str, *, tolerance: float = READING_TOLERANCE)
     if not off:
         return None
     fold = f"`tangram-launch calibrate {path}` folds the measured times into the cluster file"
-    lo, hi = min(ratios.values()), max(ratios.values())
-    if len(ratios) > 1 and len(off) == len(ratios) and (lo > 1.0 or hi < 1.0) and hi / lo <= 1.0 + tolerance:
+    # all off and within a factor 1 + tolerance of each other: all on one side of 1 (across it they differ by more)
+    if len(ratios) > 1 and len(off) == len(ratios) and max(ratios.values()) / min(ratios.values()) <= 1.0 + tolerance:
         mid = statistics.median(ratios.values())
         return (f"every stage ran about {abs(mid - 1.0):.0%} {'slower' if mid > 1.0 else 'faster'} than priced, "
                 f"all alike: the devices' speed differs from the plan's figure for them (profiled at another clock "
