@@ -71,7 +71,7 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # (DTensor TP).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
                 "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
-                "moe_permute_fusion", "moe_probs_on_output", "attention_kernel", "allocator")
+                "moe_permute_fusion", "moe_probs_on_output", "attention_kernel", "allocator", "dp_overlap")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -275,7 +275,8 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          moe_dispatcher=runtime.get("moe_dispatcher", "alltoall"),
                          moe_permute_fusion=bool(runtime.get("moe_permute_fusion", False)),
                          moe_probs_on_output=bool(runtime.get("moe_probs_on_output", True)),
-                         attention_kernel=runtime.get("attention_kernel", "auto"))
+                         attention_kernel=runtime.get("attention_kernel", "auto"),
+                         dp_overlap=runtime.get("dp_overlap", "none"))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),

@@ -9,9 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from tangram_launch.costmodel import communication as comm
+from tangram_launch.costmodel import overlap
 from tangram_launch.costmodel.breakdown import ParallelConfig
 from tangram_launch.costmodel.efficiency import GBPS, NET_EFFICIENCY
+from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import LinkSpec
+from tangram_launch.specs.constants import RECOMPUTE_MODES
 from tangram_launch.specs.model import load_model
 from test_costmodel import coster, gpt, island
 
@@ -111,6 +114,61 @@ def test_exposed_communication_is_never_below_what_cannot_overlap(h, layers, nod
                 comm.collective_s(comm.REDUCE_SCATTER, grads, dp, st.dp_link)
                 + comm.collective_s(comm.ALL_GATHER, st.dense_params * pb, dp, st.dp_link))
         assert plan.stages[0].dp_sync_s >= need * (1 - 1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=hs.sampled_from([512, 1024, 2048]), layers=hs.integers(2, 10), nodes=hs.sampled_from([1, 2, 4, 8]),
+       per_node=hs.sampled_from([4, 8]), net_gbps=hs.floats(0.5, 100.0), seqs_per_gpu=hs.sampled_from([1, 2, 8]),
+       zero=hs.integers(0, 1), middle=hs.booleans(), kind=hs.sampled_from(["grads", "grads-params"]),
+       recompute=hs.sampled_from(["none", "full"]))
+def test_overlapped_dp_sync_is_what_bucket_by_bucket_overlap_leaves(h, layers, nodes, per_node, net_gbps,
+                                                                   seqs_per_gpu, zero, middle, kind, recompute):
+    """A runtime that overlaps its ZeRO-0/1 sync (Megatron-core's overlap_grad_reduce / overlap_param_gather,
+    PyTorch DDP): the sync left on the step's path is what an event simulation of one bucket per layer gives
+    (reduce beside the last backward, recompute included; the distributed optimizer's gathers beside the next
+    forward) plus the compute slowed where they hide, and never less than the last bucket's reduce and the first
+    gather, which nothing covers. The same stage without overlap pays its collectives whole."""
+    model = gpt("g", h, h // 64, layers, seq=1024)
+    dp = nodes * per_node
+    span = (1, layers - 1) if middle and layers > 2 else None
+    isl = island("a100-80gb", nodes=nodes, per_node=per_node, net_gbps=net_gbps)
+    cfg = ParallelConfig(dp=dp, zero_stage=zero, recompute=recompute)
+    kw = dict(b=dp * seqs_per_gpu, gb=dp * seqs_per_gpu, seq=1024, layers=span)
+    cost = coster(model, isl, dp_overlap=kind, **kw)
+    plan = cost.plan(cfg)
+    st, zp = stage_and_part(cost, cfg)
+    n = st.layers[1] - st.layers[0]
+    e = st.edge_compute
+    c = st.collectives
+    red = "ar" if zero == 0 else "rs"
+    gathers = zero == 1 and kind == "grads-params"
+    bwd_compute = st.bwd_s + cost._rec_part(st, RECOMPUTE_MODES.index(recompute)).recompute_s
+    fwd, bwd = simulate(root_gather=c["ag_root"] if gathers else 0.0, root_rs=c[red + "_root"],
+                        head_gather=c["ag_head"] if gathers else 0.0, head_rs=c[red + "_head"],
+                        g_fwd=c["ag_layer"] if gathers else 0.0, g_bwd=0.0, r=c[red + "_layer"],
+                        c=(st.fwd_s - e.emb_fwd_s - e.head_fwd_s) / n, b=(bwd_compute - e.emb_bwd_s - e.head_bwd_s) / n,
+                        n=n, emb_fwd=e.emb_fwd_s, emb_bwd=e.emb_bwd_s, head_fwd=e.head_fwd_s, head_bwd=e.head_bwd_s)
+    reduce_all = n * c[red + "_layer"] + c[red + "_root"] + c[red + "_head"]
+    gather_all = (n * c["ag_layer"] + c["ag_root"] + c["ag_head"]) if gathers else 0.0
+    expected = (fwd + bwd + overlap.contention_s(reduce_all, bwd)
+                + (overlap.contention_s(gather_all, fwd) if gathers else 0.0))
+    assert plan.stages[0].dp_sync_s == pytest.approx(zp.sync_s + expected, rel=1e-9, abs=1e-12)
+    floor = c[red + "_root"] if st.has_embedding else 0.0
+    if gathers and st.has_embedding:
+        floor += c["ag_root"]
+    assert plan.stages[0].dp_sync_s >= floor * (1 - 1e-9)
+    # without overlap the same stage pays its collectives whole, once
+    whole = coster(model, isl, **kw).plan(cfg).stages[0].dp_sync_s
+    need = c["ar_grads"] if zero == 0 else c["rs_grads"] + c["ag_params"]
+    others = zp.sync_s - (c["ag_params"] if zero == 1 and not gathers else 0.0)  # tied embeddings, loss report
+    assert whole == pytest.approx(need + others, rel=1e-9, abs=1e-12)
+
+
+def test_dp_overlap_names_the_field_and_the_kinds_it_knows():
+    model = gpt("g", 512, 8, 2, seq=1024)
+    with pytest.raises(SpecError) as err:
+        coster(model, island("a100-80gb"), dp_overlap="bucketed")
+    assert err.value.field == "dp_overlap" and "grads-params" in str(err.value)
 
 
 def opt350m_dp128(dtype, dp=128):

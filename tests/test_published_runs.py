@@ -217,6 +217,14 @@ def test_runtime_variants_of_a_row_are_known_and_change_what_they_model(data, be
     assert as_run["predicted_gib"] > as_planner["predicted_gib"] + 5  # whole layer inputs on 4 TP ranks, bf16 grads
     with pytest.raises(SpecError, match="unknown runtime keys"):
         bench.predict({**bloom, "runtime": {"sequence_paralel": False}}, bench.resolve_model(bloom["model"], data))
+    # a runtime that hides its DP sync under the backward (and the gathers under the forward) runs the step faster
+    flag = rows["flagperf-llama3-8b-h100x16"]
+    times = [bench.evaluate({**flag, "runtime": {"dp_overlap": kind}}, data)["predicted_s"]
+             for kind in ("none", "grads", "grads-params")]
+    assert times[0] > times[1] > times[2]
+    with pytest.raises(SpecError) as err:
+        bench.predict({**flag, "runtime": {"dp_overlap": "yes"}}, bench.resolve_model(flag["model"], data))
+    assert err.value.field == "dp_overlap"
 
 
 @pytest.mark.unit

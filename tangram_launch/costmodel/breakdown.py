@@ -106,6 +106,11 @@ class ZeroPart(NamedTuple):
     # FSDP2's host work per micro-batch beyond compute and transfers (SliceCoster._fsdp_host_s), forward and backward
     host_fwd_s: float = 0.0
     host_bwd_s: float = 0.0
+    # under a runtime that overlaps its data-parallel sync (SliceCoster dp_overlap): the collective whose buckets
+    # hide under the last micro-batch's backward ("ar" ZeRO-0, "rs" ZeRO-1; "" none), and whether the distributed
+    # optimizer's all-gather hides under the next step's first forward; sync_s then leaves them out (dp_overlap_s)
+    dp_reduce: str = ""
+    dp_gather: bool = False
 
 
 def _sp_pairs(model, kind: str, ep: int, moe_runtime: MoERuntime | None = None) -> int:
@@ -165,6 +170,32 @@ def _exposed_bwd_s(zp: ZeroPart, bwd_compute_s: float, edges: EdgeCompute) -> fl
             layer_compute_s=(bwd_compute_s - edges.emb_bwd_s - edges.head_bwd_s) / n,
             head_compute_s=edges.head_bwd_s, tail_compute_s=edges.emb_bwd_s, num_layers=n)
     return 0.0
+
+
+def dp_overlap_s(zp: ZeroPart, collectives: dict, fwd_compute_s: float, bwd_compute_s: float,
+                 edges: EdgeCompute = NO_EDGES) -> float:
+    """The ZeRO-0/1 sync a runtime that overlaps it leaves on the step's path (overlap.py): gradient buckets, one
+    per layer, beside the last micro-batch's backward (``bwd_compute_s``, recompute included), the distributed
+    optimizer's parameter all-gathers beside the next step's first forward; plus the compute they slow where they
+    hide (overlap.contention_s). 0.0 where the pair does not overlap (ZeroPart.dp_reduce / dp_gather)."""
+    out = 0.0
+    n = max(1, zp.num_layers)
+    c = collectives
+    if zp.dp_reduce:
+        p = zp.dp_reduce
+        r, root, head = c[p + "_layer"], c[p + "_root"], c[p + "_head"]
+        exposed = overlap.backward_exposed_s(
+            layer_gather_s=0.0, layer_rs_s=r, root_rs_s=root, head_rs_s=head,
+            layer_compute_s=(bwd_compute_s - edges.emb_bwd_s - edges.head_bwd_s) / n,
+            head_compute_s=edges.head_bwd_s, tail_compute_s=edges.emb_bwd_s, num_layers=n)
+        out += exposed + overlap.contention_s(n * r + root + head, exposed)
+    if zp.dp_gather:
+        g, root, head = c["ag_layer"], c["ag_root"], c["ag_head"]
+        exposed = overlap.forward_exposed_s(
+            root_gather_s=root, layer_gather_s=g, lead_compute_s=edges.emb_fwd_s, head_gather_s=head,
+            layer_compute_s=(fwd_compute_s - edges.emb_fwd_s - edges.head_fwd_s) / n, num_layers=n)
+        out += exposed + overlap.contention_s(n * g + root + head, exposed)
+    return out
 
 
 class RecomputePart(NamedTuple):
@@ -269,7 +300,7 @@ class SliceCoster:
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
                  moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
-                 attention_kernel: str | None = None,
+                 attention_kernel: str | None = None, dp_overlap: str = "none",
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -292,7 +323,9 @@ class SliceCoster:
         ``moe_probs_on_output``: the combine weights the experts' outputs by the routing probabilities and so keeps
         them for the backward (off: the experts' activation applies them; moe_dispatch.MoERuntime).
         ``attention_kernel``: the fused-attention kernel family (attention_kernels.py; None: the training spec's,
-        whose default auto is what this project's runtimes run on the GPU).
+        whose default auto is what this project's runtimes run on the GPU). ``dp_overlap``: how much of the
+        ZeRO-0/1 data-parallel sync the runtime hides under compute (overlap.DP_OVERLAP_KINDS: Megatron-core's
+        overlap_grad_reduce / overlap_param_gather, PyTorch DDP's buckets; none: this project's runtimes).
         The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
@@ -318,6 +351,10 @@ class SliceCoster:
             raise SpecError("the experts' tensor-parallel degree must be a positive integer",
                             field="expert_tensor_parallel", value=expert_tensor_parallel,
                             valid="a positive integer (1: whole experts on each GPU), or omitted for the stage's tp")
+        if dp_overlap not in overlap.DP_OVERLAP_KINDS:
+            raise SpecError("unknown data-parallel overlap", field="dp_overlap", value=dp_overlap,
+                            valid=", ".join(overlap.DP_OVERLAP_KINDS))
+        self.dp_overlap = dp_overlap
         if moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
                             valid=", ".join(MOE_DISPATCHERS))
@@ -871,12 +908,16 @@ class SliceCoster:
         # charges them (GroupLink.wait_s; 0 unless profiled); a lone whole-model rank sends nothing
         if st.has_head and st.dp_link is not None:
             sync += ((shard > 1) + (shard > 1 or not st.has_embedding)) * st.dp_link.wait_s
+        # a runtime that overlaps its ZeRO-0/1 sync hides it bucket by bucket (dp_overlap_s adds what stays exposed)
+        overlaps = self.dp_overlap != "none" and zero <= 1 and not (per_unit and zero >= 1)
+        dp_reduce = ("ar" if zero == 0 else "rs") if overlaps else ""
+        dp_gather = overlaps and zero == 1 and self.dp_overlap == "grads-params"
         if zero == 0:
-            sync += c["ar_grads"]
+            sync += 0.0 if dp_reduce else c["ar_grads"]
         elif per_unit and (zero <= 2 or held):  # each unit's reduce-scatter and all-gather, once per step
             sync += n_layers * (c["rs_layer"] + c["ag_layer"]) + c["rs_edges"] + c["ag_edges"]
         elif zero == 1 or held:
-            sync += c["rs_grads"] + c["ag_params"]
+            sync += (0.0 if dp_reduce else c["rs_grads"]) + (0.0 if dp_gather else c["ag_params"])
         elif zero == 2:
             sync += c["ag_params"]
         local = (st.dense_params / (shard if zero >= 1 else 1)
@@ -908,7 +949,7 @@ class SliceCoster:
         fits_host = not off or fits_host_memory(dense.host + expert.host, self.island.host_memory)
         out = ZeroPart(dense.total + expert.total, z_fwd, z_bwd, sync, opt_s, working, dense, expert, l_fwd,
                        l_gather + l_rs, n_layers, pcie, l_rs, root_ag, root_rs, head_ag, head_rs, copies,
-                       held_copies, fits_host, host_fwd, host_bwd)
+                       held_copies, fits_host, host_fwd, host_bwd, dp_reduce, dp_gather)
         st.zero_parts[key] = out
         return out
 
@@ -940,7 +981,10 @@ class SliceCoster:
         # ZeRO-3/FSDP: one collective per layer (its share of the layers' parameters, its own ring latency) and one
         # each for the embedding ("root") and the output layer ("head")
         layer_dense = st.dense_params - st.edge_params
-        for name, op, nbytes in (("rs", comm.REDUCE_SCATTER, gb), ("ag", comm.ALL_GATHER, pb)):
+        per_layer = [("rs", comm.REDUCE_SCATTER, gb), ("ag", comm.ALL_GATHER, pb)]
+        if self.dp_overlap != "none":  # ZeRO-0 gradient buckets, one per layer (dp_overlap_s)
+            per_layer.append(("ar", comm.ALL_REDUCE, gb))
+        for name, op, nbytes in per_layer:
             out[name + "_layer"] = (comm.collective_s(op, layer_dense * nbytes / n, st.shard, st.dp_link)
                                     + comm.collective_s(op, st.expert_params * nbytes / n, st.eshard, st.edp_link))
             out[name + "_root"] = comm.collective_s(op, (st.edge_params - st.head_params) * nbytes, st.shard,
@@ -1020,6 +1064,10 @@ class SliceCoster:
                 z_bwd = _exposed_bwd_s(zp, b, edges)
                 bwd = b + (z_bwd + overlap.contention_s(zp.zero_bwd_s, z_bwd)) + fixed_bwd + rp.comm_s
             bwd += zp.host_bwd_s
+            sync = zp.sync_s
+            if zp.dp_reduce or zp.dp_gather:  # the overlapped sync depends on the passes' compute
+                sync += dp_overlap_s(zp, st.collectives, fwd_s, b, edges)
+                tail = sync + zp.optimizer_s
             full = r == _FULL
             static = zp.state_bytes + zp.held_copy_bytes[full] + (zp.working_bytes + rp.working_bytes) * frag + overhead
             if over_host:
@@ -1030,7 +1078,7 @@ class SliceCoster:
                 if halves is not None:
                     halves.append((fwd, bwd))
             else:
-                out.append((fwd, bwd, static, act, zp.sync_s, zp.optimizer_s))
+                out.append((fwd, bwd, static, act, sync, zp.optimizer_s))
         return out
 
     def stage_numbers(self, st: StageSums, cfg: ParallelConfig) -> tuple[StageNumbers, dict]:
@@ -1041,7 +1089,8 @@ class SliceCoster:
         numbers = StageNumbers(*self._stage_terms(st, ((cfg.zero_stage, r, cfg.offload),), rows=False,
                                                   host_limit=False)[0])
         zp = self._zero_part(st, cfg.zero_stage, cfg.offload)
-        sync, opt_s, zworking, dense, expert = zp.sync_s, zp.optimizer_s, zp.working_bytes, zp.dense, zp.expert
+        sync, opt_s, zworking, dense, expert = (numbers.dp_sync_s, zp.optimizer_s, zp.working_bytes, zp.dense,
+                                                zp.expert)
         rp = self._rec_part(st, r)
         full = cfg.recompute == "full"
         rec_s, rworking = rp.recompute_s, rp.working_bytes

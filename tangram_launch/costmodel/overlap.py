@@ -28,10 +28,23 @@ What hides is not free: while a collective runs, its kernels hold a share of the
 the compute beside it runs slower by that share. A hidden transfer of h seconds under compute C (h <= C) stretches
 it to C + share x h (``contention_s``); where the transfer is longer than the compute, the charge is at most
 share x C too high. This holds for every GPU and stack that overlaps its collectives with compute (FSDP, ZeRO-2/3).
+
+ZeRO-0/1 gradient sync, where the runtime overlaps it (``DP_OVERLAP_KINDS``): PyTorch DDP and Megatron-core's
+``overlap_grad_reduce`` start each gradient bucket's all-reduce (ZeRO-0) or reduce-scatter (distributed optimizer) as
+the bucket fills during the backward of the step's last micro-batch (the earlier micro-batches only accumulate: DDP's
+``no_sync``, Megatron's sync on the last one). Buckets fill layer by layer in reverse, so what stays exposed is the
+backward form above with nothing gathered. Megatron-core's ``overlap_param_gather`` issues the distributed optimizer's
+parameter all-gathers bucket by bucket ahead of the next step's first forward: the forward form. This project's
+runtimes do neither (the torch runtime reduces after the schedule, the Megatron adapter sets
+``overlap_grad_reduce=False``), so the planner's default is ``none``.
 """
 from __future__ import annotations
 
 from tangram_launch.costmodel.efficiency import COLLECTIVE_SM_SHARE
+
+# none: the sync runs whole after the last backward; grads: gradient buckets hide under the last backward;
+# grads-params: and the distributed optimizer's parameter all-gathers under the next step's first forward
+DP_OVERLAP_KINDS = ("none", "grads", "grads-params")
 
 
 def forward_exposed_s(*, root_gather_s: float, layer_gather_s: float, layer_compute_s: float,
