@@ -71,7 +71,8 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # (DTensor TP).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
                 "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
-                "moe_permute_fusion", "moe_probs_on_output", "attention_kernel", "allocator", "dp_overlap")
+                "moe_permute_fusion", "moe_probs_on_output", "attention_kernel", "allocator", "dp_overlap",
+                "tp_overlap")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -276,7 +277,8 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          moe_permute_fusion=bool(runtime.get("moe_permute_fusion", False)),
                          moe_probs_on_output=bool(runtime.get("moe_probs_on_output", True)),
                          attention_kernel=runtime.get("attention_kernel", "auto"),
-                         dp_overlap=runtime.get("dp_overlap", "none"))
+                         dp_overlap=runtime.get("dp_overlap", "none"),
+                         tp_overlap=runtime.get("tp_overlap", "none"))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),
@@ -335,13 +337,21 @@ def pct(pred: float, pub: float) -> float:
     return 100.0 * (pred - pub) / pub
 
 
+# per-source runtime defaults of the data file: (its map, the runtime key each entry sets)
+SOURCE_DEFAULTS = (("attention_kernels", "attention_kernel"), ("dp_overlaps", "dp_overlap"),
+                   ("tp_overlaps", "tp_overlap"))
+
+
 def with_source_kernel(row: dict, data: dict) -> dict:
-    """The row with its source's attention kernel (the data file's attention_kernels:) unless it names its own."""
+    """The row with its source's attention kernel (the data file's attention_kernels:) and data-parallel overlap
+    (dp_overlaps:), each unless the row names its own."""
     runtime = row.get("runtime") or {}
-    kernel = (data.get("attention_kernels") or {}).get(row["source"]["ref"])
-    if kernel is None or "attention_kernel" in runtime:
-        return row
-    return {**row, "runtime": {**runtime, "attention_kernel": kernel}}
+    added = {}
+    for table, key in SOURCE_DEFAULTS:
+        value = (data.get(table) or {}).get(row["source"]["ref"])
+        if value is not None and key not in runtime:
+            added[key] = value
+    return {**row, "runtime": {**runtime, **added}} if added else row
 
 
 def evaluate(row: dict, data: dict) -> dict:

@@ -11,6 +11,7 @@ from hypothesis import strategies as hs
 from tangram_launch.costmodel import communication as comm
 from tangram_launch.costmodel import overlap
 from tangram_launch.costmodel.breakdown import ParallelConfig
+from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.efficiency import GBPS, NET_EFFICIENCY
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.cluster import LinkSpec
@@ -220,6 +221,58 @@ def test_strong_scaling_lowers_per_gpu_throughput_once_layers_compute_faster_tha
         _, _, stage = opt350m_dp128("tf32", dp=dp)
         per_gpu[dp] = (1024 / dp) / (stage.forward_s + stage.backward_s)  # sequences per second per GPU
     assert per_gpu[512] < 0.8 * per_gpu[128]
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=hs.floats(0.0, 1.0), g=hs.floats(0.0, 1.0), tp=hs.sampled_from([1, 2, 4, 8]))
+def test_an_overlapped_tp_collective_shows_its_first_chunk_or_what_the_gemm_cannot_cover(c, g, tp):
+    """A TP collective pipelined with its GEMM in tp chunks shows at least one chunk and the transfers beyond the
+    other chunks' GEMMs, and never more than the whole collective."""
+    got = overlap.tp_exposed_s(c, g, tp)
+    assert got <= c * (1 + 1e-12)
+    assert got >= max(c / tp, c - g * (tp - 1) / tp) - 1e-12
+    if tp == 1:
+        assert got == c
+
+
+@pytest.mark.parametrize("kind", ["backward", "pipelined"])
+@pytest.mark.parametrize("name, ep, pairs", [("llama3-70b", 1, 2), ("qwen3-30b-a3b", 8, 1), ("mixtral-8x7b", 1, 2)])
+def test_tp_overlap_hides_sp_collectives_only_beside_the_gemms_next_to_them(name, ep, pairs, kind):
+    """Megatron's linear layers (backward): the forward's collectives and the backward's output-gradient all-gather
+    wait, the input-gradient reduce-scatter runs beside the weight-gradient GEMM. --tp-comm-overlap / AsyncTP
+    (pipelined): each collective is pipelined with the GEMM beside it (attention: QKV and output projection; a dense
+    FFN: up and down). An MoE block with EP > 1 has no FFN pair, and at EP 1 its gathered input feeds the router
+    and the dispatch, which no GEMM hides."""
+    model = load_model(name)
+    tp = 8
+    isl = island("h100-sxm", nodes=max(1, ep), per_node=8)
+    kw = dict(b=8 * ep, gb=8 * ep, seq=4096, layers=(0, 2))
+    lkind = model.layer_kind(0)
+    plain = coster(model, isl, **kw).layer_terms(lkind, tp, 1, ep, ep, 1)
+    cost = coster(model, isl, tp_overlap=kind, **kw)
+    hidden = cost.layer_terms(lkind, tp, 1, ep, ep, 1)
+    lc = layer_compute(model, 0, seq_len=4096, mbs=1, tp=tp, cp=1, ep=ep, dev=cost.dev, moe_runtime=cost.moe_runtime)
+    link = cost._link(1, tp, tp * ep)
+    act = 4096 * model.hidden_size * cost.dev.dtype_bytes
+    gather = comm.collective_s(comm.ALL_GATHER, act, tp, link)
+    scatter = comm.collective_s(comm.REDUCE_SCATTER, act, tp, link)
+    assert plain.tp_fwd_s == plain.tp_bwd_s == pytest.approx(pairs * (gather + scatter))
+    beside = lc.sp_gemms_s[:pairs]
+    assert len(beside) == (1 if model.num_experts else 2)
+    bare = (pairs - len(beside)) * (gather + scatter)
+    if kind == "pipelined":
+        fwd = bare + sum(overlap.tp_exposed_s(gather, c, tp) + overlap.tp_exposed_s(scatter, r, tp) for c, r in beside)
+        bwd = bare + sum(overlap.tp_exposed_s(gather, r, tp) + overlap.tp_exposed_s(scatter, c, tp) for c, r in beside)
+        assert hidden.tp_fwd_s < plain.tp_fwd_s
+    else:
+        fwd = plain.tp_fwd_s
+        bwd = bare + sum(gather + overlap.beside_s(scatter, c) for c, r in beside)
+    assert hidden.tp_fwd_s == pytest.approx(fwd)
+    assert hidden.tp_bwd_s == pytest.approx(bwd)
+    assert hidden.tp_bwd_s < plain.tp_bwd_s
+    with pytest.raises(SpecError) as err:
+        coster(model, isl, tp_overlap="async", **kw)
+    assert err.value.field == "tp_overlap" and "pipelined" in str(err.value)
 
 
 def test_hierarchical_latency_pays_the_network_only_on_steps_that_cross_nodes():

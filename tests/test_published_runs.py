@@ -222,6 +222,10 @@ def test_runtime_variants_of_a_row_are_known_and_change_what_they_model(data, be
     times = [bench.evaluate({**flag, "runtime": {"dp_overlap": kind}}, data)["predicted_s"]
              for kind in ("none", "grads", "grads-params")]
     assert times[0] > times[1] > times[2]
+    # ... and one that pipelines its TP collectives with the GEMMs beside them, too
+    tp = [bench.evaluate({**flag, "runtime": {"tp_overlap": kind}}, data)["predicted_s"]
+          for kind in ("none", "backward", "pipelined")]
+    assert tp[0] > tp[1] > tp[2]
     with pytest.raises(SpecError) as err:
         bench.predict({**flag, "runtime": {"dp_overlap": "yes"}}, bench.resolve_model(flag["model"], data))
     assert err.value.field == "dp_overlap"

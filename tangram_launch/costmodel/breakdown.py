@@ -227,7 +227,8 @@ class LayerTerms:
     recompute_s: tuple[float, float, float]  # by RECOMPUTE_MODES
     fwd_flops: float
     recompute_flops: tuple[float, float, float]
-    tp_fwd_s: float  # TP all-gather/reduce-scatter in the forward (same again in the backward)
+    tp_fwd_s: float  # TP all-gather/reduce-scatter exposed in the forward
+    tp_bwd_s: float  # ... and in the backward (the same where the runtime overlaps none)
     cp_fwd_s: float  # exposed ring-attention K/V exchange, forward
     cp_bwd_s: float
     ep_fwd_s: float  # MoE all-to-all: token counts, dispatch and combine in the forward
@@ -300,7 +301,7 @@ class SliceCoster:
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
                  moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
-                 attention_kernel: str | None = None, dp_overlap: str = "none",
+                 attention_kernel: str | None = None, dp_overlap: str = "none", tp_overlap: str = "none",
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -326,6 +327,8 @@ class SliceCoster:
         whose default auto is what this project's runtimes run on the GPU). ``dp_overlap``: how much of the
         ZeRO-0/1 data-parallel sync the runtime hides under compute (overlap.DP_OVERLAP_KINDS: Megatron-core's
         overlap_grad_reduce / overlap_param_gather, PyTorch DDP's buckets; none: this project's runtimes).
+        ``tp_overlap``: which TP collectives the runtime runs beside a GEMM (overlap.TP_OVERLAP_KINDS: backward,
+        Megatron's linear layers; pipelined, --tp-comm-overlap and AsyncTP; none: this project's runtimes).
         The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
@@ -355,6 +358,10 @@ class SliceCoster:
             raise SpecError("unknown data-parallel overlap", field="dp_overlap", value=dp_overlap,
                             valid=", ".join(overlap.DP_OVERLAP_KINDS))
         self.dp_overlap = dp_overlap
+        if tp_overlap not in overlap.TP_OVERLAP_KINDS:
+            raise SpecError("unknown tensor-parallel overlap", field="tp_overlap", value=tp_overlap,
+                            valid=", ".join(overlap.TP_OVERLAP_KINDS))
+        self.tp_overlap = tp_overlap
         if moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError("unknown MoE token dispatcher", field="moe_dispatcher", value=moe_dispatcher,
                             valid=", ".join(MOE_DISPATCHERS))
@@ -468,10 +475,22 @@ class SliceCoster:
         tokens = mbs * s / cp
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
-        # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward.
-        tp_fwd = _sp_pairs(model, kind, ep, self.moe_runtime) * (
-            comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
-            + comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link))
+        # reduce-scatters of the M x h activation (= the volume of 2 all-reduces), the same in the backward; all
+        # on the critical path unless the runtime runs some beside a GEMM (tp_overlap)
+        pairs = _sp_pairs(model, kind, ep, self.moe_runtime)
+        gather = comm.collective_s(comm.ALL_GATHER, act_full, tp, tp_link)
+        scatter = comm.collective_s(comm.REDUCE_SCATTER, act_full, tp, tp_link)
+        tp_fwd = tp_bwd = pairs * (gather + scatter)
+        if self.tp_overlap != "none" and tp > 1:  # beside the GEMMs next to them (overlap.py); a pair without
+            beside = lc.sp_gemms_s[:pairs]  # GEMMs (an MoE block's routed input at EP 1) waits
+            bare = (pairs - len(beside)) * (gather + scatter)
+            if self.tp_overlap == "pipelined":
+                tp_fwd = bare + sum(overlap.tp_exposed_s(gather, col, tp) + overlap.tp_exposed_s(scatter, row, tp)
+                                    for col, row in beside)
+                tp_bwd = bare + sum(overlap.tp_exposed_s(gather, row, tp) + overlap.tp_exposed_s(scatter, col, tp)
+                                    for col, row in beside)
+            else:
+                tp_bwd = bare + sum(gather + overlap.beside_s(scatter, col) for col, row in beside)
         # Ring attention: cp - 1 steps, each passing this GPU's K and V chunk (2 x M x kv_dim/t); the backward
         # passes K, V and their gradients (2x). Overlapped with the attention core; only the excess is exposed.
         cp_fwd = cp_bwd = 0.0
@@ -502,7 +521,7 @@ class SliceCoster:
             recompute_s=tuple(lc.recompute_s(m, self.selective_policy) for m in RECOMPUTE_MODES),
             fwd_flops=lc.forward_flops,
             recompute_flops=tuple(lc.recompute_flops(m, self.selective_policy) for m in RECOMPUTE_MODES),
-            tp_fwd_s=tp_fwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
+            tp_fwd_s=tp_fwd, tp_bwd_s=tp_bwd, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd, ep_fwd_s=ep_fwd, ep_bwd_s=ep_bwd,
             act_bytes=acts, dense_params=dense / tp, expert_params=experts / (etp * ep),
             param_tensors=layer_param_tensors(model, i, ep=ep),
             transient_bytes=layer_backward_transient_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, dtype_bytes=p,
@@ -652,7 +671,8 @@ class SliceCoster:
         per_kind = {}
         for k in self.rep:
             t = self.layer_terms(k, tp, cp, ep, dp, mbs)
-            per_kind[k] = t.fwd_s + t.bwd_s + 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
+            per_kind[k] = (t.fwd_s + t.bwd_s + t.tp_fwd_s + t.tp_bwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s
+                           + t.ep_bwd_s)
         e = self.edges(tp, cp, dp, mbs)
         unit = max(per_kind.values()) or 1.0
         first = (e["emb_fwd_s"] + e["emb_bwd_s"] + e["emb_tp_s"]) if self.has_embedding else 0.0
@@ -711,11 +731,10 @@ class SliceCoster:
             st = StageSums(layers=(a, z), has_embedding=has_emb, has_head=has_head, dp_link=dp_link,
                            edp_link=edp_link)
             counts = tuple((k, pre[z - first_layer] - pre[a - first_layer]) for k, pre in self.prefix.items())
-            (st.fwd_s, st.bwd_s, st.fwd_flops, st.tp_fwd_s, st.cp_fwd_s, st.cp_bwd_s, st.ep_fwd_s, st.ep_bwd_s, rec,
-             rec_f, acts, st.max_layer_act_none, st.max_layer_act_rebuilt_sel, st.dense_params, st.expert_params,
-             st.param_tensors, st.max_layer_params, st.max_layer_transient) = self._layers_part(counts, tp, cp, ep, dp,
-                                                                                                mbs)
-            st.tp_bwd_s = st.tp_fwd_s
+            (st.fwd_s, st.bwd_s, st.fwd_flops, st.tp_fwd_s, st.tp_bwd_s, st.cp_fwd_s, st.cp_bwd_s, st.ep_fwd_s,
+             st.ep_bwd_s, rec, rec_f, acts, st.max_layer_act_none, st.max_layer_act_rebuilt_sel, st.dense_params,
+             st.expert_params, st.param_tensors, st.max_layer_params,
+             st.max_layer_transient) = self._layers_part(counts, tp, cp, ep, dp, mbs)
             emb_act = head_act = 0.0
             if has_emb:
                 st.fwd_s += edges["emb_fwd_s"]
@@ -794,7 +813,7 @@ class SliceCoster:
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
-        fwd_s = bwd_s = fwd_flops = tp_fwd_s = cp_fwd_s = cp_bwd_s = ep_fwd_s = ep_bwd_s = 0.0
+        fwd_s = bwd_s = fwd_flops = tp_fwd_s = tp_bwd_s = cp_fwd_s = cp_bwd_s = ep_fwd_s = ep_bwd_s = 0.0
         act_none = rebuilt_sel = dense = expert = tensors = max_params = transient = 0.0
         rec = [0.0, 0.0, 0.0]
         rec_f = [0.0, 0.0, 0.0]
@@ -807,6 +826,7 @@ class SliceCoster:
             bwd_s += c * t.bwd_s
             fwd_flops += c * t.fwd_flops
             tp_fwd_s += c * t.tp_fwd_s
+            tp_bwd_s += c * t.tp_bwd_s
             cp_fwd_s += c * t.cp_fwd_s
             cp_bwd_s += c * t.cp_bwd_s
             ep_fwd_s += c * t.ep_fwd_s
@@ -822,9 +842,9 @@ class SliceCoster:
             tensors += c * t.param_tensors
             max_params = max(max_params, t.dense_params + t.expert_params)
             transient = max(transient, t.transient_bytes)
-        hit = self._edge_cache[key] = (fwd_s, bwd_s, fwd_flops, tp_fwd_s, cp_fwd_s, cp_bwd_s, ep_fwd_s, ep_bwd_s,
-                                       tuple(rec), tuple(rec_f), tuple(acts), act_none, rebuilt_sel, dense, expert,
-                                       tensors, max_params, transient)
+        hit = self._edge_cache[key] = (fwd_s, bwd_s, fwd_flops, tp_fwd_s, tp_bwd_s, cp_fwd_s, cp_bwd_s, ep_fwd_s,
+                                       ep_bwd_s, tuple(rec), tuple(rec_f), tuple(acts), act_none, rebuilt_sel, dense,
+                                       expert, tensors, max_params, transient)
         return hit
 
     def kept_state_bytes(self, zero: int, offload: bool = False, *, held: bool = True) -> tuple[float, float, float]:

@@ -119,6 +119,11 @@ class LayerCompute:
     # the host's time to dispatch each pass (host_floor.py): neither runs faster
     forward_floor_s: float = 0.0
     backward_floor_s: float = 0.0
+    # the GEMM beside each sequence-parallel collective, in forward order, per (all-gather, reduce-scatter) pair: the
+    # column-parallel GEMM that reads the gathered input, the row-parallel one whose output is reduce-scattered
+    # (attention: QKV, output projection; a dense FFN: up, down; an MoE block's shared experts, else nothing); what
+    # an overlapped TP collective hides under (overlap.tp_exposed_s)
+    sp_gemms_s: tuple[tuple[float, float], ...] = ()
 
     @property
     def forward_s(self) -> float:
@@ -171,8 +176,10 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     mats = model.ffn_matrices
     moe = model.is_moe_layer(layer)
 
-    gemm = dev.gemm_s(m_tok, (model.q_dim + 2 * model.kv_dim) / t, h)  # QKV
-    gemm += dev.gemm_s(m_tok, h, model.q_dim / t)  # output projection
+    qkv_s = dev.gemm_s(m_tok, (model.q_dim + 2 * model.kv_dim) / t, h)
+    out_s = dev.gemm_s(m_tok, h, model.q_dim / t)
+    gemm = qkv_s + out_s
+    sp_gemms = [(qkv_s, out_s)]
     routed_s = routed_flops = 0.0  # the routed experts' grouped GEMMs (op-SAC recomputes them all)
     if moe:
         e, k, fe = model.num_experts, model.top_k, model.expert_ffn_hidden_size
@@ -201,11 +208,15 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                        + router_traffic_bytes(num_experts=e, top_k=k, dtype_bytes=p) / p * router_share)
         if model.num_shared_experts:
             fs = model.num_shared_experts * model.shared_expert_ffn_hidden_size
-            gemm += dev.gemm_s(m_tok, (mats - 1) * fs / t, h) + dev.gemm_s(m_tok, h, fs / t)
+            up_s, down_s = dev.gemm_s(m_tok, (mats - 1) * fs / t, h), dev.gemm_s(m_tok, h, fs / t)
+            gemm += up_s + down_s
+            sp_gemms.append((up_s, down_s))
             ffn_traffic += ffn_elementwise_bytes_per_token(model, fs, p, dev.fused_elementwise) / p
     else:
         f = model.ffn_hidden_size
-        gemm += dev.gemm_s(m_tok, (mats - 1) * f / t, h) + dev.gemm_s(m_tok, h, f / t)
+        up_s, down_s = dev.gemm_s(m_tok, (mats - 1) * f / t, h), dev.gemm_s(m_tok, h, f / t)
+        gemm += up_s + down_s
+        sp_gemms.append((up_s, down_s))
         ffn_traffic = ffn_elementwise_bytes_per_token(model, f, p, dev.fused_elementwise) / p
 
     # Attention core per GPU: heads are split by TP, queries by CP (each query chunk meets all keys in the ring).
@@ -234,6 +245,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                                       analytic_s=lambda s, b, t: layer_compute(
                                           model, layer, seq_len=s, mbs=b, tp=t, cp=1, ep=ep, dev=dev,
                                           use_measured=False, moe_runtime=moe_runtime, host_floor=False).forward_s)
+    if priced is not None and forward_s > 0:  # the measured layer's GEMMs, in the analytic proportions
+        sp_gemms = [(a * priced.forward_s / forward_s, b * priced.forward_s / forward_s) for a, b in sp_gemms]
     if priced is not None:
         # The measured backward (priced.backward_s) replaces the 2x rule where the profile has it: on CPUs and small
         # shapes the backward costs 3-3.5x the forward (benchmarks/bench_hetero_cpu.py), not 2x. Without it, the
@@ -247,7 +260,7 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                         measured=priced is not None, measured_backward_s=priced.backward_s if priced else None,
                         priced=priced, op_sac_recompute_s=sac_s, op_sac_recompute_flops=sac_flops,
                         attention_backward_extra_s=attn_bwd_extra_s, forward_floor_s=floor_fwd,
-                        backward_floor_s=floor_bwd)
+                        backward_floor_s=floor_bwd, sp_gemms_s=tuple(sp_gemms))
 
 
 def _op_sac_recompute(model: "ModelSpec", layer: int, m_tok: float, t: int, dev: DeviceModel) -> tuple[float, float]:

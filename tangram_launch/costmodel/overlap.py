@@ -37,6 +37,18 @@ backward form above with nothing gathered. Megatron-core's ``overlap_param_gathe
 parameter all-gathers bucket by bucket ahead of the next step's first forward: the forward form. This project's
 runtimes do neither (the torch runtime reduces after the schedule, the Megatron adapter sets
 ``overlap_grad_reduce=False``), so the planner's default is ``none``.
+
+Tensor-parallel collectives (``TP_OVERLAP_KINDS``), per (all-gather, reduce-scatter) pair of a layer, priced as two
+collectives in each pass. ``backward``: Megatron-LM's linear layers since 2022 and every Megatron-core (their
+default): the forward waits for its collectives; in the backward the row-parallel GEMM's output-gradient all-gather
+waits too, while the column-parallel GEMM's input-gradient reduce-scatter runs beside its weight-gradient GEMM,
+which is as long as its forward GEMM (``beside_s``). ``pipelined``: Transformer Engine's userbuffers under
+``--tp-comm-overlap`` and torch's AsyncTP split each collective into tp chunks pipelined with the GEMM beside it
+(forward: the column-parallel GEMM that reads the gathered input, the row-parallel one whose output is
+reduce-scattered; backward: the row-parallel dgrad beside its gradient's all-gather, the column-parallel dgrad
+beside its reduce-scatter). A chunk's transfer runs beside another chunk's GEMM, so what shows is one chunk's
+transfer, which has no GEMM beside it, or the transfers beyond the GEMM chunks, whichever is longer
+(``tp_exposed_s``). Either way the hidden rest slows the GEMM by the SM share. This project's runtimes overlap none.
 """
 from __future__ import annotations
 
@@ -45,6 +57,7 @@ from tangram_launch.costmodel.efficiency import COLLECTIVE_SM_SHARE
 # none: the sync runs whole after the last backward; grads: gradient buckets hide under the last backward;
 # grads-params: and the distributed optimizer's parameter all-gathers under the next step's first forward
 DP_OVERLAP_KINDS = ("none", "grads", "grads-params")
+TP_OVERLAP_KINDS = ("none", "backward", "pipelined")
 
 
 def forward_exposed_s(*, root_gather_s: float, layer_gather_s: float, layer_compute_s: float,
@@ -80,3 +93,20 @@ def contention_s(transfers_s: float, exposed_s: float, sm_share: float = COLLECT
     """Compute time lost to collectives hidden beside it (module docstring): ``sm_share`` x the part of
     ``transfers_s`` that is not exposed."""
     return sm_share * max(0.0, transfers_s - exposed_s)
+
+
+def beside_s(collective_s: float, gemm_s: float, sm_share: float = COLLECTIVE_SM_SHARE) -> float:
+    """A collective issued as one GEMM starts: what outlasts the GEMM, plus the compute slowed where the rest
+    hides."""
+    exposed = max(0.0, collective_s - gemm_s)
+    return exposed + contention_s(collective_s, exposed, sm_share)
+
+
+def tp_exposed_s(collective_s: float, gemm_s: float, tp: int, sm_share: float = COLLECTIVE_SM_SHARE) -> float:
+    """One sequence-parallel collective of ``collective_s`` pipelined in ``tp`` chunks with the GEMM of ``gemm_s``
+    beside it (module docstring): max(one chunk's transfer, the transfers beyond the other chunks' GEMMs), plus
+    the compute slowed where the rest hides."""
+    if tp <= 1 or collective_s <= 0.0:
+        return max(0.0, collective_s)
+    exposed = max(collective_s / tp, collective_s - gemm_s * (tp - 1) / tp)
+    return exposed + contention_s(collective_s, exposed, sm_share)

@@ -32,7 +32,7 @@ def time_floors(coster: "SliceCoster", tp: int, cp: int, ep: int, dp: int, *, wi
         t = coster.layer_terms(k, tp, cp, ep, dp, mbs)
         per_kind[k] = t.fwd_s + t.bwd_s
         if with_comm:
-            per_kind[k] += 2 * t.tp_fwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
+            per_kind[k] += t.tp_fwd_s + t.tp_bwd_s + t.cp_fwd_s + t.cp_bwd_s + t.ep_fwd_s + t.ep_bwd_s
     emb_s = head_s = 0.0
     if coster.has_embedding or coster.has_head:
         e = coster.edges(tp, cp, dp, mbs)
