@@ -484,7 +484,17 @@ def print_split_medians(costed: list[dict]) -> None:
                                         for _, rows in cols))
     for label, key in (("time by source", "time_err"), ("memory by src", "mem_err")):
         print(f"  {label:14}" + "".join(f"  {median_by_source(rows, key):>17}" for _, rows in cols))
-    print("  (by source: the median over sources of each source's median |error|, n = sources)")
+    print(f"  {'time calibrated':14}" + "".join(f"  {median_calibrated(rows, 'time_err'):>17}" for _, rows in cols))
+    print("  (by source: the median over sources of each source's median |error|, n = sources; calibrated: each row\n"
+          "   scaled by the other rows of its source on its GPU type, as `calibrate` would, n = rows that have others)")
+
+
+def median_calibrated(rows: list[dict], key: str) -> str:
+    """Median |error| once each row is scaled by the other rows of its source on its GPU type (left_out_errors):
+    how well the model's structure carries from one configuration of a deployment to another, apart from the
+    deployment's level (its stack, tuning, clocks), which `tangram-launch calibrate` measures."""
+    errors = left_out_errors([r for r in rows if r.get(key) is not None], key, lambda r: (r["source"], r["gpu"]))
+    return median_abs(errors)
 
 
 # The groupings of the ceiling analysis (print_ceiling): what one constant per group could at best remove.

@@ -329,6 +329,25 @@ def test_a_source_counts_once_in_the_median_by_source(bench, errors, copies):
 
 @pytest.mark.unit
 @settings(max_examples=200, deadline=None)
+@given(errors=_ERRORS, factors=st.lists(st.floats(0.2, 5.0), min_size=3, max_size=3))
+def test_the_calibrated_median_ignores_each_deployments_level(bench, errors, factors):
+    """median_calibrated scales each row by the other rows of its source on its GPU type: one factor per deployment
+    on every prediction (its stack's level) changes nothing, rows alone on their deployment drop out of n, and a
+    deployment whose rows are all off alike reads 0."""
+    rows = [{"source": g, "gpu": "h100-sxm", "time_err": e} for g, e in errors]
+    level = dict(zip("abc", factors))
+    shifted = [{**r, "time_err": 100.0 * ((1.0 + r["time_err"] / 100.0) * level[r["source"]] - 1.0)} for r in rows]
+    out, moved = bench.median_calibrated(rows, "time_err"), bench.median_calibrated(shifted, "time_err")
+    sizes = {g: sum(1 for h, _ in errors if h == g) for g, _ in errors}
+    assert out.endswith(f"(n={sum(n for n in sizes.values() if n > 1)})")
+    if not out.endswith("(n=0)"):
+        assert abs(float(out.split("%")[0]) - float(moved.split("%")[0])) <= 0.1 + 1e-9
+    alike = [{"source": "a", "gpu": "a100-80gb", "time_err": errors[0][1]}] * 3
+    assert bench.median_calibrated(alike, "time_err").startswith("  0.0 %")
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
 @given(errors=_ERRORS, factor=st.floats(0.2, 5.0))
 def test_the_ceiling_centres_each_group_and_ignores_a_common_factor(bench, errors, factor):
     """scaled_errors: each group's scaled ratios have median 1 (its median error is 0 where the group has an odd
