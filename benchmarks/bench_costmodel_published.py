@@ -68,7 +68,8 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # TP without sequence parallelism, torchtitan's op-level selective checkpointing, 16-bit .grad tensors kept all step,
 # the loss's implementation, FP8 GEMM inputs kept in 16 bit (torchao's Float8Linear; default in FP8: Transformer
 # Engine), what the runtime stores per parameter (memory.MODEL_STATE_KINDS), column-parallel GEMM inputs saved whole
-# (DTensor TP).
+# (DTensor TP), the MoE runtime's keys, the attention kernel, the allocator, and which DP / TP collectives the
+# runtime overlaps with compute (overlap.DP_OVERLAP_KINDS, overlap.TP_OVERLAP_KINDS).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
                 "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
                 "moe_permute_fusion", "moe_probs_on_output", "attention_kernel", "allocator", "dp_overlap",
@@ -120,7 +121,7 @@ def make_island(row: dict) -> Island:
 # ------------------------------------------------------------------------------------------------ dev / validation
 SPLITS = ("dev", "validation")
 COHORTS = ("original", "unseen", "moe-dev", "fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7")
-# Cohorts added after the split was drawn that are always validation (the data file's rules 2 and 2c to 2h); the
+# Cohorts added after the split was drawn that are always validation (the data file's rules 2 and 2c to 2i); the
 # blind ones (BLIND_COHORTS) get a median column of their own once costed.
 VALIDATION_COHORTS = ("unseen", "fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7")
 BLIND_COHORTS = ("fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7")
@@ -343,8 +344,8 @@ SOURCE_DEFAULTS = (("attention_kernels", "attention_kernel"), ("dp_overlaps", "d
 
 
 def with_source_kernel(row: dict, data: dict) -> dict:
-    """The row with its source's attention kernel (the data file's attention_kernels:) and data-parallel overlap
-    (dp_overlaps:), each unless the row names its own."""
+    """The row with its source's defaults (SOURCE_DEFAULTS: the data file's attention_kernels:, dp_overlaps: and
+    tp_overlaps:), each unless the row names its own."""
     runtime = row.get("runtime") or {}
     added = {}
     for table, key in SOURCE_DEFAULTS:
