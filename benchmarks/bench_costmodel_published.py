@@ -343,7 +343,7 @@ SOURCE_DEFAULTS = (("attention_kernels", "attention_kernel"), ("dp_overlaps", "d
                    ("tp_overlaps", "tp_overlap"))
 
 
-def with_source_kernel(row: dict, data: dict) -> dict:
+def with_source_defaults(row: dict, data: dict) -> dict:
     """The row with its source's defaults (SOURCE_DEFAULTS: the data file's attention_kernels:, dp_overlaps: and
     tp_overlaps:), each unless the row names its own."""
     runtime = row.get("runtime") or {}
@@ -356,7 +356,7 @@ def with_source_kernel(row: dict, data: dict) -> dict:
 
 
 def evaluate(row: dict, data: dict) -> dict:
-    row = with_source_kernel(row, data)
+    row = with_source_defaults(row, data)
     out: dict[str, Any] = {"id": row["id"], "subset": row.get("subset", "held-out"), "split": row.get("split", ""),
                            "cohort": row.get("cohort", "original"), "gpu": row["gpu"],
                            "num_gpus": row["num_gpus"], "framework": row.get("framework", ""),
@@ -494,8 +494,7 @@ def median_calibrated(rows: list[dict], key: str) -> str:
     """Median |error| once each row is scaled by the other rows of its source on its GPU type (left_out_errors):
     how well the model's structure carries from one configuration of a deployment to another, apart from the
     deployment's level (its stack, tuning, clocks), which `tangram-launch calibrate` measures."""
-    errors = left_out_errors([r for r in rows if r.get(key) is not None], key, lambda r: (r["source"], r["gpu"]))
-    return median_abs(errors)
+    return median_abs(left_out_errors(rows, key, lambda r: (r["source"], r["gpu"])))
 
 
 # The groupings of the ceiling analysis (print_ceiling): what one constant per group could at best remove.
@@ -553,10 +552,9 @@ def print_ceiling(costed: list[dict]) -> None:
         print(f"  {label:32}" + "".join(f"  {median_abs(scaled_errors(rows, 'time_err', group)):>17}"
                                         f"  {median_abs(scaled_errors(rows, 'mem_err', group)):>17}"
                                         for _, rows in splits))
-    label, deployment = "one per source and GPU, left out", lambda r: (r["source"], r["gpu"])
-    print(f"  {label:32}" + "".join(f"  {median_abs(left_out_errors(rows, 'time_err', deployment)):>17}"
-                                    f"  {median_abs(left_out_errors(rows, 'mem_err', deployment)):>17}"
-                                    for _, rows in splits))
+    label = "one per source and GPU, left out"
+    print(f"  {label:32}" + "".join(f"  {median_calibrated(rows, 'time_err'):>17}"
+                                    f"  {median_calibrated(rows, 'mem_err'):>17}" for _, rows in splits))
     print("  (the last row is no oracle: each row scaled by the other rows of its source on its GPU type, as one "
           "scalar calibrated on a deployment's own runs would)")
 

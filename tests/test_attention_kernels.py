@@ -103,9 +103,9 @@ def test_published_rows_take_their_sources_kernel_unless_they_name_their_own():
         attention_curve("h100-sxm", kernel)  # every named kernel is one the cost model knows
         assert name in data["sources"], name
     rows = {r["id"]: r for r in data["runs"]}
-    tt = bench.with_source_kernel(rows["tt-h100-llama3-8b-fsdp8"], data)
+    tt = bench.with_source_defaults(rows["tt-h100-llama3-8b-fsdp8"], data)
     assert tt["runtime"]["attention_kernel"] == "fa2"
-    b200 = bench.with_source_kernel(rows["torchao-b200-llama3-8b-bf16"], data)
+    b200 = bench.with_source_defaults(rows["torchao-b200-llama3-8b-bf16"], data)
     assert b200["runtime"]["attention_kernel"] == "cudnn"  # the row's own, over its source's fa2
     assert math.isfinite(bench.evaluate(rows["tt-h100-llama3-8b-fsdp8"], data)["time_err"])
 
