@@ -27,16 +27,21 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   large-scale language model training on GPU clusters using Megatron-LM", SC'21, Table 1: 1.7B, 7.5B, 39.1B,
   145.6B, 529.6B; 135-163 TFLOP/s per A100, hardware FLOPs incl. recompute); the odd rows, Korthikanti et al.
   2022, torchtitan, llm-foundry and FlagPerf A800 rows are held out.
-* H100 (SXM; the PCIe and NVL parts take the same figure): 0.58, fitted on the three FlagPerf Megatron-core H100
-  rows (Llama 3 8B / 70B, 8-64 GPUs); the llm-foundry, torchtitan and Megatron-core MoE H100 rows are held out.
-  An A100 sustains a larger share of its (lower) peak than an H100 in end-to-end training: the H100 sustains
-  2.4x the A100's large-GEMM rate, not the 3.2x of the spec sheets (Grattafiori et al. 2024, Llama 3 405B:
-  38-43 % MFU on H100; Narayanan et al. 2021: 43-52 % on A100).
-* Others (H200, V100, ...): ``GEMM_EFFICIENCY`` = 0.70. On one H200 (device check, 2026-11-29: eager PyTorch layers
-  with SDPA flash attention, bf16) the predicted forward+backward time of one GPT-3 13B / Llama 3 8B layer was
-  within -1 % ... +8 % of the measured one at mbs 1-4, s 2048-8192 (tests/test_costmodel_calibration.py). That is
-  an isolated layer on an idle GPU; the H100 figure is whole training jobs, with communication kernels sharing
-  the SMs and sustained power draw.
+* GH100 (H100 SXM, PCIe and NVL; H200): 0.58, fitted on the three FlagPerf Megatron-core H100 rows (Llama 3 8B /
+  70B, 8-64 GPUs); the llm-foundry, torchtitan and Megatron-core MoE H100 rows are held out. An A100 sustains a
+  larger share of its (lower) peak than an H100 in end-to-end training: the H100 sustains 2.4x the A100's
+  large-GEMM rate, not the 3.2x of the spec sheets (Grattafiori et al. 2024, Llama 3 405B: 38-43 % MFU on H100;
+  Narayanan et al. 2021: 43-52 % on A100). The H200 is the same die at the same 700 W with more and faster HBM,
+  which the model prices through its memory bandwidth, not through this figure: with a figure of its own, a
+  cluster mixing H100s and H200s would see the H200's GEMMs 1.2x as fast as the H100's and balance its stages
+  that far off. Its isolated layers run faster than whole jobs, as the H100's do: on one H200 (device check,
+  2026-11-29: eager PyTorch layers with SDPA flash attention, bf16) the profiler's large GEMMs sustained 682
+  TFLOP/s, 0.69 of the peak, and the layer model priced at that measured rate was within -1 % ... +8 % of the
+  measured forward+backward time of one GPT-3 13B / Llama 3 8B layer at mbs 1-4, s 2048-8192
+  (tests/test_costmodel_calibration.py). A whole job adds communication kernels sharing the SMs and sustained
+  power draw, which the fitted figure holds.
+* Others (B200, V100, ...): ``GEMM_EFFICIENCY`` = 0.70, the isolated large-GEMM share cuBLAS reaches (the H200's
+  measured 0.69 above).
 
 A GPU whose profile has a GEMM-shape sweep of the training dtype (``measured.gemm_sweep_tflops``) has its GEMMs
 priced from it (``costmodel.gemm_curve``); with the large-GEMM figure every profile holds beside it (fused attention
@@ -80,15 +85,16 @@ FSDP_KEYS = ("fsdp_unit_forward_us", "fsdp_unit_backward_us", "optimizer_sharded
 GBPS = 1e9  # _gbps = GB/s = 1e9 bytes per second
 
 # Large bf16/fp16 GEMMs reach 60-80 % of the dense peak (cuBLAS on A100/H100; GPU-FACTS.md); 0.70 matches the
-# H200 layer times above and applies to every GPU type without a fitted figure of its own.
+# H200's measured large GEMMs above and applies to every GPU type without a fitted figure of its own.
 GEMM_EFFICIENCY = 0.70
 # Sustained GEMM efficiency by catalog GPU type where published runs pin it (fit subsets in the module docstring
 # and in published_runs.yaml `fitted_constants:`). Fused attention scales with it (the same tensor cores).
-# The H100 PCIe and NVL parts (same GH100 die, lower power, no published rows of their own) take the SXM figure
-# against their own peaks; the A100 PCIe parts (250-300 W) keep the default, ~0.9x the SXM figure.
+# The H100 PCIe and NVL parts (same GH100 die, lower power, no published rows of their own) and the H200 (same die
+# and power, faster HBM) take the SXM figure against their own peaks; the A100 PCIe parts (250-300 W) keep the
+# default, ~0.9x the SXM figure.
 GEMM_EFFICIENCY_BY_GPU: Mapping[str, float] = MappingProxyType({"a100-80gb": 0.77, "a100-40gb": 0.77,
                                                                  "h100-sxm": 0.58, "h100-pcie": 0.58,
-                                                                 "h100-nvl": 0.58})
+                                                                 "h100-nvl": 0.58, "h200": 0.58})
 # FP8 GEMMs have no figure of their own: FP8 tensor cores do twice the bf16 rate on the same datapath, so a GEMM
 # reaches the same share of the FP8 peak as the GPU's bf16 GEMMs reach of the bf16 peak (gemm_efficiency_for), and the
 # FP8 casts (FP8_INPUT_BYTES) keep FP8 GEMMs under 2x bf16 ones. A figure fitted on one FP8 run (0.78 of the FP8 peak
