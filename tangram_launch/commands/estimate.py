@@ -23,6 +23,7 @@ from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
 from tangram_launch.costmodel.allocator import ALLOCATOR_KINDS, allocator_kind, reserved_bytes
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
 from tangram_launch.costmodel.host_memory import stage_host_problems
+from tangram_launch.costmodel.overlap import DP_OVERLAP_KINDS, TP_OVERLAP_KINDS
 from tangram_launch.costmodel.pipeline import iteration_time_s
 from tangram_launch.costmodel.slice_plan import SlicePlan, SliceQuery, capacity_bytes
 from tangram_launch.errors import SpecError
@@ -57,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES,
                         help="training dtype (default: bf16, or fp16 on GPUs without bf16)")
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None, help=ATTENTION_KERNEL_HELP)
+    parser.add_argument("--dp-overlap", choices=DP_OVERLAP_KINDS, default="none",
+                        help="how much of the ZeRO-0/1 data-parallel sync the job's runtime hides under compute: "
+                             "grads (PyTorch DDP's buckets, Megatron-core --overlap-grad-reduce), grads-params "
+                             "(also --overlap-param-gather); default none, as this project's runtimes run it")
+    parser.add_argument("--tp-overlap", choices=TP_OVERLAP_KINDS, default="none",
+                        help="which tensor-parallel collectives the job's runtime runs beside a GEMM: backward "
+                             "(Megatron's linear layers), pipelined (--tp-comm-overlap, torch AsyncTP); default "
+                             "none, as the planner prices them")
     parser.add_argument("--stages-after", type=int, default=0,
                         help="pipeline stages that follow this slice in the global plan (memory position)")
     parser.add_argument("--runtime", help="also check the configuration against a runtime's capabilities")
@@ -123,7 +132,8 @@ def build(args: argparse.Namespace):
                    capabilities=caps, pipelined=pp > 1 or args.stages_after > 0 or layers != (0, model.num_layers))
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=args.ep, zero_stage=args.zero, recompute=args.recompute,
                          offload=args.offload)
-    coster = SliceCoster(q)
+    coster = SliceCoster(q, dp_overlap=getattr(args, "dp_overlap", "none"),
+                         tp_overlap=getattr(args, "tp_overlap", "none"))
     if coster.device_error:
         raise SpecError(coster.device_error, field="--dtype", value=dtype)
     return coster, cfg, q
@@ -150,13 +160,14 @@ def run(args: argparse.Namespace) -> int:
     if args.runtime:  # every stage has the same shape: check one, then the cross-stage rules
         problems = q.capabilities.stage_problems(plan.stages[0].shape, pipelined=q.pipelined)
         problems += q.capabilities.pipeline_problems([s.shape for s in plan.stages])
+        problems += overlap_problems(coster, q.capabilities.name)
     if args.format == "json":
         out = {
             "island": q.island.name, "model": q.model.name, "layers": list(q.layers), "config": cfg.describe(),
             "micro_batch_size": plan.stages[0].micro_batch_size, "num_microbatches": m,
             "global_batch": q.training.global_batch, "seq_len": q.training.seq_len, "dtype": q.training.dtype,
             "num_gpus": plan.num_gpus, "capacity_gib": cap / GIB, "fits": fits, "mfu": mfu,
-            "allocator": allocator,
+            "allocator": allocator, "dp_overlap": coster.dp_overlap, "tp_overlap": coster.tp_overlap,
             "runtime_problems": problems, "host_memory_problems": host_problems,
             **est,
             "stages": [{"layers": list(s.layers), "forward_s": s.forward_s, "backward_s": s.backward_s,
@@ -176,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"global batch {q.training.global_batch} = {plural(m, 'micro-batch')} x "
               f"{plural(q.microbatch_sequences, 'sequence')}; "
               f"seq {q.training.seq_len}; {q.training.dtype}; {after} stages after this slice")
+        if coster.dp_overlap != "none" or coster.tp_overlap != "none":
+            print(f"overlap: data-parallel sync {coster.dp_overlap}, tensor-parallel collectives {coster.tp_overlap}")
         print()
         print(format_breakdown(plan, num_microbatches=m, capacity_bytes=cap, stages_after=after,
                                shown_bytes=shown, allocator=allocator))
@@ -191,6 +204,22 @@ def run(args: argparse.Namespace) -> int:
         for p in host_problems:
             print(f"does NOT fit in host memory: {p}")
     return 0 if fits and not problems and not host_problems else 3
+
+
+def overlap_problems(coster: SliceCoster, runtime: str) -> list[str]:
+    """What a runtime of this project does not do of the overlap asked for: each syncs its data-parallel gradients
+    after the schedule (the Megatron adapter sets overlap_grad_reduce off); Megatron-core's linear layers run the
+    backward's input-gradient collective beside the weight-gradient GEMM, the other runtimes' TP collectives wait
+    (docs/cost-model.md)."""
+    out = []
+    if coster.dp_overlap != "none":
+        out.append(f"--dp-overlap {coster.dp_overlap}: it syncs data-parallel gradients after the last backward "
+                   "(none)")
+    tp_runs = ("none", "backward") if runtime == "megatron" else ("none",)
+    if coster.tp_overlap not in tp_runs:
+        out.append(f"--tp-overlap {coster.tp_overlap}: it overlaps tensor-parallel collectives as "
+                   f"{' or '.join(tp_runs)}")
+    return out
 
 
 def shown_bytes(plan: SlicePlan, coster: SliceCoster, *, stages_after: int, num_microbatches: int,
