@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from timeouts import SUBPROCESS_TIMEOUT_S
 
+from tangram_launch.costmodel.measured_layers import HOW
 from tangram_launch.specs.cluster import ClusterSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,14 +44,24 @@ def test_the_readme_job_prices_its_stages_from_layers_timed_at_launch_then_reuse
     assert "no cached profile for hardware fingerprint" in out and "model layer tiny (dense) b=1 s=64 tp=1" in out
     [profile] = (cache / "profiles").glob("*.yaml")
     spec = ClusterSpec.load(profile)
-    for _, gpu in spec.iter_gpus():  # every shape the planner prices, on every device
-        timed = gpu.measured["layer_forward_s"]
-        for mbs in (1, 2, 4, 8):
-            for kind in ("dense", "embedding", "head"):
-                assert f"tiny|{kind}|seq=64|mbs={mbs}|tp=1" in timed, (kind, mbs, sorted(timed))
+    # every shape the planner prices, in the profiler's order (the most useful first); the launch's layer budget
+    # is wall-clock, so on a loaded machine it may stop early: then it says so, the shapes left out are the last
+    # ones, and the stages are priced from the nearest measured shape instead
+    # (tp 1 with the embedding and head, then the 2-way shard of the layer)
+    planned = [f"tiny|{kind}|seq=64|mbs={mbs}|tp={tp}" for tp in (1, 2) for mbs in (1, 2, 4, 8)
+               for kind in (("dense", "embedding", "head") if tp == 1 else ("dense",))]
+    spent = re.search(r"layer budget \d+ s spent: (\d+) of (\d+) shape", out)
+    for _, gpu in spec.iter_gpus():
+        timed = set(gpu.measured["layer_forward_s"])
+        if spent is None:
+            assert set(planned) <= timed, sorted(set(planned) - timed)
+        else:
+            assert int(spent[2]) == len(planned) and int(spent[1]) >= len(planned) // 2, spent[0]
+            assert [k in timed for k in planned] == [i < int(spent[1]) for i in range(len(planned))], sorted(timed)
     plan = _plan(tmp_path / "logs1")
     stages = plan["predicted"]["stages"]
-    assert stages and all((s.get("measured") or {}).get("how") == "measured" for s in stages), stages
+    hows = ("measured",) if spent is None else HOW
+    assert stages and all((s.get("measured") or {}).get("how") in hows for s in stages), stages
     parts = {p for s in stages for p in s["measured"]["parts"]}
     assert {"dense", "embedding", "head"} <= parts and not any(s["measured"].get("analytic_parts") for s in stages)
     assert "stage 0: priced from measured layer times" in out
