@@ -48,6 +48,10 @@ class RuntimeCapabilities:
     # Megatron keep them)
     autocast_fp32_weights: bool = False
     dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
+    # the cost model's overlap kinds (costmodel/overlap.py) the runtime runs: how its data-parallel sync and its TP
+    # collectives overlap compute ("none": the sync follows the last backward; the collectives wait)
+    dp_overlaps: tuple[str, ...] = ("none",)
+    tp_overlaps: tuple[str, ...] = ("none",)
 
     def for_model(self, num_experts: int) -> "RuntimeCapabilities":
         """What the runtime runs for this model: an MoE model (``num_experts`` > 0) keeps one TP and one DP size
@@ -78,6 +82,17 @@ class RuntimeCapabilities:
             return [f"interleaved 1F1B needs the micro-batches ({num_microbatches}) to be a multiple of the "
                     f"pipeline stages ({num_stages})"]
         return []
+
+    def overlap_problems(self, *, dp_overlap: str, tp_overlap: str) -> list[str]:
+        """Why this runtime does not run the overlap asked for (empty when it does)."""
+        out = []
+        if dp_overlap not in self.dp_overlaps:
+            out.append(f"dp_overlap={dp_overlap}: {self.name} syncs data-parallel gradients as "
+                       f"{' or '.join(self.dp_overlaps)}")
+        if tp_overlap not in self.tp_overlaps:
+            out.append(f"tp_overlap={tp_overlap}: {self.name} overlaps tensor-parallel collectives as "
+                       f"{' or '.join(self.tp_overlaps)}")
+        return out
 
     def dtype_problems(self, dtype: str) -> list[str]:
         """Why this runtime cannot train in ``dtype`` (empty when it can)."""
@@ -213,6 +228,9 @@ MEGATRON = RuntimeCapabilities(
     dtypes=("bf16", "fp16", "fp32", "tf32", "fp8"),
     # interleaved: virtual_pipeline_model_parallel_size with a pipeline_model_parallel_layout of p x v chunks
     schedules=("1F1B", "interleaved-1F1B"),
+    # the adapter sets overlap_grad_reduce off (the sync follows the schedule); Megatron-core's linear layers issue
+    # the backward's input-gradient TP collective asynchronously beside the weight-gradient GEMM
+    tp_overlaps=("none", "backward"),
 )
 
 BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}

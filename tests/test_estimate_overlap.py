@@ -54,9 +54,9 @@ def test_tp_overlap_shortens_the_backward_then_the_forward(capsys, cluster):
 
 
 @pytest.mark.parametrize("runtime, flags, refused", [
-    ("torch", ("--dp-overlap", "grads"), "--dp-overlap grads"),
-    ("deepspeed", ("--tp-overlap", "backward"), "--tp-overlap backward"),
-    ("megatron", ("--tp-overlap", "pipelined"), "--tp-overlap pipelined"),
+    ("torch", ("--dp-overlap", "grads"), "dp_overlap=grads"),
+    ("deepspeed", ("--tp-overlap", "backward"), "tp_overlap=backward"),
+    ("megatron", ("--tp-overlap", "pipelined"), "tp_overlap=pipelined"),
     ("megatron", ("--tp-overlap", "backward"), None),
 ])
 def test_a_runtime_is_held_to_the_overlap_it_runs(capsys, cluster, runtime, flags, refused):
@@ -74,3 +74,13 @@ def test_an_unknown_overlap_names_the_option_and_the_kinds(capsys, cluster):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--dp-overlap" in err and "'always'" in err and "grads-params" in err
+
+
+def test_each_runtime_declares_overlap_kinds_the_cost_model_prices():
+    from tangram_launch.capabilities import BUILTIN
+    from tangram_launch.costmodel.overlap import DP_OVERLAP_KINDS, TP_OVERLAP_KINDS
+
+    for caps in BUILTIN.values():
+        assert "none" in caps.dp_overlaps and set(caps.dp_overlaps) <= set(DP_OVERLAP_KINDS), caps.name
+        assert "none" in caps.tp_overlaps and set(caps.tp_overlaps) <= set(TP_OVERLAP_KINDS), caps.name
+        assert caps.overlap_problems(dp_overlap="none", tp_overlap="none") == []

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if args.runtime:  # every stage has the same shape: check one, then the cross-stage rules
         problems = q.capabilities.stage_problems(plan.stages[0].shape, pipelined=q.pipelined)
         problems += q.capabilities.pipeline_problems([s.shape for s in plan.stages])
-        problems += overlap_problems(coster, q.capabilities.name)
+        problems += q.capabilities.overlap_problems(dp_overlap=coster.dp_overlap, tp_overlap=coster.tp_overlap)
     if args.format == "json":
         out = {
             "island": q.island.name, "model": q.model.name, "layers": list(q.layers), "config": cfg.describe(),
@@ -204,22 +204,6 @@ def run(args: argparse.Namespace) -> int:
         for p in host_problems:
             print(f"does NOT fit in host memory: {p}")
     return 0 if fits and not problems and not host_problems else 3
-
-
-def overlap_problems(coster: SliceCoster, runtime: str) -> list[str]:
-    """What a runtime of this project does not do of the overlap asked for: each syncs its data-parallel gradients
-    after the schedule (the Megatron adapter sets overlap_grad_reduce off); Megatron-core's linear layers run the
-    backward's input-gradient collective beside the weight-gradient GEMM, the other runtimes' TP collectives wait
-    (docs/cost-model.md)."""
-    out = []
-    if coster.dp_overlap != "none":
-        out.append(f"--dp-overlap {coster.dp_overlap}: it syncs data-parallel gradients after the last backward "
-                   "(none)")
-    tp_runs = ("none", "backward") if runtime == "megatron" else ("none",)
-    if coster.tp_overlap not in tp_runs:
-        out.append(f"--tp-overlap {coster.tp_overlap}: it overlaps tensor-parallel collectives as "
-                   f"{' or '.join(tp_runs)}")
-    return out
 
 
 def shown_bytes(plan: SlicePlan, coster: SliceCoster, *, stages_after: int, num_microbatches: int,
