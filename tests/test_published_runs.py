@@ -428,11 +428,11 @@ def test_moe_dev_rows_share_no_source_with_a_validation_row(data):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7", "blind8"])
+@pytest.mark.parametrize("cohort", _bench().BLIND_COHORTS)
 def test_a_blind_cohort_has_twenty_rows_and_cites_only_sources_no_other_cohort_cites(data, cohort):
-    """fresh and blind2 to blind8 are blind validation batches, each gathered after the cohorts before it had
-    been seen: a batch is unseen data only if no row of another cohort (which the model may have been shaped to) cites
-    any of its sources."""
+    """The blind cohorts (the benchmark's BLIND_COHORTS) are validation batches, each gathered after the cohorts
+    before it had been seen: a batch is unseen data only if no row of another cohort (which the model may have been
+    shaped to) cites any of its sources."""
     rows = [r for r in data["runs"] if r["cohort"] == cohort]
     assert len(rows) >= 20, f"{len(rows)} {cohort} rows"
     others = {r["source"]["ref"] for r in data["runs"] if r["cohort"] != cohort}
@@ -441,7 +441,7 @@ def test_a_blind_cohort_has_twenty_rows_and_cites_only_sources_no_other_cohort_c
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7", "blind8"])
+@pytest.mark.parametrize("cohort", _bench().BLIND_COHORTS)
 def test_a_blind_cohort_row_is_validation_whatever_its_gpu_and_id(bench, cohort):
     runs = [{"id": f"f-{i}", "gpu": gpu, "subset": "held-out", "cohort": cohort}
             for i, gpu in enumerate(("h200", "b200", "a100-80gb", "v100-16gb"))]
@@ -458,7 +458,7 @@ def test_a_moe_dev_row_is_dev_whatever_its_gpu_and_id(bench):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("cohort", ["fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7", "blind8"])
+@pytest.mark.parametrize("cohort", _bench().BLIND_COHORTS)
 def test_a_sealed_cohort_is_costed_only_when_unsealed(data, bench, tmp_path, capsys, cohort):
     """Blind rows validate the next cost-model change only if no one saw the model predict them before:
     the report leaves a sealed cohort out unless --unseal. A copy of a seen row relabelled to the cohort stands in for
