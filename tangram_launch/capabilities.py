@@ -49,9 +49,18 @@ class RuntimeCapabilities:
     autocast_fp32_weights: bool = False
     dtype_notes: tuple[tuple[str, str], ...] = ()  # (dtype, why not) for the ones it refuses
     # the cost model's overlap kinds (costmodel/overlap.py) the runtime runs: how its data-parallel sync and its TP
-    # collectives overlap compute ("none": the sync follows the last backward; the collectives wait)
+    # collectives overlap compute ("none": the sync follows the last backward; the collectives wait); the last is
+    # how it runs as this project launches it, which the planner prices (launched_overlaps)
     dp_overlaps: tuple[str, ...] = ("none",)
     tp_overlaps: tuple[str, ...] = ("none",)
+    # environment every worker of a plan for this runtime starts with, unless the user set the variable (set by the
+    # worker bootstrap before the script runs, so before any CUDA context exists)
+    worker_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def launched_overlaps(self) -> tuple[str, str]:
+        """(dp_overlap, tp_overlap) as this project launches the runtime: what the planner prices."""
+        return self.dp_overlaps[-1], self.tp_overlaps[-1]
 
     def for_model(self, num_experts: int) -> "RuntimeCapabilities":
         """What the runtime runs for this model: an MoE model (``num_experts`` > 0) keeps one TP and one DP size
@@ -229,8 +238,11 @@ MEGATRON = RuntimeCapabilities(
     # interleaved: virtual_pipeline_model_parallel_size with a pipeline_model_parallel_layout of p x v chunks
     schedules=("1F1B", "interleaved-1F1B"),
     # the adapter sets overlap_grad_reduce off (the sync follows the schedule); Megatron-core's linear layers issue
-    # the backward's input-gradient TP collective asynchronously beside the weight-gradient GEMM
+    # the backward's input-gradient TP collective asynchronously beside the weight-gradient GEMM, which overlaps
+    # only where CUDA runs kernels in the order issued: CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron's own launch
+    # scripts export (megatron/core/tensor_parallel/layers.py: "Use of this module requires" it)
     tp_overlaps=("none", "backward"),
+    worker_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
 )
 
 BUILTIN = {c.name: c for c in (TORCH, DEEPSPEED, MEGATRON)}

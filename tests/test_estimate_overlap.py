@@ -84,3 +84,39 @@ def test_each_runtime_declares_overlap_kinds_the_cost_model_prices():
         assert "none" in caps.dp_overlaps and set(caps.dp_overlaps) <= set(DP_OVERLAP_KINDS), caps.name
         assert "none" in caps.tp_overlaps and set(caps.tp_overlaps) <= set(TP_OVERLAP_KINDS), caps.name
         assert caps.overlap_problems(dp_overlap="none", tp_overlap="none") == []
+
+
+def test_a_runtime_is_priced_as_it_runs_launched_here_by_estimate_and_by_the_planner(capsys, cluster):
+    """Megatron-core's linear layers run the backward's TP collective beside a GEMM (its workers start with
+    CUDA_DEVICE_MAX_CONNECTIONS=1), so a Megatron job is estimated, and planned, with that overlap unless told
+    otherwise; the torch runtime's collectives wait."""
+    from dataclasses import replace
+
+    from tangram_launch.capabilities import MEGATRON, TORCH
+    from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
+    from tangram_launch.costmodel.slice_plan import SliceQuery
+    from tangram_launch.islands import build_islands
+    from tangram_launch.specs.model import load_model
+    from tangram_launch.specs.training import TrainingSpec
+
+    base = ("--tp", "8", "--dp", "2", "--zero", "1")
+    _, megatron = _estimate(capsys, cluster, *base, "--runtime", "megatron")
+    _, told = _estimate(capsys, cluster, *base, "--runtime", "megatron", "--tp-overlap", "none")
+    _, torch_rt = _estimate(capsys, cluster, *base, "--runtime", "torch")
+    assert (megatron["tp_overlap"], told["tp_overlap"], torch_rt["tp_overlap"]) == ("backward", "none", "none")
+    assert megatron["stages"][0]["backward_s"] < told["stages"][0]["backward_s"]
+    assert megatron["stages"][0]["forward_s"] == pytest.approx(told["stages"][0]["forward_s"])
+
+    # the cost model the parallelizers and hand-written plans share reads the query's runtime the same way
+    [island] = build_islands(ClusterSpec.load(cluster), dtype="bf16").islands
+    model, training = load_model("llama3-8b"), TrainingSpec(global_batch=64, seq_len=2048, dtype="bf16")
+    cfg = ParallelConfig(tp=8, pp=1, dp=2, cp=1, ep=1, zero_stage=1, recompute="none", offload=False)
+    backward = {}
+    for caps in (MEGATRON, replace(MEGATRON, tp_overlaps=("none",)), TORCH):
+        q = SliceQuery(model=model, training=training, layers=(0, model.num_layers), island=island,
+                       microbatch_sequences=16, capabilities=caps, pipelined=False)
+        coster = SliceCoster(q)
+        backward[caps] = (coster.tp_overlap, coster.plan(cfg, parallelizer="test").stages[0].backward_s)
+    got = list(backward.values())
+    assert [k for k, _ in got] == ["backward", "none", "none"]
+    assert got[0][1] < got[1][1] and got[1][1] == pytest.approx(got[2][1])

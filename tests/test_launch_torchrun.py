@@ -142,9 +142,23 @@ def test_boot_remaps_rank_and_refuses_a_changed_plan(tmp_path):
     assert (out["TANGRAM_NODE"], out["TANGRAM_NODE_INDEX"]) == ("n1", "0")
     with pytest.raises(SpecError, match="LOCAL_WORLD_SIZE"):
         boot.placement_env({**env, "LOCAL_WORLD_SIZE": "3"}, args)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out  # the torch runtime (a plan without one) sets nothing more
     plan.write_bytes(data + b" ")
     with pytest.raises(SpecError, match="changed after the launcher checked it"):
         boot.placement_env(env, args)
+
+
+def test_boot_sets_the_plan_runtimes_worker_environment_unless_the_user_did(tmp_path):
+    """A Megatron-core plan's workers start with CUDA_DEVICE_MAX_CONNECTIONS=1 (its linear layers overlap the
+    backward's TP collective with a GEMM only so, and the planner prices that overlap); the user's value wins."""
+    plan = tmp_path / "plan.json"
+    data = json.dumps(_layout_plan([(0, "n0", 0, 0), (1, "n0", 1, 1)], runtime="megatron")).encode()
+    plan.write_bytes(data)
+    args = boot.parse_boot_args(["--plan-file", str(plan), "--plan-hash", W.sha256_bytes(data), "--node", "n0",
+                                 "--agent-id", "h:1", "--", "train.py"])
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert boot.placement_env(env, args)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in boot.placement_env({**env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}, args)
 
 
 def test_agents_must_agree_on_the_plan_through_the_agent_store():
@@ -243,12 +257,15 @@ def test_same_worker_environment_as_torchrun(tmp_path):
 def test_planned_module_and_no_python_targets(tmp_path):
     """boot's -m and --exec paths run the target as python would, with the plan's ranks."""
     plan = _write(tmp_path / "plan.json", _layout_plan([(0, "solo", 1, 0), (1, "solo", 0, 1)]))
+    # the same layout for Megatron-core: its workers also start with the runtime's environment
+    megatron = _write(tmp_path / "megatron.json", _layout_plan([(0, "solo", 1, 0), (1, "solo", 0, 1)],
+                                                               runtime="megatron"))
     mod, exe = tmp_path / "mod", tmp_path / "exe"
     mod.mkdir(), exe.mkdir()
     m = _tangram("--standalone", "--nproc-per-node", "2", "--plan", plan, "-m", "dump_env", str(mod), "a",
                  cwd=SCRIPTS)
-    e = _tangram("--standalone", "--nproc-per-node", "2", "--plan", plan, "--no-python", sys.executable, DUMP_ENV,
-                 str(exe), "a", cwd=SCRIPTS)
+    e = _tangram("--standalone", "--nproc-per-node", "2", "--plan", megatron, "--no-python", sys.executable,
+                 DUMP_ENV, str(exe), "a", cwd=SCRIPTS)
     assert m.returncode == 0 and e.returncode == 0, m.stderr + e.stderr
     for records in (_records(mod), _records(exe)):
         assert sorted(records) == [0, 1]
@@ -258,8 +275,11 @@ def test_planned_module_and_no_python_targets(tmp_path):
             assert (env["LOCAL_RANK"], env["TANGRAM_LOCAL_GPU"]) == (str(1 - rank), str(1 - rank))
             assert env["TANGRAM_TORCHRUN_RANK"] == str(1 - rank) and env["TANGRAM_NODE"] == "solo"
             assert rec["name"] == "__main__" and rec["argv"][2:] == ["a"]
-            assert env["TANGRAM_PLAN_HASH"] == W.sha256_bytes(Path(plan).read_bytes())
             assert not Path(env["TANGRAM_PLAN_FILE"]).exists()  # the temporary copy is removed after the job
+    for records, path, cuda_env in ((_records(mod), plan, None), (_records(exe), megatron, "1")):
+        for rec in records.values():
+            assert rec["env"]["TANGRAM_PLAN_HASH"] == W.sha256_bytes(Path(path).read_bytes())
+            assert rec["env"].get("CUDA_DEVICE_MAX_CONNECTIONS") == cuda_env
     for rec in _records(mod).values():  # as `python -m dump_env`: argv[0] is the module's file, cwd first on the path
         assert (rec["argv"][0], rec["path0"]) == (DUMP_ENV, str(SCRIPTS))
     for rec in _records(exe).values():  # as `python dump_env.py`

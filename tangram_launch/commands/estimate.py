@@ -58,14 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES,
                         help="training dtype (default: bf16, or fp16 on GPUs without bf16)")
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None, help=ATTENTION_KERNEL_HELP)
-    parser.add_argument("--dp-overlap", choices=DP_OVERLAP_KINDS, default="none",
+    parser.add_argument("--dp-overlap", choices=DP_OVERLAP_KINDS, default=None,
                         help="how much of the ZeRO-0/1 data-parallel sync the job's runtime hides under compute: "
                              "grads (PyTorch DDP's buckets, Megatron-core --overlap-grad-reduce), grads-params "
                              "(also --overlap-param-gather); default none, as this project's runtimes run it")
-    parser.add_argument("--tp-overlap", choices=TP_OVERLAP_KINDS, default="none",
+    parser.add_argument("--tp-overlap", choices=TP_OVERLAP_KINDS, default=None,
                         help="which tensor-parallel collectives the job's runtime runs beside a GEMM: backward "
-                             "(Megatron's linear layers), pipelined (--tp-comm-overlap, torch AsyncTP); default "
-                             "none, as the planner prices them")
+                             "(Megatron's linear layers), pipelined (--tp-comm-overlap, torch AsyncTP); default: as "
+                             "--runtime runs it launched here, which the planner prices (megatron: backward; the "
+                             "others, or no --runtime: none)")
     parser.add_argument("--stages-after", type=int, default=0,
                         help="pipeline stages that follow this slice in the global plan (memory position)")
     parser.add_argument("--runtime", help="also check the configuration against a runtime's capabilities")
@@ -132,8 +133,7 @@ def build(args: argparse.Namespace):
                    capabilities=caps, pipelined=pp > 1 or args.stages_after > 0 or layers != (0, model.num_layers))
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=args.ep, zero_stage=args.zero, recompute=args.recompute,
                          offload=args.offload)
-    coster = SliceCoster(q, dp_overlap=getattr(args, "dp_overlap", "none"),
-                         tp_overlap=getattr(args, "tp_overlap", "none"))
+    coster = SliceCoster(q, dp_overlap=getattr(args, "dp_overlap", None), tp_overlap=getattr(args, "tp_overlap", None))
     if coster.device_error:
         raise SpecError(coster.device_error, field="--dtype", value=dtype)
     return coster, cfg, q

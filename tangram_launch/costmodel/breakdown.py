@@ -301,7 +301,8 @@ class SliceCoster:
                  model_states: str = "mixed", whole_column_inputs: bool = False,
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
                  moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
-                 attention_kernel: str | None = None, dp_overlap: str = "none", tp_overlap: str = "none",
+                 attention_kernel: str | None = None, dp_overlap: str | None = None,
+                 tp_overlap: str | None = None,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -328,8 +329,9 @@ class SliceCoster:
         ZeRO-0/1 data-parallel sync the runtime hides under compute (overlap.DP_OVERLAP_KINDS: Megatron-core's
         overlap_grad_reduce / overlap_param_gather, PyTorch DDP's buckets; none: this project's runtimes).
         ``tp_overlap``: which TP collectives the runtime runs beside a GEMM (overlap.TP_OVERLAP_KINDS: backward,
-        Megatron's linear layers; pipelined, --tp-comm-overlap and AsyncTP; none: this project's runtimes).
-        The defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
+        Megatron's linear layers; pipelined, --tp-comm-overlap and AsyncTP; none: the other runtimes here). None:
+        as the query's runtime runs launched by this project (RuntimeCapabilities.launched_overlaps), which the
+        planner prices. The other defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
         them already (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
@@ -354,6 +356,9 @@ class SliceCoster:
             raise SpecError("the experts' tensor-parallel degree must be a positive integer",
                             field="expert_tensor_parallel", value=expert_tensor_parallel,
                             valid="a positive integer (1: whole experts on each GPU), or omitted for the stage's tp")
+        launched = q.capabilities.launched_overlaps
+        dp_overlap = launched[0] if dp_overlap is None else dp_overlap
+        tp_overlap = launched[1] if tp_overlap is None else tp_overlap
         if dp_overlap not in overlap.DP_OVERLAP_KINDS:
             raise SpecError("unknown data-parallel overlap", field="dp_overlap", value=dp_overlap,
                             valid=", ".join(overlap.DP_OVERLAP_KINDS))

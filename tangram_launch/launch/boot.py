@@ -41,6 +41,7 @@ from typing import Mapping, Sequence
 from tangram_launch import worker as W
 from tangram_launch.errors import SpecError, TangramError
 from tangram_launch.launch.worker_exit import EXIT_WORKER_INPUT_ERROR, end_worker, exit_status_for
+from tangram_launch.specs.constants import DEFAULT_RUNTIME
 
 ENV_CHECK_TIMEOUT_S = "TANGRAM_PLAN_CHECK_TIMEOUT_S"  # how long workers wait for every agent to publish its plan
 DEFAULT_CHECK_TIMEOUT_S = 120.0
@@ -144,7 +145,16 @@ def placement_env(env: Mapping[str, str], boot: BootArgs) -> dict[str, str]:
         out[W.ENV_STAGE] = str(slot.stage)
     if boot.resume_dir:
         out[W.ENV_RESUME_DIR] = os.path.abspath(boot.resume_dir)
+    out.update(runtime_worker_env(env, str(plan.get("runtime") or DEFAULT_RUNTIME)))
     return out
+
+
+def runtime_worker_env(env: Mapping[str, str], runtime: str) -> dict[str, str]:
+    """The plan's runtime's worker environment (RuntimeCapabilities.worker_env) where ``env`` does not set the
+    variable already: the user's own setting wins."""
+    from tangram_launch.capabilities import capabilities_for
+
+    return {k: v for k, v in capabilities_for(runtime).worker_env if k not in env}
 
 
 def check_agents_agree(*, store, run_id: str, node: str, plan_hash: str, agent_id: str,
