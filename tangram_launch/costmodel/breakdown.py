@@ -331,8 +331,9 @@ class SliceCoster:
         ``tp_overlap``: which TP collectives the runtime runs beside a GEMM (overlap.TP_OVERLAP_KINDS: backward,
         Megatron's linear layers; pipelined, --tp-comm-overlap and AsyncTP; none: the other runtimes here). None:
         as the query's runtime runs launched by this project (RuntimeCapabilities.launched_overlaps), which the
-        planner prices. The other defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has
-        them already (model.layer_kind of each; a parallelizer asks about the same model many times).
+        planner prices. The other defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's
+        layers where the caller has them already (model.layer_kind of each; a parallelizer asks about the same model
+        many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:
