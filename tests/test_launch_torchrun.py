@@ -33,10 +33,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], *, cwd: Path | None = None,
-         timeout: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def _run(args: list[str], *, cwd: Path | None = None, timeout: float = SUBPROCESS_TIMEOUT_S,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env={**_env(), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def _tangram(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -159,6 +159,11 @@ def test_boot_sets_the_plan_runtimes_worker_environment_unless_the_user_did(tmp_
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     assert boot.placement_env(env, args)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in boot.placement_env({**env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}, args)
+    # the launcher says once that the user's value stands against the one the plan's costs assume
+    [line] = boot.worker_env_overrides({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "megatron")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=8" in line and "CUDA_DEVICE_MAX_CONNECTIONS=1" in line
+    assert boot.worker_env_overrides({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "megatron") == []
+    assert boot.worker_env_overrides({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "torch") == []
 
 
 def test_agents_must_agree_on_the_plan_through_the_agent_store():
@@ -280,6 +285,14 @@ def test_planned_module_and_no_python_targets(tmp_path):
         for rec in records.values():
             assert rec["env"]["TANGRAM_PLAN_HASH"] == W.sha256_bytes(Path(path).read_bytes())
             assert rec["env"].get("CUDA_DEVICE_MAX_CONNECTIONS") == cuda_env
+    # the user's own value stands, and the launcher says once that the plan's costs assume the runtime's
+    own = tmp_path / "own"
+    own.mkdir()
+    o = _tangram("--standalone", "--nproc-per-node", "2", "--plan", megatron, DUMP_ENV, str(own), cwd=SCRIPTS,
+                 env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    assert o.returncode == 0, o.stderr
+    assert o.stderr.count("CUDA_DEVICE_MAX_CONNECTIONS=8 is set here") == 1, o.stderr
+    assert {rec["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] for rec in _records(own).values()} == {"8"}
     for rec in _records(mod).values():  # as `python -m dump_env`: argv[0] is the module's file, cwd first on the path
         assert (rec["argv"][0], rec["path0"]) == (DUMP_ENV, str(SCRIPTS))
     for rec in _records(exe).values():  # as `python dump_env.py`

@@ -157,6 +157,16 @@ def runtime_worker_env(env: Mapping[str, str], runtime: str) -> dict[str, str]:
     return {k: v for k, v in capabilities_for(runtime).worker_env if k not in env}
 
 
+def worker_env_overrides(env: Mapping[str, str], runtime: str) -> list[str]:
+    """One line per variable of the runtime's worker environment that ``env`` sets otherwise: the workers keep the
+    user's value, and the plan was priced for the runtime's (the launcher says so once, before any worker starts)."""
+    from tangram_launch.capabilities import capabilities_for
+
+    return [f"{k}={env[k]} is set here, so {runtime}'s workers keep it instead of {k}={v}, which the plan's "
+            f"costs assume (docs/runtimes.md, worker environment)"
+            for k, v in capabilities_for(runtime).worker_env if k in env and env[k] != v]
+
+
 def check_agents_agree(*, store, run_id: str, node: str, plan_hash: str, agent_id: str,
                        plan_nodes: Sequence[str], timeout_s: float) -> None:
     """Every plan node's agent published the same plan hash, and no node was claimed twice (see module doc).
