@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.constants import DEFAULT_RUNTIME
 
 # Environment a planned worker sees (set by tangram_launch.launch.boot; torchrun's own variables stay as torchrun sets
 # them, except RANK and ROLE_RANK, which take the plan's rank).
@@ -149,6 +150,11 @@ def read_plan_dict(path: str | os.PathLike, data: bytes | None = None) -> dict:
     return plan
 
 
+def plan_runtime(plan: Mapping) -> str:
+    """The runtime a plan (as its file's dict) was made for: the one it names, else the default."""
+    return str(plan.get("runtime") or DEFAULT_RUNTIME)
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -224,9 +230,9 @@ class WorkerPlan:
     def adapter(self) -> Any:
         """A new adapter for the plan's runtime (tangram_launch.capabilities.runtime: a built-in, or one registered
         under the entry point group ``tangram_launch.runtime_adapters``), imported on first use."""
-        from tangram_launch.capabilities import DEFAULT_RUNTIME, runtime
+        from tangram_launch.capabilities import runtime
 
-        return runtime(str(self.plan_dict.get("runtime") or DEFAULT_RUNTIME)).adapter()
+        return runtime(plan_runtime(self.plan_dict)).adapter()
 
 
 def current_plan() -> WorkerPlan:

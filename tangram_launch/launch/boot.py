@@ -41,7 +41,6 @@ from typing import Mapping, Sequence
 from tangram_launch import worker as W
 from tangram_launch.errors import SpecError, TangramError
 from tangram_launch.launch.worker_exit import EXIT_WORKER_INPUT_ERROR, end_worker, exit_status_for
-from tangram_launch.specs.constants import DEFAULT_RUNTIME
 
 ENV_CHECK_TIMEOUT_S = "TANGRAM_PLAN_CHECK_TIMEOUT_S"  # how long workers wait for every agent to publish its plan
 DEFAULT_CHECK_TIMEOUT_S = 120.0
@@ -145,7 +144,7 @@ def placement_env(env: Mapping[str, str], boot: BootArgs) -> dict[str, str]:
         out[W.ENV_STAGE] = str(slot.stage)
     if boot.resume_dir:
         out[W.ENV_RESUME_DIR] = os.path.abspath(boot.resume_dir)
-    out.update(runtime_worker_env(env, str(plan.get("runtime") or DEFAULT_RUNTIME)))
+    out.update(runtime_worker_env(env, W.plan_runtime(plan)))
     return out
 
 

@@ -265,9 +265,8 @@ def prepare_planned_launch(args: argparse.Namespace, plan_file: str | os.PathLik
     agent_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     layout = checked.layout
     from tangram_launch.launch.boot import worker_env_overrides
-    from tangram_launch.specs.constants import DEFAULT_RUNTIME
 
-    for line in worker_env_overrides(os.environ, str(checked.plan.get("runtime") or DEFAULT_RUNTIME)):
+    for line in worker_env_overrides(os.environ, W.plan_runtime(checked.plan)):
         logger.warning(line)
     logger.info("planned launch: plan %s (sha256 %s), this agent is plan node %r with %d worker(s)", source,
                 digest[:12], checked.node, layout.gpu_count(checked.node))
