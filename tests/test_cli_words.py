@@ -63,3 +63,50 @@ def test_no_feasible_plan_gives_one_line_per_island():
     assert len(on_island) == 1, err.value.reasons
     assert re.search(r"shown at b=1, the smallest micro-batch; b=(\d+,)*\d+ fail too", on_island[0])
     assert len(set(err.value.reasons)) == len(err.value.reasons)
+
+
+def _stage_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    rows = []
+    for line in lines[at + 1:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return lines[at].split(), rows
+
+
+def test_the_table_shows_where_a_stage_keeps_its_optimizer(capsys):
+    """The fp16 plan of gpt3-13b on the paper's T4 + V100 cluster offloads the optimizer state of every stage (its
+    step runs on the host, most of the iteration's tail): the table says so in its own column, through the CLI."""
+    from tangram_launch.cli import main
+
+    assert main(["plan", "--cluster", os.path.join(CLUSTERS, "c1-compute-het.yaml"), "--model", "gpt3-13b",
+                 "--global-batch", "64", "--seq-len", "2048", "--dtype", "fp16", "--format", "json"]) == 0
+    import json
+
+    plan = json.loads(capsys.readouterr().out)
+    offloaded = [s["offload"] for s in plan["stages"]]
+    assert any(offloaded)
+    assert main(["plan", "--cluster", os.path.join(CLUSTERS, "c1-compute-het.yaml"), "--model", "gpt3-13b",
+                 "--global-batch", "64", "--seq-len", "2048", "--dtype", "fp16"]) == 0
+    text = capsys.readouterr().out
+    head, rows = _stage_rows(text)
+    col = head.index("offload")
+    assert head[col - 1] == "recompute" and head[col + 1] == "mbs"
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    x = lines[at].index("offload")  # a left-aligned column: its cells start under its heading
+    cells = [line[x:].split()[0] for line in lines[at + 1:at + 1 + len(rows)]]
+    assert cells == ["optimizer" if o else "-" for o in offloaded]
+    assert "math" not in head  # not a tf32 plan
+
+
+def test_a_plan_without_offload_or_math_modes_keeps_its_columns():
+    cluster = ClusterSpec.load(CPU2)
+    plan = make_plan(cluster, load_preset("tiny"), TrainingSpec(global_batch=2, seq_len=64, dtype="fp32"),
+                     options=SERIAL)
+    head, rows = _stage_rows(format_plan_table(plan, cluster_name=cluster.name, num_islands=1))
+    assert head == ["stage", "layers", "island", "devices", "tp", "dp", "cp", "ep", "zero", "recompute", "mbs",
+                    "time/mb", "memory", "GiB", "(of)"]
+    assert not any(s.offload for s in plan.stages) and all(len(r) == len(rows[0]) for r in rows)

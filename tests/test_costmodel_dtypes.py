@@ -112,7 +112,14 @@ def test_plan_fp8_with_torch_is_refused_with_the_runtime_reason(files, capsys):
 def test_plan_tf32_with_torch_plans_on_every_gpu(files, capsys):
     rc, out, err = _plan(files, capsys, "--dtype", "tf32", "--runtime", "torch", "--format", "json")
     assert rc == 0, err
+    modes = [s["math_mode"] for s in json.loads(out)["stages"]]
     assert json.loads(out)["training"]["dtype"] == "tf32"
+    rc, out, err = _plan(files, capsys, "--dtype", "tf32", "--runtime", "torch")
+    assert rc == 0, err
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    x = lines[at].index(" math ") + 1  # the table shows each stage's math mode under its own heading
+    assert [line[x:].split()[0] for line in lines[at + 1:at + 1 + len(modes)]] == modes
 
 
 def test_megatron_translates_fp8_and_tf32():

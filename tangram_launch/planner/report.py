@@ -37,16 +37,21 @@ def format_plan_table(plan, *, cluster_name: str = "", num_islands: int | None =
              f"{plural(plan.num_microbatches, 'micro-batch', 'micro-batches')} of {plural(b, 'sequence')}, "
              f"{plan.schedule}"
              + (f" ({plan.virtual_stages} model chunks per stage)" if plan.virtual_stages > 1 else ""), ""]
-    rows = [["stage", "layers", "island", "devices" if cpu else "GPUs", "tp", "dp", "cp", "ep", "zero", "recompute", "mbs", "time/mb",
-             "memory GiB (of)"]]
+    # columns a plan may not use are shown only where a stage uses them: where the optimizer state lives (offload
+    # moves it and an fp32 master copy to the host: the optimizer step runs there) and a tf32 plan's math per stage
+    offload = any(s.offload for s in plan.stages)
+    math = any(s.math_mode for s in plan.stages)
+    rows = [["stage", "layers", "island", "devices" if cpu else "GPUs", "tp", "dp", "cp", "ep", "zero", "recompute"]
+            + ["offload"] * offload + ["math"] * math + ["mbs", "time/mb", "memory GiB (of)"]]
     for s, p in zip(plan.stages, plan.predicted.stages):
         nodes = sorted({n for n, _ in s.gpus})
         rows.append([str(s.index), f"{s.layers[0]}-{s.layers[1] - 1}", s.island,
                      f"{s.num_gpus}" + (f" ({','.join(nodes)})" if len(nodes) <= 2 else f" ({len(nodes)} nodes)"),
-                     str(s.tp), str(s.dp), str(s.cp), str(s.ep), str(s.zero_stage), s.recompute,
-                     str(s.micro_batch_size), _ms(p.time_s),
-                     f"{p.peak_memory_gib:.1f} ({p.capacity_gib:.0f})"])
-    lines += _grid(rows, right={4, 5, 6, 7, 8, 10, 11})
+                     str(s.tp), str(s.dp), str(s.cp), str(s.ep), str(s.zero_stage), s.recompute]
+                    + ["optimizer" if s.offload else "-"] * offload + [s.math_mode or "-"] * math
+                    + [str(s.micro_batch_size), _ms(p.time_s), f"{p.peak_memory_gib:.1f} ({p.capacity_gib:.0f})"])
+    extra = offload + math  # the mbs and time/mb columns move right by the optional ones
+    lines += _grid(rows, right={4, 5, 6, 7, 8, 10 + extra, 11 + extra})
     if plan.islands_dropped:
         lines += ["", "islands left out:"]
         lines += [f"  {d['reason']}" for d in plan.islands_dropped]
