@@ -70,7 +70,8 @@ def test_calibrate_changes_the_next_plan_where_a_gpu_ran_slower_than_predicted(t
     report = run_report.build_report(before, "abc", _timings(before, {1: 3.0}))
     (tmp_path / "run-report.json").write_text(json.dumps(report))
     calibrated = tmp_path / "calibrated.yaml"
-    assert main(["calibrate", str(tmp_path / "run-report.json"), "--cluster", CPU2, "-o", str(calibrated)]) == 0
+    # the run directory (a launch's --run-dir), as a user has it at hand: calibrate reads its run-report.json
+    assert main(["calibrate", str(tmp_path), "--cluster", CPU2, "-o", str(calibrated)]) == 0
     out = capsys.readouterr().out
     assert "local GPU 1 (stage 0): ran 3.00x the predicted time (slower)" in out and "GPU 0" not in out
     spec = ClusterSpec.load(calibrated)
@@ -136,6 +137,23 @@ def test_calibrate_within_tolerance_leaves_the_file_alone(tmp_path, capsys):
     assert main(["calibrate", str(tmp_path / "r.json"), "--cluster", str(cluster)]) == 0
     assert "is unchanged" in capsys.readouterr().out
     assert cluster.read_bytes() == Path(CPU2).read_bytes()
+
+
+def test_report_and_calibrate_take_a_run_directory_and_refuse_one_without_a_report(tmp_path, capsys):
+    plan = _plan(tmp_path, CPU2, "plan.json")
+    run_dir = tmp_path / "run"
+    (run_dir / "adapt").mkdir(parents=True)
+    for argv in (["report", str(run_dir)], ["calibrate", str(run_dir), "--cluster", CPU2]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "field 'RUN_REPORT': a directory without run-report.json" in err and str(run_dir) in err
+    (run_dir / "adapt" / "history.json").write_text(json.dumps({"adaptations": []}))
+    assert main(["report", str(run_dir)]) == 0  # a run still going: its history
+    assert "no adaptation" in capsys.readouterr().out
+    report = run_report.build_report(plan, "abc", _timings(plan, {}))
+    (run_dir / "run-report.json").write_text(json.dumps(report))
+    assert main(["report", str(run_dir)]) == 0  # the report first, once the run has written it
+    assert "meas/pred" in capsys.readouterr().out
 
 
 def test_calibrate_refuses_a_file_that_is_not_a_run_report(tmp_path, capsys):

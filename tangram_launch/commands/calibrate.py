@@ -1,6 +1,6 @@
 """Fold a run's measured stage times into the cluster file, so the next plan uses them.
 
-    tangram-launch calibrate RUN_DIR/run-report.json [--cluster cluster.yaml] [-o calibrated.yaml]
+    tangram-launch calibrate RUN_DIR[/run-report.json] [--cluster cluster.yaml] [-o calibrated.yaml]
 
 Every GPU the run timed, whose stage ran more than ``--tolerance`` away from its prediction, gets its compute
 figures scaled by predicted / measured (a GPU the plan left out: as its timed twins). On GPUs, a stage that allocated
@@ -32,7 +32,8 @@ from tangram_launch.specs.limits import check_output_path, parse_json, read_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("report", metavar="RUN_REPORT", help="run-report.json written by a planned launch")
+    parser.add_argument("report", metavar="RUN_REPORT",
+                        help="run-report.json written by a planned launch, or the launch's --run-dir")
     parser.add_argument("--cluster", help="the cluster file the run's plan was made from (default: the one the "
                                           "report names: the --cluster file, or the cached --profile)")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the calibrated cluster here (default: rewrite "
@@ -113,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.tolerance < 1.0:
         raise SpecError("is a fraction of the predicted time", field="--tolerance", value=args.tolerance,
                         valid="0 <= t < 1 (0.05 = 5 %)")
+    from tangram_launch.launch.run_report import report_file, report_problem
+
+    args.report = report_file(args.report)
     report = parse_json(read_text(args.report, what="run report"), source=args.report)
-    from tangram_launch.launch.run_report import report_problem
 
     problem = report_problem(report)
     if problem:

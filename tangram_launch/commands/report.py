@@ -1,11 +1,12 @@
 """A run's history: predicted against measured, every adaptation, and a timeline of its plans.
 
-    tangram-launch report RUN_DIR/run-report.json
+    tangram-launch report RUN_DIR[/run-report.json]
 
-Reads the report a planned launch writes (``RUN_DIR/adapt/history.json`` while the run still goes works too) and
-prints the last plan's predicted-vs-measured table, one row per adaptation (cause, old and new plan, predicted and
-measured gain, downtime) and a small timeline: one row per plan, start-up ``-``, training ``#``, a switch ``>``, a
-switch a launch without ``--adapt`` would have made ``?``, a decision that kept the plan ``|``.
+Reads the report a planned launch writes (``RUN_DIR/adapt/history.json`` while the run still goes works too; given
+the directory, the report, else the history) and prints the last plan's predicted-vs-measured table, one row per
+adaptation (cause, old and new plan, predicted and measured gain, downtime) and a small timeline: one row per plan,
+start-up ``-``, training ``#``, a switch ``>``, a switch a launch without ``--adapt`` would have made ``?``, a
+decision that kept the plan ``|``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ TIMELINE_COLUMNS = 60
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("report", metavar="RUN_REPORT", help="run-report.json (or adapt/history.json) of a run")
+    parser.add_argument("report", metavar="RUN_REPORT",
+                        help="run-report.json (or adapt/history.json) of a run, or the run's --run-dir")
     parser.add_argument("--width", type=int, default=TIMELINE_COLUMNS, help="timeline columns (default 60)")
 
 
@@ -94,8 +96,10 @@ def format_history(report: Mapping[str, Any], width: int = TIMELINE_COLUMNS) -> 
 def run(args: argparse.Namespace) -> int:
     if not 10 <= args.width <= 400:
         raise SpecError("timeline width must be 10..400 columns", field="--width", value=args.width, valid="10..400")
+    from tangram_launch.launch.run_report import report_file, report_problem
+
+    args.report = report_file(args.report, history=True)
     report = parse_json(read_text(args.report, what="run report"), source=args.report)
-    from tangram_launch.launch.run_report import report_problem
 
     problem = report_problem(report)
     if problem:

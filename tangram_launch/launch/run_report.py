@@ -300,6 +300,22 @@ def _parts_lines(iteration: Mapping) -> list[str]:
     return _aligned(rows)
 
 
+def report_file(path: str, *, history: bool = False) -> str:
+    """The run report a command was given: the file itself, or in a run directory (``--run-dir``) its
+    run-report.json, else (``history``: a run still going) its adapt/history.json; a SpecError when it holds none."""
+    if not os.path.isdir(path):
+        return path
+    from tangram_launch.errors import SpecError
+
+    names = (REPORT_NAME,) + ((os.path.join("adapt", "history.json"),) if history else ())
+    for name in names:
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise SpecError(f"a directory without {' or '.join(names)}", field="RUN_REPORT", value=path,
+                    valid=f"a run's {REPORT_NAME}, or the --run-dir of a planned launch (it writes {REPORT_NAME} "
+                          "when the run ends)")
+
+
 def report_problem(report: Any) -> str | None:
     """Why ``report`` is not a run report as this module writes it (None: it is one). A plan file has stages too,
     without measurements: say so rather than fail on a missing key later."""
