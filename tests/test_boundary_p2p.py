@@ -205,9 +205,11 @@ def test_a_searched_plan_written_by_hand_costs_its_boundaries_identically(mixed)
 
 @pytest.mark.parametrize("stage_gpus,same_node", [(4, False), (2, True)])
 def test_a_hand_written_boundary_inside_an_island_costs_what_the_parallelizers_stage_p2p_costs(
-        tmp_path, stage_gpus, same_node):
-    """Two hand-written stages on one island (across its two nodes, or inside one node) pay what a searched slice
-    plan's consecutive stages pay in their stage times (communication.p2p_stage_s): one function, one network."""
+        tmp_path, capsys, stage_gpus, same_node):
+    """Two hand-written stages of one grid on one island (across its two nodes, or inside one node) are what the
+    search plans as one slice of two stages, and are priced as it prices that slice: the boundary's p2p
+    (communication.p2p_stage_s: one function, one network) in the first stage's forward and the second's backward,
+    no link between them; stage for stage, and the iteration, what ``estimate`` gives the same slice."""
     from tangram_launch.costmodel import communication as comm
     from tangram_launch.costmodel.efficiency import DeviceModel
     from tangram_launch.specs.model import load_model
@@ -223,7 +225,7 @@ def test_a_hand_written_boundary_inside_an_island_costs_what_the_parallelizers_s
     out = tmp_path / "plan.json"
     rc = main(["plan", "--cluster", str(tmp_path / "cluster.yaml"), "--model", "tiny", "--global-batch", "16",
                "--seq-len", "64", "--dtype", "fp32", "--plan", str(tmp_path / "stages.yaml"), "--workers", "1",
-               "--format", "json", "-o", str(out)])
+               "--schedule", "1F1B", "--format", "json", "-o", str(out)])
     assert rc == 0
     plan = json.loads(out.read_text())
     nodes = [{g["node"] for g in s["gpus"]} for s in plan["stages"]]
@@ -233,4 +235,18 @@ def test_a_hand_written_boundary_inside_an_island_costs_what_the_parallelizers_s
     nbytes = b * 64 * load_model("tiny").hidden_size * 4
     want = comm.p2p_stage_s(nbytes, stage_gpus=stage_gpus, gpus_per_node=4, same_node=same_node, dev=dev,
                             inter_bandwidth_GBps=6.0, inter_latency_us=50.0)
-    assert plan["planner"]["p2p_s"] == [pytest.approx(want, rel=1e-12)]
+    assert plan["planner"]["p2p_s"] == [0.0]  # no link: the p2p lies in the stages' times
+    first = plan["stages"][0]
+    capsys.readouterr()
+    rc = main(["estimate", "--cluster", str(tmp_path / "cluster.yaml"), "--model", "tiny", "--global-batch", "16",
+               "--seq-len", "64", "--dtype", "fp32", "--island", "a100-40gb", "--tp", "1", "--pp", "2", "--dp",
+               str(stage_gpus), "--mbs", str(b // stage_gpus), "--zero", str(first["zero_stage"]), "--recompute",
+               first["recompute"], "--format", "json"])
+    assert rc == 0
+    sliced = json.loads(capsys.readouterr().out)
+    assert [s["layers"] for s in sliced["stages"]] == [s["layers"] for s in plan["stages"]]
+    assert [s["breakdown"]["p2p_s"] for s in sliced["stages"]] == [pytest.approx(want, rel=1e-12)] * 2
+    for mine, theirs in zip(plan["predicted"]["stages"], sliced["stages"]):
+        assert mine["forward_s"] == pytest.approx(theirs["forward_s"], rel=1e-12)
+        assert mine["backward_s"] == pytest.approx(theirs["backward_s"], rel=1e-12)
+    assert plan["predicted"]["iteration_time_s"] == pytest.approx(sliced["iteration_s"], rel=1e-9)

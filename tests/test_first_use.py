@@ -93,15 +93,27 @@ def test_readme_hand_written_plan_costs_like_the_searched_one(tmp_path, capsys):
     path.write_text(yaml.safe_dump(readme_yaml("my-plan.yaml")))
     argv = readme_command("plan", "--plan")
     argv = [str(path) if a == "my-plan.yaml" else a.replace("examples/", f"{REPO}/examples/") for a in argv]
-    assert main(argv + ["--workers", "1"]) == 0
+    assert main(argv + ["--workers", "1", "-o", str(tmp_path / "hand.json")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("manual plan for gpt3-13b")
     hand = _printed_iteration_s(out)
     searched = float(_quality_row("C3 (iii)")[4])
-    # the search holds consecutive stages on one island in one slice plan (its first stage pays the p2p inside its
-    # stage time) where a hand-written plan prices every stage boundary as a link: the README gives both figures
-    assert abs(hand - searched) <= 1e-3 * searched
-    assert f"it costs {hand:.3f} s" in " ".join(README.split())
+    # the README's plan is the searched one written by hand: its two stages on the V100-32GB island (one grid) are
+    # one slice, priced as the search prices it (their p2p in the stages' times), so it costs what the search does
+    assert f"{hand:.2f}" == f"{searched:.2f}"  # (the benchmark table gives 2 decimals; exact below)
+    assert f"it costs {hand:.3f} s, as the searched plan does" in " ".join(README.split())
+    from tangram_launch.planner import PlannerOptions, search
+    from tangram_launch.specs.cluster import ClusterSpec
+    from tangram_launch.specs.model import load_model
+    from tangram_launch.specs.training import TrainingSpec
+
+    result = search(ClusterSpec.load(os.path.join(REPO, "examples", "clusters", "c3-full-het-iii.yaml")),
+                    load_model("gpt3-13b"), TrainingSpec(global_batch=128, seq_len=2048, dtype="fp16"),
+                    runtime="torch", options=PlannerOptions(max_workers=1, progress=False))
+    import json
+
+    exact = json.loads((tmp_path / "hand.json").read_text())["predicted"]["iteration_time_s"]
+    assert exact == pytest.approx(result.plan.predicted.iteration_time_s, rel=1e-12)
 
 
 def test_readme_hand_written_plan_is_the_documented_format(tmp_path):

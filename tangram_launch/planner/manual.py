@@ -17,15 +17,17 @@ cp and no num_gpus runs on tp x dp x cp GPUs (those left out count 1); without a
 island. Each stage is costed as a one-stage slice plan (the parallelizer's answer filtered by the fields given; if
 the exact configuration is not among its answers, the cost model prices it directly: any grid the runtime runs,
 such as dp 2 on two GPUs of a three-GPU node, which the search itself leaves out), and a stage that cannot run is
-refused naming its fields and why. Then stages, GPUs, p2p and the iteration time go through
-the same ``build_plan`` and latency formula as Tangram's plans, so the two compare like for like.
+refused naming its fields and why. Consecutive stages on one island with one configuration are one slice, as the
+search plans them: their p2p in the stages' times, a link only between slices. Then stages, GPUs, p2p and the
+iteration time go through the same ``build_plan`` and latency formula as Tangram's plans, so the two compare like
+for like.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from tangram_launch.capabilities import DEFAULT_RUNTIME
@@ -352,7 +354,7 @@ def _best_in_classes(ctx: _Manual, b: int, m: int, per_stage: Sequence[Sequence[
         if isinstance(cand, str):
             problems.append(cand)
             continue
-        seq = tuple(range(S))
+        seq = tuple(range(len(cand.options)))
         metrics = evaluate(seq, cand.options, cand.link_matrix, m)
         assert metrics is not None  # every stage was chosen to fit at its position
         # ranked as the search ranks: by what the Plan reports (the simulated 1F1B, or interleaved where the
@@ -366,11 +368,31 @@ def _best_in_classes(ctx: _Manual, b: int, m: int, per_stage: Sequence[Sequence[
     return best
 
 
+def _one_slice(isl_of: Sequence, chosen: Sequence[StageCost], k: int) -> bool:
+    """Whether stages k and k + 1 are what the search plans as one slice (one island, one grid and memory savers,
+    one micro-batch size): its p2p then lies in the sender's forward and the receiver's backward, as a slice plan's
+    stage times hold it (costmodel/breakdown.py), not on a link between options. The same stages priced either way
+    would make one plan two predictions, a hand-written one and the search's."""
+    a, z = chosen[k], chosen[k + 1]
+    return (isl_of[k].name == isl_of[k + 1].name and a.shape == z.shape
+            and a.micro_batch_size == z.micro_batch_size)
+
+
+def _with_p2p(stage: StageCost, *, forward_s: float = 0.0, backward_s: float = 0.0) -> StageCost:
+    """``stage`` with a boundary's p2p added to its forward (it sends activations) or backward (input gradients)."""
+    bd = dict(stage.breakdown)
+    if "p2p_s" in bd:
+        bd["p2p_s"] += forward_s + backward_s
+    return replace(stage, forward_s=stage.forward_s + forward_s, backward_s=stage.backward_s + backward_s,
+                   breakdown=bd)
+
+
 def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, chosen: Sequence[StageCost],
                        cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
                        caps: "RuntimeCapabilities") -> Candidates | str:
-    """One option per stage; each stage has its own slot in the link matrix (stages may share an island), with
-    the p2p between consecutive stages priced from the GPUs they get."""
+    """One option per run of consecutive stages the search would plan as one slice (_one_slice), each with its own
+    slot in the link matrix (options may share an island), the p2p between consecutive stages priced from the GPUs
+    they get: inside an option in its stages' times, between options on a link, as the search prices them."""
     S = len(chosen)
     shapes = [c.shape for c in chosen]
     problems = caps.pipeline_problems(shapes)
@@ -387,16 +409,31 @@ def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, cho
             return (f"stages[{k}]: island {isl.name} has {isl.num_gpus} GPUs ({isl.gpus_per_node} per node); its "
                     f"stages up to here need {used} (tp={c.shape.tp} groups must fit inside a node)")
         gpus.append(g[0])
-    matrix = [[0.0] * S for _ in range(S)]
+    costs = list(chosen)
+    runs = [[0]]  # the options: runs of stage indices
+    boundaries = []  # the p2p between consecutive options
     for k in range(S - 1):
-        matrix[k][k + 1] = matrix[k + 1][k] = links.stage_s(shapes[k], gpus[k], shapes[k + 1], gpus[k + 1])
-    cand = Candidates(b=b, num_microbatches=m, islands=tuple(isl_of), links=links,
+        p2p_s = links.stage_s(shapes[k], gpus[k], shapes[k + 1], gpus[k + 1])
+        if _one_slice(isl_of, chosen, k):
+            costs[k] = _with_p2p(costs[k], forward_s=p2p_s)
+            costs[k + 1] = _with_p2p(costs[k + 1], backward_s=p2p_s)
+            runs[-1].append(k + 1)
+        else:
+            boundaries.append(p2p_s)
+            runs.append([k + 1])
+    matrix = [[0.0] * len(runs) for _ in runs]
+    for n, p2p_s in enumerate(boundaries):
+        matrix[n][n + 1] = matrix[n + 1][n] = p2p_s
+    cand = Candidates(b=b, num_microbatches=m, islands=tuple(isl_of[run[0]] for run in runs), links=links,
                       link_matrix=tuple(tuple(r) for r in matrix))
-    for k, (st, isl, c) in enumerate(zip(manual.stages, isl_of, chosen)):
-        plan = SlicePlan(isl.name, st.layers, (c,))
+    for n, run in enumerate(runs):
+        isl, stages = isl_of[run[0]], tuple(costs[k] for k in run)
+        layers = (manual.stages[run[0]].layers[0], manual.stages[run[-1]].layers[1])
+        plan = SlicePlan(isl.name, layers, stages)
         cap = capacity_bytes(isl, training)
-        cand.options.append(Option(st.layers[0], st.layers[1], k, 1, plan.max_stages_after(m, cap), c.time_s,
-                                   c.time_s, c.dp_sync_s + c.optimizer_s))
-        cand.sources.append((Pair(st.layers, k, (isl.name,)), plan))
+        cand.options.append(Option(layers[0], layers[1], n, len(stages), plan.max_stages_after(m, cap),
+                                   sum(st.time_s for st in stages), max(st.time_s for st in stages),
+                                   max(st.dp_sync_s + st.optimizer_s for st in stages)))
+        cand.sources.append((Pair(layers, n, (isl.name,)), plan))
         cand.groups.append(None)
     return cand
