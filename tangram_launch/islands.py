@@ -97,6 +97,9 @@ class Island:
     inter_node_link: LinkSpec | None  # slowest link between its nodes; None on one node
     # its node with the least host RAM per GPU (offloaded optimizer state must fit there); None: none gives it
     host_memory: NodeHostMemory | None = None
+    # slowest link from its nodes to a node of no other of its own: what a collective with a stage on another island
+    # crosses (the tied-embedding gradients between the first and the last stage); None: every node is its own
+    egress_link: LinkSpec | None = None
 
     @property
     def num_gpus(self) -> int:
@@ -272,6 +275,7 @@ class _Links:
             lat[a, b] = lat[b, a] = link.latency_us
         one = self.size == 1
         self.bw = bw
+        self.lat = lat
         self.inner_bw = bw.copy()  # for minima over an island's own links: no diagonal on one-node units
         self.inner_bw[one, one] = np.inf
         self.inner_lat = lat.copy()
@@ -286,6 +290,13 @@ class _Links:
             return None
         return LinkSpec(float(self.inner_bw[units[:, None], units].min()),
                         float(self.inner_lat[units[:, None], units].max()))
+
+    def egress_link(self, units: np.ndarray) -> LinkSpec | None:
+        """Slowest bandwidth and greatest latency over the links from a node of these units to any other node."""
+        others = np.setdiff1d(np.arange(len(self.unit_nodes)), units)
+        if not others.size:
+            return None
+        return LinkSpec(float(self.bw[units[:, None], others].min()), float(self.lat[units[:, None], others].max()))
 
     def own_span(self, g: int) -> tuple[tuple[float, int, int], tuple[float, int, int]]:
         """(slowest, fastest) link among unit g's own nodes, each with the unit pair it lies on; for one node the
@@ -546,7 +557,8 @@ def build_islands(cluster: ClusterSpec, tolerances: IslandTolerances | None = No
         gpus = tuple(GpuRef(cluster.nodes[i].name, li) for i, p in members for li in node_parts[i][p].local)
         islands.append(Island(name=grp.name, nodes=nodes, gpus=gpus, gpus_per_node=grp.per_node, gpu=rep,
                               inter_node_link=links.own_link(grp.units),
-                              host_memory=least_host_memory(cluster, [i for i, _ in members])))
+                              host_memory=least_host_memory(cluster, [i for i, _ in members]),
+                              egress_link=links.egress_link(grp.units)))
     separations = []
     for i, a in enumerate(kept):
         for b in kept[i + 1:]:

@@ -449,6 +449,22 @@ class SliceCoster:
                 inter_bandwidth_GBps=self.inter_gbps, inter_latency_us=self.inter_latency_us)
         return hit
 
+    def _egress_link(self, stage_gpus: int) -> comm.GroupLink:
+        """A pair of ranks, one of a stage here and one on another island: across nodes over the link out of this
+        island, each node's NIC shared by the stage's ranks on it (an island of one node's GPUs alone in the
+        cluster keeps its own links)."""
+        out = self.island.egress_link or self.island.inter_node_link
+        if out is None:
+            return self._link(1, 2, stage_gpus)
+        key = ("egress", stage_gpus)
+        hit = self._edge_cache.get(key)
+        if hit is None:
+            g = self.island.gpus_per_node
+            hit = self._edge_cache[key] = comm.group_link(
+                g, 2, stage_gpus=stage_gpus, gpus_per_node=g, dev=self.dev, inter_bandwidth_GBps=out.bandwidth_GBps,
+                inter_latency_us=out.latency_us)
+        return hit
+
     def layer_terms(self, kind: str, tp: int, cp: int, ep: int, dp: int, mbs: int) -> LayerTerms:
         key = (kind, tp, cp, ep, dp, mbs)
         hit = self._layer_cache.get(key)
@@ -767,7 +783,8 @@ class SliceCoster:
                 if model.tied_embeddings and not has_emb:
                     # the last stage keeps its own copy of the tied output weights (Megatron's embedding group);
                     # their gradients are all-reduced with the first stage's every iteration, over the link
-                    # between stage 0 and this one inside the slice, else (first stage elsewhere) the network
+                    # between stage 0 and this one inside the slice, else (first stage on another island) the
+                    # network out of this island (Island.egress_link), through the NIC its node's ranks share
                     out_w = model.output_embedding_params() / tp
                     st.dense_params += out_w
                     st.edge_params += out_w
@@ -775,10 +792,8 @@ class SliceCoster:
                     st.max_edge_params = max(st.max_edge_params, out_w)
                     if self.has_embedding:  # stage 0 of this slice, j * stage_gpus ranks away
                         link = self._link(j * stage_gpus, 2, stage_gpus)
-                    elif self.inter_gbps is not None:
-                        link = self._link(g, 2, stage_gpus)
                     else:
-                        link = self._link(1, 2, stage_gpus)
+                        link = self._egress_link(stage_gpus)
                     st.tied_sync_s = comm.collective_s(comm.ALL_REDUCE, out_w * self.training.grad_bytes, 2, link)
             st.param_tensors += edge_param_tensors(model, has_embedding=has_emb, has_head=has_head)
             if has_emb or has_head:

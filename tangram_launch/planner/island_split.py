@@ -29,8 +29,11 @@ def _parts(iset: IslandSet, nodes_of_part: dict[str, list[tuple[str, ...]]]) -> 
         if isl.name not in nodes_of_part:
             islands.append(isl)
             continue
+        # a part reaches the other part over the island's own links, the rest of the cluster as the island does
+        egress = min((link for link in (isl.egress_link, isl.inter_node_link) if link is not None),
+                     key=lambda link: (link.bandwidth_GBps, -link.latency_us), default=None)
         pair = [replace(isl, name=isl.name + suffix, nodes=nodes, gpus=tuple(g for g in isl.gpus if g.node in nodes),
-                        inter_node_link=isl.inter_node_link if len(nodes) > 1 else None)
+                        inter_node_link=isl.inter_node_link if len(nodes) > 1 else None, egress_link=egress)
                 for suffix, nodes in zip(PART_SUFFIXES, nodes_of_part[isl.name])]
         islands += pair
         parts[isl.name] = [p.name for p in pair]
