@@ -128,7 +128,8 @@ class _FakePlan:
 
 
 def _fake_result(iteration_s: float, planning_s: float, islands=None):
-    return types.SimpleNamespace(plan=_FakePlan(iteration_s), stats={"planning_time_s": planning_s}, islands=islands)
+    return types.SimpleNamespace(plan=_FakePlan(iteration_s), stats={"planning_time_s": planning_s}, islands=islands,
+                                 parallelizer=None)
 
 
 @pytest.mark.unit
@@ -160,6 +161,9 @@ def test_the_plans_planning_time_counts_every_search_the_split_ran(monkeypatch, 
         return _fake_result(iteration_s, took_s)
 
     monkeypatch.setattr(plan_search, "_search", search)
+    # the split plan as a user writes it down is costed by the hand-written path (tests/test_searched_plan_by_hand.py);
+    # these fakes are no plan it can cost: as where it cannot, the split plan stands as searched
+    monkeypatch.setattr(plan_search, "_as_written", lambda *a, **kw: None)
     first = _fake_result(10.0, 1.0, islands=iset)
     got = plan_search._with_idle_split(first, None, None, None, runtime="torch", pool=None,
                                        options=plan_search.PlannerOptions())

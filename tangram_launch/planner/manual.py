@@ -12,7 +12,8 @@ configuration of that stage's layers on that island that fits at the stage's pip
       - layers: [24, 40]             #           num_gpus
         island: v100-32gb
 
-Several stages may share an island if they are consecutive and its GPUs suffice. A stage that gives any of tp, dp,
+Several stages may share an island where its GPUs suffice, in pipeline order on its nodes (the search's plans that
+split an island in two place its parts apart in the pipeline where that is faster). A stage that gives any of tp, dp,
 cp and no num_gpus runs on tp x dp x cp GPUs (those left out count 1); without any, it takes its share of the
 island. Each stage is costed as a one-stage slice plan (the parallelizer's answer filtered by the fields given; if
 the exact configuration is not among its answers, the cost model prices it directly: any grid the runtime runs,
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from tangram_launch.capabilities import DEFAULT_RUNTIME
@@ -36,7 +37,7 @@ from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import GIB, SlicePlan, SliceQuery, SliceResult, StageCost, capacity_bytes
 from tangram_launch.plan import RECOMPUTE_MODES, Plan
 from tangram_launch.planner.options import PlannerOptions
-from tangram_launch.planner.plan_search import resolve_capabilities, resolve_parallelizer
+from tangram_launch.planner.resolve import resolve_capabilities, resolve_parallelizer
 from tangram_launch.planner.size_search import candidate_sizes
 from tangram_launch.planner.build import Candidates, build_plan
 from tangram_launch.planner.compose import Composition, Option, evaluate
@@ -86,8 +87,6 @@ def parse_manual_plan(data: Mapping, *, num_layers: int, island_names: Sequence[
         raise SpecError("must be a positive integer", source=source, field="microbatch_sequences", value=b)
     stages = []
     expect = 0
-    last_island = None
-    used: set[str] = set()
     for i, st in enumerate(raw):
         where = f"stages[{i}]"
         if not isinstance(st, Mapping):
@@ -114,11 +113,6 @@ def parse_manual_plan(data: Mapping, *, num_layers: int, island_names: Sequence[
             hint = closest(island, island_names)
             raise SpecError("unknown island", source=source, field=f"{where}.island", value=island,
                             valid=(f"did you mean '{hint}'? " if hint else "") + ", ".join(island_names))
-        if island in used and island != last_island:
-            raise SpecError(f"island {island} already holds an earlier, non-adjacent stage; stages sharing an island "
-                            f"must be consecutive", source=source, field=f"{where}.island", value=island)
-        used.add(island)
-        last_island = island
         fixed = {k: st[k] for k in _CONFIG_KEYS if k in st}
         for k, v in fixed.items():
             if k == "recompute":
@@ -350,13 +344,15 @@ def _best_in_classes(ctx: _Manual, b: int, m: int, per_stage: Sequence[Sequence[
             chosen.append(min(mine, key=lambda c: (m * c.time_s + c.dp_sync_s + c.optimizer_s, c.time_s)))
         if len(chosen) < S:
             continue
-        cand = _manual_candidates(b, m, ctx.manual, ctx.isl_of, chosen, ctx.cluster, ctx.model, ctx.training, caps)
+        cand = _manual_candidates(ctx, b, m, chosen)
         if isinstance(cand, str):
             problems.append(cand)
             continue
         seq = tuple(range(len(cand.options)))
         metrics = evaluate(seq, cand.options, cand.link_matrix, m)
-        assert metrics is not None  # every stage was chosen to fit at its position
+        if metrics is None:  # a run priced as one slice holds what its stages alone did: no stage grew
+            problems.append(f"b={b}: the stages do not fit at their pipeline positions")
+            continue
         # ranked as the search ranks: by what the Plan reports (the simulated 1F1B, or interleaved where the
         # runtime runs it and it is faster)
         score = cand.schedule_choice(seq, metrics, schedule=ctx.schedule, capabilities=caps).latency_s
@@ -370,36 +366,45 @@ def _best_in_classes(ctx: _Manual, b: int, m: int, per_stage: Sequence[Sequence[
 
 def _one_slice(isl_of: Sequence, chosen: Sequence[StageCost], k: int) -> bool:
     """Whether stages k and k + 1 are what the search plans as one slice (one island, one grid and memory savers,
-    one micro-batch size): its p2p then lies in the sender's forward and the receiver's backward, as a slice plan's
-    stage times hold it (costmodel/breakdown.py), not on a link between options. The same stages priced either way
-    would make one plan two predictions, a hand-written one and the search's."""
+    one micro-batch size): priced as one (_run_slice), their p2p lies in the sender's forward and the receiver's
+    backward and a tied embedding's sync goes between their own GPUs, as a slice plan's stage times hold them
+    (costmodel/breakdown.py), not on a link between options. The same stages priced either way would make one plan
+    two predictions, a hand-written one and the search's."""
     a, z = chosen[k], chosen[k + 1]
     return (isl_of[k].name == isl_of[k + 1].name and a.shape == z.shape
             and a.micro_batch_size == z.micro_batch_size)
 
 
-def _with_p2p(stage: StageCost, *, forward_s: float = 0.0, backward_s: float = 0.0) -> StageCost:
-    """``stage`` with a boundary's p2p added to its forward (it sends activations) or backward (input gradients)."""
-    bd = dict(stage.breakdown)
-    if "p2p_s" in bd:
-        bd["p2p_s"] += forward_s + backward_s
-    return replace(stage, forward_s=stage.forward_s + forward_s, backward_s=stage.backward_s + backward_s,
-                   breakdown=bd)
+def _run_slice(ctx: _Manual, b: int, run: Sequence[int], chosen: Sequence[StageCost]) -> SlicePlan:
+    """A run of consecutive stages of one configuration on one island, costed as the search costs a slice plan of
+    them: the cost model's stages of that grid at the run's own layer split."""
+    from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster  # floor 2: the shared cost model
+
+    stages = [ctx.manual.stages[k] for k in run]
+    isl, sh = ctx.isl_of[run[0]], chosen[run[0]].shape
+    q = SliceQuery(model=ctx.model, training=ctx.training, layers=(stages[0].layers[0], stages[-1].layers[1]),
+                   island=isl, microbatch_sequences=b, capabilities=ctx.caps, max_stages=len(run),
+                   pipelined=ctx.num_stages > 1)
+    coster = SliceCoster(q, flash_attention=getattr(ctx.parallelizer, "flash_attention", None))
+    cfg = ParallelConfig(tp=sh.tp, pp=len(run), dp=sh.dp, cp=sh.cp, ep=sh.ep, zero_stage=sh.zero_stage,
+                         recompute=sh.recompute, offload=sh.offload)
+    sums = coster.stage_sums(sh.tp, len(run), sh.dp, sh.cp, sh.ep,
+                             sizes=[st.layers[1] - st.layers[0] for st in stages])
+    return coster.materialize(cfg, sums, parallelizer=getattr(ctx.parallelizer, "name", ""))
 
 
-def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, chosen: Sequence[StageCost],
-                       cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec",
-                       caps: "RuntimeCapabilities") -> Candidates | str:
-    """One option per run of consecutive stages the search would plan as one slice (_one_slice), each with its own
-    slot in the link matrix (options may share an island), the p2p between consecutive stages priced from the GPUs
-    they get: inside an option in its stages' times, between options on a link, as the search prices them."""
+def _manual_candidates(ctx: _Manual, b: int, m: int, chosen: Sequence[StageCost]) -> Candidates | str:
+    """One option per run of consecutive stages the search would plan as one slice (_one_slice, _run_slice), each
+    with its own slot in the link matrix (options may share an island), the p2p between options priced from the
+    GPUs their stages get, as the search prices them."""
+    manual, isl_of, caps, training = ctx.manual, ctx.isl_of, ctx.caps, ctx.training
     S = len(chosen)
     shapes = [c.shape for c in chosen]
     problems = caps.pipeline_problems(shapes)
     if problems:
         return f"b={b}: " + "; ".join(problems)
-    links = LinkModel(cluster, list(isl_of), activation_bytes(b, training.seq_len, model.hidden_size,
-                                                               training.param_bytes))
+    links = LinkModel(ctx.cluster, list(isl_of), activation_bytes(b, training.seq_len, ctx.model.hidden_size,
+                                                                   training.param_bytes))
     taken: dict[str, set] = {}
     gpus = []
     for k, (isl, c) in enumerate(zip(isl_of, chosen)):
@@ -409,17 +414,13 @@ def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, cho
             return (f"stages[{k}]: island {isl.name} has {isl.num_gpus} GPUs ({isl.gpus_per_node} per node); its "
                     f"stages up to here need {used} (tp={c.shape.tp} groups must fit inside a node)")
         gpus.append(g[0])
-    costs = list(chosen)
     runs = [[0]]  # the options: runs of stage indices
     boundaries = []  # the p2p between consecutive options
     for k in range(S - 1):
-        p2p_s = links.stage_s(shapes[k], gpus[k], shapes[k + 1], gpus[k + 1])
         if _one_slice(isl_of, chosen, k):
-            costs[k] = _with_p2p(costs[k], forward_s=p2p_s)
-            costs[k + 1] = _with_p2p(costs[k + 1], backward_s=p2p_s)
             runs[-1].append(k + 1)
         else:
-            boundaries.append(p2p_s)
+            boundaries.append(links.stage_s(shapes[k], gpus[k], shapes[k + 1], gpus[k + 1]))
             runs.append([k + 1])
     matrix = [[0.0] * len(runs) for _ in runs]
     for n, p2p_s in enumerate(boundaries):
@@ -427,13 +428,14 @@ def _manual_candidates(b: int, m: int, manual: ManualPlan, isl_of: Sequence, cho
     cand = Candidates(b=b, num_microbatches=m, islands=tuple(isl_of[run[0]] for run in runs), links=links,
                       link_matrix=tuple(tuple(r) for r in matrix))
     for n, run in enumerate(runs):
-        isl, stages = isl_of[run[0]], tuple(costs[k] for k in run)
-        layers = (manual.stages[run[0]].layers[0], manual.stages[run[-1]].layers[1])
-        plan = SlicePlan(isl.name, layers, stages)
-        cap = capacity_bytes(isl, training)
-        cand.options.append(Option(layers[0], layers[1], n, len(stages), plan.max_stages_after(m, cap),
+        isl = isl_of[run[0]]
+        plan = (SlicePlan(isl.name, manual.stages[run[0]].layers, (chosen[run[0]],)) if len(run) == 1
+                else _run_slice(ctx, b, run, chosen))
+        stages = plan.stages
+        cand.options.append(Option(plan.layers[0], plan.layers[1], n, len(stages),
+                                   plan.max_stages_after(m, capacity_bytes(isl, training)),
                                    sum(st.time_s for st in stages), max(st.time_s for st in stages),
                                    max(st.dp_sync_s + st.optimizer_s for st in stages)))
-        cand.sources.append((Pair(layers, n, (isl.name,)), plan))
+        cand.sources.append((Pair(plan.layers, n, (isl.name,)), plan))
         cand.groups.append(None)
     return cand

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from tangram_launch.capabilities import DEFAULT_RUNTIME, RuntimeCapabilities, capabilities_for
+from tangram_launch.capabilities import DEFAULT_RUNTIME, RuntimeCapabilities
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import IslandSet, build_islands
 from tangram_launch.parallelizers.base import Parallelizer, SliceResult
@@ -42,6 +42,7 @@ from tangram_launch.planner.island_split import in_pipeline_order, split_idle
 from tangram_launch.planner.options import PlannerOptions
 from tangram_launch.planner.query_pool import QueryPool, default_workers
 from tangram_launch.planner.reasons import idle_gpus, infeasible_reasons, usable_islands
+from tangram_launch.planner.resolve import resolve_capabilities, resolve_parallelizer
 from tangram_launch.planner.size_composition import SearchContext, SearchState, SizeMemo
 from tangram_launch.planner.size_search import candidate_sizes, try_microbatches
 from tangram_launch.planner.slices import ModelAtoms, PairSet, auto_atom_layers, build_pairs
@@ -71,32 +72,6 @@ class SearchResult:
     stats: dict
     scored_s: tuple[float, ...] = ()  # predicted iteration of every composition the search scored
     unsplit: "SearchResult | None" = None  # the search over the islands as built, where a split island beat it
-
-
-def resolve_parallelizer(parallelizer: str | Parallelizer, gpu_counts: str = "tiling") -> Parallelizer:
-    """The parallelizer by name or as given; ``gpu_counts`` other than the default is passed to a named one's
-    factory (a parallelizer without that option is refused, as is a given instance set otherwise)."""
-    if isinstance(parallelizer, str):
-        from tangram_launch.parallelizers.registry import get_parallelizer  # floor 3, loaded on demand
-
-        if gpu_counts == "tiling":
-            return get_parallelizer(parallelizer)
-        try:
-            return get_parallelizer(parallelizer, gpu_counts=gpu_counts)
-        except TypeError as exc:
-            raise SpecError(f"parallelizer {parallelizer!r} has no GPU-count option ({exc})", field="gpu_counts",
-                            value=gpu_counts, valid="tiling") from exc
-    if not hasattr(parallelizer, "query"):
-        raise SpecError("not a parallelizer (needs .name and .query(SliceQuery))", field="parallelizer",
-                        value=type(parallelizer).__name__)
-    if getattr(parallelizer, "gpu_counts", "tiling") != gpu_counts:
-        raise SpecError(f"the parallelizer given offers gpu_counts={getattr(parallelizer, 'gpu_counts', 'tiling')!r}",
-                        field="gpu_counts", value=gpu_counts)
-    return parallelizer
-
-
-def resolve_capabilities(runtime: str | RuntimeCapabilities) -> RuntimeCapabilities:
-    return runtime if isinstance(runtime, RuntimeCapabilities) else capabilities_for(runtime)
 
 
 def search(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
@@ -153,13 +128,47 @@ def _with_idle_split(result: SearchResult, cluster: "ClusterSpec", model: "Model
                             "stages": [st.index for st in alt.plan.stages if st.island == part]} for part in pair]
                     for name, pair in parts.items()},
         "unsplit_iteration_s": result.plan.predicted.iteration_time_s}
-    alt.stats["planning_time_s"] = round(sum(spent), 4)
-    alt.plan = dataclasses.replace(
-        _with_planner(alt.plan, alt.stats),
-        stages=tuple(dataclasses.replace(st, island=whole_of.get(st.island, st.island)) for st in alt.plan.stages),
+    named = dataclasses.replace(
+        alt.plan, stages=tuple(dataclasses.replace(st, island=whole_of.get(st.island, st.island))
+                               for st in alt.plan.stages),
         islands_used=tuple(dict.fromkeys(whole_of.get(i, i) for i in alt.plan.islands_used)))
+    t0 = time.perf_counter()
+    written = _as_written(named, cluster, model, training, runtime=runtime, parallelizer=alt.parallelizer,
+                          islands=result.islands, options=options)
+    spent.append(time.perf_counter() - t0)
+    if written is not None and written.predicted.iteration_time_s >= result.plan.predicted.iteration_time_s:
+        result.stats["planning_time_s"] = round(sum(spent), 4)
+        result.plan = _with_planner(result.plan, result.stats)
+        return result
+    alt.stats["planning_time_s"] = round(sum(spent), 4)
+    if written is None:
+        alt.plan = _with_planner(named, alt.stats)
+    else:  # the search's figures, the written plan's pipeline (its GPUs, p2p and prediction)
+        own = ("p2p_s", "schedule_notes", "plain_1f1b_iteration_s")
+        planner = {**{k: v for k, v in alt.plan.planner.items() if k not in own},
+                   **{k: v for k, v in written.planner.items() if k in own}, **alt.stats}
+        alt.plan = dataclasses.replace(written, planner=planner, islands_dropped=named.islands_dropped)
     alt.unsplit = result
     return alt
+
+
+def _as_written(plan: Plan, cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
+                runtime: str | RuntimeCapabilities, parallelizer: Parallelizer, islands: IslandSet,
+                options: PlannerOptions) -> Plan | None:
+    """A split plan's stages as a hand-written plan names them (the islands as built, every field given), costed by
+    the hand-written path: the plan a user who writes it down gets, GPUs and prediction. The split search priced
+    its parts as two islands, a link between them; on one island, consecutive stages of one grid are one slice
+    (planner/manual.py), as the search prices every other slice. None where that path cannot cost it."""
+    from tangram_launch.planner.manual import ManualPlan, ManualStage, cost_manual_plan
+
+    fields = ("tp", "dp", "cp", "ep", "zero_stage", "recompute", "offload", "micro_batch_size")
+    manual = ManualPlan(tuple(ManualStage(st.layers, st.island, {k: getattr(st, k) for k in fields}, st.num_gpus)
+                              for st in plan.stages), microbatch_sequences=int(plan.planner["b"]))
+    try:
+        return cost_manual_plan(manual, cluster, model, training, runtime=runtime, parallelizer=parallelizer,
+                                islands=islands, options=options)
+    except (InfeasibleError, SpecError):
+        return None
 
 
 def make_plan(cluster: "ClusterSpec", model: "ModelSpec", training: "TrainingSpec", *,
