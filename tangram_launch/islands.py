@@ -97,8 +97,8 @@ class Island:
     inter_node_link: LinkSpec | None  # slowest link between its nodes; None on one node
     # its node with the least host RAM per GPU (offloaded optimizer state must fit there); None: none gives it
     host_memory: NodeHostMemory | None = None
-    # slowest link from its nodes to a node of no other of its own: what a collective with a stage on another island
-    # crosses (the tied-embedding gradients between the first and the last stage); None: every node is its own
+    # slowest link from its nodes to any node outside it: what a collective with a stage on another island crosses
+    # (the tied-embedding gradients between the first and the last stage); None: the island holds every node
     egress_link: LinkSpec | None = None
 
     @property
