@@ -150,6 +150,7 @@ def test_frozen_plan_stage_fields_must_be_integers(tmp_path):
     (["-o", "{tmp}/missing/p.json"], "field '--output': the directory {tmp}/missing does not exist"),
     (["-o", "{tmp}"], "field '--output': is a directory; give a file name"),
     (["--timeline", "{tmp}/missing/t.svg"], "field '--timeline': the directory {tmp}/missing does not exist"),
+    (["--stages-out", "{tmp}"], "field '--stages-out': is a directory; give a file name"),
 ])
 def test_plan_command_options(tmp_path, extra, expect):
     extra = [e.format(tmp=tmp_path) for e in extra]

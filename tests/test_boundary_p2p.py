@@ -158,7 +158,8 @@ def mixed(tmp_path_factory):
     planned by ``tangram-launch plan``: (its folder, the plan as JSON)."""
     d = tmp_path_factory.mktemp("boundary")
     (d / "cluster.yaml").write_text(yaml.safe_dump(A100_32_V100_96))
-    rc = main(["plan", "--cluster", str(d / "cluster.yaml"), *OPT_TF32, "-o", str(d / "searched.json")])
+    rc = main(["plan", "--cluster", str(d / "cluster.yaml"), *OPT_TF32, "-o", str(d / "searched.json"),
+               "--stages-out", str(d / "manual.yaml")])
     assert rc == 0
     return d, json.loads((d / "searched.json").read_text())
 
@@ -186,10 +187,6 @@ def test_a_searched_plan_written_by_hand_costs_its_boundaries_identically(mixed)
     iteration."""
     d, searched = mixed
     stages = searched["stages"]
-    manual = {"microbatch_sequences": searched["planner"]["b"],
-              "stages": [{k: s[k] for k in ("layers", "island", "num_gpus", "tp", "dp", "cp", "zero_stage",
-                                            "recompute", "offload", "micro_batch_size")} for s in stages]}
-    (d / "manual.yaml").write_text(yaml.safe_dump(manual))
     rc = main(["plan", "--cluster", str(d / "cluster.yaml"), *OPT_TF32, "--plan", str(d / "manual.yaml"),
                "-o", str(d / "hand.json")])
     assert rc == 0

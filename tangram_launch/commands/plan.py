@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallelizer", default=None, help="homogeneous parallelizer (default megatron; uniform, "
                                                               "or a registered plugin)")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the plan (.json: JSON, else YAML)")
+    parser.add_argument("--stages-out", metavar="FILE", help="write the plan's stages as a hand-written plan "
+                                                             "(--plan's YAML, every field given) to edit and cost")
     parser.add_argument("--format", choices=("table", "json", "yaml"), default="table")
     parser.add_argument("--compare", action="store_true", help="add baselines under the same cost model")
     parser.add_argument("--timeline", metavar="FILE", help="draw the schedule the plan runs, 1F1B or interleaved "
@@ -113,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(plan, planner={**dict(plan.planner), "compare": rows})
     if args.output:
         plan.dump(args.output)
+    if args.stages_out:
+        from tangram_launch.planner.manual import written_yaml
+        from tangram_launch.specs.yamlio import dump_text_file
+
+        dump_text_file(written_yaml(plan), args.stages_out)
     timeline = None
     if args.timeline:
         from tangram_launch.draw import draw_timeline
@@ -121,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
     if args.format in ("json", "yaml"):
         print(plan.to_json() if args.format == "json" else plan.to_yaml(), end="\n" if args.format == "json" else "")
         # stdout is the plan: where the files went goes to stderr
-        if args.output:
-            print(f"plan written to {os.path.abspath(args.output)}", file=sys.stderr)
+        for what, path in (("plan", args.output), ("stages", args.stages_out)):
+            if path:
+                print(f"{what} written to {os.path.abspath(path)}", file=sys.stderr)
         if timeline:
             print(f"timeline drawn to {timeline}", file=sys.stderr)
     else:
@@ -131,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
         if args.compare:
             print()
             print(format_compare_table(plan, baselines, tangram=result.plan if args.manual and result else None))
-        if args.output:
-            print(f"\nplan written to {os.path.abspath(args.output)}")
+        for what, path in (("plan", args.output), ("stages", args.stages_out)):
+            if path:
+                print(f"\n{what} written to {os.path.abspath(path)}")
         if timeline:
             print(f"timeline drawn to {timeline}")
     sys.stdout.flush()

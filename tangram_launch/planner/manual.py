@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
+import yaml
+
 from tangram_launch.capabilities import DEFAULT_RUNTIME
 from tangram_launch.errors import InfeasibleError, SpecError
 from tangram_launch.islands import IslandSet, build_islands
@@ -152,6 +154,28 @@ def _implied_gpus(fixed: Mapping[str, Any], *, where: str, source: str | None) -
 def load_manual_plan(path: str | os.PathLike, *, num_layers: int, island_names: Sequence[str]) -> ManualPlan:
     path = os.fspath(path)
     return parse_manual_plan(load_yaml_file(path), num_layers=num_layers, island_names=island_names, source=path)
+
+
+def written_form(plan: Plan) -> dict[str, Any]:
+    """A plan's layout in the hand-written format, every field given (``plan --stages-out``): what a user edits,
+    and what ``--plan`` prices as the plan was priced (an interleaved plan's stages hold their plain share of layers;
+    the schedule is chosen as the search chose it, by ``--schedule``)."""
+    first = plan.stages[0]  # sequences per micro-batch: every stage's micro_batch_size x dp
+    return {"microbatch_sequences": first.micro_batch_size * first.dp,
+            "stages": [{"layers": list(st.layers), "island": st.island, **{k: getattr(st, k) for k in _CONFIG_KEYS}}
+                       for st in plan.stages]}
+
+
+def written_yaml(plan: Plan) -> str:
+    """written_form as the README writes a hand-written plan: one line per stage."""
+    form = written_form(plan)
+    lines = ["# the plan's stages as a hand-written plan (tangram-launch plan --plan FILE costs it; edit any field)"]
+    if plan.schedule != "1F1B":
+        lines.append(f"# planned as {plan.schedule}, {plan.virtual_stages} model chunks per stage (--schedule)")
+    lines += [f"microbatch_sequences: {form['microbatch_sequences']}", "stages:"]
+    lines += ["  - " + yaml.safe_dump(st, sort_keys=False, default_flow_style=True, width=10_000).strip()
+              for st in form["stages"]]
+    return "\n".join(lines) + "\n"
 
 
 def _matches(st: StageCost, fixed: Mapping[str, Any]) -> bool:

@@ -159,12 +159,11 @@ def _as_written(plan: Plan, cluster: "ClusterSpec", model: "ModelSpec", training
     the hand-written path: the plan a user who writes it down gets, GPUs and prediction. The split search priced
     its parts as two islands, a link between them; on one island, consecutive stages of one grid are one slice
     (planner/manual.py), as the search prices every other slice. None where that path cannot cost it."""
-    from tangram_launch.planner.manual import ManualPlan, ManualStage, cost_manual_plan
+    from tangram_launch.planner.manual import cost_manual_plan, parse_manual_plan, written_form
 
-    fields = ("tp", "dp", "cp", "ep", "zero_stage", "recompute", "offload", "micro_batch_size")
-    manual = ManualPlan(tuple(ManualStage(st.layers, st.island, {k: getattr(st, k) for k in fields}, st.num_gpus)
-                              for st in plan.stages), microbatch_sequences=int(plan.planner["b"]))
     try:
+        manual = parse_manual_plan(written_form(plan), num_layers=model.num_layers,
+                                   island_names=[i.name for i in islands.islands])
         return cost_manual_plan(manual, cluster, model, training, runtime=runtime, parallelizer=parallelizer,
                                 islands=islands, options=options)
     except (InfeasibleError, SpecError):

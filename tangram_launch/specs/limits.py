@@ -395,8 +395,8 @@ def check_training_sizes(global_batch: int, seq_len: int) -> None:
 
 def check_cli_args(args: Any) -> None:
     """The numeric and output options of the planning commands, before any work (one call per command)."""
-    for option in ("output", "timeline", "draw"):
-        check_output_path(getattr(args, option, None), option="--" + option)
+    for option in ("output", "stages_out", "timeline", "draw"):
+        check_output_path(getattr(args, option, None), option="--" + option.replace("_", "-"))
     for option in ("global_batch", "seq_len", "workers", "mbs", "tp", "pp", "dp", "cp", "ep"):
         value = getattr(args, option, None)
         if value is not None and value < 1:

@@ -31,10 +31,15 @@ def load_yaml_file(path: str | os.PathLike) -> dict:
 
 def dump_yaml_file(data: Any, path: str | os.PathLike) -> None:
     """Write YAML atomically (temporary name, fsync, rename) so a crash never leaves half a file."""
+    dump_text_file(yaml.safe_dump(data, sort_keys=False, default_flow_style=None), path)
+
+
+def dump_text_file(text: str, path: str | os.PathLike) -> None:
+    """Write text atomically, as dump_yaml_file does."""
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(data, f, sort_keys=False, default_flow_style=None)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
