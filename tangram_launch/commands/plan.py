@@ -113,36 +113,40 @@ def run(args: argparse.Namespace) -> int:
         import dataclasses
 
         plan = dataclasses.replace(plan, planner={**dict(plan.planner), "compare": rows})
-    if args.output:
-        plan.dump(args.output)
-    if args.stages_out:
-        from tangram_launch.planner.manual import written_yaml
-        from tangram_launch.specs.yamlio import dump_text_file
-
-        dump_text_file(written_yaml(plan), args.stages_out)
-    timeline = None
-    if args.timeline:
-        from tangram_launch.draw import draw_timeline
-
-        timeline = draw_timeline(plan, args.timeline, field="--timeline")
+    written = _write_files(args, plan)
     if args.format in ("json", "yaml"):
         print(plan.to_json() if args.format == "json" else plan.to_yaml(), end="\n" if args.format == "json" else "")
-        # stdout is the plan: where the files went goes to stderr
-        for what, path in (("plan", args.output), ("stages", args.stages_out)):
-            if path:
-                print(f"{what} written to {os.path.abspath(path)}", file=sys.stderr)
-        if timeline:
-            print(f"timeline drawn to {timeline}", file=sys.stderr)
+        for line in written:  # stdout is the plan: where the files went goes to stderr
+            print(line, file=sys.stderr)
     else:
         print(format_plan_table(plan, cluster_name=cluster.name, num_islands=len(iset.islands),
                                 manual=bool(args.manual)))
         if args.compare:
             print()
             print(format_compare_table(plan, baselines, tangram=result.plan if args.manual and result else None))
-        for what, path in (("plan", args.output), ("stages", args.stages_out)):
-            if path:
-                print(f"\n{what} written to {os.path.abspath(path)}")
-        if timeline:
-            print(f"timeline drawn to {timeline}")
+        if written:
+            print()
+        for line in written:
+            print(line)
     sys.stdout.flush()
     return 0
+
+
+def _write_files(args: argparse.Namespace, plan) -> list[str]:
+    """The files the options ask for (the plan, its stages as a hand-written plan, the timeline), and a line per file
+    saying where it went."""
+    lines = []
+    if args.output:
+        plan.dump(args.output)
+        lines.append(f"plan written to {os.path.abspath(args.output)}")
+    if args.stages_out:
+        from tangram_launch.planner.manual import written_yaml
+        from tangram_launch.specs.yamlio import dump_text_file
+
+        dump_text_file(written_yaml(plan), args.stages_out)
+        lines.append(f"stages written to {os.path.abspath(args.stages_out)}")
+    if args.timeline:
+        from tangram_launch.draw import draw_timeline
+
+        lines.append(f"timeline drawn to {draw_timeline(plan, args.timeline, field='--timeline')}")
+    return lines
