@@ -134,7 +134,7 @@ def test_memory_figures_say_how_they_were_measured(data, bench):
 METRIC_OF_SOURCE = {"torchtitan-h100": "allocator-reserved", "torchtitan-h200": "allocator-reserved",
                     "torchtitan-deepep": "allocator-reserved", "flagperf": "device-used", "bloom": "stated",
                     "titan-qwen3-h200-notes": "allocator-reserved", "nemo-b200-notes": "allocator-reserved",
-                    "lite-mingpt-v100": "allocator-reserved",
+                    "lite-mingpt-v100": "allocator-reserved", "torchao-moe-training": "allocator-reserved",
                     "torchao-training": "allocator-reserved",
                     # lambda-fa2: not stated by the source, read as nvidia-smi's (the rows' assumed say so)
                     "lambda-fa2": "device-used",

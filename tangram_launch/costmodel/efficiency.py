@@ -40,7 +40,13 @@ benchmarks/bench_costmodel_published.py --fit`` re-fits them) and judged on the 
   the measured forward+backward time of one GPT-3 13B / Llama 3 8B layer at mbs 1-4, s 2048-8192
   (tests/test_costmodel_calibration.py; +1.6 ... +10.8 % at the measured 682). A whole job adds communication
   kernels sharing the SMs and sustained power draw, which the fitted figure holds.
-* Others (B200, V100, ...): ``GEMM_EFFICIENCY`` = 0.70, the isolated large-GEMM share cuBLAS reaches (the H200's
+* B200: the GH100 whole-job figure, 0.58. No published B200 run is in its fit; what carries is the share of peak
+  whole jobs sustain. MLPerf Training v4.1 (November 2024, both generations in FP8) measured Blackwell at 2.0x the
+  Hopper per-GPU throughput on GPT-3 175B pretraining and 2.2x on Llama 2 70B fine-tuning, against 2.27x for their
+  dense peaks (4,500 / 1,979 TFLOP/s): 0.88-0.97 of the H100's share of peak, as power-limited at its peak as the
+  H100 (1,000 W). At the isolated 0.70 a cluster mixing B200s and H100s would price the B200's GEMMs 2.75x as fast
+  as the H100's, where whole jobs run about 2x.
+* Others (V100, T4, L40S, ...): ``GEMM_EFFICIENCY`` = 0.70, the isolated large-GEMM share cuBLAS reaches (the H200's
   measured 0.69 above).
 
 A GPU whose profile has a GEMM-shape sweep of the training dtype (``measured.gemm_sweep_tflops``) has its GEMMs
@@ -90,11 +96,12 @@ GEMM_EFFICIENCY = 0.70
 # Sustained GEMM efficiency by catalog GPU type where published runs pin it (fit subsets in the module docstring
 # and in published_runs.yaml `fitted_constants:`). Fused attention scales with it (the same tensor cores).
 # The H100 PCIe and NVL parts (same GH100 die, lower power, no published rows of their own) and the H200 (same die
-# and power, faster HBM) take the SXM figure against their own peaks; the A100 PCIe parts (250-300 W) keep the
-# default, ~0.9x the SXM figure.
+# and power, faster HBM) take the SXM figure against their own peaks, and so does the B200 (whole jobs at about the
+# H100's share of peak: MLPerf Training v4.1, module docstring); the A100 PCIe parts (250-300 W) keep the default,
+# ~0.9x the SXM figure.
 GEMM_EFFICIENCY_BY_GPU: Mapping[str, float] = MappingProxyType({"a100-80gb": 0.77, "a100-40gb": 0.77,
                                                                  "h100-sxm": 0.58, "h100-pcie": 0.58,
-                                                                 "h100-nvl": 0.58, "h200": 0.58})
+                                                                 "h100-nvl": 0.58, "h200": 0.58, "b200": 0.58})
 # FP8 GEMMs have no figure of their own: FP8 tensor cores do twice the bf16 rate on the same datapath, so a GEMM
 # reaches the same share of the FP8 peak as the GPU's bf16 GEMMs reach of the bf16 peak (gemm_efficiency_for), and the
 # FP8 casts (FP8_INPUT_BYTES) keep FP8 GEMMs under 2x bf16 ones. A figure fitted on one FP8 run (0.78 of the FP8 peak
