@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -9,7 +11,8 @@ from tangram_launch.cli import main
 
 pytestmark = pytest.mark.unit
 
-README_PLAN = ["--cluster", "examples/clusters/c3-full-het-iii.yaml", "--model", "gpt3-13b", "--global-batch", "128",
+CLUSTER = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "c3-full-het-iii.yaml"
+README_PLAN = ["--cluster", str(CLUSTER), "--model", "gpt3-13b", "--global-batch", "128",
                "--seq-len", "2048", "--dtype", "fp16", "--workers", "1"]
 V100_X8 = {"name": "v100x8", "network": {"default": {"bandwidth_GBps": 12.5, "latency_us": 5}},
            "nodes": [{"name": "v0", "gpu": "v100-16gb", "count": 4}, {"name": "v1", "gpu": "v100-16gb", "count": 4}]}
@@ -47,7 +50,8 @@ def test_an_interleaved_plan_is_written_as_its_plain_stages(tmp_path, capsys):
     assert main(["plan", *args, "-o", str(tmp_path / "searched.json"), "--stages-out", str(stages)]) == 0
     searched = json.loads((tmp_path / "searched.json").read_text())
     assert searched["schedule"] == "interleaved-1F1B"
-    assert f"# planned as interleaved-1F1B, {searched['virtual_stages']} model chunks per stage" in stages.read_text()
+    assert (f"# planned as interleaved-1F1B, {searched['virtual_stages']} model chunks per stage: cost it with "
+            "--schedule auto or interleaved-1F1B") in stages.read_text()
     assert [w["layers"] for w in yaml.safe_load(stages.read_text())["stages"]] == \
         [s["layers"] for s in searched["stages"]]
     assert main(["plan", *args, "--plan", str(stages), "-o", str(tmp_path / "hand.json")]) == 0

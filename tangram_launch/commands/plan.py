@@ -6,7 +6,8 @@
 Prints per stage: layers, island, GPUs, parallel configuration, time per micro-batch and memory against capacity;
 then the iteration time, tokens/s, MFU and the planning time. ``--compare`` adds baselines under the same cost
 model (the whole cluster as its slowest GPU, the best single island, a uniform layer split) and the ideal bound.
-``--plan FILE`` costs a hand-written plan (stages with layers and islands) instead of searching.
+``--plan FILE`` costs a hand-written plan (stages with layers and islands) instead of searching; ``--stages-out FILE``
+writes a plan's stages in that format.
 Exit status 3 when no plan fits, with the reasons.
 """
 from __future__ import annotations
@@ -14,9 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import ATTENTION_KERNEL_HELP, ATTENTION_KERNELS, DTYPES, RUNTIMES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tangram_launch.plan import Plan
 
 PRUNING_POLICIES = ("redundant", "unbalanced", "infeasible")
 
@@ -132,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_files(args: argparse.Namespace, plan) -> list[str]:
+def _write_files(args: argparse.Namespace, plan: "Plan") -> list[str]:
     """The files the options ask for (the plan, its stages as a hand-written plan, the timeline), and a line per file
     saying where it went."""
     lines = []

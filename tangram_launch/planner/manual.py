@@ -171,7 +171,8 @@ def written_yaml(plan: Plan) -> str:
     form = written_form(plan)
     lines = ["# the plan's stages as a hand-written plan (tangram-launch plan --plan FILE costs it; edit any field)"]
     if plan.schedule != "1F1B":
-        lines.append(f"# planned as {plan.schedule}, {plan.virtual_stages} model chunks per stage (--schedule)")
+        lines.append(f"# planned as {plan.schedule}, {plan.virtual_stages} model chunks per stage: cost it with "
+                     f"--schedule auto or {plan.schedule}")
     lines += [f"microbatch_sequences: {form['microbatch_sequences']}", "stages:"]
     lines += ["  - " + yaml.safe_dump(st, sort_keys=False, default_flow_style=True, width=10_000).strip()
               for st in form["stages"]]
