@@ -19,7 +19,7 @@ from tangram_launch.errors import SpecError
 from tangram_launch.specs.constants import RECOMPUTE_MODES  # noqa: F401 (re-exported: the Plan's recompute modes)
 from tangram_launch.specs.constants import DEFAULT_RUNTIME, MATH_MODES, SCHEDULES
 from tangram_launch.specs.shape import StageShape, check_shape
-from tangram_launch.specs.yamlio import check_keys, dump_yaml_file, load_yaml_file, to_plain
+from tangram_launch.specs.yamlio import check_keys, dump_text_file, dump_yaml_file, load_yaml_file, to_plain
 from tangram_launch.topology import Topology
 
 PLAN_VERSION = 1
@@ -431,12 +431,7 @@ class Plan:
         """JSON for .json, YAML otherwise; written atomically."""
         path = os.fspath(path)
         if path.endswith(".json"):
-            tmp = f"{path}.tmp.{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(self.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            dump_text_file(self.to_json(), path)
         else:
             dump_yaml_file(self.to_dict(), path)
 
