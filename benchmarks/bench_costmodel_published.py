@@ -60,7 +60,8 @@ from tangram_launch.specs.model import ModelSpec, load_model  # noqa: E402
 from tangram_launch.specs.training import DTYPE_BYTES, TrainingSpec  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "published_runs.yaml")
-PUBLISHED_METRICS = ("iteration_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "pflops_total")
+# memory_only: the source publishes per-GPU memory and no time (value null): the row counts in the memory medians only
+PUBLISHED_METRICS = ("iteration_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "pflops_total", "memory_only")
 FLOP_FORMULAS = ("megatron-hw", "megatron-model", "6n-12lhs", "model-causal", "model-noncausal")
 SCHEDULES = ("1F1B", "interleaved-1F1B")
 KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.compile) or eager PyTorch
@@ -69,11 +70,12 @@ KERNELS = ("fused", "eager")  # element-wise kernels: fused (Megatron/TE, torch.
 # the loss's implementation, FP8 GEMM inputs kept in 16 bit (torchao's Float8Linear; default in FP8: Transformer
 # Engine), what the runtime stores per parameter (memory.MODEL_STATE_KINDS), column-parallel GEMM inputs saved whole
 # (DTensor TP), the MoE runtime's keys, the attention kernel, the allocator, and which DP / TP collectives the
-# runtime overlaps with compute (overlap.DP_OVERLAP_KINDS, overlap.TP_OVERLAP_KINDS).
+# runtime overlaps with compute (overlap.DP_OVERLAP_KINDS, overlap.TP_OVERLAP_KINDS), and whether its layers run under
+# autocast (what a composed activation keeps: memory.composed_activation_saved_bytes).
 RUNTIME_KEYS = ("sequence_parallel", "selective_policy", "keeps_param_dtype_grads", "cross_entropy", "fp8_gemm_inputs",
                 "model_states", "whole_column_inputs", "expert_tensor_parallel", "moe_dispatcher",
                 "moe_permute_fusion", "moe_probs_on_output", "attention_kernel", "allocator", "dp_overlap",
-                "tp_overlap")
+                "tp_overlap", "autocast")
 INTER_NODE_LATENCY_US = 2.0
 
 
@@ -185,9 +187,12 @@ def iteration_flops(formula: str, model: ModelSpec, global_batch: int, seq_len: 
     raise ValueError(f"unknown FLOP formula {formula!r} (known: {', '.join(FLOP_FORMULAS)})")
 
 
-def published_iteration_s(row: dict, data: dict, model: ModelSpec) -> float:
-    """The published figure as seconds per iteration (converted with the source's own FLOP convention)."""
+def published_iteration_s(row: dict, data: dict, model: ModelSpec) -> float | None:
+    """The published figure as seconds per iteration (converted with the source's own FLOP convention); None where
+    the source publishes memory only."""
     pub, par = row["published"], row["parallel"]
+    if pub["metric"] == "memory_only":
+        return None
     metric, value = pub["metric"], float(pub["value"])
     n, b, s = int(row["num_gpus"]), int(par["global_batch"]), int(par["seq_len"])
     if metric == "iteration_s":
@@ -280,7 +285,8 @@ def predict(row: dict, model: ModelSpec) -> dict:
                          moe_probs_on_output=bool(runtime.get("moe_probs_on_output", True)),
                          attention_kernel=runtime.get("attention_kernel", "auto"),
                          dp_overlap=runtime.get("dp_overlap", "none"),
-                         tp_overlap=runtime.get("tp_overlap", "none"))
+                         tp_overlap=runtime.get("tp_overlap", "none"),
+                         autocast=bool(runtime.get("autocast", True)))
     if coster.device_error:
         raise SpecError(coster.device_error, field="dtype")
     cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=int(par.get("zero", 0)),
@@ -335,8 +341,8 @@ def comparable_memory_gib(p: dict, row: dict, data: dict) -> float:
     return shown
 
 
-def pct(pred: float, pub: float) -> float:
-    return 100.0 * (pred - pub) / pub
+def pct(pred: float, pub: float | None) -> float | None:
+    return None if pub is None else 100.0 * (pred - pub) / pub
 
 
 # per-source runtime defaults of the data file: (its map, the runtime key each entry sets)
@@ -574,6 +580,14 @@ TECHNIQUES = (
 )
 
 
+def _s(seconds: float | None) -> str:
+    return "memory only" if seconds is None else f"{seconds:.3f}"
+
+
+def _pct(err: float | None) -> str:
+    return "" if err is None else f"{err:+.0f} %"
+
+
 def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
     costed = [r for r in results if "time_err" in r]
     skipped = [r for r in results if "not_expressible" in r]
@@ -586,18 +600,18 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
             flag = "" if r["fits"] else " (> capacity)"
             mem = (f"{r['predicted_gib']:.1f}{flag} | {r['mem_err']:+.0f} %" if r.get("mem_err") is not None
                    else f"{r['predicted_gib']:.1f}{flag} | ")
-            print(f"| {r['id']} | {split_label(r)} | {r['source']} | {r['config']} | {r['published_s']:.3f} "
+            print(f"| {r['id']} | {split_label(r)} | {r['source']} | {r['config']} | {_s(r['published_s'])} "
                   f"| {r['predicted_s']:.3f} "
-                  f"| {r['time_err']:+.0f} % | {pub_mem} | {mem} |")
+                  f"| {_pct(r['time_err'])} | {pub_mem} | {mem} |")
         else:
             extra = ""
             if "approx" in r:
                 a = r["approx"]
-                extra = f" [as {a['as']}: {a['predicted_s']:.3f} s, {a['time_err']:+.0f} %"
+                extra = f" [as {a['as']}: {a['predicted_s']:.3f} s, {_pct(a['time_err'])}"
                 if a.get("mem_err") is not None:
                     extra += f"; memory {a['predicted_gib']:.1f} GiB, {a['mem_err']:+.0f} %"
                 extra += "]"
-            print(f"| {r['id']} | {split_label(r)} | {r['source']} | {r['config']} | {r['published_s']:.3f} "
+            print(f"| {r['id']} | {split_label(r)} | {r['source']} | {r['config']} | {_s(r['published_s'])} "
                   f"| not expressible: {r['not_expressible']}{extra} | | {pub_mem} | | |")
     print()
     print(f"rows: {len(results)}; costed: {len(costed)}; not expressible: {len(skipped)}")
@@ -657,7 +671,7 @@ def print_report(results: list[dict], rows: list[dict] | None = None) -> None:
         for r in approx:
             a = r["approx"]
             mem = f", memory {a['mem_err']:+.0f} %" if a.get("mem_err") is not None else ""
-            print(f"  {r['id']}: as {a['as']}: time {a['time_err']:+.0f} %{mem}")
+            print(f"  {r['id']}: as {a['as']}: time {_pct(a['time_err'])}{mem}")
 
 
 # ------------------------------------------------------------------------------------------------ fitting

@@ -302,7 +302,7 @@ class SliceCoster:
                  expert_tensor_parallel: int | None = None, moe_dispatcher: str = "alltoall",
                  moe_permute_fusion: bool = False, moe_probs_on_output: bool = True,
                  attention_kernel: str | None = None, dp_overlap: str | None = None,
-                 tp_overlap: str | None = None,
+                 tp_overlap: str | None = None, autocast: bool = True,
                  layer_kinds: Sequence[str] | None = None, device: DeviceModel | None = None) -> None:
         """``sequence_parallel``: TP runs with Megatron-style sequence parallelism (off: the runtime runs TP without
         it, e.g. Megatron-DeepSpeed of 2022; costmodel/memory.py). ``selective_policy``: what selective recompute
@@ -331,9 +331,11 @@ class SliceCoster:
         ``tp_overlap``: which TP collectives the runtime runs beside a GEMM (overlap.TP_OVERLAP_KINDS: backward,
         Megatron's linear layers; pipelined, --tp-comm-overlap and AsyncTP; none: the other runtimes here). None:
         as the query's runtime runs launched by this project (RuntimeCapabilities.launched_overlaps), which the
-        planner prices. The other defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's
-        layers where the caller has them already (model.layer_kind of each; a parallelizer asks about the same model
-        many times).
+        planner prices. ``autocast``: a 16-bit plan's layers run under autocast, as the torch runtime (the one that
+        runs Hugging Face models) runs them (off: the model itself is 16-bit, DeepSpeed's fp16/bf16 engines); it
+        decides what a composed activation keeps and moves (ModelSpec.activation_impl;
+        memory.composed_activation_saved_bytes). The other defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has them already
+        (model.layer_kind of each; a parallelizer asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:
@@ -346,6 +348,7 @@ class SliceCoster:
             raise SpecError("unknown model-state storage", field="model_states", value=model_states,
                             valid=", ".join(MODEL_STATE_KINDS))
         self.cross_entropy = cross_entropy
+        self.autocast = bool(autocast)
         self.sequence_parallel = bool(sequence_parallel)
         self.selective_policy = selective_policy
         self.keeps_param_dtype_grads = bool(keeps_param_dtype_grads)
@@ -493,7 +496,8 @@ class SliceCoster:
         i = self.rep[kind]
         p = dev.dtype_bytes
         etp = self.etp(tp)
-        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev, moe_runtime=self.moe_runtime)
+        lc = layer_compute(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, ep=ep, dev=dev, moe_runtime=self.moe_runtime,
+                           autocast=self.autocast)
         tokens = mbs * s / cp
         act_full = tokens * model.hidden_size * p  # the M x h activation every TP collective moves
         # Megatron TP + SP (Korthikanti et al. 2022, sec. 4.2.2): per layer forward 2 all-gathers + 2
@@ -530,7 +534,7 @@ class SliceCoster:
                                             selective_policy=self.selective_policy,
                                             fp8_gemm_inputs=self.fp8_gemm_inputs,
                                             whole_column_inputs=self.whole_column_inputs,
-                                            moe_runtime=self.moe_runtime)
+                                            moe_runtime=self.moe_runtime, autocast=self.autocast)
                      for m in RECOMPUTE_MODES)
         # the profile's saved bytes of this kind, where it has them, correct the kept tensors (memory.py: Measured)
         measured = measured_activation_factor(self.island.gpu.measured, model, i, seq_len=s, mbs=mbs, tp=tp,

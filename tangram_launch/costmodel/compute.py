@@ -69,6 +69,13 @@ ELEMENTWISE_TRAFFIC_H = 11
 EAGER_RMSNORM_BYTES = 36
 EAGER_ROTARY_BYTES = 20
 EAGER_SWIGLU_BYTES = 10
+# A composed activation (ModelSpec.activation_impl; costmodel/memory.py) runs each op of its formula as its own
+# kernel, bytes per FFN element counted op by op: (in a pure dtype, units of p; under autocast with 16-bit p, bytes).
+# gelu_new: pow, 0.044715 *, x +, c *, tanh, 1 +, 0.5 * x, the product: 2+2+3+2+2+2+2+3 = 18 p; under autocast pow
+# reads x and writes an fp32 copy first, everything up to the product is fp32 and the down GEMM casts it back:
+# 6+8+8+10+8+8+8+4+10+6 = 76 bytes against the kernel's 4. gelu_fast: 21 p (nothing of autocast's fp32 list);
+# quick_gelu (1.702 *, sigmoid, the product): 7 p.
+COMPOSED_ACTIVATION_TRAFFIC = {"gelu_new": (18, 76.0), "gelu_fast": (21, None), "quick_gelu": (7, None)}
 
 
 def elementwise_bytes_per_token(model: "ModelSpec", layer: int, p: int, fused: bool) -> float:
@@ -85,8 +92,16 @@ def elementwise_bytes_per_token(model: "ModelSpec", layer: int, p: int, fused: b
     return norms + rotary + gqa + 2 * p * model.q_dim + residual
 
 
-def ffn_elementwise_bytes_per_token(model: "ModelSpec", width: float, p: int, fused: bool) -> float:
-    """The FFN activation's element-wise bytes per token for an FFN of ``width``."""
+def ffn_elementwise_bytes_per_token(model: "ModelSpec", width: float, p: int, fused: bool, *,
+                                    autocast: bool = True) -> float:
+    """The FFN activation's element-wise bytes per token for an FFN of ``width``; a composed activation's ops as the
+    model's code runs them, one kernel each (COMPOSED_ACTIVATION_TRAFFIC; ``autocast``: under autocast)."""
+    if model.activation_impl in COMPOSED_ACTIVATION_TRAFFIC:
+        per_p, under_autocast = COMPOSED_ACTIVATION_TRAFFIC[model.activation_impl]
+        gate = 3 * p * width if model.ffn_matrices == 3 else 0.0  # a gated FFN's product: reads 2, writes 1
+        if autocast and p < 4 and under_autocast is not None:
+            return under_autocast * width + gate
+        return per_p * p * width + gate
     if not fused and model.ffn_matrices == 3:
         return EAGER_SWIGLU_BYTES * width
     return p * activation_traffic_f(model.ffn_matrices) * width
@@ -162,13 +177,15 @@ class LayerCompute:
 
 def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp: int, cp: int, ep: int,
                   dev: DeviceModel, use_measured: bool = True,
-                  moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME, host_floor: bool = True) -> LayerCompute:
+                  moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME, host_floor: bool = True,
+                  autocast: bool = True) -> LayerCompute:
     """Forward compute of transformer layer ``layer`` per GPU and micro-batch (see the module docstring); where the
     profile measured the layer's kind (``use_measured``), its time comes from those measurements
     (measured_layers.price), the analytic terms only scaling them to shapes not measured. ``moe_runtime``: how the
     runtime runs the routed experts (their TP degree, dispatcher and permutation kernels; moe_dispatch.py).
     ``host_floor``: neither pass runs faster than the host dispatches it (host_floor.py); off for the analytic
-    ratios that scale measured points, which the floor then bounds as it bounds the analytic time."""
+    ratios that scale measured points, which the floor then bounds as it bounds the analytic time. ``autocast``:
+    the layers run under autocast (a composed activation's traffic, ffn_elementwise_bytes_per_token)."""
     h = model.hidden_size
     t = tp
     p = dev.dtype_bytes
@@ -203,7 +220,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
                                           weighted=moe_runtime.probs_on_output and k > 1)
         # activations + token permutation (dispatch and combine, of the tokens this GPU dispatches) + the router's
         # softmax and top-k (of the tokens it scores), per token of the SP shard
-        act_traffic = ffn_elementwise_bytes_per_token(model, k * fe, p, dev.fused_elementwise) / p  # as a dense FFN's
+        act_traffic = ffn_elementwise_bytes_per_token(model, k * fe, p, dev.fused_elementwise,
+                                                      autocast=autocast) / p  # as a dense FFN's
         ffn_traffic = (act_traffic + permute_h * h * moe_runtime.dispatch_factor(t)
                        + router_traffic_bytes(num_experts=e, top_k=k, dtype_bytes=p) / p * router_share)
         if model.num_shared_experts:
@@ -211,13 +229,15 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
             up_s, down_s = dev.gemm_s(m_tok, (mats - 1) * fs / t, h), dev.gemm_s(m_tok, h, fs / t)
             gemm += up_s + down_s
             sp_gemms.append((up_s, down_s))
-            ffn_traffic += ffn_elementwise_bytes_per_token(model, fs, p, dev.fused_elementwise) / p
+            ffn_traffic += ffn_elementwise_bytes_per_token(model, fs, p, dev.fused_elementwise,
+                                                           autocast=autocast) / p
     else:
         f = model.ffn_hidden_size
         up_s, down_s = dev.gemm_s(m_tok, (mats - 1) * f / t, h), dev.gemm_s(m_tok, h, f / t)
         gemm += up_s + down_s
         sp_gemms.append((up_s, down_s))
-        ffn_traffic = ffn_elementwise_bytes_per_token(model, f, p, dev.fused_elementwise) / p
+        ffn_traffic = ffn_elementwise_bytes_per_token(model, f, p, dev.fused_elementwise,
+                                                      autocast=autocast) / p
 
     # Attention core per GPU: heads are split by TP, queries by CP (each query chunk meets all keys in the ring).
     attn_bwd_extra_s = 0.0

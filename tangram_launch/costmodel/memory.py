@@ -60,6 +60,14 @@ gradients it forms, an op's output gradient beside its inputs' (layer_backward_t
 activation m f a token, for a routed MoE layer k copies of h-wide rows and their all-to-all buffer. On the stage that
 computes the loss these reuse the blocks the loss freed first, and add only beyond them.
 
+Composed activations (ModelSpec.activation_impl): a GELU written as separate tensor ops keeps each op's operands
+for the backward where one kernel keeps its input. Per element of the FFN width, beyond the kernel's input
+(composed_activation_saved_bytes, counted with autograd's saved-tensor hooks: tests/test_composed_activation.py):
+Hugging Face's gelu_new, 0.5 x (1 + tanh(c (x + 0.044715 x^3))), keeps the tanh output, 0.5 x and 1 + tanh beside
+the input pow keeps: 3 p. Under CUDA autocast pow is an fp32 op: it keeps an fp32 copy of the input instead of the
+input, and tanh and the sums follow it into fp32: 4 + 4 + 4 + p against the kernel's p, 12 bytes in 16 bit.
+gelu_fast (x x and a product of two sums instead of pow) keeps 6 p beside its input, quick_gelu its sigmoid, p.
+
 Measured: where the cluster's profile has the bytes autograd saved for a layer kind (``layer_activation_bytes`` in a
 GPU's measured figures, written by ``profile --model``: one micro-batch, no recompute, the TP shard on one device with
 the whole sequence), the layer's kept bytes without and with selective recompute are the analytic ones times the
@@ -183,10 +191,29 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, 
     return s * b * h * (10.0 + 24.0 / t + scores / t)
 
 
-def _ffn_activation_bytes(model: "ModelSpec", width: int, p: int, g: float | None = None) -> float:
+# (pure dtype: bytes per p; under autocast with 16-bit p: bytes) a composed activation keeps per FFN element beyond a
+# one-kernel activation's input (module docstring: composed activations)
+_COMPOSED_SAVED = {"gelu_new": (3, 12.0), "gelu_fast": (6, None), "quick_gelu": (1, None)}
+
+
+def composed_activation_saved_bytes(activation_impl: str, dtype_bytes: int, *, autocast: bool = True) -> float:
+    """Bytes per FFN element that a composed activation keeps beyond a one-kernel activation (module docstring):
+    ``autocast`` says the layers run under autocast (16-bit plans of this project's runtimes and of AMP trainers),
+    where ops of autocast's fp32 list (pow) keep fp32 copies."""
+    if activation_impl not in _COMPOSED_SAVED:
+        return 0.0
+    per_p, under_autocast = _COMPOSED_SAVED[activation_impl]
+    if autocast and dtype_bytes < FP32_BYTES and under_autocast is not None:
+        return under_autocast
+    return float(per_p * dtype_bytes)
+
+
+def _ffn_activation_bytes(model: "ModelSpec", width: int, p: int, g: float | None = None,
+                          composed: float = 0.0) -> float:
     """Per token: the outputs of the (m-1) up/gate GEMMs (p bytes) and the activation output, the down GEMM's input
-    (g bytes: p, or 1 where the runtime keeps FP8 GEMM inputs in FP8)."""
-    return p * (model.ffn_matrices - 1) * width + (p if g is None else g) * width
+    (g bytes: p, or 1 where the runtime keeps FP8 GEMM inputs in FP8); ``composed``: what a composed activation keeps
+    beyond that, per element (composed_activation_saved_bytes)."""
+    return p * (model.ffn_matrices - 1) * width + (p if g is None else g) * width + composed * width
 
 
 def gemm_input_bytes(dtype_bytes: int, fp8_gemm_inputs: bool) -> int:
@@ -196,19 +223,21 @@ def gemm_input_bytes(dtype_bytes: int, fp8_gemm_inputs: bool) -> int:
 
 def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len: int, recompute: str, flash: bool,
                                      dtype_bytes: int = 2, fp8_gemm_inputs: bool = False,
-                                     probs_on_output: bool = True) -> tuple[float, float]:
+                                     probs_on_output: bool = True, autocast: bool = True) -> tuple[float, float]:
     """Bytes per token of layer ``layer`` kept for backward, split as (token-local, score) parts before sharding.
 
     The score part (unfused attention only) is (2p + 1) bytes per head and key: softmax output, dropout mask and
     dropout output (Korthikanti's 5 a s with p = 2). ``fp8_gemm_inputs``: the inputs of the QKV, output-projection,
     first and down GEMMs are kept in FP8 (module docstring); a flash kernel without recompute still keeps its own
-    16-bit output for its backward beside the projection's FP8 copy.
+    16-bit output for its backward beside the projection's FP8 copy. ``autocast``: how a composed activation keeps
+    its operands (composed_activation_saved_bytes).
     """
     p = dtype_bytes
     g = gemm_input_bytes(p, fp8_gemm_inputs)
     h = model.hidden_size
     if recompute == "full":
         return p * h, 0.0
+    c = composed_activation_saved_bytes(model.activation_impl, p, autocast=autocast)
     mask = MASK_BYTES if model.dropout else 0  # no dropout, no masks (Llama-style models)
     out_proj = g * model.q_dim + (p * model.q_dim if fp8_gemm_inputs and flash and recompute == "none" else 0)
     attn = g * h + p * (model.q_dim + 2 * model.kv_dim) + out_proj + mask * h
@@ -216,14 +245,14 @@ def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len:
     if model.is_moe_layer(layer):
         k = model.top_k
         mlp = p * h + mask * h + 4 * model.num_experts  # input, mask, router probabilities (fp32)
-        mlp += k * (g * h + _ffn_activation_bytes(model, model.expert_ffn_hidden_size, p, g))
+        mlp += k * (g * h + _ffn_activation_bytes(model, model.expert_ffn_hidden_size, p, g, c))
         if probs_on_output and k > 1:  # the weighted combine keeps each copy's expert output (MoERuntime)
             mlp += k * p * h
         if model.num_shared_experts:
             width = model.num_shared_experts * model.shared_expert_ffn_hidden_size
-            mlp += _ffn_activation_bytes(model, width, p, g)
+            mlp += _ffn_activation_bytes(model, width, p, g, c)
     else:
-        mlp = g * h + _ffn_activation_bytes(model, model.ffn_hidden_size, p, g) + mask * h
+        mlp = g * h + _ffn_activation_bytes(model, model.ffn_hidden_size, p, g, c) + mask * h
     if flash:
         attn += 4 * model.num_heads  # log-sum-exp statistics, fp32
         scores = 0.0
@@ -276,13 +305,14 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
                            recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
                            sequence_parallel: bool = True, selective_policy: str = "megatron",
                            fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False,
-                           moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME) -> float:
+                           moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME, autocast: bool = True) -> float:
     """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
     ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says; GEMM inputs in FP8 where
     ``fp8_gemm_inputs``: Megatron's selective recompute only, op-level SAC is torchtitan's, whose FP8 keeps them
     in 16 bit; the column-parallel GEMMs' inputs whole under SP where ``whole_column_inputs``, module docstring:
     DTensor; op-level SAC recomputes them from the block input). ``moe_runtime``: how the routed experts run
-    (their TP degree: expert_gathered_input_bytes; whether the combine keeps their weighted outputs)."""
+    (their TP degree: expert_gathered_input_bytes; whether the combine keeps their weighted outputs). ``autocast``:
+    how a composed activation keeps its operands (composed_activation_saved_bytes)."""
     tokens = mbs * seq_len / cp
     if recompute == "selective" and op_sac.keeps_input_only(model, layer, selective_policy):
         recompute = "full"  # a compiled MoE block under op-SAC keeps its input only (op_sac.py)
@@ -294,7 +324,7 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
         raise ValueError(f"selective_policy {selective_policy!r} (known: {', '.join(SELECTIVE_POLICIES)})")
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
                                                      dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs,
-                                                     probs_on_output=moe_runtime.probs_on_output)
+                                                     probs_on_output=moe_runtime.probs_on_output, autocast=autocast)
     out = tokens * (local + scores) / tp
     if model.is_moe_layer(layer) and recompute != "full":
         out += expert_gathered_input_bytes(model, tokens=tokens, tp=tp, expert_tp=moe_runtime.etp(tp),

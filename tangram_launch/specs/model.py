@@ -41,11 +41,18 @@ logger = logging.getLogger(__name__)
 FFN_TYPES = {"gelu": 2, "relu": 2, "swiglu": 3, "geglu": 3}   # name -> weight matrices per FFN
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITION_TYPES = ("learned", "rotary", "alibi", "none")      # only "learned" has parameters
+# How the model's code computes its FFN activation: "kernel", one operator (F.gelu, nn.GELU, F.silu, relu, and every
+# fused runtime); or the tanh-approximate GELU / sigmoid GELU written as separate tensor ops, each of which keeps its
+# own operands for the backward (costmodel/memory.py composed_activation_saved_bytes): "gelu_new" (Hugging Face's
+# NewGELUActivation, GPT-2 / GPT-Neo / GPT-J / CodeGen / Phi's activation_function, and minGPT's NewGELU),
+# "gelu_fast" (FastGELUActivation), "quick_gelu" (x * sigmoid(1.702 x)).
+ACTIVATION_IMPLS = ("kernel", "gelu_new", "gelu_fast", "quick_gelu")
 # softmax_topk: softmax over all experts, the k largest kept (Mixtral, Qwen-MoE; Switch with k = 1).
 # gshard_top2: GShard's top-2 gate (Lepikhin et al. 2021, Algorithm 1): weights renormalised over the two, the
 #              load-balancing loss counts each token's first choice only.
 ROUTER_TYPES = ("softmax_topk", "gshard_top2")
 _MOE_ROUTING_FIELDS = ("router_type", "router_norm_topk", "capacity_factor")  # None on a dense model
+_OMITTED_AT = {"activation_impl": "kernel"}  # left out of to_dict at this value: earlier plans' bytes stay as they were
 
 
 def _bad(message: str, field_name: str, value: Any, valid: str) -> SpecError:
@@ -82,6 +89,7 @@ class ModelSpec:
     vocab_size: int
     head_dim: int | None = None     # default hidden_size // num_heads (Qwen3 sets 128 with hidden 2048, 32 heads)
     ffn_type: str = "gelu"          # "gelu"/"relu": 2 matrices; "swiglu"/"geglu": 3 matrices (gate, up, down)
+    activation_impl: str = "kernel"  # ACTIVATION_IMPLS: one operator, or a GELU composed of separate tensor ops
     num_experts: int = 0            # 0 = dense
     top_k: int = 0
     expert_ffn_hidden_size: int | None = None   # default ffn_hidden_size (Mixtral); Qwen3-MoE: 768
@@ -146,6 +154,9 @@ class ModelSpec:
             hint = closest(str(self.ffn_type), FFN_TYPES)
             raise _bad("unknown FFN type" + (f" (did you mean '{hint}'?)" if hint else ""), "ffn_type",
                        self.ffn_type, " | ".join(FFN_TYPES))
+        if not isinstance(self.activation_impl, str) or self.activation_impl not in ACTIVATION_IMPLS:
+            raise _bad("unknown activation implementation", "activation_impl", self.activation_impl,
+                       " | ".join(ACTIVATION_IMPLS))
         if not isinstance(self.norm_type, str) or self.norm_type not in NORM_TYPES:
             raise _bad("unknown norm type", "norm_type", self.norm_type, " | ".join(NORM_TYPES))
         if not isinstance(self.position_embedding, str) or self.position_embedding not in POSITION_TYPES:
@@ -454,6 +465,8 @@ class ModelSpec:
             value = getattr(self, f.name)
             if value is None and f.name in _MOE_ROUTING_FIELDS:
                 continue  # a dense model's JSON (and so its plans' bytes) stays as before MoE routing existed
+            if f.name in _OMITTED_AT and value == _OMITTED_AT[f.name]:
+                continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -512,6 +525,9 @@ _UNTIED_BY_DEFAULT = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen
 _QK_NORM_TYPES = {"qwen3", "qwen3_moe", "olmo2", "olmoe"}
 _QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
 _LEARNED_POSITION_TYPES = {"gpt2", "opt", "gpt_bigcode", "bert", "gpt_neo", "biogpt"}
+# transformers' config defaults of activation_function where it is not plain "gelu" (GPT2Config, GPTNeoConfig,
+# GPTBigCodeConfig, OPTConfig): a config.json that leaves the key out runs these
+_HF_ACTIVATION_DEFAULTS = {"gpt2": "gelu_new", "gpt_neo": "gelu_new", "gpt_bigcode": "gelu_pytorch_tanh", "opt": "relu"}
 # Keys of configs whose parameters this spec cannot express; refusing beats a silently wrong count.
 _UNSUPPORTED_HF_KEYS = {"kv_lora_rank": "multi-head latent attention (DeepSeek-V2/V3)",
                         "q_lora_rank": "multi-head latent attention (DeepSeek-V2/V3)",
@@ -557,7 +573,8 @@ def from_hf_config(cfg: Mapping, *, name: str | None = None, source: str | None 
     model_type = str(cfg.get("model_type", "")).lower()
     # transformers' own defaults when the key is absent: silu for the gated (Llama-style) families, gelu otherwise
     act = str(pick("ffn_type", "hidden_act", "activation_function", "hidden_activation",
-                   default="silu" if model_type in _GATED_TYPES else "gelu")).lower()
+                   default="silu" if model_type in _GATED_TYPES else _HF_ACTIVATION_DEFAULTS.get(model_type, "gelu")
+                   )).lower()
 
     hidden = pick("hidden_size", "hidden_size", "n_embd", "d_model")
     heads = pick("num_heads", "num_attention_heads", "n_head", "num_heads")
@@ -582,6 +599,7 @@ def from_hf_config(cfg: Mapping, *, name: str | None = None, source: str | None 
         kw["head_dim"] = head_dim
 
     gated = model_type in _GATED_TYPES or act in ("silu", "swish", "swiglu")
+    kw["activation_impl"] = act if act in ACTIVATION_IMPLS else "kernel"  # transformers' ACT2FN name
     if gated:
         kw["ffn_type"] = "geglu" if act.startswith("gelu") else "swiglu"
     else:
