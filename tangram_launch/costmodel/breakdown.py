@@ -334,8 +334,9 @@ class SliceCoster:
         planner prices. ``autocast``: a 16-bit plan's layers run under autocast, as the torch runtime (the one that
         runs Hugging Face models) runs them (off: the model itself is 16-bit, DeepSpeed's fp16/bf16 engines); it
         decides what a composed activation keeps and moves (ModelSpec.activation_impl;
-        memory.composed_activation_saved_bytes). The other defaults are what the planner assumes. ``layer_kinds``: the kinds of the slice's layers where the caller has them already
-        (model.layer_kind of each; a parallelizer asks about the same model many times).
+        memory.composed_activation_saved_bytes). The other defaults are what the planner assumes. ``layer_kinds``:
+        the kinds of the slice's layers where the caller has them already (model.layer_kind of each; a parallelizer
+        asks about the same model many times).
         ``device``: the DeviceModel of the island's GPU under these options, where the caller has built it already
         (a parallelizer asks about the same island hundreds of times)."""
         if selective_policy not in SELECTIVE_POLICIES:
