@@ -19,6 +19,7 @@ from tangram_launch.costmodel.interleaved_schedule import simulate_interleaved_1
 from tangram_launch.costmodel.blocks import Block
 from tangram_launch.costmodel.pipeline import simulate_1f1b
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.yamlio import dump_text_file
 from tangram_launch.text import devices, on_cpu, plural
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,10 +125,7 @@ def _write_svg(items: Sequence, width: float, height: float, path: str) -> None:
             out.append(f'<text x="{it.x:.1f}" y="{it.y:.1f}" font-size="{it.size:.1f}" text-anchor="{it.anchor}" '
                        f'fill="{it.fill}"{weight}>{escape(it.text)}</text>')
     out.append("</svg>")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(out) + "\n")
-    os.replace(tmp, path)
+    dump_text_file("\n".join(out) + "\n", path)
 
 
 def check_picture_path(path: str | os.PathLike, field: str = "output") -> str:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.specs.yamlio import dump_bytes_file
 
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.checkpoint.store import CheckpointInfo
@@ -73,12 +74,7 @@ def write_plan(plan: "Plan", directory: str) -> str:
     digest = hashlib.sha256(data).hexdigest()
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(os.path.abspath(directory), f"plan-{digest[:16]}.json")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    dump_bytes_file(data, path)
     return path
 
 

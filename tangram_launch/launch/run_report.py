@@ -50,6 +50,7 @@ import threading
 from typing import Any, Mapping
 
 from tangram_launch.specs.constants import GIB
+from tangram_launch.specs.yamlio import dump_text_file
 
 logger = logging.getLogger(__name__)
 
@@ -335,11 +336,7 @@ def report_problem(report: Any) -> str | None:
 
 def write_report(run_dir: str, report: Mapping) -> str:
     path = os.path.join(run_dir, REPORT_NAME)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    dump_text_file(json.dumps(report, indent=1) + "\n", path)
     return path
 
 

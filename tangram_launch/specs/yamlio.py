@@ -34,15 +34,21 @@ def dump_yaml_file(data: Any, path: str | os.PathLike) -> None:
     dump_text_file(yaml.safe_dump(data, sort_keys=False, default_flow_style=None), path)
 
 
-def dump_text_file(text: str, path: str | os.PathLike) -> None:
-    """Write text atomically, as dump_yaml_file does."""
+def dump_bytes_file(data: bytes, path: str | os.PathLike) -> None:
+    """Write bytes atomically: a temporary name beside the file, flushed to disk, then renamed over it, so that a
+    crash leaves the old file or the new one, never a torn one."""
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def dump_text_file(text: str, path: str | os.PathLike) -> None:
+    """Write text (UTF-8) atomically, as dump_bytes_file does."""
+    dump_bytes_file(text.encode("utf-8"), path)
 
 
 def check_keys(mapping: Mapping, allowed: Iterable[str], *, where: str, source: str | None = None) -> None:

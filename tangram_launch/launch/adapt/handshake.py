@@ -16,6 +16,8 @@ import os
 import time
 from typing import Mapping
 
+from tangram_launch.specs.yamlio import dump_text_file
+
 ENV_RUN_DIR = "TANGRAM_RUN_DIR"  # the same name as runtime_adapters.stage_timing.ENV_RUN_DIR
 REQUEST_NAME = "switch-request.json"
 SAVES_NAME = "saves.jsonl"
@@ -28,10 +30,7 @@ def adapt_dir(run_dir: str) -> str:
 
 def _write_json(path: str, data: Mapping) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    dump_text_file(json.dumps(data), path)
 
 
 def _read_json(path: str) -> dict | None:
