@@ -34,14 +34,18 @@ def main(argv=None) -> int:
     parser = build_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--hf-model", required=True, metavar="PATH",
                         help="a local Hugging Face model folder or config.json")
-    parser.add_argument("--attn", default="eager", help="transformers attention implementation (default eager)")
+    parser.add_argument("--attn", default="auto",
+                        help="transformers attention implementation: eager, sdpa, or auto (default): sdpa on a GPU, "
+                             "the fused attention the planner prices there; eager on CPU, bit for bit with an "
+                             "unsplit model")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: nothing is downloaded
     try:
         from runtime_adapters.hf_model import HFSource
         from runtime_adapters.registry import get_adapter
 
-        source = HFSource.from_pretrained(args.hf_model, attn_implementation=args.attn)
+        attn = args.attn if args.attn != "auto" else ("sdpa" if torch.cuda.is_available() else "eager")
+        source = HFSource.from_pretrained(args.hf_model, attn_implementation=attn)
 
         def setup(plan, place):
             return get_adapter("torch").setup(plan, place, seed=args.seed, timeout_s=args.timeout_s,
