@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # the test extra installs it (setup.py): these tests never skip
 from torch.overrides import TorchFunctionMode
+from transformers.activations import ACT2FN
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from tangram_launch.cli import main
 from tangram_launch.costmodel.compute import ffn_elementwise_bytes_per_token
@@ -18,10 +21,6 @@ from tangram_launch.costmodel.memory import FRAGMENTATION_FRACTION, composed_act
     layer_activation_bytes
 from tangram_launch.errors import SpecError
 from tangram_launch.specs.model import ACTIVATION_IMPLS, ModelSpec, from_hf_config
-
-transformers = pytest.importorskip("transformers")
-from transformers.activations import ACT2FN  # noqa: E402
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
