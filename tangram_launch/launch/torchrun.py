@@ -75,6 +75,7 @@ from tangram_launch.errors import SpecError, TangramError
 from tangram_launch.launch import preflight
 from tangram_launch.launch.options import add_tangram_options, literal_nproc, parse_early
 from tangram_launch.launch.preflight import check_world, resolve_node_name  # noqa: F401  (their home before)
+from tangram_launch.specs.yamlio import dump_bytes_file
 
 logger = logging.getLogger(__name__)
 
@@ -258,10 +259,7 @@ def prepare_planned_launch(args: argparse.Namespace, plan_file: str | os.PathLik
     digest = W.sha256_bytes(data)
     ext = ".json" if source.endswith(".json") else ".yaml"
     copy_path = os.path.join(os.path.abspath(staging_dir), f"plan-{digest[:16]}{ext}")
-    tmp = f"{copy_path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:  # the same bytes: workers re-hash them; agents sharing a log dir write the same file
-        f.write(data)
-    os.replace(tmp, copy_path)
+    dump_bytes_file(data, copy_path)  # the same bytes: workers re-hash them; agents sharing a log dir write alike
     agent_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     layout = checked.layout
     from tangram_launch.launch.boot import worker_env_overrides

@@ -18,6 +18,7 @@ import os
 from typing import Any, Mapping
 
 from tangram_launch.launch.adapt.handshake import adapt_dir
+from tangram_launch.specs.yamlio import dump_text_file
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,7 @@ class History:
     def save(self) -> None:
         path = os.path.join(adapt_dir(self.run_dir), HISTORY_NAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        dump_text_file(json.dumps(self.to_dict(), indent=1), path)
 
     def merge_into_report(self) -> str:
         """Add the history to ``run-report.json`` (written by the last segment; created when it wrote none)."""
