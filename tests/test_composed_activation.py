@@ -16,7 +16,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from tangram_launch.cli import main
 from tangram_launch.costmodel.compute import ffn_elementwise_bytes_per_token
-from tangram_launch.costmodel.host_floor import COMPOSED_ACTIVATION_OPS, layer_host_ops
+from tangram_launch.costmodel.composed_activation import COMPOSED
+from tangram_launch.costmodel.host_floor import layer_host_ops
 from tangram_launch.costmodel.memory import FRAGMENTATION_FRACTION, composed_activation_saved_bytes, \
     layer_activation_bytes
 from tangram_launch.errors import SpecError
@@ -24,7 +25,7 @@ from tangram_launch.specs.model import ACTIVATION_IMPLS, ModelSpec, from_hf_conf
 
 pytestmark = pytest.mark.unit
 
-COMPOSED = ("gelu_new", "gelu_fast", "quick_gelu")
+IMPLS = tuple(COMPOSED)  # every composed implementation the cost model prices
 CLUSTER = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "c1-v100-only.yaml"
 H, F, TOKENS = 64, 256, 2 * 16
 
@@ -67,7 +68,7 @@ def _beyond_input(fn, dtype: torch.dtype, *, cuda_autocast: bool = False) -> flo
     return (sum(kept.values()) - sum(kernel.values())) / x.numel()
 
 
-@pytest.mark.parametrize("impl", COMPOSED)
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_transformers_activations_keep_what_the_cost_model_counts(impl, dtype):
     p = torch.tensor([], dtype=dtype).element_size()
@@ -127,12 +128,12 @@ def test_a_composed_activation_moves_and_dispatches_more():
     assert ffn_elementwise_bytes_per_token(composed, F, 2, True, autocast=False) == 18 * 2 * F
     assert ffn_elementwise_bytes_per_token(kernel, F, 2, True) == 2 * 2 * F
     fwd, bwd = layer_host_ops(composed, 0)
-    assert (fwd, bwd) == tuple(a + b for a, b in zip(layer_host_ops(kernel, 0), COMPOSED_ACTIVATION_OPS["gelu_new"]))
+    assert (fwd, bwd) == tuple(a + b for a, b in zip(layer_host_ops(kernel, 0), COMPOSED["gelu_new"].ops))
 
 
-@pytest.mark.parametrize("impl", COMPOSED)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_the_dispatched_operators_are_counted(impl):
-    """COMPOSED_ACTIVATION_OPS against the aten operators transformers' activation dispatches beyond F.gelu's."""
+    """COMPOSED's operator counts against the aten operators transformers' activation dispatches beyond F.gelu's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -153,7 +154,7 @@ def test_the_dispatched_operators_are_counted(impl):
         return fwd, Count.n
 
     composed, kernel = count(ACT2FN[impl]), count(torch.nn.functional.gelu)
-    assert (composed[0] - kernel[0], composed[1] - kernel[1]) == COMPOSED_ACTIVATION_OPS[impl]
+    assert (composed[0] - kernel[0], composed[1] - kernel[1]) == COMPOSED[impl].ops
 
 
 def test_hugging_face_configs_name_their_activation():
@@ -191,3 +192,7 @@ def test_estimate_of_a_gpt2_config_prices_its_activation(tmp_path, capsys):
     extra = got["gelu_new"]["activation_bytes"] - got["gelu_pytorch_tanh"]["activation_bytes"]
     assert extra == pytest.approx(12 * 4 * 1024 * 3072 * 12 * (1 + FRAGMENTATION_FRACTION), rel=1e-9)
     assert got["gelu_new"]["forward_s"] > got["gelu_pytorch_tanh"]["forward_s"]
+
+
+def test_every_composed_implementation_the_spec_accepts_is_priced():
+    assert set(COMPOSED) == set(ACTIVATION_IMPLS) - {"kernel"}

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel import op_sac
+from tangram_launch.costmodel.composed_activation import COMPOSED
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.host_floor import layer_host_floor_s
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
@@ -69,13 +70,6 @@ ELEMENTWISE_TRAFFIC_H = 11
 EAGER_RMSNORM_BYTES = 36
 EAGER_ROTARY_BYTES = 20
 EAGER_SWIGLU_BYTES = 10
-# A composed activation (ModelSpec.activation_impl; costmodel/memory.py) runs each op of its formula as its own
-# kernel, bytes per FFN element counted op by op: (in a pure dtype, units of p; under autocast with 16-bit p, bytes).
-# gelu_new: pow, 0.044715 *, x +, c *, tanh, 1 +, 0.5 * x, the product: 2+2+3+2+2+2+2+3 = 18 p; under autocast pow
-# reads x and writes an fp32 copy first, everything up to the product is fp32 and the down GEMM casts it back:
-# 6+8+8+10+8+8+8+4+10+6 = 76 bytes against the kernel's 4. gelu_fast: 21 p (nothing of autocast's fp32 list);
-# quick_gelu (1.702 *, sigmoid, the product): 7 p.
-COMPOSED_ACTIVATION_TRAFFIC = {"gelu_new": (18, 76.0), "gelu_fast": (21, None), "quick_gelu": (7, None)}
 
 
 def elementwise_bytes_per_token(model: "ModelSpec", layer: int, p: int, fused: bool) -> float:
@@ -95,13 +89,11 @@ def elementwise_bytes_per_token(model: "ModelSpec", layer: int, p: int, fused: b
 def ffn_elementwise_bytes_per_token(model: "ModelSpec", width: float, p: int, fused: bool, *,
                                     autocast: bool = True) -> float:
     """The FFN activation's element-wise bytes per token for an FFN of ``width``; a composed activation's ops as the
-    model's code runs them, one kernel each (COMPOSED_ACTIVATION_TRAFFIC; ``autocast``: under autocast)."""
-    if model.activation_impl in COMPOSED_ACTIVATION_TRAFFIC:
-        per_p, under_autocast = COMPOSED_ACTIVATION_TRAFFIC[model.activation_impl]
+    model's code runs them, one kernel each (composed_activation.py; ``autocast``: under autocast)."""
+    composed = COMPOSED.get(model.activation_impl)
+    if composed is not None:
         gate = 3 * p * width if model.ffn_matrices == 3 else 0.0  # a gated FFN's product: reads 2, writes 1
-        if autocast and p < 4 and under_autocast is not None:
-            return under_autocast * width + gate
-        return per_p * p * width + gate
+        return composed.traffic.bytes(p, autocast) * width + gate
     if not fused and model.ffn_matrices == 3:
         return EAGER_SWIGLU_BYTES * width
     return p * activation_traffic_f(model.ffn_matrices) * width

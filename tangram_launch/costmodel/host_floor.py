@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tangram_launch.costmodel.composed_activation import COMPOSED
+
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
 
@@ -52,9 +54,6 @@ MOE_CAPACITY_OPS = (17, 2)  # a capacity: one-hot, cumulative sum, the kept mask
 MOE_SHARED_SLICE_BACKWARD_OPS = 2  # an expert's backward through its slice of the rows, which shared ones skip
 MOE_SHARED_GATE_OPS = (5, 13)  # a sigmoid gate on the shared experts' output
 MOE_ROUTER_BIAS_OPS = (0, 3)
-# (forward, backward) operators a composed activation (ModelSpec.activation_impl) dispatches per FFN beyond one
-# F.gelu, counted at the aten level as the rest: gelu_new 9 against 1 forward, 14 against 3 backward
-COMPOSED_ACTIVATION_OPS = {"gelu_new": (8, 11), "gelu_fast": (9, 13), "quick_gelu": (3, 5)}
 
 
 def layer_host_ops(model: "ModelSpec", layer: int, *, tp: int = 1, ep: int = 1) -> tuple[int, int]:
@@ -76,7 +75,8 @@ def layer_host_ops(model: "ModelSpec", layer: int, *, tp: int = 1, ep: int = 1) 
         bwd += BIAS_BACKWARD_OPS_PER_LINEAR * (4 + (0 if moe else model.ffn_matrices))
     # FFNs the layer runs on this GPU: its local experts and the shared experts as one, else the dense FFN
     ffns = (model.num_experts / ep + (1 if model.num_shared_experts else 0)) if moe else 1
-    act_fwd, act_bwd = COMPOSED_ACTIVATION_OPS.get(model.activation_impl, (0, 0))
+    composed = COMPOSED.get(model.activation_impl)  # a composed activation's operators beyond one F.gelu
+    act_fwd, act_bwd = composed.ops if composed is not None else (0, 0)
     fwd, bwd = fwd + ffns * act_fwd, bwd + ffns * act_bwd
     if not moe:
         return fwd, bwd

@@ -61,12 +61,8 @@ activation m f a token, for a routed MoE layer k copies of h-wide rows and their
 computes the loss these reuse the blocks the loss freed first, and add only beyond them.
 
 Composed activations (ModelSpec.activation_impl): a GELU written as separate tensor ops keeps each op's operands
-for the backward where one kernel keeps its input. Per element of the FFN width, beyond the kernel's input
-(composed_activation_saved_bytes, counted with autograd's saved-tensor hooks: tests/test_composed_activation.py):
-Hugging Face's gelu_new, 0.5 x (1 + tanh(c (x + 0.044715 x^3))), keeps the tanh output, 0.5 x and 1 + tanh beside
-the input pow keeps: 3 p. Under CUDA autocast pow is an fp32 op: it keeps an fp32 copy of the input instead of the
-input, and tanh and the sums follow it into fp32: 4 + 4 + 4 + p against the kernel's p, 12 bytes in 16 bit.
-gelu_fast (x x and a product of two sums instead of pow) keeps 6 p beside its input, quick_gelu its sigmoid, p.
+for the backward where one kernel keeps its input; the bytes per FFN element beyond the kernel's input are
+composed_activation.py's (composed_activation_saved_bytes).
 
 Measured: where the cluster's profile has the bytes autograd saved for a layer kind (``layer_activation_bytes`` in a
 GPU's measured figures, written by ``profile --model``: one micro-batch, no recompute, the TP shard on one device with
@@ -80,6 +76,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from tangram_launch.costmodel import op_sac
+from tangram_launch.costmodel.composed_activation import COMPOSED
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.measured_layers import measured_points, price
 from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime
@@ -191,21 +188,12 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, 
     return s * b * h * (10.0 + 24.0 / t + scores / t)
 
 
-# (pure dtype: bytes per p; under autocast with 16-bit p: bytes) a composed activation keeps per FFN element beyond a
-# one-kernel activation's input (module docstring: composed activations)
-_COMPOSED_SAVED = {"gelu_new": (3, 12.0), "gelu_fast": (6, None), "quick_gelu": (1, None)}
-
-
 def composed_activation_saved_bytes(activation_impl: str, dtype_bytes: int, *, autocast: bool = True) -> float:
-    """Bytes per FFN element that a composed activation keeps beyond a one-kernel activation (module docstring):
+    """Bytes per FFN element that a composed activation keeps beyond a one-kernel activation (composed_activation.py):
     ``autocast`` says the layers run under autocast (16-bit plans of this project's runtimes and of AMP trainers),
     where ops of autocast's fp32 list (pow) keep fp32 copies."""
-    if activation_impl not in _COMPOSED_SAVED:
-        return 0.0
-    per_p, under_autocast = _COMPOSED_SAVED[activation_impl]
-    if autocast and dtype_bytes < FP32_BYTES and under_autocast is not None:
-        return under_autocast
-    return float(per_p * dtype_bytes)
+    row = COMPOSED.get(activation_impl)
+    return 0.0 if row is None else row.saved.bytes(dtype_bytes, autocast)
 
 
 def _ffn_activation_bytes(model: "ModelSpec", width: int, p: int, g: float | None = None,
