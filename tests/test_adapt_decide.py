@@ -26,8 +26,11 @@ def pipeline_plan(speeds: dict) -> dict:
     stages = [{"forward_s": n * LAYER_S * speeds[g] / 3, "backward_s": 2 * n * LAYER_S * speeds[g] / 3}
               for n, g in zip(split, GPUS)]
     iteration = (MICROBATCHES + len(GPUS) - 1) * max(s["forward_s"] + s["backward_s"] for s in stages)
+    ends = [sum(split[:i + 1]) for i in range(len(split))]
     return {"split": split, "rank_layout": [{"rank": i, "node": g[0], "local_gpu": g[1], "stage": i}
                                             for i, g in enumerate(GPUS)],
+            "stages": [{"layers": [end - n, end], "gpus": [{"node": g[0], "local_gpu": g[1]}]}
+                       for n, end, g in zip(split, ends, GPUS)],
             "predicted": {"stages": stages, "iteration_time_s": iteration}}
 
 

@@ -77,17 +77,23 @@ def test_a_throttled_rank_is_replanned_away_and_the_run_continues_exactly(tmp_pa
     assert switched, log
     first = switched[0]
     assert "(local:1," in first["cause"], report["adaptations"]  # the throttled device, named
-    assert THROTTLE_AFTER_STEP <= first["step"] <= THROTTLE_AFTER_STEP + 2 * WINDOW + 2, first
+    assert THROTTLE_AFTER_STEP <= first["step"] <= THROTTLE_AFTER_STEP + 2 * WINDOW + 2, report["adaptations"]
     # measured, not judged here: its size is a speed figure (bench_adapt_cpu.py reports it), and on a shared host a
     # few noisy steps after the switch can outweigh it
     assert first["downtime_s"] is not None and first["measured_gain_s_per_step"] is not None, first
     assert len(report["segments"]) == len(switched) + 1
 
-    # the plan after the switch: device 1 left out or given fewer layers than each fast device
+    # the plan the throttle switched to, as the report records it: device 1 left out or given fewer layers than under
+    # the plan it started with, the reference run's (not fewer than each fast device: the last stage's GPU also runs
+    # the head and the loss); a later switch answers a noise window at this threshold, whatever it measured then
+    before = json.loads(Path(tmp_path, "ckpt-ref", f"step_{STEPS}", "plan.json").read_text())
+    width = {gpu: st["layers"][1] - st["layers"][0] for st in first["new_stages"] for gpu in st["gpus"]}
+    width_before = {f"{g['node']}:{g['local_gpu']}": st["layers"][1] - st["layers"][0]
+                    for st in before["stages"] for g in st["gpus"]}
+    assert "local:1" not in width or width["local:1"] < width_before["local:1"], (first, before["stages"])
     final = json.loads(Path(tmp_path, "ckpt-adapt", f"step_{STEPS}", "plan.json").read_text())
-    layers = {r["local_gpu"]: final["stages"][r["stage"]]["layers"] for r in final["rank_layout"]}
-    width = {g: b - a for g, (a, b) in layers.items()}
-    assert 1 not in width or width[1] < min(w for g, w in width.items() if g != 1), final["rank_layout"]
+    if len(switched) == 1:  # and the run's last checkpoint is under that plan
+        assert [st["layers"] for st in final["stages"]] == [st["layers"] for st in first["new_stages"]]
 
     # the losses after the switch are the uninterrupted run's on the same samples: the first one as tightly as a
     # resume under another layout is (tests/test_resume.py); later ones drift by float reassociation only (another

@@ -51,8 +51,30 @@ def test_a_straggler_makes_the_watcher_ask_for_a_checkpoint_ahead_of_every_rank(
     assert at == watcher.pending.at_step and at > 40 + 19  # absolute, and ahead of the last step timed
     entry = watcher.history.adaptations[0]
     assert entry["switch"] and entry["at_step"] == at and "(n:1," in entry["cause"]
+    new = watcher.pending.decision.new_plan  # the report says where the switch puts the layers
+    assert entry["new_stages"] == [{"layers": st["layers"],
+                                    "gpus": [f"{g['node']}:{g['local_gpu']}" for g in st["gpus"]]} for st in new["stages"]]
+    assert entry["new_stages"][1]["gpus"] == ["n:1"]
     saved = json.loads((tmp_path / "adapt" / "history.json").read_text())
     assert saved["adaptations"][0]["new_plan_hash"] == entry["new_plan_hash"]
+
+
+@pytest.mark.parametrize("steps_total, switches", [(40 + 19 + 2, False), (40 + 19 + 3, True)])
+def test_no_switch_whose_restart_would_train_no_step(tmp_path, caplog, steps_total, switches):
+    """A switch lands 2 steps past the last one timed (1 s ahead at 1.5 s a step): with the script's last step at or
+    before it, the restart would train nothing, whatever the horizon says."""
+    plan, watcher = _watcher(tmp_path, start_step=40)
+    handshake.SwitchWatch({handshake.ENV_RUN_DIR: str(tmp_path)}).announce_steps(steps_total)
+    _write_timings(str(tmp_path), plan, range(1, 9))
+    watcher.poll()
+    _write_timings(str(tmp_path), plan, range(9, 20), slow_from=10)
+    with caplog.at_level("INFO"):
+        watcher.poll()
+    entry = watcher.history.adaptations[0]
+    assert (watcher.pending is not None) == switches == entry["switch"]
+    assert (tmp_path / "adapt" / handshake.REQUEST_NAME).exists() == switches
+    if not switches:
+        assert f"the run ends at step {steps_total}" in entry["reason"] and "kept the plan" in caplog.text
 
 
 def test_without_adapt_the_watcher_only_logs_what_it_would_do(tmp_path, caplog):

@@ -8,7 +8,8 @@ into the final ``run-report.json`` as::
     "adaptations": [{"step" (absolute), "cause", "switch", "acted", "reason", "old_plan_hash", "new_plan_hash",
                      "current_step_s", "predicted_step_s", "predicted_gain_s_per_step", "horizon_steps",
                      "predicted_gain_s", "switch_cost_s", "decided_unix_s", "at_step", "downtime_s",
-                     "measured_step_s", "measured_gain_s_per_step", "factors"}, ...]
+                     "measured_step_s", "measured_gain_s_per_step", "factors",
+                     "new_stages" (a switch's: [{"layers": [first, end), "gpus": ["node:local", ...]}, ...])}, ...]
 """
 from __future__ import annotations
 

@@ -179,6 +179,12 @@ class Watcher(threading.Thread):
             return
         step_s = max(decision.current_step_s, 1e-3)
         at = latest + max(2, math.ceil(REQUEST_AHEAD_S / step_s))
+        if total is not None and start + at >= total:  # a restart that would train nothing: whatever the horizon
+            entry["switch"] = False
+            entry["reason"] += f"; but the run ends at step {total}, before a step under the new plan (at {start + at})"
+            self.history.save()
+            logger.info("%s", adaptation_line(entry))
+            return
         handshake.write_request(self.run_dir, start + at, plan_hash=decision.new_plan_hash)
         seen = max(t["step"] for t in read_timings(self.run_dir))
         if not handshake.request_in_time(seen, at):  # a rank may have passed it: withdraw, decide again later
@@ -188,6 +194,7 @@ class Watcher(threading.Thread):
             entry["reason"] += "; the request came too late"
             return
         entry["at_step"] = start + at
+        entry["new_stages"] = stage_layout(decision.new_plan or {})
         self.history.save()
         logger.info("adapt: step %d: %s; switching to plan %s at step %d (%s)", entry["step"], decision.cause,
                     decision.new_plan_hash[:8], start + at, decision.reason)
@@ -216,6 +223,13 @@ class Watcher(threading.Thread):
             entry["measured_gain_s_per_step"] = entry["current_step_s"] - step_s
             self.history.save()
             logger.info("%s", adaptation_line(entry))
+
+
+def stage_layout(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per stage of a plan: its layer range [first, end) and the GPUs ("node:local") that run it, for the report."""
+    return [{"layers": list(st.get("layers") or ()),
+             "gpus": [f"{g.get('node')}:{g.get('local_gpu')}" for g in st.get("gpus") or () if isinstance(g, Mapping)]}
+            for st in plan.get("stages") or ()]
 
 
 # --- the loop --------------------------------------------------------------------------------------------------------
