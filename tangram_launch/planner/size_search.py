@@ -1,8 +1,8 @@
 """The loop over micro-batch sizes (try_microbatches): the sizes a search considers (every divisor of the global
 batch, or those asked for: candidate_sizes), visited most promising first, each skipped where its floor
 (size_floors.py) cannot beat the best plan so far; per size, rounds of slice queries (_ask, with the bounds a
-pair's pipelines must beat; seed pipelines first: _seed_pairs) each followed by composing the size's answers so far
-(size_composition.compose_size)."""
+pair's pipelines must beat; every size's seed pipelines before any size's other pairs: _seed_every_size) each
+followed by composing the size's answers so far (size_composition.compose_size)."""
 from __future__ import annotations
 
 import math
@@ -23,8 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.islands import Island
 
 
-# while only single-island plans bound the search, this share of a size's pairs (the lowest pair floors) is asked
-# and composed first (megatron): its plan lets most of the others go unasked (figures: benchmarks/README.md)
+# of the first size the full rounds visit, this share of its pairs (the lowest pair floors) is asked and composed
+# first (up to exact_islands islands): its plan lets most of the others go unasked (figures: benchmarks/README.md)
 FIRST_ROUND_SHARE = 0.25
 
 
@@ -64,7 +64,8 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
 
     Branch and bound over the queries: (1) every b's single-island pairs (the whole model on one island: few
     queries, bounded by earlier rounds' best) are composed first, which gives an incumbent and an order of the
-    sizes; (2) size by size, most promising first, the other pairs are asked with the closed-form latency to beat
+    sizes; (2) every size's seed pipelines (_seed_every_size), whose plans bound the rest and order the sizes again;
+    (3) size by size, most promising first, the other pairs are asked with the closed-form latency to beat
     as their bound (SliceQuery.latency_bound_s): a slice plan whose own (m - 1) x bottleneck + stage times + tail
     exceeds it is part of no pipeline the composer would still consider, so the parallelizer skips it (the
     closed-form optimum, and so the plans scored against it, are those of the full search).
@@ -94,28 +95,19 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     # first round's would be done again whole: there the queries the split saves cost less than that (the same
     # plans either way)
     split = len({p.island for p in rest}) <= opts.exact_islands
+    seeded = _seed_every_size(_visit_order(first), rest, floors, ctx, state) if rest and bnb else {}
     done_first = False
-    for b in _visit_order(first) if rest else ():
-        left = rest
-        best = state.best
-        if bnb and floors[b].pairs is not None and (best is None or len(best.composition.options) == 1):
-            # while only single-island plans bound the search: first a few pipelines over the fastest islands, each
-            # island's layers in proportion to its speed (_seed_pairs: a plan near the best one, whose bound makes
-            # the next round's queries cheaper and their options fewer), then (up to exact_islands islands) the
-            # size's most promising quarter of pairs (by their floors), whose plan bounds the rest, most of which
-            # then need no query
+    for b in _pipelined_order(first, seeded) if rest else ():
+        seeds = seeded.get(b, (frozenset(), None))[0]
+        left = [p for p in rest if p not in seeds]
+        if bnb and split and not done_first and floors[b].pairs is not None:
+            # the first size: (up to exact_islands islands) its most promising quarter of pairs (by their floors),
+            # whose plan bounds the rest, most of which then need no query
             pf = floors[b].pairs
-            seed = _seed_pairs(rest, pairset.pairs, pf, _seed_orders(ctx.islands, sorted(pf.own), ctx.training.dtype),
-                               L)
-            if seed:
-                _visit(b, seed, floors[b], ctx, state, use_incumbent=True)
-                taken = set(seed)
-                left = [p for p in rest if p not in taken]
-            if split:
-                ranked = sorted(range(len(left)), key=lambda i: (pf.floor(left[i].island, *left[i].layers)[0], i))
-                head = set(ranked[:max(1, int(len(rest) * FIRST_ROUND_SHARE) - len(seed))])
-                _visit(b, [p for i, p in enumerate(left) if i in head], floors[b], ctx, state, use_incumbent=True)
-                left = [p for i, p in enumerate(left) if i not in head]
+            ranked = sorted(range(len(left)), key=lambda i: (pf.floor(left[i].island, *left[i].layers)[0], i))
+            head = set(ranked[:max(1, int(len(rest) * FIRST_ROUND_SHARE) - len(seeds))])
+            _visit(b, [p for i, p in enumerate(left) if i in head], floors[b], ctx, state, use_incumbent=True)
+            left = [p for i, p in enumerate(left) if i not in head]
         _visit(b, left, floors[b], ctx, state, use_incumbent=True)
         if not done_first and split:
             # (above exact_islands a complete pass searches island sets or orders: left for the best plan over
@@ -123,6 +115,40 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
             _complete_best_class(state)
         done_first = True
     complete_deferred(state)  # the complete passes, bounded by the best plan over every size
+
+
+def _seed_every_size(order: Sequence[int], rest: Sequence[Pair], floors: dict[int, SizeFloor], ctx: SearchContext,
+                     state: SearchState) -> dict[int, tuple[frozenset[Pair], float | None]]:
+    """Before any size's full rounds, at every size (in ``order``) a few pipelines over the fastest islands, each
+    island's layers in proportion to its speed (_seed_pairs): plans near each size's best, so the best of them
+    bounds the first full round and ranks the sizes (_pipelined_order). Per size: the seed pairs asked and the
+    size's best plan after them (None: none, or the size skipped)."""
+    out: dict[int, tuple[frozenset[Pair], float | None]] = {}
+    L = ctx.model.num_layers
+    for b in order:
+        pf = floors[b].pairs
+        if pf is None:
+            continue
+        seed = _seed_pairs(rest, ctx.pairset.pairs, pf, _seed_orders(ctx.islands, sorted(pf.own), ctx.training.dtype),
+                           L)
+        if seed:
+            own_s = _visit(b, seed, floors[b], ctx, state, use_incumbent=True)
+            out[b] = (frozenset(seed), own_s)
+    return out
+
+
+def _pipelined_order(first: Sequence[tuple[float, float, int]],
+                     seeded: dict[int, tuple[frozenset[Pair], float | None]]) -> list[int]:
+    """The order of the full rounds: by the size's best plan after its seeds (a pipeline, where _visit_order's
+    single-island plans are none), then _visit_order's. Order is for speed only: every size is visited or skipped by
+    a safe floor whatever the order."""
+    heuristic = _visit_order(first)
+    rank = {b: i for i, b in enumerate(heuristic)}
+
+    def key(b: int) -> tuple[float, int]:
+        own_s = seeded[b][1] if b in seeded else None
+        return (math.inf if own_s is None else own_s, rank[b])
+    return sorted(heuristic, key=key)
 
 
 # sizes whose geometric means (_visit_order) are this close are a tie the single-island plans cannot split
