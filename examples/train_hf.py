@@ -26,8 +26,22 @@ if __package__ in (None, ""):
 
 import torch
 
-from tangram_launch.errors import TangramError
+from tangram_launch.errors import SpecError, TangramError
 from train_gpt import build_parser, run
+
+
+def attention_for(requested: str, training: dict, *, cuda: bool) -> str:
+    """transformers' attention implementation: ``requested``, or under auto the one the plan priced: eager where it
+    priced unfused attention (--attention-kernel eager) or on CPU (exact against an unsplit model), else sdpa. Eager
+    on a GPU under a plan that priced a fused kernel keeps s x s scores the plan has no room for: refused."""
+    priced = str(training.get("attention_kernel", "auto"))
+    if requested == "auto":
+        return "eager" if priced == "eager" or not cuda else "sdpa"
+    if requested == "eager" and cuda and priced != "eager":
+        raise SpecError("eager attention keeps the s x s scores, which this plan did not price (it priced the fused "
+                        f"kernel '{priced}')", field="--attn", value=requested,
+                        valid="sdpa or auto, or a plan made with --attention-kernel eager")
+    return requested
 
 
 def main(argv=None) -> int:
@@ -35,19 +49,19 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-model", required=True, metavar="PATH",
                         help="a local Hugging Face model folder or config.json")
     parser.add_argument("--attn", default="auto",
-                        help="transformers attention implementation: eager, sdpa, or auto (default): sdpa on a GPU, "
-                             "the fused attention the planner prices there; eager on CPU, bit for bit with an "
-                             "unsplit model")
+                        help="transformers attention implementation: eager, sdpa, or auto (default): what the plan "
+                             "priced, sdpa on a GPU (fused: no s x s scores kept) unless the plan was made with "
+                             "--attention-kernel eager; eager on CPU, bit for bit with an unsplit model")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: nothing is downloaded
     try:
         from runtime_adapters.hf_model import HFSource
         from runtime_adapters.registry import get_adapter
 
-        attn = args.attn if args.attn != "auto" else ("sdpa" if torch.cuda.is_available() else "eager")
-        source = HFSource.from_pretrained(args.hf_model, attn_implementation=attn)
+        source = HFSource.from_pretrained(args.hf_model)
 
         def setup(plan, place):
+            source.set_attention(attention_for(args.attn, plan.training, cuda=torch.cuda.is_available()))
             return get_adapter("torch").setup(plan, place, seed=args.seed, timeout_s=args.timeout_s,
                                               model_source=source,
                                               optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=args.lr,

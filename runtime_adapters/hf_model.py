@@ -297,6 +297,10 @@ class HFSource:
             raise SpecError("no *.safetensors files in the weights folder", field="weights", value=self.weights,
                             valid="a folder written by save_pretrained (safetensors)")
 
+    def set_attention(self, implementation: str) -> None:
+        """transformers' attention implementation ("eager", "sdpa", ...) of the modules built from now on."""
+        self.config._attn_implementation = implementation
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, attn_implementation: str = "eager") -> "HFSource":
         """A local HF folder: its config.json, and its safetensors as starting weights when it has any."""

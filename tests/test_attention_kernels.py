@@ -148,3 +148,52 @@ def test_a_plan_file_with_an_unknown_attention_kernel_is_refused_naming_the_fiel
     with pytest.raises(SpecError) as err:
         TrainingSpec.from_dict({"attention_kernel": "flash3"})
     assert "attention_kernel" in str(err.value) and "flash3" in str(err.value) and "fa2" in str(err.value)
+
+
+def _estimate_json(capsys, *extra) -> dict:
+    import json
+
+    from tangram_launch.cli import main
+
+    rc = main(["estimate", "--cluster", os.path.join(os.path.dirname(__file__), "..", "examples", "clusters",
+                                                     "c2-modern-het.yaml"),
+               "--model", "llama3-8b", "--island", "h100-sxm", "--dp", "8", "--zero", "1", "--mbs", "1",
+               "--global-batch", "16", "--seq-len", "2048", "--format", "json", *extra])
+    assert rc in (0, 3)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_eager_attention_is_priced_with_its_scores_kept_and_slower(capsys):
+    """`--attention-kernel eager` (transformers' eager attention, train_hf.py --attn eager): on an H100 the layers
+    keep the s x s attention probabilities for the backward (Llama 3 8B has no attention dropout: 2 bytes per head
+    and key pair, 32 heads, 32 layers, one micro-batch in flight on one stage, with the allocator's fragmentation
+    share; less the fused kernel's fp32 log-sum-exp per head and token) and attention runs unfused."""
+    from tangram_launch.costmodel.memory import FRAGMENTATION_FRACTION
+
+    auto, eager = _estimate_json(capsys)["stages"][0], _estimate_json(capsys, "--attention-kernel", "eager")["stages"][0]
+    scores, lse = 32 * 32 * 2048 ** 2 * 2, 32 * 32 * 2048 * 4
+    assert eager["activation_bytes"] - auto["activation_bytes"] == pytest.approx(
+        (scores - lse) * (1 + FRAGMENTATION_FRACTION), rel=1e-9)
+    assert eager["forward_s"] > auto["forward_s"] and eager["backward_s"] > auto["backward_s"]
+    from tangram_launch.specs.training import TrainingSpec
+
+    assert TrainingSpec.from_dict({"attention_kernel": "eager"}).to_dict()["attention_kernel"] == "eager"
+
+
+def test_train_hf_runs_the_attention_its_plan_priced():
+    """examples/train_hf.py --attn: under auto, the plan's kernel decides on a GPU (eager only where the plan priced
+    it) and CPU runs eager (exact against an unsplit model); eager asked for on a GPU under a plan that priced a
+    fused kernel is refused, naming the option and the fix. (The cuda flag stands in for a GPU this machine lacks.)"""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from train_hf import attention_for
+
+    assert attention_for("auto", {}, cuda=True) == "sdpa"
+    assert attention_for("auto", {"attention_kernel": "cudnn"}, cuda=True) == "sdpa"
+    assert attention_for("auto", {"attention_kernel": "eager"}, cuda=True) == "eager"
+    assert attention_for("auto", {}, cuda=False) == "eager"
+    assert attention_for("eager", {"attention_kernel": "eager"}, cuda=True) == "eager"
+    assert attention_for("sdpa", {"attention_kernel": "eager"}, cuda=True) == "sdpa"  # keeps less than priced
+    assert attention_for("eager", {}, cuda=False) == "eager"
+    with pytest.raises(SpecError) as err:
+        attention_for("eager", {"attention_kernel": "fa2"}, cuda=True)
+    assert "--attn" in str(err.value) and "--attention-kernel eager" in str(err.value) and "fa2" in str(err.value)

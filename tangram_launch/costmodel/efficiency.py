@@ -294,7 +294,10 @@ class DeviceModel:
         sweep = (gpu.measured.get("gemm_sweep_tflops") or {}).get(math_mode(gpu, dtype)) if gpu.measured else None
         if sweep:
             sources.append("gemm_sweep_tflops")
-        flash = supports_flash_attention(gpu) if flash_attention is None else bool(flash_attention)
+        if flash_attention is None:  # the GPU's fused kernel, unless the job runs eager attention
+            flash = supports_flash_attention(gpu) and attention_kernel != "eager"
+        else:
+            flash = bool(flash_attention)
         layer_times = gpu.measured.get("layer_forward_s", {}) if gpu.measured else {}
         layer_fb_times = gpu.measured.get("layer_forward_backward_s", {}) if gpu.measured else {}
         return cls(

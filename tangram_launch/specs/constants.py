@@ -15,11 +15,13 @@ STORAGE_DTYPES = ("bf16", "fp16", "fp32")  # what tensors are stored in (gradien
 DTYPE_NEEDS = {"tf32": "TF32 tensor cores (Ampere or newer)",
                "fp8": "FP8 tensor cores (H100, H200, B200, L40S, L4)",
                "bf16": "BF16 tensor cores (Ampere or newer)"}
-# fused-attention kernel families the cost model prices (costmodel/attention_kernels.py); auto: the runtimes' own
-ATTENTION_KERNELS = ("auto", "fa2", "cudnn")
-ATTENTION_KERNEL_HELP = ("fused-attention kernel the job runs, for the cost model (default auto: FlashAttention-2 on "
+# attention kernels the cost model prices (costmodel/attention_kernels.py): auto, the runtimes' own fused kernel;
+# fa2 / cudnn, a fused kernel named; eager, unfused attention that keeps its s x s scores for the backward
+ATTENTION_KERNELS = ("auto", "fa2", "cudnn", "eager")
+ATTENTION_KERNEL_HELP = ("attention kernel the job runs, for the cost model (default auto: FlashAttention-2 on "
                          "Ampere, cuDNN on Hopper, as Transformer Engine and PyTorch SDPA pick them; fa2 for a stack "
-                         "that runs FlashAttention-2 on Hopper too, e.g. PyTorch 2.5.1-2.8's SDPA)")
+                         "that runs FlashAttention-2 on Hopper too, e.g. PyTorch 2.5.1-2.8's SDPA; eager for "
+                         "unfused attention, which keeps the s x s scores: transformers' eager, train_hf.py --attn eager)")
 RECOMPUTE_MODES = ("none", "selective", "full")  # activation recomputation (Korthikanti et al. 2022)
 ZERO_STAGES = (0, 1, 2, 3)  # ZeRO optimizer/gradient/parameter sharding (Rajbhandari et al. 2020)
 # Memory a plan leaves free on every GPU, as a fraction of its capacity: the cost model's memory figures are
