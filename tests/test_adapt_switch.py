@@ -52,8 +52,8 @@ def test_a_straggler_makes_the_watcher_ask_for_a_checkpoint_ahead_of_every_rank(
     entry = watcher.history.adaptations[0]
     assert entry["switch"] and entry["at_step"] == at and "(n:1," in entry["cause"]
     new = watcher.pending.decision.new_plan  # the report says where the switch puts the layers
-    assert entry["new_stages"] == [{"layers": st["layers"],
-                                    "gpus": [f"{g['node']}:{g['local_gpu']}" for g in st["gpus"]]} for st in new["stages"]]
+    names = [[f"{g['node']}:{g['local_gpu']}" for g in st["gpus"]] for st in new["stages"]]
+    assert entry["new_stages"] == [{"layers": st["layers"], "gpus": n} for st, n in zip(new["stages"], names)]
     assert entry["new_stages"][1]["gpus"] == ["n:1"]
     saved = json.loads((tmp_path / "adapt" / "history.json").read_text())
     assert saved["adaptations"][0]["new_plan_hash"] == entry["new_plan_hash"]
@@ -130,7 +130,8 @@ def _history_report():
                              "switch": True, "switched": True, "acted": True, "reason": "pays",
                              "old_plan_hash": "a" * 64, "new_plan_hash": "b" * 64, "decided_unix_s": 50.0,
                              "predicted_gain_s_per_step": 0.2, "measured_gain_s_per_step": 0.18,
-                             "downtime_s": 9.0}]}
+                             "downtime_s": 9.0, "new_stages": [{"layers": [0, 5], "gpus": ["local:0", "local:2"]},
+                                                               {"layers": [5, 8], "gpus": ["local:1"]}]}]}
 
 
 def test_report_prints_the_adaptations_and_a_timeline(tmp_path, capsys):
@@ -138,6 +139,7 @@ def test_report_prints_the_adaptations_and_a_timeline(tmp_path, capsys):
     assert main(["report", str(tmp_path / "run-report.json")]) == 0
     out = capsys.readouterr().out
     assert "switched" in out and "aaaaaaaa -> bbbbbbbb" in out and "0.180" in out and "9.0" in out
+    assert "new stages: layers 0-4 on local:0,local:2; layers 5-7 on local:1" in out
     rows = [line for line in out.splitlines() if line.startswith("  plan ")]
     assert len(rows) == 2 and ">" in rows[0] and rows[0].index("#") < rows[1].index("#")
 

@@ -4,9 +4,9 @@
 
 Reads the report a planned launch writes (``RUN_DIR/adapt/history.json`` while the run still goes works too; given
 the directory, the report, else the history) and prints the last plan's predicted-vs-measured table, one row per
-adaptation (cause, old and new plan, predicted and measured gain, downtime) and a small timeline: one row per plan,
-start-up ``-``, training ``#``, a switch ``>``, a switch a launch without ``--adapt`` would have made ``?``, a
-decision that kept the plan ``|``.
+adaptation (cause, old and new plan, predicted and measured gain, downtime; a switch's new stages) and a small
+timeline: one row per plan, start-up ``-``, training ``#``, a switch ``>``, a switch a launch without ``--adapt``
+would have made ``?``, a decision that kept the plan ``|``.
 """
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ def history_table(adaptations: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [f"adaptations ({len(adaptations)}):"] + _table(rows)
     for a in adaptations:
         lines.append(f"  step {a.get('step')}: {a.get('reason')}")
+        if a.get("new_stages"):  # a switch's layout: layers [first, end) per stage and the GPUs that run it
+            lines.append("    new stages: " + "; ".join(
+                f"layers {st['layers'][0]}-{st['layers'][1] - 1} on {','.join(st.get('gpus') or ()) or '?'}"
+                for st in a["new_stages"] if len(st.get("layers") or ()) == 2))
     return lines
 
 
