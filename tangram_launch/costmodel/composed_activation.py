@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-FP32_BYTES = 4
+from tangram_launch.specs.training import DTYPE_BYTES
 
 
 class PerElement(NamedTuple):
@@ -32,7 +32,7 @@ class PerElement(NamedTuple):
     autocast_bytes: float | None
 
     def bytes(self, dtype_bytes: int, autocast: bool) -> float:
-        if autocast and dtype_bytes < FP32_BYTES and self.autocast_bytes is not None:
+        if autocast and dtype_bytes < DTYPE_BYTES["fp32"] and self.autocast_bytes is not None:
             return self.autocast_bytes
         return float(self.per_p * dtype_bytes)
 
