@@ -66,7 +66,7 @@ def test_the_plan_does_not_depend_on_the_order_sizes_are_visited(monkeypatch, ru
               "by floor": lambda first: [b for _own, _floor, b in sorted(first, key=lambda t: (t[1], t[2]))]}
     for name, order in orders.items():
         monkeypatch.setattr(size_search, "_visit_order", order)  # the seed pass's order
-        monkeypatch.setattr(size_search, "_pipelined_order", lambda first, seeded, order=order: order(first))
+        monkeypatch.setattr(size_search, "_pipelined_order", lambda sizes, seeded: list(sizes))  # and the full rounds'
         assert _plan(path, runtime) == want, name
 
 

@@ -95,9 +95,10 @@ def try_microbatches(bs: Sequence[int], ctx: SearchContext, state: SearchState) 
     # first round's would be done again whole: there the queries the split saves cost less than that (the same
     # plans either way)
     split = len({p.island for p in rest}) <= opts.exact_islands
-    seeded = _seed_every_size(_visit_order(first), rest, floors, ctx, state) if rest and bnb else {}
+    order = _visit_order(first)
+    seeded = _seed_every_size(order, rest, floors, ctx, state) if rest and bnb else {}
     done_first = False
-    for b in _pipelined_order(first, seeded) if rest else ():
+    for b in _pipelined_order(order, seeded) if rest else ():
         seeds = seeded.get(b, (frozenset(), None))[0]
         left = [p for p in rest if p not in seeds]
         if bnb and split and not done_first and floors[b].pairs is not None:
@@ -137,18 +138,14 @@ def _seed_every_size(order: Sequence[int], rest: Sequence[Pair], floors: dict[in
     return out
 
 
-def _pipelined_order(first: Sequence[tuple[float, float, int]],
-                     seeded: dict[int, tuple[frozenset[Pair], float | None]]) -> list[int]:
+def _pipelined_order(order: Sequence[int], seeded: dict[int, tuple[frozenset[Pair], float | None]]) -> list[int]:
     """The order of the full rounds: by the size's best plan after its seeds (a pipeline, where _visit_order's
-    single-island plans are none), then _visit_order's. Order is for speed only: every size is visited or skipped by
-    a safe floor whatever the order."""
-    heuristic = _visit_order(first)
-    rank = {b: i for i, b in enumerate(heuristic)}
-
-    def key(b: int) -> tuple[float, int]:
+    single-island plans are none), then ``order`` (_visit_order's; sorted() is stable). Order is for speed only:
+    every size is visited or skipped by a safe floor whatever the order."""
+    def key(b: int) -> float:
         own_s = seeded[b][1] if b in seeded else None
-        return (math.inf if own_s is None else own_s, rank[b])
-    return sorted(heuristic, key=key)
+        return math.inf if own_s is None else own_s
+    return sorted(order, key=key)
 
 
 # sizes whose geometric means (_visit_order) are this close are a tie the single-island plans cannot split
