@@ -145,7 +145,8 @@ class DeepSpeedAdapter(RuntimeAdapter):
         use_cuda = torch.cuda.is_available()
         # DeepSpeed's engine and PipelineModule read LOCAL_RANK (torchrun and tangram-launch set it)
         os.environ.setdefault("LOCAL_RANK", str(place.local_gpu if (place is not None and use_cuda) else 0))
-        if not dist.is_initialized():
+        owns_default_group = not dist.is_initialized()
+        if owns_default_group:
             dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
         if not use_cuda:
             _skip_inference_shm_op()
@@ -203,7 +204,8 @@ class DeepSpeedAdapter(RuntimeAdapter):
                     place.coords["dp"], bounds[place.stage.index], bounds[place.stage.index + 1], bounds,
                     place.stage.zero_stage, place.stage.recompute)
         return DeepSpeedTrainingContext(plan=plan, place=place, engine=engine, config=config,
-                                        num_layers=spec.num_layers, timer=timer)
+                                        num_layers=spec.num_layers, timer=timer,
+                                        owns_default_group=owns_default_group)
 
 
 @lru_cache(maxsize=None)
@@ -274,6 +276,7 @@ class DeepSpeedTrainingContext:
     num_layers: int
     timer: Any = None  # runtime_adapters.stage_timing.StageTimer (launched with a run directory)
     steps_done: int = 0
+    owns_default_group: bool = False  # setup created the default process group: close destroys it
 
     @property
     def is_last_stage(self) -> bool:
@@ -313,7 +316,12 @@ class DeepSpeedTrainingContext:
         return out
 
     def close(self) -> None:
+        """Barrier, then destroy the process groups if ``setup`` created the default one: a gloo worker that exits
+        with its groups alive aborts now and then in their threads (``terminate called without an active
+        exception``, exit code -6), and the launcher then reports a finished run as failed."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.barrier()
+            if self.owns_default_group:
+                dist.destroy_process_group()

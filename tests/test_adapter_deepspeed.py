@@ -53,8 +53,12 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, dict]], out
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       TORCH_EXTENSIONS_DIR=os.path.join(out_dir, "torch_extensions"))
     torch.set_num_threads(1)
+    from datetime import timedelta
+
     import torch.distributed as dist
 
+    # the caller owns the default group (several setups in one process): close leaves it to the caller
+    dist.init_process_group("gloo", timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     for name, plan_dict in cases:
         plan = Plan.from_dict(plan_dict)
         ctx = DeepSpeedAdapter().setup(plan, plan.place(rank), seed=SEED, timeout_s=PROCESS_GROUP_TIMEOUT_S,
@@ -114,6 +118,44 @@ def test_four_ranks_stages_times_dp_zero1(tmp_path):
                               {"layers": 3, "gpus": "n1", "dp": 2, "zero_stage": 1}],
                      global_batch=8, num_microbatches=2, runtime="deepspeed")
     _run_and_compare(4, {"pp2_dp2_zero1": plan}, tmp_path)
+
+
+@pytest.mark.distributed
+def test_close_destroys_the_groups_that_setup_created(tmp_path):
+    """A worker that exits with its gloo groups alive aborts now and then at exit (exit code -6, and the launcher
+    reports the finished run as failed): close destroys the default group when setup created it, and leaves a group
+    the caller created to the caller. One gloo rank, in child processes (the default group is per process)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "plan.json"
+    make_plan("tiny", [(4, "n0")], global_batch=2, num_microbatches=1, runtime="deepspeed").dump(path)
+    code = (
+        "import json, sys\n"
+        "import torch, torch.distributed as dist\n"
+        "from runtime_adapters.deepspeed_adapter import DeepSpeedAdapter\n"
+        "from tangram_launch.plan import Plan\n"
+        "if sys.argv[2] == 'caller':\n"
+        "    dist.init_process_group('gloo')\n"
+        "plan = Plan.load(sys.argv[1])\n"
+        "ctx = DeepSpeedAdapter().setup(plan, timeout_s=60)\n"
+        "loss = ctx.train_step(torch.randint(0, plan.model['vocab_size'], (2, plan.training['seq_len'] + 1)))\n"
+        "owns = ctx.owns_default_group\n"
+        "ctx.close()\n"
+        "print(json.dumps({'owns': owns, 'after': dist.is_initialized(), 'loss': loss}))\n"
+        "if dist.is_initialized():\n"
+        "    dist.destroy_process_group()\n")
+    got = {}
+    for who in ("setup", "caller"):
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+                   TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+        res = subprocess.run([sys.executable, "-c", code, str(path), who], env=env, capture_output=True, text=True,
+                             timeout=PROCESS_GROUP_TIMEOUT_S)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got[who] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert {k: (v["owns"], v["after"]) for k, v in got.items()} == {"setup": (True, False), "caller": (False, True)}
+    assert all(v["loss"] > 0 for v in got.values())
 
 
 @pytest.mark.parametrize("stages, missing", [
