@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers_plans import make_plan
-from timeouts import PROCESS_GROUP_TIMEOUT_S
+from timeouts import PROCESS_GROUP_TIMEOUT_S, SUBPROCESS_TIMEOUT_S
 from runtime_adapters.deepspeed_adapter import DeepSpeedAdapter, build_config, plan_partition
 from runtime_adapters.gpt import build_model, lm_loss
 from tangram_launch.errors import InfeasibleError
@@ -151,7 +151,7 @@ def test_close_destroys_the_groups_that_setup_created(tmp_path):
                    MASTER_PORT=str(_free_port()), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                    TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
         res = subprocess.run([sys.executable, "-c", code, str(path), who], env=env, capture_output=True, text=True,
-                             timeout=PROCESS_GROUP_TIMEOUT_S)
+                             timeout=SUBPROCESS_TIMEOUT_S)
         assert res.returncode == 0, res.stderr[-3000:]
         got[who] = json.loads(res.stdout.strip().splitlines()[-1])
     assert {k: (v["owns"], v["after"]) for k, v in got.items()} == {"setup": (True, False), "caller": (False, True)}
