@@ -46,3 +46,16 @@ class RuntimeAdapter(ABC):
         problems = self.plan_problems(plan)
         if problems:
             raise InfeasibleError(f"the {self.name} runtime cannot execute this plan", problems)
+
+
+def release_default_group(owns_default_group: bool) -> None:
+    """End of training: a barrier, then the process groups destroyed if ``setup`` created the default one (a group
+    the caller created is left to the caller). A gloo worker that exits with its groups alive, or destroys them while
+    a peer is still in a collective, aborts now and then in their threads (``terminate called without an active
+    exception``, exit code -6), and the launcher then reports a finished run as failed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        if owns_default_group:
+            dist.destroy_process_group()

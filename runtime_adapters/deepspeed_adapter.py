@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 import torch
 
-from runtime_adapters.base import RuntimeAdapter
+from runtime_adapters.base import RuntimeAdapter, release_default_group
 from runtime_adapters.gpt import Embedding, Head, TransformerLayer, as_model_spec, gpt_plan_problems, lm_loss
 from tangram_launch.capabilities import DEEPSPEED, RuntimeCapabilities
 from tangram_launch.errors import SpecError
@@ -316,12 +316,4 @@ class DeepSpeedTrainingContext:
         return out
 
     def close(self) -> None:
-        """Barrier, then destroy the process groups if ``setup`` created the default one: a gloo worker that exits
-        with its groups alive aborts now and then in their threads (``terminate called without an active
-        exception``, exit code -6), and the launcher then reports a finished run as failed."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.barrier()
-            if self.owns_default_group:
-                dist.destroy_process_group()
+        release_default_group(self.owns_default_group)

@@ -52,7 +52,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from runtime_adapters.base import RuntimeAdapter
+from runtime_adapters.base import RuntimeAdapter, release_default_group
 from runtime_adapters.expert_parallel import (ExpertGroups, bind_expert_parallel, build_expert_groups,
                                               expert_parameters, local_experts)
 from runtime_adapters.gpt import StageModule, as_model_spec, lm_loss
@@ -514,14 +514,7 @@ class TorchTrainingContext:
         return out
 
     def close(self) -> None:
-        """Barrier, then destroy the default group if ``setup`` created it (without the barrier, 4-rank gloo runs
-        abort at exit now and then)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.barrier()
-            if self.owns_default_group:
-                dist.destroy_process_group()
+        release_default_group(self.owns_default_group)
 
 
 def _bucketed_all_reduce(grads: list[torch.Tensor], group: Any, divisor: int, bucket_bytes: int = 25 * 2**20) -> None:
