@@ -535,7 +535,8 @@ class SliceCoster:
                                             selective_policy=self.selective_policy,
                                             fp8_gemm_inputs=self.fp8_gemm_inputs,
                                             whole_column_inputs=self.whole_column_inputs,
-                                            moe_runtime=self.moe_runtime, autocast=self.autocast)
+                                            moe_runtime=self.moe_runtime, autocast=self.autocast,
+                                            eager_attention=dev.eager_attention)
                      for m in RECOMPUTE_MODES)
         # the profile's saved bytes of this kind, where it has them, correct the kept tensors (memory.py: Measured)
         measured = measured_activation_factor(self.island.gpu.measured, model, i, seq_len=s, mbs=mbs, tp=tp,

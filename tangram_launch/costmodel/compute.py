@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.composed_activation import COMPOSED
+from tangram_launch.costmodel.eager_attention import eager_score_bytes
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.host_floor import layer_host_floor_s
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
@@ -241,7 +242,13 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
     else:  # unfused: the full s x s product is computed, then masked
         core_flops = model.layer_flops_breakdown(layer, seq_len, causal=False)["attention"] * m_tok / t
         scores = mbs * (model.num_heads / t) * (seq_len / cp) * seq_len
-        core_s = core_flops / dev.gemm_flops + dev.memory_s(scores * (SCORE_TRAFFIC_P * p + 1))
+        # Megatron's fused scale-mask-softmax, its backward BACKWARD_FACTOR x the forward
+        score_fwd = SCORE_TRAFFIC_P * p + 1
+        score_bwd = BACKWARD_FACTOR * score_fwd
+        if dev.eager_attention:  # eager PyTorch: a kernel per op, softmax in fp32 under autocast
+            score_fwd, score_bwd = eager_score_bytes(p, autocast=autocast, dropout=bool(model.dropout))
+        core_s = core_flops / dev.gemm_flops + dev.memory_s(scores * score_fwd)
+        attn_bwd_extra_s = dev.memory_s(scores * (score_bwd - BACKWARD_FACTOR * score_fwd))  # 0 unless eager
 
     per_token = elementwise_bytes_per_token(model, layer, p, dev.fused_elementwise) + p * ffn_traffic
     elementwise_s = dev.memory_s(per_token * m_tok / t)

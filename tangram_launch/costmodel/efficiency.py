@@ -214,6 +214,10 @@ class DeviceModel:
     # fixed cost per ring step of an intra-node collective: measured (a tiny all-to-all / (n - 1)) or NVLink's
     intra_latency_s: float = INTRA_NODE_LATENCY_S
     fused_elementwise: bool = True  # norms, RoPE, SwiGLU as fused kernels (Megatron/TE, torch.compile); False: eager
+    # unfused attention runs as eager PyTorch's separate kernels (eager_attention.py): eager layers, or eager
+    # attention asked for (--attention-kernel eager: transformers' eager_attention_forward); else Megatron's fused
+    # scale-mask-softmax
+    eager_attention: bool = False
     # measured only (0: not charged): an intra-node collective's cost per call when it follows a layer's compute on
     # every rank (the profiler's collective_wait_us: fixed cost + the wait for the slowest member), and AdamW's
     # fixed cost per parameter tensor (optimizer_tensor_us: foreach=False runs a dozen small kernels per tensor)
@@ -320,6 +324,7 @@ class DeviceModel:
             gemm_input_bytes=FP8_INPUT_BYTES if dtype == "fp8" else 0.0,
             intra_latency_s=intra_latency_s,
             fused_elementwise=bool(fused_elementwise),
+            eager_attention=not fused_elementwise or attention_kernel == "eager",
             collective_wait_s=(wait_us or 0.0) * 1e-6,
             reduce_scatter_busbw=(op_busbw["reduce_scatter_busbw_gbps"] or 0.0) * GBPS,
             all_gather_busbw=(op_busbw["all_gather_busbw_gbps"] or 0.0) * GBPS,

@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.composed_activation import COMPOSED
+from tangram_launch.costmodel.eager_attention import eager_score_saved_bytes
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.measured_layers import measured_points, price
 from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime
@@ -211,14 +212,16 @@ def gemm_input_bytes(dtype_bytes: int, fp8_gemm_inputs: bool) -> int:
 
 def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len: int, recompute: str, flash: bool,
                                      dtype_bytes: int = 2, fp8_gemm_inputs: bool = False,
-                                     probs_on_output: bool = True, autocast: bool = True) -> tuple[float, float]:
+                                     probs_on_output: bool = True, autocast: bool = True,
+                                     eager_attention: bool = False) -> tuple[float, float]:
     """Bytes per token of layer ``layer`` kept for backward, split as (token-local, score) parts before sharding.
 
     The score part (unfused attention only) is (2p + 1) bytes per head and key: softmax output, dropout mask and
     dropout output (Korthikanti's 5 a s with p = 2). ``fp8_gemm_inputs``: the inputs of the QKV, output-projection,
     first and down GEMMs are kept in FP8 (module docstring); a flash kernel without recompute still keeps its own
     16-bit output for its backward beside the projection's FP8 copy. ``autocast``: how a composed activation keeps
-    its operands (composed_activation_saved_bytes).
+    its operands (composed_activation_saved_bytes). ``eager_attention``: unfused attention runs as eager PyTorch's
+    separate kernels, which under 16-bit autocast keep softmax's output in fp32 (eager_attention.py).
     """
     p = dtype_bytes
     g = gemm_input_bytes(p, fp8_gemm_inputs)
@@ -245,7 +248,8 @@ def layer_activation_bytes_per_token(model: "ModelSpec", layer: int, *, seq_len:
         attn += 4 * model.num_heads  # log-sum-exp statistics, fp32
         scores = 0.0
     else:
-        per_score = (2 * p + MASK_BYTES) if model.dropout else p  # softmax output (+ dropout mask and output)
+        # softmax output (+ dropout mask and output); eager attention under autocast keeps softmax's fp32 output
+        per_score = eager_score_saved_bytes(p, autocast=autocast and eager_attention, dropout=bool(model.dropout))
         scores = 0.0 if recompute == "selective" else per_score * model.num_heads * seq_len
     return attn + mlp + norms, scores
 
@@ -293,14 +297,16 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
                            recompute: str = "none", flash: bool = False, dtype_bytes: int = 2,
                            sequence_parallel: bool = True, selective_policy: str = "megatron",
                            fp8_gemm_inputs: bool = False, whole_column_inputs: bool = False,
-                           moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME, autocast: bool = True) -> float:
+                           moe_runtime: MoERuntime = DEFAULT_MOE_RUNTIME, autocast: bool = True,
+                           eager_attention: bool = False) -> float:
     """Activation bytes of one layer for one in-flight micro-batch on one GPU (CP-sharded tokens; TP with SP unless
     ``sequence_parallel`` is off; selective recompute as ``selective_policy`` says; GEMM inputs in FP8 where
     ``fp8_gemm_inputs``: Megatron's selective recompute only, op-level SAC is torchtitan's, whose FP8 keeps them
     in 16 bit; the column-parallel GEMMs' inputs whole under SP where ``whole_column_inputs``, module docstring:
     DTensor; op-level SAC recomputes them from the block input). ``moe_runtime``: how the routed experts run
     (their TP degree: expert_gathered_input_bytes; whether the combine keeps their weighted outputs). ``autocast``:
-    how a composed activation keeps its operands (composed_activation_saved_bytes)."""
+    how a composed activation keeps its operands (composed_activation_saved_bytes); ``eager_attention``: unfused
+    attention as eager PyTorch keeps it (layer_activation_bytes_per_token)."""
     tokens = mbs * seq_len / cp
     if recompute == "selective" and op_sac.keeps_input_only(model, layer, selective_policy):
         recompute = "full"  # a compiled MoE block under op-SAC keeps its input only (op_sac.py)
@@ -312,7 +318,8 @@ def layer_activation_bytes(model: "ModelSpec", layer: int, *, seq_len: int, mbs:
         raise ValueError(f"selective_policy {selective_policy!r} (known: {', '.join(SELECTIVE_POLICIES)})")
     local, scores = layer_activation_bytes_per_token(model, layer, seq_len=seq_len, recompute=recompute, flash=flash,
                                                      dtype_bytes=dtype_bytes, fp8_gemm_inputs=fp8_gemm_inputs,
-                                                     probs_on_output=moe_runtime.probs_on_output, autocast=autocast)
+                                                     probs_on_output=moe_runtime.probs_on_output, autocast=autocast,
+                                                     eager_attention=eager_attention)
     out = tokens * (local + scores) / tp
     if model.is_moe_layer(layer) and recompute != "full":
         out += expert_gathered_input_bytes(model, tokens=tokens, tp=tp, expert_tp=moe_runtime.etp(tp),
