@@ -53,6 +53,9 @@ class RuntimeCapabilities:
     # how it runs as this project launches it, which the planner prices (launched_overlaps)
     dp_overlaps: tuple[str, ...] = ("none",)
     tp_overlaps: tuple[str, ...] = ("none",)
+    # attention runs through torch's scaled_dot_product_attention (runtime_adapters/gpt.py): where the GPU has no
+    # FlashAttention kernel (before Ampere) SDPA picks its memory-efficient one, which keeps no s x s scores
+    sdpa_attention: bool = False
     # environment every worker of a plan for this runtime starts with, unless the user set the variable (set by the
     # worker bootstrap before the script runs, so before any CUDA context exists)
     worker_env: tuple[tuple[str, str], ...] = ()
@@ -207,6 +210,7 @@ TORCH = RuntimeCapabilities(
     # ZeRO 0 runs autocast over fp32 weights; ZeRO 1-3 gather 16-bit parameters (FSDP2's MixedPrecisionPolicy), whose
     # fp32 shards, fp32 gradients and Adam moments take what the cost model's 16-bit storage assumes
     autocast_fp32_weights=True,
+    sdpa_attention=True,
     dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "
                          "(Transformer Engine or torchao Float8)"),),
 )
@@ -222,6 +226,7 @@ DEEPSPEED = RuntimeCapabilities(
     offload=False,
     recompute_modes=("none", "full"),
     dtypes=("bf16", "fp16", "fp32"),
+    sdpa_attention=True,  # the same GPT layers as the torch runtime (runtime_adapters/gpt.py)
     dtype_notes=(("fp8", "the DeepSpeed adapter has no FP8 GEMM path"),
                  ("tf32", "the DeepSpeed adapter does not switch TF32 matmuls on (train fp32, or use torch/megatron)")),
 )

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 from tangram_launch.costmodel.compute import layer_compute
 from tangram_launch.costmodel.eager_attention import eager_score_bytes, eager_score_saved_bytes
 from tangram_launch.costmodel.efficiency import DeviceModel
-from tangram_launch.costmodel.memory import layer_activation_bytes
+from tangram_launch.costmodel.memory import FRAGMENTATION_FRACTION, layer_activation_bytes
 from tangram_launch.specs.model import load_model
 from test_costmodel import gpu
 
@@ -133,3 +133,48 @@ def test_eager_layers_keep_what_autograd_keeps(autocast):
     assert eager - fused == pytest.approx(scores_per_gpu * (eager_score_saved_bytes(2, autocast=autocast, dropout=True)
                                                             - megatron))
     assert (eager > fused) == autocast
+
+
+def test_sdpa_runtimes_run_the_memory_efficient_kernel_before_ampere():
+    """The torch and DeepSpeed runtimes call torch's SDPA (runtime_adapters/gpt.py), which runs its memory-efficient
+    kernel on a V100: no s x s scores kept, the time of the unfused attention at its dtype; Megatron's unfused path
+    keeps its fused softmax and the scores; an Ampere GPU runs FlashAttention either way."""
+    from tangram_launch.capabilities import DEEPSPEED, MEGATRON, TORCH
+    from tangram_launch.costmodel.eager_attention import mem_efficient_score_bytes
+
+    assert TORCH.sdpa_attention and DEEPSPEED.sdpa_attention and not MEGATRON.sdpa_attention
+    v100 = DeviceModel.from_gpu(gpu("v100-16gb"), "fp16", sdpa=True)
+    assert v100.mem_efficient_attention and not v100.flash_attention and not v100.eager_attention
+    assert not DeviceModel.from_gpu(gpu("v100-16gb"), "fp16").mem_efficient_attention
+    assert DeviceModel.from_gpu(gpu("a100-80gb"), "bf16", sdpa=True).flash_attention
+    assert not DeviceModel.from_gpu(gpu("a100-80gb"), "bf16", sdpa=True).mem_efficient_attention
+    eager = DeviceModel.from_gpu(gpu("v100-16gb"), "fp16", sdpa=True, attention_kernel="eager")
+    assert eager.eager_attention and not eager.mem_efficient_attention
+
+    model = load_model("opt-350m")
+    kw = dict(seq_len=2048, mbs=1, tp=1, cp=1, ep=1, use_measured=False, host_floor=False)
+    lc = layer_compute(model, 0, dev=v100, **kw)
+    scores = model.num_heads * 2048 * 2048
+    fwd_b, bwd_b = mem_efficient_score_bytes(2, dropout=bool(model.dropout))
+    assert (fwd_b, bwd_b) == eager_score_bytes(2, autocast=False, dropout=bool(model.dropout))
+    assert lc.attention_core_s - lc.attention_core_flops / v100.gemm_flops == pytest.approx(
+        fwd_b * scores / v100.memory_bandwidth)
+
+
+def test_sdpa_stages_on_a_v100_keep_no_scores():
+    """A torch-runtime stage on V100s keeps what a fused kernel keeps; the same stage under Megatron keeps the s x s
+    scores besides (2p + 1 bytes per element with dropout: OPT trains with it)."""
+    from tangram_launch.capabilities import MEGATRON, TORCH
+    from tangram_launch.costmodel.breakdown import ParallelConfig
+    from test_costmodel import coster, island
+
+    model = load_model("opt-350m")
+    cfg = ParallelConfig(tp=1, pp=1, dp=8, zero_stage=0, recompute="none")
+    acts = {}
+    for caps in (TORCH, MEGATRON):
+        plan = coster(model, island("v100-16gb"), b=8, gb=8, seq=2048, dtype="fp16", caps=caps).plan(cfg)
+        acts[caps.name] = plan.stages[0].breakdown["activations_bytes"]
+    scores_per_layer = model.num_heads * 2048 * 2048 * (2 * 2 + 1)
+    lse_per_layer = 4 * model.num_heads * 2048
+    assert acts["megatron"] - acts["torch"] == pytest.approx(
+        model.num_layers * (scores_per_layer - lse_per_layer) * (1 + FRAGMENTATION_FRACTION), rel=1e-9)

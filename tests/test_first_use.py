@@ -98,8 +98,8 @@ def test_readme_hand_written_plan_costs_like_the_searched_one(tmp_path, capsys):
     assert out.startswith("manual plan for gpt3-13b")
     hand = _printed_iteration_s(out)
     searched = float(_quality_row("C3 (iii)")[4])
-    # the README's plan is the searched one written by hand: its two stages on the V100-32GB island (one grid) are
-    # one slice, priced as the search prices it (their p2p in the stages' times), so it costs what the search does
+    # the README's plan is the searched one written by hand, priced as the search prices it, so it costs what the
+    # search does
     assert f"{hand:.2f}" == f"{searched:.2f}"  # (the benchmark table gives 2 decimals; exact below)
     assert f"it costs {hand:.3f} s, as the searched plan does" in " ".join(README.split())
     from tangram_launch.planner import PlannerOptions, search

@@ -433,7 +433,8 @@ class SliceCoster:
         """The island GPU's DeviceModel; None (and device_error says why) where the GPU cannot run the dtype."""
         try:
             return DeviceModel.from_gpu(q.island.gpu, q.training.dtype, flash_attention=flash_attention,
-                                        fused_elementwise=fused_elementwise, attention_kernel=attention_kernel)
+                                        fused_elementwise=fused_elementwise, attention_kernel=attention_kernel,
+                                        sdpa=q.capabilities.sdpa_attention)
         except SpecError as exc:
             self.device_error = f"island {q.island.name}: {exc}"
             return None
@@ -529,7 +530,7 @@ class SliceCoster:
         ep_fwd = ep_bwd = 0.0
         if kind == "moe":
             ep_fwd, ep_bwd = self._expert_comm_s(tokens, tp, ep, etp, stage_gpus)
-        flash = dev.flash_attention
+        flash = dev.flash_attention or dev.mem_efficient_attention  # no s x s scores kept
         acts = tuple(layer_activation_bytes(model, i, seq_len=s, mbs=mbs, tp=tp, cp=cp, recompute=m, flash=flash,
                                             dtype_bytes=p, sequence_parallel=self.sequence_parallel,
                                             selective_policy=self.selective_policy,

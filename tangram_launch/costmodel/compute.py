@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.composed_activation import COMPOSED
-from tangram_launch.costmodel.eager_attention import eager_score_bytes
+from tangram_launch.costmodel.eager_attention import eager_score_bytes, mem_efficient_score_bytes
 from tangram_launch.costmodel.efficiency import DeviceModel
 from tangram_launch.costmodel.host_floor import layer_host_floor_s
 from tangram_launch.costmodel.measured_layers import measured_layer_key  # noqa: F401 (re-exported: the profiler's keys)
@@ -247,6 +247,8 @@ def layer_compute(model: "ModelSpec", layer: int, *, seq_len: int, mbs: int, tp:
         score_bwd = BACKWARD_FACTOR * score_fwd
         if dev.eager_attention:  # eager PyTorch: a kernel per op, softmax in fp32 under autocast
             score_fwd, score_bwd = eager_score_bytes(p, autocast=autocast, dropout=bool(model.dropout))
+        elif dev.mem_efficient_attention:  # SDPA's memory-efficient kernel: the unfused attention's time
+            score_fwd, score_bwd = mem_efficient_score_bytes(p, dropout=bool(model.dropout))
         core_s = core_flops / dev.gemm_flops + dev.memory_s(scores * score_fwd)
         attn_bwd_extra_s = dev.memory_s(scores * (score_bwd - BACKWARD_FACTOR * score_fwd))  # 0 unless eager
 

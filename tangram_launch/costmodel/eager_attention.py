@@ -60,3 +60,12 @@ def eager_score_saved_bytes(dtype_bytes: int, *, autocast: bool, dropout: bool) 
     if autocast and dtype_bytes < FP32_BYTES:
         return FP32_BYTES + p + mask  # softmax's fp32 output, P V's down-cast input
     return 2 * p + mask if dropout else p
+
+
+def mem_efficient_score_bytes(dtype_bytes: int, *, dropout: bool) -> tuple[float, float]:
+    """(forward, backward) bytes per score element that stand for the time of torch SDPA's memory-efficient kernel,
+    which SDPA runs where the GPU has no FlashAttention one (before Ampere). On a V100 that kernel (xformers' CUTLASS
+    attention) runs about as fast as the unfused PyTorch attention it replaces: forward 5 % (fp16) and 4 % (fp32)
+    slower at the median, backward 15 % and 30 % slower (facebookresearch/xformers PR #362, V100 benchmarks), so it
+    is priced as that attention at its dtype; it keeps no scores (memory as a fused kernel's)."""
+    return eager_score_bytes(dtype_bytes, autocast=False, dropout=dropout)

@@ -218,6 +218,9 @@ class DeviceModel:
     # attention asked for (--attention-kernel eager: transformers' eager_attention_forward); else Megatron's fused
     # scale-mask-softmax
     eager_attention: bool = False
+    # torch SDPA's memory-efficient kernel (no FlashAttention on the GPU): keeps no s x s scores, and takes about
+    # the time of the unfused attention it replaces (eager_attention.py: mem_efficient_score_bytes)
+    mem_efficient_attention: bool = False
     # measured only (0: not charged): an intra-node collective's cost per call when it follows a layer's compute on
     # every rank (the profiler's collective_wait_us: fixed cost + the wait for the slowest member), and AdamW's
     # fixed cost per parameter tensor (optimizer_tensor_us: foreach=False runs a dozen small kernels per tensor)
@@ -247,8 +250,11 @@ class DeviceModel:
 
     @classmethod
     def from_gpu(cls, gpu: GPUSpec, dtype: str, *, flash_attention: bool | None = None,
-                 fused_elementwise: bool = True, attention_kernel: str = "auto") -> "DeviceModel":
-        """``attention_kernel``: the fused-attention kernel family the runtime runs (attention_kernels.py)."""
+                 fused_elementwise: bool = True, attention_kernel: str = "auto",
+                 sdpa: bool = False) -> "DeviceModel":
+        """``attention_kernel``: the fused-attention kernel family the runtime runs (attention_kernels.py); ``sdpa``:
+        the runtime's attention is torch's scaled_dot_product_attention, which runs its memory-efficient kernel where
+        the GPU has no FlashAttention one."""
         from tangram_launch.specs.training import DTYPE_BYTES
 
         peak = peak_tflops_for(gpu, dtype) * TFLOPS
@@ -325,6 +331,8 @@ class DeviceModel:
             intra_latency_s=intra_latency_s,
             fused_elementwise=bool(fused_elementwise),
             eager_attention=not fused_elementwise or attention_kernel == "eager",
+            mem_efficient_attention=(sdpa and flash_attention is None and attention_kernel != "eager" and not flash
+                                     and gpu.type != "cpu"),
             collective_wait_s=(wait_us or 0.0) * 1e-6,
             reduce_scatter_busbw=(op_busbw["reduce_scatter_busbw_gbps"] or 0.0) * GBPS,
             all_gather_busbw=(op_busbw["all_gather_busbw_gbps"] or 0.0) * GBPS,
