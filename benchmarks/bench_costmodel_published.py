@@ -125,8 +125,8 @@ SPLITS = ("dev", "validation")
 # Blind validation batches, each gathered after the cohorts before it had been seen (a new batch is added here
 # only; the tests read this list); each gets a median column of its own once costed.
 BLIND_COHORTS = ("fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7", "blind8", "blind9", "blind10",
-                 "blind11")
-# Cohorts added after the split was drawn that are always validation (the data file's rules 2 and 2c to 2m).
+                 "blind11", "blind12")
+# Cohorts added after the split was drawn that are always validation (the data file's rules 2 and 2c to 2n).
 VALIDATION_COHORTS = ("unseen",) + BLIND_COHORTS
 COHORTS = ("original", "unseen", "moe-dev") + BLIND_COHORTS
 # Cohorts no one has seen the model predict (the data file's `sealed_cohorts:`): left out unless --unseal, so that
