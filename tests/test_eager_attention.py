@@ -178,3 +178,24 @@ def test_sdpa_stages_on_a_v100_keep_no_scores():
     lse_per_layer = 4 * model.num_heads * 2048
     assert acts["megatron"] - acts["torch"] == pytest.approx(
         model.num_layers * (scores_per_layer - lse_per_layer) * (1 + FRAGMENTATION_FRACTION), rel=1e-9)
+
+
+@pytest.mark.parametrize("runtime,says", [("torch", "SDPA's memory-efficient kernel"),
+                                          ("deepspeed", "SDPA's memory-efficient kernel"),
+                                          ("megatron", "Megatron's fused scale-mask-softmax: s x s scores kept")])
+def test_estimate_says_how_attention_is_priced(capsys, runtime, says):
+    """`tangram-launch estimate` prints which attention it priced: on V100s SDPA's memory-efficient kernel for the
+    runtimes that call SDPA, Megatron's unfused path for Megatron; the JSON carries the same line."""
+    import json
+    import os
+
+    from tangram_launch.cli import main
+
+    cluster = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "c3-full-het-iii.yaml")
+    argv = ["estimate", "--cluster", cluster, "--model", "opt-350m", "--island", "v100-16gb", "--dp", "4", "--mbs",
+            "1", "--global-batch", "64", "--seq-len", "2048", "--dtype", "fp16", "--runtime", runtime]
+    assert main(argv) in (0, 3)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("attention: ")]
+    assert len(lines) == 1 and says in lines[0]
+    assert main(argv + ["--format", "json"]) in (0, 3)
+    assert says in json.loads(capsys.readouterr().out)["attention"]

@@ -22,6 +22,7 @@ import os
 from tangram_launch.capabilities import RuntimeCapabilities, capabilities_for
 from tangram_launch.costmodel.allocator import ALLOCATOR_KINDS, allocator_kind, reserved_bytes
 from tangram_launch.costmodel.breakdown import ParallelConfig, SliceCoster
+from tangram_launch.costmodel.eager_attention import attention_pricing
 from tangram_launch.costmodel.host_memory import stage_host_problems
 from tangram_launch.costmodel.overlap import DP_OVERLAP_KINDS, TP_OVERLAP_KINDS
 from tangram_launch.costmodel.pipeline import iteration_time_s
@@ -161,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         problems = q.capabilities.stage_problems(plan.stages[0].shape, pipelined=q.pipelined)
         problems += q.capabilities.pipeline_problems([s.shape for s in plan.stages])
         problems += q.capabilities.overlap_problems(dp_overlap=coster.dp_overlap, tp_overlap=coster.tp_overlap)
+    dev = coster.dev
+    attention = attention_pricing(dev.flash_attention, dev.mem_efficient_attention, dev.eager_attention)
     if args.format == "json":
         out = {
             "island": q.island.name, "model": q.model.name, "layers": list(q.layers), "config": cfg.describe(),
@@ -168,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
             "global_batch": q.training.global_batch, "seq_len": q.training.seq_len, "dtype": q.training.dtype,
             "num_gpus": plan.num_gpus, "capacity_gib": cap / GIB, "fits": fits, "mfu": mfu,
             "allocator": allocator, "dp_overlap": coster.dp_overlap, "tp_overlap": coster.tp_overlap,
+            "attention": attention,
             "runtime_problems": problems, "host_memory_problems": host_problems,
             **est,
             "stages": [{"layers": list(s.layers), "forward_s": s.forward_s, "backward_s": s.backward_s,
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
               f"seq {q.training.seq_len}; {q.training.dtype}; {after} stages after this slice")
         if coster.dp_overlap != "none" or coster.tp_overlap != "none":
             print(f"overlap: data-parallel sync {coster.dp_overlap}, tensor-parallel collectives {coster.tp_overlap}")
+        print(f"attention: {attention}")
         print()
         print(format_breakdown(plan, num_microbatches=m, capacity_bytes=cap, stages_after=after,
                                shown_bytes=shown, allocator=allocator))

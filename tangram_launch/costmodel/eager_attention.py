@@ -69,3 +69,16 @@ def mem_efficient_score_bytes(dtype_bytes: int, *, dropout: bool) -> tuple[float
     slower at the median, backward 15 % and 30 % slower (facebookresearch/xformers PR #362, V100 benchmarks), so it
     is priced as that attention at its dtype; it keeps no scores (memory as a fused kernel's)."""
     return eager_score_bytes(dtype_bytes, autocast=False, dropout=dropout)
+
+
+def attention_pricing(flash: bool, mem_efficient: bool, eager: bool) -> str:
+    """One line saying how a device's attention is priced (``estimate`` prints it): which kernel, and whether the
+    s x s scores are kept for the backward."""
+    if flash:
+        return "fused kernel (FlashAttention-style): no s x s scores kept"
+    if mem_efficient:
+        return ("SDPA's memory-efficient kernel (no FlashAttention on this GPU): no s x s scores kept, "
+                "timed as the unfused attention it replaces")
+    if eager:
+        return "eager, one kernel per operator (softmax in fp32 under autocast): s x s scores kept"
+    return "unfused, Megatron's fused scale-mask-softmax: s x s scores kept"
