@@ -50,6 +50,7 @@ RANK_ORDER = "tp-cp-ep-dp-pp"
 # no GPipe in Megatron-core
 SCHEDULES = ("1F1B", "INTERLEAVED-1F1B")
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default (padded once more by tp)
+DROPOUT_RATE = 0.1  # GPT-2 / GPT-3 / OPT: resid_pdrop, embd_pdrop and attn_pdrop (ModelSpec.dropout)
 
 # Storage dtype per training dtype: tf32 keeps fp32 parameters (TF32 is a matmul mode, switched on in
 # tf32_matmuls), fp8 keeps bf16 parameters and runs the GEMMs in FP8 through Transformer Engine (fp8="hybrid").
@@ -189,6 +190,14 @@ def recompute_kwargs(mode: str) -> dict[str, Any]:
     raise SpecError("unknown recompute mode", field="recompute", value=mode, valid="none, selective, full")
 
 
+def dropout_kwargs(model: ModelSpec) -> dict[str, float]:
+    """The model's dropout as Megatron's two rates: on the hidden states (after the embedding, the attention's
+    output projection and the MLP) and on the attention probabilities. GPT-2/3 and OPT train at 0.1 on both
+    (ModelSpec.dropout); Megatron-core's TransformerConfig defaults to 0.1 whatever the model."""
+    rate = DROPOUT_RATE if model.dropout else 0.0
+    return {"hidden_dropout": rate, "attention_dropout": rate}
+
+
 def dtype_kwargs(dtype: str) -> dict[str, Any]:
     """Training dtype -> Megatron's precision flags (parameters, pipeline p2p buffers)."""
     if dtype not in _DTYPES:
@@ -262,6 +271,9 @@ def transformer_config_kwargs(plan: Plan, stage_index: int, *, sequence_parallel
         "qk_layernorm": model.qk_norm,
         "add_bias_linear": model.linear_bias,
         "add_qkv_bias": model.linear_bias or model.qkv_bias,
+        # the spec's dropout, not TransformerConfig's default of 0.1 for every model: a Llama-style model trains
+        # without it, and the planner priced its masks (or none) from the spec
+        **dropout_kwargs(model),
         # parallelism: the plan's grid
         "tensor_model_parallel_size": g.tp,
         "pipeline_model_parallel_size": plan.num_stages,

@@ -428,3 +428,26 @@ if __name__ == "__main__":
         _worker(sys.argv[2])
     else:
         sys.exit("usage: test_adapter_megatron.py worker OUT_DIR")
+
+
+def test_dropout_follows_the_model_spec():
+    """Megatron's TransformerConfig drops out at 0.1 for every model; the adapter passes the spec's dropout, so a
+    Llama-style model trains without it, as the spec (and the planner, which prices no masks) says."""
+    gpt = MA.transformer_config_kwargs(make_plan("tiny", (2, 2)), 0)  # learned positions: GPT-2's dropout
+    assert (gpt["hidden_dropout"], gpt["attention_dropout"]) == (0.1, 0.1)
+    llama = MA.transformer_config_kwargs(make_plan("llama3-8b", (17, 15), tp=4, dp=2, seq_len=4096), 1)
+    assert (llama["hidden_dropout"], llama["attention_dropout"]) == (0.0, 0.0)
+    spec = load_model("tiny").to_dict()
+    off = MA.transformer_config_kwargs(make_plan({**spec, "dropout": False}, (4,)), 0)
+    assert (off["hidden_dropout"], off["attention_dropout"]) == (0.0, 0.0)
+
+
+@pytest.mark.slow  # imports megatron.core
+def test_megatron_builds_the_specs_dropout():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = MA.transformer_config_kwargs(make_plan("tiny-moe", (2, 2)), 0)
+    default = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert default.hidden_dropout == default.attention_dropout == 0.1  # what ran before the adapter set them
+    config = TransformerConfig(**{**kw, "pipeline_model_parallel_size": 2})
+    assert config.hidden_dropout == config.attention_dropout == 0.0  # tiny-moe: rotary, no dropout
