@@ -164,6 +164,38 @@ def test_calibrate_refuses_what_it_cannot_use_saying_which_field(tmp_path, capsy
     assert "not a run report: no plan_hash and stages (a plan file?" in capsys.readouterr().err
 
 
+def _edit_rank(report: dict, key: str, value) -> None:
+    report["stages"][0]["ranks"][0][key] = value
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: _edit_rank(r, "local_gpu", -1), "field 'stages[0].ranks[0].local_gpu': expected the rank's GPU index"),
+    (lambda r: _edit_rank(r, "local_gpu", 7), "field 'stages[].ranks.local_gpu': the report times a GPU that node"),
+    (lambda r: _edit_rank(r, "local_gpu", "0"), "(got '0'); valid: an integer >= 0"),
+    (lambda r: _edit_rank(r, "ratio", 1e300), "field 'stages[0].ranks[0].ratio': a rank's measured/predicted ratio"),
+    (lambda r: _edit_rank(r, "ratio", "2"), "must be a number (got '2'); valid: 0.001 < ratio < 1000"),
+    (lambda r: _edit_rank(r, "ratio", -2.0), "must be a positive number a run can measure (got -2.0)"),
+    (lambda r: _edit_rank(r, "node", 3), "field 'stages[0].ranks[0].node': expected the rank's node name (got 3)"),
+    (lambda r: r["stages"][0]["ranks"].__setitem__(0, "x"), "field 'stages[0].ranks[0]': expected a mapping"),
+    (lambda r: r["stages"][0].__setitem__("stage", "0"), "field 'stages[0].stage': expected the stage's index"),
+    (lambda r: r["stages"][0].__setitem__("memory", {"ratio": 0}), "field 'stages[0].memory.ratio': a stage's"),
+])
+def test_an_edited_report_is_refused_by_field_and_leaves_the_cluster_file_as_it_was(tmp_path, capsys, edit, says):
+    """Every rank row is read whole before anything is written: a GPU index off the node, a ratio no run measures
+    (whose inverse would scale the figures to nonsense) or a value of the wrong type is named, where it used to be
+    skipped (its GPU then took its twins' factor) or applied."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_bytes(PROFILED.read_bytes())
+    path = _report_for(str(cluster), {1: 2.0}, tmp_path)
+    report = json.loads(path.read_text())
+    edit(report)
+    path.write_text(json.dumps(report))
+    assert main(["calibrate", str(path), "--cluster", str(cluster)]) == 2
+    assert says in capsys.readouterr().err
+    assert cluster.read_bytes() == PROFILED.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml", "plan.json", "run-report.json"]
+
+
 def test_a_new_profile_keeps_an_edited_or_calibrated_one_aside(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_bytes(PROFILED.read_bytes())

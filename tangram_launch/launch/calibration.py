@@ -34,6 +34,9 @@ from tangram_launch.specs.cluster import ClusterSpec, GPUSpec
 
 DEFAULT_TOLERANCE = 0.05
 _LAYER_TIME_KEYS = ("layer_forward_s", "layer_forward_backward_s")
+# measured / predicted ratios a report may carry: beyond them a stage did not run the plan it was priced for (or the
+# file was edited), and scaling the figures by the inverse would write nonsense into the cluster file
+RATIO_RANGE = (1e-3, 1e3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,24 +70,71 @@ class MemoryChange:
                 f"predicted memory; the next plan counts {self.memory_gib:.4g} of its {self.physical_gib:.4g} GiB")
 
 
+def _ratio(value: Any, field: str, what: str) -> float:
+    """A measured/predicted ratio read from the report: a number inside RATIO_RANGE, else a SpecError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{what} must be a number", field=field, value=value,
+                        valid=f"{RATIO_RANGE[0]:g} < ratio < {RATIO_RANGE[1]:g}")
+    if not RATIO_RANGE[0] < value < RATIO_RANGE[1]:
+        raise SpecError(f"{what} must be a positive number a run can measure", field=field, value=value,
+                        valid=f"{RATIO_RANGE[0]:g} < ratio < {RATIO_RANGE[1]:g} (figures scaled by its inverse)")
+    return float(value)
+
+
+def _stage_rows(report: Mapping) -> list[tuple[int, str, Mapping, list[tuple[str, str, int, Mapping]]]]:
+    """Each stage of the report as (its index, its field path, the stage, its ranks as (field path, node, local
+    GPU, row)), every one of those checked: a row whose node or GPU is unreadable is refused by name, never skipped
+    (a skipped rank would leave its GPU to take its twins' ratio)."""
+    stages = report.get("stages") if isinstance(report, Mapping) else None
+    if not isinstance(stages, list):
+        raise SpecError("not a run report: expected a list of stages", field="stages", value=type(stages).__name__,
+                        valid="run-report.json written by a planned launch")
+    out = []
+    for k, stage in enumerate(stages):
+        where = f"stages[{k}]"
+        if not isinstance(stage, Mapping):
+            raise SpecError("expected a mapping", field=where, value=type(stage).__name__, valid="a stage's entry")
+        index = stage.get("stage")
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise SpecError("expected the stage's index", field=f"{where}.stage", value=index,
+                            valid="an integer >= 0")
+        ranks = stage.get("ranks") or []
+        if not isinstance(ranks, list):
+            raise SpecError("expected a list of ranks", field=f"{where}.ranks", value=type(ranks).__name__,
+                            valid="one entry per rank of the stage")
+        rows = []
+        for j, row in enumerate(ranks):
+            rwhere = f"{where}.ranks[{j}]"
+            if not isinstance(row, Mapping):
+                raise SpecError("expected a mapping", field=rwhere, value=type(row).__name__, valid="a rank's entry")
+            node, gpu = row.get("node"), row.get("local_gpu")
+            if node is None:
+                continue  # a rank the run did not place on a named node: nothing to calibrate
+            if not isinstance(node, str) or not node:
+                raise SpecError("expected the rank's node name", field=f"{rwhere}.node", value=node,
+                                valid="a node name of the cluster file")
+            if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+                raise SpecError("expected the rank's GPU index on its node", field=f"{rwhere}.local_gpu", value=gpu,
+                                valid="an integer >= 0")
+            rows.append((rwhere, node, gpu, row))
+        out.append((index, where, stage, rows))
+    return out
+
+
 def memory_factors(report: Mapping) -> dict[tuple[str, int], tuple[int, float]]:
     """(node, local GPU) -> (stage, measured / predicted allocated peak) for every GPU of a stage whose workers read
     the CUDA allocator's peaks (none on CPU runs)."""
     out: dict[tuple[str, int], tuple[int, float]] = {}
-    try:
-        for stage in report["stages"]:
-            ratio = (stage.get("memory") or {}).get("ratio")
-            if ratio is None:
-                continue
-            ratio = float(ratio)
-            if not 0 < ratio < float("inf"):
-                raise SpecError("a stage's measured/predicted memory ratio must be a positive number",
-                                field=f"stages[{stage['stage']}].memory.ratio", value=ratio)
-            for row in stage.get("ranks") or []:
-                if row.get("node") is not None and row.get("local_gpu") is not None:
-                    out[(str(row["node"]), int(row["local_gpu"]))] = (int(stage["stage"]), ratio)
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise SpecError(f"not a run report ({exc.__class__.__name__}: {exc})", field="stages.memory") from None
+    for index, where, stage, rows in _stage_rows(report):
+        memory = stage.get("memory") or {}
+        if not isinstance(memory, Mapping):
+            raise SpecError("expected a mapping", field=f"{where}.memory", value=type(memory).__name__,
+                            valid="the stage's memory figures")
+        if memory.get("ratio") is None:
+            continue
+        ratio = _ratio(memory["ratio"], f"{where}.memory.ratio", "a stage's measured/predicted memory ratio")
+        for _, node, gpu, _ in rows:
+            out[(node, gpu)] = (index, ratio)
     return out
 
 
@@ -98,21 +148,13 @@ def _memory_calibrated(gpu: GPUSpec, factor: float, stage: int, plan_hash: str) 
 
 def rank_factors(report: Mapping) -> dict[tuple[str, int], tuple[int, float]]:
     """(node, local GPU) -> (stage, measured / predicted), from each rank's own medians."""
-    try:
-        stages = report["stages"]
-        out: dict[tuple[str, int], tuple[int, float]] = {}
-        for stage in stages:
-            for row in stage.get("ranks") or []:
-                if row.get("ratio") is None or row.get("node") is None:
-                    continue
-                ratio = float(row["ratio"])
-                if not ratio > 0 or ratio == float("inf"):
-                    raise SpecError("a rank's measured/predicted ratio must be a positive number",
-                                    field=f"stages[{stage['stage']}].ranks.ratio", value=row["ratio"])
-                out[(str(row["node"]), int(row["local_gpu"]))] = (int(stage["stage"]), ratio)
-        return out
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise SpecError(f"not a run report ({exc.__class__.__name__}: {exc})", field="stages") from None
+    out: dict[tuple[str, int], tuple[int, float]] = {}
+    for index, _, _, rows in _stage_rows(report):
+        for rwhere, node, gpu, row in rows:
+            if row.get("ratio") is None:
+                continue  # a rank that timed nothing
+            out[(node, gpu)] = (index, _ratio(row["ratio"], f"{rwhere}.ratio", "a rank's measured/predicted ratio"))
+    return out
 
 
 def _sig(value: float) -> float:
@@ -175,11 +217,17 @@ def calibrate(cluster: ClusterSpec, report: Mapping, *, tolerance: float = DEFAU
         raise SpecError("the report has no per-rank measurements to calibrate from (did the run time its stages? "
                         "a planned launch writes them)", field="stages[].ranks")
     names = set(cluster.node_names)
-    missing = sorted({node for node, _ in factors} - names)
+    missing = sorted({node for node, _ in (*factors, *memory)} - names)
     if missing:
         raise SpecError("the report's nodes are not in this cluster file (calibrate the file the plan was made "
                         "from)", field="stages[].ranks.node", value=", ".join(missing),
                         valid=", ".join(cluster.node_names))
+    sizes = {node.name: len(node.gpus) for node in cluster.nodes}
+    for node, gpu in sorted({*factors, *memory}):
+        if gpu >= sizes[node]:
+            raise SpecError(f"the report times a GPU that node {node} of this cluster file does not have (calibrate "
+                            "the file the plan was made from)", field="stages[].ranks.local_gpu", value=gpu,
+                            valid=f"0..{sizes[node] - 1}")
     changes: list[Change | MemoryChange] = []
     nodes = []
     plan_hash = str(report.get("plan_hash", ""))

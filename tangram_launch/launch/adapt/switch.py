@@ -74,12 +74,15 @@ def launcher_replan(*, cluster_path: str, opts: Any, resume: Any, out_dir: str, 
     counter = [0]
 
     def replan(factors: Mapping[GpuKey, float]) -> Candidate:
-        from tangram_launch.launch.calibration import calibrate
+        from tangram_launch.launch.calibration import RATIO_RANGE, calibrate
         from tangram_launch.launch.planning import make_launch_plan, plan_changes, planning_request, write_plan
         from tangram_launch.specs.cluster import ClusterSpec
 
         stage_of = {gpu: stage for gpu, stage in rank_places(plan).values()}
-        rows = [{"node": n, "local_gpu": g, "ratio": f} for (n, g), f in sorted(factors.items())]
+        # a slowdown beyond what calibrate takes from a report is planned at its edge: such a GPU is left out anyway
+        lo, hi = RATIO_RANGE
+        rows = [{"node": n, "local_gpu": g, "ratio": min(max(f, lo * 1.001), hi / 1.001)}
+                for (n, g), f in sorted(factors.items())]
         report = {"plan_hash": plan_hash, "stages": [{"stage": stage_of.get((r["node"], r["local_gpu"]), 0),
                                                       "ranks": [r]} for r in rows]}
         counter[0] += 1
