@@ -81,6 +81,11 @@ def _ratio(value: Any, field: str, what: str) -> float:
     return float(value)
 
 
+def _check_index(value: Any, field: str, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(what, field=field, value=value, valid="an integer >= 0")
+
+
 def _stage_rows(report: Mapping) -> list[tuple[int, str, Mapping, list[tuple[str, str, int, Mapping]]]]:
     """Each stage of the report as (its index, its field path, the stage, its ranks as (field path, node, local
     GPU, row)), every one of those checked: a row whose node or GPU is unreadable is refused by name, never skipped
@@ -95,9 +100,7 @@ def _stage_rows(report: Mapping) -> list[tuple[int, str, Mapping, list[tuple[str
         if not isinstance(stage, Mapping):
             raise SpecError("expected a mapping", field=where, value=type(stage).__name__, valid="a stage's entry")
         index = stage.get("stage")
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise SpecError("expected the stage's index", field=f"{where}.stage", value=index,
-                            valid="an integer >= 0")
+        _check_index(index, f"{where}.stage", "expected the stage's index")
         ranks = stage.get("ranks") or []
         if not isinstance(ranks, list):
             raise SpecError("expected a list of ranks", field=f"{where}.ranks", value=type(ranks).__name__,
@@ -113,9 +116,7 @@ def _stage_rows(report: Mapping) -> list[tuple[int, str, Mapping, list[tuple[str
             if not isinstance(node, str) or not node:
                 raise SpecError("expected the rank's node name", field=f"{rwhere}.node", value=node,
                                 valid="a node name of the cluster file")
-            if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
-                raise SpecError("expected the rank's GPU index on its node", field=f"{rwhere}.local_gpu", value=gpu,
-                                valid="an integer >= 0")
+            _check_index(gpu, f"{rwhere}.local_gpu", "expected the rank's GPU index on its node")
             rows.append((rwhere, node, gpu, row))
         out.append((index, where, stage, rows))
     return out
