@@ -177,7 +177,7 @@ def _edit_rank(report: dict, key: str, value) -> None:
     (lambda r: _edit_rank(r, "ratio", -2.0), "must be a positive number a run can measure (got -2.0)"),
     (lambda r: _edit_rank(r, "node", 3), "field 'stages[0].ranks[0].node': expected the rank's node name (got 3)"),
     (lambda r: r["stages"][0]["ranks"].__setitem__(0, "x"), "field 'stages[0].ranks[0]': expected a mapping"),
-    (lambda r: r["stages"][0].__setitem__("stage", "0"), "field 'stages[0].stage': expected the stage's index"),
+    (lambda r: r["stages"][0].__setitem__("stage", "0"), "stages[0].stage is '0', where a planned launch writes an"),
     (lambda r: r["stages"][0].__setitem__("memory", {"ratio": 0}), "field 'stages[0].memory.ratio': a stage's"),
 ])
 def test_an_edited_report_is_refused_by_field_and_leaves_the_cluster_file_as_it_was(tmp_path, capsys, edit, says):

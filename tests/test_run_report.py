@@ -259,7 +259,30 @@ def test_report_never_fails_on_any_set_of_timing_lines(rows):
     assert [s["stage"] for s in report["stages"]] == [0, 1]
     measured = report["iteration"]["parts"]["measured"]
     assert measured is None or all(v >= 0 for v in measured.values())
+    assert run_report.report_problem(report) is None  # every report the launcher writes passes its readers' check
     run_report.format_report(report)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: r.__setitem__("iteration", "x"), "iteration is 'x', where a planned launch writes a mapping"),
+    (lambda r: r["stages"][0].pop("predicted"), "stages[0].predicted is None, where a planned launch writes a mapping"),
+    (lambda r: r["stages"][1]["measured"].__setitem__("backward_s", "abc"), "stages[1].measured.backward_s is 'abc'"),
+    (lambda r: r["stages"][0].__setitem__("layers", [0]), "stages[0].layers is [0], where a planned launch writes"),
+    (lambda r: r["iteration"]["parts"]["measured"].__setitem__("sync_s", [1]), "iteration.parts.measured.sync_s"),
+    (lambda r: r.__setitem__("steps_measured", -1), "steps_measured is -1, where a planned launch writes an integer"),
+])
+def test_report_and_calibrate_name_the_field_an_edited_report_got_wrong(tmp_path, capsys, edit, says):
+    lines = [{"rank": s, "stage": s, "step": step, "microbatches": 2, "forward_s": 0.01, "backward_s": 0.02,
+              "step_s": 0.05, "pipeline_s": 0.03, "sync_s": 0.01, "optimizer_s": 0.01}
+             for s in (0, 1) for step in (1, 2, 3)]
+    report = run_report.build_report(TWO_STAGES, "h" * 64, lines)
+    edit(report)
+    path = tmp_path / "run-report.json"
+    path.write_text(json.dumps(report))
+    for command in (["report", str(path)], ["calibrate", str(path), "--cluster", CPU2]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"not a run report: {says}" in err and "Traceback" not in err
 
 
 def _first_stage_step(stage: torch.nn.Module, tmp_path: Path) -> dict:

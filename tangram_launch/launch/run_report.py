@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import threading
@@ -331,7 +332,60 @@ def report_problem(report: Any) -> str | None:
     for i, stage in enumerate(stages):
         if not isinstance(stage, Mapping) or not isinstance(stage.get("measured"), Mapping) or "stage" not in stage:
             return f"stages[{i}] has no measurements"
+    return _field_problem(report)
+
+
+def _is_number(value: Any, *, optional: bool = False) -> bool:
+    if value is None:
+        return optional
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _field_problem(report: Mapping) -> str | None:
+    """The first field the predicted-vs-measured table reads that is not what this module writes, as 'field = value
+    (what it should be)'; None when every one is (an edited or truncated report is refused by name, not by a
+    traceback)."""
+    num, obj = "a number or null", "a mapping"
+    checks: list[tuple[str, Any, bool, str]] = []  # (field, value, whether it is as written, what it should be)
+
+    def numbers(where: str, values: Mapping, keys: tuple[str, ...]) -> None:
+        checks.extend((f"{where}.{key}", values.get(key), _is_number(values.get(key), optional=True), num)
+                      for key in keys)
+
+    for i, s in enumerate(report["stages"]):
+        index, layers, pred, memory = s.get("stage"), s.get("layers"), s.get("predicted"), s.get("memory")
+        checks += [(f"stages[{i}].stage", index, _is_index(index), "an integer >= 0"),
+                   (f"stages[{i}].layers", layers, isinstance(layers, list) and len(layers) == 2
+                    and all(_is_index(x) for x in layers), "[first, stop) layer indices"),
+                   (f"stages[{i}].ratio", s.get("ratio"), _is_number(s.get("ratio"), optional=True), num),
+                   (f"stages[{i}].predicted", pred, isinstance(pred, Mapping), obj),
+                   (f"stages[{i}].memory", memory, memory is None or isinstance(memory, Mapping), "a mapping or null")]
+        numbers(f"stages[{i}].predicted", pred if isinstance(pred, Mapping) else {}, ("forward_s", "backward_s"))
+        numbers(f"stages[{i}].measured", s["measured"], ("forward_s", "backward_s"))
+        if isinstance(memory, Mapping):
+            numbers(f"stages[{i}].memory", memory, ("predicted_allocated_gib", "measured_allocated_gib",
+                                                    "measured_reserved_gib", "ratio"))
+    it = report.get("iteration")
+    checks.append(("iteration", it, isinstance(it, Mapping), obj))
+    if isinstance(it, Mapping):
+        numbers("iteration", it, ("predicted_s", "measured_median_s"))
+        parts = it.get("parts") or {}
+        checks.append(("iteration.parts", parts, isinstance(parts, Mapping), obj))
+        for side in ("predicted", "measured") if isinstance(parts, Mapping) else ():
+            values = parts.get(side) or {}
+            checks.append((f"iteration.parts.{side}", values, isinstance(values, Mapping), obj))
+            if isinstance(values, Mapping):
+                numbers(f"iteration.parts.{side}", values, _STEP_PARTS)
+    n = report.get("steps_measured")
+    checks.append(("steps_measured", n, _is_index(n), "an integer >= 0"))
+    for field, value, ok, valid in checks:
+        if not ok:
+            return f"{field} is {value!r}, where a planned launch writes {valid}"
     return None
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def write_report(run_dir: str, report: Mapping) -> str:
