@@ -293,6 +293,12 @@ class Plan:
         if not (self.stages[0].has_embedding and self.stages[-1].has_head):
             raise SpecError("the first stage holds the embedding and the last the head",
                             field="stages.has_embedding/has_head")
+        last = len(self.stages) - 1
+        for s in self.stages:  # and no other stage does: its first layer would take hidden states as token ids
+            for key, holds, where in (("has_embedding", s.has_embedding, 0), ("has_head", s.has_head, last)):
+                if holds and s.index != where:
+                    raise SpecError(f"only stage {where} holds the {key[4:]}", field=f"stages[{s.index}].{key}",
+                                    value=holds, valid="false")
         derived = _derive_rank_layout(self.stages)
         if tuple(self.rank_layout) != derived:
             raise SpecError("rank_layout is not consistent with the stages (ranks are numbered stage by stage, "

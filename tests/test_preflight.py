@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -209,6 +210,26 @@ def test_a_plan_files_sequence_length_is_checked_against_its_model(tmp_path):
     path.write_text(json.dumps(plan))
     with pytest.raises(SpecError, match=r"field 'training.seq_len'.*plan again with --seq-len 64 or less"):
         preflight.read_plan_file(str(path), node_name=None, nnodes="1", nproc_per_node=2)
+
+
+@pytest.mark.parametrize("edit, field, says", [
+    # the workers refused it, each on its own, after the agent had started them all
+    (lambda p: p.__setitem__("schedule", "zb-v"), "runtime", "torch has no zb-v schedule (has: 1F1B, GPipe"),
+    # the second stage's first layer took hidden states as token ids (a traceback in the embedding)
+    (lambda p: p["stages"][1].__setitem__("has_embedding", True), "stages[1].has_embedding",
+     "only stage 0 holds the embedding"),
+    (lambda p: p["stages"][0].__setitem__("has_head", True), "stages[0].has_head", "only stage 1 holds the head"),
+])
+def test_a_plan_its_runtime_cannot_run_is_refused_before_any_worker(tmp_path, edit, field, says):
+    import json
+
+    plan = json.loads(EXAMPLE_PLAN.read_text())
+    edit(plan)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(SpecError, match=re.escape(says)) as info:
+        _check(["--standalone", "--nproc-per-node", "2", "--plan", str(path), str(TRAIN_GPT)])
+    assert f"field '{field}'" in str(info.value)
 
 
 def test_a_plan_for_another_world_is_refused_before_torch_counts_workers():
