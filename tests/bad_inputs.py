@@ -92,6 +92,8 @@ def hostile_files(tmp: Path) -> dict[str, str]:
         bomb.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 10) + "]")
     put("alias-bomb.yaml", ("\n".join(bomb) + "\n").encode())
     put("too-big.yaml", b"# " + b"x" * (17 << 20) + b"\n")
+    put("duplicate-key.yaml", b"name: x\nnodes: []\nname: y\n")
+    put("duplicate-key.json", b'{"name": "x", "nodes": [], "name": "y"}')
     fifo = tmp / "fifo.yaml"
     os.mkfifo(fifo)
     out["fifo"] = str(fifo)

@@ -34,7 +34,10 @@ HOSTILE = {"invalid-utf8.yaml": "not UTF-8 text (byte 6", "deep-json.json": "nes
            "deep-yaml.yaml": "nested deeper than 64 levels", "deep-json-object.json": "nested deeper than 64 levels",
            "huge-int.yaml": "Exceeds the limit (4300 digits)", "huge-int.json": "Exceeds the limit (4300 digits)",
            "alias-bomb.yaml": "expands to more than 1000000 values (YAML aliases)",
-           "too-big.yaml": "more than the 16777216 allowed", "fifo": "is a FIFO", "dev-zero": "is a device",
+           "too-big.yaml": "more than the 16777216 allowed",
+           "duplicate-key.yaml": "key 'name' given twice in one mapping (lines 1 and 3)",
+           "duplicate-key.json": "key 'name' given twice in one",  # "object"; "mapping" where read as YAML
+           "fifo": "is a FIFO", "dev-zero": "is a device",
            "directory": "is a directory"}
 
 

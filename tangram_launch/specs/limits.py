@@ -111,12 +111,29 @@ def _bad_float(text: str) -> float:
     raise ValueError(f"{text} is not a number JSON allows")
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def parse_json(text: str, *, source: str) -> Any:
     """JSON within the limits (NaN and Infinity refused: they are not JSON, and no field takes them)."""
     if not _json_depth_ok(text):
         raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source)
     try:
-        data = json.loads(text, parse_constant=_bad_float)
+        data = json.loads(text, parse_constant=_bad_float, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise SpecError(f"key {exc.key!r} given twice in one object; JSON readers keep the second silently",
+                        source=source, field=exc.key, valid="each key once") from None
     except json.JSONDecodeError as exc:
         raise SpecError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", source=source) from None
     except (ValueError, RecursionError) as exc:  # 5,000-digit integers, NaN, ...
@@ -254,6 +271,7 @@ def _check_yaml_nodes(root: Any, source: str) -> None:
         if isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)
         elif isinstance(node, yaml.MappingNode):
+            _check_duplicate_keys(node, source)
             for k, v in node.value:
                 stack.extend((k, v))
     for node in reversed(order):
@@ -270,6 +288,23 @@ def _check_yaml_nodes(root: Any, source: str) -> None:
             raise SpecError(f"expands to more than {MAX_NODES} values (YAML aliases)", source=source)
         if depth_of[id(node)] > MAX_DEPTH:
             raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source)
+
+
+def _check_duplicate_keys(node: Any, source: str) -> None:
+    """A key given twice in one mapping: YAML loaders keep the last silently, so an edit meant to replace a value
+    (or a block pasted twice) would plan something other than either line says."""
+    import yaml
+
+    first: dict[tuple[str, str], Any] = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        seen = first.setdefault((key.tag, key.value), key)
+        if seen is not key:
+            a, b = seen.start_mark.line + 1, key.start_mark.line + 1
+            where = f"lines {a} and {b}" if a != b else f"line {a}"
+            raise SpecError(f"key {key.value!r} given twice in one mapping ({where}); YAML would keep the second "
+                            "silently", source=source, field=key.value, valid="each key once")
 
 
 def bounded_int(value: Any, *, field: str, source: str | None = None, low: int = 1, high: int) -> int:
