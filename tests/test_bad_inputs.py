@@ -154,6 +154,8 @@ def test_frozen_plan_stage_fields_must_be_integers(tmp_path):
     (["-o", "{tmp}"], "field '--output': is a directory; give a file name"),
     (["--timeline", "{tmp}/missing/t.svg"], "field '--timeline': the directory {tmp}/missing does not exist"),
     (["--stages-out", "{tmp}"], "field '--stages-out': is a directory; give a file name"),
+    # a directory that passes the up-front check but takes no files: refused when written, not a traceback
+    (["-o", "/proc/p.json"], "/proc/p.json: cannot write the file (No such file or directory)"),
 ])
 def test_plan_command_options(tmp_path, extra, expect):
     extra = [e.format(tmp=tmp_path) for e in extra]

@@ -1,6 +1,7 @@
 """YAML in and out with errors that name the file and the field."""
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from typing import Any, Iterable, Mapping
@@ -39,11 +40,17 @@ def dump_bytes_file(data: bytes, path: str | os.PathLike) -> None:
     crash leaves the old file or the new one, never a torn one."""
     path = os.fspath(path)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # a directory that takes no files (/proc), a full disk, a read-only mount, ...
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise SpecError(f"cannot write the file ({exc.strerror or exc}); what was there before is unchanged",
+                        source=path) from None
 
 
 def dump_text_file(text: str, path: str | os.PathLike) -> None:
