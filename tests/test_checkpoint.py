@@ -297,6 +297,11 @@ def test_refusals_name_what_does_not_match(tmp_path):
         load_checkpoint(tmp_path / "nothing", plan=plan, state=state)
     assert f"no complete checkpoint in {tmp_path / 'nothing'}" in str(exc.value) and "step_<N>" in str(exc.value)
     save_checkpoint(tmp_path, plan=plan, state=state, position=TrainingPosition(1, 4))
+    # one checkpoint given where the directory that holds them is asked for: named, with the directory to give
+    with pytest.raises(SpecError, match=r"step_1 is one checkpoint \(step_1\), not the directory that holds them") \
+            as exc:
+        load_checkpoint(tmp_path / "step_1", plan=plan, state=state)
+    assert f"valid: {tmp_path} (--resume takes its newest complete checkpoint" in str(exc.value)
     # a different model: hidden size
     wider = ModelSpec.from_dict({**SPEC.to_dict(), "name": "wider", "hidden_size": 32})
     wplan = plan_of([(4, 1)], spec=wider)

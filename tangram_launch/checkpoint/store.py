@@ -259,6 +259,12 @@ def no_checkpoint_error(directory: str, skipped: list[Skipped], step: int | None
         msg += "; skipped: " + "; ".join(str(s) for s in skipped)
     elif not os.path.isdir(directory):
         msg += "; the directory does not exist"
+    name = os.path.basename(os.path.normpath(directory))
+    if not skipped and _STEP_DIR.match(name) and os.path.lexists(os.path.join(directory, MANIFEST)):
+        parent = os.path.dirname(os.path.abspath(directory))
+        return SpecError(f"{directory} is one checkpoint ({name}), not the directory that holds them", field=
+                         "checkpoint directory", value=directory,
+                         valid=f"{parent} (--resume takes its newest complete checkpoint; export takes --step N)")
     return SpecError(msg, field="checkpoint directory", value=directory)
 
 
