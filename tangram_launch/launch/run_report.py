@@ -342,9 +342,9 @@ def _is_number(value: Any, *, optional: bool = False) -> bool:
 
 
 def _field_problem(report: Mapping) -> str | None:
-    """The first field the predicted-vs-measured table reads that is not what this module writes, as 'field = value
-    (what it should be)'; None when every one is (an edited or truncated report is refused by name, not by a
-    traceback)."""
+    """The first field the predicted-vs-measured table reads that is not what this module writes, as 'field is
+    value, where a planned launch writes ...'; None when every one is (an edited or truncated report is refused by
+    name, not by a traceback)."""
     num, obj = "a number or null", "a mapping"
     checks: list[tuple[str, Any, bool, str]] = []  # (field, value, whether it is as written, what it should be)
 
