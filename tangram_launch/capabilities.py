@@ -167,8 +167,7 @@ class RuntimeCapabilities:
         shapes = [s.shape for s in plan.stages]
         pipelined = len(shapes) > 1
         out = list(caps.dtype_problems(str(plan.training.get("dtype", "fp32"))))
-        # GPipe is each adapter's own check (a one-stage plan runs under any name); any other name it does not run
-        if plan.schedule != "GPipe":
+        if plan.schedule in ("1F1B", "interleaved-1F1B"):  # GPipe is each adapter's own check
             out.extend(caps.schedule_problems(plan.schedule, virtual_stages=plan.virtual_stages,
                                               num_stages=len(shapes), num_microbatches=plan.num_microbatches,
                                               shapes=shapes))

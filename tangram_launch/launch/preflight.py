@@ -143,13 +143,6 @@ def validate_full_plan(plan: Mapping, layout: W.RankLayout, source: str) -> None
     derived = [(r.rank, r.node, r.local_gpu) for r in full.rank_layout]
     if derived != [(s.rank, s.node, s.local_gpu) for s in layout.slots]:
         raise SpecError("rank_layout rows differ from the Plan's", source=source, field="rank_layout")
-    from tangram_launch.capabilities import capabilities_for
-
-    problems = capabilities_for(full.runtime).plan_problems(full)  # before any worker, not in every one of them
-    if problems:
-        raise SpecError(f"the {full.runtime} runtime cannot execute this plan: " + "; ".join(problems),
-                        source=source, field="runtime", value=full.runtime,
-                        valid="a plan made for this runtime (tangram-launch plan --runtime NAME)")
 
 
 def read_plan_file(source: str, data: bytes | None = None, *, node_name: str | None, nnodes: str,
