@@ -290,15 +290,18 @@ class Plan:
                     f"micro_batch_size*dp*num_microbatches = {s.micro_batch_size}*{s.dp}*{self.num_microbatches}"
                     f" must equal the global batch {gb}", field=f"stages[{s.index}].micro_batch_size",
                     value=s.micro_batch_size)
-        if not (self.stages[0].has_embedding and self.stages[-1].has_head):
-            raise SpecError("the first stage holds the embedding and the last the head",
-                            field="stages.has_embedding/has_head")
         last = len(self.stages) - 1
-        for s in self.stages:  # and no other stage does: its first layer would take hidden states as token ids
+        # exactly the first stage holds the embedding and exactly the last the head (a later stage's embedding
+        # would take hidden states as token ids)
+        for s in self.stages:
             for key, holds, where in (("has_embedding", s.has_embedding, 0), ("has_head", s.has_head, last)):
-                if holds and s.index != where:
-                    raise SpecError(f"only stage {where} holds the {key[4:]}", field=f"stages[{s.index}].{key}",
-                                    value=holds, valid="false")
+                if holds == (s.index == where):
+                    continue
+                if not holds:
+                    raise SpecError("the first stage holds the embedding and the last the head",
+                                    field="stages.has_embedding/has_head")
+                raise SpecError(f"only stage {where} holds the {key[4:]}", field=f"stages[{s.index}].{key}",
+                                value=holds, valid="false")
         derived = _derive_rank_layout(self.stages)
         if tuple(self.rank_layout) != derived:
             raise SpecError("rank_layout is not consistent with the stages (ranks are numbered stage by stage, "

@@ -30,6 +30,7 @@ import statistics
 from typing import Any, Mapping
 
 from tangram_launch.errors import SpecError
+from tangram_launch.launch.run_report import is_index
 from tangram_launch.specs.cluster import ClusterSpec, GPUSpec
 
 DEFAULT_TOLERANCE = 0.05
@@ -82,8 +83,13 @@ def _ratio(value: Any, field: str, what: str) -> float:
 
 
 def _check_index(value: Any, field: str, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_index(value):
         raise SpecError(what, field=field, value=value, valid="an integer >= 0")
+
+
+def _check_mapping(value: Any, field: str, valid: str) -> None:
+    if not isinstance(value, Mapping):
+        raise SpecError("expected a mapping", field=field, value=type(value).__name__, valid=valid)
 
 
 def _stage_rows(report: Mapping) -> list[tuple[int, str, Mapping, list[tuple[str, str, int, Mapping]]]]:
@@ -97,8 +103,7 @@ def _stage_rows(report: Mapping) -> list[tuple[int, str, Mapping, list[tuple[str
     out = []
     for k, stage in enumerate(stages):
         where = f"stages[{k}]"
-        if not isinstance(stage, Mapping):
-            raise SpecError("expected a mapping", field=where, value=type(stage).__name__, valid="a stage's entry")
+        _check_mapping(stage, where, "a stage's entry")
         index = stage.get("stage")
         _check_index(index, f"{where}.stage", "expected the stage's index")
         ranks = stage.get("ranks") or []
@@ -108,8 +113,7 @@ def _stage_rows(report: Mapping) -> list[tuple[int, str, Mapping, list[tuple[str
         rows = []
         for j, row in enumerate(ranks):
             rwhere = f"{where}.ranks[{j}]"
-            if not isinstance(row, Mapping):
-                raise SpecError("expected a mapping", field=rwhere, value=type(row).__name__, valid="a rank's entry")
+            _check_mapping(row, rwhere, "a rank's entry")
             node, gpu = row.get("node"), row.get("local_gpu")
             if node is None:
                 continue  # a rank the run did not place on a named node: nothing to calibrate
@@ -128,9 +132,7 @@ def memory_factors(report: Mapping) -> dict[tuple[str, int], tuple[int, float]]:
     out: dict[tuple[str, int], tuple[int, float]] = {}
     for index, where, stage, rows in _stage_rows(report):
         memory = stage.get("memory") or {}
-        if not isinstance(memory, Mapping):
-            raise SpecError("expected a mapping", field=f"{where}.memory", value=type(memory).__name__,
-                            valid="the stage's memory figures")
+        _check_mapping(memory, f"{where}.memory", "the stage's memory figures")
         if memory.get("ratio") is None:
             continue
         ratio = _ratio(memory["ratio"], f"{where}.memory.ratio", "a stage's measured/predicted memory ratio")

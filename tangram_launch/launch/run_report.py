@@ -354,9 +354,9 @@ def _field_problem(report: Mapping) -> str | None:
 
     for i, s in enumerate(report["stages"]):
         index, layers, pred, memory = s.get("stage"), s.get("layers"), s.get("predicted"), s.get("memory")
-        checks += [(f"stages[{i}].stage", index, _is_index(index), "an integer >= 0"),
+        checks += [(f"stages[{i}].stage", index, is_index(index), "an integer >= 0"),
                    (f"stages[{i}].layers", layers, isinstance(layers, list) and len(layers) == 2
-                    and all(_is_index(x) for x in layers), "[first, stop) layer indices"),
+                    and all(is_index(x) for x in layers), "[first, stop) layer indices"),
                    (f"stages[{i}].ratio", s.get("ratio"), _is_number(s.get("ratio"), optional=True), num),
                    (f"stages[{i}].predicted", pred, isinstance(pred, Mapping), obj),
                    (f"stages[{i}].memory", memory, memory is None or isinstance(memory, Mapping), "a mapping or null")]
@@ -377,14 +377,15 @@ def _field_problem(report: Mapping) -> str | None:
             if isinstance(values, Mapping):
                 numbers(f"iteration.parts.{side}", values, _STEP_PARTS)
     n = report.get("steps_measured")
-    checks.append(("steps_measured", n, _is_index(n), "an integer >= 0"))
+    checks.append(("steps_measured", n, is_index(n), "an integer >= 0"))
     for field, value, ok, valid in checks:
         if not ok:
             return f"{field} is {value!r}, where a planned launch writes {valid}"
     return None
 
 
-def _is_index(value: Any) -> bool:
+def is_index(value: Any) -> bool:
+    """An integer >= 0 (not a bool): a stage, layer or GPU index as a launch writes it."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
