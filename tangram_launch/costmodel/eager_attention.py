@@ -34,7 +34,7 @@ Hugging Face models (Llama, OPT, BLOOM) up-cast it explicitly, as autocast does,
 from __future__ import annotations
 
 FP32_BYTES = 4
-MASK_BYTES = 1  # dropout's boolean keep-mask, one byte per element
+MASK_BYTES = 1  # dropout's boolean keep-mask, one byte per element (Korthikanti et al. 2022, sec. 4.1)
 
 
 def eager_score_bytes(dtype_bytes: int, *, autocast: bool, dropout: bool) -> tuple[float, float]:

@@ -77,7 +77,8 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from tangram_launch.costmodel import op_sac
 from tangram_launch.costmodel.composed_activation import COMPOSED
-from tangram_launch.costmodel.eager_attention import eager_score_saved_bytes
+# FP32_BYTES and MASK_BYTES are defined once, in eager_attention (which this module imports)
+from tangram_launch.costmodel.eager_attention import FP32_BYTES, MASK_BYTES, eager_score_saved_bytes
 from tangram_launch.costmodel.efficiency import GIB
 from tangram_launch.costmodel.measured_layers import measured_points, price
 from tangram_launch.costmodel.moe_dispatch import DEFAULT_MOE_RUNTIME, MoERuntime
@@ -86,8 +87,6 @@ from tangram_launch.costmodel.op_sac import OP_SAC_POLICIES
 if TYPE_CHECKING:  # pragma: no cover
     from tangram_launch.specs.model import ModelSpec
 
-FP32_BYTES = 4
-MASK_BYTES = 1  # dropout masks are stored as bytes (Korthikanti et al. 2022, sec. 4.1)
 # Fixed per-GPU overhead outside the allocator's view of tensors (so outside torch.cuda.max_memory_reserved, inside
 # nvidia-smi's figure): the CUDA context with cuBLAS/cuDNN handles and workspaces (~0.4-0.6 GiB under CUDA 12 with
 # lazy module loading) plus NCCL communicator buffers (NCCL_BUFFSIZE 4 MiB x channels x peers). Measured: 544 MB for
