@@ -63,8 +63,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (every --save-every steps)")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="save every N steps (0: never)")
     p.add_argument("--keep-last", type=int, default=3, metavar="K", help="checkpoints to keep (default 3)")
-    p.add_argument("--resume", metavar="DIR", help="resume from the newest complete checkpoint in DIR (default: "
-                                                    "the one tangram-launch --resume hands over, if any)")
+    p.add_argument("--resume", metavar="DIR", help="resume from the newest complete checkpoint in DIR, or from "
+                                                    "DIR/step_N (default: what tangram-launch --resume hands over)")
     return p
 
 

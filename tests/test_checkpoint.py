@@ -17,6 +17,8 @@ import socket
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -290,6 +292,36 @@ def test_keep_last_and_never_overwrite(tmp_path):
         save_checkpoint(tmp_path, plan=plan, state=state, position=TrainingPosition(5, 0), keep_last=0)
 
 
+def test_one_checkpoint_named_loads_that_step_and_newer_history_is_kept(tmp_path):
+    """``DIR/step_N`` names one checkpoint (an older step, as Megatron's --ckpt-step chooses): load, describe and
+    the launcher's directory read it; saves of the run resumed from it never prune the newer history's."""
+    plan = plan_of([(4, 1)])
+    module, opt, state = whole_state(plan)
+    saved = {}
+    for step in (2, 4, 6):  # saved every 2 steps
+        train(module, opt, [step])
+        save_checkpoint(tmp_path, plan=plan, state=state, position=TrainingPosition(step, 4 * step), keep_last=None)
+        saved[step] = {k: v.clone() for k, v in module.state_dict().items()}
+    m2, o2, s2 = whole_state(plan, seed=42)
+    loaded = load_checkpoint(tmp_path / "step_4", plan=plan, state=s2)
+    assert loaded.step == 4 and loaded.position.consumed_samples == 16
+    assert all(torch.equal(v, saved[4][k]) for k, v in m2.state_dict().items())
+    assert describe(str(tmp_path / "step_2")).step == 2 and describe(str(tmp_path)).step == 6
+    assert store.home_directory(str(tmp_path / "step_2")) == str(tmp_path)
+    assert store.home_directory(str(tmp_path)) == str(tmp_path)
+    assert store.one_checkpoint(str(tmp_path / "nothing" / "step_2")) is None  # no manifest: not a checkpoint
+    # resumed from step 2 and saving every step with keep_last=1: its step 3 goes in beside steps 4 and 6, which
+    # neither count nor go (the older step 2 does); step 4 itself is never overwritten
+    save_checkpoint(tmp_path, plan=plan, state=s2, position=TrainingPosition(3, 12), keep_last=1)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_3", "step_4", "step_6"]
+    with pytest.raises(SpecError, match="already exists; a complete checkpoint is never overwritten"):
+        save_checkpoint(tmp_path, plan=plan, state=s2, position=TrainingPosition(4, 16), keep_last=1)
+    # a torn checkpoint named: the directory holding it is searched for that step, and says why it was skipped
+    os.remove(tmp_path / "step_6" / store.POSITION_FILE)
+    with pytest.raises(SpecError, match=r"no complete checkpoint in .*looked for step_6/.*step_6 \(step 6\)"):
+        load_checkpoint(tmp_path / "step_6", plan=plan, state=s2)
+
+
 def test_refusals_name_what_does_not_match(tmp_path):
     plan = plan_of([(4, 1)])
     module, opt, state = whole_state(plan)
@@ -297,11 +329,10 @@ def test_refusals_name_what_does_not_match(tmp_path):
         load_checkpoint(tmp_path / "nothing", plan=plan, state=state)
     assert f"no complete checkpoint in {tmp_path / 'nothing'}" in str(exc.value) and "step_<N>" in str(exc.value)
     save_checkpoint(tmp_path, plan=plan, state=state, position=TrainingPosition(1, 4))
-    # one checkpoint given where the directory that holds them is asked for: named, with the directory to give
-    with pytest.raises(SpecError, match=r"step_1 is one checkpoint \(step_1\), not the directory that holds them") \
-            as exc:
-        load_checkpoint(tmp_path / "step_1", plan=plan, state=state)
-    assert f"valid: {tmp_path} (--resume takes its newest complete checkpoint" in str(exc.value)
+    # one checkpoint named, with another step asked for: both named, and what would be valid
+    with pytest.raises(SpecError, match=r"step_1 is the checkpoint of step 1, not of step 3") as exc:
+        load_checkpoint(tmp_path / "step_1", plan=plan, state=state, step=3)
+    assert exc.value.field == "step" and f"the directory {tmp_path} to choose any of its steps" in str(exc.value)
     # a different model: hidden size
     wider = ModelSpec.from_dict({**SPEC.to_dict(), "name": "wider", "hidden_size": 32})
     wplan = plan_of([(4, 1)], spec=wider)
@@ -638,3 +669,28 @@ def test_cuda_round_trip(tmp_path):
     for p, q in zip(module.parameters(), other.parameters()):
         for k, v in opt.state[p].items():
             assert torch.equal(opt2.state[q][k].cpu(), v.cpu()) and opt2.state[q][k].device == v.device, k
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.sets(st.integers(0, 10**6), min_size=1, max_size=5), data=st.data())
+def test_a_named_checkpoint_is_its_directory_at_its_step(steps, data):
+    """For any checkpoint directory: ``DIR/step_N`` (with or without a trailing slash) is DIR at step N, DIR itself
+    and a step directory without a manifest are directories, and a step other than N is refused naming both."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        for s in steps:
+            os.makedirs(os.path.join(root, f"step_{s}"))
+            if s % 3:  # the others: no manifest (not a checkpoint, whatever the name)
+                open(os.path.join(root, f"step_{s}", store.MANIFEST), "w").close()
+        step = data.draw(st.sampled_from(sorted(steps)))
+        path = os.path.join(root, f"step_{step}") + data.draw(st.sampled_from(["", os.sep]))
+        assert store.checkpoint_location(root, None) == (root, None)
+        assert store.home_directory(root) == root
+        if not step % 3:
+            assert store.checkpoint_location(path, None) == (path, None) and store.home_directory(path) == path
+            return
+        assert store.checkpoint_location(path, None) == (root, step) == store.checkpoint_location(path, step)
+        assert store.home_directory(path) == root
+        with pytest.raises(SpecError, match=f"checkpoint of step {step}, not of step {step + 1}"):
+            store.checkpoint_location(path, step + 1)

@@ -84,6 +84,34 @@ def test_deepspeed_example_resumes_under_a_new_layout(tmp_path):
 
 
 @pytest.mark.distributed
+def test_resume_from_an_older_step_named_by_its_directory(tmp_path):
+    """``--resume ckpt/step_2`` where step 4 exists: refused while the run's checkpoint directory would be ckpt/
+    (step 4 is another history), resumed exactly (A's losses) with a checkpoint directory of its own."""
+    example = str(EXAMPLES / "train_gpt.py")
+    plan = _plan_file(tmp_path, "A", LAYOUT_A, "torch")
+    ckpt = tmp_path / "ckpt"
+    a = _cli(tmp_path, "--nproc-per-node", "2", "--plan", plan, example, "--steps", "4", "--save-dir", str(ckpt),
+             "--save-every", "2", "--out", "a.json")
+    assert a.returncode == 0, a.stderr[-3000:]
+    before = sorted(str(p) for p in ckpt.rglob("*"))
+    refused = _cli(tmp_path, "--nproc-per-node", "2", "--plan", plan, "--resume", str(ckpt / "step_2"), example,
+                   "--steps", "4", "--out", "refused.json")
+    assert refused.returncode == 2 and not (tmp_path / "refused.json").exists(), refused.stderr[-3000:]
+    assert (f"{ckpt} holds {ckpt / 'step_4'} (step 4), newer than the resumed {ckpt / 'step_2'} (step 2)"
+            in refused.stderr and "--checkpoint-dir NEW_DIR" in refused.stderr), refused.stderr[-3000:]
+    assert sorted(str(p) for p in ckpt.rglob("*")) == before  # nothing written or removed
+    again = tmp_path / "again"
+    b = _cli(tmp_path, "--nproc-per-node", "2", "--plan", plan, "--resume", str(ckpt / "step_2"), "--checkpoint-dir",
+             str(again), example, "--steps", "4", "--save-dir", str(again), "--save-every", "1", "--out", "b.json")
+    assert b.returncode == 0, b.stderr[-3000:]
+    ra, rb = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert rb["steps"] == [3, 4] and rb["resumed"]["step"] == 2
+    assert rb["losses"] == pytest.approx(ra["losses"][2:], rel=1e-5, abs=1e-6)
+    assert f"resuming from {ckpt / 'step_2'}: step 2, 16 samples consumed" in b.stderr
+    assert sorted(n for n in os.listdir(again) if n.startswith("step_")) == ["step_3", "step_4"]
+
+
+@pytest.mark.distributed
 def test_missing_or_empty_checkpoint_directory_exits_2_naming_it(tmp_path):
     plan = _plan_file(tmp_path, "R", [(4, "local")], "torch")
     marker = tmp_path / "started"

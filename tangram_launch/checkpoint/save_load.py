@@ -438,7 +438,7 @@ def save_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
 
 # --- load -----------------------------------------------------------------------------------------------------------
 
-def _find(directory: str, comm: Comm, step: int | None) -> tuple[str, int, dict[str, Any], list[Skipped]]:
+def _find(directory: str, step: int | None, comm: Comm) -> tuple[str, int, dict[str, Any], list[Skipped]]:
     """Collective: the newest complete checkpoint, its files verified with the work spread over the ranks."""
     cands = comm.broadcast(store.list_candidates(directory) if comm.rank == 0 else None)
     skipped: list[Skipped] = []
@@ -572,7 +572,8 @@ def restore_checked_rng(state: Mapping[str, Any], source: str) -> None:
 
 def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageState, step: int | None = None,
                     rng: str = "auto", restore_hparams: bool = True, group: Any = None) -> LoadedCheckpoint:
-    """Load the newest complete checkpoint (or ``step``) into this rank's state under ``plan``; collective.
+    """Load the newest complete checkpoint (or ``step``; or the one ``directory`` names, ``DIR/step_<N>``) into
+    this rank's state under ``plan``; collective.
 
     The plan may differ from the one the checkpoint was written under (stages, layer ranges, world size); the
     model may not. ``rng``: "auto" restores each rank's own RNG states when the layout is unchanged and rank 0's on
@@ -584,7 +585,7 @@ def load_checkpoint(directory: str | os.PathLike, *, plan: Plan, state: StageSta
     comm = Comm.create(group)
     _check_world(comm, plan)
     t0 = time.perf_counter()
-    path, found_step, manifest, skipped = _find(directory, comm, step)
+    path, found_step, manifest, skipped = _find(*store.checkpoint_location(directory, step), comm)
     fmt = manifest.get("state_format", STATE_FORMAT)
     if fmt != STATE_FORMAT:
         raise SpecError(f"checkpoint {path} holds '{fmt}' state, which this loader does not read (Megatron-core "

@@ -224,13 +224,47 @@ class Found:
     skipped: tuple[Skipped, ...]
 
 
+def one_checkpoint(path: str) -> tuple[str, int] | None:
+    """(the directory that holds it, its step) when ``path`` names one checkpoint (``DIR/step_<N>`` with a
+    manifest), else None: a directory of checkpoints."""
+    name = os.path.basename(os.path.normpath(path))
+    m = _STEP_DIR.match(name)
+    if m is None or len(m.group(1)) > confined.MAX_JSON_INT_DIGITS:
+        return None
+    if not os.path.lexists(os.path.join(path, MANIFEST)):
+        return None
+    return os.path.dirname(os.path.abspath(path)), int(m.group(1))
+
+
+def checkpoint_location(path: str, step: int | None = None) -> tuple[str, int | None]:
+    """(directory, step) to look in: ``path`` and ``step`` as given, or, where ``path`` names one checkpoint, the
+    directory holding it at its step (as Megatron's --ckpt-step or DeepSpeed's checkpoint tag choose one); a
+    ``step`` other than the named checkpoint's is refused."""
+    one = one_checkpoint(path)
+    if one is None:
+        return path, step
+    if step is not None and step != one[1]:
+        raise SpecError(f"{path} is the checkpoint of step {one[1]}, not of step {step}", field="step", value=step,
+                        valid=f"{one[1]}, or the directory {one[0]} to choose any of its steps")
+    return one
+
+
+def home_directory(path: str) -> str:
+    """The directory a run resumed from ``path`` keeps its checkpoints in: ``path``, or the one holding the single
+    checkpoint it names."""
+    one = one_checkpoint(path)
+    return one[0] if one is not None else path
+
+
 def find_latest(directory: str, *, step: int | None = None, checksums: bool = True) -> Found:
-    """The newest complete checkpoint under ``directory`` (or the one of ``step``), verified on one process.
+    """The newest complete checkpoint under ``directory`` (or the one of ``step``; or the checkpoint ``directory``
+    names: checkpoint_location), verified on one process.
 
     Newer torn or corrupt ones are skipped and logged. SpecError when there is none, naming where it looked and
     what it skipped. (``tangram_launch.checkpoint.load_checkpoint`` does the same with the verification spread over
     ranks.)
     """
+    directory, step = checkpoint_location(directory, step)
     skipped: list[Skipped] = []
     for cand in list_candidates(directory):
         if step is not None and cand.step != step:
@@ -259,12 +293,6 @@ def no_checkpoint_error(directory: str, skipped: list[Skipped], step: int | None
         msg += "; skipped: " + "; ".join(str(s) for s in skipped)
     elif not os.path.isdir(directory):
         msg += "; the directory does not exist"
-    name = os.path.basename(os.path.normpath(directory))
-    if not skipped and _STEP_DIR.match(name) and os.path.lexists(os.path.join(directory, MANIFEST)):
-        parent = os.path.dirname(os.path.abspath(directory))
-        return SpecError(f"{directory} is one checkpoint ({name}), not the directory that holds them", field=
-                         "checkpoint directory", value=directory,
-                         valid=f"{parent} (--resume takes its newest complete checkpoint; export takes --step N)")
     return SpecError(msg, field="checkpoint directory", value=directory)
 
 
@@ -279,13 +307,18 @@ def prune(directory: str, keep_last: int, *, keep: str) -> list[str]:
     bytes again); one that does not verify is kept (the loader skips it, naming it) and does not count, so an older
     complete checkpoint is removed only once ``keep_last`` newer ones verify, and nothing at or after the newest
     verified one is ever removed. Only directories with a manifest count as checkpoints; a committed directory
-    without one is left alone (not ours to judge), and so is anything that is not named like a checkpoint. Cost:
-    rank 0 re-reads up to ``keep_last - 1`` older checkpoints, and only when there is something to remove.
+    without one is left alone (not ours to judge), and so is anything that is not named like a checkpoint. Steps
+    newer than ``keep`` (another history: a run resumed from an older checkpoint of this directory) neither count
+    nor go. Cost: rank 0 re-reads up to ``keep_last - 1`` older checkpoints, and only when there is something to
+    remove.
     """
     removed = []
-    complete = [c for c in list_candidates(directory)
-                if c.committed and os.path.lexists(os.path.join(c.path, MANIFEST))]
     keep_abs = os.path.abspath(keep)
+    m = _STEP_DIR.match(os.path.basename(keep_abs))
+    keep_step = int(m.group(1)) if m else None
+    complete = [c for c in list_candidates(directory)
+                if c.committed and os.path.lexists(os.path.join(c.path, MANIFEST))
+                and (keep_step is None or c.step <= keep_step)]
     if len(complete) > keep_last:  # something may go: count verified checkpoints from the newest down
         verified = 0
         for c in complete:

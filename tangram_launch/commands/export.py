@@ -24,7 +24,8 @@ T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CKPT_DIR", help="a checkpoint directory (the newest complete step)")
+    parser.add_argument("checkpoint", metavar="CKPT_DIR",
+                        help="a checkpoint directory (its newest complete step) or one checkpoint, DIR/step_N")
     parser.add_argument("out", metavar="OUT_DIR", help="where to write the exported model")
     parser.add_argument("--to", required=True, choices=FORMATS, help="the format to write")
     parser.add_argument("--config", metavar="PATH", help="Hugging Face config.json (or its folder); default: the "

@@ -126,10 +126,13 @@ def add_tangram_options(g: argparse._ActionsContainer, *, aliases: bool = True) 
                         "plan.")
     g.add_argument(*names("--node-name", "--node_name"), metavar="NAME", default=None,
                    help="Which plan node this agent is (default: matched by host name).")
-    g.add_argument("--resume", metavar="DIR", default=None, help="Resume from this checkpoint directory.")
+    g.add_argument("--resume", metavar="DIR", default=None,
+                   help="Resume from the newest complete checkpoint in this directory, or from the one checkpoint "
+                        "DIR/step_N names.")
     g.add_argument(*names("--checkpoint-dir", "--checkpoint_dir"), metavar="DIR", default=None,
-                   help="The run's checkpoint directory (default: the --resume one): locked against other runs, and "
-                        "a restart round (--max-restarts) resumes from its newest complete checkpoint.")
+                   help="The run's checkpoint directory (default: the --resume one, or the one holding the "
+                        "checkpoint it names): locked against other runs, and a restart round (--max-restarts) "
+                        "resumes from its newest complete checkpoint.")
     g.add_argument(*names("--run-dir", "--run_dir"), metavar="DIR", default=None,
                    help="Where a planned launch writes its run report (run-report.json: predicted vs measured per "
                         "stage) and the workers' timings (default: tangram-runs/<time>-<plan hash>).")

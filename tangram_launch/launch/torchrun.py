@@ -148,6 +148,13 @@ class TangramOptions:
     def planning_given(self) -> list[str]:
         return [name for name in PLANNING_OPTIONS if getattr(self, name) not in (None, False)]
 
+    def run_checkpoint_dir(self) -> str | None:
+        """The run's checkpoint directory: ``--checkpoint-dir``, else the one ``--resume`` names or whose single
+        checkpoint it names (``DIR/step_<N>``: DIR), else None."""
+        from tangram_launch.checkpoint.store import home_directory
+
+        return self.checkpoint_dir or (home_directory(self.resume) if self.resume else None)
+
 
 @dataclass(frozen=True)
 class LaunchOptions:
@@ -443,11 +450,13 @@ def run(argv: Sequence[str], *, plan_provider: PlanProvider | None = plan_at_lau
     if opts.plan is not None and planning and not hand_written:
         logger.warning("ignoring %s: the plan %s fixes them",
                        ", ".join("--" + p.replace("_", "-") for p in planning), opts.plan)
-    ckpt_dir = opts.checkpoint_dir or opts.resume
+    ckpt_dir = opts.run_checkpoint_dir()
     elastic = opts.plan is None and (bool(planning) or resume_info is not None) and not options.fixed_nodes
     if ckpt_dir:  # one run per checkpoint directory; workers inherit the token and the directory
-        from tangram_launch.launch.checkpoint_dir import hold_checkpoint_dir
+        from tangram_launch.launch.checkpoint_dir import check_one_history, hold_checkpoint_dir
 
+        if resume_info is not None:
+            check_one_history(ckpt_dir, resume_info, field="--checkpoint-dir" if opts.checkpoint_dir else "--resume")
         hold_checkpoint_dir(ckpt_dir, shared_by_agents=elastic)
     if opts.plan is None and not planning and resume_info is None:
         return _launch(args, None)
