@@ -56,6 +56,10 @@ class RuntimeCapabilities:
     # attention runs through torch's scaled_dot_product_attention (runtime_adapters/gpt.py): where the GPU has no
     # FlashAttention kernel (before Ampere) SDPA picks its memory-efficient one, which keeps no s x s scores
     sdpa_attention: bool = False
+    # ZeRO 0's gradient all-reduce copies every gradient into flat buckets, divides them there and copies them back
+    # (runtime_adapters/torch_native._bucketed_all_reduce): three read-write passes beside the collective (off: the
+    # runtime reduces gradients where they live, as Megatron's DDP does in its contiguous gradient buffer)
+    dp_flat_buckets: bool = False
     # environment every worker of a plan for this runtime starts with, unless the user set the variable (set by the
     # worker bootstrap before the script runs, so before any CUDA context exists)
     worker_env: tuple[tuple[str, str], ...] = ()
@@ -211,6 +215,7 @@ TORCH = RuntimeCapabilities(
     # fp32 shards, fp32 gradients and Adam moments take what the cost model's 16-bit storage assumes
     autocast_fp32_weights=True,
     sdpa_attention=True,
+    dp_flat_buckets=True,
     dtype_notes=(("fp8", "the torch runtime builds plain nn.Linear layers; it has no FP8 GEMM path "
                          "(Transformer Engine or torchao Float8)"),),
 )

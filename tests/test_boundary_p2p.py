@@ -238,7 +238,7 @@ def test_a_hand_written_boundary_inside_an_island_costs_what_the_parallelizers_s
     rc = main(["estimate", "--cluster", str(tmp_path / "cluster.yaml"), "--model", "tiny", "--global-batch", "16",
                "--seq-len", "64", "--dtype", "fp32", "--island", "a100-40gb", "--tp", "1", "--pp", "2", "--dp",
                str(stage_gpus), "--mbs", str(b // stage_gpus), "--zero", str(first["zero_stage"]), "--recompute",
-               first["recompute"], "--format", "json"])
+               first["recompute"], "--runtime", "torch", "--format", "json"])
     assert rc == 0
     sliced = json.loads(capsys.readouterr().out)
     assert [s["layers"] for s in sliced["stages"]] == [s["layers"] for s in plan["stages"]]
