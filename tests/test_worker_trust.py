@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tangram_launch.checkpoint import TrainingPosition, save_checkpoint
 from tangram_launch.checkpoint import lock as checkpoint_lock
+from tangram_launch.checkpoint import store
 from tangram_launch.checkpoint.rounds import ENV_CHECKPOINT_DIR, ENV_RESUME_DIR, ENV_RESTART_COUNT
 from tangram_launch.errors import SpecError
 from tangram_launch.launch import lifetime, worker_exit
@@ -160,6 +161,25 @@ def test_a_restart_round_resumes_from_the_scripts_save_directory(tmp_path):
     assert resume_dir_for_script(old, save, env=restarted) == save  # step 4 beats --resume's step 2
     assert resume_dir_for_script(None, save, env={**restarted, ENV_RESUME_DIR: old, ENV_CHECKPOINT_DIR: old}) == save
     assert resume_dir_for_script(None, str(tmp_path / "none"), env=restarted) is None
+
+
+def test_a_restart_round_of_a_run_resumed_from_one_older_checkpoint(tmp_path):
+    """``tangram-launch --resume ckpt/step_2 --checkpoint-dir new``: round 0 and a restart before the run saved
+    resume step 2 (not ckpt's newer step 4); once the run saved into new/, a restart resumes from there."""
+    plan = plan_of([(4, 1)])
+    module, opt, state = whole_state(plan)
+    for step in (2, 4):
+        train(module, opt, [step])
+        save_checkpoint(tmp_path / "ckpt", plan=plan, state=state, position=TrainingPosition(step, step * BATCH))
+    one, new = str(tmp_path / "ckpt" / "step_2"), str(tmp_path / "new")
+    env = {ENV_RESUME_DIR: one, ENV_CHECKPOINT_DIR: new}
+    assert resume_dir_for_script(None, new, env=env) == one
+    restarted = {**env, ENV_RESTART_COUNT: "1"}
+    assert resume_dir_for_script(None, new, env=restarted) == one  # nothing saved yet: still step 2
+    assert store.find_latest(one).step == 2  # what the workers then load
+    train(module, opt, [3])
+    save_checkpoint(new, plan=plan, state=state, position=TrainingPosition(3, 3 * BATCH))
+    assert resume_dir_for_script(None, new, env=restarted) == new
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "deep", "huge"])
