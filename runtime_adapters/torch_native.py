@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, ClassVar
 
@@ -366,6 +366,7 @@ class TorchTrainingContext:
     timer: StageTimer | None = None  # per-step stage timings for the run report (launched with a run directory)
     steps_done: int = 0
     casts_once: bool = False  # 16-bit weights cast once per step (casts_once_per_step), not once per micro-batch
+    flat_buckets: "FlatBuckets" = field(default_factory=lambda: FlatBuckets())  # ZeRO 0's gradient all-reduce
 
     @property
     def is_last_stage(self) -> bool:
@@ -448,11 +449,11 @@ class TorchTrainingContext:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if id(p) not in sharded]
-        _bucketed_all_reduce(grads, self.groups.dp, self.place.stage.dp)
+        _bucketed_all_reduce(grads, self.groups.dp, self.place.stage.dp, self.flat_buckets)
         if self.experts is not None:
             grads = [p.grad for p in params if id(p) in sharded]
             _bucketed_all_reduce(grads, self.experts.edp if len(self.experts.edp_ranks) > 1 else None,
-                                 self.experts.replicas)
+                                 self.experts.replicas, self.flat_buckets)
 
     def moe_stats(self, *, reset: bool = True) -> dict[str, float] | None:
         """Routing figures of the whole model since the last reset (collective over the world; None for a dense
@@ -517,22 +518,52 @@ class TorchTrainingContext:
         release_default_group(self.owns_default_group)
 
 
-def _bucketed_all_reduce(grads: list[torch.Tensor], group: Any, divisor: int, bucket_bytes: int = 25 * 2**20) -> None:
-    """Sum ``grads`` over ``group`` (None: this rank alone) and divide by ``divisor``, a few flat buckets at a time."""
+def _bucketed_all_reduce(grads: list[torch.Tensor], group: Any, divisor: int, buckets: "FlatBuckets") -> None:
+    """Sum ``grads`` over ``group`` and divide by ``divisor``, through ``buckets`` (None: this rank alone, each
+    gradient divided where it lives)."""
     import torch.distributed as dist
 
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for i, g in enumerate(grads):
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        if size >= bucket_bytes or i == len(grads) - 1:
-            flat = torch.cat([x.reshape(-1) for x in bucket])
-            if group is not None:
-                dist.all_reduce(flat, group=group)
-            flat.div_(divisor)
-            offset = 0
-            for x in bucket:
-                x.copy_(flat[offset:offset + x.numel()].view_as(x))
-                offset += x.numel()
-            bucket, size = [], 0
+    if group is None:
+        for g in grads:
+            g.div_(divisor)
+        return
+    buckets.reduce(grads, lambda flat: dist.all_reduce(flat, group=group), divisor)
+
+
+class FlatBuckets:
+    """Gradients copied into flat buckets of about ``bucket_bytes``, each reduced in place, divided and copied back:
+    three read-write passes over every gradient beside the reduction, which the cost model prices
+    (RuntimeCapabilities.dp_flat_buckets). The buckets go through one buffer per dtype and device, kept across steps:
+    a fresh one each step pays the host allocator's page faults wherever it maps a bucket anew (glibc on a CPU,
+    buckets of MiBs: 2.5x the copies' time)."""
+
+    def __init__(self, bucket_bytes: int = 25 * 2**20) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def reduce(self, grads: list[torch.Tensor], reduce: Callable[[torch.Tensor], Any], divisor: int) -> None:
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i, g in enumerate(grads):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            last = i == len(grads) - 1
+            if size >= self.bucket_bytes or last or grads[i + 1].dtype != g.dtype:
+                flat = self._buffer(bucket)
+                torch.cat([x.reshape(-1) for x in bucket], out=flat)
+                reduce(flat)
+                flat.div_(divisor)
+                offset = 0
+                for x in bucket:
+                    x.copy_(flat[offset:offset + x.numel()].view_as(x))
+                    offset += x.numel()
+                bucket, size = [], 0
+
+    def _buffer(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+        """The first elements of the buffer for the bucket's dtype and device, grown to the largest bucket seen."""
+        numel = sum(x.numel() for x in bucket)
+        key = (bucket[0].dtype, bucket[0].device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[key] = torch.empty(numel, dtype=bucket[0].dtype, device=bucket[0].device)
+        return buf[:numel]

@@ -140,6 +140,7 @@ NO_EDGES = EdgeCompute()
 # bytes moved per gradient byte where ZeRO 0 reduces through flat buckets (RuntimeCapabilities.dp_flat_buckets): the
 # concatenation reads and writes it, the division by the replicas reads and writes it, the copy back reads and writes
 FLAT_BUCKET_PASSES = 6
+IN_PLACE_PASSES = 2  # ... and where no other rank holds them (expert parallelism over all replicas): divided in place
 
 
 def zero_exposed_s(zp: ZeroPart, fwd_compute_s: float, bwd_compute_s: float,
@@ -965,8 +966,10 @@ class SliceCoster:
         dp_gather = overlaps and zero == 1 and self.dp_overlap == "grads-params"
         if zero == 0:
             sync += 0.0 if dp_reduce else c["ar_grads"]
-            if shard > 1 and self.q.capabilities.dp_flat_buckets:  # every gradient, experts' too, bucketed
-                sync += FLAT_BUCKET_PASSES * kept_gb * (st.dense_params + st.expert_params) / self.dev.memory_bandwidth
+            if shard > 1 and self.q.capabilities.dp_flat_buckets:  # bucketed; experts alone on their rank: divided
+                expert_passes = FLAT_BUCKET_PASSES if eshard > 1 else IN_PLACE_PASSES
+                sync += kept_gb * (FLAT_BUCKET_PASSES * st.dense_params + expert_passes * st.expert_params) \
+                    / self.dev.memory_bandwidth
         elif per_unit and (zero <= 2 or held):  # each unit's reduce-scatter and all-gather, once per step
             sync += n_layers * (c["rs_layer"] + c["ag_layer"]) + c["rs_edges"] + c["ag_edges"]
         elif zero == 1 or held:
