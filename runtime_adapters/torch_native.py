@@ -533,13 +533,14 @@ def _bucketed_all_reduce(grads: list[torch.Tensor], group: Any, divisor: int, bu
 class FlatBuckets:
     """Gradients copied into flat buckets of about ``bucket_bytes``, each reduced in place, divided and copied back:
     three read-write passes over every gradient beside the reduction, which the cost model prices
-    (RuntimeCapabilities.dp_flat_buckets). The buckets go through one buffer per dtype and device, kept across steps:
-    a fresh one each step pays the host allocator's page faults wherever it maps a bucket anew (glibc on a CPU,
-    buckets of MiBs: 2.5x the copies' time)."""
+    (RuntimeCapabilities.dp_flat_buckets). On a CPU the buckets go through one buffer per dtype, kept across steps:
+    a fresh one each step pays the host allocator's page faults wherever it maps a bucket anew (glibc, buckets of
+    MiBs: 2.5x the copies' time). A GPU's caching allocator reuses a freed bucket's block without faults, and a
+    buffer kept there would hold that memory through the next step's backward."""
 
     def __init__(self, bucket_bytes: int = 25 * 2**20) -> None:
         self.bucket_bytes = bucket_bytes
-        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}  # CPU only
 
     def reduce(self, grads: list[torch.Tensor], reduce: Callable[[torch.Tensor], Any], divisor: int) -> None:
         bucket: list[torch.Tensor] = []
@@ -560,10 +561,13 @@ class FlatBuckets:
                 bucket, size = [], 0
 
     def _buffer(self, bucket: list[torch.Tensor]) -> torch.Tensor:
-        """The first elements of the buffer for the bucket's dtype and device, grown to the largest bucket seen."""
+        """A flat tensor for the bucket: on a CPU the first elements of its dtype's buffer, grown to the largest
+        bucket seen; elsewhere a fresh one."""
         numel = sum(x.numel() for x in bucket)
-        key = (bucket[0].dtype, bucket[0].device)
-        buf = self.buffers.get(key)
+        dtype, device = bucket[0].dtype, bucket[0].device
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        buf = self.buffers.get(dtype)
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[key] = torch.empty(numel, dtype=bucket[0].dtype, device=bucket[0].device)
+            buf = self.buffers[dtype] = torch.empty(numel, dtype=dtype)
         return buf[:numel]
