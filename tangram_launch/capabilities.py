@@ -57,7 +57,7 @@ class RuntimeCapabilities:
     # FlashAttention kernel (before Ampere) SDPA picks its memory-efficient one, which keeps no s x s scores
     sdpa_attention: bool = False
     # ZeRO 0's gradient all-reduce copies every gradient into flat buckets, divides them there and copies them back
-    # (runtime_adapters/torch_native._bucketed_all_reduce): three read-write passes beside the collective, one for
+    # (runtime_adapters/torch_native.FlatBuckets): three read-write passes beside the collective, one for
     # experts no other rank holds (divided in place); off: the runtime reduces gradients where they live, as
     # Megatron's DDP does in its contiguous gradient buffer
     dp_flat_buckets: bool = False

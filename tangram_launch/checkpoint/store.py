@@ -46,6 +46,13 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^step_(\d+)\.tmp-([0-9a-f]+)$")
 
 
+def committed_step(name: str) -> int | None:
+    """The step of a committed checkpoint's directory name (``step_<N>``), else None (a temporary name, another
+    name, or a number longer than any count of ours)."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m and len(m.group(1)) <= confined.MAX_JSON_INT_DIGITS else None
+
+
 def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step}")
 
@@ -227,13 +234,10 @@ class Found:
 def one_checkpoint(path: str) -> tuple[str, int] | None:
     """(the directory that holds it, its step) when ``path`` names one checkpoint (``DIR/step_<N>`` with a
     manifest), else None: a directory of checkpoints."""
-    name = os.path.basename(os.path.normpath(path))
-    m = _STEP_DIR.match(name)
-    if m is None or len(m.group(1)) > confined.MAX_JSON_INT_DIGITS:
+    step = committed_step(os.path.basename(os.path.normpath(path)))
+    if step is None or not os.path.lexists(os.path.join(path, MANIFEST)):
         return None
-    if not os.path.lexists(os.path.join(path, MANIFEST)):
-        return None
-    return os.path.dirname(os.path.abspath(path)), int(m.group(1))
+    return os.path.dirname(os.path.abspath(path)), step
 
 
 def checkpoint_location(path: str, step: int | None = None) -> tuple[str, int | None]:
@@ -314,8 +318,7 @@ def prune(directory: str, keep_last: int, *, keep: str) -> list[str]:
     """
     removed = []
     keep_abs = os.path.abspath(keep)
-    m = _STEP_DIR.match(os.path.basename(keep_abs))
-    keep_step = int(m.group(1)) if m else None
+    keep_step = committed_step(os.path.basename(keep_abs))
     complete = [c for c in list_candidates(directory)
                 if c.committed and os.path.lexists(os.path.join(c.path, MANIFEST))
                 and (keep_step is None or c.step <= keep_step)]

@@ -268,7 +268,8 @@ def run_adaptive(ctx: AdaptiveLaunch) -> int:
     run_dir = os.path.abspath(opts.run_dir or ctx.default_run_dir(planned.plan_hash))
     os.makedirs(run_dir, exist_ok=True)
     handshake.clear_request(run_dir)
-    ckpt_dir = os.path.abspath(opts.run_checkpoint_dir()) if opts.run_checkpoint_dir() else None
+    ckpt_dir = opts.run_checkpoint_dir()
+    ckpt_dir = os.path.abspath(ckpt_dir) if ckpt_dir else None
     history, costs = History(run_dir), SwitchCosts()
     cluster_path, resume_dir = opts.cluster, opts.resume
     start_step = ctx.resume.step if ctx.resume is not None else 0
